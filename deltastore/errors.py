@@ -1,0 +1,145 @@
+"""The one error tree of deltastore.
+
+Every error names the object it is about and, where there is one, what to do. Leaves also
+inherit the closest builtin so that ``except KeyError`` and friends keep working::
+
+    DeltastoreError
+    ├── StorageError
+    │   ├── UnsupportedURLError (ValueError)      unknown scheme / malformed URL
+    │   ├── BucketNotFoundError                   the bucket (or root directory) does not exist
+    │   ├── AccessDeniedError (PermissionError)   credentials missing or rejected
+    │   ├── NotFoundError (KeyError)              an object is missing
+    │   └── PreconditionFailedError               a conditional write lost
+    │       └── AlreadyExistsError (FileExistsError)   create-only target exists
+    ├── ConflictError                             another writer committed first
+    │   └── FencedError                           this writer was superseded
+    ├── IntegrityError (ValueError)               bytes disagree with their digest or size
+    │   └── CorruptObjectError                    unparseable / truncated object
+    ├── FormatError (ValueError)                  something this version cannot read
+    │   ├── UnsupportedSchemaError
+    │   └── UnknownCodecError
+    ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
+    │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
+    └── VersionNotFoundError (LookupError)        no such version in the store
+"""
+
+from __future__ import annotations
+
+
+class DeltastoreError(Exception):
+    """Base class of every error raised by deltastore."""
+
+
+# --- storage -------------------------------------------------------------------------------
+
+
+class StorageError(DeltastoreError):
+    """An object store operation failed."""
+
+
+class UnsupportedURLError(StorageError, ValueError):
+    """The store URL has a scheme or form deltastore cannot open."""
+
+
+class BucketNotFoundError(StorageError):
+    """The bucket (or the root directory of a local store) does not exist."""
+
+
+class AccessDeniedError(StorageError, PermissionError):
+    """The store rejected our credentials (or found none)."""
+
+
+class NotFoundError(StorageError, KeyError):
+    """An object does not exist in the store."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "not found"
+
+
+class PreconditionFailedError(StorageError):
+    """A conditional write (create-only or if-match) found the object in another state."""
+
+
+class AlreadyExistsError(PreconditionFailedError, FileExistsError):
+    """A create-only write found the key already present."""
+
+
+# --- commit protocol ------------------------------------------------------------------------
+
+
+class ConflictError(DeltastoreError):
+    """Another writer committed to the store first; this commit was not made.
+
+    Attributes:
+        head_version: the version HEAD pointed to when the conflict was detected (or None).
+        head_writer: the writer id recorded in that HEAD (or None).
+    """
+
+    def __init__(self, message: str, *, head_version: int | None = None, head_writer: str | None = None):
+        super().__init__(message)
+        self.head_version = head_version
+        self.head_writer = head_writer
+
+
+class FencedError(ConflictError):
+    """A newer publisher took over this store; this publisher may no longer commit."""
+
+
+# --- integrity and format -------------------------------------------------------------------
+
+
+class IntegrityError(DeltastoreError, ValueError):
+    """Bytes read (or produced by applying a delta) disagree with their recorded digest or size."""
+
+
+class CorruptObjectError(IntegrityError):
+    """An object cannot be parsed: truncated, garbled or inconsistent with its manifest."""
+
+
+class FormatError(DeltastoreError, ValueError):
+    """The store holds something this version of deltastore cannot read."""
+
+
+class UnsupportedSchemaError(FormatError):
+    """A HEAD or manifest has a schema version this deltastore does not know."""
+
+
+class UnknownCodecError(FormatError):
+    """A blob segment names a codec (or codec version) this deltastore does not know."""
+
+
+# --- user input ---------------------------------------------------------------------------
+
+
+class InvalidStateDictError(DeltastoreError, ValueError):
+    """A state dict holds something that cannot be published (not a tensor, sparse, ...)."""
+
+
+class LayoutMismatchError(InvalidStateDictError):
+    """Tensor names, shapes or dtypes differ from the version this one is based on."""
+
+
+class VersionNotFoundError(DeltastoreError, LookupError):
+    """The requested version does not exist in the store (or the store is empty)."""
+
+
+__all__ = [
+    "AccessDeniedError",
+    "AlreadyExistsError",
+    "BucketNotFoundError",
+    "ConflictError",
+    "CorruptObjectError",
+    "DeltastoreError",
+    "FencedError",
+    "FormatError",
+    "IntegrityError",
+    "InvalidStateDictError",
+    "LayoutMismatchError",
+    "NotFoundError",
+    "PreconditionFailedError",
+    "StorageError",
+    "UnknownCodecError",
+    "UnsupportedSchemaError",
+    "UnsupportedURLError",
+    "VersionNotFoundError",
+]

@@ -1,0 +1,130 @@
+"""The storage interface: a handful of verbs every backend implements.
+
+Keys are ``/``-separated strings relative to the store's root (the URL's path or prefix). Each
+backend translates its own failures (botocore ``ClientError`` codes, ``OSError``) into the
+package's error tree exactly once, inside that backend.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal, Union
+
+
+@dataclass(frozen=True)
+class IfMatch:
+    """Put mode: replace the object only if its current ETag is ``etag`` (compare-and-swap)."""
+
+    etag: str
+
+
+PutMode = Union[Literal["create", "overwrite"], IfMatch]
+"""How :meth:`Store.put` treats an existing object.
+
+- ``"create"``: write only if the key does not exist, else :class:`AlreadyExistsError`.
+- ``"overwrite"``: write unconditionally.
+- ``IfMatch(etag)``: write only if the current ETag is ``etag``, else
+  :class:`PreconditionFailedError` (also when the key does not exist).
+
+With every mode, no reader ever observes a partially written object.
+"""
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """What a store knows about one object without reading it."""
+
+    key: str
+    size: int
+    etag: str
+    last_modified: datetime | None = None
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """An object's bytes together with the metadata of the version that was read."""
+
+    data: bytes
+    meta: ObjectMeta
+
+
+class Store(abc.ABC):
+    """A flat key → bytes store with conditional writes.
+
+    Capability flags say what a backend can guarantee; the commit protocol refuses to run on a
+    store without ``atomic_conditional_writes`` unless the user opts in (see docs/SPEC.md).
+    """
+
+    #: The URL this store was opened from (credentials never appear in it).
+    url: str
+    #: True when "create" and IfMatch puts are atomic against concurrent writers.
+    atomic_conditional_writes: bool = True
+
+    @abc.abstractmethod
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        """Return the object's bytes, or the half-open ``[start, stop)`` range of them.
+
+        Raises:
+            NotFoundError: the key does not exist.
+        """
+
+    @abc.abstractmethod
+    def get_with_meta(self, key: str) -> GetResult:
+        """Return the whole object and the metadata (ETag) of exactly the version read."""
+
+    @abc.abstractmethod
+    def get_if_changed(self, key: str, etag: str | None) -> GetResult | None:
+        """Conditional GET: ``None`` when the object's ETag is still ``etag`` (no body moved).
+
+        With ``etag=None`` this is :meth:`get_with_meta`.
+
+        Raises:
+            NotFoundError: the key does not exist.
+        """
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
+        """Write ``data`` under ``key`` atomically and return the new object's metadata.
+
+        Raises:
+            AlreadyExistsError: ``mode="create"`` and the key exists.
+            PreconditionFailedError: ``mode=IfMatch(etag)`` and the ETag differs or the key
+                does not exist.
+        """
+
+    @abc.abstractmethod
+    def head(self, key: str) -> ObjectMeta:
+        """Return the object's metadata. Raises NotFoundError when missing."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        """Yield every object whose key starts with ``prefix``, in lexicographic key order."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete the object; deleting a missing key is not an error."""
+
+    def exists(self, key: str) -> bool:
+        """True when the key exists."""
+        from deltastore.errors import NotFoundError
+
+        try:
+            self.head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release connections and other resources. The store is unusable afterwards."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
