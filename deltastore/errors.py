@@ -6,6 +6,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     DeltastoreError
     ├── StorageError
     │   ├── UnsupportedURLError (ValueError)      unknown scheme / malformed URL
+    │   ├── InvalidKeyError (ValueError)          a key that could escape the store's root
     │   ├── BucketNotFoundError                   the bucket (or root directory) does not exist
     │   ├── AccessDeniedError (PermissionError)   credentials missing or rejected
     │   ├── NotFoundError (KeyError)              an object is missing
@@ -39,6 +40,10 @@ class StorageError(DeltastoreError):
 
 class UnsupportedURLError(StorageError, ValueError):
     """The store URL has a scheme or form deltastore cannot open."""
+
+
+class InvalidKeyError(StorageError, ValueError):
+    """A key is empty, absolute, has ``.``/``..``/empty segments, or uses a reserved name."""
 
 
 class BucketNotFoundError(StorageError):
@@ -133,6 +138,7 @@ __all__ = [
     "FencedError",
     "FormatError",
     "IntegrityError",
+    "InvalidKeyError",
     "InvalidStateDictError",
     "LayoutMismatchError",
     "NotFoundError",

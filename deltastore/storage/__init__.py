@@ -1,0 +1,82 @@
+"""Object storage backends, chosen by URL.
+
+==========================  ==============  ==========================================
+URL                         Backend         Conditional writes
+==========================  ==============  ==========================================
+``/path``, ``file:///path``  LocalStore      atomic across processes on one host
+``memory://name``           MemoryStore     atomic (one process; for tests)
+``s3://bucket/prefix``      S3Store         atomic (S3 If-None-Match / If-Match)
+any other fsspec URL        FsspecStore     check-then-write: NOT safe for concurrent writers
+==========================  ==============  ==========================================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from deltastore.errors import UnsupportedURLError
+from deltastore.storage._fsspec import FsspecStore
+from deltastore.storage._local import LocalStore
+from deltastore.storage._memory import MemoryStore
+from deltastore.storage._s3 import S3Store
+from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+
+logger = logging.getLogger(__name__)
+
+
+def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Store:
+    """Open the store a URL names.
+
+    Args:
+        url: a local path or ``file://`` URL (the directory is created if missing: a local
+            store needs no setup), ``memory://name``, ``s3://bucket/prefix``, or any other
+            URL fsspec can open (``gs://``, ``az://``, ...; not safe for concurrent writers).
+        storage_options: backend options; for ``s3://`` see :class:`S3Store`, for fsspec URLs
+            they are passed to the filesystem. Not accepted for local and memory stores.
+
+    Returns:
+        The store. Use it as a context manager or call ``close()`` when done.
+
+    Raises:
+        UnsupportedURLError: unknown scheme, a missing fsspec backend package, or options the
+            backend does not take.
+
+    Example::
+
+        with open_store("s3://weights/run1") as store:
+            store.put("HEAD", b"{}", mode="create")
+    """
+    if not isinstance(url, str) or not url:
+        raise UnsupportedURLError(f"store URL must be a non-empty string, got {url!r}")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "file", url
+    scheme = scheme.lower()
+    if scheme in ("file", "memory") and storage_options:
+        raise UnsupportedURLError(f"{url} takes no storage_options (got {sorted(storage_options)})")
+    if scheme == "file":
+        if not rest:
+            raise UnsupportedURLError(f"{url!r} names no directory")
+        return LocalStore(rest)
+    if scheme == "memory":
+        if not rest:
+            raise UnsupportedURLError(f"{url!r} names no in-memory store; use memory://name")
+        return MemoryStore(url)
+    if scheme == "s3":
+        return S3Store(url, storage_options=storage_options)
+    return FsspecStore.from_url(url, storage_options=storage_options)
+
+
+__all__ = [
+    "FsspecStore",
+    "GetResult",
+    "IfMatch",
+    "LocalStore",
+    "MemoryStore",
+    "ObjectMeta",
+    "PutMode",
+    "S3Store",
+    "Store",
+    "open_store",
+]

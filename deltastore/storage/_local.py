@@ -1,0 +1,332 @@
+"""Local-filesystem store: a plain path or ``file:///path``.
+
+Layout: the object ``a/b/c`` is the file ``<root>/a/b/c``. Beside the objects live temp files
+(``.deltastore-tmp-*``, only while a write is in flight) and ``<root>/.deltastore-locks/``, one
+lock file per key that was ever conditionally replaced. Both are hidden from :meth:`list`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import stat
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+from deltastore.errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    BucketNotFoundError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+)
+from deltastore.storage._keys import (
+    RESERVED_PREFIX,
+    check_key,
+    check_prefix,
+    check_range,
+    content_etag,
+)
+from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+
+_TMP_PREFIX = RESERVED_PREFIX + "tmp-"
+_LOCK_DIR = RESERVED_PREFIX + "locks"
+#: The object's MD5 is stored in an extended attribute of its own inode, so it is replaced
+#: atomically together with the bytes and head()/list() need not re-read large files.
+_ETAG_XATTR = "user.deltastore.md5"
+#: Chunk size when hashing a file that has no ETag attribute (written by hand, or a filesystem
+#: without user xattrs): large enough to amortize syscalls, small enough to be cache friendly.
+_HASH_CHUNK = 4 * 1024 * 1024
+_HAS_XATTR = hasattr(os, "getxattr") and hasattr(os, "setxattr")
+
+
+class LocalStore(Store):
+    """Objects as files under a root directory; safe for concurrent processes on one host.
+
+    Guarantees:
+
+    - No reader observes a partially written object: every write goes to a temp file in the
+      target's directory, is fsynced, then linked into place (``os.link`` for ``"create"``,
+      which fails atomically when the target exists; ``os.replace`` otherwise).
+    - ``IfMatch`` puts, overwrites and deletes of one key are serialized by an ``fcntl.flock``
+      on a per-key lock file, so compare-and-swap is atomic across processes on this host (not
+      across hosts sharing an NFS mount: use an object store for that).
+    - ETags are the hex MD5 of the content, like single-part S3 objects.
+
+    The root directory is created when missing (``create=True``, the default used by
+    :func:`open_store`): a local store needs no setup. Files under the root are assumed to be
+    written only through this class. POSIX only.
+
+    Example::
+
+        store = LocalStore("/tmp/weights")
+        meta = store.put("HEAD", b"{}", mode="create")
+        store.put("HEAD", b'{"v": 1}', mode=IfMatch(meta.etag))
+    """
+
+    atomic_conditional_writes = True
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True):
+        if fcntl is None:  # pragma: no cover
+            raise StorageError("LocalStore needs POSIX fcntl locks; use a memory:// store on Windows")
+        self.root = Path(root).expanduser().absolute()
+        self.url = self.root.as_uri()
+        if not self.root.is_dir():
+            if not create or self.root.exists():
+                raise BucketNotFoundError(
+                    f"local store root {self.root} does not exist or is not a directory; create it first"
+                )
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except PermissionError as e:
+                raise AccessDeniedError(f"cannot create local store root {self.root}: {e.strerror}") from e
+            logger.info("created local store root %s", self.root)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    def _name(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    def _translate(self, key: str, e: OSError) -> StorageError:
+        if isinstance(e, PermissionError):
+            return AccessDeniedError(f"permission denied on {self._name(key)}: check file permissions")
+        if isinstance(e, (IsADirectoryError, NotADirectoryError, FileExistsError)):
+            return StorageError(
+                f"{self._name(key)} collides with a directory of the same name; a local store cannot "
+                f"hold both 'a' and 'a/b'"
+            )
+        return StorageError(f"I/O error on {self._name(key)}: {e}")
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        lock_dir = self.root / _LOCK_DIR
+        lock_dir.mkdir(exist_ok=True)
+        lock_path = lock_dir / hashlib.sha256(key.encode()).hexdigest()
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _write_tmp(self, final: Path, data: bytes, etag: str) -> tuple[Path, float]:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if _HAS_XATTR:
+                with contextlib.suppress(OSError):  # no user xattrs here: head() will hash
+                    os.setxattr(fd, _ETAG_XATTR, etag.encode())
+            os.fsync(fd)
+            mtime = os.fstat(fd).st_mtime  # the linked object shares this inode
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return tmp, mtime
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _etag_of_fd(fd: int, data: bytes | None = None) -> str:
+        if _HAS_XATTR:
+            try:
+                value = os.getxattr(fd, _ETAG_XATTR).decode()
+                if len(value) == 32:
+                    return value
+            except OSError:
+                pass
+        if data is not None:
+            return content_etag(data)
+        h = hashlib.md5(usedforsecurity=False)
+        offset = 0
+        while chunk := os.pread(fd, _HASH_CHUNK, offset):
+            h.update(chunk)
+            offset += len(chunk)
+        return h.hexdigest()
+
+    def _meta_of_fd(self, key: str, fd: int, data: bytes | None = None) -> ObjectMeta:
+        st = os.fstat(fd)
+        return ObjectMeta(
+            key=key,
+            size=st.st_size,
+            etag=self._etag_of_fd(fd, data),
+            last_modified=datetime.fromtimestamp(st.st_mtime, tz=timezone.utc),
+        )
+
+    @contextlib.contextmanager
+    def _open(self, key: str) -> Iterator[int]:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+            raise NotFoundError(f"{self._name(key)} does not exist") from e
+        except OSError as e:
+            raise self._translate(key, e) from e
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotFoundError(f"{self._name(key)} does not exist (it is a directory)")
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_all(fd: int, size: int) -> bytes:
+        parts = []
+        offset = 0
+        while chunk := os.pread(fd, max(size - offset, _HASH_CHUNK), offset):
+            parts.append(chunk)
+            offset += len(chunk)
+        return b"".join(parts)
+
+    # --- Store -----------------------------------------------------------------------------
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        check_range(byte_range)
+        with self._open(key) as fd:
+            try:
+                if byte_range is None:
+                    return self._read_all(fd, os.fstat(fd).st_size)
+                start, stop = byte_range
+                parts = []
+                offset = start
+                while offset < stop and (chunk := os.pread(fd, stop - offset, offset)):
+                    parts.append(chunk)
+                    offset += len(chunk)
+                return b"".join(parts)
+            except OSError as e:
+                raise self._translate(key, e) from e
+
+    def get_with_meta(self, key: str) -> GetResult:
+        with self._open(key) as fd:
+            try:
+                data = self._read_all(fd, os.fstat(fd).st_size)
+                return GetResult(data=data, meta=self._meta_of_fd(key, fd, data))
+            except OSError as e:
+                raise self._translate(key, e) from e
+
+    def get_if_changed(self, key: str, etag: str | None) -> GetResult | None:
+        if etag is None:
+            return self.get_with_meta(key)
+        with self._open(key) as fd:
+            try:
+                # One fd throughout, so the ETag compared and the bytes returned are one version.
+                if self._etag_of_fd(fd) == etag:
+                    return None
+                data = self._read_all(fd, os.fstat(fd).st_size)
+                return GetResult(data=data, meta=self._meta_of_fd(key, fd, data))
+            except OSError as e:
+                raise self._translate(key, e) from e
+
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
+        final = self._path(key)
+        if not (mode in ("create", "overwrite") or isinstance(mode, IfMatch)):
+            raise ValueError(f"unknown put mode {mode!r}")
+        data = bytes(data)
+        etag = content_etag(data)
+        try:
+            tmp, mtime = self._write_tmp(final, data, etag)
+        except OSError as e:
+            raise self._translate(key, e) from e
+        try:
+            if mode == "create":
+                try:
+                    os.link(tmp, final)
+                except FileExistsError as e:
+                    if final.is_dir():
+                        raise self._translate(key, e) from e
+                    raise AlreadyExistsError(
+                        f"{self._name(key)} already exists; create-only writes never replace an object"
+                    ) from e
+            else:
+                with self._locked(key):
+                    if isinstance(mode, IfMatch):
+                        try:
+                            with self._open(key) as fd:
+                                current = self._etag_of_fd(fd)
+                        except NotFoundError as e:
+                            raise PreconditionFailedError(
+                                f"{self._name(key)} does not exist, so it cannot match ETag {mode.etag!r}"
+                            ) from e
+                        if current != mode.etag:
+                            raise PreconditionFailedError(
+                                f"{self._name(key)} changed: ETag is {current!r}, expected "
+                                f"{mode.etag!r}; re-read it and retry"
+                            )
+                    os.replace(tmp, final)
+            self._fsync_dir(final.parent)
+        except OSError as e:
+            raise self._translate(key, e) from e
+        finally:
+            tmp.unlink(missing_ok=True)
+        return ObjectMeta(
+            key=key, size=len(data), etag=etag, last_modified=datetime.fromtimestamp(mtime, tz=timezone.utc)
+        )
+
+    def head(self, key: str) -> ObjectMeta:
+        with self._open(key) as fd:
+            try:
+                return self._meta_of_fd(key, fd)
+            except OSError as e:
+                raise self._translate(key, e) from e
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        check_prefix(prefix)
+        # Walk only the deepest directory the prefix names; the last segment is a name prefix.
+        base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self.root.joinpath(*base_rel.split("/")) if base_rel else self.root
+        keys = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith(RESERVED_PREFIX)]
+            rel_dir = os.path.relpath(dirpath, self.root)
+            rel_parts = [] if rel_dir == "." else rel_dir.split(os.sep)
+            for name in filenames:
+                if name.startswith(RESERVED_PREFIX):
+                    continue
+                key = "/".join([*rel_parts, name])
+                if key.startswith(prefix):
+                    keys.append(key)
+        keys.sort()
+        return self._metas(keys)
+
+    def _metas(self, keys: list[str]) -> Iterator[ObjectMeta]:
+        for key in keys:
+            try:
+                yield self.head(key)
+            except NotFoundError:
+                continue  # deleted since the walk
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with self._locked(key):
+            try:
+                path.unlink()
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            except OSError as e:
+                raise self._translate(key, e) from e
