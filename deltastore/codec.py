@@ -1,0 +1,683 @@
+"""Segment codecs: lossless encodings of one chunk of raw bit patterns, and of deltas between them.
+
+The codec is pure: numpy arrays and bytes in, numpy arrays and bytes out. It knows nothing of
+tensors, files or stores. Callers hand it 1-D contiguous arrays of an unsigned integer dtype
+(``uint8``/``uint16``/``uint32``/``uint64``) holding the raw bits of their values (bf16 and fp16
+as ``uint16``, fp32 as ``uint32``, ...), so every round trip is bit-exact, NaN payloads and
+``-0.0`` included.
+
+Three codecs exist, each identified by a string ``"<name>/<version>"``:
+
+``full/1`` (:data:`CODEC_FULL`)
+    The values of a whole chunk (an anchor). Element bytes are split into byte planes (plane
+    ``k`` holds byte ``k``, little-endian order, of every element) and each plane is stored on
+    its own: bf16 exponent bytes compress well, mantissa bytes hardly at all, and mixing them in
+    one zstd stream spoils both.
+``xor-sparse/1`` (:data:`CODEC_XOR_SPARSE`)
+    The positions of the elements that changed, as gaps (first position, then each difference
+    minus one) split into byte planes, followed by the XOR ``old ^ new`` of those elements, split
+    into byte planes.
+``xor-dense/1`` (:data:`CODEC_XOR_DENSE`)
+    The XOR ``old ^ new`` of every element of the chunk, split into byte planes. Wins when many
+    elements change.
+
+Segment byte layout (all integers little-endian; normative text in ``docs/codec-format.md``)::
+
+    offset  size  field
+    0       4     magic          b"DSG1"
+    4       1     codec id       1 = full, 2 = xor-sparse, 3 = xor-dense
+    5       1     codec version  1
+    6       1     width          element width in bytes: 1, 2, 4 or 8
+    7       1     gap width      xor-sparse: bytes per gap, 1, 2 or 4; otherwise 0
+    8       8     count          elements in the chunk (< 2**32)
+    16      8     n_changed      elements that differ from the base (== count for full)
+    24      1     n_sections     full, xor-dense: width; xor-sparse: gap width + width
+    25      3     reserved       zero
+    28      12*n  section table  per section: kind u8, 3 zero bytes, stored size u32, raw size u32
+    ...           payload        the sections' stored bytes, in table order, nothing after
+
+    section kind 0 RAW   stored bytes are the plane itself (stored size == raw size)
+                 1 ZSTD  stored bytes are exactly one zstd frame of raw-size bytes
+                 2 CONST stored bytes are one byte, repeated raw-size (>= 1) times
+
+    sections:  full, xor-dense   plane 0 .. plane width-1 of the values / XORs (count bytes each)
+               xor-sparse        gap plane 0 .. gap width-1, then XOR plane 0 .. width-1
+                                 (n_changed bytes each)
+
+Decoders check every header field against the caller's expectations (codec, width, count) and
+every declared size against what the codec implies, before allocating anything; a zstd frame is
+decompressed only after its own header agrees with the declared raw size. Failures raise
+:class:`~deltastore.errors.UnknownCodecError` (magic, codec or version this code does not know)
+or :class:`~deltastore.errors.CorruptObjectError` (anything else wrong with the bytes), never a
+bare ``IndexError`` or ``zstd.ZstdError``.
+
+Example::
+
+    >>> import numpy as np
+    >>> old = np.zeros(1000, dtype=np.uint16); new = old.copy(); new[[3, 500]] = 7
+    >>> seg = encode_delta(old, new)
+    >>> seg.codec, seg.n_changed
+    ('xor-sparse/1', 2)
+    >>> apply_delta(old, seg.data, codec=seg.codec); bool((old == new).all())
+    True
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import zstandard
+
+from deltastore.errors import CorruptObjectError, UnknownCodecError
+
+__all__ = [
+    "CODEC_FULL",
+    "CODEC_XOR_DENSE",
+    "CODEC_XOR_SPARSE",
+    "DEFAULT_LEVEL",
+    "KNOWN_CODECS",
+    "MAX_COUNT",
+    "SectionInfo",
+    "Segment",
+    "SegmentHeader",
+    "apply_delta",
+    "compose_deltas",
+    "decode_full",
+    "encode_delta",
+    "encode_full",
+    "peek_header",
+]
+
+CODEC_FULL = "full/1"
+CODEC_XOR_SPARSE = "xor-sparse/1"
+CODEC_XOR_DENSE = "xor-dense/1"
+KNOWN_CODECS: frozenset[str] = frozenset({CODEC_FULL, CODEC_XOR_SPARSE, CODEC_XOR_DENSE})
+
+# --- tuning constants ---------------------------------------------------------------------------
+
+# Level 3 (zstd's default): on byte planes of bf16 weights and deltas levels 1-3 differ by < 1 %
+# in size (the planes are literal-heavy: Huffman does the work, not the match finder), and 3 still
+# compresses a plane at several hundred MB/s; higher levels cost time for nothing measurable.
+DEFAULT_LEVEL = 3
+
+# Only above this changed fraction is the dense form also encoded: below it the sparse form is
+# always smaller (at 10 % changed, dense spends >= 0.47 bits per unchanged element on the zero
+# runs alone, sparse ~4.7 bits per changed element on positions), so trying dense is wasted work.
+DENSE_TRY_FRACTION = 0.10
+
+# Section sizes are u32 (12-byte table entries instead of 20); a chunk is at most this many
+# elements. Callers split larger tensors into chunks, which they do anyway for parallelism.
+MAX_COUNT = 2**32 - 1
+
+# Smallest stored size worth handing to zstd: a frame costs ~10 bytes of header, so a plane this
+# short is stored RAW (or CONST) without trying.
+MIN_ZSTD_INPUT = 32
+
+# --- header -------------------------------------------------------------------------------------
+
+_MAGIC = b"DSG1"
+_HEADER = struct.Struct("<4sBBBBQQB3s")
+_ENTRY = struct.Struct("<B3sII")
+_ZERO3 = b"\x00\x00\x00"
+
+_KIND_RAW = 0
+_KIND_ZSTD = 1
+_KIND_CONST = 2
+_KIND_NAMES = {_KIND_RAW: "raw", _KIND_ZSTD: "zstd", _KIND_CONST: "const"}
+
+# codec string <-> (id byte, version byte)
+_CODEC_IDS: dict[str, tuple[int, int]] = {
+    CODEC_FULL: (1, 1),
+    CODEC_XOR_SPARSE: (2, 1),
+    CODEC_XOR_DENSE: (3, 1),
+}
+_CODEC_BY_ID = {v: k for k, v in _CODEC_IDS.items()}
+_CODEC_NAME_BY_ID = {1: "full", 2: "xor-sparse", 3: "xor-dense"}
+
+_WIDTHS = (1, 2, 4, 8)
+_GAP_WIDTHS = (1, 2, 4)
+_UINT = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One encoded segment.
+
+    Attributes:
+        codec: the codec id, one of :data:`KNOWN_CODECS`; record it next to ``data`` (the
+            decoders check it against the segment's own header).
+        data: the self-describing encoded bytes (header + payload).
+        n_changed: elements that differ from the base (the element count for ``full/1``).
+    """
+
+    codec: str
+    data: bytes
+    n_changed: int
+
+
+@dataclass(frozen=True)
+class SectionInfo:
+    """One entry of a segment's section table."""
+
+    kind: str  # "raw" | "zstd" | "const"
+    stored_size: int
+    raw_size: int
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """What a segment says about itself (see :func:`peek_header`).
+
+    Attributes:
+        codec: codec id string, e.g. ``"xor-sparse/1"``.
+        width: element width in bytes (1, 2, 4, 8).
+        count: elements in the chunk.
+        n_changed: elements that differ from the base (== count for ``full/1``).
+        gap_width: bytes per position gap (``xor-sparse`` only, else 0).
+        sections: the section table, in payload order.
+        header_size: bytes of fixed header plus section table.
+        total_size: header_size plus every section's stored size: the exact segment length.
+    """
+
+    codec: str
+    width: int
+    count: int
+    n_changed: int
+    gap_width: int
+    sections: tuple[SectionInfo, ...]
+    header_size: int
+    total_size: int
+
+    @property
+    def stored_size(self) -> int:
+        """Payload bytes (everything after the section table)."""
+        return self.total_size - self.header_size
+
+    @property
+    def raw_size(self) -> int:
+        """Payload bytes once every section is decompressed."""
+        return sum(s.raw_size for s in self.sections)
+
+
+def peek_header(data: bytes) -> SegmentHeader:
+    """Parse and structurally validate a segment's header and section table.
+
+    Only the header and table need be present: the payload's length is reported in
+    ``total_size`` and checked by the decoders, not here, so a caller may peek at a prefix.
+
+    Raises:
+        UnknownCodecError: unknown magic, codec id or codec version.
+        CorruptObjectError: truncated header/table or fields inconsistent with each other.
+
+    Example::
+
+        >>> h = peek_header(encode_full(np.arange(10, dtype=np.uint16)).data)
+        >>> h.codec, h.width, h.count
+        ('full/1', 2, 10)
+    """
+    mv = memoryview(data)
+    if len(mv) < len(_MAGIC) or bytes(mv[: len(_MAGIC)]) != _MAGIC:
+        if len(mv) < len(_MAGIC) and bytes(mv) == _MAGIC[: len(mv)]:
+            raise CorruptObjectError(f"segment truncated: {len(mv)} bytes, shorter than its magic")
+        raise UnknownCodecError(
+            f"not a deltastore segment: magic {bytes(mv[:4])!r}, expected {_MAGIC!r}"
+        )
+    if len(mv) < _HEADER.size:
+        raise CorruptObjectError(
+            f"segment truncated: {len(mv)} bytes, the fixed header alone is {_HEADER.size}"
+        )
+    _, cid, cver, width, gap_width, count, n_changed, n_sections, reserved = _HEADER.unpack_from(mv)
+    codec = _CODEC_BY_ID.get((cid, cver))
+    if codec is None:
+        name = _CODEC_NAME_BY_ID.get(cid)
+        if name is None:
+            raise UnknownCodecError(f"segment has unknown codec id {cid}; upgrade deltastore")
+        raise UnknownCodecError(
+            f"segment uses codec {name!r} version {cver}, this deltastore reads version 1; "
+            "upgrade deltastore"
+        )
+    if reserved != _ZERO3:
+        raise CorruptObjectError(f"segment header reserved bytes are {reserved!r}, must be zero")
+    if width not in _WIDTHS:
+        raise CorruptObjectError(f"segment declares element width {width}, must be 1, 2, 4 or 8")
+    if count > MAX_COUNT:
+        raise CorruptObjectError(f"segment declares {count} elements, more than {MAX_COUNT}")
+    if n_changed > count:
+        raise CorruptObjectError(f"segment declares n_changed {n_changed} > count {count}")
+    if codec == CODEC_XOR_SPARSE:
+        if gap_width not in _GAP_WIDTHS:
+            raise CorruptObjectError(f"xor-sparse segment declares gap width {gap_width}")
+        want_sections = gap_width + width
+    else:
+        if gap_width != 0:
+            raise CorruptObjectError(f"{codec} segment declares gap width {gap_width}, must be 0")
+        want_sections = width
+    if n_sections != want_sections:
+        raise CorruptObjectError(
+            f"{codec} segment declares {n_sections} sections, its widths imply {want_sections}"
+        )
+    header_size = _HEADER.size + n_sections * _ENTRY.size
+    if len(mv) < header_size:
+        raise CorruptObjectError(
+            f"segment truncated: {len(mv)} bytes, header and section table need {header_size}"
+        )
+    sections = []
+    total = header_size
+    for i in range(n_sections):
+        kind, pad, stored, raw = _ENTRY.unpack_from(mv, _HEADER.size + i * _ENTRY.size)
+        if pad != _ZERO3:
+            raise CorruptObjectError(f"section {i} reserved bytes are {pad!r}, must be zero")
+        if kind == _KIND_RAW:
+            if stored != raw:
+                raise CorruptObjectError(f"raw section {i} stores {stored} bytes, declares {raw}")
+        elif kind == _KIND_CONST:
+            if stored != 1 or raw == 0:
+                raise CorruptObjectError(
+                    f"const section {i} must store 1 byte for >= 1 raw bytes, has {stored}/{raw}"
+                )
+        elif kind == _KIND_ZSTD:
+            if stored == 0:
+                raise CorruptObjectError(f"zstd section {i} is empty")
+        else:
+            raise CorruptObjectError(f"section {i} has unknown kind {kind}")
+        sections.append(SectionInfo(_KIND_NAMES[kind], stored, raw))
+        total += stored
+    return SegmentHeader(
+        codec=codec,
+        width=width,
+        count=count,
+        n_changed=n_changed,
+        gap_width=gap_width if codec == CODEC_XOR_SPARSE else 0,
+        sections=tuple(sections),
+        header_size=header_size,
+        total_size=total,
+    )
+
+
+# --- encoding -----------------------------------------------------------------------------------
+
+
+def _check_values(a: np.ndarray, what: str) -> np.ndarray:
+    """Validate a caller array; return it as a little-endian view (a no-op on LE machines)."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what} must be a numpy array, got {type(a).__name__}")
+    if a.ndim != 1 or not a.flags.c_contiguous:
+        raise ValueError(f"{what} must be 1-D and contiguous, got shape {a.shape}")
+    if a.dtype.kind != "u":
+        raise TypeError(
+            f"{what} must have an unsigned integer dtype (raw bit view), got {a.dtype}; "
+            "pass e.g. tensor.view(torch.int16).numpy().view(np.uint16) for bf16"
+        )
+    if a.size > MAX_COUNT:
+        raise ValueError(f"{what} has {a.size} elements, more than {MAX_COUNT}; split it into chunks")
+    return a.astype(_UINT[a.itemsize], copy=False)
+
+
+def _planes(a: np.ndarray) -> list[np.ndarray]:
+    """Split a 1-D little-endian array into its byte planes (plane k = byte k of each element)."""
+    w = a.itemsize
+    if w == 1:
+        return [a.view(np.uint8)]
+    u8 = a.view(np.uint8).reshape(-1, w)
+    return [np.ascontiguousarray(u8[:, k]) for k in range(w)]
+
+
+def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes, int]:
+    """Pick the smallest of CONST / ZSTD / RAW for one plane: (kind, stored bytes, raw size)."""
+    n = plane.size
+    if n and not np.any(plane != plane[0]):
+        return _KIND_CONST, bytes(plane[:1]), n
+    if n >= MIN_ZSTD_INPUT:
+        z = cctx.compress(plane)
+        if len(z) < n:
+            return _KIND_ZSTD, z, n
+    return _KIND_RAW, plane.tobytes(), n
+
+
+def _assemble(codec: str, width: int, gap_width: int, count: int, n_changed: int,
+              planes: list[np.ndarray], level: int) -> bytes:
+    cctx = zstandard.ZstdCompressor(level=level)  # per call: compressors are not thread-safe
+    cid, cver = _CODEC_IDS[codec]
+    table = []
+    payload = []
+    for p in planes:
+        kind, stored, raw = _encode_section(p, cctx)
+        table.append(_ENTRY.pack(kind, _ZERO3, len(stored), raw))
+        payload.append(stored)
+    head = _HEADER.pack(_MAGIC, cid, cver, width, gap_width, count, n_changed, len(planes), _ZERO3)
+    return b"".join([head, *table, *payload])
+
+
+def encode_full(values: np.ndarray, *, level: int = DEFAULT_LEVEL) -> Segment:
+    """Encode a whole chunk (an anchor) as a ``full/1`` segment.
+
+    Args:
+        values: 1-D contiguous array of dtype uint8/16/32/64 holding raw bit patterns.
+        level: zstd level for the byte planes.
+
+    Returns:
+        a :class:`Segment` with ``n_changed == values.size``.
+
+    Raises:
+        TypeError, ValueError: ``values`` is not a 1-D contiguous unsigned array (or too long).
+
+    Example::
+
+        >>> x = np.arange(5, dtype=np.uint32)
+        >>> s = encode_full(x)
+        >>> decode_full(s.data, codec=s.codec, dtype=x.dtype, count=5).tolist()
+        [0, 1, 2, 3, 4]
+    """
+    v = _check_values(values, "values")
+    data = _assemble(CODEC_FULL, v.itemsize, 0, v.size, v.size, _planes(v), level)
+    return Segment(CODEC_FULL, data, int(v.size))
+
+
+def _gap_width(max_gap: int) -> int:
+    for gw in _GAP_WIDTHS:
+        if max_gap < 1 << (8 * gw):
+            return gw
+    raise AssertionError("gap >= 2**32 despite count <= MAX_COUNT")  # pragma: no cover
+
+
+def _encode_sparse(count: int, pos: np.ndarray, xvals: np.ndarray, level: int) -> bytes:
+    gaps = np.empty(pos.size, dtype=np.int64)
+    gaps[0] = pos[0]
+    np.subtract(pos[1:], pos[:-1], out=gaps[1:])
+    gaps[1:] -= 1
+    gw = _gap_width(int(gaps.max()))
+    gap_planes = _planes(gaps.astype(_UINT[gw]))
+    w = xvals.itemsize
+    return _assemble(CODEC_XOR_SPARSE, w, gw, count, pos.size, gap_planes + _planes(xvals), level)
+
+
+def _encode_xor(count: int, width: int, pos: np.ndarray, xvals: np.ndarray,
+                dense: np.ndarray | None, level: int) -> Segment | None:
+    """Encode the change set {pos: xvals} (dense: the full XOR, if the caller has it) as the
+    smaller of xor-sparse and xor-dense."""
+    n = int(pos.size)
+    if n == 0:
+        return None
+    best = Segment(CODEC_XOR_SPARSE, _encode_sparse(count, pos, xvals, level), n)
+    if n > DENSE_TRY_FRACTION * count:
+        if dense is None:
+            dense = np.zeros(count, dtype=_UINT[width])
+            dense[pos] = xvals
+        d = _assemble(CODEC_XOR_DENSE, width, 0, count, n, _planes(dense), level)
+        if len(d) < len(best.data):
+            best = Segment(CODEC_XOR_DENSE, d, n)
+    return best
+
+
+def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int = DEFAULT_LEVEL) -> Segment | None:
+    """Encode the change from ``old`` to ``new`` as the smaller of xor-sparse and xor-dense.
+
+    Args:
+        old, new: 1-D contiguous arrays of the same unsigned dtype and length (raw bits).
+        level: zstd level for the byte planes.
+
+    Returns:
+        ``None`` when ``old`` and ``new`` are bit-identical, else a :class:`Segment` whose
+        ``apply_delta`` turns a copy of ``old`` into ``new``.
+
+    Raises:
+        TypeError, ValueError: bad arrays, or ``old`` and ``new`` disagree in dtype or length.
+
+    Example::
+
+        >>> old = np.zeros(8, np.uint16); new = old.copy(); new[2] = 1
+        >>> encode_delta(old, old) is None, encode_delta(old, new).n_changed
+        (True, 1)
+    """
+    o = _check_values(old, "old")
+    n = _check_values(new, "new")
+    if o.dtype != n.dtype or o.size != n.size:
+        raise ValueError(f"old ({o.dtype}, {o.size}) and new ({n.dtype}, {n.size}) differ in layout")
+    pos = np.flatnonzero(o != n)
+    if pos.size == 0:
+        return None
+    dense = None
+    if pos.size > DENSE_TRY_FRACTION * o.size:
+        dense = o ^ n
+        xvals = dense[pos]
+    else:
+        xvals = o[pos] ^ n[pos]
+    return _encode_xor(int(o.size), o.itemsize, pos, xvals, dense, level)
+
+
+# --- decoding -----------------------------------------------------------------------------------
+
+
+def _expect_codec(codec: str, allowed: tuple[str, ...], fn: str) -> None:
+    if codec not in KNOWN_CODECS:
+        raise UnknownCodecError(f"unknown codec {codec!r}; known: {sorted(KNOWN_CODECS)}")
+    if codec not in allowed:
+        raise ValueError(f"{fn} cannot handle codec {codec!r}; it takes {' or '.join(allowed)}")
+
+
+def _read_header(data: bytes, codec: str, width: int, count: int) -> SegmentHeader:
+    """Parse the header and check it against the caller's expectations; no allocation."""
+    h = peek_header(data)
+    if h.codec != codec:
+        raise CorruptObjectError(f"segment is {h.codec}, but its manifest says {codec}")
+    if h.width != width:
+        raise CorruptObjectError(f"{h.codec} segment has element width {h.width}, expected {width}")
+    if h.count != count:
+        raise CorruptObjectError(f"{h.codec} segment has {h.count} elements, expected {count}")
+    if h.total_size != len(data):
+        what = "truncated" if len(data) < h.total_size else "has trailing bytes"
+        raise CorruptObjectError(
+            f"{h.codec} segment {what}: header and table declare {h.total_size} bytes, got {len(data)}"
+        )
+    if codec == CODEC_FULL:
+        if h.n_changed != count:
+            raise CorruptObjectError(f"full segment declares n_changed {h.n_changed} != count {count}")
+        plane_size = count
+    else:
+        if h.n_changed == 0:
+            raise CorruptObjectError(f"{h.codec} segment declares no changed elements")
+        plane_size = h.n_changed if codec == CODEC_XOR_SPARSE else count
+    for i, s in enumerate(h.sections):
+        if s.raw_size != plane_size:
+            raise CorruptObjectError(
+                f"{h.codec} section {i} declares {s.raw_size} raw bytes, expected {plane_size}"
+            )
+    return h
+
+
+def _decode_sections(data: bytes, h: SegmentHeader) -> list[Union[np.ndarray, int]]:
+    """Decode each section to a uint8 array (or an int for a CONST plane). Sizes are trusted
+    only because :func:`_read_header` already checked them against the caller's expectations."""
+    mv = memoryview(data)
+    dctx = zstandard.ZstdDecompressor()
+    out: list[Union[np.ndarray, int]] = []
+    off = h.header_size
+    for i, s in enumerate(h.sections):
+        buf = mv[off : off + s.stored_size]
+        off += s.stored_size
+        if s.kind == "const":
+            out.append(buf[0])
+        elif s.kind == "raw":
+            out.append(np.frombuffer(buf, dtype=np.uint8))
+        else:
+            try:
+                declared = zstandard.frame_content_size(buf)
+            except zstandard.ZstdError as e:
+                raise CorruptObjectError(f"{h.codec} section {i}: not a zstd frame ({e})") from None
+            # A frame header's content size is what zstd would allocate, whatever max_output_size
+            # says: check it before decompressing (decompression-bomb guard).
+            if declared not in (-1, s.raw_size):
+                raise CorruptObjectError(
+                    f"{h.codec} section {i}: zstd frame claims {declared} bytes, table says {s.raw_size}"
+                )
+            try:
+                raw = dctx.decompress(buf, max_output_size=s.raw_size, allow_extra_data=False)
+            except zstandard.ZstdError as e:
+                raise CorruptObjectError(f"{h.codec} section {i}: bad zstd frame ({e})") from None
+            if len(raw) != s.raw_size:
+                raise CorruptObjectError(
+                    f"{h.codec} section {i}: decompressed to {len(raw)} bytes, table says {s.raw_size}"
+                )
+            out.append(np.frombuffer(raw, dtype=np.uint8))
+    return out
+
+
+def _join(planes: list[Union[np.ndarray, int]], n: int) -> np.ndarray:
+    """Inverse of :func:`_planes`: a new writable little-endian uint array of n elements."""
+    w = len(planes)
+    if w == 1:
+        p = planes[0]
+        if isinstance(p, int):
+            return np.full(n, p, dtype=np.uint8)
+        return p.copy()
+    u8 = np.empty((n, w), dtype=np.uint8)
+    for k, p in enumerate(planes):
+        u8[:, k] = p
+    return u8.view(_UINT[w]).reshape(n)
+
+
+def decode_full(data: bytes, *, codec: str, dtype: np.dtype, count: int) -> np.ndarray:
+    """Decode a ``full/1`` segment.
+
+    Args:
+        data: the segment bytes.
+        codec: the codec the manifest recorded for it (must be ``full/1``).
+        dtype: the unsigned dtype expected (its itemsize must match the segment's width).
+        count: the element count expected.
+
+    Returns:
+        a new writable 1-D array of ``count`` elements of ``dtype``.
+
+    Raises:
+        UnknownCodecError: ``codec`` (or the segment's own codec) is unknown.
+        CorruptObjectError: the segment is truncated, inconsistent, or disagrees with
+            ``codec``/``dtype``/``count``.
+    """
+    _expect_codec(codec, (CODEC_FULL,), "decode_full")
+    dt = np.dtype(dtype)
+    if dt.kind != "u":
+        raise TypeError(f"dtype must be an unsigned integer dtype, got {dt}")
+    h = _read_header(data, codec, dt.itemsize, int(count))
+    out = _join(_decode_sections(data, h), h.count)
+    return out.astype(dt, copy=False)
+
+
+def _decode_xor(data: bytes, codec: str, width: int, count: int):
+    """Decode and fully validate a delta segment, without touching any target.
+
+    Returns ("sparse", positions int64, xor values) or ("dense", xor array, None)."""
+    h = _read_header(data, codec, width, count)
+    secs = _decode_sections(data, h)
+    if codec == CODEC_XOR_DENSE:
+        xor = _join(secs, count)
+        nz = int(np.count_nonzero(xor))
+        if nz != h.n_changed:
+            raise CorruptObjectError(
+                f"xor-dense segment declares {h.n_changed} changed elements, holds {nz}"
+            )
+        return "dense", xor, None
+    gw = h.gap_width
+    gaps = _join(secs[:gw], h.n_changed)
+    xvals = _join(secs[gw:], h.n_changed)
+    # gaps < 2**32 and n_changed <= count < 2**32, so the uint64 sum cannot overflow; adding 1
+    # to every gap makes the positions strictly increasing by construction.
+    pos = np.cumsum(gaps.astype(np.uint64) + np.uint64(1)) - np.uint64(1)
+    if int(pos[-1]) >= count:
+        raise CorruptObjectError(
+            f"xor-sparse segment has position {int(pos[-1])}, beyond its {count} elements"
+        )
+    if not np.all(xvals):
+        raise CorruptObjectError("xor-sparse segment holds a zero XOR value (an unchanged element)")
+    return "sparse", pos.astype(np.int64), xvals
+
+
+def _check_target(target: np.ndarray) -> np.ndarray:
+    if not isinstance(target, np.ndarray):
+        raise TypeError(f"target must be a numpy array, got {type(target).__name__}")
+    if target.ndim != 1 or not target.flags.c_contiguous or target.dtype.kind != "u":
+        raise ValueError(
+            f"target must be a 1-D contiguous unsigned array, got {target.dtype} {target.shape}"
+        )
+    if not target.flags.writeable:
+        raise ValueError("target is read-only; apply_delta works in place")
+    return target
+
+
+def apply_delta(target: np.ndarray, data: bytes, *, codec: str) -> None:
+    """XOR a delta segment into ``target`` in place.
+
+    Everything is decoded and validated first (header, codec matches ``codec``, width and count
+    match ``target``, positions strictly increasing and in range, value count matches), and
+    ``target`` is written only after all checks pass: a bad segment leaves it untouched.
+
+    Args:
+        target: the base values (1-D contiguous writable unsigned array); becomes the new values.
+        data: the segment bytes.
+        codec: the codec the manifest recorded (``xor-sparse/1`` or ``xor-dense/1``).
+
+    Raises:
+        UnknownCodecError: ``codec`` or the segment's own codec is unknown.
+        CorruptObjectError: the segment is truncated, inconsistent or disagrees with ``codec``
+            or ``target``; ``target`` is unchanged.
+        ValueError: ``codec`` is ``full/1`` (use :func:`decode_full`) or ``target`` unusable.
+    """
+    _expect_codec(codec, (CODEC_XOR_SPARSE, CODEC_XOR_DENSE), "apply_delta")
+    t = _check_target(target)
+    form, a, b = _decode_xor(data, codec, t.itemsize, t.size)
+    # astype: the codec works in little-endian; the target may be in native (big) order
+    if form == "dense":
+        np.bitwise_xor(t, a.astype(t.dtype, copy=False), out=t)
+    else:
+        t[a] ^= b.astype(t.dtype, copy=False)  # positions are unique, so this is exact
+
+
+def compose_deltas(a: bytes, b: bytes, *, codec_a: str, codec_b: str, dtype, count: int,
+                   level: int = DEFAULT_LEVEL) -> Segment | None:
+    """The single delta equivalent to applying ``a`` and then ``b``.
+
+    XOR composes: positions are united and values XOR'ed where both touch; elements where the
+    two cancel are dropped. The result is re-encoded as the smaller of sparse and dense.
+
+    Args:
+        a, b: delta segment bytes; ``codec_a``/``codec_b`` their recorded codecs.
+        dtype: the unsigned dtype of the chunk; count: its element count.
+        level: zstd level for the result.
+
+    Returns:
+        a :class:`Segment`, or ``None`` if ``b`` undoes ``a`` exactly.
+
+    Raises:
+        UnknownCodecError, CorruptObjectError: as for :func:`apply_delta`.
+    """
+    _expect_codec(codec_a, (CODEC_XOR_SPARSE, CODEC_XOR_DENSE), "compose_deltas")
+    _expect_codec(codec_b, (CODEC_XOR_SPARSE, CODEC_XOR_DENSE), "compose_deltas")
+    dt = np.dtype(dtype)
+    if dt.kind != "u":
+        raise TypeError(f"dtype must be an unsigned integer dtype, got {dt}")
+    width, count = dt.itemsize, int(count)
+    fa = _decode_xor(a, codec_a, width, count)
+    fb = _decode_xor(b, codec_b, width, count)
+    if fa[0] == "sparse" and fb[0] == "sparse":
+        pos = np.concatenate([fa[1], fb[1]])
+        vals = np.concatenate([fa[2], fb[2]])
+        order = np.argsort(pos, kind="stable")
+        pos, vals = pos[order], vals[order]
+        # each input has unique positions, so a position occurs at most twice, adjacently
+        dup = np.flatnonzero(pos[1:] == pos[:-1])
+        vals[dup] ^= vals[dup + 1]
+        keep = np.ones(pos.size, dtype=bool)
+        keep[dup + 1] = False
+        keep &= vals != 0
+        return _encode_xor(count, width, pos[keep], vals[keep], None, level)
+    dense = None
+    for form, x, v in (fa, fb):
+        if form == "dense":
+            dense = x if dense is None else np.bitwise_xor(dense, x, out=dense)
+    for form, x, v in (fa, fb):
+        if form == "sparse":
+            dense[x] ^= v
+    pos = np.flatnonzero(dense)
+    return _encode_xor(count, width, pos, dense[pos], dense, level)
