@@ -1,0 +1,56 @@
+"""deltastore: ship model weights from trainers to workers through object storage.
+
+A :class:`Publisher` commits successive versions of a state dict to a store URL as small,
+content-addressed, verified deltas; a :class:`Subscriber` anywhere polls, fetches only what
+it lacks and fast-forwards its weights bit-exactly. The format is specified in docs/SPEC.md.
+"""
+
+from deltastore.errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    BucketNotFoundError,
+    ConflictError,
+    CorruptObjectError,
+    DeltastoreError,
+    FencedError,
+    FormatError,
+    IntegrityError,
+    InvalidStateDictError,
+    LayoutMismatchError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    UnknownCodecError,
+    UnsupportedSchemaError,
+    UnsupportedURLError,
+    VersionNotFoundError,
+)
+from deltastore.history import VersionInfo
+from deltastore.publish import Publisher
+from deltastore.pull import Subscriber
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessDeniedError",
+    "AlreadyExistsError",
+    "BucketNotFoundError",
+    "ConflictError",
+    "CorruptObjectError",
+    "DeltastoreError",
+    "FencedError",
+    "FormatError",
+    "IntegrityError",
+    "InvalidStateDictError",
+    "LayoutMismatchError",
+    "NotFoundError",
+    "PreconditionFailedError",
+    "Publisher",
+    "StorageError",
+    "Subscriber",
+    "UnknownCodecError",
+    "UnsupportedSchemaError",
+    "UnsupportedURLError",
+    "VersionInfo",
+    "VersionNotFoundError",
+]

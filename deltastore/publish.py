@@ -1,0 +1,480 @@
+"""The commit path (SPEC §5): encode what changed, upload packs and a manifest, CAS HEAD."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltastore import codec
+from deltastore.errors import (
+    ConflictError,
+    FencedError,
+    InvalidStateDictError,
+    LayoutMismatchError,
+    PreconditionFailedError,
+    StorageError,
+)
+from deltastore.history import History, VersionInfo
+from deltastore.manifest import (
+    HEAD_KEY,
+    BlobRef,
+    ChunkEntry,
+    Head,
+    Manifest,
+    SegmentRef,
+    Stats,
+    TensorEntry,
+    blob_key,
+    dump,
+    manifest_key,
+    sha256_hex,
+)
+from deltastore.storage import open_store
+from deltastore.storage.base import IfMatch, Store
+from deltastore.tensors import (
+    CHUNK_TARGET_BYTES,
+    TensorSpec,
+    bits,
+    check_layout,
+    spec_for,
+    state_digest,
+    validate_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Segments are concatenated into packs of about this size: few requests per version (S3 bills
+#: per request and each costs a round trip) while a pack still uploads in a few seconds.
+PACK_TARGET_BYTES = 64 * 1024 * 1024
+#: A full snapshot every this many versions bounds how much history a new worker replays.
+DEFAULT_ANCHOR_EVERY = 20
+#: Encoded chunks in flight per worker thread: enough to keep threads busy, bounded memory.
+IN_FLIGHT_PER_THREAD = 2
+
+
+def default_threads() -> int:
+    """Encode/decode threads: every core (zstd, hashing and numpy release the GIL)."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class _Encoded:
+    """One chunk's encoding result."""
+
+    tensor: int
+    index: int
+    digest: str
+    full: codec.Segment | None
+    delta: codec.Segment | None
+
+
+class _PackWriter:
+    """Concatenates segments into content-addressed packs and uploads each when full."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.blobs: list[BlobRef] = []
+        self._parts: list[bytes] = []
+        self._size = 0
+        self.bytes_written = 0
+
+    def add(self, seg: codec.Segment) -> SegmentRef:
+        if self._size >= PACK_TARGET_BYTES:
+            self.flush()
+        ref = SegmentRef(
+            blob=len(self.blobs),
+            offset=self._size,
+            length=len(seg.data),
+            sha256=sha256_hex(seg.data),
+            codec=seg.codec,
+            n_changed=seg.n_changed,
+        )
+        self._parts.append(seg.data)
+        self._size += len(seg.data)
+        return ref
+
+    def flush(self) -> None:
+        if not self._parts:
+            return
+        data = b"".join(self._parts)
+        digest = sha256_hex(data)
+        key = blob_key(digest)
+        try:
+            self.store.put(key, data, mode="create")
+        except PreconditionFailedError:
+            logger.debug("pack %s already present (same content)", key)
+        self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest))
+        self.bytes_written += len(data)
+        self._parts, self._size = [], 0
+
+
+class Publisher:
+    """Publishes successive versions of a state dict to one store URL.
+
+    Each :meth:`publish` commits one version: changed chunks are encoded against the previous
+    published version (a CPU copy of it is kept in the served dtype), uploaded as
+    content-addressed packs with a manifest, and made visible by one compare-and-swap of HEAD.
+
+    Args:
+        url: store URL (a local path, ``file://``, ``memory://``, ``s3://bucket/prefix``, or
+            another fsspec URL — those lack atomic commit, see docs/SPEC.md).
+        storage_options: passed to the storage backend (endpoint, credentials, ...).
+        anchor_every: write a full snapshot every this many versions (default 20).
+        takeover: claim the store on open, fencing any older publisher (default True).
+        writer_id: id recorded in manifests and HEAD (default ``host-pid-random``).
+        threads: encode threads (default: all cores).
+        chunk_bytes: target chunk size for new layouts (default 16 MiB).
+        allow_unsafe_store: publish to a store without atomic conditional writes.
+
+    Raises:
+        UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
+        FencedError: ``takeover=True`` lost a race with another publisher claiming the store.
+
+    Example::
+
+        with Publisher("file:///tmp/run1") as pub:
+            info = pub.publish(model.state_dict(), step=0)
+            print(info.version, info.kind)
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        anchor_every: int = DEFAULT_ANCHOR_EVERY,
+        takeover: bool = True,
+        writer_id: str | None = None,
+        threads: int | None = None,
+        chunk_bytes: int = CHUNK_TARGET_BYTES,
+        allow_unsafe_store: bool = False,
+        store: Store | None = None,
+    ):
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be ≥ 1, got {anchor_every}")
+        self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
+        if not self.store.atomic_conditional_writes and not allow_unsafe_store:
+            raise StorageError(
+                f"{self.store.url} cannot do atomic conditional writes, so two publishers could fork history; "
+                "pass allow_unsafe_store=True if only one publisher ever writes there"
+            )
+        self.url = self.store.url
+        self.anchor_every = anchor_every
+        self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.threads = threads or default_threads()
+        self.chunk_bytes = chunk_bytes
+        self._history = History(self.store)
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
+        # The last committed state as this publisher wrote it (None until its first commit).
+        self._reference: dict[str, torch.Tensor] | None = None
+        self._specs: dict[str, TensorSpec] | None = None
+        self._anchor_version = 0
+        self._fenced = False
+        self._closed = False
+
+        current = self._history.read_head()
+        self._head: Head | None = current[0] if current else None
+        self._head_etag: str | None = current[1] if current else None
+        self.epoch = self._head.epoch if self._head else 0
+        if takeover and self._head is not None:
+            self._claim()
+
+    # --- public API ---------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The latest version this publisher knows to be committed (0 for an empty store)."""
+        return self._head.version if self._head else 0
+
+    def publish(
+        self,
+        state_dict: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        anchor: bool = False,
+    ) -> VersionInfo:
+        """Commit ``state_dict`` as the next version and return once it is visible.
+
+        The tensors must not be modified while this call runs. The first publish of a
+        publisher is an anchor (it holds no copy of the previous version).
+
+        Args:
+            state_dict: name → tensor (or an ``nn.Module``), dense and contiguous.
+            step: the trainer's step, recorded in the manifest.
+            metadata: JSON-serializable user metadata.
+            anchor: write a full snapshot; also the way to change the layout.
+
+        Returns:
+            The committed version's :class:`VersionInfo`.
+
+        Raises:
+            InvalidStateDictError: a value is not publishable.
+            LayoutMismatchError: names/dtypes/shapes differ from the previous version and
+                ``anchor`` is False.
+            ConflictError: another writer committed first; nothing was committed.
+            FencedError: a newer publisher took over the store.
+        """
+        if self._closed:
+            raise StorageError(f"publisher for {self.url} is closed")
+        if self._fenced:
+            raise FencedError(f"publisher {self.writer_id} was fenced from {self.url} by a newer publisher")
+        state = validate_state_dict(state_dict)
+        meta = _json_metadata(metadata)
+
+        same_layout = False
+        if self._specs is not None:
+            try:
+                check_layout(self._specs, state, against=f"version {self.version} of {self.url}")
+                same_layout = True
+            except LayoutMismatchError:
+                if not anchor:
+                    raise
+        version = self.version + 1
+        has_base = same_layout and self._reference is not None
+        kind = "anchor" if (anchor or not has_base or version - self._anchor_version >= self.anchor_every) else "delta"
+        specs = self._specs if same_layout else {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
+        assert specs is not None
+
+        packs = _PackWriter(self.store)
+        entries, stats = self._encode(state, specs, kind, has_base, packs)
+        manifest = Manifest(
+            version=version,
+            parent=self._head.version if self._head and self._head.version else None,
+            parent_manifest=self._head.manifest if self._head else None,
+            kind=kind,
+            anchor=version if kind == "anchor" else self._anchor_version,
+            delta_base=self._head.version if has_base and self._head else None,
+            step=step,
+            created=_now(),
+            writer=self.writer_id,
+            epoch=self.epoch,
+            commit_id=uuid.uuid4().hex,
+            metadata=meta,
+            blobs=tuple(packs.blobs),
+            tensors=tuple(entries),
+            stats=stats,
+        )
+        data = dump(manifest)
+        digest = sha256_hex(data)
+        mkey = manifest_key(version, digest)
+        self.store.put(mkey, data, mode="create")
+        self._commit(Head(
+            version=version,
+            manifest=mkey,
+            manifest_sha256=digest,
+            commit_id=manifest.commit_id,
+            writer=self.writer_id,
+            epoch=self.epoch,
+            updated=manifest.created,
+        ))
+        self._advance_reference(state, specs, entries, fresh=not same_layout or self._reference is None)
+        if kind == "anchor":
+            self._anchor_version = version
+        info = VersionInfo.from_manifest(manifest, mkey)
+        logger.info(
+            "published version %d (%s, step %s): %d bytes, %d tensors / %d elements changed",
+            version, kind, step, stats.bytes_stored, stats.tensors_changed, stats.elements_changed,
+        )
+        return info
+
+    def close(self) -> None:
+        """Stop the encode threads and release the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._reference = None
+        self.store.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- encoding -----------------------------------------------------------------------
+
+    def _chunk_jobs(self, state: dict[str, torch.Tensor], specs: dict[str, TensorSpec]) -> Iterator[tuple[int, int, str]]:
+        for ti, name in enumerate(specs):
+            for ci in range(specs[name].n_chunks):
+                yield ti, ci, name
+
+    def _encode_chunk(self, ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: str) -> _Encoded | None:
+        delta = codec.encode_delta(old, new) if old is not None else None
+        if kind == "delta" and delta is None:
+            return None
+        full = codec.encode_full(new) if kind == "anchor" else None
+        return _Encoded(ti, ci, state_digest(new), full, delta)
+
+    def _encode(
+        self,
+        state: dict[str, torch.Tensor],
+        specs: dict[str, TensorSpec],
+        kind: str,
+        has_base: bool,
+        packs: _PackWriter,
+    ) -> tuple[list[TensorEntry], Stats]:
+        names = list(specs)
+        cpu = {n: (t if t.device.type == "cpu" else t.detach().cpu()) for n, t in state.items()}
+        ref = self._reference if has_base else None
+
+        def job(ti: int, ci: int, name: str) -> _Encoded | None:
+            spec = specs[name]
+            a, b = spec.chunk_span(ci)
+            new = bits(cpu[name])[a:b]
+            old = bits(ref[name])[a:b] if ref is not None else None
+            return self._encode_chunk(ti, ci, new, old, kind)
+
+        window = self.threads * IN_FLIGHT_PER_THREAD
+        pending: list[Future[_Encoded | None]] = []
+        results: list[_Encoded] = []
+        # Deltas are written first so that an anchor's delta segments sit together in their
+        # own packs: a subscriber one version behind range-reads them without the snapshot.
+        full_segments: list[tuple[int, codec.Segment]] = []
+        delta_refs: dict[int, SegmentRef] = {}
+
+        def drain(limit: int) -> None:
+            while len(pending) > limit:
+                enc = pending.pop(0).result()
+                if enc is None:
+                    continue
+                results.append(enc)
+                if enc.delta is not None:
+                    delta_refs[len(results) - 1] = packs.add(enc.delta)
+                if enc.full is not None:
+                    full_segments.append((len(results) - 1, enc.full))
+                    enc.full = None  # the segment now lives in full_segments only
+
+        for ti, ci, name in self._chunk_jobs(state, specs):
+            pending.append(self._pool.submit(job, ti, ci, name))
+            drain(window)
+        drain(0)
+        packs.flush()
+        full_refs: dict[int, SegmentRef] = {}
+        for ri, seg in full_segments:
+            full_refs[ri] = packs.add(seg)
+        packs.flush()
+
+        by_tensor: dict[int, list[ChunkEntry]] = {}
+        elements_changed = 0
+        for ri, enc in enumerate(results):
+            d = delta_refs.get(ri)
+            if d is not None:
+                elements_changed += d.n_changed
+            by_tensor.setdefault(enc.tensor, []).append(
+                ChunkEntry(index=enc.index, digest=enc.digest, full=full_refs.get(ri), delta=d)
+            )
+        entries = []
+        tensors_changed = 0
+        for ti, chunks in sorted(by_tensor.items()):
+            spec = specs[names[ti]]
+            if any(c.delta is not None for c in chunks):
+                tensors_changed += 1
+            entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows, chunks=tuple(chunks)))
+        if kind == "anchor" and not has_base:
+            tensors_changed = len(specs)
+            elements_changed = sum(s.numel for s in specs.values())
+        stats = Stats(
+            bytes_stored=packs.bytes_written,
+            tensors_changed=tensors_changed,
+            elements_changed=elements_changed,
+            tensors_total=len(specs),
+            elements_total=sum(s.numel for s in specs.values()),
+        )
+        return entries, stats
+
+    def _advance_reference(self, state: dict[str, torch.Tensor], specs: dict[str, TensorSpec], entries: list[TensorEntry], *, fresh: bool) -> None:
+        """After a commit: make the reference copy equal to what was just committed."""
+        if fresh or self._reference is None:
+            self._reference = {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
+        else:
+            for e in entries:
+                src = state[e.name].detach().reshape(-1)
+                dst = self._reference[e.name].reshape(-1)
+                for c in e.chunks:
+                    if c.delta is not None:
+                        a, b = specs[e.name].chunk_span(c.index)
+                        dst[a:b].copy_(src[a:b])
+        self._specs = specs
+
+    # --- commit -------------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        """Take the store over: HEAD's epoch + 1 fences every older publisher (SPEC §5)."""
+        assert self._head is not None and self._head_etag is not None
+        claimed = self._head.model_copy(update={
+            "epoch": self._head.epoch + 1,
+            "writer": self.writer_id,
+            "commit_id": uuid.uuid4().hex,
+            "updated": _now(),
+        })
+        self._cas_head(claimed)
+        self.epoch = claimed.epoch
+        logger.info("claimed %s at version %d with epoch %d", self.url, claimed.version, claimed.epoch)
+
+    def _commit(self, head: Head) -> None:
+        self._cas_head(head)
+
+    def _cas_head(self, new: Head) -> None:
+        mode = IfMatch(self._head_etag) if self._head_etag is not None else "create"
+        try:
+            meta = self.store.put(HEAD_KEY, dump(new), mode=mode)
+        except PreconditionFailedError:
+            current = self._history.read_head()
+            if current is not None and current[0].commit_id == new.commit_id:
+                # Lost response: our write landed, a retry of it saw itself (SPEC §5 step 6).
+                logger.warning("HEAD write for commit %s reported a conflict but had landed; treating as success", new.commit_id)
+                self._head, self._head_etag = current
+                return
+            self._on_conflict(current[0] if current else None, current[1] if current else None)
+        self._head, self._head_etag = new, meta.etag
+
+    def _on_conflict(self, head: Head | None, etag: str | None) -> None:
+        version = head.version if head else None
+        writer = head.writer if head else None
+        if head is not None and head.epoch > self.epoch:
+            self._fenced = True
+            raise FencedError(
+                f"publisher {self.writer_id} (epoch {self.epoch}) was fenced from {self.url}: "
+                f"publisher {writer} took over at epoch {head.epoch} (head version {version}); open a new Publisher to continue",
+                head_version=version,
+                head_writer=writer,
+            )
+        # Another publisher of the same epoch committed first. Our reference no longer
+        # matches HEAD, so the next publish must be an anchor against the new head.
+        self._head, self._head_etag = head, etag
+        self._reference = None
+        raise ConflictError(
+            f"another writer ({writer}) committed version {version} to {self.url} first; nothing was committed, "
+            "the next publish will be an anchor on top of it",
+            head_version=version,
+            head_writer=writer,
+        )
+
+
+def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    import json
+
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidStateDictError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    try:
+        return json.loads(json.dumps(dict(metadata)))
+    except (TypeError, ValueError) as e:
+        raise InvalidStateDictError(f"metadata is not JSON-serializable: {e}") from None

@@ -1,0 +1,466 @@
+"""The read path (SPEC §7): poll HEAD, plan which segments to fetch, verify, apply."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltastore import codec
+from deltastore.errors import (
+    IntegrityError,
+    InvalidStateDictError,
+    LayoutMismatchError,
+    NotFoundError,
+    VersionNotFoundError,
+)
+from deltastore.history import History, VersionInfo
+from deltastore.manifest import BlobRef, Head, Manifest, SegmentRef, sha256_hex
+from deltastore.publish import default_threads
+from deltastore.storage import open_store
+from deltastore.storage.base import Store
+from deltastore.tensors import TensorSpec, bits, check_layout, state_digest, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+#: Concurrent GETs: object stores reward parallel requests far beyond the core count.
+IO_THREADS = 16
+#: Byte ranges of one pack closer than this are fetched as one GET: a request costs more than
+#: a few hundred KiB of transfer.
+COALESCE_GAP_BYTES = 256 * 1024
+
+_Manifests = list[tuple[str, Manifest]]
+
+
+@dataclass
+class _Step:
+    """One segment to apply to a chunk: ``ref`` inside ``blob``, from manifest ``mi``."""
+
+    mi: int
+    blob: BlobRef
+    ref: SegmentRef
+
+    @property
+    def where(self) -> tuple[str, int]:
+        return (self.blob.key, self.ref.offset)
+
+
+@dataclass
+class _ChunkPlan:
+    name: str
+    index: int
+    span: tuple[int, int]
+    digest: str  # expected after the plan
+    full: _Step | None = None
+    deltas: list[_Step] = field(default_factory=list)
+
+    def steps(self) -> list[_Step]:
+        return ([self.full] if self.full else []) + self.deltas
+
+
+def _layout(m: Manifest) -> dict[str, TensorSpec]:
+    """The tensor layout an anchor manifest defines."""
+    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows) for t in m.tensors}
+
+
+def _digests(ms: _Manifests) -> dict[tuple[str, int], str]:
+    """Chunk digests after the last manifest of ``ms`` (an anchor first, then its deltas)."""
+    out: dict[tuple[str, int], str] = {}
+    for _, m in ms:
+        for t in m.tensors:
+            for c in t.chunks:
+                out[(t.name, c.index)] = c.digest
+    return out
+
+
+class _Fetcher:
+    """Fetches segments with parallel (coalesced) range GETs and verifies every one."""
+
+    def __init__(self, store: Store, pool: ThreadPoolExecutor):
+        self.store = store
+        self.pool = pool
+
+    def fetch(self, steps: Iterable[_Step]) -> dict[tuple[str, int], bytes]:
+        by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
+        for s in steps:
+            by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
+        jobs = []
+        for blob, refs in by_blob.values():
+            for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset)):
+                jobs.append(self.pool.submit(self._get_run, blob, run))
+        out: dict[tuple[str, int], bytes] = {}
+        for j in jobs:
+            out.update(j.result())
+        return out
+
+    def _get_run(self, blob: BlobRef, run: list[SegmentRef]) -> dict[tuple[str, int], bytes]:
+        start, stop = run[0].offset, run[-1].offset + run[-1].length
+        whole = start == 0 and stop == blob.size
+        try:
+            data = self.store.get(blob.key) if whole else self.store.get(blob.key, byte_range=(start, stop))
+        except NotFoundError:
+            raise NotFoundError(f"pack {blob.key!r} is missing from {self.store.url}: the store was damaged") from None
+        if len(data) != stop - start:
+            raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
+        if whole and sha256_hex(data) != blob.sha256:
+            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
+        view = memoryview(data)
+        out = {}
+        for r in run:
+            seg = bytes(view[r.offset - start : r.offset - start + r.length])
+            if not whole and sha256_hex(seg) != r.sha256:
+                raise IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
+            out[(blob.key, r.offset)] = seg
+        return out
+
+
+def _coalesce(refs: list[SegmentRef]) -> list[list[SegmentRef]]:
+    runs: list[list[SegmentRef]] = []
+    for r in refs:
+        if runs and r.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= COALESCE_GAP_BYTES:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
+class _Target:
+    """Raw access to one target tensor's chunks, on any device (CPU tensors in place)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.cpu = t.device.type == "cpu"
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """The chunk's bits: a live view for CPU tensors, a copy for device tensors."""
+        if self.cpu:
+            return bits(self.t)[a:b]
+        return bits(self.t.detach().reshape(-1)[a:b].cpu())
+
+    def write(self, a: int, b: int, raw: np.ndarray) -> None:
+        view = self.read(a, b) if self.cpu else None
+        if view is not None:
+            if not np.shares_memory(view, raw):
+                view[...] = raw
+            return
+        src = torch.from_numpy(raw.view(raw.dtype.str.replace("u", "i"))).view(self.t.dtype)
+        self.t.detach().reshape(-1)[a:b].copy_(src)
+
+
+class Subscriber:
+    """Reads versions from a store and keeps a state dict or module up to date.
+
+    Args:
+        url: store URL (see :class:`deltastore.Publisher`).
+        storage_options: passed to the storage backend.
+        threads: decode threads (default: all cores).
+
+    Example::
+
+        sub = Subscriber("s3://bucket/run1")
+        weights = sub.pull()                 # the latest version, verified
+        model.load_state_dict(weights)
+        while True:
+            if sub.pull_into(model):         # fetches only what changed
+                ...
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        threads: int | None = None,
+        store: Store | None = None,
+    ):
+        self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
+        self.url = self.store.url
+        self._history = History(self.store)
+        self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="deltastore-decode")
+        self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
+        self._fetcher = _Fetcher(self.store, self._io)
+        self._version: int | None = None
+        self._held: _Manifests | None = None  # anchor..held version, for layout and digests
+        self._closed = False
+
+    @property
+    def version(self) -> int | None:
+        """The version this subscriber last pulled (None before the first pull)."""
+        return self._version
+
+    def latest(self) -> VersionInfo | None:
+        """The newest committed version (None for an empty store), via a conditional GET."""
+        head = self._history.poll_head()
+        if head is None:
+            return None
+        top = self._history.head_manifest(head)
+        return None if top is None else VersionInfo.from_manifest(top[1], top[0])
+
+    def info(self, version: int) -> VersionInfo:
+        """The :class:`VersionInfo` of ``version``; raises VersionNotFoundError."""
+        key, m = self._history.find(version, self._require_head())
+        return VersionInfo.from_manifest(m, key)
+
+    def log(self) -> list[VersionInfo]:
+        """Every committed version, oldest first."""
+        head = self._history.poll_head()
+        return [] if head is None else self._history.log(head)
+
+    def pull(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """Materialize ``version`` (default: the latest) as new CPU tensors, verified.
+
+        Raises:
+            VersionNotFoundError: no such version (or an empty store).
+            IntegrityError: a segment or a reconstructed chunk failed its digest.
+        """
+        key, m = self._resolve(version)
+        ms = self._history.chain(key, m, down_to=m.anchor)
+        specs = _layout(ms[0][1])
+        out = {n: torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for n, s in specs.items()}
+        plans = self._plan_from_anchor(ms, specs)
+        data = self._fetcher.fetch(s for p in plans for s in p.steps())
+        targets = {n: _Target(t) for n, t in out.items()}
+        list(self._pool.map(lambda p: self._build(p, specs, data, targets[p.name]), plans))
+        self._version, self._held = m.version, ms
+        return out
+
+    def pull_into(self, target: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None) -> VersionInfo | None:
+        """Fast-forward ``target`` in place to ``version`` (default: the latest).
+
+        ``target`` must hold the version this subscriber last pulled (or, before any pull,
+        tensors of the right layout, which are then overwritten). Only the chunks that changed
+        are fetched, and per chunk the cheaper of the deltas and the latest snapshot is used.
+
+        Returns:
+            The new version's info, or None when ``target`` is already current.
+
+        Raises:
+            LayoutMismatchError: ``target``'s names/dtypes/shapes differ from the store's, or
+                the store changed its layout since the held version (use :meth:`pull`).
+            IntegrityError: ``target`` was modified since it was pulled, or a digest failed.
+                Nothing was applied.
+        """
+        key, m = self._resolve(version)
+        if self._version is not None and m.version == self._version:
+            return None
+        if self._version is not None and m.version < self._version:
+            raise VersionNotFoundError(f"pull_into cannot go back from version {self._version} to {m.version}; use pull()")
+        tensors = _target_tensors(target)
+        if self._version is None or self._held is None:
+            ms = self._history.chain(key, m, down_to=m.anchor)
+            specs = _layout(ms[0][1])
+            check_layout(specs, tensors, against=f"version {m.version} of {self.url}")
+            plans = self._plan_from_anchor(ms, specs)
+            base: dict[tuple[str, int], str] = {}
+            held = ms
+        else:
+            specs = _layout(self._held[0][1])
+            check_layout(specs, tensors, against=f"version {self._version} held by this subscriber")
+            ms = self._history.chain(key, m, down_to=self._version + 1)
+            plans = self._plan_forward(ms, specs)
+            base = _digests(self._held)
+            anchors = [i for i, (_, mm) in enumerate(ms) if mm.kind == "anchor"]
+            held = ms[anchors[-1]:] if anchors else self._held + ms
+        self._apply_in_place(plans, specs, tensors, base)
+        self._version, self._held = m.version, held
+        return VersionInfo.from_manifest(m, key)
+
+    def close(self) -> None:
+        """Stop worker threads and release the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self.store.close()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- planning -----------------------------------------------------------------------
+
+    def _require_head(self) -> Head:
+        head = self._history.poll_head()
+        if head is None or head.manifest is None:
+            raise VersionNotFoundError(f"{self.url} has no committed version yet")
+        return head
+
+    def _resolve(self, version: int | None) -> tuple[str, Manifest]:
+        head = self._require_head()
+        if version is None:
+            top = self._history.head_manifest(head)
+            assert top is not None
+            return top
+        return self._history.find(version, head)
+
+    @staticmethod
+    def _plan_from_anchor(ms: _Manifests, specs: dict[str, TensorSpec]) -> list[_ChunkPlan]:
+        """Every chunk: the anchor's full segment, then each later delta that lists it."""
+        plans: dict[tuple[str, int], _ChunkPlan] = {}
+        for mi, (_, m) in enumerate(ms):
+            for t in m.tensors:
+                spec = specs.get(t.name)
+                if spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows):
+                    raise IntegrityError(f"version {m.version}: tensor {t.name!r} does not match the layout of anchor {ms[0][1].version}")
+                for c in t.chunks:
+                    p = plans.get((t.name, c.index))
+                    if p is None:
+                        if mi != 0 or c.full is None:
+                            raise IntegrityError(f"version {m.version}: chunk {t.name}[{c.index}] is not in anchor {ms[0][1].version}")
+                        p = plans[(t.name, c.index)] = _ChunkPlan(t.name, c.index, spec.chunk_span(c.index), c.digest, _Step(mi, m.blobs[c.full.blob], c.full))
+                    elif c.delta is not None:
+                        p.deltas.append(_Step(mi, m.blobs[c.delta.blob], c.delta))
+                        p.digest = c.digest
+        missing = sum(s.n_chunks for s in specs.values()) - len(plans)
+        if missing:
+            raise IntegrityError(f"anchor {ms[0][1].version} lacks {missing} chunk(s) of its layout")
+        return list(plans.values())
+
+    @staticmethod
+    def _plan_forward(ms: _Manifests, specs: dict[str, TensorSpec]) -> list[_ChunkPlan]:
+        """Chunks changed in ``ms`` (versions h+1..t): per chunk, deltas or the latest full."""
+        for _, m in ms:
+            if m.kind == "anchor" and m.delta_base is None and _layout(m) != specs:
+                raise LayoutMismatchError(f"version {m.version} of the store changed the tensor layout; use pull() to get it")
+        # Per chunk: the segments touching it, in version order.
+        touched: dict[tuple[str, int], list[tuple[int, Any]]] = {}
+        for mi, (_, m) in enumerate(ms):
+            for t in m.tensors:
+                for c in t.chunks:
+                    if c.delta is not None or (m.kind == "anchor" and m.delta_base is None):
+                        touched.setdefault((t.name, c.index), []).append((mi, c))
+        plans = []
+        for (name, idx), entries in touched.items():
+            best: tuple[int, _ChunkPlan] | None = None
+            # Candidate starts: pure deltas from h (start=-1), or a full segment at an anchor.
+            starts = [-1] + [i for i, (mi, c) in enumerate(entries) if c.full is not None]
+            for si in starts:
+                rest = entries[si + 1 :] if si >= 0 else entries
+                if any(c.delta is None for _, c in rest):
+                    continue  # an anchor without deltas breaks the chain: need its full segment
+                plan = _ChunkPlan(name, idx, specs[name].chunk_span(idx), entries[-1][1].digest)
+                if si >= 0:
+                    mi, c = entries[si]
+                    plan.full = _Step(mi, ms[mi][1].blobs[c.full.blob], c.full)
+                plan.deltas = [_Step(mi, ms[mi][1].blobs[c.delta.blob], c.delta) for mi, c in rest]
+                cost = sum(s.ref.length for s in plan.steps())
+                if best is None or cost < best[0]:
+                    best = (cost, plan)
+            if best is None:
+                raise IntegrityError(f"no way to bring chunk {name}[{idx}] forward: the chain lacks segments")
+            plans.append(best[1])
+        return plans
+
+    # --- applying -----------------------------------------------------------------------
+
+    def _build(self, p: _ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
+        """Decode a plan that starts from a full segment, verify it, write it to ``target``."""
+        raw = self._replay(p, specs[p.name], data, None)
+        target.write(*p.span, raw)
+
+    @staticmethod
+    def _replay(p: _ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None) -> np.ndarray:
+        a, b = p.span
+        if p.full is not None:
+            raw = codec.decode_full(data[p.full.where], codec=p.full.ref.codec, dtype=spec.uint_dtype(), count=b - a)
+        assert raw is not None
+        applied: list[_Step] = []
+        try:
+            for s in p.deltas:
+                codec.apply_delta(raw, data[s.where], codec=s.ref.codec)  # validates before writing
+                applied.append(s)
+            if state_digest(raw) != p.digest:
+                raise IntegrityError(
+                    f"chunk {p.name}[{p.index}] does not match its digest after applying {len(p.steps())} segment(s)"
+                )
+        except BaseException:
+            if p.full is None:  # undo in place: XOR deltas are their own inverse
+                for s in reversed(applied):
+                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec)
+            raise
+        return raw
+
+    def _apply_in_place(self, plans: list[_ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
+        """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
+        # Tied weights (one storage under two names) are updated once.
+        seen: dict[tuple[int, int], str] = {}
+        owner: dict[str, str] = {}
+        for n, t in tensors.items():
+            k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
+            owner[n] = seen.setdefault(k, n)
+        plans = [p for p in plans if owner[p.name] == p.name]
+        targets = {n: _Target(t) for n, t in tensors.items()}
+
+        data = self._fetcher.fetch(s for p in plans for s in p.steps())
+
+        def check_base(p: _ChunkPlan) -> None:
+            if p.full is None and state_digest(targets[p.name].read(*p.span)) != base.get((p.name, p.index)):
+                raise IntegrityError(
+                    f"tensor {p.name!r} chunk {p.index} is not what version {self._version} holds there: "
+                    "the target was modified since it was pulled (pull() it again)"
+                )
+
+        list(self._pool.map(check_base, plans))
+
+        done: list[tuple[_ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
+
+        def run(p: _ChunkPlan) -> tuple[_ChunkPlan, np.ndarray | None]:
+            tgt = targets[p.name]
+            if p.full is None:
+                if tgt.cpu:
+                    self._replay(p, specs[p.name], data, tgt.read(*p.span))
+                else:
+                    raw = tgt.read(*p.span)
+                    self._replay(p, specs[p.name], data, raw)
+                    tgt.write(*p.span, raw)
+                return p, None
+            new = self._replay(p, specs[p.name], data, None)
+            saved = tgt.read(*p.span).copy()
+            tgt.write(*p.span, new)
+            return p, saved
+
+        futures = [self._pool.submit(run, p) for p in plans]
+        error: BaseException | None = None
+        for f in futures:
+            try:
+                done.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below after rollback
+                error = error or e
+        if error is None:
+            return
+        for p, saved in done:
+            tgt = targets[p.name]
+            if saved is not None:
+                tgt.write(*p.span, saved)
+            else:
+                raw = tgt.read(*p.span)
+                for s in reversed(p.deltas):
+                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec)
+                if not tgt.cpu:
+                    tgt.write(*p.span, raw)
+        logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)
+        raise error
+
+
+def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(target, torch.nn.Module):
+        target = target.state_dict(keep_vars=True)
+    if not isinstance(target, Mapping):
+        raise InvalidStateDictError(f"pull_into needs a state dict or nn.Module, got {type(target).__name__}")
+    out = {}
+    for n, t in target.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidStateDictError(f"target {n!r} is a {type(t).__name__}, not a torch.Tensor")
+        if not t.is_contiguous():
+            raise InvalidStateDictError(f"target tensor {n!r} is not contiguous; it cannot be updated in place")
+        out[n] = t.data if isinstance(t, torch.nn.Parameter) else t
+    return out
+

@@ -1,0 +1,153 @@
+"""Torch glue: validating state dicts, their layout, chunking, and raw bit views.
+
+This is the only module (with publish/pull, which call it) that knows about torch. The codec
+sees 1-D unsigned-integer numpy views of a tensor's bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from deltastore.errors import InvalidStateDictError, LayoutMismatchError
+
+#: A chunk of about this size is the unit of change detection, encoding, threading and
+#: partial reads: big enough that per-chunk overhead vanishes, small enough that a few chunks
+#: in flight per thread keep memory bounded.
+CHUNK_TARGET_BYTES = 16 * 1024 * 1024
+
+_UINT_BY_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_TORCH_INT_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (the spelling stored in manifests)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; raises InvalidStateDictError for unknown names."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise InvalidStateDictError(f"unknown dtype {name!r}")
+    return dt
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's layout: what must not change between an anchor and its deltas."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunk_rows: int
+
+    @property
+    def width(self) -> int:
+        return torch_dtype(self.dtype).itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_elems(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def n_chunks(self) -> int:
+        if not self.shape:
+            return 1
+        return max(1, math.ceil(self.shape[0] / self.chunk_rows))
+
+    def chunk_span(self, index: int) -> tuple[int, int]:
+        """Element range ``[start, stop)`` of chunk ``index`` in the flattened tensor."""
+        if not self.shape:
+            return (0, 1)
+        r0 = index * self.chunk_rows
+        r1 = min(r0 + self.chunk_rows, self.shape[0])
+        return (r0 * self.row_elems, r1 * self.row_elems)
+
+    def uint_dtype(self) -> np.dtype:
+        return np.dtype(_UINT_BY_WIDTH[self.width])
+
+
+def spec_for(name: str, t: torch.Tensor, chunk_target_bytes: int = CHUNK_TARGET_BYTES) -> TensorSpec:
+    """The layout deltastore uses for tensor ``t`` (chunk rows sized to ~chunk_target_bytes)."""
+    shape = tuple(t.shape)
+    row_bytes = (math.prod(shape[1:]) if shape else 1) * t.element_size()
+    rows = max(1, chunk_target_bytes // max(1, row_bytes))
+    if shape:
+        rows = max(1, min(rows, shape[0]))
+    return TensorSpec(name, dtype_name(t.dtype), shape, rows)
+
+
+def validate_state_dict(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """Check that ``state`` can be published; return it as a plain dict of CPU-able tensors.
+
+    Raises:
+        InvalidStateDictError: a value is not a dense, contiguous tensor of a supported dtype,
+            or a key is not a non-empty string.
+    """
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict()
+    if not isinstance(state, Mapping):
+        raise InvalidStateDictError(f"expected a state dict (mapping of name → tensor) or nn.Module, got {type(state).__name__}")
+    if not state:
+        raise InvalidStateDictError("the state dict is empty: nothing to publish")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidStateDictError(f"state dict key {name!r} is not a non-empty string")
+        if not isinstance(t, torch.Tensor):
+            raise InvalidStateDictError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided:
+            raise InvalidStateDictError(f"tensor {name!r} is {t.layout}; convert it with .to_dense() before publishing")
+        if t.is_quantized or t.is_complex() and t.element_size() not in _UINT_BY_WIDTH:
+            raise InvalidStateDictError(f"tensor {name!r} has unsupported dtype {t.dtype}")
+        if t.element_size() not in _UINT_BY_WIDTH:
+            raise InvalidStateDictError(f"tensor {name!r} has dtype {t.dtype} of {t.element_size()} bytes; deltastore stores 1-, 2-, 4- and 8-byte elements")
+        if not t.is_contiguous():
+            raise InvalidStateDictError(f"tensor {name!r} is not contiguous; pass .contiguous() (deltastore never copies silently)")
+        if t.device.type == "meta":
+            raise InvalidStateDictError(f"tensor {name!r} is on the meta device and has no data")
+        out[name] = t
+    return out
+
+
+def check_layout(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Tensor], *, against: str) -> None:
+    """Raise LayoutMismatchError naming the first tensor whose name, dtype or shape differ."""
+    missing = sorted(set(specs) - set(state))
+    extra = sorted(set(state) - set(specs))
+    if missing:
+        raise LayoutMismatchError(f"tensor {missing[0]!r} of {against} is missing ({len(missing)} missing in all)")
+    if extra:
+        raise LayoutMismatchError(f"tensor {extra[0]!r} is not in {against} ({len(extra)} new in all)")
+    for name, spec in specs.items():
+        t = state[name]
+        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+            raise LayoutMismatchError(
+                f"tensor {name!r} is {dtype_name(t.dtype)}{list(t.shape)} but {against} has {spec.dtype}{list(spec.shape)}"
+            )
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """A 1-D unsigned-integer numpy view of a contiguous CPU tensor's bits (no copy)."""
+    flat = t.detach().reshape(-1)
+    return flat.view(_TORCH_INT_BY_WIDTH[t.element_size()]).numpy().view(_UINT_BY_WIDTH[t.element_size()])
+
+
+def state_digest(raw: np.ndarray) -> str:
+    """XXH3-128 hex of an array's raw bytes (SPEC §2, state digests)."""
+    return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(raw)).cast("B"))
+
+
+def from_bits(raw: np.ndarray, spec: TensorSpec) -> torch.Tensor:
+    """A tensor of ``spec``'s dtype and shape over the bits in ``raw`` (takes ownership)."""
+    signed = torch.from_numpy(raw.view(np.dtype(_UINT_BY_WIDTH[spec.width]).str.replace("u", "i")))
+    return signed.view(torch_dtype(spec.dtype)).reshape(spec.shape)
