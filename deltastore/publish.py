@@ -139,6 +139,11 @@ class Publisher:
         threads: encode threads (default: all cores).
         chunk_bytes: target chunk size for new layouts (default 16 MiB).
         allow_unsafe_store: publish to a store without atomic conditional writes.
+        resume: when the store already has versions and this publisher holds none (a restart,
+            a CLI call, or after a ConflictError), read the head version back once so the next
+            publish is a delta against it rather than a full anchor (default True).
+        store: an already opened :class:`~deltastore.storage.Store` to use instead of ``url``
+            (the caller keeps ownership: it is not closed by :meth:`close`).
 
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
@@ -162,11 +167,13 @@ class Publisher:
         threads: int | None = None,
         chunk_bytes: int = CHUNK_TARGET_BYTES,
         allow_unsafe_store: bool = False,
+        resume: bool = True,
         store: Store | None = None,
     ):
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be ≥ 1, got {anchor_every}")
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
+        self._owns_store = store is None  # a store passed in belongs to the caller
         if not self.store.atomic_conditional_writes and not allow_unsafe_store:
             raise StorageError(
                 f"{self.store.url} cannot do atomic conditional writes, so two publishers could fork history; "
@@ -177,6 +184,7 @@ class Publisher:
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.threads = threads or default_threads()
         self.chunk_bytes = chunk_bytes
+        self.resume = resume
         self._history = History(self.store)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
         # The last committed state as this publisher wrote it (None until its first commit).
@@ -235,6 +243,8 @@ class Publisher:
             raise FencedError(f"publisher {self.writer_id} was fenced from {self.url} by a newer publisher")
         state = validate_state_dict(state_dict)
         meta = _json_metadata(metadata)
+        if self._reference is None and self.resume and not anchor and self._head is not None and self._head.manifest:
+            self._resume_from_head(state)
 
         same_layout = False
         if self._specs is not None:
@@ -299,7 +309,8 @@ class Publisher:
         self._closed = True
         self._pool.shutdown(wait=True)
         self._reference = None
-        self.store.close()
+        if self._owns_store:
+            self.store.close()
 
     def __enter__(self) -> Publisher:
         return self
@@ -398,6 +409,24 @@ class Publisher:
         )
         return entries, stats
 
+    def _resume_from_head(self, state: dict[str, torch.Tensor]) -> None:
+        """Rebuild the reference copy by pulling the head version, if its layout matches."""
+        from deltastore.pull import Subscriber  # the read path; imported here to avoid a cycle
+
+        assert self._head is not None
+        with Subscriber(self.url, store=self.store, threads=self.threads) as sub:
+            reference = sub.pull(self._head.version)
+            specs = sub.layout()
+            anchor = sub.info(self._head.version).anchor
+        try:
+            check_layout(specs, state, against=f"version {self._head.version} of {self.url}")
+        except LayoutMismatchError:
+            logger.info("not resuming from version %d: its layout differs", self._head.version)
+            self._specs = specs  # so publish() reports the mismatch (or anchors, if asked)
+            return
+        self._reference, self._specs, self._anchor_version = reference, specs, anchor
+        logger.info("resumed from version %d of %s", self._head.version, self.url)
+
     def _advance_reference(self, state: dict[str, torch.Tensor], specs: dict[str, TensorSpec], entries: list[TensorEntry], *, fresh: bool) -> None:
         """After a commit: make the reference copy equal to what was just committed."""
         if fresh or self._reference is None:
@@ -456,12 +485,12 @@ class Publisher:
                 head_writer=writer,
             )
         # Another publisher of the same epoch committed first. Our reference no longer
-        # matches HEAD, so the next publish must be an anchor against the new head.
+        # matches HEAD: the next publish resumes from the new head (or writes an anchor).
         self._head, self._head_etag = head, etag
         self._reference = None
         raise ConflictError(
             f"another writer ({writer}) committed version {version} to {self.url} first; nothing was committed, "
-            "the next publish will be an anchor on top of it",
+            "the next publish will build on that version",
             head_version=version,
             head_writer=writer,
         )

@@ -178,7 +178,9 @@ class Subscriber:
         threads: int | None = None,
         store: Store | None = None,
     ):
+        """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
+        self._owns_store = store is None  # a store passed in belongs to the caller
         self.url = self.store.url
         self._history = History(self.store)
         self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="deltastore-decode")
@@ -192,6 +194,12 @@ class Subscriber:
     def version(self) -> int | None:
         """The version this subscriber last pulled (None before the first pull)."""
         return self._version
+
+    def layout(self) -> dict[str, TensorSpec]:
+        """The tensor layout (names, dtypes, shapes, chunking) of the version last pulled."""
+        if self._held is None:
+            raise VersionNotFoundError(f"no version of {self.url} has been pulled yet")
+        return _layout(self._held[0][1])
 
     def latest(self) -> VersionInfo | None:
         """The newest committed version (None for an empty store), via a conditional GET."""
@@ -277,7 +285,8 @@ class Subscriber:
         self._closed = True
         self._pool.shutdown(wait=True)
         self._io.shutdown(wait=True)
-        self.store.close()
+        if self._owns_store:
+            self.store.close()
 
     def __enter__(self) -> Subscriber:
         return self
