@@ -455,7 +455,8 @@ def _expect_codec(codec: str, allowed: tuple[str, ...], fn: str) -> None:
     if codec not in KNOWN_CODECS:
         raise UnknownCodecError(f"unknown codec {codec!r}; known: {sorted(KNOWN_CODECS)}")
     if codec not in allowed:
-        raise ValueError(f"{fn} cannot handle codec {codec!r}; it takes {' or '.join(allowed)}")
+        hint = "; a full segment is not a delta, use decode_full" if codec == CODEC_FULL else ""
+        raise ValueError(f"{fn} cannot handle codec {codec!r}; it takes {' or '.join(allowed)}{hint}")
 
 
 def _read_header(data: bytes, codec: str, width: int, count: int) -> SegmentHeader:

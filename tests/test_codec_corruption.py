@@ -1,0 +1,343 @@
+"""deltastore.codec against bad bytes: every failure is typed, bounded in memory, and leaves the
+target of apply_delta untouched."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+
+from deltastore.codec import (
+    CODEC_FULL,
+    CODEC_XOR_DENSE,
+    CODEC_XOR_SPARSE,
+    apply_delta,
+    compose_deltas,
+    decode_full,
+    encode_delta,
+    encode_full,
+    peek_header,
+)
+from deltastore.errors import CorruptObjectError, FormatError, IntegrityError, UnknownCodecError
+
+HEADER = struct.Struct("<4sBBBBQQB3s")  # the layout documented in docs/codec-format.md
+ENTRY = struct.Struct("<B3sII")
+TYPED = (CorruptObjectError, UnknownCodecError)
+
+
+def _old(n: int = 300, width: int = 2) -> np.ndarray:
+    rng = np.random.default_rng(7)
+    return rng.integers(0, 2 ** (8 * width) - 1, size=n, dtype=np.dtype(f"u{width}"), endpoint=True)
+
+
+def segments():
+    """(name, data, codec, dtype, count, base) for one segment of each codec and a few widths.
+    base is the target a delta applies to (None for full)."""
+    out = []
+    for width in (1, 2, 8):
+        old = _old(300, width)
+        dt = old.dtype
+        out.append((f"full-w{width}", encode_full(old).data, CODEC_FULL, dt, 300, None))
+        new = old.copy()
+        new[[0, 5, 77, 299]] ^= dt.type(3)
+        seg = encode_delta(old, new)
+        assert seg.codec == CODEC_XOR_SPARSE
+        out.append((f"sparse-w{width}", seg.data, seg.codec, dt, 300, old))
+        seg = encode_delta(old, old ^ dt.type(1))
+        assert seg.codec == CODEC_XOR_DENSE
+        out.append((f"dense-w{width}", seg.data, seg.codec, dt, 300, old))
+    # a plane big enough to be zstd-compressed
+    old = np.zeros(5000, np.uint16)
+    new = old.copy()
+    new[::7] = 1
+    seg = encode_delta(old, new)
+    assert "zstd" in {s.kind for s in peek_header(seg.data).sections}
+    out.append(("sparse-zstd", seg.data, seg.codec, old.dtype, 5000, old))
+    x = np.arange(5000, dtype=np.uint16)
+    out.append(("full-zstd", encode_full(x).data, CODEC_FULL, x.dtype, 5000, None))
+    return out
+
+
+SEGMENTS = segments()
+IDS = [s[0] for s in SEGMENTS]
+
+
+def decode(data, codec, dtype, count, base):
+    """Decode as the puller would; returns the resulting array. base is never modified."""
+    if codec == CODEC_FULL:
+        return decode_full(data, codec=codec, dtype=dtype, count=count)
+    target = base.copy()
+    before = target.copy()
+    try:
+        apply_delta(target, data, codec=codec)
+    except Exception:
+        assert np.array_equal(target, before), "a failed apply_delta modified its target"
+        raise
+    return target
+
+
+def patch_header(data: bytes, **fields) -> bytes:
+    names = ("magic", "cid", "cver", "width", "gap_width", "count", "n_changed", "n_sections", "reserved")
+    vals = dict(zip(names, HEADER.unpack_from(data)))
+    vals.update(fields)
+    return HEADER.pack(*(vals[n] for n in names)) + data[HEADER.size:]
+
+
+def patch_entry(data: bytes, i: int, **fields) -> bytes:
+    off = HEADER.size + i * ENTRY.size
+    vals = dict(zip(("kind", "pad", "stored", "raw"), ENTRY.unpack_from(data, off)))
+    vals.update(fields)
+    return data[:off] + ENTRY.pack(vals["kind"], vals["pad"], vals["stored"], vals["raw"]) + data[off + ENTRY.size:]
+
+
+def test_error_types_fit_the_tree():
+    assert issubclass(CorruptObjectError, IntegrityError) and issubclass(UnknownCodecError, FormatError)
+    assert issubclass(CorruptObjectError, ValueError) and issubclass(UnknownCodecError, ValueError)
+
+
+@pytest.mark.parametrize("name,data,codec,dtype,count,base", SEGMENTS, ids=IDS)
+def test_segments_decode(name, data, codec, dtype, count, base):
+    out = decode(data, codec, dtype, count, base)
+    assert out.size == count
+
+
+@pytest.mark.parametrize("name,data,codec,dtype,count,base", SEGMENTS, ids=IDS)
+def test_every_truncation_is_corrupt(name, data, codec, dtype, count, base):
+    for n in range(len(data)):
+        with pytest.raises(CorruptObjectError):
+            decode(data[:n], codec, dtype, count, base)
+
+
+@pytest.mark.parametrize("name,data,codec,dtype,count,base", SEGMENTS, ids=IDS)
+def test_trailing_bytes_are_corrupt(name, data, codec, dtype, count, base):
+    with pytest.raises(CorruptObjectError, match="trailing"):
+        decode(data + b"\x00", codec, dtype, count, base)
+
+
+@pytest.mark.parametrize("name,data,codec,dtype,count,base", SEGMENTS, ids=IDS)
+def test_every_header_byte_flip_is_caught_or_harmless(name, data, codec, dtype, count, base):
+    """Any change to the header or section table raises a typed error, or (rarely: e.g. a
+    one-byte RAW section relabelled CONST) decodes to exactly the same values."""
+    good = decode(data, codec, dtype, count, base)
+    header_size = peek_header(data).header_size
+    caught = 0
+    for i in range(header_size):
+        for mask in (0x01, 0x02, 0x10, 0x80, 0xFF):
+            bad = bytearray(data)
+            bad[i] ^= mask
+            try:
+                out = decode(bytes(bad), codec, dtype, count, base)
+            except TYPED:
+                caught += 1
+                continue
+            assert np.array_equal(out, good), f"byte {i} ^ {mask:#x} decoded to different values"
+    assert caught >= header_size * 5 * 0.9
+
+
+@pytest.mark.parametrize(
+    "fields,error,match",
+    [
+        ({"magic": b"DSG2"}, UnknownCodecError, "magic"),
+        ({"magic": b"PK\x03\x04"}, UnknownCodecError, "magic"),
+        ({"cid": 9}, UnknownCodecError, "unknown codec id 9"),
+        ({"cver": 2}, UnknownCodecError, "version 2"),
+        ({"width": 3}, CorruptObjectError, "width"),
+        ({"width": 4}, CorruptObjectError, "width|sections"),
+        ({"count": 299}, CorruptObjectError, "count 299|299 elements"),
+        ({"count": 2**40}, CorruptObjectError, "elements"),
+        ({"n_changed": 301}, CorruptObjectError, "n_changed"),
+        ({"n_sections": 7}, CorruptObjectError, "sections"),
+        ({"reserved": b"\x00\x01\x00"}, CorruptObjectError, "reserved"),
+        ({"gap_width": 1}, CorruptObjectError, "gap width"),
+    ],
+)
+def test_flipped_header_fields_full(fields, error, match):
+    x = _old(300, 2)
+    data = patch_header(encode_full(x).data, **fields)
+    with pytest.raises(error, match=match):
+        decode_full(data, codec=CODEC_FULL, dtype=np.uint16, count=300)
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"n_changed": 3}, "raw bytes"),  # sections still declare 4 values
+        ({"n_changed": 5}, "raw bytes"),
+        ({"gap_width": 4}, "sections"),
+        ({"gap_width": 0}, "gap width"),
+        ({"cid": 3}, "gap width"),  # now claims to be xor-dense
+        ({"count": 301}, "elements"),
+    ],
+)
+def test_flipped_header_fields_sparse_leave_target_alone(fields, match):
+    old = _old(300, 2)
+    new = old.copy()
+    new[[0, 5, 77, 299]] ^= np.uint16(3)
+    seg = encode_delta(old, new)
+    target = old.copy()
+    with pytest.raises(CorruptObjectError, match=match):
+        apply_delta(target, patch_header(seg.data, **fields), codec=seg.codec)
+    assert np.array_equal(target, old)
+
+
+def test_dense_n_changed_is_checked_against_the_payload():
+    old = _old(300, 2)
+    seg = encode_delta(old, old ^ np.uint16(1))
+    target = old.copy()
+    with pytest.raises(CorruptObjectError, match="holds 300"):
+        apply_delta(target, patch_header(seg.data, n_changed=299), codec=seg.codec)
+    assert np.array_equal(target, old)
+
+
+@pytest.mark.parametrize(
+    "entry,match",
+    [
+        ({"kind": 7}, "unknown kind"),
+        ({"pad": b"\x01\x00\x00"}, "reserved"),
+        ({"stored": 10}, "stores|truncated|trailing"),
+        ({"raw": 301}, "raw"),
+        ({"raw": 2**32 - 1}, "raw"),
+    ],
+)
+def test_flipped_section_entries(entry, match):
+    x = _old(300, 2)
+    data = patch_entry(encode_full(x).data, 1, **entry)
+    with pytest.raises(CorruptObjectError, match=match):
+        decode_full(data, codec=CODEC_FULL, dtype=np.uint16, count=300)
+
+
+def test_huge_declared_size_is_rejected_before_allocation():
+    """The table may not declare more than the caller expects, whatever the caller's count."""
+    x = np.zeros(1000, np.uint8)
+    x[::3] = 1
+    data = encode_full(x).data
+    bomb = patch_entry(patch_header(data, count=2**32 - 1, n_changed=2**32 - 1), 0, raw=2**32 - 1)
+    with pytest.raises(CorruptObjectError, match="elements"):
+        decode_full(bomb, codec=CODEC_FULL, dtype=np.uint8, count=1000)
+    with pytest.raises(CorruptObjectError, match="raw bytes"):
+        decode_full(patch_entry(data, 0, raw=2**32 - 1), codec=CODEC_FULL, dtype=np.uint8, count=1000)
+
+
+def _zstd_frame_claiming(content_size: int) -> bytes:
+    """A zstd frame header claiming content_size bytes (8-byte FCS, single segment), then one
+    RLE block. Decompressing it naively would allocate content_size bytes up front."""
+    fhd = 0b1110_0000  # FCS field 8 bytes, single-segment, no checksum, no dict id
+    block = (1 << 0) | (1 << 1) | (1000 << 3)  # last block, type RLE, 1000 repeats
+    return struct.pack("<IBQ", 0xFD2FB528, fhd, content_size) + block.to_bytes(3, "little") + b"\x00"
+
+
+def _full_segment_with_plane(plane_stored: bytes, count: int) -> bytes:
+    head = HEADER.pack(b"DSG1", 1, 1, 1, 0, count, count, 1, b"\x00\x00\x00")
+    return head + ENTRY.pack(1, b"\x00\x00\x00", len(plane_stored), count) + plane_stored
+
+
+def test_zstd_frame_lying_about_its_size_is_rejected_without_allocating():
+    assert zstandard.frame_content_size(_zstd_frame_claiming(1 << 45)) == 1 << 45
+    data = _full_segment_with_plane(_zstd_frame_claiming(1 << 45), 1000)  # 32 TiB
+    with pytest.raises(CorruptObjectError, match="claims"):
+        decode_full(data, codec=CODEC_FULL, dtype=np.uint8, count=1000)
+    ok = _full_segment_with_plane(_zstd_frame_claiming(1000), 1000)  # the crafted frame is valid
+    assert np.array_equal(decode_full(ok, codec=CODEC_FULL, dtype=np.uint8, count=1000), np.zeros(1000, np.uint8))
+
+
+def test_zstd_frame_without_size_that_expands_too_far_is_rejected():
+    cobj = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    chunk = bytes(1 << 20)
+    frame = b"".join(cobj.compress(chunk) for _ in range(64)) + cobj.flush()  # 64 MiB of zeros
+    assert zstandard.frame_content_size(frame) == -1
+    data = _full_segment_with_plane(frame, 1000)
+    with pytest.raises(CorruptObjectError, match="zstd"):
+        decode_full(data, codec=CODEC_FULL, dtype=np.uint8, count=1000)
+
+
+def test_garbage_zstd_payload_is_corrupt_not_zstderror():
+    x = np.arange(5000, dtype=np.uint16)
+    data = bytearray(encode_full(x).data)
+    h = peek_header(bytes(data))
+    assert h.sections[0].kind == "zstd"
+    data[h.header_size : h.header_size + 4] = b"\x00\x01\x02\x03"  # destroy frame magic
+    with pytest.raises(CorruptObjectError, match="zstd"):
+        decode_full(bytes(data), codec=CODEC_FULL, dtype=np.uint16, count=5000)
+    data = bytearray(encode_full(x).data)
+    data[h.header_size + 20] ^= 0xFF  # inside the compressed stream
+    try:
+        out = decode_full(bytes(data), codec=CODEC_FULL, dtype=np.uint16, count=5000)
+    except CorruptObjectError:
+        pass
+    else:  # no checksum inside segments (the manifest's digest catches this); but typed or sized
+        assert out.size == 5000
+
+
+def test_position_beyond_count_leaves_target_unchanged():
+    """Changes at 5 (valid) and 150 (beyond a 100-element target): nothing may be applied."""
+    old = np.zeros(200, np.uint16)
+    new = old.copy()
+    new[[5, 150]] = 9
+    seg = encode_delta(old, new)
+    bad = patch_header(seg.data, count=100)
+    target = np.zeros(100, np.uint16)
+    with pytest.raises(CorruptObjectError, match="position 150"):
+        apply_delta(target, bad, codec=seg.codec)
+    assert not target.any()
+
+
+def test_zero_xor_value_is_corrupt():
+    old = np.zeros(100, np.uint8)
+    new = old.copy()
+    new[[5, 6, 7, 8]] = [1, 2, 3, 4]
+    seg = encode_delta(old, new)
+    h = peek_header(seg.data)
+    assert [s.kind for s in h.sections] == ["raw", "raw"]  # gaps 5,0,0,0; values 1,2,3,4
+    data = bytearray(seg.data)
+    data[-2] = 0  # third XOR value
+    target = old.copy()
+    with pytest.raises(CorruptObjectError, match="zero XOR"):
+        apply_delta(target, bytes(data), codec=seg.codec)
+    assert not target.any()
+
+
+def test_wrong_codec_argument():
+    old = _old(300, 2)
+    new = old.copy()
+    new[3] ^= np.uint16(1)
+    sparse = encode_delta(old, new)
+    full = encode_full(old)
+    t = old.copy()
+    with pytest.raises(CorruptObjectError, match="manifest says"):
+        apply_delta(t, sparse.data, codec=CODEC_XOR_DENSE)
+    with pytest.raises(UnknownCodecError):
+        apply_delta(t, sparse.data, codec="xor-sparse/2")
+    with pytest.raises(UnknownCodecError):
+        apply_delta(t, sparse.data, codec="lz4")
+    with pytest.raises(ValueError, match="decode_full"):
+        apply_delta(t, full.data, codec=CODEC_FULL)
+    with pytest.raises(CorruptObjectError, match="manifest says"):
+        apply_delta(t, full.data, codec=CODEC_XOR_SPARSE)
+    assert np.array_equal(t, old)
+    with pytest.raises(ValueError):
+        decode_full(sparse.data, codec=CODEC_XOR_SPARSE, dtype=np.uint16, count=300)
+    with pytest.raises(CorruptObjectError, match="manifest says"):
+        decode_full(sparse.data, codec=CODEC_FULL, dtype=np.uint16, count=300)
+    with pytest.raises(CorruptObjectError, match="width"):
+        decode_full(full.data, codec=CODEC_FULL, dtype=np.uint32, count=300)
+    with pytest.raises(CorruptObjectError, match="elements"):
+        decode_full(full.data, codec=CODEC_FULL, dtype=np.uint16, count=301)
+    with pytest.raises(CorruptObjectError, match="width"):
+        apply_delta(old.astype(np.uint32), sparse.data, codec=sparse.codec)
+
+
+def test_compose_validates_both_inputs():
+    old = _old(300, 2)
+    new = old.copy()
+    new[3] ^= np.uint16(1)
+    seg = encode_delta(old, new)
+    with pytest.raises(CorruptObjectError):
+        compose_deltas(seg.data, seg.data[:-1], codec_a=seg.codec, codec_b=seg.codec, dtype=np.uint16, count=300)
+    with pytest.raises(CorruptObjectError):
+        compose_deltas(seg.data, seg.data, codec_a=seg.codec, codec_b=seg.codec, dtype=np.uint16, count=299)
+    with pytest.raises(UnknownCodecError):
+        compose_deltas(seg.data, seg.data, codec_a=seg.codec, codec_b="nope/1", dtype=np.uint16, count=300)
+    # a then a cancels
+    assert compose_deltas(seg.data, seg.data, codec_a=seg.codec, codec_b=seg.codec, dtype=np.uint16, count=300) is None
