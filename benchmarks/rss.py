@@ -1,0 +1,64 @@
+"""Peak-memory probe: one format, one step, in a fresh interpreter.
+
+Run as ``python -m benchmarks.rss WORKLOAD FORMAT STEP``; prints one JSON line. The probe
+loads steps STEP-1 and STEP and a working copy of STEP-1, resets the kernel's peak-RSS mark
+(``/proc/self/clear_refs``), runs encode then decode+apply, and reports how far the peak rose
+above the resident size before encoding. That rise is the format's own working memory,
+including the blob it produced, without the interpreter or the snapshots it had to hold anyway.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import sys
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _reset_peak() -> bool:
+    """Reset the peak-RSS mark so ru_maxrss measures from now (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def probe(workload: str, fmt_name: str, step: int) -> dict:
+    import torch
+
+    from benchmarks.peers import FORMATS
+    from benchmarks.workload import load_step
+
+    fmt = FORMATS[fmt_name]
+    prev, new = load_step(workload, step - 1), load_step(workload, step)
+    target = {k: v.clone() for k, v in prev.items()}
+    model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+    fmt.encode(prev, new)  # warm-up: imports and first-call allocations are not the format's
+    gc.collect()
+    reset = _reset_peak()
+    base_kb = _rss_kb() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    blob = fmt.encode(prev, new)
+    fmt.decode_apply(target, blob)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    exact = all(torch.equal(target[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+    return {
+        "workload": workload, "format": fmt_name, "step": step,
+        "model_bytes": model_bytes, "base_rss_bytes": base_kb * 1024,
+        "peak_rss_bytes": peak_kb * 1024, "extra_bytes": max(0, peak_kb - base_kb) * 1024,
+        "peak_reset": reset, "exact": exact,
+    }
+
+
+if __name__ == "__main__":
+    w, f, s = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    print(json.dumps(probe(w, f, s)))
