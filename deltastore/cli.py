@@ -1,0 +1,174 @@
+"""The ``deltastore`` command line: publish, pull, log, verify.
+
+Errors print as one line naming the object and exit non-zero; set ``DELTASTORE_DEBUG=1`` for
+the full traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from deltastore.errors import DeltastoreError
+
+logger = logging.getLogger(__name__)
+
+#: Exit codes: 1 for a failed operation (including a failed verify), 2 for bad usage.
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for item in args.storage_option or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"deltastore: error: --storage-option expects KEY=VALUE, got {item!r}")
+        opts[key] = value
+    if args.endpoint_url:
+        opts["endpoint_url"] = args.endpoint_url
+    return opts
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from safetensors.torch import load_file
+
+    from deltastore.publish import Publisher
+
+    if not os.path.exists(args.file):
+        raise FileNotFoundError(f"{args.file}: no such file")
+    state = load_file(args.file)
+    metadata = json.loads(args.metadata) if args.metadata else None
+    with Publisher(args.url, storage_options=_storage_options(args), anchor_every=args.anchor_every) as pub:
+        info = pub.publish(state, step=args.step, metadata=metadata, anchor=args.anchor)
+    print(f"published version {info.version} ({info.kind}) to {args.url}: {_size(info.bytes_stored)}, "
+          f"{info.tensors_changed} tensors / {info.elements_changed} elements changed")
+    return 0
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from deltastore.pull import Subscriber
+
+    with Subscriber(args.url, storage_options=_storage_options(args)) as sub:
+        state = sub.pull(args.version)
+        version = sub.version
+    tmp = f"{args.out}.partial"
+    save_file(state, tmp, metadata={"deltastore_url": args.url, "deltastore_version": str(version)})
+    os.replace(tmp, args.out)  # never leave a half-written output under the real name
+    print(f"pulled version {version} of {args.url} to {args.out} ({len(state)} tensors)")
+    return 0
+
+
+def _cmd_log(args: argparse.Namespace) -> int:
+    from deltastore.pull import Subscriber
+
+    with Subscriber(args.url, storage_options=_storage_options(args)) as sub:
+        infos = sub.log()
+    for info in infos:
+        if args.json:
+            print(json.dumps({
+                "version": info.version, "step": info.step, "kind": info.kind, "parent": info.parent,
+                "anchor": info.anchor, "bytes_stored": info.bytes_stored, "tensors_changed": info.tensors_changed,
+                "elements_changed": info.elements_changed, "created": info.created, "writer": info.writer,
+                "metadata": info.metadata, "manifest": info.manifest,
+            }, sort_keys=True))
+        else:
+            step = "-" if info.step is None else str(info.step)
+            print(f"v{info.version:<6} {info.kind:<6} step {step:<8} {_size(info.bytes_stored):>10}  "
+                  f"{info.tensors_changed:>6} tensors {info.elements_changed:>12} elements changed  {info.created}")
+    if not infos and not args.json:
+        print(f"{args.url}: no versions")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from deltastore.pull import Subscriber
+
+    with Subscriber(args.url, storage_options=_storage_options(args)) as sub:
+        infos = sub.log()  # reads and checks every manifest on the chain
+        if not infos:
+            print(f"{args.url}: no versions to verify")
+            return EXIT_FAILED
+        versions = [i.version for i in infos] if args.all else [args.version or infos[-1].version]
+        for v in versions:
+            state = sub.pull(v)  # every segment's SHA-256 and every chunk's digest
+            print(f"OK version {v}: {len(state)} tensors verified")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltastore", description="Publish and pull model weights as verified deltas through object storage.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv for debug)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
+    common.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="backend option, repeatable")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("publish", parents=[common], help="commit a safetensors file as the next version")
+    p.add_argument("url")
+    p.add_argument("file", help="a .safetensors file")
+    p.add_argument("--step", type=int)
+    p.add_argument("--metadata", help="JSON object stored with the version")
+    p.add_argument("--anchor", action="store_true", help="write a full snapshot (also allows a layout change)")
+    p.add_argument("--anchor-every", type=int, default=20, help="a snapshot every N versions (default 20)")
+    p.set_defaults(func=_cmd_publish)
+
+    p = sub.add_parser("pull", parents=[common], help="write a version to a safetensors file")
+    p.add_argument("url")
+    p.add_argument("out", help="output .safetensors path")
+    p.add_argument("--version", type=int, help="default: the latest")
+    p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser("log", parents=[common], help="list versions")
+    p.add_argument("url")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=_cmd_log)
+
+    p = sub.add_parser("verify", parents=[common], help="re-read a version's chain and check every digest")
+    p.add_argument("url")
+    p.add_argument("--version", type=int, help="default: the latest")
+    p.add_argument("--all", action="store_true", help="verify every version")
+    p.set_defaults(func=_cmd_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``deltastore`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    debug = os.environ.get("DELTASTORE_DEBUG", "") not in ("", "0")
+    try:
+        return args.func(args)
+    except (DeltastoreError, OSError, ValueError) as e:
+        if debug:
+            raise
+        print(f"deltastore: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("deltastore: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e) if str(e) else type(e).__name__
+    return f"{type(e).__name__}: {' '.join(text.split())}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
