@@ -1,0 +1,125 @@
+"""The ``deltastore`` CLI: publish → log → pull → verify, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deltastore.cli import main
+from deltastore.tensors import bits
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and np.array_equal(bits(a[k]), bits(b[k])) for k in a
+    )
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> list[Path]:
+    """Four safetensors checkpoints where each step changes a few bf16 elements."""
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "layer.weight": torch.randn(64, 32, generator=g).bfloat16(),
+        "layer.bias": torch.randn(32, generator=g),
+        "steps": torch.tensor(0),
+    }
+    paths = []
+    for i in range(4):
+        p = tmp_path / f"step{i}.safetensors"
+        save_file(sd, str(p))
+        paths.append(p)
+        sd = {k: v.clone() for k, v in sd.items()}
+        sd["layer.weight"][i, : i + 1] += 0.5
+        sd["steps"] += 1
+    return paths
+
+
+def test_publish_log_pull_verify_roundtrip(tmp_path: Path, checkpoints: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    store = str(tmp_path / "store")
+    for i, p in enumerate(checkpoints):
+        assert main(["publish", store, str(p), "--step", str(i * 10), "--metadata", json.dumps({"i": i})]) == 0
+    out = capsys.readouterr().out
+    assert "published version 1 (anchor)" in out and "published version 4 (delta)" in out
+
+    assert main(["log", store, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [0, 10, 20, 30]
+    assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "delta"]
+    assert rows[3]["metadata"] == {"i": 3}
+    # step k changed k elements of the weight (k = 1..3) plus the counter
+    assert [r["elements_changed"] for r in rows[1:]] == [2, 3, 4]
+    assert all(r["bytes_stored"] < rows[0]["bytes_stored"] for r in rows[1:])
+
+    assert main(["log", store]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert len(text) == 4 and text[0].startswith("v1") and "anchor" in text[0]
+
+    for v, p in enumerate(checkpoints, start=1):
+        out_file = tmp_path / f"pulled{v}.safetensors"
+        assert main(["pull", store, str(out_file), "--version", str(v)]) == 0
+        assert _same(load_file(str(out_file)), load_file(str(p)))
+    latest = tmp_path / "latest.safetensors"
+    assert main(["pull", store, str(latest)]) == 0
+    assert _same(load_file(str(latest)), load_file(str(checkpoints[-1])))
+
+    capsys.readouterr()
+    assert main(["verify", store, "--all"]) == 0
+    assert capsys.readouterr().out.count("OK version") == 4
+
+
+def test_verify_fails_on_a_corrupted_pack(tmp_path: Path, checkpoints: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "store"
+    for p in checkpoints[:2]:
+        assert main(["publish", str(store), str(p)]) == 0
+    packs = sorted((store / "blobs").rglob("*"))
+    pack = max((p for p in packs if p.is_file()), key=lambda p: p.stat().st_size)  # the anchor's
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["verify", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "IntegrityError" in err and pack.name in err
+
+
+def test_errors_are_one_line_and_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pull", "nosuchscheme://bucket/x", str(tmp_path / "o.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("deltastore: error: UnsupportedURLError") and err.count("\n") == 1
+    assert main(["pull", str(tmp_path / "empty"), str(tmp_path / "o.safetensors")]) == 1
+    assert "VersionNotFoundError" in capsys.readouterr().err
+    assert main(["publish", str(tmp_path / "s"), str(tmp_path / "missing.safetensors")]) == 1
+    assert "missing.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_layout_change_needs_anchor(tmp_path: Path, checkpoints: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    store = str(tmp_path / "store")
+    assert main(["publish", store, str(checkpoints[0])]) == 0
+    other = tmp_path / "other.safetensors"
+    save_file({"layer.weight": torch.zeros(3, 3, dtype=torch.bfloat16)}, str(other))
+    capsys.readouterr()
+    assert main(["publish", store, str(other)]) == 1
+    assert "LayoutMismatchError" in capsys.readouterr().err
+    assert main(["publish", store, str(other), "--anchor"]) == 0
+    out = tmp_path / "o.safetensors"
+    assert main(["pull", store, str(out)]) == 0
+    assert _same(load_file(str(out)), load_file(str(other)))
+
+
+def test_console_script_and_debug_traceback(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "deltastore", "log", "nosuchscheme://x"]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DELTASTORE_DEBUG": ""})
+    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
+    loud = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DELTASTORE_DEBUG": "1"})
+    assert loud.returncode != 0 and "Traceback" in loud.stderr
