@@ -239,3 +239,16 @@ def test_input_validation():
 
 def test_known_codecs():
     assert KNOWN_CODECS == {CODEC_FULL, CODEC_XOR_SPARSE, CODEC_XOR_DENSE}
+
+
+@pytest.mark.parametrize("level", [None, 1, 3, -5])
+def test_every_level_decodes(level):
+    rng = np.random.default_rng(3)
+    old = bf16_bits(rng, 20_000)
+    new = edit(rng, old, "ulp")
+    seg = encode_delta(old, new, level=level)
+    t = old.copy()
+    apply_delta(t, seg.data, codec=seg.codec)
+    assert np.array_equal(t, new)
+    f = encode_full(old, level=level)
+    assert np.array_equal(decode_full(f.data, codec=f.codec, dtype=np.uint16, count=old.size), old)
