@@ -1,0 +1,232 @@
+"""End to end on every backend: publish a training run, read every version back bit-exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltastore import Publisher, Subscriber, VersionInfo, VersionNotFoundError
+from deltastore.manifest import HEAD_KEY
+from tests._helpers import (
+    SMALL_CHUNK_BYTES,
+    TinyMLP,
+    TinyTrainer,
+    WrappedStore,
+    assert_bits_equal,
+    check_invariants,
+    raw,
+    snapshot,
+    small_state,
+)
+
+#: Versions per end-to-end run: anchors at 1, 4, 7, so a fast-forward from 1 crosses two.
+N_VERSIONS = 8
+ANCHOR_EVERY = 3
+
+
+def _open(target, cls, **kw):
+    return cls(target.url, storage_options=target.storage_options, threads=2, **kw)
+
+
+def test_training_run_roundtrips_on_every_backend(any_store_target) -> None:
+    trainer = TinyTrainer(seed=1)
+    published: list[dict[str, torch.Tensor]] = []
+    infos: list[VersionInfo] = []
+    follower = _open(any_store_target, Subscriber)
+    followed: dict[str, torch.Tensor] | None = None
+    with _open(any_store_target, Publisher, anchor_every=ANCHOR_EVERY, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        assert follower.latest() is None
+        state = trainer.export()
+        for i in range(N_VERSIONS):
+            info = pub.publish(state, step=100 + i, metadata={"i": i, "lr": 1e-5, "tags": ["a", "b"]})
+            published.append(snapshot(state))
+            infos.append(info)
+            assert pub.version == i + 1
+            # a subscriber that follows every version in place
+            if followed is None:
+                followed = follower.pull()
+            else:
+                got = follower.pull_into(followed)
+                assert got is not None and got.version == i + 1
+            assert_bits_equal(followed, published[-1], f"follower at version {i + 1}")
+            assert follower.pull_into(followed) is None
+            state = trainer.step()
+
+    # VersionInfo: version 1 first, parents, anchors every ANCHOR_EVERY, step and metadata.
+    for i, info in enumerate(infos):
+        v = i + 1
+        assert info.version == v
+        assert info.parent == (None if v == 1 else v - 1)
+        expected_anchor = ((v - 1) // ANCHOR_EVERY) * ANCHOR_EVERY + 1
+        assert info.kind == ("anchor" if v == expected_anchor else "delta"), v
+        assert info.anchor == expected_anchor
+        assert info.step == 100 + i
+        assert info.metadata == {"i": i, "lr": 1e-5, "tags": ["a", "b"]}
+        assert info.writer == infos[0].writer
+        assert info.manifest.startswith(f"manifests/{v:012d}-")
+        assert info.bytes_stored > 0
+    # Deltas store what changed (~1% of bf16 elements), not the whole model.
+    assert max(i.bytes_stored for i in infos if i.kind == "delta") < infos[0].bytes_stored / 4
+    assert all(0 < i.elements_changed < infos[0].elements_changed / 10 for i in infos if i.kind == "delta")
+
+    with _open(any_store_target, Subscriber) as sub:
+        latest = sub.latest()
+        assert latest == infos[-1] and latest.metadata == infos[-1].metadata
+        assert sub.log() == infos
+        for v in range(1, N_VERSIONS + 1):
+            assert sub.info(v) == infos[v - 1]
+    # Every version, pulled by a fresh subscriber, is bit-identical to what was published; from
+    # there, pull_into fast-forwards it to the latest bit-exactly, in place, then has nothing to do.
+    for v in range(1, N_VERSIONS + 1):
+        with _open(any_store_target, Subscriber) as sub:
+            target = sub.pull(v)
+            assert_bits_equal(target, published[v - 1], f"pull({v})")
+            assert sub.version == v
+            if v == N_VERSIONS:
+                assert sub.pull_into(target) is None
+                continue
+            ptrs = {n: t.data_ptr() for n, t in target.items()}
+            got = sub.pull_into(target)
+            assert got == infos[-1]
+            assert_bits_equal(target, published[-1], f"pull_into from {v}")
+            assert {n: t.data_ptr() for n, t in target.items()} == ptrs, "pull_into must update in place"
+            assert sub.pull_into(target) is None
+            assert sub.version == N_VERSIONS
+    follower.close()
+    with any_store_target.open() as store:
+        assert check_invariants(store) == list(range(1, N_VERSIONS + 1))
+
+
+def test_latest_is_one_conditional_get_when_nothing_changed(any_store_target) -> None:
+    with _open(any_store_target, Publisher) as pub:
+        pub.publish(small_state(0), step=1)
+        store = WrappedStore(any_store_target.open())
+        with Subscriber(any_store_target.url, store=store, threads=2) as sub:
+            first = sub.latest()
+            assert first is not None and first.version == 1
+            store.calls.clear()
+            for _ in range(3):
+                assert sub.latest() == first
+            # HEAD unchanged: one conditional GET each, and the manifest comes from the cache.
+            assert store.calls == [("get_if_changed", HEAD_KEY)] * 3
+            info = pub.publish(small_state(1), step=2)
+            assert sub.latest() == info
+
+
+def test_pull_into_module_updates_parameters_in_place() -> None:
+    trainer = TinyTrainer(seed=2)
+    url = "memory://e2e-module"
+    module = TinyMLP().to(torch.bfloat16)
+    ptrs = {n: p.data_ptr() for n, p in module.named_parameters()}
+    params = dict(module.named_parameters())
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub, Subscriber(url, threads=2) as sub:
+        # the parameter names of the trained model; extras live elsewhere
+        names = set(module.state_dict())
+        for i in range(4):
+            state = {n: t for n, t in (trainer.export() if i == 0 else trainer.step()).items() if n in names}
+            pub.publish(state)
+            assert sub.pull_into(module).version == i + 1
+            assert_bits_equal(module.state_dict(), state, f"module at version {i + 1}")
+            assert {n: p.data_ptr() for n, p in module.named_parameters()} == ptrs
+            assert all(p is params[n] for n, p in module.named_parameters())
+        assert sub.pull_into(module) is None
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 16)
+        self.head = torch.nn.Linear(16, 40, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weights_stay_tied_and_exact() -> None:
+    url = "memory://e2e-tied"
+    src = _Tied().to(torch.bfloat16)
+    dst = _Tied().to(torch.bfloat16)
+    assert src.state_dict()["head.weight"].data_ptr() == src.state_dict()["embed.weight"].data_ptr()
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub, Subscriber(url, threads=2) as sub:
+        for v in range(1, 5):
+            with torch.no_grad():
+                src.embed.weight.view(-1)[v * 7 : v * 7 + 3] += 1.0
+            pub.publish(src.state_dict())
+            assert sub.pull_into(dst).version == v
+            assert dst.head.weight is dst.embed.weight
+            assert raw(dst.embed.weight) == raw(src.embed.weight)
+        # A plain dict whose two names alias one storage is handled the same way.
+        alias = sub.pull(1)
+        alias["head.weight"] = alias["embed.weight"]
+        with Subscriber(url, threads=2) as sub2:
+            sub2.pull(1)
+            sub2.pull_into(alias)
+        assert raw(alias["embed.weight"]) == raw(src.embed.weight)
+
+
+def test_subscriber_one_version_behind_skips_the_snapshot_of_an_anchor() -> None:
+    """An anchor with a parent carries deltas, so a follower does not download the full model."""
+    url = "memory://e2e-anchor-deltas"
+    state = small_state(3, n=6, rows=256)
+    with Publisher(url, threads=2, anchor_every=1) as pub:
+        pub.publish(state)
+        store = WrappedStore(Subscriber(url).store)
+        sub = Subscriber(url, store=store, threads=2)
+        target = sub.pull()
+        state = {n: t.clone() for n, t in state.items()}
+        state["t0"][3, 3] += 1
+        info = pub.publish(state)
+        assert info.kind == "anchor"
+        store.reads.clear()
+        assert sub.pull_into(target).version == 2
+        assert_bits_equal(target, state)
+        pack_bytes = sum(n for k, n in store.reads if k.startswith("blobs/"))
+        assert 0 < pack_bytes < info.bytes_stored / 10, (pack_bytes, info.bytes_stored)
+        sub.close()
+
+
+def test_version_lookups_fail_cleanly() -> None:
+    url = "memory://e2e-lookups"
+    with Subscriber(url) as sub:
+        assert sub.latest() is None and sub.log() == []
+        with pytest.raises(VersionNotFoundError):
+            sub.pull()
+        with pytest.raises(VersionNotFoundError):
+            sub.pull_into(small_state(0))
+    with Publisher(url) as pub:
+        pub.publish(small_state(0))
+        pub.publish(small_state(1))
+    with Subscriber(url) as sub:
+        for v in (0, -1, 3, 10**6):
+            with pytest.raises(VersionNotFoundError):
+                sub.pull(v)
+            with pytest.raises(VersionNotFoundError):
+                sub.info(v)
+        target = sub.pull(2)
+        with pytest.raises(VersionNotFoundError):  # pull_into cannot go back
+            sub.pull_into(target, version=1)
+        assert_bits_equal(target, small_state(1))
+
+
+def test_pull_into_before_any_pull_overwrites_a_same_layout_target() -> None:
+    url = "memory://e2e-first-pull-into"
+    with Publisher(url) as pub:
+        pub.publish(small_state(0))
+        pub.publish(small_state(1))
+    target = small_state(7)
+    ptrs = {n: t.data_ptr() for n, t in target.items()}
+    with Subscriber(url) as sub:
+        assert sub.pull_into(target).version == 2
+        assert sub.pull_into(target) is None
+    assert_bits_equal(target, small_state(1))
+    assert {n: t.data_ptr() for n, t in target.items()} == ptrs
+
+
+def test_unchanged_publish_is_an_empty_delta() -> None:
+    url = "memory://e2e-noop"
+    state = small_state(0)
+    with Publisher(url) as pub, Subscriber(url) as sub:
+        pub.publish(state)
+        target = sub.pull()
+        info = pub.publish(state)
+        assert (info.version, info.kind, info.tensors_changed, info.elements_changed) == (2, "delta", 0, 0)
+        assert sub.pull_into(target).version == 2
+        assert_bits_equal(target, state)
