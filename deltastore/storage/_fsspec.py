@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from deltastore.errors import (
     AccessDeniedError,
@@ -61,6 +62,8 @@ class FsspecStore(Store):
         self.root = root.rstrip("/")
         protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
         self.url = url or f"{protocol}://{self.root.lstrip('/')}"
+        # Object stores have no directories; a local filesystem needs them before a write.
+        self._needs_parent_dirs = isinstance(fs, LocalFileSystem)
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None) -> FsspecStore:
@@ -146,6 +149,8 @@ class FsspecStore(Store):
         path = self._path(key)
         data = bytes(data)
         try:
+            if self._needs_parent_dirs:
+                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             if mode == "create":
                 try:
                     self.fs.pipe_file(path, data, mode="create")

@@ -280,6 +280,8 @@ class LocalStore(Store):
                             )
                     os.replace(tmp, final)
             self._fsync_dir(final.parent)
+        except StorageError:  # AlreadyExistsError is an OSError too (FileExistsError)
+            raise
         except OSError as e:
             raise self._translate(key, e) from e
         finally:

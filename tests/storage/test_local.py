@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from deltastore.errors import BucketNotFoundError, PreconditionFailedError
+from deltastore.storage import IfMatch, LocalStore, open_store
+from deltastore.storage._keys import content_etag
+from tests.storage.contract import StoreContract
+
+#: Processes and increments per process in the cross-process CAS test.
+PROCESSES = 4
+INCREMENTS = 25
+
+
+class TestLocalStore(StoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> LocalStore:
+        return LocalStore(tmp_path / "root")
+
+
+def test_open_store_creates_missing_root(tmp_path: Path) -> None:
+    root = tmp_path / "a" / "b"
+    store = open_store(str(root))
+    assert isinstance(store, LocalStore) and root.is_dir()
+    store.put("k", b"v")
+    assert (root / "k").read_bytes() == b"v"
+    assert open_store(root.as_uri()).get("k") == b"v"
+
+
+def test_missing_root_without_create(tmp_path: Path) -> None:
+    with pytest.raises(BucketNotFoundError, match="does not exist"):
+        LocalStore(tmp_path / "missing", create=False)
+
+
+def test_temp_files_and_locks_are_not_listed(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    meta = store.put("dir/HEAD", b"1")
+    store.put("dir/HEAD", b"2", mode=IfMatch(meta.etag))  # creates the lock file
+    (tmp_path / "dir" / ".deltastore-tmp-crashed").write_bytes(b"partial")  # a crashed writer
+    assert (tmp_path / ".deltastore-locks").is_dir()
+    assert [m.key for m in store.list()] == ["dir/HEAD"]
+
+
+def test_etag_of_file_written_by_hand_is_content_md5(tmp_path: Path) -> None:
+    (tmp_path / "manual").write_bytes(b"by hand")
+    store = LocalStore(tmp_path)
+    assert store.head("manual").etag == content_etag(b"by hand")
+    store.put("manual", b"next", mode=IfMatch(content_etag(b"by hand")))
+    assert store.get("manual") == b"next"
+
+
+def test_key_and_directory_collision_is_one_line_error(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put("a/b", b"1")
+    with pytest.raises(Exception) as info:
+        store.put("a", b"2", mode="create")
+    assert "a" in str(info.value) and "\n" not in str(info.value)
+
+
+def _increment(root: str, n: int) -> int:
+    store = LocalStore(root)
+    conflicts = 0
+    done = 0
+    while done < n:
+        got = store.get_with_meta("counter")
+        try:
+            store.put("counter", str(int(got.data) + 1).encode(), mode=IfMatch(got.meta.etag))
+            done += 1
+        except PreconditionFailedError:
+            conflicts += 1
+    return conflicts
+
+
+def test_cas_is_atomic_across_processes(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put("counter", b"0", mode="create")
+    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    with ctx.Pool(PROCESSES) as pool:
+        pool.starmap(_increment, [(str(tmp_path), INCREMENTS)] * PROCESSES)
+    # A lost update (two processes both "winning" against one ETag) would leave it lower.
+    assert int(store.get("counter")) == PROCESSES * INCREMENTS
