@@ -49,6 +49,8 @@ StateDict = dict[str, torch.Tensor]
 ZSTD_LEVEL = 3
 # grail's sparse_codec pins level 1 ("best speed/ratio tradeoff from benchmarks").
 GRAIL_ZSTD_LEVEL = 1
+# The harness compares formats single-threaded; see benchmarks/run.py.
+ZIPNN_THREADS = 1
 _LEN = struct.Struct("<I")
 
 
@@ -188,8 +190,10 @@ def _zipnn(delta: bool):
     import zipnn
 
     # bfloat16 byte grouping is ZipNN's headline mode for bf16 checkpoints.
+    # One thread, like every other format in the harness (ZipNN defaults to all cores).
     kw = {"delta_compressed_type": "byte"} if delta else {}
-    return zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", **kw)
+    return zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=ZIPNN_THREADS,
+                       **kw)
 
 
 def _zipnn_encode(prev: StateDict, new: StateDict) -> bytes:

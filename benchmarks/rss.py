@@ -23,6 +23,22 @@ def _rss_kb() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def _hwm_kb() -> int:
+    """Peak RSS of this process's memory map (VmHWM).
+
+    Not ``ru_maxrss``: Linux folds the peak of the pre-exec image into it, and a child of a
+    fork() starts with its parent's peak, so it would report the harness's memory, not ours.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def _reset_peak() -> bool:
     """Reset the peak-RSS mark so ru_maxrss measures from now (Linux >= 4.0)."""
     try:
@@ -37,7 +53,10 @@ def probe(workload: str, fmt_name: str, step: int) -> dict:
     import torch
 
     from benchmarks.peers import FORMATS
+    from benchmarks.run import THREADS
     from benchmarks.workload import load_step
+
+    torch.set_num_threads(THREADS)
 
     fmt = FORMATS[fmt_name]
     prev, new = load_step(workload, step - 1), load_step(workload, step)
@@ -46,10 +65,10 @@ def probe(workload: str, fmt_name: str, step: int) -> dict:
     fmt.encode(prev, new)  # warm-up: imports and first-call allocations are not the format's
     gc.collect()
     reset = _reset_peak()
-    base_kb = _rss_kb() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_kb = _rss_kb() if reset else _hwm_kb()
     blob = fmt.encode(prev, new)
     fmt.decode_apply(target, blob)
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = _hwm_kb()
     exact = all(torch.equal(target[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
     return {
         "workload": workload, "format": fmt_name, "step": step,
