@@ -124,12 +124,12 @@ class LocalStore(Store):
         finally:
             os.close(fd)  # closing releases the flock
 
-    def _write_tmp(self, final: Path, data: bytes, etag: str) -> tuple[Path, float]:
+    def _write_tmp(self, final: Path, data: memoryview, etag: str) -> tuple[Path, float]:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            view = memoryview(data)
+            view = data
             while view:
                 view = view[os.write(fd, view) :]
             if _HAS_XATTR:
@@ -247,7 +247,7 @@ class LocalStore(Store):
         final = self._path(key)
         if not (mode in ("create", "overwrite") or isinstance(mode, IfMatch)):
             raise ValueError(f"unknown put mode {mode!r}")
-        data = bytes(data)
+        data = memoryview(data).cast("B")  # any bytes-like; no copy of a large blob
         etag = content_etag(data)
         try:
             tmp, mtime = self._write_tmp(final, data, etag)
@@ -287,7 +287,7 @@ class LocalStore(Store):
         finally:
             tmp.unlink(missing_ok=True)
         return ObjectMeta(
-            key=key, size=len(data), etag=etag, last_modified=datetime.fromtimestamp(mtime, tz=timezone.utc)
+            key=key, size=data.nbytes, etag=etag, last_modified=datetime.fromtimestamp(mtime, tz=timezone.utc)
         )
 
     def head(self, key: str) -> ObjectMeta:

@@ -320,7 +320,8 @@ class S3Store(Store):
             kwargs["IfMatch"] = _quote(mode.etag)
         elif mode != "overwrite":
             raise ValueError(f"unknown put mode {mode!r}")
-        data = bytes(data)
+        if not isinstance(data, (bytes, bytearray)):
+            data = bytes(data)  # botocore takes bytes, bytearray or a file; copy only other buffers
         try:
             response = self._client.put_object(Bucket=self.bucket, Key=full, Body=data, **kwargs)
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
