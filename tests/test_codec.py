@@ -252,3 +252,20 @@ def test_every_level_decodes(level):
     assert np.array_equal(t, new)
     f = encode_full(old, level=level)
     assert np.array_equal(decode_full(f.data, codec=f.codec, dtype=np.uint16, count=old.size), old)
+
+
+def test_segment_bytes_may_be_any_buffer():
+    """Pullers slice segments out of a larger pack: memoryview and bytearray work like bytes."""
+    rng = np.random.default_rng(4)
+    old = bf16_bits(rng, 5000)
+    new = edit(rng, old, "ulp")
+    seg, full = encode_delta(old, new), encode_full(new)
+    pack = b"xx" + seg.data + full.data + b"yy"
+    view = memoryview(pack)[2 : 2 + len(seg.data)]
+    t = old.copy()
+    apply_delta(t, view, codec=seg.codec)
+    assert np.array_equal(t, new)
+    fview = memoryview(pack)[2 + len(seg.data) : -2]
+    assert np.array_equal(decode_full(fview, codec=full.codec, dtype=np.uint16, count=5000), new)
+    assert np.array_equal(decode_full(bytearray(full.data), codec=full.codec, dtype=np.uint16, count=5000), new)
+    assert peek_header(view) == peek_header(seg.data)
