@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 PACK_TARGET_BYTES = 64 * 1024 * 1024
 #: A full snapshot every this many versions bounds how much history a new worker replays.
 DEFAULT_ANCHOR_EVERY = 20
+#: Tries to claim a store whose current publisher keeps committing: each try loses only to a
+#: commit that landed during one HEAD round trip.
+CLAIM_ATTEMPTS = 16
 #: Encoded chunks in flight per worker thread: enough to keep threads busy, bounded memory.
 IN_FLIGHT_PER_THREAD = 2
 
@@ -445,14 +448,24 @@ class Publisher:
 
     def _claim(self) -> None:
         """Take the store over: HEAD's epoch + 1 fences every older publisher (SPEC §5)."""
-        assert self._head is not None and self._head_etag is not None
-        claimed = self._head.model_copy(update={
-            "epoch": self._head.epoch + 1,
-            "writer": self.writer_id,
-            "commit_id": uuid.uuid4().hex,
-            "updated": _now(),
-        })
-        self._cas_head(claimed)
+        for attempt in range(CLAIM_ATTEMPTS):
+            assert self._head is not None and self._head_etag is not None
+            claimed = self._head.model_copy(update={
+                "epoch": self._head.epoch + 1,
+                "writer": self.writer_id,
+                "commit_id": uuid.uuid4().hex,
+                "updated": _now(),
+            })
+            try:
+                self._cas_head(claimed)
+                break
+            except FencedError:
+                raise  # another publisher claimed it first
+            except ConflictError:
+                # The publisher being replaced committed between our read and our CAS (it is
+                # still running: the reason to take over). _cas_head re-read HEAD: claim that.
+                if self._head is None or attempt == CLAIM_ATTEMPTS - 1:
+                    raise
         self.epoch = claimed.epoch
         logger.info("claimed %s at version %d with epoch %d", self.url, claimed.version, claimed.epoch)
 
