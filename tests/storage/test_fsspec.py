@@ -21,7 +21,8 @@ class TestFsspecMemory(StoreContract):
         fs = fsspec.filesystem("memory")
         root = f"/deltastore-test/{uuid.uuid4().hex}"
         yield FsspecStore(fs, root)
-        fs.rm(root, recursive=True) if fs.exists(root) else None
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
 
 
 class TestFsspecLocal(StoreContract):
