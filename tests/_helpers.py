@@ -325,3 +325,26 @@ def publisher(url: str, **kw: Any) -> Publisher:
     kw.setdefault("threads", 2)
     return Publisher(url, **kw)
 
+
+
+def resign_segment(store: Store, doc: dict[str, Any], name: str, index: int, which: str,
+                   mutate: Callable[[bytes], bytes]) -> None:
+    """Replace one segment's bytes (same length) in a copy of its pack, and fix every SHA-256.
+
+    ``doc`` (a manifest document) is updated in place to reference the new pack; write it with
+    :func:`resign_manifest`. Models a writer that encoded garbage but hashed it correctly.
+    """
+    entry = next(t for t in doc["tensors"] if t["name"] == name)
+    chunk = next(c for c in entry["chunks"] if c["index"] == index)
+    seg = chunk[which]
+    blob = doc["blobs"][seg["blob"]]
+    pack = bytearray(store.get(blob["key"]))
+    a, b = seg["offset"], seg["offset"] + seg["length"]
+    new = mutate(bytes(pack[a:b]))
+    assert len(new) == b - a, "resign_segment keeps the segment's length"
+    pack[a:b] = new
+    digest = sha256_hex(bytes(pack))
+    key = f"blobs/{digest[:2]}/{digest}"
+    store.put(key, bytes(pack), mode="overwrite")
+    blob.update(key=key, sha256=digest, size=len(pack))
+    seg["sha256"] = sha256_hex(new)

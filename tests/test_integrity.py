@@ -1,0 +1,389 @@
+"""Damaged stores and modified targets (SPEC §7, §9): typed errors naming the object, and
+``pull_into`` never leaves a target half-applied."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import deltastore.pull
+from deltastore import (
+    CorruptObjectError,
+    DeltastoreError,
+    FormatError,
+    IntegrityError,
+    LayoutMismatchError,
+    NotFoundError,
+    Publisher,
+    Subscriber,
+    UnknownCodecError,
+    UnsupportedSchemaError,
+)
+from deltastore.manifest import HEAD_KEY
+from deltastore.storage import open_store
+from deltastore.tensors import bits
+from tests._helpers import (
+    SMALL_CHUNK_BYTES,
+    assert_bits_equal,
+    head_manifest,
+    keys,
+    pull_fresh,
+    read_head,
+    resign_manifest,
+    resign_segment,
+    small_state,
+    snapshot,
+    sparse_edit,
+)
+
+
+@pytest.fixture(params=["memory", "file"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return str(tmp_path / "store")
+    return f"memory://integrity-{uuid.uuid4().hex}"
+
+
+def _history(url: str, n: int = 4, **kw) -> list[dict[str, torch.Tensor]]:
+    """Publish ``n`` versions of a multi-chunk state (anchor, then sparse deltas)."""
+    states = [small_state(0, n=4, rows=64)]
+    for i in range(1, n):
+        states.append(sparse_edit(states[-1], np.random.default_rng(i), 0.02))
+    kw.setdefault("chunk_bytes", SMALL_CHUNK_BYTES)
+    with Publisher(url, threads=2, **kw) as pub:
+        for s in states:
+            pub.publish(s)
+    return [snapshot(s) for s in states]
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    b = bytearray(data)
+    b[at] ^= 0x01
+    return bytes(b)
+
+
+# --- damaged objects, fresh readers ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["flip-first", "flip-middle", "flip-last", "truncate", "extend", "empty"])
+def test_damaged_pack_is_an_integrity_error_naming_it(url: str, damage: str) -> None:
+    _history(url, n=2)
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        key = doc["blobs"][0]["key"]
+        data = store.get(key)
+        bad = {
+            "flip-first": lambda: _flip(data, 0),
+            "flip-middle": lambda: _flip(data, len(data) // 2),
+            "flip-last": lambda: _flip(data, len(data) - 1),
+            "truncate": lambda: data[:-1],
+            "extend": lambda: data + b"\0",
+            "empty": lambda: b"",
+        }[damage]()
+        store.put(key, bad, mode="overwrite")
+    with Subscriber(url) as sub:
+        with pytest.raises(IntegrityError) as exc:
+            sub.pull()
+        assert key in str(exc.value)
+        assert sub.version is None
+
+
+def test_missing_pack_is_not_found_naming_it(url: str) -> None:
+    _history(url, n=2)
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        key = doc["blobs"][0]["key"]
+        store.delete(key)
+    with Subscriber(url) as sub:
+        with pytest.raises(NotFoundError) as exc:
+            sub.pull()
+        assert isinstance(exc.value, KeyError)
+        assert key in str(exc.value)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_manifest_in_the_chain_is_named(url: str, damage: str) -> None:
+    _history(url, n=3)
+    with open_store(url) as store:
+        key = next(k for k in keys(store, "manifests/") if k.startswith("manifests/000000000002-"))
+        if damage == "delete":
+            store.delete(key)
+        else:
+            data = store.get(key)
+            store.put(key, _flip(data, 10) if damage == "flip" else data[: len(data) // 2], mode="overwrite")
+    expected = NotFoundError if damage == "delete" else IntegrityError
+    with Subscriber(url) as sub:
+        assert sub.latest().version == 3  # the head manifest itself is fine
+        for call in (sub.pull, sub.log, lambda: sub.info(1)):
+            with pytest.raises(expected) as exc:
+                call()
+            assert key in str(exc.value)
+
+
+def test_head_manifest_digest_mismatch(url: str) -> None:
+    _history(url, n=2)
+    with open_store(url) as store:
+        h = read_head(store)
+        h["manifest_sha256"] = "0" * 64
+        store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
+    with Subscriber(url) as sub, pytest.raises(IntegrityError, match=h["manifest"]):
+        sub.pull()
+
+
+@pytest.mark.parametrize(
+    "head_bytes, error",
+    [
+        (b"", CorruptObjectError),
+        (b"{not json", CorruptObjectError),
+        (b"[1, 2]", CorruptObjectError),
+        (b'{"format": "deltastore.head", "schema": 1}', CorruptObjectError),
+        (b"\xff\xfe", CorruptObjectError),
+    ],
+)
+def test_garbled_head(url: str, head_bytes: bytes, error: type) -> None:
+    _history(url, n=1)
+    with open_store(url) as store:
+        store.put(HEAD_KEY, head_bytes, mode="overwrite")
+    with Subscriber(url) as sub:
+        for call in (sub.pull, sub.latest, sub.log):
+            with pytest.raises(error, match="HEAD"):
+                call()
+    with pytest.raises(error):
+        Publisher(url)
+
+
+def test_head_and_manifest_versions_disagree(url: str) -> None:
+    _history(url, n=2)
+    with open_store(url) as store:
+        h = read_head(store)
+        h["version"] = 7
+        store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
+    with Subscriber(url) as sub, pytest.raises(CorruptObjectError):
+        sub.pull()
+
+
+# --- schemas and codecs from the future --------------------------------------------------------
+
+
+def test_unknown_schema_in_head_is_refused_by_readers_and_writers(url: str) -> None:
+    _history(url, n=1)
+    with open_store(url) as store:
+        h = read_head(store)
+        h["schema"] = 2
+        h["something_new"] = True
+        future = json.dumps(h).encode()
+        store.put(HEAD_KEY, future, mode="overwrite")
+    with Subscriber(url) as sub:
+        for call in (sub.pull, sub.latest, sub.log):
+            with pytest.raises(UnsupportedSchemaError, match="schema"):
+                call()
+    # A publisher must not overwrite a store written by a newer deltastore.
+    with pytest.raises(UnsupportedSchemaError):
+        Publisher(url)
+    with pytest.raises(UnsupportedSchemaError):
+        Publisher(url, takeover=False)
+    with open_store(url) as store:
+        assert store.get(HEAD_KEY) == future
+
+
+def test_unknown_schema_in_manifest(url: str) -> None:
+    _history(url, n=2)
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        doc["schema"] = 2
+        key = resign_manifest(store, doc)
+    with Subscriber(url) as sub:
+        with pytest.raises(UnsupportedSchemaError) as exc:
+            sub.pull()
+        assert key in str(exc.value)
+
+
+@pytest.mark.parametrize("which", ["full", "delta"])
+def test_unknown_codec_in_manifest(url: str, which: str) -> None:
+    states = _history(url, n=2)
+    with open_store(url) as store:
+        key, doc = head_manifest(store)
+        if which == "full":  # version 1 is the anchor: point HEAD at a re-signed version 1
+            key = next(k for k in keys(store, "manifests/") if k.startswith("manifests/000000000001-"))
+            doc = json.loads(store.get(key))
+        seg = doc["tensors"][-1]["chunks"][-1][which]
+        seg["codec"] = "lz77-magic/9"
+        resign_manifest(store, doc)
+    with Subscriber(url) as sub:
+        with pytest.raises((UnknownCodecError, CorruptObjectError)) as exc:
+            if which == "full":
+                sub.pull()
+            else:
+                target = sub.pull(1)
+                before = snapshot(target)
+                sub.pull_into(target)
+        assert "lz77-magic/9" in str(exc.value) or isinstance(exc.value, CorruptObjectError)
+        if which == "delta":
+            assert_bits_equal(target, before)
+            assert_bits_equal(target, states[0])
+
+
+@pytest.mark.parametrize("byte_at, value", [(4, 9), (5, 7)])
+def test_unknown_codec_inside_a_segment(url: str, byte_at: int, value: int) -> None:
+    """A segment whose own header names an unknown codec id/version (hashes all correct)."""
+    _history(url, n=1)
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        t = doc["tensors"][0]
+        resign_segment(store, doc, t["name"], 0, "full", lambda b: b[:byte_at] + bytes([value]) + b[byte_at + 1 :])
+        resign_manifest(store, doc)
+    with Subscriber(url) as sub, pytest.raises((UnknownCodecError, CorruptObjectError)):
+        sub.pull()
+
+
+# --- pull_into: all or nothing ---------------------------------------------------------------
+
+
+class _CountApplies:
+    """Counts successful delta applications (to know that a failure came after some)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.n = 0
+        real = deltastore.pull.codec.apply_delta
+
+        def counting(*a, **kw):
+            out = real(*a, **kw)
+            self.n += 1
+            return out
+
+        monkeypatch.setattr(deltastore.pull.codec, "apply_delta", counting)
+
+
+def _last_changed_chunk(doc: dict) -> tuple[str, int]:
+    t = doc["tensors"][-1]
+    return t["name"], t["chunks"][-1]["index"]
+
+
+@pytest.mark.parametrize("how", ["digest", "segment-bits", "segment-codec", "segment-sha"])
+def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, monkeypatch) -> None:
+    states = _history(url, n=4)
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        name, idx = _last_changed_chunk(doc)
+        chunk = next(c for t in doc["tensors"] if t["name"] == name for c in t["chunks"] if c["index"] == idx)
+        if how == "digest":  # the later chunk decodes but does not match its state digest
+            chunk["digest"] = "0" * 32
+        elif how == "segment-bits":  # garbage that hashes correctly
+            resign_segment(store, doc, name, idx, "delta", lambda b: b[:-4] + bytes(x ^ 0x5A for x in b[-4:]))
+        elif how == "segment-codec":
+            resign_segment(store, doc, name, idx, "delta", lambda b: b[:4] + b"\x09" + b[5:])
+        else:  # the manifest's segment hash is wrong: caught before decoding
+            chunk["delta"]["sha256"] = "f" * 64
+        resign_manifest(store, doc)
+    assert sum(len(t["chunks"]) for t in doc["tensors"]) > 2, "the bad chunk must not be the only one"
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(2)
+        ptrs = {n: t.data_ptr() for n, t in target.items()}
+        before = snapshot(target)
+        applies = _CountApplies(monkeypatch)
+        with pytest.raises((IntegrityError, FormatError)) as exc:
+            sub.pull_into(target)
+        assert isinstance(exc.value, DeltastoreError)
+        assert_bits_equal(target, before, "target after a failed pull_into")
+        assert_bits_equal(target, states[1])
+        assert {n: t.data_ptr() for n, t in target.items()} == ptrs
+        assert sub.version == 2
+        if how in ("digest", "segment-bits"):
+            assert applies.n > 1, "other chunks should have been applied (then rolled back)"
+        # Nothing was half-done: with HEAD put back on the good version, the same subscriber
+        # fast-forwards the same target.
+        with open_store(url) as store:
+            good = next(k for k in keys(store, "manifests/") if k.startswith("manifests/000000000004-") and k != sub.latest().manifest)
+            h = read_head(store)
+            from deltastore.manifest import sha256_hex
+
+            h.update(manifest=good, manifest_sha256=sha256_hex(store.get(good)))
+            store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
+        assert sub.pull_into(target).version == 4
+        assert_bits_equal(target, states[3])
+
+
+def test_pull_into_rolls_back_chunks_replaced_from_a_snapshot(url: str, monkeypatch) -> None:
+    """Across a restart anchor (no deltas), chunks are replaced from full segments; a later bad
+    chunk must restore them from the saved copies."""
+    states = _history(url, n=2)
+    more = [sparse_edit(states[-1], np.random.default_rng(10 + i), 0.02) for i in range(2)]
+    with Publisher(url, resume=False, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:  # a restart, no read-back
+        assert pub.publish(more[0]).kind == "anchor"
+        assert pub.publish(more[1]).kind == "delta"
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        name, idx = _last_changed_chunk(doc)
+        next(c for t in doc["tensors"] if t["name"] == name for c in t["chunks"] if c["index"] == idx)["digest"] = "0" * 32
+        resign_manifest(store, doc)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(2)
+        before = snapshot(target)
+        with pytest.raises(IntegrityError):
+            sub.pull_into(target)
+        assert_bits_equal(target, before)
+        assert sub.pull_into(target, version=3).version == 3
+        assert_bits_equal(target, more[0])
+
+
+def test_pull_into_a_modified_target_is_refused(url: str) -> None:
+    states = _history(url, n=3)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(1)
+        # Modify an element of a chunk that the update will touch.
+        with open_store(url) as store:
+            _, doc = head_manifest(store)
+        name, idx = doc["tensors"][0]["name"], doc["tensors"][0]["chunks"][0]["index"]
+        rows = doc["tensors"][0]["chunk_rows"]
+        bits(target[name].view(target[name].shape[0], -1)[idx * rows])[0] ^= 1
+        before = snapshot(target)
+        with pytest.raises(IntegrityError) as exc:
+            sub.pull_into(target)
+        assert name in str(exc.value)
+        assert_bits_equal(target, before)
+        assert sub.version == 1
+    # A fresh pull is the way out.
+    assert_bits_equal(pull_fresh(url), states[2])
+
+
+def test_pull_into_a_target_modified_where_nothing_changes_is_refused(url: str) -> None:
+    """SPEC §7.5: the target's chunks are checked against their digests at the held version, so
+    a local edit in a tensor the update does not touch is not silently kept."""
+    states = [small_state(0, n=4, rows=64)]
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        pub.publish(states[0])
+        nxt = snapshot(states[0])
+        nxt["t0"][0, 0] += 1  # only t0 changes
+        pub.publish(nxt)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(1)
+        bits(target["t3"])[5] ^= 1  # t3 is not in the delta
+        before = snapshot(target)
+        with pytest.raises(IntegrityError) as exc:
+            sub.pull_into(target)
+        assert "t3" in str(exc.value)
+        assert_bits_equal(target, before)
+
+
+def test_pull_into_a_wrong_layout_target(url: str) -> None:
+    _history(url, n=2)
+    with Subscriber(url) as sub:
+        target = sub.pull(1)
+        bad = dict(target)
+        bad["t1"] = torch.zeros(63, 8, dtype=target["t1"].dtype)
+        with pytest.raises(LayoutMismatchError, match="t1"):
+            sub.pull_into(bad)
+        bad = dict(target)
+        bad["t1"] = target["t1"].to(torch.float64)
+        with pytest.raises(LayoutMismatchError, match="t1"):
+            sub.pull_into(bad)
+        bad = dict(target)
+        del bad["t2"]
+        with pytest.raises(LayoutMismatchError, match="t2"):
+            sub.pull_into(bad)
+        assert sub.pull_into(target).version == 2
