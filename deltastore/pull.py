@@ -410,14 +410,20 @@ class Subscriber:
 
         data = self._fetcher.fetch(s for p in plans for s in p.steps())
 
-        def check_base(p: _ChunkPlan) -> None:
-            if p.full is None and state_digest(targets[p.name].read(*p.span)) != base.get((p.name, p.index)):
+        # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
+        # the chunks this update touches (a local edit elsewhere would survive silently).
+        replaced = {(p.name, p.index) for p in plans if p.full is not None}
+        kept = {k for k in base if owner.get(k[0]) == k[0]} | {(p.name, p.index) for p in plans if p.full is None}
+
+        def check_base(k: tuple[str, int]) -> None:
+            name, index = k
+            if state_digest(targets[name].read(*specs[name].chunk_span(index))) != base.get(k):
                 raise IntegrityError(
-                    f"tensor {p.name!r} chunk {p.index} is not what version {self._version} holds there: "
+                    f"tensor {name!r} chunk {index} is not what version {self._version} holds there: "
                     "the target was modified since it was pulled (pull() it again)"
                 )
 
-        list(self._pool.map(check_base, plans))
+        list(self._pool.map(check_base, sorted(kept - replaced)))
 
         done: list[tuple[_ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
 
