@@ -97,7 +97,7 @@ class StoreModel(RuleBasedStateMachine):
 
 
 _SETTINGS = settings(
-    max_examples=30, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=20, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
