@@ -230,3 +230,99 @@ def test_unchanged_publish_is_an_empty_delta() -> None:
         assert (info.version, info.kind, info.tensors_changed, info.elements_changed) == (2, "delta", 0, 0)
         assert sub.pull_into(target).version == 2
         assert_bits_equal(target, state)
+
+
+def test_publishing_a_module_updated_in_place_keeps_old_versions_intact() -> None:
+    """The publisher must copy what it keeps: a trainer updates the same tensors every step."""
+    url = "memory://e2e-in-place"
+    model = TinyMLP().to(torch.bfloat16)
+    published = []
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        for i in range(4):
+            with torch.no_grad():
+                model.fc1.weight.view(-1)[i * 11] += 1.0
+                model.fc2.bias.view(-1)[i] -= 2.0
+            pub.publish(model)
+            published.append(snapshot(model.state_dict()))
+    with Subscriber(url, threads=2) as sub:
+        for v, state in enumerate(published, start=1):
+            assert_bits_equal(sub.pull(v), state, f"version {v}")
+
+
+def _renamed(s):
+    s = dict(s)
+    s["t0.renamed"] = s.pop("t0")
+    return s
+
+
+def _reshaped(s):
+    return {**s, "t1": s["t1"].reshape(16, 16)}
+
+
+def _retyped(s):
+    return {**s, "t2": s["t2"].to(torch.float64)}
+
+
+def _added(s):
+    return {**s, "t9": torch.zeros(3)}
+
+
+def _removed(s):
+    s = dict(s)
+    del s["t3"]
+    return s
+
+
+LAYOUT_CHANGES = [(_renamed, "t0"), (_reshaped, "t1"), (_retyped, "t2"), (_added, "t9"), (_removed, "t3")]
+
+
+@pytest.mark.parametrize("change, name", LAYOUT_CHANGES, ids=[c.__name__.strip("_") for c, _ in LAYOUT_CHANGES])
+def test_layout_change_is_refused_without_anchor(change, name: str) -> None:
+    from deltastore import LayoutMismatchError
+    from tests._helpers import keys
+
+    url = f"memory://e2e-layout-{name}-{change.__name__}"
+    old = small_state(0)
+    with Publisher(url, threads=2) as pub:
+        pub.publish(old)
+        before = keys(pub.store)
+        with pytest.raises(LayoutMismatchError, match=name):
+            pub.publish(change(small_state(1)))
+        assert keys(pub.store) == before and pub.version == 1
+        assert pub.publish(small_state(1)).kind == "delta"
+    # a new publisher (reading the head version back) refuses it the same way
+    with Publisher(url, threads=2) as pub:
+        with pytest.raises(LayoutMismatchError, match=name):
+            pub.publish(change(small_state(2)))
+        assert pub.version == 2
+
+
+@pytest.mark.parametrize("change, name", LAYOUT_CHANGES, ids=[c.__name__.strip("_") for c, _ in LAYOUT_CHANGES])
+def test_layout_change_with_anchor(change, name: str) -> None:
+    from deltastore import LayoutMismatchError
+
+    url = f"memory://e2e-relayout-{name}-{change.__name__}"
+    old, new = small_state(0), change(small_state(1))
+    newer = {n: t.clone() for n, t in new.items()}
+    bits_view = next(iter(newer.values()))
+    bits_view.view(-1)[0] = bits_view.view(-1)[1]
+    with Publisher(url, threads=2) as pub, Subscriber(url, threads=2) as sub:
+        pub.publish(old)
+        target = sub.pull()
+        before = snapshot(target)
+        info = pub.publish(new, anchor=True)
+        assert (info.version, info.kind, info.anchor) == (2, "anchor", 2)
+        assert pub.publish(newer).kind == "delta"  # the new layout is now the base
+        with pytest.raises(LayoutMismatchError):
+            sub.pull_into(target)
+        assert_bits_equal(target, before)
+        assert sub.version == 1
+        fresh = sub.pull()
+        assert_bits_equal(fresh, newer)
+        assert sub.pull_into(fresh) is None
+        assert_bits_equal(sub.pull(2), new)
+        assert_bits_equal(sub.pull(1), old)
+        # pull_into from the new layout's anchor works
+        t2 = sub.pull(2)
+        assert sub.pull_into(t2).version == 3
+        assert_bits_equal(t2, newer)
