@@ -1,0 +1,334 @@
+"""HEAD and manifest documents (SPEC §3–4): round trips, strict typed parsing, and size."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltastore import CorruptObjectError, DeltastoreError, IntegrityError, Publisher, UnsupportedSchemaError
+from deltastore.manifest import (
+    HEAD_KEY,
+    BlobRef,
+    ChunkEntry,
+    Head,
+    Manifest,
+    SegmentRef,
+    Stats,
+    TensorEntry,
+    blob_key,
+    digest_from_key,
+    dump,
+    manifest_key,
+    parse_head,
+    parse_manifest,
+    sha256_hex,
+)
+from tests._helpers import head_manifest, small_state, snapshot
+
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+hexes = st.text("0123456789abcdef", min_size=64, max_size=64)
+names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+
+
+@st.composite
+def manifests(draw) -> Manifest:
+    """Manifests that satisfy every SPEC §3 invariant (so parse_manifest must accept them)."""
+    version = draw(st.integers(1, 10**9))
+    has_parent = version > 1 and draw(st.booleans())
+    kind = "delta" if has_parent and draw(st.booleans()) else "anchor"
+    if kind == "delta":
+        has_parent = True
+    parent = version - 1 if has_parent else None
+    anchor = version if kind == "anchor" else draw(st.integers(1, version - 1))
+    delta_base = parent if kind == "delta" else (parent if has_parent and draw(st.booleans()) else None)
+    blob_sizes = draw(st.lists(st.integers(0, 10**6), min_size=0, max_size=3))
+    blobs = tuple(BlobRef(key=blob_key(h), size=s, sha256=h) for h, s in zip(draw(st.lists(hexes, min_size=len(blob_sizes), max_size=len(blob_sizes))), blob_sizes))
+
+    def seg():
+        if not blobs:
+            return None
+        b = draw(st.integers(0, len(blobs) - 1))
+        size = blobs[b].size
+        off = draw(st.integers(0, size))
+        length = draw(st.integers(0, size - off))
+        return SegmentRef(blob=b, offset=off, length=length, sha256=draw(hexes),
+                          codec=draw(st.sampled_from(["full/1", "xor-sparse/1", "xor-dense/1"])),
+                          n_changed=draw(st.integers(0, 10**6)))  # fmt: skip
+
+    tensors = []
+    if blobs:
+        for name in draw(st.lists(names, max_size=3, unique=True)):
+            chunks = []
+            for idx in sorted(draw(st.sets(st.integers(0, 50), min_size=1, max_size=3))):
+                full = seg() if kind == "anchor" else None
+                delta = seg() if delta_base is not None and (kind == "delta" or draw(st.booleans())) else None
+                chunks.append(ChunkEntry(index=idx, digest=draw(st.text("0123456789abcdef", min_size=32, max_size=32)), full=full, delta=delta))
+            tensors.append(TensorEntry(name=name, dtype=draw(st.sampled_from(["bfloat16", "float32", "int64", "bool"])),
+                                       shape=tuple(draw(st.lists(st.integers(0, 10**6), max_size=4))),
+                                       chunk_rows=draw(st.integers(1, 10**6)), chunks=tuple(chunks)))  # fmt: skip
+    return Manifest(
+        version=version,
+        parent=parent,
+        parent_manifest=manifest_key(parent, draw(hexes)) if parent else None,
+        kind=kind,
+        anchor=anchor,
+        delta_base=delta_base,
+        step=draw(st.none() | st.integers(-(2**62), 2**62)),
+        created=draw(st.text(max_size=30)),
+        writer=draw(st.text(max_size=30)),
+        epoch=draw(st.integers(0, 2**40)),
+        commit_id=draw(st.text(max_size=40)),
+        metadata=draw(st.dictionaries(st.text(max_size=8), json_values, max_size=4)),
+        blobs=blobs,
+        tensors=tuple(tensors),
+        stats=Stats(**{f: draw(st.integers(0, 2**50)) for f in Stats.model_fields}),
+    )
+
+
+heads = st.builds(
+    Head,
+    version=st.integers(0, 10**9),
+    manifest=st.none() | hexes.map(lambda h: manifest_key(3, h)),
+    manifest_sha256=st.none() | hexes,
+    commit_id=st.text(max_size=40),
+    writer=st.text(max_size=40),
+    epoch=st.integers(0, 2**40),
+    updated=st.text(max_size=30),
+)
+
+
+@PROPS
+@given(manifests())
+def test_manifest_round_trips(m: Manifest) -> None:
+    data = dump(m)
+    digest = sha256_hex(data)
+    key = manifest_key(m.version, digest)
+    assert digest_from_key(key) == digest
+    back = parse_manifest(data, key, digest)
+    assert back == m
+    assert dump(back) == data, "dump is canonical"
+    doc = json.loads(data)
+    assert doc["schema"] == 1 and doc["format"] == "deltastore.manifest" and doc["parts"] == []
+
+
+@PROPS
+@given(heads)
+def test_head_round_trips(h: Head) -> None:
+    data = dump(h)
+    assert parse_head(data) == h
+    assert dump(parse_head(data)) == data
+    assert json.loads(data)["schema"] == 1
+
+
+def test_dump_is_independent_of_key_order() -> None:
+    h = Head(version=1, manifest=None, manifest_sha256=None, commit_id="c", writer="w", epoch=0, updated="t")
+    doc = json.loads(dump(h))
+    shuffled = json.dumps(dict(reversed(list(doc.items())))).encode()
+    assert dump(parse_head(shuffled)) == dump(h)
+
+
+# --- documents from a real store --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real() -> dict[str, bytes | str]:
+    url = f"memory://manifest-{uuid.uuid4().hex}"
+    s0 = small_state(0)
+    s1 = snapshot(s0)
+    s1["t0"][0, 0] += 1
+    with Publisher(url, threads=2, chunk_bytes=256) as pub:
+        pub.publish(s0, metadata={"a": [1, 2]})
+        pub.publish(s1, step=5)
+        store = pub.store
+        key, _ = head_manifest(store)
+        return {"key": key, "manifest": store.get(key), "head": store.get(HEAD_KEY)}
+
+
+def test_every_truncated_manifest_is_a_typed_error(real) -> None:
+    data, key = real["manifest"], real["key"]
+    for n in range(len(data)):
+        cut = data[:n]
+        with pytest.raises(IntegrityError):  # the content address catches it first
+            parse_manifest(cut, key)
+        rekeyed = manifest_key(2, sha256_hex(cut))
+        with pytest.raises(CorruptObjectError) as exc:  # and the parser, if it is re-keyed
+            parse_manifest(cut, rekeyed)
+        assert rekeyed in str(exc.value)
+
+
+def test_every_truncated_head_is_a_typed_error(real) -> None:
+    data = real["head"]
+    parse_head(data)
+    for n in range(len(data)):
+        with pytest.raises(CorruptObjectError, match="HEAD"):
+            parse_head(data[:n])
+
+
+def _rekey(doc: dict) -> tuple[bytes, str]:
+    data = json.dumps(doc).encode()
+    return data, manifest_key(2, sha256_hex(data))
+
+
+weird = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=3) | st.lists(st.integers(), max_size=2) | st.dictionaries(st.text(max_size=2), st.integers(), max_size=2)
+
+
+def _paths(doc, prefix=()):
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, prefix + (i,))
+
+
+@PROPS
+@given(data=st.data())
+def test_mutated_manifest_parses_or_raises_a_typed_error(real, data) -> None:
+    """Whatever a damaged or foreign manifest holds, the parser raises only our errors."""
+    doc = json.loads(real["manifest"])
+    paths = [p for p in _paths(doc) if p]
+    path = data.draw(st.sampled_from(paths))
+    parent = doc
+    for p in path[:-1]:
+        parent = parent[p]
+    action = data.draw(st.sampled_from(["delete", "replace", "extra"]))
+    if action == "delete":
+        del parent[path[-1]]
+    elif action == "replace":
+        parent[path[-1]] = data.draw(weird)
+    elif isinstance(parent, dict):
+        parent[data.draw(st.text(min_size=1, max_size=4))] = data.draw(weird)
+    raw, key = _rekey(doc)
+    try:
+        m = parse_manifest(raw, key)
+    except DeltastoreError as e:
+        assert isinstance(e, (CorruptObjectError, UnsupportedSchemaError)), repr(e)
+        assert key in str(e)
+    else:
+        assert isinstance(m, Manifest)
+
+
+@PROPS
+@given(data=st.data())
+def test_mutated_head_parses_or_raises_a_typed_error(real, data) -> None:
+    doc = json.loads(real["head"])
+    field = data.draw(st.sampled_from(sorted(doc)))
+    if data.draw(st.booleans()):
+        del doc[field]
+    else:
+        doc[field] = data.draw(weird)
+    try:
+        parse_head(json.dumps(doc).encode())
+    except DeltastoreError as e:
+        assert isinstance(e, (CorruptObjectError, UnsupportedSchemaError)), repr(e)
+
+
+def _doc(real) -> dict:
+    return json.loads(real["manifest"])
+
+
+@pytest.mark.parametrize(
+    "why, mutate",
+    [
+        ("parent not version - 1", lambda d: d.update(parent=d["version"] - 2)),
+        ("parent without parent_manifest", lambda d: d.update(parent_manifest=None)),
+        ("delta without delta_base", lambda d: d.update(delta_base=None)),
+        ("anchor that is not its own anchor", lambda d: d.update(kind="anchor")),
+        ("anchor after the version", lambda d: d.update(anchor=d["version"] + 1)),
+        ("version 0", lambda d: d.update(version=0)),
+        ("parts in schema 1", lambda d: d.update(parts=[{"key": "x"}])),
+        ("unknown kind", lambda d: d.update(kind="snapshot")),
+        ("unknown state digest", lambda d: d.update(state_digest="md5")),
+        ("wrong format", lambda d: d.update(format="deltastore.head")),
+        ("extra field", lambda d: d.update(surprise=1)),
+        ("delta chunk without delta", lambda d: d["tensors"][0]["chunks"][0].update(delta=None)),
+        ("segment names a missing blob", lambda d: d["tensors"][0]["chunks"][0]["delta"].update(blob=9)),
+        ("segment past the end of its blob", lambda d: d["tensors"][0]["chunks"][0]["delta"].update(offset=10**9)),
+        ("negative length", lambda d: d["tensors"][0]["chunks"][0]["delta"].update(length=-1)),
+        ("chunk_rows 0", lambda d: d["tensors"][0].update(chunk_rows=0)),
+    ],
+)
+def test_inconsistent_manifest_is_corrupt(real, why: str, mutate) -> None:
+    doc = _doc(real)
+    assert doc["kind"] == "delta"
+    mutate(doc)
+    raw, key = _rekey(doc)
+    with pytest.raises(CorruptObjectError):
+        parse_manifest(raw, key)
+
+
+@pytest.mark.parametrize("schema", [0, 2, 99, "1", None])
+def test_other_schemas_are_unsupported(real, schema) -> None:
+    for what, data in (("manifest", real["manifest"]), ("head", real["head"])):
+        doc = json.loads(data)
+        doc["schema"] = schema
+        raw, key = _rekey(doc)
+        with pytest.raises(UnsupportedSchemaError, match="schema"):
+            parse_manifest(raw, key) if what == "manifest" else parse_head(raw)
+
+
+def test_manifest_digest_must_match_key_and_head(real) -> None:
+    data, key = real["manifest"], real["key"]
+    parse_manifest(data, key, sha256_hex(data))
+    with pytest.raises(IntegrityError, match=key):
+        parse_manifest(data, key, "0" * 64)
+    with pytest.raises(IntegrityError):
+        parse_manifest(data + b" ", key)
+
+
+# --- manifests grow with what changed ---------------------------------------------------------
+
+
+def test_delta_manifest_lists_only_what_changed() -> None:
+    url = f"memory://manifest-size-{uuid.uuid4().hex}"
+    state = {f"layer{i:04d}.weight": torch.full((4, 4), float(i), dtype=torch.bfloat16) for i in range(2000)}
+    state["big"] = torch.zeros(4096, 8, dtype=torch.bfloat16)
+    with Publisher(url, threads=2, chunk_bytes=1024) as pub:
+        a = pub.publish(state)
+        store = pub.store
+        anchor_size = len(store.get(a.manifest))
+        nxt = dict(state)
+        nxt["layer1234.weight"] = state["layer1234.weight"].clone()
+        nxt["layer1234.weight"][1, 2] = 7.0
+        nxt["big"] = state["big"].clone()
+        nxt["big"][3000, 5] = 1.0  # one chunk of a 64-chunk tensor
+        d = pub.publish(nxt)
+        data = store.get(d.manifest)
+        doc = json.loads(data)
+        assert d.kind == "delta"
+        assert [t["name"] for t in doc["tensors"]] == ["layer1234.weight", "big"]
+        big = doc["tensors"][1]
+        assert [c["index"] for c in big["chunks"]] == [3000 // big["chunk_rows"]]
+        assert len(data) < 3000, len(data)
+        assert anchor_size > 100 * len(data)
+        assert (d.tensors_changed, d.elements_changed) == (2, 2)
+        assert doc["stats"]["tensors_total"] == 2001
+        assert doc["stats"]["bytes_stored"] == sum(b["size"] for b in doc["blobs"])
+        # An unchanged publish: an empty delta manifest.
+        e = pub.publish(nxt)
+        assert json.loads(store.get(e.manifest))["tensors"] == [] and len(store.get(e.manifest)) < 1000
+
+
+def test_real_manifest_fields(real) -> None:
+    doc = _doc(real)
+    head = json.loads(real["head"])
+    assert head["manifest"] == real["key"] and head["manifest_sha256"] == sha256_hex(real["manifest"])
+    assert head["version"] == doc["version"] == 2 and head["commit_id"] == doc["commit_id"]
+    assert (doc["parent"], doc["kind"], doc["anchor"], doc["delta_base"], doc["step"]) == (1, "delta", 1, 1, 5)
+    assert doc["parent_manifest"].startswith("manifests/000000000001-")
+    assert doc["state_digest"] == "xxh3-128" and doc["created"].endswith("Z")
+    for b in doc["blobs"]:
+        assert b["key"] == blob_key(b["sha256"])
