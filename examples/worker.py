@@ -173,11 +173,10 @@ def human_bytes(n: float) -> str:
 
 
 def setup_logging(verbose: bool) -> None:
-    """INFO lines from the example scripts; deltastore's own only with ``verbose``."""
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    if not verbose:
-        logging.getLogger("deltastore").setLevel(logging.WARNING)
-        logging.getLogger("deltastore.examples").setLevel(logging.INFO)
+    """INFO lines from the example scripts; deltastore's own only with ``verbose``; others' warnings."""
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    logging.getLogger("deltastore").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("deltastore.examples").setLevel(logging.INFO)
 
 
 def run_worker(worker_id: int, url: str, run_id: str, events: Any, stop: Any, verbose: bool = False) -> None:
