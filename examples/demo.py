@@ -147,7 +147,7 @@ def prepare_store(url: str) -> str:
             raise DemoError(f"refusing to wipe {root}: it is not empty and does not look like a deltastore store")
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    return str(root)
+    return str(root.resolve())
 
 
 # --- the trainer ---------------------------------------------------------------------------
@@ -308,6 +308,25 @@ def print_version(info: VersionInfo, model_bytes: int, model_elements: int, loss
     )
 
 
+def report_workers(expected: dict[str, str], workers: list[WorkerState], final: int) -> int:
+    """Print one line per worker comparing its tensor digests with ``expected``; return the mismatches."""
+    mismatched = 0
+    for i, w in enumerate(workers):
+        got = w.digests or {}
+        bad = sorted(n for n in expected.keys() | got.keys() if expected.get(n) != got.get(n))
+        if w.done_version != final or bad:
+            mismatched += 1
+            print(f"MISMATCH worker {i}: version {w.done_version}, {len(bad)} of {len(expected)} tensors differ "
+                  f"from the trainer's version {final}: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+        else:
+            hops = " → ".join(str(v) for v in w.versions)
+            print(f"worker {i}: version {final}, {len(expected)} tensors bit-identical to the trainer "
+                  f"(versions reached: {hops}; fetched {human_bytes(w.fetched)})")
+    if mismatched:
+        print(f"FAILED: {mismatched} of {len(workers)} workers differ from the trainer at version {final}")
+    return mismatched
+
+
 def run(args: argparse.Namespace) -> int:
     url = prepare_store(args.store)
     run_id = uuid.uuid4().hex[:12]
@@ -348,20 +367,7 @@ def run(args: argparse.Namespace) -> int:
         finished = all(w.digests is not None for w in workers)
         stop_workers(workers, stop, WORKER_EXIT_S if finished else WORKER_ABORT_S)
 
-    mismatched = 0
-    for i, w in enumerate(workers):
-        assert w.digests is not None
-        bad = sorted(n for n in expected.keys() | w.digests.keys() if expected.get(n) != w.digests.get(n))
-        hops = " → ".join(str(v) for v in w.versions)
-        if w.done_version != final or bad:
-            mismatched += 1
-            print(f"MISMATCH worker {i}: version {w.done_version}, {len(bad)} of {len(expected)} tensors differ "
-                  f"from the trainer's version {final}: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
-        else:
-            print(f"worker {i}: version {final}, {len(expected)} tensors bit-identical to the trainer "
-                  f"(versions reached: {hops}; fetched {human_bytes(w.fetched)})")
-    if mismatched:
-        print(f"FAILED: {mismatched} of {len(workers)} workers differ from the trainer at version {final}")
+    if report_workers(expected, workers, final):
         return 1
     avg = 100 * sum(delta_fractions) / len(delta_fractions) if delta_fractions else 0.0
     print(f"OK: {len(workers)} workers bit-identical at version {final}; "
