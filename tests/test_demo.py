@@ -74,5 +74,24 @@ def test_demo_wipes_its_own_store(demo, tmp_path: Path) -> None:
     store = tmp_path / "store"
     (store / "manifests").mkdir(parents=True)
     (store / "HEAD").write_text("{}")
-    assert demo.prepare_store(f"file://{store}") == str(store)
+    assert demo.prepare_store(f"file://{store}") == str(store.resolve())
     assert list(store.iterdir()) == []
+
+
+def test_tensor_digests_are_bit_exact(demo) -> None:
+    import torch
+
+    zero, negzero = torch.zeros(3, dtype=torch.bfloat16), torch.tensor([0.0, -0.0, 0.0], dtype=torch.bfloat16)
+    assert torch.equal(zero, negzero)  # equal as numbers ...
+    assert demo.tensor_digests({"w": zero}) != demo.tensor_digests({"w": negzero})  # ... not as bits
+
+
+def test_report_flags_a_worker_that_differs(demo, capsys: pytest.CaptureFixture[str]) -> None:
+    expected = {"a": "1", "b": "2"}
+    good = demo.WorkerState(process=None, versions=[1, 3], done_version=3, digests=dict(expected))
+    bad = demo.WorkerState(process=None, versions=[1, 3], done_version=3, digests={"a": "1", "b": "x"})
+    assert demo.report_workers(expected, [good, bad], final=3) == 1
+    out = capsys.readouterr().out
+    assert "worker 0: version 3, 2 tensors bit-identical" in out
+    assert "MISMATCH worker 1: version 3, 1 of 2 tensors differ from the trainer's version 3: b" in out
+    assert "FAILED: 1 of 2 workers" in out
