@@ -145,7 +145,8 @@ def follow(
                 weights = sub.pull(info.version)  # first sync: the whole version, verified
             else:
                 reached = sub.pull_into(weights, info.version)  # only the changed chunks
-                assert reached is not None and reached.version == info.version
+                if reached is None or reached.version != info.version:
+                    raise RuntimeError(f"pull_into({info.version}) from version {previous} returned {reached}")
             seconds = time.perf_counter() - t0
             fetched, fetched_before = store.bytes_read - fetched_before, store.bytes_read
             if on_version is not None:
