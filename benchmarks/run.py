@@ -79,6 +79,10 @@ def _rss_probe(workload: str, fmt: str, step: int) -> dict | None:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=RSS_TIMEOUT_S,
                              check=True, cwd=root)
         return json.loads(out.stdout.strip().splitlines()[-1])
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or "").strip().splitlines()[-1:]
+        logger.warning("RSS probe failed for %s/%s: %s", workload, fmt, tail or exc)
+        return None
     except (subprocess.SubprocessError, ValueError, IndexError) as exc:
         logger.warning("RSS probe failed for %s/%s: %s", workload, fmt, exc)
         return None
@@ -190,9 +194,23 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def _codec_revision() -> str:
+    """Commit of the working tree, with ``+dirty`` if deltastore/codec.py has local edits."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "deltastore/codec.py"],
+                               cwd=root).returncode != 0
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "platform": platform.platform()}
+            "cpus": os.cpu_count(), "platform": platform.platform(),
+            "deltastore_revision": _codec_revision()}
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -208,6 +226,7 @@ def run(workloads: list[str], formats: list[str], quick: bool = False, rss: bool
     """Benchmark ``formats`` on ``workloads``; print the table; optionally write JSON."""
     torch.set_num_threads(THREADS)
     steps = QUICK_STEPS if quick else None
+    logger.info("deltastore revision %s", _codec_revision())
     all_results: list[Result] = []
     changes = {}
     for name in workloads:
