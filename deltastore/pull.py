@@ -391,9 +391,9 @@ class Subscriber:
                     f"chunk {p.name}[{p.index}] does not match its digest after applying {len(p.steps())} segment(s)"
                 )
         except BaseException:
-            if p.full is None:  # undo in place: XOR deltas are their own inverse
+            if p.full is None:  # undo in place, newest delta first
                 for s in reversed(applied):
-                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec)
+                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec, inverse=True)
             raise
         return raw
 
@@ -458,7 +458,7 @@ class Subscriber:
             else:
                 raw = tgt.read(*p.span)
                 for s in reversed(p.deltas):
-                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec)
+                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec, inverse=True)
                 if not tgt.cpu:
                     tgt.write(*p.span, raw)
         logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)

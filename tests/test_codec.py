@@ -1,4 +1,6 @@
-"""Round-trip properties of deltastore.codec: full, delta, compose; bit-exact for every width."""
+"""Round-trip properties of deltastore.codec: full, delta, compose, inverse; bit-exact for every
+width and every codec id (v1 ids are still written here through the private v1 encoders, since
+stores written by v1 must stay readable)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deltastore import codec
 from deltastore.codec import (
+    CODEC_ADD_DENSE,
+    CODEC_ADD_SPARSE,
     CODEC_FULL,
+    CODEC_FULL2,
     CODEC_XOR_DENSE,
     CODEC_XOR_SPARSE,
     KNOWN_CODECS,
@@ -25,6 +31,17 @@ from deltastore.codec import (
 WIDTHS = (1, 2, 4, 8)
 SIZES = (0, 1, 2, 7, 100, 1000, 5000)
 EDITS = ("none", "one", "few", "pct1", "half", "all", "dense-random", "ulp")
+
+# delta encoders: the current one (add-*) and v1's (xor-*), with the codecs each may produce
+DELTA_ENCODERS = {
+    "v2": (encode_delta, (CODEC_ADD_SPARSE, CODEC_ADD_DENSE)),
+    "v1": (codec._encode_delta_xor, (CODEC_XOR_SPARSE, CODEC_XOR_DENSE)),
+}
+FULL_ENCODERS = {
+    "v2": (encode_full, CODEC_FULL2),
+    "v2-float": (lambda x, **kw: encode_full(x, float_bits=True, **kw), CODEC_FULL2),
+    "v1": (codec._encode_full_v1, CODEC_FULL),
+}
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -76,13 +93,14 @@ def edit(rng: np.random.Generator, old: np.ndarray, kind: str) -> np.ndarray:
     return new
 
 
-def check_delta(old: np.ndarray, new: np.ndarray) -> Segment | None:
-    seg = encode_delta(old, new)
+def check_delta(old: np.ndarray, new: np.ndarray, enc: str = "v2") -> Segment | None:
+    encoder, codecs = DELTA_ENCODERS[enc]
+    seg = encoder(old, new)
     identical = bool(np.array_equal(old, new))
     assert (seg is None) == identical
     if seg is None:
         return None
-    assert seg.codec in (CODEC_XOR_SPARSE, CODEC_XOR_DENSE)
+    assert seg.codec in codecs
     assert seg.n_changed == int(np.count_nonzero(old != new))
     h = peek_header(seg.data)
     assert (h.codec, h.width, h.count, h.n_changed, h.total_size) == (
@@ -91,54 +109,69 @@ def check_delta(old: np.ndarray, new: np.ndarray) -> Segment | None:
     apply_delta(target, seg.data, codec=seg.codec)
     assert target.dtype == new.dtype
     assert np.array_equal(target, new)
+    apply_delta(target, seg.data, codec=seg.codec, inverse=True)  # undo
+    assert np.array_equal(target, old)
     return seg
 
 
 @PROPS
 @given(width=st.sampled_from(WIDTHS), size=st.sampled_from(SIZES), kind=st.sampled_from(EDITS),
-       seed=st.integers(0, 2**32 - 1))
-def test_delta_roundtrip(width, size, kind, seed):
+       seed=st.integers(0, 2**32 - 1), enc=st.sampled_from(sorted(DELTA_ENCODERS)))
+def test_delta_roundtrip(width, size, kind, seed, enc):
     rng = np.random.default_rng(seed)
     old = random_values(rng, width, size)
-    check_delta(old, edit(rng, old, kind))
+    check_delta(old, edit(rng, old, kind), enc)
 
 
 @PROPS
-@given(size=st.sampled_from(SIZES), kind=st.sampled_from(EDITS), seed=st.integers(0, 2**32 - 1))
-def test_delta_roundtrip_bf16_bits(size, kind, seed):
+@given(size=st.sampled_from(SIZES), kind=st.sampled_from(EDITS), seed=st.integers(0, 2**32 - 1),
+       enc=st.sampled_from(sorted(DELTA_ENCODERS)))
+def test_delta_roundtrip_bf16_bits(size, kind, seed, enc):
     rng = np.random.default_rng(seed)
     old = bf16_bits(rng, size)
-    check_delta(old, edit(rng, old, kind))
+    check_delta(old, edit(rng, old, kind), enc)
 
 
 @PROPS
 @given(width=st.sampled_from(WIDTHS), size=st.sampled_from(SIZES), seed=st.integers(0, 2**32 - 1),
-       const=st.booleans())
-def test_full_roundtrip(width, size, seed, const):
+       const=st.booleans(), enc=st.sampled_from(sorted(FULL_ENCODERS)))
+def test_full_roundtrip(width, size, seed, const, enc):
     rng = np.random.default_rng(seed)
     x = random_values(rng, width, size)
     if const:  # every plane constant: CONST sections
         x[:] = x[0] if size else 0
-    seg = encode_full(x)
-    assert seg.codec == CODEC_FULL and seg.n_changed == size
-    y = decode_full(seg.data, codec=CODEC_FULL, dtype=x.dtype, count=size)
+    encoder, cid = FULL_ENCODERS[enc]
+    seg = encoder(x)
+    assert seg.codec == cid and seg.n_changed == size
+    y = decode_full(seg.data, codec=cid, dtype=x.dtype, count=size)
     assert y.dtype == x.dtype and y.flags.writeable and y.flags.c_contiguous
     assert np.array_equal(x, y)
 
 
 @PROPS
-@given(size=st.sampled_from(SIZES), seed=st.integers(0, 2**32 - 1))
-def test_full_roundtrip_bf16_bits(size, seed):
+@given(size=st.sampled_from(SIZES), seed=st.integers(0, 2**32 - 1), enc=st.sampled_from(sorted(FULL_ENCODERS)))
+def test_full_roundtrip_bf16_bits(size, seed, enc):
     x = bf16_bits(np.random.default_rng(seed), size)
-    seg = encode_full(x)
+    seg = FULL_ENCODERS[enc][0](x)
     assert np.array_equal(decode_full(seg.data, codec=seg.codec, dtype=np.uint16, count=size), x)
+
+
+def test_float_rotation_puts_the_exponent_in_one_plane():
+    """full/2 with float_bits: bf16 weights shrink well below the unrotated planes (the exponent
+    byte compresses to ~its entropy) and the segment records the transform."""
+    x = bf16_bits(np.random.default_rng(5), 200_000)
+    rot, plain, v1 = encode_full(x, float_bits=True), encode_full(x), codec._encode_full_v1(x)
+    assert peek_header(rot.data).transform == 1 and peek_header(plain.data).transform == 0
+    assert len(rot.data) < len(plain.data)
+    assert len(plain.data) < len(v1.data)  # smaller header, same planes
 
 
 @PROPS
 @given(width=st.sampled_from(WIDTHS), size=st.sampled_from(SIZES[1:]),
        kind_a=st.sampled_from(EDITS[1:]), kind_b=st.sampled_from(EDITS[1:] + ("undo", "undo-part")),
-       seed=st.integers(0, 2**32 - 1))
-def test_compose_equals_sequential_apply(width, size, kind_a, kind_b, seed):
+       seed=st.integers(0, 2**32 - 1), enc_a=st.sampled_from(sorted(DELTA_ENCODERS)),
+       enc_b=st.sampled_from(sorted(DELTA_ENCODERS)))
+def test_compose_equals_sequential_apply(width, size, kind_a, kind_b, seed, enc_a, enc_b):
     rng = np.random.default_rng(seed)
     x0 = random_values(rng, width, size)
     x1 = edit(rng, x0, kind_a)
@@ -150,10 +183,15 @@ def test_compose_equals_sequential_apply(width, size, kind_a, kind_b, seed):
         x2[back] = x0[back]
     else:
         x2 = edit(rng, x1, kind_b)
-    a, b = encode_delta(x0, x1), encode_delta(x1, x2)
+    a, b = DELTA_ENCODERS[enc_a][0](x0, x1), DELTA_ENCODERS[enc_b][0](x1, x2)
     if a is None or b is None:
         return  # nothing to compose
-    c = compose_deltas(a.data, b.data, codec_a=a.codec, codec_b=b.codec, dtype=x0.dtype, count=size)
+    kw = {}
+    if enc_a != enc_b:  # xor and add deltas compose only through the values
+        with pytest.raises(ValueError, match="base="):
+            compose_deltas(a.data, b.data, codec_a=a.codec, codec_b=b.codec, dtype=x0.dtype, count=size)
+        kw = {"base": x0}
+    c = compose_deltas(a.data, b.data, codec_a=a.codec, codec_b=b.codec, dtype=x0.dtype, count=size, **kw)
     if np.array_equal(x0, x2):
         assert c is None
         return
@@ -173,8 +211,10 @@ def test_realistic_bf16_step_is_sparse_and_small(lr):
     master += lr * torch.sign(torch.randn(master.shape, generator=g))
     after = master.bfloat16().view(torch.int16).numpy().view(np.uint16).copy()
     seg = check_delta(before, after)
-    assert seg is not None and seg.codec == CODEC_XOR_SPARSE
+    assert seg is not None and seg.codec == CODEC_ADD_SPARSE
     assert len(seg.data) < 3 * seg.n_changed
+    v1 = check_delta(before, after, "v1")
+    assert len(seg.data) < len(v1.data)  # zigzag differences beat XOR on float steps
 
 
 def test_codec_choice_follows_density():
@@ -182,9 +222,11 @@ def test_codec_choice_follows_density():
     old = bf16_bits(rng, 10_000)
     one = old.copy()
     one[1234] ^= 1
-    assert check_delta(old, one).codec == CODEC_XOR_SPARSE
+    assert check_delta(old, one).codec == CODEC_ADD_SPARSE
+    assert check_delta(old, one, "v1").codec == CODEC_XOR_SPARSE
     # every element changed: the gap planes are pure overhead, so dense must win
-    assert check_delta(old, old ^ np.uint16(1)).codec == CODEC_XOR_DENSE
+    assert check_delta(old, old + np.uint16(1)).codec == CODEC_ADD_DENSE
+    assert check_delta(old, old ^ np.uint16(1), "v1").codec == CODEC_XOR_DENSE
 
 
 def test_full_uses_byte_planes_on_bf16():
@@ -214,7 +256,14 @@ def test_non_native_byte_order_is_accepted():
     assert np.array_equal(t, y)
     f = encode_full(x)
     assert f.data == encode_full(x.astype("<u2")).data  # the format is little-endian, always
-    assert np.array_equal(decode_full(f.data, codec=CODEC_FULL, dtype=">u2", count=1000), x)
+    assert np.array_equal(decode_full(f.data, codec=f.codec, dtype=">u2", count=1000), x)
+    for enc in ("v1", "v2"):
+        seg = check_delta(x.astype("<u2"), y.astype("<u2"), enc)
+        t = x.copy()
+        apply_delta(t, seg.data, codec=seg.codec)
+        assert np.array_equal(t, y)
+        apply_delta(t, seg.data, codec=seg.codec, inverse=True)
+        assert np.array_equal(t, x)
 
 
 def test_input_validation():
@@ -238,7 +287,18 @@ def test_input_validation():
 
 
 def test_known_codecs():
-    assert KNOWN_CODECS == {CODEC_FULL, CODEC_XOR_SPARSE, CODEC_XOR_DENSE}
+    assert KNOWN_CODECS == {CODEC_FULL, CODEC_XOR_SPARSE, CODEC_XOR_DENSE,
+                            CODEC_FULL2, CODEC_ADD_SPARSE, CODEC_ADD_DENSE}
+
+
+def test_escapes_round_trip():
+    """Large differences and long gaps take the escape sections; both are exercised."""
+    old = np.zeros(100_000, np.uint16)
+    new = old.copy()
+    new[[0, 1, 300, 70_000, 99_999]] = [1, 0x8000, 0xFFFF, 200, 7]
+    seg = check_delta(old, new)
+    h = peek_header(seg.data)
+    assert h.n_escaped >= 2 and h.n_gap_escaped == 3
 
 
 @pytest.mark.parametrize("level", [None, 1, 3, -5])
