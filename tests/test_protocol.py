@@ -149,9 +149,14 @@ def test_takeover_fences_the_older_publisher(any_store_target) -> None:
     assert exc.value.head_version == 1 and exc.value.head_writer == b.writer_id
     with any_store_target.open() as store:
         assert store.get(HEAD_KEY) == head_after_claim, "a fenced publish must not touch HEAD"
-    # Fenced for good, even if it would now be based on the right HEAD.
+    # Fenced for good, even if it would now be based on the right HEAD; and it stops writing
+    # (a zombie trainer must not keep uploading packs nobody will read).
+    with any_store_target.open() as store:
+        before = keys(store)
     with pytest.raises(FencedError):
         a.publish(s2, anchor=True)
+    with any_store_target.open() as store:
+        assert keys(store) == before
     assert b.publish(s3).version == 2
     assert b.publish(small_state(4)).kind == "delta"
     with pytest.raises(FencedError):

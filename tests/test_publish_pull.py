@@ -326,3 +326,28 @@ def test_layout_change_with_anchor(change, name: str) -> None:
         t2 = sub.pull(2)
         assert sub.pull_into(t2).version == 3
         assert_bits_equal(t2, newer)
+
+
+def test_pull_into_far_behind_fetches_the_snapshot_when_deltas_cost_more() -> None:
+    """SPEC §7.5: per chunk, the cheaper of the deltas since h and the latest anchor's snapshot."""
+    url = "memory://e2e-cheaper-path"
+    g = torch.Generator().manual_seed(0)
+    n = 96 * 1024  # 384 KiB of incompressible float32: larger than the range-coalescing gap
+    states = [{"dense": torch.randn(n, generator=g), "sparse": torch.zeros(1024, dtype=torch.bfloat16)}]
+    with Publisher(url, threads=2, anchor_every=5) as pub:
+        infos = [pub.publish(states[0])]
+        for i in range(1, 7):  # the dense tensor is rewritten every version; anchor at 6
+            s = {"dense": torch.randn(n, generator=g), "sparse": states[-1]["sparse"].clone()}
+            s["sparse"][i] = 1.0
+            states.append(s)
+            infos.append(pub.publish(s))
+    assert [i.kind for i in infos] == ["anchor"] + ["delta"] * 4 + ["anchor", "delta"]
+    store = WrappedStore(Subscriber(url).store)
+    with Subscriber(url, store=store, threads=2) as sub:
+        target = sub.pull(1)
+        store.reads.clear()
+        assert sub.pull_into(target).version == 7
+        assert_bits_equal(target, states[-1])
+    pack_bytes = sum(k for key, k in store.reads if key.startswith("blobs/"))
+    # snapshot at 6 + delta at 7 is about 2 x 384 KiB; the 6 deltas since 1 would be about 6 x.
+    assert pack_bytes < 3 * n * 4, pack_bytes
