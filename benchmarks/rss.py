@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import resource
 import sys
 
@@ -18,8 +19,6 @@ import sys
 def _rss_kb() -> int:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
-    import os
-
     return pages * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
