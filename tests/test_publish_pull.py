@@ -7,6 +7,7 @@ import torch
 
 from deltastore import Publisher, Subscriber, VersionInfo, VersionNotFoundError
 from deltastore.manifest import HEAD_KEY
+from deltastore.storage import open_store
 from tests._helpers import (
     SMALL_CHUNK_BYTES,
     TinyMLP,
@@ -168,7 +169,7 @@ def test_subscriber_one_version_behind_skips_the_snapshot_of_an_anchor() -> None
     state = small_state(3, n=6, rows=256)
     with Publisher(url, threads=2, anchor_every=1) as pub:
         pub.publish(state)
-        store = WrappedStore(Subscriber(url).store)
+        store = WrappedStore(open_store(url))
         sub = Subscriber(url, store=store, threads=2)
         target = sub.pull()
         state = {n: t.clone() for n, t in state.items()}
@@ -342,7 +343,7 @@ def test_pull_into_far_behind_fetches_the_snapshot_when_deltas_cost_more() -> No
             states.append(s)
             infos.append(pub.publish(s))
     assert [i.kind for i in infos] == ["anchor"] + ["delta"] * 4 + ["anchor", "delta"]
-    store = WrappedStore(Subscriber(url).store)
+    store = WrappedStore(open_store(url))
     with Subscriber(url, store=store, threads=2) as sub:
         target = sub.pull(1)
         store.reads.clear()
@@ -351,3 +352,36 @@ def test_pull_into_far_behind_fetches_the_snapshot_when_deltas_cost_more() -> No
     pack_bytes = sum(k for key, k in store.reads if key.startswith("blobs/"))
     # snapshot at 6 + delta at 7 is about 2 x 384 KiB; the 6 deltas since 1 would be about 6 x.
     assert pack_bytes < 3 * n * 4, pack_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_and_cuda_target() -> None:
+    """Publishing GPU tensors and fast-forwarding a GPU module in place (and rolling back)."""
+    import json
+
+    from tests._helpers import head_manifest, resign_manifest
+
+    url = "memory://e2e-cuda"
+    trainer = TinyTrainer(seed=5)
+    module = TinyMLP().to(torch.bfloat16).cuda()
+    names = set(module.state_dict())
+    ptrs = {n: p.data_ptr() for n, p in module.named_parameters()}
+    published = []
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub, Subscriber(url, threads=2) as sub:
+        for i in range(4):
+            state = {n: t.cuda() for n, t in (trainer.export() if i == 0 else trainer.step()).items() if n in names}
+            pub.publish(state)
+            published.append(snapshot(state))
+            assert sub.pull_into(module).version == i + 1
+            assert_bits_equal(module.state_dict(), published[-1])
+            assert {n: p.data_ptr() for n, p in module.named_parameters()} == ptrs
+        pub.publish({n: t.cuda() for n, t in trainer.step().items() if n in names})
+        with open_store(url) as store:
+            _, doc = head_manifest(store)
+            doc["tensors"][-1]["chunks"][-1]["digest"] = "0" * 32
+            resign_manifest(store, json.loads(json.dumps(doc)))
+        from deltastore import IntegrityError
+
+        with pytest.raises(IntegrityError):
+            sub.pull_into(module)
+        assert_bits_equal(module.state_dict(), published[-1], "GPU target after a failed pull_into")
