@@ -381,8 +381,8 @@ def _peek_header2(mv: memoryview) -> SegmentHeader:
         raise CorruptObjectError(f"segment declares n_changed {n_changed} > count {count}")
     gap_width = transform = 0
     if codec == CODEC_FULL2:
-        if param not in (_TRANSFORM_NONE, _TRANSFORM_ROTL1):
-            raise CorruptObjectError(f"full/2 segment declares unknown transform {param}")
+        if param not in (_TRANSFORM_NONE, _TRANSFORM_ROTL1) or (param and width == 1):
+            raise CorruptObjectError(f"full/2 segment declares transform {param} for width {width}")
         if n_changed != count or n_escaped != 0 or n_gap_esc != 0:
             raise CorruptObjectError(
                 f"full/2 segment declares n_changed {n_changed} (count {count}), "
@@ -399,8 +399,11 @@ def _peek_header2(mv: memoryview) -> SegmentHeader:
             )
         esc = [n_escaped] * width if n_escaped else []
         if codec == CODEC_ADD_SPARSE:
-            if param not in _GAP_WIDTHS:
-                raise CorruptObjectError(f"add-sparse segment declares gap width {param}")
+            if param not in _GAP_WIDTHS or (param != 1 and not n_gap_esc):
+                raise CorruptObjectError(
+                    f"add-sparse segment declares gap width {param} for {n_gap_esc} escaped gaps "
+                    "(1, 2 or 4; 1 when none)"
+                )
             gap_width = param
             gap_esc = [n_gap_esc] * gap_width if n_gap_esc else []
             sizes = [n_changed, *gap_esc, n_changed, *esc]
