@@ -229,3 +229,20 @@ def test_tensor_spec_is_the_layout() -> None:
     s = TensorSpec("w", "bfloat16", (10, 4), 3)
     assert (s.numel, s.n_chunks, s.width, s.row_elems) == (40, 4, 2, 4)
     assert [s.chunk_span(i) for i in range(4)] == [(0, 12), (12, 24), (24, 36), (36, 40)]
+
+
+@pytest.mark.parametrize("step", [1.5, "5", object(), [1], float("nan")], ids=repr)
+def test_bad_step_is_refused_before_any_write(step: object) -> None:
+    with Publisher(_url(), threads=2) as pub:
+        with pytest.raises(InvalidStateDictError, match="step"):
+            pub.publish(small_state(0), step=step)  # type: ignore[arg-type]
+        assert not keys(pub.store)
+
+
+@pytest.mark.parametrize("step, stored", [(np.int64(5), 5), (torch.tensor(7), 7), (2**62, 2**62), (-3, -3), (None, None)], ids=repr)
+def test_integer_like_steps_are_recorded(step: object, stored: int | None) -> None:
+    url = _url()
+    with Publisher(url, threads=2) as pub:
+        assert pub.publish(small_state(0), step=step).step == stored  # type: ignore[arg-type]
+    with Subscriber(url) as sub:
+        assert sub.latest().step == stored
