@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import socket
 import uuid
@@ -246,6 +247,7 @@ class Publisher:
             raise FencedError(f"publisher {self.writer_id} was fenced from {self.url} by a newer publisher")
         state = validate_state_dict(state_dict)
         meta = _json_metadata(metadata)
+        step = _int_step(step)
         if self._reference is None and self.resume and not anchor and self._head is not None and self._head.manifest:
             self._resume_from_head(state)
 
@@ -507,6 +509,16 @@ class Publisher:
             head_version=version,
             head_writer=writer,
         )
+
+
+def _int_step(step: Any) -> int | None:
+    """``step`` as an int (numpy and 0-d torch integers accepted), checked before any write."""
+    if step is None:
+        return None
+    try:
+        return operator.index(step)
+    except TypeError:
+        raise InvalidStateDictError(f"step must be an integer or None, got {step!r} ({type(step).__name__})") from None
 
 
 def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
