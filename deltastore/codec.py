@@ -150,6 +150,10 @@ MAX_COUNT = 2**32 - 1
 # bytes per changed element at lr 1e-6 (entropy of the 16-bit zigzag values: 0.225).
 ESCAPE = 255
 
+# Below this many elements the paired exponent form is not tried: its extra section entry and
+# Huffman table outweigh any gain on tiny tensors (LayerNorm weights, biases).
+MIN_PAIR_COUNT = 4096
+
 # Smallest stored size worth handing to zstd: a frame costs ~10 bytes of header, so a plane this
 # short is stored RAW (or CONST) without trying.
 MIN_ZSTD_INPUT = 32
@@ -174,6 +178,13 @@ _HEADER2 = struct.Struct("<4sBBBBIIIIB")
 _ENTRY2 = struct.Struct("<BI")
 _TRANSFORM_NONE = 0
 _TRANSFORM_ROTL1 = 1  # float bit patterns rotated left by one bit: the exponent fills the top byte
+_TRANSFORM_PAIRS = 2  # rotated, and the top (exponent) byte coded as pairs of 4-bit window codes
+# Exponent codes of the paired form: 0..14 are exponents low..low+14, 15 escapes. Two codes per
+# byte halve Huffman's per-symbol redundancy on the skewed exponent distribution: on MiniLM's
+# 39 large bf16 tensors the exponent plane drops from 7,487,646 to 7,468,312 bytes (entropy
+# 7,411,197), enough to come in under ZipNN; 0.03 % of exponents fall outside the window.
+_EXP_WINDOW = 15
+_EXP_ESCAPE = 15
 
 # codec string <-> (id byte, version byte)
 _CODEC_IDS: dict[str, tuple[int, int]] = {
@@ -237,6 +248,7 @@ class SegmentHeader:
         n_escaped: ``add-*`` only: values stored in full in the value escape sections.
         n_gap_escaped: ``add-sparse`` only: gaps of 255 or more (stored in the gap escape
             sections).
+        exp_low: ``full/2`` with transform 2 only: the lowest exponent of the coded window.
     """
 
     codec: str
@@ -250,6 +262,7 @@ class SegmentHeader:
     transform: int = 0
     n_escaped: int = 0
     n_gap_escaped: int = 0
+    exp_low: int = 0
 
     @property
     def stored_size(self) -> int:
@@ -379,17 +392,27 @@ def _peek_header2(mv: memoryview) -> SegmentHeader:
         raise CorruptObjectError(f"segment declares element width {width}, must be 1, 2, 4 or 8")
     if n_changed > count:
         raise CorruptObjectError(f"segment declares n_changed {n_changed} > count {count}")
-    gap_width = transform = 0
+    gap_width = transform = exp_low = 0
     if codec == CODEC_FULL2:
-        if param not in (_TRANSFORM_NONE, _TRANSFORM_ROTL1) or (param and width == 1):
+        if param not in (_TRANSFORM_NONE, _TRANSFORM_ROTL1, _TRANSFORM_PAIRS) or (param and width == 1):
             raise CorruptObjectError(f"full/2 segment declares transform {param} for width {width}")
-        if n_changed != count or n_escaped != 0 or n_gap_esc != 0:
-            raise CorruptObjectError(
-                f"full/2 segment declares n_changed {n_changed} (count {count}), "
-                f"escapes {n_gap_esc}/{n_escaped}"
-            )
+        if n_changed != count:
+            raise CorruptObjectError(f"full/2 segment declares n_changed {n_changed} != count {count}")
         transform = param
-        sizes = [count] * width
+        if transform == _TRANSFORM_PAIRS:
+            # the u32 at offset 16 is the exponent window's low end
+            if n_gap_esc > 256 - _EXP_WINDOW or n_escaped > count:
+                raise CorruptObjectError(
+                    f"full/2 segment declares exponent window at {n_gap_esc} and {n_escaped} escapes"
+                )
+            exp_low, n_gap_esc = n_gap_esc, 0
+            sizes = [count] * (width - 1) + [(count + 1) // 2] + ([n_escaped] if n_escaped else [])
+        else:
+            if n_escaped != 0 or n_gap_esc != 0:
+                raise CorruptObjectError(
+                    f"full/2 segment declares escapes {n_gap_esc}/{n_escaped} without transform 2"
+                )
+            sizes = [count] * width
     else:
         if n_changed == 0:
             raise CorruptObjectError(f"{codec} segment declares no changed elements")
@@ -432,7 +455,7 @@ def _peek_header2(mv: memoryview) -> SegmentHeader:
     return SegmentHeader(
         codec=codec, width=width, count=count, n_changed=n_changed, gap_width=gap_width,
         sections=tuple(sections), header_size=header_size, total_size=total,
-        transform=transform, n_escaped=n_escaped, n_gap_escaped=n_gap_esc,
+        transform=transform, n_escaped=n_escaped, n_gap_escaped=n_gap_esc, exp_low=exp_low,
     )
 
 
@@ -502,16 +525,54 @@ def _cctx(level: int | None) -> zstandard.ZstdCompressor:
 def _assemble2(codec: str, width: int, param: int, count: int, n_changed: int, n_gap_esc: int,
                n_escaped: int, planes: list[np.ndarray], level: int | None) -> bytes:
     cctx = _cctx(level)
+    secs = [_encode_section(p, cctx)[:2] for p in planes]
+    return _pack2(codec, width, param, count, n_changed, n_gap_esc, n_escaped, secs)
+
+
+def _pack2(codec: str, width: int, param: int, count: int, n_changed: int, aux: int,
+           n_escaped: int, secs: list[tuple[int, bytes]]) -> bytes:
+    """A DSG2 segment from encoded sections [(kind, stored bytes)]."""
     cid, cver = _CODEC_IDS2[codec]
-    table = []
-    payload = []
-    for p in planes:
-        kind, stored, _ = _encode_section(p, cctx)
-        table.append(_ENTRY2.pack(kind, len(stored)))
-        payload.append(stored)
-    head = _HEADER2.pack(_MAGIC2, cid, cver, width, param, count, n_changed, n_gap_esc, n_escaped,
-                         len(planes))
-    return b"".join([head, *table, *payload])
+    table = [_ENTRY2.pack(kind, len(stored)) for kind, stored in secs]
+    head = _HEADER2.pack(_MAGIC2, cid, cver, width, param, count, n_changed, aux, n_escaped, len(secs))
+    return b"".join([head, *table, *(stored for _, stored in secs)])
+
+
+def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """The top byte plane as pairs of 4-bit window codes: (window low end, packed codes,
+    escaped bytes). The window is the 15 consecutive values holding the most elements."""
+    counts = np.bincount(top, minlength=256)
+    csum = np.concatenate([[0], np.cumsum(counts)])
+    low = int(np.argmax(csum[_EXP_WINDOW:] - csum[:-_EXP_WINDOW]))
+    codes = top - np.uint8(low)  # wraps: in the window iff < 15
+    out = codes >= _EXP_WINDOW
+    esc = top[out]
+    codes[out] = _EXP_ESCAPE
+    if codes.size % 2:
+        codes = np.append(codes, np.uint8(0))  # padding code, MUST be 0
+    packed = codes[0::2] | (codes[1::2] << np.uint8(4))
+    return low, packed, esc
+
+
+def _unpair_exponents(packed: np.ndarray, esc: np.ndarray | None, low: int, count: int,
+                      n_escaped: int) -> np.ndarray:
+    codes = np.empty(2 * packed.size, dtype=np.uint8)
+    codes[0::2] = packed & np.uint8(15)
+    codes[1::2] = packed >> np.uint8(4)
+    if count % 2 and codes[count] != 0:
+        raise CorruptObjectError("full/2 segment's padding exponent code is not 0")
+    codes = codes[:count]
+    at = np.flatnonzero(codes == _EXP_ESCAPE)
+    if at.size != n_escaped:
+        raise CorruptObjectError(
+            f"full/2 segment declares {n_escaped} escaped exponents, its codes hold {at.size}"
+        )
+    top = codes + np.uint8(low)  # low <= 241: codes < 15 do not wrap
+    if n_escaped:
+        if np.any((esc - np.uint8(low)) < _EXP_WINDOW):
+            raise CorruptObjectError("full/2 segment escapes an exponent inside its window")
+        top[at] = esc
+    return top
 
 
 def _rotl1(v: np.ndarray) -> np.ndarray:
@@ -578,10 +639,20 @@ def encode_full(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
         ('full/2', [0, 1, 2, 3, 4])
     """
     v = _check_values(values, "values")
-    transform = _TRANSFORM_ROTL1 if float_bits and v.itemsize > 1 else _TRANSFORM_NONE
-    planes = _planes(_rotl1(v) if transform == _TRANSFORM_ROTL1 else v)
-    data = _assemble2(CODEC_FULL2, v.itemsize, transform, v.size, v.size, 0, 0, planes, level)
-    return Segment(CODEC_FULL2, data, int(v.size))
+    w, n = v.itemsize, int(v.size)
+    if not float_bits or w == 1:
+        return Segment(CODEC_FULL2, _assemble2(CODEC_FULL2, w, _TRANSFORM_NONE, n, n, 0, 0, _planes(v), level), n)
+    cctx = _cctx(level)
+    planes = _planes(_rotl1(v))
+    secs = [_encode_section(p, cctx)[:2] for p in planes]
+    best = _pack2(CODEC_FULL2, w, _TRANSFORM_ROTL1, n, n, 0, 0, secs)
+    if n >= MIN_PAIR_COUNT:
+        low, packed, esc = _pair_exponents(planes[-1])
+        tail = [_encode_section(packed, cctx)[:2]] + ([_encode_section(esc, cctx)[:2]] if esc.size else [])
+        paired = _pack2(CODEC_FULL2, w, _TRANSFORM_PAIRS, n, n, low, int(esc.size), secs[:-1] + tail)
+        if len(paired) < len(best):
+            best = paired
+    return Segment(CODEC_FULL2, best, n)
 
 
 def _encode_full_v1(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL) -> Segment:
@@ -863,8 +934,14 @@ def decode_full(data: bytes, *, codec: str, dtype: np.dtype, count: int) -> np.n
     if dt.kind != "u":
         raise TypeError(f"dtype must be an unsigned integer dtype, got {dt}")
     h = _read_header(data, codec, dt.itemsize, int(count))
-    out = _join(_decode_sections(data, h), h.count)
-    if h.transform == _TRANSFORM_ROTL1:
+    secs = _decode_sections(data, h)
+    if h.transform == _TRANSFORM_PAIRS:
+        w = h.width
+        packed = _join(secs[w - 1 : w], (h.count + 1) // 2)
+        esc = _join(secs[w:], h.n_escaped) if h.n_escaped else None
+        secs = secs[: w - 1] + [_unpair_exponents(packed, esc, h.exp_low, h.count, h.n_escaped)]
+    out = _join(secs, h.count)
+    if h.transform in (_TRANSFORM_ROTL1, _TRANSFORM_PAIRS):
         out = _rotr1(out)
     return out.astype(dt, copy=False)
 
@@ -929,22 +1006,27 @@ def _decode_add(data: bytes, codec: str, width: int, count: int):
     if not np.all(sym):
         raise CorruptObjectError("add-sparse segment holds a zero difference (an unchanged element)")
     gsym = _join(secs[:1], h.n_changed)
-    gaps = gsym.astype(np.uint64)
-    if h.n_gap_escaped or np.any(gsym == ESCAPE):
-        gesc_at = np.flatnonzero(gsym == ESCAPE)
-        if gesc_at.size != h.n_gap_escaped:
-            raise CorruptObjectError(
-                f"add-sparse segment declares {h.n_gap_escaped} escaped gaps, its symbols hold {gesc_at.size}"
-            )
-        gaps[gesc_at] += _join(secs[1:gsec], h.n_gap_escaped).astype(np.uint64)
-    # gaps < 2**32 + 255 and n_changed < 2**32: the uint64 sum cannot overflow; adding 1 to
-    # every gap makes the positions strictly increasing by construction.
-    pos = np.cumsum(gaps + np.uint64(1)) - np.uint64(1)
-    if int(pos[-1]) >= count:
+    gaps = gsym.astype(np.int64)
+    # the last position, computed exactly before any cumulative sum (which could wrap on a
+    # crafted segment): n_changed + sum of gaps - 1
+    last = h.n_changed - 1 + int(gaps.sum())
+    gesc_at = np.flatnonzero(gsym == ESCAPE)
+    if gesc_at.size != h.n_gap_escaped:
         raise CorruptObjectError(
-            f"add-sparse segment has position {int(pos[-1])}, beyond its {count} elements"
+            f"add-sparse segment declares {h.n_gap_escaped} escaped gaps, its symbols hold {gesc_at.size}"
         )
-    return "sparse", pos.astype(np.int64), diffs
+    if h.n_gap_escaped:
+        rest = _join(secs[1:gsec], h.n_gap_escaped).astype(np.int64)  # each < 2**32
+        last += int(rest.sum(dtype=np.uint64))  # < 2**32 * 2**32: exact
+        gaps[gesc_at] += rest
+    if last >= count:
+        raise CorruptObjectError(f"add-sparse segment has position {last}, beyond its {count} elements")
+    # every partial sum is now <= last < count < 2**32; adding 1 to every gap makes the
+    # positions strictly increasing (unique) by construction
+    gaps += 1
+    pos = np.cumsum(gaps, out=gaps)
+    pos -= 1
+    return "sparse", pos, diffs
 
 
 def _decode_delta(data: bytes, codec: str, width: int, count: int):
@@ -1000,16 +1082,15 @@ def apply_delta(target: np.ndarray, data: bytes, *, codec: str, inverse: bool = 
     form, a, b = _decode_delta(data, codec, t.itemsize, t.size)
     # astype: the codec works in little-endian; the target may be in native (big) order
     if codec in XOR_CODECS:
-        if form == "dense":
-            np.bitwise_xor(t, a.astype(t.dtype, copy=False), out=t)
-        else:
-            t[a] ^= b.astype(t.dtype, copy=False)  # positions are unique, so this is exact
-        return
-    op = np.subtract if inverse else np.add  # unsigned arithmetic wraps modulo 2**bits
+        op = np.bitwise_xor
+    else:
+        op = np.subtract if inverse else np.add  # unsigned arithmetic wraps modulo 2**bits
     if form == "dense":
         op(t, a.astype(t.dtype, copy=False), out=t)
     else:
-        t[a] = op(t[a], b.astype(t.dtype, copy=False))
+        # positions are unique, so ufunc.at equals t[a] = op(t[a], b); it is ~1.8x faster
+        # (numpy >= 1.25 has a fast path for it: one pass instead of a gather and a scatter)
+        op.at(t, a, b.astype(t.dtype, copy=False))
 
 
 def _compose_xor(fa, fb, count: int, width: int, level: int | None) -> Segment | None:

@@ -161,7 +161,7 @@ def test_float_rotation_puts_the_exponent_in_one_plane():
     byte compresses to ~its entropy) and the segment records the transform."""
     x = bf16_bits(np.random.default_rng(5), 200_000)
     rot, plain, v1 = encode_full(x, float_bits=True), encode_full(x), codec._encode_full_v1(x)
-    assert peek_header(rot.data).transform == 1 and peek_header(plain.data).transform == 0
+    assert peek_header(rot.data).transform == 2 and peek_header(plain.data).transform == 0
     assert len(rot.data) < len(plain.data)
     assert len(plain.data) < len(v1.data)  # smaller header, same planes
 

@@ -106,7 +106,23 @@ def segments_v2():
     out.append(("add-sparse-zstd", seg.data, seg.codec, old.dtype, 5000, old))
     x = np.arange(5000, dtype=np.uint16)
     out.append(("full2-zstd", encode_full_v2(x, float_bits=True).data, CODEC_FULL2, x.dtype, 5000, None))
+    for n in (5001, 5002):  # paired exponents (transform 2), odd and even counts, with escapes
+        x = _bf16_weights(n)
+        seg = encode_full_v2(x, float_bits=True)
+        h = peek_header(seg.data)
+        assert h.transform == 2 and h.n_escaped > 0
+        out.append((f"full2-pairs-{n}", seg.data, CODEC_FULL2, x.dtype, n, None))
     return out
+
+
+def _bf16_weights(n: int) -> np.ndarray:
+    """bf16 bits with a skewed exponent distribution (where pairing pays even on few elements)."""
+    rng = np.random.default_rng(n)
+    e = 120 + rng.choice(3, size=n, p=[0.85, 0.1, 0.05])
+    x = (rng.integers(0, 2, n) << 15) | (e << 7) | rng.integers(0, 128, n)
+    x = x.astype(np.uint16)
+    x[:3] = [0, 0x7F80, 0x0001]  # zero, inf, subnormal: exponents outside the window
+    return x
 
 
 SEGMENTS = segments()
@@ -181,9 +197,10 @@ def test_every_header_byte_flip_is_caught_or_harmless(name, data, codec, dtype, 
     good = decode(data, codec, dtype, count, base)
     header_size = peek_header(data).header_size
     caught = 0
-    # full/2's transform byte (7) is a valid choice either way for width > 1: flipping it changes
-    # the values, which only the manifest's chunk digest can notice (segments carry no checksum)
-    skip = {7} if codec == CODEC_FULL2 and np.dtype(dtype).itemsize > 1 else set()
+    # full/2's transform byte (7) is a valid choice either way for width > 1, and so is the
+    # exponent window (byte 16) of transform 2: flipping them changes the values, which only the
+    # manifest's chunk digest can notice (segments carry no checksum)
+    skip = {7, 16} if codec == CODEC_FULL2 and np.dtype(dtype).itemsize > 1 else set()
     for i in sorted(set(range(header_size)) - skip):
         for mask in (0x01, 0x02, 0x10, 0x80, 0xFF):
             bad = bytearray(data)
@@ -441,7 +458,7 @@ def _v2_sparse():
         ({"cid": 2}, UnknownCodecError, "xor-sparse"),  # so does xor-sparse/1
         ({"width": 3}, CorruptObjectError, "width"),
         ({"width": 4}, CorruptObjectError, "width|sections"),
-        ({"param": 2}, CorruptObjectError, "transform"),
+        ({"param": 3}, CorruptObjectError, "transform"),
         ({"width": 1, "param": 1}, CorruptObjectError, "transform|width"),
         ({"count": 299}, CorruptObjectError, "count 299|299 elements"),
         ({"n_changed": 299}, CorruptObjectError, "n_changed"),
@@ -579,3 +596,14 @@ def test_compose_across_families_needs_base():
     # add deltas compose without the values; a then its inverse cancels
     neg = encode_delta_v2(mid, old)
     assert compose_deltas(a.data, neg.data, codec_a=a.codec, codec_b=neg.codec, dtype=np.uint16, count=300) is None
+
+
+def test_paired_exponent_fields_are_checked():
+    x = _bf16_weights(5001)
+    seg = encode_full_v2(x, float_bits=True)
+    h = peek_header(seg.data)
+    for fields, match in [({"n_gap_esc": 242}, "window"), ({"n_gap_esc": 0}, "escapes an exponent"),
+                          ({"n_esc": h.n_escaped + 1}, "stores|truncated|trailing|escaped"),
+                          ({"param": 1}, "escapes")]:
+        with pytest.raises(CorruptObjectError, match=match):
+            decode_full(patch_header2(seg.data, **fields), codec=CODEC_FULL2, dtype=np.uint16, count=5001)
