@@ -19,6 +19,7 @@ import torch
 from deltastore import codec
 from deltastore.errors import (
     ConflictError,
+    DeltastoreError,
     FencedError,
     InvalidStateDictError,
     LayoutMismatchError,
@@ -196,6 +197,7 @@ class Publisher:
         self._specs: dict[str, TensorSpec] | None = None
         self._anchor_version = 0
         self._fenced = False
+        self._superseded = False
         self._closed = False
 
         current = self._history.read_head()
@@ -300,6 +302,8 @@ class Publisher:
         self._advance_reference(state, specs, entries, fresh=not same_layout or self._reference is None)
         if kind == "anchor":
             self._anchor_version = version
+        if self._superseded:  # committed, but another writer is already on top: resume next time
+            self._reference, self._superseded = None, False
         info = VersionInfo.from_manifest(manifest, mkey)
         logger.info(
             "published version %d (%s, step %s): %d bytes, %d tensors / %d elements changed",
@@ -472,9 +476,10 @@ class Publisher:
         logger.info("claimed %s at version %d with epoch %d", self.url, claimed.version, claimed.epoch)
 
     def _commit(self, head: Head) -> None:
-        self._cas_head(head)
+        self._cas_head(head, is_commit=True)
 
-    def _cas_head(self, new: Head) -> None:
+    def _cas_head(self, new: Head, *, is_commit: bool = False) -> None:
+        """CAS HEAD to ``new``; ``is_commit`` for a new version (a claim reuses the old one)."""
         mode = IfMatch(self._head_etag) if self._head_etag is not None else "create"
         try:
             meta = self.store.put(HEAD_KEY, dump(new), mode=mode)
@@ -485,8 +490,25 @@ class Publisher:
                 logger.warning("HEAD write for commit %s reported a conflict but had landed; treating as success", new.commit_id)
                 self._head, self._head_etag = current
                 return
+            if is_commit and current is not None and self._landed_below(current[0], new):
+                # Our write landed, its response was lost, and another writer has already
+                # committed on top of it: a success, but our reference is not the head's.
+                logger.warning("commit %s landed as version %d; %s has committed on top of it", new.commit_id, new.version, current[0].writer)
+                self._head, self._head_etag = current
+                self._superseded = True
+                return
             self._on_conflict(current[0] if current else None, current[1] if current else None)
         self._head, self._head_etag = new, meta.etag
+
+    def _landed_below(self, head: Head, new: Head) -> bool:
+        """True when the version ``new`` commits is on ``head``'s chain, below it."""
+        if new.manifest is None or head.version <= new.version or head.manifest == new.manifest:
+            return False
+        try:
+            key, _ = self._history.find(new.version, head)
+        except DeltastoreError:
+            return False
+        return key == new.manifest
 
     def _on_conflict(self, head: Head | None, etag: str | None) -> None:
         version = head.version if head else None
@@ -529,6 +551,6 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, Mapping):
         raise InvalidStateDictError(f"metadata must be a mapping, got {type(metadata).__name__}")
     try:
-        return json.loads(json.dumps(dict(metadata)))
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))
     except (TypeError, ValueError) as e:
         raise InvalidStateDictError(f"metadata is not JSON-serializable: {e}") from None

@@ -15,7 +15,6 @@ from deltastore import codec
 from deltastore.errors import (
     IntegrityError,
     InvalidStateDictError,
-    LayoutMismatchError,
     NotFoundError,
     VersionNotFoundError,
 )
@@ -259,7 +258,15 @@ class Subscriber:
         if self._version is not None and m.version < self._version:
             raise VersionNotFoundError(f"pull_into cannot go back from version {self._version} to {m.version}; use pull()")
         tensors = _target_tensors(target)
-        if self._version is None or self._held is None:
+        fwd: _Manifests = []
+        relaid = False
+        if self._version is not None and self._held is not None:
+            fwd = self._history.chain(key, m, down_to=self._version + 1)
+            held_specs = _layout(self._held[0][1])
+            # An anchor written without deltas and with another chunking (a restarted publisher
+            # with other settings) cannot be bridged chunk by chunk: replace everything from it.
+            relaid = any(mm.kind == "anchor" and mm.delta_base is None and _layout(mm) != held_specs for _, mm in fwd)
+        if self._version is None or self._held is None or relaid:
             ms = self._history.chain(key, m, down_to=m.anchor)
             specs = _layout(ms[0][1])
             check_layout(specs, tensors, against=f"version {m.version} of {self.url}")
@@ -267,9 +274,9 @@ class Subscriber:
             base: dict[tuple[str, int], str] = {}
             held = ms
         else:
-            specs = _layout(self._held[0][1])
+            specs = held_specs
             check_layout(specs, tensors, against=f"version {self._version} held by this subscriber")
-            ms = self._history.chain(key, m, down_to=self._version + 1)
+            ms = fwd
             plans = self._plan_forward(ms, specs)
             base = _digests(self._held)
             anchors = [i for i, (_, mm) in enumerate(ms) if mm.kind == "anchor"]
@@ -335,10 +342,11 @@ class Subscriber:
 
     @staticmethod
     def _plan_forward(ms: _Manifests, specs: dict[str, TensorSpec]) -> list[_ChunkPlan]:
-        """Chunks changed in ``ms`` (versions h+1..t): per chunk, deltas or the latest full."""
-        for _, m in ms:
-            if m.kind == "anchor" and m.delta_base is None and _layout(m) != specs:
-                raise LayoutMismatchError(f"version {m.version} of the store changed the tensor layout; use pull() to get it")
+        """Chunks changed in ``ms`` (versions h+1..t): per chunk, deltas or the latest full.
+
+        Every anchor in ``ms`` has the layout ``specs`` (pull_into re-plans from the anchor
+        otherwise).
+        """
         # Per chunk: the segments touching it, in version order.
         touched: dict[tuple[str, int], list[tuple[int, Any]]] = {}
         for mi, (_, m) in enumerate(ms):

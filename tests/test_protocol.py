@@ -428,3 +428,36 @@ def test_orphans_from_a_crashed_writer_do_not_confuse_readers(local_url: str) ->
         assert pub.publish(s1).version == 2
     assert_bits_equal(pull_fresh(local_url), s1)
     assert_bits_equal(pull_fresh(local_url, 1), s0)
+
+
+def test_lost_response_then_a_rival_commit_on_top_is_still_our_success(local_url: str) -> None:
+    """Our HEAD write lands, its response is lost, and a rival commits on top before we look."""
+    with Publisher(local_url, takeover=False) as seed:
+        seed.publish(small_state(0))
+    rivals: list[Publisher] = []
+
+    def land_then_rival_then_lose(key, data, mode, real_put):
+        real_put()
+        rivals.append(Publisher(local_url, takeover=False, threads=2))
+        rivals[0].publish(small_state(20))  # resumes from our version 2, commits 3
+        raise PreconditionFailedError(f"{key}: precondition failed (injected lost response)")
+
+    inner = open_store(local_url)
+    pub = Publisher(local_url, store=HeadPutHook(inner, land_then_rival_then_lose), takeover=False, threads=2)
+    mine = small_state(1)
+    info = pub.publish(mine)  # a success, not a ConflictError
+    assert info.version == 2
+    rival = rivals[0]
+    with Subscriber(local_url) as sub:
+        assert [(i.version, i.writer) for i in sub.log()] == [
+            (1, sub.log()[0].writer), (2, pub.writer_id), (3, rival.writer_id)
+        ]
+        assert_bits_equal(sub.pull(2), mine)
+    # The next publish builds on the rival's version 3, not on ours.
+    pub.store.hook = lambda key, data, mode, real_put: real_put()
+    nxt = sparse_edit(small_state(20), np.random.default_rng(5))
+    info = pub.publish(nxt)
+    assert info.version == 4 and info.parent == 3
+    assert_bits_equal(pull_fresh(local_url, 4), nxt)
+    rival.close()
+    pub.close()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from deltastore import Publisher, Subscriber, VersionInfo, VersionNotFoundError
+from deltastore import InvalidStateDictError, Publisher, Subscriber, VersionInfo, VersionNotFoundError
 from deltastore.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
@@ -18,6 +19,7 @@ from tests._helpers import (
     raw,
     snapshot,
     small_state,
+    sparse_edit,
 )
 
 #: Versions per end-to-end run: anchors at 1, 4, 7, so a fast-forward from 1 crosses two.
@@ -385,3 +387,28 @@ def test_cuda_state_and_cuda_target() -> None:
         with pytest.raises(IntegrityError):
             sub.pull_into(module)
         assert_bits_equal(module.state_dict(), published[-1], "GPU target after a failed pull_into")
+
+
+def test_pull_into_across_a_restart_with_other_chunking(tmp_path) -> None:
+    """A restarted publisher with another chunk size writes an anchor with other chunk_rows."""
+    url = str(tmp_path / "store")
+    states = [small_state(0, rows=64)]
+    states.append(sparse_edit(states[-1], np.random.default_rng(1)))
+    with Publisher(url, chunk_bytes=1024) as pub:
+        pub.publish(states[0])
+    sub = Subscriber(url)
+    target = sub.pull()
+    ptrs = {k: t.data_ptr() for k, t in target.items()}
+    with Publisher(url, chunk_bytes=4096, resume=False) as pub:
+        assert pub.publish(states[1]).kind == "anchor"
+    assert sub.pull_into(target) is not None
+    assert_bits_equal(target, states[1])
+    assert all(t.data_ptr() == ptrs[k] for k, t in target.items())
+    sub.close()
+
+
+def test_metadata_must_be_strict_json(tmp_path) -> None:
+    with Publisher(str(tmp_path / "s")) as pub:
+        with pytest.raises(InvalidStateDictError, match="JSON"):
+            pub.publish(small_state(0), metadata={"loss": float("nan")})
+        assert pub.version == 0
