@@ -7,6 +7,7 @@ import operator
 import os
 import socket
 import uuid
+from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ DEFAULT_ANCHOR_EVERY = 20
 CLAIM_ATTEMPTS = 16
 #: Encoded chunks in flight per worker thread: enough to keep threads busy, bounded memory.
 IN_FLIGHT_PER_THREAD = 2
+#: Packs uploading at once per pack stream: overlaps the network with encoding while holding
+#: at most this many packs (× PACK_TARGET_BYTES) in memory.
+UPLOADS_IN_FLIGHT = 2
 
 
 def default_threads() -> int:
@@ -88,13 +92,19 @@ class _Encoded:
 
 
 class _PackWriter:
-    """Concatenates segments into content-addressed packs and uploads each when full."""
+    """Concatenates segments into content-addressed packs and uploads each when full.
 
-    def __init__(self, store: Store):
+    Uploads run on ``uploader`` threads (at most ``UPLOADS_IN_FLIGHT`` packs held at once), so
+    encoding goes on while a pack travels; :meth:`finish` waits for every upload.
+    """
+
+    def __init__(self, store: Store, uploader: ThreadPoolExecutor):
         self.store = store
+        self.uploader = uploader
         self.blobs: list[BlobRef] = []
         self._parts: list[bytes] = []
         self._size = 0
+        self._uploads: deque[Future[None]] = deque()
         self.bytes_written = 0
 
     def add(self, seg: codec.Segment) -> SegmentRef:
@@ -118,13 +128,24 @@ class _PackWriter:
         data = b"".join(self._parts)
         digest = sha256_hex(data)
         key = blob_key(digest)
+        self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest))
+        self.bytes_written += len(data)
+        self._parts, self._size = [], 0
+        while len(self._uploads) >= UPLOADS_IN_FLIGHT:
+            self._uploads.popleft().result()
+        self._uploads.append(self.uploader.submit(self._put, key, data))
+
+    def _put(self, key: str, data: bytes) -> None:
         try:
             self.store.put(key, data, mode="create")
         except PreconditionFailedError:
             logger.debug("pack %s already present (same content)", key)
-        self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest))
-        self.bytes_written += len(data)
-        self._parts, self._size = [], 0
+
+    def finish(self) -> None:
+        """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
+        self.flush()
+        while self._uploads:
+            self._uploads.popleft().result()
 
 
 class Publisher:
@@ -192,6 +213,7 @@ class Publisher:
         self.resume = resume
         self._history = History(self.store)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
+        self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")
         # The last committed state as this publisher wrote it (None until its first commit).
         self._reference: dict[str, torch.Tensor] | None = None
         self._specs: dict[str, TensorSpec] | None = None
@@ -267,8 +289,7 @@ class Publisher:
         specs = self._specs if same_layout else {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
         assert specs is not None
 
-        packs = _PackWriter(self.store)
-        entries, stats = self._encode(state, specs, kind, has_base, packs)
+        entries, stats, blobs = self._encode(state, specs, kind, has_base)
         manifest = Manifest(
             version=version,
             parent=self._head.version if self._head and self._head.version else None,
@@ -282,7 +303,7 @@ class Publisher:
             epoch=self.epoch,
             commit_id=uuid.uuid4().hex,
             metadata=meta,
-            blobs=tuple(packs.blobs),
+            blobs=tuple(blobs),
             tensors=tuple(entries),
             stats=stats,
         )
@@ -317,6 +338,7 @@ class Publisher:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._uploader.shutdown(wait=True)
         self._reference = None
         if self._owns_store:
             self.store.close()
@@ -347,76 +369,70 @@ class Publisher:
         specs: dict[str, TensorSpec],
         kind: str,
         has_base: bool,
-        packs: _PackWriter,
-    ) -> tuple[list[TensorEntry], Stats]:
+    ) -> tuple[list[TensorEntry], Stats, list[BlobRef]]:
+        """Encode every chunk (a bounded number in flight) and upload the packs as they fill."""
         names = list(specs)
-        cpu = {n: (t if t.device.type == "cpu" else t.detach().cpu()) for n, t in state.items()}
         ref = self._reference if has_base else None
 
         def job(ti: int, ci: int, name: str) -> _Encoded | None:
-            spec = specs[name]
-            a, b = spec.chunk_span(ci)
-            new = bits(cpu[name])[a:b]
+            a, b = specs[name].chunk_span(ci)
+            t = state[name]
+            # A device tensor is copied to the host one chunk at a time: bounded memory.
+            new = bits(t)[a:b] if t.device.type == "cpu" else bits(t.detach().reshape(-1)[a:b].cpu())
             old = bits(ref[name])[a:b] if ref is not None else None
             return self._encode_chunk(ti, ci, new, old, kind)
 
+        # Delta and full segments go to separate packs, so a subscriber one version behind an
+        # anchor range-reads the small delta packs without touching the snapshot.
+        delta_packs, full_packs = _PackWriter(self.store, self._uploader), _PackWriter(self.store, self._uploader)
         window = self.threads * IN_FLIGHT_PER_THREAD
-        pending: list[Future[_Encoded | None]] = []
-        results: list[_Encoded] = []
-        # Deltas are written first so that an anchor's delta segments sit together in their
-        # own packs: a subscriber one version behind range-reads them without the snapshot.
-        full_segments: list[tuple[int, codec.Segment]] = []
-        delta_refs: dict[int, SegmentRef] = {}
+        pending: deque[Future[_Encoded | None]] = deque()
+        chunks: list[tuple[_Encoded, SegmentRef | None, SegmentRef | None]] = []
 
         def drain(limit: int) -> None:
             while len(pending) > limit:
-                enc = pending.pop(0).result()
+                enc = pending.popleft().result()
                 if enc is None:
                     continue
-                results.append(enc)
-                if enc.delta is not None:
-                    delta_refs[len(results) - 1] = packs.add(enc.delta)
-                if enc.full is not None:
-                    full_segments.append((len(results) - 1, enc.full))
-                    enc.full = None  # the segment now lives in full_segments only
+                d = delta_packs.add(enc.delta) if enc.delta is not None else None
+                f = full_packs.add(enc.full) if enc.full is not None else None
+                enc.delta = enc.full = None  # the bytes now live in the pack writers only
+                chunks.append((enc, d, f))
 
         for ti, ci, name in self._chunk_jobs(state, specs):
             pending.append(self._pool.submit(job, ti, ci, name))
             drain(window)
         drain(0)
-        packs.flush()
-        full_refs: dict[int, SegmentRef] = {}
-        for ri, seg in full_segments:
-            full_refs[ri] = packs.add(seg)
-        packs.flush()
+        delta_packs.finish()
+        full_packs.finish()
+        offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
 
         by_tensor: dict[int, list[ChunkEntry]] = {}
         elements_changed = 0
-        for ri, enc in enumerate(results):
-            d = delta_refs.get(ri)
+        for enc, d, f in chunks:
             if d is not None:
                 elements_changed += d.n_changed
-            by_tensor.setdefault(enc.tensor, []).append(
-                ChunkEntry(index=enc.index, digest=enc.digest, full=full_refs.get(ri), delta=d)
-            )
+            if f is not None:
+                f = f.model_copy(update={"blob": f.blob + offset})
+            by_tensor.setdefault(enc.tensor, []).append(ChunkEntry(index=enc.index, digest=enc.digest, full=f, delta=d))
         entries = []
         tensors_changed = 0
-        for ti, chunks in sorted(by_tensor.items()):
+        for ti, tchunks in sorted(by_tensor.items()):
             spec = specs[names[ti]]
-            if any(c.delta is not None for c in chunks):
+            if any(c.delta is not None for c in tchunks):
                 tensors_changed += 1
-            entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows, chunks=tuple(chunks)))
+            entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows, chunks=tuple(tchunks)))
         if kind == "anchor" and not has_base:
             tensors_changed = len(specs)
             elements_changed = sum(s.numel for s in specs.values())
         stats = Stats(
-            bytes_stored=packs.bytes_written,
+            bytes_stored=delta_packs.bytes_written + full_packs.bytes_written,
             tensors_changed=tensors_changed,
             elements_changed=elements_changed,
             tensors_total=len(specs),
             elements_total=sum(s.numel for s in specs.values()),
         )
-        return entries, stats
+        return entries, stats, delta_packs.blobs + full_packs.blobs
 
     def _resume_from_head(self, state: dict[str, torch.Tensor]) -> None:
         """Rebuild the reference copy by pulling the head version, if its layout matches."""
