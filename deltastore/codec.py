@@ -143,12 +143,19 @@ DENSE_TRY_FRACTION = 0.40
 # elements. Callers split larger tensors into chunks, which they do anyway for parallelism.
 MAX_COUNT = 2**32 - 1
 
-# Value symbols of the add codecs are one byte: zigzag(new - old) below this value is the symbol
-# itself, anything else is this symbol plus the full-width value in the escape sections. On
-# MiniLM AdamW steps (lr 1e-6 .. 1e-5) < 0.5 % of changed elements escape, and the high byte of
-# the zigzag value, which Huffman coding cannot store in under 1 bit, is gone: 0.296 -> 0.236
-# bytes per changed element at lr 1e-6 (entropy of the 16-bit zigzag values: 0.225).
+# Gap symbols of add-sparse are one byte: a gap below this value is the symbol itself, anything
+# else is this symbol plus (gap - ESCAPE) in the gap escape sections. A gap's high byte, mostly
+# zero, costs Huffman >= 1 bit; escaping it saves 0.02 B per changed element at lr 1e-6
+# (0.961 vs 0.984 for plain byte planes; order-0 position entropy 0.93).
 ESCAPE = 255
+
+# Value codes of the add codecs are 4 bits, two per byte: zigzag(new - old) below this value is
+# the code itself, anything else is this code plus the full-width value in the escape sections.
+# Adam steps move bf16 weights by 1-2 ulp, so codes 1..4 dominate and Huffman over single bytes
+# pays ~0.3 bit per symbol of redundancy; pairs halve it. MiniLM lr 1e-6: 0.293 -> 0.249 B per
+# changed element (one-byte symbols vs pairs; order-0 entropy of the zigzag values 0.225,
+# of v1's XOR values 0.341); ~1 % of changed elements escape.
+NIBBLE_ESCAPE = 15
 
 # Below this many elements the paired exponent form is not tried: its extra section entry and
 # Huffman table outweigh any gain on tiny tensors (LayerNorm weights, biases).
@@ -432,13 +439,13 @@ def _peek_header2(mv: memoryview) -> SegmentHeader:
                 )
             gap_width = param
             gap_esc = [n_gap_esc] * gap_width if n_gap_esc else []
-            sizes = [n_changed, *gap_esc, n_changed, *esc]
+            sizes = [n_changed, *gap_esc, (n_changed + 1) // 2, *esc]
         else:
             if param != 0 or n_gap_esc != 0:
                 raise CorruptObjectError(
                     f"add-dense segment declares parameter {param} and {n_gap_esc} gap escapes, must be 0"
                 )
-            sizes = [count] + esc
+            sizes = [(count + 1) // 2] + esc
     if n_sections != len(sizes):
         raise CorruptObjectError(
             f"{codec} segment declares {n_sections} sections, its header implies {len(sizes)}"
@@ -541,6 +548,22 @@ def _pack2(codec: str, width: int, param: int, count: int, n_changed: int, aux: 
     return b"".join([head, *table, *(stored for _, stored in secs)])
 
 
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes < 16 -> bytes holding two each (low nibble first), padded with a 0 code."""
+    if codes.size % 2:
+        codes = np.append(codes, np.uint8(0))
+    return codes[0::2] | (codes[1::2] << np.uint8(4))
+
+
+def _unpack_nibbles(packed: np.ndarray, n: int, what: str) -> np.ndarray:
+    codes = np.empty(2 * packed.size, dtype=np.uint8)
+    codes[0::2] = packed & np.uint8(15)
+    codes[1::2] = packed >> np.uint8(4)
+    if n % 2 and codes[n] != 0:
+        raise CorruptObjectError(f"{what} segment's padding code is not 0")
+    return codes[:n]
+
+
 def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     """The top byte plane as pairs of 4-bit window codes: (window low end, packed codes,
     escaped bytes). The window is the 15 consecutive values holding the most elements."""
@@ -553,20 +576,12 @@ def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     out = codes >= _EXP_WINDOW
     esc = top[out]
     codes[out] = _EXP_ESCAPE
-    if codes.size % 2:
-        codes = np.append(codes, np.uint8(0))  # padding code, MUST be 0
-    packed = codes[0::2] | (codes[1::2] << np.uint8(4))
-    return low, packed, esc
+    return low, _pack_nibbles(codes), esc
 
 
 def _unpair_exponents(packed: np.ndarray, esc: np.ndarray | None, low: int, count: int,
                       n_escaped: int) -> np.ndarray:
-    codes = np.empty(2 * packed.size, dtype=np.uint8)
-    codes[0::2] = packed & np.uint8(15)
-    codes[1::2] = packed >> np.uint8(4)
-    if count % 2 and codes[count] != 0:
-        raise CorruptObjectError("full/2 segment's padding exponent code is not 0")
-    codes = codes[:count]
+    codes = _unpack_nibbles(packed, count, "full/2")
     at = np.flatnonzero(codes == _EXP_ESCAPE)
     if at.size != n_escaped:
         raise CorruptObjectError(
@@ -668,17 +683,14 @@ def _encode_full_v1(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL) ->
 
 
 def _value_sections(zz: np.ndarray) -> tuple[list[np.ndarray], int]:
-    """One-byte symbols for zigzag values (``ESCAPE`` for the large ones) and the escape
-    planes: (sections, number of escaped values)."""
-    big = zz >= ESCAPE
+    """Paired 4-bit codes for zigzag values (``NIBBLE_ESCAPE`` for the large ones) and the
+    escape planes: (sections, number of escaped values)."""
+    big = zz >= NIBBLE_ESCAPE
     n_esc = int(np.count_nonzero(big))
-    if zz.itemsize == 1:
-        sym = zz
-    else:
-        sym = np.minimum(zz, ESCAPE).astype(np.uint8)
+    packed = _pack_nibbles(np.minimum(zz, NIBBLE_ESCAPE).astype(np.uint8))
     if n_esc == 0:
-        return [sym], 0
-    return [sym, *_planes(zz[big])], n_esc
+        return [packed], 0
+    return [packed, *_planes(zz[big])], n_esc
 
 
 def _gaps(pos: np.ndarray) -> tuple[int, list[np.ndarray]]:
@@ -990,8 +1002,8 @@ def _decode_add(data: bytes, codec: str, width: int, count: int):
     # sections: [gap symbols, gap escape planes...] (sparse only), value symbols, value escapes
     gsec = (1 + (h.gap_width if h.n_gap_escaped else 0)) if codec == CODEC_ADD_SPARSE else 0
     n_sym = h.n_changed if codec == CODEC_ADD_SPARSE else count
-    sym = _join(secs[gsec : gsec + 1], n_sym)  # uint8
-    esc_at = np.flatnonzero(sym == ESCAPE)
+    sym = _unpack_nibbles(_join(secs[gsec : gsec + 1], (n_sym + 1) // 2), n_sym, codec)
+    esc_at = np.flatnonzero(sym == NIBBLE_ESCAPE)
     if esc_at.size != h.n_escaped:
         raise CorruptObjectError(
             f"{codec} segment declares {h.n_escaped} escaped values, its symbols hold {esc_at.size}"
@@ -999,8 +1011,8 @@ def _decode_add(data: bytes, codec: str, width: int, count: int):
     zz = sym.astype(_UINT[width])
     if h.n_escaped:
         esc = _join(secs[gsec + 1 :], h.n_escaped)
-        if not np.all(esc >= ESCAPE):
-            raise CorruptObjectError(f"{codec} segment escapes a value below {ESCAPE}")
+        if not np.all(esc >= NIBBLE_ESCAPE):
+            raise CorruptObjectError(f"{codec} segment escapes a value below {NIBBLE_ESCAPE}")
         zz[esc_at] = esc
     diffs = _unzigzag(zz)
     if codec == CODEC_ADD_DENSE:

@@ -508,13 +508,14 @@ def test_add_dense_n_changed_is_checked_against_the_payload():
     assert np.array_equal(target, old)
 
 
-def _raw_add_sparse(gap_syms, val_syms, esc_vals=(), gap_esc=(), count=100) -> bytes:
+def _raw_add_sparse(gap_syms, val_codes, esc_vals=(), gap_esc=(), count=100, pad=0) -> bytes:
     """An add-sparse/1 bf16 segment with RAW sections, built by hand."""
     n = len(gap_syms)
     secs = [bytes(gap_syms)]
     if gap_esc:
         secs.append(bytes(gap_esc))  # gap width 1
-    secs.append(bytes(val_syms))
+    codes = list(val_codes) + ([pad] if len(val_codes) % 2 else [])
+    secs.append(bytes(codes[i] | codes[i + 1] << 4 for i in range(0, len(codes), 2)))
     if esc_vals:
         v = np.array(esc_vals, dtype="<u2").view(np.uint8).reshape(-1, 2)
         secs += [v[:, 0].tobytes(), v[:, 1].tobytes()]
@@ -525,7 +526,7 @@ def _raw_add_sparse(gap_syms, val_syms, esc_vals=(), gap_esc=(), count=100) -> b
 def test_hand_built_add_sparse_decodes():
     # positions 5, 6 and 6 + 1 + (255 + 3) = 265
     t = np.zeros(300, np.uint16)
-    apply_delta(t, _raw_add_sparse([5, 0, 255], [2, 1, 255], esc_vals=[600], gap_esc=[3], count=300),
+    apply_delta(t, _raw_add_sparse([5, 0, 255], [2, 1, 15], esc_vals=[600], gap_esc=[3], count=300),
                 codec=CODEC_ADD_SPARSE)
     expected = np.zeros(300, np.uint16)
     expected[[5, 6, 265]] = [1, 0xFFFF, 300]  # unzigzag: 2 -> 1, 1 -> -1, 600 -> 300
@@ -536,8 +537,9 @@ def test_hand_built_add_sparse_decodes():
     "seg,match",
     [
         (_raw_add_sparse([5, 0, 0], [2, 0, 4]), "zero difference"),
-        (_raw_add_sparse([5, 0, 0], [2, 255, 4], esc_vals=[17]), "below 255"),
-        (_raw_add_sparse([5, 0, 0], [2, 255, 4]), "escaped values"),
+        (_raw_add_sparse([5, 0, 0], [2, 15, 4], esc_vals=[14]), "below 15"),
+        (_raw_add_sparse([5, 0, 0], [2, 15, 4]), "escaped values"),
+        (_raw_add_sparse([5, 0, 0], [2, 3, 4], pad=1), "padding"),
         (_raw_add_sparse([5, 0, 0], [2, 3, 4], esc_vals=[300]), "escaped values"),
         (_raw_add_sparse([5, 0, 255], [2, 3, 4]), "escaped gaps"),
         (_raw_add_sparse([5, 0, 7], [2, 3, 4], gap_esc=[1]), "escaped gaps"),
