@@ -6,22 +6,31 @@ tensors, files or stores. Callers hand it 1-D contiguous arrays of an unsigned i
 as ``uint16``, fp32 as ``uint32``, ...), so every round trip is bit-exact, NaN payloads and
 ``-0.0`` included.
 
-Three codecs exist, each identified by a string ``"<name>/<version>"``:
+Six codecs exist, each identified by a string ``"<name>/<version>"``. Writers produce the v2
+codecs; the v1 codecs stay decodable forever (stores written by v1 hold them).
 
-``full/1`` (:data:`CODEC_FULL`)
-    The values of a whole chunk (an anchor). Element bytes are split into byte planes (plane
-    ``k`` holds byte ``k``, little-endian order, of every element) and each plane is stored on
-    its own: bf16 exponent bytes compress well, mantissa bytes hardly at all, and mixing them in
-    one zstd stream spoils both.
-``xor-sparse/1`` (:data:`CODEC_XOR_SPARSE`)
-    The positions of the elements that changed, as gaps (first position, then each difference
-    minus one) split into byte planes, followed by the XOR ``old ^ new`` of those elements, split
-    into byte planes.
-``xor-dense/1`` (:data:`CODEC_XOR_DENSE`)
-    The XOR ``old ^ new`` of every element of the chunk, split into byte planes. Wins when many
-    elements change.
+``full/2`` (:data:`CODEC_FULL2`), v2
+    The values of a whole chunk (an anchor), split into byte planes (plane ``k`` holds byte
+    ``k``, little-endian order, of every element), each stored on its own. With
+    ``encode_full(..., float_bits=True)`` the bit patterns are first rotated left by one bit so
+    the exponent fills the top plane, and that plane may be coded as pairs of 4-bit codes in a
+    window of 15 exponents (whichever is smaller); the header records the transform.
+``add-sparse/1`` (:data:`CODEC_ADD_SPARSE`), v2
+    Positions of the changed elements as gaps (one-byte symbols, long gaps escaped), then the
+    zigzag of ``new - old`` (mod 2**bits) as paired 4-bit codes (large values escaped). Applied
+    by addition, undone by subtraction (``apply_delta(..., inverse=True)``), composed by
+    addition without the weights.
+``add-dense/1`` (:data:`CODEC_ADD_DENSE`), v2
+    The zigzag difference of every element as paired 4-bit codes. Wins when most elements change.
+``full/1``, ``xor-sparse/1``, ``xor-dense/1`` (:data:`CODEC_FULL`, :data:`CODEC_XOR_SPARSE`,
+:data:`CODEC_XOR_DENSE`), v1
+    Byte planes of the values; gaps and ``old ^ new`` of the changed elements in byte planes;
+    ``old ^ new`` of every element in byte planes. XOR deltas are their own inverse.
 
-Segment byte layout (all integers little-endian; normative text in ``docs/codec-format.md``)::
+Segments are self-describing: ``DSG1`` segments (v1 codecs) and ``DSG2`` segments (v2 codecs)
+differ in their header; the normative byte layouts and read path are in
+``docs/codec-format.md``, the measurements behind v2 in ``docs/design/003-codec-v2.md``.
+``DSG1`` (28-byte header, 12-byte table entries)::
 
     offset  size  field
     0       4     magic          b"DSG1"
@@ -36,13 +45,25 @@ Segment byte layout (all integers little-endian; normative text in ``docs/codec-
     28      12*n  section table  per section: kind u8, 3 zero bytes, stored size u32, raw size u32
     ...           payload        the sections' stored bytes, in table order, nothing after
 
+``DSG2`` (25-byte header, 5-byte table entries; raw sizes implied by the header)::
+
+    offset  size  field
+    0       4     magic          b"DSG2"
+    4       1     codec id       1 = full (version 2), 4 = add-sparse, 5 = add-dense (version 1)
+    5       1     codec version
+    6       1     width          element width in bytes: 1, 2, 4 or 8
+    7       1     param          full/2: transform 0/1/2; add-sparse: gap escape width; else 0
+    8       4     count          u32
+    12      4     n_changed      u32
+    16      4     aux            add-sparse: escaped gaps; full/2 transform 2: exponent window low
+    20      4     n_escaped      escaped values (add-*) or exponents (full/2 transform 2)
+    24      1     n_sections
+    25      5*n   section table  per section: kind u8, stored size u32
+    ...           payload
+
     section kind 0 RAW   stored bytes are the plane itself (stored size == raw size)
                  1 ZSTD  stored bytes are exactly one zstd frame of raw-size bytes
                  2 CONST stored bytes are one byte, repeated raw-size (>= 1) times
-
-    sections:  full, xor-dense   plane 0 .. plane width-1 of the values / XORs (count bytes each)
-               xor-sparse        gap plane 0 .. gap width-1, then XOR plane 0 .. width-1
-                                 (n_changed bytes each)
 
 Decoders check every header field against the caller's expectations (codec, width, count) and
 every declared size against what the codec implies, before allocating anything; a zstd frame is
@@ -57,8 +78,10 @@ Example::
     >>> old = np.zeros(1000, dtype=np.uint16); new = old.copy(); new[[3, 500]] = 7
     >>> seg = encode_delta(old, new)
     >>> seg.codec, seg.n_changed
-    ('xor-sparse/1', 2)
-    >>> apply_delta(old, seg.data, codec=seg.codec); bool((old == new).all())
+    ('add-sparse/1', 2)
+    >>> t = old.copy(); apply_delta(t, seg.data, codec=seg.codec); bool((t == new).all())
+    True
+    >>> apply_delta(t, seg.data, codec=seg.codec, inverse=True); bool((t == old).all())
     True
 """
 
@@ -299,7 +322,7 @@ def peek_header(data: bytes) -> SegmentHeader:
 
         >>> h = peek_header(encode_full(np.arange(10, dtype=np.uint16)).data)
         >>> h.codec, h.width, h.count
-        ('full/1', 2, 10)
+        ('full/2', 2, 10)
     """
     mv = memoryview(data)
     if len(mv) >= len(_MAGIC2) and bytes(mv[: len(_MAGIC2)]) == _MAGIC2:
