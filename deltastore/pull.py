@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 #: Concurrent GETs: object stores reward parallel requests far beyond the core count.
 IO_THREADS = 16
+#: Segment bytes fetched per batch: a pull holds at most two batches (one being applied, one
+#: being fetched) of compressed data, whatever the model size.
+FETCH_BATCH_BYTES = 256 * 1024 * 1024
 #: Byte ranges of one pack closer than this are fetched as one GET: a request costs more than
 #: a few hundred KiB of transfer.
 COALESCE_GAP_BYTES = 256 * 1024
@@ -230,9 +233,9 @@ class Subscriber:
         specs = _layout(ms[0][1])
         out = {n: torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for n, s in specs.items()}
         plans = self._plan_from_anchor(ms, specs)
-        data = self._fetcher.fetch(s for p in plans for s in p.steps())
         targets = {n: _Target(t) for n, t in out.items()}
-        list(self._pool.map(lambda p: self._build(p, specs, data, targets[p.name]), plans))
+        for batch, data in self._fetch_batches(plans):
+            list(self._pool.map(lambda p: self._build(p, specs, data, targets[p.name]), batch))
         self._version, self._held = m.version, ms
         return out
 
@@ -405,6 +408,30 @@ class Subscriber:
             raise
         return raw
 
+    def _fetch_batches(self, plans: list[_ChunkPlan]) -> Iterator[tuple[list[_ChunkPlan], dict[tuple[str, int], bytes]]]:
+        """Yield plans in batches of about FETCH_BATCH_BYTES with their verified segments,
+        fetching the next batch while the caller applies the current one."""
+        batches: list[list[_ChunkPlan]] = [[]]
+        size = 0
+        for p in plans:
+            cost = sum(st.ref.length for st in p.steps())
+            if batches[-1] and size + cost > FETCH_BATCH_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(p)
+            size += cost
+
+        def fetch(batch: list[_ChunkPlan]) -> dict[tuple[str, int], bytes]:
+            return self._fetcher.fetch(st for p in batch for st in p.steps())
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch") as ahead:
+            nxt = ahead.submit(fetch, batches[0])
+            for i, batch in enumerate(batches):
+                data = nxt.result()
+                if i + 1 < len(batches):
+                    nxt = ahead.submit(fetch, batches[i + 1])
+                yield batch, data
+
     def _apply_in_place(self, plans: list[_ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
         """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
         # Tied weights (one storage under two names) are updated once.
@@ -415,8 +442,6 @@ class Subscriber:
             owner[n] = seen.setdefault(k, n)
         plans = [p for p in plans if owner[p.name] == p.name]
         targets = {n: _Target(t) for n, t in tensors.items()}
-
-        data = self._fetcher.fetch(s for p in plans for s in p.steps())
 
         # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
         # the chunks this update touches (a local edit elsewhere would survive silently).
@@ -434,6 +459,8 @@ class Subscriber:
         list(self._pool.map(check_base, sorted(kept - replaced)))
 
         done: list[tuple[_ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
+        undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
+        data: dict[tuple[str, int], bytes] = {}
 
         def run(p: _ChunkPlan) -> tuple[_ChunkPlan, np.ndarray | None]:
             tgt = targets[p.name]
@@ -450,13 +477,23 @@ class Subscriber:
             tgt.write(*p.span, new)
             return p, saved
 
-        futures = [self._pool.submit(run, p) for p in plans]
         error: BaseException | None = None
-        for f in futures:
-            try:
-                done.append(f.result())
-            except BaseException as e:  # noqa: BLE001 - re-raised below after rollback
-                error = error or e
+        try:
+            for batch, data in self._fetch_batches(plans):
+                futures = [self._pool.submit(run, p) for p in batch]
+                for f in futures:
+                    try:
+                        p, saved = f.result()
+                    except BaseException as e:  # noqa: BLE001 - re-raised below after rollback
+                        error = error or e
+                        continue
+                    done.append((p, saved))
+                    if saved is None:
+                        undo.update((s.where, data[s.where]) for s in p.deltas)
+                if error is not None:
+                    break
+        except BaseException as e:  # noqa: BLE001 - a fetch failed: roll back what was applied
+            error = e
         if error is None:
             return
         for p, saved in done:
@@ -466,7 +503,7 @@ class Subscriber:
             else:
                 raw = tgt.read(*p.span)
                 for s in reversed(p.deltas):
-                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec, inverse=True)
+                    codec.apply_delta(raw, undo[s.where], codec=s.ref.codec, inverse=True)
                 if not tgt.cpu:
                     tgt.write(*p.span, raw)
         logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)

@@ -264,8 +264,11 @@ def _last_changed_chunk(doc: dict) -> tuple[str, int]:
     return t["name"], t["chunks"][-1]["index"]
 
 
+@pytest.mark.parametrize("batch_bytes", [None, 1], ids=["one-batch", "batch-per-chunk"])
 @pytest.mark.parametrize("how", ["digest", "segment-bits", "segment-codec", "segment-sha"])
-def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, monkeypatch) -> None:
+def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, batch_bytes, monkeypatch) -> None:
+    if batch_bytes:  # fetch and apply chunk by chunk: the failure comes in a later batch
+        monkeypatch.setattr(deltastore.pull, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=4)
     with open_store(url) as store:
         _, doc = head_manifest(store)
@@ -308,9 +311,12 @@ def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, monkeypa
         assert_bits_equal(target, states[3])
 
 
-def test_pull_into_rolls_back_chunks_replaced_from_a_snapshot(url: str, monkeypatch) -> None:
+@pytest.mark.parametrize("batch_bytes", [None, 1], ids=["one-batch", "batch-per-chunk"])
+def test_pull_into_rolls_back_chunks_replaced_from_a_snapshot(url: str, batch_bytes, monkeypatch) -> None:
     """Across a restart anchor (no deltas), chunks are replaced from full segments; a later bad
     chunk must restore them from the saved copies."""
+    if batch_bytes:
+        monkeypatch.setattr(deltastore.pull, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=2)
     more = [sparse_edit(states[-1], np.random.default_rng(10 + i), 0.02) for i in range(2)]
     with Publisher(url, resume=False, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:  # a restart, no read-back
