@@ -102,40 +102,37 @@ class _PackWriter:
         self.store = store
         self.uploader = uploader
         self.blobs: list[BlobRef] = []
-        self._parts: list[bytes] = []
-        self._size = 0
+        self._buf = bytearray()  # segments appended in place: no second copy to join them
         self._uploads: deque[Future[None]] = deque()
         self.bytes_written = 0
 
     def add(self, seg: codec.Segment) -> SegmentRef:
-        if self._size >= PACK_TARGET_BYTES:
+        if len(self._buf) >= PACK_TARGET_BYTES:
             self.flush()
         ref = SegmentRef(
             blob=len(self.blobs),
-            offset=self._size,
+            offset=len(self._buf),
             length=len(seg.data),
             sha256=sha256_hex(seg.data),
             codec=seg.codec,
             n_changed=seg.n_changed,
         )
-        self._parts.append(seg.data)
-        self._size += len(seg.data)
+        self._buf += seg.data
         return ref
 
     def flush(self) -> None:
-        if not self._parts:
+        if not self._buf:
             return
-        data = b"".join(self._parts)
+        data, self._buf = self._buf, bytearray()
         digest = sha256_hex(data)
         key = blob_key(digest)
         self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest))
         self.bytes_written += len(data)
-        self._parts, self._size = [], 0
         while len(self._uploads) >= UPLOADS_IN_FLIGHT:
             self._uploads.popleft().result()
         self._uploads.append(self.uploader.submit(self._put, key, data))
 
-    def _put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: bytearray) -> None:
         try:
             self.store.put(key, data, mode="create")
         except PreconditionFailedError:

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 IO_THREADS = 16
 #: Segment bytes fetched per batch: a pull holds at most two batches (one being applied, one
 #: being fetched) of compressed data, whatever the model size.
-FETCH_BATCH_BYTES = 256 * 1024 * 1024
+FETCH_BATCH_BYTES = 64 * 1024 * 1024
 #: Byte ranges of one pack closer than this are fetched as one GET: a request costs more than
 #: a few hundred KiB of transfer.
 COALESCE_GAP_BYTES = 256 * 1024
@@ -87,7 +87,7 @@ class _Fetcher:
         self.store = store
         self.pool = pool
 
-    def fetch(self, steps: Iterable[_Step]) -> dict[tuple[str, int], bytes]:
+    def fetch(self, steps: Iterable[_Step]) -> dict[tuple[str, int], memoryview]:
         by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
         for s in steps:
             by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
@@ -95,12 +95,12 @@ class _Fetcher:
         for blob, refs in by_blob.values():
             for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset)):
                 jobs.append(self.pool.submit(self._get_run, blob, run))
-        out: dict[tuple[str, int], bytes] = {}
+        out: dict[tuple[str, int], memoryview] = {}
         for j in jobs:
             out.update(j.result())
         return out
 
-    def _get_run(self, blob: BlobRef, run: list[SegmentRef]) -> dict[tuple[str, int], bytes]:
+    def _get_run(self, blob: BlobRef, run: list[SegmentRef]) -> dict[tuple[str, int], memoryview]:
         start, stop = run[0].offset, run[-1].offset + run[-1].length
         whole = start == 0 and stop == blob.size
         try:
@@ -114,7 +114,7 @@ class _Fetcher:
         view = memoryview(data)
         out = {}
         for r in run:
-            seg = bytes(view[r.offset - start : r.offset - start + r.length])
+            seg = view[r.offset - start : r.offset - start + r.length]  # no copy: codec reads views
             if sha256_hex(seg) != r.sha256:  # also for whole packs: SPEC §7.6, every segment
                 raise IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
             out[(blob.key, r.offset)] = seg
