@@ -905,7 +905,7 @@ def _decode_sections(data: bytes, h: SegmentHeader) -> list[Union[np.ndarray, in
     """Decode each section to a uint8 array (or an int for a CONST plane). Sizes are trusted
     only because :func:`_read_header` already checked them against the caller's expectations."""
     mv = memoryview(data)
-    dctx = zstandard.ZstdDecompressor()
+    dctx = None  # created on the first ZSTD section: tiny segments are all RAW/CONST
     out: list[Union[np.ndarray, int]] = []
     off = h.header_size
     for i, s in enumerate(h.sections):
@@ -926,6 +926,8 @@ def _decode_sections(data: bytes, h: SegmentHeader) -> list[Union[np.ndarray, in
                 raise CorruptObjectError(
                     f"{h.codec} section {i}: zstd frame claims {declared} bytes, table says {s.raw_size}"
                 )
+            if dctx is None:
+                dctx = zstandard.ZstdDecompressor()
             try:
                 raw = dctx.decompress(buf, max_output_size=s.raw_size, allow_extra_data=False)
             except zstandard.ZstdError as e:
@@ -1015,6 +1017,37 @@ def _decode_xor(data: bytes, codec: str, width: int, count: int):
     return "sparse", pos.astype(np.int64), xvals
 
 
+def _code_lut(width: int) -> np.ndarray:
+    """Byte of paired value codes -> the two differences it codes (unzigzagged, width bytes
+    each; code 15 decodes to ``_ESC_DIFF``): one gather replaces unpack, widen and unzigzag."""
+    lut = _CODE_LUTS.get(width)
+    if lut is None:
+        b = np.arange(256, dtype=_UINT[width])
+        lut = np.empty((256, 2), dtype=_UINT[width])
+        lut[:, 0] = _unzigzag(b & _UINT[width].type(15))
+        lut[:, 1] = _unzigzag(b >> _UINT[width].type(4))
+        _CODE_LUTS[width] = lut
+    return lut
+
+
+_CODE_LUTS: dict[int, np.ndarray] = {}  # width -> (256, 2) table; immutable once built
+_ESC_DIFF = {w: _UINT[w].type((1 << (8 * w)) - 8) for w in _WIDTHS}  # unzigzag(15) = -8
+_PAIR_VIEW = {1: np.dtype("<u2"), 2: np.dtype("<u4"), 4: np.dtype("<u8")}  # two elements as one
+
+
+def _decode_codes(packed: np.ndarray, n: int, width: int, what: str) -> np.ndarray:
+    """Paired value codes -> differences (escape code 15 as ``-8``), checking the padding."""
+    if n % 2 and packed[-1] >> np.uint8(4):
+        raise CorruptObjectError(f"{what} segment's padding code is not 0")
+    lut = _code_lut(width)
+    view = _PAIR_VIEW.get(width)
+    if view is not None:
+        out = lut.view(view).reshape(256)[packed].view(_UINT[width])
+    else:
+        out = np.take(lut, packed, axis=0).reshape(-1)
+    return out[:n]
+
+
 def _decode_add(data: bytes, codec: str, width: int, count: int):
     """Decode and fully validate an add-* segment, without touching any target.
 
@@ -1022,50 +1055,57 @@ def _decode_add(data: bytes, codec: str, width: int, count: int):
     ``new - old`` modulo 2**bits."""
     h = _read_header(data, codec, width, count)
     secs = _decode_sections(data, h)
-    # sections: [gap symbols, gap escape planes...] (sparse only), value symbols, value escapes
+    # sections: [gap symbols, gap escape planes...] (sparse only), value codes, value escapes
     gsec = (1 + (h.gap_width if h.n_gap_escaped else 0)) if codec == CODEC_ADD_SPARSE else 0
     n_sym = h.n_changed if codec == CODEC_ADD_SPARSE else count
-    sym = _unpack_nibbles(_join(secs[gsec : gsec + 1], (n_sym + 1) // 2), n_sym, codec)
-    esc_at = np.flatnonzero(sym == NIBBLE_ESCAPE)
+    diffs = _decode_codes(_join(secs[gsec : gsec + 1], (n_sym + 1) // 2), n_sym, width, codec)
+    esc_diff = _ESC_DIFF[width]
+    esc_at = (diffs == esc_diff).nonzero()[0]
     if esc_at.size != h.n_escaped:
         raise CorruptObjectError(
-            f"{codec} segment declares {h.n_escaped} escaped values, its symbols hold {esc_at.size}"
+            f"{codec} segment declares {h.n_escaped} escaped values, its codes hold {esc_at.size}"
         )
-    zz = sym.astype(_UINT[width])
     if h.n_escaped:
         esc = _join(secs[gsec + 1 :], h.n_escaped)
-        if not np.all(esc >= NIBBLE_ESCAPE):
+        if not (esc >= NIBBLE_ESCAPE).all():
             raise CorruptObjectError(f"{codec} segment escapes a value below {NIBBLE_ESCAPE}")
-        zz[esc_at] = esc
-    diffs = _unzigzag(zz)
+        diffs[esc_at] = _unzigzag(esc)
     if codec == CODEC_ADD_DENSE:
-        nz = int(np.count_nonzero(sym))
+        nz = int(np.count_nonzero(diffs))  # escaped values are >= 15, never 0
         if nz != h.n_changed:
             raise CorruptObjectError(f"add-dense segment declares {h.n_changed} changed elements, holds {nz}")
         return "dense", diffs, None
-    if not np.all(sym):
+    if not diffs.all():
         raise CorruptObjectError("add-sparse segment holds a zero difference (an unchanged element)")
     gsym = _join(secs[:1], h.n_changed)
     gaps = gsym.astype(np.int64)
-    # the last position, computed exactly before any cumulative sum (which could wrap on a
-    # crafted segment): n_changed + sum of gaps - 1
-    last = h.n_changed - 1 + int(gaps.sum())
-    gesc_at = np.flatnonzero(gsym == ESCAPE)
-    if gesc_at.size != h.n_gap_escaped:
+    if h.n_gap_escaped:
+        gesc_at = (gsym == ESCAPE).nonzero()[0]
+        n_gesc = gesc_at.size
+    else:
+        n_gesc = int(np.count_nonzero(gsym == ESCAPE))
+    if n_gesc != h.n_gap_escaped:
         raise CorruptObjectError(
-            f"add-sparse segment declares {h.n_gap_escaped} escaped gaps, its symbols hold {gesc_at.size}"
+            f"add-sparse segment declares {h.n_gap_escaped} escaped gaps, its symbols hold {n_gesc}"
         )
     if h.n_gap_escaped:
-        rest = _join(secs[1:gsec], h.n_gap_escaped).astype(np.int64)  # each < 2**32
-        last += int(rest.sum(dtype=np.uint64))  # < 2**32 * 2**32: exact
-        gaps[gesc_at] += rest
-    if last >= count:
-        raise CorruptObjectError(f"add-sparse segment has position {last}, beyond its {count} elements")
-    # every partial sum is now <= last < count < 2**32; adding 1 to every gap makes the
-    # positions strictly increasing (unique) by construction
+        rest = _join(secs[1:gsec], h.n_gap_escaped)  # each < 2**32
+        total = int(rest.sum(dtype=np.uint64))  # < 2**32 * 2**32: exact
+        if total >= count:  # every gap is below count, so is their sum
+            raise CorruptObjectError(
+                f"add-sparse segment has position {total} or beyond, beyond its {count} elements"
+            )
+        gaps[gesc_at] += rest.astype(np.int64)
+    # gaps are now < 256 + (escaped remainders summing to < count): every partial sum below is
+    # < 2**40 + 2**32 and cannot wrap. Adding 1 to every gap makes the positions strictly
+    # increasing (unique) by construction.
     gaps += 1
     pos = np.cumsum(gaps, out=gaps)
     pos -= 1
+    if int(pos[-1]) >= count:
+        raise CorruptObjectError(
+            f"add-sparse segment has position {int(pos[-1])}, beyond its {count} elements"
+        )
     return "sparse", pos, diffs
 
 
