@@ -250,7 +250,7 @@ def _ds_anchor_encode(prev: StateDict, new: StateDict) -> bytes:
     codec = _codec()
     header, payload = [], []
     for name, t in new.items():
-        seg = codec.encode_full(u16(t))
+        seg = codec.encode_full(u16(t), float_bits=True)  # bf16, as the publisher passes it
         header.append([name, seg.codec, len(seg.data)])
         payload.append(seg.data)
     return _pack(header, payload)

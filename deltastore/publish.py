@@ -51,6 +51,7 @@ from deltastore.tensors import (
     check_layout,
     spec_for,
     state_digest,
+    torch_dtype,
     validate_state_dict,
 )
 
@@ -353,11 +354,11 @@ class Publisher:
             for ci in range(specs[name].n_chunks):
                 yield ti, ci, name
 
-    def _encode_chunk(self, ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: str) -> _Encoded | None:
-        delta = codec.encode_delta(old, new) if old is not None else None
+    def _encode_chunk(self, ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: str, floating: bool) -> _Encoded | None:
+        delta = codec.encode_delta(old, new, float_bits=floating) if old is not None else None
         if kind == "delta" and delta is None:
             return None
-        full = codec.encode_full(new) if kind == "anchor" else None
+        full = codec.encode_full(new, float_bits=floating) if kind == "anchor" else None
         return _Encoded(ti, ci, state_digest(new), full, delta)
 
     def _encode(
@@ -370,6 +371,8 @@ class Publisher:
         """Encode every chunk (a bounded number in flight) and upload the packs as they fill."""
         names = list(specs)
         ref = self._reference if has_base else None
+        # Float bit patterns code better with the exponent in one byte plane (codec full/2).
+        floating = {n: torch_dtype(sp.dtype).is_floating_point for n, sp in specs.items()}
 
         def job(ti: int, ci: int, name: str) -> _Encoded | None:
             a, b = specs[name].chunk_span(ci)
@@ -377,7 +380,7 @@ class Publisher:
             # A device tensor is copied to the host one chunk at a time: bounded memory.
             new = bits(t)[a:b] if t.device.type == "cpu" else bits(t.detach().reshape(-1)[a:b].cpu())
             old = bits(ref[name])[a:b] if ref is not None else None
-            return self._encode_chunk(ti, ci, new, old, kind)
+            return self._encode_chunk(ti, ci, new, old, kind, floating[name])
 
         # Delta and full segments go to separate packs, so a subscriber one version behind an
         # anchor range-reads the small delta packs without touching the snapshot.
