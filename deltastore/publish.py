@@ -457,13 +457,14 @@ class Publisher:
         if fresh or self._reference is None:
             self._reference = {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
         else:
-            for e in entries:
-                src = state[e.name].detach().reshape(-1)
-                dst = self._reference[e.name].reshape(-1)
-                for c in e.chunks:
-                    if c.delta is not None:
-                        a, b = specs[e.name].chunk_span(c.index)
-                        dst[a:b].copy_(src[a:b])
+            ref = self._reference
+
+            def copy_chunk(name: str, index: int) -> None:  # torch's copy_ releases the GIL
+                a, b = specs[name].chunk_span(index)
+                ref[name].reshape(-1)[a:b].copy_(state[name].detach().reshape(-1)[a:b])
+
+            changed = [(e.name, c.index) for e in entries for c in e.chunks if c.delta is not None]
+            list(self._pool.map(lambda nc: copy_chunk(*nc), changed))
         self._specs = specs
 
     # --- commit -------------------------------------------------------------------------
