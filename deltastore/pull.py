@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -86,6 +87,8 @@ class _Fetcher:
     def __init__(self, store: Store, pool: ThreadPoolExecutor):
         self.store = store
         self.pool = pool
+        self.bytes_fetched = 0  # segment bytes read from the store, cumulative
+        self._lock = threading.Lock()
 
     def fetch(self, steps: Iterable[_Step]) -> dict[tuple[str, int], memoryview]:
         by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
@@ -107,6 +110,8 @@ class _Fetcher:
             data = self.store.get(blob.key) if whole else self.store.get(blob.key, byte_range=(start, stop))
         except NotFoundError:
             raise NotFoundError(f"pack {blob.key!r} is missing from {self.store.url}: the store was damaged") from None
+        with self._lock:
+            self.bytes_fetched += len(data)
         if len(data) != stop - start:
             raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
         if whole and sha256_hex(data) != blob.sha256:
@@ -196,6 +201,11 @@ class Subscriber:
     def version(self) -> int | None:
         """The version this subscriber last pulled (None before the first pull)."""
         return self._version
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes of packs read from the store by this subscriber so far (manifests excluded)."""
+        return self._fetcher.bytes_fetched
 
     def layout(self) -> dict[str, TensorSpec]:
         """The tensor layout (names, dtypes, shapes, chunking) of the version last pulled."""

@@ -412,3 +412,18 @@ def test_metadata_must_be_strict_json(tmp_path) -> None:
         with pytest.raises(InvalidStateDictError, match="JSON"):
             pub.publish(small_state(0), metadata={"loss": float("nan")})
         assert pub.version == 0
+
+
+def test_bytes_fetched_counts_what_a_pull_into_reads(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    states = [small_state(0, rows=64)]
+    states.append(sparse_edit(states[-1], np.random.default_rng(3)))
+    with Publisher(url) as pub:
+        first = pub.publish(states[0])
+        second = pub.publish(states[1])
+    with Subscriber(url) as sub:
+        sub.pull(1)
+        assert sub.bytes_fetched == first.bytes_stored  # the whole anchor, nothing else
+        sub.pull_into(sub.pull(1))
+        after_anchor = sub.bytes_fetched
+        assert after_anchor - 2 * first.bytes_stored == second.bytes_stored  # only the delta
