@@ -372,19 +372,7 @@ def peek_header(data: bytes) -> SegmentHeader:
         kind, pad, stored, raw = _ENTRY.unpack_from(mv, _HEADER.size + i * _ENTRY.size)
         if pad != _ZERO3:
             raise CorruptObjectError(f"section {i} reserved bytes are {pad!r}, must be zero")
-        if kind == _KIND_RAW:
-            if stored != raw:
-                raise CorruptObjectError(f"raw section {i} stores {stored} bytes, declares {raw}")
-        elif kind == _KIND_CONST:
-            if stored != 1 or raw == 0:
-                raise CorruptObjectError(
-                    f"const section {i} must store 1 byte for >= 1 raw bytes, has {stored}/{raw}"
-                )
-        elif kind == _KIND_ZSTD:
-            if stored == 0:
-                raise CorruptObjectError(f"zstd section {i} is empty")
-        else:
-            raise CorruptObjectError(f"section {i} has unknown kind {kind}")
+        _check_entry(i, kind, stored, raw)
         sections.append(SectionInfo(_KIND_NAMES[kind], stored, raw))
         total += stored
     return SegmentHeader(
