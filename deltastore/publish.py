@@ -68,6 +68,10 @@ CLAIM_ATTEMPTS = 16
 #: Chunks in flight per encode thread: with many tiny tensors a short window starves the
 #: threads (MiniLM publish: 2 → 93 ms, 8 → 83 ms); memory stays bounded (chunks ≤ 16 MiB).
 IN_FLIGHT_PER_THREAD = 8
+#: Chunks smaller than this are encoded together as one job: a job per tiny tensor (LayerNorm
+#: weights, biases) makes the threads queue for the GIL more than they compute
+#: (MiniLM, 64 of 103 tensors < 10k elements).
+JOB_BYTES = 1024 * 1024
 #: Packs uploading at once per pack stream: overlaps the network with encoding while holding
 #: at most this many packs (× PACK_TARGET_BYTES) in memory.
 UPLOADS_IN_FLIGHT = 2
@@ -360,10 +364,21 @@ class Publisher:
 
     # --- encoding -----------------------------------------------------------------------
 
-    def _chunk_jobs(self, state: dict[str, torch.Tensor], specs: dict[str, TensorSpec]) -> Iterator[tuple[int, int, str]]:
-        for ti, name in enumerate(specs):
-            for ci in range(specs[name].n_chunks):
-                yield ti, ci, name
+    @staticmethod
+    def _chunk_jobs(specs: dict[str, TensorSpec]) -> Iterator[list[tuple[int, int, str]]]:
+        """Chunks in order, small ones grouped into one job of about JOB_BYTES (see there)."""
+        group: list[tuple[int, int, str]] = []
+        size = 0
+        for ti, (name, spec) in enumerate(specs.items()):
+            for ci in range(spec.n_chunks):
+                a, b = spec.chunk_span(ci)
+                group.append((ti, ci, name))
+                size += (b - a) * spec.width
+                if size >= JOB_BYTES:
+                    yield group
+                    group, size = [], 0
+        if group:
+            yield group
 
     def _encode_chunk(self, ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: str, floating: bool) -> _Encoded | None:
         delta = codec.encode_delta(old, new, float_bits=floating) if old is not None else None
@@ -385,12 +400,16 @@ class Publisher:
         # Float bit patterns code better with the exponent in one byte plane (codec full/2).
         floating = {n: torch_dtype(sp.dtype).is_floating_point for n, sp in specs.items()}
 
+        # Bit views made once, here: per-chunk torch calls on the encode threads would queue for
+        # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
+        new_bits = {n: bits(t) for n, t in state.items() if t.device.type == "cpu"}
+        ref_bits = {n: bits(t) for n, t in ref.items()} if ref is not None else {}
+
         def job(ti: int, ci: int, name: str) -> _Encoded | None:
             a, b = specs[name].chunk_span(ci)
-            t = state[name]
-            # A device tensor is copied to the host one chunk at a time: bounded memory.
-            new = bits(t)[a:b] if t.device.type == "cpu" else bits(t.detach().reshape(-1)[a:b].cpu())
-            old = bits(ref[name])[a:b] if ref is not None else None
+            full = new_bits.get(name)
+            new = full[a:b] if full is not None else bits(state[name].detach().reshape(-1)[a:b].cpu())
+            old = ref_bits[name][a:b] if ref is not None else None
             enc = self._encode_chunk(ti, ci, new, old, kind, floating[name])
             if old is not None and enc is not None and enc.delta is not None:
                 old[...] = new  # advance the reference now (see publish(): dropped on failure)
@@ -405,16 +424,16 @@ class Publisher:
 
         def drain(limit: int) -> None:
             while len(pending) > limit:
-                enc = pending.popleft().result()
-                if enc is None:
-                    continue
-                d = delta_packs.add(enc.delta) if enc.delta is not None else None
-                f = full_packs.add(enc.full) if enc.full is not None else None
-                enc.delta = enc.full = None  # the bytes now live in the pack writers only
-                chunks.append((enc, d, f))
+                for enc in pending.popleft().result():
+                    if enc is None:
+                        continue
+                    d = delta_packs.add(enc.delta) if enc.delta is not None else None
+                    f = full_packs.add(enc.full) if enc.full is not None else None
+                    enc.delta = enc.full = None  # the bytes now live in the pack writers only
+                    chunks.append((enc, d, f))
 
-        for ti, ci, name in self._chunk_jobs(state, specs):
-            pending.append(self._pool.submit(job, ti, ci, name))
+        for group in self._chunk_jobs(specs):
+            pending.append(self._pool.submit(lambda g: [job(*j) for j in g], group))
             drain(window)
         drain(0)
         delta_packs.finish()

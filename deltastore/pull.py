@@ -142,16 +142,18 @@ class _Target:
     def __init__(self, t: torch.Tensor):
         self.t = t
         self.cpu = t.device.type == "cpu"
+        # Made once: per-chunk torch calls on worker threads queue for the GIL behind numpy.
+        self.raw = bits(t) if self.cpu else None
 
     def read(self, a: int, b: int) -> np.ndarray:
         """The chunk's bits: a live view for CPU tensors, a copy for device tensors."""
-        if self.cpu:
-            return bits(self.t)[a:b]
+        if self.raw is not None:
+            return self.raw[a:b]
         return bits(self.t.detach().reshape(-1)[a:b].cpu())
 
     def write(self, a: int, b: int, raw: np.ndarray) -> None:
-        view = self.read(a, b) if self.cpu else None
-        if view is not None:
+        if self.raw is not None:
+            view = self.raw[a:b]
             if not np.shares_memory(view, raw):
                 view[...] = raw
             return
