@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from deltastore.errors import (
 )
 from deltastore.history import History, VersionInfo
 from deltastore.manifest import BlobRef, Head, Manifest, SegmentRef, sha256_hex
-from deltastore.publish import default_threads
+from deltastore.publish import JOB_BYTES, default_threads
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from deltastore.tensors import TensorSpec, bits, check_layout, state_digest, torch_dtype
@@ -38,6 +38,7 @@ FETCH_BATCH_BYTES = 64 * 1024 * 1024
 COALESCE_GAP_BYTES = 256 * 1024
 
 _Manifests = list[tuple[str, Manifest]]
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -247,7 +248,8 @@ class Subscriber:
         plans = self._plan_from_anchor(ms, specs)
         targets = {n: _Target(t) for n, t in out.items()}
         for batch, data in self._fetch_batches(plans):
-            list(self._pool.map(lambda p: self._build(p, specs, data, targets[p.name]), batch))
+            groups = _grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
+            list(self._pool.map(lambda g: [self._build(p, specs, data, targets[p.name]) for p in g], groups))
         self._version, self._held = m.version, ms
         return out
 
@@ -468,7 +470,8 @@ class Subscriber:
                     "the target was modified since it was pulled (pull() it again)"
                 )
 
-        list(self._pool.map(check_base, sorted(kept - replaced)))
+        keys = sorted(kept - replaced)
+        list(self._pool.map(lambda g: [check_base(k) for k in g], _grouped(keys, lambda k: _span_bytes(specs, *k))))
 
         done: list[tuple[_ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
@@ -489,19 +492,26 @@ class Subscriber:
             tgt.write(*p.span, new)
             return p, saved
 
+        def run_group(group: list[_ChunkPlan]) -> tuple[list[tuple[_ChunkPlan, np.ndarray | None]], BaseException | None]:
+            applied = []
+            for p in group:
+                try:
+                    applied.append(run(p))
+                except BaseException as e:  # noqa: BLE001 - re-raised by the caller after rollback
+                    return applied, e
+            return applied, None
+
         error: BaseException | None = None
         try:
             for batch, data in self._fetch_batches(plans):
-                futures = [self._pool.submit(run, p) for p in batch]
-                for f in futures:
-                    try:
-                        p, saved = f.result()
-                    except BaseException as e:  # noqa: BLE001 - re-raised below after rollback
-                        error = error or e
-                        continue
-                    done.append((p, saved))
-                    if saved is None:
-                        undo.update((s.where, data[s.where]) for s in p.deltas)
+                groups = _grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
+                for f in [self._pool.submit(run_group, g) for g in groups]:
+                    applied, failed = f.result()
+                    error = error or failed
+                    for p, saved in applied:
+                        done.append((p, saved))
+                        if saved is None:
+                            undo.update((s.where, data[s.where]) for s in p.deltas)
                 if error is not None:
                     break
         except BaseException as e:  # noqa: BLE001 - a fetch failed: roll back what was applied
@@ -520,6 +530,24 @@ class Subscriber:
                     tgt.write(*p.span, raw)
         logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)
         raise error
+
+
+def _span_bytes(specs: dict[str, TensorSpec], name: str, index: int) -> int:
+    a, b = specs[name].chunk_span(index)
+    return (b - a) * specs[name].width
+
+
+def _grouped(items: list[_T], nbytes: Callable[[_T], int]) -> list[list[_T]]:
+    """Consecutive items in groups of about JOB_BYTES: one thread job each (see JOB_BYTES)."""
+    groups: list[list[_T]] = [[]]
+    size = 0
+    for item in items:
+        if size >= JOB_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes(item)
+    return groups if groups[0] else []
 
 
 def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
