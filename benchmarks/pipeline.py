@@ -99,10 +99,56 @@ def _role(role: str, workload: str, url: str, threads: int) -> dict:
     return out
 
 
+def scaling(matrices: int = 6, dim: int = 4096, steps: int = 4) -> None:
+    """Throughput on large tensors, in one process: ``matrices`` dim×dim bf16 weights updated by
+    real AdamW steps at lr 1e-6 on random gradients (a scaling check, not a realistic
+    workload: it shows the per-tensor overhead that dominates MiniLM's many small tensors)."""
+    import numpy as np
+    import torch
+
+    from deltastore import Publisher, Subscriber
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(dim, dim) * 0.02) for _ in range(matrices)]
+    opt = torch.optim.AdamW(weights, lr=1e-6, weight_decay=0.0)
+
+    def export() -> dict:
+        return {f"w{i}": w.detach().bfloat16() for i, w in enumerate(weights)}
+
+    states = [export()]
+    for _ in range(steps):
+        opt.zero_grad()
+        for w in weights:
+            w.grad = torch.randn_like(w)
+        opt.step()
+        states.append(export())
+    model = sum(t.numel() * t.element_size() for t in states[0].values())
+    print(f"scaling: {matrices} x {dim}x{dim} bf16 ({model / 1e6:.0f} MB), AdamW lr 1e-6, memory://")
+    for threads in (1, len(os.sched_getaffinity(0))):
+        state = {k: v.clone() for k, v in states[0].items()}
+        url = f"memory://scaling-{threads}"
+        with Publisher(url, threads=threads) as pub, Subscriber(url, threads=threads) as sub:
+            pub.publish(state)
+            target = sub.pull()
+            pub_t, sub_t = [], []
+            for s in range(1, steps + 1):
+                for k in state:
+                    state[k].copy_(states[s][k])
+                t0 = time.perf_counter()
+                pub.publish(state)
+                pub_t.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                sub.pull_into(target)
+                sub_t.append(time.perf_counter() - t0)
+        print(f"  {threads} thread(s): publish {model / np.median(pub_t) / 1e9:.2f} GB/s, "
+              f"pull_into {model / np.median(sub_t) / 1e9:.2f} GB/s of model")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="rl-1e-6")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--scaling", action="store_true", help="also time six 4096x4096 bf16 matrices")
     parser.add_argument("--role", choices=["publisher", "subscriber"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -128,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             what, first = "pull_into (one version)", f"first pull {r['first_pull_s']:.2f} s"
         print(f"  {what:<24} median {r['median_s'] * 1e3:7.1f} ms = {r['gbps']:5.2f} GB/s of model; "
               f"peak RSS {r['peak_over_model']:.2f}x model ({first}: {r['first_peak_over_model']:.2f}x)")
+    if args.scaling:
+        scaling()
     return 0
 
 
