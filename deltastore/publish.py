@@ -230,7 +230,11 @@ class Publisher:
         self._head_etag: str | None = current[1] if current else None
         self.epoch = self._head.epoch if self._head else 0
         if takeover and self._head is not None:
-            self._claim()
+            try:
+                self._claim()
+            except BaseException:
+                self.close()
+                raise
 
     # --- public API ---------------------------------------------------------------------
 
@@ -249,8 +253,9 @@ class Publisher:
     ) -> VersionInfo:
         """Commit ``state_dict`` as the next version and return once it is visible.
 
-        The tensors must not be modified while this call runs. The first publish of a
-        publisher is an anchor (it holds no copy of the previous version).
+        The tensors must not be modified while this call runs. The first version of a store is
+        an anchor; a publisher opened on a store that has versions first reads the head back
+        (``resume``) so that its first publish can be a delta.
 
         Args:
             state_dict: name → tensor (or an ``nn.Module``), dense and contiguous.
