@@ -222,13 +222,6 @@ class FsspecStore(Store):
         keys.sort()
         return self._metas(keys)
 
-    def _metas(self, keys: list[str]) -> Iterator[ObjectMeta]:
-        for key in keys:
-            try:
-                yield self.head(key)
-            except NotFoundError:
-                continue
-
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:

@@ -316,13 +316,6 @@ class LocalStore(Store):
         keys.sort()
         return self._metas(keys)
 
-    def _metas(self, keys: list[str]) -> Iterator[ObjectMeta]:
-        for key in keys:
-            try:
-                yield self.head(key)
-            except NotFoundError:
-                continue  # deleted since the walk
-
     def delete(self, key: str) -> None:
         path = self._path(key)
         with self._locked(key):

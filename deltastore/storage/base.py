@@ -117,6 +117,16 @@ class Store(abc.ABC):
             return False
         return True
 
+    def _metas(self, keys: list[str]) -> Iterator[ObjectMeta]:
+        """``head`` of each key, skipping keys deleted since they were listed."""
+        from deltastore.errors import NotFoundError
+
+        for key in keys:
+            try:
+                yield self.head(key)
+            except NotFoundError:
+                continue
+
     def close(self) -> None:
         """Release connections and other resources. The store is unusable afterwards."""
 
