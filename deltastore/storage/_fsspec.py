@@ -28,7 +28,7 @@ from deltastore.storage._keys import (
     content_etag,
     normalize_etag,
 )
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, check_if_match
 
 logger = logging.getLogger(__name__)
 
@@ -160,16 +160,10 @@ class FsspecStore(Store):
                     ) from e
             elif isinstance(mode, IfMatch):
                 try:
-                    current = self.head(key).etag
-                except NotFoundError as e:
-                    raise PreconditionFailedError(
-                        f"{self._name(key)} does not exist, so it cannot match ETag {mode.etag!r}"
-                    ) from e
-                if current != mode.etag:
-                    raise PreconditionFailedError(
-                        f"{self._name(key)} changed: ETag is {current!r}, expected {mode.etag!r}; "
-                        f"re-read it and retry"
-                    )
+                    current: str | None = self.head(key).etag
+                except NotFoundError:
+                    current = None
+                check_if_match(self._name(key), current, mode.etag)
                 self.fs.pipe_file(path, data)
             elif mode == "overwrite":
                 self.fs.pipe_file(path, data)

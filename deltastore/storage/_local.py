@@ -22,7 +22,6 @@ from deltastore.errors import (
     AlreadyExistsError,
     BucketNotFoundError,
     NotFoundError,
-    PreconditionFailedError,
     StorageError,
 )
 from deltastore.storage._keys import (
@@ -32,7 +31,7 @@ from deltastore.storage._keys import (
     check_range,
     content_etag,
 )
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, check_if_match
 
 try:
     import fcntl
@@ -268,16 +267,10 @@ class LocalStore(Store):
                     if isinstance(mode, IfMatch):
                         try:
                             with self._open(key) as fd:
-                                current = self._etag_of_fd(fd)
-                        except NotFoundError as e:
-                            raise PreconditionFailedError(
-                                f"{self._name(key)} does not exist, so it cannot match ETag {mode.etag!r}"
-                            ) from e
-                        if current != mode.etag:
-                            raise PreconditionFailedError(
-                                f"{self._name(key)} changed: ETag is {current!r}, expected "
-                                f"{mode.etag!r}; re-read it and retry"
-                            )
+                                current: str | None = self._etag_of_fd(fd)
+                        except NotFoundError:
+                            current = None
+                        check_if_match(self._name(key), current, mode.etag)
                     os.replace(tmp, final)
             self._fsync_dir(final.parent)
         except StorageError:  # AlreadyExistsError is an OSError too (FileExistsError)

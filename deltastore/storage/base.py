@@ -51,6 +51,20 @@ class GetResult:
     meta: ObjectMeta
 
 
+def check_if_match(name: str, current: str | None, expected: str) -> None:
+    """Raise PreconditionFailedError unless an object's ETag ``current`` is ``expected``.
+
+    For backends that emulate If-Match (read the ETag, compare, then write); ``current`` is
+    None when the object does not exist.
+    """
+    from deltastore.errors import PreconditionFailedError
+
+    if current is None:
+        raise PreconditionFailedError(f"{name} does not exist, so it cannot match ETag {expected!r}")
+    if current != expected:
+        raise PreconditionFailedError(f"{name} changed: ETag is {current!r}, expected {expected!r}; re-read it and retry")
+
+
 class Store(abc.ABC):
     """A flat key → bytes store with conditional writes.
 
