@@ -21,7 +21,8 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   └── UnknownCodecError
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
-    └── VersionNotFoundError (LookupError)        no such version in the store
+    ├── VersionNotFoundError (LookupError)        no such version in the store
+    └── VersionSkippedError                       an async publish replaced by a newer one
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ class VersionNotFoundError(DeltastoreError, LookupError):
     """The requested version does not exist in the store (or the store is empty)."""
 
 
+class VersionSkippedError(DeltastoreError):
+    """An asynchronous publish was never made: a newer snapshot replaced it (policy "latest")."""
+
+
 __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
@@ -148,4 +153,5 @@ __all__ = [
     "UnsupportedSchemaError",
     "UnsupportedURLError",
     "VersionNotFoundError",
+    "VersionSkippedError",
 ]

@@ -1,0 +1,206 @@
+"""Asynchronous publishing: snapshot now, encode/upload/commit in the background, in order.
+
+A trainer calls :meth:`Publisher.publish_async`, which takes a host snapshot of the state
+(in the served dtype) before returning, so the caller may modify its tensors right away. One
+background thread hands the snapshots to the synchronous commit path one after another; the
+caller gets a :class:`~concurrent.futures.Future` per snapshot.
+
+When the store is slower than training, a policy applies:
+
+- ``"block"``: at most ``max_pending`` snapshots wait; the next call blocks until one starts.
+- ``"latest"``: a newer snapshot replaces the newest *waiting* one (never the one being
+  published). The replaced snapshot is never published and its Future raises
+  :class:`~deltastore.errors.VersionSkippedError`.
+
+A failure in the background (conflict, fencing, storage error) resolves that snapshot's
+Future with the error, and the next :meth:`PublishQueue.submit`, :meth:`PublishQueue.flush`
+or :meth:`PublishQueue.close` raises it once: a failure is never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from deltastore.errors import DeltastoreError, StorageError, VersionSkippedError
+
+logger = logging.getLogger(__name__)
+
+Policy = Literal["block", "latest"]
+POLICIES: tuple[str, ...] = ("block", "latest")
+#: Snapshots waiting behind the one being published, by default: one lets encoding of step
+#: n overlap training of step n+1 while holding at most two snapshots (+ the reference copy).
+DEFAULT_MAX_PENDING = 1
+
+
+def snapshot(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A host copy of ``state`` that the caller's later writes cannot reach.
+
+    Floating tensors are cast to ``dtype`` when one is given (e.g. bf16 served from fp32
+    masters); other tensors keep theirs. Device tensors are copied into pinned host memory
+    with non-blocking copies and one synchronization at the end, so the copy overlaps itself.
+
+    Args:
+        state: name → tensor, already validated (dense, contiguous).
+        dtype: the served dtype of floating tensors, or None to keep each tensor's dtype.
+
+    Returns:
+        A new dict of contiguous CPU tensors sharing no memory with ``state``.
+    """
+    out: dict[str, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+    for name, t in state.items():
+        t = t.detach()
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if t.device.type == "cpu":
+            out[name] = t.to(dtype=target, copy=True).contiguous()
+            continue
+        src = t if t.dtype == target else t.to(dtype=target)  # cast on the device: fewer bytes to move
+        host = torch.empty(src.shape, dtype=target, pin_memory=torch.cuda.is_available())
+        host.copy_(src, non_blocking=True)
+        devices.add(t.device)
+        out[name] = host
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return out
+
+
+@dataclass
+class _Item:
+    state: dict[str, torch.Tensor]
+    kwargs: dict[str, Any]
+    future: Future = field(default_factory=Future)
+
+
+class PublishQueue:
+    """Runs ``publish_fn`` on snapshots in submission order on one background thread.
+
+    Args:
+        publish_fn: the synchronous commit, called as ``publish_fn(state, **kwargs)``; returns
+            the committed version's info.
+        policy: ``"block"`` or ``"latest"`` (see the module docstring).
+        max_pending: snapshots that may wait behind the one being published (≥ 1).
+        name: used in the thread's name and in messages (e.g. the store URL).
+    """
+
+    def __init__(self, publish_fn: Callable[..., Any], *, policy: Policy = "block",
+                 max_pending: int = DEFAULT_MAX_PENDING, name: str = "deltastore"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be ≥ 1, got {max_pending}")
+        self._publish = publish_fn
+        self.policy = policy
+        self.max_pending = max_pending
+        self.name = name
+        self._queue: deque[_Item] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"deltastore-publish[{name}]", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Snapshots submitted and not yet finished (waiting + the one being published)."""
+        with self._cond:
+            return len(self._queue) + int(self._busy)
+
+    def submit(self, state: dict[str, torch.Tensor], **kwargs: Any) -> Future:
+        """Queue one snapshot (the queue takes ownership of ``state``).
+
+        Raises:
+            DeltastoreError (or the builtin it was): an earlier background publish failed;
+                raised once, here or in flush()/close(), whichever comes first.
+            StorageError: the queue is closed.
+        """
+        item = _Item(state, kwargs)
+        skipped: _Item | None = None
+        with self._cond:
+            self._raise_error()
+            if self._closed:
+                raise StorageError(f"the publish queue of {self.name} is closed")
+            if self.policy == "block":
+                while len(self._queue) >= self.max_pending and not self._closed:
+                    self._cond.wait()
+                self._raise_error()
+                if self._closed:
+                    raise StorageError(f"the publish queue of {self.name} is closed")
+            elif len(self._queue) >= self.max_pending:
+                skipped = self._queue.pop()  # the newest waiting one: it is older than ours
+            self._queue.append(item)
+            self._cond.notify_all()
+        if skipped is not None:
+            step = skipped.kwargs.get("step")
+            logger.info("publish of step %s to %s skipped: a newer snapshot replaced it (policy 'latest')", step, self.name)
+            skipped.state.clear()
+            skipped.future.set_exception(VersionSkippedError(
+                f"the snapshot of step {step} was not published to {self.name}: a newer one replaced it "
+                "while the store was busy (policy 'latest')"
+            ))
+        return item.future
+
+    def flush(self) -> None:
+        """Wait until every submitted snapshot is published (or failed); raise a failure."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+            self._raise_error()
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Publish what is queued, stop the thread, then raise an unreported failure. Idempotent."""
+        with self._cond:
+            already = self._closed
+            self._closed = True
+            self._cond.notify_all()
+        if not already:
+            self._thread.join()
+        if raise_errors:
+            with self._cond:
+                self._raise_error()
+
+    # --- background ---------------------------------------------------------------------
+
+    def _raise_error(self) -> None:
+        """Raise (once) the first unreported background failure. Call with the lock held."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+                self._cond.notify_all()
+            try:
+                result = self._publish(item.state, **item.kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the Future
+                if not isinstance(e, DeltastoreError):
+                    logger.exception("background publish to %s failed", self.name)
+                else:
+                    logger.error("background publish to %s failed: %s", self.name, e)
+                item.future.set_exception(e)
+                with self._cond:
+                    if self._error is None:
+                        self._error = e
+            else:
+                item.future.set_result(result)
+            finally:
+                item.state.clear()  # the snapshot's memory goes now, not when the Future does
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
