@@ -1,0 +1,109 @@
+"""The fleet ledger: heartbeats written per version and on a timer, read back, liveness."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from deltastore.errors import AccessDeniedError, StorageError
+from deltastore.ledger import (
+    LEDGER_PREFIX,
+    Heartbeat,
+    HeartbeatWriter,
+    encode_heartbeat,
+    oldest_live_version,
+    parse_heartbeat,
+    read_ledger,
+)
+from deltastore.storage import open_store
+from tests._helpers import WrappedStore
+
+
+@pytest.fixture
+def store(tmp_path):
+    with open_store(str(tmp_path / "s")) as s:
+        yield s
+
+
+def test_writes_once_per_version_and_again_after_the_interval(store):
+    w = HeartbeatWriter(store, "w-1", interval_s=3600)
+    assert w.beat(3) is True
+    assert w.beat(3) is False  # same version, interval not passed: no request
+    assert w.beat(4) is True
+    w.interval_s = 0
+    assert w.beat(4) is True
+    (hb,) = read_ledger(store)
+    assert (hb.worker, hb.version) == ("w-1", 4)
+    assert hb.live()
+
+
+def test_read_only_credentials_switch_the_writer_off_quietly(store, caplog):
+    class ReadOnly(WrappedStore):
+        def put(self, key, data, *, mode="overwrite"):
+            raise AccessDeniedError(f"access denied for {key}")
+
+    w = HeartbeatWriter(ReadOnly(store), "w-ro")
+    with caplog.at_level("INFO", logger="deltastore.ledger"):
+        assert w.beat(1) is False
+        assert w.beat(2) is False
+    assert not w.enabled
+    assert sum("read-only" in r.message for r in caplog.records) == 1
+    assert read_ledger(store) == []
+
+
+def test_a_transient_failure_is_logged_and_retried_next_beat(store):
+    class Flaky(WrappedStore):
+        fail = True
+
+        def put(self, key, data, *, mode="overwrite"):
+            if self.fail:
+                raise StorageError("503 slow down")
+            return super().put(key, data, mode=mode)
+
+    flaky = Flaky(store)
+    w = HeartbeatWriter(flaky, "w-2")
+    assert w.beat(1) is False and w.enabled
+    flaky.fail = False
+    assert w.beat(1) is True
+
+
+def test_malformed_and_foreign_objects_are_skipped(store, caplog):
+    HeartbeatWriter(store, "good").beat(7)
+    store.put(f"{LEDGER_PREFIX}bad.json", b"{not json", mode="overwrite")
+    store.put(f"{LEDGER_PREFIX}liar.json", encode_heartbeat("someone-else", 1), mode="overwrite")
+    store.put(f"{LEDGER_PREFIX}neg.json", json.dumps({"format": "deltastore.heartbeat", "schema": 1, "worker": "neg",
+                                                       "version": -1, "host": "h", "time": "2026-01-01T00:00:00Z"}).encode())
+    store.put(f"{LEDGER_PREFIX}huge.json", b" " * 10_000, mode="overwrite")
+    store.put(f"{LEDGER_PREFIX}sub/x.json", encode_heartbeat("x", 1), mode="overwrite")
+    with caplog.at_level("WARNING", logger="deltastore.ledger"):
+        beats = read_ledger(store)
+    assert [b.worker for b in beats] == ["good"]
+    assert len([r for r in caplog.records if "skipping" in r.message]) == 4
+
+
+def test_oldest_live_version_ignores_workers_not_heard_from():
+    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    beats = [
+        Heartbeat("a", 10, "h", now - timedelta(seconds=5)),
+        Heartbeat("b", 4, "h", now - timedelta(hours=2)),  # dead
+        Heartbeat("c", 8, "h", now - timedelta(seconds=100)),
+    ]
+    assert oldest_live_version(beats, now=now) == 8
+    assert oldest_live_version(beats, now=now, ttl_s=10) == 10
+    assert oldest_live_version(beats[1:2], now=now) is None
+
+
+def test_liveness_uses_the_store_clock_when_known():
+    data = encode_heartbeat("w", 3, when=datetime(2000, 1, 1, tzinfo=timezone.utc))  # a skewed worker clock
+    store_time = datetime.now(timezone.utc)
+    hb = parse_heartbeat(data, f"{LEDGER_PREFIX}w.json", last_modified=store_time)
+    assert hb.time == store_time and hb.live()
+    assert not parse_heartbeat(data, f"{LEDGER_PREFIX}w.json").live()
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", "x" * 200, "-lead", "sp ace"])
+def test_worker_ids_are_one_safe_key_segment(store, bad):
+    with pytest.raises(ValueError, match="worker id"):
+        HeartbeatWriter(store, bad)
