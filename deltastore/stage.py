@@ -1,0 +1,173 @@
+"""Staged updates: everything a fast-forward needs, prepared before the pause (SPEC §7.7).
+
+A worker that serves inference cannot stop for a whole download + decode + apply. Staging
+splits a fast-forward in two:
+
+1. **Prepare** (the engine keeps serving): fetch and verify the segments, rebuild each changed
+   chunk in a scratch buffer from the target's current bits, check the target's base digest and
+   the result's digest there, and keep only the *patch*: the positions whose bits change and
+   their new bits (or the whole chunk, when most of it changes). Nothing touches the target.
+2. **Swap** (the pause): write the patches into the target. The old bits at those positions are
+   gathered first, so a failure in the middle restores every chunk already written; the target
+   holds either the old version or the new one, never a mix.
+
+The swap is a scatter of the changed elements only (about 1% of the model at RL learning
+rates), so the pause is a small fraction of a full ``load_state_dict``.
+
+Preparing reads the target while the engine may read it too; it must not be *written* by
+anyone else between prepare and swap. The swap checks that the bits it replaces are the ones
+the patch was prepared against, so a write in between is detected at the touched positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from deltastore.errors import IntegrityError
+from deltastore.history import VersionInfo
+from deltastore.tensors import bits
+
+logger = logging.getLogger(__name__)
+
+#: A chunk whose changed fraction exceeds this is staged whole: past about a quarter, positions
+#: (8 bytes each) plus values cost more memory and scatter time than a dense copy.
+DENSE_PATCH_FRACTION = 0.25
+
+
+@dataclass
+class ChunkPatch:
+    """The new bits of one chunk: at ``positions`` (sparse), or the whole chunk (``positions`` None).
+
+    ``expected_old`` holds the bits the patch was prepared against at the same positions (for a
+    dense patch, the whole chunk's), so the swap can tell that nobody wrote the target since.
+    """
+
+    name: str
+    index: int
+    span: tuple[int, int]
+    positions: np.ndarray | None
+    values: np.ndarray
+    expected_old: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        pos = 0 if self.positions is None else self.positions.nbytes
+        return pos + self.values.nbytes + self.expected_old.nbytes
+
+
+def make_patch(name: str, index: int, span: tuple[int, int], current: np.ndarray, result: np.ndarray) -> ChunkPatch | None:
+    """The patch turning ``current`` into ``result`` (equal-length uint arrays); None if equal."""
+    changed = np.flatnonzero(current != result)
+    if changed.size == 0:
+        return None
+    if changed.size > DENSE_PATCH_FRACTION * current.size:
+        return ChunkPatch(name, index, span, None, np.array(result, copy=True), np.array(current, copy=True))
+    return ChunkPatch(name, index, span, changed, result[changed], current[changed])
+
+
+@dataclass
+class StagedUpdate:
+    """A verified fast-forward, ready to be swapped into its target.
+
+    Attributes:
+        info: the version it brings the target to.
+        from_version: the version the target held when it was prepared (None: a full load).
+        patches: the per-chunk patches.
+        bytes_fetched: bytes read from the store to prepare it.
+        fetch_s / decode_s: time spent fetching and verifying / decoding and checking digests.
+    """
+
+    info: VersionInfo
+    from_version: int | None
+    patches: list[ChunkPatch] = field(default_factory=list)
+    bytes_fetched: int = 0
+    fetch_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the prepared patches."""
+        return sum(p.nbytes for p in self.patches)
+
+    @property
+    def changed(self) -> dict[str, list[tuple[int, int]]]:
+        """Tensor name → element spans ``[start, stop)`` of the chunks this update writes."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for p in self.patches:
+            out.setdefault(p.name, []).append(p.span)
+        return out
+
+    def swap(self, tensors: Mapping[str, torch.Tensor]) -> float:
+        """Write every patch into ``tensors``; all or nothing. Returns the seconds it took.
+
+        Raises:
+            IntegrityError: the target's bits at a patched position are not those the patch
+                was prepared against (someone wrote the target since); nothing is left applied.
+        """
+        t0 = time.perf_counter()
+        done: list[tuple[ChunkPatch, torch.Tensor]] = []
+        try:
+            for p in self.patches:
+                t = tensors[p.name]
+                if t.device.type == "cpu":
+                    raw = bits(t)[p.span[0]:p.span[1]]
+                    old = raw if p.positions is None else raw[p.positions]
+                    if not np.array_equal(old, p.expected_old):
+                        raise IntegrityError(
+                            f"tensor {p.name!r} chunk {p.index} changed between staging and swap: "
+                            f"the target was written by someone else; nothing applied (stage it again)"
+                        )
+                    if p.positions is None:
+                        raw[...] = p.values
+                    else:
+                        raw[p.positions] = p.values
+                    done.append((p, t))
+                else:
+                    flat = t.detach().reshape(-1)[p.span[0]:p.span[1]]
+                    before = _device_bits(flat)
+                    old = before if p.positions is None else before[torch.from_numpy(p.positions.astype(np.int64)).to(flat.device)]
+                    if not np.array_equal(old.cpu().numpy().view(p.expected_old.dtype), p.expected_old):
+                        raise IntegrityError(
+                            f"tensor {p.name!r} chunk {p.index} changed between staging and swap; nothing applied"
+                        )
+                    _device_write(flat, p.positions, p.values)
+                    done.append((p, t))
+        except BaseException:
+            for p, t in reversed(done):
+                _restore(t, p)
+            raise
+        return time.perf_counter() - t0
+
+
+_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _device_bits(flat: torch.Tensor) -> torch.Tensor:
+    return flat.view(_SIGNED[flat.element_size()])
+
+
+def _device_write(flat: torch.Tensor, positions: np.ndarray | None, values: np.ndarray) -> None:
+    view = _device_bits(flat)
+    src = torch.from_numpy(values.view(values.dtype.str.replace("u", "i")) if values.dtype.itemsize > 1 else values)
+    src = src.to(view.device, non_blocking=True)
+    if positions is None:
+        view.copy_(src)
+    else:
+        view[torch.from_numpy(positions.astype(np.int64)).to(view.device)] = src
+
+
+def _restore(t: torch.Tensor, p: ChunkPatch) -> None:
+    if t.device.type == "cpu":
+        raw = bits(t)[p.span[0]:p.span[1]]
+        if p.positions is None:
+            raw[...] = p.expected_old
+        else:
+            raw[p.positions] = p.expected_old
+    else:
+        _device_write(t.detach().reshape(-1)[p.span[0]:p.span[1]], p.positions, p.expected_old)
