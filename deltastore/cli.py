@@ -103,6 +103,52 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from deltastore.ledger import fleet_status, oldest_live_version, parse_time, read_ledger
+    from deltastore.pull import Subscriber
+
+    with Subscriber(args.url, storage_options=_storage_options(args)) as sub:
+        head = sub.latest()
+        beats = read_ledger(sub.store)
+        infos = {i.version: i for i in sub.log()} if head is not None and beats else {}
+    head_version = head.version if head else 0
+    workers = fleet_status(beats, head_version, lambda v: parse_time(infos[v].created) if v in infos else None)
+    head_age = None
+    if head is not None and (t := parse_time(head.created)) is not None:
+        from datetime import datetime, timezone
+
+        head_age = (datetime.now(timezone.utc) - t).total_seconds()
+    oldest = oldest_live_version(beats)
+    if args.json:
+        print(json.dumps({
+            "url": args.url, "head_version": head_version, "head_age_s": head_age,
+            "oldest_live_version": oldest,
+            "workers": [{"worker": w.worker, "host": w.host, "version": w.version, "lag_versions": w.lag_versions,
+                         "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live} for w in workers],
+        }, sort_keys=True))
+        return 0
+    if head is None:
+        print(f"{args.url}: no versions")
+    else:
+        age = "" if head_age is None else f", {_duration(head_age)} old"
+        print(f"{args.url}: head version {head_version}{age}; {len(workers)} worker(s), "
+              f"{sum(w.live for w in workers)} live, oldest live version {oldest if oldest is not None else '-'}")
+    for w in workers:
+        lag = "current" if w.lag_versions == 0 else f"{w.lag_versions} behind" + (
+            "" if w.lag_s is None else f" ({_duration(w.lag_s)})")
+        state = "live" if w.live else "gone"
+        print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {_duration(w.last_seen_s)} ago  {state}  {w.host}")
+    return 0
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -144,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, help="default: the latest")
     p.add_argument("--all", action="store_true", help="verify every version")
     p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("status", parents=[common], help="head version and each following worker's lag")
+    p.add_argument("url")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=_cmd_status)
     return parser
 
 

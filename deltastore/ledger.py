@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -143,6 +143,53 @@ def oldest_live_version(beats: Iterable[Heartbeat], *, now: datetime | None = No
     return min(live) if live else None
 
 
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker as ``deltastore status`` shows it.
+
+    Attributes:
+        worker, host: from its heartbeat.
+        version: the version it said it held.
+        lag_versions: head version minus its version (0 when current).
+        lag_s: how long the oldest version it lacks has existed (0 when current; None when
+            that version's time is unknown).
+        last_seen_s: seconds since its heartbeat reached the store.
+        live: heard from within the TTL.
+    """
+
+    worker: str
+    host: str
+    version: int
+    lag_versions: int
+    lag_s: float | None
+    last_seen_s: float
+    live: bool
+
+
+def fleet_status(beats: Iterable[Heartbeat], head_version: int, created: Callable[[int], datetime | None], *,
+                 now: datetime | None = None, ttl_s: float = LIVE_TTL_S) -> list[WorkerStatus]:
+    """Each worker's lag behind ``head_version``; ``created(v)`` is version v's commit time."""
+    now = now or _now()
+    out = []
+    for b in beats:
+        lag = max(0, head_version - b.version)
+        lag_s: float | None = 0.0
+        if lag:
+            first_missing = created(b.version + 1)
+            lag_s = None if first_missing is None else max(0.0, (now - first_missing).total_seconds())
+        out.append(WorkerStatus(b.worker, b.host, b.version, lag, lag_s, b.age_s(now), b.live(now, ttl_s)))
+    return out
+
+
+def parse_time(text: str) -> datetime | None:
+    """An RFC 3339 time as recorded in HEAD and manifests (None if it does not parse)."""
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except (AttributeError, ValueError):
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
 class HeartbeatWriter:
     """Writes one worker's heartbeat: on each new version, and otherwise every ``interval_s``.
 
@@ -190,6 +237,8 @@ __all__ = [
     "LIVE_TTL_S",
     "Heartbeat",
     "HeartbeatWriter",
+    "WorkerStatus",
+    "fleet_status",
     "default_worker_id",
     "oldest_live_version",
     "read_ledger",

@@ -107,3 +107,36 @@ def test_liveness_uses_the_store_clock_when_known():
 def test_worker_ids_are_one_safe_key_segment(store, bad):
     with pytest.raises(ValueError, match="worker id"):
         HeartbeatWriter(store, bad)
+
+
+def test_status_command_shows_head_and_each_workers_lag(tmp_path, capsys):
+    from deltastore import Publisher
+    from deltastore.cli import main
+    from tests._helpers import small_state
+
+    url = str(tmp_path / "run")
+    state = small_state()
+    with Publisher(url) as pub:
+        for i in range(3):
+            state = {k: v + 1 for k, v in state.items()}
+            pub.publish(state, step=i)
+        HeartbeatWriter(pub.store, "behind").beat(1)
+        HeartbeatWriter(pub.store, "current").beat(3)
+    assert main(["status", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["head_version"] == 3 and doc["oldest_live_version"] == 1
+    by = {w["worker"]: w for w in doc["workers"]}
+    assert by["behind"]["lag_versions"] == 2 and by["behind"]["lag_s"] >= 0 and by["behind"]["live"]
+    assert by["current"]["lag_versions"] == 0 and by["current"]["lag_s"] == 0
+    assert main(["status", url]) == 0
+    text = capsys.readouterr().out
+    assert "head version 3" in text and "2 behind" in text and "current" in text
+
+
+def test_status_on_an_empty_store(tmp_path, capsys):
+    from deltastore.cli import main
+
+    url = str(tmp_path / "empty")
+    assert main(["status", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["head_version"] == 0 and doc["workers"] == []
