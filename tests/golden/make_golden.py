@@ -14,8 +14,9 @@ What it writes:
 
 ``segments/index.json`` and ``segments/*.npy.gz`` / ``segments/*.seg``
     For each case: deterministic inputs (``old``/``new`` raw bit patterns as unsigned arrays,
-    one gzipped ``.npy`` each, identical arrays stored once) and the segment bytes each encoder produced from them: ``full/1`` (the
-    private v1 encoder), ``full/2`` with and without ``float_bits``, the v1 delta encoder
+    one gzipped ``.npy`` each, identical arrays stored once) and the segment bytes each
+    encoder produced from them: ``full/1`` (the private v1 encoder), ``full/2`` with and
+    without ``float_bits``, the v1 delta encoder
     (``xor-sparse/1``/``xor-dense/1``) and today's (``add-sparse/1``/``add-dense/1``), plus a
     few composed deltas (three arrays a, b, c). The index records each segment's codec, the
     encoder and its arguments, so the test can decode it and re-encode with today's writers.
@@ -159,7 +160,8 @@ def encoders(name: str, family: str):
         if floating:
             yield "full2-float", lambda o, n: codec.encode_full(n, float_bits=True), {"fn": "full2", "float_bits": True}
         if level3:
-            yield "full2-level3", lambda o, n: codec.encode_full(n, level=3), {"fn": "full2", "float_bits": False, "level": 3}
+            yield ("full2-level3", lambda o, n: codec.encode_full(n, level=3),
+                   {"fn": "full2", "float_bits": False, "level": 3})
     yield "xor", lambda o, n: codec._encode_delta_xor(o, n), {"fn": "xor"}
     yield "add", lambda o, n: codec.encode_delta(o, n), {"fn": "add"}
     if level3:
