@@ -31,11 +31,6 @@ Segments are self-describing: ``DSG1`` segments (v1 codecs) and ``DSG2`` segment
 differ in their header; the normative byte layouts and read path are in
 ``docs/codec-format.md``, the measurements behind v2 in ``docs/design/003-codec-v2.md``.
 
-The package follows the format: :mod:`~deltastore.codec.container` (codec ids, the two header
-layouts, the section table), :mod:`~deltastore.codec.planes` (byte planes, sections and their
-entropy coding), :mod:`~deltastore.codec.full` (``full/1``, ``full/2``),
-:mod:`~deltastore.codec.delta` (one encoder and decoder for both delta operations, XOR and add)
-and :mod:`~deltastore.codec.compose`.
 ``DSG1`` (28-byte header, 12-byte table entries)::
 
     offset  size  field
@@ -76,7 +71,14 @@ every declared size against what the codec implies, before allocating anything; 
 decompressed only after its own header agrees with the declared raw size. Failures raise
 :class:`~deltastore.errors.UnknownCodecError` (magic, codec or version this code does not know)
 or :class:`~deltastore.errors.CorruptObjectError` (anything else wrong with the bytes), never a
-bare ``IndexError`` or ``zstd.ZstdError``.
+bare ``IndexError`` or ``zstd.ZstdError``. :func:`decode_delta` returns a validated delta as a
+:class:`SparseDelta` or :class:`DenseDelta` without applying it.
+
+The package follows the format: :mod:`~deltastore.codec.container` (codec ids, the two header
+layouts, the section table), :mod:`~deltastore.codec.planes` (byte planes, sections and their
+entropy coding), :mod:`~deltastore.codec.full` (``full/1``, ``full/2``),
+:mod:`~deltastore.codec.delta` (one encoder and decoder for both delta operations, XOR and add)
+and :mod:`~deltastore.codec.compose`.
 
 Example::
 

@@ -14,8 +14,8 @@ from deltastore.codec.delta import (
     DenseDelta,
     SparseDelta,
     _Operation,
+    _decode,
     apply_delta,
-    decode_delta,
     encode_changes,
     encode_delta,
 )
@@ -86,8 +86,8 @@ def compose_deltas(a: bytes, b: bytes, *, codec_a: str, codec_b: str, dtype, cou
     expect_codec(codec_b, DELTA_CODECS, "compose_deltas")
     dt = check_dtype(dtype)
     width, count = dt.itemsize, int(count)
-    fa = decode_delta(a, codec_a, width, count)
-    fb = decode_delta(b, codec_b, width, count)
+    fa = _decode(a, codec_a, width, count)
+    fb = _decode(b, codec_b, width, count)
     op = OPERATION[codec_a]
     if OPERATION[codec_b] is op:
         return _compose(op, fa, fb, count, width, level)

@@ -42,6 +42,7 @@ from deltastore.codec.planes import (
     DEFAULT_LEVEL,
     UINT,
     Plane,
+    check_dtype,
     check_values,
     decode_sections,
     encode_sections,
@@ -374,8 +375,38 @@ def _encode_delta_xor(old: np.ndarray, new: np.ndarray, *, level: int | None = D
 # --- decoding and applying ----------------------------------------------------------------
 
 
-def decode_delta(data: bytes, codec: str, width: int, count: int) -> Decoded:
-    """Decode and fully validate a delta segment, without touching any target."""
+def decode_delta(data: bytes, *, codec: str, dtype, count: int) -> Decoded:
+    """Decode and fully validate a delta segment without applying it (e.g. to prepare the
+    values before a short critical section that applies them).
+
+    Args:
+        data: the segment bytes.
+        codec: the codec the manifest recorded (one of :data:`DELTA_CODECS`).
+        dtype: the chunk's unsigned dtype; count: its element count.
+
+    Returns:
+        :class:`SparseDelta` (positions and the operation's values of the changed elements) or
+        :class:`DenseDelta` (every element's value); the values are XORs for ``xor-*`` codecs
+        and differences ``new - old`` modulo 2**bits for ``add-*`` codecs.
+
+    Raises:
+        UnknownCodecError, CorruptObjectError: as for :func:`apply_delta`.
+        ValueError: ``codec`` is a full codec. TypeError: ``dtype`` is not unsigned.
+
+    Example::
+
+        >>> old = np.zeros(8, np.uint16); new = old.copy(); new[2] = 5
+        >>> seg = encode_delta(old, new)
+        >>> d = decode_delta(seg.data, codec=seg.codec, dtype=np.uint16, count=8)
+        >>> d.positions.tolist(), d.values.tolist()
+        ([2], [5])
+    """
+    expect_codec(codec, DELTA_CODECS, "decode_delta")
+    return _decode(data, codec, check_dtype(dtype).itemsize, int(count))
+
+
+def _decode(data: bytes, codec: str, width: int, count: int) -> Decoded:
+    """:func:`decode_delta` for a codec already checked to be a delta codec."""
     op = OPERATION[codec]
     h = read_header(data, codec, width, count)
     secs = decode_sections(data, h)
@@ -436,7 +467,7 @@ def apply_delta(target: np.ndarray, data: bytes, *, codec: str, inverse: bool = 
     """
     expect_codec(codec, DELTA_CODECS, "apply_delta")
     t = _check_target(target)
-    d = decode_delta(data, codec, t.itemsize, t.size)
+    d = _decode(data, codec, t.itemsize, t.size)
     op = OPERATION[codec]
     ufunc = op.undo if inverse else op.combine
     # astype: the codec works in little-endian; the target may be in native (big) order
