@@ -195,12 +195,12 @@ def table(results: list[Result]) -> str:
 
 
 def _codec_revision() -> str:
-    """Commit of the working tree, with ``+dirty`` if deltastore/codec.py has local edits."""
+    """Commit of the working tree, with ``+dirty`` if the codec (deltastore/codec/) has local edits."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                              capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "deltastore/codec.py"],
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "deltastore/codec"],
                                cwd=root).returncode != 0
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

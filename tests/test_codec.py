@@ -329,3 +329,27 @@ def test_segment_bytes_may_be_any_buffer():
     assert np.array_equal(decode_full(fview, codec=full.codec, dtype=np.uint16, count=5000), new)
     assert np.array_equal(decode_full(bytearray(full.data), codec=full.codec, dtype=np.uint16, count=5000), new)
     assert peek_header(view) == peek_header(seg.data)
+
+
+@PROPS
+@given(width=st.sampled_from(WIDTHS), size=st.sampled_from(SIZES), kind=st.sampled_from(EDITS),
+       seed=st.integers(0, 2**32 - 1), enc=st.sampled_from(sorted(DELTA_ENCODERS)))
+def test_decode_delta_returns_typed_changes(width, size, kind, seed, enc):
+    """decode_delta gives the change set itself: SparseDelta(positions of the changed elements,
+    their XOR or difference) or DenseDelta(every element's XOR or difference)."""
+    rng = np.random.default_rng(seed)
+    old = random_values(rng, width, size)
+    new = edit(rng, old, kind)
+    seg = DELTA_ENCODERS[enc][0](old, new)
+    if seg is None:
+        return
+    d = codec.decode_delta(seg.data, codec=seg.codec, dtype=old.dtype, count=size)
+    values = (old ^ new) if seg.codec in codec.XOR_CODECS else (new - old)
+    if seg.codec in (CODEC_XOR_SPARSE, CODEC_ADD_SPARSE):
+        assert isinstance(d, codec.SparseDelta)
+        assert d.positions.dtype == np.int64
+        assert np.array_equal(d.positions, np.flatnonzero(old != new))
+        assert np.array_equal(d.values, values[d.positions])
+    else:
+        assert isinstance(d, codec.DenseDelta)
+        assert np.array_equal(d.values, values)
