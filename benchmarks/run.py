@@ -29,7 +29,7 @@ import time
 import torch
 
 from benchmarks import peers
-from benchmarks.workload import WORKLOADS, change_stats, load_workload
+from benchmarks.workload import DEFAULT_WORKLOADS, WORKLOADS, change_stats, load_workload
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks",
                                 description="Compare deltastore with peer weight-sync formats.")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS),
+                   choices=list(WORKLOADS))
     p.add_argument("--formats", nargs="+", default=list(peers.FORMATS),
                    choices=list(peers.FORMATS))
     p.add_argument("--quick", action="store_true", help=f"only {QUICK_STEPS} steps per workload")

