@@ -170,6 +170,8 @@ def test_upload_flipped_on_every_attempt_is_upload_corrupted(no_sdk_checksums, s
         store.put("manifests/x.json", DATA, mode="create")
     assert "manifests/x.json" in str(info.value)
     assert isinstance(info.value, StorageError) and not isinstance(info.value, PreconditionFailedError)
+    # nothing damaged is left to read as "already exists" to the next writer of this key
+    assert not store.exists("manifests/x.json")
 
 
 # --- reads: truncated bodies, short ranges, checksum mismatches -------------------------------

@@ -515,13 +515,27 @@ class S3Store(Store):
                 return ObjectMeta(key=key, size=len(data), etag=etag)
             corrupt += 1
             if corrupt >= CORRUPT_UPLOAD_MAX_ATTEMPTS:
+                removed = mode == "create" and self._delete_if_etag(key, etag)
                 raise UploadCorruptedError(
                     f"{self._name(key)} was stored with other bytes than were sent on each of "
-                    f"{corrupt} attempts (ETag {etag!r}, MD5 of the data {md5.hex()!r}); the object "
-                    f"there is damaged: check the network path and publish again"
+                    f"{corrupt} attempts (ETag {etag!r}, MD5 of the data {md5.hex()!r}); "
+                    + ("the damaged object was deleted" if removed else "the object there is damaged")
+                    + "; check the network path and write it again"
                 )
             logger.warning("PutObject %s: stored bytes differ from the data sent, rewriting", self._name(key))
             current = IfMatch(etag)  # replace exactly the damaged object we wrote, nothing newer
+
+    def _delete_if_etag(self, key: str, etag: str) -> bool:
+        """Delete ``key`` if it still has ETag ``etag`` (our damaged create-only upload): left in
+        place, it would read as "already exists" to every later writer of that content-addressed
+        key. Best effort; True when it was deleted."""
+        try:
+            if self.head(key).etag != etag:
+                return False
+            self.delete(key)
+        except StorageError:
+            return False
+        return True
 
     def _stored_other_bytes(self, key: str, etag: str, md5_hex: str, sha256_hex: str) -> bool:
         """True when the object just written under ``key`` (ETag ``etag``) is not our data.
