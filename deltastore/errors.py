@@ -88,7 +88,7 @@ class UploadCorruptedError(StorageError):
 
 class UnsafeStoreError(StorageError):
     """The store's endpoint does not honour conditional writes, so concurrent publishers could
-    fork history (see :func:`deltastore.storage.probe.ensure_safe_for_concurrent_writers`)."""
+    fork history (see :func:`deltastore.storage.probe.require_atomic_writes`)."""
 
 
 # --- commit protocol ------------------------------------------------------------------------

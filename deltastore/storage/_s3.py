@@ -185,6 +185,9 @@ class S3Store(Store):
     """
 
     atomic_conditional_writes = True
+    # rclone's serve s3 ignores If-None-Match/If-Match; older MinIO honoured If-Match on
+    # missing keys: the endpoint is probed before concurrent publishers trust it.
+    conditional_writes_need_probe = True
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None):
         if not url.startswith("s3://"):

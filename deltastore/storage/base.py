@@ -76,6 +76,10 @@ class Store(abc.ABC):
     url: str
     #: True when "create" and IfMatch puts are atomic against concurrent writers.
     atomic_conditional_writes: bool = True
+    #: True when that promise depends on a remote endpoint (S3-compatible servers differ), so
+    #: it must be checked by :func:`deltastore.storage.probe.require_atomic_writes` before
+    #: concurrent publishers rely on it; False where it holds by construction (local, memory).
+    conditional_writes_need_probe: bool = False
 
     @abc.abstractmethod
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
