@@ -124,6 +124,60 @@ _LOADER: botocore.loaders.Loader | None = None
 _LOADER_LOCK = threading.Lock()
 
 
+#: botocore logs every request's headers and canonical request at DEBUG, session token
+#: (``X-Amz-Security-Token``) included; this matches the token in a header, canonical-request
+#: line or query string so that it can be replaced.
+_TOKEN_IN_LOG = re.compile(r"(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,&}]+", re.IGNORECASE)
+_REDACTED = "<redacted>"
+
+
+class _RedactCredentials(logging.Filter):
+    """Rewrites SDK log records that carry a session token or a known secret (never drops one).
+
+    Attached to botocore's and urllib3's loggers, it runs only for records that are emitted
+    (DEBUG is off by default), so it costs nothing in normal operation.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("deltastore-redact")
+        self._secrets: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+
+    def add(self, *secrets: str | None) -> None:
+        with self._lock:
+            self._secrets = self._secrets | {s for s in secrets if s}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is the logging module's business, not ours
+            return True
+        redacted = _TOKEN_IN_LOG.sub(lambda m: m.group(1) + _REDACTED, message)
+        for secret in self._secrets:
+            redacted = redacted.replace(secret, _REDACTED)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+_REDACT = _RedactCredentials()
+
+
+def _redact_sdk_logs(*secrets: str | None) -> None:
+    """Make sure no SDK logger can emit ``secrets`` or a session token (see _RedactCredentials).
+
+    A filter applies only to records created on its own logger, so it goes on every botocore,
+    boto3 and urllib3 logger that exists; they are all created when their modules are imported,
+    which has happened once a client exists.
+    """
+    _REDACT.add(*secrets)
+    names = [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] in ("botocore", "boto3", "urllib3")]
+    for name in ("botocore", "boto3", "urllib3", *names):
+        log = logging.getLogger(name)
+        if _REDACT not in log.filters:
+            log.addFilter(_REDACT)
+
+
 def _botocore_session() -> botocore.session.Session:
     """A fresh botocore session (credentials are per store) sharing one model loader: parsing
     the S3 service model takes ~0.5 s, which every store would otherwise pay again."""
@@ -242,6 +296,7 @@ class S3Store(Store):
             ) from e
         except botocore.exceptions.BotoCoreError as e:
             raise StorageError(f"cannot configure an S3 client for {self.url}: {_one_line(e)}") from e
+        _redact_sdk_logs(options.get("aws_secret_access_key"), options.get("aws_session_token"))
         self._bucket_known_to_exist = False
         self._etags_are_md5 = True  # until a read-back shows otherwise (see _stored_other_bytes)
         self._bucket_check_lock = threading.Lock()
