@@ -3,6 +3,11 @@
 Conditional writes map one to one onto S3's: ``"create"`` is ``PutObject`` with
 ``If-None-Match: *`` and ``IfMatch(etag)`` is ``PutObject`` with ``If-Match``. botocore's
 ``ClientError`` codes are translated into deltastore's error tree here and nowhere else.
+
+What botocore's own retries do not cover is handled here too: a 409 (a concurrent write to the
+same key) is retried, never read as "already exists"; every upload carries SHA-256 and MD5 of its
+bytes and its ETag is checked, so bytes altered in transit never stay stored; a response body cut
+short, or failing its checksum, is read again; a range GET returns exactly the bytes asked for.
 """
 
 from __future__ import annotations
@@ -199,7 +204,7 @@ def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-class IncompleteRangeError(Exception):
+class _ShortRange(Exception):
     """A ranged GET answered other bytes than asked for (internal; retried, then translated)."""
 
 
@@ -427,7 +432,7 @@ class S3Store(Store):
                 short = self._short_range(response, data, byte_range)
                 if short is None:
                     return response, data
-                last = IncompleteRangeError(short)
+                last = _ShortRange(short)
             finally:
                 body.close()
             logger.warning(
