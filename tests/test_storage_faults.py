@@ -164,6 +164,20 @@ def test_upload_flipped_in_transit_never_lands(no_sdk_checksums, store: S3Store,
     assert store.head("k").etag == meta.etag == hashlib.md5(DATA).hexdigest()
 
 
+def test_md5_only_mode_still_keeps_flipped_uploads_out(no_sdk_checksums, server: S3Server) -> None:
+    """upload_checksum="md5" (servers that reject flexible-checksum headers): Content-MD5 plus
+    the ETag check still catch a flipped body."""
+    url = f"s3://{server.bucket}/md5-{os.urandom(4).hex()}"
+    with open_store(url, storage_options=server.storage_options(upload_checksum="md5")) as store:
+        seen = _hook_puts(store, lambda req, n: _flip_body(req) if n == 1 else None)
+        store.put("k", DATA, mode="create")
+        headers = {k.lower() for k in seen[0].headers}
+        assert "content-md5" in headers and "x-amz-checksum-sha256" not in headers
+        assert len(seen) >= 2 and store.get("k") == DATA
+    with pytest.raises(ValueError, match="upload_checksum"):
+        open_store(url, storage_options=server.storage_options(upload_checksum="crc32"))
+
+
 def test_upload_flipped_on_every_attempt_is_upload_corrupted(no_sdk_checksums, store: S3Store) -> None:
     _hook_puts(store, lambda req, n: _flip_body(req))
     with pytest.raises(UploadCorruptedError) as info:

@@ -76,6 +76,11 @@ READ_BACKOFF_BASE_S = 0.05
 #: Cap on one read backoff.
 READ_BACKOFF_MAX_S = 1.0
 
+#: Values of the ``upload_checksum`` storage option. Some S3-compatible servers rejected the
+#: flexible-checksum headers when botocore 1.36 started sending them by default; Content-MD5
+#: is S3's oldest header and the ETag check needs MD5 anyway, so "md5" is the fallback.
+UPLOAD_CHECKSUMS = ("sha256", "md5")
+
 _KNOWN_OPTIONS = frozenset(
     {
         "endpoint_url",
@@ -89,6 +94,7 @@ _KNOWN_OPTIONS = frozenset(
         "retries",
         "connect_timeout",
         "read_timeout",
+        "upload_checksum",
     }
 )
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -234,8 +240,11 @@ class S3Store(Store):
             ``aws_secret_access_key``, ``aws_session_token``, ``profile``,
             ``max_pool_connections``, ``addressing_style`` (``"path"`` by default with a custom
             endpoint, else ``"auto"``), ``retries`` (max attempts, or a botocore retries dict),
-            ``connect_timeout``, ``read_timeout``. Credentials otherwise come from the standard
-            AWS chain; they are never logged and never appear in ``repr``.
+            ``connect_timeout``, ``read_timeout``, ``upload_checksum`` (``"sha256"``, the
+            default: every upload carries x-amz-checksum-sha256 and Content-MD5; ``"md5"``:
+            Content-MD5 only, for servers that reject S3's flexible-checksum headers). Credentials
+            otherwise come from the standard AWS chain; they are never logged and never appear
+            in ``repr``.
 
     Example::
 
@@ -280,6 +289,11 @@ class S3Store(Store):
             "max_pool_connections": options.get("max_pool_connections", DEFAULT_MAX_POOL_CONNECTIONS),
             "retries": retries,
         }
+        self._upload_checksum = options.get("upload_checksum", "sha256")
+        if self._upload_checksum not in UPLOAD_CHECKSUMS:
+            raise UnsupportedURLError(
+                f"upload_checksum={self._upload_checksum!r} for {self.url}; use one of {UPLOAD_CHECKSUMS}"
+            )
         for name in ("connect_timeout", "read_timeout"):
             if name in options:
                 config_kwargs[name] = options[name]
@@ -530,14 +544,13 @@ class S3Store(Store):
         if not isinstance(data, (bytes, bytearray)):
             data = bytes(data)  # botocore takes bytes, bytearray or a file; copy only other buffers
         md5 = hashlib.md5(data, usedforsecurity=False).digest()
-        sha256 = hashlib.sha256(data).digest()
-        checksums = {
+        checksums = {"ContentMD5": base64.b64encode(md5).decode("ascii")}
+        if self._upload_checksum == "sha256":
+            sha256 = hashlib.sha256(data).digest()
             # ChecksumAlgorithm makes servers store the checksum (moto does only with it), so
             # later GETs return it and botocore validates the read end to end too.
-            "ChecksumAlgorithm": "SHA256",
-            "ChecksumSHA256": base64.b64encode(sha256).decode("ascii"),
-            "ContentMD5": base64.b64encode(md5).decode("ascii"),
-        }
+            checksums["ChecksumAlgorithm"] = "SHA256"
+            checksums["ChecksumSHA256"] = base64.b64encode(sha256).decode("ascii")
         current: PutMode = mode
         conflicts = corrupt = 0
         while True:
@@ -574,7 +587,7 @@ class S3Store(Store):
             except botocore.exceptions.BotoCoreError as e:
                 raise self._translate(e, "PutObject", key, current) from e
             etag = normalize_etag(response["ETag"])
-            if not self._stored_other_bytes(key, etag, md5.hex(), sha256.hex()):
+            if not self._stored_other_bytes(key, etag, md5.hex(), data):
                 return ObjectMeta(key=key, size=len(data), etag=etag)
             corrupt += 1
             if corrupt >= CORRUPT_UPLOAD_MAX_ATTEMPTS:
@@ -600,7 +613,7 @@ class S3Store(Store):
             return False
         return True
 
-    def _stored_other_bytes(self, key: str, etag: str, md5_hex: str, sha256_hex: str) -> bool:
+    def _stored_other_bytes(self, key: str, etag: str, md5_hex: str, data: bytes | bytearray) -> bool:
         """True when the object just written under ``key`` (ETag ``etag``) is not our data.
 
         A single-part object's ETag is the MD5 of its bytes on S3, moto, SeaweedFS and MinIO,
@@ -620,7 +633,7 @@ class S3Store(Store):
             raise self._translate(e, "GetObject", key) from e
         except botocore.exceptions.BotoCoreError as e:
             raise self._translate(e, "GetObject", key) from e
-        if hashlib.sha256(stored).hexdigest() != sha256_hex:
+        if stored != data:
             return True
         logger.info("%s: ETags are not MD5s of the content; not comparing them from now on", self.url)
         self._etags_are_md5 = False
