@@ -521,9 +521,10 @@ class S3Store(Store):
     def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
         """Write ``data`` under ``key`` (see :meth:`Store.put`), with an end-to-end checksum.
 
-        Every put carries ``x-amz-checksum-sha256`` and ``Content-MD5`` of the body, so a server
-        that checks either refuses bytes altered in transit (measured: SeaweedFS checks both and
-        answers ``BadDigest``; moto 5.2 checks neither). Because not every server checks, the
+        Every put carries ``x-amz-checksum-sha256`` (unless ``upload_checksum="md5"``) and
+        ``Content-MD5`` of the body, so a server that checks either refuses bytes altered in
+        transit (measured: SeaweedFS checks both and answers ``BadDigest``; moto 5.2 checks
+        neither). Because not every server checks, the
         returned ETag is also compared with the body's MD5 (a single-part ETag is that MD5); on a
         mismatch the object is read back, and if it really differs it is replaced, by If-Match on
         the damaged object's ETag, with the right bytes. botocore's own flexible checksums are
