@@ -9,6 +9,7 @@ from deltastore.errors import (
     AccessDeniedError,
     AlreadyExistsError,
     BucketNotFoundError,
+    ConcurrentWriteError,
     ConflictError,
     CorruptObjectError,
     DeltastoreError,
@@ -22,8 +23,10 @@ from deltastore.errors import (
     PreconditionFailedError,
     StorageError,
     UnknownCodecError,
+    UnsafeStoreError,
     UnsupportedSchemaError,
     UnsupportedURLError,
+    UploadCorruptedError,
     VersionNotFoundError,
 )
 from deltastore.history import VersionInfo
@@ -36,6 +39,7 @@ __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
     "BucketNotFoundError",
+    "ConcurrentWriteError",
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",
@@ -51,8 +55,10 @@ __all__ = [
     "StorageError",
     "Subscriber",
     "UnknownCodecError",
+    "UnsafeStoreError",
     "UnsupportedSchemaError",
     "UnsupportedURLError",
+    "UploadCorruptedError",
     "VersionInfo",
     "VersionNotFoundError",
 ]

@@ -10,8 +10,11 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   ├── BucketNotFoundError                   the bucket (or root directory) does not exist
     │   ├── AccessDeniedError (PermissionError)   credentials missing or rejected
     │   ├── NotFoundError (KeyError)              an object is missing
-    │   └── PreconditionFailedError               a conditional write lost
-    │       └── AlreadyExistsError (FileExistsError)   create-only target exists
+    │   ├── PreconditionFailedError               a conditional write lost
+    │   │   └── AlreadyExistsError (FileExistsError)   create-only target exists
+    │   ├── ConcurrentWriteError                  409s on a write persisted through retries
+    │   ├── UploadCorruptedError                  an upload kept arriving altered
+    │   └── UnsafeStoreError                      the endpoint ignores conditional writes
     ├── ConflictError                             another writer committed first
     │   └── FencedError                           this writer was superseded
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
@@ -68,6 +71,25 @@ class PreconditionFailedError(StorageError):
 
 class AlreadyExistsError(PreconditionFailedError, FileExistsError):
     """A create-only write found the key already present."""
+
+
+class ConcurrentWriteError(StorageError):
+    """The server kept answering 409 (``ConditionalRequestConflict``) to a write.
+
+    Not a precondition failure: nothing says the object exists or changed, only that another
+    write to the same key was in flight. The write did not happen (or its outcome is unknown);
+    read the key back before deciding what to do.
+    """
+
+
+class UploadCorruptedError(StorageError):
+    """An upload's bytes kept arriving altered: the server rejected its checksum (``BadDigest``)
+    or stored other bytes than were sent, on every attempt."""
+
+
+class UnsafeStoreError(StorageError):
+    """The store's endpoint does not honour conditional writes, so concurrent publishers could
+    fork history (see :func:`deltastore.storage.probe.require_atomic_writes`)."""
 
 
 # --- commit protocol ------------------------------------------------------------------------
@@ -137,6 +159,7 @@ __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
     "BucketNotFoundError",
+    "ConcurrentWriteError",
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",
@@ -150,8 +173,10 @@ __all__ = [
     "PreconditionFailedError",
     "StorageError",
     "UnknownCodecError",
+    "UnsafeStoreError",
     "UnsupportedSchemaError",
     "UnsupportedURLError",
+    "UploadCorruptedError",
     "VersionNotFoundError",
     "VersionSkippedError",
 ]

@@ -21,6 +21,7 @@ from deltastore.storage._local import LocalStore
 from deltastore.storage._memory import MemoryStore
 from deltastore.storage._s3 import S3Store
 from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage.probe import ProbeResult, probe_conditional_writes, require_atomic_writes
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,11 @@ __all__ = [
     "LocalStore",
     "MemoryStore",
     "ObjectMeta",
+    "ProbeResult",
     "PutMode",
     "S3Store",
     "Store",
     "open_store",
+    "probe_conditional_writes",
+    "require_atomic_writes",
 ]

@@ -56,6 +56,7 @@ class FsspecStore(Store):
     """
 
     atomic_conditional_writes = False
+    conditional_writes_need_probe = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str | None = None):
         self.fs = fs

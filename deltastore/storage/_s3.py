@@ -3,13 +3,24 @@
 Conditional writes map one to one onto S3's: ``"create"`` is ``PutObject`` with
 ``If-None-Match: *`` and ``IfMatch(etag)`` is ``PutObject`` with ``If-Match``. botocore's
 ``ClientError`` codes are translated into deltastore's error tree here and nowhere else.
+
+What botocore's own retries do not cover is handled here too: a 409 (a concurrent write to the
+same key) is retried, never read as "already exists"; every upload carries SHA-256 and MD5 of its
+bytes and its ETag is checked, so bytes altered in transit never stay stored; a response body cut
+short, or failing its checksum, is read again; a range GET returns exactly the bytes asked for.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import http.client
 import logging
 import os
+import random
+import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,16 +28,20 @@ import boto3
 import botocore.exceptions
 import botocore.loaders
 import botocore.session
+import urllib3.exceptions
 from botocore.config import Config
 
 from deltastore.errors import (
     AccessDeniedError,
     AlreadyExistsError,
     BucketNotFoundError,
+    ConcurrentWriteError,
+    IntegrityError,
     NotFoundError,
     PreconditionFailedError,
     StorageError,
     UnsupportedURLError,
+    UploadCorruptedError,
 )
 from deltastore.storage._keys import check_key, check_prefix, check_range, normalize_etag
 from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
@@ -40,6 +55,31 @@ DEFAULT_MAX_POOL_CONNECTIONS = 64
 #: conditional PUT whose first attempt landed answers a false 412; the commit protocol, not this
 #: layer, resolves that (it reads HEAD back and looks for its own commit id).
 DEFAULT_MAX_ATTEMPTS = 5
+#: Attempts of one PutObject answered 409 (``ConditionalRequestConflict``: another conditional
+#: write to the same key was in flight, e.g. an SDK retry overlapping a slow first attempt). AWS
+#: asks the client to retry; botocore does not. A 409 says nothing about whether the key exists,
+#: so it must never be read as "already exists" (that committed versions with missing packs).
+CONFLICT_MAX_ATTEMPTS = 6
+#: First backoff after a 409; doubled per attempt with full jitter, so racing retries spread out.
+CONFLICT_BACKOFF_BASE_S = 0.1
+#: Cap on one 409 backoff: the conflicting write is one request, it ends within seconds.
+CONFLICT_BACKOFF_MAX_S = 2.0
+#: Attempts of one upload whose bytes arrived altered (the server answered BadDigest, or stored
+#: bytes whose MD5 ETag differs from ours). A flipped bit in transit is rare and independent per
+#: attempt; one that repeats is a broken path (proxy, NIC) that retrying will not fix.
+CORRUPT_UPLOAD_MAX_ATTEMPTS = 3
+#: Attempts of one GET whose body was cut short, timed out mid-body or failed its checksum:
+#: botocore retries a request only until its response headers arrive, never while the body streams.
+READ_MAX_ATTEMPTS = 4
+#: First backoff between read attempts (doubled per attempt, full jitter).
+READ_BACKOFF_BASE_S = 0.05
+#: Cap on one read backoff.
+READ_BACKOFF_MAX_S = 1.0
+
+#: Values of the ``upload_checksum`` storage option. Some S3-compatible servers rejected the
+#: flexible-checksum headers when botocore 1.36 started sending them by default; Content-MD5
+#: is S3's oldest header and the ETag check needs MD5 anyway, so "md5" is the fallback.
+UPLOAD_CHECKSUMS = ("sha256", "md5")
 
 _KNOWN_OPTIONS = frozenset(
     {
@@ -54,6 +94,7 @@ _KNOWN_OPTIONS = frozenset(
         "retries",
         "connect_timeout",
         "read_timeout",
+        "upload_checksum",
     }
 )
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -69,12 +110,83 @@ _ACCESS_DENIED = {
 }
 _PRECONDITION = {"PreconditionFailed", "412"}
 _CONFLICT = {"ConditionalRequestConflict", "409"}
+#: Codes of an upload whose body did not match the checksum sent with it. Measured: SeaweedFS
+#: answers ``BadDigest`` to a wrong x-amz-checksum-sha256 and to a wrong Content-MD5; AWS uses
+#: ``BadDigest``/``InvalidDigest`` (and ``XAmzContentSHA256Mismatch`` for a signed payload).
+_BAD_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+#: Ways a response body can end early or stall while being read, after the headers arrived.
+_TRUNCATED_BODY = (
+    botocore.exceptions.IncompleteReadError,
+    botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectionError,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.ReadTimeoutError,
+    http.client.IncompleteRead,
+    ConnectionError,
+)
+_MD5_HEX = re.compile(r"[0-9a-f]{32}")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _NOT_MODIFIED = {"304", "NotModified"}
 _INVALID_RANGE = {"InvalidRange", "416"}
 
 
 _LOADER: botocore.loaders.Loader | None = None
 _LOADER_LOCK = threading.Lock()
+
+
+#: botocore logs every request's headers and canonical request at DEBUG, session token
+#: (``X-Amz-Security-Token``) included; this matches the token in a header, canonical-request
+#: line or query string so that it can be replaced.
+_TOKEN_IN_LOG = re.compile(r"(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,&}]+", re.IGNORECASE)
+_REDACTED = "<redacted>"
+
+
+class _RedactCredentials(logging.Filter):
+    """Rewrites SDK log records that carry a session token or a known secret (never drops one).
+
+    Attached to botocore's and urllib3's loggers, it runs only for records that are emitted
+    (DEBUG is off by default), so it costs nothing in normal operation.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("deltastore-redact")
+        self._secrets: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+
+    def add(self, *secrets: str | None) -> None:
+        with self._lock:
+            self._secrets = self._secrets | {s for s in secrets if s}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is the logging module's business, not ours
+            return True
+        redacted = _TOKEN_IN_LOG.sub(lambda m: m.group(1) + _REDACTED, message)
+        for secret in self._secrets:
+            redacted = redacted.replace(secret, _REDACTED)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+_REDACT = _RedactCredentials()
+
+
+def _redact_sdk_logs(*secrets: str | None) -> None:
+    """Make sure no SDK logger can emit ``secrets`` or a session token (see _RedactCredentials).
+
+    A filter applies only to records created on its own logger, so it goes on every botocore,
+    boto3 and urllib3 logger that exists; they are all created when their modules are imported,
+    which has happened once a client exists.
+    """
+    _REDACT.add(*secrets)
+    names = [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] in ("botocore", "boto3", "urllib3")]
+    for name in ("botocore", "boto3", "urllib3", *names):
+        log = logging.getLogger(name)
+        if _REDACT not in log.filters:
+            log.addFilter(_REDACT)
 
 
 def _botocore_session() -> botocore.session.Session:
@@ -98,6 +210,22 @@ def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
+class _ShortRange(Exception):
+    """A ranged GET answered other bytes than asked for (internal; retried, then translated)."""
+
+
+def _backoff(attempt: int, base: float, cap: float) -> float:
+    """Full-jitter exponential backoff before retry number ``attempt`` (1-based)."""
+    return random.uniform(0.0, min(cap, base * 2 ** (attempt - 1)))
+
+
+def _error_code(e: botocore.exceptions.ClientError) -> tuple[str, str]:
+    """The (code, HTTP status) of a ClientError, both as strings."""
+    code = str(e.response.get("Error", {}).get("Code", ""))
+    status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return code, status
+
+
 class S3Store(Store):
     """Objects under ``s3://bucket/prefix`` on S3 or any S3-compatible server.
 
@@ -112,8 +240,11 @@ class S3Store(Store):
             ``aws_secret_access_key``, ``aws_session_token``, ``profile``,
             ``max_pool_connections``, ``addressing_style`` (``"path"`` by default with a custom
             endpoint, else ``"auto"``), ``retries`` (max attempts, or a botocore retries dict),
-            ``connect_timeout``, ``read_timeout``. Credentials otherwise come from the standard
-            AWS chain; they are never logged and never appear in ``repr``.
+            ``connect_timeout``, ``read_timeout``, ``upload_checksum`` (``"sha256"``, the
+            default: every upload carries x-amz-checksum-sha256 and Content-MD5; ``"md5"``:
+            Content-MD5 only, for servers that reject S3's flexible-checksum headers). Credentials
+            otherwise come from the standard AWS chain; they are never logged and never appear
+            in ``repr``.
 
     Example::
 
@@ -122,6 +253,9 @@ class S3Store(Store):
     """
 
     atomic_conditional_writes = True
+    # rclone's serve s3 ignores If-None-Match/If-Match; older MinIO honoured If-Match on
+    # missing keys: the endpoint is probed before concurrent publishers trust it.
+    conditional_writes_need_probe = True
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None):
         if not url.startswith("s3://"):
@@ -155,6 +289,11 @@ class S3Store(Store):
             "max_pool_connections": options.get("max_pool_connections", DEFAULT_MAX_POOL_CONNECTIONS),
             "retries": retries,
         }
+        self._upload_checksum = options.get("upload_checksum", "sha256")
+        if self._upload_checksum not in UPLOAD_CHECKSUMS:
+            raise UnsupportedURLError(
+                f"upload_checksum={self._upload_checksum!r} for {self.url}; use one of {UPLOAD_CHECKSUMS}"
+            )
         for name in ("connect_timeout", "read_timeout"):
             if name in options:
                 config_kwargs[name] = options[name]
@@ -176,7 +315,9 @@ class S3Store(Store):
             ) from e
         except botocore.exceptions.BotoCoreError as e:
             raise StorageError(f"cannot configure an S3 client for {self.url}: {_one_line(e)}") from e
+        _redact_sdk_logs(options.get("aws_secret_access_key"), options.get("aws_session_token"))
         self._bucket_known_to_exist = False
+        self._etags_are_md5 = True  # until a read-back shows otherwise (see _stored_other_bytes)
         self._bucket_check_lock = threading.Lock()
         logger.debug("opened %r (addressing=%s)", self, addressing)
 
@@ -217,13 +358,21 @@ class S3Store(Store):
                 f"access denied ({code}) for S3 {op} on {name}: check the credentials and their "
                 f"permissions on bucket {self.bucket!r}"
             )
+        # A 409 first: only a real 412 means "exists" / "changed"; a 409 means another write
+        # was in flight and says nothing about the object's state.
+        if status == "409" or code in _CONFLICT:
+            return ConcurrentWriteError(
+                f"S3 {op} on {name} kept failing with {code or 'HTTP 409'} (a concurrent write to "
+                f"the same key); read the key back to see whether it was written"
+            )
         if code in _PRECONDITION or status == "412":
             if mode == "create":
                 return AlreadyExistsError(f"{name} already exists; create-only writes never replace an object")
             return PreconditionFailedError(f"{name} changed since its ETag was read; re-read it and retry")
-        if code in _CONFLICT or status == "409":
-            return PreconditionFailedError(
-                f"{name} was written concurrently ({code}); re-read it and retry"
+        if code in _BAD_DIGEST:
+            return UploadCorruptedError(
+                f"S3 {op} on {name}: the server received other bytes than were sent ({code}) on "
+                f"every attempt; check the network path (proxies, NICs) to {self.endpoint_url or 'S3'}"
             )
         if code in _NOT_FOUND or status == "404":
             if isinstance(mode, IfMatch):
@@ -267,19 +416,78 @@ class S3Store(Store):
 
     # --- Store -----------------------------------------------------------------------------
 
-    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+    def _read_object(
+        self, key: str, op_kwargs: dict[str, Any], byte_range: tuple[int, int] | None = None
+    ) -> tuple[dict[str, Any], bytes]:
+        """One GetObject and its whole body, retrying a body that ends early or fails its checksum.
+
+        ClientErrors (404, 304, 416, ...) propagate untranslated for the caller to interpret.
+
+        Raises:
+            IntegrityError: the body failed botocore's checksum validation on every attempt.
+            StorageError: the body was cut short on every attempt.
+        """
         full = self._key(key)
-        check_range(byte_range)
-        kwargs: dict[str, Any] = {}
         if byte_range is not None:
-            start, stop = byte_range
-            if start == stop:
-                self.head(key)  # still raise NotFoundError for a missing key
-                return b""
-            kwargs["Range"] = f"bytes={start}-{stop - 1}"
+            op_kwargs = {**op_kwargs, "Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"}
+        last: Exception | None = None
+        for attempt in range(1, READ_MAX_ATTEMPTS + 1):
+            if attempt > 1:
+                time.sleep(_backoff(attempt - 1, READ_BACKOFF_BASE_S, READ_BACKOFF_MAX_S))
+            response = self._client.get_object(Bucket=self.bucket, Key=full, **op_kwargs)
+            body = response["Body"]
+            try:
+                data = body.read()
+            except botocore.exceptions.FlexibleChecksumError as e:
+                last = e
+            except _TRUNCATED_BODY as e:
+                last = e
+            else:
+                short = self._short_range(response, data, byte_range)
+                if short is None:
+                    return response, data
+                last = _ShortRange(short)
+            finally:
+                body.close()
+            logger.warning(
+                "GetObject %s attempt %d/%d: %s", self._name(key), attempt, READ_MAX_ATTEMPTS, _one_line(last)
+            )
+        if isinstance(last, botocore.exceptions.FlexibleChecksumError):
+            raise IntegrityError(
+                f"{self._name(key)} failed its checksum on each of {READ_MAX_ATTEMPTS} reads "
+                f"({_one_line(last)}): the stored object or the network path is corrupt"
+            ) from last
+        raise StorageError(
+            f"reading {self._name(key)} was cut short on each of {READ_MAX_ATTEMPTS} attempts: {_one_line(last)}"
+        ) from last
+
+    @staticmethod
+    def _short_range(response: dict[str, Any], data: bytes, byte_range: tuple[int, int] | None) -> str | None:
+        """Why a ranged body is not exactly the bytes asked for (None when it is).
+
+        A range that runs past the end of the object legitimately returns fewer bytes (like
+        ``bytes[start:stop]``); Content-Range's total says how many.
+        """
+        if byte_range is None:
+            return None
+        start, stop = byte_range
+        match = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange", "")))
+        if match is None:
+            return f"no valid Content-Range in the answer to a range GET ({response.get('ContentRange')!r})"
+        total = match.group(3)
+        want = stop - start if total == "*" else min(stop, int(total)) - start
+        if int(match.group(1)) != start or len(data) != want:
+            return f"asked for bytes [{start}, {stop}), got {len(data)} bytes ({match.group(0)})"
+        return None
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        check_key(key)
+        check_range(byte_range)
+        if byte_range is not None and byte_range[0] == byte_range[1]:
+            self.head(key)  # still raise NotFoundError for a missing key
+            return b""
         try:
-            response = self._client.get_object(Bucket=self.bucket, Key=full, **kwargs)
-            return response["Body"].read()
+            _, data = self._read_object(key, {}, byte_range)
         except botocore.exceptions.ClientError as e:
             code = str(e.response.get("Error", {}).get("Code", ""))
             if byte_range is not None and code in _INVALID_RANGE:
@@ -287,6 +495,7 @@ class S3Store(Store):
             raise self._translate(e, "GetObject", key) from e
         except botocore.exceptions.BotoCoreError as e:
             raise self._translate(e, "GetObject", key) from e
+        return data
 
     def get_with_meta(self, key: str) -> GetResult:
         result = self.get_if_changed(key, None)
@@ -294,17 +503,15 @@ class S3Store(Store):
         return result
 
     def get_if_changed(self, key: str, etag: str | None) -> GetResult | None:
-        full = self._key(key)
+        check_key(key)
         kwargs: dict[str, Any] = {}
         if etag is not None:
             kwargs["IfNoneMatch"] = _quote(etag)
         try:
-            response = self._client.get_object(Bucket=self.bucket, Key=full, **kwargs)
-            data = response["Body"].read()
+            response, data = self._read_object(key, kwargs)
         except botocore.exceptions.ClientError as e:
-            code = str(e.response.get("Error", {}).get("Code", ""))
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if etag is not None and (code in _NOT_MODIFIED or status == 304):
+            code, status = _error_code(e)
+            if etag is not None and (code in _NOT_MODIFIED or status == "304"):
                 return None
             raise self._translate(e, "GetObject", key) from e
         except botocore.exceptions.BotoCoreError as e:
@@ -312,21 +519,126 @@ class S3Store(Store):
         return GetResult(data=data, meta=self._meta(key, response))
 
     def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
+        """Write ``data`` under ``key`` (see :meth:`Store.put`), with an end-to-end checksum.
+
+        Every put carries ``x-amz-checksum-sha256`` (unless ``upload_checksum="md5"``) and
+        ``Content-MD5`` of the body, so a server that checks either refuses bytes altered in
+        transit (measured: SeaweedFS checks both and answers ``BadDigest``; moto 5.2 checks
+        neither). Because not every server checks, the
+        returned ETag is also compared with the body's MD5 (a single-part ETag is that MD5); on a
+        mismatch the object is read back, and if it really differs it is replaced, by If-Match on
+        the damaged object's ETag, with the right bytes. botocore's own flexible checksums are
+        independent of this: it is sent with ``request_checksum_calculation="when_required"`` too.
+
+        A 409 (``ConditionalRequestConflict``) is retried with backoff in every mode; a retried
+        create whose first attempt landed then answers 412, i.e. AlreadyExistsError, which is
+        right for content-addressed keys.
+
+        Raises:
+            AlreadyExistsError, PreconditionFailedError: as :meth:`Store.put`.
+            ConcurrentWriteError: 409s persisted for CONFLICT_MAX_ATTEMPTS attempts.
+            UploadCorruptedError: the bytes arrived altered on CORRUPT_UPLOAD_MAX_ATTEMPTS attempts.
+        """
         full = self._key(key)
-        kwargs: dict[str, Any] = {}
-        if mode == "create":
-            kwargs["IfNoneMatch"] = "*"
-        elif isinstance(mode, IfMatch):
-            kwargs["IfMatch"] = _quote(mode.etag)
-        elif mode != "overwrite":
+        if not (mode in ("create", "overwrite") or isinstance(mode, IfMatch)):
             raise ValueError(f"unknown put mode {mode!r}")
         if not isinstance(data, (bytes, bytearray)):
             data = bytes(data)  # botocore takes bytes, bytearray or a file; copy only other buffers
+        md5 = hashlib.md5(data, usedforsecurity=False).digest()
+        checksums = {"ContentMD5": base64.b64encode(md5).decode("ascii")}
+        if self._upload_checksum == "sha256":
+            sha256 = hashlib.sha256(data).digest()
+            # ChecksumAlgorithm makes servers store the checksum (moto does only with it), so
+            # later GETs return it and botocore validates the read end to end too.
+            checksums["ChecksumAlgorithm"] = "SHA256"
+            checksums["ChecksumSHA256"] = base64.b64encode(sha256).decode("ascii")
+        current: PutMode = mode
+        conflicts = corrupt = 0
+        while True:
+            condition: dict[str, str] = {}
+            if current == "create":
+                condition["IfNoneMatch"] = "*"
+            elif isinstance(current, IfMatch):
+                condition["IfMatch"] = _quote(current.etag)
+            try:
+                response = self._client.put_object(
+                    Bucket=self.bucket, Key=full, Body=data, **condition, **checksums
+                )
+            except botocore.exceptions.ClientError as e:
+                code, status = _error_code(e)
+                if status == "409" or code in _CONFLICT:
+                    conflicts += 1
+                    if conflicts < CONFLICT_MAX_ATTEMPTS:
+                        delay = _backoff(conflicts, CONFLICT_BACKOFF_BASE_S, CONFLICT_BACKOFF_MAX_S)
+                        logger.info("PutObject %s: %s, retrying in %.2f s", self._name(key), code or status, delay)
+                        time.sleep(delay)
+                        continue
+                elif code in _BAD_DIGEST:
+                    corrupt += 1
+                    if corrupt < CORRUPT_UPLOAD_MAX_ATTEMPTS:
+                        logger.warning("PutObject %s: server saw altered bytes (%s), retrying", self._name(key), code)
+                        continue
+                elif current is not mode:
+                    # Replacing our own damaged upload failed (someone changed it meanwhile).
+                    raise UploadCorruptedError(
+                        f"{self._name(key)} arrived altered and could not be replaced with the right "
+                        f"bytes ({code or status}); read it back before trusting it"
+                    ) from e
+                raise self._translate(e, "PutObject", key, current) from e
+            except botocore.exceptions.BotoCoreError as e:
+                raise self._translate(e, "PutObject", key, current) from e
+            etag = normalize_etag(response["ETag"])
+            if not self._stored_other_bytes(key, etag, md5.hex(), data):
+                return ObjectMeta(key=key, size=len(data), etag=etag)
+            corrupt += 1
+            if corrupt >= CORRUPT_UPLOAD_MAX_ATTEMPTS:
+                removed = mode == "create" and self._delete_if_etag(key, etag)
+                raise UploadCorruptedError(
+                    f"{self._name(key)} was stored with other bytes than were sent on each of "
+                    f"{corrupt} attempts (ETag {etag!r}, MD5 of the data {md5.hex()!r}); "
+                    + ("the damaged object was deleted" if removed else "the object there is damaged")
+                    + "; check the network path and write it again"
+                )
+            logger.warning("PutObject %s: stored bytes differ from the data sent, rewriting", self._name(key))
+            current = IfMatch(etag)  # replace exactly the damaged object we wrote, nothing newer
+
+    def _delete_if_etag(self, key: str, etag: str) -> bool:
+        """Delete ``key`` if it still has ETag ``etag`` (our damaged create-only upload): left in
+        place, it would read as "already exists" to every later writer of that content-addressed
+        key. Best effort; True when it was deleted."""
         try:
-            response = self._client.put_object(Bucket=self.bucket, Key=full, Body=data, **kwargs)
-        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
-            raise self._translate(e, "PutObject", key, mode) from e
-        return ObjectMeta(key=key, size=len(data), etag=normalize_etag(response["ETag"]))
+            if self.head(key).etag != etag:
+                return False
+            self.delete(key)
+        except StorageError:
+            return False
+        return True
+
+    def _stored_other_bytes(self, key: str, etag: str, md5_hex: str, data: bytes | bytearray) -> bool:
+        """True when the object just written under ``key`` (ETag ``etag``) is not our data.
+
+        A single-part object's ETag is the MD5 of its bytes on S3, moto, SeaweedFS and MinIO,
+        but not with SSE-KMS/SSE-C; a mismatch is therefore confirmed by reading the object back,
+        and a store whose ETags turn out not to be MD5s stops being checked this way.
+        """
+        if not self._etags_are_md5 or etag == md5_hex or not _MD5_HEX.fullmatch(etag):
+            return False
+        try:
+            _, stored = self._read_object(key, {"IfMatch": _quote(etag)})
+        except IntegrityError:
+            return True  # the server's stored checksum (ours) disagrees with its stored bytes
+        except botocore.exceptions.ClientError as e:
+            code, status = _error_code(e)
+            if status == "412" or code in _PRECONDITION or code in _NOT_FOUND:
+                return False  # already replaced or deleted by someone else: not ours to judge
+            raise self._translate(e, "GetObject", key) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._translate(e, "GetObject", key) from e
+        if stored != data:
+            return True
+        logger.info("%s: ETags are not MD5s of the content; not comparing them from now on", self.url)
+        self._etags_are_md5 = False
+        return False
 
     def head(self, key: str) -> ObjectMeta:
         full = self._key(key)

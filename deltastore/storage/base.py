@@ -76,13 +76,21 @@ class Store(abc.ABC):
     url: str
     #: True when "create" and IfMatch puts are atomic against concurrent writers.
     atomic_conditional_writes: bool = True
+    #: True when that promise depends on a remote endpoint (S3-compatible servers differ), so
+    #: it must be checked by :func:`deltastore.storage.probe.require_atomic_writes` before
+    #: concurrent publishers rely on it; False where it holds by construction (local, memory).
+    conditional_writes_need_probe: bool = False
 
     @abc.abstractmethod
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
         """Return the object's bytes, or the half-open ``[start, stop)`` range of them.
 
+        A range returns exactly ``stop - start`` bytes, fewer only where the object ends first
+        (like ``bytes[start:stop]``). A body cut short in transit is read again.
+
         Raises:
             NotFoundError: the key does not exist.
+            IntegrityError: the bytes kept failing the checksum the server stored with them.
         """
 
     @abc.abstractmethod
@@ -106,7 +114,10 @@ class Store(abc.ABC):
         Raises:
             AlreadyExistsError: ``mode="create"`` and the key exists.
             PreconditionFailedError: ``mode=IfMatch(etag)`` and the ETag differs or the key
-                does not exist.
+                does not exist. Never raised for anything but a real precondition answer.
+            ConcurrentWriteError: another write to the key kept conflicting (S3's 409); the
+                outcome is unknown, read the key back.
+            UploadCorruptedError: the bytes kept arriving altered at the server.
         """
 
     @abc.abstractmethod

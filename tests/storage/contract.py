@@ -265,3 +265,13 @@ class StoreContract:
             got = store.get_with_meta("cas/HEAD")
             assert got.data == payloads[winners[0]]
             assert got.meta.etag == results[winners[0]].etag
+
+    def test_conditional_write_probe_passes(self, store: Store) -> None:
+        """Every backend that promises atomic conditional writes passes the endpoint probe
+        (docs/SPEC.md §1.1), and the probe leaves nothing behind."""
+        from deltastore.storage.probe import META_PREFIX, probe_conditional_writes
+
+        self.require_atomic(store)
+        result = probe_conditional_writes(store)
+        assert result.ok, result.detail
+        assert list(store.list(META_PREFIX)) == []

@@ -1,0 +1,307 @@
+"""Find out whether a store's endpoint really honours conditional writes, once per store.
+
+Every ``s3://`` endpoint claims S3's API, but not all of them implement its conditional writes:
+rclone's ``serve s3`` silently ignores ``If-None-Match``/``If-Match``, older MinIO accepted
+``If-Match`` on a missing key, SeaweedFS is broken on versioned buckets. Two publishers on such an
+endpoint can both "win" a compare-and-swap of HEAD and fork the history. :func:`require_atomic_writes`
+probes the endpoint with a few conditional writes and small races under ``_deltastore/probe/``,
+caches the verdict in ``_deltastore/probe.json`` (docs/SPEC.md §1), and refuses an endpoint that
+failed unless the caller opts in as a single writer.
+
+Example::
+
+    store = open_store("s3://weights/run1")
+    require_atomic_writes(store)                          # raises UnsafeStoreError on rclone
+    require_atomic_writes(store, allow_unsafe_store=True)  # one publisher only: no check
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+
+from deltastore.errors import (
+    AlreadyExistsError,
+    DeltastoreError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    UnsafeStoreError,
+)
+from deltastore.storage.base import IfMatch, Store
+
+logger = logging.getLogger(__name__)
+
+#: Everything deltastore writes about the store itself (not versions) lives under this prefix;
+#: readers and garbage collection ignore it.
+META_PREFIX = "_deltastore/"
+#: Where the probe's short-lived keys go (one fresh sub-prefix per probe run).
+PROBE_PREFIX = META_PREFIX + "probe/"
+#: The cached verdict, so that later publishers skip the probe.
+PROBE_RESULT_KEY = META_PREFIX + "probe.json"
+#: Format tag and version of PROBE_RESULT_KEY; an unknown one is ignored and the store re-probed.
+PROBE_FORMAT = "deltastore.probe"
+PROBE_SCHEMA = 1
+#: Threads released together in each race: enough to collide on any server that serialises
+#: nothing, few enough that the probe costs about a dozen small requests.
+PROBE_RACERS = 4
+#: An ETag no object has (conditional writes against it must be refused).
+_NO_SUCH_ETAG = "0" * 32
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a store's endpoint did with conditional writes.
+
+    Attributes:
+        create_only_ok: a second create-only (``If-None-Match: *``) put of a key was refused.
+        if_match_ok: an ``If-Match`` put with a wrong ETag was refused.
+        if_match_missing_ok: an ``If-Match`` put on a missing key was refused (and created nothing).
+        create_race_ok: of PROBE_RACERS concurrent create-only puts of one key, exactly one won.
+        if_match_race_ok: of PROBE_RACERS concurrent ``If-Match`` puts from one ETag, exactly one won.
+        detail: what the endpoint did, one clause per check, for messages and logs.
+        deltastore_version: the version that ran the probe.
+        probed_at: when (ISO 8601, UTC).
+    """
+
+    create_only_ok: bool
+    if_match_ok: bool
+    if_match_missing_ok: bool
+    create_race_ok: bool
+    if_match_race_ok: bool
+    detail: str
+    deltastore_version: str
+    probed_at: str
+
+    @property
+    def ok(self) -> bool:
+        """True when every check passed: the endpoint is safe for concurrent publishers."""
+        return (
+            self.create_only_ok
+            and self.if_match_ok
+            and self.if_match_missing_ok
+            and self.create_race_ok
+            and self.if_match_race_ok
+        )
+
+    def to_json(self) -> bytes:
+        """The cached form (PROBE_RESULT_KEY)."""
+        body = {"format": PROBE_FORMAT, "schema": PROBE_SCHEMA, **asdict(self)}
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ProbeResult | None:
+        """Parse the cached form; None when it is not one this version wrote (then re-probe)."""
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(body, dict) or body.get("format") != PROBE_FORMAT or body.get("schema") != PROBE_SCHEMA:
+            return None
+        values = {}
+        for f in fields(cls):
+            value = body.get(f.name)
+            if not isinstance(value, bool if f.type in (bool, "bool") else str):
+                return None
+            values[f.name] = value
+        return cls(**values)
+
+
+def _race(n: int, fn: Callable[[int], object]) -> list[object]:
+    """fn(i) for i in range(n) on n threads released together; results or the errors raised."""
+    barrier = threading.Barrier(n)
+
+    def run(i: int) -> object:
+        barrier.wait()
+        try:
+            return fn(i)
+        except DeltastoreError as e:
+            return e
+
+    with ThreadPoolExecutor(n, thread_name_prefix="deltastore-probe") as pool:
+        return list(pool.map(run, range(n)))
+
+
+def _race_verdict(what: str, outcomes: list[object], refusal: type[Exception]) -> tuple[bool, str]:
+    winners = [o for o in outcomes if not isinstance(o, Exception)]
+    refused = [o for o in outcomes if isinstance(o, refusal)]
+    other = [o for o in outcomes if isinstance(o, Exception) and not isinstance(o, refusal)]
+    extra = f", {len(other)} failed otherwise ({type(other[0]).__name__})" if other else ""
+    text = f"{len(outcomes)} concurrent {what}: {len(winners)} won, {len(refused)} refused{extra}"
+    return len(winners) == 1, text
+
+
+def probe_conditional_writes(store: Store) -> ProbeResult:
+    """Run the conditional-write checks against ``store`` and return what its endpoint did.
+
+    Writes a handful of tiny objects under ``_deltastore/probe/<uuid>/`` and deletes them
+    afterwards. Does not read or write the cached verdict (see :func:`require_atomic_writes`).
+
+    Raises:
+        StorageError: the store failed in a way that is not a conditional-write answer
+            (unreachable, access denied); nothing can be concluded.
+    """
+    from deltastore import __version__
+
+    base = f"{PROBE_PREFIX}{uuid.uuid4().hex}/"
+    clauses: list[str] = []
+    written: list[str] = []
+
+    def put(key: str, data: bytes, mode):  # noqa: ANN001 - PutMode
+        written.append(key)
+        return store.put(key, data, mode=mode)
+
+    try:
+        # 1. create-only twice: the second must be refused and change nothing.
+        key = base + "create"
+        put(key, b"first", "create")
+        try:
+            put(key, b"second", "create")
+            create_only_ok = False
+            clauses.append("a second create-only PUT (If-None-Match: *) of an existing key succeeded")
+        except AlreadyExistsError:
+            create_only_ok = store.get(key) == b"first"
+            clauses.append(
+                "create-only PUT of an existing key: refused"
+                if create_only_ok
+                else "a refused create-only PUT still replaced the object"
+            )
+
+        # 2. If-Match with a wrong ETag: refused, object unchanged.
+        try:
+            put(key, b"third", IfMatch(_NO_SUCH_ETAG))
+            if_match_ok = False
+            clauses.append("an If-Match PUT with a wrong ETag succeeded")
+        except PreconditionFailedError:
+            if_match_ok = store.get(key) == b"first"
+            clauses.append("If-Match PUT with a wrong ETag: refused")
+
+        # 3. If-Match on a missing key: refused, nothing created (older MinIO created it).
+        missing = base + "missing"
+        try:
+            put(missing, b"x", IfMatch(_NO_SUCH_ETAG))
+            if_match_missing_ok = False
+            clauses.append("an If-Match PUT on a missing key succeeded (created it)")
+        except PreconditionFailedError:
+            if_match_missing_ok = not store.exists(missing)
+            clauses.append(
+                "If-Match PUT on a missing key: refused"
+                if if_match_missing_ok
+                else "a refused If-Match PUT on a missing key still created it"
+            )
+
+        # 4. create-only race: exactly one winner.
+        race_key = base + "create-race"
+        written.append(race_key)
+        outcomes = _race(PROBE_RACERS, lambda i: store.put(race_key, b"racer-%d" % i, mode="create"))
+        create_race_ok, text = _race_verdict("create-only PUTs of one key", outcomes, AlreadyExistsError)
+        clauses.append(text)
+
+        # 5. If-Match race from one ETag: exactly one winner.
+        cas_key = base + "cas-race"
+        etag = put(cas_key, b"base", "overwrite").etag
+        outcomes = _race(PROBE_RACERS, lambda i: store.put(cas_key, b"racer-%d" % i, mode=IfMatch(etag)))
+        if_match_race_ok, text = _race_verdict("If-Match PUTs from one ETag", outcomes, PreconditionFailedError)
+        clauses.append(text)
+    finally:
+        for key in dict.fromkeys(written):
+            try:
+                store.delete(key)
+            except StorageError as e:
+                logger.warning("could not delete probe key %s/%s: %s", store.url, key, e)
+
+    result = ProbeResult(
+        create_only_ok=create_only_ok,
+        if_match_ok=if_match_ok,
+        if_match_missing_ok=if_match_missing_ok,
+        create_race_ok=create_race_ok,
+        if_match_race_ok=if_match_race_ok,
+        detail="; ".join(clauses),
+        deltastore_version=__version__,
+        probed_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    logger.info("probed conditional writes of %s: %s (%s)", store.url, "ok" if result.ok else "UNSAFE", result.detail)
+    return result
+
+
+def cached_probe(store: Store) -> ProbeResult | None:
+    """The verdict cached in the store, or None when there is none this version can read."""
+    try:
+        data = store.get(PROBE_RESULT_KEY)
+    except NotFoundError:
+        return None
+    result = ProbeResult.from_json(data)
+    if result is None:
+        logger.warning("ignoring unreadable %s/%s; probing again", store.url, PROBE_RESULT_KEY)
+    return result
+
+
+def require_atomic_writes(store: Store, *, allow_unsafe_store: bool = False) -> ProbeResult | None:
+    """Make sure concurrent publishers cannot fork history on ``store``; raise if they could.
+
+    Local and in-memory stores are atomic by construction and are not probed. A store that
+    declares no atomic conditional writes (fsspec URLs) is refused outright. Any other store
+    (``s3://``) is probed once: the verdict is cached in ``_deltastore/probe.json`` and reused by
+    every later call; a cached failure is probed again (the endpoint may have been fixed).
+    Delete that object to force a new probe.
+
+    Args:
+        store: the store a publisher is about to write to.
+        allow_unsafe_store: the caller is the only writer this store will ever have; skip every
+            check (nothing is probed or cached).
+
+    Returns:
+        The probe verdict used (cached or fresh), or None when no probe was needed.
+
+    Raises:
+        UnsafeStoreError: the endpoint does not honour conditional writes; the message says what
+            it did and what to do.
+        StorageError: the probe itself could not run (unreachable, access denied).
+
+    Example::
+
+        with open_store("s3://weights/run1") as store:
+            require_atomic_writes(store)
+    """
+    if allow_unsafe_store:
+        return None
+    if not store.atomic_conditional_writes:
+        raise UnsafeStoreError(
+            f"{store.url} cannot do atomic conditional writes ({type(store).__name__} checks, then "
+            f"writes), so two publishers could fork its history; pass allow_unsafe_store=True if "
+            f"only one publisher ever writes there, or use an s3:// URL"
+        )
+    if not store.conditional_writes_need_probe:
+        return None
+    result = cached_probe(store)
+    if result is None or not result.ok:
+        result = probe_conditional_writes(store)
+        try:
+            store.put(PROBE_RESULT_KEY, result.to_json(), mode="overwrite")
+        except StorageError as e:  # a read-only cache is no reason to fail: probe next time
+            logger.warning("could not cache the probe verdict in %s/%s: %s", store.url, PROBE_RESULT_KEY, e)
+    if not result.ok:
+        raise UnsafeStoreError(
+            f"{store.url}: the endpoint does not honour S3 conditional writes ({result.detail}), so "
+            f"two publishers could both commit and fork the history. Use an endpoint that implements "
+            f"If-None-Match/If-Match on PutObject (AWS S3, MinIO, SeaweedFS on an unversioned bucket; "
+            f"not rclone serve s3), or pass allow_unsafe_store=True if only one publisher ever writes "
+            f"to this store"
+        )
+    return result
+
+
+__all__ = [
+    "META_PREFIX",
+    "PROBE_RESULT_KEY",
+    "ProbeResult",
+    "cached_probe",
+    "probe_conditional_writes",
+    "require_atomic_writes",
+]
