@@ -10,8 +10,9 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   ├── BucketNotFoundError                   the bucket (or root directory) does not exist
     │   ├── AccessDeniedError (PermissionError)   credentials missing or rejected
     │   ├── NotFoundError (KeyError)              an object is missing
-    │   └── PreconditionFailedError               a conditional write lost
-    │       └── AlreadyExistsError (FileExistsError)   create-only target exists
+    │   ├── PreconditionFailedError               a conditional write lost
+    │   │   └── AlreadyExistsError (FileExistsError)   create-only target exists
+    │   └── CommitUnknownError                    HEAD written, outcome unknown (HEAD unreadable)
     ├── ConflictError                             another writer committed first
     │   └── FencedError                           this writer was superseded
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
@@ -67,6 +68,24 @@ class PreconditionFailedError(StorageError):
 
 class AlreadyExistsError(PreconditionFailedError, FileExistsError):
     """A create-only write found the key already present."""
+
+
+class CommitUnknownError(StorageError):
+    """A HEAD write failed unclearly and HEAD could not be read back to tell whether it landed.
+
+    The version may or may not be committed. The same publisher's next ``publish`` reads HEAD
+    first and settles it (a landed version is counted once, a lost one is not counted), so a
+    step is never lost or doubled; a reader sees either the old or the new HEAD, never a mix.
+
+    Attributes:
+        version: the version whose commit is in doubt.
+        commit_id: the commit id stamped on that HEAD write.
+    """
+
+    def __init__(self, message: str, *, version: int | None = None, commit_id: str | None = None):
+        super().__init__(message)
+        self.version = version
+        self.commit_id = commit_id
 
 
 # --- commit protocol ------------------------------------------------------------------------
@@ -132,6 +151,7 @@ __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
     "BucketNotFoundError",
+    "CommitUnknownError",
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",

@@ -17,12 +17,11 @@ import numpy as np
 import torch
 
 from deltastore import codec
-from deltastore.commit import CommitProtocol, new_commit_id, now
+from deltastore.commit import CommitProtocol, new_commit_id, now, put_immutable
 from deltastore.errors import (
     ConflictError,
     InvalidStateDictError,
     LayoutMismatchError,
-    PreconditionFailedError,
     StorageError,
 )
 from deltastore.history import History, VersionInfo
@@ -129,10 +128,7 @@ class _PackWriter:
         self._uploads.append(self.uploader.submit(self._put, key, data))
 
     def _put(self, key: str, data: bytearray) -> None:
-        try:
-            self.store.put(key, data, mode="create")
-        except PreconditionFailedError:
-            logger.debug("pack %s already present (same content)", key)
+        put_immutable(self.store, key, data, "pack")
 
     def finish(self) -> None:
         """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
@@ -153,7 +149,8 @@ class Publisher:
             another fsspec URL — those lack atomic commit, see docs/SPEC.md).
         storage_options: passed to the storage backend (endpoint, credentials, ...).
         anchor_every: write a full snapshot every this many versions (default 20).
-        takeover: claim the store on open, fencing any older publisher (default True).
+        takeover: claim the store on open, fencing any older publisher (default True); an
+            empty store is claimed too (HEAD at version 0 without a manifest).
         writer_id: id recorded in manifests and HEAD (default ``host-pid-random``).
         threads: encode threads (default: all cores).
         chunk_bytes: target chunk size for new layouts (default 16 MiB).
@@ -265,10 +262,16 @@ class Publisher:
                 ``anchor`` is False.
             ConflictError: another writer committed first; nothing was committed.
             FencedError: a newer publisher took over the store.
+            CommitUnknownError: HEAD was written but could not be read back, so whether this
+                version committed is unknown; the next publish settles it first.
+            StorageError: the store failed; nothing was committed (HEAD is as it was).
         """
         if self._closed:
             raise StorageError(f"publisher for {self.url} is closed")
-        self._commits.check_can_commit()
+        if self._commits.prepare():
+            # HEAD moved since our last commit (an earlier unknown outcome turned out to have
+            # landed, or another writer committed): resume from it (or write an anchor).
+            self._reference = None
         state = validate_state_dict(state_dict)
         meta = _json_metadata(metadata)
         step = _int_step(step)
@@ -311,7 +314,7 @@ class Publisher:
             data = dump(manifest)
             digest = sha256_hex(data)
             mkey = manifest_key(version, digest)
-            self.store.put(mkey, data, mode="create")
+            put_immutable(self.store, mkey, data, "manifest")
             self._commits.commit(Head(
                 version=version,
                 manifest=mkey,
