@@ -36,7 +36,7 @@ from deltastore.errors import (
     StorageError,
 )
 from deltastore.history import History
-from deltastore.manifest import HEAD_KEY, Head, dump
+from deltastore.manifest import HEAD_KEY, SCHEMA_VERSION, Head, dump, new_lineage
 from deltastore.storage.base import IfMatch, Store
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,13 @@ class CommitProtocol:
         """The latest version known to be committed (0 for an empty store)."""
         return self.head.version if self.head else 0
 
+    def lineage_for_commit(self) -> str:
+        """The lineage the next version carries: HEAD's, or a new one when HEAD has none (an
+        empty store, or a schema-1 store): SPEC §5, *Lineage*. Call once per version."""
+        if self.head is not None and self.head.lineage is not None:
+            return self.head.lineage
+        return new_lineage()
+
     def open(self, *, takeover: bool) -> None:
         """Read HEAD; with ``takeover``, claim the store (fencing older publishers).
 
@@ -181,14 +188,16 @@ class CommitProtocol:
             if self.head is None:
                 claimed = Head(
                     version=0, manifest=None, manifest_sha256=None, commit_id=new_commit_id(),
-                    writer=self.writer_id, epoch=1, updated=now(),
+                    writer=self.writer_id, epoch=1, updated=now(), lineage=new_lineage(),
                 )
             else:
                 claimed = self.head.model_copy(update={
+                    "schema_": SCHEMA_VERSION,  # a schema-1 HEAD is upgraded by its first claim
                     "epoch": self.head.epoch + 1,
                     "writer": self.writer_id,
                     "commit_id": new_commit_id(),
                     "updated": now(),
+                    "lineage": self.lineage_for_commit(),
                 })
             try:
                 self._cas_head(claimed)

@@ -14,9 +14,11 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   │   └── AlreadyExistsError (FileExistsError)   create-only target exists
     │   └── CommitUnknownError                    HEAD written, outcome unknown (HEAD unreadable)
     ├── ConflictError                             another writer committed first
-    │   └── FencedError                           this writer was superseded
+    │   ├── FencedError                           this writer was superseded
+    │   └── HistoryReplacedError                  the store's history is not the one held
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
-    │   └── CorruptObjectError                    unparseable / truncated object
+    │   ├── CorruptObjectError                    unparseable / truncated object
+    │   └── SignatureError                        manifest unsigned / untrusted / bad signature
     ├── FormatError (ValueError)                  something this version cannot read
     │   ├── UnsupportedSchemaError
     │   └── UnknownCodecError
@@ -109,6 +111,15 @@ class FencedError(ConflictError):
     """A newer publisher took over this store; this publisher may no longer commit."""
 
 
+class HistoryReplacedError(ConflictError):
+    """The store's history is no longer the one this subscriber holds a version of.
+
+    HEAD was deleted (or the store restored) and another run published under the same URL:
+    its versions do not continue the held one, so nothing can be fast-forwarded. Open a new
+    Subscriber or call ``pull()`` to read the new history.
+    """
+
+
 # --- integrity and format -------------------------------------------------------------------
 
 
@@ -118,6 +129,14 @@ class IntegrityError(DeltastoreError, ValueError):
 
 class CorruptObjectError(IntegrityError):
     """An object cannot be parsed: truncated, garbled or inconsistent with its manifest."""
+
+
+class SignatureError(IntegrityError):
+    """A manifest lacks a valid signature by a trusted key (SPEC §3.1).
+
+    Raised only by subscribers configured with ``trusted_keys``: the manifest is unsigned,
+    names a key that is not trusted, or its signature does not verify.
+    """
 
 
 class FormatError(DeltastoreError, ValueError):
@@ -157,12 +176,14 @@ __all__ = [
     "DeltastoreError",
     "FencedError",
     "FormatError",
+    "HistoryReplacedError",
     "IntegrityError",
     "InvalidKeyError",
     "InvalidStateDictError",
     "LayoutMismatchError",
     "NotFoundError",
     "PreconditionFailedError",
+    "SignatureError",
     "StorageError",
     "UnknownCodecError",
     "UnsupportedSchemaError",

@@ -292,6 +292,7 @@ class Publisher:
         specs = self._specs if same_layout else {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
         assert specs is not None
 
+        lineage = self._commits.lineage_for_commit()
         try:
             entries, stats, blobs = self._encode(state, specs, kind, has_base)
             manifest = Manifest(
@@ -310,6 +311,7 @@ class Publisher:
                 blobs=tuple(blobs),
                 tensors=tuple(entries),
                 stats=stats,
+                lineage=lineage,
             )
             data = dump(manifest)
             digest = sha256_hex(data)
@@ -323,6 +325,7 @@ class Publisher:
                 writer=self.writer_id,
                 epoch=self.epoch,
                 updated=manifest.created,
+                lineage=lineage,
             ))
         except ConflictError:
             # Another writer's version is HEAD now: the next publish resumes from it.

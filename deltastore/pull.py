@@ -14,6 +14,7 @@ import torch
 
 from deltastore import codec
 from deltastore.errors import (
+    HistoryReplacedError,
     IntegrityError,
     InvalidStateDictError,
     NotFoundError,
@@ -270,6 +271,7 @@ class Subscriber:
                 Nothing was applied.
         """
         key, m = self._resolve(version)
+        self._check_same_history(key, m)
         if self._version is not None and m.version == self._version:
             return None
         if self._version is not None and m.version < self._version:
@@ -279,6 +281,8 @@ class Subscriber:
         relaid = False
         if self._version is not None and self._held is not None:
             fwd = self._history.chain(key, m, down_to=self._version + 1)
+            if fwd[0][1].parent_manifest != self._held[-1][0]:
+                raise self._replaced(f"version {fwd[0][1].version} does not follow the held manifest {self._held[-1][0]!r}")
             held_specs = _layout(self._held[0][1])
             # An anchor written without deltas and with another chunking (a restarted publisher
             # with other settings) cannot be bridged chunk by chunk: replace everything from it.
@@ -317,6 +321,23 @@ class Subscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_same_history(self, key: str, m: Manifest) -> None:
+        """SPEC §7 step 3: the version to reach must be in the held version's history (D7)."""
+        if self._held is None:
+            return
+        held_key, held = self._held[-1]
+        if m.lineage is not None and held.lineage is not None and m.lineage != held.lineage:
+            raise self._replaced(f"its lineage is {m.lineage}, the held version's is {held.lineage}")
+        if m.version == held.version and key != held_key:
+            raise self._replaced(f"version {m.version} is now {key!r}, not the held {held_key!r}")
+
+    def _replaced(self, why: str) -> HistoryReplacedError:
+        return HistoryReplacedError(
+            f"the history of {self.url} was replaced (HEAD deleted or restored, then another run published): {why}; "
+            f"this subscriber holds version {self._version} of the old history and nothing was applied. "
+            "Open a new Subscriber or call pull() to read the new history"
+        )
 
     # --- planning -----------------------------------------------------------------------
 
