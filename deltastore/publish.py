@@ -160,6 +160,8 @@ class Publisher:
             publish is a delta against it rather than a full anchor (default True).
         store: an already opened :class:`~deltastore.storage.Store` to use instead of ``url``
             (the caller keeps ownership: it is not closed by :meth:`close`).
+        signing_key: an Ed25519 private key (a ``cryptography`` key object, PEM bytes or a
+            PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore[signing]``).
 
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
@@ -185,9 +187,15 @@ class Publisher:
         allow_unsafe_store: bool = False,
         resume: bool = True,
         store: Store | None = None,
+        signing_key: Any = None,
     ):
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be ≥ 1, got {anchor_every}")
+        self._signing_key = None
+        if signing_key is not None:
+            from deltastore.signing import load_private_key
+
+            self._signing_key = load_private_key(signing_key)  # a bad key fails before any IO
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         if not self.store.atomic_conditional_writes and not allow_unsafe_store:
@@ -313,6 +321,10 @@ class Publisher:
                 stats=stats,
                 lineage=lineage,
             )
+            if self._signing_key is not None:
+                from deltastore.signing import sign_manifest
+
+                manifest = sign_manifest(manifest, self._signing_key)
             data = dump(manifest)
             digest = sha256_hex(data)
             mkey = manifest_key(version, digest)

@@ -170,6 +170,9 @@ class Subscriber:
         url: store URL (see :class:`deltastore.Publisher`).
         storage_options: passed to the storage backend.
         threads: decode threads (default: all cores).
+        trusted_keys: Ed25519 public keys (key objects, PEM bytes or PEM file paths); when
+            given, every manifest used must be signed by one of them, else SignatureError
+            (SPEC §3.1). Needs ``cryptography`` (``deltastore[signing]``).
 
     Example::
 
@@ -188,12 +191,18 @@ class Subscriber:
         storage_options: Mapping[str, Any] | None = None,
         threads: int | None = None,
         store: Store | None = None,
+        trusted_keys: Iterable[Any] | None = None,
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
+        check = None
+        if trusted_keys is not None:
+            from deltastore.signing import TrustedKeys
+
+            check = TrustedKeys(trusted_keys).verify  # keys checked before the store is opened
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         self.url = self.store.url
-        self._history = History(self.store)
+        self._history = History(self.store, check)
         self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="deltastore-decode")
         self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
         self._fetcher = _Fetcher(self.store, self._io)
