@@ -166,6 +166,7 @@ class Publisher:
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
         FencedError: ``takeover=True`` lost a race with another publisher claiming the store.
+        CommitUnknownError: the claim's HEAD write failed and HEAD could not be read back.
 
     Example::
 

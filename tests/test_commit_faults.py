@@ -28,7 +28,7 @@ from deltastore import commit as commit_mod
 from deltastore.errors import CommitUnknownError
 from deltastore.manifest import HEAD_KEY, parse_head
 from deltastore.storage import open_store
-from deltastore.storage.base import IfMatch
+from deltastore.storage.base import GetResult, IfMatch
 from tests._helpers import (
     HeadPutHook,
     WrappedStore,
@@ -70,6 +70,7 @@ class FaultyStore(HeadPutHook):
         super().__init__(inner, hook or (lambda key, data, mode, real_put: real_put()))
         self.manifest_hook = manifest_hook
         self.fail_reads = 0
+        self.truncate_reads = False  # failing HEAD reads return a cut body instead of raising
         self.head_modes: list[object] = []
 
     def put(self, key, data, *, mode="overwrite"):
@@ -86,6 +87,10 @@ class FaultyStore(HeadPutHook):
             raise _Boom(f"{key}: 503 Slow Down (injected on read-back)")
 
     def get_with_meta(self, key):
+        if self.truncate_reads and key == HEAD_KEY and self.fail_reads > 0:
+            self.fail_reads -= 1
+            res = super().get_with_meta(key)
+            return GetResult(res.data[: len(res.data) // 2], res.meta)  # a truncated response body
         self._read_fault(key)
         return super().get_with_meta(key)
 
@@ -180,8 +185,8 @@ def test_manifest_conflict_without_the_object_fails_cleanly(local_url: str) -> N
 # --- D3: the HEAD write landed, every retry failed ----------------------------------------------
 
 
-@pytest.mark.parametrize("fail_reads", [0, 3])
-def test_head_write_landed_then_5xx_is_success(local_url: str, fail_reads: int) -> None:
+@pytest.mark.parametrize("fail_reads, truncated", [(0, False), (3, False), (3, True)])
+def test_head_write_landed_then_5xx_is_success(local_url: str, fail_reads: int, truncated: bool) -> None:
     states = _states(4)
     inner = open_store(local_url)
     times = [0]
@@ -190,6 +195,7 @@ def test_head_write_landed_then_5xx_is_success(local_url: str, fail_reads: int) 
     pub.publish(states[0])
     times[0] = 1
     store.fail_reads = fail_reads  # the read-back itself fails a few times before it succeeds
+    store.truncate_reads = truncated
     info = pub.publish(states[1])  # committed: must not raise
     assert info.version == 2
     assert pub.version == 2
