@@ -295,18 +295,19 @@ def test_spurious_precondition_failure_on_head_is_not_a_conflict_naming_ourselve
 # --- D5: lost HEAD response while another publisher claims the store ------------------------------
 
 
-def test_lost_head_response_during_a_takeover_is_success_then_fenced(local_url: str) -> None:
+def test_lost_head_response_during_a_takeover_is_success_then_fenced(any_store_target) -> None:
+    t = any_store_target
     states = _states(3)
-    inner = open_store(local_url)
+    inner = t.open()
     newcomers: list[Publisher] = []
 
     def land_then_takeover_then_lose(key, data, mode, real_put):
         real_put()
-        newcomers.append(Publisher(local_url, takeover=True, threads=2))  # claims on top of our write
+        newcomers.append(Publisher(t.url, storage_options=t.storage_options, takeover=True, threads=2))  # claims on top
         raise PreconditionFailedError(f"{key}: precondition failed (injected lost response)")
 
     store = FaultyStore(inner)
-    pub = Publisher(local_url, store=store, takeover=False, threads=2)
+    pub = Publisher(t.url, store=store, takeover=False, threads=2)
     pub.publish(states[0])
     store.hook = land_then_takeover_then_lose
     info = pub.publish(states[1])  # our version committed: not a FencedError
@@ -318,10 +319,11 @@ def test_lost_head_response_during_a_takeover_is_success_then_fenced(local_url: 
     assert inner.get(HEAD_KEY) == head
     assert newcomers[0].publish(states[2]).version == 3
     assert check_invariants(inner) == [1, 2, 3]
-    with Subscriber(local_url, threads=2) as sub:
+    with Subscriber(t.url, storage_options=t.storage_options, threads=2) as sub:
         assert_bits_equal(sub.pull(2), states[1])
     newcomers[0].close()
     pub.close()
+    inner.close()
 
 
 # --- D6: takeover claims an empty store ----------------------------------------------------------

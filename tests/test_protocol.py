@@ -502,9 +502,14 @@ def test_pull_into_refuses_a_replaced_history(any_store_target, new_run: str) ->
     assert isinstance(exc.value, ConflictError)
     assert_bits_equal(target, old[4], "nothing applied")
     assert sub.version == 5
-    # A new subscriber (or pull()) reads the new run.
+    # A new subscriber, or pull() on this one, reads the new run; then pull_into follows it.
     with _sub(any_store_target) as fresh:
         assert_bits_equal(fresh.pull(), new[-1])
+    target = sub.pull()
+    assert_bits_equal(target, new[-1])
+    with _pub(any_store_target) as pub:
+        pub.publish(sparse_edit(new[-1], np.random.default_rng(7)))
+    assert sub.pull_into(target).version == len(new) + 1
     sub.close()
 
 
