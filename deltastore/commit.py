@@ -176,10 +176,9 @@ class CommitProtocol:
         if self._unchanged(current):
             logger.info("the commit of version %d (%s), reported unknown, had not landed", pending.version, pending.commit_id)
             return False
-        assert current is not None  # changed, so present
-        if current[0].epoch > self.epoch:
+        if current is not None and current[0].epoch > self.epoch:
             self._on_conflict(*current)  # raises FencedError
-        self.head, self.head_etag = current
+        self.head, self.head_etag = current if current is not None else (None, None)  # None: HEAD deleted
         return True
 
     def claim(self) -> None:
@@ -305,8 +304,9 @@ class CommitProtocol:
             # Another writer has already committed on top: our reference is not the head's.
             logger.warning("commit %s landed as version %d; %s has committed on top of it", new.commit_id, new.version, head.writer)
             self.superseded = True
-        if head.epoch > self.epoch:
+        if head.epoch > new.epoch:
             # Committed, but a newer publisher has claimed the store since: fenced from now on.
+            # (Compared with the epoch our write carried: a claim that landed is not a fence.)
             logger.warning("commit %s landed; publisher %s has since taken %s over (epoch %d)", new.commit_id, head.writer, self.url, head.epoch)
             self.fenced = True
 

@@ -438,3 +438,19 @@ def test_lost_responses_on_manifest_and_head_on_a_real_server(any_store_target) 
     assert len(keys(inner, "manifests/")) == 5
     pub.close()
     inner.close()
+
+
+@pytest.mark.parametrize("error", [PreconditionFailedError("HEAD: 412 (injected lost response)"), _Boom("HEAD: 503 after the write (injected)")])
+@pytest.mark.parametrize("empty", [True, False])
+def test_claim_whose_response_was_lost_is_a_claim_not_a_fence(local_url: str, error: Exception, empty: bool) -> None:
+    if not empty:
+        with Publisher(local_url, takeover=False, threads=2) as seed:
+            seed.publish(small_state(0))
+    inner = open_store(local_url)
+    times = [1]
+    store = FaultyStore(inner, _land_then(error, times))
+    with Publisher(local_url, store=store, takeover=True, threads=2) as pub:
+        assert pub.epoch == (1 if empty else 1)
+        info = pub.publish(small_state(1))  # not FencedError: the claim that landed is ours
+        assert info.version == (1 if empty else 2)
+    assert check_invariants(inner)[-1] == info.version
