@@ -278,6 +278,8 @@ class Subscriber:
                 the store changed its layout since the held version (use :meth:`pull`).
             IntegrityError: ``target`` was modified since it was pulled, or a digest failed.
                 Nothing was applied.
+            HistoryReplacedError: the store's history is no longer the one the held version
+                belongs to (HEAD deleted and another run published); nothing was applied.
         """
         key, m = self._resolve(version)
         self._check_same_history(key, m)
