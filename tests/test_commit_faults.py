@@ -454,3 +454,41 @@ def test_claim_whose_response_was_lost_is_a_claim_not_a_fence(local_url: str, er
         info = pub.publish(small_state(1))  # not FencedError: the claim that landed is ours
         assert info.version == (1 if empty else 2)
     assert check_invariants(inner)[-1] == info.version
+
+
+@pytest.mark.parametrize("meanwhile", ["rival commits", "HEAD deleted"])
+def test_unknown_outcome_settled_after_the_store_moved_on(local_url: str, meanwhile: str) -> None:
+    """The unknown write did not land, and by the next publish HEAD has moved: the publisher
+    builds on what is there now (or starts again on a deleted HEAD), never on its own guess."""
+    states = _states(3)
+    inner = open_store(local_url)
+    fail = [0]
+
+    def hook(key, data, mode, real_put):
+        if fail[0]:
+            fail[0] -= 1
+            raise _Boom("HEAD: timeout before the write (injected)")
+        return real_put()
+
+    store = FaultyStore(inner, hook)
+    pub = Publisher(local_url, store=store, takeover=False, threads=2)
+    pub.publish(states[0])
+    fail[0] = 1
+    store.fail_reads = 10**6
+    with pytest.raises(CommitUnknownError):
+        pub.publish(states[1])
+    store.fail_reads = 0
+    if meanwhile == "rival commits":
+        with Publisher(local_url, takeover=False, threads=2) as rival:
+            rival.publish(small_state(50, rows=32))
+        info = pub.publish(states[2])
+        assert (info.version, info.parent) == (3, 2)
+        assert check_invariants(inner) == [1, 2, 3]
+    else:
+        inner.delete(HEAD_KEY)
+        info = pub.publish(states[2])
+        assert (info.version, info.parent, info.kind) == (1, None, "anchor")
+        assert check_invariants(inner) == [1]
+    with Subscriber(local_url, threads=2) as sub:
+        assert_bits_equal(sub.pull(), states[2])
+    pub.close()
