@@ -1,4 +1,4 @@
-"""The ``deltastore`` command line: publish, pull, log, verify.
+"""The ``deltastore`` command line: publish, pull, log, verify, keygen.
 
 Errors print as one line naming the object and exit non-zero; set ``DELTASTORE_DEBUG=1`` for
 the full traceback.
@@ -44,7 +44,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.file}: no such file")
     state = load_file(args.file)
     metadata = json.loads(args.metadata) if args.metadata else None
-    with Publisher(args.url, storage_options=_storage_options(args), anchor_every=args.anchor_every) as pub:
+    with Publisher(args.url, storage_options=_storage_options(args), anchor_every=args.anchor_every, signing_key=args.signing_key) as pub:
         info = pub.publish(state, step=args.step, metadata=metadata, anchor=args.anchor)
     print(f"published version {info.version} ({info.kind}) to {args.url}: {_size(info.bytes_stored)}, "
           f"{info.tensors_changed} tensors / {info.elements_changed} elements changed")
@@ -56,7 +56,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
     from deltastore.pull import Subscriber
 
-    with Subscriber(args.url, storage_options=_storage_options(args)) as sub:
+    with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
         state = sub.pull(args.version)
         version = sub.version
     tmp = f"{args.out}.partial"
@@ -69,7 +69,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 def _cmd_log(args: argparse.Namespace) -> int:
     from deltastore.pull import Subscriber
 
-    with Subscriber(args.url, storage_options=_storage_options(args)) as sub:
+    with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
         infos = sub.log()
     for info in infos:
         if args.json:
@@ -91,7 +91,7 @@ def _cmd_log(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from deltastore.pull import Subscriber
 
-    with Subscriber(args.url, storage_options=_storage_options(args)) as sub:
+    with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
         infos = sub.log()  # reads and checks every manifest on the chain
         if not infos:
             print(f"{args.url}: no versions to verify")
@@ -107,7 +107,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from deltastore.ledger import fleet_status, oldest_live_version, parse_time, read_ledger
     from deltastore.pull import Subscriber
 
-    with Subscriber(args.url, storage_options=_storage_options(args)) as sub:
+    with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=_trusted_keys(args)) as sub:
         head = sub.latest()
         beats = read_ledger(sub.store)
         infos = {i.version: i for i in sub.log()} if head is not None and beats else {}
@@ -149,6 +149,14 @@ def _duration(s: float) -> str:
     return f"{s / 3600:.1f}h"
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from deltastore.signing import generate_key_files, key_id, load_public_key
+
+    priv, pub = generate_key_files(args.private_key)
+    print(f"wrote private key {priv} (mode 0600) and public key {pub} (key id {key_id(load_public_key(pub))})")
+    return 0
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -164,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
     common.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="backend option, repeatable")
     sub = parser.add_subparsers(dest="command", required=True)
+    trusted = (("--trusted-key",), {"action": "append", "metavar": "FILE",
+               "help": "Ed25519 public key (PEM); every manifest must be signed by one (repeatable)"})
 
     p = sub.add_parser("publish", parents=[common], help="commit a safetensors file as the next version")
     p.add_argument("url")
@@ -172,29 +182,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metadata", help="JSON object stored with the version")
     p.add_argument("--anchor", action="store_true", help="write a full snapshot (also allows a layout change)")
     p.add_argument("--anchor-every", type=int, default=20, help="a snapshot every N versions (default 20)")
+    p.add_argument("--signing-key", metavar="FILE", help="Ed25519 private key (PEM) to sign the manifest with")
     p.set_defaults(func=_cmd_publish)
 
     p = sub.add_parser("pull", parents=[common], help="write a version to a safetensors file")
     p.add_argument("url")
     p.add_argument("out", help="output .safetensors path")
     p.add_argument("--version", type=int, help="default: the latest")
+    p.add_argument(*trusted[0], **trusted[1])
     p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("log", parents=[common], help="list versions")
     p.add_argument("url")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument(*trusted[0], **trusted[1])
     p.set_defaults(func=_cmd_log)
 
     p = sub.add_parser("verify", parents=[common], help="re-read a version's chain and check every digest")
     p.add_argument("url")
     p.add_argument("--version", type=int, help="default: the latest")
     p.add_argument("--all", action="store_true", help="verify every version")
+    p.add_argument(*trusted[0], **trusted[1])
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("status", parents=[common], help="head version and each following worker's lag")
     p.add_argument("url")
     p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument(*trusted[0], **trusted[1])
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("keygen", help="write a new Ed25519 key pair for signing manifests")
+    p.add_argument("private_key", metavar="PRIVATE.pem", help="private key path (0600); the public key goes beside it as .pub")
+    p.set_defaults(func=_cmd_keygen)
     return parser
 
 

@@ -14,11 +14,14 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   │   └── AlreadyExistsError (FileExistsError)   create-only target exists
     │   ├── ConcurrentWriteError                  409s on a write persisted through retries
     │   ├── UploadCorruptedError                  an upload kept arriving altered
-    │   └── UnsafeStoreError                      the endpoint ignores conditional writes
+    │   ├── UnsafeStoreError                      the endpoint ignores conditional writes
+    │   └── CommitUnknownError                    HEAD written, outcome unknown (HEAD unreadable)
     ├── ConflictError                             another writer committed first
-    │   └── FencedError                           this writer was superseded
+    │   ├── FencedError                           this writer was superseded
+    │   └── HistoryReplacedError                  the store's history is not the one held
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
-    │   └── CorruptObjectError                    unparseable / truncated object
+    │   ├── CorruptObjectError                    unparseable / truncated object
+    │   └── SignatureError                        manifest unsigned / untrusted / bad signature
     ├── FormatError (ValueError)                  something this version cannot read
     │   ├── UnsupportedSchemaError
     │   └── UnknownCodecError
@@ -90,6 +93,22 @@ class UploadCorruptedError(StorageError):
 class UnsafeStoreError(StorageError):
     """The store's endpoint does not honour conditional writes, so concurrent publishers could
     fork history (see :func:`deltastore.storage.probe.require_atomic_writes`)."""
+class CommitUnknownError(StorageError):
+    """A HEAD write failed unclearly and HEAD could not be read back to tell whether it landed.
+
+    The version may or may not be committed. The same publisher's next ``publish`` reads HEAD
+    first and settles it (a landed version is counted once, a lost one is not counted), so a
+    step is never lost or doubled; a reader sees either the old or the new HEAD, never a mix.
+
+    Attributes:
+        version: the version whose commit is in doubt.
+        commit_id: the commit id stamped on that HEAD write.
+    """
+
+    def __init__(self, message: str, *, version: int | None = None, commit_id: str | None = None):
+        super().__init__(message)
+        self.version = version
+        self.commit_id = commit_id
 
 
 # --- commit protocol ------------------------------------------------------------------------
@@ -113,6 +132,15 @@ class FencedError(ConflictError):
     """A newer publisher took over this store; this publisher may no longer commit."""
 
 
+class HistoryReplacedError(ConflictError):
+    """The store's history is no longer the one this subscriber holds a version of.
+
+    HEAD was deleted (or the store restored) and another run published under the same URL:
+    its versions do not continue the held one, so nothing can be fast-forwarded. Open a new
+    Subscriber or call ``pull()`` to read the new history.
+    """
+
+
 # --- integrity and format -------------------------------------------------------------------
 
 
@@ -122,6 +150,14 @@ class IntegrityError(DeltastoreError, ValueError):
 
 class CorruptObjectError(IntegrityError):
     """An object cannot be parsed: truncated, garbled or inconsistent with its manifest."""
+
+
+class SignatureError(IntegrityError):
+    """A manifest lacks a valid signature by a trusted key (SPEC §3.1).
+
+    Raised only by subscribers configured with ``trusted_keys``: the manifest is unsigned,
+    names a key that is not trusted, or its signature does not verify.
+    """
 
 
 class FormatError(DeltastoreError, ValueError):
@@ -160,17 +196,20 @@ __all__ = [
     "AlreadyExistsError",
     "BucketNotFoundError",
     "ConcurrentWriteError",
+    "CommitUnknownError",
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",
     "FencedError",
     "FormatError",
+    "HistoryReplacedError",
     "IntegrityError",
     "InvalidKeyError",
     "InvalidStateDictError",
     "LayoutMismatchError",
     "NotFoundError",
     "PreconditionFailedError",
+    "SignatureError",
     "StorageError",
     "UnknownCodecError",
     "UnsafeStoreError",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +68,15 @@ class VersionInfo:
 
 
 class History:
-    """Reads HEAD and manifests of one store, verifying and caching them."""
+    """Reads HEAD and manifests of one store, verifying and caching them.
 
-    def __init__(self, store: Store):
+    ``check(key, manifest)``, when given, runs on every manifest before it is used or cached
+    (a subscriber's signature check, SPEC §3.1) and raises to refuse it.
+    """
+
+    def __init__(self, store: Store, check: Callable[[str, Manifest], None] | None = None):
         self.store = store
+        self._check = check
         self._manifests: dict[str, Manifest] = {}
         self._by_version: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -115,6 +121,8 @@ class History:
                 f"manifest {key!r} is missing from {self.store.url}: the store was damaged (a reachable object was deleted)"
             ) from None
         m = parse_manifest(data, key, expected_sha256)
+        if self._check is not None:
+            self._check(key, m)
         with self._lock:
             self._manifests[key] = m
             self._by_version[m.version] = key

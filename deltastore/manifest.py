@@ -10,11 +10,16 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
 
-SCHEMA_VERSION = 1
+#: The schema writers write (2: ``lineage`` on HEAD and manifests, optional ``signature``).
+SCHEMA_VERSION = 2
+#: Schemas readers accept: every store written by an earlier release stays readable.
+READABLE_SCHEMAS = (1, 2)
+#: ``lineage``: 32 lowercase hex digits (128 random bits), docs/SPEC.md §5.
+LINEAGE_PATTERN = r"^[0-9a-f]{32}$"
 HEAD_KEY = "HEAD"
 MANIFEST_PREFIX = "manifests/"
 BLOB_PREFIX = "blobs/"
@@ -45,6 +50,31 @@ def digest_from_key(key: str) -> str:
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def new_lineage() -> str:
+    """A fresh random lineage id (one per history, SPEC §5)."""
+    import secrets
+
+    return secrets.token_hex(16)
+
+
+class Signature(_Model):
+    """An Ed25519 signature of a manifest (SPEC §3.1); see :mod:`deltastore.signing`."""
+
+    alg: Literal["ed25519"]
+    key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    value: str = Field(pattern=r"^[A-Za-z0-9+/]{86}==$")  # base64 of 64 bytes
+
+
+def _check_schema_fields(model: BaseModel, schema: int, lineage: str | None, new_fields: tuple[str, ...]) -> None:
+    """Schema 1 has no ``lineage``/``signature`` (not even null); schema 2 requires ``lineage``."""
+    if schema == 1:
+        present = [k for k in new_fields if k in model.model_fields_set]
+        if present:
+            raise ValueError(f"schema 1 has no {', '.join(present)} (those are schema 2 fields)")
+    elif lineage is None:
+        raise ValueError(f"schema {schema} requires lineage")
 
 
 class BlobRef(_Model):
@@ -107,8 +137,15 @@ class Manifest(_Model):
     tensors: tuple[TensorEntry, ...] = ()
     stats: Stats = Stats()
     parts: tuple[()] = ()
+    lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
+    signature: Signature | None = None
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _schema_fields(self) -> Manifest:
+        _check_schema_fields(self, self.schema_, self.lineage, ("lineage", "signature"))
+        return self
 
 
 class Head(_Model):
@@ -123,13 +160,27 @@ class Head(_Model):
     writer: str
     epoch: int = Field(ge=0)
     updated: str
+    lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
+    @model_validator(mode="after")
+    def _schema_fields(self) -> Head:
+        _check_schema_fields(self, self.schema_, self.lineage, ("lineage",))
+        return self
+
 
 def dump(model: BaseModel) -> bytes:
-    """Canonical JSON bytes (sorted keys, no whitespace) so equal documents hash equally."""
+    """Canonical JSON bytes (sorted keys, no whitespace) so equal documents hash equally.
+
+    A schema-1 document is written without the schema-2 fields, byte for byte as schema 1
+    wrote it.
+    """
     doc = model.model_dump(mode="json", by_alias=True)
+    if doc.get("schema") == 1:
+        for field in ("lineage", "signature"):
+            if doc.get(field) is None:
+                doc.pop(field, None)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -141,9 +192,9 @@ def _load(data: bytes, what: str, key: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise CorruptObjectError(f"{what} {key!r} is not a JSON object")
     schema = doc.get("schema")
-    if schema != SCHEMA_VERSION:
+    if type(schema) is not int or schema not in READABLE_SCHEMAS:
         raise UnsupportedSchemaError(
-            f"{what} {key!r} has schema {schema!r}; this deltastore reads schema {SCHEMA_VERSION}: upgrade deltastore"
+            f"{what} {key!r} has schema {schema!r}; this deltastore reads schemas {', '.join(map(str, READABLE_SCHEMAS))}: upgrade deltastore"
         )
     return doc
 

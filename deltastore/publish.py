@@ -11,25 +11,21 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 import torch
 
 from deltastore import codec
+from deltastore.commit import CommitProtocol, new_commit_id, now, put_immutable
 from deltastore.errors import (
     ConflictError,
-    DeltastoreError,
-    FencedError,
     InvalidStateDictError,
     LayoutMismatchError,
-    PreconditionFailedError,
     StorageError,
 )
 from deltastore.history import History, VersionInfo
 from deltastore.manifest import (
-    HEAD_KEY,
     BlobRef,
     ChunkEntry,
     Head,
@@ -43,7 +39,7 @@ from deltastore.manifest import (
     sha256_hex,
 )
 from deltastore.storage import open_store
-from deltastore.storage.base import IfMatch, Store
+from deltastore.storage.base import Store
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
     TensorSpec,
@@ -62,9 +58,6 @@ logger = logging.getLogger(__name__)
 PACK_TARGET_BYTES = 64 * 1024 * 1024
 #: A full snapshot every this many versions bounds how much history a new worker replays.
 DEFAULT_ANCHOR_EVERY = 20
-#: Tries to claim a store whose current publisher keeps committing: each try loses only to a
-#: commit that landed during one HEAD round trip.
-CLAIM_ATTEMPTS = 16
 #: Chunks in flight per encode thread: with many tiny tensors a short window starves the
 #: threads (MiniLM publish: 2 → 93 ms, 8 → 83 ms); memory stays bounded (chunks ≤ 16 MiB).
 IN_FLIGHT_PER_THREAD = 8
@@ -80,10 +73,6 @@ UPLOADS_IN_FLIGHT = 2
 def default_threads() -> int:
     """Encode/decode threads: every core (zstd, hashing and numpy release the GIL)."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass
@@ -139,10 +128,7 @@ class _PackWriter:
         self._uploads.append(self.uploader.submit(self._put, key, data))
 
     def _put(self, key: str, data: bytearray) -> None:
-        try:
-            self.store.put(key, data, mode="create")
-        except PreconditionFailedError:
-            logger.debug("pack %s already present (same content)", key)
+        put_immutable(self.store, key, data, "pack")
 
     def finish(self) -> None:
         """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
@@ -163,7 +149,8 @@ class Publisher:
             another fsspec URL — those lack atomic commit, see docs/SPEC.md).
         storage_options: passed to the storage backend (endpoint, credentials, ...).
         anchor_every: write a full snapshot every this many versions (default 20).
-        takeover: claim the store on open, fencing any older publisher (default True).
+        takeover: claim the store on open, fencing any older publisher (default True); an
+            empty store is claimed too (HEAD at version 0 without a manifest).
         writer_id: id recorded in manifests and HEAD (default ``host-pid-random``).
         threads: encode threads (default: all cores).
         chunk_bytes: target chunk size for new layouts (default 16 MiB).
@@ -173,10 +160,13 @@ class Publisher:
             publish is a delta against it rather than a full anchor (default True).
         store: an already opened :class:`~deltastore.storage.Store` to use instead of ``url``
             (the caller keeps ownership: it is not closed by :meth:`close`).
+        signing_key: an Ed25519 private key (a ``cryptography`` key object, PEM bytes or a
+            PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore[signing]``).
 
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
         FencedError: ``takeover=True`` lost a race with another publisher claiming the store.
+        CommitUnknownError: the claim's HEAD write failed and HEAD could not be read back.
 
     Example::
 
@@ -198,9 +188,15 @@ class Publisher:
         allow_unsafe_store: bool = False,
         resume: bool = True,
         store: Store | None = None,
+        signing_key: Any = None,
     ):
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be ≥ 1, got {anchor_every}")
+        self._signing_key = None
+        if signing_key is not None:
+            from deltastore.signing import load_private_key
+
+            self._signing_key = load_private_key(signing_key)  # a bad key fails before any IO
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         if not self.store.atomic_conditional_writes and not allow_unsafe_store:
@@ -221,27 +217,30 @@ class Publisher:
         self._reference: dict[str, torch.Tensor] | None = None
         self._specs: dict[str, TensorSpec] | None = None
         self._anchor_version = 0
-        self._fenced = False
-        self._superseded = False
         self._closed = False
 
-        current = self._history.read_head()
-        self._head: Head | None = current[0] if current else None
-        self._head_etag: str | None = current[1] if current else None
-        self.epoch = self._head.epoch if self._head else 0
-        if takeover and self._head is not None:
-            try:
-                self._claim()
-            except BaseException:
-                self.close()
-                raise
+        self._commits = CommitProtocol(self.store, self._history, self.writer_id)
+        try:
+            self._commits.open(takeover=takeover)
+        except BaseException:
+            self.close()
+            raise
 
     # --- public API ---------------------------------------------------------------------
 
     @property
     def version(self) -> int:
         """The latest version this publisher knows to be committed (0 for an empty store)."""
-        return self._head.version if self._head else 0
+        return self._commits.version
+
+    @property
+    def epoch(self) -> int:
+        """This publisher's epoch (SPEC §4): a takeover raises it above every older publisher's."""
+        return self._commits.epoch
+
+    @property
+    def _head(self) -> Head | None:
+        return self._commits.head
 
     def publish(
         self,
@@ -272,11 +271,16 @@ class Publisher:
                 ``anchor`` is False.
             ConflictError: another writer committed first; nothing was committed.
             FencedError: a newer publisher took over the store.
+            CommitUnknownError: HEAD was written but could not be read back, so whether this
+                version committed is unknown; the next publish settles it first.
+            StorageError: the store failed; nothing was committed (HEAD is as it was).
         """
         if self._closed:
             raise StorageError(f"publisher for {self.url} is closed")
-        if self._fenced:
-            raise FencedError(f"publisher {self.writer_id} was fenced from {self.url} by a newer publisher")
+        if self._commits.prepare():
+            # HEAD moved since our last commit (an earlier unknown outcome turned out to have
+            # landed, or another writer committed): resume from it (or write an anchor).
+            self._reference = None
         state = validate_state_dict(state_dict)
         meta = _json_metadata(metadata)
         step = _int_step(step)
@@ -297,6 +301,7 @@ class Publisher:
         specs = self._specs if same_layout else {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
         assert specs is not None
 
+        lineage = self._commits.lineage_for_commit()
         try:
             entries, stats, blobs = self._encode(state, specs, kind, has_base)
             manifest = Manifest(
@@ -307,20 +312,25 @@ class Publisher:
                 anchor=version if kind == "anchor" else self._anchor_version,
                 delta_base=self._head.version if has_base and self._head else None,
                 step=step,
-                created=_now(),
+                created=now(),
                 writer=self.writer_id,
                 epoch=self.epoch,
-                commit_id=uuid.uuid4().hex,
+                commit_id=new_commit_id(),
                 metadata=meta,
                 blobs=tuple(blobs),
                 tensors=tuple(entries),
                 stats=stats,
+                lineage=lineage,
             )
+            if self._signing_key is not None:
+                from deltastore.signing import sign_manifest
+
+                manifest = sign_manifest(manifest, self._signing_key)
             data = dump(manifest)
             digest = sha256_hex(data)
             mkey = manifest_key(version, digest)
-            self.store.put(mkey, data, mode="create")
-            self._commit(Head(
+            put_immutable(self.store, mkey, data, "manifest")
+            self._commits.commit(Head(
                 version=version,
                 manifest=mkey,
                 manifest_sha256=digest,
@@ -328,7 +338,12 @@ class Publisher:
                 writer=self.writer_id,
                 epoch=self.epoch,
                 updated=manifest.created,
+                lineage=lineage,
             ))
+        except ConflictError:
+            # Another writer's version is HEAD now: the next publish resumes from it.
+            self._reference = None
+            raise
         except BaseException:
             # Encoding advances the reference copy chunk by chunk (while the chunk is hot in
             # cache); without a commit it matches no version: drop it, so that the next publish
@@ -341,8 +356,8 @@ class Publisher:
         self._specs = specs
         if kind == "anchor":
             self._anchor_version = version
-        if self._superseded:  # committed, but another writer is already on top: resume next time
-            self._reference, self._superseded = None, False
+        if self._commits.superseded:  # committed, but another writer is already on top: resume next time
+            self._reference, self._commits.superseded = None, False
         info = VersionInfo.from_manifest(manifest, mkey)
         logger.info(
             "published version %d (%s, step %s): %d bytes, %d tensors / %d elements changed",
@@ -489,88 +504,6 @@ class Publisher:
             return
         self._reference, self._specs, self._anchor_version = reference, specs, anchor
         logger.info("resumed from version %d of %s", self._head.version, self.url)
-
-    # --- commit -------------------------------------------------------------------------
-
-    def _claim(self) -> None:
-        """Take the store over: HEAD's epoch + 1 fences every older publisher (SPEC §5)."""
-        for attempt in range(CLAIM_ATTEMPTS):
-            assert self._head is not None and self._head_etag is not None
-            claimed = self._head.model_copy(update={
-                "epoch": self._head.epoch + 1,
-                "writer": self.writer_id,
-                "commit_id": uuid.uuid4().hex,
-                "updated": _now(),
-            })
-            try:
-                self._cas_head(claimed)
-                break
-            except FencedError:
-                raise  # another publisher claimed it first
-            except ConflictError:
-                # The publisher being replaced committed between our read and our CAS (it is
-                # still running: the reason to take over). _cas_head re-read HEAD: claim that.
-                if self._head is None or attempt == CLAIM_ATTEMPTS - 1:
-                    raise
-        self.epoch = claimed.epoch
-        logger.info("claimed %s at version %d with epoch %d", self.url, claimed.version, claimed.epoch)
-
-    def _commit(self, head: Head) -> None:
-        self._cas_head(head, is_commit=True)
-
-    def _cas_head(self, new: Head, *, is_commit: bool = False) -> None:
-        """CAS HEAD to ``new``; ``is_commit`` for a new version (a claim reuses the old one)."""
-        mode = IfMatch(self._head_etag) if self._head_etag is not None else "create"
-        try:
-            meta = self.store.put(HEAD_KEY, dump(new), mode=mode)
-        except PreconditionFailedError:
-            current = self._history.read_head()
-            if current is not None and current[0].commit_id == new.commit_id:
-                # Lost response: our write landed, a retry of it saw itself (SPEC §5 step 6).
-                logger.warning("HEAD write for commit %s reported a conflict but had landed; treating as success", new.commit_id)
-                self._head, self._head_etag = current
-                return
-            if is_commit and current is not None and self._landed_below(current[0], new):
-                # Our write landed, its response was lost, and another writer has already
-                # committed on top of it: a success, but our reference is not the head's.
-                logger.warning("commit %s landed as version %d; %s has committed on top of it", new.commit_id, new.version, current[0].writer)
-                self._head, self._head_etag = current
-                self._superseded = True
-                return
-            self._on_conflict(current[0] if current else None, current[1] if current else None)
-        self._head, self._head_etag = new, meta.etag
-
-    def _landed_below(self, head: Head, new: Head) -> bool:
-        """True when the version ``new`` commits is on ``head``'s chain, below it."""
-        if new.manifest is None or head.version <= new.version or head.manifest == new.manifest:
-            return False
-        try:
-            key, _ = self._history.find(new.version, head)
-        except DeltastoreError:
-            return False
-        return key == new.manifest
-
-    def _on_conflict(self, head: Head | None, etag: str | None) -> None:
-        version = head.version if head else None
-        writer = head.writer if head else None
-        if head is not None and head.epoch > self.epoch:
-            self._fenced = True
-            raise FencedError(
-                f"publisher {self.writer_id} (epoch {self.epoch}) was fenced from {self.url}: "
-                f"publisher {writer} took over at epoch {head.epoch} (head version {version}); open a new Publisher to continue",
-                head_version=version,
-                head_writer=writer,
-            )
-        # Another publisher of the same epoch committed first. Our reference no longer
-        # matches HEAD: the next publish resumes from the new head (or writes an anchor).
-        self._head, self._head_etag = head, etag
-        self._reference = None
-        raise ConflictError(
-            f"another writer ({writer}) committed version {version} to {self.url} first; nothing was committed, "
-            "the next publish will build on that version",
-            head_version=version,
-            head_writer=writer,
-        )
 
 
 def _int_step(step: Any) -> int | None:

@@ -14,6 +14,7 @@ import torch
 
 from deltastore import codec
 from deltastore.errors import (
+    HistoryReplacedError,
     IntegrityError,
     InvalidStateDictError,
     NotFoundError,
@@ -169,6 +170,9 @@ class Subscriber:
         url: store URL (see :class:`deltastore.Publisher`).
         storage_options: passed to the storage backend.
         threads: decode threads (default: all cores).
+        trusted_keys: Ed25519 public keys (key objects, PEM bytes or PEM file paths); when
+            given, every manifest used must be signed by one of them, else SignatureError
+            (SPEC §3.1). Needs ``cryptography`` (``deltastore[signing]``).
 
     Example::
 
@@ -187,12 +191,18 @@ class Subscriber:
         storage_options: Mapping[str, Any] | None = None,
         threads: int | None = None,
         store: Store | None = None,
+        trusted_keys: Iterable[Any] | None = None,
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
+        check = None
+        if trusted_keys is not None:
+            from deltastore.signing import TrustedKeys
+
+            check = TrustedKeys(trusted_keys).verify  # keys checked before the store is opened
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         self.url = self.store.url
-        self._history = History(self.store)
+        self._history = History(self.store, check)
         self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="deltastore-decode")
         self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
         self._fetcher = _Fetcher(self.store, self._io)
@@ -268,8 +278,11 @@ class Subscriber:
                 the store changed its layout since the held version (use :meth:`pull`).
             IntegrityError: ``target`` was modified since it was pulled, or a digest failed.
                 Nothing was applied.
+            HistoryReplacedError: the store's history is no longer the one the held version
+                belongs to (HEAD deleted and another run published); nothing was applied.
         """
         key, m = self._resolve(version)
+        self._check_same_history(key, m)
         if self._version is not None and m.version == self._version:
             return None
         if self._version is not None and m.version < self._version:
@@ -279,6 +292,8 @@ class Subscriber:
         relaid = False
         if self._version is not None and self._held is not None:
             fwd = self._history.chain(key, m, down_to=self._version + 1)
+            if fwd[0][1].parent_manifest != self._held[-1][0]:
+                raise self._replaced(f"version {fwd[0][1].version} does not follow the held manifest {self._held[-1][0]!r}")
             held_specs = _layout(self._held[0][1])
             # An anchor written without deltas and with another chunking (a restarted publisher
             # with other settings) cannot be bridged chunk by chunk: replace everything from it.
@@ -317,6 +332,23 @@ class Subscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_same_history(self, key: str, m: Manifest) -> None:
+        """SPEC §7 step 3: the version to reach must be in the held version's history (D7)."""
+        if self._held is None:
+            return
+        held_key, held = self._held[-1]
+        if m.lineage is not None and held.lineage is not None and m.lineage != held.lineage:
+            raise self._replaced(f"its lineage is {m.lineage}, the held version's is {held.lineage}")
+        if m.version == held.version and key != held_key:
+            raise self._replaced(f"version {m.version} is now {key!r}, not the held {held_key!r}")
+
+    def _replaced(self, why: str) -> HistoryReplacedError:
+        return HistoryReplacedError(
+            f"the history of {self.url} was replaced (HEAD deleted or restored, then another run published): {why}; "
+            f"this subscriber holds version {self._version} of the old history and nothing was applied. "
+            "Open a new Subscriber or call pull() to read the new history"
+        )
 
     # --- planning -----------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from tests._helpers import head_manifest, small_state, snapshot
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 hexes = st.text("0123456789abcdef", min_size=64, max_size=64)
+lineages = st.text("0123456789abcdef", min_size=32, max_size=32)
 names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8)
@@ -94,19 +95,29 @@ def manifests(draw) -> Manifest:
         blobs=blobs,
         tensors=tuple(tensors),
         stats=Stats(**{f: draw(st.integers(0, 2**50)) for f in Stats.model_fields}),
+        **_schema_fields(draw),
     )
 
 
-heads = st.builds(
-    Head,
-    version=st.integers(0, 10**9),
-    manifest=st.none() | hexes.map(lambda h: manifest_key(3, h)),
-    manifest_sha256=st.none() | hexes,
-    commit_id=st.text(max_size=40),
-    writer=st.text(max_size=40),
-    epoch=st.integers(0, 2**40),
-    updated=st.text(max_size=30),
-)
+def _schema_fields(draw) -> dict:
+    """Schema 1 (no lineage; what older releases wrote) or schema 2 (lineage required)."""
+    if draw(st.booleans()):
+        return {"schema_": 1}
+    return {"schema_": 2, "lineage": draw(lineages)}
+
+
+@st.composite
+def heads(draw) -> Head:
+    return Head(
+        version=draw(st.integers(0, 10**9)),
+        manifest=draw(st.none() | hexes.map(lambda h: manifest_key(3, h))),
+        manifest_sha256=draw(st.none() | hexes),
+        commit_id=draw(st.text(max_size=40)),
+        writer=draw(st.text(max_size=40)),
+        epoch=draw(st.integers(0, 2**40)),
+        updated=draw(st.text(max_size=30)),
+        **_schema_fields(draw),
+    )
 
 
 @PROPS
@@ -120,20 +131,26 @@ def test_manifest_round_trips(m: Manifest) -> None:
     assert back == m
     assert dump(back) == data, "dump is canonical"
     doc = json.loads(data)
-    assert doc["schema"] == 1 and doc["format"] == "deltastore.manifest" and doc["parts"] == []
+    assert doc["schema"] == m.schema_ and doc["format"] == "deltastore.manifest" and doc["parts"] == []
+    if m.schema_ == 1:
+        assert "lineage" not in doc and "signature" not in doc, "schema-1 bytes as schema 1 wrote them"
+    else:
+        assert doc["lineage"] == m.lineage and doc["signature"] is None
 
 
 @PROPS
-@given(heads)
+@given(heads())
 def test_head_round_trips(h: Head) -> None:
     data = dump(h)
     assert parse_head(data) == h
     assert dump(parse_head(data)) == data
-    assert json.loads(data)["schema"] == 1
+    doc = json.loads(data)
+    assert doc["schema"] == h.schema_
+    assert ("lineage" in doc) == (h.schema_ == 2)
 
 
 def test_dump_is_independent_of_key_order() -> None:
-    h = Head(version=1, manifest=None, manifest_sha256=None, commit_id="c", writer="w", epoch=0, updated="t")
+    h = Head(version=1, manifest=None, manifest_sha256=None, commit_id="c", writer="w", epoch=0, updated="t", lineage="ab" * 16)
     doc = json.loads(dump(h))
     shuffled = json.dumps(dict(reversed(list(doc.items())))).encode()
     assert dump(parse_head(shuffled)) == dump(h)
@@ -270,7 +287,7 @@ def test_inconsistent_manifest_is_corrupt(real, why: str, mutate) -> None:
         parse_manifest(raw, key)
 
 
-@pytest.mark.parametrize("schema", [0, 2, 99, "1", None])
+@pytest.mark.parametrize("schema", [0, 3, 99, "1", "2", True, None])
 def test_other_schemas_are_unsupported(real, schema) -> None:
     for what, data in (("manifest", real["manifest"]), ("head", real["head"])):
         doc = json.loads(data)
@@ -278,6 +295,49 @@ def test_other_schemas_are_unsupported(real, schema) -> None:
         raw, key = _rekey(doc)
         with pytest.raises(UnsupportedSchemaError, match="schema"):
             parse_manifest(raw, key) if what == "manifest" else parse_head(raw)
+
+
+# --- schema 2 fields (lineage, signature) and schema-1 documents -----------------------------
+
+
+def test_writers_write_schema_2_with_one_lineage(real) -> None:
+    doc, head = _doc(real), json.loads(real["head"])
+    assert doc["schema"] == head["schema"] == 2
+    assert len(doc["lineage"]) == 32 and doc["lineage"] == head["lineage"]
+    assert doc["signature"] is None
+
+
+@pytest.mark.parametrize("what", ["manifest", "head"])
+def test_schema_1_documents_parse_and_must_not_carry_schema_2_fields(real, what: str) -> None:
+    doc = json.loads(real[what])
+    doc["schema"] = 1
+    del doc["lineage"]
+    if what == "manifest":
+        del doc["signature"]
+    raw, key = _rekey(doc)
+    parsed = parse_manifest(raw, key) if what == "manifest" else parse_head(raw)
+    assert parsed.schema_ == 1 and parsed.lineage is None
+    assert json.loads(dump(parsed)) == doc, "a schema-1 document dumps without the new fields"
+    for field, value in (("lineage", "ab" * 16), ("signature", None), ("signature", {"alg": "ed25519", "key_id": "0" * 16, "value": "A" * 86 + "=="})):
+        if what == "head" and field == "signature":
+            continue
+        bad = dict(doc, **{field: value})
+        raw, key = _rekey(bad)
+        with pytest.raises(CorruptObjectError, match="schema"):
+            parse_manifest(raw, key) if what == "manifest" else parse_head(raw)
+
+
+@pytest.mark.parametrize("what", ["manifest", "head"])
+@pytest.mark.parametrize("lineage", [None, "", "AB" * 16, "ab" * 15, "ab" * 17, 5])
+def test_schema_2_requires_a_well_formed_lineage(real, what: str, lineage) -> None:
+    doc = json.loads(real[what])
+    if lineage is None:
+        del doc["lineage"]
+    else:
+        doc["lineage"] = lineage
+    raw, key = _rekey(doc)
+    with pytest.raises(CorruptObjectError):
+        parse_manifest(raw, key) if what == "manifest" else parse_head(raw)
 
 
 def test_manifest_digest_must_match_key_and_head(real) -> None:

@@ -14,6 +14,7 @@ from deltastore import (
     AlreadyExistsError,
     ConflictError,
     FencedError,
+    HistoryReplacedError,
     PreconditionFailedError,
     Publisher,
     StorageError,
@@ -371,7 +372,8 @@ def test_failed_commit_leaves_head_and_readers_untouched(local_url: str, fail_on
 
 
 def test_head_write_that_landed_but_raised_keeps_history_linear(local_url: str) -> None:
-    """A network error after the HEAD write landed: the publisher cannot know; nothing may fork."""
+    """A network error after the HEAD write landed: read back, it is a success (issue 6, D3);
+    nothing forks and no later publish conflicts with itself."""
     states = [small_state(0)]
     for i in range(1, 5):
         states.append(sparse_edit(states[-1], np.random.default_rng(i)))
@@ -388,19 +390,12 @@ def test_head_write_that_landed_but_raised_keeps_history_linear(local_url: str) 
     pub = Publisher(local_url, store=HeadPutHook(inner, hook), takeover=False, threads=2)
     pub.publish(states[0])
     mode["raise_after"] = True
-    with pytest.raises(_Boom):
-        pub.publish(states[1])
-    committed = [states[0], states[1]]  # it did land
-    for s in states[2:]:
-        try:
-            pub.publish(s)
-            committed.append(s)
-        except ConflictError:
-            pub.publish(s)  # its base was stale: the retry is an anchor on top
-            committed.append(s)
-    assert check_invariants(inner) == list(range(1, len(committed) + 1))
+    assert pub.publish(states[1]).version == 2  # it did land
+    for v, s in enumerate(states[2:], start=3):
+        assert pub.publish(s).version == v
+    assert check_invariants(inner) == list(range(1, len(states) + 1))
     with Subscriber(local_url) as sub:
-        for v, s in enumerate(committed, start=1):
+        for v, s in enumerate(states, start=1):
             assert_bits_equal(sub.pull(v), s, f"version {v}")
     pub.close()
 
@@ -461,3 +456,107 @@ def test_lost_response_then_a_rival_commit_on_top_is_still_our_success(local_url
     assert_bits_equal(pull_fresh(local_url, 4), nxt)
     rival.close()
     pub.close()
+
+
+# --- lineage: a replaced history (issue 6, D7) -----------------------------------------------
+
+
+def _run(target, seed: int, n: int, states: list[dict] | None = None) -> list[dict]:
+    """A publisher (a new run) committing ``n`` versions (or ``states``); returns the states."""
+    if states is None:
+        states = [small_state(seed, rows=64)]
+        for i in range(1, n):
+            states.append(sparse_edit(states[-1], np.random.default_rng(seed * 100 + i)))
+    with _pub(target) as pub:
+        for s in states:
+            pub.publish(s)
+    return states
+
+
+@pytest.mark.parametrize("new_run", ["7 versions", "5 versions", "silent mix"])
+def test_pull_into_refuses_a_replaced_history(any_store_target, new_run: str) -> None:
+    """HEAD deleted and a new run published under the same URL: a worker holding version 5 of
+    the old run must not fast-forward onto the new run (nor call its version 5 current).
+
+    "silent mix": the new run differs from the old one only in a tensor its later versions do
+    not touch, so every digest the fast-forward checks would pass and the worker would hold a
+    mix of both runs."""
+    old = _run(any_store_target, 1, 6)
+    sub = _sub(any_store_target)
+    target = sub.pull(5)
+    with any_store_target.open() as store:
+        store.delete(HEAD_KEY)
+    if new_run == "silent mix":
+        other = small_state(9, rows=64)["t3"]
+        states = [dict(s, t3=other) for s in old[:5]]
+        for i in range(2):
+            nxt = dict(states[-1], t0=states[-1]["t0"].clone())
+            nxt["t0"][i, 0] += 1
+            states.append(nxt)
+        new = _run(any_store_target, 0, 0, states)
+    else:
+        new = _run(any_store_target, 2, 7 if new_run == "7 versions" else 5)
+    with pytest.raises(HistoryReplacedError) as exc:
+        sub.pull_into(target)
+    assert "replaced" in str(exc.value) and "Subscriber" in str(exc.value)
+    assert isinstance(exc.value, ConflictError)
+    assert_bits_equal(target, old[4], "nothing applied")
+    assert sub.version == 5
+    # A new subscriber, or pull() on this one, reads the new run; then pull_into follows it.
+    with _sub(any_store_target) as fresh:
+        assert_bits_equal(fresh.pull(), new[-1])
+    target = sub.pull()
+    assert_bits_equal(target, new[-1])
+    with _pub(any_store_target) as pub:
+        pub.publish(sparse_edit(new[-1], np.random.default_rng(7)))
+    assert sub.pull_into(target).version == len(new) + 1
+    sub.close()
+
+
+def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url: str) -> None:
+    """A store written by schema 1 (no lineage): readers read it, a publisher continues it
+    (its first HEAD write mints a lineage), and a worker holding a schema-1 version fast-
+    forwards across the switch."""
+    import json
+
+    from deltastore.manifest import manifest_key, sha256_hex
+
+    states = [small_state(0, rows=64)]
+    for i in range(1, 4):
+        states.append(sparse_edit(states[-1], np.random.default_rng(i)))
+    with Publisher(local_url, takeover=False, threads=2) as pub:
+        for s in states[:3]:
+            pub.publish(s)
+    # Rewrite the store as schema 1 wrote it: no lineage, no signature, schema 1.
+    with open_store(local_url) as store:
+        head = json.loads(store.get(HEAD_KEY))
+        chain, key = [], head["manifest"]
+        while key is not None:
+            doc = json.loads(store.get(key))
+            chain.append(doc)
+            key = doc["parent_manifest"]
+        parent_key = None
+        for doc in reversed(chain):
+            doc.update(schema=1, parent_manifest=parent_key)
+            del doc["lineage"], doc["signature"]
+            data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+            parent_key = manifest_key(doc["version"], sha256_hex(data))
+            store.put(parent_key, data, mode="create")
+        head.update(schema=1, manifest=parent_key, manifest_sha256=sha256_hex(data))
+        del head["lineage"]
+        store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
+    sub = Subscriber(local_url, threads=2)
+    target = sub.pull(3)
+    assert_bits_equal(target, states[2])
+    assert [i.version for i in sub.log()] == [1, 2, 3]
+    with Publisher(local_url, threads=2) as pub:  # claims: HEAD becomes schema 2
+        info = pub.publish(states[3])
+    assert (info.version, info.kind) == (4, "delta")
+    with open_store(local_url) as store:
+        head = json.loads(store.get(HEAD_KEY))
+        m = json.loads(store.get(head["manifest"]))
+        assert head["schema"] == m["schema"] == 2 and head["lineage"] == m["lineage"]
+        assert check_invariants(store) == [1, 2, 3, 4]
+    assert sub.pull_into(target).version == 4
+    assert_bits_equal(target, states[3])
+    sub.close()

@@ -1,0 +1,348 @@
+"""The HEAD commit protocol (SPEC §5): claim, compare-and-swap, lost responses, fencing.
+
+One :class:`CommitProtocol` per publisher holds what the protocol needs between commits: the
+HEAD it last saw (and that HEAD's ETag, the CAS token), its writer id and its epoch. Lifecycle::
+
+    proto = CommitProtocol(store, history, writer_id)
+    proto.open(takeover=True)        # read HEAD; claim the store (epoch + 1) if asked
+    ...                              # build a manifest on proto.head / proto.epoch
+    proto.prepare()                  # before each publish: fenced? an earlier outcome unknown?
+    put_immutable(store, key, data)  # packs and the manifest (content-addressed, create-only)
+    proto.commit(new_head)           # CAS HEAD; an unclear outcome is settled by reading HEAD
+    proto.fenced                     # True once a newer publisher claimed the store
+
+The rule (docs/design/001 and 004): a publish that committed never reports failure; one that
+did not never leaves HEAD moved. Any HEAD write that fails other than cleanly is settled by
+reading HEAD back (with retries) and looking for our commit id or our manifest; when HEAD cannot
+be read, :class:`CommitUnknownError` says so and the next :meth:`CommitProtocol.prepare`
+settles it before anything else is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from datetime import datetime, timezone
+
+from deltastore.errors import (
+    CommitUnknownError,
+    ConflictError,
+    DeltastoreError,
+    FencedError,
+    IntegrityError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+)
+from deltastore.history import History
+from deltastore.manifest import HEAD_KEY, SCHEMA_VERSION, Head, dump, new_lineage
+from deltastore.storage.base import IfMatch, Store
+
+logger = logging.getLogger(__name__)
+
+#: Tries to claim a store whose current publisher keeps committing: each try loses only to a
+#: commit that landed during one HEAD round trip.
+CLAIM_ATTEMPTS = 16
+#: Reads of HEAD to settle an unclear HEAD write: the storage client already retried each
+#: request, so a few more spaced-out tries cover an outage of several seconds.
+READBACK_ATTEMPTS = 6
+#: First pause between those reads, doubled after each (0.2+0.4+...+3.2 s ≈ 6 s in all).
+READBACK_BACKOFF_S = 0.2
+
+
+def now() -> str:
+    """RFC 3339 UTC time with milliseconds, as HEAD and manifests record it."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def put_immutable(store: Store, key: str, data: bytes | bytearray, what: str) -> None:
+    """Create-only upload of a content-addressed object (a pack or a manifest).
+
+    The key names the SHA-256 of ``data``, so an object already there under it holds our bytes:
+    a precondition failure (another publisher uploaded the same content, or the SDK's retry of
+    a request whose response was lost saw our own upload) is success once a HEAD request shows
+    an object of our size. An object of another size there is corrupt (IntegrityError); none
+    there means the store answered a conflict for nothing (StorageError, nothing committed).
+    """
+    try:
+        store.put(key, data, mode="create")
+        return
+    except PreconditionFailedError as e:
+        error = e
+    try:
+        meta = store.head(key)
+    except NotFoundError:
+        raise StorageError(
+            f"uploading {what} {key!r} to {store.url} failed: the store reported a conflict ({error}) but holds no such object; "
+            "nothing was committed, publish again"
+        ) from error
+    if meta.size != len(data):
+        raise IntegrityError(
+            f"{what} {key!r} in {store.url} has {meta.size} bytes, not the {len(data)} its SHA-256 names: "
+            "the stored object is corrupt; delete it and publish again"
+        )
+    logger.debug("%s %s already present (same content): %s", what, key, error)
+
+
+def new_commit_id() -> str:
+    """A unique id stamped on each HEAD write, to recognise it when read back."""
+    return uuid.uuid4().hex
+
+
+class CommitProtocol:
+    """One publisher's side of the HEAD protocol of one store.
+
+    Attributes:
+        head, head_etag: the HEAD this publisher last wrote or read (None on an empty store).
+        epoch: this publisher's epoch (a claim raises it above every earlier publisher's).
+        fenced: True once a newer publisher took the store over; no commit is tried after.
+        superseded: set by :meth:`commit` when our version landed but another writer has
+            already committed on top of it (so the publisher's reference copy is not HEAD's).
+    """
+
+    def __init__(self, store: Store, history: History, writer_id: str):
+        self.store = store
+        self.history = history
+        self.writer_id = writer_id
+        self.head: Head | None = None
+        self.head_etag: str | None = None
+        self.epoch = 0
+        self.fenced = False
+        self.superseded = False
+        # A HEAD write whose outcome is unknown (HEAD could not be read back): settled first
+        # by the next prepare(), so that its version is counted exactly once.
+        self._pending: Head | None = None
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def version(self) -> int:
+        """The latest version known to be committed (0 for an empty store)."""
+        return self.head.version if self.head else 0
+
+    def lineage_for_commit(self) -> str:
+        """The lineage the next version carries: HEAD's, or a new one when HEAD has none (an
+        empty store, or a schema-1 store): SPEC §5, *Lineage*. Call once per version."""
+        if self.head is not None and self.head.lineage is not None:
+            return self.head.lineage
+        return new_lineage()
+
+    def open(self, *, takeover: bool) -> None:
+        """Read HEAD; with ``takeover``, claim the store (fencing older publishers).
+
+        An empty store is claimed too, by creating HEAD at version 0 with no manifest (SPEC §4):
+        otherwise two publishers opened on it would share epoch 0 and never fence each other.
+
+        Raises:
+            FencedError: another publisher claimed the store between our read and our claim.
+        """
+        current = self.history.read_head()
+        self.head = current[0] if current else None
+        self.head_etag = current[1] if current else None
+        self.epoch = self.head.epoch if self.head else 0
+        if takeover:
+            self.claim()
+
+    def check_can_commit(self) -> None:
+        """Raise FencedError once a newer publisher has claimed the store."""
+        if self.fenced:
+            raise FencedError(f"publisher {self.writer_id} was fenced from {self.url} by a newer publisher")
+
+    def prepare(self) -> bool:
+        """Before building a new version: raise if fenced, settle an earlier unknown outcome.
+
+        Returns:
+            True when :attr:`head` moved under the caller (our earlier commit had landed after
+            all, or another writer committed): the caller's reference copy is stale.
+
+        Raises:
+            FencedError: a newer publisher claimed the store.
+            CommitUnknownError: HEAD is still unreadable, so the earlier outcome is unknown.
+        """
+        self.check_can_commit()
+        if self._pending is None:
+            return False
+        pending = self._pending
+        current = self._read_back(pending, None)  # raises CommitUnknownError while unreadable
+        self._pending = None
+        if self._landed(current, pending, is_commit=True):
+            logger.warning("the commit of version %d (%s), reported unknown, had landed", pending.version, pending.commit_id)
+            self._adopt_landed(current, pending)
+            self.check_can_commit()
+            return True
+        if self._unchanged(current):
+            logger.info("the commit of version %d (%s), reported unknown, had not landed", pending.version, pending.commit_id)
+            return False
+        if current is not None and current[0].epoch > self.epoch:
+            self._on_conflict(*current)  # raises FencedError
+        self.head, self.head_etag = current if current is not None else (None, None)  # None: HEAD deleted
+        return True
+
+    def claim(self) -> None:
+        """Take the store over: HEAD's epoch + 1 fences every older publisher (SPEC §5)."""
+        for attempt in range(CLAIM_ATTEMPTS):
+            if self.head is None:
+                claimed = Head(
+                    version=0, manifest=None, manifest_sha256=None, commit_id=new_commit_id(),
+                    writer=self.writer_id, epoch=1, updated=now(), lineage=new_lineage(),
+                )
+            else:
+                claimed = self.head.model_copy(update={
+                    "schema_": SCHEMA_VERSION,  # a schema-1 HEAD is upgraded by its first claim
+                    "epoch": self.head.epoch + 1,
+                    "writer": self.writer_id,
+                    "commit_id": new_commit_id(),
+                    "updated": now(),
+                    "lineage": self.lineage_for_commit(),
+                })
+            try:
+                self._cas_head(claimed)
+                break
+            except FencedError:
+                raise  # another publisher claimed it first
+            except ConflictError:
+                # The publisher being replaced committed between our read and our CAS (it is
+                # still running: the reason to take over). _cas_head re-read HEAD: claim that.
+                if attempt == CLAIM_ATTEMPTS - 1:
+                    raise
+        self.epoch = claimed.epoch
+        logger.info("claimed %s at version %d with epoch %d", self.url, claimed.version, claimed.epoch)
+
+    def commit(self, head: Head) -> None:
+        """Make ``head`` (a new version) current by CAS; see SPEC §5 step 6.
+
+        Returns only when the version is committed (also when our write landed but its response
+        was lost, or a retry of it failed).
+
+        Raises:
+            ConflictError: another writer of our epoch committed first; nothing was committed.
+            FencedError: a newer publisher claimed the store; nothing was committed.
+            CommitUnknownError: the write failed unclearly and HEAD could not be read back.
+            StorageError: the write failed and HEAD is as it was; nothing was committed.
+        """
+        self._cas_head(head, is_commit=True)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _cas_head(self, new: Head, *, is_commit: bool = False) -> None:
+        """CAS HEAD to ``new``; ``is_commit`` for a new version (a claim reuses the old one)."""
+        mode = IfMatch(self.head_etag) if self.head_etag is not None else "create"
+        try:
+            meta = self.store.put(HEAD_KEY, dump(new), mode=mode)
+        except PreconditionFailedError as e:
+            self._settle(new, e, is_commit=is_commit, precondition=True)
+            return
+        except Exception as e:  # noqa: BLE001 - 5xx, timeout, reset, truncated read: unclear
+            self._settle(new, e, is_commit=is_commit, precondition=False)
+            return
+        self.head, self.head_etag = new, meta.etag
+
+    def _settle(self, new: Head, error: Exception, *, is_commit: bool, precondition: bool) -> None:
+        """Decide an unclear HEAD write by reading HEAD back (SPEC §5 step 6)."""
+        try:
+            current = self._read_back(new, error)
+        except CommitUnknownError:
+            if is_commit:
+                self._pending = new
+            raise
+        if self._landed(current, new, is_commit=is_commit):
+            assert current is not None
+            logger.warning("HEAD write for commit %s failed (%s) but had landed; treating as success", new.commit_id, error)
+            self._adopt_landed(current, new)
+            return
+        if self._unchanged(current):
+            # Nothing landed and nobody else wrote: the store is as it was.
+            if precondition:
+                raise StorageError(
+                    f"{self.url} refused the HEAD write of version {new.version} as a conflict ({error}), "
+                    "but HEAD is unchanged (an HTTP 409 or a misbehaving endpoint); nothing was committed, publish again"
+                ) from error
+            raise error
+        self._on_conflict(current[0] if current else None, current[1] if current else None)
+
+    def _read_back(self, new: Head, error: Exception | None) -> tuple[Head, str] | None:
+        """HEAD as stored now, with bounded retries; CommitUnknownError if it stays unreadable."""
+        delay = READBACK_BACKOFF_S
+        last: Exception | None = None
+        for attempt in range(READBACK_ATTEMPTS):
+            if attempt:
+                time.sleep(delay)
+                delay *= 2
+            try:
+                return self.history.read_head()
+            except (StorageError, IntegrityError) as e:  # 5xx, timeouts, truncated bodies
+                last = e
+                logger.info("reading HEAD back (try %d of %d) failed: %s", attempt + 1, READBACK_ATTEMPTS, e)
+        cause = f" after: {error}" if error is not None else ""
+        raise CommitUnknownError(
+            f"the outcome of the HEAD write of version {new.version} (commit {new.commit_id}) to {self.url} is unknown{cause}; "
+            f"HEAD could not be read back ({last}). It may or may not be committed: the next publish by this "
+            "publisher settles it first; a new publisher or reader sees one or the other, never a mix",
+            version=new.version,
+            commit_id=new.commit_id,
+        ) from last
+
+    def _landed(self, current: tuple[Head, str] | None, new: Head, *, is_commit: bool) -> bool:
+        """True when ``new`` is in HEAD's history: HEAD is it, names its manifest (a takeover
+        copied it) or has it on its chain below (another writer committed on top)."""
+        if current is None:
+            return False
+        head = current[0]
+        if head.commit_id == new.commit_id:
+            return True
+        if not is_commit or new.manifest is None:
+            return False
+        return head.manifest == new.manifest or self._landed_below(head, new)
+
+    def _adopt_landed(self, current: tuple[Head, str], new: Head) -> None:
+        head = current[0]
+        self.head, self.head_etag = current
+        if head.commit_id != new.commit_id and head.manifest != new.manifest:
+            # Another writer has already committed on top: our reference is not the head's.
+            logger.warning("commit %s landed as version %d; %s has committed on top of it", new.commit_id, new.version, head.writer)
+            self.superseded = True
+        if head.epoch > new.epoch:
+            # Committed, but a newer publisher has claimed the store since: fenced from now on.
+            # (Compared with the epoch our write carried: a claim that landed is not a fence.)
+            logger.warning("commit %s landed; publisher %s has since taken %s over (epoch %d)", new.commit_id, head.writer, self.url, head.epoch)
+            self.fenced = True
+
+    def _unchanged(self, current: tuple[Head, str] | None) -> bool:
+        """HEAD is still what our write was conditioned on."""
+        if current is None:
+            return self.head_etag is None
+        return current[1] == self.head_etag
+
+    def _landed_below(self, head: Head, new: Head) -> bool:
+        """True when the version ``new`` commits is on ``head``'s chain, below it."""
+        if new.manifest is None or head.version <= new.version or head.manifest == new.manifest:
+            return False
+        try:
+            key, _ = self.history.find(new.version, head)
+        except DeltastoreError:
+            return False
+        return key == new.manifest
+
+    def _on_conflict(self, head: Head | None, etag: str | None) -> None:
+        version = head.version if head else None
+        writer = head.writer if head else None
+        if head is not None and head.epoch > self.epoch:
+            self.fenced = True
+            raise FencedError(
+                f"publisher {self.writer_id} (epoch {self.epoch}) was fenced from {self.url}: "
+                f"publisher {writer} took over at epoch {head.epoch} (head version {version}); open a new Publisher to continue",
+                head_version=version,
+                head_writer=writer,
+            )
+        # Another publisher of the same epoch committed first. The caller's reference no longer
+        # matches HEAD: the next publish resumes from the new head (or writes an anchor).
+        self.head, self.head_etag = head, etag
+        raise ConflictError(
+            f"another writer ({writer}) committed version {version} to {self.url} first; nothing was committed, "
+            "the next publish will build on that version",
+            head_version=version,
+            head_writer=writer,
+        )
