@@ -107,7 +107,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from deltastore.ledger import fleet_status, oldest_live_version, parse_time, read_ledger
     from deltastore.pull import Subscriber
 
-    with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=_trusted_keys(args)) as sub:
+    with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
         head = sub.latest()
         beats = read_ledger(sub.store)
         infos = {i.version: i for i in sub.log()} if head is not None and beats else {}
