@@ -39,6 +39,7 @@ from deltastore.manifest import (
     sha256_hex,
 )
 from deltastore.storage import open_store
+from deltastore.storage.probe import require_atomic_writes
 from deltastore.storage.base import Store
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
@@ -154,7 +155,9 @@ class Publisher:
         writer_id: id recorded in manifests and HEAD (default ``host-pid-random``).
         threads: encode threads (default: all cores).
         chunk_bytes: target chunk size for new layouts (default 16 MiB).
-        allow_unsafe_store: publish to a store without atomic conditional writes.
+        allow_unsafe_store: publish to a store without atomic conditional writes (this
+            publisher promises to be the only writer); otherwise an ``s3://`` endpoint is probed
+            once for If-None-Match/If-Match support (cached in ``_deltastore/probe.json``).
         resume: when the store already has versions and this publisher holds none (a restart,
             a CLI call, or after a ConflictError), read the head version back once so the next
             publish is a delta against it rather than a full anchor (default True).
@@ -165,6 +168,8 @@ class Publisher:
 
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
+        UnsafeStoreError: the endpoint does not honour conditional writes (the message says
+            what it did); pass ``allow_unsafe_store=True`` if this is the only writer.
         FencedError: ``takeover=True`` lost a race with another publisher claiming the store.
         CommitUnknownError: the claim's HEAD write failed and HEAD could not be read back.
 
@@ -199,11 +204,14 @@ class Publisher:
             self._signing_key = load_private_key(signing_key)  # a bad key fails before any IO
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
-        if not self.store.atomic_conditional_writes and not allow_unsafe_store:
-            raise StorageError(
-                f"{self.store.url} cannot do atomic conditional writes, so two publishers could fork history; "
-                "pass allow_unsafe_store=True if only one publisher ever writes there"
-            )
+        try:
+            # A store that ignores If-None-Match/If-Match (rclone serve s3, old MinIO) would let
+            # two publishers fork history: probe it once (cached in the store) before any write.
+            require_atomic_writes(self.store, allow_unsafe_store=allow_unsafe_store)
+        except BaseException:
+            if self._owns_store:
+                self.store.close()
+            raise
         self.url = self.store.url
         self.anchor_every = anchor_every
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -164,3 +164,19 @@ def test_probe_result_json_roundtrip() -> None:
     assert not result.ok
     assert ProbeResult.from_json(b'{"format": "deltastore.probe", "schema": 99}') is None
     assert ProbeResult.from_json(result.to_json().replace(b"false", b'"no"')) is None
+
+
+def test_publisher_refuses_an_endpoint_that_ignores_conditional_writes(moto_server):
+    """Publisher runs the probe: behind a header-stripping proxy (rclone-like) it refuses to
+    start, and with allow_unsafe_store=True (a single writer) it publishes."""
+    import torch
+
+    from deltastore import Publisher, UnsafeStoreError
+
+    with FaultProxy(moto_server.endpoint_url, strip_request_headers=("If-None-Match", "If-Match")) as proxy:
+        url = f"s3://{moto_server.bucket}/{uuid.uuid4().hex}"
+        opts = moto_server.storage_options(endpoint_url=proxy.url)
+        with pytest.raises(UnsafeStoreError, match="allow_unsafe_store"):
+            Publisher(url, storage_options=opts)
+        with Publisher(url, storage_options=opts, allow_unsafe_store=True) as pub:
+            assert pub.publish({"w": torch.ones(4)}).version == 1
