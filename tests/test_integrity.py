@@ -24,7 +24,8 @@ from deltastore import (
     UnknownCodecError,
     UnsupportedSchemaError,
 )
-from deltastore.manifest import HEAD_KEY
+from deltastore.cli import main
+from deltastore.manifest import HEAD_KEY, manifest_key, sha256_hex
 from deltastore.storage import open_store
 from deltastore.tensors import bits
 from tests._helpers import (
@@ -393,3 +394,76 @@ def test_pull_into_a_wrong_layout_target(url: str) -> None:
         with pytest.raises(LayoutMismatchError, match="t2"):
             sub.pull_into(bad)
         assert sub.pull_into(target).version == 2
+
+
+# --- hostile manifests through the read paths (issue 6: D8, D10, D11, D12) --------------------
+
+
+def _manifest_doc(store, version: int) -> tuple[str, dict]:
+    key = next(k for k in keys(store, "manifests/") if k.startswith(f"manifests/{version:012d}-"))
+    return key, json.loads(store.get(key))
+
+
+def test_head_over_the_cap_is_refused_before_reading_it(url: str) -> None:
+    from deltastore.manifest import MAX_HEAD_BYTES
+    from tests._helpers import WrappedStore
+
+    _history(url, n=1)
+    with open_store(url) as store:
+        h = read_head(store)
+        h["writer"] = "x" * (MAX_HEAD_BYTES + 1)
+        store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
+    wrapped = WrappedStore(open_store(url))
+    with Subscriber(url, store=wrapped) as sub, pytest.raises(CorruptObjectError, match="HEAD"):
+        sub.latest()
+    assert wrapped.calls == [("head", HEAD_KEY)], "the body of an oversized HEAD was read"
+    wrapped.close()
+
+
+def test_chain_that_skips_a_version_is_corrupt(url: str) -> None:
+    """D12: version 3 names version 1's manifest as its parent: log and verify used to pass."""
+    _history(url, n=4)
+    with open_store(url) as store:
+        k1, _ = _manifest_doc(store, 1)
+        _, d3 = _manifest_doc(store, 3)
+        d3["parent_manifest"] = k1
+        k3 = resign_manifest(store, d3, point_head=False)
+        _, d4 = _manifest_doc(store, 4)
+        d4["parent_manifest"] = k3
+        resign_manifest(store, d4)
+    with Subscriber(url) as sub:
+        for call in (sub.log, sub.pull, lambda: sub.info(1)):
+            with pytest.raises(CorruptObjectError, match="000000000003-"):
+                call()
+    assert main(["verify", url, "--all"]) == 1
+    assert main(["log", url]) == 1
+
+
+def test_parent_link_to_a_manifest_filed_under_another_version(url: str) -> None:
+    """D12: the parent link names a key with version 2's prefix whose content is version 1."""
+    _history(url, n=3)
+    with open_store(url) as store:
+        k1, _ = _manifest_doc(store, 1)
+        data = store.get(k1)
+        fake = f"manifests/{2:012d}-{k1.rsplit('-', 1)[1]}"
+        store.put(fake, data, mode="overwrite")
+        _, d3 = _manifest_doc(store, 3)
+        d3["parent_manifest"] = fake
+        resign_manifest(store, d3)
+    with Subscriber(url) as sub:
+        for call in (sub.log, sub.pull):
+            with pytest.raises(CorruptObjectError, match=fake):
+                call()
+
+
+def test_delta_whose_anchor_is_not_an_anchor(url: str) -> None:
+    _history(url, n=4)
+    with open_store(url) as store:
+        _, d4 = _manifest_doc(store, 4)
+        d4["anchor"] = 2  # a delta
+        key = resign_manifest(store, d4)
+    with Subscriber(url) as sub:
+        for call in (sub.pull, sub.log):
+            with pytest.raises(CorruptObjectError, match=key):
+                call()
+
