@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -14,13 +15,16 @@ import torch
 
 from deltastore import codec
 from deltastore.errors import (
+    CorruptObjectError,
+    DeltastoreError,
+    FormatError,
     IntegrityError,
     InvalidStateDictError,
     NotFoundError,
     VersionNotFoundError,
 )
 from deltastore.history import History, VersionInfo
-from deltastore.manifest import BlobRef, Head, Manifest, SegmentRef, sha256_hex
+from deltastore.manifest import MAX_MANIFEST_BYTES, BlobRef, Head, Manifest, SegmentRef, sha256_hex
 from deltastore.publish import JOB_BYTES, default_threads
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -39,6 +43,16 @@ COALESCE_GAP_BYTES = 256 * 1024
 
 _Manifests = list[tuple[str, Manifest]]
 _T = TypeVar("_T")
+#: What a bad segment or chunk raises: a fallback path may succeed where one of these failed.
+_BAD_DATA = (IntegrityError, FormatError, NotFoundError)
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 @dataclass
@@ -62,6 +76,8 @@ class _ChunkPlan:
     digest: str  # expected after the plan
     full: _Step | None = None
     deltas: list[_Step] = field(default_factory=list)
+    #: other ways to the same result, cheapest first, tried when this one's segments are bad
+    fallbacks: list[_ChunkPlan] = field(default_factory=list)
 
     def steps(self) -> list[_Step]:
         return ([self.full] if self.full else []) + self.deltas
@@ -91,20 +107,38 @@ class _Fetcher:
         self.bytes_fetched = 0  # segment bytes read from the store, cumulative
         self._lock = threading.Lock()
 
-    def fetch(self, steps: Iterable[_Step]) -> dict[tuple[str, int], memoryview]:
+    def fetch(
+        self, steps: Iterable[_Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
+    ) -> dict[tuple[str, int], memoryview]:
+        """Fetch and verify every step's segment, keyed by ``(pack key, offset)``.
+
+        With ``errors``, a segment that is missing, truncated or fails its SHA-256 is recorded
+        there (with the error naming it) instead of raising, so a caller can take another path.
+        """
         by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
         for s in steps:
             by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
         jobs = []
         for blob, refs in by_blob.values():
             for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset)):
-                jobs.append(self.pool.submit(self._get_run, blob, run))
+                jobs.append((blob, run, self.pool.submit(self._get_run, blob, run, errors is not None)))
         out: dict[tuple[str, int], memoryview] = {}
-        for j in jobs:
-            out.update(j.result())
+        for blob, run, j in jobs:
+            try:
+                got, bad = j.result()
+            except (IntegrityError, NotFoundError) as e:
+                if errors is None:
+                    raise
+                errors.update(((blob.key, r.offset), e) for r in run)
+                continue
+            out.update(got)
+            if errors is not None:
+                errors.update(bad)
         return out
 
-    def _get_run(self, blob: BlobRef, run: list[SegmentRef]) -> dict[tuple[str, int], memoryview]:
+    def _get_run(
+        self, blob: BlobRef, run: list[SegmentRef], tolerant: bool = False
+    ) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
         start, stop = run[0].offset, run[-1].offset + run[-1].length
         whole = start == 0 and stop == blob.size
         try:
@@ -115,16 +149,24 @@ class _Fetcher:
             self.bytes_fetched += len(data)
         if len(data) != stop - start:
             raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
-        if whole and sha256_hex(data) != blob.sha256:
+        pack_bad = whole and sha256_hex(data) != blob.sha256
+        if pack_bad and not tolerant:
             raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
         view = memoryview(data)
         out = {}
+        bad: dict[tuple[str, int], DeltastoreError] = {}
         for r in run:
             seg = view[r.offset - start : r.offset - start + r.length]  # no copy: codec reads views
             if sha256_hex(seg) != r.sha256:  # also for whole packs: SPEC §7.6, every segment
-                raise IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
+                e = IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
+                if not tolerant:
+                    raise e
+                bad[(blob.key, r.offset)] = e
+                continue
             out[(blob.key, r.offset)] = seg
-        return out
+        if pack_bad and not bad:  # every segment hashes right, so the damage is between them: say so
+            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256 (its segments do): the object is corrupt")
+        return out, bad
 
 
 def _coalesce(refs: list[SegmentRef]) -> list[list[SegmentRef]]:
@@ -169,6 +211,10 @@ class Subscriber:
         url: store URL (see :class:`deltastore.Publisher`).
         storage_options: passed to the storage backend.
         threads: decode threads (default: all cores).
+        max_model_bytes: refuse to materialize a version whose tensors declare more bytes than
+            this (default: this machine's physical memory), checked before allocating: a few KB
+            of hostile metadata must not become gigabytes resident.
+        max_manifest_bytes: refuse a manifest larger than this before parsing it.
 
     Example::
 
@@ -187,12 +233,15 @@ class Subscriber:
         storage_options: Mapping[str, Any] | None = None,
         threads: int | None = None,
         store: Store | None = None,
+        max_model_bytes: int | None = None,
+        max_manifest_bytes: int = MAX_MANIFEST_BYTES,
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         self.url = self.store.url
-        self._history = History(self.store)
+        self.max_model_bytes = max_model_bytes if max_model_bytes is not None else physical_memory()
+        self._history = History(self.store, max_manifest_bytes=max_manifest_bytes)
         self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="deltastore-decode")
         self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
         self._fetcher = _Fetcher(self.store, self._io)
@@ -242,12 +291,13 @@ class Subscriber:
             IntegrityError: a segment or a reconstructed chunk failed its digest.
         """
         key, m = self._resolve(version)
-        ms = self._history.chain(key, m, down_to=m.anchor)
+        ms = self._history.anchor_chain(key, m)
         specs = _layout(ms[0][1])
-        out = {n: torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for n, s in specs.items()}
-        plans = self._plan_from_anchor(ms, specs)
+        plans = self._plan_from_anchor(ms, specs)  # checks the whole chain before allocating
+        self._check_model_size(specs, m.version)
+        out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
         targets = {n: _Target(t) for n, t in out.items()}
-        for batch, data in self._fetch_batches(plans):
+        for batch, data, _ in self._fetch_batches(plans):
             groups = _grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
             list(self._pool.map(lambda g: [self._build(p, specs, data, targets[p.name]) for p in g], groups))
         self._version, self._held = m.version, ms
@@ -320,6 +370,15 @@ class Subscriber:
 
     # --- planning -----------------------------------------------------------------------
 
+    def _check_model_size(self, specs: dict[str, TensorSpec], version: int) -> None:
+        total = sum(s.nbytes for s in specs.values())
+        if self.max_model_bytes is not None and total > self.max_model_bytes:
+            raise CorruptObjectError(
+                f"version {version} of {self.url} declares {total} bytes of tensors, more than "
+                f"max_model_bytes={self.max_model_bytes} (default: this machine's memory); if that is "
+                "real, open the Subscriber with a larger max_model_bytes"
+            )
+
     def _require_head(self) -> Head:
         head = self._history.poll_head()
         if head is None or head.manifest is None:
@@ -337,24 +396,26 @@ class Subscriber:
     @staticmethod
     def _plan_from_anchor(ms: _Manifests, specs: dict[str, TensorSpec]) -> list[_ChunkPlan]:
         """Every chunk: the anchor's full segment, then each later delta that lists it."""
+        akey, a = ms[0]
+        if a.kind != "anchor":
+            raise CorruptObjectError(f"manifest {akey!r} (version {a.version}) is a {a.kind}, but a later version names it as its anchor")
         plans: dict[tuple[str, int], _ChunkPlan] = {}
-        for mi, (_, m) in enumerate(ms):
+        for mi, (key, m) in enumerate(ms):
+            _check_entries(key, m, specs, a.version)
             for t in m.tensors:
-                spec = specs.get(t.name)
-                if spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows):
-                    raise IntegrityError(f"version {m.version}: tensor {t.name!r} does not match the layout of anchor {ms[0][1].version}")
+                spec = specs[t.name]
                 for c in t.chunks:
                     p = plans.get((t.name, c.index))
                     if p is None:
                         if mi != 0 or c.full is None:
-                            raise IntegrityError(f"version {m.version}: chunk {t.name}[{c.index}] is not in anchor {ms[0][1].version}")
+                            raise CorruptObjectError(f"manifest {key!r}: chunk {t.name}[{c.index}] is not in anchor {a.version}")
                         p = plans[(t.name, c.index)] = _ChunkPlan(t.name, c.index, spec.chunk_span(c.index), c.digest, _Step(mi, m.blobs[c.full.blob], c.full))
                     elif c.delta is not None:
                         p.deltas.append(_Step(mi, m.blobs[c.delta.blob], c.delta))
                         p.digest = c.digest
         missing = sum(s.n_chunks for s in specs.values()) - len(plans)
-        if missing:
-            raise IntegrityError(f"anchor {ms[0][1].version} lacks {missing} chunk(s) of its layout")
+        if missing:  # parse_manifest already refuses this; kept as the planner's own guard
+            raise CorruptObjectError(f"anchor {akey!r} lacks {missing} chunk(s) of its layout")
         return list(plans.values())
 
     @staticmethod
@@ -366,14 +427,15 @@ class Subscriber:
         """
         # Per chunk: the segments touching it, in version order.
         touched: dict[tuple[str, int], list[tuple[int, Any]]] = {}
-        for mi, (_, m) in enumerate(ms):
+        for mi, (key, m) in enumerate(ms):
+            _check_entries(key, m, specs, None)
             for t in m.tensors:
                 for c in t.chunks:
                     if c.delta is not None or (m.kind == "anchor" and m.delta_base is None):
                         touched.setdefault((t.name, c.index), []).append((mi, c))
         plans = []
         for (name, idx), entries in touched.items():
-            best: tuple[int, _ChunkPlan] | None = None
+            candidates: list[tuple[int, int, _ChunkPlan]] = []
             # Candidate starts: pure deltas from h (start=-1), or a full segment at an anchor.
             starts = [-1] + [i for i, (mi, c) in enumerate(entries) if c.full is not None]
             for si in starts:
@@ -385,12 +447,16 @@ class Subscriber:
                     mi, c = entries[si]
                     plan.full = _Step(mi, ms[mi][1].blobs[c.full.blob], c.full)
                 plan.deltas = [_Step(mi, ms[mi][1].blobs[c.delta.blob], c.delta) for mi, c in rest]
-                cost = sum(s.ref.length for s in plan.steps())
-                if best is None or cost < best[0]:
-                    best = (cost, plan)
-            if best is None:
-                raise IntegrityError(f"no way to bring chunk {name}[{idx}] forward: the chain lacks segments")
-            plans.append(best[1])
+                candidates.append((sum(s.ref.length for s in plan.steps()), -si, plan))
+            if not candidates:
+                raise CorruptObjectError(f"no way to bring chunk {name}[{idx}] forward: the chain lacks segments")
+            candidates.sort(key=lambda x: x[:2])  # cheapest; on a tie, the latest full segment
+            best = candidates[0][2]
+            # D10: when the chosen path's segments turn out bad, a path from a full segment (an
+            # anchor in range) reaches the same digest without them. A path that patches the
+            # held chunk is no fallback for a full one: its base was not checked.
+            best.fallbacks = [p for _, _, p in candidates[1:] if p.full is not None]
+            plans.append(best)
         return plans
 
     # --- applying -----------------------------------------------------------------------
@@ -422,9 +488,14 @@ class Subscriber:
             raise
         return raw
 
-    def _fetch_batches(self, plans: list[_ChunkPlan]) -> Iterator[tuple[list[_ChunkPlan], dict[tuple[str, int], bytes]]]:
+    def _fetch_batches(
+        self, plans: list[_ChunkPlan], *, tolerant: bool = False
+    ) -> Iterator[tuple[list[_ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
         """Yield plans in batches of about FETCH_BATCH_BYTES with their verified segments,
-        fetching the next batch while the caller applies the current one."""
+        fetching the next batch while the caller applies the current one.
+
+        With ``tolerant``, segments that are missing or fail their SHA-256 come back as errors
+        (the third item) instead of raising, so the caller can take another path for them."""
         batches: list[list[_ChunkPlan]] = [[]]
         size = 0
         for p in plans:
@@ -435,16 +506,18 @@ class Subscriber:
             batches[-1].append(p)
             size += cost
 
-        def fetch(batch: list[_ChunkPlan]) -> dict[tuple[str, int], bytes]:
-            return self._fetcher.fetch(st for p in batch for st in p.steps())
+        def fetch(batch: list[_ChunkPlan]) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
+            errors: dict[tuple[str, int], DeltastoreError] = {}
+            data = self._fetcher.fetch((st for p in batch for st in p.steps()), errors if tolerant else None)
+            return data, errors
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch") as ahead:
             nxt = ahead.submit(fetch, batches[0])
             for i, batch in enumerate(batches):
-                data = nxt.result()
+                data, errors = nxt.result()
                 if i + 1 < len(batches):
                     nxt = ahead.submit(fetch, batches[i + 1])
-                yield batch, data
+                yield batch, data, errors
 
     def _apply_in_place(self, plans: list[_ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
         """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
@@ -475,9 +548,14 @@ class Subscriber:
 
         done: list[tuple[_ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
-        data: dict[tuple[str, int], bytes] = {}
+        _Segs = dict[tuple[str, int], memoryview]
+        _Errs = dict[tuple[str, int], DeltastoreError]
+        _Done = tuple[_ChunkPlan, "np.ndarray | None", _Segs]
 
-        def run(p: _ChunkPlan) -> tuple[_ChunkPlan, np.ndarray | None]:
+        def attempt(p: _ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
+            for st in p.steps():
+                if st.where in errors:
+                    raise errors[st.where]
             tgt = targets[p.name]
             if p.full is None:
                 if tgt.cpu:
@@ -486,32 +564,51 @@ class Subscriber:
                     raw = tgt.read(*p.span)
                     self._replay(p, specs[p.name], data, raw)
                     tgt.write(*p.span, raw)
-                return p, None
+                return p, None, data
             new = self._replay(p, specs[p.name], data, None)
             saved = tgt.read(*p.span).copy()
             tgt.write(*p.span, new)
-            return p, saved
+            return p, saved, data
 
-        def run_group(group: list[_ChunkPlan]) -> tuple[list[tuple[_ChunkPlan, np.ndarray | None]], BaseException | None]:
+        def run(p: _ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
+            """The chunk's chosen path, else its fallbacks (a failed attempt leaves it as it was)."""
+            try:
+                return attempt(p, data, errors)
+            except _BAD_DATA as e:
+                error: DeltastoreError = e
+            for alt in p.fallbacks:
+                assert alt.full is not None
+                logger.warning(
+                    "chunk %s[%d]: %s; taking the full segment at %d of pack %s instead",
+                    p.name, p.index, error, alt.full.ref.offset, alt.full.blob.key,
+                )
+                try:
+                    alt_errors: _Errs = {}
+                    return attempt(alt, self._fetcher.fetch(alt.steps(), alt_errors), alt_errors)
+                except _BAD_DATA as e:
+                    error = e
+            raise error
+
+        def run_group(group: list[_ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
             applied = []
             for p in group:
                 try:
-                    applied.append(run(p))
+                    applied.append(run(p, data, errors))
                 except BaseException as e:  # noqa: BLE001 - re-raised by the caller after rollback
                     return applied, e
             return applied, None
 
         error: BaseException | None = None
         try:
-            for batch, data in self._fetch_batches(plans):
+            for batch, data, errors in self._fetch_batches(plans, tolerant=True):
                 groups = _grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
-                for f in [self._pool.submit(run_group, g) for g in groups]:
+                for f in [self._pool.submit(run_group, g, data, errors) for g in groups]:
                     applied, failed = f.result()
                     error = error or failed
-                    for p, saved in applied:
+                    for p, saved, segs in applied:
                         done.append((p, saved))
                         if saved is None:
-                            undo.update((s.where, data[s.where]) for s in p.deltas)
+                            undo.update((s.where, segs[s.where]) for s in p.deltas)
                 if error is not None:
                     break
         except BaseException as e:  # noqa: BLE001 - a fetch failed: roll back what was applied
@@ -530,6 +627,24 @@ class Subscriber:
                     tgt.write(*p.span, raw)
         logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)
         raise error
+
+
+def _check_entries(key: str, m: Manifest, specs: dict[str, TensorSpec], anchor: int | None) -> None:
+    """Every tensor ``m`` lists repeats the layout ``specs`` (SPEC §3: a delta, or an anchor
+    with deltas, has its anchor's layout); otherwise the manifest is corrupt."""
+    for t in m.tensors:
+        spec = specs.get(t.name)
+        if spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows):
+            against = f"anchor {anchor}" if anchor is not None else "the version it builds on"
+            raise CorruptObjectError(f"manifest {key!r}: tensor {t.name!r} does not match the layout of {against}")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a (validated) manifest's dtype name."""
+    try:
+        return torch_dtype(name)
+    except InvalidStateDictError as e:  # a name deltastore stores, but this torch is too old
+        raise FormatError(f"{e}: upgrade torch to read this store") from None
 
 
 def _span_bytes(specs: dict[str, TensorSpec], name: str, index: int) -> int:

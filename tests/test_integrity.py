@@ -404,6 +404,75 @@ def _manifest_doc(store, version: int) -> tuple[str, dict]:
     return key, json.loads(store.get(key))
 
 
+def test_anchor_with_out_of_range_chunk_indices_is_corrupt(url: str) -> None:
+    """D8: an anchor listing chunks 0 and 2 of a 2-chunk tensor; pull() used to hand out the
+    unwritten rows of chunk 1 and verify passed."""
+    states = _history(url, n=2)
+    with open_store(url) as store:
+        _, doc = _manifest_doc(store, 1)
+        t = next(t for t in doc["tensors"] if len(t["chunks"]) == 2)
+        t["chunks"][1]["index"] = 2
+        key = resign_manifest(store, doc)
+    with Subscriber(url, threads=2) as sub:
+        with pytest.raises(CorruptObjectError) as exc:
+            sub.pull()
+        assert key in str(exc.value) and t["name"] in str(exc.value)
+        target = snapshot(states[0])
+        with pytest.raises(CorruptObjectError):
+            sub.pull_into(target)
+        assert_bits_equal(target, states[0])
+    assert main(["verify", url]) == 1
+
+
+@pytest.mark.parametrize("dtype", ["__class__", "Tensor", "qint8"])
+def test_manifest_with_a_foreign_dtype_is_corrupt(url: str, dtype: str) -> None:
+    """A dtype name that is an attribute of torch but not a dtype we store is a corrupt manifest,
+    not InvalidStateDictError (which means: the caller's state dict is wrong)."""
+    _history(url, n=1)
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        doc["tensors"][0]["dtype"] = dtype
+        resign_manifest(store, doc)
+    with Subscriber(url) as sub, pytest.raises(CorruptObjectError, match=dtype):
+        sub.pull()
+
+
+def _huge_anchor(store, numel: int) -> str:
+    """Re-sign version 1 so that one tensor declares ``numel`` uint8 elements in one chunk,
+    reusing a real (small) full segment: a few KB of packs declaring a huge model."""
+    _, doc = _manifest_doc(store, 1)
+    t = doc["tensors"][0]
+    t.update(dtype="uint8", shape=[numel], chunk_rows=numel, chunks=t["chunks"][:1])
+    return resign_manifest(store, doc)
+
+
+def test_declared_model_size_is_capped_before_allocating(url: str) -> None:
+    """D11: 3 KB of packs must not become gigabytes resident; the cap is configurable."""
+    _history(url, n=1)
+    with open_store(url) as store:
+        _huge_anchor(store, 2**50)  # a petabyte: more than any machine's memory
+    with Subscriber(url) as sub, pytest.raises(CorruptObjectError, match="max_model_bytes") as exc:
+        sub.pull()
+    assert url.rstrip("/").split("/")[-1] in str(exc.value)
+    # A legitimate store over a configured cap: refused, naming the option.
+    url2 = url + "-small"
+    _history(url2, n=1)
+    with Subscriber(url2, max_model_bytes=1024) as sub, pytest.raises(CorruptObjectError, match="max_model_bytes"):
+        sub.pull()
+    with Subscriber(url2, max_model_bytes=10**6) as sub:
+        assert sub.pull()
+
+
+def test_manifest_size_cap_is_checked_before_parsing(url: str) -> None:
+    _history(url, n=2)
+    with open_store(url) as store:
+        size = len(store.get(read_head(store)["manifest"]))
+    with Subscriber(url, max_manifest_bytes=size - 1) as sub, pytest.raises(CorruptObjectError, match="limit"):
+        sub.pull()
+    with Subscriber(url, max_manifest_bytes=size + 10_000) as sub:
+        assert sub.pull()
+
+
 def test_head_over_the_cap_is_refused_before_reading_it(url: str) -> None:
     from deltastore.manifest import MAX_HEAD_BYTES
     from tests._helpers import WrappedStore
@@ -467,3 +536,58 @@ def test_delta_whose_anchor_is_not_an_anchor(url: str) -> None:
             with pytest.raises(CorruptObjectError, match=key):
                 call()
 
+
+def _anchor_with_deltas(url: str) -> list[dict[str, torch.Tensor]]:
+    """Versions 1 (anchor), 2, 3 (deltas), 4 (an anchor that also carries delta segments)."""
+    states = _history(url, n=4, anchor_every=3)
+    with open_store(url) as store:
+        _, d4 = head_manifest(store)
+    assert d4["kind"] == "anchor" and d4["delta_base"] == 3
+    assert any(c.get("delta") for t in d4["tensors"] for c in t["chunks"])
+    return states
+
+
+def _corrupt_anchor_delta(url: str, how: str) -> tuple[str, int]:
+    with open_store(url) as store:
+        _, d4 = head_manifest(store)
+        t, c = next((t, c) for t in d4["tensors"] for c in t["chunks"] if c.get("delta"))
+        if how == "garbage":  # hashes correctly, decodes to nonsense or not at all
+            resign_segment(store, d4, t["name"], c["index"], "delta", lambda b: b[:-4] + bytes(x ^ 0x5A for x in b[-4:]))
+        elif how == "sha":
+            c["delta"]["sha256"] = "e" * 64
+        else:  # the delta's bytes sit in a pack of their own, which is missing
+            c["delta"]["blob"] = len(d4["blobs"])
+            d4["blobs"].append({"key": f"blobs/00/{'0' * 64}", "size": c["delta"]["offset"] + c["delta"]["length"], "sha256": "0" * 64})
+        resign_manifest(store, d4)
+    return t["name"], c["index"]
+
+
+@pytest.mark.parametrize("how", ["garbage", "sha", "missing"])
+def test_pull_into_falls_back_to_the_anchor_full_segment(url: str, how: str, caplog) -> None:
+    """D10: a worker one version behind an anchor whose delta segment is bad takes the full
+    segment of that chunk instead of failing forever."""
+    states = _anchor_with_deltas(url)
+    name, index = _corrupt_anchor_delta(url, how)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(3)
+        with caplog.at_level("WARNING", logger="deltastore.pull"):
+            assert sub.pull_into(target).version == 4
+        assert_bits_equal(target, states[3])
+        assert any(f"{name}[{index}]" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_pull_into_without_a_clean_path_changes_nothing(url: str) -> None:
+    """Both the delta and the full segment of a chunk are bad: raise, nothing applied."""
+    states = _anchor_with_deltas(url)
+    name, index = _corrupt_anchor_delta(url, "sha")
+    with open_store(url) as store:
+        _, d4 = head_manifest(store)
+        c = next(c for t in d4["tensors"] if t["name"] == name for c in t["chunks"] if c["index"] == index)
+        c["full"]["sha256"] = "d" * 64
+        resign_manifest(store, d4)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(3)
+        with pytest.raises(IntegrityError):
+            sub.pull_into(target)
+        assert_bits_equal(target, states[2])
+        assert sub.version == 3
