@@ -98,6 +98,44 @@ def _digests(ms: _Manifests) -> dict[tuple[str, int], str]:
     return out
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One bad segment or chunk found by :meth:`Subscriber.verify`.
+
+    Attributes:
+        version: the version whose manifest lists it.
+        manifest: that manifest's key.
+        message: what is wrong, naming the tensor, chunk, segment and pack.
+    """
+
+    version: int
+    manifest: str
+    message: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :meth:`Subscriber.verify` checked, and every problem it found.
+
+    Attributes:
+        url: the store.
+        versions: the versions whose manifests were checked, oldest first.
+        tensors: per version, the number of tensors in its layout.
+        segments: segments fetched, SHA-256-checked and decoded.
+        problems: every bad segment or chunk (empty when the store is sound).
+    """
+
+    url: str
+    versions: list[int]
+    tensors: dict[int, int]
+    segments: int
+    problems: list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
 class _Fetcher:
     """Fetches segments with parallel (coalesced) range GETs and verifies every one."""
 
@@ -351,6 +389,72 @@ class Subscriber:
         self._apply_in_place(plans, specs, tensors, base)
         self._version, self._held = m.version, held
         return VersionInfo.from_manifest(m, key)
+
+    def verify(self, version: int | None = None, *, all_versions: bool = False) -> VerifyReport:
+        """Check every segment of a version's chain, or of every version, and report each bad one.
+
+        Unlike :meth:`pull`, which reads only the segments one path needs, this fetches every
+        segment each manifest lists, full and delta (an anchor's delta segments too), checks its
+        SHA-256, decodes it, and checks the chunk it produces against the recorded digest:
+        versions are replayed oldest first, so a delta is applied to the verified state of its
+        parent. Problems are collected, not raised, so one run names every bad object.
+
+        Args:
+            version: the version whose chain (from its anchor) to check; default the latest.
+            all_versions: check every version from 1 to the latest instead.
+
+        Raises:
+            VersionNotFoundError: no such version (or an empty store).
+            CorruptObjectError, IntegrityError, NotFoundError: a manifest of the chain itself is
+                unreadable or the chain is broken (nothing further can be checked).
+        """
+        if all_versions:
+            top = self._history.head_manifest(self._require_head())
+            assert top is not None
+            ms = self._history.chain(*top, down_to=1)
+        else:
+            ms = self._history.anchor_chain(*self._resolve(version))
+        problems: list[Problem] = []
+        tensors: dict[int, int] = {}
+        state: dict[tuple[str, int], np.ndarray | None] = {}  # verified chunk bits; None: unknown
+        specs: dict[str, TensorSpec] = {}
+        n_segments = 0
+        for key, m in ms:
+            if m.kind == "anchor":
+                if m.delta_base is None:
+                    state.clear()  # a new start: nothing carries over
+                specs = _layout(m)
+                self._check_model_size(specs, m.version)
+            tensors[m.version] = len(specs)
+            try:
+                _check_entries(key, m, specs, m.anchor)
+            except CorruptObjectError as e:
+                problems.append(Problem(m.version, key, str(e)))
+                continue
+            items = [(t.name, c) for t in m.tensors for c in t.chunks]
+            steps = {
+                (name, c.index, which): _Step(0, m.blobs[seg.blob], seg)
+                for name, c in items
+                for which, seg in (("full", c.full), ("delta", c.delta))
+                if seg is not None
+            }
+            n_segments += len(steps)
+            for batch in _batched(items, lambda it: sum(seg.length for seg in (it[1].full, it[1].delta) if seg is not None)):
+                errors: dict[tuple[str, int], DeltastoreError] = {}
+                want = [steps[k] for name, c in batch for w in ("full", "delta") if (k := (name, c.index, w)) in steps]
+                data = self._fetcher.fetch(want, errors)
+
+                def check(group: list[tuple[str, Any]]) -> list[tuple[tuple[str, int], np.ndarray | None, list[str]]]:
+                    return [_verify_chunk(name, c, specs[name], state.get((name, c.index)), steps, data, errors) for name, c in group]
+
+                groups = _grouped(batch, lambda it: _span_bytes(specs, it[0], it[1].index))
+                for results in self._pool.map(check, groups):
+                    for k, raw, msgs in results:
+                        state[k] = raw
+                        problems.extend(Problem(m.version, key, msg) for msg in msgs)
+        for p in problems:
+            logger.error("version %d (%s): %s", p.version, p.manifest, p.message)
+        return VerifyReport(self.url, [m.version for _, m in ms], tensors, n_segments, problems)
 
     def close(self) -> None:
         """Stop worker threads and release the store. Idempotent."""
@@ -627,6 +731,63 @@ class Subscriber:
                     tgt.write(*p.span, raw)
         logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)
         raise error
+
+
+def _verify_chunk(
+    name: str,
+    c: Any,
+    spec: TensorSpec,
+    base: np.ndarray | None,
+    steps: dict[tuple[str, int, str], _Step],
+    data: dict[tuple[str, int], memoryview],
+    errors: dict[tuple[str, int], DeltastoreError],
+) -> tuple[tuple[str, int], np.ndarray | None, list[str]]:
+    """Check both segments of one chunk entry: ``(key, verified bits or None, problems)``.
+
+    A delta segment is applied to ``base`` (the verified bits at the parent) and checked
+    against the digest; with no verified base it is still decoded (onto zeros), which checks
+    its structure but not its values.
+    """
+    a, b = spec.chunk_span(c.index)
+    problems: list[str] = []
+    result: np.ndarray | None = None
+    for which in ("delta", "full"):
+        st = steps.get((name, c.index, which))
+        if st is None:
+            continue
+        what = f"chunk {name}[{c.index}] {which} segment ({st.ref.codec}) at {st.ref.offset} of pack {st.blob.key!r}"
+        if st.where in errors:
+            problems.append(f"{what}: {errors[st.where]}")
+            continue
+        try:
+            if which == "full":
+                raw = codec.decode_full(data[st.where], codec=st.ref.codec, dtype=spec.uint_dtype(), count=b - a)
+            else:
+                raw = base.copy() if base is not None else np.zeros(b - a, dtype=spec.uint_dtype())
+                codec.apply_delta(raw, data[st.where], codec=st.ref.codec)
+        except (DeltastoreError, ValueError) as e:
+            problems.append(f"{what} does not decode: {type(e).__name__}: {e}")
+            continue
+        if which == "delta" and base is None:
+            continue  # structure checked; values unknowable without a verified parent
+        if state_digest(raw) != c.digest:
+            problems.append(f"{what} does not reproduce the chunk's digest {c.digest}")
+            continue
+        result = raw
+    return (name, c.index), result, problems
+
+
+def _batched(items: list[_T], nbytes: Callable[[_T], int]) -> list[list[_T]]:
+    """Consecutive items in batches of about FETCH_BATCH_BYTES (the memory a fetch may hold)."""
+    batches: list[list[_T]] = [[]]
+    size = 0
+    for item in items:
+        if batches[-1] and size + nbytes(item) > FETCH_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += nbytes(item)
+    return batches if batches[0] else []
 
 
 def _check_entries(key: str, m: Manifest, specs: dict[str, TensorSpec], anchor: int | None) -> None:

@@ -489,6 +489,51 @@ def test_head_over_the_cap_is_refused_before_reading_it(url: str) -> None:
     wrapped.close()
 
 
+def _deep(n: int) -> str:
+    return '{"a":' * n + "1" + "}" * n
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["deep-head", "long-int-head", "deep-metadata", "huge-model", "negative-shape"],
+)
+@pytest.mark.parametrize("command", ["pull", "log", "verify"])
+def test_cli_on_hostile_metadata_prints_one_line(url: str, tmp_path: Path, capsys, damage: str, command: str) -> None:
+    """D11: crafted metadata never reaches the user as a traceback or a bare Python error."""
+    _history(url, n=2)
+    with open_store(url) as store:
+        if damage == "deep-head":
+            store.put(HEAD_KEY, _deep(100_000).encode(), mode="overwrite")
+        elif damage == "long-int-head":
+            store.put(HEAD_KEY, store.get(HEAD_KEY).replace(b'"epoch":', b'"epoch":' + b"9" * 5000 + b","  b'"x":'), mode="overwrite")
+        elif damage == "deep-metadata":
+            _, doc = head_manifest(store)
+            doc["metadata"] = {"a": 1}
+            data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+            data = data.replace(b'"metadata":{"a":1}', b'"metadata":' + _deep(3_000).encode())
+            digest = sha256_hex(data)
+            store.put(manifest_key(doc["version"], digest), data, mode="overwrite")
+            h = read_head(store)
+            h.update(manifest=manifest_key(doc["version"], digest), manifest_sha256=digest)
+            store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
+        elif damage == "huge-model":
+            _huge_anchor(store, 2**50)
+        else:
+            _, doc = _manifest_doc(store, 1)
+            doc["tensors"][0]["shape"][0] = -doc["tensors"][0]["shape"][0]
+            resign_manifest(store, doc)
+    capsys.readouterr()
+    argv = {"pull": ["pull", url, str(tmp_path / "o.safetensors")], "log": ["log", url], "verify": ["verify", url, "--all"]}[command]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    if command == "log" and damage == "huge-model":  # a big model is no reason to refuse listing it
+        assert rc == 0 and not err, err
+        return
+    assert rc == 1, err
+    assert err.count("\n") == 1 and err.startswith("deltastore: error: "), err
+    assert "CorruptObjectError" in err, err
+
+
 def test_chain_that_skips_a_version_is_corrupt(url: str) -> None:
     """D12: version 3 names version 1's manifest as its parent: log and verify used to pass."""
     _history(url, n=4)
@@ -563,6 +608,24 @@ def _corrupt_anchor_delta(url: str, how: str) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("how", ["garbage", "sha", "missing"])
+def test_verify_all_checks_the_delta_segments_of_anchors(url: str, how: str, capsys) -> None:
+    """D10: verify used to materialize each version from its anchor's full segments only."""
+    _anchor_with_deltas(url)
+    assert main(["verify", url, "--all"]) == 0
+    name, index = _corrupt_anchor_delta(url, how)
+    capsys.readouterr()
+    assert main(["verify", url, "--all"]) == 1
+    out, err = capsys.readouterr()
+    assert f"{name}[{index}]" in out and "delta" in out, out
+    assert err.count("\n") == 1, err
+    with Subscriber(url) as sub:
+        report = sub.verify(all_versions=True)
+        assert not report.ok and report.versions == [1, 2, 3, 4]
+        assert len(report.problems) == 1 and f"{name}[{index}]" in report.problems[0].message
+        assert report.problems[0].version == 4 and report.segments > 0
+
+
+@pytest.mark.parametrize("how", ["garbage", "sha", "missing"])
 def test_pull_into_falls_back_to_the_anchor_full_segment(url: str, how: str, caplog) -> None:
     """D10: a worker one version behind an anchor whose delta segment is bad takes the full
     segment of that chunk instead of failing forever."""
@@ -591,3 +654,21 @@ def test_pull_into_without_a_clean_path_changes_nothing(url: str) -> None:
             sub.pull_into(target)
         assert_bits_equal(target, states[2])
         assert sub.version == 3
+
+
+def test_verify_reports_every_bad_segment(url: str) -> None:
+    """One run names every bad object (here: a segment of version 2's pack and an anchor's
+    delta segment), not only the first; the latest version alone is checked by default."""
+    _anchor_with_deltas(url)
+    name, index = _corrupt_anchor_delta(url, "sha")
+    with open_store(url) as store:
+        _, d2 = _manifest_doc(store, 2)
+        pack = d2["blobs"][0]["key"]
+        store.put(pack, _flip(store.get(pack), 0), mode="overwrite")
+    with Subscriber(url) as sub:
+        report = sub.verify(all_versions=True)
+        assert {p.version for p in report.problems} == {2, 4}, report.problems
+        assert any(pack in p.message for p in report.problems)
+        latest = sub.verify()
+        assert latest.versions == [4] and [p.version for p in latest.problems] == [4]
+        assert f"{name}[{index}]" in latest.problems[0].message
