@@ -539,7 +539,7 @@ class Subscriber:
                         touched.setdefault((t.name, c.index), []).append((mi, c))
         plans = []
         for (name, idx), entries in touched.items():
-            candidates: list[tuple[int, int, _ChunkPlan]] = []
+            candidates: list[tuple[int, _ChunkPlan]] = []
             # Candidate starts: pure deltas from h (start=-1), or a full segment at an anchor.
             starts = [-1] + [i for i, (mi, c) in enumerate(entries) if c.full is not None]
             for si in starts:
@@ -551,15 +551,15 @@ class Subscriber:
                     mi, c = entries[si]
                     plan.full = _Step(mi, ms[mi][1].blobs[c.full.blob], c.full)
                 plan.deltas = [_Step(mi, ms[mi][1].blobs[c.delta.blob], c.delta) for mi, c in rest]
-                candidates.append((sum(s.ref.length for s in plan.steps()), -si, plan))
+                candidates.append((sum(s.ref.length for s in plan.steps()), plan))
             if not candidates:
                 raise CorruptObjectError(f"no way to bring chunk {name}[{idx}] forward: the chain lacks segments")
-            candidates.sort(key=lambda x: x[:2])  # cheapest; on a tie, the latest full segment
-            best = candidates[0][2]
+            candidates.sort(key=lambda x: x[0])  # cheapest; stable: on a tie, the earliest start
+            best = candidates[0][1]
             # D10: when the chosen path's segments turn out bad, a path from a full segment (an
             # anchor in range) reaches the same digest without them. A path that patches the
             # held chunk is no fallback for a full one: its base was not checked.
-            best.fallbacks = [p for _, _, p in candidates[1:] if p.full is not None]
+            best.fallbacks = [p for _, p in candidates[1:] if p.full is not None]
             plans.append(best)
         return plans
 
