@@ -7,7 +7,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -25,6 +25,9 @@ from deltastore.errors import (
 )
 from deltastore.history import History, VersionInfo
 from deltastore.manifest import MAX_MANIFEST_BYTES, BlobRef, Head, Manifest, SegmentRef, sha256_hex
+from deltastore.plan import ChunkPlan, Manifests, Step, check_entries, plan_forward, plan_from_anchor
+from deltastore.plan import digests as _digests
+from deltastore.plan import layout as _layout
 from deltastore.publish import JOB_BYTES, default_threads
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -41,7 +44,7 @@ FETCH_BATCH_BYTES = 64 * 1024 * 1024
 #: a few hundred KiB of transfer.
 COALESCE_GAP_BYTES = 256 * 1024
 
-_Manifests = list[tuple[str, Manifest]]
+_Manifests = Manifests
 _T = TypeVar("_T")
 #: What a bad segment or chunk raises: a fallback path may succeed where one of these failed.
 _BAD_DATA = (IntegrityError, FormatError, NotFoundError)
@@ -53,49 +56,6 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
-
-
-@dataclass
-class _Step:
-    """One segment to apply to a chunk: ``ref`` inside ``blob``, from manifest ``mi``."""
-
-    mi: int
-    blob: BlobRef
-    ref: SegmentRef
-
-    @property
-    def where(self) -> tuple[str, int]:
-        return (self.blob.key, self.ref.offset)
-
-
-@dataclass
-class _ChunkPlan:
-    name: str
-    index: int
-    span: tuple[int, int]
-    digest: str  # expected after the plan
-    full: _Step | None = None
-    deltas: list[_Step] = field(default_factory=list)
-    #: other ways to the same result, cheapest first, tried when this one's segments are bad
-    fallbacks: list[_ChunkPlan] = field(default_factory=list)
-
-    def steps(self) -> list[_Step]:
-        return ([self.full] if self.full else []) + self.deltas
-
-
-def _layout(m: Manifest) -> dict[str, TensorSpec]:
-    """The tensor layout an anchor manifest defines."""
-    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows) for t in m.tensors}
-
-
-def _digests(ms: _Manifests) -> dict[tuple[str, int], str]:
-    """Chunk digests after the last manifest of ``ms`` (an anchor first, then its deltas)."""
-    out: dict[tuple[str, int], str] = {}
-    for _, m in ms:
-        for t in m.tensors:
-            for c in t.chunks:
-                out[(t.name, c.index)] = c.digest
-    return out
 
 
 @dataclass(frozen=True)
@@ -146,7 +106,7 @@ class _Fetcher:
         self._lock = threading.Lock()
 
     def fetch(
-        self, steps: Iterable[_Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
+        self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
     ) -> dict[tuple[str, int], memoryview]:
         """Fetch and verify every step's segment, keyed by ``(pack key, offset)``.
 
@@ -427,13 +387,13 @@ class Subscriber:
                 self._check_model_size(specs, m.version)
             tensors[m.version] = len(specs)
             try:
-                _check_entries(key, m, specs, m.anchor)
+                check_entries(key, m, specs, m.anchor)
             except CorruptObjectError as e:
                 problems.append(Problem(m.version, key, str(e)))
                 continue
             items = [(t.name, c) for t in m.tensors for c in t.chunks]
             steps = {
-                (name, c.index, which): _Step(0, m.blobs[seg.blob], seg)
+                (name, c.index, which): Step(0, m.blobs[seg.blob], seg)
                 for name, c in items
                 for which, seg in (("full", c.full), ("delta", c.delta))
                 if seg is not None
@@ -497,86 +457,24 @@ class Subscriber:
             return top
         return self._history.find(version, head)
 
-    @staticmethod
-    def _plan_from_anchor(ms: _Manifests, specs: dict[str, TensorSpec]) -> list[_ChunkPlan]:
-        """Every chunk: the anchor's full segment, then each later delta that lists it."""
-        akey, a = ms[0]
-        if a.kind != "anchor":
-            raise CorruptObjectError(f"manifest {akey!r} (version {a.version}) is a {a.kind}, but a later version names it as its anchor")
-        plans: dict[tuple[str, int], _ChunkPlan] = {}
-        for mi, (key, m) in enumerate(ms):
-            _check_entries(key, m, specs, a.version)
-            for t in m.tensors:
-                spec = specs[t.name]
-                for c in t.chunks:
-                    p = plans.get((t.name, c.index))
-                    if p is None:
-                        if mi != 0 or c.full is None:
-                            raise CorruptObjectError(f"manifest {key!r}: chunk {t.name}[{c.index}] is not in anchor {a.version}")
-                        p = plans[(t.name, c.index)] = _ChunkPlan(t.name, c.index, spec.chunk_span(c.index), c.digest, _Step(mi, m.blobs[c.full.blob], c.full))
-                    elif c.delta is not None:
-                        p.deltas.append(_Step(mi, m.blobs[c.delta.blob], c.delta))
-                        p.digest = c.digest
-        missing = sum(s.n_chunks for s in specs.values()) - len(plans)
-        if missing:  # parse_manifest already refuses this; kept as the planner's own guard
-            raise CorruptObjectError(f"anchor {akey!r} lacks {missing} chunk(s) of its layout")
-        return list(plans.values())
-
-    @staticmethod
-    def _plan_forward(ms: _Manifests, specs: dict[str, TensorSpec]) -> list[_ChunkPlan]:
-        """Chunks changed in ``ms`` (versions h+1..t): per chunk, deltas or the latest full.
-
-        Every anchor in ``ms`` has the layout ``specs`` (pull_into re-plans from the anchor
-        otherwise).
-        """
-        # Per chunk: the segments touching it, in version order.
-        touched: dict[tuple[str, int], list[tuple[int, Any]]] = {}
-        for mi, (key, m) in enumerate(ms):
-            _check_entries(key, m, specs, None)
-            for t in m.tensors:
-                for c in t.chunks:
-                    if c.delta is not None or (m.kind == "anchor" and m.delta_base is None):
-                        touched.setdefault((t.name, c.index), []).append((mi, c))
-        plans = []
-        for (name, idx), entries in touched.items():
-            candidates: list[tuple[int, _ChunkPlan]] = []
-            # Candidate starts: pure deltas from h (start=-1), or a full segment at an anchor.
-            starts = [-1] + [i for i, (mi, c) in enumerate(entries) if c.full is not None]
-            for si in starts:
-                rest = entries[si + 1 :] if si >= 0 else entries
-                if any(c.delta is None for _, c in rest):
-                    continue  # an anchor without deltas breaks the chain: need its full segment
-                plan = _ChunkPlan(name, idx, specs[name].chunk_span(idx), entries[-1][1].digest)
-                if si >= 0:
-                    mi, c = entries[si]
-                    plan.full = _Step(mi, ms[mi][1].blobs[c.full.blob], c.full)
-                plan.deltas = [_Step(mi, ms[mi][1].blobs[c.delta.blob], c.delta) for mi, c in rest]
-                candidates.append((sum(s.ref.length for s in plan.steps()), plan))
-            if not candidates:
-                raise CorruptObjectError(f"no way to bring chunk {name}[{idx}] forward: the chain lacks segments")
-            candidates.sort(key=lambda x: x[0])  # cheapest; stable: on a tie, the earliest start
-            best = candidates[0][1]
-            # D10: when the chosen path's segments turn out bad, a path from a full segment (an
-            # anchor in range) reaches the same digest without them. A path that patches the
-            # held chunk is no fallback for a full one: its base was not checked.
-            best.fallbacks = [p for _, p in candidates[1:] if p.full is not None]
-            plans.append(best)
-        return plans
+    # Planning is pure (deltastore.plan); pull_into calls it under these names.
+    _plan_from_anchor = staticmethod(plan_from_anchor)
+    _plan_forward = staticmethod(plan_forward)
 
     # --- applying -----------------------------------------------------------------------
 
-    def _build(self, p: _ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
+    def _build(self, p: ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
         """Decode a plan that starts from a full segment, verify it, write it to ``target``."""
         raw = self._replay(p, specs[p.name], data, None)
         target.write(*p.span, raw)
 
     @staticmethod
-    def _replay(p: _ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None) -> np.ndarray:
+    def _replay(p: ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None) -> np.ndarray:
         a, b = p.span
         if p.full is not None:
             raw = codec.decode_full(data[p.full.where], codec=p.full.ref.codec, dtype=spec.uint_dtype(), count=b - a)
         assert raw is not None
-        applied: list[_Step] = []
+        applied: list[Step] = []
         try:
             for s in p.deltas:
                 codec.apply_delta(raw, data[s.where], codec=s.ref.codec)  # validates before writing
@@ -593,14 +491,14 @@ class Subscriber:
         return raw
 
     def _fetch_batches(
-        self, plans: list[_ChunkPlan], *, tolerant: bool = False
-    ) -> Iterator[tuple[list[_ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
+        self, plans: list[ChunkPlan], *, tolerant: bool = False
+    ) -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
         """Yield plans in batches of about FETCH_BATCH_BYTES with their verified segments,
         fetching the next batch while the caller applies the current one.
 
         With ``tolerant``, segments that are missing or fail their SHA-256 come back as errors
         (the third item) instead of raising, so the caller can take another path for them."""
-        batches: list[list[_ChunkPlan]] = [[]]
+        batches: list[list[ChunkPlan]] = [[]]
         size = 0
         for p in plans:
             cost = sum(st.ref.length for st in p.steps())
@@ -610,7 +508,7 @@ class Subscriber:
             batches[-1].append(p)
             size += cost
 
-        def fetch(batch: list[_ChunkPlan]) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
+        def fetch(batch: list[ChunkPlan]) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
             errors: dict[tuple[str, int], DeltastoreError] = {}
             data = self._fetcher.fetch((st for p in batch for st in p.steps()), errors if tolerant else None)
             return data, errors
@@ -623,7 +521,7 @@ class Subscriber:
                     nxt = ahead.submit(fetch, batches[i + 1])
                 yield batch, data, errors
 
-    def _apply_in_place(self, plans: list[_ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
+    def _apply_in_place(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
         """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
         # Tied weights (one storage under two names) are updated once.
         seen: dict[tuple[int, int], str] = {}
@@ -650,13 +548,13 @@ class Subscriber:
         keys = sorted(kept - replaced)
         list(self._pool.map(lambda g: [check_base(k) for k in g], _grouped(keys, lambda k: _span_bytes(specs, *k))))
 
-        done: list[tuple[_ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
+        done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
         _Segs = dict[tuple[str, int], memoryview]
         _Errs = dict[tuple[str, int], DeltastoreError]
-        _Done = tuple[_ChunkPlan, "np.ndarray | None", _Segs]
+        _Done = tuple[ChunkPlan, "np.ndarray | None", _Segs]
 
-        def attempt(p: _ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
+        def attempt(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
             for st in p.steps():
                 if st.where in errors:
                     raise errors[st.where]
@@ -674,7 +572,7 @@ class Subscriber:
             tgt.write(*p.span, new)
             return p, saved, data
 
-        def run(p: _ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
+        def run(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
             """The chunk's chosen path, else its fallbacks (a failed attempt leaves it as it was)."""
             try:
                 return attempt(p, data, errors)
@@ -693,7 +591,7 @@ class Subscriber:
                     error = e
             raise error
 
-        def run_group(group: list[_ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
+        def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
             applied = []
             for p in group:
                 try:
@@ -738,7 +636,7 @@ def _verify_chunk(
     c: Any,
     spec: TensorSpec,
     base: np.ndarray | None,
-    steps: dict[tuple[str, int, str], _Step],
+    steps: dict[tuple[str, int, str], Step],
     data: dict[tuple[str, int], memoryview],
     errors: dict[tuple[str, int], DeltastoreError],
 ) -> tuple[tuple[str, int], np.ndarray | None, list[str]]:
@@ -788,16 +686,6 @@ def _batched(items: list[_T], nbytes: Callable[[_T], int]) -> list[list[_T]]:
         batches[-1].append(item)
         size += nbytes(item)
     return batches if batches[0] else []
-
-
-def _check_entries(key: str, m: Manifest, specs: dict[str, TensorSpec], anchor: int | None) -> None:
-    """Every tensor ``m`` lists repeats the layout ``specs`` (SPEC §3: a delta, or an anchor
-    with deltas, has its anchor's layout); otherwise the manifest is corrupt."""
-    for t in m.tensors:
-        spec = specs.get(t.name)
-        if spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows):
-            against = f"anchor {anchor}" if anchor is not None else "the version it builds on"
-            raise CorruptObjectError(f"manifest {key!r}: tensor {t.name!r} does not match the layout of {against}")
 
 
 def _torch_dtype(name: str) -> torch.dtype:
