@@ -408,7 +408,8 @@ class Subscriber:
                     return [_verify_chunk(name, c, specs[name], state.get((name, c.index)), steps, data, errors) for name, c in group]
 
                 groups = _grouped(batch, lambda it: _span_bytes(specs, it[0], it[1].index))
-                for results in self._pool.map(check, groups):
+                # All results first: the checks read ``state``, which is updated only after them.
+                for results in list(self._pool.map(check, groups)):
                     for k, raw, msgs in results:
                         state[k] = raw
                         problems.extend(Problem(m.version, key, msg) for msg in msgs)
