@@ -89,17 +89,28 @@ def _cmd_log(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from deltastore.errors import IntegrityError
     from deltastore.pull import Subscriber
 
     with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
-        infos = sub.log()  # reads and checks every manifest on the chain
-        if not infos:
+        if sub.latest() is None:
             print(f"{args.url}: no versions to verify")
             return EXIT_FAILED
-        versions = [i.version for i in infos] if args.all else [args.version or infos[-1].version]
-        for v in versions:
-            state = sub.pull(v)  # every segment's SHA-256 and every chunk's digest
-            print(f"OK version {v}: {len(state)} tensors verified")
+        # Every segment (full and delta) of every manifest checked, every chunk's digest.
+        report = sub.verify(args.version, all_versions=args.all)
+    bad = {p.version for p in report.problems}
+    for p in report.problems:
+        print(f"BAD version {p.version}: {p.message}")
+    shown = report.versions if args.all else report.versions[-1:]
+    for v in shown:
+        if v not in bad:
+            print(f"OK version {v}: {report.tensors[v]} tensors verified")
+    if report.problems:
+        first = report.problems[0]
+        raise IntegrityError(
+            f"{len(report.problems)} bad segment(s) or chunk(s) in {len(bad)} version(s) of {args.url}; "
+            f"first, in version {first.version}: {first.message}"
+        )
     return 0
 
 

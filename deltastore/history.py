@@ -1,6 +1,8 @@
 """The read side of the metadata: HEAD, manifests, and walking the version chain (SPEC §7).
 
-Manifests are immutable, so they are cached by key for the life of a :class:`History`.
+Manifests are immutable, so they are cached by key for the life of a :class:`History`. Every
+walk along ``parent_manifest`` links checks invariant I2 on each link (SPEC §5): the parent is
+version ``child.parent``, and a delta's anchor is its parent's anchor.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltastore.errors import CorruptObjectError, NotFoundError, VersionNotFoundError
-from deltastore.manifest import HEAD_KEY, Head, Manifest, parse_head, parse_manifest
+from deltastore.manifest import (
+    HEAD_KEY,
+    MAX_HEAD_BYTES,
+    MAX_MANIFEST_BYTES,
+    Head,
+    Manifest,
+    parse_head,
+    parse_manifest,
+)
 from deltastore.storage.base import Store
 
 logger = logging.getLogger(__name__)
@@ -70,15 +80,19 @@ class VersionInfo:
 class History:
     """Reads HEAD and manifests of one store, verifying and caching them.
 
-    ``check(key, manifest)``, when given, runs on every manifest before it is used or cached
-    (a subscriber's signature check, SPEC §3.1) and raises to refuse it.
+    Args:
+        store: the store to read.
+        check: ``check(key, manifest)`` runs on every manifest before it is used or cached
+            (a subscriber's signature check, SPEC §3.1) and raises to refuse it.
+        max_manifest_bytes: refuse a manifest larger than this before parsing it.
     """
 
-    def __init__(self, store: Store, check: Callable[[str, Manifest], None] | None = None):
+    def __init__(self, store: Store, check: Callable[[str, Manifest], None] | None = None, *,
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES):
         self.store = store
         self._check = check
+        self.max_manifest_bytes = max_manifest_bytes
         self._manifests: dict[str, Manifest] = {}
-        self._by_version: dict[int, str] = {}
         self._lock = threading.Lock()
         self._head: Head | None = None
         self._head_etag: str | None = None
@@ -96,8 +110,18 @@ class History:
         return head, res.meta.etag
 
     def poll_head(self) -> Head | None:
-        """Conditional GET of HEAD: moves no body when it has not changed since the last poll."""
+        """Conditional GET of HEAD: moves no body when it has not changed since the last poll.
+
+        The first poll asks for HEAD's size before reading it, so an oversized object is
+        refused unread (later polls are conditional GETs, whose bodies parse_head bounds).
+        """
         try:
+            if self._head_etag is None:
+                size = self.store.head(HEAD_KEY).size
+                if size > MAX_HEAD_BYTES:
+                    raise CorruptObjectError(
+                        f"HEAD of {self.store.url} is {size} bytes, over the {MAX_HEAD_BYTES}-byte limit: not a deltastore HEAD"
+                    )
             res = self.store.get_if_changed(HEAD_KEY, self._head_etag)
         except NotFoundError:
             self._head = self._head_etag = None
@@ -120,12 +144,11 @@ class History:
             raise NotFoundError(
                 f"manifest {key!r} is missing from {self.store.url}: the store was damaged (a reachable object was deleted)"
             ) from None
-        m = parse_manifest(data, key, expected_sha256)
+        m = parse_manifest(data, key, expected_sha256, max_bytes=self.max_manifest_bytes)
         if self._check is not None:
             self._check(key, m)
         with self._lock:
             self._manifests[key] = m
-            self._by_version[m.version] = key
         return m
 
     def head_manifest(self, head: Head) -> tuple[str, Manifest] | None:
@@ -136,6 +159,29 @@ class History:
             raise CorruptObjectError(f"HEAD says version {head.version} but manifest {head.manifest!r} is version {m.version}")
         return head.manifest, m
 
+    def parent(self, key: str, m: Manifest) -> tuple[str, Manifest]:
+        """The manifest ``m`` (read from ``key``) links to, checked as a link of the chain (I2).
+
+        Raises:
+            VersionNotFoundError: ``m`` is the first version (it has no parent).
+            CorruptObjectError: the parent is not version ``m.parent``, or a delta's anchor is
+                not its parent's anchor.
+        """
+        if m.parent_manifest is None:
+            raise VersionNotFoundError(f"version {m.version} ({key!r}) is the first of its chain")
+        pkey = m.parent_manifest
+        p = self.manifest(pkey)
+        if p.version != m.parent:
+            raise CorruptObjectError(
+                f"manifest {key!r} (version {m.version}) links to {pkey!r}, which is version {p.version}, not {m.parent}"
+            )
+        if m.kind == "delta" and m.anchor != p.anchor:
+            raise CorruptObjectError(
+                f"manifest {key!r} (version {m.version}) says its anchor is version {m.anchor}, but its parent "
+                f"{pkey!r} has anchor {p.anchor}: version {m.anchor} is not the anchor of this chain"
+            )
+        return pkey, p
+
     def find(self, version: int, head: Head) -> tuple[str, Manifest]:
         """The manifest of ``version`` on the chain ending at ``head`` (walking parent links)."""
         top = self.head_manifest(head)
@@ -143,12 +189,8 @@ class History:
             latest = 0 if top is None else top[1].version
             raise VersionNotFoundError(f"version {version} is not in {self.store.url} (latest is {latest})")
         key, m = top
-        while m.version > version:
-            cached = self._by_version.get(version)
-            if cached is not None and cached in self._manifests:
-                return cached, self._manifests[cached]
-            assert m.parent_manifest is not None  # checked by parse_manifest: version > 1 has a parent
-            key, m = m.parent_manifest, self.manifest(m.parent_manifest)
+        while m.version > version:  # cached manifests make a walk cheap; each link is checked
+            key, m = self.parent(key, m)
         return key, m
 
     def chain(self, key: str, m: Manifest, *, down_to: int) -> list[tuple[str, Manifest]]:
@@ -157,10 +199,18 @@ class History:
         while m.version > down_to:
             if m.parent_manifest is None:
                 raise VersionNotFoundError(f"version {down_to} is not on the chain of {key!r}")
-            key, m = m.parent_manifest, self.manifest(m.parent_manifest)
+            key, m = self.parent(key, m)
             out.append((key, m))
         out.reverse()
         return out
+
+    def anchor_chain(self, key: str, m: Manifest) -> list[tuple[str, Manifest]]:
+        """Manifests from ``m``'s anchor up to ``m``, oldest first; the first is an anchor."""
+        ms = self.chain(key, m, down_to=m.anchor)
+        akey, a = ms[0]
+        if a.kind != "anchor" or a.version != m.anchor:
+            raise CorruptObjectError(f"manifest {key!r} names version {m.anchor} as its anchor, but {akey!r} is a {a.kind}")
+        return ms
 
     def log(self, head: Head) -> list[VersionInfo]:
         """Every version on the chain ending at ``head``, oldest first."""

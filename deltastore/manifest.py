@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -184,11 +185,71 @@ def dump(model: BaseModel) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _load(data: bytes, what: str, key: str) -> dict[str, Any]:
+#: HEAD is a few hundred bytes: anything near this size is not a HEAD, and is refused before
+#: it is parsed.
+MAX_HEAD_BYTES = 64 * 1024
+#: Default cap on one manifest's bytes, checked before parsing (parsing JSON costs several times
+#: its size in memory): an anchor of a 1T-parameter model at 16 MiB chunks is ~20 MiB of JSON.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+#: User metadata nested deeper than this is refused: json and pydantic recurse, and Python
+#: raises RecursionError near 1000 levels (less on a worker thread's stack).
+MAX_JSON_DEPTH = 100
+#: Every version, epoch, count, size, offset and dimension is below this: numpy and torch index
+#: with int64, so a larger number cannot describe a real object.
+INT_LIMIT = 2**63
+#: torch's limit on a tensor's number of dimensions.
+MAX_NDIM = 64
+#: The dtypes deltastore publishes and reads (PyTorch names), with their element width in
+#: bytes: dense types of 1, 2, 4 or 8 bytes whose bits a state digest can cover.
+DTYPE_WIDTHS: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4, "complex32": 4,
+    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
+}  # fmt: skip
+
+_MANIFEST_KEY = re.compile(r"manifests/([0-9]{12,19})-([0-9a-f]{64})\.json")
+
+
+def manifest_key_version(key: str) -> int | None:
+    """The version a manifest key names (``manifests/<version:012d>-<sha256>.json``), or None
+    when ``key`` is not a manifest key."""
+    match = _MANIFEST_KEY.fullmatch(key)
+    return None if match is None else int(match.group(1))
+
+
+def chunk_count(shape: tuple[int, ...], chunk_rows: int) -> int:
+    """Chunks of a tensor (SPEC §2): ``ceil(shape[0] / chunk_rows)``, at least one (0-d and
+    empty tensors are one chunk)."""
+    if not shape:
+        return 1
+    return max(1, -(-shape[0] // chunk_rows))
+
+
+def chunk_elements(shape: tuple[int, ...], chunk_rows: int, index: int) -> int:
+    """Elements in chunk ``index`` (the last chunk may be short)."""
+    if not shape:
+        return 1
+    rows = max(0, min(chunk_rows, shape[0] - index * chunk_rows))
+    row_elems = 1
+    for d in shape[1:]:
+        row_elems *= d
+    return rows * row_elems
+
+
+def _load(data: bytes, what: str, key: str, max_bytes: int) -> dict[str, Any]:
+    if len(data) > max_bytes:
+        raise CorruptObjectError(
+            f"{what} {key!r} is {len(data)} bytes, over the {max_bytes}-byte limit: not a deltastore {what}"
+        )
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptObjectError(f"{what} {key!r} is not valid JSON ({e}); the object is corrupt or truncated") from None
+    # ValueError covers JSONDecodeError, undecodable bytes and integers over Python's digit
+    # limit; RecursionError, nesting deeper than the parser's stack.
+    except (ValueError, RecursionError) as e:
+        msg = " ".join(str(e).split())[:200]
+        raise CorruptObjectError(f"{what} {key!r} is not valid JSON ({msg}); the object is corrupt or truncated") from None
     if not isinstance(doc, dict):
         raise CorruptObjectError(f"{what} {key!r} is not a JSON object")
     schema = doc.get("schema")
@@ -196,7 +257,21 @@ def _load(data: bytes, what: str, key: str) -> dict[str, Any]:
         raise UnsupportedSchemaError(
             f"{what} {key!r} has schema {schema!r}; this deltastore reads schemas {', '.join(map(str, READABLE_SCHEMAS))}: upgrade deltastore"
         )
+    _check_depth(doc, what, key)
     return doc
+
+
+def _check_depth(doc: Any, what: str, key: str) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH (iteratively: no recursion to exhaust)."""
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise CorruptObjectError(f"{what} {key!r} is nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
 
 
 def _validate(cls: type[BaseModel], doc: dict[str, Any], what: str, key: str) -> Any:
@@ -206,57 +281,120 @@ def _validate(cls: type[BaseModel], doc: dict[str, Any], what: str, key: str) ->
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise CorruptObjectError(f"{what} {key!r} is malformed at {where}: {first['msg']}") from None
+    except (ValueError, RecursionError) as e:  # a validator that is not pydantic's own
+        raise CorruptObjectError(f"{what} {key!r} is malformed: {type(e).__name__}") from None
+
+
+def _check_int(value: int | None, field: str, what: str, key: str, *, low: int = 0) -> None:
+    if value is not None and not low <= value < INT_LIMIT:
+        raise CorruptObjectError(f"{what} {key!r}: {field} = {value} is outside [{low}, 2**63)")
 
 
 def parse_head(data: bytes, key: str = HEAD_KEY) -> Head:
     """Parse HEAD bytes. Raises CorruptObjectError / UnsupportedSchemaError."""
-    return _validate(Head, _load(data, "HEAD", key), "HEAD", key)
+    head: Head = _validate(Head, _load(data, "HEAD", key, MAX_HEAD_BYTES), "HEAD", key)
+    _check_int(head.version, "version", "HEAD", key)
+    _check_int(head.epoch, "epoch", "HEAD", key)
+    return head
 
 
-def parse_manifest(data: bytes, key: str, expected_sha256: str | None = None) -> Manifest:
+def parse_manifest(data: bytes, key: str, expected_sha256: str | None = None, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
     """Verify a manifest's bytes against its content address (and HEAD's record), then parse it.
+
+    Args:
+        data: the manifest's bytes.
+        key: the key it was read from (``manifests/<version:012d>-<sha256>.json``).
+        expected_sha256: the digest HEAD recorded for it, if read through HEAD.
+        max_bytes: refuse a larger object before parsing it.
 
     Raises:
         IntegrityError: the bytes do not hash to the key's digest or to ``expected_sha256``.
-        CorruptObjectError: not a well-formed manifest, or inconsistent with itself.
+        CorruptObjectError: not a well-formed manifest, inconsistent with itself (SPEC §3), or
+            filed under another version's key.
         UnsupportedSchemaError: written by a newer schema.
     """
     actual = sha256_hex(data)
     if actual != digest_from_key(key) or (expected_sha256 is not None and actual != expected_sha256):
         raise IntegrityError(f"manifest {key!r} has SHA-256 {actual}, not the digest its key promises: the object is corrupt")
-    manifest: Manifest = _validate(Manifest, _load(data, "manifest", key), "manifest", key)
+    key_version = manifest_key_version(key)
+    if key_version is None:
+        raise CorruptObjectError(f"{key!r} is not a manifest key (manifests/<version:012d>-<sha256>.json)")
+    manifest: Manifest = _validate(Manifest, _load(data, "manifest", key, max_bytes), "manifest", key)
     _check_manifest(manifest, key)
+    if manifest.version != key_version:
+        raise CorruptObjectError(f"manifest {key!r} holds version {manifest.version}, not the version its key names")
     return manifest
 
 
 def _check_manifest(m: Manifest, key: str) -> None:
-    """Cross-field invariants pydantic cannot express (SPEC §3)."""
+    """Cross-field invariants pydantic cannot express (SPEC §3), checked before any planning:
+    a reader may then index chunks, allocate tensors and slice packs by what the manifest says."""
 
     def bad(msg: str) -> CorruptObjectError:
         return CorruptObjectError(f"manifest {key!r}: {msg}")
 
+    for name in ("version", "parent", "anchor", "delta_base", "epoch"):
+        _check_int(getattr(m, name), name, "manifest", key)
+    _check_int(m.step, "step", "manifest", key, low=-INT_LIMIT)
+    for name in type(m.stats).model_fields:
+        _check_int(getattr(m.stats, name), f"stats.{name}", "manifest", key, low=-INT_LIMIT)
+    _check_depth(m.metadata, "manifest", key)
     if (m.parent is None) != (m.parent_manifest is None):
         raise bad("parent and parent_manifest must both be set or both be null")
     if m.parent is not None and m.parent != m.version - 1:
         raise bad(f"version {m.version} has parent {m.parent}; versions must be consecutive")
+    if m.parent_manifest is not None and manifest_key_version(m.parent_manifest) != m.parent:
+        raise bad(f"parent_manifest {m.parent_manifest!r} is not the manifest key of version {m.parent}")
     if m.kind == "anchor" and m.anchor != m.version:
         raise bad("an anchor's 'anchor' must be its own version")
-    if m.kind == "delta" and (m.parent is None or m.anchor > m.version or m.delta_base != m.parent):
+    if m.kind == "delta" and (m.parent is None or m.anchor >= m.version or m.delta_base != m.parent):
         raise bad("a delta needs a parent, an earlier anchor, and delta_base equal to its parent")
     if m.delta_base is not None and m.delta_base != m.parent:
         raise bad("delta_base must be the parent version or null")
+    for i, b in enumerate(m.blobs):
+        _check_int(b.size, f"blobs[{i}].size", "manifest", key)
+        if b.key != blob_key(b.sha256) or len(b.sha256) != 64:
+            raise bad(f"blob {i} has key {b.key!r}, not the content address of its sha256 {b.sha256!r}")
+    names: set[str] = set()
     for t in m.tensors:
+        where = f"tensor {t.name!r}"
+        if t.name in names:
+            raise bad(f"{where} is listed twice")
+        names.add(t.name)
+        if t.dtype not in DTYPE_WIDTHS:
+            raise bad(f"{where} has dtype {t.dtype!r}, which deltastore does not store")
+        if len(t.shape) > MAX_NDIM or any(not 0 <= d < INT_LIMIT for d in t.shape):
+            raise bad(f"{where} has impossible shape {list(t.shape)[:MAX_NDIM + 1]}")
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        if numel * DTYPE_WIDTHS[t.dtype] >= INT_LIMIT:
+            raise bad(f"{where} of shape {list(t.shape)} has more than 2**63 bytes")
+        _check_int(t.chunk_rows, f"{where} chunk_rows", "manifest", key, low=1)
+        n_chunks = chunk_count(t.shape, t.chunk_rows)
+        seen: set[int] = set()
         for c in t.chunks:
+            here = f"chunk {t.name}[{c.index}]"
+            if not 0 <= c.index < n_chunks:
+                raise bad(f"{here} is out of range: tensor {t.name!r} {list(t.shape)} has {n_chunks} chunk(s) of {t.chunk_rows} rows")
+            if c.index in seen:
+                raise bad(f"{here} is listed twice")
+            seen.add(c.index)
             if m.kind == "anchor" and c.full is None:
-                raise bad(f"anchor chunk {t.name}[{c.index}] has no full segment")
+                raise bad(f"anchor {here} has no full segment")
             if m.kind == "delta" and c.delta is None:
-                raise bad(f"delta chunk {t.name}[{c.index}] has no delta segment")
+                raise bad(f"delta {here} has no delta segment")
             if m.delta_base is None and c.delta is not None:
-                raise bad(f"chunk {t.name}[{c.index}] has a delta segment but the manifest has no delta_base")
-            for seg in (c.full, c.delta):
+                raise bad(f"{here} has a delta segment but the manifest has no delta_base")
+            elements = chunk_elements(t.shape, t.chunk_rows, c.index)
+            for which, seg in (("full", c.full), ("delta", c.delta)):
                 if seg is None:
                     continue
                 if seg.blob >= len(m.blobs):
-                    raise bad(f"chunk {t.name}[{c.index}] names blob {seg.blob} of {len(m.blobs)}")
+                    raise bad(f"{here} {which} names blob {seg.blob} of {len(m.blobs)}")
                 if seg.offset + seg.length > m.blobs[seg.blob].size:
-                    raise bad(f"chunk {t.name}[{c.index}] runs past the end of {m.blobs[seg.blob].key!r}")
+                    raise bad(f"{here} {which} runs past the end of {m.blobs[seg.blob].key!r}")
+                if seg.n_changed > elements:
+                    raise bad(f"{here} {which} changes {seg.n_changed} elements of {elements}")
+        if m.kind == "anchor" and len(seen) != n_chunks:
+            raise bad(f"anchor lists {len(seen)} of the {n_chunks} chunks of tensor {t.name!r}")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -14,6 +15,9 @@ import torch
 
 from deltastore import codec
 from deltastore.errors import (
+    CorruptObjectError,
+    DeltastoreError,
+    FormatError,
     HistoryReplacedError,
     IntegrityError,
     InvalidStateDictError,
@@ -21,7 +25,10 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.history import History, VersionInfo
-from deltastore.manifest import BlobRef, Head, Manifest, SegmentRef, sha256_hex
+from deltastore.manifest import MAX_MANIFEST_BYTES, BlobRef, Head, Manifest, SegmentRef, sha256_hex
+from deltastore.plan import ChunkPlan, Manifests, Step, check_entries, plan_forward, plan_from_anchor
+from deltastore.plan import digests as _digests
+from deltastore.plan import layout as _layout
 from deltastore.publish import JOB_BYTES, default_threads
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -38,49 +45,56 @@ FETCH_BATCH_BYTES = 64 * 1024 * 1024
 #: a few hundred KiB of transfer.
 COALESCE_GAP_BYTES = 256 * 1024
 
-_Manifests = list[tuple[str, Manifest]]
+_Manifests = Manifests
 _T = TypeVar("_T")
+#: What a bad segment or chunk raises: a fallback path may succeed where one of these failed.
+_BAD_DATA = (IntegrityError, FormatError, NotFoundError)
 
 
-@dataclass
-class _Step:
-    """One segment to apply to a chunk: ``ref`` inside ``blob``, from manifest ``mi``."""
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
-    mi: int
-    blob: BlobRef
-    ref: SegmentRef
+
+@dataclass(frozen=True)
+class Problem:
+    """One bad segment or chunk found by :meth:`Subscriber.verify`.
+
+    Attributes:
+        version: the version whose manifest lists it.
+        manifest: that manifest's key.
+        message: what is wrong, naming the tensor, chunk, segment and pack.
+    """
+
+    version: int
+    manifest: str
+    message: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :meth:`Subscriber.verify` checked, and every problem it found.
+
+    Attributes:
+        url: the store.
+        versions: the versions whose manifests were checked, oldest first.
+        tensors: per version, the number of tensors in its layout.
+        segments: segments fetched, SHA-256-checked and decoded.
+        problems: every bad segment or chunk (empty when the store is sound).
+    """
+
+    url: str
+    versions: list[int]
+    tensors: dict[int, int]
+    segments: int
+    problems: list[Problem]
 
     @property
-    def where(self) -> tuple[str, int]:
-        return (self.blob.key, self.ref.offset)
-
-
-@dataclass
-class _ChunkPlan:
-    name: str
-    index: int
-    span: tuple[int, int]
-    digest: str  # expected after the plan
-    full: _Step | None = None
-    deltas: list[_Step] = field(default_factory=list)
-
-    def steps(self) -> list[_Step]:
-        return ([self.full] if self.full else []) + self.deltas
-
-
-def _layout(m: Manifest) -> dict[str, TensorSpec]:
-    """The tensor layout an anchor manifest defines."""
-    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows) for t in m.tensors}
-
-
-def _digests(ms: _Manifests) -> dict[tuple[str, int], str]:
-    """Chunk digests after the last manifest of ``ms`` (an anchor first, then its deltas)."""
-    out: dict[tuple[str, int], str] = {}
-    for _, m in ms:
-        for t in m.tensors:
-            for c in t.chunks:
-                out[(t.name, c.index)] = c.digest
-    return out
+    def ok(self) -> bool:
+        return not self.problems
 
 
 class _Fetcher:
@@ -92,20 +106,38 @@ class _Fetcher:
         self.bytes_fetched = 0  # segment bytes read from the store, cumulative
         self._lock = threading.Lock()
 
-    def fetch(self, steps: Iterable[_Step]) -> dict[tuple[str, int], memoryview]:
+    def fetch(
+        self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
+    ) -> dict[tuple[str, int], memoryview]:
+        """Fetch and verify every step's segment, keyed by ``(pack key, offset)``.
+
+        With ``errors``, a segment that is missing, truncated or fails its SHA-256 is recorded
+        there (with the error naming it) instead of raising, so a caller can take another path.
+        """
         by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
         for s in steps:
             by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
         jobs = []
         for blob, refs in by_blob.values():
             for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset)):
-                jobs.append(self.pool.submit(self._get_run, blob, run))
+                jobs.append((blob, run, self.pool.submit(self._get_run, blob, run, errors is not None)))
         out: dict[tuple[str, int], memoryview] = {}
-        for j in jobs:
-            out.update(j.result())
+        for blob, run, j in jobs:
+            try:
+                got, bad = j.result()
+            except (IntegrityError, NotFoundError) as e:
+                if errors is None:
+                    raise
+                errors.update(((blob.key, r.offset), e) for r in run)
+                continue
+            out.update(got)
+            if errors is not None:
+                errors.update(bad)
         return out
 
-    def _get_run(self, blob: BlobRef, run: list[SegmentRef]) -> dict[tuple[str, int], memoryview]:
+    def _get_run(
+        self, blob: BlobRef, run: list[SegmentRef], tolerant: bool = False
+    ) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
         start, stop = run[0].offset, run[-1].offset + run[-1].length
         whole = start == 0 and stop == blob.size
         try:
@@ -116,16 +148,24 @@ class _Fetcher:
             self.bytes_fetched += len(data)
         if len(data) != stop - start:
             raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
-        if whole and sha256_hex(data) != blob.sha256:
+        pack_bad = whole and sha256_hex(data) != blob.sha256
+        if pack_bad and not tolerant:
             raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
         view = memoryview(data)
         out = {}
+        bad: dict[tuple[str, int], DeltastoreError] = {}
         for r in run:
             seg = view[r.offset - start : r.offset - start + r.length]  # no copy: codec reads views
             if sha256_hex(seg) != r.sha256:  # also for whole packs: SPEC §7.6, every segment
-                raise IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
+                e = IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
+                if not tolerant:
+                    raise e
+                bad[(blob.key, r.offset)] = e
+                continue
             out[(blob.key, r.offset)] = seg
-        return out
+        if pack_bad and not bad:  # every segment hashes right, so the damage is between them: say so
+            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256 (its segments do): the object is corrupt")
+        return out, bad
 
 
 def _coalesce(refs: list[SegmentRef]) -> list[list[SegmentRef]]:
@@ -173,6 +213,10 @@ class Subscriber:
         trusted_keys: Ed25519 public keys (key objects, PEM bytes or PEM file paths); when
             given, every manifest used must be signed by one of them, else SignatureError
             (SPEC §3.1). Needs ``cryptography`` (``deltastore[signing]``).
+        max_model_bytes: refuse to materialize a version whose tensors declare more bytes than
+            this (default: this machine's physical memory), checked before allocating: a few KB
+            of hostile metadata must not become gigabytes resident.
+        max_manifest_bytes: refuse a manifest larger than this before parsing it.
 
     Example::
 
@@ -192,6 +236,8 @@ class Subscriber:
         threads: int | None = None,
         store: Store | None = None,
         trusted_keys: Iterable[Any] | None = None,
+        max_model_bytes: int | None = None,
+        max_manifest_bytes: int = MAX_MANIFEST_BYTES,
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
         check = None
@@ -202,7 +248,8 @@ class Subscriber:
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         self.url = self.store.url
-        self._history = History(self.store, check)
+        self.max_model_bytes = max_model_bytes if max_model_bytes is not None else physical_memory()
+        self._history = History(self.store, check, max_manifest_bytes=max_manifest_bytes)
         self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="deltastore-decode")
         self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
         self._fetcher = _Fetcher(self.store, self._io)
@@ -252,12 +299,13 @@ class Subscriber:
             IntegrityError: a segment or a reconstructed chunk failed its digest.
         """
         key, m = self._resolve(version)
-        ms = self._history.chain(key, m, down_to=m.anchor)
+        ms = self._history.anchor_chain(key, m)
         specs = _layout(ms[0][1])
-        out = {n: torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for n, s in specs.items()}
-        plans = self._plan_from_anchor(ms, specs)
+        plans = self._plan_from_anchor(ms, specs)  # checks the whole chain before allocating
+        self._check_model_size(specs, m.version)
+        out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
         targets = {n: _Target(t) for n, t in out.items()}
-        for batch, data in self._fetch_batches(plans):
+        for batch, data, _ in self._fetch_batches(plans):
             groups = _grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
             list(self._pool.map(lambda g: [self._build(p, specs, data, targets[p.name]) for p in g], groups))
         self._version, self._held = m.version, ms
@@ -317,6 +365,73 @@ class Subscriber:
         self._version, self._held = m.version, held
         return VersionInfo.from_manifest(m, key)
 
+    def verify(self, version: int | None = None, *, all_versions: bool = False) -> VerifyReport:
+        """Check every segment of a version's chain, or of every version, and report each bad one.
+
+        Unlike :meth:`pull`, which reads only the segments one path needs, this fetches every
+        segment each manifest lists, full and delta (an anchor's delta segments too), checks its
+        SHA-256, decodes it, and checks the chunk it produces against the recorded digest:
+        versions are replayed oldest first, so a delta is applied to the verified state of its
+        parent. Problems are collected, not raised, so one run names every bad object.
+
+        Args:
+            version: the version whose chain (from its anchor) to check; default the latest.
+            all_versions: check every version from 1 to the latest instead.
+
+        Raises:
+            VersionNotFoundError: no such version (or an empty store).
+            CorruptObjectError, IntegrityError, NotFoundError: a manifest of the chain itself is
+                unreadable or the chain is broken (nothing further can be checked).
+        """
+        if all_versions:
+            top = self._history.head_manifest(self._require_head())
+            assert top is not None
+            ms = self._history.chain(*top, down_to=1)
+        else:
+            ms = self._history.anchor_chain(*self._resolve(version))
+        problems: list[Problem] = []
+        tensors: dict[int, int] = {}
+        state: dict[tuple[str, int], np.ndarray | None] = {}  # verified chunk bits; None: unknown
+        specs: dict[str, TensorSpec] = {}
+        n_segments = 0
+        for key, m in ms:
+            if m.kind == "anchor":
+                if m.delta_base is None:
+                    state.clear()  # a new start: nothing carries over
+                specs = _layout(m)
+                self._check_model_size(specs, m.version)
+            tensors[m.version] = len(specs)
+            try:
+                check_entries(key, m, specs, m.anchor)
+            except CorruptObjectError as e:
+                problems.append(Problem(m.version, key, str(e)))
+                continue
+            items = [(t.name, c) for t in m.tensors for c in t.chunks]
+            steps = {
+                (name, c.index, which): Step(0, m.blobs[seg.blob], seg)
+                for name, c in items
+                for which, seg in (("full", c.full), ("delta", c.delta))
+                if seg is not None
+            }
+            n_segments += len(steps)
+            for batch in _batched(items, lambda it: sum(seg.length for seg in (it[1].full, it[1].delta) if seg is not None)):
+                errors: dict[tuple[str, int], DeltastoreError] = {}
+                want = [steps[k] for name, c in batch for w in ("full", "delta") if (k := (name, c.index, w)) in steps]
+                data = self._fetcher.fetch(want, errors)
+
+                def check(group: list[tuple[str, Any]]) -> list[tuple[tuple[str, int], np.ndarray | None, list[str]]]:
+                    return [_verify_chunk(name, c, specs[name], state.get((name, c.index)), steps, data, errors) for name, c in group]
+
+                groups = _grouped(batch, lambda it: _span_bytes(specs, it[0], it[1].index))
+                # All results first: the checks read ``state``, which is updated only after them.
+                for results in list(self._pool.map(check, groups)):
+                    for k, raw, msgs in results:
+                        state[k] = raw
+                        problems.extend(Problem(m.version, key, msg) for msg in msgs)
+        for p in problems:
+            logger.error("version %d (%s): %s", p.version, p.manifest, p.message)
+        return VerifyReport(self.url, [m.version for _, m in ms], tensors, n_segments, problems)
+
     def close(self) -> None:
         """Stop worker threads and release the store. Idempotent."""
         if self._closed:
@@ -352,6 +467,15 @@ class Subscriber:
 
     # --- planning -----------------------------------------------------------------------
 
+    def _check_model_size(self, specs: dict[str, TensorSpec], version: int) -> None:
+        total = sum(s.nbytes for s in specs.values())
+        if self.max_model_bytes is not None and total > self.max_model_bytes:
+            raise CorruptObjectError(
+                f"version {version} of {self.url} declares {total} bytes of tensors, more than "
+                f"max_model_bytes={self.max_model_bytes} (default: this machine's memory); if that is "
+                "real, open the Subscriber with a larger max_model_bytes"
+            )
+
     def _require_head(self) -> Head:
         head = self._history.poll_head()
         if head is None or head.manifest is None:
@@ -366,79 +490,24 @@ class Subscriber:
             return top
         return self._history.find(version, head)
 
-    @staticmethod
-    def _plan_from_anchor(ms: _Manifests, specs: dict[str, TensorSpec]) -> list[_ChunkPlan]:
-        """Every chunk: the anchor's full segment, then each later delta that lists it."""
-        plans: dict[tuple[str, int], _ChunkPlan] = {}
-        for mi, (_, m) in enumerate(ms):
-            for t in m.tensors:
-                spec = specs.get(t.name)
-                if spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows):
-                    raise IntegrityError(f"version {m.version}: tensor {t.name!r} does not match the layout of anchor {ms[0][1].version}")
-                for c in t.chunks:
-                    p = plans.get((t.name, c.index))
-                    if p is None:
-                        if mi != 0 or c.full is None:
-                            raise IntegrityError(f"version {m.version}: chunk {t.name}[{c.index}] is not in anchor {ms[0][1].version}")
-                        p = plans[(t.name, c.index)] = _ChunkPlan(t.name, c.index, spec.chunk_span(c.index), c.digest, _Step(mi, m.blobs[c.full.blob], c.full))
-                    elif c.delta is not None:
-                        p.deltas.append(_Step(mi, m.blobs[c.delta.blob], c.delta))
-                        p.digest = c.digest
-        missing = sum(s.n_chunks for s in specs.values()) - len(plans)
-        if missing:
-            raise IntegrityError(f"anchor {ms[0][1].version} lacks {missing} chunk(s) of its layout")
-        return list(plans.values())
-
-    @staticmethod
-    def _plan_forward(ms: _Manifests, specs: dict[str, TensorSpec]) -> list[_ChunkPlan]:
-        """Chunks changed in ``ms`` (versions h+1..t): per chunk, deltas or the latest full.
-
-        Every anchor in ``ms`` has the layout ``specs`` (pull_into re-plans from the anchor
-        otherwise).
-        """
-        # Per chunk: the segments touching it, in version order.
-        touched: dict[tuple[str, int], list[tuple[int, Any]]] = {}
-        for mi, (_, m) in enumerate(ms):
-            for t in m.tensors:
-                for c in t.chunks:
-                    if c.delta is not None or (m.kind == "anchor" and m.delta_base is None):
-                        touched.setdefault((t.name, c.index), []).append((mi, c))
-        plans = []
-        for (name, idx), entries in touched.items():
-            best: tuple[int, _ChunkPlan] | None = None
-            # Candidate starts: pure deltas from h (start=-1), or a full segment at an anchor.
-            starts = [-1] + [i for i, (mi, c) in enumerate(entries) if c.full is not None]
-            for si in starts:
-                rest = entries[si + 1 :] if si >= 0 else entries
-                if any(c.delta is None for _, c in rest):
-                    continue  # an anchor without deltas breaks the chain: need its full segment
-                plan = _ChunkPlan(name, idx, specs[name].chunk_span(idx), entries[-1][1].digest)
-                if si >= 0:
-                    mi, c = entries[si]
-                    plan.full = _Step(mi, ms[mi][1].blobs[c.full.blob], c.full)
-                plan.deltas = [_Step(mi, ms[mi][1].blobs[c.delta.blob], c.delta) for mi, c in rest]
-                cost = sum(s.ref.length for s in plan.steps())
-                if best is None or cost < best[0]:
-                    best = (cost, plan)
-            if best is None:
-                raise IntegrityError(f"no way to bring chunk {name}[{idx}] forward: the chain lacks segments")
-            plans.append(best[1])
-        return plans
+    # Planning is pure (deltastore.plan); pull_into calls it under these names.
+    _plan_from_anchor = staticmethod(plan_from_anchor)
+    _plan_forward = staticmethod(plan_forward)
 
     # --- applying -----------------------------------------------------------------------
 
-    def _build(self, p: _ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
+    def _build(self, p: ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
         """Decode a plan that starts from a full segment, verify it, write it to ``target``."""
         raw = self._replay(p, specs[p.name], data, None)
         target.write(*p.span, raw)
 
     @staticmethod
-    def _replay(p: _ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None) -> np.ndarray:
+    def _replay(p: ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None) -> np.ndarray:
         a, b = p.span
         if p.full is not None:
             raw = codec.decode_full(data[p.full.where], codec=p.full.ref.codec, dtype=spec.uint_dtype(), count=b - a)
         assert raw is not None
-        applied: list[_Step] = []
+        applied: list[Step] = []
         try:
             for s in p.deltas:
                 codec.apply_delta(raw, data[s.where], codec=s.ref.codec)  # validates before writing
@@ -454,10 +523,15 @@ class Subscriber:
             raise
         return raw
 
-    def _fetch_batches(self, plans: list[_ChunkPlan]) -> Iterator[tuple[list[_ChunkPlan], dict[tuple[str, int], bytes]]]:
+    def _fetch_batches(
+        self, plans: list[ChunkPlan], *, tolerant: bool = False
+    ) -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
         """Yield plans in batches of about FETCH_BATCH_BYTES with their verified segments,
-        fetching the next batch while the caller applies the current one."""
-        batches: list[list[_ChunkPlan]] = [[]]
+        fetching the next batch while the caller applies the current one.
+
+        With ``tolerant``, segments that are missing or fail their SHA-256 come back as errors
+        (the third item) instead of raising, so the caller can take another path for them."""
+        batches: list[list[ChunkPlan]] = [[]]
         size = 0
         for p in plans:
             cost = sum(st.ref.length for st in p.steps())
@@ -467,18 +541,20 @@ class Subscriber:
             batches[-1].append(p)
             size += cost
 
-        def fetch(batch: list[_ChunkPlan]) -> dict[tuple[str, int], bytes]:
-            return self._fetcher.fetch(st for p in batch for st in p.steps())
+        def fetch(batch: list[ChunkPlan]) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
+            errors: dict[tuple[str, int], DeltastoreError] = {}
+            data = self._fetcher.fetch((st for p in batch for st in p.steps()), errors if tolerant else None)
+            return data, errors
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch") as ahead:
             nxt = ahead.submit(fetch, batches[0])
             for i, batch in enumerate(batches):
-                data = nxt.result()
+                data, errors = nxt.result()
                 if i + 1 < len(batches):
                     nxt = ahead.submit(fetch, batches[i + 1])
-                yield batch, data
+                yield batch, data, errors
 
-    def _apply_in_place(self, plans: list[_ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
+    def _apply_in_place(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
         """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
         # Tied weights (one storage under two names) are updated once.
         seen: dict[tuple[int, int], str] = {}
@@ -505,11 +581,16 @@ class Subscriber:
         keys = sorted(kept - replaced)
         list(self._pool.map(lambda g: [check_base(k) for k in g], _grouped(keys, lambda k: _span_bytes(specs, *k))))
 
-        done: list[tuple[_ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
+        done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
-        data: dict[tuple[str, int], bytes] = {}
+        _Segs = dict[tuple[str, int], memoryview]
+        _Errs = dict[tuple[str, int], DeltastoreError]
+        _Done = tuple[ChunkPlan, "np.ndarray | None", _Segs]
 
-        def run(p: _ChunkPlan) -> tuple[_ChunkPlan, np.ndarray | None]:
+        def attempt(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
+            for st in p.steps():
+                if st.where in errors:
+                    raise errors[st.where]
             tgt = targets[p.name]
             if p.full is None:
                 if tgt.cpu:
@@ -518,32 +599,51 @@ class Subscriber:
                     raw = tgt.read(*p.span)
                     self._replay(p, specs[p.name], data, raw)
                     tgt.write(*p.span, raw)
-                return p, None
+                return p, None, data
             new = self._replay(p, specs[p.name], data, None)
             saved = tgt.read(*p.span).copy()
             tgt.write(*p.span, new)
-            return p, saved
+            return p, saved, data
 
-        def run_group(group: list[_ChunkPlan]) -> tuple[list[tuple[_ChunkPlan, np.ndarray | None]], BaseException | None]:
+        def run(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
+            """The chunk's chosen path, else its fallbacks (a failed attempt leaves it as it was)."""
+            try:
+                return attempt(p, data, errors)
+            except _BAD_DATA as e:
+                error: DeltastoreError = e
+            for alt in p.fallbacks:
+                assert alt.full is not None
+                logger.warning(
+                    "chunk %s[%d]: %s; taking the full segment at %d of pack %s instead",
+                    p.name, p.index, error, alt.full.ref.offset, alt.full.blob.key,
+                )
+                try:
+                    alt_errors: _Errs = {}
+                    return attempt(alt, self._fetcher.fetch(alt.steps(), alt_errors), alt_errors)
+                except _BAD_DATA as e:
+                    error = e
+            raise error
+
+        def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
             applied = []
             for p in group:
                 try:
-                    applied.append(run(p))
+                    applied.append(run(p, data, errors))
                 except BaseException as e:  # noqa: BLE001 - re-raised by the caller after rollback
                     return applied, e
             return applied, None
 
         error: BaseException | None = None
         try:
-            for batch, data in self._fetch_batches(plans):
+            for batch, data, errors in self._fetch_batches(plans, tolerant=True):
                 groups = _grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
-                for f in [self._pool.submit(run_group, g) for g in groups]:
+                for f in [self._pool.submit(run_group, g, data, errors) for g in groups]:
                     applied, failed = f.result()
                     error = error or failed
-                    for p, saved in applied:
+                    for p, saved, segs in applied:
                         done.append((p, saved))
                         if saved is None:
-                            undo.update((s.where, data[s.where]) for s in p.deltas)
+                            undo.update((s.where, segs[s.where]) for s in p.deltas)
                 if error is not None:
                     break
         except BaseException as e:  # noqa: BLE001 - a fetch failed: roll back what was applied
@@ -562,6 +662,71 @@ class Subscriber:
                     tgt.write(*p.span, raw)
         logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)
         raise error
+
+
+def _verify_chunk(
+    name: str,
+    c: Any,
+    spec: TensorSpec,
+    base: np.ndarray | None,
+    steps: dict[tuple[str, int, str], Step],
+    data: dict[tuple[str, int], memoryview],
+    errors: dict[tuple[str, int], DeltastoreError],
+) -> tuple[tuple[str, int], np.ndarray | None, list[str]]:
+    """Check both segments of one chunk entry: ``(key, verified bits or None, problems)``.
+
+    A delta segment is applied to ``base`` (the verified bits at the parent) and checked
+    against the digest; with no verified base it is still decoded (onto zeros), which checks
+    its structure but not its values.
+    """
+    a, b = spec.chunk_span(c.index)
+    problems: list[str] = []
+    result: np.ndarray | None = None
+    for which in ("delta", "full"):
+        st = steps.get((name, c.index, which))
+        if st is None:
+            continue
+        what = f"chunk {name}[{c.index}] {which} segment ({st.ref.codec}) at {st.ref.offset} of pack {st.blob.key!r}"
+        if st.where in errors:
+            problems.append(f"{what}: {errors[st.where]}")
+            continue
+        try:
+            if which == "full":
+                raw = codec.decode_full(data[st.where], codec=st.ref.codec, dtype=spec.uint_dtype(), count=b - a)
+            else:
+                raw = base.copy() if base is not None else np.zeros(b - a, dtype=spec.uint_dtype())
+                codec.apply_delta(raw, data[st.where], codec=st.ref.codec)
+        except (DeltastoreError, ValueError) as e:
+            problems.append(f"{what} does not decode: {type(e).__name__}: {e}")
+            continue
+        if which == "delta" and base is None:
+            continue  # structure checked; values unknowable without a verified parent
+        if state_digest(raw) != c.digest:
+            problems.append(f"{what} does not reproduce the chunk's digest {c.digest}")
+            continue
+        result = raw
+    return (name, c.index), result, problems
+
+
+def _batched(items: list[_T], nbytes: Callable[[_T], int]) -> list[list[_T]]:
+    """Consecutive items in batches of about FETCH_BATCH_BYTES (the memory a fetch may hold)."""
+    batches: list[list[_T]] = [[]]
+    size = 0
+    for item in items:
+        if batches[-1] and size + nbytes(item) > FETCH_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += nbytes(item)
+    return batches if batches[0] else []
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a (validated) manifest's dtype name."""
+    try:
+        return torch_dtype(name)
+    except InvalidStateDictError as e:  # a name deltastore stores, but this torch is too old
+        raise FormatError(f"{e}: upgrade torch to read this store") from None
 
 
 def _span_bytes(specs: dict[str, TensorSpec], name: str, index: int) -> int:

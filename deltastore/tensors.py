@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from deltastore.errors import InvalidStateDictError, LayoutMismatchError
+from deltastore.manifest import DTYPE_WIDTHS, chunk_count
 
 #: A chunk of about this size is the unit of change detection, encoding, threading and
 #: partial reads: big enough that per-chunk overhead vanishes, small enough that a few chunks
@@ -31,10 +32,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`; raises InvalidStateDictError for unknown names."""
-    dt = getattr(torch, name, None)
+    """Inverse of :func:`dtype_name` for the dtypes deltastore stores (``DTYPE_WIDTHS``);
+    raises InvalidStateDictError for any other name (never an attribute lookup on torch)."""
+    dt = getattr(torch, name, None) if name in DTYPE_WIDTHS else None
     if not isinstance(dt, torch.dtype):
-        raise InvalidStateDictError(f"unknown dtype {name!r}")
+        raise InvalidStateDictError(f"unknown dtype {name!r} (this torch {torch.__version__} lacks it, or deltastore does not store it)")
     return dt
 
 
@@ -61,9 +63,11 @@ class TensorSpec:
 
     @property
     def n_chunks(self) -> int:
-        if not self.shape:
-            return 1
-        return max(1, math.ceil(self.shape[0] / self.chunk_rows))
+        return chunk_count(self.shape, self.chunk_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_WIDTHS[self.dtype]
 
     def chunk_span(self, index: int) -> tuple[int, int]:
         """Element range ``[start, stop)`` of chunk ``index`` in the flattened tensor."""
@@ -112,6 +116,8 @@ def validate_state_dict(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
             raise InvalidStateDictError(f"tensor {name!r} has unsupported dtype {t.dtype}")
         if t.element_size() not in _UINT_BY_WIDTH:
             raise InvalidStateDictError(f"tensor {name!r} has dtype {t.dtype} of {t.element_size()} bytes; deltastore stores 1-, 2-, 4- and 8-byte elements")
+        if dtype_name(t.dtype) not in DTYPE_WIDTHS:  # readers refuse any other dtype name
+            raise InvalidStateDictError(f"tensor {name!r} has dtype {t.dtype}, which deltastore does not store")
         if not t.is_contiguous():
             raise InvalidStateDictError(f"tensor {name!r} is not contiguous; pass .contiguous() (deltastore never copies silently)")
         if t.device.type == "meta":

@@ -24,7 +24,8 @@ from deltastore import (
     UnknownCodecError,
     UnsupportedSchemaError,
 )
-from deltastore.manifest import HEAD_KEY
+from deltastore.cli import main
+from deltastore.manifest import HEAD_KEY, manifest_key, sha256_hex
 from deltastore.storage import open_store
 from deltastore.tensors import bits
 from tests._helpers import (
@@ -393,3 +394,281 @@ def test_pull_into_a_wrong_layout_target(url: str) -> None:
         with pytest.raises(LayoutMismatchError, match="t2"):
             sub.pull_into(bad)
         assert sub.pull_into(target).version == 2
+
+
+# --- hostile manifests through the read paths (issue 6: D8, D10, D11, D12) --------------------
+
+
+def _manifest_doc(store, version: int) -> tuple[str, dict]:
+    key = next(k for k in keys(store, "manifests/") if k.startswith(f"manifests/{version:012d}-"))
+    return key, json.loads(store.get(key))
+
+
+def test_anchor_with_out_of_range_chunk_indices_is_corrupt(url: str) -> None:
+    """D8: an anchor listing chunks 0 and 2 of a 2-chunk tensor; pull() used to hand out the
+    unwritten rows of chunk 1 and verify passed."""
+    states = _history(url, n=2)
+    with open_store(url) as store:
+        _, doc = _manifest_doc(store, 1)
+        t = next(t for t in doc["tensors"] if len(t["chunks"]) == 2)
+        t["chunks"][1]["index"] = 2
+        key = resign_manifest(store, doc)
+    with Subscriber(url, threads=2) as sub:
+        with pytest.raises(CorruptObjectError) as exc:
+            sub.pull()
+        assert key in str(exc.value) and t["name"] in str(exc.value)
+        target = snapshot(states[0])
+        with pytest.raises(CorruptObjectError):
+            sub.pull_into(target)
+        assert_bits_equal(target, states[0])
+    assert main(["verify", url]) == 1
+
+
+@pytest.mark.parametrize("dtype", ["__class__", "Tensor", "qint8"])
+def test_manifest_with_a_foreign_dtype_is_corrupt(url: str, dtype: str) -> None:
+    """A dtype name that is an attribute of torch but not a dtype we store is a corrupt manifest,
+    not InvalidStateDictError (which means: the caller's state dict is wrong)."""
+    _history(url, n=1)
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        doc["tensors"][0]["dtype"] = dtype
+        resign_manifest(store, doc)
+    with Subscriber(url) as sub, pytest.raises(CorruptObjectError, match=dtype):
+        sub.pull()
+
+
+def _huge_anchor(store, numel: int) -> str:
+    """Re-sign version 1 so that one tensor declares ``numel`` uint8 elements in one chunk,
+    reusing a real (small) full segment: a few KB of packs declaring a huge model."""
+    _, doc = _manifest_doc(store, 1)
+    t = doc["tensors"][0]
+    t.update(dtype="uint8", shape=[numel], chunk_rows=numel, chunks=t["chunks"][:1])
+    return resign_manifest(store, doc)
+
+
+def test_declared_model_size_is_capped_before_allocating(url: str) -> None:
+    """D11: 3 KB of packs must not become gigabytes resident; the cap is configurable."""
+    _history(url, n=1)
+    with open_store(url) as store:
+        _huge_anchor(store, 2**50)  # a petabyte: more than any machine's memory
+    with Subscriber(url) as sub, pytest.raises(CorruptObjectError, match="max_model_bytes") as exc:
+        sub.pull()
+    assert url.rstrip("/").split("/")[-1] in str(exc.value)
+    # A legitimate store over a configured cap: refused, naming the option.
+    url2 = url + "-small"
+    _history(url2, n=1)
+    with Subscriber(url2, max_model_bytes=1024) as sub, pytest.raises(CorruptObjectError, match="max_model_bytes"):
+        sub.pull()
+    with Subscriber(url2, max_model_bytes=10**6) as sub:
+        assert sub.pull()
+
+
+def test_manifest_size_cap_is_checked_before_parsing(url: str) -> None:
+    _history(url, n=2)
+    with open_store(url) as store:
+        size = len(store.get(read_head(store)["manifest"]))
+    with Subscriber(url, max_manifest_bytes=size - 1) as sub, pytest.raises(CorruptObjectError, match="limit"):
+        sub.pull()
+    with Subscriber(url, max_manifest_bytes=size + 10_000) as sub:
+        assert sub.pull()
+
+
+def test_head_over_the_cap_is_refused_before_reading_it(url: str) -> None:
+    from deltastore.manifest import MAX_HEAD_BYTES
+    from tests._helpers import WrappedStore
+
+    _history(url, n=1)
+    with open_store(url) as store:
+        h = read_head(store)
+        h["writer"] = "x" * (MAX_HEAD_BYTES + 1)
+        store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
+    wrapped = WrappedStore(open_store(url))
+    with Subscriber(url, store=wrapped) as sub, pytest.raises(CorruptObjectError, match="HEAD"):
+        sub.latest()
+    assert wrapped.calls == [("head", HEAD_KEY)], "the body of an oversized HEAD was read"
+    wrapped.close()
+
+
+def _deep(n: int) -> str:
+    return '{"a":' * n + "1" + "}" * n
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["deep-head", "long-int-head", "deep-metadata", "huge-model", "negative-shape"],
+)
+@pytest.mark.parametrize("command", ["pull", "log", "verify"])
+def test_cli_on_hostile_metadata_prints_one_line(url: str, tmp_path: Path, capsys, damage: str, command: str) -> None:
+    """D11: crafted metadata never reaches the user as a traceback or a bare Python error."""
+    _history(url, n=2)
+    with open_store(url) as store:
+        if damage == "deep-head":
+            store.put(HEAD_KEY, _deep(100_000).encode(), mode="overwrite")
+        elif damage == "long-int-head":
+            store.put(HEAD_KEY, store.get(HEAD_KEY).replace(b'"epoch":', b'"epoch":' + b"9" * 5000 + b","  b'"x":'), mode="overwrite")
+        elif damage == "deep-metadata":
+            _, doc = head_manifest(store)
+            doc["metadata"] = {"a": 1}
+            data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+            data = data.replace(b'"metadata":{"a":1}', b'"metadata":' + _deep(3_000).encode())
+            digest = sha256_hex(data)
+            store.put(manifest_key(doc["version"], digest), data, mode="overwrite")
+            h = read_head(store)
+            h.update(manifest=manifest_key(doc["version"], digest), manifest_sha256=digest)
+            store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
+        elif damage == "huge-model":
+            _huge_anchor(store, 2**50)
+        else:
+            _, doc = _manifest_doc(store, 1)
+            doc["tensors"][0]["shape"][0] = -doc["tensors"][0]["shape"][0]
+            resign_manifest(store, doc)
+    capsys.readouterr()
+    argv = {"pull": ["pull", url, str(tmp_path / "o.safetensors")], "log": ["log", url], "verify": ["verify", url, "--all"]}[command]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    if command == "log" and damage == "huge-model":  # a big model is no reason to refuse listing it
+        assert rc == 0 and not err, err
+        return
+    assert rc == 1, err
+    assert err.count("\n") == 1 and err.startswith("deltastore: error: "), err
+    assert "CorruptObjectError" in err, err
+
+
+def test_chain_that_skips_a_version_is_corrupt(url: str) -> None:
+    """D12: version 3 names version 1's manifest as its parent: log and verify used to pass."""
+    _history(url, n=4)
+    with open_store(url) as store:
+        k1, _ = _manifest_doc(store, 1)
+        _, d3 = _manifest_doc(store, 3)
+        d3["parent_manifest"] = k1
+        k3 = resign_manifest(store, d3, point_head=False)
+        _, d4 = _manifest_doc(store, 4)
+        d4["parent_manifest"] = k3
+        resign_manifest(store, d4)
+    with Subscriber(url) as sub:
+        for call in (sub.log, sub.pull, lambda: sub.info(1)):
+            with pytest.raises(CorruptObjectError, match="000000000003-"):
+                call()
+    assert main(["verify", url, "--all"]) == 1
+    assert main(["log", url]) == 1
+
+
+def test_parent_link_to_a_manifest_filed_under_another_version(url: str) -> None:
+    """D12: the parent link names a key with version 2's prefix whose content is version 1."""
+    _history(url, n=3)
+    with open_store(url) as store:
+        k1, _ = _manifest_doc(store, 1)
+        data = store.get(k1)
+        fake = f"manifests/{2:012d}-{k1.rsplit('-', 1)[1]}"
+        store.put(fake, data, mode="overwrite")
+        _, d3 = _manifest_doc(store, 3)
+        d3["parent_manifest"] = fake
+        resign_manifest(store, d3)
+    with Subscriber(url) as sub:
+        for call in (sub.log, sub.pull):
+            with pytest.raises(CorruptObjectError, match=fake):
+                call()
+
+
+def test_delta_whose_anchor_is_not_an_anchor(url: str) -> None:
+    _history(url, n=4)
+    with open_store(url) as store:
+        _, d4 = _manifest_doc(store, 4)
+        d4["anchor"] = 2  # a delta
+        key = resign_manifest(store, d4)
+    with Subscriber(url) as sub:
+        for call in (sub.pull, sub.log):
+            with pytest.raises(CorruptObjectError, match=key):
+                call()
+
+
+def _anchor_with_deltas(url: str) -> list[dict[str, torch.Tensor]]:
+    """Versions 1 (anchor), 2, 3 (deltas), 4 (an anchor that also carries delta segments)."""
+    states = _history(url, n=4, anchor_every=3)
+    with open_store(url) as store:
+        _, d4 = head_manifest(store)
+    assert d4["kind"] == "anchor" and d4["delta_base"] == 3
+    assert any(c.get("delta") for t in d4["tensors"] for c in t["chunks"])
+    return states
+
+
+def _corrupt_anchor_delta(url: str, how: str) -> tuple[str, int]:
+    with open_store(url) as store:
+        _, d4 = head_manifest(store)
+        t, c = next((t, c) for t in d4["tensors"] for c in t["chunks"] if c.get("delta"))
+        if how == "garbage":  # hashes correctly, decodes to nonsense or not at all
+            resign_segment(store, d4, t["name"], c["index"], "delta", lambda b: b[:-4] + bytes(x ^ 0x5A for x in b[-4:]))
+        elif how == "sha":
+            c["delta"]["sha256"] = "e" * 64
+        else:  # the delta's bytes sit in a pack of their own, which is missing
+            c["delta"]["blob"] = len(d4["blobs"])
+            d4["blobs"].append({"key": f"blobs/00/{'0' * 64}", "size": c["delta"]["offset"] + c["delta"]["length"], "sha256": "0" * 64})
+        resign_manifest(store, d4)
+    return t["name"], c["index"]
+
+
+@pytest.mark.parametrize("how", ["garbage", "sha", "missing"])
+def test_verify_all_checks_the_delta_segments_of_anchors(url: str, how: str, capsys) -> None:
+    """D10: verify used to materialize each version from its anchor's full segments only."""
+    _anchor_with_deltas(url)
+    assert main(["verify", url, "--all"]) == 0
+    name, index = _corrupt_anchor_delta(url, how)
+    capsys.readouterr()
+    assert main(["verify", url, "--all"]) == 1
+    out, err = capsys.readouterr()
+    assert f"{name}[{index}]" in out and "delta" in out, out
+    assert err.count("\n") == 1, err
+    with Subscriber(url) as sub:
+        report = sub.verify(all_versions=True)
+        assert not report.ok and report.versions == [1, 2, 3, 4]
+        assert len(report.problems) == 1 and f"{name}[{index}]" in report.problems[0].message
+        assert report.problems[0].version == 4 and report.segments > 0
+
+
+@pytest.mark.parametrize("how", ["garbage", "sha", "missing"])
+def test_pull_into_falls_back_to_the_anchor_full_segment(url: str, how: str, caplog) -> None:
+    """D10: a worker one version behind an anchor whose delta segment is bad takes the full
+    segment of that chunk instead of failing forever."""
+    states = _anchor_with_deltas(url)
+    name, index = _corrupt_anchor_delta(url, how)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(3)
+        with caplog.at_level("WARNING", logger="deltastore.pull"):
+            assert sub.pull_into(target).version == 4
+        assert_bits_equal(target, states[3])
+        assert any(f"{name}[{index}]" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_pull_into_without_a_clean_path_changes_nothing(url: str) -> None:
+    """Both the delta and the full segment of a chunk are bad: raise, nothing applied."""
+    states = _anchor_with_deltas(url)
+    name, index = _corrupt_anchor_delta(url, "sha")
+    with open_store(url) as store:
+        _, d4 = head_manifest(store)
+        c = next(c for t in d4["tensors"] if t["name"] == name for c in t["chunks"] if c["index"] == index)
+        c["full"]["sha256"] = "d" * 64
+        resign_manifest(store, d4)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(3)
+        with pytest.raises(IntegrityError):
+            sub.pull_into(target)
+        assert_bits_equal(target, states[2])
+        assert sub.version == 3
+
+
+def test_verify_reports_every_bad_segment(url: str) -> None:
+    """One run names every bad object (here: a segment of version 2's pack and an anchor's
+    delta segment), not only the first; the latest version alone is checked by default."""
+    _anchor_with_deltas(url)
+    name, index = _corrupt_anchor_delta(url, "sha")
+    with open_store(url) as store:
+        _, d2 = _manifest_doc(store, 2)
+        pack = d2["blobs"][0]["key"]
+        store.put(pack, _flip(store.get(pack), 0), mode="overwrite")
+    with Subscriber(url) as sub:
+        report = sub.verify(all_versions=True)
+        assert {p.version for p in report.problems} == {2, 4}, report.problems
+        assert any(pack in p.message for p in report.problems)
+        latest = sub.verify()
+        assert latest.versions == [4] and [p.version for p in latest.problems] == [4]
+        assert f"{name}[{index}]" in latest.problems[0].message

@@ -21,6 +21,8 @@ from deltastore.manifest import (
     Stats,
     TensorEntry,
     blob_key,
+    chunk_count,
+    chunk_elements,
     digest_from_key,
     dump,
     manifest_key,
@@ -57,7 +59,7 @@ def manifests(draw) -> Manifest:
     blob_sizes = draw(st.lists(st.integers(0, 10**6), min_size=0, max_size=3))
     blobs = tuple(BlobRef(key=blob_key(h), size=s, sha256=h) for h, s in zip(draw(st.lists(hexes, min_size=len(blob_sizes), max_size=len(blob_sizes))), blob_sizes))
 
-    def seg():
+    def seg(elements: int):
         if not blobs:
             return None
         b = draw(st.integers(0, len(blobs) - 1))
@@ -66,19 +68,27 @@ def manifests(draw) -> Manifest:
         length = draw(st.integers(0, size - off))
         return SegmentRef(blob=b, offset=off, length=length, sha256=draw(hexes),
                           codec=draw(st.sampled_from(["full/1", "xor-sparse/1", "xor-dense/1"])),
-                          n_changed=draw(st.integers(0, 10**6)))  # fmt: skip
+                          n_changed=draw(st.integers(0, elements)))  # fmt: skip
 
     tensors = []
     if blobs:
         for name in draw(st.lists(names, max_size=3, unique=True)):
+            shape = tuple(draw(st.lists(st.integers(0, 10**5), max_size=3)))
+            if kind == "anchor":  # an anchor lists every chunk: keep their number small
+                n = draw(st.integers(1, 3))
+                rows = max(1, -(-shape[0] // n)) if shape else draw(st.integers(1, 10**6))
+            else:
+                rows = draw(st.integers(1, 10**6))
+            n_chunks = chunk_count(shape, rows)
+            indices = range(n_chunks) if kind == "anchor" else sorted(draw(st.sets(st.integers(0, min(n_chunks, 51) - 1), min_size=1, max_size=3)))
             chunks = []
-            for idx in sorted(draw(st.sets(st.integers(0, 50), min_size=1, max_size=3))):
-                full = seg() if kind == "anchor" else None
-                delta = seg() if delta_base is not None and (kind == "delta" or draw(st.booleans())) else None
+            for idx in indices:
+                elements = chunk_elements(shape, rows, idx)
+                full = seg(elements) if kind == "anchor" else None
+                delta = seg(elements) if delta_base is not None and (kind == "delta" or draw(st.booleans())) else None
                 chunks.append(ChunkEntry(index=idx, digest=draw(st.text("0123456789abcdef", min_size=32, max_size=32)), full=full, delta=delta))
             tensors.append(TensorEntry(name=name, dtype=draw(st.sampled_from(["bfloat16", "float32", "int64", "bool"])),
-                                       shape=tuple(draw(st.lists(st.integers(0, 10**6), max_size=4))),
-                                       chunk_rows=draw(st.integers(1, 10**6)), chunks=tuple(chunks)))  # fmt: skip
+                                       shape=shape, chunk_rows=rows, chunks=tuple(chunks)))  # fmt: skip
     return Manifest(
         version=version,
         parent=parent,
@@ -392,3 +402,139 @@ def test_real_manifest_fields(real) -> None:
     assert doc["state_digest"] == "xxh3-128" and doc["created"].endswith("Z")
     for b in doc["blobs"]:
         assert b["key"] == blob_key(b["sha256"])
+
+
+# --- hostile manifests: every structural lie is a CorruptObjectError naming the object --------
+
+
+@pytest.fixture(scope="module")
+def anchor_doc() -> dict:
+    """A real anchor manifest with a multi-chunk tensor, a 0-d tensor and an empty tensor."""
+    url = f"memory://manifest-anchor-{uuid.uuid4().hex}"
+    state = {
+        "w": torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8),
+        "scalar": torch.tensor(3, dtype=torch.int64),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+    }
+    with Publisher(url, threads=2, chunk_bytes=512) as pub:
+        pub.publish(state)
+        _, doc = head_manifest(pub.store)
+    w = next(t for t in doc["tensors"] if t["name"] == "w")
+    assert len(w["chunks"]) == 4 and doc["kind"] == "anchor"
+    return doc
+
+
+def _w(doc: dict) -> dict:
+    return next(t for t in doc["tensors"] if t["name"] == "w")
+
+
+def _parse_doc(doc: dict):
+    data = json.dumps(doc).encode()
+    return parse_manifest(data, manifest_key(doc["version"], sha256_hex(data)))
+
+
+def test_real_anchor_parses(anchor_doc) -> None:
+    m = _parse_doc(anchor_doc)
+    assert {t.name: len(t.chunks) for t in m.tensors} == {"w": 4, "scalar": 1, "empty": 1}
+
+
+@pytest.mark.parametrize(
+    "why, mutate, named",
+    [
+        ("chunk index past the last chunk", lambda d: _w(d)["chunks"][3].update(index=4), "w"),
+        ("chunk index far out of range", lambda d: _w(d)["chunks"][1].update(index=10**6), "w"),
+        ("duplicate chunk index", lambda d: _w(d)["chunks"][1].update(index=0), "w"),
+        ("anchor lacks a chunk", lambda d: _w(d).update(chunks=_w(d)["chunks"][:3]), "w"),
+        ("0-d tensor with chunk 1", lambda d: next(t for t in d["tensors"] if t["name"] == "scalar")["chunks"][0].update(index=1), "scalar"),
+        ("empty tensor with chunk 1", lambda d: next(t for t in d["tensors"] if t["name"] == "empty")["chunks"][0].update(index=1), "empty"),
+        ("duplicate tensor name", lambda d: d["tensors"].append(json.loads(json.dumps(_w(d)))), "w"),
+        ("negative dimension", lambda d: _w(d).update(shape=[-64, 8]), "w"),
+        ("huge dimension", lambda d: _w(d).update(shape=[2**70, 8]), "w"),
+        ("element count overflows int64", lambda d: _w(d).update(shape=[2**40, 2**40]), "w"),
+        ("dtype __class__", lambda d: _w(d).update(dtype="__class__"), "w"),
+        ("dtype Tensor", lambda d: _w(d).update(dtype="Tensor"), "w"),
+        ("quantized dtype", lambda d: _w(d).update(dtype="qint8"), "w"),
+        ("n_changed above the chunk's elements", lambda d: _w(d)["chunks"][0]["full"].update(n_changed=16 * 8 + 1), "w"),
+        ("segment offset past its blob", lambda d: _w(d)["chunks"][0]["full"].update(offset=d["blobs"][0]["size"]), "w"),
+        ("huge offset", lambda d: _w(d)["chunks"][0]["full"].update(offset=2**64), "w"),
+        ("huge blob size", lambda d: d["blobs"][0].update(size=2**64), None),
+        ("huge epoch", lambda d: d.update(epoch=2**63), None),
+        ("huge step", lambda d: d.update(step=-(2**63) - 1), None),
+    ],
+)
+def test_structurally_impossible_anchor_is_corrupt(anchor_doc, why: str, mutate, named: str | None) -> None:
+    """D8/D11: chunk indices, names, shapes, dtypes and numbers are checked before any planning."""
+    doc = json.loads(json.dumps(anchor_doc))
+    mutate(doc)
+    data = json.dumps(doc).encode()
+    key = manifest_key(doc["version"], sha256_hex(data))
+    with pytest.raises(CorruptObjectError) as exc:
+        parse_manifest(data, key)
+    assert key in str(exc.value)
+    if named:
+        assert repr(named) in str(exc.value) or f"{named}[" in str(exc.value), str(exc.value)
+
+
+def test_delta_whose_anchor_is_itself_is_corrupt(real) -> None:
+    doc = _doc(real)
+    doc["anchor"] = doc["version"]
+    with pytest.raises(CorruptObjectError):
+        _parse_doc(doc)
+
+
+def test_manifest_key_must_carry_its_version(real) -> None:
+    """D12: the key's version prefix is part of the address; a manifest filed under another
+    version's key (a parent link that skips one) is corrupt."""
+    data = real["manifest"]
+    digest = sha256_hex(data)
+    parse_manifest(data, manifest_key(2, digest))
+    for key in (manifest_key(3, digest), manifest_key(1, digest), f"manifests/x-{digest}.json", f"blobs/{digest[:2]}/{digest}"):
+        with pytest.raises(CorruptObjectError, match="version|manifest key"):
+            parse_manifest(data, key)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000 + "]" * 100_000,  # RecursionError in json
+        '{"a":' * 5_000 + "1" + "}" * 5_000,
+        "1" * 5_000,  # ValueError: int max str digits
+        '{"schema": 1, "version": ' + "9" * 5_000 + "}",
+    ],
+    ids=["deep-list", "deep-object", "long-int", "long-int-field"],
+)
+def test_hostile_json_is_corrupt_not_a_python_error(text: str) -> None:
+    data = text.encode()
+    with pytest.raises(CorruptObjectError, match="HEAD"):
+        parse_head(data)
+    with pytest.raises(CorruptObjectError):
+        parse_manifest(data, manifest_key(1, sha256_hex(data)))
+
+
+def test_deep_metadata_is_corrupt(real) -> None:
+    doc = _doc(real)
+    deep: dict = {}
+    node = deep
+    for _ in range(500):  # parses, but would break json.dumps / pydantic further down
+        node["x"] = {}
+        node = node["x"]
+    doc["metadata"] = deep
+    with pytest.raises(CorruptObjectError, match="nested"):
+        _parse_doc(doc)
+
+
+@pytest.mark.parametrize("field, value", [("version", 2**63), ("epoch", 2**64), ("version", -1)])
+def test_head_numbers_are_bounded(real, field: str, value: int) -> None:
+    doc = json.loads(real["head"])
+    doc[field] = value
+    with pytest.raises(CorruptObjectError, match="HEAD"):
+        parse_head(json.dumps(doc).encode())
+
+
+def test_head_over_the_size_cap_is_corrupt(real) -> None:
+    from deltastore.manifest import MAX_HEAD_BYTES
+
+    doc = json.loads(real["head"])
+    doc["writer"] = "w" * MAX_HEAD_BYTES
+    with pytest.raises(CorruptObjectError, match="HEAD"):
+        parse_head(json.dumps(doc).encode())

@@ -1,0 +1,183 @@
+"""Which segments a pull needs (SPEC §7.4–7.5): manifests in, plan out.
+
+Pure: no IO, no clock, no threads. :mod:`deltastore.pull` fetches and applies what a plan
+names. A plan is per chunk: optionally a ``full`` segment, then the ``delta`` segments to apply
+on top, in version order, and the state digest the chunk must have afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from deltastore.errors import CorruptObjectError
+from deltastore.manifest import BlobRef, Manifest, SegmentRef
+from deltastore.tensors import TensorSpec
+
+#: A stretch of the chain, oldest first: ``(manifest key, manifest)``.
+Manifests = Sequence[tuple[str, Manifest]]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One segment to apply to a chunk: ``ref`` inside pack ``blob``, listed by manifest ``mi``
+    (an index into the planned stretch of the chain)."""
+
+    mi: int
+    blob: BlobRef
+    ref: SegmentRef
+
+    @property
+    def where(self) -> tuple[str, int]:
+        """``(pack key, offset)``: where the segment's bytes are, and their key once fetched."""
+        return (self.blob.key, self.ref.offset)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How to bring one chunk to its state at the plan's last version.
+
+    Attributes:
+        name, index: the tensor and chunk.
+        span: the chunk's element range ``[start, stop)`` in the flattened tensor.
+        digest: the chunk's state digest after the plan.
+        full: a full segment to start from (None: patch the chunk the target holds).
+        deltas: the delta segments to apply after it, oldest first.
+        fallbacks: other plans that start from a full segment, cheapest first, to try when
+            this one's segments turn out bad (missing, corrupt, or not reaching ``digest``).
+    """
+
+    name: str
+    index: int
+    span: tuple[int, int]
+    digest: str
+    full: Step | None = None
+    deltas: tuple[Step, ...] = ()
+    fallbacks: tuple[ChunkPlan, ...] = ()
+
+    def steps(self) -> list[Step]:
+        """Every segment the plan reads, in the order it applies them."""
+        return ([self.full] if self.full else []) + list(self.deltas)
+
+    @property
+    def cost(self) -> int:
+        """Bytes of segments the plan reads."""
+        return sum(s.ref.length for s in self.steps())
+
+
+def layout(m: Manifest) -> dict[str, TensorSpec]:
+    """The tensor layout an anchor manifest defines."""
+    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows) for t in m.tensors}
+
+
+def digests(ms: Manifests) -> dict[tuple[str, int], str]:
+    """Chunk digests after the last manifest of ``ms`` (an anchor first, then its deltas)."""
+    out: dict[tuple[str, int], str] = {}
+    for _, m in ms:
+        for t in m.tensors:
+            for c in t.chunks:
+                out[(t.name, c.index)] = c.digest
+    return out
+
+
+def check_entries(key: str, m: Manifest, specs: dict[str, TensorSpec], anchor: int | None) -> None:
+    """Every tensor ``m`` lists repeats the layout ``specs`` (SPEC §3: a delta, or an anchor
+    with deltas, has its anchor's layout); otherwise the manifest is corrupt.
+
+    Raises:
+        CorruptObjectError: naming the manifest and the tensor.
+    """
+    for t in m.tensors:
+        spec = specs.get(t.name)
+        if spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows):
+            against = f"anchor {anchor}" if anchor is not None else "the version it builds on"
+            raise CorruptObjectError(f"manifest {key!r}: tensor {t.name!r} does not match the layout of {against}")
+
+
+def plan_from_anchor(ms: Manifests, specs: dict[str, TensorSpec]) -> list[ChunkPlan]:
+    """Materialize the last version of ``ms`` (SPEC §7.4): every chunk of the layout from the
+    anchor's full segment, then each later delta that lists it.
+
+    Args:
+        ms: the chain from an anchor (first) to the version wanted, oldest first.
+        specs: the anchor's layout (:func:`layout` of ``ms[0]``).
+
+    Raises:
+        CorruptObjectError: ``ms[0]`` is not an anchor, a manifest disagrees with the layout,
+            a delta lists a chunk the anchor lacks, or the anchor lacks a chunk.
+    """
+    akey, a = ms[0]
+    if a.kind != "anchor":
+        raise CorruptObjectError(f"manifest {akey!r} (version {a.version}) is a {a.kind}, but a later version names it as its anchor")
+    # Per chunk: [full step, delta steps, digest after the last of them], in anchor order.
+    acc: dict[tuple[str, int], tuple[Step, list[Step], list[str]]] = {}
+    for mi, (key, m) in enumerate(ms):
+        check_entries(key, m, specs, a.version)
+        for t in m.tensors:
+            for c in t.chunks:
+                got = acc.get((t.name, c.index))
+                if got is None:
+                    if mi != 0 or c.full is None:
+                        raise CorruptObjectError(f"manifest {key!r}: chunk {t.name}[{c.index}] is not in anchor {a.version}")
+                    acc[(t.name, c.index)] = (Step(mi, m.blobs[c.full.blob], c.full), [], [c.digest])
+                elif c.delta is not None:
+                    got[1].append(Step(mi, m.blobs[c.delta.blob], c.delta))
+                    got[2][0] = c.digest
+    missing = sum(s.n_chunks for s in specs.values()) - len(acc)
+    if missing:  # parse_manifest already refuses this; kept as the planner's own guard
+        raise CorruptObjectError(f"anchor {akey!r} lacks {missing} chunk(s) of its layout")
+    return [
+        ChunkPlan(name, idx, specs[name].chunk_span(idx), digest[0], full, tuple(deltas))
+        for (name, idx), (full, deltas, digest) in acc.items()
+    ]
+
+
+def plan_forward(ms: Manifests, specs: dict[str, TensorSpec]) -> list[ChunkPlan]:
+    """Fast-forward from the version before ``ms`` to its last (SPEC §7.5): for each chunk
+    changed in ``ms``, the cheapest of its deltas and the paths from a full segment.
+
+    Args:
+        ms: versions h+1..t, oldest first. Every anchor in it has the layout ``specs`` (a
+            caller re-plans from the anchor otherwise).
+        specs: the layout held at h.
+
+    Returns:
+        One plan per changed chunk, each with its fallbacks (see :class:`ChunkPlan`).
+
+    Raises:
+        CorruptObjectError: a manifest disagrees with the layout, or a chunk has no path.
+    """
+    # Per chunk: the entries touching it, in version order.
+    touched: dict[tuple[str, int], list[tuple[int, Any]]] = {}
+    for mi, (key, m) in enumerate(ms):
+        check_entries(key, m, specs, None)
+        for t in m.tensors:
+            for c in t.chunks:
+                if c.delta is not None or (m.kind == "anchor" and m.delta_base is None):
+                    touched.setdefault((t.name, c.index), []).append((mi, c))
+    plans = []
+    for (name, idx), entries in touched.items():
+        candidates: list[ChunkPlan] = []
+        # Candidate starts: pure deltas from h (start=-1), or a full segment at an anchor.
+        starts = [-1] + [i for i, (mi, c) in enumerate(entries) if c.full is not None]
+        for si in starts:
+            rest = entries[si + 1 :] if si >= 0 else entries
+            if any(c.delta is None for _, c in rest):
+                continue  # an anchor without deltas breaks the chain: need its full segment
+            full = None
+            if si >= 0:
+                mi, c = entries[si]
+                full = Step(mi, ms[mi][1].blobs[c.full.blob], c.full)
+            deltas = tuple(Step(mi, ms[mi][1].blobs[c.delta.blob], c.delta) for mi, c in rest)
+            candidates.append(ChunkPlan(name, idx, specs[name].chunk_span(idx), entries[-1][1].digest, full, deltas))
+        if not candidates:
+            raise CorruptObjectError(f"no way to bring chunk {name}[{idx}] forward: the chain lacks segments")
+        candidates.sort(key=lambda p: p.cost)  # cheapest; stable: on a tie, the earliest start
+        best, others = candidates[0], candidates[1:]
+        # When the chosen path's segments turn out bad, a path from a full segment (an anchor
+        # in range) reaches the same digest without them. A path that patches the held chunk
+        # is no fallback for a full one: the held chunk's base was not checked.
+        plans.append(ChunkPlan(best.name, best.index, best.span, best.digest, best.full, best.deltas,
+                               tuple(p for p in others if p.full is not None)))  # fmt: skip
+    return plans

@@ -1,0 +1,241 @@
+"""Hostile HEADs and manifests, fuzzed (issue 6, D8/D11/D12): whatever a damaged or malicious
+store holds, readers raise only deltastore's typed errors, apply nothing halfway, and allocate
+nothing beyond the caps.
+
+Mutations of real documents: type swaps, huge/negative/5,000-digit integers, deep nesting, long
+strings, removed and duplicated entries. Each mutated object is correctly content-addressed
+(the re-signed chain up to HEAD too), so only the readers' semantic checks stand in the way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltastore import (
+    HistoryReplacedError,
+    DeltastoreError,
+    FormatError,
+    IntegrityError,
+    LayoutMismatchError,
+    NotFoundError,
+    Publisher,
+    Subscriber,
+    VersionNotFoundError,
+)
+from deltastore.manifest import HEAD_KEY, manifest_key, parse_head, parse_manifest, sha256_hex
+from deltastore.storage import open_store
+from tests._helpers import assert_bits_equal, small_state, snapshot, sparse_edit
+
+#: The declared-model cap every fuzzed subscriber runs under (the real store holds ~6 KiB).
+CAP = 1 << 20
+
+_DEEP = "\x00deep\x00"
+_BIGINT = "\x00bigint\x00"
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def pristine() -> dict[str, Any]:
+    """Objects of a real store: versions 1 (anchor), 2, 3 (deltas), multi-chunk tensors."""
+    import numpy as np
+
+    url = f"memory://hostile-src-{next(_ids)}"
+    states = [small_state(0, n=3, rows=32)]
+    for i in range(2):
+        states.append(sparse_edit(states[-1], np.random.default_rng(i), 0.05))
+    with Publisher(url, threads=1, chunk_bytes=256) as pub:
+        for s in states:
+            pub.publish(s, metadata={"note": "fuzz", "n": [1, 2]})
+        objects = {m.key: pub.store.get(m.key) for m in pub.store.list()}
+    head = json.loads(objects[HEAD_KEY])
+    chain = []  # manifest keys, oldest first
+    key = head["manifest"]
+    while key is not None:
+        chain.append(key)
+        key = json.loads(objects[key])["parent_manifest"]
+    chain.reverse()
+    return {"objects": objects, "chain": chain, "states": [snapshot(s) for s in states]}
+
+
+def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+hostile_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 70),
+    st.sampled_from([-1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30]),
+    st.floats(allow_nan=False),
+    st.text(max_size=6),
+    st.sampled_from(["__class__", "Tensor", "qint8", "../../etc", "bfloat16", "float64", "anchor", "delta"]),
+    st.integers(1, 50_000).map(lambda n: "x" * n),
+    st.just(_DEEP),
+    st.just(_BIGINT),
+    st.lists(st.integers(-5, 2**40), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+hostile_ints = st.one_of(
+    st.integers(-3, 70),
+    st.sampled_from([-1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30]),
+    st.just(_BIGINT),
+)
+hostile_strings = st.one_of(
+    st.sampled_from(["__class__", "Tensor", "qint8", "bits16", "", "../../etc", "bfloat16", "float64",
+                     "anchor", "delta", "full/1", "xor-dense/1", "lz77/9", "manifests/000000000001-x.json"]),
+    st.integers(1, 50_000).map(lambda n: "x" * n),
+)  # fmt: skip
+
+
+def _mutate(doc: Any, data: st.DataObject) -> Any:
+    """Apply 1-3 random mutations to a JSON document (in place, returns it).
+
+    A field is picked by its name first (then one of its occurrences), so the few layout
+    fields are hit as often as the many segment fields; a replacement is drawn for the field's
+    type half of the time (integer or string attacks) and from anything otherwise.
+    """
+    for _ in range(data.draw(st.integers(1, 3))):
+        paths = [p for p in _paths(doc) if p]
+        if not paths:
+            return doc
+        by_name: dict[str, list[tuple]] = {}
+        for p in paths:
+            by_name.setdefault("[]" if isinstance(p[-1], int) else p[-1], []).append(p)
+        path = data.draw(st.sampled_from(by_name[data.draw(st.sampled_from(sorted(by_name)))]))
+        parent = doc
+        for p in path[:-1]:
+            parent = parent[p]
+        action = data.draw(st.sampled_from(["replace", "replace", "replace", "delete", "duplicate", "extra"]))
+        last = path[-1]
+        if action == "delete":
+            del parent[last]
+        elif action == "duplicate" and isinstance(parent, list):
+            parent.insert(last, json.loads(json.dumps(parent[last])))
+        elif action == "extra" and isinstance(parent, dict):
+            parent[data.draw(st.text(min_size=1, max_size=4))] = data.draw(hostile_values)
+        else:
+            old = parent[last]
+            typed = hostile_ints if isinstance(old, int) and not isinstance(old, bool) else hostile_strings if isinstance(old, str) else hostile_values
+            parent[last] = data.draw(st.one_of(typed, hostile_values))
+    return doc
+
+
+def _encode(doc: Any, depth: int) -> bytes:
+    data = json.dumps(doc).encode()
+    data = data.replace(json.dumps(_DEEP).encode(), b"[" * depth + b"]" * depth)
+    return data.replace(json.dumps(_BIGINT).encode(), b"9" * 5000)
+
+
+#: What a reader may raise about a store's content (SPEC §9); LayoutMismatchError when a
+#: mutated store changed the layout under pull_into, HistoryReplacedError when a mutated link no
+#: longer leads back to the held version. Not InvalidStateDictError: that blames the caller's
+#: state dict.
+READER_ERRORS = (IntegrityError, FormatError, NotFoundError, VersionNotFoundError, LayoutMismatchError,
+                 HistoryReplacedError)
+
+
+def _typed_only(call) -> Any:
+    """Run ``call``; anything that escapes must be one of the reader's errors."""
+    try:
+        return call()
+    except READER_ERRORS:
+        return None
+    except DeltastoreError as e:
+        pytest.fail(f"{type(e).__name__} is not a reader's error: {e}"[:500])
+    except BaseException as e:  # noqa: BLE001 - the assertion is the point
+        pytest.fail(f"{type(e).__name__} escaped: {e!r}"[:500])
+
+
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@FUZZ
+@given(data=st.data(), depth=st.sampled_from([3, 150, 5_000, 200_000]))
+def test_parsers_raise_only_typed_errors(pristine, data, depth: int) -> None:
+    objects = pristine["objects"]
+    key = data.draw(st.sampled_from(pristine["chain"]))
+    for what, raw in (("head", objects[HEAD_KEY]), ("manifest", objects[key])):
+        doc = _mutate(json.loads(raw), data)
+        mutated = _encode(doc, depth)
+        if what == "head":
+            _typed_only(lambda: parse_head(mutated))
+        else:
+            version = doc.get("version") if isinstance(doc, dict) and isinstance(doc.get("version"), int) else 1
+            version = version if 0 <= version < 10**12 else 1
+            _typed_only(lambda: parse_manifest(mutated, manifest_key(version, sha256_hex(mutated))))
+
+
+def _publish_mutated(store, pristine: dict, data: st.DataObject, depth: int) -> None:
+    """Mutate HEAD or one manifest of the chain; re-sign the chain above it and HEAD."""
+    objects, chain = pristine["objects"], pristine["chain"]
+    for k, v in objects.items():
+        store.put(k, v, mode="overwrite")
+    target = data.draw(st.sampled_from(["head"] + list(range(len(chain)))))
+    head = json.loads(objects[HEAD_KEY])
+    if target == "head":
+        store.put(HEAD_KEY, _encode(_mutate(head, data), depth), mode="overwrite")
+        return
+    prev_key = None
+    for i, key in enumerate(chain):
+        doc = json.loads(objects[key])
+        if i < target:
+            continue
+        version = doc["version"]
+        if i == target:
+            doc = _mutate(doc, data)
+        elif isinstance(doc, dict):
+            doc["parent_manifest"] = prev_key
+        raw = _encode(doc, depth)
+        prev_key = manifest_key(version, sha256_hex(raw))
+        store.put(prev_key, raw, mode="overwrite")
+    head.update(manifest=prev_key, manifest_sha256=sha256_hex(raw))
+    store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
+
+
+@FUZZ
+@given(data=st.data(), depth=st.sampled_from([3, 150, 5_000]))
+def test_subscriber_on_a_mutated_store_raises_only_typed_errors(pristine, data, depth: int) -> None:
+    url = f"memory://hostile-{next(_ids)}"
+    allocated: list[int] = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kw):
+        t = real_empty(*args, **kw)
+        allocated.append(t.numel() * t.element_size())
+        return t
+
+    with open_store(url) as store:
+        for k, v in pristine["objects"].items():
+            store.put(k, v, mode="overwrite")
+        with Subscriber(url, store=store, threads=1, max_model_bytes=CAP) as sub, pytest.MonkeyPatch.context() as mp:
+            target = sub.pull(1)
+            before = snapshot(target)
+            _publish_mutated(store, pristine, data, depth)
+            mp.setattr(torch, "empty", counting_empty)
+            if _typed_only(lambda: sub.pull_into(target)) is None:
+                assert_bits_equal(target, before, "a failed pull_into changed the target")
+                assert sub.version == 1
+            _typed_only(sub.log)
+            _typed_only(sub.pull)
+            _typed_only(lambda: sub.pull(2))
+            _typed_only(lambda: sub.verify(all_versions=True))
+        with Subscriber(url, store=store, threads=1, max_model_bytes=CAP) as fresh:
+            _typed_only(fresh.latest)
+            _typed_only(fresh.pull)
+    assert sum(allocated) <= 3 * CAP, f"allocated {sum(allocated)} bytes under a {CAP}-byte cap"
