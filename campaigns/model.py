@@ -48,9 +48,16 @@ def _width(dtype: str) -> int:
 class Model:
     """The states of one trainer; states are cached, so a sweep over steps costs O(steps)."""
 
-    def __init__(self, seed: int, trainer: int = 0):
-        self.seed, self.trainer = seed, trainer
+    def __init__(self, seed: int, trainer: int = 0, fork: tuple[int, int] | None = None, *, sparse: bool = False):
+        """``fork=(parent, k)``: a run restarted from trainer ``parent``'s step ``k`` (same bits
+        up to ``k``, its own edits after), as when a new run starts from the same checkpoint.
+        ``sparse``: each step edits a few elements of one tensor only (most chunks unchanged)."""
+        self.seed, self.trainer, self.sparse = seed, trainer, sparse
         self._states: dict[int, dict[str, np.ndarray]] = {}
+        if fork is not None:
+            parent = Model(seed, fork[0], sparse=sparse)
+            for k in range(fork[1] + 1):
+                self._states[k] = parent.raw(k)
 
     def _rng(self, k: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, self.trainer, k])
@@ -75,10 +82,15 @@ class Model:
             prev = self._states[k - 1]
             rng = self._rng(k)
             out = {}
+            only = LAYOUT[int(rng.integers(0, len(LAYOUT)))][0] if self.sparse else None
             for name, _, _ in LAYOUT:
                 a = prev[name].copy()
                 flat = a.reshape(-1)
-                if rng.random() >= UNCHANGED_P:
+                if only is not None:
+                    if name == only:
+                        idx = rng.integers(0, flat.size, size=2)
+                        flat[idx] = rng.integers(0, np.iinfo(a.dtype).max, size=2, dtype=a.dtype, endpoint=True)
+                elif rng.random() >= UNCHANGED_P:
                     n = max(1, int(flat.size * EDIT_FRACTION))
                     idx = rng.integers(0, flat.size, size=n)
                     flat[idx] = rng.integers(0, np.iinfo(a.dtype).max, size=n, dtype=a.dtype, endpoint=True)
@@ -103,13 +115,14 @@ class Model:
 class Oracle:
     """Expected bits of any published ``step`` (= trainer * STEP_BASE + k) of one seed."""
 
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int, forks: Mapping[int, tuple[int, int]] | None = None, *, sparse: bool = False):
+        self.seed, self.sparse = seed, sparse
+        self.forks = dict(forks or {})
         self._models: dict[int, Model] = {}
 
     def model(self, trainer: int) -> Model:
         if trainer not in self._models:
-            self._models[trainer] = Model(self.seed, trainer)
+            self._models[trainer] = Model(self.seed, trainer, self.forks.get(trainer), sparse=self.sparse)
         return self._models[trainer]
 
     def expected(self, step: int) -> dict[str, np.ndarray]:
