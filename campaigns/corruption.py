@@ -136,7 +136,8 @@ def run(server: Any, args: Any) -> Tally:
             target = worker.pull(HELD)
             held_step = step_of[HELD]
 
-            what = rng.choices(targets, weights=[TARGETS[t] for t in targets])[0]
+            # Every target once first (so that a short run covers them all), then at random.
+            what = targets[trial] if trial < len(targets) else rng.choices(targets, weights=[TARGETS[t] for t in targets])[0]
             how = rng.choice(DAMAGES)
             if what == "new run":
                 how = "HEAD deleted,"

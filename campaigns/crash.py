@@ -158,5 +158,9 @@ def _read(path: str) -> str:
         return ""
 
 
+def build_parser():
+    return parser("crash", 200, __doc__ or "")
+
+
 if __name__ == "__main__":
-    raise SystemExit(main("crash", run, parser("crash", 200, __doc__ or "")))
+    raise SystemExit(main("crash", run, build_parser()))

@@ -8,7 +8,9 @@ each publish the oracle reads HEAD directly:
 - the publish returned a version → HEAD's chain must hold it with our step;
 - the publish raised → HEAD must not have moved to our commit (a wrong error otherwise: the
   version committed but the trainer was told it failed);
-- an error that is not a DeltastoreError is a wrong error.
+- an error that is not a DeltastoreError is a wrong error; so is, with one publisher, a
+  ConflictError naming itself or a create-only clash (PreconditionFailedError) on its own
+  content-addressed write: both can only come from its own earlier attempt.
 
 After a failed publish the trainer goes on with its next step; after two failures in a row, or a
 FencedError, it reopens its Publisher (as a restarted trainer would). At the end every committed
@@ -54,7 +56,7 @@ def _head(store: Any) -> dict[str, Any] | None:
 
 
 def run(server: Any, args: Any) -> Tally:
-    from deltastore import ConflictError, DeltastoreError, FencedError, Publisher
+    from deltastore import ConflictError, DeltastoreError, FencedError, PreconditionFailedError, Publisher
     from deltastore.storage import open_store
     from campaigns.model import CHUNK_BYTES, Model, Oracle
 
@@ -111,6 +113,10 @@ def run(server: Any, args: Any) -> Tally:
                 if isinstance(error, ConflictError) and not isinstance(error, FencedError) and error.head_writer == pub.writer_id:
                     # One publisher: a conflict can only be with its own earlier commit (D3/D4).
                     tally.wrong("ConflictError naming itself", f"step {step}: {error}")
+                if isinstance(error, PreconditionFailedError):
+                    # One publisher, content-addressed keys: a create-only clash is with our own
+                    # earlier attempt (an SDK retry after a lost response, D2) or a 409 (D4).
+                    tally.wrong(f"spurious {name} on its own write", f"step {step}: {error}")
                 if not isinstance(error, DeltastoreError):
                     tally.wrong(f"untyped {name}", "".join(traceback.format_exception_only(type(error), error)).strip())
                 if ours is not None:
