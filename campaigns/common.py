@@ -318,9 +318,8 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
     sub = None
     target = None
     good_step: int | None = None
-    deadline_stop = lambda: os.path.exists(stop_path)  # noqa: E731
     try:
-        while not deadline_stop():
+        while not os.path.exists(stop_path):
             try:
                 if sub is None:
                     sub = Subscriber(url, storage_options=options, threads=1)
@@ -345,13 +344,12 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
             except DeltastoreError as e:
                 report["errors"][type(e).__name__] += 1
                 if target is not None and good_step is not None:
+                    # SPEC §7.6: a failed pull_into leaves the target as it was.
                     why = oracle.differs(target, good_step)
                     if why is not None:
                         report["corrupt"] += 1
                         note("corrupt", f"failed pull_into ({type(e).__name__}) changed the weights: {why}")
                         target = None
-                if target is None or good_step is None:
-                    target = None
             except Exception as e:  # noqa: BLE001 - the point: an untyped error escaped
                 report["wrong"][f"worker {type(e).__name__}"] += 1
                 note(f"wrong: worker {type(e).__name__}", "".join(traceback.format_exception_only(type(e), e)).strip())

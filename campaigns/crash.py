@@ -126,12 +126,14 @@ def run(server: Any, args: Any) -> Tally:
             new = [l for l in links if l.version > checked]
             verify_versions(store, new, oracle, tally)
             checked = max(checked, links[-1].version if links else 0)
-            _check_acked(links, acked, tally, final=False)
         if followers is not None:
             time.sleep(0.3)
             followers.stop(tally)
         final = checker.check(full=True)
-        _check_acked(final, acked, tally, final=True)
+    on_chain = {l.step: l.version for l in final}
+    for step, version in acked.items():
+        if on_chain.get(step) != version:
+            tally.lost(f"publish of step {step} returned version {version}, chain has {on_chain.get(step)}")
     steps = [l.step for l in final]
     if len(steps) != len(set(steps)):
         tally.wrong("step committed twice", f"steps on chain: {len(steps)}, distinct {len(set(steps))}")
@@ -140,15 +142,6 @@ def run(server: Any, args: Any) -> Tally:
     tally.extra.update(kills_by_phase=phases, versions_committed=len(final), acked_publishes=len(acked),
                        seconds_per_trial=round(tally.seconds / max(1, tally.trials), 3))  # fmt: skip
     return tally
-
-
-def _check_acked(links: list, acked: dict[int, int], tally: Tally, *, final: bool) -> None:
-    if not final:
-        return
-    on_chain = {l.step: l.version for l in links}
-    for step, version in acked.items():
-        if on_chain.get(step) != version:
-            tally.lost(f"publish of step {step} returned version {version}, chain has {on_chain.get(step)}")
 
 
 def _read(path: str) -> str:

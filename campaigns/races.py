@@ -42,6 +42,8 @@ from campaigns.model import STEP_BASE
 
 #: Publish attempts per process per takeover round: long enough for several to collide.
 ATTEMPTS_PER_ROUND = 6
+#: Bound on rounds per mode, whatever the attempts made.
+MAX_ROUNDS = 50
 #: A round that has not finished by then is killed and reported.
 ROUND_TIMEOUT_S = 120.0
 
@@ -139,10 +141,14 @@ def run(server: Any, args: Any) -> Tally:
                 followers = Followers(ctx, url, options, args.seed, args.workers, work)
                 results: list[tuple[str, list[list[str]]]] = []
                 attempts = ATTEMPTS_PER_ROUND if takeover else max(1, per_mode // n)
-                rounds = max(1, per_mode // (attempts * n))
-                for r in range(rounds):
-                    results += _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally)
+                done, r = 0, 0
+                # Rounds until the mode's share of attempts is made (fenced publishers stop early).
+                while done < per_mode and r < MAX_ROUNDS:
+                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally)
+                    done += sum(1 for _, lines in out for l in lines if l[0] in ("ok", "err", "untyped"))
+                    results += out
                     checker.check()
+                    r += 1
                 time.sleep(0.3)
                 followers.stop(tally)
                 final = checker.check(full=True)
