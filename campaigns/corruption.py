@@ -28,10 +28,11 @@ from typing import Any
 
 from campaigns.common import ChainChecker, Tally, campaign_options, fresh_url, main, parser
 
-#: Versions published before the damage; anchors at 1 and 4.
+#: Versions published before the damage; anchors at 1 and 4, so damage meets anchors (full and
+#: delta packs) and deltas alike.
 VERSIONS = 6
 ANCHOR_EVERY = 3
-#: The version worker A holds when the store is damaged.
+#: The version worker A holds when the store is damaged: its fast-forward crosses an anchor.
 HELD = 2
 #: The trainer of the new run: restarted from the old run's first step (same checkpoint), so
 #: the two runs share some chunks and differ in others.

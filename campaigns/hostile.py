@@ -31,11 +31,13 @@ from typing import Any
 from campaigns.common import Tally, campaign_options, fresh_url, main, parser
 from campaigns.corruption import cli, cli_args, judge_cli
 
+#: The template history: versions 1-4 with anchors at 1 and 4, so the top manifest is an
+#: anchor (full and delta segments) whose parent chain holds deltas.
 VERSIONS = 4
 ANCHOR_EVERY = 3
+#: The version the worker holds when the hostile object appears (one behind the top).
 HELD = 3
-#: Integers a fuzzed field may take: small, or absurd (allocating them must fail fast, not
-#: take the machine's memory: sizes in between are left to the hand-crafted cases).
+#: Nesting depth of the deep-JSON cases: far past Python's recursion limit.
 _DEEP = 100_000
 
 
@@ -323,6 +325,8 @@ def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]
     from hypothesis import HealthCheck, given, settings, strategies as st
     from hypothesis import seed as hseed
 
+    # Integers are small or absurd: allocating an absurd size fails at once, while sizes in
+    # between would take the machine's memory (D11's "3 KB of packs, 2 GiB resident" is left out).
     scalars = st.one_of(
         st.none(), st.booleans(),
         st.integers(-5, 70), st.integers(2**40, 2**70), st.integers(-(2**63), -1),
