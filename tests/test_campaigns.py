@@ -174,8 +174,9 @@ def _xfail(reason: str):
 #: The defects of issue 6 each campaign can hit today; remove a name once its fix lands.
 KNOWN = {
     "crash": None,
-    "faults": "D1–D5: 409 on a pack taken as 'already present', lost manifest response fails the publish, "
-              "unclear HEAD outcome raises though committed (ConflictError naming itself next)",
+    "faults": "D1: 409 on a pack taken as 'already present' (pack missing); D2: lost manifest response fails the "
+              "publish (AlreadyExistsError); D3/D4: unclear HEAD outcome or 409 raises though committed, "
+              "ConflictError naming itself",
     "races": "D6: takeover=True never claims an empty store (racing publishers share epoch 0)",
     "corruption": "D7: a new run under the same URL is fast-forwarded onto the old run's weights; "
                   "D10: verify --all never decodes an anchor's delta segments",
