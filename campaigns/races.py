@@ -16,6 +16,10 @@ Takeover off: all publishers run for the whole round, losing races with Conflict
 on: rounds of publishers started together, each claiming the store (the first round on an empty
 store); a fenced publisher stops, as a superseded trainer would.
 
+With ``--rate`` the publishers reach the server through the fault-injecting proxy (e.g. lost
+HEAD responses while another publisher claims the store: ``--rate 0.2 --methods PUT
+--key-pattern 'HEAD$'``).
+
 Trials = publish attempts.  ``python -m campaigns.races --backend seaweedfs --trials 120``
 """
 
@@ -39,6 +43,7 @@ from campaigns.common import (
     verify_versions,
 )
 from campaigns.model import STEP_BASE
+from campaigns.proxy import FaultPlan, FaultProxy
 
 #: Publish attempts per process per takeover round: long enough for several to collide.
 ATTEMPTS_PER_ROUND = 6
@@ -132,11 +137,14 @@ def run(server: Any, args: Any) -> Tally:
     t0 = time.monotonic()
     per_mode = max(n, args.trials // len(modes))
     versions_total = 0
-    with scratch_dir() as work:
+    plan = FaultPlan(rate=args.rate, methods=frozenset(args.methods.split(",")) if args.methods else None,
+                     key_pattern=args.key_pattern, seed=args.seed)  # fmt: skip
+    with scratch_dir() as work, FaultProxy(server.endpoint_url, plan) as proxy:
         for takeover in modes:
             url = fresh_url(server, f"races-{'takeover' if takeover else 'plain'}")
-            options = campaign_options(server)
-            with open_store(url, storage_options=options) as store:
+            # The publishers go through the proxy (faults only with --rate); the oracle does not.
+            options = campaign_options(server, proxy.endpoint_url)
+            with open_store(url, storage_options=campaign_options(server)) as store:
                 checker = ChainChecker(store, tally)
                 followers = Followers(ctx, url, options, args.seed, args.workers, work)
                 results: list[tuple[str, list[list[str]]]] = []
@@ -155,6 +163,7 @@ def run(server: Any, args: Any) -> Tally:
                 verify_versions(store, final, oracle, tally)
                 _judge(final, results, takeover, tally)
                 versions_total += len(final)
+        tally.faults.update(proxy.snapshot())
     tally.seconds = time.monotonic() - t0
     tally.extra.update(publishers=n, versions_committed=versions_total,
                        seconds_per_trial=round(tally.seconds / max(1, tally.trials), 3))  # fmt: skip
@@ -211,6 +220,9 @@ def build_parser():
     p.add_argument("--publishers", type=int, default=3, help="publisher processes (default 3)")
     p.add_argument("--takeover", choices=["on", "off", "both"], default="both")
     p.add_argument("--workers", type=int, default=1, help="worker processes following the store")
+    p.add_argument("--rate", type=float, default=0.0, help="fault probability per request (default 0: pure races)")
+    p.add_argument("--methods", help="fault only these HTTP methods, e.g. PUT")
+    p.add_argument("--key-pattern", help="fault only paths matching this regex, e.g. /HEAD$")
     return p
 
 
