@@ -145,7 +145,13 @@ class ChainChecker:
         self.tally = tally
         self._verified: dict[str, Link] = {}
         self._below: dict[str, str | None] = {}  # manifest key -> parent manifest key
+        self._reported: set[tuple[str, str]] = set()  # a broken object is counted once
         self.chain: list[Link] = []
+
+    def _violation(self, kind: str, detail: str) -> None:
+        if (kind, detail) not in self._reported:
+            self._reported.add((kind, detail))
+            self.tally.violation(kind, detail)
 
     def _get(self, key: str) -> bytes | None:
         from deltastore.errors import NotFoundError
@@ -156,53 +162,54 @@ class ChainChecker:
             return None
 
     def check(self, *, full: bool = False) -> list[Link]:
-        t = self.tally
         head_bytes = self._get("HEAD")
         if head_bytes is None:
             if self.chain:
-                t.violation("I3 HEAD deleted", f"HEAD missing after version {self.chain[-1].version}")
+                self._violation("I3 HEAD deleted", f"HEAD missing after version {self.chain[-1].version}")
             return []
         try:
             head = json.loads(head_bytes)
         except ValueError as e:
-            t.violation("I1 HEAD unreadable", str(e))
+            self._violation("I1 HEAD unreadable", str(e))
             return self.chain
         key, expected = head.get("manifest"), head.get("manifest_sha256")
         links: list[Link] = []
+        walked: list[tuple[str, Link, str | None]] = []  # remembered only once the walk succeeds
         while key is not None:
             if key in self._verified and not full:
                 links.extend(self._cached_chain(key))
                 break
             data = self._get(key)
             if data is None:
-                t.violation("I1 manifest missing", f"{key} (reachable from HEAD v{head.get('version')})")
+                self._violation("I1 manifest missing", f"{key} (reachable from HEAD v{head.get('version')})")
                 return self.chain
             digest = hashlib.sha256(data).hexdigest()
             if not key.endswith(f"-{digest}.json") or (expected is not None and expected != digest):
-                t.violation("I1 manifest hash", f"{key} hashes to {digest}")
+                self._violation("I1 manifest hash", f"{key} hashes to {digest}")
                 return self.chain
             m = json.loads(data)
             for b in m.get("blobs", []):
                 pack = self._get(b["key"])
                 if pack is None:
-                    t.violation("I1 pack missing", f"{b['key']} of version {m['version']} ({key})")
+                    self._violation("I1 pack missing", f"{b['key']} of version {m['version']} ({key})")
                 elif hashlib.sha256(pack).hexdigest() != b["sha256"] or len(pack) != b["size"]:
-                    t.violation("I1 pack hash", f"{b['key']} of version {m['version']}")
+                    self._violation("I1 pack hash", f"{b['key']} of version {m['version']}")
             link = Link(m["version"], key, m.get("step"), m.get("writer", ""), m.get("epoch", 0),
                         m.get("commit_id", ""), m.get("parent"), m.get("kind", ""))  # fmt: skip
-            self._verified[key] = link
-            self._below[key] = m.get("parent_manifest")
+            walked.append((key, link, m.get("parent_manifest")))
             links.append(link)
             key, expected = m.get("parent_manifest"), None
+        for k, link, parent in walked:
+            self._verified[k], self._below[k] = link, parent
         links.reverse()
         versions = [l.version for l in links]
         if versions != list(range(1, len(versions) + 1)):
-            t.violation("I2 not consecutive", f"chain versions {versions[:5]}…{versions[-5:]}")
+            self._violation("I2 not consecutive", f"chain versions {versions[:5]}…{versions[-5:]}")
         if links and links[-1].version != head.get("version"):
-            t.violation("I1 HEAD version", f"HEAD says {head.get('version')}, its manifest is {links[-1].version}")
+            self._violation("I1 HEAD version", f"HEAD says {head.get('version')}, its manifest is {links[-1].version}")
         old = [l.key for l in self.chain]
         if [l.key for l in links[: len(old)]] != old:
-            t.violation("I3 history rewritten", f"chain up to v{len(old)} changed")
+            self._violation("I3 history rewritten", f"chain up to v{len(old)} changed")
         self.chain = links
         return links
 
@@ -214,25 +221,25 @@ class ChainChecker:
         return out
 
 
-def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, threads: int = 1) -> int:
-    """Pull each version directly and compare with the oracle; returns how many failed.
+def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, threads: int = 1) -> set[int]:
+    """Pull each version directly and compare with the oracle; returns the versions that failed.
 
     A committed version that cannot be read, or reads other bits than its step's, is lost.
     """
     from deltastore import Subscriber
 
-    failed = 0
+    failed: set[int] = set()
     with Subscriber(store.url, store=store, threads=threads) as sub:
         for link in links:
             try:
                 state = sub.pull(link.version)
             except Exception as e:  # noqa: BLE001 - counted, with its type
-                failed += 1
+                failed.add(link.version)
                 tally.lost(f"committed version {link.version} (step {link.step}) unreadable: {type(e).__name__}: {e}")
                 continue
             why = oracle.differs(state, link.step)
             if why is not None:
-                failed += 1
+                failed.add(link.version)
                 tally.lost(f"committed version {link.version} reads wrong bits: {why}")
     return failed
 

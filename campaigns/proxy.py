@@ -18,6 +18,8 @@ truncate   the server's answer cut in half (body, or headers when there is no   
 slow       the server's answer, ``slow_s`` late                                   yes
 drop       connection reset after the server applied the request: the SDK         yes
            retries a PUT that landed
+flip       one byte of the request body flipped on the way (not in the default     yes
+           mix; only requests with a body): does anything end to end notice?
 =========  ======================================================================  =========
 
 ``methods`` and ``key_pattern`` restrict which requests can be faulted (e.g. only PUTs, only
@@ -49,9 +51,10 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("500", "503", "409", "reset", "truncate", "slow", "drop")
-#: Equal weights: every kind of fault about as often as the others.
-DEFAULT_MIX: Mapping[str, float] = {k: 1.0 for k in FAULT_KINDS}
+FAULT_KINDS = ("500", "503", "409", "reset", "truncate", "slow", "drop", "flip")
+#: Equal weights: every kind of fault about as often as the others. ``flip`` (a damaged request
+#: body) is not in the default mix: it models a broken network path, not an S3 answer.
+DEFAULT_MIX: Mapping[str, float] = {k: 1.0 for k in FAULT_KINDS if k != "flip"}
 #: A request or response larger than this is refused: campaign objects are KiB to a few MiB.
 MAX_BODY_BYTES = 512 * 1024 * 1024
 #: Idle keep-alive connections and stuck servers are dropped after this long.
@@ -221,7 +224,8 @@ class FaultProxy:
         with self._lock:
             return dict(self.counts)
 
-    def _choose(self, method: str, path: str) -> str | None:
+    def _choose(self, method: str, path: str, has_body: bool = False) -> str | None:
+        """The fault for this request (None for none), counted; drawn under the lock."""
         with self._lock:
             self.requests += 1
             plan = self._plan
@@ -237,6 +241,8 @@ class FaultProxy:
             if not kinds:
                 return None
             kind = self._rng.choices(kinds, weights=[plan.mix[k] for k in kinds])[0]
+            if kind == "flip" and not has_body:
+                return None
             self.counts[kind] += 1
             self.by_method[f"{kind} {method}"] += 1
             self.events.append(Event(kind, method, path))
@@ -311,7 +317,13 @@ class FaultProxy:
                 parts = first.decode("latin-1").split()
                 method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("?", "/")
                 path = urllib.parse.unquote(urllib.parse.urlsplit(target).path)
-                kind = self._choose(method, path)
+                chunked = b"chunked" in (_header(headers, b"transfer-encoding") or b"").lower()
+                kind = self._choose(method, path, has_body=bool(body) and not chunked)
+                if kind == "flip":
+                    with self._lock:
+                        i = self._rng.randrange(len(body))
+                        bit = 1 << self._rng.randrange(8)
+                    body = body[:i] + bytes([body[i] ^ bit]) + body[i + 1 :]
                 if kind in _ERRORS:
                     client.sendall(self._error(kind, method))
                     continue
