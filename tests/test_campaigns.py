@@ -115,6 +115,25 @@ def test_proxy_drop_lands_the_request_and_reset_does_not(server):
         assert len(listed) == (1 if lands else 0), kind
 
 
+def test_proxy_flip_damages_one_byte_of_the_body(server):
+    import boto3
+    from botocore.config import Config
+
+    key = f"flip-{time.monotonic_ns()}"
+    body = bytes(range(256)) * 8
+    with FaultProxy(server.endpoint_url, FaultPlan(rate=1.0, mix={"flip": 1.0}, methods=frozenset({"PUT"}))) as proxy:
+        client = boto3.client(
+            "s3", endpoint_url=proxy.endpoint_url, aws_access_key_id=server.access_key,
+            aws_secret_access_key=server.secret_key, region_name=server.region,
+            config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
+                          retries={"total_max_attempts": 1, "mode": "standard"}),
+        )  # fmt: skip
+        client.put_object(Bucket=server.bucket, Key=key, Body=body)  # nothing checks end to end
+        assert proxy.counts == {"flip": 1}
+    stored = server.boto3_client().get_object(Bucket=server.bucket, Key=key)["Body"].read()
+    assert len(stored) == len(body) and sum(a != b for a, b in zip(stored, body)) == 1
+
+
 def test_proxy_slow_delays(moto_server):
     with FaultProxy(moto_server.endpoint_url, FaultPlan(rate=1.0, mix={"slow": 1.0}, slow_s=0.4)) as proxy:
         t = time.monotonic()
