@@ -1,0 +1,401 @@
+"""What every campaign shares: the tally, the chain checker (SPEC §5 I1–I3), the command line,
+processes started from a fork server, and the worker that follows a store with ``pull_into``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Examples kept per category in a tally: enough to name a defect, not a log.
+EXAMPLES_PER_KIND = 5
+#: Retries of the campaign's S3 clients: the library's default (the faults must meet the SDK
+#: behaviour users get), not the test suite's fail-fast 2.
+CAMPAIGN_RETRIES = 5
+
+
+@dataclass
+class Tally:
+    """What one campaign run counted."""
+
+    campaign: str
+    backend: str
+    trials: int = 0
+    seconds: float = 0.0
+    faults: Counter[str] = field(default_factory=Counter)
+    versions_lost: int = 0
+    corrupt_applies: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    wrong_errors: Counter[str] = field(default_factory=Counter)
+    invariant_violations: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    command: str = ""
+
+    def note(self, category: str, text: str) -> None:
+        ex = self.examples.setdefault(category, [])
+        if len(ex) < EXAMPLES_PER_KIND:
+            ex.append(text[:500])
+
+    def error(self, e: BaseException | str) -> None:
+        self.errors[e if isinstance(e, str) else type(e).__name__] += 1
+
+    def wrong(self, reason: str, detail: str) -> None:
+        self.wrong_errors[reason] += 1
+        self.note(f"wrong: {reason}", detail)
+
+    def violation(self, kind: str, detail: str) -> None:
+        self.invariant_violations[kind] += 1
+        self.note(f"violation: {kind}", detail)
+
+    def lost(self, detail: str, n: int = 1) -> None:
+        self.versions_lost += n
+        self.note("lost", detail)
+
+    def corrupt(self, detail: str) -> None:
+        self.corrupt_applies += 1
+        self.note("corrupt", detail)
+
+    def merge_worker(self, w: dict[str, Any]) -> None:
+        """Add a worker's report (see :func:`follow`)."""
+        self.corrupt_applies += w.get("corrupt", 0)
+        for k, v in w.get("errors", {}).items():
+            self.errors[f"worker {k}"] += v
+        for k, v in w.get("wrong", {}).items():
+            self.wrong_errors[k] += v
+        for cat, texts in w.get("examples", {}).items():
+            for t in texts:
+                self.note(cat, t)
+        self.extra["worker_updates"] = self.extra.get("worker_updates", 0) + w.get("updates", 0)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.versions_lost or self.corrupt_applies or self.wrong_errors or self.invariant_violations)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "campaign": self.campaign, "backend": self.backend, "trials": self.trials,
+            "seconds": round(self.seconds, 1), "faults": dict(self.faults),
+            "versions_lost": self.versions_lost, "corrupt_applies": self.corrupt_applies,
+            "errors": dict(self.errors), "wrong_errors": dict(self.wrong_errors),
+            "invariant_violations": dict(self.invariant_violations), "examples": self.examples,
+            "extra": self.extra, "command": self.command,
+        }  # fmt: skip
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.campaign} on {self.backend}: {self.trials} trials in {self.seconds:.1f} s",
+            f"  faults injected: {dict(self.faults) or '-'}",
+            f"  versions lost: {self.versions_lost}   corrupt applies: {self.corrupt_applies}",
+            f"  errors surfaced: {dict(self.errors) or '-'}",
+            f"  wrong errors: {dict(self.wrong_errors) or '-'}",
+            f"  invariant violations: {dict(self.invariant_violations) or '-'}",
+            f"  extra: {self.extra}",
+        ]
+        for cat, texts in sorted(self.examples.items()):
+            lines.append(f"  e.g. {cat}:")
+            lines.extend(f"    - {t}" for t in texts)
+        return "\n".join(lines)
+
+
+# --- the chain, read directly ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """One committed version as the oracle reads it (raw JSON, independent of the library)."""
+
+    version: int
+    key: str
+    step: int | None
+    writer: str
+    epoch: int
+    commit_id: str
+    parent: int | None
+    kind: str
+
+
+class ChainChecker:
+    """Walks HEAD's chain straight from the store and checks SPEC §5 I1–I3.
+
+    Manifests and packs once verified are not fetched again (they are immutable), except by
+    ``check(full=True)``. I3 is checked as "the chain seen last time is a prefix of this one":
+    nothing reachable was removed or replaced.
+    """
+
+    def __init__(self, store: Any, tally: Tally):
+        self.store = store
+        self.tally = tally
+        self._verified: dict[str, Link] = {}
+        self._below: dict[str, str | None] = {}  # manifest key -> parent manifest key
+        self._reported: set[tuple[str, str]] = set()  # a broken object is counted once
+        self.chain: list[Link] = []
+
+    def _violation(self, kind: str, detail: str) -> None:
+        if (kind, detail) not in self._reported:
+            self._reported.add((kind, detail))
+            self.tally.violation(kind, detail)
+
+    def _get(self, key: str) -> bytes | None:
+        from deltastore.errors import NotFoundError
+
+        try:
+            return self.store.get(key)
+        except NotFoundError:
+            return None
+
+    def check(self, *, full: bool = False) -> list[Link]:
+        head_bytes = self._get("HEAD")
+        if head_bytes is None:
+            if self.chain:
+                self._violation("I3 HEAD deleted", f"HEAD missing after version {self.chain[-1].version}")
+            return []
+        try:
+            head = json.loads(head_bytes)
+        except ValueError as e:
+            self._violation("I1 HEAD unreadable", str(e))
+            return self.chain
+        key, expected = head.get("manifest"), head.get("manifest_sha256")
+        links: list[Link] = []
+        walked: list[tuple[str, Link, str | None]] = []  # remembered only once the walk succeeds
+        while key is not None:
+            if key in self._verified and not full:
+                links.extend(self._cached_chain(key))
+                break
+            data = self._get(key)
+            if data is None:
+                self._violation("I1 manifest missing", f"{key} (reachable from HEAD v{head.get('version')})")
+                return self.chain
+            digest = hashlib.sha256(data).hexdigest()
+            if not key.endswith(f"-{digest}.json") or (expected is not None and expected != digest):
+                self._violation("I1 manifest hash", f"{key} hashes to {digest}")
+                return self.chain
+            m = json.loads(data)
+            for b in m.get("blobs", []):
+                pack = self._get(b["key"])
+                if pack is None:
+                    self._violation("I1 pack missing", f"{b['key']} of version {m['version']} ({key})")
+                elif hashlib.sha256(pack).hexdigest() != b["sha256"] or len(pack) != b["size"]:
+                    self._violation("I1 pack hash", f"{b['key']} of version {m['version']}")
+            link = Link(m["version"], key, m.get("step"), m.get("writer", ""), m.get("epoch", 0),
+                        m.get("commit_id", ""), m.get("parent"), m.get("kind", ""))  # fmt: skip
+            walked.append((key, link, m.get("parent_manifest")))
+            links.append(link)
+            key, expected = m.get("parent_manifest"), None
+        for k, link, parent in walked:
+            self._verified[k], self._below[k] = link, parent
+        links.reverse()
+        versions = [l.version for l in links]
+        if versions != list(range(1, len(versions) + 1)):
+            self._violation("I2 not consecutive", f"chain versions {versions[:5]}…{versions[-5:]}")
+        if links and links[-1].version != head.get("version"):
+            self._violation("I1 HEAD version", f"HEAD says {head.get('version')}, its manifest is {links[-1].version}")
+        old = [l.key for l in self.chain]
+        if [l.key for l in links[: len(old)]] != old:
+            self._violation("I3 history rewritten", f"chain up to v{len(old)} changed")
+        self.chain = links
+        return links
+
+    def _cached_chain(self, key: str | None) -> list[Link]:
+        out = []
+        while key is not None:
+            out.append(self._verified[key])
+            key = self._below[key]
+        return out
+
+
+def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, threads: int = 1) -> set[int]:
+    """Pull each version directly and compare with the oracle; returns the versions that failed.
+
+    A committed version that cannot be read, or reads other bits than its step's, is lost.
+    """
+    from deltastore import Subscriber
+
+    failed: set[int] = set()
+    with Subscriber(store.url, store=store, threads=threads) as sub:
+        for link in links:
+            try:
+                state = sub.pull(link.version)
+            except Exception as e:  # noqa: BLE001 - counted, with its type
+                failed.add(link.version)
+                tally.lost(f"committed version {link.version} (step {link.step}) unreadable: {type(e).__name__}: {e}")
+                continue
+            why = oracle.differs(state, link.step)
+            if why is not None:
+                failed.add(link.version)
+                tally.lost(f"committed version {link.version} reads wrong bits: {why}")
+    return failed
+
+
+# --- command line ------------------------------------------------------------------------
+
+
+def parser(name: str, default_trials: int, doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m campaigns.{name}", description=doc)
+    p.add_argument("--backend", choices=["moto", "seaweedfs"], default="moto")
+    p.add_argument("--trials", type=int, default=default_trials)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="OUT", help="write the tally as JSON here")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(name: str, run: Callable[..., Tally], p: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse arguments, start the backend, run, print the summary (and write --json)."""
+    from campaigns.servers import backend
+
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # the library logs every rolled-back pull and lost response at WARNING+
+        logging.getLogger("deltastore").setLevel(logging.CRITICAL)
+        logging.getLogger("urllib3").setLevel(logging.CRITICAL)  # a traceback per truncated header
+    with backend(args.backend) as server:
+        tally = run(server, args)
+    tally.command = f"python -m campaigns.{name} " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(tally.summary())
+    if args.json:
+        Path(args.json).write_text(json.dumps(tally.to_json(), indent=1, sort_keys=True))
+    return 0
+
+
+def campaign_options(server: Any, endpoint_url: str | None = None) -> dict[str, Any]:
+    """storage_options for a campaign client (library-default retries)."""
+    s = server.with_endpoint(endpoint_url) if endpoint_url else server
+    return s.storage_options(retries=CAMPAIGN_RETRIES)
+
+
+def fresh_url(server: Any, name: str) -> str:
+    return f"s3://{server.bucket}/{name}-{uuid.uuid4().hex[:10]}"
+
+
+@contextlib.contextmanager
+def scratch_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="campaign-") as d:
+        yield Path(d)
+
+
+def mp_context() -> multiprocessing.context.BaseContext:
+    """Processes forked from a server that has torch, boto3 and deltastore imported already:
+    a trial's process starts in milliseconds instead of paying the ~2 s imports."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["campaigns._preload"])
+    return ctx
+
+
+# --- a worker following the store ---------------------------------------------------------
+
+
+def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_path: str, interval: float = 0.05) -> None:
+    """Follow ``url`` with ``pull_into`` until ``stop_path`` exists; write a report to ``out_path``.
+
+    After every successful update the weights must be the exact bits of the version reported;
+    after every failed ``pull_into`` they must still be the last good version's. Every error must
+    be a DeltastoreError. The report: updates, corrupt, errors by type, wrong errors, examples.
+    """
+    from deltastore import DeltastoreError, Subscriber
+    from campaigns.model import Oracle
+
+    logging.getLogger("deltastore").setLevel(logging.CRITICAL)
+    logging.getLogger("urllib3").setLevel(logging.CRITICAL)
+    oracle = Oracle(seed)
+    report: dict[str, Any] = {"updates": 0, "corrupt": 0, "errors": Counter(), "wrong": Counter(), "examples": {}}
+
+    def note(cat: str, text: str) -> None:
+        ex = report["examples"].setdefault(cat, [])
+        if len(ex) < EXAMPLES_PER_KIND:
+            ex.append(text[:500])
+
+    sub = None
+    target = None
+    good_step: int | None = None
+    try:
+        while not os.path.exists(stop_path):
+            try:
+                if sub is None:
+                    sub = Subscriber(url, storage_options=options, threads=1)
+                if target is None:
+                    target = sub.pull()
+                    info = sub.info(sub.version)
+                else:
+                    info = sub.pull_into(target)
+                    if info is None:
+                        time.sleep(interval)
+                        continue
+                report["updates"] += 1
+                why = oracle.differs(target, info.step)
+                if why is not None:
+                    report["corrupt"] += 1
+                    note("corrupt", f"worker holds wrong bits after updating to version {info.version}: {why}")
+                    target = None
+                    sub.close()
+                    sub = None
+                else:
+                    good_step = info.step
+            except DeltastoreError as e:
+                report["errors"][type(e).__name__] += 1
+                if target is not None and good_step is not None:
+                    # SPEC §7.6: a failed pull_into leaves the target as it was.
+                    why = oracle.differs(target, good_step)
+                    if why is not None:
+                        report["corrupt"] += 1
+                        note("corrupt", f"failed pull_into ({type(e).__name__}) changed the weights: {why}")
+                        target = None
+            except Exception as e:  # noqa: BLE001 - the point: an untyped error escaped
+                report["wrong"][f"worker {type(e).__name__}"] += 1
+                note(f"wrong: worker {type(e).__name__}", "".join(traceback.format_exception_only(type(e), e)).strip())
+                target = None
+                if sub is not None:
+                    sub.close()
+                sub = None
+            time.sleep(interval)
+    finally:
+        if sub is not None:
+            sub.close()
+        report["errors"] = dict(report["errors"])
+        report["wrong"] = dict(report["wrong"])
+        tmp = out_path + ".tmp"
+        Path(tmp).write_text(json.dumps(report))
+        os.replace(tmp, out_path)
+
+
+class Followers:
+    """Worker processes following a store; :meth:`stop` returns their merged reports."""
+
+    def __init__(self, ctx: Any, url: str, options: dict[str, Any], seed: int, n: int, workdir: Path):
+        self.workdir = workdir
+        self.stop_path = str(workdir / f"stop-{uuid.uuid4().hex[:6]}")
+        self.outs = [str(workdir / f"worker-{uuid.uuid4().hex[:6]}.json") for _ in range(n)]
+        self.procs = [ctx.Process(target=follow, args=(url, options, seed, self.stop_path, out), daemon=True) for out in self.outs]
+        for p in self.procs:
+            p.start()
+
+    def stop(self, tally: Tally, timeout: float = 60.0) -> None:
+        Path(self.stop_path).touch()
+        for p, out in zip(self.procs, self.outs):
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
+                tally.wrong("worker hung", f"worker did not stop within {timeout:.0f} s")
+                continue
+            try:
+                tally.merge_worker(json.loads(Path(out).read_text()))
+            except (OSError, ValueError):
+                tally.wrong("worker died", f"worker exit code {p.exitcode}, no report")
