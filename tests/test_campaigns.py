@@ -6,8 +6,7 @@ Two kinds of test:
   really truncated, a dropped response really landed, filters hold), and every campaign's
   machinery works (trials ran, faults were injected);
 - each campaign finds nothing: 0 lost versions, 0 corrupt applies, 0 wrong errors, 0 invariant
-  violations. Where a defect of issue 6 is not fixed yet, the test is marked xfail (not strict)
-  naming it: flip the mark once the fix lands.
+  violations (these failed on the library before issue 6's fixes: see docs/reliability.md).
 
 Full-size runs: ``python -m campaigns all --backend seaweedfs`` (docs/reliability.md).
 """
@@ -190,18 +189,9 @@ def _xfail(reason: str):
     return pytest.mark.xfail(strict=False, reason=reason)
 
 
-#: The defects of issue 6 each campaign can hit today; remove a name once its fix lands.
-KNOWN = {
-    "crash": None,
-    "faults": "D1: 409 on a pack taken as 'already present' (pack missing); D2: lost manifest response fails the "
-              "publish (AlreadyExistsError); D3/D4: unclear HEAD outcome or 409 raises though committed, "
-              "ConflictError naming itself",
-    "races": "D6: takeover=True never claims an empty store (racing publishers share epoch 0)",
-    "corruption": "D7: a new run under the same URL is fast-forwarded onto the old run's weights; "
-                  "D10: verify --all never decodes an anchor's delta segments",
-    "hostile": "D8: chunk indices not validated (pull returns unwritten memory); D11: RecursionError/RuntimeError/"
-               "ValueError from crafted metadata; D12: a chain that skips a version passes log and verify",
-}  # fmt: skip
+#: Defects a campaign is known to hit today, by campaign: a name here marks its strict test
+#: xfail (not strict). Every defect of issue 6 is fixed; keep this empty unless one comes back.
+KNOWN: dict[str, str | None] = {name: None for name in BOUNDED}
 
 
 @pytest.mark.parametrize("name", list(BOUNDED))
