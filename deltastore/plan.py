@@ -7,13 +7,16 @@ on top, in version order, and the state digest the chunk must have afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deltastore.errors import CorruptObjectError
 from deltastore.manifest import BlobRef, Manifest, SegmentRef
 from deltastore.tensors import TensorSpec
+
+logger = logging.getLogger(__name__)
 
 #: A stretch of the chain, oldest first: ``(manifest key, manifest)``.
 Manifests = Sequence[tuple[str, Manifest]]
@@ -133,14 +136,23 @@ def plan_from_anchor(ms: Manifests, specs: dict[str, TensorSpec]) -> list[ChunkP
     ]
 
 
-def plan_forward(ms: Manifests, specs: dict[str, TensorSpec]) -> list[ChunkPlan]:
+def plan_forward(ms: Manifests, specs: dict[str, TensorSpec],
+                 base: Mapping[tuple[str, int], str] | None = None) -> list[ChunkPlan]:
     """Fast-forward from the version before ``ms`` to its last (SPEC §7.5): for each chunk
     changed in ``ms``, the cheapest of its deltas and the paths from a full segment.
+
+    An anchor with deltas lists a chunk without a ``delta`` segment to say "unchanged since
+    the parent". With ``base`` (the chunk digests held at h), that claim is checked against
+    the digests along the way: a chunk whose digest changes without a delta saying how is
+    brought forward from the anchor's full segment (so ``pull_into`` reaches what ``pull``
+    reads from that anchor), with a log line; it is never left as it was.
 
     Args:
         ms: versions h+1..t, oldest first. Every anchor in it has the layout ``specs`` (a
             caller re-plans from the anchor otherwise).
         specs: the layout held at h.
+        base: chunk digests at h (:func:`digests` of the held chain), or None to trust the
+            manifests' "unchanged" claims.
 
     Returns:
         One plan per changed chunk, each with its fallbacks (see :class:`ChunkPlan`).
@@ -150,12 +162,24 @@ def plan_forward(ms: Manifests, specs: dict[str, TensorSpec]) -> list[ChunkPlan]
     """
     # Per chunk: the entries touching it, in version order.
     touched: dict[tuple[str, int], list[tuple[int, Any]]] = {}
+    running = dict(base) if base is not None else None  # each chunk's digest so far
     for mi, (key, m) in enumerate(ms):
         check_entries(key, m, specs, None)
         for t in m.tensors:
             for c in t.chunks:
+                k = (t.name, c.index)
                 if c.delta is not None or (m.kind == "anchor" and m.delta_base is None):
-                    touched.setdefault((t.name, c.index), []).append((mi, c))
+                    touched.setdefault(k, []).append((mi, c))
+                elif running is not None and running.get(k) != c.digest:
+                    # "Unchanged" (no delta), yet the digest moved: the manifest contradicts the
+                    # chain. Only the full segment can say what the chunk is at this anchor.
+                    logger.warning(
+                        "manifest %r lists chunk %s[%d] as unchanged, but its digest differs from the version "
+                        "before; bringing it forward from the anchor's full segment", key, t.name, c.index,
+                    )
+                    touched[k] = [(mi, c)]
+                if running is not None:
+                    running[k] = c.digest
     plans = []
     for (name, idx), entries in touched.items():
         candidates: list[ChunkPlan] = []

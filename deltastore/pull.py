@@ -357,8 +357,8 @@ class Subscriber:
             specs = held_specs
             check_layout(specs, tensors, against=f"version {self._version} held by this subscriber")
             ms = fwd
-            plans = self._plan_forward(ms, specs)
             base = _digests(self._held)
+            plans = self._plan_forward(ms, specs, base)
             anchors = [i for i, (_, mm) in enumerate(ms) if mm.kind == "anchor"]
             held = ms[anchors[-1]:] if anchors else self._held + ms
         self._apply_in_place(plans, specs, tensors, base)

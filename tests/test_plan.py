@@ -119,3 +119,19 @@ def test_plans_are_frozen_values() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.digest = "x"  # type: ignore[misc]
     assert p == plan_from_anchor(ms, layout(ms[0][1]))[0]
+
+
+def test_plan_forward_does_not_trust_an_unchanged_claim_that_contradicts_the_digests(caplog) -> None:
+    """An anchor with deltas lists chunk 1 without a delta ("unchanged") but with another digest
+    than the version before: with the held digests, the planner takes the anchor's full segment
+    (pull_into then reaches what pull() reads from that anchor) instead of keeping the chunk."""
+    specs = layout(_manifest(1, "anchor", {0: (1, None), 1: (1, None)}, delta_base=None)[1])
+    ms = [_manifest(5, "delta", {0: (None, 5)}, anchor=4), _manifest(6, "anchor", {0: (100, 6), 1: (101, None)})]
+    held = {("w", 0): "4-0", ("w", 1): "4-1"}  # chunk 1 at 4 is "4-1"; the anchor says "6-1"
+    assert [p.index for p in plan_forward(ms, specs)] == [0]  # without digests: the claim is trusted
+    with caplog.at_level("WARNING", logger="deltastore.plan"):
+        plans = {p.index: p for p in plan_forward(ms, specs, held)}
+    assert _sizes(plans[1]) == (101, ()) and plans[1].digest == "6-1"
+    assert "lists chunk w[1] as unchanged" in caplog.text
+    consistent = {("w", 0): "4-0", ("w", 1): "6-1"}
+    assert [p.index for p in plan_forward(ms, specs, consistent)] == [0]
