@@ -295,6 +295,16 @@ def parse_head(data: bytes, key: str = HEAD_KEY) -> Head:
     head: Head = _validate(Head, _load(data, "HEAD", key, MAX_HEAD_BYTES), "HEAD", key)
     _check_int(head.version, "version", "HEAD", key)
     _check_int(head.epoch, "epoch", "HEAD", key)
+    # HEAD names its manifest by key and digest: both must be what a writer produces, so that a
+    # hostile HEAD cannot make a reader fetch an arbitrary key (or the empty one).
+    if head.manifest is None:
+        if head.version != 0 or head.manifest_sha256 is not None:
+            raise CorruptObjectError(f"HEAD {key!r} names no manifest but says version {head.version}")
+    elif manifest_key_version(head.manifest) != head.version or head.manifest_sha256 != digest_from_key(head.manifest):
+        raise CorruptObjectError(
+            f"HEAD {key!r}: {head.manifest!r} is not the manifest key of version {head.version} "
+            f"with SHA-256 {head.manifest_sha256!r}"
+        )
     return head
 
 

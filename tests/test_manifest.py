@@ -118,10 +118,12 @@ def _schema_fields(draw) -> dict:
 
 @st.composite
 def heads(draw) -> Head:
+    version = draw(st.integers(0, 10**9))
+    digest = None if version == 0 else draw(hexes)  # version 0: a claimed store, no manifest yet
     return Head(
-        version=draw(st.integers(0, 10**9)),
-        manifest=draw(st.none() | hexes.map(lambda h: manifest_key(3, h))),
-        manifest_sha256=draw(st.none() | hexes),
+        version=version,
+        manifest=None if digest is None else manifest_key(version, digest),
+        manifest_sha256=digest,
         commit_id=draw(st.text(max_size=40)),
         writer=draw(st.text(max_size=40)),
         epoch=draw(st.integers(0, 2**40)),
@@ -160,7 +162,7 @@ def test_head_round_trips(h: Head) -> None:
 
 
 def test_dump_is_independent_of_key_order() -> None:
-    h = Head(version=1, manifest=None, manifest_sha256=None, commit_id="c", writer="w", epoch=0, updated="t", lineage="ab" * 16)
+    h = Head(version=0, manifest=None, manifest_sha256=None, commit_id="c", writer="w", epoch=0, updated="t", lineage="ab" * 16)
     doc = json.loads(dump(h))
     shuffled = json.dumps(dict(reversed(list(doc.items())))).encode()
     assert dump(parse_head(shuffled)) == dump(h)
@@ -536,5 +538,20 @@ def test_head_over_the_size_cap_is_corrupt(real) -> None:
 
     doc = json.loads(real["head"])
     doc["writer"] = "w" * MAX_HEAD_BYTES
+    with pytest.raises(CorruptObjectError, match="HEAD"):
+        parse_head(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("manifest, sha, version", [
+    ("", "0" * 64, 1),                                                       # the empty key
+    ("manifests/../HEAD", "0" * 64, 1),                                      # escapes manifests/
+    ("manifests/000000000002-" + "a" * 64 + ".json", "a" * 64, 1),          # another version's key
+    ("manifests/000000000001-" + "a" * 64 + ".json", "b" * 64, 1),          # digest disagrees
+    (None, None, 3),                                                         # no manifest, version 3
+])  # fmt: skip
+def test_head_must_name_a_well_formed_manifest_key(manifest, sha, version):
+    doc = {"format": "deltastore.head", "schema": 2, "version": version, "manifest": manifest,
+           "manifest_sha256": sha, "commit_id": "c", "writer": "w", "epoch": 1, "updated": "t",
+           "lineage": "0" * 32}
     with pytest.raises(CorruptObjectError, match="HEAD"):
         parse_head(json.dumps(doc).encode())
