@@ -8,7 +8,7 @@ import os
 import socket
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ from deltastore.errors import (
     LayoutMismatchError,
     StorageError,
 )
+from deltastore.jobs import default_threads, grouped
 from deltastore.history import History, VersionInfo
 from deltastore.manifest import (
     BlobRef,
@@ -62,18 +63,9 @@ DEFAULT_ANCHOR_EVERY = 20
 #: Chunks in flight per encode thread: with many tiny tensors a short window starves the
 #: threads (MiniLM publish: 2 → 93 ms, 8 → 83 ms); memory stays bounded (chunks ≤ 16 MiB).
 IN_FLIGHT_PER_THREAD = 8
-#: Chunks smaller than this are encoded together as one job: a job per tiny tensor (LayerNorm
-#: weights, biases) makes the threads queue for the GIL more than they compute
-#: (MiniLM, 64 of 103 tensors < 10k elements).
-JOB_BYTES = 1024 * 1024
 #: Packs uploading at once per pack stream: overlaps the network with encoding while holding
 #: at most this many packs (× PACK_TARGET_BYTES) in memory.
 UPLOADS_IN_FLIGHT = 2
-
-
-def default_threads() -> int:
-    """Encode/decode threads: every core (zstd, hashing and numpy release the GIL)."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
 @dataclass
@@ -393,20 +385,10 @@ class Publisher:
     # --- encoding -----------------------------------------------------------------------
 
     @staticmethod
-    def _chunk_jobs(specs: dict[str, TensorSpec]) -> Iterator[list[tuple[int, int, str]]]:
-        """Chunks in order, small ones grouped into one job of about JOB_BYTES (see there)."""
-        group: list[tuple[int, int, str]] = []
-        size = 0
-        for ti, (name, spec) in enumerate(specs.items()):
-            for ci in range(spec.n_chunks):
-                a, b = spec.chunk_span(ci)
-                group.append((ti, ci, name))
-                size += (b - a) * spec.width
-                if size >= JOB_BYTES:
-                    yield group
-                    group, size = [], 0
-        if group:
-            yield group
+    def _chunk_jobs(specs: dict[str, TensorSpec]) -> list[list[tuple[int, int, str]]]:
+        """Chunks in order, small ones grouped into one job (see jobs.JOB_BYTES)."""
+        chunks = [(ti, ci, name) for ti, (name, spec) in enumerate(specs.items()) for ci in range(spec.n_chunks)]
+        return grouped(chunks, lambda c: specs[c[2]].chunk_bytes(c[1]))
 
     def _encode_chunk(self, ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: str, floating: bool) -> _Encoded | None:
         delta = codec.encode_delta(old, new, float_bits=floating) if old is not None else None
