@@ -18,7 +18,9 @@ import torch
 
 import deltastore.publish as publish_module
 from deltastore import Publisher, Subscriber
+from deltastore import commit as commit_module
 from deltastore.errors import (
+    CommitUnknownError,
     FencedError,
     InvalidStateDictError,
     LayoutMismatchError,
@@ -26,6 +28,7 @@ from deltastore.errors import (
     VersionSkippedError,
 )
 from deltastore.ledger import HeartbeatWriter
+from deltastore.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.storage.base import ObjectMeta, PutMode
 from tests._helpers import SMALL_CHUNK_BYTES, WrappedStore, assert_bits_equal, check_invariants
@@ -286,6 +289,62 @@ def test_a_failing_store_resolves_the_future_is_raised_once_and_the_next_publish
     pulled = pull_versions(url, [1, 2])
     assert_bits_equal(pulled[0], expected[1], "version 1")
     assert_bits_equal(pulled[1], expected[2], "version 2")
+
+
+class HeadLandsUnreadable(WrappedStore):
+    """While ``armed``: a HEAD write lands and then reports a reset, and HEAD cannot be read."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.armed = False
+
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
+        meta = super().put(key, data, mode=mode)
+        if key == HEAD_KEY and self.armed:
+            raise StorageError("HEAD: connection reset after the write landed (injected)")
+        return meta
+
+    def _unreadable(self, key: str) -> None:
+        if key == HEAD_KEY and self.armed:
+            raise StorageError("HEAD: 503 (injected on read-back)")
+
+    def get(self, key, *, byte_range=None):
+        self._unreadable(key)
+        return super().get(key, byte_range=byte_range)
+
+    def get_with_meta(self, key):
+        self._unreadable(key)
+        return super().get_with_meta(key)
+
+    def get_if_changed(self, key, etag):
+        self._unreadable(key)
+        return super().get_if_changed(key, etag)
+
+
+def test_an_unknown_commit_outcome_in_the_background_is_surfaced_then_settled(monkeypatch) -> None:
+    monkeypatch.setattr(commit_module, "READBACK_BACKOFF_S", 0.001)
+    url = "memory://async-commit-unknown"
+    store = HeadLandsUnreadable(open_store(url))
+    state = make_state(11)
+    expected = {}
+    with Publisher(url, store=store, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        expected[1] = copy_state(state)
+        pub.publish_async(state, step=0).result(WAIT_S)
+        modify_in_place(state)
+        expected[2] = copy_state(state)
+        store.armed = True
+        unknown = pub.publish_async(state, step=1)
+        assert isinstance(unknown.exception(WAIT_S), CommitUnknownError)
+        store.armed = False
+        modify_in_place(state)
+        with pytest.raises(CommitUnknownError) as raised:
+            pub.publish_async(state, step=2)
+        assert raised.value is unknown.exception()
+        expected[3] = copy_state(state)
+        info = pub.publish_async(state, step=2).result(WAIT_S)
+    assert (info.version, info.parent) == (3, 2), "the landed version 2 is counted once"
+    for v, got in zip((1, 2, 3), pull_versions(url, (1, 2, 3))):
+        assert_bits_equal(got, expected[v], f"version {v}")
 
 
 def test_close_raises_an_unreported_failure_but_never_masks_the_callers_exception(caplog) -> None:
