@@ -31,6 +31,7 @@ from deltastore.errors import (
     UnsupportedURLError,
     UploadCorruptedError,
     VersionNotFoundError,
+    VersionSkippedError,
 )
 from deltastore.history import VersionInfo
 from deltastore.publish import Publisher
@@ -67,4 +68,5 @@ __all__ = [
     "UploadCorruptedError",
     "VersionInfo",
     "VersionNotFoundError",
+    "VersionSkippedError",
 ]

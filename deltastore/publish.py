@@ -1,4 +1,8 @@
-"""The commit path (SPEC §5): encode what changed, upload packs and a manifest, CAS HEAD."""
+"""The commit path (SPEC §5): validate, choose anchor or delta, encode, write the manifest, CAS HEAD.
+
+The :class:`Publisher` is thin: encoding a state into packs lives in :mod:`deltastore.encode`,
+the HEAD protocol (claim, compare-and-swap, lost responses, fencing) in :mod:`deltastore.commit`.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,16 @@ import logging
 import operator
 import os
 import socket
+import threading
 import uuid
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from deltastore import codec
 from deltastore.commit import CommitProtocol, new_commit_id, now, put_immutable
+from deltastore.encode import UPLOADS_IN_FLIGHT, encode_version
 from deltastore.errors import (
     ConflictError,
     InvalidStateDictError,
@@ -25,117 +27,26 @@ from deltastore.errors import (
     StorageError,
 )
 from deltastore.history import History, VersionInfo
-from deltastore.manifest import (
-    BlobRef,
-    ChunkEntry,
-    Head,
-    Manifest,
-    SegmentRef,
-    Stats,
-    TensorEntry,
-    blob_key,
-    dump,
-    manifest_key,
-    sha256_hex,
-)
+from deltastore.jobs import default_threads
+from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
+from deltastore.manifest import DTYPE_WIDTHS, Head, Manifest, dump, manifest_key, sha256_hex
+from deltastore.publish_queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
-from deltastore.storage.probe import require_atomic_writes
 from deltastore.storage.base import Store
+from deltastore.storage.probe import require_atomic_writes
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
     TensorSpec,
-    bits,
     check_layout,
+    dtype_name,
     spec_for,
-    state_digest,
-    torch_dtype,
     validate_state_dict,
 )
 
 logger = logging.getLogger(__name__)
 
-#: Segments are concatenated into packs of about this size: few requests per version (S3 bills
-#: per request and each costs a round trip) while a pack still uploads in a few seconds.
-PACK_TARGET_BYTES = 64 * 1024 * 1024
 #: A full snapshot every this many versions bounds how much history a new worker replays.
 DEFAULT_ANCHOR_EVERY = 20
-#: Chunks in flight per encode thread: with many tiny tensors a short window starves the
-#: threads (MiniLM publish: 2 → 93 ms, 8 → 83 ms); memory stays bounded (chunks ≤ 16 MiB).
-IN_FLIGHT_PER_THREAD = 8
-#: Chunks smaller than this are encoded together as one job: a job per tiny tensor (LayerNorm
-#: weights, biases) makes the threads queue for the GIL more than they compute
-#: (MiniLM, 64 of 103 tensors < 10k elements).
-JOB_BYTES = 1024 * 1024
-#: Packs uploading at once per pack stream: overlaps the network with encoding while holding
-#: at most this many packs (× PACK_TARGET_BYTES) in memory.
-UPLOADS_IN_FLIGHT = 2
-
-
-def default_threads() -> int:
-    """Encode/decode threads: every core (zstd, hashing and numpy release the GIL)."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
-@dataclass
-class _Encoded:
-    """One chunk's encoding result."""
-
-    tensor: int
-    index: int
-    digest: str
-    full: codec.Segment | None
-    delta: codec.Segment | None
-
-
-class _PackWriter:
-    """Concatenates segments into content-addressed packs and uploads each when full.
-
-    Uploads run on ``uploader`` threads (at most ``UPLOADS_IN_FLIGHT`` packs held at once), so
-    encoding goes on while a pack travels; :meth:`finish` waits for every upload.
-    """
-
-    def __init__(self, store: Store, uploader: ThreadPoolExecutor):
-        self.store = store
-        self.uploader = uploader
-        self.blobs: list[BlobRef] = []
-        self._buf = bytearray()  # segments appended in place: no second copy to join them
-        self._uploads: deque[Future[None]] = deque()
-        self.bytes_written = 0
-
-    def add(self, seg: codec.Segment) -> SegmentRef:
-        if len(self._buf) >= PACK_TARGET_BYTES:
-            self.flush()
-        ref = SegmentRef(
-            blob=len(self.blobs),
-            offset=len(self._buf),
-            length=len(seg.data),
-            sha256=sha256_hex(seg.data),
-            codec=seg.codec,
-            n_changed=seg.n_changed,
-        )
-        self._buf += seg.data
-        return ref
-
-    def flush(self) -> None:
-        if not self._buf:
-            return
-        data, self._buf = self._buf, bytearray()
-        digest = sha256_hex(data)
-        key = blob_key(digest)
-        self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest))
-        self.bytes_written += len(data)
-        while len(self._uploads) >= UPLOADS_IN_FLIGHT:
-            self._uploads.popleft().result()
-        self._uploads.append(self.uploader.submit(self._put, key, data))
-
-    def _put(self, key: str, data: bytearray) -> None:
-        put_immutable(self.store, key, data, "pack")
-
-    def finish(self) -> None:
-        """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
-        self.flush()
-        while self._uploads:
-            self._uploads.popleft().result()
 
 
 class Publisher:
@@ -144,6 +55,28 @@ class Publisher:
     Each :meth:`publish` commits one version: changed chunks are encoded against the previous
     published version (a CPU copy of it is kept in the served dtype), uploaded as
     content-addressed packs with a manifest, and made visible by one compare-and-swap of HEAD.
+
+    :meth:`publish_async` does the same in the background: it validates the state and takes a
+    host snapshot (in the served ``dtype``) before it returns, so the caller may modify its
+    tensors at once; change detection, encoding, upload and commit then run on one background
+    thread, in call order, and the returned Future resolves to the version's
+    :class:`VersionInfo` (or to its error). When the store is slower than training,
+    ``async_policy`` decides:
+
+    - ``"block"`` (default): at most ``max_pending`` snapshots wait behind the one being
+      published; a further ``publish_async`` blocks (before copying anything) until one starts.
+      Every call is published.
+    - ``"latest"``: ``publish_async`` never waits; a newer snapshot replaces the newest one still
+      waiting, which is never published (its Future raises
+      :class:`~deltastore.errors.VersionSkippedError`; an ``anchor=True`` request passes on to
+      the snapshot that replaced it). The one being published is never replaced.
+
+    Either way at most ``max_pending + 1`` snapshots are alive at once (plus the reference
+    copy). A background failure (ConflictError, FencedError, StorageError,
+    CommitUnknownError, ...) resolves that call's Future with the error, and the next
+    :meth:`publish_async`, :meth:`publish`, :meth:`flush` or :meth:`close` raises it, once:
+    a failure is never lost. :meth:`publish` first waits for every queued publish, so
+    versions stay in call order. Call one Publisher from one thread.
 
     Args:
         url: store URL (a local path, ``file://``, ``memory://``, ``s3://bucket/prefix``, or
@@ -165,6 +98,13 @@ class Publisher:
             (the caller keeps ownership: it is not closed by :meth:`close`).
         signing_key: an Ed25519 private key (a ``cryptography`` key object, PEM bytes or a
             PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore[signing]``).
+        dtype: the served dtype of floating tensors (e.g. ``torch.bfloat16`` from fp32
+            masters), for :meth:`publish` and :meth:`publish_async` alike; None (default)
+            keeps each tensor's dtype. Integer and bool tensors always keep theirs.
+        async_policy: ``"block"`` or ``"latest"``, what :meth:`publish_async` does when the
+            store is slower than training (above).
+        max_pending: snapshots that may wait behind the one being published (≥ 1; default 1:
+            encoding step n overlaps training step n+1 with two snapshots alive).
 
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
@@ -178,6 +118,12 @@ class Publisher:
         with Publisher("file:///tmp/run1") as pub:
             info = pub.publish(model.state_dict(), step=0)
             print(info.version, info.kind)
+
+        with Publisher("s3://bucket/run2", dtype=torch.bfloat16) as pub:  # fp32 masters
+            for step in range(steps):
+                train_step()
+                pub.publish_async(model.state_dict(), step=step)  # returns after the snapshot
+        # leaving the block published every queued step (or raised the failure)
     """
 
     def __init__(
@@ -194,9 +140,20 @@ class Publisher:
         resume: bool = True,
         store: Store | None = None,
         signing_key: Any = None,
+        dtype: torch.dtype | None = None,
+        async_policy: Policy = "block",
+        max_pending: int = DEFAULT_MAX_PENDING,
     ):
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be ≥ 1, got {anchor_every}")
+        if dtype is not None and not (
+            isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype_name(dtype) in DTYPE_WIDTHS
+        ):
+            raise ValueError(f"dtype must be a floating torch.dtype deltastore stores (e.g. torch.bfloat16) or None, got {dtype!r}")
+        if async_policy not in POLICIES:
+            raise ValueError(f"async_policy must be one of {POLICIES}, got {async_policy!r}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be ≥ 1, got {max_pending}")
         self._signing_key = None
         if signing_key is not None:
             from deltastore.signing import load_private_key
@@ -218,6 +175,15 @@ class Publisher:
         self.threads = threads or default_threads()
         self.chunk_bytes = chunk_bytes
         self.resume = resume
+        self.dtype = dtype
+        self.async_policy = async_policy
+        self.max_pending = max_pending
+        self._queue: PublishQueue | None = None  # started by the first publish_async
+        # One commit at a time: the caller's publish() and the queue's thread share the state below.
+        self._commit_lock = threading.Lock()
+        # The layout of the newest state accepted (committed or queued), to refuse a layout
+        # change without anchor=True in the caller's thread; None until one is known.
+        self._accepted_layout: dict[str, tuple[str, tuple[int, ...]]] | None = None
         self._history = History(self.store)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")
@@ -262,7 +228,8 @@ class Publisher:
 
         The tensors must not be modified while this call runs. The first version of a store is
         an anchor; a publisher opened on a store that has versions first reads the head back
-        (``resume``) so that its first publish can be a delta.
+        (``resume``) so that its first publish can be a delta. Earlier :meth:`publish_async`
+        calls are committed first (this call waits for them), so versions keep call order.
 
         Args:
             state_dict: name → tensor (or an ``nn.Module``), dense and contiguous.
@@ -282,16 +249,122 @@ class Publisher:
             CommitUnknownError: HEAD was written but could not be read back, so whether this
                 version committed is unknown; the next publish settles it first.
             StorageError: the store failed; nothing was committed (HEAD is as it was).
+            DeltastoreError: an earlier :meth:`publish_async` failed in the background and was
+                not yet reported (raised once, instead of publishing this state).
         """
-        if self._closed:
-            raise StorageError(f"publisher for {self.url} is closed")
+        self._check_open()
+        state = self._served(validate_state_dict(state_dict))
+        meta = _json_metadata(metadata)
+        step = _int_step(step)
+        if self._queue is not None:
+            self._queue.flush()  # earlier publish_async calls commit first: versions in call order
+        return self._commit_locked(state, step=step, meta=meta, anchor=anchor, owned=False)
+
+    def publish_async(
+        self,
+        state_dict: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        anchor: bool = False,
+    ) -> Future[VersionInfo]:
+        """Snapshot ``state_dict`` and commit it as a later version in the background.
+
+        The state, ``step`` and ``metadata`` are checked here, in the caller's thread (bad
+        input raises at once and nothing is queued). Then a host copy is taken in the served
+        ``dtype`` (pinned memory and non-blocking copies for CUDA tensors) and queued; the call
+        returns right after the copy, and the caller may modify its tensors at once. The
+        version is published as by :meth:`publish`, after every earlier call, on the
+        Publisher's background thread. Under ``async_policy="block"`` the call first waits
+        while ``max_pending`` snapshots are waiting; under ``"latest"`` it never waits (see
+        the class docstring).
+
+        Args:
+            state_dict, step, metadata, anchor: as for :meth:`publish`.
+
+        Returns:
+            A Future of the committed version's :class:`VersionInfo`. It raises what the
+            background commit raised (ConflictError, FencedError, StorageError, ...), or
+            :class:`~deltastore.errors.VersionSkippedError` if a newer snapshot replaced this
+            one under ``"latest"``.
+
+        Raises:
+            InvalidStateDictError: a value, ``step`` or ``metadata`` is not publishable.
+            LayoutMismatchError: names/dtypes/shapes differ from the newest version published
+                or queued and ``anchor`` is False.
+            DeltastoreError: an earlier background publish failed and was not yet reported
+                (raised once; this call's state is not queued).
+            FencedError: a newer publisher took the store over (known from an earlier
+                commit): this publisher can never commit again, so nothing is queued.
+            StorageError: the publisher is closed.
+        """
+        self._check_open()
+        state = validate_state_dict(state_dict)
+        meta = _json_metadata(metadata)
+        step = _int_step(step)
+        layout = self._check_accepted_layout(state, anchor)
+        if self._commits.fenced:  # permanent: say so now rather than snapshot and fail later
+            self.flush()  # the background failure that found it is reported first (once)
+            self._commits.check_can_commit()
+        if self._queue is None:
+            self._queue = PublishQueue(
+                self._publish_snapshot, policy=self.async_policy, max_pending=self.max_pending,
+                name=self.url, sticky=("anchor",),
+            )
+        future = self._queue.submit_snapshot(lambda: snapshot(state, self.dtype), step=step, meta=meta, anchor=anchor)
+        self._accepted_layout = layout
+        return future
+
+    def flush(self) -> None:
+        """Wait until every :meth:`publish_async` call is committed (or failed).
+
+        Raises:
+            DeltastoreError: the first background failure not yet reported (once).
+        """
+        if self._queue is not None:
+            self._queue.flush()
+
+    def oldest_live_version(self, ttl_s: float = LIVE_TTL_S) -> int | None:
+        """The lowest version held by a live worker of the fleet ledger (SPEC §10).
+
+        A worker is live when its heartbeat reached the store within ``ttl_s`` seconds. Async
+        RL bounds staleness with it (e.g. wait while ``version - oldest > k``). The ledger is
+        advisory: workers that write no heartbeat are not counted.
+
+        Returns:
+            That version, or None when no worker is live.
+
+        Raises:
+            StorageError: the ledger could not be listed.
+        """
+        return oldest_live_version(read_ledger(self.store), ttl_s=ttl_s)
+
+    # --- the commit path ----------------------------------------------------------------
+
+    def _publish_snapshot(self, state: dict[str, torch.Tensor], *, step: int | None, meta: dict[str, Any],
+                          anchor: bool) -> VersionInfo:
+        """The queue's publish function: commit one snapshot (validated and cast already)."""
+        return self._commit_locked(state, step=step, meta=meta, anchor=anchor, owned=True)
+
+    def _commit_locked(self, state: dict[str, torch.Tensor], *, step: int | None, meta: dict[str, Any],
+                       anchor: bool, owned: bool) -> VersionInfo:
+        with self._commit_lock:
+            info = self._commit(state, step=step, meta=meta, anchor=anchor, owned=owned)
+            if not owned:  # publish_async records the layout when it queues
+                self._accepted_layout = _layout_of(state)
+            return info
+
+    def _commit(self, state: dict[str, torch.Tensor], *, step: int | None, meta: dict[str, Any],
+                anchor: bool, owned: bool) -> VersionInfo:
+        """Commit ``state`` (validated, in the served dtype) as the next version.
+
+        ``owned``: ``state`` is a snapshot nobody else holds, so an anchor adopts its tensors
+        as the reference copy instead of copying them.
+        """
         if self._commits.prepare():
             # HEAD moved since our last commit (an earlier unknown outcome turned out to have
             # landed, or another writer committed): resume from it (or write an anchor).
             self._reference = None
-        state = validate_state_dict(state_dict)
-        meta = _json_metadata(metadata)
-        step = _int_step(step)
         if self._reference is None and self.resume and not anchor and self._head is not None and self._head.manifest:
             self._resume_from_head(state)
 
@@ -311,7 +384,10 @@ class Publisher:
 
         lineage = self._commits.lineage_for_commit()
         try:
-            entries, stats, blobs = self._encode(state, specs, kind, has_base)
+            encoded = encode_version(
+                state, specs, kind=kind, reference=self._reference if has_base else None,
+                pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
+            )
             manifest = Manifest(
                 version=version,
                 parent=self._head.version if self._head and self._head.version else None,
@@ -325,9 +401,9 @@ class Publisher:
                 epoch=self.epoch,
                 commit_id=new_commit_id(),
                 metadata=meta,
-                blobs=tuple(blobs),
-                tensors=tuple(entries),
-                stats=stats,
+                blobs=encoded.blobs,
+                tensors=encoded.entries,
+                stats=encoded.stats,
                 lineage=lineage,
             )
             if self._signing_key is not None:
@@ -360,7 +436,10 @@ class Publisher:
                 self._reference = None
             raise
         if not has_base:  # deltas advanced the reference while encoding
-            self._reference = {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
+            if owned:  # a new dict: the queue clears the snapshot's dict once this returns
+                self._reference = dict(state)
+            else:
+                self._reference = {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
         self._specs = specs
         if kind == "anchor":
             self._anchor_version = version
@@ -369,135 +448,83 @@ class Publisher:
         info = VersionInfo.from_manifest(manifest, mkey)
         logger.info(
             "published version %d (%s, step %s): %d bytes, %d tensors / %d elements changed",
-            version, kind, step, stats.bytes_stored, stats.tensors_changed, stats.elements_changed,
+            version, kind, step, encoded.stats.bytes_stored, encoded.stats.tensors_changed,
+            encoded.stats.elements_changed,
         )
         return info
 
     def close(self) -> None:
-        """Stop the encode threads and release the store. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._pool.shutdown(wait=True)
-        self._uploader.shutdown(wait=True)
-        self._reference = None
-        if self._owns_store:
-            self.store.close()
+        """Publish what :meth:`publish_async` queued, stop the threads, release the store.
+
+        Idempotent. The threads and the store are released even when a failure is raised.
+
+        Raises:
+            DeltastoreError: a background failure not yet reported (once), after the cleanup.
+        """
+        self._close(raise_errors=True)
 
     def __enter__(self) -> Publisher:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # With an exception already propagating, a background failure is logged, not raised:
+        # raising here would replace the caller's exception.
+        self._close(raise_errors=exc_type is None)
 
-    # --- encoding -----------------------------------------------------------------------
+    def _close(self, *, raise_errors: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        try:
+            if self._queue is not None:
+                try:
+                    self._queue.close(raise_errors=True)  # drains: every queued snapshot is published
+                except BaseException as e:  # noqa: BLE001 - raised or logged below, after the cleanup
+                    error = e
+        finally:
+            self._pool.shutdown(wait=True)
+            self._uploader.shutdown(wait=True)
+            self._reference = None
+            if self._owns_store:
+                self.store.close()
+        if error is not None:
+            if raise_errors:
+                raise error
+            logger.error("closing the publisher of %s: a background publish failed (not raised: another "
+                         "exception is propagating): %s", self.url, error)
 
-    @staticmethod
-    def _chunk_jobs(specs: dict[str, TensorSpec]) -> Iterator[list[tuple[int, int, str]]]:
-        """Chunks in order, small ones grouped into one job of about JOB_BYTES (see there)."""
-        group: list[tuple[int, int, str]] = []
-        size = 0
-        for ti, (name, spec) in enumerate(specs.items()):
-            for ci in range(spec.n_chunks):
-                a, b = spec.chunk_span(ci)
-                group.append((ti, ci, name))
-                size += (b - a) * spec.width
-                if size >= JOB_BYTES:
-                    yield group
-                    group, size = [], 0
-        if group:
-            yield group
+    # --- helpers --------------------------------------------------------------------------
 
-    def _encode_chunk(self, ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: str, floating: bool) -> _Encoded | None:
-        delta = codec.encode_delta(old, new, float_bits=floating) if old is not None else None
-        if kind == "delta" and delta is None:
-            return None
-        full = codec.encode_full(new, float_bits=floating) if kind == "anchor" else None
-        return _Encoded(ti, ci, state_digest(new), full, delta)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(f"publisher for {self.url} is closed")
 
-    def _encode(
-        self,
-        state: dict[str, torch.Tensor],
-        specs: dict[str, TensorSpec],
-        kind: str,
-        has_base: bool,
-    ) -> tuple[list[TensorEntry], Stats, list[BlobRef]]:
-        """Encode every chunk (a bounded number in flight) and upload the packs as they fill."""
-        names = list(specs)
-        ref = self._reference if has_base else None
-        # Float bit patterns code better with the exponent in one byte plane (codec full/2).
-        floating = {n: torch_dtype(sp.dtype).is_floating_point for n, sp in specs.items()}
+    def _served(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` with floating tensors cast to the served dtype (others as they are)."""
+        if self.dtype is None:
+            return state
+        return {n: t.detach().to(self.dtype) if t.is_floating_point() else t for n, t in state.items()}
 
-        # Bit views made once, here: per-chunk torch calls on the encode threads would queue for
-        # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
-        new_bits = {n: bits(t) for n, t in state.items() if t.device.type == "cpu"}
-        ref_bits = {n: bits(t) for n, t in ref.items()} if ref is not None else {}
+    def _check_accepted_layout(self, state: Mapping[str, torch.Tensor], anchor: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The served layout of ``state``; LayoutMismatchError if it differs from the newest
+        accepted one and ``anchor`` is False (the background commit checks again)."""
+        served = {
+            n: torch.empty(t.shape, dtype=self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype, device="meta")
+            for n, t in state.items()
+        }
+        layout = _layout_of(served)
+        accepted = self._accepted_layout
+        if accepted is not None and not anchor and layout != accepted:
+            specs = {n: TensorSpec(n, dt, shape, 1) for n, (dt, shape) in accepted.items()}
+            check_layout(specs, served, against=f"the newest version published or queued to {self.url}")
+        return layout
 
-        def job(ti: int, ci: int, name: str) -> _Encoded | None:
-            a, b = specs[name].chunk_span(ci)
-            full = new_bits.get(name)
-            new = full[a:b] if full is not None else bits(state[name].detach().reshape(-1)[a:b].cpu())
-            old = ref_bits[name][a:b] if ref is not None else None
-            enc = self._encode_chunk(ti, ci, new, old, kind, floating[name])
-            if old is not None and enc is not None and enc.delta is not None:
-                old[...] = new  # advance the reference now (see publish(): dropped on failure)
-            return enc
-
-        # Delta and full segments go to separate packs, so a subscriber one version behind an
-        # anchor range-reads the small delta packs without touching the snapshot.
-        delta_packs, full_packs = _PackWriter(self.store, self._uploader), _PackWriter(self.store, self._uploader)
-        window = self.threads * IN_FLIGHT_PER_THREAD
-        pending: deque[Future[_Encoded | None]] = deque()
-        chunks: list[tuple[_Encoded, SegmentRef | None, SegmentRef | None]] = []
-
-        def drain(limit: int) -> None:
-            while len(pending) > limit:
-                for enc in pending.popleft().result():
-                    if enc is None:
-                        continue
-                    d = delta_packs.add(enc.delta) if enc.delta is not None else None
-                    f = full_packs.add(enc.full) if enc.full is not None else None
-                    enc.delta = enc.full = None  # the bytes now live in the pack writers only
-                    chunks.append((enc, d, f))
-
-        for group in self._chunk_jobs(specs):
-            pending.append(self._pool.submit(lambda g: [job(*j) for j in g], group))
-            drain(window)
-        drain(0)
-        delta_packs.finish()
-        full_packs.finish()
-        offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
-
-        by_tensor: dict[int, list[ChunkEntry]] = {}
-        elements_changed = 0
-        for enc, d, f in chunks:
-            if d is not None:
-                elements_changed += d.n_changed
-            if f is not None:
-                f = f.model_copy(update={"blob": f.blob + offset})
-            by_tensor.setdefault(enc.tensor, []).append(ChunkEntry(index=enc.index, digest=enc.digest, full=f, delta=d))
-        entries = []
-        tensors_changed = 0
-        for ti, tchunks in sorted(by_tensor.items()):
-            spec = specs[names[ti]]
-            if any(c.delta is not None for c in tchunks):
-                tensors_changed += 1
-            entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows, chunks=tuple(tchunks)))
-        if kind == "anchor" and not has_base:
-            tensors_changed = len(specs)
-            elements_changed = sum(s.numel for s in specs.values())
-        stats = Stats(
-            bytes_stored=delta_packs.bytes_written + full_packs.bytes_written,
-            tensors_changed=tensors_changed,
-            elements_changed=elements_changed,
-            tensors_total=len(specs),
-            elements_total=sum(s.numel for s in specs.values()),
-        )
-        return entries, stats, delta_packs.blobs + full_packs.blobs
+    # --- resume -----------------------------------------------------------------------
 
     def _resume_from_head(self, state: dict[str, torch.Tensor]) -> None:
         """Rebuild the reference copy by pulling the head version, if its layout matches."""
-        from deltastore.pull import Subscriber  # the read path; imported here to avoid a cycle
+        from deltastore.pull import Subscriber  # the read path: loaded only when a publisher resumes
 
         assert self._head is not None
         with Subscriber(self.url, store=self.store, threads=self.threads) as sub:
@@ -512,6 +539,10 @@ class Publisher:
             return
         self._reference, self._specs, self._anchor_version = reference, specs, anchor
         logger.info("resumed from version %d of %s", self._head.version, self.url)
+
+
+def _layout_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
 
 
 def _int_step(step: Any) -> int | None:

@@ -29,7 +29,7 @@ from deltastore.manifest import MAX_MANIFEST_BYTES, BlobRef, Head, Manifest, Seg
 from deltastore.plan import ChunkPlan, Manifests, Step, check_entries, plan_forward, plan_from_anchor
 from deltastore.plan import digests as _digests
 from deltastore.plan import layout as _layout
-from deltastore.publish import JOB_BYTES, default_threads
+from deltastore.jobs import default_threads, grouped
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from deltastore.tensors import TensorSpec, bits, check_layout, state_digest, torch_dtype
@@ -306,7 +306,7 @@ class Subscriber:
         out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
         targets = {n: _Target(t) for n, t in out.items()}
         for batch, data, _ in self._fetch_batches(plans):
-            groups = _grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
+            groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
             list(self._pool.map(lambda g: [self._build(p, specs, data, targets[p.name]) for p in g], groups))
         self._version, self._held = m.version, ms
         return out
@@ -422,7 +422,7 @@ class Subscriber:
                 def check(group: list[tuple[str, Any]]) -> list[tuple[tuple[str, int], np.ndarray | None, list[str]]]:
                     return [_verify_chunk(name, c, specs[name], state.get((name, c.index)), steps, data, errors) for name, c in group]
 
-                groups = _grouped(batch, lambda it: _span_bytes(specs, it[0], it[1].index))
+                groups = grouped(batch, lambda it: _span_bytes(specs, it[0], it[1].index))
                 # All results first: the checks read ``state``, which is updated only after them.
                 for results in list(self._pool.map(check, groups)):
                     for k, raw, msgs in results:
@@ -579,7 +579,7 @@ class Subscriber:
                 )
 
         keys = sorted(kept - replaced)
-        list(self._pool.map(lambda g: [check_base(k) for k in g], _grouped(keys, lambda k: _span_bytes(specs, *k))))
+        list(self._pool.map(lambda g: [check_base(k) for k in g], grouped(keys, lambda k: _span_bytes(specs, *k))))
 
         done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
@@ -636,7 +636,7 @@ class Subscriber:
         error: BaseException | None = None
         try:
             for batch, data, errors in self._fetch_batches(plans, tolerant=True):
-                groups = _grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
+                groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
                 for f in [self._pool.submit(run_group, g, data, errors) for g in groups]:
                     applied, failed = f.result()
                     error = error or failed
@@ -732,19 +732,6 @@ def _torch_dtype(name: str) -> torch.dtype:
 def _span_bytes(specs: dict[str, TensorSpec], name: str, index: int) -> int:
     a, b = specs[name].chunk_span(index)
     return (b - a) * specs[name].width
-
-
-def _grouped(items: list[_T], nbytes: Callable[[_T], int]) -> list[list[_T]]:
-    """Consecutive items in groups of about JOB_BYTES: one thread job each (see JOB_BYTES)."""
-    groups: list[list[_T]] = [[]]
-    size = 0
-    for item in items:
-        if size >= JOB_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += nbytes(item)
-    return groups if groups[0] else []
 
 
 def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -77,6 +77,11 @@ class TensorSpec:
         r1 = min(r0 + self.chunk_rows, self.shape[0])
         return (r0 * self.row_elems, r1 * self.row_elems)
 
+    def chunk_bytes(self, index: int) -> int:
+        """Bytes of chunk ``index``."""
+        a, b = self.chunk_span(index)
+        return (b - a) * self.width
+
     def uint_dtype(self) -> np.dtype:
         return np.dtype(_UINT_BY_WIDTH[self.width])
 
