@@ -429,18 +429,18 @@ class Subscriber:
         cache = WorkerCache(cache_dir) if cache_dir is not None else None
         beats = HeartbeatWriter(self.store, worker_id) if heartbeat else None
         try_cache = cache is not None and self._version is None
-        saved: int | None = None  # version last written to the cache
+        saved: str | None = None  # manifest key of the version last written to the cache
         last_save = time.monotonic()
         applied = failures = 0
 
         def save() -> None:
             nonlocal saved, last_save
-            if cache is None or self._held is None or self._version == saved:
-                return
+            if cache is None or self._held is None or self._held[-1][0] == saved:
+                return  # (a key, not a number: a replaced history reuses version numbers)
             key, m = self._held[-1]
             try:
                 cache.save(tensors, url=self.url, version=m.version, manifest=key, lineage=m.lineage)
-                saved, last_save = m.version, time.monotonic()
+                saved, last_save = key, time.monotonic()
             except OSError as e:
                 logger.warning("could not write the worker cache in %s: %s", cache.path, e)
 
@@ -451,7 +451,7 @@ class Subscriber:
                         assert cache is not None
                         rec = self._adopt_cache(cache, tensors, pause)
                         try_cache = False
-                        saved = None if rec is None else rec.info.version
+                        saved = None if rec is None else rec.info.manifest
                     else:
                         rec = self._follow_once(tensors, pause)
                     failures = 0

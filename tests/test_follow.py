@@ -440,3 +440,114 @@ def test_a_worker_killed_in_the_pause_or_the_cache_write_never_serves_a_mixed_st
                 break
     if held is not None:
         assert recs[0].info.version == held.version and recs[0].bytes_fetched == 0
+
+
+# --- heartbeats, a replaced history, a corrupt segment -------------------------------------------
+
+
+class ReadOnlyLedger(WrappedStore):
+    def put(self, key: str, data: bytes, *, mode: Any = "overwrite") -> Any:
+        from deltastore.errors import AccessDeniedError
+
+        if key.startswith("workers/"):
+            raise AccessDeniedError(f"put {key!r}: access denied")
+        return super().put(key, data, mode=mode)
+
+
+def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from deltastore.ledger import read_ledger
+
+    t = StoreTarget("file", str(tmp_path / "store"))
+    _publish_all(t, _states(2))
+    target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
+    with _subscriber(t) as sub:
+        list(sub.follow(target, interval=0.01, worker_id="w-1", max_versions=1))
+    beats = read_ledger(open_store(t.url))
+    assert [(b.worker, b.version) for b in beats] == [("w-1", 2)]
+
+    store = ReadOnlyLedger(open_store(t.url))
+    target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
+    with caplog.at_level(logging.INFO, logger="deltastore.ledger"):
+        with Subscriber(t.url, store=store, threads=2) as sub:
+            recs = list(sub.follow(target, interval=0.01, worker_id="w-2", max_versions=1))
+    assert recs[0].info.version == 2
+    assert caplog.text.count("read-only") == 1
+
+
+def test_follow_loads_a_replaced_history_whole(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    t = StoreTarget("file", str(tmp_path / "store"))
+    old = _publish_all(t, _states(2, seed=1))
+    target = {k: torch.zeros_like(v) for k, v in old[1].items()}
+    got: list[FollowRecord] = []
+    stop = threading.Event()
+    with _subscriber(t) as sub, caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+        def run() -> None:
+            for rec in sub.follow(target, interval=0.05, stop=stop, heartbeat=False):
+                got.append(rec)
+
+        th = threading.Thread(target=run)
+        th.start()
+        _wait(lambda: [r.info.version for r in got] == [2])
+        open_store(t.url).delete(HEAD_KEY)
+        new = _publish_all(t, _states(3, seed=2))  # a new run: versions 1..3 of another history
+        _wait(lambda: len(got) == 2)
+        stop.set()
+        th.join()
+    assert got[1].full_load and got[1].info.version == 3
+    assert_bits_equal(target, new[3])
+    assert "replaced" in caplog.text
+
+
+def test_a_corrupt_segment_while_following_is_logged_and_retried_and_the_target_keeps_its_version(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = StoreTarget("file", str(tmp_path / "store"))
+    states = _states(3)
+    published = _publish_all(t, states[:2])
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    with _subscriber(t) as sub:
+        assert [r.info.version for r in sub.follow(target, interval=0.01, heartbeat=False, max_versions=1)] == [2]
+        with _publisher(t) as pub:
+            published[pub.publish(states[2]).version] = snapshot(states[2])
+        store = open_store(t.url)
+        head = json.loads(store.get(HEAD_KEY))
+        m = json.loads(store.get(head["manifest"]))
+        pack = next(iter(m["blobs"].values()))["key"] if isinstance(m["blobs"], dict) else m["blobs"][0]["key"]
+        good = store.get(pack)
+        store.put(pack, bytes([good[0] ^ 1]) + good[1:])  # every segment at offset 0 of the pack is bad
+        stop = threading.Event()
+        got: list[int] = []
+        with caplog.at_level(logging.WARNING):
+            def run() -> None:
+                for rec in sub.follow(target, interval=0.05, max_interval=0.1, stop=stop, heartbeat=False):
+                    got.append(rec.info.version)
+
+            th = threading.Thread(target=run)
+            th.start()
+            _wait(lambda: caplog.text.count("retrying") >= 2)  # a delta has no full segment to fall back on
+            assert not got and th.is_alive() and "IntegrityError" in caplog.text
+            assert_bits_equal(target, published[2])
+            store.put(pack, good)
+            _wait(lambda: got == [3])
+            stop.set()
+            th.join()
+    assert_bits_equal(target, published[3])
+
+
+@pytest.mark.parametrize("how", ["garbage", "sha", "missing"])
+def test_stage_falls_back_to_the_anchor_full_segment(tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    """As pull_into does (D10): a bad delta segment of an anchor is replaced by its full segment."""
+    from tests.test_integrity import _anchor_with_deltas, _corrupt_anchor_delta
+
+    url = str(tmp_path / "store")
+    states = _anchor_with_deltas(url)
+    name, index = _corrupt_anchor_delta(url, how)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(3)
+        with caplog.at_level("WARNING", logger="deltastore.apply"):
+            staged = sub.stage(target)
+        assert staged is not None and staged.info.version == 4
+        assert_bits_equal(target, states[2], "stage wrote nothing")
+        sub.swap(staged, target)
+    assert_bits_equal(target, states[3])
+    assert any(f"{name}[{index}]" in r.getMessage() for r in caplog.records), caplog.text
