@@ -18,12 +18,25 @@ import numpy as np
 import pytest
 import torch
 
-from deltastore import FollowRecord, Publisher, StaleStageError, Subscriber, TargetModifiedError
+from deltastore import (
+    FollowRecord,
+    Publisher,
+    StaleStageError,
+    Subscriber,
+    TargetModifiedError,
+)
 from deltastore.cache import HELD_FILE, WorkerCache
 from deltastore.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.tensors import bits
-from tests._helpers import WrappedStore, assert_bits_equal, bits_differ, small_state, snapshot, sparse_edit
+from tests._helpers import (
+    WrappedStore,
+    assert_bits_equal,
+    bits_differ,
+    small_state,
+    snapshot,
+    sparse_edit,
+)
 from tests.conftest import StoreTarget
 
 ROOT = Path(__file__).resolve().parents[1]
