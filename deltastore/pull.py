@@ -117,7 +117,8 @@ class FollowRecord:
         bytes_fetched: bytes of packs read from the store for it.
         fetch_s: seconds spent waiting for segments (before the pause).
         decode_s: seconds spent checking, decoding and verifying chunks (before the pause).
-        pause_s: seconds inside the pause hook (the only time the target is written).
+        pause_s: seconds inside the pause hook (the only time the target is written). A full
+            load runs wholly inside the pause: its fetch_s and decode_s are 0.
         changed: tensor name → element spans ``[start, stop)`` written, so an engine can
             reload only those (a full load lists every tensor whole).
         full_load: the target was loaded whole (the first version, or a replaced history).
