@@ -564,3 +564,16 @@ def test_stage_falls_back_to_the_anchor_full_segment(tmp_path: Path, how: str, c
         sub.swap(staged, target)
     assert_bits_equal(target, states[3])
     assert any(f"{name}[{index}]" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stage_and_swap_into_a_cuda_target(tmp_path: Path) -> None:
+    t = StoreTarget("file", str(tmp_path / "store"))
+    published = _publish_all(t, _states(3))
+    with _subscriber(t) as sub:
+        target = {k: v.cuda() for k, v in sub.pull(1).items()}
+        staged = sub.stage(target)
+        assert staged is not None
+        assert_bits_equal({k: v.cpu() for k, v in target.items()}, published[1], "stage wrote the target")
+        sub.swap(staged, target)
+    assert_bits_equal({k: v.cpu() for k, v in target.items()}, published[3])
