@@ -2,53 +2,63 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from deltastore import codec
+from deltastore.apply import (
+    ReadEngine,
+    _batched,
+    _span_bytes,
+    _target_tensors,
+    _torch_dtype,
+    _verify_chunk,
+)
+from deltastore.cache import WorkerCache
 from deltastore.errors import (
     CorruptObjectError,
     DeltastoreError,
     FormatError,
     HistoryReplacedError,
     IntegrityError,
-    InvalidStateDictError,
+    LayoutMismatchError,
     NotFoundError,
+    StaleStageError,
+    StorageError,
+    TargetModifiedError,
     VersionNotFoundError,
 )
 from deltastore.history import History, VersionInfo
-from deltastore.manifest import MAX_MANIFEST_BYTES, BlobRef, Head, Manifest, SegmentRef, sha256_hex
-from deltastore.plan import ChunkPlan, Manifests, Step, check_entries, plan_forward, plan_from_anchor
+from deltastore.jobs import default_threads, grouped
+from deltastore.ledger import HeartbeatWriter
+from deltastore.manifest import MAX_MANIFEST_BYTES, Head, Manifest
+from deltastore.plan import (
+    ChunkPlan,
+    Manifests,
+    Step,
+    check_entries,
+    plan_forward,
+    plan_from_anchor,
+)
 from deltastore.plan import digests as _digests
 from deltastore.plan import layout as _layout
-from deltastore.jobs import default_threads, grouped
+from deltastore.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import TensorSpec, bits, check_layout, state_digest, torch_dtype
+from deltastore.tensors import TensorSpec, bits, check_layout, state_digest
 
 logger = logging.getLogger(__name__)
 
-#: Concurrent GETs: object stores reward parallel requests far beyond the core count.
-IO_THREADS = 16
-#: Segment bytes fetched per batch: a pull holds at most two batches (one being applied, one
-#: being fetched) of compressed data, whatever the model size.
-FETCH_BATCH_BYTES = 64 * 1024 * 1024
-#: Byte ranges of one pack closer than this are fetched as one GET: a request costs more than
-#: a few hundred KiB of transfer.
-COALESCE_GAP_BYTES = 256 * 1024
-
 _Manifests = Manifests
-_T = TypeVar("_T")
-#: What a bad segment or chunk raises: a fallback path may succeed where one of these failed.
-_BAD_DATA = (IntegrityError, FormatError, NotFoundError)
 
 
 def physical_memory() -> int | None:
@@ -97,110 +107,31 @@ class VerifyReport:
         return not self.problems
 
 
-class _Fetcher:
-    """Fetches segments with parallel (coalesced) range GETs and verifies every one."""
+@dataclass(frozen=True)
+class FollowRecord:
+    """One version applied by :meth:`Subscriber.follow`.
 
-    def __init__(self, store: Store, pool: ThreadPoolExecutor):
-        self.store = store
-        self.pool = pool
-        self.bytes_fetched = 0  # segment bytes read from the store, cumulative
-        self._lock = threading.Lock()
+    Attributes:
+        info: the version now held by the target.
+        from_version: the version the target held before (None: a full load).
+        bytes_fetched: bytes of packs read from the store for it.
+        fetch_s: seconds spent waiting for segments (before the pause).
+        decode_s: seconds spent checking, decoding and verifying chunks (before the pause).
+        pause_s: seconds inside the pause hook (the only time the target is written). A full
+            load runs wholly inside the pause: its fetch_s and decode_s are 0.
+        changed: tensor name → element spans ``[start, stop)`` written, so an engine can
+            reload only those (a full load lists every tensor whole).
+        full_load: the target was loaded whole (the first version, or a replaced history).
+    """
 
-    def fetch(
-        self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
-    ) -> dict[tuple[str, int], memoryview]:
-        """Fetch and verify every step's segment, keyed by ``(pack key, offset)``.
-
-        With ``errors``, a segment that is missing, truncated or fails its SHA-256 is recorded
-        there (with the error naming it) instead of raising, so a caller can take another path.
-        """
-        by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
-        for s in steps:
-            by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
-        jobs = []
-        for blob, refs in by_blob.values():
-            for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset)):
-                jobs.append((blob, run, self.pool.submit(self._get_run, blob, run, errors is not None)))
-        out: dict[tuple[str, int], memoryview] = {}
-        for blob, run, j in jobs:
-            try:
-                got, bad = j.result()
-            except (IntegrityError, NotFoundError) as e:
-                if errors is None:
-                    raise
-                errors.update(((blob.key, r.offset), e) for r in run)
-                continue
-            out.update(got)
-            if errors is not None:
-                errors.update(bad)
-        return out
-
-    def _get_run(
-        self, blob: BlobRef, run: list[SegmentRef], tolerant: bool = False
-    ) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
-        start, stop = run[0].offset, run[-1].offset + run[-1].length
-        whole = start == 0 and stop == blob.size
-        try:
-            data = self.store.get(blob.key) if whole else self.store.get(blob.key, byte_range=(start, stop))
-        except NotFoundError:
-            raise NotFoundError(f"pack {blob.key!r} is missing from {self.store.url}: the store was damaged") from None
-        with self._lock:
-            self.bytes_fetched += len(data)
-        if len(data) != stop - start:
-            raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
-        pack_bad = whole and sha256_hex(data) != blob.sha256
-        if pack_bad and not tolerant:
-            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
-        view = memoryview(data)
-        out = {}
-        bad: dict[tuple[str, int], DeltastoreError] = {}
-        for r in run:
-            seg = view[r.offset - start : r.offset - start + r.length]  # no copy: codec reads views
-            if sha256_hex(seg) != r.sha256:  # also for whole packs: SPEC §7.6, every segment
-                e = IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
-                if not tolerant:
-                    raise e
-                bad[(blob.key, r.offset)] = e
-                continue
-            out[(blob.key, r.offset)] = seg
-        if pack_bad and not bad:  # every segment hashes right, so the damage is between them: say so
-            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256 (its segments do): the object is corrupt")
-        return out, bad
-
-
-def _coalesce(refs: list[SegmentRef]) -> list[list[SegmentRef]]:
-    runs: list[list[SegmentRef]] = []
-    for r in refs:
-        if runs and r.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= COALESCE_GAP_BYTES:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return runs
-
-
-class _Target:
-    """Raw access to one target tensor's chunks, on any device (CPU tensors in place)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
-        self.cpu = t.device.type == "cpu"
-        # Made once: per-chunk torch calls on worker threads queue for the GIL behind numpy.
-        self.raw = bits(t) if self.cpu else None
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        """The chunk's bits: a live view for CPU tensors, a copy for device tensors."""
-        if self.raw is not None:
-            return self.raw[a:b]
-        return bits(self.t.detach().reshape(-1)[a:b].cpu())
-
-    def write(self, a: int, b: int, raw: np.ndarray) -> None:
-        if self.raw is not None:
-            view = self.raw[a:b]
-            if not np.shares_memory(view, raw):
-                view[...] = raw
-            return
-        src = torch.from_numpy(raw.view(raw.dtype.str.replace("u", "i"))).view(self.t.dtype)
-        self.t.detach().reshape(-1)[a:b].copy_(src)
+    info: VersionInfo
+    from_version: int | None
+    bytes_fetched: int
+    fetch_s: float
+    decode_s: float
+    pause_s: float
+    changed: dict[str, list[tuple[int, int]]]
+    full_load: bool
 
 
 class Subscriber:
@@ -250,9 +181,9 @@ class Subscriber:
         self.url = self.store.url
         self.max_model_bytes = max_model_bytes if max_model_bytes is not None else physical_memory()
         self._history = History(self.store, check, max_manifest_bytes=max_manifest_bytes)
-        self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="deltastore-decode")
-        self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
-        self._fetcher = _Fetcher(self.store, self._io)
+        self._engine = ReadEngine(self.store, threads or default_threads())
+        self._pool = self._engine.pool
+        self._fetcher = self._engine.fetcher
         self._version: int | None = None
         self._held: _Manifests | None = None  # anchor..held version, for layout and digests
         self._closed = False
@@ -304,12 +235,19 @@ class Subscriber:
         plans = self._plan_from_anchor(ms, specs)  # checks the whole chain before allocating
         self._check_model_size(specs, m.version)
         out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
-        targets = {n: _Target(t) for n, t in out.items()}
-        for batch, data, _ in self._fetch_batches(plans):
-            groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
-            list(self._pool.map(lambda g: [self._build(p, specs, data, targets[p.name]) for p in g], groups))
+        self._engine.materialize(plans, specs, out)
         self._version, self._held = m.version, ms
         return out
+
+    def allocate(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """Zeroed CPU tensors in the layout of ``version`` (default: the latest), to follow into.
+
+        Fetches manifests only; the model size is checked against ``max_model_bytes`` first.
+        """
+        key, m = self._resolve(version)
+        specs = _layout(self._history.anchor_chain(key, m)[0][1])
+        self._check_model_size(specs, m.version)
+        return {n: torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
 
     def pull_into(self, target: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None) -> VersionInfo | None:
         """Fast-forward ``target`` in place to ``version`` (default: the latest).
@@ -330,12 +268,62 @@ class Subscriber:
                 belongs to (HEAD deleted and another run published); nothing was applied.
         """
         key, m = self._resolve(version)
-        self._check_same_history(key, m)
-        if self._version is not None and m.version == self._version:
-            return None
-        if self._version is not None and m.version < self._version:
-            raise VersionNotFoundError(f"pull_into cannot go back from version {self._version} to {m.version}; use pull()")
+        return self._fast_forward(key, m, target)
+
+    def stage(self, target: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None) -> StagedUpdate | None:
+        """Prepare the fast-forward of ``target`` to ``version`` (default: the latest) without
+        writing it: the phase an inference engine keeps serving through (SPEC §7.7).
+
+        Plans the update from the held version (from the anchor when nothing is held), checks
+        that ``target`` holds the held version's bits, fetches and verifies the segments,
+        rebuilds each changed chunk in a scratch buffer, checks its digest there and keeps only
+        the positions that change (a chunk whose delta path fails is taken from a full segment).
+        Memory grows with what changed, not with the model. Apply it with :meth:`swap`.
+
+        Returns:
+            The staged update, or None when ``target`` is already current.
+
+        Raises:
+            The errors of :meth:`pull_into` (TargetModifiedError when ``target`` was modified);
+            nothing is written either way.
+        """
+        key, m = self._resolve(version)
+        return self._stage(key, m, target)
+
+    def swap(self, staged: StagedUpdate, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> float:
+        """Write a staged update into ``target`` (the pause); the subscriber then holds its version.
+
+        All or nothing: a failure in the middle restores what was written, and a position
+        written by someone else since :meth:`stage` is detected (TargetModifiedError).
+
+        Returns:
+            The seconds the writes took.
+
+        Raises:
+            StaleStageError: ``staged`` was prepared by another subscriber or against another
+                held version; nothing was written.
+            TargetModifiedError: ``target`` was written since it was staged; nothing is left
+                applied.
+        """
+        held_key = None if self._held is None else self._held[-1][0]
+        if staged.owner is not self or staged.base_manifest != held_key or staged.from_version != self._version:
+            raise StaleStageError(
+                f"the update to version {staged.info.version} was staged against version {staged.from_version} "
+                f"({staged.base_manifest!r}), but this subscriber holds {self._version} ({held_key!r}): stage it again"
+            )
         tensors = _target_tensors(target)
+        try:
+            dt = staged.swap(tensors)
+        except IntegrityError as e:
+            raise TargetModifiedError(str(e)) from None
+        self._version, self._held = staged.info.version, staged.held
+        return dt
+
+    def _plan_update(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[
+        list[ChunkPlan], dict[str, TensorSpec], dict[tuple[str, int], str], _Manifests
+    ]:
+        """The plans that bring ``tensors`` from the held version to ``m``: ``(plans, specs,
+        base digests the target must hold, manifests to hold afterwards)``."""
         fwd: _Manifests = []
         relaid = False
         if self._version is not None and self._held is not None:
@@ -350,20 +338,238 @@ class Subscriber:
             ms = self._history.chain(key, m, down_to=m.anchor)
             specs = _layout(ms[0][1])
             check_layout(specs, tensors, against=f"version {m.version} of {self.url}")
-            plans = self._plan_from_anchor(ms, specs)
-            base: dict[tuple[str, int], str] = {}
-            held = ms
-        else:
-            specs = held_specs
-            check_layout(specs, tensors, against=f"version {self._version} held by this subscriber")
-            ms = fwd
-            base = _digests(self._held)
-            plans = self._plan_forward(ms, specs, base)
-            anchors = [i for i, (_, mm) in enumerate(ms) if mm.kind == "anchor"]
-            held = ms[anchors[-1]:] if anchors else self._held + ms
-        self._apply_in_place(plans, specs, tensors, base)
+            return self._plan_from_anchor(ms, specs), specs, {}, ms
+        check_layout(held_specs, tensors, against=f"version {self._version} held by this subscriber")
+        anchors = [i for i, (_, mm) in enumerate(fwd) if mm.kind == "anchor"]
+        held = fwd[anchors[-1]:] if anchors else self._held + fwd
+        base = _digests(self._held)
+        return self._plan_forward(fwd, held_specs, base), held_specs, base, held
+
+    def _check_forward(self, key: str, m: Manifest) -> bool:
+        """True when ``m`` is newer than the held version (False: current); raises if older."""
+        self._check_same_history(key, m)
+        if self._version is not None and m.version == self._version:
+            return False
+        if self._version is not None and m.version < self._version:
+            raise VersionNotFoundError(f"pull_into cannot go back from version {self._version} to {m.version}; use pull()")
+        return True
+
+    def _fast_forward(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> VersionInfo | None:
+        if not self._check_forward(key, m):
+            return None
+        tensors = _target_tensors(target)
+        plans, specs, base, held = self._plan_update(key, m, tensors)
+        self._engine.apply_in_place(plans, specs, tensors, base, self._version)
         self._version, self._held = m.version, held
         return VersionInfo.from_manifest(m, key)
+
+    def _stage(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> StagedUpdate | None:
+        if not self._check_forward(key, m):
+            return None
+        tensors = _target_tensors(target)
+        before = self.bytes_fetched
+        plans, specs, base, held = self._plan_update(key, m, tensors)
+        patches, fetch_s, decode_s = self._engine.stage(plans, specs, tensors, base, self._version)
+        return StagedUpdate(
+            info=VersionInfo.from_manifest(m, key), from_version=self._version, patches=patches,
+            bytes_fetched=self.bytes_fetched - before, fetch_s=fetch_s, decode_s=decode_s,
+            base_manifest=None if self._held is None else self._held[-1][0], held=held, owner=self,
+        )
+
+    def follow(
+        self,
+        target: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        interval: float = 2.0,
+        jitter: float = 0.1,
+        max_interval: float = 60.0,
+        pause: Any = None,
+        stop: threading.Event | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_every_s: float = 300.0,
+        worker_id: str | None = None,
+        heartbeat: bool = True,
+        max_versions: int | None = None,
+    ) -> Iterator[FollowRecord]:
+        """Keep ``target`` at the latest version, yielding one :class:`FollowRecord` per version.
+
+        Polls HEAD every ``interval`` seconds (± ``jitter`` of it) by conditional GET: an idle
+        poll is one request with no body. A new version is staged (fetched, verified, decoded)
+        while the caller keeps using ``target``; only the swap runs inside ``pause``, which is
+        None, a context manager (e.g. a ``threading.Lock`` the engine holds while generating),
+        or a callable returning one. The first version (nothing held, no usable cache) is
+        loaded whole inside the pause.
+
+        Args:
+            interval, jitter, max_interval: poll period, its random spread (a fraction), and
+                the longest wait of the exponential backoff after errors.
+            pause: the critical section in which ``target`` is written.
+            stop: a ``threading.Event``; the loop returns soon after it is set.
+            cache_dir: a local :class:`deltastore.cache.WorkerCache`: on start, a cached
+                version is verified against the store (chain, lineage, every chunk digest) and
+                adopted without fetching it; anything wrong with it is logged and the cache is
+                rebuilt. The held version is saved every ``cache_every_s`` and at the end.
+            worker_id, heartbeat: write heartbeats to the store's ledger (SPEC §10) as this
+                worker; read-only credentials are tolerated.
+            max_versions: return after applying this many versions.
+
+        Raises:
+            LayoutMismatchError: the store's layout no longer fits ``target``.
+            TargetModifiedError: ``target`` was modified by someone else.
+            Storage errors, a corrupt segment or a missing manifest are logged and retried
+            with backoff; the target keeps the last good version. A replaced history is
+            logged and loaded whole (inside the pause, all or nothing).
+
+        Example::
+
+            lock = threading.Lock()               # the engine holds it while generating
+            for rec in sub.follow(model, pause=lock, cache_dir="/var/cache/ds"):
+                print(rec.info.version, rec.pause_s)
+        """
+        tensors = _target_tensors(target)
+        stop = stop if stop is not None else threading.Event()
+        cache = WorkerCache(cache_dir) if cache_dir is not None else None
+        beats = HeartbeatWriter(self.store, worker_id) if heartbeat else None
+        try_cache = cache is not None and self._version is None
+        saved: str | None = None  # manifest key of the version last written to the cache
+        last_save = time.monotonic()
+        applied = failures = 0
+
+        def save() -> None:
+            nonlocal saved, last_save
+            if cache is None or self._held is None or self._held[-1][0] == saved:
+                return  # (a key, not a number: a replaced history reuses version numbers)
+            key, m = self._held[-1]
+            try:
+                cache.save(tensors, url=self.url, version=m.version, manifest=key, lineage=m.lineage)
+                saved, last_save = key, time.monotonic()
+            except OSError as e:
+                logger.warning("could not write the worker cache in %s: %s", cache.path, e)
+
+        try:
+            while not stop.is_set():
+                try:
+                    if try_cache:
+                        assert cache is not None
+                        rec = self._adopt_cache(cache, tensors, pause)
+                        try_cache = False
+                        saved = None if rec is None else rec.info.manifest
+                    else:
+                        rec = self._follow_once(tensors, pause)
+                    failures = 0
+                except HistoryReplacedError as e:
+                    logger.warning("following %s: %s; loading the new history whole", self.url, e)
+                    self._version = self._held = None
+                    continue
+                except (LayoutMismatchError, TargetModifiedError, StaleStageError):
+                    raise
+                except (StorageError, IntegrityError, FormatError, VersionNotFoundError) as e:
+                    failures += 1
+                    delay = _jittered(min(max_interval, interval * 2**failures), jitter)
+                    logger.warning(
+                        "following %s: %s: %s; keeping version %s, retrying in %.1f s",
+                        self.url, type(e).__name__, e, self._version, delay,
+                    )
+                    stop.wait(delay)
+                    continue
+                lineage = None if self._held is None else self._held[-1][1].lineage
+                if beats is not None and self._version is not None:
+                    beats.beat(self._version, lineage=lineage)  # rate-limits itself on idle polls
+                if rec is not None:
+                    applied += 1
+                    yield rec
+                    if max_versions is not None and applied >= max_versions:
+                        break
+                if time.monotonic() - last_save >= cache_every_s:
+                    save()
+                if rec is None:
+                    stop.wait(_jittered(interval, jitter))
+        except GeneratorExit:  # the caller stopped iterating: a normal end too
+            save()
+            raise
+        save()
+
+    def _follow_once(self, tensors: dict[str, torch.Tensor], pause: Any) -> FollowRecord | None:
+        """One poll: None when HEAD has not moved, else the record of the version applied."""
+        head = self._history.poll_head()  # a conditional GET: no body when unchanged
+        if head is None or head.manifest is None:
+            return None
+        if self._held is not None and head.manifest == self._held[-1][0]:
+            return None
+        top = self._history.head_manifest(head)
+        assert top is not None
+        key, m = top
+        if self._version is None:  # nothing held: a full load, all or nothing, in the pause
+            before = self.bytes_fetched
+            with _pause_context(pause):
+                t0 = time.perf_counter()
+                info = self._fast_forward(key, m, tensors)
+                pause_s = time.perf_counter() - t0
+            assert info is not None
+            return FollowRecord(info, None, self.bytes_fetched - before, 0.0, 0.0, pause_s, _whole(tensors), True)
+        staged = self._stage(key, m, tensors)
+        if staged is None:
+            return None
+        with _pause_context(pause):
+            t0 = time.perf_counter()
+            self.swap(staged, tensors)
+            pause_s = time.perf_counter() - t0
+        return FollowRecord(
+            staged.info, staged.from_version, staged.bytes_fetched, staged.fetch_s, staged.decode_s,
+            pause_s, staged.changed, False,
+        )
+
+    def _adopt_cache(self, cache: WorkerCache, tensors: dict[str, torch.Tensor], pause: Any) -> FollowRecord | None:
+        """Verify a cached state against the store and load it into ``tensors`` (in the pause).
+
+        Returns None (the cache cleared, with a log line) when it is not usable; a transient
+        storage error is raised (the cache is kept for the retry).
+        """
+        st = cache.load()
+        if st is None:
+            return None
+        try:
+            if st.url != self.url:
+                raise _Unusable(f"it belongs to {st.url}")
+            head = self._require_head()
+            key, m = self._history.find(st.version, head)
+            if key != st.manifest:
+                raise _Unusable(f"version {st.version} of {self.url} is now {key!r}, not {st.manifest!r}")
+            top = self._history.head_manifest(head)
+            assert top is not None
+            if top[1].lineage != st.lineage:
+                raise _Unusable(f"the store's lineage is {top[1].lineage}, the cache's {st.lineage}")
+            ms = self._history.anchor_chain(key, m)
+            specs = _layout(ms[0][1])
+            check_layout(specs, st.tensors, against=f"version {m.version} of {self.url}")
+            cached = {n: bits(t) for n, t in st.tensors.items()}
+
+            def check(k: tuple[str, int], digest: str) -> None:
+                name, index = k
+                if state_digest(cached[name][slice(*specs[name].chunk_span(index))]) != digest:
+                    raise _Unusable(f"tensor {name!r} chunk {index} does not match its digest")
+
+            items = list(_digests(ms).items())
+            groups = grouped(items, lambda it: _span_bytes(specs, *it[0]))
+            list(self._pool.map(lambda g: [check(k, d) for k, d in g], groups))
+        except NotFoundError:
+            raise  # maybe transient (HEAD briefly ahead of its manifest): keep the cache, retry
+        except StorageError:
+            raise
+        except (_Unusable, DeltastoreError, KeyError) as e:
+            logger.warning("the worker cache in %s is not usable for %s (%s): clearing it and loading in full",
+                           cache.path, self.url, e)
+            cache.clear()
+            return None
+        check_layout(specs, tensors, against=f"version {m.version} of {self.url}")  # the target's problem
+        with _pause_context(pause):
+            t0 = time.perf_counter()
+            for n, t in tensors.items():
+                t.copy_(st.tensors[n])
+            pause_s = time.perf_counter() - t0
+        self._version, self._held = m.version, ms
+        logger.info("resumed version %d of %s from the worker cache in %s", m.version, self.url, cache.path)
+        return FollowRecord(VersionInfo.from_manifest(m, key), None, 0, 0.0, 0.0, pause_s, _whole(tensors), True)
 
     def verify(self, version: int | None = None, *, all_versions: bool = False) -> VerifyReport:
         """Check every segment of a version's chain, or of every version, and report each bad one.
@@ -437,8 +643,7 @@ class Subscriber:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        self._io.shutdown(wait=True)
+        self._engine.close()
         if self._owns_store:
             self.store.close()
 
@@ -494,257 +699,26 @@ class Subscriber:
     _plan_from_anchor = staticmethod(plan_from_anchor)
     _plan_forward = staticmethod(plan_forward)
 
-    # --- applying -----------------------------------------------------------------------
 
-    def _build(self, p: ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
-        """Decode a plan that starts from a full segment, verify it, write it to ``target``."""
-        raw = self._replay(p, specs[p.name], data, None)
-        target.write(*p.span, raw)
-
-    @staticmethod
-    def _replay(p: ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None) -> np.ndarray:
-        a, b = p.span
-        if p.full is not None:
-            raw = codec.decode_full(data[p.full.where], codec=p.full.ref.codec, dtype=spec.uint_dtype(), count=b - a)
-        assert raw is not None
-        applied: list[Step] = []
-        try:
-            for s in p.deltas:
-                codec.apply_delta(raw, data[s.where], codec=s.ref.codec)  # validates before writing
-                applied.append(s)
-            if state_digest(raw) != p.digest:
-                raise IntegrityError(
-                    f"chunk {p.name}[{p.index}] does not match its digest after applying {len(p.steps())} segment(s)"
-                )
-        except BaseException:
-            if p.full is None:  # undo in place, newest delta first
-                for s in reversed(applied):
-                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec, inverse=True)
-            raise
-        return raw
-
-    def _fetch_batches(
-        self, plans: list[ChunkPlan], *, tolerant: bool = False
-    ) -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
-        """Yield plans in batches of about FETCH_BATCH_BYTES with their verified segments,
-        fetching the next batch while the caller applies the current one.
-
-        With ``tolerant``, segments that are missing or fail their SHA-256 come back as errors
-        (the third item) instead of raising, so the caller can take another path for them."""
-        batches: list[list[ChunkPlan]] = [[]]
-        size = 0
-        for p in plans:
-            cost = sum(st.ref.length for st in p.steps())
-            if batches[-1] and size + cost > FETCH_BATCH_BYTES:
-                batches.append([])
-                size = 0
-            batches[-1].append(p)
-            size += cost
-
-        def fetch(batch: list[ChunkPlan]) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
-            errors: dict[tuple[str, int], DeltastoreError] = {}
-            data = self._fetcher.fetch((st for p in batch for st in p.steps()), errors if tolerant else None)
-            return data, errors
-
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch") as ahead:
-            nxt = ahead.submit(fetch, batches[0])
-            for i, batch in enumerate(batches):
-                data, errors = nxt.result()
-                if i + 1 < len(batches):
-                    nxt = ahead.submit(fetch, batches[i + 1])
-                yield batch, data, errors
-
-    def _apply_in_place(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
-        """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
-        # Tied weights (one storage under two names) are updated once.
-        seen: dict[tuple[int, int], str] = {}
-        owner: dict[str, str] = {}
-        for n, t in tensors.items():
-            k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
-            owner[n] = seen.setdefault(k, n)
-        plans = [p for p in plans if owner[p.name] == p.name]
-        targets = {n: _Target(t) for n, t in tensors.items()}
-
-        # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
-        # the chunks this update touches (a local edit elsewhere would survive silently).
-        replaced = {(p.name, p.index) for p in plans if p.full is not None}
-        kept = {k for k in base if owner.get(k[0]) == k[0]} | {(p.name, p.index) for p in plans if p.full is None}
-
-        def check_base(k: tuple[str, int]) -> None:
-            name, index = k
-            if state_digest(targets[name].read(*specs[name].chunk_span(index))) != base.get(k):
-                raise IntegrityError(
-                    f"tensor {name!r} chunk {index} is not what version {self._version} holds there: "
-                    "the target was modified since it was pulled (pull() it again)"
-                )
-
-        keys = sorted(kept - replaced)
-        list(self._pool.map(lambda g: [check_base(k) for k in g], grouped(keys, lambda k: _span_bytes(specs, *k))))
-
-        done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
-        undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
-        _Segs = dict[tuple[str, int], memoryview]
-        _Errs = dict[tuple[str, int], DeltastoreError]
-        _Done = tuple[ChunkPlan, "np.ndarray | None", _Segs]
-
-        def attempt(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
-            for st in p.steps():
-                if st.where in errors:
-                    raise errors[st.where]
-            tgt = targets[p.name]
-            if p.full is None:
-                if tgt.cpu:
-                    self._replay(p, specs[p.name], data, tgt.read(*p.span))
-                else:
-                    raw = tgt.read(*p.span)
-                    self._replay(p, specs[p.name], data, raw)
-                    tgt.write(*p.span, raw)
-                return p, None, data
-            new = self._replay(p, specs[p.name], data, None)
-            saved = tgt.read(*p.span).copy()
-            tgt.write(*p.span, new)
-            return p, saved, data
-
-        def run(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
-            """The chunk's chosen path, else its fallbacks (a failed attempt leaves it as it was)."""
-            try:
-                return attempt(p, data, errors)
-            except _BAD_DATA as e:
-                error: DeltastoreError = e
-            for alt in p.fallbacks:
-                assert alt.full is not None
-                logger.warning(
-                    "chunk %s[%d]: %s; taking the full segment at %d of pack %s instead",
-                    p.name, p.index, error, alt.full.ref.offset, alt.full.blob.key,
-                )
-                try:
-                    alt_errors: _Errs = {}
-                    return attempt(alt, self._fetcher.fetch(alt.steps(), alt_errors), alt_errors)
-                except _BAD_DATA as e:
-                    error = e
-            raise error
-
-        def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
-            applied = []
-            for p in group:
-                try:
-                    applied.append(run(p, data, errors))
-                except BaseException as e:  # noqa: BLE001 - re-raised by the caller after rollback
-                    return applied, e
-            return applied, None
-
-        error: BaseException | None = None
-        try:
-            for batch, data, errors in self._fetch_batches(plans, tolerant=True):
-                groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
-                for f in [self._pool.submit(run_group, g, data, errors) for g in groups]:
-                    applied, failed = f.result()
-                    error = error or failed
-                    for p, saved, segs in applied:
-                        done.append((p, saved))
-                        if saved is None:
-                            undo.update((s.where, segs[s.where]) for s in p.deltas)
-                if error is not None:
-                    break
-        except BaseException as e:  # noqa: BLE001 - a fetch failed: roll back what was applied
-            error = e
-        if error is None:
-            return
-        for p, saved in done:
-            tgt = targets[p.name]
-            if saved is not None:
-                tgt.write(*p.span, saved)
-            else:
-                raw = tgt.read(*p.span)
-                for s in reversed(p.deltas):
-                    codec.apply_delta(raw, undo[s.where], codec=s.ref.codec, inverse=True)
-                if not tgt.cpu:
-                    tgt.write(*p.span, raw)
-        logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)
-        raise error
+class _Unusable(Exception):
+    """A worker cache that does not hold a version of this store (internal)."""
 
 
-def _verify_chunk(
-    name: str,
-    c: Any,
-    spec: TensorSpec,
-    base: np.ndarray | None,
-    steps: dict[tuple[str, int, str], Step],
-    data: dict[tuple[str, int], memoryview],
-    errors: dict[tuple[str, int], DeltastoreError],
-) -> tuple[tuple[str, int], np.ndarray | None, list[str]]:
-    """Check both segments of one chunk entry: ``(key, verified bits or None, problems)``.
-
-    A delta segment is applied to ``base`` (the verified bits at the parent) and checked
-    against the digest; with no verified base it is still decoded (onto zeros), which checks
-    its structure but not its values.
-    """
-    a, b = spec.chunk_span(c.index)
-    problems: list[str] = []
-    result: np.ndarray | None = None
-    for which in ("delta", "full"):
-        st = steps.get((name, c.index, which))
-        if st is None:
-            continue
-        what = f"chunk {name}[{c.index}] {which} segment ({st.ref.codec}) at {st.ref.offset} of pack {st.blob.key!r}"
-        if st.where in errors:
-            problems.append(f"{what}: {errors[st.where]}")
-            continue
-        try:
-            if which == "full":
-                raw = codec.decode_full(data[st.where], codec=st.ref.codec, dtype=spec.uint_dtype(), count=b - a)
-            else:
-                raw = base.copy() if base is not None else np.zeros(b - a, dtype=spec.uint_dtype())
-                codec.apply_delta(raw, data[st.where], codec=st.ref.codec)
-        except (DeltastoreError, ValueError) as e:
-            problems.append(f"{what} does not decode: {type(e).__name__}: {e}")
-            continue
-        if which == "delta" and base is None:
-            continue  # structure checked; values unknowable without a verified parent
-        if state_digest(raw) != c.digest:
-            problems.append(f"{what} does not reproduce the chunk's digest {c.digest}")
-            continue
-        result = raw
-    return (name, c.index), result, problems
+def _jittered(seconds: float, jitter: float) -> float:
+    """``seconds`` spread by ± ``jitter`` of it, so a fleet does not poll in lockstep."""
+    return max(0.0, seconds * (1.0 + random.uniform(-jitter, jitter)))
 
 
-def _batched(items: list[_T], nbytes: Callable[[_T], int]) -> list[list[_T]]:
-    """Consecutive items in batches of about FETCH_BATCH_BYTES (the memory a fetch may hold)."""
-    batches: list[list[_T]] = [[]]
-    size = 0
-    for item in items:
-        if batches[-1] and size + nbytes(item) > FETCH_BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(item)
-        size += nbytes(item)
-    return batches if batches[0] else []
+def _pause_context(pause: Any) -> contextlib.AbstractContextManager[Any]:
+    """The pause hook as a context manager: None, a context manager, or a callable returning one."""
+    if pause is None:
+        return contextlib.nullcontext()
+    if not isinstance(pause, type) and hasattr(pause, "__enter__") and hasattr(pause, "__exit__"):
+        return pause  # a lock or any context manager (a class is a callable making one)
+    if callable(pause):
+        return pause()
+    raise TypeError(f"pause must be None, a context manager or a callable returning one, not {type(pause).__name__}")
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a (validated) manifest's dtype name."""
-    try:
-        return torch_dtype(name)
-    except InvalidStateDictError as e:  # a name deltastore stores, but this torch is too old
-        raise FormatError(f"{e}: upgrade torch to read this store") from None
-
-
-def _span_bytes(specs: dict[str, TensorSpec], name: str, index: int) -> int:
-    a, b = specs[name].chunk_span(index)
-    return (b - a) * specs[name].width
-
-
-def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
-    if isinstance(target, torch.nn.Module):
-        target = target.state_dict(keep_vars=True)
-    if not isinstance(target, Mapping):
-        raise InvalidStateDictError(f"pull_into needs a state dict or nn.Module, got {type(target).__name__}")
-    out = {}
-    for n, t in target.items():
-        if not isinstance(t, torch.Tensor):
-            raise InvalidStateDictError(f"target {n!r} is a {type(t).__name__}, not a torch.Tensor")
-        if not t.is_contiguous():
-            raise InvalidStateDictError(f"target tensor {n!r} is not contiguous; it cannot be updated in place")
-        out[n] = t.data if isinstance(t, torch.nn.Parameter) else t
-    return out
-
+def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]]]:
+    return {n: [(0, t.numel())] for n, t in tensors.items()}
