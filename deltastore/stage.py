@@ -96,6 +96,8 @@ class StagedUpdate:
     base_manifest: str | None = field(default=None, repr=False)
     held: Any = field(default=None, repr=False)
     owner: Any = field(default=None, repr=False)
+    #: For a swap by rebinding: tensor name → a patched copy, built by build_replacements().
+    replacements: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +152,65 @@ class StagedUpdate:
                 _restore(t, p)
             raise
         return time.perf_counter() - t0
+
+
+    def build_replacements(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Prepare a swap by rebinding: copy each touched CPU tensor and patch the copy, now.
+
+        The copies cost memory (the touched tensors, once more) and a copy's time, both outside
+        the pause; the pause of :meth:`rebind` then only points each tensor at its copy. The
+        patches' old bits are checked against ``tensors`` here, while copying.
+
+        Raises:
+            IntegrityError: ``tensors`` does not hold the bits the patches were prepared against.
+            ValueError: a touched tensor is not on the CPU (rebinding would move it).
+        """
+        names = sorted({p.name for p in self.patches})
+        off = [n for n in names if tensors[n].device.type != "cpu"]
+        if off:
+            raise ValueError(f"rebinding needs CPU tensors; {off[0]!r} is on {tensors[off[0]].device}: swap in place")
+        out = {n: tensors[n].detach().clone() for n in names}
+        for p in self.patches:
+            raw = bits(out[p.name])[p.span[0]:p.span[1]]
+            old = raw if p.positions is None else raw[p.positions]
+            if not np.array_equal(old, p.expected_old):
+                raise IntegrityError(f"tensor {p.name!r} chunk {p.index} changed since it was staged; nothing applied (stage it again)")
+            if p.positions is None:
+                raw[...] = p.values
+            else:
+                raw[p.positions] = p.values
+        self.replacements = out
+
+    def rebind(self, owners: Mapping[str, torch.Tensor]) -> float:
+        """The pause of a swap by rebinding: point each touched tensor at its patched copy.
+
+        ``owners`` holds the tensor objects the engine reads: ``nn.Parameter`` s are rebound
+        through ``.data``, other tensors through ``set_`` (same object, new storage). A write to
+        the old storage after :meth:`build_replacements` is lost. Returns the seconds it took.
+        """
+        t0 = time.perf_counter()
+        done: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            with torch.no_grad():
+                for name, new in self.replacements.items():
+                    obj = owners[name]
+                    old = obj.data if isinstance(obj, torch.nn.Parameter) else obj.detach().view_as(obj)
+                    _point(obj, new)
+                    done.append((obj, old))
+        except BaseException:
+            with torch.no_grad():
+                for obj, old in reversed(done):
+                    _point(obj, old)
+            raise
+        self.replacements = {}
+        return time.perf_counter() - t0
+
+
+def _point(obj: torch.Tensor, new: torch.Tensor) -> None:
+    if isinstance(obj, torch.nn.Parameter):
+        obj.data = new
+    else:
+        obj.set_(new)
 
 
 _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

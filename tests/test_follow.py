@@ -580,3 +580,31 @@ def test_stage_and_swap_into_a_cuda_target(tmp_path: Path) -> None:
         assert_bits_equal({k: v.cpu() for k, v in target.items()}, published[1], "stage wrote the target")
         sub.swap(staged, target)
     assert_bits_equal({k: v.cpu() for k, v in target.items()}, published[3])
+
+
+@pytest.mark.parametrize("as_module", [True, False])
+def test_follow_swap_by_rebinding_repoints_the_tensors_the_engine_reads(tmp_path: Path, as_module: bool) -> None:
+    """swap_mode="rebind": each touched tensor is patched in a copy before the pause and only
+    repointed in it; a module's parameters (what forward() reads) hold every version bit-exact."""
+    t = StoreTarget("file", str(tmp_path / "store"))
+    states = _states(4)
+    published = _publish_all(t, states)
+    model = torch.nn.Module()
+    for name, v in states[0].items():  # names are plain identifiers ("t0", ...)
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros_like(v), requires_grad=False))
+    target: Any = model if as_module else {k: torch.zeros_like(v) for k, v in states[0].items()}
+    engine_view = dict(model.named_parameters()) if as_module else target  # the objects an engine reads
+    with _subscriber(t) as sub:
+        first = list(sub.follow(target, interval=0.01, heartbeat=False, max_versions=1))
+        assert first[0].info.version == 4 and first[0].full_load
+    with _subscriber(t) as sub:
+        sub.pull_into(target, 1)  # hold version 1, then follow 2..4 by rebinding
+        ptrs = {k: v.data_ptr() for k, v in engine_view.items()}
+        recs = []
+        for rec in sub.follow(target, interval=0.01, heartbeat=False, max_versions=1, swap_mode="rebind"):
+            recs.append(rec)
+        assert recs[0].info.version == 4 and not recs[0].full_load and recs[0].pause_s < 0.05
+        assert_bits_equal({k: v.detach() for k, v in engine_view.items()}, published[4])
+        assert any(engine_view[k].data_ptr() != ptrs[k] for k in recs[0].changed), "touched tensors were repointed"
+    with _subscriber(t) as sub, pytest.raises(ValueError, match="swap_mode"):
+        next(sub.follow(target, swap_mode="teleport"))
