@@ -1,4 +1,8 @@
-"""The commit path (SPEC §5): encode what changed, upload packs and a manifest, CAS HEAD."""
+"""The commit path (SPEC §5): validate, choose anchor or delta, encode, write the manifest, CAS HEAD.
+
+The :class:`Publisher` is thin: encoding a state into packs lives in :mod:`deltastore.encode`,
+the HEAD protocol (claim, compare-and-swap, lost responses, fencing) in :mod:`deltastore.commit`.
+"""
 
 from __future__ import annotations
 
@@ -7,127 +11,38 @@ import operator
 import os
 import socket
 import uuid
-from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
-from deltastore import codec
 from deltastore.commit import CommitProtocol, new_commit_id, now, put_immutable
+from deltastore.encode import UPLOADS_IN_FLIGHT, encode_version
 from deltastore.errors import (
     ConflictError,
     InvalidStateDictError,
     LayoutMismatchError,
     StorageError,
 )
-from deltastore.jobs import default_threads, grouped
 from deltastore.history import History, VersionInfo
-from deltastore.manifest import (
-    BlobRef,
-    ChunkEntry,
-    Head,
-    Manifest,
-    SegmentRef,
-    Stats,
-    TensorEntry,
-    blob_key,
-    dump,
-    manifest_key,
-    sha256_hex,
-)
+from deltastore.jobs import default_threads
+from deltastore.manifest import Head, Manifest, dump, manifest_key, sha256_hex
 from deltastore.storage import open_store
-from deltastore.storage.probe import require_atomic_writes
 from deltastore.storage.base import Store
+from deltastore.storage.probe import require_atomic_writes
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
     TensorSpec,
-    bits,
     check_layout,
     spec_for,
-    state_digest,
-    torch_dtype,
     validate_state_dict,
 )
 
 logger = logging.getLogger(__name__)
 
-#: Segments are concatenated into packs of about this size: few requests per version (S3 bills
-#: per request and each costs a round trip) while a pack still uploads in a few seconds.
-PACK_TARGET_BYTES = 64 * 1024 * 1024
 #: A full snapshot every this many versions bounds how much history a new worker replays.
 DEFAULT_ANCHOR_EVERY = 20
-#: Chunks in flight per encode thread: with many tiny tensors a short window starves the
-#: threads (MiniLM publish: 2 → 93 ms, 8 → 83 ms); memory stays bounded (chunks ≤ 16 MiB).
-IN_FLIGHT_PER_THREAD = 8
-#: Packs uploading at once per pack stream: overlaps the network with encoding while holding
-#: at most this many packs (× PACK_TARGET_BYTES) in memory.
-UPLOADS_IN_FLIGHT = 2
-
-
-@dataclass
-class _Encoded:
-    """One chunk's encoding result."""
-
-    tensor: int
-    index: int
-    digest: str
-    full: codec.Segment | None
-    delta: codec.Segment | None
-
-
-class _PackWriter:
-    """Concatenates segments into content-addressed packs and uploads each when full.
-
-    Uploads run on ``uploader`` threads (at most ``UPLOADS_IN_FLIGHT`` packs held at once), so
-    encoding goes on while a pack travels; :meth:`finish` waits for every upload.
-    """
-
-    def __init__(self, store: Store, uploader: ThreadPoolExecutor):
-        self.store = store
-        self.uploader = uploader
-        self.blobs: list[BlobRef] = []
-        self._buf = bytearray()  # segments appended in place: no second copy to join them
-        self._uploads: deque[Future[None]] = deque()
-        self.bytes_written = 0
-
-    def add(self, seg: codec.Segment) -> SegmentRef:
-        if len(self._buf) >= PACK_TARGET_BYTES:
-            self.flush()
-        ref = SegmentRef(
-            blob=len(self.blobs),
-            offset=len(self._buf),
-            length=len(seg.data),
-            sha256=sha256_hex(seg.data),
-            codec=seg.codec,
-            n_changed=seg.n_changed,
-        )
-        self._buf += seg.data
-        return ref
-
-    def flush(self) -> None:
-        if not self._buf:
-            return
-        data, self._buf = self._buf, bytearray()
-        digest = sha256_hex(data)
-        key = blob_key(digest)
-        self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest))
-        self.bytes_written += len(data)
-        while len(self._uploads) >= UPLOADS_IN_FLIGHT:
-            self._uploads.popleft().result()
-        self._uploads.append(self.uploader.submit(self._put, key, data))
-
-    def _put(self, key: str, data: bytearray) -> None:
-        put_immutable(self.store, key, data, "pack")
-
-    def finish(self) -> None:
-        """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
-        self.flush()
-        while self._uploads:
-            self._uploads.popleft().result()
 
 
 class Publisher:
@@ -303,7 +218,10 @@ class Publisher:
 
         lineage = self._commits.lineage_for_commit()
         try:
-            entries, stats, blobs = self._encode(state, specs, kind, has_base)
+            encoded = encode_version(
+                state, specs, kind=kind, reference=self._reference if has_base else None,
+                pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
+            )
             manifest = Manifest(
                 version=version,
                 parent=self._head.version if self._head and self._head.version else None,
@@ -317,9 +235,9 @@ class Publisher:
                 epoch=self.epoch,
                 commit_id=new_commit_id(),
                 metadata=meta,
-                blobs=tuple(blobs),
-                tensors=tuple(entries),
-                stats=stats,
+                blobs=encoded.blobs,
+                tensors=encoded.entries,
+                stats=encoded.stats,
                 lineage=lineage,
             )
             if self._signing_key is not None:
@@ -361,7 +279,8 @@ class Publisher:
         info = VersionInfo.from_manifest(manifest, mkey)
         logger.info(
             "published version %d (%s, step %s): %d bytes, %d tensors / %d elements changed",
-            version, kind, step, stats.bytes_stored, stats.tensors_changed, stats.elements_changed,
+            version, kind, step, encoded.stats.bytes_stored, encoded.stats.tensors_changed,
+            encoded.stats.elements_changed,
         )
         return info
 
@@ -382,104 +301,11 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- encoding -----------------------------------------------------------------------
-
-    @staticmethod
-    def _chunk_jobs(specs: dict[str, TensorSpec]) -> list[list[tuple[int, int, str]]]:
-        """Chunks in order, small ones grouped into one job (see jobs.JOB_BYTES)."""
-        chunks = [(ti, ci, name) for ti, (name, spec) in enumerate(specs.items()) for ci in range(spec.n_chunks)]
-        return grouped(chunks, lambda c: specs[c[2]].chunk_bytes(c[1]))
-
-    def _encode_chunk(self, ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: str, floating: bool) -> _Encoded | None:
-        delta = codec.encode_delta(old, new, float_bits=floating) if old is not None else None
-        if kind == "delta" and delta is None:
-            return None
-        full = codec.encode_full(new, float_bits=floating) if kind == "anchor" else None
-        return _Encoded(ti, ci, state_digest(new), full, delta)
-
-    def _encode(
-        self,
-        state: dict[str, torch.Tensor],
-        specs: dict[str, TensorSpec],
-        kind: str,
-        has_base: bool,
-    ) -> tuple[list[TensorEntry], Stats, list[BlobRef]]:
-        """Encode every chunk (a bounded number in flight) and upload the packs as they fill."""
-        names = list(specs)
-        ref = self._reference if has_base else None
-        # Float bit patterns code better with the exponent in one byte plane (codec full/2).
-        floating = {n: torch_dtype(sp.dtype).is_floating_point for n, sp in specs.items()}
-
-        # Bit views made once, here: per-chunk torch calls on the encode threads would queue for
-        # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
-        new_bits = {n: bits(t) for n, t in state.items() if t.device.type == "cpu"}
-        ref_bits = {n: bits(t) for n, t in ref.items()} if ref is not None else {}
-
-        def job(ti: int, ci: int, name: str) -> _Encoded | None:
-            a, b = specs[name].chunk_span(ci)
-            full = new_bits.get(name)
-            new = full[a:b] if full is not None else bits(state[name].detach().reshape(-1)[a:b].cpu())
-            old = ref_bits[name][a:b] if ref is not None else None
-            enc = self._encode_chunk(ti, ci, new, old, kind, floating[name])
-            if old is not None and enc is not None and enc.delta is not None:
-                old[...] = new  # advance the reference now (see publish(): dropped on failure)
-            return enc
-
-        # Delta and full segments go to separate packs, so a subscriber one version behind an
-        # anchor range-reads the small delta packs without touching the snapshot.
-        delta_packs, full_packs = _PackWriter(self.store, self._uploader), _PackWriter(self.store, self._uploader)
-        window = self.threads * IN_FLIGHT_PER_THREAD
-        pending: deque[Future[_Encoded | None]] = deque()
-        chunks: list[tuple[_Encoded, SegmentRef | None, SegmentRef | None]] = []
-
-        def drain(limit: int) -> None:
-            while len(pending) > limit:
-                for enc in pending.popleft().result():
-                    if enc is None:
-                        continue
-                    d = delta_packs.add(enc.delta) if enc.delta is not None else None
-                    f = full_packs.add(enc.full) if enc.full is not None else None
-                    enc.delta = enc.full = None  # the bytes now live in the pack writers only
-                    chunks.append((enc, d, f))
-
-        for group in self._chunk_jobs(specs):
-            pending.append(self._pool.submit(lambda g: [job(*j) for j in g], group))
-            drain(window)
-        drain(0)
-        delta_packs.finish()
-        full_packs.finish()
-        offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
-
-        by_tensor: dict[int, list[ChunkEntry]] = {}
-        elements_changed = 0
-        for enc, d, f in chunks:
-            if d is not None:
-                elements_changed += d.n_changed
-            if f is not None:
-                f = f.model_copy(update={"blob": f.blob + offset})
-            by_tensor.setdefault(enc.tensor, []).append(ChunkEntry(index=enc.index, digest=enc.digest, full=f, delta=d))
-        entries = []
-        tensors_changed = 0
-        for ti, tchunks in sorted(by_tensor.items()):
-            spec = specs[names[ti]]
-            if any(c.delta is not None for c in tchunks):
-                tensors_changed += 1
-            entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows, chunks=tuple(tchunks)))
-        if kind == "anchor" and not has_base:
-            tensors_changed = len(specs)
-            elements_changed = sum(s.numel for s in specs.values())
-        stats = Stats(
-            bytes_stored=delta_packs.bytes_written + full_packs.bytes_written,
-            tensors_changed=tensors_changed,
-            elements_changed=elements_changed,
-            tensors_total=len(specs),
-            elements_total=sum(s.numel for s in specs.values()),
-        )
-        return entries, stats, delta_packs.blobs + full_packs.blobs
+    # --- resume -----------------------------------------------------------------------
 
     def _resume_from_head(self, state: dict[str, torch.Tensor]) -> None:
         """Rebuild the reference copy by pulling the head version, if its layout matches."""
-        from deltastore.pull import Subscriber  # the read path; imported here to avoid a cycle
+        from deltastore.pull import Subscriber  # the read path: loaded only when a publisher resumes
 
         assert self._head is not None
         with Subscriber(self.url, store=self.store, threads=self.threads) as sub:

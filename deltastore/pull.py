@@ -4,51 +4,47 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from deltastore import codec
+from deltastore.apply import (
+    ReadEngine,
+    _batched,
+    _span_bytes,
+    _target_tensors,
+    _torch_dtype,
+    _verify_chunk,
+)
 from deltastore.errors import (
     CorruptObjectError,
     DeltastoreError,
-    FormatError,
     HistoryReplacedError,
-    IntegrityError,
-    InvalidStateDictError,
-    NotFoundError,
     VersionNotFoundError,
 )
 from deltastore.history import History, VersionInfo
-from deltastore.manifest import MAX_MANIFEST_BYTES, BlobRef, Head, Manifest, SegmentRef, sha256_hex
-from deltastore.plan import ChunkPlan, Manifests, Step, check_entries, plan_forward, plan_from_anchor
+from deltastore.jobs import default_threads, grouped
+from deltastore.manifest import MAX_MANIFEST_BYTES, Head, Manifest
+from deltastore.plan import (
+    Manifests,
+    Step,
+    check_entries,
+    plan_forward,
+    plan_from_anchor,
+)
 from deltastore.plan import digests as _digests
 from deltastore.plan import layout as _layout
-from deltastore.jobs import default_threads, grouped
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import TensorSpec, bits, check_layout, state_digest, torch_dtype
+from deltastore.tensors import TensorSpec, check_layout
 
 logger = logging.getLogger(__name__)
 
-#: Concurrent GETs: object stores reward parallel requests far beyond the core count.
-IO_THREADS = 16
-#: Segment bytes fetched per batch: a pull holds at most two batches (one being applied, one
-#: being fetched) of compressed data, whatever the model size.
-FETCH_BATCH_BYTES = 64 * 1024 * 1024
-#: Byte ranges of one pack closer than this are fetched as one GET: a request costs more than
-#: a few hundred KiB of transfer.
-COALESCE_GAP_BYTES = 256 * 1024
-
 _Manifests = Manifests
-_T = TypeVar("_T")
-#: What a bad segment or chunk raises: a fallback path may succeed where one of these failed.
-_BAD_DATA = (IntegrityError, FormatError, NotFoundError)
+
 
 
 def physical_memory() -> int | None:
@@ -96,111 +92,6 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
-
-class _Fetcher:
-    """Fetches segments with parallel (coalesced) range GETs and verifies every one."""
-
-    def __init__(self, store: Store, pool: ThreadPoolExecutor):
-        self.store = store
-        self.pool = pool
-        self.bytes_fetched = 0  # segment bytes read from the store, cumulative
-        self._lock = threading.Lock()
-
-    def fetch(
-        self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
-    ) -> dict[tuple[str, int], memoryview]:
-        """Fetch and verify every step's segment, keyed by ``(pack key, offset)``.
-
-        With ``errors``, a segment that is missing, truncated or fails its SHA-256 is recorded
-        there (with the error naming it) instead of raising, so a caller can take another path.
-        """
-        by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
-        for s in steps:
-            by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
-        jobs = []
-        for blob, refs in by_blob.values():
-            for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset)):
-                jobs.append((blob, run, self.pool.submit(self._get_run, blob, run, errors is not None)))
-        out: dict[tuple[str, int], memoryview] = {}
-        for blob, run, j in jobs:
-            try:
-                got, bad = j.result()
-            except (IntegrityError, NotFoundError) as e:
-                if errors is None:
-                    raise
-                errors.update(((blob.key, r.offset), e) for r in run)
-                continue
-            out.update(got)
-            if errors is not None:
-                errors.update(bad)
-        return out
-
-    def _get_run(
-        self, blob: BlobRef, run: list[SegmentRef], tolerant: bool = False
-    ) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
-        start, stop = run[0].offset, run[-1].offset + run[-1].length
-        whole = start == 0 and stop == blob.size
-        try:
-            data = self.store.get(blob.key) if whole else self.store.get(blob.key, byte_range=(start, stop))
-        except NotFoundError:
-            raise NotFoundError(f"pack {blob.key!r} is missing from {self.store.url}: the store was damaged") from None
-        with self._lock:
-            self.bytes_fetched += len(data)
-        if len(data) != stop - start:
-            raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
-        pack_bad = whole and sha256_hex(data) != blob.sha256
-        if pack_bad and not tolerant:
-            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
-        view = memoryview(data)
-        out = {}
-        bad: dict[tuple[str, int], DeltastoreError] = {}
-        for r in run:
-            seg = view[r.offset - start : r.offset - start + r.length]  # no copy: codec reads views
-            if sha256_hex(seg) != r.sha256:  # also for whole packs: SPEC §7.6, every segment
-                e = IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
-                if not tolerant:
-                    raise e
-                bad[(blob.key, r.offset)] = e
-                continue
-            out[(blob.key, r.offset)] = seg
-        if pack_bad and not bad:  # every segment hashes right, so the damage is between them: say so
-            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256 (its segments do): the object is corrupt")
-        return out, bad
-
-
-def _coalesce(refs: list[SegmentRef]) -> list[list[SegmentRef]]:
-    runs: list[list[SegmentRef]] = []
-    for r in refs:
-        if runs and r.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= COALESCE_GAP_BYTES:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return runs
-
-
-class _Target:
-    """Raw access to one target tensor's chunks, on any device (CPU tensors in place)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
-        self.cpu = t.device.type == "cpu"
-        # Made once: per-chunk torch calls on worker threads queue for the GIL behind numpy.
-        self.raw = bits(t) if self.cpu else None
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        """The chunk's bits: a live view for CPU tensors, a copy for device tensors."""
-        if self.raw is not None:
-            return self.raw[a:b]
-        return bits(self.t.detach().reshape(-1)[a:b].cpu())
-
-    def write(self, a: int, b: int, raw: np.ndarray) -> None:
-        if self.raw is not None:
-            view = self.raw[a:b]
-            if not np.shares_memory(view, raw):
-                view[...] = raw
-            return
-        src = torch.from_numpy(raw.view(raw.dtype.str.replace("u", "i"))).view(self.t.dtype)
-        self.t.detach().reshape(-1)[a:b].copy_(src)
 
 
 class Subscriber:
@@ -250,9 +141,9 @@ class Subscriber:
         self.url = self.store.url
         self.max_model_bytes = max_model_bytes if max_model_bytes is not None else physical_memory()
         self._history = History(self.store, check, max_manifest_bytes=max_manifest_bytes)
-        self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="deltastore-decode")
-        self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
-        self._fetcher = _Fetcher(self.store, self._io)
+        self._engine = ReadEngine(self.store, threads or default_threads())
+        self._pool = self._engine.pool
+        self._fetcher = self._engine.fetcher
         self._version: int | None = None
         self._held: _Manifests | None = None  # anchor..held version, for layout and digests
         self._closed = False
@@ -304,10 +195,7 @@ class Subscriber:
         plans = self._plan_from_anchor(ms, specs)  # checks the whole chain before allocating
         self._check_model_size(specs, m.version)
         out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
-        targets = {n: _Target(t) for n, t in out.items()}
-        for batch, data, _ in self._fetch_batches(plans):
-            groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
-            list(self._pool.map(lambda g: [self._build(p, specs, data, targets[p.name]) for p in g], groups))
+        self._engine.materialize(plans, specs, out)
         self._version, self._held = m.version, ms
         return out
 
@@ -361,7 +249,7 @@ class Subscriber:
             base = _digests(self._held)
             anchors = [i for i, (_, mm) in enumerate(ms) if mm.kind == "anchor"]
             held = ms[anchors[-1]:] if anchors else self._held + ms
-        self._apply_in_place(plans, specs, tensors, base)
+        self._engine.apply_in_place(plans, specs, tensors, base, self._version)
         self._version, self._held = m.version, held
         return VersionInfo.from_manifest(m, key)
 
@@ -437,8 +325,7 @@ class Subscriber:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        self._io.shutdown(wait=True)
+        self._engine.close()
         if self._owns_store:
             self.store.close()
 
@@ -493,258 +380,4 @@ class Subscriber:
     # Planning is pure (deltastore.plan); pull_into calls it under these names.
     _plan_from_anchor = staticmethod(plan_from_anchor)
     _plan_forward = staticmethod(plan_forward)
-
-    # --- applying -----------------------------------------------------------------------
-
-    def _build(self, p: ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
-        """Decode a plan that starts from a full segment, verify it, write it to ``target``."""
-        raw = self._replay(p, specs[p.name], data, None)
-        target.write(*p.span, raw)
-
-    @staticmethod
-    def _replay(p: ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None) -> np.ndarray:
-        a, b = p.span
-        if p.full is not None:
-            raw = codec.decode_full(data[p.full.where], codec=p.full.ref.codec, dtype=spec.uint_dtype(), count=b - a)
-        assert raw is not None
-        applied: list[Step] = []
-        try:
-            for s in p.deltas:
-                codec.apply_delta(raw, data[s.where], codec=s.ref.codec)  # validates before writing
-                applied.append(s)
-            if state_digest(raw) != p.digest:
-                raise IntegrityError(
-                    f"chunk {p.name}[{p.index}] does not match its digest after applying {len(p.steps())} segment(s)"
-                )
-        except BaseException:
-            if p.full is None:  # undo in place, newest delta first
-                for s in reversed(applied):
-                    codec.apply_delta(raw, data[s.where], codec=s.ref.codec, inverse=True)
-            raise
-        return raw
-
-    def _fetch_batches(
-        self, plans: list[ChunkPlan], *, tolerant: bool = False
-    ) -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
-        """Yield plans in batches of about FETCH_BATCH_BYTES with their verified segments,
-        fetching the next batch while the caller applies the current one.
-
-        With ``tolerant``, segments that are missing or fail their SHA-256 come back as errors
-        (the third item) instead of raising, so the caller can take another path for them."""
-        batches: list[list[ChunkPlan]] = [[]]
-        size = 0
-        for p in plans:
-            cost = sum(st.ref.length for st in p.steps())
-            if batches[-1] and size + cost > FETCH_BATCH_BYTES:
-                batches.append([])
-                size = 0
-            batches[-1].append(p)
-            size += cost
-
-        def fetch(batch: list[ChunkPlan]) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
-            errors: dict[tuple[str, int], DeltastoreError] = {}
-            data = self._fetcher.fetch((st for p in batch for st in p.steps()), errors if tolerant else None)
-            return data, errors
-
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch") as ahead:
-            nxt = ahead.submit(fetch, batches[0])
-            for i, batch in enumerate(batches):
-                data, errors = nxt.result()
-                if i + 1 < len(batches):
-                    nxt = ahead.submit(fetch, batches[i + 1])
-                yield batch, data, errors
-
-    def _apply_in_place(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], base: dict[tuple[str, int], str]) -> None:
-        """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
-        # Tied weights (one storage under two names) are updated once.
-        seen: dict[tuple[int, int], str] = {}
-        owner: dict[str, str] = {}
-        for n, t in tensors.items():
-            k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
-            owner[n] = seen.setdefault(k, n)
-        plans = [p for p in plans if owner[p.name] == p.name]
-        targets = {n: _Target(t) for n, t in tensors.items()}
-
-        # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
-        # the chunks this update touches (a local edit elsewhere would survive silently).
-        replaced = {(p.name, p.index) for p in plans if p.full is not None}
-        kept = {k for k in base if owner.get(k[0]) == k[0]} | {(p.name, p.index) for p in plans if p.full is None}
-
-        def check_base(k: tuple[str, int]) -> None:
-            name, index = k
-            if state_digest(targets[name].read(*specs[name].chunk_span(index))) != base.get(k):
-                raise IntegrityError(
-                    f"tensor {name!r} chunk {index} is not what version {self._version} holds there: "
-                    "the target was modified since it was pulled (pull() it again)"
-                )
-
-        keys = sorted(kept - replaced)
-        list(self._pool.map(lambda g: [check_base(k) for k in g], grouped(keys, lambda k: _span_bytes(specs, *k))))
-
-        done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
-        undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
-        _Segs = dict[tuple[str, int], memoryview]
-        _Errs = dict[tuple[str, int], DeltastoreError]
-        _Done = tuple[ChunkPlan, "np.ndarray | None", _Segs]
-
-        def attempt(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
-            for st in p.steps():
-                if st.where in errors:
-                    raise errors[st.where]
-            tgt = targets[p.name]
-            if p.full is None:
-                if tgt.cpu:
-                    self._replay(p, specs[p.name], data, tgt.read(*p.span))
-                else:
-                    raw = tgt.read(*p.span)
-                    self._replay(p, specs[p.name], data, raw)
-                    tgt.write(*p.span, raw)
-                return p, None, data
-            new = self._replay(p, specs[p.name], data, None)
-            saved = tgt.read(*p.span).copy()
-            tgt.write(*p.span, new)
-            return p, saved, data
-
-        def run(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
-            """The chunk's chosen path, else its fallbacks (a failed attempt leaves it as it was)."""
-            try:
-                return attempt(p, data, errors)
-            except _BAD_DATA as e:
-                error: DeltastoreError = e
-            for alt in p.fallbacks:
-                assert alt.full is not None
-                logger.warning(
-                    "chunk %s[%d]: %s; taking the full segment at %d of pack %s instead",
-                    p.name, p.index, error, alt.full.ref.offset, alt.full.blob.key,
-                )
-                try:
-                    alt_errors: _Errs = {}
-                    return attempt(alt, self._fetcher.fetch(alt.steps(), alt_errors), alt_errors)
-                except _BAD_DATA as e:
-                    error = e
-            raise error
-
-        def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
-            applied = []
-            for p in group:
-                try:
-                    applied.append(run(p, data, errors))
-                except BaseException as e:  # noqa: BLE001 - re-raised by the caller after rollback
-                    return applied, e
-            return applied, None
-
-        error: BaseException | None = None
-        try:
-            for batch, data, errors in self._fetch_batches(plans, tolerant=True):
-                groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
-                for f in [self._pool.submit(run_group, g, data, errors) for g in groups]:
-                    applied, failed = f.result()
-                    error = error or failed
-                    for p, saved, segs in applied:
-                        done.append((p, saved))
-                        if saved is None:
-                            undo.update((s.where, segs[s.where]) for s in p.deltas)
-                if error is not None:
-                    break
-        except BaseException as e:  # noqa: BLE001 - a fetch failed: roll back what was applied
-            error = e
-        if error is None:
-            return
-        for p, saved in done:
-            tgt = targets[p.name]
-            if saved is not None:
-                tgt.write(*p.span, saved)
-            else:
-                raw = tgt.read(*p.span)
-                for s in reversed(p.deltas):
-                    codec.apply_delta(raw, undo[s.where], codec=s.ref.codec, inverse=True)
-                if not tgt.cpu:
-                    tgt.write(*p.span, raw)
-        logger.error("pull_into failed and rolled back %d chunk(s): %s", len(done), error)
-        raise error
-
-
-def _verify_chunk(
-    name: str,
-    c: Any,
-    spec: TensorSpec,
-    base: np.ndarray | None,
-    steps: dict[tuple[str, int, str], Step],
-    data: dict[tuple[str, int], memoryview],
-    errors: dict[tuple[str, int], DeltastoreError],
-) -> tuple[tuple[str, int], np.ndarray | None, list[str]]:
-    """Check both segments of one chunk entry: ``(key, verified bits or None, problems)``.
-
-    A delta segment is applied to ``base`` (the verified bits at the parent) and checked
-    against the digest; with no verified base it is still decoded (onto zeros), which checks
-    its structure but not its values.
-    """
-    a, b = spec.chunk_span(c.index)
-    problems: list[str] = []
-    result: np.ndarray | None = None
-    for which in ("delta", "full"):
-        st = steps.get((name, c.index, which))
-        if st is None:
-            continue
-        what = f"chunk {name}[{c.index}] {which} segment ({st.ref.codec}) at {st.ref.offset} of pack {st.blob.key!r}"
-        if st.where in errors:
-            problems.append(f"{what}: {errors[st.where]}")
-            continue
-        try:
-            if which == "full":
-                raw = codec.decode_full(data[st.where], codec=st.ref.codec, dtype=spec.uint_dtype(), count=b - a)
-            else:
-                raw = base.copy() if base is not None else np.zeros(b - a, dtype=spec.uint_dtype())
-                codec.apply_delta(raw, data[st.where], codec=st.ref.codec)
-        except (DeltastoreError, ValueError) as e:
-            problems.append(f"{what} does not decode: {type(e).__name__}: {e}")
-            continue
-        if which == "delta" and base is None:
-            continue  # structure checked; values unknowable without a verified parent
-        if state_digest(raw) != c.digest:
-            problems.append(f"{what} does not reproduce the chunk's digest {c.digest}")
-            continue
-        result = raw
-    return (name, c.index), result, problems
-
-
-def _batched(items: list[_T], nbytes: Callable[[_T], int]) -> list[list[_T]]:
-    """Consecutive items in batches of about FETCH_BATCH_BYTES (the memory a fetch may hold)."""
-    batches: list[list[_T]] = [[]]
-    size = 0
-    for item in items:
-        if batches[-1] and size + nbytes(item) > FETCH_BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(item)
-        size += nbytes(item)
-    return batches if batches[0] else []
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a (validated) manifest's dtype name."""
-    try:
-        return torch_dtype(name)
-    except InvalidStateDictError as e:  # a name deltastore stores, but this torch is too old
-        raise FormatError(f"{e}: upgrade torch to read this store") from None
-
-
-def _span_bytes(specs: dict[str, TensorSpec], name: str, index: int) -> int:
-    a, b = specs[name].chunk_span(index)
-    return (b - a) * specs[name].width
-
-
-def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
-    if isinstance(target, torch.nn.Module):
-        target = target.state_dict(keep_vars=True)
-    if not isinstance(target, Mapping):
-        raise InvalidStateDictError(f"pull_into needs a state dict or nn.Module, got {type(target).__name__}")
-    out = {}
-    for n, t in target.items():
-        if not isinstance(t, torch.Tensor):
-            raise InvalidStateDictError(f"target {n!r} is a {type(t).__name__}, not a torch.Tensor")
-        if not t.is_contiguous():
-            raise InvalidStateDictError(f"target tensor {n!r} is not contiguous; it cannot be updated in place")
-        out[n] = t.data if isinstance(t, torch.nn.Parameter) else t
-    return out
 

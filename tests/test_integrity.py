@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.pull
+import deltastore.apply
 from deltastore import (
     CorruptObjectError,
     DeltastoreError,
@@ -250,14 +250,14 @@ class _CountApplies:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.n = 0
-        real = deltastore.pull.codec.apply_delta
+        real = deltastore.apply.codec.apply_delta
 
         def counting(*a, **kw):
             out = real(*a, **kw)
             self.n += 1
             return out
 
-        monkeypatch.setattr(deltastore.pull.codec, "apply_delta", counting)
+        monkeypatch.setattr(deltastore.apply.codec, "apply_delta", counting)
 
 
 def _last_changed_chunk(doc: dict) -> tuple[str, int]:
@@ -269,7 +269,7 @@ def _last_changed_chunk(doc: dict) -> tuple[str, int]:
 @pytest.mark.parametrize("how", ["digest", "segment-bits", "segment-codec", "segment-sha"])
 def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, batch_bytes, monkeypatch) -> None:
     if batch_bytes:  # fetch and apply chunk by chunk: the failure comes in a later batch
-        monkeypatch.setattr(deltastore.pull, "FETCH_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(deltastore.apply, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=4)
     with open_store(url) as store:
         _, doc = head_manifest(store)
@@ -317,7 +317,7 @@ def test_pull_into_rolls_back_chunks_replaced_from_a_snapshot(url: str, batch_by
     """Across a restart anchor (no deltas), chunks are replaced from full segments; a later bad
     chunk must restore them from the saved copies."""
     if batch_bytes:
-        monkeypatch.setattr(deltastore.pull, "FETCH_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(deltastore.apply, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=2)
     more = [sparse_edit(states[-1], np.random.default_rng(10 + i), 0.02) for i in range(2)]
     with Publisher(url, resume=False, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:  # a restart, no read-back
@@ -633,7 +633,7 @@ def test_pull_into_falls_back_to_the_anchor_full_segment(url: str, how: str, cap
     name, index = _corrupt_anchor_delta(url, how)
     with Subscriber(url, threads=2) as sub:
         target = sub.pull(3)
-        with caplog.at_level("WARNING", logger="deltastore.pull"):
+        with caplog.at_level("WARNING", logger="deltastore.apply"):
             assert sub.pull_into(target).version == 4
         assert_bits_equal(target, states[3])
         assert any(f"{name}[{index}]" in r.getMessage() for r in caplog.records), caplog.text
