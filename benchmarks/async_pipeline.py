@@ -50,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,10 @@ MAX_PENDING = 1
 #: of the elements, as many as an RL step changes in bf16.
 BURST_STRIDE = 50
 BURST_SCALE = 1.01
-#: Environment variables that carry the store's endpoint and credentials to the roles (never
-#: the command line: it is visible to every user of the machine).
-_ENV_KEYS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+#: Issue 7's goals: publish_async returns within 5% of a full-checkpoint upload; a worker's
+#: pause is within 10% of a full load of the same model into the same target.
+RETURN_GOAL = 0.05
+PAUSE_GOAL = 0.10
 
 
 # --- small helpers shared by the roles ----------------------------------------------------
@@ -167,12 +168,10 @@ def _load_step(workload: str, step: int, dtype: Any = None) -> dict[str, Any]:
 
 def _role_baseline(args: argparse.Namespace) -> None:
     """Full-checkpoint uploads and synchronous publishes of the same versions."""
-    import torch
     from safetensors.torch import save
 
     from deltastore import Publisher
 
-    torch.set_num_threads(1)
     state = _load_step(args.workload, 0)
     client = _boto3_client()
     bucket = args.url[len("s3://"):].split("/", 1)[0]
@@ -208,7 +207,6 @@ def _role_trainer(args: argparse.Namespace) -> None:
 
     from deltastore import Publisher
 
-    torch.set_num_threads(1)
     masters = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.masters]
     state = _load_step(args.workload, 0, masters)
     model_bytes = sum(t.numel() * 2 for t in state.values())  # served in bf16
@@ -382,6 +380,8 @@ class _Events:
 
 
 def _role_env(server: Any) -> dict[str, str]:
+    """The roles' environment: the store's endpoint and credentials in AWS_* variables (never
+    on the command line, which every user of the machine can read)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ENDPOINT_URL=server.endpoint_url, AWS_ACCESS_KEY_ID=server.access_key,
                AWS_SECRET_ACCESS_KEY=server.secret_key, AWS_DEFAULT_REGION=server.region,
@@ -414,7 +414,6 @@ def _run_pipeline(server: Any, workload: str, n_workers: int, args: argparse.Nam
         roles["trainer"] = _Role("trainer", ["--role", "trainer", "--workload", workload, "--url", url,
                                              "--masters", args.masters], env, events.queue, logdir)
         events.wait("the trainer's first version", lambda: events.of("ready", "trainer"))
-        ready = events.of("ready", "trainer")[0]
         workers = [f"w{i}" for i in range(n_workers)]
         for w in workers:  # one at a time: N full first loads at once would only measure memory
             roles[w] = _Role(w, ["--role", "follower", "--url", url, "--worker-id", w,
@@ -595,7 +594,21 @@ def _summary(result: dict) -> str:
                 f"| {_med(r['bytes_fetched']) / 1e6:.2f} MB | {r['follower_peak_over_model']:.2f} "
                 f"| {'yes' if r['exact'] else 'NO'} |")
         lines.append("")
+    lines.append("goals (median over versions; worst worker count):")
+    for wl, w in result["workloads"].items():
+        b = w["baseline"]
+        full = _med([s + p for s, p in zip(b["full_serialize_s"], b["full_put_s"])])
+        put = _med(b["full_put_s"])
+        ret = max(_med(r["publish_async_return_s"]) for r in w["runs"])
+        pause = max(_med(r["pause_s"]) / r["full_copy_s"] for r in w["runs"])
+        lines.append(f"  {wl}: publish_async return {100 * ret / full:.2f}% of the full-checkpoint upload "
+                     f"({100 * ret / put:.2f}% of the PUT alone; goal ≤ {100 * RETURN_GOAL:.0f}%): "
+                     f"{'met' if ret <= RETURN_GOAL * full else 'NOT met'}; pause {100 * pause:.1f}% of a full load "
+                     f"(goal ≤ {100 * PAUSE_GOAL:.0f}%): {'met' if pause <= PAUSE_GOAL else 'NOT met'}")
     idle = result.get("idle_poll")
+    if idle:
+        ok = idle["requests_per_poll"] == 1 and idle["request_body_bytes"] == 0 and idle["response_body_bytes"] == 0
+        lines.append(f"  idle poll one request, no body: {'met' if ok else 'NOT met'}")
     if idle:
         lines.append(f"idle poll: {idle['polls']} polls in {idle['watched_s']:.0f} s, {idle['requests']} requests "
                      f"({idle['requests_per_poll']:.2f} per poll), statuses {idle['statuses']}, "
