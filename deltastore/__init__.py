@@ -24,17 +24,21 @@ from deltastore.errors import (
     NotFoundError,
     PreconditionFailedError,
     SignatureError,
+    StaleStageError,
     StorageError,
+    TargetModifiedError,
     UnknownCodecError,
     UnsafeStoreError,
     UnsupportedSchemaError,
     UnsupportedURLError,
     UploadCorruptedError,
     VersionNotFoundError,
+    VersionSkippedError,
 )
 from deltastore.history import VersionInfo
 from deltastore.publish import Publisher
-from deltastore.pull import Subscriber
+from deltastore.pull import FollowRecord, Subscriber
+from deltastore.stage import StagedUpdate
 
 __version__ = "0.1.0"
 
@@ -48,6 +52,7 @@ __all__ = [
     "CorruptObjectError",
     "DeltastoreError",
     "FencedError",
+    "FollowRecord",
     "FormatError",
     "HistoryReplacedError",
     "IntegrityError",
@@ -58,8 +63,11 @@ __all__ = [
     "PreconditionFailedError",
     "Publisher",
     "SignatureError",
+    "StagedUpdate",
+    "StaleStageError",
     "StorageError",
     "Subscriber",
+    "TargetModifiedError",
     "UnknownCodecError",
     "UnsafeStoreError",
     "UnsupportedSchemaError",
@@ -67,4 +75,5 @@ __all__ = [
     "UploadCorruptedError",
     "VersionInfo",
     "VersionNotFoundError",
+    "VersionSkippedError",
 ]

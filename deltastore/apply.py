@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -25,10 +26,12 @@ from deltastore.errors import (
     IntegrityError,
     InvalidStateDictError,
     NotFoundError,
+    TargetModifiedError,
 )
 from deltastore.jobs import grouped
 from deltastore.manifest import BlobRef, SegmentRef, sha256_hex
 from deltastore.plan import ChunkPlan, Step
+from deltastore.stage import ChunkPatch, make_patch
 from deltastore.storage.base import Store
 from deltastore.tensors import TensorSpec, bits, state_digest, torch_dtype
 
@@ -45,6 +48,9 @@ FETCH_BATCH_BYTES = 64 * 1024 * 1024
 COALESCE_GAP_BYTES = 256 * 1024
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
+_Segs = dict[tuple[str, int], memoryview]
+_Errs = dict[tuple[str, int], DeltastoreError]
 #: What a bad segment or chunk raises: a fallback path may succeed where one of these failed.
 _BAD_DATA = (IntegrityError, FormatError, NotFoundError)
 
@@ -243,11 +249,16 @@ class ReadEngine:
                     nxt = ahead.submit(fetch, batches[i + 1])
                 yield batch, data, errors
 
-    def apply_in_place(
+    def check_base(
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
         base: dict[tuple[str, int], str], held_version: int | None,
-    ) -> None:
-        """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
+    ) -> tuple[list[ChunkPlan], dict[str, _Target]]:
+        """Check that ``tensors`` hold the base version's bits; the plans to run (tied weights
+        once) and the targets.
+
+        Raises:
+            TargetModifiedError: a chunk the update keeps or patches is not what ``base`` says.
+        """
         # Tied weights (one storage under two names) are updated once.
         seen: dict[tuple[int, int], str] = {}
         owner: dict[str, str] = {}
@@ -262,21 +273,106 @@ class ReadEngine:
         replaced = {(p.name, p.index) for p in plans if p.full is not None}
         kept = {k for k in base if owner.get(k[0]) == k[0]} | {(p.name, p.index) for p in plans if p.full is None}
 
-        def check_base(k: tuple[str, int]) -> None:
+        def check(k: tuple[str, int]) -> None:
             name, index = k
             if state_digest(targets[name].read(*specs[name].chunk_span(index))) != base.get(k):
-                raise IntegrityError(
+                raise TargetModifiedError(
                     f"tensor {name!r} chunk {index} is not what version {held_version} holds there: "
                     "the target was modified since it was pulled (pull() it again)"
                 )
 
         keys = sorted(kept - replaced)
-        list(self.pool.map(lambda g: [check_base(k) for k in g], grouped(keys, lambda k: _span_bytes(specs, *k))))
+        list(self.pool.map(lambda g: [check(k) for k in g], grouped(keys, lambda k: _span_bytes(specs, *k))))
+        return plans, targets
+
+    def with_fallbacks(self, p: ChunkPlan, data: _Segs, errors: _Errs, attempt: Callable[[ChunkPlan, _Segs, _Errs], _R]) -> _R:
+        """``attempt(p)``, else ``attempt`` of each full-segment fallback (a failed attempt
+        must leave the target as it was); raises the last error when all fail."""
+        try:
+            return attempt(p, data, errors)
+        except _BAD_DATA as e:
+            error: DeltastoreError = e
+        for alt in p.fallbacks:
+            assert alt.full is not None
+            logger.warning(
+                "chunk %s[%d]: %s; taking the full segment at %d of pack %s instead",
+                p.name, p.index, error, alt.full.ref.offset, alt.full.blob.key,
+            )
+            try:
+                alt_errors: _Errs = {}
+                return attempt(alt, self.fetcher.fetch(alt.steps(), alt_errors), alt_errors)
+            except _BAD_DATA as e:
+                error = e
+        raise error
+
+    def stage(
+        self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
+        base: dict[tuple[str, int], str], held_version: int | None,
+    ) -> tuple[list[ChunkPatch], float, float]:
+        """Prepare every plan as a patch against ``tensors`` without writing them (SPEC §7.7).
+
+        Each chunk is rebuilt in a scratch buffer (from the target's current bits, or from a full
+        segment), its digest checked there, and only the difference kept (:func:`make_patch`).
+
+        Returns:
+            ``(patches, fetch_s, decode_s)``: the seconds spent waiting for segments, and
+            checking and decoding them.
+
+        Raises:
+            TargetModifiedError: the target does not hold the base version (nothing staged).
+            IntegrityError, FormatError, NotFoundError: a chunk failed on every path.
+        """
+        t0 = time.perf_counter()
+        plans, targets = self.check_base(plans, specs, tensors, base, held_version)
+        decode_s = time.perf_counter() - t0
+        fetch_s = 0.0
+
+        def attempt(p: ChunkPlan, data: _Segs, errors: _Errs) -> ChunkPatch | None:
+            for st in p.steps():
+                if st.where in errors:
+                    raise errors[st.where]
+            tgt = targets[p.name]
+            current = tgt.read(*p.span)
+            scratch = None if p.full is not None else current.copy()
+            result = self.replay(p, specs[p.name], data, scratch)  # checks the digest
+            return make_patch(p.name, p.index, p.span, current, result)
+
+        def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> list[ChunkPatch]:
+            out = []
+            for p in group:
+                patch = self.with_fallbacks(p, data, errors, attempt)
+                if patch is not None:
+                    out.append(patch)
+            return out
+
+        patches: list[ChunkPatch] = []
+        batches = self.fetch_batches(plans, tolerant=True)
+        try:
+            while True:
+                t = time.perf_counter()
+                item = next(batches, None)
+                fetch_s += time.perf_counter() - t
+                if item is None:
+                    break
+                batch, data, errors = item
+                t = time.perf_counter()
+                groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
+                for f in [self.pool.submit(run_group, g, data, errors) for g in groups]:
+                    patches.extend(f.result())
+                decode_s += time.perf_counter() - t
+        finally:
+            batches.close()  # stops the prefetch thread when a chunk failed
+        return patches, fetch_s, decode_s
+
+    def apply_in_place(
+        self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
+        base: dict[tuple[str, int], str], held_version: int | None,
+    ) -> None:
+        """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
+        plans, targets = self.check_base(plans, specs, tensors, base, held_version)
 
         done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
-        _Segs = dict[tuple[str, int], memoryview]
-        _Errs = dict[tuple[str, int], DeltastoreError]
         _Done = tuple[ChunkPlan, "np.ndarray | None", _Segs]
 
         def attempt(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
@@ -298,23 +394,7 @@ class ReadEngine:
             return p, saved, data
 
         def run(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
-            """The chunk's chosen path, else its fallbacks (a failed attempt leaves it as it was)."""
-            try:
-                return attempt(p, data, errors)
-            except _BAD_DATA as e:
-                error: DeltastoreError = e
-            for alt in p.fallbacks:
-                assert alt.full is not None
-                logger.warning(
-                    "chunk %s[%d]: %s; taking the full segment at %d of pack %s instead",
-                    p.name, p.index, error, alt.full.ref.offset, alt.full.blob.key,
-                )
-                try:
-                    alt_errors: _Errs = {}
-                    return attempt(alt, self.fetcher.fetch(alt.steps(), alt_errors), alt_errors)
-                except _BAD_DATA as e:
-                    error = e
-            raise error
+            return self.with_fallbacks(p, data, errors, attempt)
 
         def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
             applied = []

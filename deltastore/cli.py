@@ -56,6 +56,8 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
     from deltastore.pull import Subscriber
 
+    if args.follow:
+        return _follow(args)
     with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
         state = sub.pull(args.version)
         version = sub.version
@@ -63,6 +65,55 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     save_file(state, tmp, metadata={"deltastore_url": args.url, "deltastore_version": str(version)})
     os.replace(tmp, args.out)  # never leave a half-written output under the real name
     print(f"pulled version {version} of {args.url} to {args.out} ({len(state)} tensors)")
+    return 0
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """``pull --follow``: keep OUT at the latest version until SIGINT/SIGTERM (then exit 0)."""
+    import signal
+    import threading
+    import time
+
+    from safetensors.torch import save_file
+
+    from deltastore.errors import VersionNotFoundError
+    from deltastore.pull import Subscriber
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:  # finish the current version, then end
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
+        while True:  # wait for a first version: the layout to follow into
+            try:
+                target = sub.allocate()
+                break
+            except VersionNotFoundError:
+                if stop.wait(args.interval):
+                    return 0
+        records = sub.follow(target, interval=args.interval, stop=stop, cache_dir=args.cache,
+                             worker_id=args.worker_id, max_versions=args.max_versions)
+        for rec in records:
+            t0 = time.perf_counter()
+            tmp = f"{args.out}.partial"
+            save_file(target, tmp, metadata={"deltastore_url": args.url, "deltastore_version": str(rec.info.version)})
+            os.replace(tmp, args.out)  # readers of OUT see one whole version or the next
+            write_s = time.perf_counter() - t0
+            if args.json:
+                print(json.dumps({
+                    "version": rec.info.version, "from_version": rec.from_version, "full_load": rec.full_load,
+                    "bytes_fetched": rec.bytes_fetched, "fetch_s": round(rec.fetch_s, 6),
+                    "decode_s": round(rec.decode_s, 6), "pause_s": round(rec.pause_s, 6),
+                    "write_s": round(write_s, 6), "out": args.out,
+                }, sort_keys=True), flush=True)
+            else:
+                how = "full load" if rec.full_load else f"from v{rec.from_version}"
+                print(f"v{rec.info.version} ({how}): {_size(rec.bytes_fetched)} fetched, fetch {rec.fetch_s:.3f} s, "
+                      f"decode {rec.decode_s:.3f} s, pause {rec.pause_s:.3f} s, wrote {args.out} in {write_s:.3f} s",
+                      flush=True)
     return 0
 
 
@@ -200,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url")
     p.add_argument("out", help="output .safetensors path")
     p.add_argument("--version", type=int, help="default: the latest")
+    p.add_argument("--follow", action="store_true", help="keep OUT at the latest version (one line per version) until Ctrl-C/SIGTERM")
+    p.add_argument("--interval", type=float, default=2.0, help="with --follow: seconds between polls of HEAD (default 2)")
+    p.add_argument("--cache", metavar="DIR", help="with --follow: worker cache directory, to restart without refetching")
+    p.add_argument("--json", action="store_true", help="with --follow: one JSON object per version")
+    p.add_argument("--max-versions", type=int, help="with --follow: stop after this many versions")
+    p.add_argument("--worker-id", help="with --follow: the id of this worker's heartbeat (default host-pid-random)")
     p.add_argument(*trusted[0], **trusted[1])
     p.set_defaults(func=_cmd_pull)
 

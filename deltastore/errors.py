@@ -21,13 +21,15 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   └── HistoryReplacedError                  the store's history is not the one held
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
     │   ├── CorruptObjectError                    unparseable / truncated object
-    │   └── SignatureError                        manifest unsigned / untrusted / bad signature
+    │   ├── SignatureError                        manifest unsigned / untrusted / bad signature
+    │   └── TargetModifiedError                   the target no longer holds the version pulled
     ├── FormatError (ValueError)                  something this version cannot read
     │   ├── UnsupportedSchemaError
     │   └── UnknownCodecError
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
     ├── VersionNotFoundError (LookupError)        no such version in the store
+    ├── StaleStageError (ValueError)              a staged update prepared for another held version
     └── VersionSkippedError                       an async publish replaced by a newer one
 """
 
@@ -160,6 +162,11 @@ class SignatureError(IntegrityError):
     """
 
 
+class TargetModifiedError(IntegrityError):
+    """The target's bits are not those of the version the subscriber holds: someone else wrote
+    it since it was pulled (a caller's bug, not the store's: pull() it again)."""
+
+
 class FormatError(DeltastoreError, ValueError):
     """The store holds something this version of deltastore cannot read."""
 
@@ -191,6 +198,11 @@ class VersionSkippedError(DeltastoreError):
     """An asynchronous publish was never made: a newer snapshot replaced it (policy "latest")."""
 
 
+class StaleStageError(DeltastoreError, ValueError):
+    """A staged update was prepared against another held version (or another subscriber's);
+    swapping it would mix versions. Stage again."""
+
+
 __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
@@ -210,7 +222,9 @@ __all__ = [
     "NotFoundError",
     "PreconditionFailedError",
     "SignatureError",
+    "StaleStageError",
     "StorageError",
+    "TargetModifiedError",
     "UnknownCodecError",
     "UnsafeStoreError",
     "UnsupportedSchemaError",

@@ -10,9 +10,10 @@ import logging
 import operator
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ from deltastore.errors import (
 )
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
-from deltastore.manifest import Head, Manifest, dump, manifest_key, sha256_hex
+from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
+from deltastore.manifest import DTYPE_WIDTHS, Head, Manifest, dump, manifest_key, sha256_hex
+from deltastore.publish_queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from deltastore.storage.probe import require_atomic_writes
@@ -35,6 +38,7 @@ from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
     TensorSpec,
     check_layout,
+    dtype_name,
     spec_for,
     validate_state_dict,
 )
@@ -51,6 +55,28 @@ class Publisher:
     Each :meth:`publish` commits one version: changed chunks are encoded against the previous
     published version (a CPU copy of it is kept in the served dtype), uploaded as
     content-addressed packs with a manifest, and made visible by one compare-and-swap of HEAD.
+
+    :meth:`publish_async` does the same in the background: it validates the state and takes a
+    host snapshot (in the served ``dtype``) before it returns, so the caller may modify its
+    tensors at once; change detection, encoding, upload and commit then run on one background
+    thread, in call order, and the returned Future resolves to the version's
+    :class:`VersionInfo` (or to its error). When the store is slower than training,
+    ``async_policy`` decides:
+
+    - ``"block"`` (default): at most ``max_pending`` snapshots wait behind the one being
+      published; a further ``publish_async`` blocks (before copying anything) until one starts.
+      Every call is published.
+    - ``"latest"``: ``publish_async`` never waits; a newer snapshot replaces the newest one still
+      waiting, which is never published (its Future raises
+      :class:`~deltastore.errors.VersionSkippedError`; an ``anchor=True`` request passes on to
+      the snapshot that replaced it). The one being published is never replaced.
+
+    Either way at most ``max_pending + 1`` snapshots are alive at once (plus the reference
+    copy). A background failure (ConflictError, FencedError, StorageError,
+    CommitUnknownError, ...) resolves that call's Future with the error, and the next
+    :meth:`publish_async`, :meth:`publish`, :meth:`flush` or :meth:`close` raises it, once:
+    a failure is never lost. :meth:`publish` first waits for every queued publish, so
+    versions stay in call order. Call one Publisher from one thread.
 
     Args:
         url: store URL (a local path, ``file://``, ``memory://``, ``s3://bucket/prefix``, or
@@ -72,6 +98,13 @@ class Publisher:
             (the caller keeps ownership: it is not closed by :meth:`close`).
         signing_key: an Ed25519 private key (a ``cryptography`` key object, PEM bytes or a
             PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore[signing]``).
+        dtype: the served dtype of floating tensors (e.g. ``torch.bfloat16`` from fp32
+            masters), for :meth:`publish` and :meth:`publish_async` alike; None (default)
+            keeps each tensor's dtype. Integer and bool tensors always keep theirs.
+        async_policy: ``"block"`` or ``"latest"``, what :meth:`publish_async` does when the
+            store is slower than training (above).
+        max_pending: snapshots that may wait behind the one being published (≥ 1; default 1:
+            encoding step n overlaps training step n+1 with two snapshots alive).
 
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
@@ -85,6 +118,12 @@ class Publisher:
         with Publisher("file:///tmp/run1") as pub:
             info = pub.publish(model.state_dict(), step=0)
             print(info.version, info.kind)
+
+        with Publisher("s3://bucket/run2", dtype=torch.bfloat16) as pub:  # fp32 masters
+            for step in range(steps):
+                train_step()
+                pub.publish_async(model.state_dict(), step=step)  # returns after the snapshot
+        # leaving the block published every queued step (or raised the failure)
     """
 
     def __init__(
@@ -101,9 +140,20 @@ class Publisher:
         resume: bool = True,
         store: Store | None = None,
         signing_key: Any = None,
+        dtype: torch.dtype | None = None,
+        async_policy: Policy = "block",
+        max_pending: int = DEFAULT_MAX_PENDING,
     ):
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be ≥ 1, got {anchor_every}")
+        if dtype is not None and not (
+            isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype_name(dtype) in DTYPE_WIDTHS
+        ):
+            raise ValueError(f"dtype must be a floating torch.dtype deltastore stores (e.g. torch.bfloat16) or None, got {dtype!r}")
+        if async_policy not in POLICIES:
+            raise ValueError(f"async_policy must be one of {POLICIES}, got {async_policy!r}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be ≥ 1, got {max_pending}")
         self._signing_key = None
         if signing_key is not None:
             from deltastore.signing import load_private_key
@@ -125,6 +175,15 @@ class Publisher:
         self.threads = threads or default_threads()
         self.chunk_bytes = chunk_bytes
         self.resume = resume
+        self.dtype = dtype
+        self.async_policy = async_policy
+        self.max_pending = max_pending
+        self._queue: PublishQueue | None = None  # started by the first publish_async
+        # One commit at a time: the caller's publish() and the queue's thread share the state below.
+        self._commit_lock = threading.Lock()
+        # The layout of the newest state accepted (committed or queued), to refuse a layout
+        # change without anchor=True in the caller's thread; None until one is known.
+        self._accepted_layout: dict[str, tuple[str, tuple[int, ...]]] | None = None
         self._history = History(self.store)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")
@@ -169,7 +228,8 @@ class Publisher:
 
         The tensors must not be modified while this call runs. The first version of a store is
         an anchor; a publisher opened on a store that has versions first reads the head back
-        (``resume``) so that its first publish can be a delta.
+        (``resume``) so that its first publish can be a delta. Earlier :meth:`publish_async`
+        calls are committed first (this call waits for them), so versions keep call order.
 
         Args:
             state_dict: name → tensor (or an ``nn.Module``), dense and contiguous.
@@ -189,16 +249,117 @@ class Publisher:
             CommitUnknownError: HEAD was written but could not be read back, so whether this
                 version committed is unknown; the next publish settles it first.
             StorageError: the store failed; nothing was committed (HEAD is as it was).
+            DeltastoreError: an earlier :meth:`publish_async` failed in the background and was
+                not yet reported (raised once, instead of publishing this state).
         """
-        if self._closed:
-            raise StorageError(f"publisher for {self.url} is closed")
+        self._check_open()
+        state = self._served(validate_state_dict(state_dict))
+        meta = _json_metadata(metadata)
+        step = _int_step(step)
+        if self._queue is not None:
+            self._queue.flush()  # earlier publish_async calls commit first: versions in call order
+        return self._commit_locked(state, step=step, meta=meta, anchor=anchor, owned=False)
+
+    def publish_async(
+        self,
+        state_dict: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        anchor: bool = False,
+    ) -> Future[VersionInfo]:
+        """Snapshot ``state_dict`` and commit it as a later version in the background.
+
+        The state, ``step`` and ``metadata`` are checked here, in the caller's thread (bad
+        input raises at once and nothing is queued). Then a host copy is taken in the served
+        ``dtype`` (pinned memory and non-blocking copies for CUDA tensors) and queued; the call
+        returns right after the copy, and the caller may modify its tensors at once. The
+        version is published as by :meth:`publish`, after every earlier call, on the
+        Publisher's background thread. Under ``async_policy="block"`` the call first waits
+        while ``max_pending`` snapshots are waiting; under ``"latest"`` it never waits (see
+        the class docstring).
+
+        Args:
+            state_dict, step, metadata, anchor: as for :meth:`publish`.
+
+        Returns:
+            A Future of the committed version's :class:`VersionInfo`. It raises what the
+            background commit raised (ConflictError, FencedError, StorageError, ...), or
+            :class:`~deltastore.errors.VersionSkippedError` if a newer snapshot replaced this
+            one under ``"latest"``.
+
+        Raises:
+            InvalidStateDictError: a value, ``step`` or ``metadata`` is not publishable.
+            LayoutMismatchError: names/dtypes/shapes differ from the newest version published
+                or queued and ``anchor`` is False.
+            DeltastoreError: an earlier background publish failed and was not yet reported
+                (raised once; this call's state is not queued).
+            StorageError: the publisher is closed.
+        """
+        self._check_open()
+        state = validate_state_dict(state_dict)
+        meta = _json_metadata(metadata)
+        step = _int_step(step)
+        layout = self._check_accepted_layout(state, anchor)
+        if self._queue is None:
+            self._queue = PublishQueue(
+                self._publish_snapshot, policy=self.async_policy, max_pending=self.max_pending,
+                name=self.url, sticky=("anchor",),
+            )
+        future = self._queue.submit_snapshot(lambda: snapshot(state, self.dtype), step=step, meta=meta, anchor=anchor)
+        self._accepted_layout = layout
+        return future
+
+    def flush(self) -> None:
+        """Wait until every :meth:`publish_async` call is committed (or failed).
+
+        Raises:
+            DeltastoreError: the first background failure not yet reported (once).
+        """
+        if self._queue is not None:
+            self._queue.flush()
+
+    def oldest_live_version(self, ttl_s: float = LIVE_TTL_S) -> int | None:
+        """The lowest version held by a live worker of the fleet ledger (SPEC §10).
+
+        A worker is live when its heartbeat reached the store within ``ttl_s`` seconds. Async
+        RL bounds staleness with it (e.g. wait while ``version - oldest > k``). The ledger is
+        advisory: workers that write no heartbeat are not counted.
+
+        Returns:
+            That version, or None when no worker is live.
+
+        Raises:
+            StorageError: the ledger could not be listed.
+        """
+        return oldest_live_version(read_ledger(self.store), ttl_s=ttl_s)
+
+    # --- the commit path ----------------------------------------------------------------
+
+    def _publish_snapshot(self, state: dict[str, torch.Tensor], *, step: int | None, meta: dict[str, Any],
+                          anchor: bool) -> VersionInfo:
+        """The queue's publish function: commit one snapshot (validated and cast already)."""
+        return self._commit_locked(state, step=step, meta=meta, anchor=anchor, owned=True)
+
+    def _commit_locked(self, state: dict[str, torch.Tensor], *, step: int | None, meta: dict[str, Any],
+                       anchor: bool, owned: bool) -> VersionInfo:
+        with self._commit_lock:
+            info = self._commit(state, step=step, meta=meta, anchor=anchor, owned=owned)
+            if not owned:  # publish_async records the layout when it queues
+                self._accepted_layout = _layout_of(state)
+            return info
+
+    def _commit(self, state: dict[str, torch.Tensor], *, step: int | None, meta: dict[str, Any],
+                anchor: bool, owned: bool) -> VersionInfo:
+        """Commit ``state`` (validated, in the served dtype) as the next version.
+
+        ``owned``: ``state`` is a snapshot nobody else holds, so an anchor adopts its tensors
+        as the reference copy instead of copying them.
+        """
         if self._commits.prepare():
             # HEAD moved since our last commit (an earlier unknown outcome turned out to have
             # landed, or another writer committed): resume from it (or write an anchor).
             self._reference = None
-        state = validate_state_dict(state_dict)
-        meta = _json_metadata(metadata)
-        step = _int_step(step)
         if self._reference is None and self.resume and not anchor and self._head is not None and self._head.manifest:
             self._resume_from_head(state)
 
@@ -270,7 +431,10 @@ class Publisher:
                 self._reference = None
             raise
         if not has_base:  # deltas advanced the reference while encoding
-            self._reference = {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
+            if owned:  # a new dict: the queue clears the snapshot's dict once this returns
+                self._reference = dict(state)
+            else:
+                self._reference = {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
         self._specs = specs
         if kind == "anchor":
             self._anchor_version = version
@@ -285,21 +449,71 @@ class Publisher:
         return info
 
     def close(self) -> None:
-        """Stop the encode threads and release the store. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._pool.shutdown(wait=True)
-        self._uploader.shutdown(wait=True)
-        self._reference = None
-        if self._owns_store:
-            self.store.close()
+        """Publish what :meth:`publish_async` queued, stop the threads, release the store.
+
+        Idempotent. The threads and the store are released even when a failure is raised.
+
+        Raises:
+            DeltastoreError: a background failure not yet reported (once), after the cleanup.
+        """
+        self._close(raise_errors=True)
 
     def __enter__(self) -> Publisher:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # With an exception already propagating, a background failure is logged, not raised:
+        # raising here would replace the caller's exception.
+        self._close(raise_errors=exc_type is None)
+
+    def _close(self, *, raise_errors: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        try:
+            if self._queue is not None:
+                try:
+                    self._queue.close(raise_errors=True)  # drains: every queued snapshot is published
+                except BaseException as e:  # noqa: BLE001 - raised or logged below, after the cleanup
+                    error = e
+        finally:
+            self._pool.shutdown(wait=True)
+            self._uploader.shutdown(wait=True)
+            self._reference = None
+            if self._owns_store:
+                self.store.close()
+        if error is not None:
+            if raise_errors:
+                raise error
+            logger.error("closing the publisher of %s: a background publish failed (not raised: another "
+                         "exception is propagating): %s", self.url, error)
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(f"publisher for {self.url} is closed")
+
+    def _served(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` with floating tensors cast to the served dtype (others as they are)."""
+        if self.dtype is None:
+            return state
+        return {n: t.detach().to(self.dtype) if t.is_floating_point() else t for n, t in state.items()}
+
+    def _check_accepted_layout(self, state: Mapping[str, torch.Tensor], anchor: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The served layout of ``state``; LayoutMismatchError if it differs from the newest
+        accepted one and ``anchor`` is False (the background commit checks again)."""
+        served = {
+            n: torch.empty(t.shape, dtype=self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype, device="meta")
+            for n, t in state.items()
+        }
+        layout = _layout_of(served)
+        accepted = self._accepted_layout
+        if accepted is not None and not anchor and layout != accepted:
+            specs = {n: TensorSpec(n, dt, shape, 1) for n, (dt, shape) in accepted.items()}
+            check_layout(specs, served, against=f"the newest version published or queued to {self.url}")
+        return layout
 
     # --- resume -----------------------------------------------------------------------
 
@@ -320,6 +534,10 @@ class Publisher:
             return
         self._reference, self._specs, self._anchor_version = reference, specs, anchor
         logger.info("resumed from version %d of %s", self._head.version, self.url)
+
+
+def _layout_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
 
 
 def _int_step(step: Any) -> int | None:

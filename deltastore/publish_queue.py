@@ -7,7 +7,8 @@ caller gets a :class:`~concurrent.futures.Future` per snapshot.
 
 When the store is slower than training, a policy applies:
 
-- ``"block"``: at most ``max_pending`` snapshots wait; the next call blocks until one starts.
+- ``"block"``: at most ``max_pending`` snapshots wait; the next call blocks until one starts
+  (before it takes its own snapshot, so at most ``max_pending + 1`` snapshots are alive).
 - ``"latest"``: a newer snapshot replaces the newest *waiting* one (never the one being
   published). The replaced snapshot is never published and its Future raises
   :class:`~deltastore.errors.VersionSkippedError`.
@@ -89,10 +90,14 @@ class PublishQueue:
         policy: ``"block"`` or ``"latest"`` (see the module docstring).
         max_pending: snapshots that may wait behind the one being published (≥ 1).
         name: used in the thread's name and in messages (e.g. the store URL).
+        sticky: keyword arguments that a snapshot inherits from the waiting one it replaces
+            under ``"latest"`` when that one's value is true (the Publisher passes
+            ``("anchor",)``, so a requested anchor or layout change survives coalescing).
     """
 
     def __init__(self, publish_fn: Callable[..., Any], *, policy: Policy = "block",
-                 max_pending: int = DEFAULT_MAX_PENDING, name: str = "deltastore"):
+                 max_pending: int = DEFAULT_MAX_PENDING, name: str = "deltastore",
+                 sticky: tuple[str, ...] = ()):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if max_pending < 1:
@@ -101,6 +106,8 @@ class PublishQueue:
         self.policy = policy
         self.max_pending = max_pending
         self.name = name
+        self.sticky = sticky
+        self._reserved = 0  # places taken by callers still copying their snapshot
         self._queue: deque[_Item] = deque()
         self._cond = threading.Condition()
         self._busy = False
@@ -111,9 +118,9 @@ class PublishQueue:
 
     @property
     def pending(self) -> int:
-        """Snapshots submitted and not yet finished (waiting + the one being published)."""
+        """Snapshots submitted and not yet finished (being taken, waiting, being published)."""
         with self._cond:
-            return len(self._queue) + int(self._busy)
+            return self._reserved + len(self._queue) + int(self._busy)
 
     def submit(self, state: dict[str, torch.Tensor], **kwargs: Any) -> Future:
         """Queue one snapshot (the queue takes ownership of ``state``).
@@ -123,36 +130,77 @@ class PublishQueue:
                 raised once, here or in flush()/close(), whichever comes first.
             StorageError: the queue is closed.
         """
-        item = _Item(state, kwargs)
-        skipped: _Item | None = None
+        return self.submit_snapshot(lambda: state, **kwargs)
+
+    def submit_snapshot(self, take: Callable[[], dict[str, torch.Tensor]], **kwargs: Any) -> Future:
+        """Make room by the policy, *then* call ``take()`` for the snapshot, and queue it.
+
+        Taking the snapshot only once it has a place keeps at most ``max_pending + 1``
+        snapshots alive (the one being published and those waiting), counting the one being
+        taken: under ``"block"`` the call waits before copying anything, under ``"latest"``
+        the replaced snapshot is freed before the new one is taken. ``take`` runs in the
+        caller's thread without the queue's lock; if it raises, nothing is queued.
+
+        Raises:
+            as :meth:`submit`, and whatever ``take`` raises.
+        """
+        skipped: list[_Item] = []
         with self._cond:
-            self._raise_error()
-            if self._closed:
-                raise StorageError(f"the publish queue of {self.name} is closed")
+            self._check_open()
             if self.policy == "block":
-                while len(self._queue) >= self.max_pending and not self._closed:
+                while len(self._queue) + self._reserved >= self.max_pending and not self._closed:
                     self._cond.wait()
-                self._raise_error()
-                if self._closed:
-                    raise StorageError(f"the publish queue of {self.name} is closed")
-            elif len(self._queue) >= self.max_pending:
-                skipped = self._queue.pop()  # the newest waiting one: it is older than ours
+                self._check_open()
+            else:
+                while len(self._queue) + self._reserved >= self.max_pending:
+                    if self._queue:
+                        skipped.append(self._queue.pop())  # the newest waiting one: older than ours
+                    else:
+                        self._cond.wait()  # other callers are taking snapshots into every place
+                        self._check_open()
+            for old in skipped:
+                for key in self.sticky:
+                    if old.kwargs.get(key):
+                        kwargs[key] = old.kwargs[key]  # e.g. a requested anchor is not lost by coalescing
+            self._reserved += 1
+        for old in skipped:
+            old.state.clear()  # freed before the new snapshot is taken
+        try:
+            state = take()
+        except BaseException as e:
+            with self._cond:
+                self._reserved -= 1
+                self._cond.notify_all()
+            for old in skipped:
+                self._skip(old, f"a newer snapshot was to replace it, but taking that one failed ({e!r})")
+            raise
+        for old in skipped:
+            self._skip(old, "a newer one replaced it while the store was busy")
+        item = _Item(state, kwargs)
+        with self._cond:
+            self._reserved -= 1
             self._queue.append(item)
             self._cond.notify_all()
-        if skipped is not None:
-            step = skipped.kwargs.get("step")
-            logger.info("publish of step %s to %s skipped: a newer snapshot replaced it (policy 'latest')", step, self.name)
-            skipped.state.clear()
-            skipped.future.set_exception(VersionSkippedError(
-                f"the snapshot of step {step} was not published to {self.name}: a newer one replaced it "
-                "while the store was busy (policy 'latest')"
-            ))
         return item.future
+
+    def _check_open(self) -> None:
+        """Raise an unreported failure, or StorageError if closed. Call with the lock held."""
+        self._raise_error()
+        if self._closed:
+            raise StorageError(f"the publish queue of {self.name} is closed")
+
+    def _skip(self, item: _Item, why: str) -> None:
+        step = item.kwargs.get("step")
+        logger.info("publish of step %s to %s skipped (policy 'latest'): %s", step, self.name, why)
+        item.state.clear()
+        item.future.set_exception(VersionSkippedError(
+            f"the snapshot of step {step} was not published to {self.name}: {why} (policy 'latest')"
+        ))
 
     def flush(self) -> None:
         """Wait until every submitted snapshot is published (or failed); raise a failure."""
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._busy or self._reserved:
                 self._cond.wait()
             self._raise_error()
 
@@ -179,8 +227,8 @@ class PublishQueue:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
+                while not self._queue and (not self._closed or self._reserved):
+                    self._cond.wait()  # after close, a snapshot still being taken is published too
                 if not self._queue:
                     return
                 item = self._queue.popleft()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import random
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,16 +23,26 @@ from deltastore.apply import (
     _torch_dtype,
     _verify_chunk,
 )
+from deltastore.cache import WorkerCache
 from deltastore.errors import (
     CorruptObjectError,
     DeltastoreError,
+    FormatError,
     HistoryReplacedError,
+    IntegrityError,
+    LayoutMismatchError,
+    NotFoundError,
+    StaleStageError,
+    StorageError,
+    TargetModifiedError,
     VersionNotFoundError,
 )
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads, grouped
+from deltastore.ledger import HeartbeatWriter
 from deltastore.manifest import MAX_MANIFEST_BYTES, Head, Manifest
 from deltastore.plan import (
+    ChunkPlan,
     Manifests,
     Step,
     check_entries,
@@ -37,14 +51,14 @@ from deltastore.plan import (
 )
 from deltastore.plan import digests as _digests
 from deltastore.plan import layout as _layout
+from deltastore.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import TensorSpec, check_layout
+from deltastore.tensors import TensorSpec, bits, check_layout, state_digest
 
 logger = logging.getLogger(__name__)
 
 _Manifests = Manifests
-
 
 
 def physical_memory() -> int | None:
@@ -92,6 +106,32 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+
+@dataclass(frozen=True)
+class FollowRecord:
+    """One version applied by :meth:`Subscriber.follow`.
+
+    Attributes:
+        info: the version now held by the target.
+        from_version: the version the target held before (None: a full load).
+        bytes_fetched: bytes of packs read from the store for it.
+        fetch_s: seconds spent waiting for segments (before the pause).
+        decode_s: seconds spent checking, decoding and verifying chunks (before the pause).
+        pause_s: seconds inside the pause hook (the only time the target is written). A full
+            load runs wholly inside the pause: its fetch_s and decode_s are 0.
+        changed: tensor name → element spans ``[start, stop)`` written, so an engine can
+            reload only those (a full load lists every tensor whole).
+        full_load: the target was loaded whole (the first version, or a replaced history).
+    """
+
+    info: VersionInfo
+    from_version: int | None
+    bytes_fetched: int
+    fetch_s: float
+    decode_s: float
+    pause_s: float
+    changed: dict[str, list[tuple[int, int]]]
+    full_load: bool
 
 
 class Subscriber:
@@ -199,6 +239,16 @@ class Subscriber:
         self._version, self._held = m.version, ms
         return out
 
+    def allocate(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """Zeroed CPU tensors in the layout of ``version`` (default: the latest), to follow into.
+
+        Fetches manifests only; the model size is checked against ``max_model_bytes`` first.
+        """
+        key, m = self._resolve(version)
+        specs = _layout(self._history.anchor_chain(key, m)[0][1])
+        self._check_model_size(specs, m.version)
+        return {n: torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
+
     def pull_into(self, target: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None) -> VersionInfo | None:
         """Fast-forward ``target`` in place to ``version`` (default: the latest).
 
@@ -218,12 +268,62 @@ class Subscriber:
                 belongs to (HEAD deleted and another run published); nothing was applied.
         """
         key, m = self._resolve(version)
-        self._check_same_history(key, m)
-        if self._version is not None and m.version == self._version:
-            return None
-        if self._version is not None and m.version < self._version:
-            raise VersionNotFoundError(f"pull_into cannot go back from version {self._version} to {m.version}; use pull()")
+        return self._fast_forward(key, m, target)
+
+    def stage(self, target: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None) -> StagedUpdate | None:
+        """Prepare the fast-forward of ``target`` to ``version`` (default: the latest) without
+        writing it: the phase an inference engine keeps serving through (SPEC §7.7).
+
+        Plans the update from the held version (from the anchor when nothing is held), checks
+        that ``target`` holds the held version's bits, fetches and verifies the segments,
+        rebuilds each changed chunk in a scratch buffer, checks its digest there and keeps only
+        the positions that change (a chunk whose delta path fails is taken from a full segment).
+        Memory grows with what changed, not with the model. Apply it with :meth:`swap`.
+
+        Returns:
+            The staged update, or None when ``target`` is already current.
+
+        Raises:
+            The errors of :meth:`pull_into` (TargetModifiedError when ``target`` was modified);
+            nothing is written either way.
+        """
+        key, m = self._resolve(version)
+        return self._stage(key, m, target)
+
+    def swap(self, staged: StagedUpdate, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> float:
+        """Write a staged update into ``target`` (the pause); the subscriber then holds its version.
+
+        All or nothing: a failure in the middle restores what was written, and a position
+        written by someone else since :meth:`stage` is detected (TargetModifiedError).
+
+        Returns:
+            The seconds the writes took.
+
+        Raises:
+            StaleStageError: ``staged`` was prepared by another subscriber or against another
+                held version; nothing was written.
+            TargetModifiedError: ``target`` was written since it was staged; nothing is left
+                applied.
+        """
+        held_key = None if self._held is None else self._held[-1][0]
+        if staged.owner is not self or staged.base_manifest != held_key or staged.from_version != self._version:
+            raise StaleStageError(
+                f"the update to version {staged.info.version} was staged against version {staged.from_version} "
+                f"({staged.base_manifest!r}), but this subscriber holds {self._version} ({held_key!r}): stage it again"
+            )
         tensors = _target_tensors(target)
+        try:
+            dt = staged.swap(tensors)
+        except IntegrityError as e:
+            raise TargetModifiedError(str(e)) from None
+        self._version, self._held = staged.info.version, staged.held
+        return dt
+
+    def _plan_update(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[
+        list[ChunkPlan], dict[str, TensorSpec], dict[tuple[str, int], str], _Manifests
+    ]:
+        """The plans that bring ``tensors`` from the held version to ``m``: ``(plans, specs,
+        base digests the target must hold, manifests to hold afterwards)``."""
         fwd: _Manifests = []
         relaid = False
         if self._version is not None and self._held is not None:
@@ -238,20 +338,237 @@ class Subscriber:
             ms = self._history.chain(key, m, down_to=m.anchor)
             specs = _layout(ms[0][1])
             check_layout(specs, tensors, against=f"version {m.version} of {self.url}")
-            plans = self._plan_from_anchor(ms, specs)
-            base: dict[tuple[str, int], str] = {}
-            held = ms
-        else:
-            specs = held_specs
-            check_layout(specs, tensors, against=f"version {self._version} held by this subscriber")
-            ms = fwd
-            plans = self._plan_forward(ms, specs)
-            base = _digests(self._held)
-            anchors = [i for i, (_, mm) in enumerate(ms) if mm.kind == "anchor"]
-            held = ms[anchors[-1]:] if anchors else self._held + ms
+            return self._plan_from_anchor(ms, specs), specs, {}, ms
+        check_layout(held_specs, tensors, against=f"version {self._version} held by this subscriber")
+        anchors = [i for i, (_, mm) in enumerate(fwd) if mm.kind == "anchor"]
+        held = fwd[anchors[-1]:] if anchors else self._held + fwd
+        return self._plan_forward(fwd, held_specs), held_specs, _digests(self._held), held
+
+    def _check_forward(self, key: str, m: Manifest) -> bool:
+        """True when ``m`` is newer than the held version (False: current); raises if older."""
+        self._check_same_history(key, m)
+        if self._version is not None and m.version == self._version:
+            return False
+        if self._version is not None and m.version < self._version:
+            raise VersionNotFoundError(f"pull_into cannot go back from version {self._version} to {m.version}; use pull()")
+        return True
+
+    def _fast_forward(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> VersionInfo | None:
+        if not self._check_forward(key, m):
+            return None
+        tensors = _target_tensors(target)
+        plans, specs, base, held = self._plan_update(key, m, tensors)
         self._engine.apply_in_place(plans, specs, tensors, base, self._version)
         self._version, self._held = m.version, held
         return VersionInfo.from_manifest(m, key)
+
+    def _stage(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> StagedUpdate | None:
+        if not self._check_forward(key, m):
+            return None
+        tensors = _target_tensors(target)
+        before = self.bytes_fetched
+        plans, specs, base, held = self._plan_update(key, m, tensors)
+        patches, fetch_s, decode_s = self._engine.stage(plans, specs, tensors, base, self._version)
+        return StagedUpdate(
+            info=VersionInfo.from_manifest(m, key), from_version=self._version, patches=patches,
+            bytes_fetched=self.bytes_fetched - before, fetch_s=fetch_s, decode_s=decode_s,
+            base_manifest=None if self._held is None else self._held[-1][0], held=held, owner=self,
+        )
+
+    def follow(
+        self,
+        target: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        interval: float = 2.0,
+        jitter: float = 0.1,
+        max_interval: float = 60.0,
+        pause: Any = None,
+        stop: threading.Event | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_every_s: float = 300.0,
+        worker_id: str | None = None,
+        heartbeat: bool = True,
+        max_versions: int | None = None,
+    ) -> Iterator[FollowRecord]:
+        """Keep ``target`` at the latest version, yielding one :class:`FollowRecord` per version.
+
+        Polls HEAD every ``interval`` seconds (± ``jitter`` of it) by conditional GET: an idle
+        poll is one request with no body. A new version is staged (fetched, verified, decoded)
+        while the caller keeps using ``target``; only the swap runs inside ``pause``, which is
+        None, a context manager (e.g. a ``threading.Lock`` the engine holds while generating),
+        or a callable returning one. The first version (nothing held, no usable cache) is
+        loaded whole inside the pause.
+
+        Args:
+            interval, jitter, max_interval: poll period, its random spread (a fraction), and
+                the longest wait of the exponential backoff after errors.
+            pause: the critical section in which ``target`` is written.
+            stop: a ``threading.Event``; the loop returns soon after it is set.
+            cache_dir: a local :class:`deltastore.cache.WorkerCache`: on start, a cached
+                version is verified against the store (chain, lineage, every chunk digest) and
+                adopted without fetching it; anything wrong with it is logged and the cache is
+                rebuilt. The held version is saved every ``cache_every_s`` and at the end.
+            worker_id, heartbeat: write heartbeats to the store's ledger (SPEC §10) as this
+                worker; read-only credentials are tolerated.
+            max_versions: return after applying this many versions.
+
+        Raises:
+            LayoutMismatchError: the store's layout no longer fits ``target``.
+            TargetModifiedError: ``target`` was modified by someone else.
+            Storage errors, a corrupt segment or a missing manifest are logged and retried
+            with backoff; the target keeps the last good version. A replaced history is
+            logged and loaded whole (inside the pause, all or nothing).
+
+        Example::
+
+            lock = threading.Lock()               # the engine holds it while generating
+            for rec in sub.follow(model, pause=lock, cache_dir="/var/cache/ds"):
+                print(rec.info.version, rec.pause_s)
+        """
+        tensors = _target_tensors(target)
+        stop = stop if stop is not None else threading.Event()
+        cache = WorkerCache(cache_dir) if cache_dir is not None else None
+        beats = HeartbeatWriter(self.store, worker_id) if heartbeat else None
+        try_cache = cache is not None and self._version is None
+        saved: str | None = None  # manifest key of the version last written to the cache
+        last_save = time.monotonic()
+        applied = failures = 0
+
+        def save() -> None:
+            nonlocal saved, last_save
+            if cache is None or self._held is None or self._held[-1][0] == saved:
+                return  # (a key, not a number: a replaced history reuses version numbers)
+            key, m = self._held[-1]
+            try:
+                cache.save(tensors, url=self.url, version=m.version, manifest=key, lineage=m.lineage)
+                saved, last_save = key, time.monotonic()
+            except OSError as e:
+                logger.warning("could not write the worker cache in %s: %s", cache.path, e)
+
+        try:
+            while not stop.is_set():
+                try:
+                    if try_cache:
+                        assert cache is not None
+                        rec = self._adopt_cache(cache, tensors, pause)
+                        try_cache = False
+                        saved = None if rec is None else rec.info.manifest
+                    else:
+                        rec = self._follow_once(tensors, pause)
+                    failures = 0
+                except HistoryReplacedError as e:
+                    logger.warning("following %s: %s; loading the new history whole", self.url, e)
+                    self._version = self._held = None
+                    continue
+                except (LayoutMismatchError, TargetModifiedError, StaleStageError):
+                    raise
+                except (StorageError, IntegrityError, FormatError, VersionNotFoundError) as e:
+                    failures += 1
+                    delay = _jittered(min(max_interval, interval * 2**failures), jitter)
+                    logger.warning(
+                        "following %s: %s: %s; keeping version %s, retrying in %.1f s",
+                        self.url, type(e).__name__, e, self._version, delay,
+                    )
+                    stop.wait(delay)
+                    continue
+                lineage = None if self._held is None else self._held[-1][1].lineage
+                if beats is not None and self._version is not None:
+                    beats.beat(self._version, lineage=lineage)  # rate-limits itself on idle polls
+                if rec is not None:
+                    applied += 1
+                    yield rec
+                    if max_versions is not None and applied >= max_versions:
+                        break
+                if time.monotonic() - last_save >= cache_every_s:
+                    save()
+                if rec is None:
+                    stop.wait(_jittered(interval, jitter))
+        except GeneratorExit:  # the caller stopped iterating: a normal end too
+            save()
+            raise
+        save()
+
+    def _follow_once(self, tensors: dict[str, torch.Tensor], pause: Any) -> FollowRecord | None:
+        """One poll: None when HEAD has not moved, else the record of the version applied."""
+        head = self._history.poll_head()  # a conditional GET: no body when unchanged
+        if head is None or head.manifest is None:
+            return None
+        if self._held is not None and head.manifest == self._held[-1][0]:
+            return None
+        top = self._history.head_manifest(head)
+        assert top is not None
+        key, m = top
+        if self._version is None:  # nothing held: a full load, all or nothing, in the pause
+            before = self.bytes_fetched
+            with _pause_context(pause):
+                t0 = time.perf_counter()
+                info = self._fast_forward(key, m, tensors)
+                pause_s = time.perf_counter() - t0
+            assert info is not None
+            return FollowRecord(info, None, self.bytes_fetched - before, 0.0, 0.0, pause_s, _whole(tensors), True)
+        staged = self._stage(key, m, tensors)
+        if staged is None:
+            return None
+        with _pause_context(pause):
+            t0 = time.perf_counter()
+            self.swap(staged, tensors)
+            pause_s = time.perf_counter() - t0
+        return FollowRecord(
+            staged.info, staged.from_version, staged.bytes_fetched, staged.fetch_s, staged.decode_s,
+            pause_s, staged.changed, False,
+        )
+
+    def _adopt_cache(self, cache: WorkerCache, tensors: dict[str, torch.Tensor], pause: Any) -> FollowRecord | None:
+        """Verify a cached state against the store and load it into ``tensors`` (in the pause).
+
+        Returns None (the cache cleared, with a log line) when it is not usable; a transient
+        storage error is raised (the cache is kept for the retry).
+        """
+        st = cache.load()
+        if st is None:
+            return None
+        try:
+            if st.url != self.url:
+                raise _Unusable(f"it belongs to {st.url}")
+            head = self._require_head()
+            key, m = self._history.find(st.version, head)
+            if key != st.manifest:
+                raise _Unusable(f"version {st.version} of {self.url} is now {key!r}, not {st.manifest!r}")
+            top = self._history.head_manifest(head)
+            assert top is not None
+            if top[1].lineage != st.lineage:
+                raise _Unusable(f"the store's lineage is {top[1].lineage}, the cache's {st.lineage}")
+            ms = self._history.anchor_chain(key, m)
+            specs = _layout(ms[0][1])
+            check_layout(specs, st.tensors, against=f"version {m.version} of {self.url}")
+            cached = {n: bits(t) for n, t in st.tensors.items()}
+
+            def check(k: tuple[str, int], digest: str) -> None:
+                name, index = k
+                if state_digest(cached[name][slice(*specs[name].chunk_span(index))]) != digest:
+                    raise _Unusable(f"tensor {name!r} chunk {index} does not match its digest")
+
+            items = list(_digests(ms).items())
+            groups = grouped(items, lambda it: _span_bytes(specs, *it[0]))
+            list(self._pool.map(lambda g: [check(k, d) for k, d in g], groups))
+        except NotFoundError:
+            raise  # maybe transient (HEAD briefly ahead of its manifest): keep the cache, retry
+        except StorageError:
+            raise
+        except (_Unusable, DeltastoreError, KeyError) as e:
+            logger.warning("the worker cache in %s is not usable for %s (%s): clearing it and loading in full",
+                           cache.path, self.url, e)
+            cache.clear()
+            return None
+        check_layout(specs, tensors, against=f"version {m.version} of {self.url}")  # the target's problem
+        with _pause_context(pause):
+            t0 = time.perf_counter()
+            for n, t in tensors.items():
+                t.copy_(st.tensors[n])
+            pause_s = time.perf_counter() - t0
+        self._version, self._held = m.version, ms
+        logger.info("resumed version %d of %s from the worker cache in %s", m.version, self.url, cache.path)
+        return FollowRecord(VersionInfo.from_manifest(m, key), None, 0, 0.0, 0.0, pause_s, _whole(tensors), True)
 
     def verify(self, version: int | None = None, *, all_versions: bool = False) -> VerifyReport:
         """Check every segment of a version's chain, or of every version, and report each bad one.
@@ -381,3 +698,26 @@ class Subscriber:
     _plan_from_anchor = staticmethod(plan_from_anchor)
     _plan_forward = staticmethod(plan_forward)
 
+
+class _Unusable(Exception):
+    """A worker cache that does not hold a version of this store (internal)."""
+
+
+def _jittered(seconds: float, jitter: float) -> float:
+    """``seconds`` spread by ± ``jitter`` of it, so a fleet does not poll in lockstep."""
+    return max(0.0, seconds * (1.0 + random.uniform(-jitter, jitter)))
+
+
+def _pause_context(pause: Any) -> contextlib.AbstractContextManager[Any]:
+    """The pause hook as a context manager: None, a context manager, or a callable returning one."""
+    if pause is None:
+        return contextlib.nullcontext()
+    if not isinstance(pause, type) and hasattr(pause, "__enter__") and hasattr(pause, "__exit__"):
+        return pause  # a lock or any context manager (a class is a callable making one)
+    if callable(pause):
+        return pause()
+    raise TypeError(f"pause must be None, a context manager or a callable returning one, not {type(pause).__name__}")
+
+
+def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]]]:
+    return {n: [(0, t.numel())] for n, t in tensors.items()}

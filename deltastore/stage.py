@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,7 +81,8 @@ class StagedUpdate:
         from_version: the version the target held when it was prepared (None: a full load).
         patches: the per-chunk patches.
         bytes_fetched: bytes read from the store to prepare it.
-        fetch_s / decode_s: time spent fetching and verifying / decoding and checking digests.
+        fetch_s / decode_s: time spent waiting for segments (fetched and SHA-256-checked in
+            parallel) / checking the target, decoding and checking digests.
     """
 
     info: VersionInfo
@@ -89,6 +91,11 @@ class StagedUpdate:
     bytes_fetched: int = 0
     fetch_s: float = 0.0
     decode_s: float = 0.0
+    #: The held manifest it was prepared against, and the manifests to hold after the swap
+    #: (set by the Subscriber that staged it; it refuses a staged update made for another state).
+    base_manifest: str | None = field(default=None, repr=False)
+    held: Any = field(default=None, repr=False)
+    owner: Any = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:

@@ -1,9 +1,10 @@
 """A deltastore worker: follow a store and keep a bf16 copy of the weights current.
 
-A worker needs nothing but the store URL. It polls HEAD (a conditional GET that moves no
-body while nothing changed), pulls the first version it sees in full, then fast-forwards its
-tensors in place with ``pull_into``, fetching only the chunks that changed. It stops when it
-reaches a version the trainer marked ``{"final": true}`` in its metadata.
+A worker needs nothing but the store URL. :meth:`deltastore.Subscriber.follow` does the work:
+it polls HEAD (a conditional GET that moves no body while nothing changed), loads the first
+version it sees in full, then stages each new version (fetch, verify, decode only the chunks
+that changed) and swaps it into the tensors in a short pause. This script only decides when to
+stop: at a version the trainer marked ``{"final": true}`` in its metadata.
 
 ``demo.py`` starts two of these as processes (:func:`run_worker`). Run one by hand against a
 store a trainer is publishing to, on this machine or any other that can reach the store::
@@ -22,14 +23,12 @@ import logging
 import multiprocessing
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from deltastore import Subscriber, VersionInfo
-from deltastore.storage import GetResult, ObjectMeta, PutMode, Store, open_store
+from deltastore import FollowRecord, Subscriber, VersionInfo, VersionNotFoundError
 
 logger = logging.getLogger("deltastore.examples.worker")
 
@@ -38,57 +37,6 @@ logger = logging.getLogger("deltastore.examples.worker")
 DEFAULT_POLL_S = 0.2
 #: Format of the worker's log lines (the process name says which worker it is).
 LOG_FORMAT = "%(asctime)s %(processName)s %(levelname)s %(message)s"
-
-
-class CountingStore(Store):
-    """Wraps a store and counts the bytes read from it, so a worker can report what it fetched.
-
-    Every read (HEAD polls, manifests, segment ranges) goes through :meth:`get`,
-    :meth:`get_with_meta` or :meth:`get_if_changed`. Reads may come from several threads;
-    the counter is guarded by a lock.
-    """
-
-    def __init__(self, inner: Store):
-        self.inner = inner
-        self.url = inner.url
-        self.atomic_conditional_writes = inner.atomic_conditional_writes
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-
-    def _count(self, n: int) -> None:
-        with self._lock:
-            self.bytes_read += n
-
-    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
-        data = self.inner.get(key, byte_range=byte_range)
-        self._count(len(data))
-        return data
-
-    def get_with_meta(self, key: str) -> GetResult:
-        res = self.inner.get_with_meta(key)
-        self._count(len(res.data))
-        return res
-
-    def get_if_changed(self, key: str, etag: str | None) -> GetResult | None:
-        res = self.inner.get_if_changed(key, etag)
-        if res is not None:
-            self._count(len(res.data))
-        return res
-
-    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
-        return self.inner.put(key, data, mode=mode)
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def tensor_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -112,7 +60,8 @@ def follow(
     run_id: str | None = None,
     poll_s: float = DEFAULT_POLL_S,
     should_stop: Callable[[], bool] = lambda: False,
-    on_version: Callable[[VersionInfo, int | None, int, float], None] | None = None,
+    on_version: Callable[[FollowRecord], None] | None = None,
+    cache_dir: str | None = None,
 ) -> tuple[VersionInfo, dict[str, torch.Tensor]] | None:
     """Keep a bf16 copy of the weights at ``url`` current until the trainer's final version.
 
@@ -121,46 +70,46 @@ def follow(
         run_id: stop only at a final version carrying this ``run`` in its metadata (so an old
             run's final version in a reused store does not end the worker at once).
         poll_s: seconds between HEAD polls.
-        should_stop: polled between versions; return True to give up early.
-        on_version: called after each version reached with its info, the version it came
-            from (None for the first, full pull), the bytes fetched since the previous one
-            (HEAD polls and manifests included) and the seconds the pull took.
+        should_stop: checked every ``poll_s``; return True to give up early.
+        on_version: called with each version's :class:`deltastore.FollowRecord`.
+        cache_dir: a local cache directory, to restart without refetching the held version.
 
     Returns:
         ``(info, weights)`` at the final version, or None when stopped early.
     """
-    store = CountingStore(open_store(url))
-    with Subscriber(url, store=store) as sub:
-        weights: dict[str, torch.Tensor] | None = None
-        fetched_before = 0
-        while not should_stop():
-            info = sub.latest()
-            if info is None or (sub.version is not None and info.version <= sub.version):
-                time.sleep(poll_s)
-                continue
-            # Pin the version latest() saw, so what is logged is exactly what was applied.
-            previous = sub.version
-            t0 = time.perf_counter()
-            if weights is None:
-                weights = sub.pull(info.version)  # first sync: the whole version, verified
-            else:
-                reached = sub.pull_into(weights, info.version)  # only the changed chunks
-                if reached is None or reached.version != info.version:
-                    raise RuntimeError(f"pull_into({info.version}) from version {previous} returned {reached}")
-            seconds = time.perf_counter() - t0
-            fetched, fetched_before = store.bytes_read - fetched_before, store.bytes_read
-            if on_version is not None:
-                on_version(info, previous, fetched, seconds)
-            if is_final(info, run_id):
-                return info, weights
-    return None
+    stop = threading.Event()
+
+    def watch() -> None:  # follow() takes an Event; turn the callable into one
+        while not stop.wait(poll_s):
+            if should_stop():
+                stop.set()
+
+    threading.Thread(target=watch, daemon=True, name="worker-stop").start()
+    try:
+        with Subscriber(url) as sub:
+            while True:  # the layout to follow into comes with the first version
+                try:
+                    weights = sub.allocate()
+                    break
+                except VersionNotFoundError:
+                    if stop.wait(poll_s):
+                        return None
+            for rec in sub.follow(weights, interval=poll_s, stop=stop, cache_dir=cache_dir):
+                if on_version is not None:
+                    on_version(rec)
+                if is_final(rec.info, run_id):
+                    return rec.info, weights
+        return None
+    finally:
+        stop.set()
 
 
-def _log_version(info: VersionInfo, previous: int | None, fetched: int, seconds: float) -> None:
-    how = "pulled in full" if previous is None else f"fast-forwarded from version {previous}"
+def _log_version(rec: FollowRecord) -> None:
+    info = rec.info
+    how = "loaded in full" if rec.full_load else f"fast-forwarded from version {rec.from_version}"
     logger.info(
-        "version %d (step %s, %s) %s: fetched %s in %.2f s",
-        info.version, info.step, info.kind, how, human_bytes(fetched), seconds,
+        "version %d (step %s, %s) %s: fetched %s; fetch %.2f s, decode %.2f s, pause %.3f s",
+        info.version, info.step, info.kind, how, human_bytes(rec.bytes_fetched), rec.fetch_s, rec.decode_s, rec.pause_s,
     )
 
 
@@ -190,10 +139,11 @@ def run_worker(worker_id: int, url: str, run_id: str, events: Any, stop: Any, ve
     setup_logging(verbose)
     torch.set_num_threads(1)  # the trainer and the other worker share the cores
 
-    def on_version(info: VersionInfo, previous: int | None, fetched: int, seconds: float) -> None:
-        _log_version(info, previous, fetched, seconds)
-        events.put({"event": "version", "worker": worker_id, "version": info.version, "kind": info.kind,
-                    "fetched": fetched, "seconds": seconds})
+    def on_version(rec: FollowRecord) -> None:
+        _log_version(rec)
+        events.put({"event": "version", "worker": worker_id, "version": rec.info.version, "kind": rec.info.kind,
+                    "fetched": rec.bytes_fetched, "seconds": rec.fetch_s + rec.decode_s + rec.pause_s,
+                    "pause": rec.pause_s})
 
     try:
         result = follow(url, run_id=run_id, should_stop=stop.is_set, on_version=on_version)
@@ -213,12 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", default="./demo-store", help="store URL (a directory, s3://bucket/prefix, ...)")
     parser.add_argument("--run", default=None, help="stop only at the final version of this run id")
     parser.add_argument("--poll", type=float, default=DEFAULT_POLL_S, help="seconds between HEAD polls")
+    parser.add_argument("--cache", default=None, help="cache directory: a restart resumes without refetching")
     parser.add_argument("-v", "--verbose", action="store_true", help="log deltastore's own messages too")
     args = parser.parse_args(argv)
     multiprocessing.current_process().name = "worker"
     setup_logging(args.verbose)
     try:
-        result = follow(args.store, run_id=args.run, poll_s=args.poll, on_version=_log_version)
+        result = follow(args.store, run_id=args.run, poll_s=args.poll, on_version=_log_version, cache_dir=args.cache)
     except KeyboardInterrupt:
         return 130
     assert result is not None

@@ -123,3 +123,52 @@ def test_console_script_and_debug_traceback(tmp_path: Path) -> None:
     assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
     loud = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DELTASTORE_DEBUG": "1"})
     assert loud.returncode != 0 and "Traceback" in loud.stderr
+
+
+# --- pull --follow --------------------------------------------------------------------------
+
+
+def test_pull_follow_json_keeps_out_current(tmp_path: Path, checkpoints: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    store, out = str(tmp_path / "store"), tmp_path / "out.safetensors"
+    for p in checkpoints[:2]:
+        assert main(["publish", store, str(p)]) == 0
+    capsys.readouterr()
+    assert main(["pull", store, str(out), "--follow", "--json", "--interval", "0.01", "--max-versions", "1",
+                 "--cache", str(tmp_path / "cache"), "--worker-id", "w1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["version"] for x in lines] == [2] and lines[0]["full_load"]
+    for k in ("bytes_fetched", "fetch_s", "decode_s", "pause_s"):
+        assert k in lines[0]
+    assert _same(load_file(str(out)), load_file(str(checkpoints[1])))
+    assert not Path(f"{out}.partial").exists()
+    assert (tmp_path / "store" / "workers" / "w1.json").exists()  # the heartbeat
+    # Restart from the cache: the cached version costs no pack bytes, the next one is a delta.
+    assert main(["publish", store, str(checkpoints[2])]) == 0
+    capsys.readouterr()
+    assert main(["pull", store, str(out), "--follow", "--json", "--interval", "0.01", "--max-versions", "2",
+                 "--cache", str(tmp_path / "cache")]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["version"], x["full_load"], x["bytes_fetched"] == 0) for x in lines] == [(2, True, True), (3, False, False)]
+    assert _same(load_file(str(out)), load_file(str(checkpoints[2])))
+
+
+def test_pull_follow_ends_cleanly_on_sigterm(tmp_path: Path, checkpoints: list[Path]) -> None:
+    import signal
+    import time
+
+    store, out = str(tmp_path / "store"), tmp_path / "out.safetensors"
+    assert main(["publish", store, str(checkpoints[0])]) == 0
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "deltastore", "pull", store, str(out), "--follow", "--interval", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith("v1 (full load)"), first
+    assert main(["publish", store, str(checkpoints[1])]) == 0
+    assert proc.stdout.readline().startswith("v2 (from v1)")
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert _same(load_file(str(out)), load_file(str(checkpoints[1])))
