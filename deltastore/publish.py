@@ -294,6 +294,8 @@ class Publisher:
                 or queued and ``anchor`` is False.
             DeltastoreError: an earlier background publish failed and was not yet reported
                 (raised once; this call's state is not queued).
+            FencedError: a newer publisher took the store over (known from an earlier
+                commit): this publisher can never commit again, so nothing is queued.
             StorageError: the publisher is closed.
         """
         self._check_open()
@@ -301,6 +303,9 @@ class Publisher:
         meta = _json_metadata(metadata)
         step = _int_step(step)
         layout = self._check_accepted_layout(state, anchor)
+        if self._commits.fenced:  # permanent: say so now rather than snapshot and fail later
+            self.flush()  # the background failure that found it is reported first (once)
+            self._commits.check_can_commit()
         if self._queue is None:
             self._queue = PublishQueue(
                 self._publish_snapshot, policy=self.async_policy, max_pending=self.max_pending,
