@@ -65,8 +65,11 @@ DEFAULT_BURST = 3
 #: Follower poll interval: short, so that the latency measured is the pipeline's, not the
 #: poll timer's (a real fleet polls every few seconds; add half the interval on average).
 DEFAULT_INTERVAL_S = 0.2
-#: Repetitions of the full-checkpoint upload and of the snapshot probe (median taken).
+#: Repetitions of the full-checkpoint upload (median taken).
 BASELINE_REPS = 3
+#: Repetitions of the snapshot probe: tens of milliseconds each, so more of them, to see past
+#: another job's burst on a shared machine.
+PROBE_REPS = 5
 #: Repetitions of a follower's full load (median taken): it takes milliseconds, and one
 #: repetition that meets another engineer's job on a shared machine would set the ratio.
 FULL_LOAD_REPS = 7
@@ -215,7 +218,7 @@ def _role_probe(args: argparse.Namespace) -> None:
     masters = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.masters]
     state = _load_step(args.workload, 0, masters)
     fresh, reused = [], []
-    for _ in range(BASELINE_REPS):
+    for _ in range(PROBE_REPS):
         t0 = time.perf_counter()
         snap = snapshot(state, torch.bfloat16)
         fresh.append(time.perf_counter() - t0)
@@ -223,7 +226,7 @@ def _role_probe(args: argparse.Namespace) -> None:
     buffers = {k: torch.empty(v.shape, dtype=torch.bfloat16) for k, v in state.items()}
     for t in buffers.values():
         t.zero_()  # touch the pages once, as a pool reused across versions would have
-    for _ in range(BASELINE_REPS):
+    for _ in range(PROBE_REPS):
         t0 = time.perf_counter()
         for k, t in state.items():
             buffers[k].copy_(t)
