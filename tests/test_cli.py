@@ -172,3 +172,38 @@ def test_pull_follow_ends_cleanly_on_sigterm(tmp_path: Path, checkpoints: list[P
     rest, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert _same(load_file(str(out)), load_file(str(checkpoints[1])))
+
+
+def test_pull_follow_killed_at_any_time_leaves_out_a_whole_version(tmp_path: Path, checkpoints: list[Path]) -> None:
+    """SIGKILL while following (mid-write of OUT or of the cache): OUT is always one whole
+    published version, and a restart with the same cache reaches the latest one."""
+    import signal
+    import time
+
+    store, out, cache = str(tmp_path / "store"), tmp_path / "out.safetensors", str(tmp_path / "cache")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "deltastore", "pull", store, str(out), "--follow", "--interval", "0.01", "--cache", cache]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    published = [load_file(str(p)) for p in checkpoints]
+    assert main(["publish", store, str(checkpoints[0])]) == 0
+    for i, p in enumerate(checkpoints[1:], start=1):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=root, env=env)
+        assert proc.stdout is not None
+        proc.stdout.readline()  # following
+        assert main(["publish", store, str(p)]) == 0
+        time.sleep(0.05 * i)  # kill at a different point of the next version each time
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        got = load_file(str(out))
+        assert any(_same(got, s) for s in published[: i + 1]), f"kill {i}: OUT is not one published version"
+    proc = subprocess.Popen([*cmd, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root, env=env)
+    assert proc.stdout is not None
+    versions = []
+    while not versions or versions[-1] < len(published):
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        versions.append(json.loads(line)["version"])
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert _same(load_file(str(out)), published[-1])
