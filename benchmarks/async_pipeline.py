@@ -357,7 +357,7 @@ def _role_follower(args: argparse.Namespace) -> None:
     threading.Thread(target=watch_stdin, daemon=True).start()
     engine = threading.Lock()  # what an inference engine would hold while generating
     for rec in sub.follow(target, interval=args.interval, pause=engine, stop=stop,
-                          worker_id=args.worker_id, heartbeat=True):
+                          worker_id=args.worker_id, heartbeat=True, swap_mode=args.swap_mode):
         _emit("applied", worker=args.worker_id, version=rec.info.version, t=time.time(),
               from_version=rec.from_version, bytes_fetched=rec.bytes_fetched, fetch_s=rec.fetch_s,
               decode_s=rec.decode_s, pause_s=rec.pause_s, full_load=rec.full_load)
@@ -488,7 +488,8 @@ def _run_pipeline(server: Any, workload: str, n_workers: int, args: argparse.Nam
         workers = [f"w{i}" for i in range(n_workers)]
         for w in workers:  # one at a time: N full first loads at once would only measure memory
             roles[w] = _Role(w, ["--role", "follower", "--url", url, "--worker-id", w,
-                                 "--interval", str(args.interval)], env, events.queue, logdir)
+                                 "--interval", str(args.interval), "--swap-mode", args.swap_mode],
+                             env, events.queue, logdir)
             events.wait(f"{w}'s first pull", lambda w=w: events.of("ready", w))
 
         def applied(w: str, step_version: int) -> bool:
@@ -731,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="follower poll interval (s)")
     parser.add_argument("--masters", choices=["fp32", "bf16"], default="fp32",
                         help="the trainer's weights (served as bf16 either way)")
+    parser.add_argument("--swap-mode", choices=["inplace", "rebind"], default="inplace",
+                        help="how followers swap a staged version in (Subscriber.follow's swap_mode)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--role", choices=["trainer", "follower", "baseline", "probe"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
