@@ -311,12 +311,11 @@ class Subscriber:
                 f"the update to version {staged.info.version} was staged against version {staged.from_version} "
                 f"({staged.base_manifest!r}), but this subscriber holds {self._version} ({held_key!r}): stage it again"
             )
-        tensors = _target_tensors(target)
         try:
             if staged.replacements:  # prepared for a swap by rebinding (see follow's swap_mode)
                 dt = staged.rebind(_owners(target))
             else:
-                dt = staged.swap(tensors)
+                dt = staged.swap(_target_tensors(target))
         except IntegrityError as e:
             raise TargetModifiedError(str(e)) from None
         self._version, self._held = staged.info.version, staged.held
@@ -536,6 +535,7 @@ class Subscriber:
             self.swap(staged, owners if owners is not None else tensors)
             pause_s = time.perf_counter() - t0
         if owners is not None:  # later stages read the new storage (Parameters got new .data)
+            staged.retired.clear()  # the old storages are freed here, after the pause
             tensors.update(_target_tensors(owners))
         return FollowRecord(
             staged.info, staged.from_version, staged.bytes_fetched, staged.fetch_s, staged.decode_s,

@@ -98,6 +98,9 @@ class StagedUpdate:
     owner: Any = field(default=None, repr=False)
     #: For a swap by rebinding: tensor name → a patched copy, built by build_replacements().
     replacements: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: After a rebind, the storages the tensors pointed at before: freed when this update is
+    #: dropped (or retired.clear()), so that unmapping them is not part of the pause.
+    retired: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -203,6 +206,7 @@ class StagedUpdate:
                     _point(obj, old)
             raise
         self.replacements = {}
+        self.retired = [old for _, old in done]
         return time.perf_counter() - t0
 
 
