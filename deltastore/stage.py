@@ -197,7 +197,7 @@ class StagedUpdate:
             with torch.no_grad():
                 for name, new in self.replacements.items():
                     obj = owners[name]
-                    old = obj.data if isinstance(obj, torch.nn.Parameter) else obj.detach().view_as(obj)
+                    old = obj.data if isinstance(obj, torch.nn.Parameter) else obj.detach()  # aliases the old storage
                     _point(obj, new)
                     done.append((obj, old))
         except BaseException:
