@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,12 @@ class VersionInfo:
         )
 
 
+#: Parsed manifests kept per History (least recently used go first): a catch-up walks one
+#: anchor span (20 versions by default), and a Subscriber that follows for weeks must not keep
+#: every manifest it ever read (a parsed chunk entry costs ~3 KB of Python objects).
+MANIFEST_CACHE_ENTRIES = 64
+
+
 class History:
     """Reads HEAD and manifests of one store, verifying and caching them.
 
@@ -85,14 +92,18 @@ class History:
         check: ``check(key, manifest)`` runs on every manifest before it is used or cached
             (a subscriber's signature check, SPEC §3.1) and raises to refuse it.
         max_manifest_bytes: refuse a manifest larger than this before parsing it.
+        cache_entries: parsed manifests kept (least recently used evicted first).
     """
 
     def __init__(self, store: Store, check: Callable[[str, Manifest], None] | None = None, *,
-                 max_manifest_bytes: int = MAX_MANIFEST_BYTES):
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES, cache_entries: int = MANIFEST_CACHE_ENTRIES):
+        if cache_entries < 1:
+            raise ValueError(f"cache_entries must be ≥ 1, got {cache_entries}")
         self.store = store
         self._check = check
         self.max_manifest_bytes = max_manifest_bytes
-        self._manifests: dict[str, Manifest] = {}
+        self.cache_entries = cache_entries
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
         self._lock = threading.Lock()
         self._head: Head | None = None
         self._head_etag: str | None = None
@@ -133,9 +144,11 @@ class History:
     # --- manifests ----------------------------------------------------------------------
 
     def manifest(self, key: str, expected_sha256: str | None = None) -> Manifest:
-        """Fetch, verify and parse one manifest (cached)."""
+        """Fetch, verify and parse one manifest (cached, bounded)."""
         with self._lock:
             cached = self._manifests.get(key)
+            if cached is not None:
+                self._manifests.move_to_end(key)
         if cached is not None:
             return cached
         try:
@@ -149,6 +162,8 @@ class History:
             self._check(key, m)
         with self._lock:
             self._manifests[key] = m
+            while len(self._manifests) > self.cache_entries:
+                self._manifests.popitem(last=False)
         return m
 
     def head_manifest(self, head: Head) -> tuple[str, Manifest] | None:

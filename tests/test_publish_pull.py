@@ -427,3 +427,28 @@ def test_bytes_fetched_counts_what_a_pull_into_reads(tmp_path) -> None:
         sub.pull_into(sub.pull(1))
         after_anchor = sub.bytes_fetched
         assert after_anchor - 2 * first.bytes_stored == second.bytes_stored  # only the delta
+
+
+def test_a_long_follower_keeps_a_bounded_number_of_parsed_manifests(tmp_path):
+    """A Subscriber that follows many versions keeps at most History.cache_entries parsed
+    manifests (plus the held chain it needs), and every pull stays bit-exact."""
+    from deltastore.history import History
+
+    url = str(tmp_path / "long")
+    state = small_state(0, n=2, rows=16)
+    states = []
+    with Publisher(url, anchor_every=5, threads=1) as pub:
+        for i in range(30):
+            state = {k: v.clone() for k, v in state.items()}
+            next(iter(state.values()))[i % 16, 0] += 1
+            pub.publish(state)
+            states.append(snapshot(state))
+    with Subscriber(url, threads=1) as sub:
+        sub._history = History(sub.store, cache_entries=4)
+        target = sub.pull(1)
+        for v in range(2, 31):
+            assert sub.pull_into(target, v).version == v
+            assert len(sub._history._manifests) <= 4
+        assert_bits_equal(target, states[-1])
+        assert [i.version for i in sub.log()] == list(range(1, 31))
+        assert len(sub._history._manifests) <= 4
