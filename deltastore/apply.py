@@ -188,7 +188,7 @@ class ReadEngine:
         """Build every plan (each starts from a full segment) into the new tensors ``out``."""
         targets = {n: _Target(t) for n, t in out.items()}
         for batch, data, _ in self.fetch_batches(plans):
-            groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
+            groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
             list(self.pool.map(lambda g: [self.build(p, specs, data, targets[p.name]) for p in g], groups))
 
     def build(self, p: ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
@@ -273,16 +273,14 @@ class ReadEngine:
         replaced = {(p.name, p.index) for p in plans if p.full is not None}
         kept = {k for k in base if owner.get(k[0]) == k[0]} | {(p.name, p.index) for p in plans if p.full is None}
 
-        def check(k: tuple[str, int]) -> None:
-            name, index = k
-            if state_digest(targets[name].read(*specs[name].chunk_span(index))) != base.get(k):
-                raise TargetModifiedError(
-                    f"tensor {name!r} chunk {index} is not what version {held_version} holds there: "
-                    "the target was modified since it was pulled (pull() it again)"
-                )
-
-        keys = sorted(kept - replaced)
-        list(self.pool.map(lambda g: [check(k) for k in g], grouped(keys, lambda k: _span_bytes(specs, *k))))
+        expected = {k: base.get(k) for k in kept - replaced}
+        bad = digest_mismatches(self.pool, specs, expected, lambda name, a, b: targets[name].read(a, b))
+        if bad:
+            name, index = bad[0]
+            raise TargetModifiedError(
+                f"tensor {name!r} chunk {index} is not what version {held_version} holds there: "
+                "the target was modified since it was pulled (pull() it again)"
+            )
         return plans, targets
 
     def with_fallbacks(self, p: ChunkPlan, data: _Segs, errors: _Errs, attempt: Callable[[ChunkPlan, _Segs, _Errs], _R]) -> _R:
@@ -356,7 +354,7 @@ class ReadEngine:
                     break
                 batch, data, errors = item
                 t = time.perf_counter()
-                groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
+                groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
                 for f in [self.pool.submit(run_group, g, data, errors) for g in groups]:
                     patches.extend(f.result())
                 decode_s += time.perf_counter() - t
@@ -408,7 +406,7 @@ class ReadEngine:
         error: BaseException | None = None
         try:
             for batch, data, errors in self.fetch_batches(plans, tolerant=True):
-                groups = grouped(batch, lambda p: _span_bytes(specs, p.name, p.index))
+                groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
                 for f in [self.pool.submit(run_group, g, data, errors) for g in groups]:
                     applied, failed = f.result()
                     error = error or failed
@@ -502,9 +500,18 @@ def _torch_dtype(name: str) -> torch.dtype:
         raise FormatError(f"{e}: upgrade torch to read this store") from None
 
 
-def _span_bytes(specs: dict[str, TensorSpec], name: str, index: int) -> int:
-    a, b = specs[name].chunk_span(index)
-    return (b - a) * specs[name].width
+def digest_mismatches(
+    pool: ThreadPoolExecutor, specs: Mapping[str, TensorSpec], expected: Mapping[tuple[str, int], str | None],
+    read: Callable[[str, int, int], np.ndarray],
+) -> list[tuple[str, int]]:
+    """The chunks, in key order, whose bits (``read(name, start, stop)``) do not hash to their
+    ``expected`` digest; hashed on ``pool`` in groups of about JOB_BYTES."""
+
+    def bad(group: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        return [k for k in group if state_digest(read(k[0], *specs[k[0]].chunk_span(k[1]))) != expected[k]]
+
+    groups = grouped(sorted(expected), lambda k: specs[k[0]].chunk_bytes(k[1]))
+    return [k for found in pool.map(bad, groups) for k in found]
 
 
 def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -172,7 +172,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
         head = sub.latest()
         beats = read_ledger(sub.store)
-        infos = {i.version: i for i in sub.log()} if head is not None and beats else {}
+        # Only the versions a lagging worker lacks first are needed (their commit times), not
+        # the whole history: walk the chain down to the oldest of them, no further.
+        behind = [b.version + 1 for b in beats if head is not None and b.version < head.version]
+        infos = {i.version: i for i in sub.log(since=min(behind))} if behind else {}
     head_version = head.version if head else 0
     workers = fleet_status(beats, head_version, lambda v: parse_time(infos[v].created) if v in infos else None)
     head_age = None

@@ -227,9 +227,9 @@ class History:
             raise CorruptObjectError(f"manifest {key!r} names version {m.anchor} as its anchor, but {akey!r} is a {a.kind}")
         return ms
 
-    def log(self, head: Head) -> list[VersionInfo]:
-        """Every version on the chain ending at ``head``, oldest first."""
+    def log(self, head: Head, *, since: int = 1) -> list[VersionInfo]:
+        """The versions from ``since`` to ``head`` on its chain, oldest first."""
         top = self.head_manifest(head)
-        if top is None:
+        if top is None or top[1].version < since:
             return []
-        return [VersionInfo.from_manifest(m, k) for k, m in self.chain(*top, down_to=1)]
+        return [VersionInfo.from_manifest(m, k) for k, m in self.chain(*top, down_to=max(1, since))]

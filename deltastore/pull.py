@@ -18,7 +18,7 @@ import torch
 from deltastore.apply import (
     ReadEngine,
     _batched,
-    _span_bytes,
+    digest_mismatches,
     _target_tensors,
     _torch_dtype,
     _verify_chunk,
@@ -54,7 +54,7 @@ from deltastore.plan import layout as _layout
 from deltastore.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import TensorSpec, bits, check_layout, state_digest
+from deltastore.tensors import TensorSpec, bits, check_layout
 
 logger = logging.getLogger(__name__)
 
@@ -217,10 +217,10 @@ class Subscriber:
         key, m = self._history.find(version, self._require_head())
         return VersionInfo.from_manifest(m, key)
 
-    def log(self) -> list[VersionInfo]:
-        """Every committed version, oldest first."""
+    def log(self, since: int = 1) -> list[VersionInfo]:
+        """Every committed version from ``since`` (default: the first) to the latest, oldest first."""
         head = self._history.poll_head()
-        return [] if head is None else self._history.log(head)
+        return [] if head is None else self._history.log(head, since=since)
 
     def pull(self, version: int | None = None) -> dict[str, torch.Tensor]:
         """Materialize ``version`` (default: the latest) as new CPU tensors, verified.
@@ -566,15 +566,9 @@ class Subscriber:
             specs = _layout(ms[0][1])
             check_layout(specs, st.tensors, against=f"version {m.version} of {self.url}")
             cached = {n: bits(t) for n, t in st.tensors.items()}
-
-            def check(k: tuple[str, int], digest: str) -> None:
-                name, index = k
-                if state_digest(cached[name][slice(*specs[name].chunk_span(index))]) != digest:
-                    raise _Unusable(f"tensor {name!r} chunk {index} does not match its digest")
-
-            items = list(_digests(ms).items())
-            groups = grouped(items, lambda it: _span_bytes(specs, *it[0]))
-            list(self._pool.map(lambda g: [check(k, d) for k, d in g], groups))
+            bad = digest_mismatches(self._pool, specs, _digests(ms), lambda name, a, b: cached[name][a:b])
+            if bad:
+                raise _Unusable(f"tensor {bad[0][0]!r} chunk {bad[0][1]} does not match its digest")
         except NotFoundError:
             raise  # maybe transient (HEAD briefly ahead of its manifest): keep the cache, retry
         except StorageError:
@@ -651,7 +645,7 @@ class Subscriber:
                 def check(group: list[tuple[str, Any]]) -> list[tuple[tuple[str, int], np.ndarray | None, list[str]]]:
                     return [_verify_chunk(name, c, specs[name], state.get((name, c.index)), steps, data, errors) for name, c in group]
 
-                groups = grouped(batch, lambda it: _span_bytes(specs, it[0], it[1].index))
+                groups = grouped(batch, lambda it: specs[it[0]].chunk_bytes(it[1].index))
                 # All results first: the checks read ``state``, which is updated only after them.
                 for results in list(self._pool.map(check, groups)):
                     for k, raw, msgs in results:

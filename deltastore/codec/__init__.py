@@ -118,12 +118,12 @@ from deltastore.codec.delta import (
     NIBBLE_ESCAPE,
     DenseDelta,
     SparseDelta,
-    _encode_delta_xor,
+    _encode_delta_xor,  # noqa: F401 - the v1 writer, kept for golden tests
     apply_delta,
     decode_delta,
     encode_delta,
 )
-from deltastore.codec.full import MIN_PAIR_COUNT, PAIR_SAMPLE_STRIDE, _encode_full_v1, decode_full, encode_full
+from deltastore.codec.full import MIN_PAIR_COUNT, PAIR_SAMPLE_STRIDE, _encode_full_v1, decode_full, encode_full  # noqa: F401 - _encode_full_v1: the v1 writer, kept for golden tests
 from deltastore.codec.planes import DEFAULT_LEVEL, MIN_ZSTD_INPUT, ZSTD_PLANE_PARAMS
 
 __all__ = [
