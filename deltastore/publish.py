@@ -252,10 +252,8 @@ class Publisher:
             DeltastoreError: an earlier :meth:`publish_async` failed in the background and was
                 not yet reported (raised once, instead of publishing this state).
         """
-        self._check_open()
-        state = self._served(validate_state_dict(state_dict))
-        meta = _json_metadata(metadata)
-        step = _int_step(step)
+        state, meta, step = self._checked(state_dict, metadata, step)
+        state = self._served(state)
         if self._queue is not None:
             self._queue.flush()  # earlier publish_async calls commit first: versions in call order
         return self._commit_locked(state, step=step, meta=meta, anchor=anchor, owned=False)
@@ -298,10 +296,7 @@ class Publisher:
                 commit): this publisher can never commit again, so nothing is queued.
             StorageError: the publisher is closed.
         """
-        self._check_open()
-        state = validate_state_dict(state_dict)
-        meta = _json_metadata(metadata)
-        step = _int_step(step)
+        state, meta, step = self._checked(state_dict, metadata, step)
         layout = self._check_accepted_layout(state, anchor)
         if self._commits.fenced:  # permanent: say so now rather than snapshot and fail later
             self.flush()  # the background failure that found it is reported first (once)
@@ -499,6 +494,11 @@ class Publisher:
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError(f"publisher for {self.url} is closed")
+
+    def _checked(self, state_dict: Any, metadata: Any, step: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], int | None]:
+        """The caller's input validated before anything is queued or written."""
+        self._check_open()
+        return validate_state_dict(state_dict), _json_metadata(metadata), _int_step(step)
 
     def _served(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` with floating tensors cast to the served dtype (others as they are)."""
