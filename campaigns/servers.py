@@ -106,16 +106,53 @@ def log_tail(path: Path) -> str:
 # --- moto ---------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def moto(bucket: str = TEST_BUCKET) -> Iterator[S3Server]:
-    """An in-process moto server (``ThreadedMotoServer``) on 127.0.0.1 with ``bucket`` created.
+class _SerialWrites:
+    """WSGI middleware: one write request (PUT, POST, DELETE) at a time; reads run in parallel.
 
-    moto does not check credentials; dummy ones are used.
+    moto checks ``If-None-Match``/``If-Match`` and then stores the object in two steps that
+    other request threads can interleave with: two concurrent ``If-Match`` PUTs from one ETag
+    can both succeed (seen in CI, about one run in ten). Real S3 endpoints are atomic there.
+    Serialising writes makes moto the linearisable store the protocol tests assume; the probe
+    that catches a non-atomic endpoint is tested against a proxy that drops the conditions
+    (``campaigns/proxy.py``), not against moto's race.
     """
-    from moto.server import ThreadedMotoServer
+
+    def __init__(self, app: Any):
+        import threading
+
+        self.app = app
+        self.lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("REQUEST_METHOD") not in ("PUT", "POST", "DELETE"):
+            return self.app(environ, start_response)
+        with self.lock:
+            # Consume the whole response under the lock: werkzeug may produce it lazily.
+            return list(self.app(environ, start_response))
+
+
+@contextlib.contextmanager
+def moto(bucket: str = TEST_BUCKET, *, serial_writes: bool = True) -> Iterator[S3Server]:
+    """An in-process moto server on 127.0.0.1 with ``bucket`` created.
+
+    moto does not check credentials; dummy ones are used. ``serial_writes`` (default) runs one
+    write request at a time, so that moto's conditional PUTs are atomic (:class:`_SerialWrites`).
+    """
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    class _Server(ThreadedMotoServer):
+        def _server_entry(self) -> None:
+            app: Any = DomainDispatcherApplication(create_backend_app)
+            if serial_writes:
+                app = _SerialWrites(app)
+            self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever()
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = _Server(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()

@@ -83,12 +83,17 @@ class LocalStore(Store):
         self.root = Path(root).expanduser().absolute()
         self.url = self.root.as_uri()
         if not self.root.is_dir():
-            if not create or self.root.exists():
-                raise BucketNotFoundError(
-                    f"local store root {self.root} does not exist or is not a directory; create it first"
-                )
+            missing = BucketNotFoundError(
+                f"local store root {self.root} does not exist or is not a directory; create it first"
+            )
+            if not create:
+                raise missing
+            # Several processes may open a new store at once: mkdir(exist_ok) succeeds for all of
+            # them, and fails only when the path is something other than a directory.
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:
+                raise missing from None
             except PermissionError as e:
                 raise AccessDeniedError(f"cannot create local store root {self.root}: {e.strerror}") from e
             logger.info("created local store root %s", self.root)
