@@ -390,6 +390,7 @@ def test_racing_trainers_on_an_empty_store_never_interleave(any_store_target) ->
         t.join()
     store = any_store_target.open()
     chain = _manifest_epochs(store)
+    assert chain, f"no trainer committed anything: {results}"
     assert [v for v, _, _ in chain] == list(range(1, len(chain) + 1))
     epochs = [e for _, e, _ in chain]
     assert epochs == sorted(epochs), f"epochs went down along the chain: {chain}"
