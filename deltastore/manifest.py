@@ -18,7 +18,16 @@ from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSch
 #: The schema writers write (2: ``lineage`` on HEAD and manifests, optional ``signature``).
 SCHEMA_VERSION = 2
 #: Schemas readers accept: every store written by an earlier release stays readable.
+#: Schema 3 (design 005, issue 8): compact zstd manifests, layout objects, attempt-scoped keys,
+#: skip pointers, the history index (retention), squashes, and `parts`.
+#: (3 is added by the change that implements its encoding.)
 READABLE_SCHEMAS = (1, 2)
+#: Fields that exist only in schema 3 (a schema-1/2 document is written without them).
+SCHEMA3_MANIFEST_FIELDS = ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes")
+#: Immutable objects written by schema 3 live under ``objects/<attempt>/`` (design 005 D1).
+OBJECT_PREFIX = "objects/"
+#: Default attempt deadline (design 005 D3): a writer abandons a commit attempt older than this.
+DEFAULT_MAX_ATTEMPT_S = 6 * 3600
 #: ``lineage``: 32 lowercase hex digits (128 random bits), docs/SPEC.md §5.
 LINEAGE_PATTERN = r"^[0-9a-f]{32}$"
 HEAD_KEY = "HEAD"
@@ -53,6 +62,39 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def new_attempt_id() -> str:
+    """A fresh commit-attempt id (``commit_id``): 32 lowercase hex digits (design 005 D1)."""
+    import secrets
+
+    return secrets.token_hex(16)
+
+
+def object_key(attempt: str, digest: str, suffix: str) -> str:
+    """``objects/<attempt>/<sha256><suffix>`` (schema 3): every immutable object an attempt
+    writes is named under that attempt, so a retry never reuses an older attempt's orphan.
+    ``suffix`` is ``.pack``, ``.layout.json.zst``, ``.squash.json.zst`` or ``.index.json.zst``."""
+    return f"{OBJECT_PREFIX}{attempt}/{digest}{suffix}"
+
+
+class ObjectRef(_Model):
+    """A reference to one immutable object by key and SHA-256 of its stored bytes."""
+
+    key: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class SquashRef(_Model):
+    """Where a squash manifest ``from → to`` is (SPEC §12); a hint: readers tolerate it missing."""
+
+    from_: int = Field(ge=1, alias="from")
+    to: int = Field(ge=2)
+    key: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
 def new_lineage() -> str:
     """A fresh random lineage id (one per history, SPEC §5)."""
     import secrets
@@ -82,6 +124,8 @@ class BlobRef(_Model):
     key: str
     size: int = Field(ge=0)
     sha256: str
+    #: schema 3: ``"f"`` (full segments only) or ``"d"`` (delta segments only); None before.
+    role: Literal["f", "d"] | None = None
 
 
 class SegmentRef(_Model):
@@ -114,6 +158,12 @@ class Stats(_Model):
     elements_changed: int = 0
     tensors_total: int = 0
     elements_total: int = 0
+    #: schema 3 (None before): bytes of role-d / role-f segments this version wrote, and the
+    #: role-d bytes of versions (chain_start, version] (design 005 D6: a reader prices the
+    #: chain h → t as cum(t) − cum(h)).
+    delta_bytes: int | None = None
+    full_bytes: int | None = None
+    cum_delta_bytes: int | None = None
 
 
 class Manifest(_Model):
@@ -140,13 +190,38 @@ class Manifest(_Model):
     parts: tuple[()] = ()
     lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
     signature: Signature | None = None
+    # --- schema 3 (design 005); absent from schema-1/2 documents ---
+    #: the anchor's manifest key (None for an anchor, and before schema 3)
+    anchor_manifest: str | None = None
+    #: manifest keys of versions v−2, v−4, …, v−2^j ≥ 1 (skip pointers, hints)
+    back: tuple[str, ...] = ()
+    #: the latest version ≤ this one whose delta_base is null
+    chain_start: int | None = None
+    #: this version's layout object
+    layout: ObjectRef | None = None
+    #: the writer's attempt deadline, seconds (GC's grace must exceed it)
+    max_attempt_s: int | None = None
+    #: squash manifests with ``to`` = this version (hints)
+    squashes: tuple[SquashRef, ...] = ()
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     @model_validator(mode="after")
     def _schema_fields(self) -> Manifest:
         _check_schema_fields(self, self.schema_, self.lineage, ("lineage", "signature"))
+        if self.schema_ < 3:
+            present = [k for k in SCHEMA3_MANIFEST_FIELDS if k in self.model_fields_set]
+            if present:
+                raise ValueError(f"schema {self.schema_} has no {', '.join(present)} (schema 3 fields)")
         return self
+
+    def references(self) -> list[str]:
+        """Keys of the objects this manifest needs to be materialized or applied: its packs
+        and its layout (not its parent, anchor, skip pointers or squashes)."""
+        keys = [b.key for b in self.blobs]
+        if self.layout is not None:
+            keys.append(self.layout.key)
+        return keys
 
 
 class Head(_Model):
@@ -162,13 +237,97 @@ class Head(_Model):
     epoch: int = Field(ge=0)
     updated: str
     lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
+    #: schema 3: the current history index (SPEC §11), or None (floor 1, no pins, no squashes)
+    index: ObjectRef | None = None
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     @model_validator(mode="after")
     def _schema_fields(self) -> Head:
         _check_schema_fields(self, self.schema_, self.lineage, ("lineage",))
+        if self.schema_ < 3 and "index" in self.model_fields_set:
+            raise ValueError(f"schema {self.schema_} has no index (a schema 3 field)")
         return self
+
+
+class Pin(_Model):
+    """A version kept below the floor, with everything needed to materialize it (SPEC §11)."""
+
+    version: int = Field(ge=1)
+    manifest: str
+    note: str = ""
+    by: str = ""
+    at: str = ""
+
+
+class Index(_Model):
+    """The history index HEAD points to (SPEC §11): retention floor, pins, registered squashes.
+
+    Immutable, written create-only under the writer's attempt
+    (``objects/<attempt>/<sha256>.index.json.zst``); a new one replaces it by a HEAD write that
+    changes only ``index``.
+    """
+
+    format: Literal["deltastore.index"] = "deltastore.index"
+    schema_: int = Field(3, alias="schema")
+    lineage: str = Field(pattern=LINEAGE_PATTERN)
+    generation: int = Field(ge=1)
+    floor: int = Field(ge=1)
+    pins: tuple[Pin, ...] = ()
+    squashes: tuple[SquashRef, ...] = ()
+    writer: str
+    created: str
+    previous: ObjectRef | None = None
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+class Layout(_Model):
+    """A schema-3 layout object (SPEC §3): the tensors of a version, as columns.
+
+    Manifests name tensors by their position here. ``chunk_cols``, ``pieces``,
+    ``piece_parts`` and ``parts`` describe sharded layouts (SPEC §8, issue 12); this release
+    writes ``chunk_cols = 0``, ``pieces = piece_parts = None`` and ``parts = 0`` (unsharded).
+    """
+
+    format: Literal["deltastore.layout"] = "deltastore.layout"
+    schema_: int = Field(3, alias="schema")
+    name: tuple[str, ...]
+    dtype: tuple[str, ...]
+    shape: tuple[tuple[int, ...], ...]
+    chunk_rows: tuple[int, ...]
+    chunk_cols: tuple[int, ...]
+    pieces: tuple[tuple[int, ...] | None, ...]
+    piece_parts: tuple[tuple[int, ...] | None, ...]
+    parts: int = 0
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+class SquashManifest(_Model):
+    """A squashed delta ``from → to`` (SPEC §12), in memory in the same shape as a Manifest:
+    ``tensors`` lists only the chunks that changed in (from, to], each with one ``delta``
+    segment (from its state at ``from`` to its state at ``to``) and its digest at ``to``."""
+
+    format: Literal["deltastore.squash"] = "deltastore.squash"
+    schema_: int = Field(3, alias="schema")
+    from_: int = Field(ge=1, alias="from")
+    to: int = Field(ge=2)
+    from_manifest: str
+    to_manifest: str
+    commit_id: str
+    lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
+    layout: ObjectRef | None = None
+    writer: str
+    created: str
+    blobs: tuple[BlobRef, ...] = ()
+    tensors: tuple[TensorEntry, ...] = ()
+    signature: Signature | None = None
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    def references(self) -> list[str]:
+        return [b.key for b in self.blobs]
 
 
 def dump(model: BaseModel) -> bytes:
@@ -178,10 +337,23 @@ def dump(model: BaseModel) -> bytes:
     wrote it.
     """
     doc = model.model_dump(mode="json", by_alias=True)
-    if doc.get("schema") == 1:
+    schema = doc.get("schema")
+    if schema == 1:
         for field in ("lineage", "signature"):
             if doc.get(field) is None:
                 doc.pop(field, None)
+    if isinstance(schema, int) and schema < 3:
+        for field in (*SCHEMA3_MANIFEST_FIELDS, "index"):
+            if field in doc and doc[field] in (None, [], ()):
+                doc.pop(field)
+        for blob in doc.get("blobs", ()):
+            if blob.get("role") is None:
+                blob.pop("role", None)
+        stats = doc.get("stats")
+        if isinstance(stats, dict):
+            for field in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
+                if stats.get(field) is None:
+                    stats.pop(field, None)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
