@@ -54,7 +54,7 @@ def manifest_key(version: int, digest: str) -> str:
 def digest_from_key(key: str) -> str:
     """The SHA-256 a content-addressed key promises (the last path part, before any suffix)."""
     name = key.rsplit("/", 1)[-1]
-    name = name.removesuffix(".json")
+    name = name.split(".", 1)[0]  # .json, .json.zst, .pack, .layout.json.zst, ...
     return name.rsplit("-", 1)[-1]
 
 
@@ -580,3 +580,45 @@ def _check_manifest(m: Manifest, key: str) -> None:
                     raise bad(f"{here} {which} changes {seg.n_changed} elements of {elements}")
         if m.kind == "anchor" and len(seen) != n_chunks:
             raise bad(f"anchor lists {len(seen)} of the {n_chunks} chunks of tensor {t.name!r}")
+
+
+# --- schema-3 objects: the seam the writer, GC and compactor use --------------------------------
+# The bytes of a schema-3 object are produced and read only through these two functions; the
+# change that implements the compact encoding (design 005 D8: zstd canonical JSON, columnar chunk
+# tables) replaces their bodies, not their callers.
+
+#: Formats of the schema-3 objects other than manifests, by model class.
+_OBJECT_WHAT = {Index: "history index", Layout: "layout", SquashManifest: "squash manifest"}
+
+
+def encode_object(model: Index | Layout | SquashManifest) -> bytes:
+    """The stored bytes of a schema-3 index, layout or squash manifest (its key is
+    ``object_key(attempt, sha256_hex(bytes), suffix)``)."""
+    return dump(model)
+
+
+def decode_object(cls: type[Any], data: bytes, key: str, expected_sha256: str | None = None) -> Any:
+    """Verify ``data`` against the digest ``key`` promises (and ``expected_sha256``), then parse
+    it as ``cls`` (Index, Layout or SquashManifest).
+
+    Raises:
+        IntegrityError: the bytes do not hash to the key's digest.
+        CorruptObjectError: not a well-formed object of that kind.
+        UnsupportedSchemaError: a schema this deltastore does not read.
+    """
+    what = _OBJECT_WHAT[cls]
+    actual = sha256_hex(data)
+    if actual != digest_from_key(key) or (expected_sha256 is not None and actual != expected_sha256):
+        raise IntegrityError(f"{what} {key!r} has SHA-256 {actual}, not the digest its key promises: the object is corrupt")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptObjectError(f"{what} {key!r} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        raise CorruptObjectError(f"{what} {key!r} is not valid JSON; the object is corrupt or truncated") from None
+    if not isinstance(doc, dict):
+        raise CorruptObjectError(f"{what} {key!r} is not a JSON object")
+    if doc.get("schema") != 3:
+        raise UnsupportedSchemaError(f"{what} {key!r} has schema {doc.get('schema')!r}; this deltastore reads schema 3")
+    _check_depth(doc, what, key)
+    return _validate(cls, doc, what, key)
