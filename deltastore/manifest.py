@@ -591,6 +591,13 @@ def _check_manifest(m: Manifest, key: str) -> None:
 _OBJECT_WHAT = {Index: "history index", Layout: "layout", SquashManifest: "squash manifest"}
 
 
+def encode_manifest(m: Manifest, layout: Layout | None = None) -> bytes:
+    """The stored bytes of a manifest. Schema 1/2: canonical JSON (:func:`dump`). Schema 3: the
+    compact encoding of design 005 D8, whose chunk table names tensors by their position in
+    ``layout`` (the object ``m.layout`` refers to)."""
+    return dump(m)
+
+
 def encode_object(model: Index | Layout | SquashManifest) -> bytes:
     """The stored bytes of a schema-3 index, layout or squash manifest (its key is
     ``object_key(attempt, sha256_hex(bytes), suffix)``)."""
