@@ -8,7 +8,10 @@ tests/golden/make_golden.py at commit 9a91ec2) are read by this one, bit for bit
   deltas gives the golden result: a change to the writers that alters bytes must be deliberate
   (new golden files and a note in docs/codec-format.md), never silent;
 - the golden store (schema 1) is readable by Subscriber: ``pull`` of every version equals the
-  recorded safetensors, ``pull_into`` walks each version forward in place, ``log`` lists them.
+  recorded safetensors, ``pull_into`` walks each version forward in place, ``log`` lists them;
+- the golden schema-2 store (tests/golden/make_golden_schema2.py at 47edebe, the last schema-2
+  writer: anchors, deltas, a layout change, two versions signed with Ed25519) is read the same
+  way, and its signatures verify.
 
 The golden files are never rewritten by the tests: the store is copied to a temporary
 directory before it is opened.
@@ -198,3 +201,77 @@ def test_golden_store_pull_into(store_url, start):
 def test_golden_files_untouched_by_reading(store_url):
     """The copy is what the tests open; the golden directory holds only store objects."""
     assert sorted(p.name for p in STORE.iterdir()) == ["HEAD", "blobs", "manifests"]
+
+
+# --- the golden schema-2 store (tests/golden/make_golden_schema2.py at 47edebe) -------------
+
+STORE2 = GOLDEN / "store-schema2"
+EXPECTED2 = GOLDEN / "store-schema2-expected"
+SIGNING_PUB2 = GOLDEN / "store-schema2-signing.pub"
+N_VERSIONS2 = 7
+
+
+@pytest.fixture
+def store2_url(tmp_path) -> str:
+    dst = tmp_path / "store2"
+    shutil.copytree(STORE2, dst)
+    return str(dst)
+
+
+def _expected2(version: int) -> dict[str, torch.Tensor]:
+    return load_file(str(EXPECTED2 / f"v{version}.safetensors"))
+
+
+def test_golden_schema2_store_log(store2_url):
+    with Subscriber(store2_url, threads=1) as sub:
+        log = sub.log()
+    assert [v.version for v in log] == list(range(1, N_VERSIONS2 + 1))
+    assert [v.step for v in log] == list(range(N_VERSIONS2))
+    assert [v.kind for v in log] == ["anchor", "delta", "delta", "anchor", "delta", "anchor", "delta"]
+    assert [v.writer for v in log] == ["golden2"] * 5 + ["golden2-signed"] * 2
+    assert all(v.metadata == {"golden": 2} for v in log)
+
+
+@pytest.mark.parametrize("version", range(1, N_VERSIONS2 + 1))
+def test_golden_schema2_store_pull(store2_url, version):
+    with Subscriber(store2_url, threads=1) as sub:
+        _assert_bit_equal(sub.pull(version), _expected2(version), f"pull({version})")
+
+
+@pytest.mark.parametrize("start", range(1, N_VERSIONS2))
+def test_golden_schema2_store_pull_into(store2_url, start):
+    """From each version: step by step to every later version of its layout, and in one jump."""
+    expected = {v: _expected2(v) for v in range(1, N_VERSIONS2 + 1)}
+    same = [v for v in range(start + 1, N_VERSIONS2 + 1) if _layout(expected[v]) == _layout(expected[start])]
+    with Subscriber(store2_url, threads=1) as sub:
+        target = sub.pull(start)
+        for v in same:
+            info = sub.pull_into(target, v)
+            assert info is not None and info.version == v
+            _assert_bit_equal(target, expected[v], f"pull_into {start} -> {v}")
+    if same:
+        with Subscriber(store2_url, threads=1) as sub:
+            target = sub.pull(start)
+            assert sub.pull_into(target, same[-1]).version == same[-1]
+            _assert_bit_equal(target, expected[same[-1]], f"pull_into {start} -> {same[-1]} in one step")
+
+
+def test_golden_schema2_store_signed_versions(store2_url):
+    """v6 and v7 were signed: a subscriber trusting the key reads them, and refuses v5
+    (unsigned); a subscriber trusting another key refuses v7."""
+    from deltastore.errors import SignatureError
+    from deltastore.signing import generate_key_files
+
+    with Subscriber(store2_url, threads=1, trusted_keys=[SIGNING_PUB2.read_bytes()]) as sub:
+        for v in (6, 7):
+            _assert_bit_equal(sub.pull(v), _expected2(v), f"signed pull({v})")
+        with pytest.raises(SignatureError):
+            sub.pull(5)
+    _, other = generate_key_files(Path(store2_url).parent / "other.pem")
+    with Subscriber(store2_url, threads=1, trusted_keys=[other]) as sub, pytest.raises(SignatureError):
+        sub.pull(7)
+
+
+def test_golden_schema2_files_untouched_by_reading(store2_url):
+    assert sorted(p.name for p in STORE2.iterdir()) == ["HEAD", "blobs", "manifests"]
+    assert all(p.suffix == ".json" for p in (STORE2 / "manifests").iterdir())
