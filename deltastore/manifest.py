@@ -9,8 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
@@ -20,8 +22,7 @@ SCHEMA_VERSION = 2
 #: Schemas readers accept: every store written by an earlier release stays readable.
 #: Schema 3 (design 005, issue 8): compact zstd manifests, layout objects, attempt-scoped keys,
 #: skip pointers, the history index (retention), squashes, and `parts`.
-#: (3 is added by the change that implements its encoding.)
-READABLE_SCHEMAS = (1, 2)
+READABLE_SCHEMAS = (1, 2, 3)
 #: Fields that exist only in schema 3 (a schema-1/2 document is written without them).
 SCHEMA3_MANIFEST_FIELDS = ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes")
 #: Immutable objects written by schema 3 live under ``objects/<attempt>/`` (design 005 D1).
@@ -46,9 +47,15 @@ def blob_key(digest: str) -> str:
     return f"{BLOB_PREFIX}{digest[:2]}/{digest}"
 
 
-def manifest_key(version: int, digest: str) -> str:
-    """``manifests/<version:012d>-<digest>.json``: sortable by version, unique by content."""
-    return f"{MANIFEST_PREFIX}{version:012d}-{digest}.json"
+#: Suffix of a schema-3 manifest (one zstd frame of canonical JSON); schemas 1 and 2 use ``.json``.
+MANIFEST_SUFFIX_ZST = ".json.zst"
+
+
+def manifest_key(version: int, digest: str, schema: int = SCHEMA_VERSION) -> str:
+    """``manifests/<version:012d>-<digest>.json`` (schema 1/2) or ``….json.zst`` (schema 3):
+    sortable by version, unique by content."""
+    suffix = MANIFEST_SUFFIX_ZST if schema >= 3 else ".json"
+    return f"{MANIFEST_PREFIX}{version:012d}-{digest}{suffix}"
 
 
 def digest_from_key(key: str) -> str:
@@ -381,12 +388,14 @@ DTYPE_WIDTHS: dict[str, int] = {
     "int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
 }  # fmt: skip
 
-_MANIFEST_KEY = re.compile(r"manifests/([0-9]{12,19})-([0-9a-f]{64})\.json")
+_MANIFEST_KEY = re.compile(r"manifests/([0-9]{12,19})-([0-9a-f]{64})\.json(?:\.zst)?")
+#: A schema-3 pack key: ``objects/<attempt>/<sha256>.pack``.
+_PACK_KEY = re.compile(r"objects/[0-9a-f]{32}/([0-9a-f]{64})\.pack")
 
 
 def manifest_key_version(key: str) -> int | None:
-    """The version a manifest key names (``manifests/<version:012d>-<sha256>.json``), or None
-    when ``key`` is not a manifest key."""
+    """The version a manifest key names (``manifests/<version:012d>-<sha256>.json`` or
+    ``….json.zst``), or None when ``key`` is not a manifest key."""
     match = _MANIFEST_KEY.fullmatch(key)
     return None if match is None else int(match.group(1))
 
@@ -480,28 +489,54 @@ def parse_head(data: bytes, key: str = HEAD_KEY) -> Head:
     return head
 
 
-def parse_manifest(data: bytes, key: str, expected_sha256: str | None = None, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
+def parse_manifest(
+    data: bytes,
+    key: str,
+    expected_sha256: str | None = None,
+    *,
+    layout: Layout | Callable[[ObjectRef], Layout] | None = None,
+    max_bytes: int = MAX_MANIFEST_BYTES,
+) -> Manifest:
     """Verify a manifest's bytes against its content address (and HEAD's record), then parse it.
 
     Args:
         data: the manifest's bytes.
-        key: the key it was read from (``manifests/<version:012d>-<sha256>.json``).
+        key: the key it was read from (``manifests/<version:012d>-<sha256>.json``, or
+            ``.json.zst`` for schema 3).
         expected_sha256: the digest HEAD recorded for it, if read through HEAD.
-        max_bytes: refuse a larger object before parsing it.
+        layout: schema 3 only (required there): the manifest's layout object, or a function
+            that fetches it given the manifest's ``layout`` reference (the caller verifies the
+            layout's bytes against that reference). The returned Manifest has its tensors
+            rebuilt from it.
+        max_bytes: refuse a larger object (stored or decompressed) before parsing it.
 
     Raises:
         IntegrityError: the bytes do not hash to the key's digest or to ``expected_sha256``.
         CorruptObjectError: not a well-formed manifest, inconsistent with itself (SPEC §3), or
             filed under another version's key.
-        UnsupportedSchemaError: written by a newer schema.
+        UnsupportedSchemaError: written by a newer schema, or a sharded version.
+        ValueError: a schema-3 manifest without ``layout``.
     """
-    actual = sha256_hex(data)
-    if actual != digest_from_key(key) or (expected_sha256 is not None and actual != expected_sha256):
-        raise IntegrityError(f"manifest {key!r} has SHA-256 {actual}, not the digest its key promises: the object is corrupt")
+    _check_digest(data, key, expected_sha256, "manifest")
     key_version = manifest_key_version(key)
     if key_version is None:
-        raise CorruptObjectError(f"{key!r} is not a manifest key (manifests/<version:012d>-<sha256>.json)")
-    manifest: Manifest = _validate(Manifest, _load(data, "manifest", key, max_bytes), "manifest", key)
+        raise CorruptObjectError(f"{key!r} is not a manifest key (manifests/<version:012d>-<sha256>.json[.zst])")
+    if key.endswith(MANIFEST_SUFFIX_ZST):
+        doc = _load3(data, "manifest", key, max_bytes)
+        if layout is None:
+            raise ValueError(f"manifest {key!r} is schema 3: parse_manifest needs its layout")
+        if callable(layout):
+            try:
+                ref = ObjectRef.model_validate(doc.get("layout"))
+            except ValidationError:
+                raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}") from None
+            layout = layout(ref)
+        manifest = _manifest_from_doc(doc, layout, key)
+    else:
+        doc = _load(data, "manifest", key, max_bytes)
+        if doc["schema"] >= 3:
+            raise CorruptObjectError(f"manifest {key!r} is schema {doc['schema']} stored as plain JSON: schema-3 manifests are .json.zst")
+        manifest = _validate(Manifest, doc, "manifest", key)
     _check_manifest(manifest, key)
     if manifest.version != key_version:
         raise CorruptObjectError(f"manifest {key!r} holds version {manifest.version}, not the version its key names")
@@ -535,8 +570,14 @@ def _check_manifest(m: Manifest, key: str) -> None:
         raise bad("delta_base must be the parent version or null")
     for i, b in enumerate(m.blobs):
         _check_int(b.size, f"blobs[{i}].size", "manifest", key)
-        if b.key != blob_key(b.sha256) or len(b.sha256) != 64:
+        if m.schema_ >= 3:
+            match = _PACK_KEY.fullmatch(b.key)
+            if match is None or match.group(1) != b.sha256 or b.role is None:
+                raise bad(f"pack {i} has key {b.key!r} and role {b.role!r}: not objects/<attempt>/{b.sha256}.pack with a role")
+        elif b.key != blob_key(b.sha256) or len(b.sha256) != 64:
             raise bad(f"blob {i} has key {b.key!r}, not the content address of its sha256 {b.sha256!r}")
+    if m.schema_ >= 3:
+        _check_schema3_links(m, bad)
     names: set[str] = set()
     for t in m.tensors:
         where = f"tensor {t.name!r}"
@@ -574,6 +615,8 @@ def _check_manifest(m: Manifest, key: str) -> None:
                     continue
                 if seg.blob >= len(m.blobs):
                     raise bad(f"{here} {which} names blob {seg.blob} of {len(m.blobs)}")
+                if m.blobs[seg.blob].role not in (None, which[0]):
+                    raise bad(f"{here} {which} segment lies in pack {seg.blob} of role {m.blobs[seg.blob].role!r}")
                 if seg.offset + seg.length > m.blobs[seg.blob].size:
                     raise bad(f"{here} {which} runs past the end of {m.blobs[seg.blob].key!r}")
                 if seg.n_changed > elements:
@@ -582,26 +625,371 @@ def _check_manifest(m: Manifest, key: str) -> None:
             raise bad(f"anchor lists {len(seen)} of the {n_chunks} chunks of tensor {t.name!r}")
 
 
+#: Skip pointers of one manifest: versions v−2, …, v−2^62 cover every version below 2**63.
+MAX_BACK = 62
+
+
+def _check_schema3_links(m: Manifest, bad: Callable[[str], CorruptObjectError]) -> None:
+    """Schema-3 header fields that name other versions say which version they name (SPEC §3)."""
+    if m.layout is None:
+        raise bad("a schema-3 manifest needs a layout")
+    if m.kind == "anchor" and m.anchor_manifest is not None:
+        raise bad("an anchor has no anchor_manifest")
+    if m.kind == "delta" and (m.anchor_manifest is None or manifest_key_version(m.anchor_manifest) != m.anchor):
+        raise bad(f"anchor_manifest {m.anchor_manifest!r} is not the manifest key of version {m.anchor}")
+    if len(m.back) > MAX_BACK:
+        raise bad(f"back lists {len(m.back)} keys, more than {MAX_BACK}")
+    for j, k in enumerate(m.back, start=1):
+        if manifest_key_version(k) != m.version - 2**j:
+            raise bad(f"back[{j - 1}] = {k!r} is not the manifest key of version {m.version} − 2^{j}")
+    if m.chain_start is not None:
+        if not 1 <= m.chain_start <= m.version or (m.delta_base is None and m.chain_start != m.version):
+            raise bad(f"chain_start {m.chain_start} is not the latest version ≤ {m.version} with a null delta_base")
+    if m.max_attempt_s is not None and not 1 <= m.max_attempt_s < INT_LIMIT:
+        raise bad(f"max_attempt_s = {m.max_attempt_s} is not a positive number of seconds")
+
+
 # --- schema-3 objects: the seam the writer, GC and compactor use --------------------------------
-# The bytes of a schema-3 object are produced and read only through these two functions; the
-# change that implements the compact encoding (design 005 D8: zstd canonical JSON, columnar chunk
-# tables) replaces their bodies, not their callers.
+# The bytes of a schema-3 object are produced and read only through these functions (design 005
+# D8): one zstd frame, content size in its header, of canonical JSON; a manifest's chunk table is
+# columnar and names tensors by their position in the layout object.
 
 #: Formats of the schema-3 objects other than manifests, by model class.
 _OBJECT_WHAT = {Index: "history index", Layout: "layout", SquashManifest: "squash manifest"}
+#: zstd level of every schema-3 object: level 19 saves ~3 % more and costs 44 ms per 31 KB
+#: (design 005 D8), seconds for an anchor of 10⁵ chunks.
+ZSTD_LEVEL = 3
+#: Hex digits per chunk row of ``chunks.digest`` (XXH3-128) and per segment row of
+#: ``segments.sha256`` (SHA-256).
+DIGEST_HEX = 32
+SHA256_HEX = 64
+_HEX = re.compile(r"[0-9a-f]*")
+#: The message of every refusal of a sharded version (parts, pieces, chunk grid: issue 12).
+SHARDED_UNSUPPORTED = "sharded versions are read from a later release"
+
+
+def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any]) -> Layout:
+    """The (unsharded) layout of ``tensors``, in their order: TensorEntry objects, or a mapping
+    of name to anything with ``name``, ``dtype``, ``shape`` and ``chunk_rows`` (TensorSpec)."""
+    items = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
+    n = len(items)
+    return Layout(
+        name=tuple(t.name for t in items),
+        dtype=tuple(t.dtype for t in items),
+        shape=tuple(tuple(t.shape) for t in items),
+        chunk_rows=tuple(t.chunk_rows for t in items),
+        chunk_cols=(0,) * n,
+        pieces=(None,) * n,
+        piece_parts=(None,) * n,
+        parts=0,
+    )
+
+
+def _zstd(doc: bytes) -> bytes:
+    """One zstd frame of ``doc`` with its content size in the frame header."""
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(doc)
+
+
+def _unzstd(data: bytes, what: str, key: str, max_bytes: int) -> bytes:
+    """The content of the single zstd frame ``data``, refused unless its header declares a
+    content size ≤ ``max_bytes`` (decompression is bounded by that size, never open-ended)."""
+    if len(data) > max_bytes:
+        raise CorruptObjectError(f"{what} {key!r} is {len(data)} bytes, over the {max_bytes}-byte limit")
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        raise CorruptObjectError(f"{what} {key!r} is not a zstd frame; the object is corrupt or truncated") from None
+    if size < 0:
+        raise CorruptObjectError(f"{what} {key!r}: its zstd frame does not declare its content size")
+    if size > max_bytes:
+        raise CorruptObjectError(f"{what} {key!r} decompresses to {size} bytes, over the {max_bytes}-byte limit")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(f"{what} {key!r} does not decompress ({e}); the object is corrupt or truncated") from None
+    if len(out) != size:
+        raise CorruptObjectError(f"{what} {key!r} decompresses to {len(out)} bytes, not the {size} its frame declares")
+    return out
+
+
+def _load3(data: bytes, what: str, key: str, max_bytes: int) -> dict[str, Any]:
+    """A schema-3 object's JSON document (decompressed, parsed, schema and depth checked)."""
+    raw = _unzstd(data, what, key, max_bytes)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise CorruptObjectError(f"{what} {key!r} is not valid JSON; the object is corrupt or truncated") from None
+    if not isinstance(doc, dict):
+        raise CorruptObjectError(f"{what} {key!r} is not a JSON object")
+    schema = doc.get("schema")
+    if type(schema) is not int or schema not in READABLE_SCHEMAS:
+        raise UnsupportedSchemaError(
+            f"{what} {key!r} has schema {schema!r}; this deltastore reads schemas {', '.join(map(str, READABLE_SCHEMAS))}: upgrade deltastore"
+        )
+    if schema != 3:
+        raise CorruptObjectError(f"{what} {key!r} is zstd-compressed but has schema {schema}: only schema-3 objects are")
+    _check_depth(doc, what, key)
+    return doc
+
+
+def _check_layout(layout: Layout, what: str, key: str) -> None:
+    """A layout's columns agree, and describe tensors a reader can allocate; sharded layouts
+    are refused (UnsupportedSchemaError)."""
+    n = len(layout.name)
+    columns = (layout.dtype, layout.shape, layout.chunk_rows, layout.chunk_cols, layout.pieces, layout.piece_parts)
+    if any(len(c) != n for c in columns):
+        raise CorruptObjectError(f"{what} {key!r}: the layout's columns have different lengths")
+    if layout.parts != 0 or any(layout.chunk_cols) or any(p is not None for p in (*layout.pieces, *layout.piece_parts)):
+        raise UnsupportedSchemaError(f"{what} {key!r} describes a sharded version (parts, pieces or a chunk grid): {SHARDED_UNSUPPORTED}")
+    if len(set(layout.name)) != n:
+        raise CorruptObjectError(f"{what} {key!r}: the layout lists a tensor name twice")
+    for i in range(n):
+        where = f"{what} {key!r}: tensor {layout.name[i]!r}"
+        if layout.dtype[i] not in DTYPE_WIDTHS:
+            raise CorruptObjectError(f"{where} has dtype {layout.dtype[i]!r}, which deltastore does not store")
+        shape = layout.shape[i]
+        if len(shape) > MAX_NDIM or any(not 0 <= d < INT_LIMIT for d in shape):
+            raise CorruptObjectError(f"{where} has impossible shape {list(shape)[:MAX_NDIM + 1]}")
+        if not 1 <= layout.chunk_rows[i] < INT_LIMIT:
+            raise CorruptObjectError(f"{where} has chunk_rows {layout.chunk_rows[i]}")
+
+
+def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
+    """The schema-3 JSON document of ``m`` (design 005 D8), before compression."""
+    if m.parts:
+        raise ValueError(f"manifest of version {m.version}: {SHARDED_UNSUPPORTED} (and written by one)")
+    index = {name: i for i, name in enumerate(layout.name)}
+    rows: list[tuple[int, int, str]] = []
+    segs: list[tuple[int, int, int, str, SegmentRef]] = []
+    for t in m.tensors:
+        ti = index.get(t.name)
+        if ti is None:
+            raise ValueError(f"manifest of version {m.version}: tensor {t.name!r} is not in its layout")
+        if (layout.dtype[ti], layout.shape[ti], layout.chunk_rows[ti]) != (t.dtype, tuple(t.shape), t.chunk_rows):
+            raise ValueError(f"manifest of version {m.version}: tensor {t.name!r} differs from its layout")
+        for c in t.chunks:
+            row = len(rows)
+            rows.append((ti, c.index, c.digest))
+            for role, seg in (("d", c.delta), ("f", c.full)):
+                if seg is not None:
+                    segs.append((seg.blob, seg.offset, row, role, seg))
+    segs.sort(key=lambda s: (s[0], s[1]))  # storage order: pack by pack, ascending offset
+    codecs = sorted({s[4].codec for s in segs})
+    codec_index = {c: i for i, c in enumerate(codecs)}
+    doc = m.model_dump(mode="json", by_alias=True, exclude={"blobs", "tensors", "parts"})
+    doc.update(
+        parts=[],
+        codecs=codecs,
+        packs=[{"key": b.key, "size": b.size, "sha256": b.sha256, "role": b.role} for b in m.blobs],
+        chunks={"tensor": [r[0] for r in rows], "chunk": [r[1] for r in rows], "digest": "".join(r[2] for r in rows)},
+        segments={
+            "row": [s[2] for s in segs],
+            "role": "".join(s[3] for s in segs),
+            "codec": [codec_index[s[4].codec] for s in segs],
+            "length": [s[4].length for s in segs],
+            "n_changed": [s[4].n_changed for s in segs],
+            "sha256": "".join(s[4].sha256 for s in segs),
+        },
+    )
+    return doc
+
+
+class _Pack(_Model):
+    key: str
+    size: int = Field(ge=1)  # writers never write an empty pack: segments fill packs unambiguously
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    role: Literal["f", "d"]
+
+
+class _ChunkTable(_Model):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    tensor: list[int]
+    chunk: list[int]
+    digest: str
+
+
+class _SegmentTable(_Model):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    row: list[int]
+    role: str
+    codec: list[int]
+    length: list[int]
+    n_changed: list[int]
+    sha256: str
+
+
+class _Tables(_Model):
+    """The schema-3 fields that replace ``blobs``, ``tensors`` and ``parts``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    codecs: list[str]
+    packs: list[_Pack]
+    chunks: _ChunkTable
+    segments: _SegmentTable
+    parts: list[Any]
+
+
+def _hex_column(text: str, n: int, width: int, name: str, bad: Callable[[str], CorruptObjectError]) -> list[str]:
+    if len(text) != n * width or not _HEX.fullmatch(text):
+        raise bad(f"{name} is not {n} × {width} lowercase hex digits")
+    return [text[i * width:(i + 1) * width] for i in range(n)]
+
+
+def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str) -> Manifest:
+    """The in-memory Manifest of a schema-3 document: ``blobs`` are its packs, ``tensors`` its
+    chunk table rebuilt from ``layout`` (layout order, only tensors with listed chunks, chunks
+    in index order: the shape a schema-2 manifest of the same version has)."""
+
+    def bad(msg: str) -> CorruptObjectError:
+        return CorruptObjectError(f"manifest {key!r}: {msg}")
+
+    parts = doc.get("parts")
+    if isinstance(parts, list) and parts:
+        raise UnsupportedSchemaError(f"manifest {key!r} is a sharded version: {SHARDED_UNSUPPORTED}")
+    _check_layout(layout, "layout of manifest", key)
+    table_fields = ("codecs", "packs", "chunks", "segments", "parts")
+    missing = [f for f in table_fields if f not in doc]
+    if missing:
+        raise bad(f"a schema-3 manifest needs {', '.join(missing)}")
+    tables: _Tables = _validate(_Tables, {f: doc[f] for f in table_fields}, "manifest", key)
+    inline = [f for f in ("blobs", "tensors") if f in doc]
+    if inline:
+        raise bad(f"a schema-3 manifest has no {', '.join(inline)} (its chunk table is columnar)")
+    header = {k: v for k, v in doc.items() if k not in table_fields}
+
+    ch, sg = tables.chunks, tables.segments
+    n = len(ch.tensor)
+    if len(ch.chunk) != n:
+        raise bad("chunks.tensor and chunks.chunk have different lengths")
+    digests = _hex_column(ch.digest, n, DIGEST_HEX, "chunks.digest", bad)
+    n_tensors = len(layout.name)
+    previous = (-1, -1)
+    for r in range(n):
+        here = (ch.tensor[r], ch.chunk[r])
+        if not 0 <= here[0] < n_tensors:
+            raise bad(f"chunk row {r} names tensor {here[0]}; the layout has {n_tensors}")
+        if not 0 <= here[1] < INT_LIMIT:
+            raise bad(f"chunk row {r} has chunk index {here[1]}")
+        if here <= previous:
+            raise bad(f"chunk rows are not sorted by (tensor, chunk) and unique at row {r}")
+        previous = here
+
+    k = len(sg.row)
+    if any(len(c) != k for c in (sg.codec, sg.length, sg.n_changed, sg.role)):
+        raise bad("the segment columns have different lengths")
+    shas = _hex_column(sg.sha256, k, SHA256_HEX, "segments.sha256", bad)
+    if len(set(tables.codecs)) != len(tables.codecs):
+        raise bad("codecs lists a codec twice")
+    # segments fill the packs back to back: offsets and pack indices are implicit
+    packs = tables.packs
+    segs_of: dict[int, dict[str, dict[str, Any]]] = {}
+    pack, offset = 0, 0
+    for s in range(k):
+        row, role, length = sg.row[s], sg.role[s], sg.length[s]
+        if not 0 <= row < n:
+            raise bad(f"segment {s} names chunk row {row} of {n}")
+        if role not in ("d", "f"):
+            raise bad(f"segment {s} has role {role!r}, not 'd' or 'f'")
+        if not 0 <= sg.codec[s] < len(tables.codecs):
+            raise bad(f"segment {s} names codec {sg.codec[s]} of {len(tables.codecs)}")
+        if not 0 <= length < INT_LIMIT or not 0 <= sg.n_changed[s] < INT_LIMIT:
+            raise bad(f"segment {s} has length {length} and n_changed {sg.n_changed[s]}")
+        if pack >= len(packs):
+            raise bad(f"segment {s} lies past the last pack: the segment lengths overfill the packs")
+        if offset + length > packs[pack].size:
+            raise bad(f"segment {s} crosses the end of pack {pack} ({packs[pack].key!r}): the lengths do not fill it exactly")
+        if role != packs[pack].role:
+            raise bad(f"segment {s} has role {role!r} but lies in pack {pack} of role {packs[pack].role!r}")
+        roles = segs_of.setdefault(row, {})
+        if role in roles:
+            raise bad(f"chunk row {row} has two segments of role {role!r}")
+        roles[role] = {"blob": pack, "offset": offset, "length": length, "sha256": shas[s],
+                       "codec": tables.codecs[sg.codec[s]], "n_changed": sg.n_changed[s]}
+        offset += length
+        if offset == packs[pack].size:
+            pack, offset = pack + 1, 0
+    if pack != len(packs) or offset != 0:
+        raise bad(f"the segment lengths do not fill the packs exactly (they end in pack {pack} at offset {offset})")
+
+    tensors: list[dict[str, Any]] = []
+    for r in range(n):
+        ti = ch.tensor[r]
+        if not tensors or tensors[-1]["_ti"] != ti:
+            tensors.append({"_ti": ti, "name": layout.name[ti], "dtype": layout.dtype[ti], "shape": layout.shape[ti],
+                            "chunk_rows": layout.chunk_rows[ti], "chunks": []})
+        roles = segs_of.get(r, {})
+        tensors[-1]["chunks"].append({"index": ch.chunk[r], "digest": digests[r], "full": roles.get("f"), "delta": roles.get("d")})
+    for t in tensors:
+        del t["_ti"]
+    header["blobs"] = [p.model_dump() for p in packs]
+    header["tensors"] = tensors
+    return _validate(Manifest, header, "manifest", key)
 
 
 def encode_manifest(m: Manifest, layout: Layout | None = None) -> bytes:
-    """The stored bytes of a manifest. Schema 1/2: canonical JSON (:func:`dump`). Schema 3: the
-    compact encoding of design 005 D8, whose chunk table names tensors by their position in
-    ``layout`` (the object ``m.layout`` refers to)."""
-    return dump(m)
+    """The stored bytes of a manifest. Schema 1/2: canonical JSON (:func:`dump`). Schema 3: one
+    zstd frame of the columnar document of design 005 D8, whose chunk table names tensors by
+    their position in ``layout`` (the object ``m.layout`` refers to).
+
+    Raises:
+        ValueError: ``m`` cannot be stored as it is: a tensor not in ``layout`` or different
+            from it, packs that its segments do not fill back to back, or an order that
+            decoding would not reproduce (tensors in layout order, chunks by index, packs in
+            storage order). Decoding returns ``m`` exactly, so its signature still verifies.
+    """
+    if m.schema_ < 3:
+        return dump(m)
+    if layout is None:
+        raise ValueError(f"manifest of version {m.version}: a schema-3 manifest is encoded against its layout")
+    doc = _manifest_doc(m, layout)
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    try:
+        back = _manifest_from_doc(json.loads(raw), layout, f"<version {m.version} being encoded>")
+    except CorruptObjectError as e:
+        raise ValueError(f"manifest of version {m.version} cannot be encoded: {e}") from None
+    if dump(back) != dump(m):
+        raise ValueError(
+            f"manifest of version {m.version} is not in canonical form (tensors in layout order with at least "
+            "one chunk, chunks by index, segments filling packs back to back): decoding would not return it"
+        )
+    return _zstd(raw)
+
+
+def manifest_document(data: bytes, key: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> dict[str, Any]:
+    """The decompressed JSON document of a schema-3 manifest (``inspect`` prints it), or of a
+    schema-1/2 one; not checked beyond its schema."""
+    if key.endswith(MANIFEST_SUFFIX_ZST):
+        return _load3(data, "manifest", key, max_bytes)
+    return _load(data, "manifest", key, max_bytes)
+
+
+def manifest_layout_ref(data: bytes, key: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ObjectRef | None:
+    """The layout a schema-3 manifest is read with (its ``layout`` field), read without the
+    layout; None for a schema-1/2 manifest (its tensors are inline).
+
+    Raises:
+        IntegrityError / CorruptObjectError / UnsupportedSchemaError: as :func:`parse_manifest`.
+    """
+    _check_digest(data, key, None, "manifest")
+    if not key.endswith(MANIFEST_SUFFIX_ZST):
+        return None
+    ref = _load3(data, "manifest", key, max_bytes).get("layout")
+    try:
+        return ObjectRef.model_validate(ref)
+    except ValidationError:
+        raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}, not {str(ref)[:100]!r}") from None
+
+
+def _check_digest(data: bytes, key: str, expected_sha256: str | None, what: str) -> None:
+    actual = sha256_hex(data)
+    if actual != digest_from_key(key) or (expected_sha256 is not None and actual != expected_sha256):
+        raise IntegrityError(f"{what} {key!r} has SHA-256 {actual}, not the digest its key promises: the object is corrupt")
 
 
 def encode_object(model: Index | Layout | SquashManifest) -> bytes:
     """The stored bytes of a schema-3 index, layout or squash manifest (its key is
-    ``object_key(attempt, sha256_hex(bytes), suffix)``)."""
-    return dump(model)
+    ``object_key(attempt, sha256_hex(bytes), suffix)``): one zstd frame of canonical JSON."""
+    return _zstd(dump(model))
 
 
 def decode_object(cls: type[Any], data: bytes, key: str, expected_sha256: str | None = None) -> Any:
@@ -611,21 +999,12 @@ def decode_object(cls: type[Any], data: bytes, key: str, expected_sha256: str | 
     Raises:
         IntegrityError: the bytes do not hash to the key's digest.
         CorruptObjectError: not a well-formed object of that kind.
-        UnsupportedSchemaError: a schema this deltastore does not read.
+        UnsupportedSchemaError: a schema this deltastore does not read, or a sharded layout.
     """
     what = _OBJECT_WHAT[cls]
-    actual = sha256_hex(data)
-    if actual != digest_from_key(key) or (expected_sha256 is not None and actual != expected_sha256):
-        raise IntegrityError(f"{what} {key!r} has SHA-256 {actual}, not the digest its key promises: the object is corrupt")
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptObjectError(f"{what} {key!r} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        raise CorruptObjectError(f"{what} {key!r} is not valid JSON; the object is corrupt or truncated") from None
-    if not isinstance(doc, dict):
-        raise CorruptObjectError(f"{what} {key!r} is not a JSON object")
-    if doc.get("schema") != 3:
-        raise UnsupportedSchemaError(f"{what} {key!r} has schema {doc.get('schema')!r}; this deltastore reads schema 3")
-    _check_depth(doc, what, key)
-    return _validate(cls, doc, what, key)
+    _check_digest(data, key, expected_sha256, what)
+    doc = _load3(data, what, key, MAX_MANIFEST_BYTES)
+    obj = _validate(cls, doc, what, key)
+    if isinstance(obj, Layout):
+        _check_layout(obj, what, key)
+    return obj

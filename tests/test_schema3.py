@@ -1,0 +1,432 @@
+"""Schema-3 manifests (design 005 D8, SPEC §3): the compact encoding round-trips exactly, hostile
+bytes are refused with typed errors naming the object, signatures survive, and it is small."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltastore.errors import CorruptObjectError, IntegrityError, SignatureError, UnsupportedSchemaError
+from deltastore.manifest import (
+    BlobRef,
+    ChunkEntry,
+    Index,
+    Layout,
+    Manifest,
+    ObjectRef,
+    SegmentRef,
+    Stats,
+    TensorEntry,
+    blob_key,
+    chunk_count,
+    decode_object,
+    dump,
+    encode_manifest,
+    encode_object,
+    layout_of,
+    manifest_key,
+    manifest_key_version,
+    manifest_layout_ref,
+    object_key,
+    parse_manifest,
+    sha256_hex,
+)
+
+PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DTYPES = ("bfloat16", "float32", "float16", "int64", "uint8", "bool")
+CODECS_F = ("full/2", "full/1")
+CODECS_D = ("add-sparse/1", "add-dense/1", "xor-sparse/1")
+LINEAGE = "0123456789abcdef" * 2
+
+
+def _hex(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("0123456789abcdef") for _ in range(n))
+
+
+def _mkey(rng: random.Random, v: int) -> str:
+    return manifest_key(v, _hex(rng, 64), schema=3)
+
+
+def make_layout(rng: random.Random, n_tensors: int, names: list[str] | None = None) -> Layout:
+    tensors = []
+    for i in range(n_tensors):
+        shape = rng.choice([(), (0,), (rng.randint(1, 40),), (rng.randint(1, 40), rng.randint(1, 8))])
+        tensors.append(TensorEntry(name=names[i] if names else f"t{i}.w", dtype=rng.choice(DTYPES), shape=shape,
+                                   chunk_rows=rng.randint(1, 16), chunks=()))
+    return layout_of(tensors)
+
+
+def make_manifest(rng: random.Random, layout: Layout, *, kind: str, version: int = 40, changed: float = 0.3,
+                  with_delta: bool = False, max_pack_segments: int = 5, attempt: str | None = None) -> Manifest:
+    """A schema-3 Manifest satisfying every SPEC §3 rule, in the canonical form a writer produces."""
+    attempt = attempt or _hex(rng, 32)
+    entries: list[tuple[int, int, bool, bool]] = []  # (tensor, chunk, has delta, has full)
+    for ti in range(len(layout.name)):
+        for ci in range(chunk_count(layout.shape[ti], layout.chunk_rows[ti])):
+            if kind == "anchor":
+                entries.append((ti, ci, with_delta and rng.random() < changed, True))
+            elif rng.random() < changed:
+                entries.append((ti, ci, True, False))
+    # segments in storage order: delta packs first, then full packs, each filled back to back
+    blobs: list[BlobRef] = []
+    refs: dict[tuple[int, str], SegmentRef] = {}
+    for role in ("d", "f"):
+        todo = [e for e, x in enumerate(entries) if x[2 if role == "d" else 3]]
+        while todo:
+            take = rng.randint(1, max_pack_segments)
+            batch, todo = todo[:take], todo[take:]
+            offset = 0
+            for e in batch:
+                length = rng.randint(1, 5000)
+                refs[(e, role)] = SegmentRef(blob=len(blobs), offset=offset, length=length, sha256=_hex(rng, 64),
+                                             codec=rng.choice(CODECS_D if role == "d" else CODECS_F),
+                                             n_changed=0)
+                offset += length
+            sha = _hex(rng, 64)
+            blobs.append(BlobRef(key=object_key(attempt, sha, ".pack"), size=offset, sha256=sha, role=role))
+    by_tensor: dict[int, list[ChunkEntry]] = {}
+    for e, (ti, ci, _, _) in enumerate(entries):
+        by_tensor.setdefault(ti, []).append(
+            ChunkEntry(index=ci, digest=_hex(rng, 32), full=refs.get((e, "f")), delta=refs.get((e, "d"))))
+    tensors = tuple(
+        TensorEntry(name=layout.name[ti], dtype=layout.dtype[ti], shape=layout.shape[ti],
+                    chunk_rows=layout.chunk_rows[ti], chunks=tuple(cs))
+        for ti, cs in sorted(by_tensor.items()))
+    parent = version - 1 if version > 1 else None
+    anchor = version if kind == "anchor" else max(1, version - rng.randint(1, version - 1))
+    delta_base = parent if kind == "delta" or (with_delta and parent) else None
+    back = tuple(_mkey(rng, version - 2**j) for j in range(1, 63) if version - 2**j >= 1)
+    return Manifest(
+        schema=3, version=version, parent=parent, parent_manifest=_mkey(rng, parent) if parent else None,
+        kind=kind, anchor=anchor, delta_base=delta_base, step=rng.choice([None, version * 10]),
+        created="2026-12-01T10:00:00.000Z", writer="w", epoch=1, commit_id=attempt,
+        metadata={"lr": 0.1, "tags": ["a", "ü"]}, blobs=tuple(blobs), tensors=tensors,
+        stats=Stats(bytes_stored=sum(b.size for b in blobs), tensors_changed=len(by_tensor), elements_changed=3,
+                    tensors_total=len(layout.name), elements_total=99, delta_bytes=1, full_bytes=2, cum_delta_bytes=3),
+        lineage=LINEAGE, anchor_manifest=None if kind == "anchor" else _mkey(rng, anchor), back=back,
+        chain_start=version if delta_base is None else max(1, anchor - 1),
+        layout=ObjectRef(key=object_key(attempt, _hex(rng, 64), ".layout.json.zst"), sha256=_hex(rng, 64)),
+        max_attempt_s=21600,
+    )
+
+
+def _store(m: Manifest, layout: Layout) -> tuple[bytes, str]:
+    data = encode_manifest(m, layout)
+    return data, manifest_key(m.version, sha256_hex(data), schema=3)
+
+
+# --- round trips --------------------------------------------------------------------------
+
+
+@PROPS
+@given(seed=st.integers(0, 2**32), n_tensors=st.integers(0, 150), kind=st.sampled_from(["anchor", "delta"]),
+       with_delta=st.booleans(), changed=st.floats(0, 1), max_pack=st.integers(1, 30), version=st.integers(2, 10**6))
+def test_schema3_round_trip(seed, n_tensors, kind, with_delta, changed, max_pack, version) -> None:
+    rng = random.Random(seed)
+    layout = make_layout(rng, n_tensors)
+    m = make_manifest(rng, layout, kind=kind, version=version, changed=changed, with_delta=with_delta,
+                      max_pack_segments=max_pack)
+    data, key = _store(m, layout)
+    assert key.endswith(".json.zst") and manifest_key_version(key) == version
+    assert zstandard.frame_content_size(data) > 0
+    assert parse_manifest(data, key, layout=layout) == m
+    assert dump(parse_manifest(data, key, layout=lambda ref: layout)) == dump(m)
+    assert manifest_layout_ref(data, key) == m.layout
+    # the document has no tensor names: they live in the layout only
+    raw = zstandard.ZstdDecompressor().decompress(data)
+    assert b'"tensors"' not in raw and b'"blobs"' not in raw
+    assert all(name.encode() not in raw for name in layout.name)
+
+
+def test_schema3_decoded_delta_has_schema2_shape() -> None:
+    """A delta lists only tensors with changed chunks, in layout order (as schema-2 deltas do)."""
+    rng = random.Random(1)
+    layout = make_layout(rng, 30)
+    m = make_manifest(rng, layout, kind="delta", changed=0.05)
+    listed = [t.name for t in m.tensors]
+    assert 0 < len(listed) < 30
+    data, key = _store(m, layout)
+    got = parse_manifest(data, key, layout=layout)
+    assert [t.name for t in got.tensors] == listed == [n for n in layout.name if n in listed]
+    assert all(t.chunks for t in got.tensors)
+
+
+def test_schema3_needs_its_layout() -> None:
+    rng = random.Random(2)
+    layout = make_layout(rng, 3)
+    m = make_manifest(rng, layout, kind="anchor")
+    data, key = _store(m, layout)
+    with pytest.raises(ValueError, match="layout"):
+        parse_manifest(data, key)
+    with pytest.raises(ValueError, match="layout"):
+        encode_manifest(m)
+    with pytest.raises(ValueError, match="not in its layout"):
+        encode_manifest(m, make_layout(random.Random(3), 3, names=["x", "y", "z"]))
+
+
+def test_schema3_encoder_refuses_non_canonical_order() -> None:
+    """Decoding returns tensors in layout order; a manifest in another order would not survive
+    the round trip (and its signature would not verify), so the encoder refuses it."""
+    rng = random.Random(4)
+    layout = make_layout(rng, 6)
+    m = make_manifest(rng, layout, kind="anchor")
+    swapped = m.model_copy(update={"tensors": tuple(reversed(m.tensors))})
+    with pytest.raises(ValueError, match="cannot be encoded|canonical"):
+        encode_manifest(swapped, layout)
+    gap = m.model_copy(update={"blobs": tuple(b.model_copy(update={"size": b.size + 1}) for b in m.blobs)})
+    with pytest.raises(ValueError, match="fill"):
+        encode_manifest(gap, layout)
+
+
+def test_schema2_still_plain_json() -> None:
+    rng = random.Random(5)
+    layout = make_layout(rng, 2)
+    m3 = make_manifest(rng, layout, kind="anchor", version=1)
+    assert m3.parent is None
+    m2 = Manifest(**{k: getattr(m3, k) for k in ("version", "parent", "parent_manifest", "kind", "anchor", "created",
+                                                  "writer", "epoch", "commit_id", "lineage")}, schema=2)
+    assert encode_manifest(m2, layout) == dump(m2)
+    assert manifest_key(1, "a" * 64, schema=2).endswith("-" + "a" * 64 + ".json")
+    assert manifest_key_version(manifest_key(7, "a" * 64, schema=2)) == 7
+    assert manifest_key_version(manifest_key(7, "a" * 64, schema=3)) == 7
+    assert manifest_key_version("manifests/000000000007-" + "a" * 64 + ".json.gz") is None
+
+
+# --- signatures -----------------------------------------------------------------------------
+
+
+def test_schema3_signature_survives_encoding(tmp_path) -> None:
+    from deltastore.signing import TrustedKeys, generate_key_files, load_private_key, sign_manifest
+
+    priv, pub = generate_key_files(tmp_path / "k.pem")
+    rng = random.Random(6)
+    layout = make_layout(rng, 12)
+    m = sign_manifest(make_manifest(rng, layout, kind="delta"), load_private_key(priv))
+    data, key = _store(m, layout)
+    got = parse_manifest(data, key, layout=layout)
+    TrustedKeys([pub]).verify(key, got)
+    # a reader given a different layout (other dtypes under the same names) gets other tensors:
+    # the signature covers them, so it fails
+    other = layout.model_copy(update={"dtype": tuple("int8" if d != "int8" else "uint8" for d in layout.dtype)})
+    with pytest.raises(SignatureError):
+        TrustedKeys([pub]).verify(key, parse_manifest(data, key, layout=other))
+
+
+# --- other schema-3 objects ---------------------------------------------------------------
+
+
+def test_objects_are_zstd_frames_and_round_trip() -> None:
+    rng = random.Random(7)
+    layout = make_layout(rng, 20)
+    data = encode_object(layout)
+    assert zstandard.frame_content_size(data) > 0
+    key = object_key(_hex(rng, 32), sha256_hex(data), ".layout.json.zst")
+    assert decode_object(Layout, data, key) == layout
+    idx = Index(lineage=LINEAGE, generation=1, floor=1, writer="gc", created="2026-12-01T10:00:00.000Z")
+    data = encode_object(idx)
+    assert decode_object(Index, data, object_key("0" * 32, sha256_hex(data), ".index.json.zst")) == idx
+    with pytest.raises(IntegrityError):
+        decode_object(Index, data, object_key("0" * 32, "f" * 64, ".index.json.zst"))
+
+
+def test_sharded_layout_is_refused() -> None:
+    rng = random.Random(8)
+    layout = make_layout(rng, 3)
+    for change in ({"parts": 2}, {"chunk_cols": (0, 4, 0)}, {"pieces": (None, (3,), None)}):
+        bad = layout.model_copy(update=change)
+        data = encode_object(bad)
+        key = object_key("0" * 32, sha256_hex(data), ".layout.json.zst")
+        with pytest.raises(UnsupportedSchemaError, match="sharded versions are read from a later release"):
+            decode_object(Layout, data, key)
+        m = make_manifest(rng, layout, kind="anchor")
+        mdata, mkey = _store(m, layout)
+        with pytest.raises(UnsupportedSchemaError, match="later release"):
+            parse_manifest(mdata, mkey, layout=bad)
+
+
+# --- hostile bytes --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base() -> tuple[Manifest, Layout, dict]:
+    rng = random.Random(9)
+    layout = make_layout(rng, 10)
+    m = make_manifest(rng, layout, kind="anchor", with_delta=True, changed=0.5, version=9, max_pack_segments=3)
+    data, _ = _store(m, layout)
+    assert len(m.blobs) >= 3
+    return m, layout, json.loads(zstandard.ZstdDecompressor().decompress(data))
+
+
+def _frame(doc: dict, **kw) -> tuple[bytes, str]:
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    data = zstandard.ZstdCompressor(level=3, **kw).compress(raw)
+    return data, manifest_key(doc.get("version", 9) if isinstance(doc.get("version"), int) else 9, sha256_hex(data), schema=3)
+
+
+def _mutated(doc: dict, path: tuple, value) -> dict:
+    doc = json.loads(json.dumps(doc))
+    node = doc
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return doc
+
+
+def test_hostile_base_parses(base) -> None:
+    m, layout, doc = base
+    data, key = _frame(doc)
+    assert parse_manifest(data, key, layout=layout) == m
+
+
+def _lengths_off_by_one(doc):
+    lengths = list(doc["segments"]["length"])
+    lengths[0] += 1
+    lengths[1] -= 1 if lengths[1] > 1 else -1
+    return ("segments", "length"), lengths
+
+
+HOSTILE = {
+    "pack too big": lambda d: (("packs", 0, "size"), d["packs"][0]["size"] + 1),
+    "pack too small": lambda d: (("packs", 0, "size"), d["packs"][0]["size"] - 1),
+    "segment crosses pack": _lengths_off_by_one,
+    "extra pack": lambda d: (("packs",), d["packs"] + [d["packs"][0]]),
+    "pack role differs": lambda d: (("packs", 0, "role"), "f" if d["packs"][0]["role"] == "d" else "d"),
+    "segment role differs": lambda d: (("segments", "role"), ("f" if d["segments"]["role"][0] == "d" else "d") + d["segments"]["role"][1:]),
+    "unknown role": lambda d: (("segments", "role"), "x" + d["segments"]["role"][1:]),
+    "rows out of order": lambda d: (("chunks", "tensor"), list(reversed(d["chunks"]["tensor"]))),
+    "duplicate row": lambda d: (("chunks", "chunk"), [d["chunks"]["chunk"][0]] * len(d["chunks"]["chunk"])),
+    "tensor out of layout": lambda d: (("chunks", "tensor"), d["chunks"]["tensor"][:-1] + [10]),
+    "negative tensor": lambda d: (("chunks", "tensor"), [-1] + d["chunks"]["tensor"][1:]),
+    "chunk out of range": lambda d: (("chunks", "chunk"), d["chunks"]["chunk"][:-1] + [10**6]),
+    "digest short": lambda d: (("chunks", "digest"), d["chunks"]["digest"][:-1]),
+    "digest long": lambda d: (("chunks", "digest"), d["chunks"]["digest"] + "00"),
+    "digest upper": lambda d: (("chunks", "digest"), d["chunks"]["digest"].upper()),
+    "sha short": lambda d: (("segments", "sha256"), d["segments"]["sha256"][:-64]),
+    "sha not hex": lambda d: (("segments", "sha256"), "g" + d["segments"]["sha256"][1:]),
+    "segment row out of range": lambda d: (("segments", "row"), [10**6] + d["segments"]["row"][1:]),
+    "two segments one role": lambda d: (("segments", "row"), [d["segments"]["row"][1]] + d["segments"]["row"][1:]),
+    "codec out of range": lambda d: (("segments", "codec"), [99] + d["segments"]["codec"][1:]),
+    "column lengths differ": lambda d: (("segments", "n_changed"), d["segments"]["n_changed"][1:]),
+    "bool for int": lambda d: (("segments", "length"), [True] + d["segments"]["length"][1:]),
+    "string for int": lambda d: (("chunks", "chunk"), ["0"] + d["chunks"]["chunk"][1:]),
+    "tables missing": lambda d: (("segments",), None),
+    "extra table field": lambda d: (("chunks", "extra"), []),
+    "tensors inline": lambda d: (("tensors",), []),
+    "pack key not a pack": lambda d: (("packs", 0, "key"), "blobs/aa/" + d["packs"][0]["sha256"]),
+    "back wrong version": lambda d: (("back",), list(reversed(d["back"]))),
+    "no layout": lambda d: (("layout",), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_schema3_manifest_refused(base, case) -> None:
+    m, layout, doc = base
+    path, value = HOSTILE[case](doc)
+    data, key = _frame(_mutated(doc, path, value))
+    with pytest.raises(CorruptObjectError) as e:
+        parse_manifest(data, key, layout=layout)
+    assert key in str(e.value)
+
+
+def test_hostile_frames_refused(base) -> None:
+    m, layout, doc = base
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    cases = {
+        "no content size": zstandard.ZstdCompressor(level=3, write_content_size=False).compress(raw),
+        "not zstd": raw,
+        "truncated": zstandard.ZstdCompressor(level=3).compress(raw)[:-5],
+        "two frames": zstandard.ZstdCompressor(level=3).compress(raw) * 2,
+        "empty": b"",
+    }
+    for name, data in cases.items():
+        key = manifest_key(9, sha256_hex(data), schema=3)
+        with pytest.raises(CorruptObjectError, match="manifest") as e:
+            parse_manifest(data, key, layout=layout)
+        assert key in str(e.value), name
+    # a frame that decompresses past the limit is refused before it is decompressed
+    bomb = zstandard.ZstdCompressor(level=3).compress(b" " * (4 << 20))
+    key = manifest_key(9, sha256_hex(bomb), schema=3)
+    with pytest.raises(CorruptObjectError, match="decompresses to"):
+        parse_manifest(bomb, key, layout=layout, max_bytes=1 << 20)
+    # a frame lying about its content size (declares less than it holds)
+    small = zstandard.ZstdCompressor(level=3).compress(b"{}")
+    params = zstandard.get_frame_parameters(small)
+    assert params.content_size == 2
+    with pytest.raises(CorruptObjectError):
+        lie = bytearray(zstandard.ZstdCompressor(level=3).compress(raw))
+        lie[5] ^= 0x01  # the content-size field of the frame header: now it lies
+        key = manifest_key(9, sha256_hex(bytes(lie)), schema=3)
+        parse_manifest(bytes(lie), key, layout=layout)
+
+
+def test_hostile_schema_mismatches(base) -> None:
+    m, layout, doc = base
+    data, key = _frame(_mutated(doc, ("parts",), [{"part": 0}]))
+    with pytest.raises(UnsupportedSchemaError, match="sharded versions are read from a later release"):
+        parse_manifest(data, key, layout=layout)
+    data, key = _frame(_mutated(doc, ("schema",), 4))
+    with pytest.raises(UnsupportedSchemaError):
+        parse_manifest(data, key, layout=layout)
+    data, key = _frame(_mutated(doc, ("schema",), 2))
+    with pytest.raises(CorruptObjectError, match="schema 2"):
+        parse_manifest(data, key, layout=layout)
+    # schema 3 as plain JSON under a .json key
+    raw = json.dumps(doc).encode()
+    with pytest.raises(CorruptObjectError, match="plain JSON"):
+        parse_manifest(raw, manifest_key(9, sha256_hex(raw), schema=2), layout=layout)
+    # the key's digest covers the compressed bytes
+    data, key = _frame(doc)
+    with pytest.raises(IntegrityError):
+        parse_manifest(data, manifest_key(9, sha256_hex(zstandard.ZstdDecompressor().decompress(data)), schema=3), layout=layout)
+    # filed under another version
+    with pytest.raises(CorruptObjectError, match="not the version its key names"):
+        parse_manifest(data, manifest_key(8, sha256_hex(data), schema=3), layout=layout)
+
+
+# --- size ------------------------------------------------------------------------------------
+
+#: Tensor names of a MiniLM-like model (103 tensors), the shape of the design's measurements.
+def _minilm_names() -> list[str]:
+    names = ["embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight",
+             "embeddings.token_type_embeddings.weight", "embeddings.LayerNorm.weight", "embeddings.LayerNorm.bias"]
+    for i in range(6):
+        p = f"encoder.layer.{i}."
+        for part in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+                     "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"):
+            names += [p + part + ".weight", p + part + ".bias"]
+    names += ["pooler.dense.weight", "pooler.dense.bias"]
+    return names[:103] + [f"extra.{i}" for i in range(103 - len(names))]
+
+
+def test_schema3_manifest_is_several_times_smaller(capsys) -> None:
+    rng = random.Random(10)
+    names = _minilm_names()
+    assert len(names) == 103
+    layout = make_layout(rng, 103, names=names)
+    # ~90 changed chunks over 103 tensors, in a few packs
+    n_chunks = sum(chunk_count(layout.shape[ti], layout.chunk_rows[ti]) for ti in range(103))
+    assert n_chunks >= 90
+    m3 = make_manifest(rng, layout, kind="delta", version=5000, changed=90 / n_chunks, max_pack_segments=40)
+    n_rows = sum(len(t.chunks) for t in m3.tensors)
+    assert 60 <= n_rows <= 130, n_rows
+    data, key = _store(m3, layout)
+    # the same version as schema 2 would store it: inline tensors, blob keys, no schema-3 fields
+    m2 = Manifest(
+        schema=2, **{k: getattr(m3, k) for k in ("version", "parent", "parent_manifest", "kind", "anchor", "delta_base",
+                                                 "step", "created", "writer", "epoch", "commit_id", "metadata", "lineage")},
+        blobs=tuple(BlobRef(key=blob_key(b.sha256), size=b.size, sha256=b.sha256) for b in m3.blobs),
+        tensors=m3.tensors, stats=m3.stats.model_copy(update={"delta_bytes": None, "full_bytes": None, "cum_delta_bytes": None}),
+    )
+    json2 = dump(m2)
+    layout_bytes = encode_object(layout)
+    with capsys.disabled():
+        print(f"\n[size] delta of {n_rows} chunk rows over 103 tensors: schema 2 JSON {len(json2)} B, "
+              f"schema 3 zstd {len(data)} B (ratio {len(data) / len(json2):.3f}; "
+              f"{len(back_keys := m3.back)} back keys included), layout object {len(layout_bytes)} B (once per layout)")
+    assert back_keys
+    assert len(data) < len(json2) / 3
