@@ -1,8 +1,12 @@
-"""The read side of the metadata: HEAD, manifests, and walking the version chain (SPEC §7).
+"""The read side of the metadata: HEAD, manifests, layouts, the history index, squashes, and
+walking the version chain (SPEC §7).
 
-Manifests are immutable, so they are cached by key for the life of a :class:`History`. Every
-walk along ``parent_manifest`` links checks invariant I2 on each link (SPEC §5): the parent is
-version ``child.parent``, and a delta's anchor is its parent's anchor.
+Manifests, layouts and squashes are immutable, so they are cached by key (LRU-bounded) for the
+life of a :class:`History`. Every walk along ``parent_manifest`` links checks invariant I2 on
+each link (SPEC §5): the parent is version ``child.parent``, and a delta's anchor is its
+parent's anchor. Schema-3 manifests carry skip pointers (``back``): :meth:`History.find` reaches
+any version in O(log distance) reads, and :meth:`History.chain` fetches a run of manifests in
+parallel rounds; every manifest reached through ``back`` must be the version its position names.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +25,14 @@ from deltastore.manifest import (
     MAX_HEAD_BYTES,
     MAX_MANIFEST_BYTES,
     Head,
+    Index,
+    Layout,
     Manifest,
+    ObjectRef,
+    SquashManifest,
+    SquashRef,
+    decode_object,
+    manifest_key_version,
     parse_head,
     parse_manifest,
 )
@@ -82,6 +94,40 @@ class VersionInfo:
 #: anchor span (20 versions by default), and a Subscriber that follows for weeks must not keep
 #: every manifest it ever read (a parsed chunk entry costs ~3 KB of Python objects).
 MANIFEST_CACHE_ENTRIES = 64
+#: Layouts kept per History: a store changes layout rarely, and a reader needs the layouts of
+#: the versions it walks (one per anchor span at most).
+LAYOUT_CACHE_ENTRIES = 8
+#: Squash manifests kept per History: a reader uses one per catch-up.
+SQUASH_CACHE_ENTRIES = 4
+#: Parallel manifest GETs per round of :meth:`History.chain`: a round fetches the parent and
+#: the skip pointers of the manifests of the previous round (at most ~log2(span) new keys each).
+CHAIN_FETCH_THREADS = 8
+
+
+class _LRU:
+    """A small thread-safe LRU map of immutable objects by key."""
+
+    def __init__(self, entries: int):
+        self.entries = entries
+        self._d: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            value = self._d.get(key)
+            if value is not None:
+                self._d.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._d[key] = value
+            self._d.move_to_end(key)
+            while len(self._d) > self.entries:
+                self._d.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 class History:
@@ -105,6 +151,9 @@ class History:
         self.cache_entries = cache_entries
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
         self._lock = threading.Lock()
+        self._layouts = _LRU(LAYOUT_CACHE_ENTRIES)
+        self._squashes = _LRU(SQUASH_CACHE_ENTRIES)
+        self._index: tuple[str, Index] | None = None
         self._head: Head | None = None
         self._head_etag: str | None = None
 
@@ -144,7 +193,11 @@ class History:
     # --- manifests ----------------------------------------------------------------------
 
     def manifest(self, key: str, expected_sha256: str | None = None) -> Manifest:
-        """Fetch, verify and parse one manifest (cached, bounded)."""
+        """Fetch, verify and parse one manifest of any schema (cached, bounded).
+
+        A schema-3 manifest is returned with its tensors rebuilt from its layout object
+        (fetched through :meth:`layout`), in the shape a schema-2 manifest of that version has.
+        """
         with self._lock:
             cached = self._manifests.get(key)
             if cached is not None:
@@ -157,7 +210,7 @@ class History:
             raise NotFoundError(
                 f"manifest {key!r} is missing from {self.store.url}: the store was damaged (a reachable object was deleted)"
             ) from None
-        m = parse_manifest(data, key, expected_sha256, max_bytes=self.max_manifest_bytes)
+        m = parse_manifest(data, key, expected_sha256, layout=self.layout, max_bytes=self.max_manifest_bytes)
         if self._check is not None:
             self._check(key, m)
         with self._lock:
@@ -165,6 +218,57 @@ class History:
             while len(self._manifests) > self.cache_entries:
                 self._manifests.popitem(last=False)
         return m
+
+    def _object(self, key: str, what: str) -> bytes:
+        try:
+            return self.store.get(key)
+        except NotFoundError:
+            raise NotFoundError(f"{what} {key!r} is missing from {self.store.url}") from None
+
+    def layout(self, ref: ObjectRef) -> Layout:
+        """The layout object ``ref`` names, verified against its SHA-256 (cached, bounded).
+
+        Raises:
+            NotFoundError: it is missing (the store was damaged: a manifest needs it).
+            IntegrityError / CorruptObjectError / UnsupportedSchemaError: as decode_object;
+                a sharded layout is UnsupportedSchemaError.
+        """
+        cached = self._layouts.get(ref.key)
+        if cached is not None and cached[0] == ref.sha256:
+            return cached[1]
+        layout = decode_object(Layout, self._object(ref.key, "layout"), ref.key, ref.sha256)
+        self._layouts.put(ref.key, (ref.sha256, layout))
+        return layout
+
+    def index(self, head: Head) -> Index | None:
+        """The history index HEAD names (SPEC §11), or None when it names none (floor 1)."""
+        ref = head.index
+        if ref is None:
+            return None
+        with self._lock:
+            cached = self._index
+        if cached is not None and cached[0] == ref.key:
+            return cached[1]
+        index: Index = decode_object(Index, self._object(ref.key, "history index"), ref.key, ref.sha256)
+        if head.lineage is not None and index.lineage != head.lineage:
+            raise CorruptObjectError(f"history index {ref.key!r} has lineage {index.lineage}, not HEAD's {head.lineage}")
+        with self._lock:
+            self._index = (ref.key, index)
+        return index
+
+    def squash(self, ref: SquashRef) -> SquashManifest:
+        """The squash manifest ``ref`` names (SPEC §12), verified (cached, bounded). Squashes
+        are hints: a caller treats NotFoundError as "no such squash"."""
+        cached = self._squashes.get(ref.key)
+        if cached is not None and cached[0] == ref.sha256:
+            return cached[1]
+        sq: SquashManifest = decode_object(SquashManifest, self._object(ref.key, "squash manifest"), ref.key, ref.sha256)
+        if (sq.from_, sq.to) != (ref.from_, ref.to):
+            raise CorruptObjectError(f"squash manifest {ref.key!r} squashes {sq.from_} → {sq.to}, not {ref.from_} → {ref.to}")
+        if manifest_key_version(sq.from_manifest) != sq.from_ or manifest_key_version(sq.to_manifest) != sq.to:
+            raise CorruptObjectError(f"squash manifest {ref.key!r} names manifests of other versions than {sq.from_} and {sq.to}")
+        self._squashes.put(ref.key, (ref.sha256, sq))
+        return sq
 
     def head_manifest(self, head: Head) -> tuple[str, Manifest] | None:
         if head.manifest is None:
@@ -186,6 +290,12 @@ class History:
             raise VersionNotFoundError(f"version {m.version} ({key!r}) is the first of its chain")
         pkey = m.parent_manifest
         p = self.manifest(pkey)
+        self._check_link(key, m, pkey, p)
+        return pkey, p
+
+    @staticmethod
+    def _check_link(key: str, m: Manifest, pkey: str, p: Manifest) -> None:
+        """I2 on one parent link."""
         if p.version != m.parent:
             raise CorruptObjectError(
                 f"manifest {key!r} (version {m.version}) links to {pkey!r}, which is version {p.version}, not {m.parent}"
@@ -195,29 +305,114 @@ class History:
                 f"manifest {key!r} (version {m.version}) says its anchor is version {m.anchor}, but its parent "
                 f"{pkey!r} has anchor {p.anchor}: version {m.anchor} is not the anchor of this chain"
             )
-        return pkey, p
+
+    def skip(self, key: str, m: Manifest, j: int) -> tuple[str, Manifest] | None:
+        """The manifest of version ``m.version − 2**j`` through ``m.back[j − 1]`` (j ≥ 1), or
+        None when ``m`` has no such pointer or its object is missing (skip pointers are hints).
+
+        Raises:
+            CorruptObjectError: the manifest reached is not the version its position names, or
+                is in ``m``'s anchor span with another anchor (I2).
+        """
+        if not 1 <= j <= len(m.back):
+            return None
+        bkey = m.back[j - 1]
+        try:
+            b = self.manifest(bkey)
+        except NotFoundError:
+            logger.info("skip pointer %r of %r is missing; walking parent links instead", bkey, key)
+            return None
+        self._check_skip(key, m, bkey, b, m.version - 2**j)
+        return bkey, b
+
+    @staticmethod
+    def _check_skip(key: str, m: Manifest, bkey: str, b: Manifest, want: int) -> None:
+        if b.version != want:
+            raise CorruptObjectError(f"manifest {key!r} (version {m.version}) skips to {bkey!r}, which is version {b.version}, not {want}")
+        if m.kind == "delta" and b.version >= m.anchor and b.anchor != m.anchor:
+            raise CorruptObjectError(
+                f"manifest {key!r} (version {m.version}, anchor {m.anchor}) skips to {bkey!r} (version {b.version}), "
+                f"whose anchor is {b.anchor}: they cannot be on one chain"
+            )
 
     def find(self, version: int, head: Head) -> tuple[str, Manifest]:
-        """The manifest of ``version`` on the chain ending at ``head`` (walking parent links)."""
+        """The manifest of ``version`` on the chain ending at ``head``: through skip pointers
+        where manifests have them (O(log distance) reads), else parent links (each checked)."""
         top = self.head_manifest(head)
         if top is None or not 1 <= version <= top[1].version:
             latest = 0 if top is None else top[1].version
             raise VersionNotFoundError(f"version {version} is not in {self.store.url} (latest is {latest})")
         key, m = top
-        while m.version > version:  # cached manifests make a walk cheap; each link is checked
-            key, m = self.parent(key, m)
+        while m.version > version:
+            distance = m.version - version
+            j = min(distance.bit_length() - 1, len(m.back))  # the longest jump that does not overshoot
+            hop = self.skip(key, m, j) if j >= 1 else None
+            key, m = hop if hop is not None else self.parent(key, m)
         return key, m
 
     def chain(self, key: str, m: Manifest, *, down_to: int) -> list[tuple[str, Manifest]]:
-        """Manifests from version ``down_to`` up to ``m`` (inclusive), oldest first."""
+        """Manifests from version ``down_to`` up to ``m`` (inclusive), oldest first.
+
+        Manifests with skip pointers are fetched in parallel rounds (each round fetches the
+        parents and skip targets the previous round named, within range); the result is then
+        assembled along ``parent_manifest`` links, each checked (I2), so a wrong pointer can
+        cost a fetch but never changes the answer.
+        """
+        fetched = self._prefetch(key, m, down_to)
         out = [(key, m)]
         while m.version > down_to:
             if m.parent_manifest is None:
                 raise VersionNotFoundError(f"version {down_to} is not on the chain of {key!r}")
-            key, m = self.parent(key, m)
+            pkey = m.parent_manifest
+            p = fetched.get(pkey)
+            if p is None:
+                key, m = self.parent(key, m)
+            else:
+                self._check_link(key, m, pkey, p)
+                key, m = pkey, p
             out.append((key, m))
         out.reverse()
         return out
+
+    def _prefetch(self, key: str, m: Manifest, down_to: int) -> dict[str, Manifest]:
+        """Manifests of versions [down_to, m.version) reachable through parent and skip
+        pointers, fetched round by round in parallel (nothing when ``m`` has no skip pointers:
+        a parent walk is then as fast)."""
+        fetched: dict[str, Manifest] = {key: m}
+        if not m.back or m.version - down_to < 2:
+            return fetched
+        seen_versions = {m.version}
+        frontier = [(key, m)]
+        with ThreadPoolExecutor(CHAIN_FETCH_THREADS, thread_name_prefix="deltastore-chain") as pool:
+            while frontier:
+                wanted: dict[str, tuple[str, Manifest, int]] = {}
+                for k, x in frontier:
+                    pointers = [(x.parent_manifest, x.version - 1, 0)] + [(b, x.version - 2**j, j) for j, b in enumerate(x.back, 1)]
+                    for pk, v, j in pointers:
+                        if pk is None or v < down_to or v in seen_versions or pk in fetched or pk in wanted:
+                            continue
+                        seen_versions.add(v)
+                        wanted[pk] = (k, x, j)
+                keys = list(wanted)
+                results = list(pool.map(self._try_manifest, keys))
+                frontier = []
+                for pk, got in zip(keys, results):
+                    if got is None:
+                        continue
+                    k, x, j = wanted[pk]
+                    if j == 0:
+                        self._check_link(k, x, pk, got)
+                    else:
+                        self._check_skip(k, x, pk, got, x.version - 2**j)
+                    fetched[pk] = got
+                    frontier.append((pk, got))
+        return fetched
+
+    def _try_manifest(self, key: str) -> Manifest | None:
+        try:
+            return self.manifest(key)
+        except NotFoundError:
+            return None  # a skip target may be missing; the parent walk reports what must exist
 
     def anchor_chain(self, key: str, m: Manifest) -> list[tuple[str, Manifest]]:
         """Manifests from ``m``'s anchor up to ``m``, oldest first; the first is an anchor."""

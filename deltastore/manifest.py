@@ -945,6 +945,7 @@ def encode_manifest(m: Manifest, layout: Layout | None = None) -> bytes:
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     try:
         back = _manifest_from_doc(json.loads(raw), layout, f"<version {m.version} being encoded>")
+        _check_manifest(back, f"<version {m.version} being encoded>")
     except CorruptObjectError as e:
         raise ValueError(f"manifest of version {m.version} cannot be encoded: {e}") from None
     if dump(back) != dump(m):

@@ -430,3 +430,182 @@ def test_schema3_manifest_is_several_times_smaller(capsys) -> None:
               f"{len(back_keys := m3.back)} back keys included), layout object {len(layout_bytes)} B (once per layout)")
     assert back_keys
     assert len(data) < len(json2) / 3
+
+
+# --- History: every schema, layouts, index, squashes, skip pointers -----------------------------
+
+
+class _CountingStore:
+    """A MemoryStore that counts GETs per key."""
+
+    def __init__(self, name: str):
+        import uuid
+
+        from deltastore.storage._memory import MemoryStore
+
+        self.inner = MemoryStore(f"memory://schema3-{name}-{uuid.uuid4().hex}")
+        self.url = self.inner.url
+        self.gets: list[str] = []
+
+    def get(self, key: str) -> bytes:
+        self.gets.append(key)
+        return self.inner.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _write_chain(n: int, *, anchor_every: int = 0, with_back: bool = True, name: str = "chain"):
+    """Versions 1..n of schema 3 in a store (an anchor at 1 and every anchor_every), as a
+    writer lays them out; returns (store, head, keys, layout)."""
+    from deltastore.manifest import Head
+
+    store = _CountingStore(name)
+    rng = random.Random(n)
+    layout = make_layout(rng, 6)
+    ldata = encode_object(layout)
+    attempt0 = _hex(rng, 32)
+    lref = ObjectRef(key=object_key(attempt0, sha256_hex(ldata), ".layout.json.zst"), sha256=sha256_hex(ldata))
+    store.inner.put(lref.key, ldata, mode="create")
+    keys: dict[int, str] = {}
+    anchor = 1
+    for v in range(1, n + 1):
+        kind = "anchor" if v == 1 or (anchor_every and (v - 1) % anchor_every == 0) else "delta"
+        if kind == "anchor":
+            anchor = v
+        m = make_manifest(rng, layout, kind=kind, version=v, changed=0.3)
+        m = m.model_copy(update={
+            "parent_manifest": keys.get(v - 1), "anchor": anchor,
+            "anchor_manifest": None if kind == "anchor" else keys[anchor],
+            "delta_base": None if kind == "anchor" else v - 1, "chain_start": anchor,
+            "back": tuple(keys[v - 2**j] for j in range(1, 63) if v - 2**j >= 1) if with_back else (),
+            "layout": lref,
+        })
+        data = encode_manifest(m, layout)
+        keys[v] = manifest_key(v, sha256_hex(data), schema=3)
+        store.inner.put(keys[v], data, mode="create")
+    head = Head(schema=3, version=n, manifest=keys[n], manifest_sha256=keys[n].split("-")[-1].split(".")[0],
+                commit_id=attempt0, writer="w", epoch=1, updated="2026-12-01T10:00:00.000Z", lineage=LINEAGE)
+    return store, head, keys, layout
+
+
+def test_history_reads_schema3_with_its_layout() -> None:
+    from deltastore.history import History
+
+    store, head, keys, layout = _write_chain(5)
+    h = History(store)
+    key, m = h.head_manifest(head)
+    assert key == keys[5] and [t.name for t in m.tensors] == [n for n in layout.name if n in {t.name for t in m.tensors}]
+    assert h.layout(m.layout) == layout
+    layout_gets = [k for k in store.gets if k.endswith(".layout.json.zst")]
+    for v in range(1, 6):
+        h.find(v, head)
+    assert [k for k in store.gets if k.endswith(".layout.json.zst")] == layout_gets  # cached
+    assert [i.version for i in h.log(head)] == [1, 2, 3, 4, 5]
+
+
+def test_history_find_uses_skip_pointers() -> None:
+    from deltastore.history import History
+
+    store, head, keys, _ = _write_chain(200, name="find")
+    h = History(store)
+    h.head_manifest(head)
+    store.gets.clear()
+    key, m = h.find(3, head)
+    assert (key, m.version) == (keys[3], 3)
+    manifest_gets = [k for k in store.gets if k.startswith("manifests/")]
+    # 197 = 128 + 64 + 4 + 1: four hops, not 197 parent links
+    assert len(manifest_gets) <= 8, manifest_gets
+    # and without skip pointers it walks every link
+    store2, head2, _, _ = _write_chain(40, with_back=False, name="noback")
+    h2 = History(store2)
+    h2.head_manifest(head2)
+    store2.gets.clear()
+    assert h2.find(1, head2)[1].version == 1
+    assert len([k for k in store2.gets if k.startswith("manifests/")]) == 39
+
+
+def test_history_chain_with_skip_pointers_is_complete_and_checked() -> None:
+    from deltastore.history import History
+
+    store, head, keys, _ = _write_chain(70, anchor_every=32, name="chain")
+    h = History(store, cache_entries=4)  # a small cache: the chain must not depend on it
+    key, m = h.head_manifest(head)
+    ms = h.chain(key, m, down_to=m.anchor)
+    assert [x.version for _, x in ms] == list(range(65, 71))
+    assert [k for k, _ in ms] == [keys[v] for v in range(65, 71)]
+    ms = h.chain(key, m, down_to=3)
+    assert [x.version for _, x in ms] == list(range(3, 71))
+    assert [k for k, _ in ms] == [keys[v] for v in range(3, 71)]
+    assert [x.version for _, x in h.anchor_chain(key, m)] == list(range(65, 71))
+
+
+def test_history_refuses_a_skip_pointer_to_the_wrong_version() -> None:
+    """Keys carry versions, so a back entry naming the wrong version is refused when the
+    manifest is encoded or parsed; a manifest reached through back must also be the version its
+    position names, and share the anchor of the manifest it was reached from when in its span."""
+    from deltastore.history import History
+
+    store, head, keys, layout = _write_chain(9, name="badback")
+    m9 = parse_manifest(store.inner.get(keys[9]), keys[9], layout=layout)
+    bad = m9.model_copy(update={"back": (keys[7], keys[3], keys[1])})
+    with pytest.raises(ValueError, match="back"):
+        encode_manifest(bad, layout)
+    h = History(store)
+    m5 = h.manifest(keys[5])
+    with pytest.raises(CorruptObjectError, match="not 4"):
+        History._check_skip(keys[9], m9, keys[5], m5, 4)
+    other_span = m9.model_copy(update={"anchor": 4})
+    with pytest.raises(CorruptObjectError, match="cannot be on one chain"):
+        History._check_skip(keys[9], other_span, keys[5], m5, 5)
+    History._check_skip(keys[9], m9, keys[5], m5, 5)
+
+
+def test_history_index_and_squash() -> None:
+    from deltastore.history import History
+    from deltastore.manifest import Head, SquashManifest, SquashRef
+
+    store, head, keys, layout = _write_chain(4, name="index")
+    h = History(store)
+    assert h.index(head) is None
+    idx = Index(lineage=LINEAGE, generation=1, floor=1, writer="gc", created="2026-12-01T10:00:00.000Z")
+    data = encode_object(idx)
+    ref = ObjectRef(key=object_key("1" * 32, sha256_hex(data), ".index.json.zst"), sha256=sha256_hex(data))
+    store.inner.put(ref.key, data, mode="create")
+    head_i = head.model_copy(update={"index": ref})
+    assert h.index(head_i) == idx
+    other = head_i.model_copy(update={"lineage": "f" * 32})
+    h2 = History(store)
+    with pytest.raises(CorruptObjectError, match="lineage"):
+        h2.index(other)
+    sq = SquashManifest(**{"from": 2, "to": 4}, from_manifest=keys[2], to_manifest=keys[4], commit_id="2" * 32,
+                        lineage=LINEAGE, writer="c", created="2026-12-01T10:00:00.000Z")
+    sdata = encode_object(sq)
+    skey = object_key("2" * 32, sha256_hex(sdata), ".squash.json.zst")
+    store.inner.put(skey, sdata, mode="create")
+    sref = SquashRef(**{"from": 2, "to": 4}, key=skey, sha256=sha256_hex(sdata), bytes=len(sdata))
+    assert h.squash(sref) == sq
+    with pytest.raises(CorruptObjectError, match="squashes 2 → 4"):
+        History(store).squash(sref.model_copy(update={"from_": 1}))
+    from deltastore.errors import NotFoundError
+
+    with pytest.raises(NotFoundError):
+        h.squash(sref.model_copy(update={"key": object_key("3" * 32, sref.sha256, ".squash.json.zst")}))
+    assert isinstance(head_i, Head)
+
+
+def test_history_tolerates_missing_skip_targets() -> None:
+    """Skip pointers are hints: with their targets gone, find and chain walk parent links."""
+    from deltastore.history import History
+
+    store, head, keys, _ = _write_chain(20, name="missing")
+    for v in (18, 16, 12, 4):
+        store.inner.delete(keys[v])
+    h = History(store)
+    assert h.find(10, head)[0] == keys[10]
+    key, m = h.head_manifest(head)
+    assert [x.version for _, x in h.chain(key, m, down_to=19)] == [19, 20]
+    from deltastore.errors import NotFoundError
+
+    with pytest.raises(NotFoundError, match="missing"):
+        h.chain(key, m, down_to=2)  # version 18 is needed: the parent walk reports it
