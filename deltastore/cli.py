@@ -1,4 +1,4 @@
-"""The ``deltastore`` command line: publish, pull, log, verify, keygen.
+"""The ``deltastore`` command line: publish, pull, log, verify, status, inspect, keygen.
 
 Errors print as one line naming the object and exit non-zero; set ``DELTASTORE_DEBUG=1`` for
 the full traceback.
@@ -206,6 +206,70 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from deltastore.errors import VersionNotFoundError
+    from deltastore.history import History
+    from deltastore.manifest import dump
+    from deltastore.signing import TrustedKeys
+    from deltastore.storage import open_store
+
+    check = TrustedKeys(args.trusted_key).verify if args.trusted_key else None
+    history = History(open_store(args.url, storage_options=_storage_options(args)), check)
+    got = history.read_head()
+    if got is None or got[0].manifest is None:
+        raise VersionNotFoundError(f"{args.url}: no versions")
+    head = got[0]
+    key, m = history.find(head.version if args.version is None else args.version, head)
+    if args.json:
+        print(json.dumps(json.loads(dump(m)), indent=1, sort_keys=True))
+        return 0
+    layout = history.layout(m.layout) if m.layout is not None else None
+    for line in _inspect_lines(key, m, layout):
+        print(line)
+    return 0
+
+
+def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
+    """``deltastore inspect``: every field of a manifest, one fact per line."""
+    out = [f"manifest        {key}", f"schema          {m.schema_}"]
+    for name in ("version", "kind", "parent", "parent_manifest", "anchor", "anchor_manifest", "delta_base",
+                 "chain_start", "step", "created", "writer", "epoch", "commit_id", "lineage", "state_digest",
+                 "max_attempt_s"):
+        value = getattr(m, name)
+        if value is not None or m.schema_ >= 3:
+            out.append(f"{name:<15} {'-' if value is None else value}")
+    sig = m.signature
+    out.append(f"signature       {'none' if sig is None else f'{sig.alg} key {sig.key_id}'}")
+    out.append(f"metadata        {json.dumps(m.metadata, sort_keys=True)}")
+    out.append("stats           " + ", ".join(f"{k}={v}" for k, v in m.stats.model_dump().items() if v is not None))
+    out.append(f"back            {len(m.back)} skip pointer(s)")
+    out += [f"  v{m.version - 2**j:<12} {k}" for j, k in enumerate(m.back, 1)]
+    out.append(f"squashes        {len(m.squashes)}")
+    out += [f"  {s.from_} -> {s.to}  {_size(s.bytes)}  {s.key}" for s in m.squashes]
+    if layout is not None:
+        out.append(f"layout          {m.layout.key} (sha256 {m.layout.sha256}), {len(layout.name)} tensor(s), parts {layout.parts}")
+        for i, name in enumerate(layout.name):
+            out.append(f"  [{i}] {name}  {layout.dtype[i]} {list(layout.shape[i])}  chunk_rows {layout.chunk_rows[i]}")
+    else:
+        out.append("layout          inline (schema 1/2: the tensors below carry it)")
+    out.append(f"packs           {len(m.blobs)}")
+    for i, b in enumerate(m.blobs):
+        role = "" if b.role is None else f"role {b.role}  "
+        size = f"{b.size} B" if b.size < 1024 else f"{_size(b.size)} ({b.size} B)"
+        out.append(f"  [{i}] {role}{size}  {b.key}")
+    listed = sum(len(t.chunks) for t in m.tensors)
+    out.append(f"tensors         {len(m.tensors)} listed, {listed} chunk row(s)")
+    for t in m.tensors:
+        out.append(f"  {t.name}  {t.dtype} {list(t.shape)}  chunk_rows {t.chunk_rows}  ({len(t.chunks)} chunk(s) listed)")
+        for c in t.chunks:
+            out.append(f"    chunk {c.index}  digest {c.digest}")
+            for which, seg in (("delta", c.delta), ("full", c.full)):
+                if seg is not None:
+                    out.append(f"      {which:<5} pack {seg.blob} @ {seg.offset} +{seg.length}  {seg.codec}  "
+                               f"n_changed {seg.n_changed}  sha256 {seg.sha256}")
+    return out
+
+
 def _duration(s: float) -> str:
     if s < 120:
         return f"{s:.0f}s"
@@ -281,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument(*trusted[0], **trusted[1])
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("inspect", parents=[common], help="print everything in one version's manifest")
+    p.add_argument("url")
+    p.add_argument("--version", type=int, help="default: the latest")
+    p.add_argument("--json", action="store_true", help="the manifest as read (schema 3: tensors rebuilt from its layout), as JSON")
+    p.add_argument(*trusted[0], **trusted[1])
+    p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("keygen", help="write a new Ed25519 key pair for signing manifests")
     p.add_argument("private_key", metavar="PRIVATE.pem", help="private key path (0600); the public key goes beside it as .pub")

@@ -609,3 +609,56 @@ def test_history_tolerates_missing_skip_targets() -> None:
 
     with pytest.raises(NotFoundError, match="missing"):
         h.chain(key, m, down_to=2)  # version 18 is needed: the parent walk reports it
+
+
+# --- deltastore inspect ------------------------------------------------------------------------
+
+
+def test_inspect_schema3(capsys) -> None:
+    from deltastore.cli import main
+    from deltastore.manifest import HEAD_KEY
+
+    store, head, keys, layout = _write_chain(6, name="inspect")
+    store.inner.put(HEAD_KEY, dump(head))
+    url = store.url
+    assert main(["inspect", url, "--version", "5"]) == 0
+    out = capsys.readouterr().out
+    m5 = parse_manifest(store.inner.get(keys[5]), keys[5], layout=layout)
+    assert f"manifest        {keys[5]}" in out and "schema          3" in out and "version         5" in out
+    assert f"layout          {m5.layout.key}" in out
+    for i, name in enumerate(layout.name):
+        assert f"[{i}] {name}  {layout.dtype[i]}" in out
+    for j, k in enumerate(m5.back, 1):
+        assert f"v{5 - 2**j:<12} {k}" in out
+    for b in m5.blobs:
+        assert f"role {b.role}" in out and b.key in out
+    for t in m5.tensors:
+        for c in t.chunks:
+            assert f"chunk {c.index}  digest {c.digest}" in out
+            for seg in (c.delta, c.full):
+                if seg is not None:
+                    assert f"pack {seg.blob} @ {seg.offset} +{seg.length}  {seg.codec}" in out and seg.sha256 in out
+    assert "cum_delta_bytes=3" in out
+    assert main(["inspect", url, "--version", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(dump(m5))
+    assert main(["inspect", url]) == 0
+    assert "version         6" in capsys.readouterr().out
+    assert main(["inspect", url, "--version", "99"]) == 1
+    assert "version 99" in capsys.readouterr().err
+
+
+def test_inspect_golden_schema2_signed(tmp_path, capsys) -> None:
+    import shutil
+    from pathlib import Path
+
+    from deltastore.cli import main
+
+    golden = Path(__file__).parent / "golden"
+    shutil.copytree(golden / "store-schema2", tmp_path / "s")
+    pub = str(golden / "store-schema2-signing.pub")
+    assert main(["inspect", str(tmp_path / "s"), "--trusted-key", pub]) == 0
+    out = capsys.readouterr().out
+    assert "schema          2" in out and "version         7" in out and "signature       ed25519 key" in out
+    assert "layout          inline" in out and "layer.1.weight" in out
+    assert main(["inspect", str(tmp_path / "s"), "--version", "5", "--trusted-key", pub]) == 1
+    assert "not signed" in capsys.readouterr().err
