@@ -762,3 +762,63 @@ def test_real_publisher_delta_size(tmp_path, capsys) -> None:
               f"layout object {len(encode_object(layout))} B")
     assert 60 <= rows <= 140
     assert len(data) < len(json2) / 3
+
+
+def _doc_paths(doc, prefix=()):
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _doc_paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc[:3]):
+            yield from _doc_paths(v, (*prefix, i))
+
+
+_weird = (st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.text(max_size=70)
+          | st.lists(st.integers(-3, 10**6), max_size=4) | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_schema3_manifest_fails_only_with_typed_errors(base, data) -> None:
+    """Any field of a schema-3 document replaced by anything: parsing either succeeds (and the
+    result passes the SPEC checks) or raises a DeltastoreError naming the manifest."""
+    from deltastore.errors import DeltastoreError
+
+    m, layout, doc = base
+    paths = [p for p in _doc_paths(doc) if p]
+    path = data.draw(st.sampled_from(paths))
+    value = data.draw(_weird)
+    mutated = _mutated(doc, path, value)
+    raw = json.dumps(mutated, sort_keys=True, separators=(",", ":")).encode()
+    blob = zstandard.ZstdCompressor(level=3).compress(raw)
+    key = manifest_key(9, sha256_hex(blob), schema=3)
+    try:
+        parse_manifest(blob, key, layout=layout)
+    except DeltastoreError as e:
+        assert key in str(e)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_layout_fails_only_with_typed_errors(base, data) -> None:
+    """A hostile layout object: decode_object either refuses it with a typed error naming it,
+    or the manifest read with it is refused with a typed error (or still parses)."""
+    from deltastore.errors import DeltastoreError
+
+    m, layout, mdoc = base
+    doc = json.loads(dump(layout))
+    path = data.draw(st.sampled_from([p for p in _doc_paths(doc) if p]))
+    mutated = _mutated(doc, path, data.draw(_weird))
+    blob = zstandard.ZstdCompressor(level=3).compress(json.dumps(mutated, sort_keys=True, separators=(",", ":")).encode())
+    key = object_key("0" * 32, sha256_hex(blob), ".layout.json.zst")
+    try:
+        bad = decode_object(Layout, blob, key)
+    except DeltastoreError as e:
+        assert key in str(e)
+        return
+    mdata, mkey = _frame(mdoc)
+    try:
+        parse_manifest(mdata, mkey, layout=bad)
+    except DeltastoreError as e:
+        assert mkey in str(e)
