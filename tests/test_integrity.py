@@ -175,7 +175,7 @@ def test_unknown_schema_in_head_is_refused_by_readers_and_writers(url: str) -> N
     _history(url, n=1)
     with open_store(url) as store:
         h = read_head(store)
-        h["schema"] = 3
+        h["schema"] = 4
         h["something_new"] = True
         future = json.dumps(h).encode()
         store.put(HEAD_KEY, future, mode="overwrite")
@@ -196,7 +196,7 @@ def test_unknown_schema_in_manifest(url: str) -> None:
     _history(url, n=2)
     with open_store(url) as store:
         _, doc = head_manifest(store)
-        doc["schema"] = 3
+        doc["schema"] = 4
         key = resign_manifest(store, doc)
     with Subscriber(url) as sub:
         with pytest.raises(UnsupportedSchemaError) as exc:
