@@ -94,6 +94,17 @@ class VersionInfo:
 #: anchor span (20 versions by default), and a Subscriber that follows for weeks must not keep
 #: every manifest it ever read (a parsed chunk entry costs ~3 KB of Python objects).
 MANIFEST_CACHE_ENTRIES = 64
+#: ... and at most about this many bytes of them (design 005 D8): 64 anchors of a large model
+#: would otherwise hold gigabytes. The newest manifest is always kept.
+MANIFEST_CACHE_BYTES = 64 * 1024 * 1024
+#: Estimated memory of one parsed chunk entry with its segment references (pydantic objects),
+#: and of a manifest's header: what the byte bound counts.
+PARSED_CHUNK_BYTES = 3 * 1024
+PARSED_HEADER_BYTES = 8 * 1024
+
+
+def _parsed_bytes(m: Manifest) -> int:
+    return PARSED_HEADER_BYTES + PARSED_CHUNK_BYTES * sum(len(t.chunks) for t in m.tensors)
 #: Layouts kept per History: a store changes layout rarely, and a reader needs the layouts of
 #: the versions it walks (one per anchor span at most).
 LAYOUT_CACHE_ENTRIES = 8
@@ -139,17 +150,21 @@ class History:
             (a subscriber's signature check, SPEC §3.1) and raises to refuse it.
         max_manifest_bytes: refuse a manifest larger than this before parsing it.
         cache_entries: parsed manifests kept (least recently used evicted first).
+        cache_bytes: and at most about this many bytes of them (the newest is always kept).
     """
 
     def __init__(self, store: Store, check: Callable[[str, Manifest], None] | None = None, *,
-                 max_manifest_bytes: int = MAX_MANIFEST_BYTES, cache_entries: int = MANIFEST_CACHE_ENTRIES):
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES, cache_entries: int = MANIFEST_CACHE_ENTRIES,
+                 cache_bytes: int = MANIFEST_CACHE_BYTES):
         if cache_entries < 1:
             raise ValueError(f"cache_entries must be ≥ 1, got {cache_entries}")
         self.store = store
         self._check = check
         self.max_manifest_bytes = max_manifest_bytes
         self.cache_entries = cache_entries
+        self.cache_bytes = cache_bytes
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        self._manifest_bytes = 0
         self._lock = threading.Lock()
         self._layouts = _LRU(LAYOUT_CACHE_ENTRIES)
         self._squashes = _LRU(SQUASH_CACHE_ENTRIES)
@@ -214,9 +229,13 @@ class History:
         if self._check is not None:
             self._check(key, m)
         with self._lock:
-            self._manifests[key] = m
-            while len(self._manifests) > self.cache_entries:
-                self._manifests.popitem(last=False)
+            if key not in self._manifests:
+                self._manifests[key] = m
+                self._manifest_bytes += _parsed_bytes(m)
+            while len(self._manifests) > 1 and (
+                len(self._manifests) > self.cache_entries or self._manifest_bytes > self.cache_bytes
+            ):
+                self._manifest_bytes -= _parsed_bytes(self._manifests.popitem(last=False)[1])
         return m
 
     def _object(self, key: str, what: str) -> bytes:

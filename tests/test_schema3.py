@@ -822,3 +822,18 @@ def test_mutated_layout_fails_only_with_typed_errors(base, data) -> None:
         parse_manifest(mdata, mkey, layout=bad)
     except DeltastoreError as e:
         assert mkey in str(e)
+
+
+def test_history_manifest_cache_is_bounded_by_bytes() -> None:
+    from deltastore.history import PARSED_CHUNK_BYTES, History
+
+    store, head, keys, _ = _write_chain(30, name="cachebytes")
+    h = History(store, cache_bytes=40 * PARSED_CHUNK_BYTES)
+    key, m = h.head_manifest(head)
+    h.chain(key, m, down_to=1)
+    held = list(h._manifests.values())
+    assert 1 <= len(held) < 30
+    assert h._manifest_bytes == sum(8 * 1024 + PARSED_CHUNK_BYTES * sum(len(t.chunks) for t in x.tensors) for x in held)
+    assert h._manifest_bytes <= 40 * PARSED_CHUNK_BYTES or len(held) == 1
+    h.manifest(keys[3])  # evicted ones are fetched again
+    assert list(h._manifests)[-1] == keys[3]
