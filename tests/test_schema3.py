@@ -741,24 +741,40 @@ def test_real_publisher_delta_size(tmp_path, capsys) -> None:
                 sd[n].view(-1)[0] += 1
                 changed += 1
         info = pub.publish(sd, step=1)
-    mpaths = sorted((tmp_path / "store" / "manifests").iterdir())
-    ms = [parse_manifest(p.read_bytes(), f"manifests/{p.name}") for p in mpaths]
-    anchor, delta = ms
+    # read through History: the publisher writes schema 2 before issue 8's writer lands, 3 after
+    from deltastore.history import History
+    from deltastore.storage import open_store
+
+    history = History(open_store(url))
+    head = history.read_head()[0]
+    (akey, anchor), (dkey, delta) = history.chain(head.manifest, history.manifest(head.manifest), down_to=1)
     rows = sum(len(t.chunks) for t in delta.tensors)
-    layout = layout_of(anchor.tensors)
-    m3 = _as_schema3(delta, layout, random.Random(13))
+    layout = history.layout(anchor.layout) if anchor.layout is not None else layout_of(anchor.tensors)
+    m3 = delta if delta.schema_ >= 3 else _as_schema3(delta, layout, random.Random(13))
+    a3 = anchor if anchor.schema_ >= 3 else _as_schema3(anchor, layout, random.Random(14))
     data, key = _store(m3, layout)
-    assert parse_manifest(data, key, layout=layout) == m3
-    json2 = mpaths[1].read_bytes()
-    # the same schema-3 fields in schema-2 JSON, to separate the encoding's gain from the new fields
-    json3 = dump(m3)
-    a3 = _as_schema3(anchor, layout, random.Random(14))
     adata, _ = _store(a3, layout)
+    assert parse_manifest(data, key, layout=layout) == m3
+    if delta.schema_ >= 3:
+        assert len(history.store.get(dkey)) == len(data)
+
+    def as_schema2(m: Manifest) -> bytes:
+        """The same version as the schema-2 publisher stored it (inline tensors, blob keys)."""
+        return dump(Manifest(
+            schema=2, **{k: getattr(m, k) for k in ("version", "parent", "kind", "anchor", "delta_base", "step", "created",
+                                                    "writer", "epoch", "commit_id", "metadata", "lineage", "tensors")},
+            parent_manifest=None if m.parent is None else manifest_key(m.parent, "0" * 64, schema=2),
+            blobs=tuple(BlobRef(key=blob_key(b.sha256), size=b.size, sha256=b.sha256) for b in m.blobs),
+            stats=m.stats.model_copy(update={"delta_bytes": None, "full_bytes": None, "cum_delta_bytes": None}),
+        ))
+
+    json2, ajson2 = as_schema2(delta), as_schema2(anchor)
+    json3 = dump(m3)
     with capsys.disabled():
-        print(f"\n[size] real publisher, 103 tensors, delta v{info.version} with {rows} chunk rows in {len(delta.tensors)} tensors: "
-              f"schema-2 JSON {len(json2)} B, schema-3 in-memory as JSON {len(json3)} B, schema-3 zstd {len(data)} B "
-              f"(ratio {len(data) / len(json2):.3f}); anchor ({sum(len(t.chunks) for t in anchor.tensors)} rows): "
-              f"schema-2 JSON {len(mpaths[0].read_bytes())} B, schema-3 zstd {len(adata)} B; "
+        print(f"\n[size] real publisher (schema {delta.schema_}), 103 tensors, delta v{info.version} with {rows} chunk rows in "
+              f"{len(delta.tensors)} tensors: schema-2 JSON {len(json2)} B, schema-3 in-memory as JSON {len(json3)} B, "
+              f"schema-3 zstd {len(data)} B (ratio {len(data) / len(json2):.3f}); anchor "
+              f"({sum(len(t.chunks) for t in anchor.tensors)} rows): schema-2 JSON {len(ajson2)} B, schema-3 zstd {len(adata)} B; "
               f"layout object {len(encode_object(layout))} B")
     assert 60 <= rows <= 140
     assert len(data) < len(json2) / 3
