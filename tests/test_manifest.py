@@ -32,6 +32,39 @@ from deltastore.manifest import (
 )
 from tests._helpers import head_manifest, small_state, snapshot
 
+def _key(version: int, digest: str) -> str:
+    """The key of a schema-1/2 (plain JSON) manifest: what these tests parse and mutate."""
+    return manifest_key(version, digest, schema=2)
+
+
+def _store_copy_as_schema2(store) -> dict[str, bytes | str]:
+    """HEAD's manifest and HEAD as a schema-2 publisher stored them: the bytes themselves when
+    the publisher wrote schema 2, else the same version re-expressed as schema 2 (inline
+    tensors, ``blobs/`` keys, no schema-3 fields), so that these JSON tests do not depend on the
+    schema the publisher writes."""
+    from deltastore.history import History
+
+    history = History(store)
+    head = history.read_head()[0]
+    m = history.manifest(head.manifest)
+    if m.schema_ < 3:
+        return {"key": head.manifest, "manifest": store.get(head.manifest), "head": store.get(HEAD_KEY),
+                "written_schema": m.schema_, "written_head_schema": head.schema_}
+    fields = ("version", "parent", "kind", "anchor", "delta_base", "step", "created", "writer", "epoch", "commit_id",
+              "metadata", "lineage", "tensors", "signature")
+    m2 = Manifest(
+        schema=2, **{k: getattr(m, k) for k in fields},
+        parent_manifest=None if m.parent is None else _key(m.parent, digest_from_key(m.parent_manifest)),
+        blobs=tuple(BlobRef(key=blob_key(b.sha256), size=b.size, sha256=b.sha256) for b in m.blobs),
+        stats=m.stats.model_copy(update={"delta_bytes": None, "full_bytes": None, "cum_delta_bytes": None}),
+    )
+    data = dump(m2)
+    key = _key(m2.version, sha256_hex(data))
+    head2 = Head(schema=2, version=head.version, manifest=key, manifest_sha256=sha256_hex(data), commit_id=head.commit_id,
+                 writer=head.writer, epoch=head.epoch, updated=head.updated, lineage=head.lineage)
+    return {"key": key, "manifest": data, "head": dump(head2), "written_schema": m.schema_, "written_head_schema": head.schema_}
+
+
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 hexes = st.text("0123456789abcdef", min_size=64, max_size=64)
@@ -92,7 +125,7 @@ def manifests(draw) -> Manifest:
     return Manifest(
         version=version,
         parent=parent,
-        parent_manifest=manifest_key(parent, draw(hexes)) if parent else None,
+        parent_manifest=_key(parent, draw(hexes)) if parent else None,
         kind=kind,
         anchor=anchor,
         delta_base=delta_base,
@@ -122,7 +155,7 @@ def heads(draw) -> Head:
     digest = None if version == 0 else draw(hexes)  # version 0: a claimed store, no manifest yet
     return Head(
         version=version,
-        manifest=None if digest is None else manifest_key(version, digest),
+        manifest=None if digest is None else _key(version, digest),
         manifest_sha256=digest,
         commit_id=draw(st.text(max_size=40)),
         writer=draw(st.text(max_size=40)),
@@ -137,7 +170,7 @@ def heads(draw) -> Head:
 def test_manifest_round_trips(m: Manifest) -> None:
     data = dump(m)
     digest = sha256_hex(data)
-    key = manifest_key(m.version, digest)
+    key = _key(m.version, digest)
     assert digest_from_key(key) == digest
     back = parse_manifest(data, key, digest)
     assert back == m
@@ -180,9 +213,7 @@ def real() -> dict[str, bytes | str]:
     with Publisher(url, threads=2, chunk_bytes=256) as pub:
         pub.publish(s0, metadata={"a": [1, 2]})
         pub.publish(s1, step=5)
-        store = pub.store
-        key, _ = head_manifest(store)
-        return {"key": key, "manifest": store.get(key), "head": store.get(HEAD_KEY)}
+        return _store_copy_as_schema2(pub.store)
 
 
 def test_every_truncated_manifest_is_a_typed_error(real) -> None:
@@ -191,7 +222,7 @@ def test_every_truncated_manifest_is_a_typed_error(real) -> None:
         cut = data[:n]
         with pytest.raises(IntegrityError):  # the content address catches it first
             parse_manifest(cut, key)
-        rekeyed = manifest_key(2, sha256_hex(cut))
+        rekeyed = _key(2, sha256_hex(cut))
         with pytest.raises(CorruptObjectError) as exc:  # and the parser, if it is re-keyed
             parse_manifest(cut, rekeyed)
         assert rekeyed in str(exc.value)
@@ -207,7 +238,7 @@ def test_every_truncated_head_is_a_typed_error(real) -> None:
 
 def _rekey(doc: dict) -> tuple[bytes, str]:
     data = json.dumps(doc).encode()
-    return data, manifest_key(2, sha256_hex(data))
+    return data, _key(2, sha256_hex(data))
 
 
 weird = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=3) | st.lists(st.integers(), max_size=2) | st.dictionaries(st.text(max_size=2), st.integers(), max_size=2)
@@ -312,7 +343,10 @@ def test_other_schemas_are_unsupported(real, schema) -> None:
 # --- schema 2 fields (lineage, signature) and schema-1 documents -----------------------------
 
 
-def test_writers_write_schema_2_with_one_lineage(real) -> None:
+def test_writers_write_their_schema_with_one_lineage(real) -> None:
+    from deltastore.manifest import SCHEMA_VERSION
+
+    assert real["written_schema"] == real["written_head_schema"] == SCHEMA_VERSION
     doc, head = _doc(real), json.loads(real["head"])
     assert doc["schema"] == head["schema"] == 2
     assert len(doc["lineage"]) == 32 and doc["lineage"] == head["lineage"]
@@ -371,7 +405,7 @@ def test_delta_manifest_lists_only_what_changed() -> None:
     with Publisher(url, threads=2, chunk_bytes=1024) as pub:
         a = pub.publish(state)
         store = pub.store
-        anchor_size = len(store.get(a.manifest))
+        anchor_size = len(json.dumps(_in_memory_doc(store, a.manifest)))  # the anchor lists all 2001 tensors
         nxt = dict(state)
         nxt["layer1234.weight"] = state["layer1234.weight"].clone()
         nxt["layer1234.weight"][1, 2] = 7.0
@@ -379,7 +413,7 @@ def test_delta_manifest_lists_only_what_changed() -> None:
         nxt["big"][3000, 5] = 1.0  # one chunk of a 64-chunk tensor
         d = pub.publish(nxt)
         data = store.get(d.manifest)
-        doc = json.loads(data)
+        doc = _in_memory_doc(store, d.manifest)
         assert d.kind == "delta"
         assert [t["name"] for t in doc["tensors"]] == ["layer1234.weight", "big"]
         big = doc["tensors"][1]
@@ -391,7 +425,14 @@ def test_delta_manifest_lists_only_what_changed() -> None:
         assert doc["stats"]["bytes_stored"] == sum(b["size"] for b in doc["blobs"])
         # An unchanged publish: an empty delta manifest.
         e = pub.publish(nxt)
-        assert json.loads(store.get(e.manifest))["tensors"] == [] and len(store.get(e.manifest)) < 1000
+        assert _in_memory_doc(store, e.manifest)["tensors"] == [] and len(store.get(e.manifest)) < 1000
+
+
+def _in_memory_doc(store, key: str) -> dict:
+    """A manifest of any schema as its in-memory JSON document (schema 3: tensors rebuilt)."""
+    from deltastore.history import History
+
+    return json.loads(dump(History(store).manifest(key)))
 
 
 def test_real_manifest_fields(real) -> None:
@@ -420,7 +461,7 @@ def anchor_doc() -> dict:
     }
     with Publisher(url, threads=2, chunk_bytes=512) as pub:
         pub.publish(state)
-        _, doc = head_manifest(pub.store)
+        doc = json.loads(_store_copy_as_schema2(pub.store)["manifest"])
     w = next(t for t in doc["tensors"] if t["name"] == "w")
     assert len(w["chunks"]) == 4 and doc["kind"] == "anchor"
     return doc
@@ -432,7 +473,7 @@ def _w(doc: dict) -> dict:
 
 def _parse_doc(doc: dict):
     data = json.dumps(doc).encode()
-    return parse_manifest(data, manifest_key(doc["version"], sha256_hex(data)))
+    return parse_manifest(data, _key(doc["version"], sha256_hex(data)))
 
 
 def test_real_anchor_parses(anchor_doc) -> None:
@@ -469,7 +510,7 @@ def test_structurally_impossible_anchor_is_corrupt(anchor_doc, why: str, mutate,
     doc = json.loads(json.dumps(anchor_doc))
     mutate(doc)
     data = json.dumps(doc).encode()
-    key = manifest_key(doc["version"], sha256_hex(data))
+    key = _key(doc["version"], sha256_hex(data))
     with pytest.raises(CorruptObjectError) as exc:
         parse_manifest(data, key)
     assert key in str(exc.value)
@@ -489,8 +530,8 @@ def test_manifest_key_must_carry_its_version(real) -> None:
     version's key (a parent link that skips one) is corrupt."""
     data = real["manifest"]
     digest = sha256_hex(data)
-    parse_manifest(data, manifest_key(2, digest))
-    for key in (manifest_key(3, digest), manifest_key(1, digest), f"manifests/x-{digest}.json", f"blobs/{digest[:2]}/{digest}"):
+    parse_manifest(data, _key(2, digest))
+    for key in (_key(3, digest), _key(1, digest), f"manifests/x-{digest}.json", f"blobs/{digest[:2]}/{digest}"):
         with pytest.raises(CorruptObjectError, match="version|manifest key"):
             parse_manifest(data, key)
 
@@ -510,7 +551,7 @@ def test_hostile_json_is_corrupt_not_a_python_error(text: str) -> None:
     with pytest.raises(CorruptObjectError, match="HEAD"):
         parse_head(data)
     with pytest.raises(CorruptObjectError):
-        parse_manifest(data, manifest_key(1, sha256_hex(data)))
+        parse_manifest(data, _key(1, sha256_hex(data)))
 
 
 def test_deep_metadata_is_corrupt(real) -> None:
