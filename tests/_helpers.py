@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.manifest import HEAD_KEY, manifest_key, parse_head, parse_manifest, sha256_hex
+from deltastore.manifest import HEAD_KEY, parse_head, parse_manifest, sha256_hex
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store
 from deltastore.tensors import bits
 
@@ -260,9 +260,11 @@ def read_head(store: Store) -> dict[str, Any]:
 
 
 def head_manifest(store: Store) -> tuple[str, dict[str, Any]]:
-    """(key, JSON document) of the manifest HEAD points to."""
+    """(key, JSON document) of the manifest HEAD points to (schema 3: its in-memory shape)."""
+    from tests._manifest_docs import read_manifest_doc
+
     h = read_head(store)
-    return h["manifest"], json.loads(store.get(h["manifest"]))
+    return h["manifest"], read_manifest_doc(store, h["manifest"])
 
 
 def resign_manifest(store: Store, doc: dict[str, Any], *, point_head: bool = True) -> str:
@@ -271,9 +273,10 @@ def resign_manifest(store: Store, doc: dict[str, Any], *, point_head: bool = Tru
     This models a manifest written by a buggy or newer writer: every SHA-256 matches, so only
     the reader's semantic checks can catch what is wrong inside.
     """
-    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    from tests._manifest_docs import encode_manifest_doc  # schema 3: columnar zstd, layout as needed
+
+    data, key = encode_manifest_doc(store, doc)
     digest = sha256_hex(data)
-    key = manifest_key(doc["version"], digest)
     store.put(key, data, mode="overwrite")
     if point_head:
         h = read_head(store)
@@ -282,13 +285,19 @@ def resign_manifest(store: Store, doc: dict[str, Any], *, point_head: bool = Tru
     return key
 
 
+def _layouts(store: Store):
+    from tests._manifest_docs import layout_fetcher
+
+    return layout_fetcher(store)
+
+
 def reachable_packs(store: Store) -> list[str]:
     """Pack keys referenced by any manifest on the chain from HEAD."""
     h = parse_head(store.get(HEAD_KEY))
     out: list[str] = []
     key = h.manifest
     while key is not None:
-        m = parse_manifest(store.get(key), key)
+        m = parse_manifest(store.get(key), key, layout=_layouts(store))
         out.extend(b.key for b in m.blobs)
         key = m.parent_manifest
     return out
@@ -303,7 +312,7 @@ def check_invariants(store: Store) -> list[int]:
     versions: list[int] = []
     key, expected = h.manifest, h.manifest_sha256
     while key is not None:
-        m = parse_manifest(store.get(key), key, expected)
+        m = parse_manifest(store.get(key), key, expected, layout=_layouts(store))
         versions.append(m.version)
         for b in m.blobs:
             data = store.get(b.key)
