@@ -642,9 +642,10 @@ def _check_schema3_links(m: Manifest, bad: Callable[[str], CorruptObjectError]) 
     for j, k in enumerate(m.back, start=1):
         if manifest_key_version(k) != m.version - 2**j:
             raise bad(f"back[{j - 1}] = {k!r} is not the manifest key of version {m.version} − 2^{j}")
-    if m.chain_start is not None:
-        if not 1 <= m.chain_start <= m.version or (m.delta_base is None and m.chain_start != m.version):
-            raise bad(f"chain_start {m.chain_start} is not the latest version ≤ {m.version} with a null delta_base")
+    if m.chain_start is not None and (
+        not 1 <= m.chain_start <= m.version or (m.delta_base is None and m.chain_start != m.version)
+    ):
+        raise bad(f"chain_start {m.chain_start} is not the latest version ≤ {m.version} with a null delta_base")
     if m.max_attempt_s is not None and not 1 <= m.max_attempt_s < INT_LIMIT:
         raise bad(f"max_attempt_s = {m.max_attempt_s} is not a positive number of seconds")
 

@@ -41,6 +41,7 @@ from tests._helpers import (
     snapshot,
     sparse_edit,
 )
+from tests._manifest_docs import read_manifest_doc
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -211,7 +212,7 @@ def test_unknown_codec_in_manifest(url: str, which: str) -> None:
         key, doc = head_manifest(store)
         if which == "full":  # version 1 is the anchor: point HEAD at a re-signed version 1
             key = next(k for k in keys(store, "manifests/") if k.startswith("manifests/000000000001-"))
-            doc = json.loads(store.get(key))
+            doc = read_manifest_doc(store, key)
         seg = doc["tensors"][-1]["chunks"][-1][which]
         seg["codec"] = "lz77-magic/9"
         resign_manifest(store, doc)
@@ -401,7 +402,7 @@ def test_pull_into_a_wrong_layout_target(url: str) -> None:
 
 def _manifest_doc(store, version: int) -> tuple[str, dict]:
     key = next(k for k in keys(store, "manifests/") if k.startswith(f"manifests/{version:012d}-"))
-    return key, json.loads(store.get(key))
+    return key, read_manifest_doc(store, key)
 
 
 def test_anchor_with_out_of_range_chunk_indices_is_corrupt(url: str) -> None:

@@ -10,7 +10,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltastore import CorruptObjectError, DeltastoreError, IntegrityError, Publisher, UnsupportedSchemaError
+from deltastore import (
+    CorruptObjectError,
+    DeltastoreError,
+    IntegrityError,
+    Publisher,
+    UnsupportedSchemaError,
+)
 from deltastore.manifest import (
     HEAD_KEY,
     BlobRef,
@@ -30,7 +36,8 @@ from deltastore.manifest import (
     parse_manifest,
     sha256_hex,
 )
-from tests._helpers import head_manifest, small_state, snapshot
+from tests._helpers import small_state, snapshot
+
 
 def _key(version: int, digest: str) -> str:
     """The key of a schema-1/2 (plain JSON) manifest: what these tests parse and mutate."""

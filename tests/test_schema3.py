@@ -11,7 +11,12 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltastore.errors import CorruptObjectError, IntegrityError, SignatureError, UnsupportedSchemaError
+from deltastore.errors import (
+    CorruptObjectError,
+    IntegrityError,
+    SignatureError,
+    UnsupportedSchemaError,
+)
 from deltastore.manifest import (
     BlobRef,
     ChunkEntry,
@@ -201,7 +206,12 @@ def test_schema2_still_plain_json() -> None:
 
 
 def test_schema3_signature_survives_encoding(tmp_path) -> None:
-    from deltastore.signing import TrustedKeys, generate_key_files, load_private_key, sign_manifest
+    from deltastore.signing import (
+        TrustedKeys,
+        generate_key_files,
+        load_private_key,
+        sign_manifest,
+    )
 
     priv, pub = generate_key_files(tmp_path / "k.pem")
     rng = random.Random(6)
@@ -325,7 +335,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_schema3_manifest_refused(base, case) -> None:
-    m, layout, doc = base
+    _m, layout, doc = base
     path, value = HOSTILE[case](doc)
     data, key = _frame(_mutated(doc, path, value))
     with pytest.raises(CorruptObjectError) as e:
@@ -334,7 +344,7 @@ def test_hostile_schema3_manifest_refused(base, case) -> None:
 
 
 def test_hostile_frames_refused(base) -> None:
-    m, layout, doc = base
+    _m, layout, doc = base
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     cases = {
         "no content size": zstandard.ZstdCompressor(level=3, write_content_size=False).compress(raw),
@@ -365,7 +375,7 @@ def test_hostile_frames_refused(base) -> None:
 
 
 def test_hostile_schema_mismatches(base) -> None:
-    m, layout, doc = base
+    _m, layout, doc = base
     data, key = _frame(_mutated(doc, ("parts",), [{"part": 0}]))
     with pytest.raises(UnsupportedSchemaError, match="sharded versions are read from a later release"):
         parse_manifest(data, key, layout=layout)
@@ -414,7 +424,7 @@ def test_schema3_manifest_is_several_times_smaller(capsys) -> None:
     m3 = make_manifest(rng, layout, kind="delta", version=5000, changed=90 / n_chunks, max_pack_segments=40)
     n_rows = sum(len(t.chunks) for t in m3.tensors)
     assert 60 <= n_rows <= 130, n_rows
-    data, key = _store(m3, layout)
+    data, _key = _store(m3, layout)
     # the same version as schema 2 would store it: inline tensors, blob keys, no schema-3 fields
     m2 = Manifest(
         schema=2, **{k: getattr(m3, k) for k in ("version", "parent", "parent_manifest", "kind", "anchor", "delta_base",
@@ -546,7 +556,7 @@ def test_history_refuses_a_skip_pointer_to_the_wrong_version() -> None:
     position names, and share the anchor of the manifest it was reached from when in its span."""
     from deltastore.history import History
 
-    store, head, keys, layout = _write_chain(9, name="badback")
+    store, _head, keys, layout = _write_chain(9, name="badback")
     m9 = parse_manifest(store.inner.get(keys[9]), keys[9], layout=layout)
     bad = m9.model_copy(update={"back": (keys[7], keys[3], keys[1])})
     with pytest.raises(ValueError, match="back"):
@@ -565,7 +575,7 @@ def test_history_index_and_squash() -> None:
     from deltastore.history import History
     from deltastore.manifest import Head, SquashManifest, SquashRef
 
-    store, head, keys, layout = _write_chain(4, name="index")
+    store, head, keys, _layout = _write_chain(4, name="index")
     h = History(store)
     assert h.index(head) is None
     idx = Index(lineage=LINEAGE, generation=1, floor=1, writer="gc", created="2026-12-01T10:00:00.000Z")
@@ -747,7 +757,7 @@ def test_real_publisher_delta_size(tmp_path, capsys) -> None:
 
     history = History(open_store(url))
     head = history.read_head()[0]
-    (akey, anchor), (dkey, delta) = history.chain(head.manifest, history.manifest(head.manifest), down_to=1)
+    (_akey, anchor), (dkey, delta) = history.chain(head.manifest, history.manifest(head.manifest), down_to=1)
     rows = sum(len(t.chunks) for t in delta.tensors)
     layout = history.layout(anchor.layout) if anchor.layout is not None else layout_of(anchor.tensors)
     m3 = delta if delta.schema_ >= 3 else _as_schema3(delta, layout, random.Random(13))
@@ -801,7 +811,7 @@ def test_mutated_schema3_manifest_fails_only_with_typed_errors(base, data) -> No
     result passes the SPEC checks) or raises a DeltastoreError naming the manifest."""
     from deltastore.errors import DeltastoreError
 
-    m, layout, doc = base
+    _m, layout, doc = base
     paths = [p for p in _doc_paths(doc) if p]
     path = data.draw(st.sampled_from(paths))
     value = data.draw(_weird)
@@ -822,7 +832,7 @@ def test_mutated_layout_fails_only_with_typed_errors(base, data) -> None:
     or the manifest read with it is refused with a typed error (or still parses)."""
     from deltastore.errors import DeltastoreError
 
-    m, layout, mdoc = base
+    _m, layout, mdoc = base
     doc = json.loads(dump(layout))
     path = data.draw(st.sampled_from([p for p in _doc_paths(doc) if p]))
     mutated = _mutated(doc, path, data.draw(_weird))
