@@ -59,9 +59,29 @@ def pristine() -> dict[str, Any]:
     key = head["manifest"]
     while key is not None:
         chain.append(key)
-        key = json.loads(objects[key])["parent_manifest"]
+        key = _load(key, objects[key])["parent_manifest"]
     chain.reverse()
     return {"objects": objects, "chain": chain, "states": [snapshot(s) for s in states]}
+
+
+def _load(key: str, raw: bytes) -> Any:
+    """The JSON document stored under ``key`` (schema 3: the decompressed columnar document)."""
+    if key.endswith(".json.zst"):
+        import zstandard
+
+        raw = zstandard.ZstdDecompressor().decompress(raw)
+    return json.loads(raw)
+
+
+def _store_as(key: str, doc: Any, depth: int, version: int) -> tuple[bytes, str]:
+    """``doc`` stored the way ``key``'s schema stores it, and its content-addressed key."""
+    raw = _encode(doc, depth)
+    if key.endswith(".json.zst"):
+        import zstandard
+
+        raw = zstandard.ZstdCompressor(level=3).compress(raw)
+        return raw, manifest_key(version, sha256_hex(raw), schema=3)
+    return raw, manifest_key(version, sha256_hex(raw), schema=2)
 
 
 def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
@@ -170,15 +190,26 @@ FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCh
 def test_parsers_raise_only_typed_errors(pristine, data, depth: int) -> None:
     objects = pristine["objects"]
     key = data.draw(st.sampled_from(pristine["chain"]))
+    layouts = _layout_of_objects(objects)
     for what, raw in (("head", objects[HEAD_KEY]), ("manifest", objects[key])):
-        doc = _mutate(json.loads(raw), data)
-        mutated = _encode(doc, depth)
+        doc = _mutate(json.loads(raw) if what == "head" else _load(key, raw), data)
         if what == "head":
+            mutated = _encode(doc, depth)
             _typed_only(lambda: parse_head(mutated))
         else:
             version = doc.get("version") if isinstance(doc, dict) and isinstance(doc.get("version"), int) else 1
             version = version if 0 <= version < 10**12 else 1
-            _typed_only(lambda: parse_manifest(mutated, manifest_key(version, sha256_hex(mutated))))
+            mutated, mkey = _store_as(key, doc, depth, version)
+            _typed_only(lambda: parse_manifest(mutated, mkey, layout=layouts))
+
+
+def _layout_of_objects(objects: dict[str, bytes]):
+    """parse_manifest's ``layout`` for a schema-3 manifest of ``objects`` (None before)."""
+    from deltastore.manifest import Layout, decode_object
+
+    if not any(k.endswith(".layout.json.zst") for k in objects):
+        return None
+    return lambda ref: decode_object(Layout, objects[ref.key], ref.key, ref.sha256)
 
 
 def _publish_mutated(store, pristine: dict, data: st.DataObject, depth: int) -> None:
@@ -193,7 +224,7 @@ def _publish_mutated(store, pristine: dict, data: st.DataObject, depth: int) -> 
         return
     prev_key = None
     for i, key in enumerate(chain):
-        doc = json.loads(objects[key])
+        doc = _load(key, objects[key])
         if i < target:
             continue
         version = doc["version"]
@@ -201,8 +232,9 @@ def _publish_mutated(store, pristine: dict, data: st.DataObject, depth: int) -> 
             doc = _mutate(doc, data)
         elif isinstance(doc, dict):
             doc["parent_manifest"] = prev_key
-        raw = _encode(doc, depth)
-        prev_key = manifest_key(version, sha256_hex(raw))
+            if "back" in doc:
+                doc["back"] = []  # skip pointers are hints; the re-signed chain has new keys
+        raw, prev_key = _store_as(key, doc, depth, version)
         store.put(prev_key, raw, mode="overwrite")
     head.update(manifest=prev_key, manifest_sha256=sha256_hex(raw))
     store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
