@@ -12,13 +12,18 @@ schema 2) whatever the publisher writes:
   validating it: plain JSON for schema 1/2, else the columnar zstd document, writing a new
   layout object when the document's tensors disagree with the layout it names.
 
-A lie the columnar form cannot express (a segment offset other than the one its position in
-the pack implies) raises :class:`NotExpressible` instead of being silently corrected.
+Offsets are implicit in schema 3 (segments fill their packs back to back). A document whose
+segments leave gaps in a pack (chunks dropped, a segment moved to another pack) is stored with
+that pack rewritten to hold exactly its listed segments (a new pack object under the manifest's
+attempt, or, for a pack that does not exist, just its size corrected), which is what a writer
+of such a manifest would have had to store. Overlapping or out-of-range segments cannot be said
+at all and raise :class:`NotExpressible`.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 from typing import Any
@@ -114,6 +119,7 @@ def encode_manifest_doc(store: Store, doc: dict[str, Any]) -> tuple[bytes, str]:
         segs.sort(key=lambda s: (s[0], s[1]))
     except TypeError:
         pass  # hostile numbers: keep the document's order
+    _repack(store, doc, blobs, segs)
     # offsets and pack indices are implicit in schema 3: refuse a document that states others
     pack, offset = 0, 0
     for blob, off, _, _, s in segs:
@@ -139,6 +145,44 @@ def encode_manifest_doc(store: Store, doc: dict[str, Any]) -> tuple[bytes, str]:
     )
     data = _zstd_json(doc)
     return data, manifest_key(version, sha256_hex(data), schema=3)
+
+
+def _repack(store: Store, doc: dict[str, Any], blobs: list[dict[str, Any]], segs: list) -> None:
+    """Rewrite packs whose listed segments leave gaps so that they fill them back to back."""
+    by_pack: dict[int, list] = {}
+    for seg in segs:
+        blob, off, length = seg[0], seg[1], seg[4].get("length")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (blob, off, length)):
+            return
+        if not 0 <= blob < len(blobs):
+            return
+        by_pack.setdefault(blob, []).append(seg)
+    attempt = doc.get("commit_id") if _ATTEMPT.fullmatch(str(doc.get("commit_id"))) else "0" * 32
+    for i, group in by_pack.items():
+        b = blobs[i]
+        spans = [(s[1], s[4]["length"]) for s in group]
+        if [o for o, _ in spans] == list(itertools.accumulate([0] + [n for _, n in spans[:-1]])) and sum(n for _, n in spans) == b.get("size"):
+            continue  # already back to back
+        ends = [o + n for o, n in spans]
+        if any(spans[k][0] < ends[k - 1] for k in range(1, len(spans))) or spans[0][0] < 0:
+            raise NotExpressible(f"segments of pack {i} overlap")
+        try:
+            data = store.get(b["key"])
+        except KeyError:
+            data = None  # a missing pack: only its size changes
+        if data is not None:
+            if ends[-1] > len(data):
+                raise NotExpressible(f"a segment runs past the end of pack {i}")
+            new = b"".join(data[o:o + n] for o, n in spans)
+            sha = sha256_hex(new)
+            b.update(key=object_key(attempt, sha, ".pack"), sha256=sha)
+            store.put(b["key"], new, mode="overwrite")
+        b["size"] = sum(n for _, n in spans)
+        offset = 0
+        for s in group:
+            s[4]["offset"] = offset
+            offset += s[4]["length"]
+    segs[:] = sorted(((s[0], s[4]["offset"], *s[2:]) for s in segs), key=lambda s: (s[0], s[1]))
 
 
 def write_manifest_doc(store: Store, doc: dict[str, Any]) -> str:
