@@ -184,11 +184,11 @@ class ChainChecker:
                 self._violation("I1 manifest missing", f"{key} (reachable from HEAD v{head.get('version')})")
                 return self.chain
             digest = hashlib.sha256(data).hexdigest()
-            if not key.endswith(f"-{digest}.json") or (expected is not None and expected != digest):
+            if not key.endswith((f"-{digest}.json", f"-{digest}.json.zst")) or (expected is not None and expected != digest):
                 self._violation("I1 manifest hash", f"{key} hashes to {digest}")
                 return self.chain
-            m = json.loads(data)
-            for b in m.get("blobs", []):
+            m = manifest_json(key, data)
+            for b in m.get("blobs", m.get("packs", [])):
                 pack = self._get(b["key"])
                 if pack is None:
                     self._violation("I1 pack missing", f"{b['key']} of version {m['version']} ({key})")
@@ -219,6 +219,16 @@ class ChainChecker:
             out.append(self._verified[key])
             key = self._below[key]
         return out
+
+
+def manifest_json(key: str, data: bytes) -> dict[str, Any]:
+    """A stored manifest's JSON document: schema 1/2 plain JSON, schema 3 (``.json.zst``) the
+    decompressed columnar document (its packs are under ``packs``, each with a ``role``)."""
+    if key.endswith(".json.zst"):
+        import zstandard
+
+        data = zstandard.ZstdDecompressor().decompress(data)
+    return json.loads(data)
 
 
 def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, threads: int = 1) -> set[int]:

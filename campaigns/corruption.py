@@ -26,7 +26,7 @@ import time
 import traceback
 from typing import Any
 
-from campaigns.common import ChainChecker, Tally, campaign_options, fresh_url, main, parser
+from campaigns.common import ChainChecker, Tally, campaign_options, fresh_url, main, manifest_json, parser
 
 #: Versions published before the damage; anchors at 1 and 4, so damage meets anchors (full and
 #: delta packs) and deltas alike.
@@ -205,11 +205,12 @@ def run(server: Any, args: Any) -> Tally:
 
 def _packs(store: Any, links: list, which: str) -> list[str]:
     """Pack keys holding ``which`` ("delta"/"full") segments, on the chain."""
-    import json
-
     out = set()
     for l in links:
-        m = json.loads(store.get(l.key))
+        m = manifest_json(l.key, store.get(l.key))
+        if "packs" in m:  # schema 3: every pack holds segments of one role
+            out.update(p["key"] for p in m["packs"] if p["role"] == which[0])
+            continue
         for t in m["tensors"]:
             for c in t["chunks"]:
                 if c.get(which):

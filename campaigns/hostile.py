@@ -45,6 +45,14 @@ def _sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+def _pack_ref(doc: dict[str, Any], pack: bytes, role: str) -> dict[str, Any]:
+    """A blob/pack entry for ``pack`` in ``doc``: ``blobs/`` for schema 1/2, else under the
+    manifest's attempt with a role (schema 3)."""
+    if isinstance(doc.get("layout"), dict):
+        return {"key": f"objects/{doc['commit_id']}/{_sha(pack)}.pack", "size": len(pack), "sha256": _sha(pack), "role": role}
+    return {"key": f"blobs/{_sha(pack)[:2]}/{_sha(pack)}", "size": len(pack), "sha256": _sha(pack)}
+
+
 class Hostile:
     """One trial's store: a copy of the template, and ways to write hostile objects into it."""
 
@@ -62,8 +70,16 @@ class Hostile:
         return key
 
     def put_manifest(self, doc: dict[str, Any], *, point_head: bool = True) -> str:
-        raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        return self.put_manifest_raw(int(doc["version"]) if isinstance(doc.get("version"), int) else VERSIONS, raw, point_head=point_head)
+        """Store an in-memory manifest document as its schema stores it (schema 3: columnar
+        zstd, a new layout object if its tensors changed; see tests/_manifest_docs.py)."""
+        from tests._manifest_docs import encode_manifest_doc
+
+        raw, key = encode_manifest_doc(self.store, doc)
+        self.store.put(key, raw, mode="overwrite")
+        if point_head:
+            h = dict(self.head, manifest=key, manifest_sha256=_sha(raw))
+            self.store.put("HEAD", json.dumps(h).encode(), mode="overwrite")
+        return key
 
     def put_head(self, doc: dict[str, Any]) -> None:
         self.store.put("HEAD", json.dumps(doc).encode(), mode="overwrite")
@@ -82,9 +98,9 @@ class Hostile:
                     a, b = seg["offset"], seg["offset"] + seg["length"]
                     new = mutate(bytes(pack[a:b]))
                     pack[a:b] = new
-                    key = f"blobs/{_sha(bytes(pack))[:2]}/{_sha(bytes(pack))}"
-                    self.store.put(key, bytes(pack), mode="overwrite")
-                    blob.update(key=key, sha256=_sha(bytes(pack)), size=len(pack))
+                    ref = _pack_ref(doc, bytes(pack), blob.get("role") or "f")
+                    self.store.put(ref["key"], bytes(pack), mode="overwrite")
+                    blob.update(ref)
                     seg["sha256"] = _sha(new)
                     return
 
@@ -236,9 +252,9 @@ def crafted() -> list[tuple[str, Callable[[Hostile], None]]]:
         empty = np.empty(0, dtype=width)
         seg = codec.encode_full(empty)
         pack = bytes(seg.data)
-        key = f"blobs/{_sha(pack)[:2]}/{_sha(pack)}"
-        h.store.put(key, pack, mode="overwrite")
-        doc["blobs"].append({"key": key, "size": len(pack), "sha256": _sha(pack)})
+        ref = _pack_ref(doc, pack, "f")
+        h.store.put(ref["key"], pack, mode="overwrite")
+        doc["blobs"].append(ref)
         last = t["chunks"][-1]
         last["index"] = len(t["chunks"])
         last["digest"] = state_digest(empty)
@@ -363,6 +379,7 @@ def run(server: Any, args: Any) -> Tally:
     from deltastore import DeltastoreError, Publisher, Subscriber
     from deltastore.storage import open_store
     from campaigns.model import CHUNK_BYTES, Oracle
+    from tests._manifest_docs import read_manifest_doc
 
     tally = Tally("hostile", server.kind)
     options = campaign_options(server)
@@ -375,12 +392,12 @@ def run(server: Any, args: Any) -> Tally:
             for k in range(VERSIONS):
                 pub.publish(model.state(k), step=k)
         objects = {m.key: tstore.get(m.key) for m in tstore.list()}
+        manifests: dict[int, tuple[str, dict[str, Any]]] = {}
+        for key in objects:
+            if key.startswith("manifests/"):
+                doc = read_manifest_doc(tstore, key)  # schema 3: the in-memory shape
+                manifests[doc["version"]] = (key, doc)
     head = json.loads(objects["HEAD"])
-    manifests: dict[int, tuple[str, dict[str, Any]]] = {}
-    for key, data in objects.items():
-        if key.startswith("manifests/"):
-            doc = json.loads(data)
-            manifests[doc["version"]] = (key, doc)
     layout = {t["name"]: (t["dtype"], list(t["shape"])) for t in manifests[1][1]["tensors"]}
 
     handmade = crafted()
