@@ -15,13 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
 
-#: The schema writers write (2: ``lineage`` on HEAD and manifests, optional ``signature``).
-SCHEMA_VERSION = 2
+#: The schema writers write (3: design 005; 2 added ``lineage`` and an optional ``signature``).
+SCHEMA_VERSION = 3
 #: Schemas readers accept: every store written by an earlier release stays readable.
 #: Schema 3 (design 005, issue 8): compact zstd manifests, layout objects, attempt-scoped keys,
 #: skip pointers, the history index (retention), squashes, and `parts`.
 #: (3 is added by the change that implements its encoding.)
-READABLE_SCHEMAS = (1, 2)
+READABLE_SCHEMAS = (1, 2, 3)
 #: Fields that exist only in schema 3 (a schema-1/2 document is written without them).
 SCHEMA3_MANIFEST_FIELDS = ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes")
 #: Immutable objects written by schema 3 live under ``objects/<attempt>/`` (design 005 D1).
@@ -535,7 +535,11 @@ def _check_manifest(m: Manifest, key: str) -> None:
         raise bad("delta_base must be the parent version or null")
     for i, b in enumerate(m.blobs):
         _check_int(b.size, f"blobs[{i}].size", "manifest", key)
-        if b.key != blob_key(b.sha256) or len(b.sha256) != 64:
+        # schema 3 names packs under the writing attempt (design 005 D1)
+        pack_key = blob_key(b.sha256) if m.schema_ < 3 else None
+        if m.schema_ >= 3 and re.fullmatch(rf"{OBJECT_PREFIX}[0-9a-f]{{32}}/{re.escape(b.sha256)}\.pack", b.key):
+            pack_key = b.key
+        if b.key != pack_key or len(b.sha256) != 64:
             raise bad(f"blob {i} has key {b.key!r}, not the content address of its sha256 {b.sha256!r}")
     names: set[str] = set()
     for t in m.tensors:
