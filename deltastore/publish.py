@@ -620,7 +620,12 @@ class Publisher:
         source = parent_key  # the manifest of version v − 2^(j−1)
         j = 1
         while source is not None and version - 2**j >= 1:
-            link = self._link(source)
+            try:
+                link = self._link(source)
+            except NotFoundError:
+                # Collected below GC's floor: skip pointers are hints (D1), the list stops here.
+                logger.info("manifest %s is gone (collected); version %d gets %d back entries", source, version, len(out))
+                break
             if j == 1:
                 key = link.parent_key
             else:

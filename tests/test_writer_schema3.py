@@ -408,3 +408,27 @@ def test_the_first_schema3_version_on_a_schema2_store_is_an_anchor(restart: bool
         assert_bits_equal(target, states[4])
         assert_bits_equal(sub.pull(9), more)
     assert check_invariants(store) == list(range(1, 10))
+
+
+def test_collected_old_manifests_shorten_back_but_never_stop_a_publish(monkeypatch) -> None:
+    """Skip pointers are hints: once GC deleted the manifests below its floor (an anchor), a
+    publisher that would have to read one to derive ``back`` writes a prefix and commits."""
+    monkeypatch.setattr(publish_mod, "LINK_CACHE_ENTRIES", 2)
+    url = "memory://writer-collected"
+    rng = np.random.default_rng(10)
+    state = _state()
+    with Publisher(url, threads=1, anchor_cost_ratio=1e9) as pub:
+        for v in range(1, 12):
+            state = _step(state, rng)
+            pub.publish(state, anchor=v == 9)
+    store = open_store(url)
+    chain = _chain(store)
+    for v in range(1, 9):  # what GC deletes below a floor of 9
+        store.delete(chain[v][0])
+    with Publisher(url, threads=1, anchor_cost_ratio=1e9) as pub:  # a restart: nothing cached
+        state = _step(state, rng)
+        assert pub.publish(state).version == 12
+    m12 = History(store).manifest(parse_head(store.get(HEAD_KEY)).manifest)
+    # key(8) comes from version 10's back; key(4) would be back[1] of version 8, which is gone
+    assert m12.back == (chain[10][0], chain[8][0]), m12.back
+    assert_bits_equal(Subscriber(url).pull(12), state)
