@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -256,7 +255,7 @@ class Publisher:
         # What the next version needs of the version it builds on (schema-3 fields), and the
         # skip-pointer links of recent manifests (bounded).
         self._tip: _Tip | None = None
-        self._links: OrderedDict[str, _Link] = OrderedDict()
+        self._links: dict[str, _Link] = {}
         self._closed = False
 
         self._commits = CommitProtocol(self.store, self._history, self.writer_id)
@@ -444,6 +443,7 @@ class Publisher:
         tip = self._current_tip()
         why = self._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
         kind = "anchor" if why else "delta"
+        assert kind == "anchor" or (tip is not None and tip.schema3)  # a delta continues a schema-3 chain
         specs = self._specs if same_layout else {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
         assert specs is not None
         layout = layout_from_specs(specs)
@@ -467,15 +467,15 @@ class Publisher:
             # The chain of composable deltas restarts at a version without a base, and at the
             # first schema-3 version (cum_delta_bytes and back start there: design 005 D10).
             restart = not has_base or tip is None or not tip.schema3
-            chain_start = version if restart else tip.chain_start  # type: ignore[union-attr]
-            cum = 0 if restart else tip.cum + delta_bytes  # type: ignore[union-attr]
+            chain_start = version if restart else tip.chain_start
+            cum = 0 if restart else tip.cum + delta_bytes
             parent_key = self._head.manifest if self._head else None
             manifest = Manifest(
                 version=version,
                 parent=self._head.version if self._head and self._head.version else None,
                 parent_manifest=parent_key,
                 kind=kind,
-                anchor=version if kind == "anchor" else tip.anchor,  # type: ignore[union-attr]
+                anchor=version if kind == "anchor" else tip.anchor,
                 delta_base=self._head.version if has_base and self._head else None,
                 step=step,
                 created=now(),
@@ -487,7 +487,7 @@ class Publisher:
                 tensors=encoded.entries,
                 stats=encoded.stats.model_copy(update={"cum_delta_bytes": cum}),
                 lineage=lineage,
-                anchor_manifest=None if kind == "anchor" else tip.anchor_key,  # type: ignore[union-attr]
+                anchor_manifest=None if kind == "anchor" else tip.anchor_key,
                 back=self._back_for(version, parent_key),
                 chain_start=chain_start,
                 layout=layout_ref,
@@ -538,9 +538,9 @@ class Publisher:
         self._tip = _Tip(
             version=version, key=mkey, schema3=True, chain_start=chain_start, cum=cum, layout=layout,
             layout_ref=layout_ref, anchor=manifest.anchor,
-            anchor_key=mkey if kind == "anchor" else tip.anchor_key,  # type: ignore[union-attr]
-            anchor_full=full_bytes if kind == "anchor" else tip.anchor_full,  # type: ignore[union-attr]
-            anchor_cum=cum if kind == "anchor" else tip.anchor_cum,  # type: ignore[union-attr]
+            anchor_key=mkey if kind == "anchor" else tip.anchor_key,
+            anchor_full=full_bytes if kind == "anchor" else tip.anchor_full,
+            anchor_cum=cum if kind == "anchor" else tip.anchor_cum,
         )
         if self._commits.superseded:  # committed, but another writer is already on top: resume next time
             self._reference, self._commits.superseded = None, False
@@ -587,25 +587,29 @@ class Publisher:
             return None
         if self._tip is not None and self._tip.key == head.manifest:
             return self._tip
-        key, m = self._history.head_manifest(head)  # type: ignore[misc]
+        top = self._history.head_manifest(head)
+        assert top is not None  # HEAD names a manifest
+        key, m = top
         self._remember(key, m)
         self._tip = _tip_of(key, m, self._history, self.store)
         return self._tip
 
     def _remember(self, key: str, m: Manifest) -> None:
         self._links[key] = _Link(m.version, m.parent_manifest, m.back, m.schema_ >= 3)
-        self._links.move_to_end(key)
         while len(self._links) > LINK_CACHE_ENTRIES:
-            self._links.popitem(last=False)
+            # the oldest version goes first: sources of the next back lists are the newest
+            del self._links[min(self._links, key=lambda k: self._links[k].version)]
 
-    def _link(self, key: str) -> _Link:
+    def _link(self, key: str, *, keep: bool) -> _Link:
+        """The links of manifest ``key``, read if not cached; ``keep``: cache what was read (a
+        recent version, a source again soon; an old one is a source once per level)."""
         link = self._links.get(key)
-        if link is None:
-            self._remember(key, self._history.manifest(key))
-            link = self._links[key]
-        else:
-            self._links.move_to_end(key)
-        return link
+        if link is not None:
+            return link
+        m = self._history.manifest(key)
+        if keep:
+            self._remember(key, m)
+        return _Link(m.version, m.parent_manifest, m.back, m.schema_ >= 3)
 
     def _back_for(self, version: int, parent_key: str | None) -> tuple[str, ...]:
         """``back`` of ``version``: the manifest keys of versions v−2, v−4, …, v−2^j ≥ 1.
@@ -621,7 +625,7 @@ class Publisher:
         j = 1
         while source is not None and version - 2**j >= 1:
             try:
-                link = self._link(source)
+                link = self._link(source, keep=2 ** (j - 1) < LINK_CACHE_ENTRIES)
             except NotFoundError:
                 # Collected below GC's floor: skip pointers are hints (D1), the list stops here.
                 logger.info("manifest %s is gone (collected); version %d gets %d back entries", source, version, len(out))

@@ -33,7 +33,6 @@ from deltastore.manifest import (
     decode_object,
     dump,
     encode_object,
-    manifest_key,
     new_lineage,
     object_key,
     parse_head,
@@ -42,7 +41,14 @@ from deltastore.manifest import (
 from deltastore.storage import open_store
 from deltastore.storage.base import IfMatch, ObjectMeta, PutMode
 from deltastore.tensors import bits, spec_for
-from tests._helpers import SMALL_CHUNK_BYTES, HeadPutHook, WrappedStore, assert_bits_equal, check_invariants, snapshot
+from tests._helpers import (
+    SMALL_CHUNK_BYTES,
+    HeadPutHook,
+    WrappedStore,
+    assert_bits_equal,
+    check_invariants,
+    snapshot,
+)
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -94,7 +100,7 @@ def _check_schema3_fields(store, *, ratio: float | None = None, layout_changes: 
     for v in sorted(chain):
         if v < upgraded_at:
             continue
-        k, m = chain[v]
+        _, m = chain[v]
         where = f"version {v}"
         assert m.schema_ == 3, where
         # D1: packs under this attempt, one role each, delta packs first
@@ -367,7 +373,7 @@ def _write_schema2_history(url: str, states: list[dict[str, torch.Tensor]]) -> N
                          delta_base=v - 1 if v > 1 else None, created=now(), writer="old-release", epoch=1,
                          commit_id=new_commit_id(), blobs=enc.blobs, tensors=enc.entries, stats=enc.stats, lineage=lineage)
             data = dump(m)
-            prev = manifest_key(v, sha256_hex(data))
+            prev = f"manifests/{v:012d}-{sha256_hex(data)}.json"  # the schema-1/2 key
             store.put(prev, data, mode="create")
             head = Head(schema_=2, version=v, manifest=prev, manifest_sha256=sha256_hex(data), commit_id=m.commit_id,
                         writer="old-release", epoch=1, updated=m.created, lineage=lineage)
