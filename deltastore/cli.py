@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int)
     p.add_argument("--metadata", help="JSON object stored with the version")
     p.add_argument("--anchor", action="store_true", help="write a full snapshot (also allows a layout change)")
-    p.add_argument("--anchor-every", type=int, default=20, help="a snapshot every N versions (default 20)")
+    p.add_argument("--anchor-every", type=int, default=None,
+                   help="a snapshot every N versions (default: once the deltas since the last snapshot reach its size)")
     p.add_argument("--signing-key", metavar="FILE", help="Ed25519 private key (PEM) to sign the manifest with")
     p.set_defaults(func=_cmd_publish)
 

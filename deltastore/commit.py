@@ -8,7 +8,9 @@ HEAD it last saw (and that HEAD's ETag, the CAS token), its writer id and its ep
     ...                              # build a manifest on proto.head / proto.epoch
     proto.prepare()                  # before each publish: fenced? an earlier outcome unknown?
     put_immutable(store, key, data)  # packs and the manifest (content-addressed, create-only)
-    proto.commit(new_head)           # CAS HEAD; an unclear outcome is settled by reading HEAD
+    proto.commit(new_head, deadline=t)  # CAS HEAD (not past the attempt's deadline); an
+                                     # unclear outcome is settled by reading HEAD; an
+                                     # index-only HEAD change is rebased over (design 005 D4)
     proto.fenced                     # True once a newer publisher claimed the store
 
 The rule (docs/design/001 and 004): a publish that committed never reports failure; one that
@@ -26,6 +28,7 @@ import uuid
 from datetime import datetime, timezone
 
 from deltastore.errors import (
+    CommitAbandonedError,
     CommitUnknownError,
     ConflictError,
     DeltastoreError,
@@ -49,6 +52,10 @@ CLAIM_ATTEMPTS = 16
 READBACK_ATTEMPTS = 6
 #: First pause between those reads, doubled after each (0.2+0.4+...+3.2 s ≈ 6 s in all).
 READBACK_BACKOFF_S = 0.2
+#: HEAD writes retried over index-only HEAD changes (GC, compactor, pin: design 005 D4) in one
+#: commit: those writers change HEAD a few times per GC run or compaction round, so 8 in a row
+#: means something is rewriting HEAD in a loop; the commit then fails as a conflict.
+REBASE_ATTEMPTS = 8
 
 
 def now() -> str:
@@ -211,37 +218,74 @@ class CommitProtocol:
         self.epoch = claimed.epoch
         logger.info("claimed %s at version %d with epoch %d", self.url, claimed.version, claimed.epoch)
 
-    def commit(self, head: Head) -> None:
+    def commit(self, head: Head, *, deadline: float | None = None) -> None:
         """Make ``head`` (a new version) current by CAS; see SPEC §5 step 6.
 
-        Returns only when the version is committed (also when our write landed but its response
-        was lost, or a retry of it failed).
+        When the CAS fails because another writer changed only HEAD's ``index`` (GC, the
+        compactor, ``pin``: HEAD's version, manifest, commit id and epoch are still those of
+        our base), the CAS is retried against the new HEAD carrying its ``index`` (design 005
+        D4; at most :data:`REBASE_ATTEMPTS` times).
+
+        Args:
+            head: the new HEAD (its ``index`` is the base HEAD's).
+            deadline: ``time.monotonic()`` value after which no HEAD write may be sent (the
+                attempt's ``max_attempt_s`` after its first write, design 005 D3); None: none.
+
+        Returns only when the version is committed (also when our write landed but its
+        response was lost, or a retry of it failed); :attr:`head` is then the HEAD written
+        (with the newer ``index`` after a rebase).
 
         Raises:
-            ConflictError: another writer of our epoch committed first; nothing was committed.
+            CommitAbandonedError: the deadline passed before a HEAD write; nothing was
+                committed, HEAD is as it was (a later publish is a new attempt).
+            ConflictError: another writer of our epoch committed first (or HEAD's index kept
+                changing); nothing was committed.
             FencedError: a newer publisher claimed the store; nothing was committed.
             CommitUnknownError: the write failed unclearly and HEAD could not be read back.
             StorageError: the write failed and HEAD is as it was; nothing was committed.
         """
-        self._cas_head(head, is_commit=True)
+        for attempt in range(REBASE_ATTEMPTS + 1):
+            self._check_deadline(head, deadline)
+            rebased = self._cas_head(head, is_commit=True, rebase=attempt < REBASE_ATTEMPTS)
+            if rebased is None:
+                return
+            logger.info("HEAD's index changed under commit %s (version %d): retrying on the new index", head.commit_id, head.version)
+            head = rebased
+        raise AssertionError("unreachable: the last try does not rebase")  # pragma: no cover
+
+    def _check_deadline(self, head: Head, deadline: float | None) -> None:
+        if deadline is None:
+            return
+        late = time.monotonic() - deadline
+        if late > 0:
+            raise CommitAbandonedError(
+                f"the commit attempt {head.commit_id} of version {head.version} to {self.url} ran {late:.1f} s past its "
+                "deadline (max_attempt_s) before writing HEAD, so it was abandoned: GC may already have collected its "
+                "objects. Nothing was committed; publish again (a new attempt)",
+                version=head.version,
+                commit_id=head.commit_id,
+            )
 
     # --- internals -------------------------------------------------------------------------
 
-    def _cas_head(self, new: Head, *, is_commit: bool = False) -> None:
-        """CAS HEAD to ``new``; ``is_commit`` for a new version (a claim reuses the old one)."""
+    def _cas_head(self, new: Head, *, is_commit: bool = False, rebase: bool = False) -> Head | None:
+        """CAS HEAD to ``new``; ``is_commit`` for a new version (a claim reuses the old one).
+
+        Returns None once settled, or (with ``rebase``) ``new`` carrying the index of a HEAD
+        that changed only its index, to be written next against :attr:`head_etag`."""
         mode = IfMatch(self.head_etag) if self.head_etag is not None else "create"
         try:
             meta = self.store.put(HEAD_KEY, dump(new), mode=mode)
         except PreconditionFailedError as e:
-            self._settle(new, e, is_commit=is_commit, precondition=True)
-            return
+            return self._settle(new, e, is_commit=is_commit, precondition=True, rebase=rebase)
         except Exception as e:  # noqa: BLE001 - 5xx, timeout, reset, truncated read: unclear
-            self._settle(new, e, is_commit=is_commit, precondition=False)
-            return
+            return self._settle(new, e, is_commit=is_commit, precondition=False, rebase=rebase)
         self.head, self.head_etag = new, meta.etag
+        return None
 
-    def _settle(self, new: Head, error: Exception, *, is_commit: bool, precondition: bool) -> None:
-        """Decide an unclear HEAD write by reading HEAD back (SPEC §5 step 6)."""
+    def _settle(self, new: Head, error: Exception, *, is_commit: bool, precondition: bool, rebase: bool = False) -> Head | None:
+        """Decide an unclear HEAD write by reading HEAD back (SPEC §5 step 6); returns a head
+        to retry with when only HEAD's index changed (design 005 D4, step 6a)."""
         try:
             current = self._read_back(new, error)
         except CommitUnknownError:
@@ -252,7 +296,19 @@ class CommitProtocol:
             assert current is not None
             logger.warning("HEAD write for commit %s failed (%s) but had landed; treating as success", new.commit_id, error)
             self._adopt_landed(current, new)
-            return
+            return None
+        if is_commit and current is not None and not self._unchanged(current) and self._index_only_change(current[0]):
+            # GC, the compactor or a pin rewrote HEAD's index and nothing else: our base is
+            # still HEAD's version, so our commit stays valid on top of the new index (step 6a).
+            self.head, self.head_etag = current
+            if rebase:
+                return new.model_copy(update={"index": current[0].index})
+            raise ConflictError(
+                f"HEAD's index in {self.url} changed {REBASE_ATTEMPTS + 1} times during the commit of version {new.version} "
+                "(another writer rewrites it in a loop); nothing was committed, publish again",
+                head_version=current[0].version,
+                head_writer=current[0].writer,
+            ) from error
         if self._unchanged(current):
             # Nothing landed and nobody else wrote: the store is as it was.
             if precondition:
@@ -309,6 +365,14 @@ class CommitProtocol:
             # (Compared with the epoch our write carried: a claim that landed is not a fence.)
             logger.warning("commit %s landed; publisher %s has since taken %s over (epoch %d)", new.commit_id, head.writer, self.url, head.epoch)
             self.fenced = True
+
+    def _index_only_change(self, head: Head) -> bool:
+        """``head`` differs from our base HEAD at most in ``index`` and ``updated`` (the fields
+        an index-only writer may change, design 005 D4)."""
+        base = self.head
+        if base is None:
+            return False
+        return (head.version, head.manifest, head.commit_id, head.epoch) == (base.version, base.manifest, base.commit_id, base.epoch)
 
     def _unchanged(self, current: tuple[Head, str] | None) -> bool:
         """HEAD is still what our write was conditioned on."""

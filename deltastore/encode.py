@@ -23,7 +23,7 @@ import torch
 from deltastore import codec
 from deltastore.commit import put_immutable
 from deltastore.jobs import grouped
-from deltastore.manifest import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry, blob_key, sha256_hex
+from deltastore.manifest import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry, blob_key, object_key, sha256_hex
 from deltastore.storage.base import Store
 from deltastore.tensors import TensorSpec, bits, state_digest, torch_dtype
 
@@ -49,7 +49,8 @@ class EncodedVersion:
     Attributes:
         entries: one entry per tensor, in layout order, each with its chunks' segment refs.
         stats: bytes stored and what changed.
-        blobs: the packs, all uploaded: delta packs first, then full packs.
+        blobs: the packs, all uploaded: delta packs (role ``d``) first, then full packs
+            (role ``f``); a pack never holds both (SPEC §2, design 005 D2).
     """
 
     entries: tuple[TensorEntry, ...]
@@ -69,15 +70,19 @@ class _Encoded:
 
 
 class _PackWriter:
-    """Concatenates segments into content-addressed packs and uploads each when full.
+    """Concatenates segments of one role into content-addressed packs and uploads each when full.
 
-    Uploads run on ``uploader`` threads (at most ``UPLOADS_IN_FLIGHT`` packs held at once), so
-    encoding goes on while a pack travels; :meth:`finish` waits for every upload.
+    With an ``attempt`` (schema 3) packs go to ``objects/<attempt>/<sha256>.pack`` and record
+    ``role``; without one, to the schema-1/2 ``blobs/`` keys. Uploads run on ``uploader``
+    threads (at most ``UPLOADS_IN_FLIGHT`` packs held at once), so encoding goes on while a
+    pack travels; :meth:`finish` waits for every upload.
     """
 
-    def __init__(self, store: Store, uploader: Executor):
+    def __init__(self, store: Store, uploader: Executor, *, attempt: str | None = None, role: Literal["f", "d"] | None = None):
         self.store = store
         self.uploader = uploader
+        self.attempt = attempt
+        self.role = role if attempt is not None else None
         self.blobs: list[BlobRef] = []
         self._buf = bytearray()  # segments appended in place: no second copy to join them
         self._uploads: deque[Future[None]] = deque()
@@ -102,8 +107,8 @@ class _PackWriter:
             return
         data, self._buf = self._buf, bytearray()
         digest = sha256_hex(data)
-        key = blob_key(digest)
-        self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest))
+        key = object_key(self.attempt, digest, ".pack") if self.attempt is not None else blob_key(digest)
+        self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest, role=self.role))
         self.bytes_written += len(data)
         while len(self._uploads) >= UPLOADS_IN_FLIGHT:
             self._uploads.popleft().result()
@@ -148,6 +153,7 @@ def encode_version(
     uploader: Executor,
     store: Store,
     threads: int,
+    attempt: str | None = None,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -166,6 +172,8 @@ def encode_version(
         uploader: threads for pack uploads (at least ``2 × UPLOADS_IN_FLIGHT`` to overlap
             the delta and full pack streams).
         store: where packs are uploaded (create-only, content-addressed).
+        attempt: the commit attempt's id (schema 3): packs go under ``objects/<attempt>/``
+            with their role; None writes schema-1/2 ``blobs/`` keys.
 
     Returns:
         The :class:`EncodedVersion`; every pack it lists is stored.
@@ -196,7 +204,8 @@ def encode_version(
 
     # Delta and full segments go to separate packs, so a subscriber one version behind an
     # anchor range-reads the small delta packs without touching the snapshot.
-    delta_packs, full_packs = _PackWriter(store, uploader), _PackWriter(store, uploader)
+    delta_packs = _PackWriter(store, uploader, attempt=attempt, role="d")
+    full_packs = _PackWriter(store, uploader, attempt=attempt, role="f")
     window = threads * IN_FLIGHT_PER_THREAD
     pending: deque[Future[list[_Encoded | None]]] = deque()
     chunks: list[tuple[_Encoded, SegmentRef | None, SegmentRef | None]] = []
@@ -243,5 +252,7 @@ def encode_version(
         elements_changed=elements_changed,
         tensors_total=len(specs),
         elements_total=sum(s.numel for s in specs.values()),
+        delta_bytes=delta_packs.bytes_written if attempt is not None else None,
+        full_bytes=full_packs.bytes_written if attempt is not None else None,
     )
     return EncodedVersion(entries=tuple(entries), stats=stats, blobs=tuple(delta_packs.blobs + full_packs.blobs))

@@ -19,6 +19,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── ConflictError                             another writer committed first
     │   ├── FencedError                           this writer was superseded
     │   └── HistoryReplacedError                  the store's history is not the one held
+    ├── CommitAbandonedError (TimeoutError)       an attempt passed its deadline before HEAD
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
     │   ├── CorruptObjectError                    unparseable / truncated object
     │   ├── SignatureError                        manifest unsigned / untrusted / bad signature
@@ -141,6 +142,28 @@ class HistoryReplacedError(ConflictError):
     its versions do not continue the held one, so nothing can be fast-forwarded. Open a new
     Subscriber or call ``pull()`` to read the new history.
     """
+
+
+class CommitAbandonedError(DeltastoreError, TimeoutError):
+    """A commit attempt ran past its deadline (``max_attempt_s``, design 005 D3) before its HEAD
+    write, so it was abandoned: HEAD was not written and nothing was committed.
+
+    GC may collect the attempt's objects once they are older than its grace period, which
+    exceeds the deadline; committing after the deadline could therefore name deleted objects.
+    Publish again: the retry is a new attempt whose objects are written under new keys.
+
+    Attributes:
+        version: the version the abandoned attempt was for.
+        commit_id: the abandoned attempt's id.
+        elapsed_s: seconds since just before the attempt's first write.
+    """
+
+    def __init__(self, message: str, *, version: int | None = None, commit_id: str | None = None,
+                 elapsed_s: float | None = None):
+        super().__init__(message)
+        self.version = version
+        self.commit_id = commit_id
+        self.elapsed_s = elapsed_s
 
 
 # --- integrity and format -------------------------------------------------------------------

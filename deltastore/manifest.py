@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
 
-#: The schema writers write (2: ``lineage`` on HEAD and manifests, optional ``signature``).
-SCHEMA_VERSION = 2
+#: The schema writers write (3: design 005; 2 added ``lineage`` and an optional ``signature``).
+SCHEMA_VERSION = 3
 #: Schemas readers accept: every store written by an earlier release stays readable.
 #: Schema 3 (design 005, issue 8): compact zstd manifests, layout objects, attempt-scoped keys,
 #: skip pointers, the history index (retention), squashes, and `parts`.

@@ -7,29 +7,48 @@ the HEAD protocol (claim, compare-and-swap, lost responses, fencing) in :mod:`de
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from deltastore.commit import CommitProtocol, new_commit_id, now, put_immutable
+from deltastore.commit import CommitProtocol, now, put_immutable
 from deltastore.encode import UPLOADS_IN_FLIGHT, encode_version
 from deltastore.errors import (
     ConflictError,
     InvalidStateDictError,
     LayoutMismatchError,
+    NotFoundError,
     StorageError,
 )
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
 from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
-from deltastore.manifest import DTYPE_WIDTHS, Head, Manifest, dump, manifest_key, sha256_hex
+from deltastore.manifest import (
+    DEFAULT_MAX_ATTEMPT_S,
+    DTYPE_WIDTHS,
+    Head,
+    Layout,
+    Manifest,
+    ObjectRef,
+    decode_object,
+    encode_manifest,
+    encode_object,
+    manifest_key,
+    manifest_key_version,
+    new_attempt_id,
+    object_key,
+    sha256_hex,
+)
 from deltastore.publish_queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -45,8 +64,20 @@ from deltastore.tensors import (
 
 logger = logging.getLogger(__name__)
 
-#: A full snapshot every this many versions bounds how much history a new worker replays.
+#: ``anchor_policy="every"``: a full snapshot every this many versions bounds how much history
+#: a new worker replays (the policy before schema 3, and still the CLI's).
 DEFAULT_ANCHOR_EVERY = 20
+#: ``anchor_policy="cost"`` (design 005 D7): an anchor once the delta bytes written since the
+#: last anchor reach this multiple of its full bytes. At 1 (ski rental) a new worker reads at
+#: most twice an anchor's bytes and anchors are at most half of the bytes written.
+DEFAULT_ANCHOR_COST_RATIO = 1.0
+#: Manifests whose skip-pointer links (key, parent key, ``back``) the publisher keeps: the
+#: ``back`` list of version v is derived from those of v−1, v−2, v−4, … (design 005 D6), so
+#: the recent ones are read from memory and only older levels cost a manifest read.
+LINK_CACHE_ENTRIES = 64
+
+AnchorPolicy = Literal["cost", "every"]
+ANCHOR_POLICIES: tuple[str, ...] = ("cost", "every")
 
 
 class Publisher:
@@ -82,7 +113,19 @@ class Publisher:
         url: store URL (a local path, ``file://``, ``memory://``, ``s3://bucket/prefix``, or
             another fsspec URL — those lack atomic commit, see docs/SPEC.md).
         storage_options: passed to the storage backend (endpoint, credentials, ...).
-        anchor_every: write a full snapshot every this many versions (default 20).
+        anchor_policy: when a version is written as an anchor (a full snapshot) besides the
+            first version, a layout change, a version without a base and ``anchor=True``:
+            ``"cost"`` (design 005 D7) once the delta bytes written since the last anchor
+            reach ``anchor_cost_ratio`` × that anchor's full bytes; ``"every"`` every
+            ``anchor_every`` versions (the policy before schema 3). Default: ``"every"`` when
+            ``anchor_every`` is passed (callers that set a cadence keep it), else ``"cost"``.
+        anchor_cost_ratio: β of the cost policy (default 1.0), > 0.
+        anchor_every: under ``"every"``, the cadence (default 20); under ``"cost"``, an optional
+            cap: an anchor at the latest after this many versions (default None: no cap).
+        max_attempt_s: the attempt deadline (design 005 D3): a commit attempt whose HEAD write
+            would be sent more than this many seconds (monotonic clock) after its first upload
+            is abandoned with CommitAbandonedError, since GC may have collected its objects.
+            At most 6 h (the GC grace period must exceed it; default 6 h).
         takeover: claim the store on open, fencing any older publisher (default True); an
             empty store is claimed too (HEAD at version 0 without a manifest).
         writer_id: id recorded in manifests and HEAD (default ``host-pid-random``).
@@ -131,7 +174,7 @@ class Publisher:
         url: str,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        anchor_every: int = DEFAULT_ANCHOR_EVERY,
+        anchor_every: int | None = None,
         takeover: bool = True,
         writer_id: str | None = None,
         threads: int | None = None,
@@ -143,9 +186,24 @@ class Publisher:
         dtype: torch.dtype | None = None,
         async_policy: Policy = "block",
         max_pending: int = DEFAULT_MAX_PENDING,
+        anchor_policy: AnchorPolicy | None = None,
+        anchor_cost_ratio: float = DEFAULT_ANCHOR_COST_RATIO,
+        max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S,
     ):
-        if anchor_every < 1:
+        if anchor_policy is None:
+            anchor_policy = "every" if anchor_every is not None else "cost"
+        if anchor_policy not in ANCHOR_POLICIES:
+            raise ValueError(f"anchor_policy must be one of {ANCHOR_POLICIES}, got {anchor_policy!r}")
+        if anchor_policy == "every" and anchor_every is None:
+            anchor_every = DEFAULT_ANCHOR_EVERY
+        if anchor_every is not None and anchor_every < 1:
             raise ValueError(f"anchor_every must be ≥ 1, got {anchor_every}")
+        if not (isinstance(anchor_cost_ratio, (int, float)) and math.isfinite(anchor_cost_ratio) and anchor_cost_ratio > 0):
+            raise ValueError(f"anchor_cost_ratio must be a finite number > 0, got {anchor_cost_ratio!r}")
+        if not (isinstance(max_attempt_s, (int, float)) and 0 < max_attempt_s <= DEFAULT_MAX_ATTEMPT_S):
+            # GC's grace period (default 24 h) must exceed every writer's deadline by a clock
+            # margin (design 005 D3); a publisher cannot know the grace, so it stays ≤ 6 h.
+            raise ValueError(f"max_attempt_s must be in (0, {DEFAULT_MAX_ATTEMPT_S}] seconds, got {max_attempt_s!r}")
         if dtype is not None and not (
             isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype_name(dtype) in DTYPE_WIDTHS
         ):
@@ -170,7 +228,10 @@ class Publisher:
                 self.store.close()
             raise
         self.url = self.store.url
+        self.anchor_policy: AnchorPolicy = anchor_policy
         self.anchor_every = anchor_every
+        self.anchor_cost_ratio = float(anchor_cost_ratio)
+        self.max_attempt_s = max_attempt_s
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.threads = threads or default_threads()
         self.chunk_bytes = chunk_bytes
@@ -191,6 +252,10 @@ class Publisher:
         self._reference: dict[str, torch.Tensor] | None = None
         self._specs: dict[str, TensorSpec] | None = None
         self._anchor_version = 0
+        # What the next version needs of the version it builds on (schema-3 fields), and the
+        # skip-pointer links of recent manifests (bounded).
+        self._tip: _Tip | None = None
+        self._links: dict[str, _Link] = {}
         self._closed = False
 
         self._commits = CommitProtocol(self.store, self._history, self.writer_id)
@@ -248,6 +313,8 @@ class Publisher:
             FencedError: a newer publisher took over the store.
             CommitUnknownError: HEAD was written but could not be read back, so whether this
                 version committed is unknown; the next publish settles it first.
+            CommitAbandonedError: the attempt ran past ``max_attempt_s`` before its HEAD write
+                and was abandoned; nothing was committed. Publishing again is a new attempt.
             StorageError: the store failed; nothing was committed (HEAD is as it was).
             DeltastoreError: an earlier :meth:`publish_async` failed in the background and was
                 not yet reported (raised once, instead of publishing this state).
@@ -373,39 +440,64 @@ class Publisher:
                     raise
         version = self.version + 1
         has_base = same_layout and self._reference is not None
-        kind = "anchor" if (anchor or not has_base or version - self._anchor_version >= self.anchor_every) else "delta"
+        tip = self._current_tip()
+        why = self._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
+        kind = "anchor" if why else "delta"
+        assert kind == "anchor" or (tip is not None and tip.schema3)  # a delta continues a schema-3 chain
         specs = self._specs if same_layout else {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
         assert specs is not None
+        layout = layout_from_specs(specs)
 
         lineage = self._commits.lineage_for_commit()
+        attempt = new_attempt_id()  # the commit id: every object of this attempt is under it (D1)
         try:
+            # The deadline runs from just before the attempt's first write (design 005 D3).
+            deadline = time.monotonic() + self.max_attempt_s
             encoded = encode_version(
                 state, specs, kind=kind, reference=self._reference if has_base else None,
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
+                attempt=attempt,
             )
+            if tip is not None and tip.layout is not None and tip.layout == layout:
+                layout_ref = tip.layout_ref
+            else:  # a new layout, or the first schema-3 version of this chain
+                layout_ref = self._write_layout(attempt, layout)
+            assert layout_ref is not None
+            delta_bytes = encoded.stats.delta_bytes or 0
+            # The chain of composable deltas restarts at a version without a base, and at the
+            # first schema-3 version (cum_delta_bytes and back start there: design 005 D10).
+            restart = not has_base or tip is None or not tip.schema3
+            chain_start = version if restart else tip.chain_start
+            cum = 0 if restart else tip.cum + delta_bytes
+            parent_key = self._head.manifest if self._head else None
             manifest = Manifest(
                 version=version,
                 parent=self._head.version if self._head and self._head.version else None,
-                parent_manifest=self._head.manifest if self._head else None,
+                parent_manifest=parent_key,
                 kind=kind,
-                anchor=version if kind == "anchor" else self._anchor_version,
+                anchor=version if kind == "anchor" else tip.anchor,
                 delta_base=self._head.version if has_base and self._head else None,
                 step=step,
                 created=now(),
                 writer=self.writer_id,
                 epoch=self.epoch,
-                commit_id=new_commit_id(),
+                commit_id=attempt,
                 metadata=meta,
                 blobs=encoded.blobs,
                 tensors=encoded.entries,
-                stats=encoded.stats,
+                stats=encoded.stats.model_copy(update={"cum_delta_bytes": cum}),
                 lineage=lineage,
+                anchor_manifest=None if kind == "anchor" else tip.anchor_key,
+                back=self._back_for(version, parent_key),
+                chain_start=chain_start,
+                layout=layout_ref,
+                max_attempt_s=math.ceil(self.max_attempt_s),
             )
             if self._signing_key is not None:
                 from deltastore.signing import sign_manifest
 
                 manifest = sign_manifest(manifest, self._signing_key)
-            data = dump(manifest)
+            data = encode_manifest(manifest, layout)
             digest = sha256_hex(data)
             mkey = manifest_key(version, digest)
             put_immutable(self.store, mkey, data, "manifest")
@@ -418,7 +510,10 @@ class Publisher:
                 epoch=self.epoch,
                 updated=manifest.created,
                 lineage=lineage,
-            ))
+                # HEAD's history index (GC's floor and pins, squashes) is carried over; a
+                # rebase in commit() picks up a newer one (design 005 D4)
+                index=self._head.index if self._head else None,
+            ), deadline=deadline)
         except ConflictError:
             # Another writer's version is HEAD now: the next publish resumes from it.
             self._reference = None
@@ -438,15 +533,117 @@ class Publisher:
         self._specs = specs
         if kind == "anchor":
             self._anchor_version = version
+        self._remember(mkey, manifest)
+        full_bytes = encoded.stats.full_bytes or 0
+        self._tip = _Tip(
+            version=version, key=mkey, schema3=True, chain_start=chain_start, cum=cum, layout=layout,
+            layout_ref=layout_ref, anchor=manifest.anchor,
+            anchor_key=mkey if kind == "anchor" else tip.anchor_key,
+            anchor_full=full_bytes if kind == "anchor" else tip.anchor_full,
+            anchor_cum=cum if kind == "anchor" else tip.anchor_cum,
+        )
         if self._commits.superseded:  # committed, but another writer is already on top: resume next time
             self._reference, self._commits.superseded = None, False
         info = VersionInfo.from_manifest(manifest, mkey)
         logger.info(
-            "published version %d (%s, step %s): %d bytes, %d tensors / %d elements changed",
-            version, kind, step, encoded.stats.bytes_stored, encoded.stats.tensors_changed,
-            encoded.stats.elements_changed,
+            "published version %d (%s%s, step %s): %d bytes (%d delta, %d full; %d delta bytes since chain start %d), "
+            "%d tensors / %d elements changed",
+            version, kind, f": {why}" if why else "", step, encoded.stats.bytes_stored, delta_bytes, full_bytes, cum,
+            chain_start, encoded.stats.tensors_changed, encoded.stats.elements_changed,
         )
         return info
+
+    # --- schema-3 fields: anchors, layout, skip pointers ----------------------------------
+
+    def _anchor_reason(self, version: int, tip: _Tip | None, *, has_base: bool, anchor: bool) -> str | None:
+        """Why ``version`` must be an anchor (None: it is a delta), design 005 D7 / D10."""
+        if anchor:
+            return "requested"
+        if not has_base:
+            return "no base" if self._specs is None or self._reference is None else "layout change"
+        if tip is None or not tip.schema3:
+            return "first schema-3 version"  # every schema-3 anchor span is homogeneous (D10)
+        if self.anchor_every is not None and version - self._anchor_version >= self.anchor_every:
+            return f"every {self.anchor_every} versions"
+        if self.anchor_policy == "cost":
+            since = tip.cum - tip.anchor_cum  # delta bytes written since the anchor (C)
+            if since > 0 and since >= self.anchor_cost_ratio * tip.anchor_full:
+                return f"{since} delta bytes since anchor {tip.anchor} ≥ {self.anchor_cost_ratio:g} × its {tip.anchor_full} full bytes"
+        return None
+
+    def _write_layout(self, attempt: str, layout: Layout) -> ObjectRef:
+        data = encode_object(layout)
+        digest = sha256_hex(data)
+        key = object_key(attempt, digest, ".layout.json.zst")
+        put_immutable(self.store, key, data, "layout")
+        return ObjectRef(key=key, sha256=digest)
+
+    def _current_tip(self) -> _Tip | None:
+        """The :class:`_Tip` of HEAD's version: kept from our last commit, else read (after a
+        restart, a resume or another writer's commit)."""
+        head = self._head
+        if head is None or head.manifest is None:
+            self._tip = None
+            return None
+        if self._tip is not None and self._tip.key == head.manifest:
+            return self._tip
+        top = self._history.head_manifest(head)
+        assert top is not None  # HEAD names a manifest
+        key, m = top
+        self._remember(key, m)
+        self._tip = _tip_of(key, m, self._history, self.store)
+        return self._tip
+
+    def _remember(self, key: str, m: Manifest) -> None:
+        self._links[key] = _Link(m.version, m.parent_manifest, m.back, m.schema_ >= 3)
+        while len(self._links) > LINK_CACHE_ENTRIES:
+            # the oldest version goes first: sources of the next back lists are the newest
+            del self._links[min(self._links, key=lambda k: self._links[k].version)]
+
+    def _link(self, key: str, *, keep: bool) -> _Link:
+        """The links of manifest ``key``, read if not cached; ``keep``: cache what was read (a
+        recent version, a source again soon; an old one is a source once per level)."""
+        link = self._links.get(key)
+        if link is not None:
+            return link
+        m = self._history.manifest(key)
+        if keep:
+            self._remember(key, m)
+        return _Link(m.version, m.parent_manifest, m.back, m.schema_ >= 3)
+
+    def _back_for(self, version: int, parent_key: str | None) -> tuple[str, ...]:
+        """``back`` of ``version``: the manifest keys of versions v−2, v−4, …, v−2^j ≥ 1.
+
+        Derived from manifests, never remembered whole (the publisher keeps O(log v) links of a
+        few recent versions): key(v−2) is the parent's ``parent_manifest``, and for j ≥ 2
+        key(v−2^j) is ``back[j−2]`` of version v−2^(j−1), whose key the step before found. On
+        a chain upgraded from schema 1/2 the list stops where a schema-1/2 manifest (which has
+        no ``back``) would have to supply the next entry: it is a prefix of the full list.
+        """
+        out: list[str] = []
+        source = parent_key  # the manifest of version v − 2^(j−1)
+        j = 1
+        while source is not None and version - 2**j >= 1:
+            try:
+                link = self._link(source, keep=2 ** (j - 1) < LINK_CACHE_ENTRIES)
+            except NotFoundError:
+                # Collected below GC's floor: skip pointers are hints (D1), the list stops here.
+                logger.info("manifest %s is gone (collected); version %d gets %d back entries", source, version, len(out))
+                break
+            if j == 1:
+                key = link.parent_key
+            else:
+                key = link.back[j - 2] if link.schema3 and len(link.back) >= j - 1 else None
+            if key is None:
+                break
+            if manifest_key_version(key) != version - 2**j:
+                logger.warning("manifest %s has a skip pointer %s that is not version %d; version %d gets %d back entries",
+                               source, key, version - 2**j, version, len(out))
+                break
+            out.append(key)
+            source = key
+            j += 1
+        return tuple(out)
 
     def close(self) -> None:
         """Publish what :meth:`publish_async` queued, stop the threads, release the store.
@@ -539,6 +736,75 @@ class Publisher:
             return
         self._reference, self._specs, self._anchor_version = reference, specs, anchor
         logger.info("resumed from version %d of %s", self._head.version, self.url)
+
+
+@dataclass(frozen=True)
+class _Link:
+    """A manifest's links, all the skip-pointer derivation needs of it."""
+
+    version: int
+    parent_key: str | None
+    back: tuple[str, ...]
+    schema3: bool
+
+
+@dataclass(frozen=True)
+class _Tip:
+    """What the next version needs to know of the version it builds on (HEAD's).
+
+    ``schema3`` False: a schema-1/2 version; the next one is an anchor and starts the chain,
+    the cumulative bytes and the layout objects (design 005 D10), so the other fields are
+    unused."""
+
+    version: int
+    key: str
+    schema3: bool
+    chain_start: int = 0
+    cum: int = 0
+    layout: Layout | None = None
+    layout_ref: ObjectRef | None = None
+    anchor: int = 0
+    anchor_key: str | None = None
+    anchor_full: int = 0
+    anchor_cum: int = 0
+
+
+def _tip_of(key: str, m: Manifest, history: History, store: Store) -> _Tip:
+    """Read the :class:`_Tip` of manifest ``m`` (its anchor's manifest and its layout)."""
+    if m.schema_ < 3:
+        return _Tip(version=m.version, key=key, schema3=False)
+    anchor_key = key if m.kind == "anchor" else m.anchor_manifest
+    a = m if m.kind == "anchor" else (history.manifest(anchor_key) if anchor_key else None)
+    if (a is None or m.chain_start is None or m.layout is None or m.stats.cum_delta_bytes is None
+            or a.stats.full_bytes is None or a.stats.cum_delta_bytes is None):
+        # Not what this writer writes: start over with an anchor rather than guess.
+        logger.warning("manifest %s lacks schema-3 fields (anchor, chain_start, layout or byte counts): "
+                       "the next version is an anchor", key)
+        return _Tip(version=m.version, key=key, schema3=False)
+    return _Tip(
+        version=m.version, key=key, schema3=True, chain_start=m.chain_start, cum=m.stats.cum_delta_bytes,
+        layout=_read_layout(store, m.layout), layout_ref=m.layout, anchor=a.version, anchor_key=anchor_key,
+        anchor_full=a.stats.full_bytes, anchor_cum=a.stats.cum_delta_bytes,
+    )
+
+
+def _read_layout(store: Store, ref: ObjectRef) -> Layout:
+    """The layout object ``ref`` names, verified (``History.layout`` once the reader has it)."""
+    try:
+        data = store.get(ref.key)
+    except NotFoundError:
+        raise NotFoundError(f"layout {ref.key!r} is missing from {store.url}: the store was damaged (a reachable object was deleted)") from None
+    return decode_object(Layout, data, ref.key, ref.sha256)
+
+
+def layout_from_specs(specs: Mapping[str, TensorSpec]) -> Layout:
+    """The schema-3 layout object of ``specs`` (unsharded: no column grid, pieces or parts)."""
+    n = len(specs)
+    return Layout(
+        name=tuple(specs), dtype=tuple(s.dtype for s in specs.values()), shape=tuple(tuple(s.shape) for s in specs.values()),
+        chunk_rows=tuple(s.chunk_rows for s in specs.values()), chunk_cols=(0,) * n, pieces=(None,) * n,
+        piece_parts=(None,) * n, parts=0,
+    )
 
 
 def _layout_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -353,7 +353,8 @@ def resign_segment(store: Store, doc: dict[str, Any], name: str, index: int, whi
     assert len(new) == b - a, "resign_segment keeps the segment's length"
     pack[a:b] = new
     digest = sha256_hex(bytes(pack))
-    key = f"blobs/{digest[:2]}/{digest}"
+    old = blob["key"]  # schema 3: objects/<attempt>/<sha>.pack; schema 1/2: blobs/<aa>/<sha>
+    key = f"{old.rsplit('/', 1)[0]}/{digest}.pack" if old.startswith("objects/") else f"blobs/{digest[:2]}/{digest}"
     store.put(key, bytes(pack), mode="overwrite")
     blob.update(key=key, sha256=digest, size=len(pack))
     seg["sha256"] = sha256_hex(new)

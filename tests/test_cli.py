@@ -81,7 +81,7 @@ def test_verify_fails_on_a_corrupted_pack(tmp_path: Path, checkpoints: list[Path
     store = tmp_path / "store"
     for p in checkpoints[:2]:
         assert main(["publish", str(store), str(p)]) == 0
-    packs = sorted((store / "blobs").rglob("*"))
+    packs = sorted((store / "objects").rglob("*.pack"))  # schema 3: objects/<attempt>/<sha>.pack
     pack = max((p for p in packs if p.is_file()), key=lambda p: p.stat().st_size)  # the anchor's
     data = bytearray(pack.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -177,7 +177,7 @@ def test_unknown_schema_in_head_is_refused_by_readers_and_writers(url: str) -> N
     _history(url, n=1)
     with open_store(url) as store:
         h = read_head(store)
-        h["schema"] = 4
+        h["schema"] = 4  # a schema this release does not read
         h["something_new"] = True
         future = json.dumps(h).encode()
         store.put(HEAD_KEY, future, mode="overwrite")
@@ -605,7 +605,8 @@ def _corrupt_anchor_delta(url: str, how: str) -> tuple[str, int]:
             c["delta"]["sha256"] = "e" * 64
         else:  # the delta's bytes sit in a pack of their own, which is missing
             c["delta"]["blob"] = len(d4["blobs"])
-            d4["blobs"].append({"key": f"blobs/00/{'0' * 64}", "size": c["delta"]["offset"] + c["delta"]["length"], "sha256": "0" * 64})
+            d4["blobs"].append({"key": f"objects/{d4['commit_id']}/{'0' * 64}.pack", "role": "d",
+                                "size": c["delta"]["offset"] + c["delta"]["length"], "sha256": "0" * 64})
         resign_manifest(store, d4)
     return t["name"], c["index"]
 

@@ -328,7 +328,7 @@ class _Boom(StorageError):
     pass
 
 
-@pytest.mark.parametrize("fail_on", ["HEAD", "manifests/", "blobs/"])
+@pytest.mark.parametrize("fail_on", ["HEAD", "manifests/", "objects/"])
 def test_failed_commit_leaves_head_and_readers_untouched(local_url: str, fail_on: str) -> None:
     states = [small_state(0, n=4, rows=64)]
     states.append(sparse_edit(states[0], np.random.default_rng(1)))
@@ -539,23 +539,31 @@ def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url
         for doc in reversed(chain):
             doc.update(schema=1, parent_manifest=parent_key)
             del doc["lineage"], doc["signature"]
+            for field in ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes"):
+                del doc[field]  # schema-3 fields
+            for field in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
+                del doc["stats"][field]
+            for blob in doc["blobs"]:  # schema 1 kept packs under blobs/
+                blob["key"] = f"blobs/{blob['sha256'][:2]}/{blob['sha256']}"
+                store.put(blob["key"], store.get(f"objects/{doc['commit_id']}/{blob.pop('role') and blob['sha256']}.pack"), mode="create")
             data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
             parent_key = manifest_key(doc["version"], sha256_hex(data))
             store.put(parent_key, data, mode="create")
         head.update(schema=1, manifest=parent_key, manifest_sha256=sha256_hex(data))
-        del head["lineage"]
+        del head["lineage"], head["index"]
         store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
     sub = Subscriber(local_url, threads=2)
     target = sub.pull(3)
     assert_bits_equal(target, states[2])
     assert [i.version for i in sub.log()] == [1, 2, 3]
-    with Publisher(local_url, threads=2) as pub:  # claims: HEAD becomes schema 2
+    with Publisher(local_url, threads=2) as pub:  # claims: HEAD becomes schema 3
         info = pub.publish(states[3])
-    assert (info.version, info.kind) == (4, "delta")
+    assert (info.version, info.kind) == (4, "anchor")  # the first schema-3 version (design 005 D10)
     with open_store(local_url) as store:
         head = json.loads(store.get(HEAD_KEY))
         m = json.loads(store.get(head["manifest"]))
-        assert head["schema"] == m["schema"] == 2 and head["lineage"] == m["lineage"]
+        assert head["schema"] == m["schema"] == 3 and head["lineage"] == m["lineage"]
+        assert m["delta_base"] == 3  # an upgrade anchor carries deltas as usual
         assert check_invariants(store) == [1, 2, 3, 4]
     assert sub.pull_into(target).version == 4
     assert_bits_equal(target, states[3])

@@ -1,0 +1,440 @@
+"""The publisher's schema-3 writes (design 005 D1, D3, D4, D6, D7, D10).
+
+Every field a schema-3 manifest carries is checked against what it must be, computed here from
+the manifests themselves: pack keys and roles, skip pointers, chain start, cumulative delta
+bytes, the anchor's manifest, the layout object and its reuse, and the anchors the cost policy
+writes. Also: HEAD keeps its history index across commits, a commit rebases over an
+index-only HEAD change, an attempt past its deadline is abandoned, and a schema-2 store is
+upgraded by an anchor.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+import deltastore.publish as publish_mod
+from deltastore import CommitAbandonedError, ConflictError, Publisher, Subscriber
+from deltastore.commit import REBASE_ATTEMPTS, new_commit_id, now
+from deltastore.encode import encode_version
+from deltastore.history import History
+from deltastore.manifest import (
+    DEFAULT_MAX_ATTEMPT_S,
+    HEAD_KEY,
+    Head,
+    Index,
+    Layout,
+    Manifest,
+    ObjectRef,
+    decode_object,
+    dump,
+    encode_object,
+    new_lineage,
+    object_key,
+    parse_head,
+    sha256_hex,
+)
+from deltastore.storage import open_store
+from deltastore.storage.base import IfMatch, ObjectMeta, PutMode
+from deltastore.tensors import bits, spec_for
+from tests._helpers import (
+    SMALL_CHUNK_BYTES,
+    HeadPutHook,
+    WrappedStore,
+    assert_bits_equal,
+    check_invariants,
+    snapshot,
+)
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(64, 16, generator=g),
+        "b": torch.randn(32, 8, generator=g).to(torch.bfloat16),
+        "i": torch.arange(256, dtype=torch.int64).reshape(32, 8),
+    }
+
+
+def _step(state: dict[str, torch.Tensor], rng: np.random.Generator, fraction: float = 0.05) -> dict[str, torch.Tensor]:
+    """A training step: about ``fraction`` of the float elements get new bits."""
+    out = {}
+    for n, t in state.items():
+        c = t.clone()
+        if c.is_floating_point():
+            b = bits(c)
+            k = max(1, int(b.size * fraction))
+            idx = rng.integers(0, b.size, size=k)
+            b[idx] = rng.integers(0, np.iinfo(b.dtype).max, size=k, dtype=b.dtype, endpoint=True)
+        out[n] = c
+    return out
+
+
+def _chain(store) -> dict[int, tuple[str, Manifest]]:
+    """Every version on HEAD's chain: version → (manifest key, manifest)."""
+    history = History(store)
+    head, _ = history.read_head()
+    out = {}
+    key = head.manifest
+    while key is not None:
+        m = history.manifest(key)
+        out[m.version] = (key, m)
+        key = m.parent_manifest
+    return out
+
+
+def _layout(store, ref: ObjectRef) -> Layout:
+    return decode_object(Layout, store.get(ref.key), ref.key, ref.sha256)
+
+
+def _check_schema3_fields(store, *, ratio: float | None = None, layout_changes: frozenset[int] = frozenset(),
+                          upgraded_at: int = 1, max_attempt_s: int = DEFAULT_MAX_ATTEMPT_S) -> dict[int, tuple[str, Manifest]]:
+    """Assert every schema-3 field of every version from ``upgraded_at`` on (the first schema-3
+    version); ``ratio``: the cost policy's β, to check where anchors are."""
+    chain = _chain(store)
+    key = {v: k for v, (k, _) in chain.items()}
+    for v in sorted(chain):
+        if v < upgraded_at:
+            continue
+        _, m = chain[v]
+        where = f"version {v}"
+        assert m.schema_ == 3, where
+        # D1: packs under this attempt, one role each, delta packs first
+        roles = "".join(b.role for b in m.blobs)
+        assert roles == "d" * roles.count("d") + "f" * roles.count("f"), (where, roles)
+        assert all(b.key == object_key(m.commit_id, b.sha256, ".pack") for b in m.blobs), where
+        for t in m.tensors:
+            for c in t.chunks:
+                assert c.delta is None or m.blobs[c.delta.blob].role == "d", where
+                assert c.full is None or m.blobs[c.full.blob].role == "f", where
+        assert m.stats.delta_bytes == sum(b.size for b in m.blobs if b.role == "d"), where
+        assert m.stats.full_bytes == sum(b.size for b in m.blobs if b.role == "f"), where
+        assert (m.kind == "anchor") == (m.stats.full_bytes > 0), where
+        # D6: skip pointers, exact (a prefix on an upgraded chain: see _back_for)
+        full_back = tuple(key[v - 2**j] for j in range(1, 64) if v - 2**j >= 1)
+        if upgraded_at == 1:
+            assert m.back == full_back, (where, m.back)
+        else:
+            assert m.back == full_back[: len(m.back)], (where, m.back)
+            assert v < upgraded_at + 2 or len(m.back) >= 1, where
+        # chain_start: the latest version ≤ v without a delta base (or the upgrade anchor)
+        starts = [u for u in range(upgraded_at, v + 1) if chain[u][1].delta_base is None or u == upgraded_at]
+        assert m.chain_start == max(starts), where
+        assert m.stats.cum_delta_bytes == sum(chain[u][1].stats.delta_bytes for u in range(m.chain_start + 1, v + 1)), where
+        assert m.anchor_manifest == (None if m.kind == "anchor" else key[m.anchor]), where
+        assert m.max_attempt_s == max_attempt_s, where
+        # the layout object: the tensors of the version's anchor, reused until the layout changes
+        a = chain[m.anchor][1]
+        layout = _layout(store, m.layout)
+        assert layout.name == tuple(t.name for t in a.tensors), where
+        assert layout.shape == tuple(t.shape for t in a.tensors), where
+        assert layout.chunk_rows == tuple(t.chunk_rows for t in a.tensors), where
+        assert layout.dtype == tuple(t.dtype for t in a.tensors), where
+        assert (layout.chunk_cols, layout.parts) == ((0,) * len(a.tensors), 0), where
+        if v > upgraded_at:
+            parent = chain[v - 1][1]
+            assert (m.layout == parent.layout) == (v not in layout_changes), where
+            assert m.layout.key.startswith(f"objects/{m.commit_id}/") == (v in layout_changes), where
+        else:
+            assert m.layout.key == object_key(m.commit_id, m.layout.sha256, ".layout.json.zst"), where
+        # D7: under the cost policy, an anchor exactly when the deltas since the anchor reach β·F
+        if ratio is not None and v > upgraded_at and v not in layout_changes:
+            p = chain[v - 1][1]
+            pa = chain[p.anchor][1]
+            since = p.stats.cum_delta_bytes - pa.stats.cum_delta_bytes
+            assert (m.kind == "anchor") == (since > 0 and since >= ratio * pa.stats.full_bytes), (where, since, pa.stats.full_bytes)
+    head = parse_head(store.get(HEAD_KEY))
+    assert head.schema_ == 3 and head.manifest == key[max(chain)]
+    return chain
+
+
+# --- D1/D6/D7: every field over a long run ------------------------------------------------------
+
+
+def test_every_schema3_field_over_70_versions_with_a_restart_and_a_layout_change(monkeypatch) -> None:
+    monkeypatch.setattr(publish_mod, "LINK_CACHE_ENTRIES", 3)  # older skip pointers are read back from the store
+    url = "memory://writer-70"
+    rng = np.random.default_rng(1)
+    state = _state()
+    expected = {}
+    pub = Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES)
+    try:
+        for v in range(1, 71):
+            if v == 35:  # a restart: the next publisher derives everything from the store
+                pub.close()
+                pub = Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES)
+            if v == 50:  # a layout change: a new tensor
+                state = {**state, "new": torch.ones(16, 4)}
+            state = _step(state, rng)
+            info = pub.publish(state, anchor=v == 50)
+            assert info.version == v
+            expected[v] = snapshot(state)
+    finally:
+        pub.close()
+    store = open_store(url)
+    chain = _check_schema3_fields(store, ratio=1.0, layout_changes=frozenset({50}))
+    anchors = [v for v, (_, m) in chain.items() if m.kind == "anchor"]
+    # the cost policy wrote anchors besides v1 and the layout change, and not at every version
+    assert len(anchors) >= 4 and len(anchors) < 35, anchors
+    with Subscriber(url, threads=2) as sub:
+        for v in (1, 2, 34, 35, 36, 49, 50, 51, 70):
+            assert_bits_equal(sub.pull(v), expected[v], f"version {v}")
+    assert check_invariants(store) == list(range(1, 71))
+
+
+def test_schema3_fields_on_every_backend(any_store_target) -> None:
+    rng = np.random.default_rng(2)
+    state = _state(3)
+    with Publisher(any_store_target.url, storage_options=any_store_target.storage_options, threads=2,
+                   chunk_bytes=SMALL_CHUNK_BYTES, anchor_cost_ratio=0.3) as pub:
+        for _ in range(9):
+            state = _step(state, rng)
+            pub.publish(state)
+    with any_store_target.open() as store:
+        chain = _check_schema3_fields(store, ratio=0.3)
+    assert sum(m.kind == "anchor" for _, m in chain.values()) >= 2
+
+
+def test_cost_ratio_sets_how_often_anchors_come_and_anchor_every_caps_it() -> None:
+    def run(tag: str, **kw) -> list[str]:
+        rng = np.random.default_rng(3)
+        state = _state()
+        url = f"memory://writer-ratio-{tag}"
+        with Publisher(url, threads=1, chunk_bytes=SMALL_CHUNK_BYTES, **kw) as pub:
+            kinds = []
+            for _ in range(16):
+                state = _step(state, rng)
+                kinds.append(pub.publish(state).kind)
+        _check_schema3_fields(open_store(url), ratio=kw.get("anchor_cost_ratio", 1.0) if "anchor_every" not in kw else None)
+        return kinds
+
+    never = run("never", anchor_cost_ratio=1e9)
+    assert never == ["anchor"] + ["delta"] * 15
+    often = run("often", anchor_cost_ratio=0.05)
+    assert often.count("anchor") > 4
+    capped = run("capped", anchor_policy="cost", anchor_cost_ratio=1e9, anchor_every=5)
+    assert [i + 1 for i, k in enumerate(capped) if k == "anchor"] == [1, 6, 11, 16]
+    every = run("every", anchor_every=4)  # anchor_every alone: the fixed cadence of old
+    assert [i + 1 for i, k in enumerate(every) if k == "anchor"] == [1, 5, 9, 13]
+
+
+def test_publisher_arguments_are_checked() -> None:
+    for kw in ({"max_attempt_s": DEFAULT_MAX_ATTEMPT_S + 1}, {"max_attempt_s": 0}, {"anchor_cost_ratio": 0},
+               {"anchor_cost_ratio": float("nan")}, {"anchor_policy": "sometimes"}, {"anchor_every": 0}):
+        with pytest.raises(ValueError):
+            Publisher("memory://writer-args", **kw)
+    with Publisher("memory://writer-args-ok", anchor_every=7) as pub:
+        assert (pub.anchor_policy, pub.anchor_every) == ("every", 7)
+    with Publisher("memory://writer-args-ok2") as pub:
+        assert (pub.anchor_policy, pub.anchor_every) == ("cost", None)
+    with Publisher("memory://writer-args-ok3", anchor_policy="every") as pub:
+        assert pub.anchor_every == publish_mod.DEFAULT_ANCHOR_EVERY
+
+
+# --- HEAD's index: kept across commits, rebased over ---------------------------------------------
+
+
+def _index_only_write(store, *, generation: int) -> ObjectRef:
+    """What GC or ``pin`` does (design 005 D4): a new index object, and HEAD rewritten with
+    only ``index`` (and ``updated``) changed, by CAS."""
+    res = store.get_with_meta(HEAD_KEY)
+    head = parse_head(res.data)
+    attempt = new_commit_id()
+    index = Index(lineage=head.lineage, generation=generation, floor=1, writer="gc-test", created=now())
+    data = encode_object(index)
+    ref = ObjectRef(key=object_key(attempt, sha256_hex(data), ".index.json.zst"), sha256=sha256_hex(data))
+    store.put(ref.key, data, mode="create")
+    store.put(HEAD_KEY, dump(head.model_copy(update={"index": ref, "updated": now()})), mode=IfMatch(res.meta.etag))
+    return ref
+
+
+def test_head_keeps_the_index_across_commits(any_store_target) -> None:
+    rng = np.random.default_rng(4)
+    state = _state()
+    with Publisher(any_store_target.url, storage_options=any_store_target.storage_options, threads=2) as pub:
+        pub.publish(state)
+        with any_store_target.open() as store:
+            ref = _index_only_write(store, generation=1)
+            for v in (2, 3):
+                state = _step(state, rng)
+                info = pub.publish(state)  # its base HEAD's ETag changed: the commit rebases once
+                assert info.version == v
+                head = parse_head(store.get(HEAD_KEY))
+                assert (head.version, head.index, head.schema_) == (v, ref, 3)
+
+
+def test_commit_rebases_over_an_index_only_head_change() -> None:
+    """GC writes HEAD (index only) between the publisher's read of HEAD and its CAS: the
+    commit retries on the new ETag with the new index instead of failing as a conflict."""
+    url = "memory://writer-rebase"
+    inner = open_store(url)
+    written: list[ObjectRef] = []
+    raced: set[int] = set()
+
+    def race(key: str, data: bytes, mode: PutMode, real_put) -> ObjectMeta:
+        version = parse_head(data).version
+        if isinstance(mode, IfMatch) and version >= 2 and version not in raced:  # once per version
+            raced.add(version)
+            written.append(_index_only_write(inner, generation=len(written) + 1))  # lands first
+        return real_put()
+
+    store = HeadPutHook(inner, race)
+    state = _state()
+    with Publisher(url, store=store, threads=2) as pub:
+        pub.publish(state)
+        state = _step(state, np.random.default_rng(5))
+        info = pub.publish(state)
+        assert info.version == 2
+        assert len(written) == 1
+        head = parse_head(inner.get(HEAD_KEY))
+        assert (head.version, head.manifest, head.index) == (2, info.manifest, written[0])
+        state = _step(state, np.random.default_rng(6))
+        assert pub.publish(state).version == 3  # a second race, a second rebase
+        assert parse_head(inner.get(HEAD_KEY)).index == written[1]
+    assert_bits_equal(Subscriber(url).pull(3), state)
+
+
+def test_commit_gives_up_when_the_index_keeps_changing() -> None:
+    url = "memory://writer-rebase-loop"
+    inner = open_store(url)
+    races = []
+
+    def race(key: str, data: bytes, mode: PutMode, real_put) -> ObjectMeta:
+        if isinstance(mode, IfMatch) and parse_head(data).version >= 2:
+            races.append(_index_only_write(inner, generation=len(races) + 1))
+        return real_put()
+
+    state = _state()
+    with Publisher(url, store=HeadPutHook(inner, race), threads=2) as pub:
+        pub.publish(state)
+        with pytest.raises(ConflictError, match="index"):
+            pub.publish(_step(state, np.random.default_rng(7)))
+    assert len(races) == REBASE_ATTEMPTS + 1
+    head = parse_head(inner.get(HEAD_KEY))
+    assert (head.version, head.index) == (1, races[-1])  # nothing committed, the index is GC's
+
+
+# --- D3: the attempt deadline -----------------------------------------------------------------
+
+
+class _SlowPacks(WrappedStore):
+    def __init__(self, inner, delay_s: float):
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
+        if key.endswith(".pack"):
+            time.sleep(self.delay_s)
+        return super().put(key, data, mode=mode)
+
+
+def test_an_attempt_past_its_deadline_is_abandoned_and_the_next_publish_is_a_new_attempt() -> None:
+    url = "memory://writer-deadline"
+    store = _SlowPacks(open_store(url), delay_s=0.0)
+    state = _state()
+    with Publisher(url, store=store, threads=1, max_attempt_s=0.5) as pub:
+        pub.publish(state)
+        head_before = parse_head(store.get(HEAD_KEY))
+        store.delay_s = 0.6  # the uploads outlast the deadline
+        newer = _step(state, np.random.default_rng(8))
+        with pytest.raises(CommitAbandonedError) as info:
+            pub.publish(newer)
+        assert isinstance(info.value, TimeoutError) and info.value.version == 2
+        assert parse_head(store.get(HEAD_KEY)) == head_before  # HEAD was never written
+        abandoned = info.value.commit_id
+        store.delay_s = 0.0
+        done = pub.publish(newer)
+        assert done.version == 2
+    chain = _chain(store)
+    m = chain[2][1]
+    assert m.commit_id != abandoned and m.max_attempt_s == 1
+    assert all(b.key.startswith(f"objects/{m.commit_id}/") for b in m.blobs)
+    assert_bits_equal(Subscriber(url).pull(2), newer)
+
+
+# --- D10: an old store is upgraded by an anchor ---------------------------------------------------
+
+
+def _write_schema2_history(url: str, states: list[dict[str, torch.Tensor]]) -> None:
+    """A store as the schema-2 release wrote it: ``blobs/`` packs, schema-2 manifests and HEAD."""
+    store = open_store(url)
+    lineage, prev, reference = new_lineage(), None, None
+    specs = {n: spec_for(n, t, SMALL_CHUNK_BYTES) for n, t in states[0].items()}
+    with ThreadPoolExecutor(2) as pool, ThreadPoolExecutor(4) as uploader:
+        for v, state in enumerate(states, start=1):
+            kind = "anchor" if v == 1 else "delta"
+            enc = encode_version(state, specs, kind=kind, reference=reference, pool=pool, uploader=uploader, store=store, threads=2)
+            reference = snapshot(state)
+            m = Manifest(schema_=2, version=v, parent=v - 1 if v > 1 else None, parent_manifest=prev, kind=kind, anchor=1,
+                         delta_base=v - 1 if v > 1 else None, created=now(), writer="old-release", epoch=1,
+                         commit_id=new_commit_id(), blobs=enc.blobs, tensors=enc.entries, stats=enc.stats, lineage=lineage)
+            data = dump(m)
+            prev = f"manifests/{v:012d}-{sha256_hex(data)}.json"  # the schema-1/2 key
+            store.put(prev, data, mode="create")
+            head = Head(schema_=2, version=v, manifest=prev, manifest_sha256=sha256_hex(data), commit_id=m.commit_id,
+                        writer="old-release", epoch=1, updated=m.created, lineage=lineage)
+            store.put(HEAD_KEY, dump(head), mode="overwrite")
+    assert all(b.key.startswith("blobs/") for b in m.blobs)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_the_first_schema3_version_on_a_schema2_store_is_an_anchor(restart: bool) -> None:
+    url = f"memory://writer-upgrade-{restart}"
+    rng = np.random.default_rng(9)
+    states = [_state()]
+    for _ in range(4):
+        states.append(_step(states[-1], rng))
+    _write_schema2_history(url, states[:3])
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        info = pub.publish(states[3])  # resumes from version 3 (schema 2)
+        assert (info.version, info.kind) == (4, "anchor")
+        if restart:
+            pub.close()
+            pub = Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES)
+        assert pub.publish(states[4]).kind == "delta"
+        more = states[4]
+        for _ in range(4):
+            more = _step(more, rng)
+            pub.publish(more)
+        pub.close()
+    store = open_store(url)
+    chain = _check_schema3_fields(store, upgraded_at=4)
+    up = chain[4][1]
+    assert up.delta_base == 3 and up.stats.delta_bytes > 0 and up.stats.cum_delta_bytes == 0  # deltas as usual
+    assert chain[3][1].schema_ == 2 and parse_head(store.get(HEAD_KEY)).lineage == chain[3][1].lineage == up.lineage
+    assert chain[5][1].chain_start == 4 and chain[5][1].stats.cum_delta_bytes == chain[5][1].stats.delta_bytes
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(2)
+        assert_bits_equal(target, states[1])
+        assert sub.pull_into(target, 5).version == 5  # across the schema boundary
+        assert_bits_equal(target, states[4])
+        assert_bits_equal(sub.pull(9), more)
+    assert check_invariants(store) == list(range(1, 10))
+
+
+def test_collected_old_manifests_shorten_back_but_never_stop_a_publish(monkeypatch) -> None:
+    """Skip pointers are hints: once GC deleted the manifests below its floor (an anchor), a
+    publisher that would have to read one to derive ``back`` writes a prefix and commits."""
+    monkeypatch.setattr(publish_mod, "LINK_CACHE_ENTRIES", 2)
+    url = "memory://writer-collected"
+    rng = np.random.default_rng(10)
+    state = _state()
+    with Publisher(url, threads=1, anchor_cost_ratio=1e9) as pub:
+        for v in range(1, 12):
+            state = _step(state, rng)
+            pub.publish(state, anchor=v == 9)
+    store = open_store(url)
+    chain = _chain(store)
+    for v in range(1, 9):  # what GC deletes below a floor of 9
+        store.delete(chain[v][0])
+    with Publisher(url, threads=1, anchor_cost_ratio=1e9) as pub:  # a restart: nothing cached
+        state = _step(state, rng)
+        assert pub.publish(state).version == 12
+    m12 = History(store).manifest(parse_head(store.get(HEAD_KEY)).manifest)
+    # key(8) comes from version 10's back; key(4) would be back[1] of version 8, which is gone
+    assert m12.back == (chain[10][0], chain[8][0]), m12.back
+    assert_bits_equal(Subscriber(url).pull(12), state)
