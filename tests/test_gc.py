@@ -7,7 +7,9 @@ are (GC reads every age from the store's metadata, never from its own clock).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import operator
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -149,11 +151,11 @@ def test_keeps_what_kept_versions_need_and_deletes_old_unreachable(aged):
         assert not any(k.startswith(f"manifests/{v:012d}-") for k in after)
     assert {"HEAD", "workers/w1.json", "elsewhere/file"} <= after
     gone = before - after
-    assert gone == set(sum(report.deleted.values(), []))
+    assert gone == set(functools.reduce(operator.iadd, report.deleted.values(), []))
     assert report.deleted_objects == len(gone) and report.deleted_bytes > 0
     assert all(k.startswith(("manifests/", "objects/", "blobs/", "gc/")) for k in gone)
     # The floor is committed in the index HEAD names; the run's records are in gc/.
-    head, idx = _index(aged)
+    _head, idx = _index(aged)
     assert idx.floor == 7
     assert f"gc/{report.run_id}.json" in after and f"gc/{report.run_id}-report.json" in after
     assert json.loads(aged.get(f"gc/{report.run_id}-report.json"))["deleted_objects"] == report.deleted_objects
@@ -213,7 +215,7 @@ def test_keep_versions_are_pinned_then_kept_with_their_chain(aged):
     aged.age_everything(2 * DAY)
     report = collect(aged, keep_last=1, keep_versions=[5], grace_s=DAY)
     assert report.floor_after == 10 and report.pins == [5]
-    head, idx = _index(aged)
+    _head, idx = _index(aged)
     assert pinned(idx) == {5}
     after = keys(aged)
     assert pin_needs <= after
@@ -258,7 +260,7 @@ def test_dry_run_deletes_and_commits_nothing(aged):
     assert after - before == {f"gc/{report.run_id}.json"} and before <= after  # only the probe
     assert aged.get(HEAD_KEY) == head
     real = collect(aged, keep_last=1, grace_s=DAY)
-    assert sorted(sum(real.deleted.values(), [])) == sorted(sum(report.deleted.values(), []))
+    assert sorted(functools.reduce(operator.iadd, real.deleted.values(), [])) == sorted(functools.reduce(operator.iadd, report.deleted.values(), []))
 
 
 class FailingList(AgedStore):
@@ -344,7 +346,7 @@ def test_gc_killed_halfway_loses_nothing_kept_and_the_next_run_finishes(tmp_path
     aged.offsets = dying.offsets
     report = collect(aged, keep_last=2, grace_s=DAY)
     left = keys(base)
-    assert not set(sum(planned.deleted.values(), [])) - {f"gc/{planned.run_id}.json"} & left
+    assert not set(functools.reduce(operator.iadd, planned.deleted.values(), [])) - {f"gc/{planned.run_id}.json"} & left
     assert report.floor_after == 7
     assert_versions_intact(base, states, [7, 8, 9, 10])
     assert_bits_equal(pull_from_manifest(base, _index(base)[1].pins[0].manifest), states[2])

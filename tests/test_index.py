@@ -146,7 +146,7 @@ def test_lost_response_is_settled_by_reading_head(tmp_path):
         raise StorageError("connection reset after the body was sent")
 
     store = HeadPutHook(inner, hook)
-    head, idx = update_index(store, History(store), _set(floor=4), writer="g")
+    _head, idx = update_index(store, History(store), _set(floor=4), writer="g")
     assert read_index(History(inner), History(inner).read_head()[0]) == idx
     assert [c for c in store.calls if c == ("put", HEAD_KEY)] == [("put", HEAD_KEY)]
     assert len([m for m in inner.list("objects/") if m.key.endswith(INDEX_SUFFIX)]) == 1
