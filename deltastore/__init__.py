@@ -35,6 +35,7 @@ from deltastore.errors import (
     VersionNotFoundError,
     VersionSkippedError,
 )
+from deltastore.gc import GCReport, collect
 from deltastore.history import VersionInfo
 from deltastore.publish import Publisher
 from deltastore.pull import FollowRecord, Subscriber
@@ -54,6 +55,7 @@ __all__ = [
     "FencedError",
     "FollowRecord",
     "FormatError",
+    "GCReport",
     "HistoryReplacedError",
     "IntegrityError",
     "InvalidKeyError",
@@ -76,4 +78,5 @@ __all__ = [
     "VersionInfo",
     "VersionNotFoundError",
     "VersionSkippedError",
+    "collect",
 ]
