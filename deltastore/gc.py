@@ -429,22 +429,40 @@ class _Run:
         return self._read(read, f"squash manifest {key!r}")
 
 
+@dataclass(frozen=True)
+class _Version:
+    """What GC needs of one manifest (a parsed manifest costs ~3 KB per chunk entry: a chain of
+    thousands of versions must not be held parsed)."""
+
+    version: int
+    anchor: int
+    max_attempt_s: int | None
+    squashes: tuple[Any, ...]
+    refs: tuple[str, ...]
+
+    def references(self) -> tuple[str, ...]:
+        return self.refs
+
+
 class _Chain:
     """HEAD's chain of manifests, read downwards on demand (each link checked by History)."""
 
     def __init__(self, run: _Run):
         self.run = run
-        self.by_version: dict[int, tuple[str, Manifest]] = {}
+        self.by_version: dict[int, tuple[str, _Version]] = {}
         self.lowest: int | None = None
+        self._low: tuple[str, Manifest] | None = None  # the lowest, parsed: the next link starts there
 
     def add(self, key: str, m: Manifest) -> None:
-        self.by_version[m.version] = (key, m)
-        self.lowest = m.version if self.lowest is None else min(self.lowest, m.version)
+        self.by_version[m.version] = (key, _Version(m.version, m.anchor, m.max_attempt_s, tuple(m.squashes),
+                                                    tuple(m.references())))
+        if self.lowest is None or m.version < self.lowest:
+            self.lowest, self._low = m.version, (key, m)
 
     def down_to(self, version: int) -> None:
-        assert self.lowest is not None
+        assert self.lowest is not None and self._low is not None
         while self.lowest > version:
-            key, m = self.by_version[self.lowest]
+            key, m = self._low
             pkey, p = self.run._read(lambda key=key, m=m: self.run.history.parent(key, m), f"the parent of manifest {key!r}")
             self.add(pkey, p)
 
@@ -452,11 +470,11 @@ class _Chain:
         self.down_to(version)
         return self.by_version[version][0]
 
-    def manifest(self, version: int) -> Manifest:
+    def manifest(self, version: int) -> _Version:
         self.down_to(version)
         return self.by_version[version][1]
 
-    def between(self, low: int, high: int) -> list[tuple[str, Manifest]]:
+    def between(self, low: int, high: int) -> list[tuple[str, _Version]]:
         self.down_to(low)
         return [self.by_version[v] for v in range(low, high + 1)]
 
