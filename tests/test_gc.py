@@ -523,3 +523,17 @@ def test_not_found_kept_pack_is_reported_by_pull_not_masked(aged):
             aged.inner.delete(pack)
     with pytest.raises(NotFoundError):
         assert_versions_intact(aged, states, [4])
+
+
+def test_collect_on_every_backend(any_store_target):
+    """The probe's last-modified, listing ages and deletes on each backend (S3 included)."""
+    with any_store_target.open() as inner:
+        store = AgedStore(inner)
+        states = publish(store, 7)  # anchors 1, 4, 7
+        store.age_everything(2 * DAY)
+        report = collect(store, keep_last=3, grace_s=DAY)  # low 5 → floor 4
+        assert report.floor_after == 4 and report.deleted["manifests"] and report.deleted["packs"]
+        left = keys(inner)
+        assert not set(sum(report.deleted.values(), [])) & left
+        assert_versions_intact(inner, states, [4, 5, 6, 7])
+        assert f"gc/{report.run_id}-report.json" in left

@@ -93,8 +93,10 @@ def _pinner(url: str, options: dict, stop: mp.Event, out: mp.Queue) -> None:
 
 
 @pytest.mark.integration
-def test_gc_racing_a_publisher_and_pins_on_s3(moto_s3_url):
-    url, options = moto_s3_url.url, moto_s3_url.storage_options
+@pytest.mark.parametrize("server", ["moto", "seaweedfs"])
+def test_gc_racing_a_publisher_and_pins_on_s3(request, server):
+    target = request.getfixturevalue(f"{server}_s3_url")
+    url, options = target.url, target.storage_options
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_publisher, args=(url, options, out)),
