@@ -29,15 +29,18 @@ import json
 import logging
 import secrets
 from collections.abc import Iterable, Mapping
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from deltastore.errors import (
+    AlreadyExistsError,
     GCAbortedError,
     GCRefusedError,
     HistoryReplacedError,
     NotFoundError,
+    StorageError,
     UnsupportedSchemaError,
     VersionCollectedError,
 )
@@ -86,6 +89,9 @@ DEFAULT_GRACE_S = 86400.0
 #: Deletion order (design 005 D3 step 6): data first, the documents that name it after, so
 #: that a killed run never leaves a kept-looking manifest pointing at deleted packs.
 _PHASES = ("packs", "manifests", "indexes", "records")
+#: Deletes in flight: each is one request (S3 DeleteObject); a few at once hide the round trip
+#: (10,000 objects at 20 ms each take 200 s one by one).
+DELETE_THREADS = 8
 
 
 @dataclass
@@ -208,7 +214,10 @@ class _Run:
             "dry_run": self.dry_run, "upgrade": self.upgrade,
             "started_local": _iso(datetime.now(timezone.utc)),  # informative only: never compared
         }
-        self.store.put(self.probe_key, json.dumps(doc, sort_keys=True).encode(), mode="create")
+        try:
+            self.store.put(self.probe_key, json.dumps(doc, sort_keys=True).encode(), mode="create")
+        except AlreadyExistsError:
+            pass  # our own write (the run id is random), retried by the client after a lost response
         meta = self.store.head(self.probe_key)
         if meta.last_modified is None:
             raise GCRefusedError(
@@ -347,21 +356,47 @@ class _Run:
 
         # --- step 6: delete ----------------------------------------------------------------
         done = 0
-        for phase in _PHASES:
-            for meta in candidates[phase]:
-                try:
-                    self.store.delete(meta.key)
-                except Exception as e:
-                    raise GCAbortedError(
-                        f"deleting {meta.key!r} from {self.store.url} failed ({e}); {done} objects were deleted, nothing kept "
-                        "was touched: run GC again to finish",
-                        deleted=done,
-                    ) from e
-                done += 1
-        self.store.put(self.report_key, json.dumps(report.to_json(), sort_keys=True).encode(), mode="create")
+        for phase in _PHASES:  # a phase ends before the next begins (data before documents)
+            done = self._delete_all(candidates[phase], done)
+        try:
+            self.store.put(self.report_key, json.dumps(report.to_json(), sort_keys=True).encode(), mode="create")
+        except AlreadyExistsError:
+            pass  # our own write, retried by the client after a lost response
+        except StorageError as e:  # the deletes are done: the record is informative
+            logger.warning("gc on %s: could not write %s: %s", self.store.url, self.report_key, e)
         logger.info("gc on %s: deleted %d objects (%d bytes), kept %d, floor %d → %d",
                     self.store.url, report.deleted_objects, report.deleted_bytes, report.kept_objects, floor_before, floor)
         return report
+
+    def _delete_all(self, metas: list[ObjectMeta], done: int) -> int:
+        """Delete ``metas`` a few at a time; the first failure stops the run (the rest are
+        cancelled) with GCAbortedError. Returns the running count of deleted objects."""
+        if not metas:
+            return done
+        with ThreadPoolExecutor(DELETE_THREADS, thread_name_prefix="deltastore-gc") as pool:
+            futures = [pool.submit(self.store.delete, m.key) for m in metas]
+            failure: tuple[str, BaseException] | None = None
+            for meta, fut in zip(metas, futures):
+                try:
+                    fut.result()
+                    done += 1
+                except CancelledError:
+                    continue
+                except BaseException as e:  # noqa: BLE001 - a kill (KeyboardInterrupt) too: stop the rest
+                    if failure is None:
+                        failure = (meta.key, e)
+                        for f in futures:
+                            f.cancel()
+        if failure is not None:
+            key, e = failure
+            if not isinstance(e, Exception):
+                raise e
+            raise GCAbortedError(
+                f"deleting {key!r} from {self.store.url} failed ({e}); {done} objects were deleted, nothing kept "
+                "was touched: run GC again to finish",
+                deleted=done,
+            ) from e
+        return done
 
     # --- helpers -------------------------------------------------------------------------
 

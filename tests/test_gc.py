@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import threading
 import operator
 from collections.abc import Iterator
 from datetime import timedelta
@@ -321,9 +322,10 @@ class DieAfter(AgedStore):
         self.n = n
 
     def delete(self, key: str) -> None:
-        if self.n == 0:
-            raise KeyboardInterrupt("killed")
-        self.n -= 1
+        with self._lock:  # deletes run on several threads
+            if self.n == 0:
+                raise KeyboardInterrupt("killed")
+            self.n -= 1
         super().delete(key)
 
 
@@ -358,11 +360,13 @@ def test_delete_failure_aborts_and_reports_progress(aged):
 
     class Boom(AgedStore):
         done = 0
+        lock = threading.Lock()
 
         def delete(self, key):
-            if self.done == 2:
-                raise StorageError("500 InternalError")
-            self.done += 1
+            with self.lock:  # deletes run on several threads
+                if self.done == 2:
+                    raise StorageError("500 InternalError")
+                self.done += 1
             super().delete(key)
 
     boom = Boom(aged.inner)
