@@ -418,7 +418,7 @@ class Publisher:
                 epoch=self.epoch,
                 updated=manifest.created,
                 lineage=lineage,
-                index=self._head.index if self._head is not None else None,  # keep the history index (SPEC §4)
+                **({"index": self._head.index} if self._head is not None and self._head.index is not None else {}),  # keep the history index (SPEC §4)
             ))
         except ConflictError:
             # Another writer's version is HEAD now: the next publish resumes from it.
