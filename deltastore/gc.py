@@ -111,6 +111,8 @@ class GCReport:
             the grace period.
         deleted_objects / deleted_bytes: objects deleted (to be deleted, in a dry run).
         deleted: the deleted keys by kind (packs, manifests, indexes, records).
+        missing: objects kept versions need that the listing did not show (a damaged store;
+            GC deletes nothing they need either way, and says so).
         dry_run: nothing was committed or deleted.
         aborted_reason: why nothing was done (an empty store), else None.
     """
@@ -131,6 +133,7 @@ class GCReport:
     deleted_objects: int = 0
     deleted_bytes: int = 0
     deleted: dict[str, list[str]] = field(default_factory=lambda: {p: [] for p in _PHASES})
+    missing: list[str] = field(default_factory=list)
     dry_run: bool = False
     upgraded: bool = False
     aborted_reason: str | None = None
@@ -328,7 +331,13 @@ class _Run:
                           kept_versions=[m.version for _, m in chain.between(floor, head.version)],
                           dry_run=self.dry_run, upgraded=upgraded and not self.dry_run)
         candidates: dict[str, list[ObjectMeta]] = {p: [] for p in _PHASES}
-        for meta in self._listing(now):
+        listing = self._listing(now)
+        listed = {m.key for m in listing}
+        report.missing = sorted(k for k in kept - listed if k != HEAD_KEY)
+        if report.missing:
+            logger.warning("gc on %s: %d objects that kept versions need are missing (the store is damaged), first %s",
+                           self.store.url, len(report.missing), report.missing[0])
+        for meta in listing:
             if meta.key in kept:
                 report.kept_objects += 1
                 report.kept_bytes += meta.size

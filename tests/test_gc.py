@@ -7,10 +7,8 @@ are (GC reads every age from the store's metadata, never from its own clock).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import threading
-import operator
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -85,6 +83,10 @@ def publish(store: Store, n: int, *, anchor_every: int = 3, trainer: TinyTrainer
     return states
 
 
+def all_deleted(report) -> list[str]:
+    return [k for ks in report.deleted.values() for k in ks]
+
+
 def needs_of(store: Store, version: int) -> set[str]:
     """Every key materializing ``version`` needs (its anchor chain, their packs and layouts)."""
     h = History(store)
@@ -152,7 +154,7 @@ def test_keeps_what_kept_versions_need_and_deletes_old_unreachable(aged):
         assert not any(k.startswith(f"manifests/{v:012d}-") for k in after)
     assert {"HEAD", "workers/w1.json", "elsewhere/file"} <= after
     gone = before - after
-    assert gone == set(functools.reduce(operator.iadd, report.deleted.values(), []))
+    assert gone == set(all_deleted(report))
     assert report.deleted_objects == len(gone) and report.deleted_bytes > 0
     assert all(k.startswith(("manifests/", "objects/", "blobs/", "gc/")) for k in gone)
     # The floor is committed in the index HEAD names; the run's records are in gc/.
@@ -261,7 +263,7 @@ def test_dry_run_deletes_and_commits_nothing(aged):
     assert after - before == {f"gc/{report.run_id}.json"} and before <= after  # only the probe
     assert aged.get(HEAD_KEY) == head
     real = collect(aged, keep_last=1, grace_s=DAY)
-    assert sorted(functools.reduce(operator.iadd, real.deleted.values(), [])) == sorted(functools.reduce(operator.iadd, report.deleted.values(), []))
+    assert sorted(all_deleted(real)) == sorted(all_deleted(report))
 
 
 class FailingList(AgedStore):
@@ -348,7 +350,7 @@ def test_gc_killed_halfway_loses_nothing_kept_and_the_next_run_finishes(tmp_path
     aged.offsets = dying.offsets
     report = collect(aged, keep_last=2, grace_s=DAY)
     left = keys(base)
-    assert not set(functools.reduce(operator.iadd, planned.deleted.values(), [])) - {f"gc/{planned.run_id}.json"} & left
+    assert not set(all_deleted(planned)) - {f"gc/{planned.run_id}.json"} & left
     assert report.floor_after == 7
     assert_versions_intact(base, states, [7, 8, 9, 10])
     assert_bits_equal(pull_from_manifest(base, _index(base)[1].pins[0].manifest), states[2])
@@ -538,6 +540,14 @@ def test_collect_on_every_backend(any_store_target):
         report = collect(store, keep_last=3, grace_s=DAY)  # low 5 → floor 4
         assert report.floor_after == 4 and report.deleted["manifests"] and report.deleted["packs"]
         left = keys(inner)
-        assert not set(sum(report.deleted.values(), [])) & left
+        assert not set(all_deleted(report)) & left
         assert_versions_intact(inner, states, [4, 5, 6, 7])
         assert f"gc/{report.run_id}-report.json" in left
+
+
+def test_missing_needed_pack_is_reported(aged):
+    publish(aged, 4)
+    pack = next(k for k in needs_of(aged, 4) if k.startswith(("blobs/", "objects/")))
+    aged.inner.delete(pack)
+    report = collect(aged, keep_last=1, grace_s=DAY, dry_run=True)
+    assert report.missing == [pack]
