@@ -152,7 +152,8 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
         VersionNotFoundError: the store has no HEAD.
         HistoryReplacedError: HEAD's lineage changed between tries (another history).
         UnsupportedSchemaError: HEAD is schema 1/2 and ``upgrade`` is False.
-        ConflictError: every try lost its CAS.
+        ConflictError: every try lost its CAS (or was abandoned at its deadline); HEAD's index
+            is unchanged.
         StorageError: the index object could not be written, or HEAD could not be read back.
     """
     lineage0: str | None = None
@@ -213,7 +214,10 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
         logger.info("history index of %s is now generation %d (floor %d, %d pins, %d squashes)",
                     store.url, new.generation, new.floor, len(new.pins), len(new.squashes))
         return new_head, new
-    raise ConflictError(f"the history index of {store.url} could not be written: {INDEX_CAS_ATTEMPTS} HEAD writes lost their race")
+    raise ConflictError(
+        f"the history index of {store.url} could not be written in {INDEX_CAS_ATTEMPTS} tries (each lost its HEAD "
+        "compare-and-swap to another writer, or outlived max_attempt_s); nothing was changed, try again"
+    )
 
 
 def _read_back(history: History, error: Exception) -> tuple[Head, str] | None:

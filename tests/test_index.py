@@ -273,3 +273,13 @@ def test_if_match_is_used_for_every_index_write(tmp_path):
 
     update_index(HeadPutHook(inner, hook), History(inner), _set(floor=4), writer="g")
     assert modes and all(isinstance(m, IfMatch) for m in modes)
+
+
+def test_an_attempt_past_its_deadline_is_abandoned_before_its_cas(tmp_path):
+    """SPEC §5 step 3a for index writers: no HEAD write once the attempt is older than
+    max_attempt_s (its index object may already be collectible)."""
+    store = _store_with_versions(tmp_path)
+    before = store.get(HEAD_KEY)
+    with pytest.raises(ConflictError, match="max_attempt_s"):
+        update_index(store, History(store), _set(floor=4), writer="g", max_attempt_s=-1)
+    assert store.get(HEAD_KEY) == before
