@@ -272,13 +272,7 @@ class _Run:
         floor = max(floor_before, chain.manifest(low).anchor)
 
         # --- step 2b: the grace check against every writer's attempt deadline --------------
-        chain.down_to(floor)
-        deadline = max((m.max_attempt_s or LEGACY_MAX_ATTEMPT_S) for _, m in chain.between(floor, head.version))
-        if self.grace_s < deadline + CLOCK_MARGIN_S and not self.unsafe_grace_ok:
-            raise GCRefusedError(
-                f"grace {self.grace_s:g}s is shorter than the writers' attempt deadline {deadline}s + {CLOCK_MARGIN_S}s "
-                f"(SPEC §11): GC could delete objects of an attempt that may still commit. Use --grace ≥ {deadline + CLOCK_MARGIN_S}s"
-            )
+        self._check_grace(chain, floor, head.version)
 
         # --- step 2c: commit pins and floor (before deleting anything) ---------------------
         def mutate(h: Head, idx: Index | None) -> Index:
@@ -304,6 +298,7 @@ class _Run:
             head = committed_head
             chain = _Chain(self)
             chain.add(*self._read(lambda: self.history.head_manifest(committed_head), "the head manifest"))
+            self._check_grace(chain, floor, head.version)  # the new versions' deadlines count too
 
         # --- step 3: mark ------------------------------------------------------------------
         kept: set[str] = {HEAD_KEY}
@@ -408,6 +403,15 @@ class _Run:
         return done
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _check_grace(self, chain: _Chain, floor: int, top: int) -> None:
+        """Refuse a grace shorter than the kept manifests' attempt deadline + CLOCK_MARGIN_S."""
+        deadline = max((m.max_attempt_s or LEGACY_MAX_ATTEMPT_S) for _, m in chain.between(floor, top))
+        if self.grace_s < deadline + CLOCK_MARGIN_S and not self.unsafe_grace_ok:
+            raise GCRefusedError(
+                f"grace {self.grace_s:g}s is shorter than the writers' attempt deadline {deadline}s + {CLOCK_MARGIN_S}s "
+                f"(SPEC §11): GC could delete objects of an attempt that may still commit. Use --grace ≥ {deadline + CLOCK_MARGIN_S}s"
+            )
 
     def _read(self, fn: Any, what: str) -> Any:
         """Run a needed read; any failure aborts the run (design 005 D3 step 3)."""

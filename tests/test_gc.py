@@ -551,3 +551,24 @@ def test_missing_needed_pack_is_reported(aged):
     aged.inner.delete(pack)
     report = collect(aged, keep_last=1, grace_s=DAY, dry_run=True)
     assert report.missing == [pack]
+
+
+def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
+    """M is the largest max_attempt_s among manifests ≥ floor (none recorded: 6 h)."""
+    from deltastore.manifest import dump, manifest_key, parse_manifest, sha256_hex
+
+    publish(aged, 10)  # anchors 1, 4, 7, 10
+    head = json.loads(aged.get(HEAD_KEY))
+    m = parse_manifest(aged.get(head["manifest"]), head["manifest"])
+    data = dump(m.model_copy(update={"max_attempt_s": 100}))  # as a schema-3 writer records it
+    key = manifest_key(10, sha256_hex(data))
+    aged.inner.put(key, data, mode="create")
+    head.update(manifest=key, manifest_sha256=sha256_hex(data))
+    aged.inner.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
+    aged.age_everything(2 * DAY)
+    with pytest.raises(GCRefusedError, match="100s"):
+        collect(aged, keep_last=1, grace_s=100 + CLOCK_MARGIN_S - 1)
+    with pytest.raises(GCRefusedError, match="21600s"):  # keep_last 2: version 9 (none recorded) is kept
+        collect(aged, keep_last=2, grace_s=100 + CLOCK_MARGIN_S)
+    report = collect(aged, keep_last=1, grace_s=100 + CLOCK_MARGIN_S)
+    assert report.floor_after == 10
