@@ -40,6 +40,7 @@ from deltastore.manifest import (
     Index,
     ObjectRef,
     Pin,
+    SquashRef,
     decode_object,
     dump,
     encode_object,
@@ -270,6 +271,19 @@ def add_pins(versions: Iterable[int], *, history: History, note: str = "", by: s
     return mutate
 
 
+def add_squashes(refs: Iterable[SquashRef]) -> Mutate:
+    """A ``mutate`` that registers squashes (the compactor's, SPEC §12) next to those already in
+    the index; one whose ``from`` is below the floor (and not pinned) is dropped on write."""
+    new = tuple(refs)
+
+    def mutate(head: Head, index: Index | None) -> Index:
+        have = tuple(index.squashes) if index is not None else ()
+        known = {s.key for s in have}
+        return _content(index, head, squashes=have + tuple(s for s in new if s.key not in known))
+
+    return mutate
+
+
 def _content(index: Index | None, head: Head, **changes: object) -> Index:
     """``index`` with ``changes`` (a placeholder provenance: update_index fills it in)."""
     base = index if index is not None else Index(
@@ -343,6 +357,7 @@ class _opened:
 __all__ = [
     "INDEX_SUFFIX",
     "add_pins",
+    "add_squashes",
     "effective_floor",
     "pin",
     "pinned",

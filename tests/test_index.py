@@ -19,6 +19,7 @@ from deltastore.history import History
 from deltastore.index import (
     INDEX_SUFFIX,
     add_pins,
+    add_squashes,
     effective_floor,
     pin,
     pinned,
@@ -283,3 +284,15 @@ def test_an_attempt_past_its_deadline_is_abandoned_before_its_cas(tmp_path):
     with pytest.raises(ConflictError, match="max_attempt_s"):
         update_index(store, History(store), _set(floor=4), writer="g", max_attempt_s=-1)
     assert store.get(HEAD_KEY) == before
+
+
+def test_add_squashes_merges_and_drops_those_below_the_floor(tmp_path):
+    store = _store_with_versions(tmp_path)
+    history = History(store)
+    update_index(store, history, add_squashes([_squash(2, 5)]), writer="compactor")
+    _, idx = update_index(store, history, add_squashes([_squash(2, 5), _squash(4, 5)]), writer="compactor")
+    assert [s.from_ for s in idx.squashes] == [2, 4]
+    _, idx = update_index(store, history, _set(floor=4), writer="gc")
+    assert [s.from_ for s in idx.squashes] == [4]
+    _, idx = update_index(store, history, add_squashes([_squash(1, 5)]), writer="compactor")
+    assert [s.from_ for s in idx.squashes] == [4]  # from below the floor: never registered
