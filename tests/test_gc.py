@@ -555,12 +555,14 @@ def test_missing_needed_pack_is_reported(aged):
 
 def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
     """M is the largest max_attempt_s among manifests ≥ floor (none recorded: 6 h)."""
-    from deltastore.manifest import dump, manifest_key, parse_manifest, sha256_hex
+    from deltastore.manifest import encode_manifest, manifest_key, sha256_hex
 
     publish(aged, 10)  # anchors 1, 4, 7, 10
     head = json.loads(aged.get(HEAD_KEY))
-    m = parse_manifest(aged.get(head["manifest"]), head["manifest"])
-    data = dump(m.model_copy(update={"max_attempt_s": 100}))  # as a schema-3 writer records it
+    h = History(aged)
+    m = h.manifest(head["manifest"])
+    layout = h.layout(m.layout) if m.layout is not None else None
+    data = encode_manifest(m.model_copy(update={"max_attempt_s": 100}), layout)  # as a schema-3 writer records it
     key = manifest_key(10, sha256_hex(data))
     aged.inner.put(key, data, mode="create")
     head.update(manifest=key, manifest_sha256=sha256_hex(data))
