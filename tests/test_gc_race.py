@@ -1,4 +1,4 @@
-"""GC racing a publisher and pins (design 005 D3 interleavings #3, #9), with real processes on
+"""GC racing a publisher, another GC and pins (design 005 D3 interleavings #3, #9), with real processes on
 a real S3 server (moto), and a deterministic pin-vs-GC interleaving.
 
 The publisher here has no attempt deadline yet (the writer change adds ``max_attempt_s``), so
@@ -66,11 +66,11 @@ def _publisher(url: str, options: dict, out: mp.Queue) -> None:
     out.put(("publisher", conflicts))
 
 
-def _gc(url: str, options: dict, stop: mp.Event, out: mp.Queue) -> None:
+def _gc(url: str, options: dict, stop: mp.Event, out: mp.Queue, keep_last: int, name: str) -> None:
     runs = deleted = aborted = damaged = 0
     while not stop.is_set():
         try:
-            r = collect(url, storage_options=options, keep_last=2, grace_s=RACE_GRACE_S, unsafe_grace_ok=True)
+            r = collect(url, storage_options=options, keep_last=keep_last, grace_s=RACE_GRACE_S, unsafe_grace_ok=True)
             runs += 1
             deleted += r.deleted_objects
             damaged += len(r.missing)
@@ -80,7 +80,7 @@ def _gc(url: str, options: dict, stop: mp.Event, out: mp.Queue) -> None:
             aborted += 1
             damaged += "missing" in str(e)  # a needed object gone: what GC must never cause
         time.sleep(0.1)
-    out.put(("gc", (runs, deleted, aborted, damaged)))
+    out.put((name, (runs, deleted, aborted, damaged)))
 
 
 def _pinner(url: str, options: dict, stop: mp.Event, out: mp.Queue) -> None:
@@ -110,7 +110,8 @@ def test_gc_racing_a_publisher_and_pins_on_s3(request, server):
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_publisher, args=(url, options, out)),
-             ctx.Process(target=_gc, args=(url, options, stop, out)),
+             ctx.Process(target=_gc, args=(url, options, stop, out, 2, "gc")),
+             ctx.Process(target=_gc, args=(url, options, stop, out, 4, "gc2")),  # two GCs serialize by CAS
              ctx.Process(target=_pinner, args=(url, options, stop, out))]
     for p in procs:
         p.start()
@@ -133,8 +134,8 @@ def test_gc_racing_a_publisher_and_pins_on_s3(request, server):
             break
         results[who] = what
     print(f"race: {results}")
-    assert set(results) == {"publisher", "gc", "pinner"}, results
-    runs, deleted, _aborted, damaged = results["gc"]
+    assert set(results) == {"publisher", "gc", "gc2", "pinner"}, results
+    runs, deleted, _aborted, damaged = (a + b for a, b in zip(results["gc"], results["gc2"]))
     assert runs >= 3 and deleted > 0, results  # GC really ran and collected during the race
     assert damaged == 0, results
 
