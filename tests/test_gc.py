@@ -574,3 +574,53 @@ def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
         collect(aged, keep_last=2, grace_s=100 + CLOCK_MARGIN_S)
     report = collect(aged, keep_last=1, grace_s=100 + CLOCK_MARGIN_S)
     assert report.floor_after == 10
+
+
+def _rewrite_as_schema_1(store: Store) -> None:
+    """Rewrite the store's chain and HEAD as schema 1 wrote them (no lineage, no schema-2/3
+    fields), keeping the packs (SPEC §13: old stores are upgraded in place)."""
+    from deltastore.manifest import SCHEMA3_MANIFEST_FIELDS, manifest_key, sha256_hex
+
+    head = json.loads(store.get(HEAD_KEY))
+    chain, key = [], head["manifest"]
+    while key is not None:
+        doc = json.loads(store.get(key))
+        chain.append(doc)
+        key = doc["parent_manifest"]
+    parent_key = None
+    for doc in reversed(chain):
+        doc.update(schema=1, parent_manifest=parent_key)
+        for f in ("lineage", "signature", *SCHEMA3_MANIFEST_FIELDS):
+            doc.pop(f, None)
+        for b in doc["blobs"]:
+            b.pop("role", None)
+        for f in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
+            doc["stats"].pop(f, None)
+        data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        parent_key = manifest_key(doc["version"], sha256_hex(data))
+        store.put(parent_key, data, mode="create")
+    head.update(schema=1, manifest=parent_key, manifest_sha256=sha256_hex(data))
+    for f in ("lineage", "index"):
+        head.pop(f, None)
+    store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
+
+
+def test_schema1_store_is_upgraded_in_place(aged):
+    """A schema-1 store (no lineage): GC refuses it, --upgrade writes a schema-3 HEAD with a
+    fresh lineage and the first index, collects the old chain (the schema-3 manifests of the
+    rewrite are unreachable orphans here), and every kept version still pulls bit-exact."""
+    states = publish(aged, 7)  # anchors 1, 4, 7
+    _rewrite_as_schema_1(aged)
+    aged.age_everything(2 * DAY)
+    with pytest.raises(UnsupportedSchemaError):
+        collect(aged, keep_last=2, grace_s=DAY)
+    report = collect(aged, keep_last=2, grace_s=DAY, upgrade=True)
+    head = json.loads(aged.get(HEAD_KEY))
+    assert head["schema"] == 3 and head["lineage"] and head["index"] is not None
+    assert report.upgraded and report.floor_after == 4
+    _, idx = _index(aged)
+    assert idx.lineage == head["lineage"]
+    assert_versions_intact(aged, states, [4, 5, 6, 7])
+    # Readers and a new publisher continue the upgraded store.
+    publish(aged, 1, states=states)
+    assert json.loads(aged.get(HEAD_KEY))["index"] == head["index"]
