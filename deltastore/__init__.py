@@ -36,6 +36,7 @@ from deltastore.errors import (
     VersionNotFoundError,
     VersionSkippedError,
 )
+from deltastore.gc import GCReport, collect
 from deltastore.history import VersionInfo
 from deltastore.publish import Publisher
 from deltastore.pull import FollowRecord, Subscriber
@@ -56,6 +57,7 @@ __all__ = [
     "FencedError",
     "FollowRecord",
     "FormatError",
+    "GCReport",
     "HistoryReplacedError",
     "IntegrityError",
     "InvalidKeyError",
@@ -78,4 +80,5 @@ __all__ = [
     "VersionInfo",
     "VersionNotFoundError",
     "VersionSkippedError",
+    "collect",
 ]

@@ -286,6 +286,73 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- gc, pin, unpin (SPEC §11) -----------------------------------------------------------------
+
+
+def _parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``24h``, ``7d`` or plain seconds, as seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in units:
+            value = float(t[:-1]) * units[t[-1]]
+        else:
+            value = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90s, 30m, 24h, 7d)") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from deltastore.gc import collect
+
+    report = collect(
+        args.url, keep_last=args.keep_last, keep_versions=args.keep_version or (), grace_s=args.grace,
+        dry_run=args.dry_run, storage_options=_storage_options(args), upgrade=args.upgrade,
+    )
+    if args.json:
+        print(json.dumps(report.to_json(), sort_keys=True))
+        return 0
+    if report.aborted_reason:
+        print(f"{args.url}: {report.aborted_reason}")
+        return 0
+    verb = "would delete" if report.dry_run else "deleted"
+    kept = report.kept_versions
+    span = f"versions {kept[0]}-{kept[-1]}" if kept else "no versions"
+    pins = ", ".join(map(str, report.pins)) or "none"
+    print(f"{args.url}: head {report.head_version}, floor {report.floor_before} -> {report.floor_after}; "
+          f"keeping {span}, pins: {pins}")
+    print(f"  kept {report.kept_objects} objects ({_size(report.kept_bytes)}) needed by kept versions, "
+          f"{report.young_objects} ({_size(report.young_bytes)}) younger than the grace period")
+    parts = ", ".join(f"{len(keys)} {kind}" for kind, keys in report.deleted.items() if keys) or "nothing"
+    print(f"  {verb} {report.deleted_objects} objects ({_size(report.deleted_bytes)} freed): {parts}")
+    if args.verbose or report.dry_run:
+        for keys in report.deleted.values():
+            for key in keys:
+                print(f"    {verb} {key}")
+    return 0
+
+
+def _cmd_pin(args: argparse.Namespace) -> int:
+    from deltastore.index import pin
+
+    index = pin(args.url, args.version, note=args.note or "", storage_options=_storage_options(args))
+    print(f"pinned version {args.version} of {args.url} (floor {index.floor}; pins: "
+          f"{', '.join(str(p.version) for p in index.pins)})")
+    return 0
+
+
+def _cmd_unpin(args: argparse.Namespace) -> int:
+    from deltastore.index import unpin
+
+    index = unpin(args.url, args.version, storage_options=_storage_options(args))
+    pins = ", ".join(str(p.version) for p in index.pins) if index is not None else ""
+    print(f"version {args.version} of {args.url} is not pinned (pins: {pins or 'none'})")
+    return 0
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -357,6 +424,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keygen", help="write a new Ed25519 key pair for signing manifests")
     p.add_argument("private_key", metavar="PRIVATE.pem", help="private key path (0600); the public key goes beside it as .pub")
     p.set_defaults(func=_cmd_keygen)
+
+    p = sub.add_parser("gc", parents=[common], help="delete history the retention rules no longer need (SPEC §11)")
+    p.add_argument("url")
+    p.add_argument("--keep-last", type=int, default=10, metavar="N", help="keep the last N versions readable (default 10)")
+    p.add_argument("--keep-version", type=int, action="append", metavar="V", help="pin version V first (repeatable)")
+    p.add_argument("--grace", type=_parse_duration, default=86400.0, metavar="DURATION",
+                   help="never delete objects younger than this (store clock; e.g. 24h, 30m, 90s; default 24h, minimum 6h10m)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; write nothing but the run record")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--upgrade", action="store_true", help="rewrite a schema-1/2 HEAD as schema 3 first (older publishers then stop)")
+    p.set_defaults(func=_cmd_gc)
+
+    p = sub.add_parser("pin", parents=[common], help="keep version V through GC (recorded in the history index)")
+    p.add_argument("url")
+    p.add_argument("version", type=int)
+    p.add_argument("--note", help="why it is pinned (kept in the index)")
+    p.set_defaults(func=_cmd_pin)
+
+    p = sub.add_parser("unpin", parents=[common], help="let GC collect a pinned version again")
+    p.add_argument("url")
+    p.add_argument("version", type=int)
+    p.set_defaults(func=_cmd_unpin)
     return parser
 
 

@@ -30,6 +30,9 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
     ├── VersionNotFoundError (LookupError)        no such version in the store
+    │   └── VersionCollectedError                 below the retention floor and not pinned
+    ├── GCAbortedError                            GC stopped before deleting (or partway): see why
+    ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
     └── VersionSkippedError                       an async publish replaced by a newer one
 """
@@ -217,6 +220,43 @@ class VersionNotFoundError(DeltastoreError, LookupError):
     """The requested version does not exist in the store (or the store is empty)."""
 
 
+class VersionCollectedError(VersionNotFoundError):
+    """The version was below the store's retention floor and not pinned: GC may have deleted
+    it (SPEC §11). Pull the latest version, or a version ≥ ``floor``, or one of ``pins``.
+
+    Attributes:
+        version: the version asked for.
+        floor: the index's floor (every version in [floor, head] is readable).
+        pins: the pinned versions below the floor, sorted.
+    """
+
+    def __init__(self, message: str, *, version: int, floor: int, pins: tuple[int, ...] | list[int] | set[int] = ()):
+        super().__init__(message)
+        self.version = version
+        self.floor = floor
+        self.pins = tuple(sorted(pins))
+
+
+class GCAbortedError(DeltastoreError):
+    """A garbage-collection run stopped: a listing or a needed read failed, HEAD changed
+    lineage or schema, or a delete failed. Nothing kept was touched; run GC again.
+
+    Attributes:
+        deleted: how many objects this run had deleted before stopping (0 when it aborted
+            before its delete phase).
+    """
+
+    def __init__(self, message: str, *, deleted: int = 0):
+        super().__init__(message)
+        self.deleted = deleted
+
+
+class GCRefusedError(DeltastoreError, ValueError):
+    """GC refused to start: its grace period is shorter than the writers' attempt deadline
+    plus the clock margin (SPEC §11), or the store cannot report last-modified times (GC ages
+    objects on the store's clock). Nothing was deleted."""
+
+
 class VersionSkippedError(DeltastoreError):
     """An asynchronous publish was never made: a newer snapshot replaced it (policy "latest")."""
 
@@ -230,13 +270,15 @@ __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
     "BucketNotFoundError",
-    "ConcurrentWriteError",
     "CommitUnknownError",
+    "ConcurrentWriteError",
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",
     "FencedError",
     "FormatError",
+    "GCAbortedError",
+    "GCRefusedError",
     "HistoryReplacedError",
     "IntegrityError",
     "InvalidKeyError",
@@ -253,6 +295,7 @@ __all__ = [
     "UnsupportedSchemaError",
     "UnsupportedURLError",
     "UploadCorruptedError",
+    "VersionCollectedError",
     "VersionNotFoundError",
     "VersionSkippedError",
 ]
