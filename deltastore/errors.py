@@ -29,6 +29,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
     ├── VersionNotFoundError (LookupError)        no such version in the store
+    │   └── VersionCollectedError                 below the history index's floor, not pinned
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
     └── VersionSkippedError                       an async publish replaced by a newer one
 """
@@ -194,6 +195,23 @@ class VersionNotFoundError(DeltastoreError, LookupError):
     """The requested version does not exist in the store (or the store is empty)."""
 
 
+class VersionCollectedError(VersionNotFoundError):
+    """The version was collected: it is below the history index's ``floor`` and not pinned
+    (SPEC §11). Pull a version ≥ ``floor`` or one of ``pins``.
+
+    Attributes:
+        version: the version asked for.
+        floor: the store's floor (every version from it to head is readable).
+        pins: the pinned versions below the floor, which stay readable.
+    """
+
+    def __init__(self, message: str, *, version: int, floor: int, pins: tuple[int, ...] | list[int] = ()):
+        super().__init__(message)
+        self.version = version
+        self.floor = floor
+        self.pins = tuple(pins)
+
+
 class VersionSkippedError(DeltastoreError):
     """An asynchronous publish was never made: a newer snapshot replaced it (policy "latest")."""
 
@@ -207,8 +225,8 @@ __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
     "BucketNotFoundError",
-    "ConcurrentWriteError",
     "CommitUnknownError",
+    "ConcurrentWriteError",
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",
@@ -230,6 +248,7 @@ __all__ = [
     "UnsupportedSchemaError",
     "UnsupportedURLError",
     "UploadCorruptedError",
+    "VersionCollectedError",
     "VersionNotFoundError",
     "VersionSkippedError",
 ]

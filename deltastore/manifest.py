@@ -21,7 +21,7 @@ SCHEMA_VERSION = 2
 #: Schema 3 (design 005, issue 8): compact zstd manifests, layout objects, attempt-scoped keys,
 #: skip pointers, the history index (retention), squashes, and `parts`.
 #: (3 is added by the change that implements its encoding.)
-READABLE_SCHEMAS = (1, 2)
+READABLE_SCHEMAS = (1, 2, 3)
 #: Fields that exist only in schema 3 (a schema-1/2 document is written without them).
 SCHEMA3_MANIFEST_FIELDS = ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes")
 #: Immutable objects written by schema 3 live under ``objects/<attempt>/`` (design 005 D1).
