@@ -1,0 +1,171 @@
+"""The compactor (design 005 D5): squashes composed from stored deltas, verified before they are
+written, never across a chain break, registered in the history index."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from deltastore import Publisher, Subscriber, codec
+from deltastore.cli import main
+from deltastore.compact import compact, merge_squashes
+from deltastore.errors import IntegrityError
+from deltastore.history import History
+from deltastore.manifest import SquashManifest, SquashRef, decode_object
+from deltastore.pull import _read_index
+from deltastore.storage import open_store
+from deltastore.tensors import bits, state_digest
+from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, keys, snapshot
+from tests.test_catchup import publish_run, set_index
+
+HEAD_VERSION = 22
+
+
+@pytest.fixture(scope="module")
+def run22(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, dict[str, torch.Tensor]]]:
+    """A tiny AdamW fine-tune: version 1 an anchor, 2..22 deltas."""
+    url = str(tmp_path_factory.mktemp("compact") / "store")
+    return url, publish_run(url, HEAD_VERSION)
+
+
+def apply_squash(url: str, key: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Apply a squash's segments to ``state`` directly with the codec (not through a reader)."""
+    store = open_store(url)
+    sq = decode_object(SquashManifest, store.get(key), key)
+    packs = [store.get(b.key) for b in sq.blobs]
+    assert all(b.role == "d" and b.key.startswith(f"objects/{sq.commit_id}/") for b in sq.blobs)
+    out = snapshot(state)
+    for t in sq.tensors:
+        flat = bits(out[t.name]).reshape(-1)
+        row = int(np.prod(t.shape[1:])) if t.shape else 1
+        for c in t.chunks:
+            a, b = (c.index * t.chunk_rows * row, min((c.index + 1) * t.chunk_rows, t.shape[0]) * row) if t.shape else (0, 1)
+            seg = packs[c.delta.blob][c.delta.offset : c.delta.offset + c.delta.length]
+            chunk = flat[a:b]
+            codec.apply_delta(chunk, seg, codec=c.delta.codec)
+            assert state_digest(chunk) == c.digest
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 8, 20])
+def test_a_squash_of_k_versions_applies_bit_exactly(run22: Any, k: int) -> None:
+    url, states = run22
+    h = HEAD_VERSION - k
+    report = compact(url, bases=[h], register=False)
+    (sq,) = report.squashes
+    assert (sq.from_, sq.to, report.to) == (h, HEAD_VERSION, HEAD_VERSION) and not report.registered
+    from tests._helpers import assert_bits_equal
+
+    assert_bits_equal(apply_squash(url, sq.key, states[h]), states[HEAD_VERSION], f"S({h}, {HEAD_VERSION})")
+    assert 0 < sq.bytes < sq.chain_bytes, (sq.bytes, sq.chain_bytes)
+    print(f"k={k}: chain {sq.chain_bytes} B, squash {sq.bytes} B, ratio {sq.chain_bytes / sq.bytes:.2f}")
+
+
+def test_a_corrupted_composition_is_refused_and_nothing_is_written(run22: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _ = run22
+    real = codec.compose_deltas
+
+    def flip(a: bytes, b: bytes, *, base: np.ndarray, **kw: Any) -> codec.Segment | None:
+        good = real(a, b, base=base, **kw)
+        new = base.copy()
+        if good is not None:
+            codec.apply_delta(new, good.data, codec=good.codec)
+        new[0] ^= 1  # one bit off
+        return codec.encode_delta(base, new)
+
+    monkeypatch.setattr("deltastore.compact.compose_deltas", flip)
+    store = open_store(url)
+    before = keys(store)
+    with pytest.raises(IntegrityError, match=rf"squash 14→{HEAD_VERSION}: chunk \S+\[\d+\].*nothing was written"):
+        compact(url, bases=[14], register=False)
+    assert keys(store) == before
+
+
+def test_a_squash_never_spans_a_chain_break(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    trainer = TinyTrainer(1)
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        for _ in range(4):
+            pub.publish(trainer.step())
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, resume=False) as pub:  # no reference: v5 restarts the chain
+        for _ in range(3):
+            pub.publish(trainer.step())
+    store = open_store(url)
+    before = keys(store)
+    report = compact(url, bases=[2, 5], register=False)
+    assert [s.from_ for s in report.squashes] == [5]
+    assert report.skipped == ((2, "version 5 starts a new chain (delta_base null): a squash never spans it"),)
+    assert len(keys(store) - before) == 2  # S(5, 7): one pack and its manifest, nothing for base 2
+
+
+def test_bases_below_two_versions_are_skipped_and_default_bases_come_from_the_ledger(run22: Any) -> None:
+    url, _ = run22
+    from deltastore.ledger import HeartbeatWriter
+
+    store = open_store(url)
+    lineage = History(store).read_head()[0].lineage
+    HeartbeatWriter(store, "w-behind").beat(17, lineage=lineage)
+    HeartbeatWriter(store, "w-current").beat(HEAD_VERSION - 1, lineage=lineage)
+    HeartbeatWriter(store, "w-other-run").beat(10, lineage="f" * 32)
+    report = compact(url, register=False)
+    # 17 (live, two or more behind) and the anchor 1; not 21 (one behind) nor 10 (another lineage)
+    assert [s.from_ for s in report.squashes] == [1, 17]
+    for w in ("w-behind", "w-current", "w-other-run"):
+        store.delete(f"workers/{w}.json")
+    assert compact(url, bases=[HEAD_VERSION - 1], register=False).skipped[0][0] == HEAD_VERSION - 1
+
+
+def test_squashes_are_registered_in_the_index(run22: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registration is one update_index call (deltastore.index is the GC change's; a stand-in here)."""
+    url, states = run22
+    calls = []
+
+    def update_index(store: Any, history: History, mutate: Any, *, writer: str, **kw: Any) -> Any:
+        head = history.read_head()[0]
+        new = mutate(head, _read_index(history, head))
+        calls.append(writer)
+        set_index(store, floor=new.floor, squashes=new.squashes, pins=new.pins)
+        return head, new
+
+    fake = types.ModuleType("deltastore.index")
+    fake.update_index = update_index  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deltastore.index", fake)
+    report = compact(url, bases=[HEAD_VERSION - 8], writer="c1")
+    assert report.registered and calls == ["c1"]
+    store = open_store(url)
+    history = History(store)
+    index = _read_index(history, history.read_head()[0])
+    assert index is not None and [s.key for s in index.squashes] == [report.squashes[0].key]
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(HEAD_VERSION - 8)
+        before = sub.bytes_fetched
+        sub.pull_into(target)
+        assert sub.bytes_fetched - before == report.squashes[0].bytes
+        from tests._helpers import assert_bits_equal
+
+        assert_bits_equal(target, states[HEAD_VERSION])
+
+
+def test_merge_keeps_one_squash_per_base_and_drops_those_below_the_floor(run22: Any) -> None:
+    url, _ = run22
+    store = open_store(url)
+    idx = set_index(store, floor=3, squashes=[SquashRef(from_=4, to=9, key="objects/a/x.squash.json.zst", sha256="0" * 64, bytes=1)])
+    head = History(store).read_head()[0]
+    refs = [SquashRef(from_=f, to=20, key=f"objects/b/{f}.squash.json.zst", sha256="1" * 64, bytes=2) for f in (2, 4)]
+    new = merge_squashes(head, idx, refs, "me")
+    assert [(s.from_, s.to) for s in new.squashes] == [(4, 20)] and new.floor == 3 and new.generation == 2
+
+
+def test_cli_compact_json(run22: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    url, _ = run22
+    assert main(["compact", url, "--base", "12", "--base", "15", "--no-register", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(s["from"], s["to"]) for s in doc["squashes"]] == [(12, HEAD_VERSION), (15, HEAD_VERSION)]
+    assert doc["bytes"] < doc["chain_bytes"] and doc["registered"] is False
