@@ -38,6 +38,7 @@ from deltastore.history import History
 from deltastore.jobs import default_threads, grouped
 from deltastore.ledger import read_ledger
 from deltastore.manifest import (
+    DEFAULT_MAX_ATTEMPT_S,
     BlobRef,
     ChunkEntry,
     Head,
@@ -222,10 +223,17 @@ def compact(
                 composed.append(_compose(history, engine, by_version, h, to, at_to))
         for h, why in skipped:
             logger.warning("no squash %d→%d for %s: %s", h, to, store.url, why)
-        written = [_write(store, c, to_key, to_m, writer, attempt) for attempt in [new_attempt_id()] for c in composed]
+        attempt, first_write = new_attempt_id(), time.monotonic()
+        written = [_write(store, c, to_key, to_m, writer, attempt) for c in composed]
         registered = False
         if written and register:
-            registered = _register(store, history, written, writer)
+            # SPEC §5 step 3a: the attempt's HEAD write must come within max_attempt_s of its
+            # first write, or GC may already have judged its objects abandoned.
+            left = DEFAULT_MAX_ATTEMPT_S - (time.monotonic() - first_write)
+            if left <= 0:
+                logger.warning("not registering the squashes of attempt %s: its deadline passed; they are garbage", attempt)
+            else:
+                registered = _register(store, history, written, writer, left)
         report = CompactReport(store.url, to, tuple(written), tuple(sorted(skipped)), registered, time.monotonic() - t0)
         for s in written:
             logger.info("wrote squash %d→%d of %s: %d bytes replacing %d bytes of deltas (%s)",
@@ -357,7 +365,7 @@ def _write(store: Store, c: _Composed, to_key: str, to_m: Manifest, writer: str,
     return SquashWritten(c.h, to_m.version, key, digest, sum(b.size for b in blobs), c.chain_bytes, len(c.segments))
 
 
-def _register(store: Store, history: History, written: list[SquashWritten], writer: str) -> bool:
+def _register(store: Store, history: History, written: list[SquashWritten], writer: str, max_attempt_s: float) -> bool:
     """Add the squashes to the history index (one HEAD CAS changing only ``index``)."""
     from deltastore.index import update_index  # the index writer (HEAD CAS of D4)
 
@@ -366,7 +374,7 @@ def _register(store: Store, history: History, written: list[SquashWritten], writ
     def mutate(head: Head, index: Index | None) -> Index:
         return merge_squashes(head, index, refs, writer)
 
-    update_index(store, history, mutate, writer=writer)
+    update_index(store, history, mutate, writer=writer, max_attempt_s=max_attempt_s)
     return True
 
 

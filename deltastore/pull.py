@@ -295,9 +295,16 @@ class Subscriber:
         return VersionInfo.from_manifest(m, key)
 
     def log(self, since: int = 1) -> list[VersionInfo]:
-        """Every committed version from ``since`` (default: the first) to the latest, oldest first."""
+        """Every committed version from ``since`` (default: the first) to the latest, oldest
+        first; versions below the history index's floor were collected and are not listed."""
         head = self._history.poll_head()
-        return [] if head is None else self._history.log(head, since=since)
+        if head is None:
+            return []
+        self._head = head
+        index = self._index(head)
+        if index is not None:  # versions below the floor were collected: the log starts there
+            since = max(since, index.floor)
+        return self._history.log(head, since=since)
 
     def pull(self, version: int | None = None) -> dict[str, torch.Tensor]:
         """Materialize ``version`` (default: the latest) as new CPU tensors, verified.
@@ -815,7 +822,8 @@ class Subscriber:
 
         Args:
             version: the version whose chain (from its anchor) to check; default the latest.
-            all_versions: check every version from 1 to the latest instead.
+            all_versions: check every version from 1 (the index's floor once versions were
+                collected) to the latest instead.
 
         Raises:
             VersionNotFoundError: no such version (or an empty store).
@@ -823,9 +831,11 @@ class Subscriber:
                 unreadable or the chain is broken (nothing further can be checked).
         """
         if all_versions:
-            top = self._history.head_manifest(self._require_head())
+            head = self._require_head()
+            top = self._history.head_manifest(head)
             assert top is not None
-            ms = self._history.chain(*top, down_to=1)
+            index = self._index(head)
+            ms = self._history.chain(*top, down_to=1 if index is None else index.floor)
         else:
             ms = self._history.anchor_chain(*self._resolve(version))
         problems: list[Problem] = []

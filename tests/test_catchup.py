@@ -247,6 +247,9 @@ def test_pull_of_a_collected_version_raises_and_pins_stay_readable(spans: Any) -
         assert_bits_equal(sub.pull(3), states[3], "pinned")
         assert_bits_equal(sub.pull(9), states[9], "the floor")
         assert_bits_equal(sub.pull(), states[12], "head")
+        assert [i.version for i in sub.log()] == [9, 10, 11, 12]
+        report = sub.verify(all_versions=True)
+        assert report.ok and report.versions == [9, 10, 11, 12]
 
 
 class CollectOnFirstPackRead(WrappedStore):
@@ -276,3 +279,22 @@ def test_a_pack_collected_while_catching_up_makes_the_worker_replan(spans: Any, 
         assert_bits_equal(target, states[12])
         assert 3 not in chain_keys(store.inner)  # the collection did happen
         assert any("version 2 was collected (floor 9)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_cache_holding_a_collected_version_is_not_used(spans: Any, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    url, states = spans
+    cache = tmp_path / "cache"
+    with Subscriber(url, threads=2) as sub:
+        target = sub.allocate(2)
+        sub.pull_into(target, version=2)
+        from deltastore.cache import WorkerCache
+
+        WorkerCache(cache).save(target, url=sub.url, version=2, manifest=sub._held.key, lineage=sub._held.manifest.lineage)
+    collect(open_store(url), floor=9)
+    with Subscriber(url, threads=2) as sub, caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+        target = sub.allocate()
+        (rec,) = list(sub.follow(target, interval=0.01, max_versions=1, cache_dir=cache, heartbeat=False))
+        assert rec.full_load and rec.info.version == 12
+        assert_bits_equal(target, states[12])
+    assert any("version 2 was collected (floor 9)" in r.getMessage() for r in caplog.records)
