@@ -227,11 +227,12 @@ def full_bytes(m: Manifest) -> int:
 def chain_price(low: Manifest, high: Manifest, between: Callable[[], Manifests]) -> int:
     """Bytes of the chain ``(low, high]``: ``cum(high) − cum(low)`` when both record
     ``cum_delta_bytes`` and no chain break lies between them (no manifest read), else the sum of
-    the delta bytes of the manifests ``between()`` returns (versions low+1..high)."""
+    the delta bytes of the manifests ``between()`` returns (versions low+1..high), counting an
+    anchor without deltas (a chain break) by its full bytes."""
     cl, ch = low.stats.cum_delta_bytes, high.stats.cum_delta_bytes
     if cl is not None and ch is not None and high.chain_start is not None and high.chain_start <= low.version:
         return ch - cl
-    return sum(delta_bytes(m) for _, m in between())
+    return sum(delta_bytes(m) if m.delta_base is not None else full_bytes(m) for _, m in between())
 
 
 def squash_as_manifest(key: str, sq: SquashManifest) -> Manifest:
