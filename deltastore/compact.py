@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ logger = logging.getLogger(__name__)
 
 #: A squash over fewer versions is the delta itself: nothing to gain.
 MIN_SQUASH_VERSIONS = 2
+#: A squash's composed segments stay in memory up to this size while the rest of it is
+#: verified; beyond it they go to a local temporary file (a squash of a large model is tens of GB).
+SPILL_MEMORY_BYTES = 64 * 1024 * 1024
 #: Squashes the compactor keeps listed in the index (newest ``to`` first): readers use only
 #: those starting at the version they hold, and the index is read on every change of HEAD's
 #: index, so stale ones are dropped rather than accumulated over a run.
@@ -134,15 +138,46 @@ class CompactReport:
         }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Spilled:
+    """One composed segment, kept in its squash's spill file until the whole squash is verified."""
+
+    key: _Key
+    digest: str  # the chunk's digest at ``to``
+    codec: str
+    n_changed: int
+    offset: int  # in the spill file
+    length: int
+
+
 @dataclass
 class _Composed:
-    """A verified squash, not yet written: its segments in layout order."""
+    """A verified squash, not yet written: its segments in layout order, their bytes in a spill
+    file (in memory up to SPILL_MEMORY_BYTES, then on local disk), so that nothing is uploaded
+    before every chunk is verified while memory stays bounded whatever the squash's size."""
 
     h: int
     h_key: str
     chain_bytes: int
     specs: dict[str, TensorSpec]
-    segments: list[tuple[_Key, str, codec.Segment]] = field(default_factory=list)  # (chunk, digest at to, seg)
+    spill: Any = field(default_factory=lambda: tempfile.SpooledTemporaryFile(max_size=SPILL_MEMORY_BYTES))  # noqa: SIM115 - closed by close()
+    segments: list[_Spilled] = field(default_factory=list)
+    size: int = 0
+
+    def add(self, key: _Key, digest: str, seg: codec.Segment) -> None:
+        self.spill.write(seg.data)
+        self.segments.append(_Spilled(key, digest, seg.codec, seg.n_changed, self.size, len(seg.data)))
+        self.size += len(seg.data)
+
+    def read(self, offset: int, length: int) -> bytes:
+        self.spill.seek(offset)
+        data = self.spill.read(length)
+        if len(data) != length:  # a local disk that lost what it was given
+            raise OSError(f"squash spill file: read {len(data)} of {length} bytes at {offset}")
+        return data
+
+    def close(self) -> None:
+        self.spill.close()
 
 
 def compact(
@@ -185,6 +220,7 @@ def compact(
     store = open_store(store_or_url, storage_options=dict(storage_options or {})) if own else store_or_url
     writer = writer or f"compactor-{socket.gethostname()}-{os.getpid()}"
     engine = ReadEngine(store, threads or default_threads())
+    composed: list[_Composed] = []
     try:
         history = History(store)
         got = history.read_head()
@@ -209,7 +245,6 @@ def compact(
                 skipped.append((h, f"below the floor {floor} (collected)"))
             else:
                 usable.append(h)
-        composed: list[_Composed] = []
         if usable:
             chain = history.chain(to_key, to_m, down_to=usable[0])
             by_version = {m.version: (k, m) for k, m in chain}
@@ -240,6 +275,8 @@ def compact(
                         s.from_, s.to, store.url, s.bytes, s.chain_bytes, s.key)
         return report
     finally:
+        for c in composed:
+            c.close()
         engine.close()
         if own:
             store.close()
@@ -307,15 +344,19 @@ def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[s
     def cost(k: _Key) -> int:
         return at_h[k].cost + sum(s.ref.length for s in changed[k])
 
-    for batch in _batched(todo, cost):
-        steps = [s for k in batch for s in at_h[k].steps() + changed[k]]
-        data = engine.fetcher.fetch(steps)  # every segment SHA-256-checked
-        groups = grouped(batch, lambda k: specs[k[0]].chunk_bytes(k[1]))
-        for results in list(engine.pool.map(lambda g, d=data: group_job(g, d), groups)):
-            for k, seg in results:
-                if seg is None:
-                    continue  # cancelled out: unchanged in (h, to], and checked equal above
-                out.segments.append((k, at_to[k], seg))
+    try:
+        for batch in _batched(todo, cost):
+            steps = [s for k in batch for s in at_h[k].steps() + changed[k]]
+            data = engine.fetcher.fetch(steps)  # every segment SHA-256-checked
+            groups = grouped(batch, lambda k: specs[k[0]].chunk_bytes(k[1]))
+            for results in list(engine.pool.map(lambda g, d=data: group_job(g, d), groups)):
+                for k, seg in results:
+                    if seg is None:
+                        continue  # cancelled out: unchanged in (h, to], and checked equal above
+                    out.add(k, at_to[k], seg)
+    except BaseException:
+        out.close()
+        raise
     if len(out.segments) != len(todo):
         logger.debug("squash %d→%d: %d chunk(s) cancelled out", h, to, len(todo) - len(out.segments))
     return out
@@ -324,8 +365,7 @@ def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[s
 def _write(store: Store, c: _Composed, to_key: str, to_m: Manifest, writer: str, attempt: str) -> SquashWritten:
     """Upload a verified squash: its role-d packs, then its manifest, create-only."""
     blobs: list[BlobRef] = []
-    packs: list[bytes] = []
-    buf = bytearray()
+    buf = bytearray()  # one pack at a time: memory is PACK_TARGET_BYTES, whatever the squash
     entries: dict[str, list[ChunkEntry]] = {}
 
     def flush() -> None:
@@ -334,19 +374,20 @@ def _write(store: Store, c: _Composed, to_key: str, to_m: Manifest, writer: str,
             return
         data, buf = bytes(buf), bytearray()
         digest = sha256_hex(data)
-        blobs.append(BlobRef(key=object_key(attempt, digest, ".pack"), size=len(data), sha256=digest, role="d"))
-        packs.append(data)
-
-    for (name, index), digest, seg in c.segments:
-        if buf and len(buf) + len(seg.data) > PACK_TARGET_BYTES:
-            flush()
-        ref = SegmentRef(blob=len(blobs), offset=len(buf), length=len(seg.data), sha256=sha256_hex(seg.data),
-                         codec=seg.codec, n_changed=seg.n_changed)
-        buf += seg.data
-        entries.setdefault(name, []).append(ChunkEntry(index=index, digest=digest, delta=ref))
-    flush()
-    for blob, data in zip(blobs, packs):
+        blob = BlobRef(key=object_key(attempt, digest, ".pack"), size=len(data), sha256=digest, role="d")
         put_immutable(store, blob.key, data, "squash pack")
+        blobs.append(blob)
+
+    for sp in c.segments:
+        name, index = sp.key
+        if buf and len(buf) + sp.length > PACK_TARGET_BYTES:
+            flush()
+        data = c.read(sp.offset, sp.length)
+        ref = SegmentRef(blob=len(blobs), offset=len(buf), length=sp.length, sha256=sha256_hex(data),
+                         codec=sp.codec, n_changed=sp.n_changed)
+        buf += data
+        entries.setdefault(name, []).append(ChunkEntry(index=index, digest=sp.digest, delta=ref))
+    flush()
     specs = c.specs
     tensors = tuple(
         TensorEntry(name=n, dtype=specs[n].dtype, shape=specs[n].shape, chunk_rows=specs[n].chunk_rows, chunks=tuple(cs))

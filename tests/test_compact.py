@@ -218,3 +218,16 @@ def test_compact_and_catch_up_over_s3(moto_s3_url: Any) -> None:
         sub.pull_into(target)
         assert sub.bytes_fetched - before == sq.bytes
         assert_bits_equal(target, states[6])
+
+
+def test_a_squash_spilled_to_disk_and_split_into_packs_applies_bit_exactly(run22: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests._helpers import assert_bits_equal
+
+    url, states = run22
+    monkeypatch.setattr("deltastore.compact.SPILL_MEMORY_BYTES", 1)  # every composed segment on local disk
+    monkeypatch.setattr("deltastore.compact.PACK_TARGET_BYTES", 300)  # several packs
+    (sq,) = compact(url, bases=[HEAD_VERSION - 8], register=False).squashes
+    doc = decode_object(SquashManifest, open_store(url).get(sq.key), sq.key)
+    assert len(doc.blobs) > 1
+    assert sum(b.size for b in doc.blobs) == sq.bytes
+    assert_bits_equal(apply_squash(url, sq.key, states[HEAD_VERSION - 8]), states[HEAD_VERSION])
