@@ -537,32 +537,41 @@ class Subscriber:
         """Plan and ``run(update)``; when a squash's segments turn out bad, plan again without
         it; when a pack or manifest is missing because the held version was just collected
         (HEAD's index now has a higher floor), plan again from the anchor."""
+        error: BaseException | None = None
         for _ in range(MAX_REPLANS):
             upd = None
+            floor = self._floor()
             try:
                 upd = self._plan_update(key, m, tensors)
                 return upd, run(upd)
             except TargetModifiedError:
                 raise
             except (IntegrityError, FormatError, NotFoundError) as e:
+                error = e
                 if upd is not None and upd.squash is not None:
                     ref = upd.squash
                     logger.warning("squash %d→%d (%s) failed: %s; planning without it", ref.from_, ref.to, ref.key, e)
                     self._bad_squashes.add(ref.key)
                     continue
-                if isinstance(e, NotFoundError) and self._held is not None and self._collected_now():
+                if isinstance(e, NotFoundError) and self._collected_since(floor):
                     continue
                 raise
-        raise VersionNotFoundError(f"could not plan an update from version {self._version} to {m.version} of {self.url}")
+        assert error is not None
+        raise error
 
-    def _collected_now(self) -> bool:
-        """Re-read HEAD and its index: True when the held version is now below the floor."""
+    def _floor(self) -> int:
+        index = self._index()
+        return 1 if index is None else index.floor
+
+    def _collected_since(self, floor: int) -> bool:
+        """Re-read HEAD and its index (SPEC §7.7): True when the floor rose above the held
+        version since it was ``floor`` (a NotFound is then collection, not damage)."""
         got = self._history.read_head()
-        if got is None:
+        if got is None or self._held is None:
             return False
         self._head = got[0]
-        index = self._index(got[0])
-        return self._held is not None and index is not None and self._held.manifest.version < index.floor
+        now = self._floor()
+        return now > floor and self._held.manifest.version < now
 
     def _check_forward(self, key: str, m: Manifest) -> bool:
         """True when ``m`` is newer than the held version (False: current); raises if older."""

@@ -298,3 +298,18 @@ def test_a_worker_cache_holding_a_collected_version_is_not_used(spans: Any, tmp_
         assert rec.full_load and rec.info.version == 12
         assert_bits_equal(target, states[12])
     assert any("version 2 was collected (floor 9)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_missing_pack_of_a_kept_version_is_damage_not_collection(spans: Any) -> None:
+    """Below the floor already, a 404 on the anchor's pack is not explained by a new floor: the
+    reader raises NotFoundError (SPEC §7.7) instead of planning again and again."""
+    url, states = spans
+    sub, target = held_at(url, 2)
+    store = open_store(url)
+    collect(store, floor=9)
+    anchor_key = chain_keys(store)[9]
+    for k in parse_manifest(store.get(anchor_key), anchor_key).references():
+        store.delete(k)
+    with sub, pytest.raises(NotFoundError, match="missing"):
+        sub.pull_into(target)
+    assert_bits_equal(target, states[2], "rolled back")
