@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+import numpy as np
+
 from deltastore import codec
 from deltastore.apply import ReadEngine, _batched
 from deltastore.codec import compose_deltas
@@ -250,12 +252,15 @@ def compact(
             by_version = {m.version: (k, m) for k, m in chain}
             to_chain = history.anchor_chain(to_key, to_m)
             at_to = digests(to_chain)
+            chained = []  # bases with no chain break before `to`: all on one chain, composed in one pass
             for h in usable:
                 breaks = [v for v in range(h + 1, to + 1) if by_version[v][1].delta_base is None]
                 if breaks:
                     skipped.append((h, f"version {breaks[0]} starts a new chain (delta_base null): a squash never spans it"))
                     continue
-                composed.append(_compose(history, engine, by_version, h, to, at_to))
+                chained.append(h)
+            if chained:
+                composed.extend(_compose(history, engine, by_version, chained, to, at_to))
         for h, why in skipped:
             logger.warning("no squash %d→%d for %s: %s", h, to, store.url, why)
         attempt, first_write = new_attempt_id(), time.monotonic()
@@ -291,75 +296,110 @@ def _default_bases(store: Store, head: Head, to_m: Manifest, floor: int) -> list
     return sorted(out)
 
 
-def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[str, Manifest]], h: int, to: int,
-             at_to: dict[_Key, str]) -> _Composed:
-    """Compose and verify S(h, to), chunk by chunk (a batch of chunks' segments in memory)."""
-    h_key, h_m = by_version[h]
-    h_chain = history.anchor_chain(h_key, h_m)
-    specs = layout(h_chain[0][1])
-    at_h = {(p.name, p.index): p for p in plan_from_anchor(h_chain, specs)}
-    changed: dict[_Key, list[Step]] = {}
-    chain_bytes = 0
-    for mi, v in enumerate(range(h + 1, to + 1)):
+def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[str, Manifest]], bases: list[int],
+             to: int, at_to: dict[_Key, str]) -> list[_Composed]:
+    """Compose and verify S(h, to) for every base h (ascending, no chain break in (bases[0], to]),
+    in one pass over the chunks changed since the first base.
+
+    Per chunk: its state at ``bases[0]`` is materialized from that base's anchor, then carried
+    forward to each later base by the chain's own deltas; the squashes are folded from the last
+    base backwards (S(h_i, to) = deltas of (h_i, h_i+1] then S(h_i+1, to)), each applied to the
+    chunk's state at its base and checked against the chunk's digest at ``to``. Memory: one
+    batch of segments, and per chunk in flight one copy of it per base.
+    """
+    h0_key, h0_m = by_version[bases[0]]
+    h0_chain = history.anchor_chain(h0_key, h0_m)
+    specs = layout(h0_chain[0][1])
+    at_h0 = {(p.name, p.index): p for p in plan_from_anchor(h0_chain, specs)}
+    changed: dict[_Key, list[tuple[int, Step]]] = {}  # chunk -> (version, delta step), oldest first
+    outs = []
+    for h in bases:
+        outs.append(_Composed(h, by_version[h][0], 0, specs))
+    for mi, v in enumerate(range(bases[0] + 1, to + 1)):
         key, m = by_version[v]
         check_entries(key, m, specs, None)
         for t in m.tensors:
             for c in t.chunks:
-                if c.delta is not None:
-                    changed.setdefault((t.name, c.index), []).append(Step(mi, m.blobs[c.delta.blob], c.delta))
-                    chain_bytes += c.delta.length
+                if c.delta is None:
+                    continue
+                changed.setdefault((t.name, c.index), []).append((v, Step(mi, m.blobs[c.delta.blob], c.delta)))
+                for out in outs:
+                    if out.h < v:
+                        out.chain_bytes += c.delta.length
     order = {name: i for i, name in enumerate(specs)}
     todo = sorted(changed, key=lambda k: (order[k[0]], k[1]))
-    out = _Composed(h, h_key, chain_bytes, specs)
 
-    def one(k: _Key, data: dict) -> tuple[_Key, codec.Segment | None]:
+    def one(k: _Key, data: dict) -> list[codec.Segment | None]:
+        """The chunk's segment in each base's squash (None: unlisted there)."""
         name, index = k
         spec = specs[name]
-        count = spec.chunk_span(index)[1] - spec.chunk_span(index)[0]
-        base = ReadEngine.replay(at_h[k], spec, data, None)  # the chunk at h, checked against its digest
-        acc: codec.Segment | None = None
-        for s in changed[k]:
-            seg = bytes(data[s.where])
-            if acc is None:
-                acc = codec.Segment(s.ref.codec, seg, s.ref.n_changed)
-                continue
-            # ``base`` is what ``acc`` applies to: needed only when the two deltas' families
-            # differ (an xor delta of a v1 store followed by an add delta).
-            acc = compose_deltas(acc.data, seg, codec_a=acc.codec, codec_b=s.ref.codec, dtype=spec.uint_dtype(),
-                                 count=count, base=base)
-        want = at_to.get(k)
-        result = base.copy()
-        if acc is not None:
-            codec.apply_delta(result, acc.data, codec=acc.codec)
-        if want is None or state_digest(result) != want:
-            raise IntegrityError(
-                f"squash {h}→{to}: chunk {name}[{index}] composed from {len(changed[k])} delta(s) does not reach its "
-                f"digest at version {to} ({want}); nothing was written"
-            )
-        return k, acc
+        a, b = spec.chunk_span(index)
+        deltas = changed[k]
+        raw = ReadEngine.replay(at_h0[k], spec, data, None)  # the chunk at bases[0], checked against its digest
+        states: list[np.ndarray] = []
+        i = 0
+        for h in bases:  # carry the chunk forward from base to base with the chain's deltas
+            while i < len(deltas) and deltas[i][0] <= h:
+                codec.apply_delta(raw, data[deltas[i][1].where], codec=deltas[i][1].ref.codec)
+                i += 1
+            states.append(raw.copy())
+        segs: list[codec.Segment | None] = [None] * len(bases)
+        acc: codec.Segment | None = None  # S(bases[j], to) for the base after the current one
+        for j in range(len(bases) - 1, -1, -1):
+            hi = bases[j + 1] if j + 1 < len(bases) else to
+            block = [s for v, s in deltas if bases[j] < v <= hi]
+            parts = [codec.Segment(s.ref.codec, bytes(data[s.where]), s.ref.n_changed) for s in block]
+            if acc is not None:
+                parts.append(acc)
+            if not parts:
+                continue  # unchanged in (bases[j], to]: not listed in that squash
+            acc = _fold(parts, states[j], spec.uint_dtype(), b - a)
+            want = at_to.get(k)
+            result = states[j].copy()
+            if acc is not None:
+                codec.apply_delta(result, acc.data, codec=acc.codec)
+            if want is None or state_digest(result) != want:
+                raise IntegrityError(
+                    f"squash {bases[j]}→{to}: chunk {name}[{index}] composed from {sum(v > bases[j] for v, _ in deltas)} "
+                    f"delta(s) does not reach its digest at version {to} ({want}); nothing was written"
+                )
+            segs[j] = acc
+        return segs
 
-    def group_job(group: list[_Key], data: dict) -> list[tuple[_Key, codec.Segment | None]]:
-        return [one(k, data) for k in group]
+    def group_job(group: list[_Key], data: dict) -> list[tuple[_Key, list[codec.Segment | None]]]:
+        return [(k, one(k, data)) for k in group]
 
     def cost(k: _Key) -> int:
-        return at_h[k].cost + sum(s.ref.length for s in changed[k])
+        return at_h0[k].cost + sum(s.ref.length for _, s in changed[k])
 
     try:
         for batch in _batched(todo, cost):
-            steps = [s for k in batch for s in at_h[k].steps() + changed[k]]
+            steps = [s for k in batch for s in at_h0[k].steps() + [st for _, st in changed[k]]]
             data = engine.fetcher.fetch(steps)  # every segment SHA-256-checked
             groups = grouped(batch, lambda k: specs[k[0]].chunk_bytes(k[1]))
             for results in list(engine.pool.map(lambda g, d=data: group_job(g, d), groups)):
-                for k, seg in results:
-                    if seg is None:
-                        continue  # cancelled out: unchanged in (h, to], and checked equal above
-                    out.add(k, at_to[k], seg)
+                for k, segs in results:
+                    for out, seg in zip(outs, segs):
+                        if seg is not None:  # None: unchanged since that base, or cancelled out (checked above)
+                            out.add(k, at_to[k], seg)
     except BaseException:
-        out.close()
+        for out in outs:
+            out.close()
         raise
-    if len(out.segments) != len(todo):
-        logger.debug("squash %d→%d: %d chunk(s) cancelled out", h, to, len(todo) - len(out.segments))
-    return out
+    return outs
+
+
+def _fold(parts: list[codec.Segment], base: np.ndarray, dtype: Any, count: int) -> codec.Segment | None:
+    """The one delta equivalent to ``parts`` applied in order to ``base`` (None: they cancel)."""
+    acc: codec.Segment | None = None
+    for p in parts:
+        if acc is None:  # nothing yet, or what came before cancelled out
+            acc = p
+            continue
+        # ``base`` is what ``acc`` applies to: needed only when the two deltas' families differ
+        # (an xor delta of a v1 store followed by an add delta).
+        acc = compose_deltas(acc.data, p.data, codec_a=acc.codec, codec_b=p.codec, dtype=dtype, count=count, base=base)
+    return acc
 
 
 def _write(store: Store, c: _Composed, to_key: str, to_m: Manifest, writer: str, attempt: str) -> SquashWritten:
