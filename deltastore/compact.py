@@ -4,8 +4,9 @@ A squash replaces the chain of deltas ``(h, to]`` by one delta segment per chang
 worker holding h fetches roughly the union of the changes instead of their sum (on MiniLM,
 8 deltas add up to ~2× one squash). It is composed from the stored deltas alone
 (:func:`deltastore.codec.compose_deltas`, chunk by chunk), **verified before anything is
-written** (every chunk is materialized at h from its anchor, the composed segment applied, and
-the result hashed against the chunk's digest at ``to``), written create-only under one fresh
+written** (every changed chunk is materialized at h, from its anchor and the chain's deltas,
+the composed segment applied, and the result hashed against the chunk's digest at ``to``),
+written create-only under one fresh
 attempt (``objects/<attempt>/``: role-``d`` packs, then the squash manifest), and registered in
 the history index, where readers find it. Squashes are hints: a reader ignores one it cannot
 read or verify.

@@ -313,3 +313,21 @@ def test_a_missing_pack_of_a_kept_version_is_damage_not_collection(spans: Any) -
     with sub, pytest.raises(NotFoundError, match="missing"):
         sub.pull_into(target)
     assert_bits_equal(target, states[2], "rolled back")
+
+
+def test_a_staged_update_through_a_corrupt_squash_falls_back_to_the_chain(run10: Any) -> None:
+    """follow stages (no write before the pause): a squash whose pack fails its SHA-256 is
+    dropped and the update staged again from the chain."""
+    url, states = run10
+    (sq,) = compact(url, bases=[2], register=False).squashes
+    store = open_store(url)
+    set_index(store, squashes=[sq.ref()])
+    pack = next(k for k in keys(store, "objects/") if k.endswith(".pack"))
+    data = bytearray(store.get(pack))
+    data[0] ^= 0xFF
+    store.put(pack, bytes(data), mode="overwrite")
+    sub, target = held_at(url, 2)
+    with sub:
+        (rec,) = list(sub.follow(target, interval=0.01, max_versions=1, heartbeat=False))
+        assert rec.info.version == 10 and rec.bytes_fetched > sq.bytes  # the squash's pack, then the chain
+        assert_bits_equal(target, states[10])
