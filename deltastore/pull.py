@@ -780,26 +780,31 @@ class Subscriber:
         st = cache.load()
         if st is None:
             return None
+        collected: int | None = None  # the floor, when the cached version was collected
         try:
             if st.url != self.url:
                 raise _Unusable(f"it belongs to {st.url}")
             head = self._require_head()
-            index = self._index(head)
-            if index is not None and st.version < index.floor:
-                raise _Unusable(f"version {st.version} was collected (floor {index.floor})")
-            key, m = self._history.find(st.version, head)
-            if key != st.manifest:
-                raise _Unusable(f"version {st.version} of {self.url} is now {key!r}, not {st.manifest!r}")
             top = self._history.head_manifest(head)
             assert top is not None
             if top[1].lineage != st.lineage:
                 raise _Unusable(f"the store's lineage is {top[1].lineage}, the cache's {st.lineage}")
+            index = self._index(head)
+            if index is not None and st.version < index.floor:
+                # Design 005 D2: the cached version's manifests are gone; hash the cached chunks
+                # against head's digests and fetch only the chunks that differ (from its anchor).
+                collected = index.floor
+                key, m = top
+            else:
+                key, m = self._history.find(st.version, head)
+                if key != st.manifest:
+                    raise _Unusable(f"version {st.version} of {self.url} is now {key!r}, not {st.manifest!r}")
             ms = self._history.anchor_chain(key, m)
             specs = _layout(ms[0][1])
             check_layout(specs, st.tensors, against=f"version {m.version} of {self.url}")
             cached = {n: bits(t) for n, t in st.tensors.items()}
             bad = digest_mismatches(self._pool, specs, _digests(ms), lambda name, a, b: cached[name][a:b])
-            if bad:
+            if bad and collected is None:
                 raise _Unusable(f"tensor {bad[0][0]!r} chunk {bad[0][1]} does not match its digest")
         except NotFoundError:
             raise  # maybe transient (HEAD briefly ahead of its manifest): keep the cache, retry
@@ -811,14 +816,25 @@ class Subscriber:
             cache.clear()
             return None
         check_layout(specs, tensors, against=f"version {m.version} of {self.url}")  # the target's problem
+        plans: list[ChunkPlan] = []
+        if collected is not None:
+            logger.info("version %d was collected (floor %d); catching up from anchor %d", st.version, collected, m.anchor)
+            stale = set(bad)
+            plans = [p for p in self._plan_from_anchor(ms, specs) if (p.name, p.index) in stale]
+        before = self.bytes_fetched
         with _pause_context(pause):
             t0 = time.perf_counter()
             for n, t in tensors.items():
                 t.copy_(st.tensors[n])
+            if plans:  # the chunks the cache lacks, from the anchor (all or nothing, as a full load)
+                kept = {k: d for k, d in _digests(ms).items() if k not in stale}
+                self._engine.apply_in_place(plans, specs, tensors, kept, None)
             pause_s = time.perf_counter() - t0
         self._set_held(_Held.of(ms))
-        logger.info("resumed version %d of %s from the worker cache in %s", m.version, self.url, cache.path)
-        return FollowRecord(VersionInfo.from_manifest(m, key), None, 0, 0.0, 0.0, pause_s, _whole(tensors), True)
+        logger.info("resumed version %d of %s from the worker cache in %s (%d chunk(s) fetched)",
+                    m.version, self.url, cache.path, len(plans))
+        return FollowRecord(VersionInfo.from_manifest(m, key), None, self.bytes_fetched - before, 0.0, 0.0, pause_s,
+                            _whole(tensors), True)
 
     def verify(self, version: int | None = None, *, all_versions: bool = False) -> VerifyReport:
         """Check every segment of a version's chain, or of every version, and report each bad one.

@@ -281,23 +281,31 @@ def test_a_pack_collected_while_catching_up_makes_the_worker_replan(spans: Any, 
         assert any("version 2 was collected (floor 9)" in r.getMessage() for r in caplog.records)
 
 
-def test_a_worker_cache_holding_a_collected_version_is_not_used(spans: Any, tmp_path: Path,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_a_worker_cache_holding_a_collected_version_fetches_only_the_chunks_that_differ(
+        spans: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Design 005 D2: the cached chunks are hashed against head's digests; only those that
+    differ are fetched, from head's anchor."""
+    from deltastore.cache import WorkerCache
+
     url, states = spans
+    monkeypatch.setattr("deltastore.apply.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
     cache = tmp_path / "cache"
     with Subscriber(url, threads=2) as sub:
-        target = sub.allocate(2)
-        sub.pull_into(target, version=2)
-        from deltastore.cache import WorkerCache
-
+        target = sub.pull(2)
         WorkerCache(cache).save(target, url=sub.url, version=2, manifest=sub._held.key, lineage=sub._held.manifest.lineage)
     collect(open_store(url), floor=9)
-    with Subscriber(url, threads=2) as sub, caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+    with Subscriber(url, threads=2) as fresh:
+        fresh.pull()
+        full = fresh.bytes_fetched
+    with Subscriber(url, threads=2) as sub, caplog.at_level(logging.INFO, logger="deltastore.pull"):
         target = sub.allocate()
         (rec,) = list(sub.follow(target, interval=0.01, max_versions=1, cache_dir=cache, heartbeat=False))
-        assert rec.full_load and rec.info.version == 12
+        assert rec.full_load and rec.info.version == 12 and sub.version == 12
         assert_bits_equal(target, states[12])
-    assert any("version 2 was collected (floor 9)" in r.getMessage() for r in caplog.records)
+        assert 0 < rec.bytes_fetched < full
+    messages = [r.getMessage() for r in caplog.records]
+    assert "version 2 was collected (floor 9); catching up from anchor 9" in messages
+    assert not any("not usable" in msg for msg in messages)
 
 
 def test_a_missing_pack_of_a_kept_version_is_damage_not_collection(spans: Any) -> None:
