@@ -1,4 +1,5 @@
-"""The ``deltastore`` command line: publish, pull, log, verify, status, inspect, keygen.
+"""The ``deltastore`` command line: publish, pull, log, verify, status, inspect, gc, pin, unpin,
+compact, keygen.
 
 Errors print as one line naming the object and exit non-zero; set ``DELTASTORE_DEBUG=1`` for
 the full traceback.
@@ -166,7 +167,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from deltastore.ledger import fleet_status, oldest_live_version, parse_time, read_ledger
+    from deltastore.ledger import (
+        fleet_status,
+        oldest_live_version,
+        parse_time,
+        read_ledger,
+    )
     from deltastore.pull import Subscriber
 
     with Subscriber(args.url, storage_options=_storage_options(args), trusted_keys=args.trusted_key) as sub:
@@ -276,6 +282,24 @@ def _duration(s: float) -> str:
     if s < 7200:
         return f"{s / 60:.0f}m"
     return f"{s / 3600:.1f}h"
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from deltastore.compact import compact
+
+    report = compact(args.url, bases=args.base, storage_options=_storage_options(args), writer=args.writer,
+                     register=not args.no_register)
+    if args.json:
+        print(json.dumps(report.to_json(), sort_keys=True))
+        return 0
+    for s in report.squashes:
+        ratio = s.chain_bytes / s.bytes if s.bytes else float("inf")
+        print(f"squash {s.from_}→{s.to}: {_size(s.bytes)} replacing {_size(s.chain_bytes)} of deltas ({ratio:.2f}×), {s.key}")
+    for base, why in report.skipped:
+        print(f"no squash from {base}: {why}")
+    where = "registered in the history index" if report.registered else "not registered"
+    print(f"{len(report.squashes)} squash(es) to version {report.to} of {args.url}, {where}, in {report.seconds:.1f} s")
+    return 0
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -420,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the manifest as read (schema 3: tensors rebuilt from its layout), as JSON")
     p.add_argument(*trusted[0], **trusted[1])
     p.set_defaults(func=_cmd_inspect)
+    p = sub.add_parser("compact", parents=[common], help="write squashed deltas to head for workers far behind")
+    p.add_argument("url")
+    p.add_argument("--base", type=int, action="append", metavar="V",
+                   help="squash from version V (repeatable; default: versions live workers hold, and the latest anchor)")
+    p.add_argument("--writer", help="the id recorded in the squashes and the index (default compactor-host-pid)")
+    p.add_argument("--no-register", action="store_true", help="write the squashes without registering them in the index")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=_cmd_compact)
 
     p = sub.add_parser("keygen", help="write a new Ed25519 key pair for signing manifests")
     p.add_argument("private_key", metavar="PRIVATE.pem", help="private key path (0600); the public key goes beside it as .pub")

@@ -8,12 +8,12 @@ on top, in version order, and the state digest the chunk must have afterwards.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deltastore.errors import CorruptObjectError
-from deltastore.manifest import BlobRef, Manifest, SegmentRef
+from deltastore.manifest import BlobRef, Manifest, SegmentRef, SquashManifest
 from deltastore.tensors import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -205,3 +205,80 @@ def plan_forward(ms: Manifests, specs: dict[str, TensorSpec],
         plans.append(ChunkPlan(best.name, best.index, best.span, best.digest, best.full, best.deltas,
                                tuple(p for p in others if p.full is not None)))  # fmt: skip
     return plans
+
+
+# --- catch-up paths (design 005 D6): pricing candidates and reading squashes -------------------
+
+
+def delta_bytes(m: Manifest) -> int:
+    """Bytes of ``m``'s delta segments (``stats.delta_bytes`` when the writer recorded it)."""
+    if m.stats.delta_bytes is not None:
+        return m.stats.delta_bytes
+    return sum(c.delta.length for t in m.tensors for c in t.chunks if c.delta is not None)
+
+
+def full_bytes(m: Manifest) -> int:
+    """Bytes of ``m``'s full segments (``stats.full_bytes`` when the writer recorded it)."""
+    if m.stats.full_bytes is not None:
+        return m.stats.full_bytes
+    return sum(c.full.length for t in m.tensors for c in t.chunks if c.full is not None)
+
+
+def chain_price(low: Manifest, high: Manifest, between: Callable[[], Manifests]) -> int:
+    """Bytes of the chain ``(low, high]``: ``cum(high) − cum(low)`` when both record
+    ``cum_delta_bytes`` and no chain break lies between them (no manifest read), else the sum of
+    the delta bytes of the manifests ``between()`` returns (versions low+1..high), counting an
+    anchor without deltas (a chain break) by its full bytes."""
+    cl, ch = low.stats.cum_delta_bytes, high.stats.cum_delta_bytes
+    if cl is not None and ch is not None and high.chain_start is not None and high.chain_start <= low.version:
+        return ch - cl
+    return sum(delta_bytes(m) if m.delta_base is not None else full_bytes(m) for _, m in between())
+
+
+def squash_as_manifest(key: str, sq: SquashManifest) -> Manifest:
+    """A squash read as one delta version ``to`` on top of ``from`` (SPEC §12), so that
+    :func:`plan_forward` chooses among its segments like among a delta's."""
+    return Manifest.model_construct(
+        version=sq.to, parent=sq.from_, parent_manifest=sq.from_manifest, kind="delta", anchor=1,
+        delta_base=sq.from_, created=sq.created, writer=sq.writer, epoch=0, commit_id=sq.commit_id,
+        blobs=sq.blobs, tensors=sq.tensors, lineage=sq.lineage,
+    )  # fmt: skip
+
+
+def check_squash(key: str, sq: SquashManifest, specs: Mapping[str, TensorSpec]) -> None:
+    """A squash manifest's own consistency against the held layout: each listed chunk exists,
+    has exactly one delta segment inside its pack, and every pack is a role-``d`` pack named by
+    its SHA-256 (SPEC §12). Checked before any of its segments is planned.
+
+    Raises:
+        CorruptObjectError: naming the squash and what is wrong.
+    """
+
+    def bad(msg: str) -> CorruptObjectError:
+        return CorruptObjectError(f"squash manifest {key!r} ({sq.from_}→{sq.to}): {msg}")
+
+    if sq.to <= sq.from_:
+        raise bad("'to' is not after 'from'")
+    for i, b in enumerate(sq.blobs):
+        if b.role not in (None, "d") or not b.key.endswith(f"{b.sha256}.pack") or len(b.sha256) != 64:
+            raise bad(f"pack {i} ({b.key!r}) is not a delta pack named by its SHA-256")
+    for t in sq.tensors:
+        spec = specs.get(t.name)
+        if spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows):
+            raise bad(f"tensor {t.name!r} does not match the held layout")
+        seen: set[int] = set()
+        for c in t.chunks:
+            if not 0 <= c.index < spec.n_chunks or c.index in seen:
+                raise bad(f"chunk {t.name}[{c.index}] is out of range or listed twice")
+            seen.add(c.index)
+            if c.delta is None or c.full is not None:
+                raise bad(f"chunk {t.name}[{c.index}] must have one delta segment and no full one")
+            if c.delta.blob >= len(sq.blobs) or c.delta.offset + c.delta.length > sq.blobs[c.delta.blob].size:
+                raise bad(f"chunk {t.name}[{c.index}] names bytes outside its packs")
+
+
+def plan_changed_from_anchor(ms: Manifests, specs: dict[str, TensorSpec], held: Mapping[tuple[str, int], str]) -> list[ChunkPlan]:
+    """Catch up from the anchor ``ms[0]`` (a holder whose version was collected, design 005
+    D2): :func:`plan_from_anchor`, less the chunks whose held digest already equals their
+    digest at the last version of ``ms`` (those are kept, and checked against ``held``)."""
+    return [p for p in plan_from_anchor(ms, specs) if held.get((p.name, p.index)) != p.digest]

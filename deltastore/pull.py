@@ -14,14 +14,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from typing_extensions import Self
 
 from deltastore.apply import (
     ReadEngine,
     _batched,
-    digest_mismatches,
     _target_tensors,
     _torch_dtype,
     _verify_chunk,
+    digest_mismatches,
 )
 from deltastore.cache import WorkerCache
 from deltastore.errors import (
@@ -35,19 +36,33 @@ from deltastore.errors import (
     StaleStageError,
     StorageError,
     TargetModifiedError,
+    VersionCollectedError,
     VersionNotFoundError,
 )
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads, grouped
 from deltastore.ledger import HeartbeatWriter
-from deltastore.manifest import MAX_MANIFEST_BYTES, Head, Manifest
+from deltastore.manifest import (
+    MAX_MANIFEST_BYTES,
+    Head,
+    Index,
+    Manifest,
+    SquashManifest,
+    SquashRef,
+    decode_object,
+)
 from deltastore.plan import (
     ChunkPlan,
     Manifests,
     Step,
+    chain_price,
     check_entries,
+    check_squash,
+    full_bytes,
+    plan_changed_from_anchor,
     plan_forward,
     plan_from_anchor,
+    squash_as_manifest,
 )
 from deltastore.plan import digests as _digests
 from deltastore.plan import layout as _layout
@@ -59,6 +74,61 @@ from deltastore.tensors import TensorSpec, bits, check_layout
 logger = logging.getLogger(__name__)
 
 _Manifests = Manifests
+_Digests = dict[tuple[str, int], str]
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a subscriber keeps of the version it holds: its manifest, the layout and one digest
+    per chunk. Its size is the model's chunk count, whatever the number of versions followed
+    (the manifests of the anchor span are not kept)."""
+
+    key: str
+    manifest: Manifest
+    specs: dict[str, TensorSpec]
+    digests: _Digests
+
+    @classmethod
+    def of(cls, ms: Manifests) -> _Held:
+        """From an anchor's chain up to the held version (oldest first)."""
+        key, m = ms[-1]
+        return cls(key, m, _layout(ms[0][1]), _digests(ms))
+
+
+@dataclass(frozen=True)
+class _Update:
+    """A planned fast-forward: plans, the layout they use, the digests the target must hold
+    first, what is held afterwards, and the squash it reads (None: none)."""
+
+    plans: list[ChunkPlan]
+    specs: dict[str, TensorSpec]
+    base: _Digests
+    held: _Held
+    squash: SquashRef | None = None
+
+
+def _read_index(history: History, head: Head) -> Index | None:
+    """The history index HEAD names (SPEC §11), verified; None when HEAD names none.
+
+    Raises:
+        NotFoundError: HEAD names an index that is missing (the store was damaged).
+        IntegrityError, CorruptObjectError, UnsupportedSchemaError: as :func:`decode_object`.
+    """
+    if head.index is None:
+        return None
+    ref = head.index
+    try:
+        data = history.store.get(ref.key)
+    except NotFoundError:
+        raise NotFoundError(
+            f"history index {ref.key!r} named by HEAD is missing from {history.store.url}: the store was damaged"
+        ) from None
+    return decode_object(Index, data, ref.key, ref.sha256)
+
+
+#: Plans tried for one update: a squash that turns out bad, then a held version collected
+#: meanwhile, each cost one more plan; more than this means the store keeps changing under us.
+MAX_REPLANS = 4
 
 
 def physical_memory() -> int | None:
@@ -185,7 +255,14 @@ class Subscriber:
         self._pool = self._engine.pool
         self._fetcher = self._engine.fetcher
         self._version: int | None = None
-        self._held: _Manifests | None = None  # anchor..held version, for layout and digests
+        self._held: _Held | None = None  # the held version's manifest, layout and chunk digests
+        self._head: Head | None = None  # the HEAD last read
+        self._index_cache: tuple[str, Index] | None = None  # (key, index): re-read when HEAD's changes
+        self._collected_logged: int | None = None  # the held version last logged as collected
+        self._bad_squashes: set[str] = set()  # squashes that failed for the held version (cleared on update)
+        # Squashes are unsigned hints (the compactor signs nothing yet): a subscriber that requires
+        # signatures does not use them (SPEC §12), since a forged squash could match an XXH3 digest.
+        self._use_squashes = trusted_keys is None
         self._closed = False
 
     @property
@@ -202,7 +279,7 @@ class Subscriber:
         """The tensor layout (names, dtypes, shapes, chunking) of the version last pulled."""
         if self._held is None:
             raise VersionNotFoundError(f"no version of {self.url} has been pulled yet")
-        return _layout(self._held[0][1])
+        return dict(self._held.specs)
 
     def latest(self) -> VersionInfo | None:
         """The newest committed version (None for an empty store), via a conditional GET."""
@@ -218,9 +295,16 @@ class Subscriber:
         return VersionInfo.from_manifest(m, key)
 
     def log(self, since: int = 1) -> list[VersionInfo]:
-        """Every committed version from ``since`` (default: the first) to the latest, oldest first."""
+        """Every committed version from ``since`` (default: the first) to the latest, oldest
+        first; versions below the history index's floor were collected and are not listed."""
         head = self._history.poll_head()
-        return [] if head is None else self._history.log(head, since=since)
+        if head is None:
+            return []
+        self._head = head
+        index = self._index(head)
+        if index is not None:  # versions below the floor were collected: the log starts there
+            since = max(since, index.floor)
+        return self._history.log(head, since=since)
 
     def pull(self, version: int | None = None) -> dict[str, torch.Tensor]:
         """Materialize ``version`` (default: the latest) as new CPU tensors, verified.
@@ -236,7 +320,7 @@ class Subscriber:
         self._check_model_size(specs, m.version)
         out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
         self._engine.materialize(plans, specs, out)
-        self._version, self._held = m.version, ms
+        self._set_held(_Held.of(ms))
         return out
 
     def allocate(self, version: int | None = None) -> dict[str, torch.Tensor]:
@@ -305,7 +389,7 @@ class Subscriber:
             TargetModifiedError: ``target`` was written since it was staged; nothing is left
                 applied.
         """
-        held_key = None if self._held is None else self._held[-1][0]
+        held_key = None if self._held is None else self._held.key
         if staged.owner is not self or staged.base_manifest != held_key or staged.from_version != self._version:
             raise StaleStageError(
                 f"the update to version {staged.info.version} was staged against version {staged.from_version} "
@@ -318,34 +402,176 @@ class Subscriber:
                 dt = staged.swap(_target_tensors(target))
         except IntegrityError as e:
             raise TargetModifiedError(str(e)) from None
-        self._version, self._held = staged.info.version, staged.held
+        self._set_held(staged.held)
         return dt
 
-    def _plan_update(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[
-        list[ChunkPlan], dict[str, TensorSpec], dict[tuple[str, int], str], _Manifests
-    ]:
-        """The plans that bring ``tensors`` from the held version to ``m``: ``(plans, specs,
-        base digests the target must hold, manifests to hold afterwards)``."""
-        fwd: _Manifests = []
-        relaid = False
-        if self._version is not None and self._held is not None:
-            fwd = self._history.chain(key, m, down_to=self._version + 1)
-            if fwd[0][1].parent_manifest != self._held[-1][0]:
-                raise self._replaced(f"version {fwd[0][1].version} does not follow the held manifest {self._held[-1][0]!r}")
-            held_specs = _layout(self._held[0][1])
-            # An anchor written without deltas and with another chunking (a restarted publisher
-            # with other settings) cannot be bridged chunk by chunk: replace everything from it.
-            relaid = any(mm.kind == "anchor" and mm.delta_base is None and _layout(mm) != held_specs for _, mm in fwd)
-        if self._version is None or self._held is None or relaid:
-            ms = self._history.chain(key, m, down_to=m.anchor)
+    def _plan_update(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor]) -> _Update:
+        """The plans that bring ``tensors`` from the held version h to ``m`` (version t).
+
+        Candidate paths (design 005 D6): the chain ``(h, t]``; each usable squash from h plus
+        the chain from its ``to``; the anchor of t (its full segments, less the chunks already
+        at their digest at t, plus the chain after it). The cheapest by bytes is planned, per
+        chunk as :func:`plan_forward` does. When h was collected (below the index's floor),
+        only the anchor path (and squashes from a pinned h) remain.
+        """
+        held = self._held
+        if self._version is None or held is None:
+            ms = self._history.anchor_chain(key, m)
             specs = _layout(ms[0][1])
             check_layout(specs, tensors, against=f"version {m.version} of {self.url}")
-            return self._plan_from_anchor(ms, specs), specs, {}, ms
-        check_layout(held_specs, tensors, against=f"version {self._version} held by this subscriber")
-        anchors = [i for i, (_, mm) in enumerate(fwd) if mm.kind == "anchor"]
-        held = fwd[anchors[-1]:] if anchors else self._held + fwd
-        base = _digests(self._held)
-        return self._plan_forward(fwd, held_specs, base), held_specs, base, held
+            return _Update(self._plan_from_anchor(ms, specs), specs, {}, _Held.of(ms))
+        check_layout(held.specs, tensors, against=f"version {self._version} held by this subscriber")
+        h = held.manifest.version
+        index = self._index()
+        floor = 1 if index is None else index.floor
+        below = h < floor
+        if below and self._collected_logged != h:
+            logger.info("version %d was collected (floor %d); catching up from anchor %d", h, floor, m.anchor)
+            self._collected_logged = h
+
+        def between(low: int) -> _Manifests:  # versions low+1 .. t, oldest first
+            return [] if low >= m.version else self._history.chain(key, m, down_to=low + 1)
+
+        cands: list[tuple[int, int, str, SquashRef | None]] = []  # (bytes, rank, path, squash)
+        if not below:
+            cands.append((chain_price(held.manifest, m, lambda: between(h)), 0, "chain", None))
+        pinned = index is not None and any(p.version == h for p in index.pins)
+        for ref in self._squash_refs(index, m, h):
+            if below and not (pinned and ref.to >= floor):
+                continue
+            try:
+                to_m = between(ref.to - 1)[0][1] if ref.to < m.version else m
+                cands.append((ref.bytes + chain_price(to_m, m, lambda r=ref: between(r.to)), 1, "squash", ref))
+            except NotFoundError:
+                if not below:
+                    raise
+        if m.anchor > h:
+            _a_key, a_m = between(m.anchor - 1)[0]
+            cands.append((full_bytes(a_m) + chain_price(a_m, m, lambda: between(m.anchor)), 2, "anchor", None))
+        if not cands:
+            raise VersionNotFoundError(
+                f"no way from version {h} to {m.version} of {self.url}: {h} was collected (floor {floor}) and "
+                f"version {m.version}'s anchor {m.anchor} is not after it; pull() it"
+            )
+        cands.sort(key=lambda c: (c[0], c[1]))
+        logger.debug("catch-up %d→%d candidates (bytes, path): %s", h, m.version, [(c[0], c[2]) for c in cands])
+        for _, _, path, ref in cands:
+            if path == "squash":
+                assert ref is not None
+                upd = self._plan_squash(ref, key, m, held, between)
+                if upd is not None:
+                    return upd
+                continue
+            if path == "chain":
+                fwd = between(h)
+                if fwd[0][1].parent_manifest != held.key:
+                    raise self._replaced(f"version {fwd[0][1].version} does not follow the held manifest {held.key!r}")
+                # An anchor written without deltas and with another chunking (a restarted
+                # publisher with other settings) cannot be bridged chunk by chunk: replace
+                # everything from it.
+                if not self._relaid(fwd, held):
+                    plans = self._plan_forward(fwd, held.specs, held.digests)
+                    return _Update(plans, held.specs, held.digests, _Held(key, m, held.specs, {**held.digests, **_digests(fwd)}))
+            return self._plan_anchor(key, m, held, tensors)
+        raise AssertionError("unreachable: the anchor path always plans")  # pragma: no cover
+
+    @staticmethod
+    def _relaid(fwd: _Manifests, held: _Held) -> bool:
+        return any(mm.kind == "anchor" and mm.delta_base is None and _layout(mm) != held.specs for _, mm in fwd)
+
+    def _plan_anchor(self, key: str, m: Manifest, held: _Held, tensors: dict[str, torch.Tensor]) -> _Update:
+        """From ``m``'s anchor: only the chunks whose held digest differs from their digest at
+        ``m`` are fetched (the others are kept, checked against the held digests)."""
+        ms = self._history.anchor_chain(key, m)
+        specs = _layout(ms[0][1])
+        if specs != held.specs:  # another layout: everything from the anchor
+            check_layout(specs, tensors, against=f"version {m.version} of {self.url}")
+            return _Update(self._plan_from_anchor(ms, specs), specs, {}, _Held.of(ms))
+        return _Update(plan_changed_from_anchor(ms, specs, held.digests), specs, held.digests, _Held.of(ms))
+
+    def _squash_refs(self, index: Index | None, m: Manifest, h: int) -> list[SquashRef]:
+        """Squashes from the held version ``h`` to at most ``m`` (the index's and ``m``'s own),
+        except those that already failed for ``h``."""
+        out: dict[str, SquashRef] = {}
+        if not self._use_squashes:
+            return []
+        for ref in [*(index.squashes if index is not None else ()), *m.squashes]:
+            if ref.from_ == h and h < ref.to <= m.version and ref.key not in self._bad_squashes:
+                out.setdefault(ref.key, ref)
+        return list(out.values())
+
+    def _plan_squash(self, ref: SquashRef, key: str, m: Manifest, held: _Held,
+                     between: Any) -> _Update | None:
+        """Plan through squash ``ref`` then the chain after its ``to``; None (logged, and the
+        squash not tried again for this held version) when it cannot be read or does not fit."""
+        try:
+            try:
+                data = self.store.get(ref.key)
+            except NotFoundError:
+                raise NotFoundError(f"squash manifest {ref.key!r} is missing") from None
+            sq: SquashManifest = decode_object(SquashManifest, data, ref.key, ref.sha256)
+            check_squash(ref.key, sq, held.specs)
+            tail = between(ref.to)
+            to_key = tail[0][1].parent_manifest if tail else key
+            if (sq.from_, sq.to) != (ref.from_, ref.to) or sq.from_manifest != held.key or sq.to_manifest != to_key:
+                raise CorruptObjectError(
+                    f"squash manifest {ref.key!r} is {sq.from_}→{sq.to} from {sq.from_manifest!r} to {sq.to_manifest!r}, "
+                    f"not {ref.from_}→{ref.to} from the held {held.key!r} to {to_key!r}"
+                )
+            if sq.lineage is not None and m.lineage is not None and sq.lineage != m.lineage:
+                raise CorruptObjectError(f"squash manifest {ref.key!r} belongs to lineage {sq.lineage}, not {m.lineage}")
+            if self._relaid(tail, held):
+                raise CorruptObjectError(f"the layout changes after version {ref.to}")
+        except (StorageError, FormatError, IntegrityError) as e:
+            if isinstance(e, StorageError) and not isinstance(e, NotFoundError):
+                raise  # transient: the caller retries the whole update
+            logger.warning("not using squash %d→%d (%s): %s; planning without it", ref.from_, ref.to, ref.key, e)
+            self._bad_squashes.add(ref.key)
+            return None
+        ms = [(ref.key, squash_as_manifest(ref.key, sq)), *tail]
+        plans = self._plan_forward(ms, held.specs, held.digests)
+        logger.info("catching up %d→%d through squash %d→%d (%d bytes)", held.manifest.version, m.version, ref.from_, ref.to, ref.bytes)
+        return _Update(plans, held.specs, held.digests, _Held(key, m, held.specs, {**held.digests, **_digests(ms)}), ref)
+
+    def _updated(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor], run: Any) -> tuple[_Update, Any]:
+        """Plan and ``run(update)``; when a squash's segments turn out bad, plan again without
+        it; when a pack or manifest is missing because the held version was just collected
+        (HEAD's index now has a higher floor), plan again from the anchor."""
+        error: BaseException | None = None
+        for _ in range(MAX_REPLANS):
+            upd = None
+            floor = self._floor()
+            try:
+                upd = self._plan_update(key, m, tensors)
+                return upd, run(upd)
+            except TargetModifiedError:
+                raise
+            except (IntegrityError, FormatError, NotFoundError) as e:
+                error = e
+                if upd is not None and upd.squash is not None:
+                    ref = upd.squash
+                    logger.warning("squash %d→%d (%s) failed: %s; planning without it", ref.from_, ref.to, ref.key, e)
+                    self._bad_squashes.add(ref.key)
+                    continue
+                if isinstance(e, NotFoundError) and self._collected_since(floor):
+                    continue
+                raise
+        assert error is not None
+        raise error
+
+    def _floor(self) -> int:
+        index = self._index()
+        return 1 if index is None else index.floor
+
+    def _collected_since(self, floor: int) -> bool:
+        """Re-read HEAD and its index (SPEC §7.7): True when the floor rose above the held
+        version since it was ``floor`` (a NotFound is then collection, not damage)."""
+        got = self._history.read_head()
+        if got is None or self._held is None:
+            return False
+        self._head = got[0]
+        now = self._floor()
+        return now > floor and self._held.manifest.version < now
 
     def _check_forward(self, key: str, m: Manifest) -> bool:
         """True when ``m`` is newer than the held version (False: current); raises if older."""
@@ -360,9 +586,10 @@ class Subscriber:
         if not self._check_forward(key, m):
             return None
         tensors = _target_tensors(target)
-        plans, specs, base, held = self._plan_update(key, m, tensors)
-        self._engine.apply_in_place(plans, specs, tensors, base, self._version)
-        self._version, self._held = m.version, held
+        upd, _ = self._updated(
+            key, m, tensors, lambda u: self._engine.apply_in_place(u.plans, u.specs, tensors, u.base, self._version)
+        )
+        self._set_held(upd.held)
         return VersionInfo.from_manifest(m, key)
 
     def _stage(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> StagedUpdate | None:
@@ -370,12 +597,13 @@ class Subscriber:
             return None
         tensors = _target_tensors(target)
         before = self.bytes_fetched
-        plans, specs, base, held = self._plan_update(key, m, tensors)
-        patches, fetch_s, decode_s = self._engine.stage(plans, specs, tensors, base, self._version)
+        upd, (patches, fetch_s, decode_s) = self._updated(
+            key, m, tensors, lambda u: self._engine.stage(u.plans, u.specs, tensors, u.base, self._version)
+        )
         return StagedUpdate(
             info=VersionInfo.from_manifest(m, key), from_version=self._version, patches=patches,
             bytes_fetched=self.bytes_fetched - before, fetch_s=fetch_s, decode_s=decode_s,
-            base_manifest=None if self._held is None else self._held[-1][0], held=held, owner=self,
+            base_manifest=None if self._held is None else self._held.key, held=upd.held, owner=self,
         )
 
     def follow(
@@ -452,9 +680,9 @@ class Subscriber:
 
         def save() -> None:
             nonlocal saved, last_save
-            if cache is None or self._held is None or self._held[-1][0] == saved:
+            if cache is None or self._held is None or self._held.key == saved:
                 return  # (a key, not a number: a replaced history reuses version numbers)
-            key, m = self._held[-1]
+            key, m = self._held.key, self._held.manifest
             try:
                 cache.save(tensors, url=self.url, version=m.version, manifest=key, lineage=m.lineage)
                 saved, last_save = key, time.monotonic()
@@ -487,7 +715,7 @@ class Subscriber:
                     )
                     stop.wait(delay)
                     continue
-                lineage = None if self._held is None else self._held[-1][1].lineage
+                lineage = None if self._held is None else self._held.manifest.lineage
                 if beats is not None and self._version is not None:
                     beats.beat(self._version, lineage=lineage)  # rate-limits itself on idle polls
                 if rec is not None:
@@ -510,7 +738,8 @@ class Subscriber:
         head = self._history.poll_head()  # a conditional GET: no body when unchanged
         if head is None or head.manifest is None:
             return None
-        if self._held is not None and head.manifest == self._held[-1][0]:
+        self._head = head
+        if self._held is not None and head.manifest == self._held.key:
             return None
         top = self._history.head_manifest(head)
         assert top is not None
@@ -551,23 +780,31 @@ class Subscriber:
         st = cache.load()
         if st is None:
             return None
+        collected: int | None = None  # the floor, when the cached version was collected
         try:
             if st.url != self.url:
                 raise _Unusable(f"it belongs to {st.url}")
             head = self._require_head()
-            key, m = self._history.find(st.version, head)
-            if key != st.manifest:
-                raise _Unusable(f"version {st.version} of {self.url} is now {key!r}, not {st.manifest!r}")
             top = self._history.head_manifest(head)
             assert top is not None
             if top[1].lineage != st.lineage:
                 raise _Unusable(f"the store's lineage is {top[1].lineage}, the cache's {st.lineage}")
+            index = self._index(head)
+            if index is not None and st.version < index.floor:
+                # Design 005 D2: the cached version's manifests are gone; hash the cached chunks
+                # against head's digests and fetch only the chunks that differ (from its anchor).
+                collected = index.floor
+                key, m = top
+            else:
+                key, m = self._history.find(st.version, head)
+                if key != st.manifest:
+                    raise _Unusable(f"version {st.version} of {self.url} is now {key!r}, not {st.manifest!r}")
             ms = self._history.anchor_chain(key, m)
             specs = _layout(ms[0][1])
             check_layout(specs, st.tensors, against=f"version {m.version} of {self.url}")
             cached = {n: bits(t) for n, t in st.tensors.items()}
             bad = digest_mismatches(self._pool, specs, _digests(ms), lambda name, a, b: cached[name][a:b])
-            if bad:
+            if bad and collected is None:
                 raise _Unusable(f"tensor {bad[0][0]!r} chunk {bad[0][1]} does not match its digest")
         except NotFoundError:
             raise  # maybe transient (HEAD briefly ahead of its manifest): keep the cache, retry
@@ -579,14 +816,25 @@ class Subscriber:
             cache.clear()
             return None
         check_layout(specs, tensors, against=f"version {m.version} of {self.url}")  # the target's problem
+        plans: list[ChunkPlan] = []
+        if collected is not None:
+            logger.info("version %d was collected (floor %d); catching up from anchor %d", st.version, collected, m.anchor)
+            stale = set(bad)
+            plans = [p for p in self._plan_from_anchor(ms, specs) if (p.name, p.index) in stale]
+        before = self.bytes_fetched
         with _pause_context(pause):
             t0 = time.perf_counter()
             for n, t in tensors.items():
                 t.copy_(st.tensors[n])
+            if plans:  # the chunks the cache lacks, from the anchor (all or nothing, as a full load)
+                kept = {k: d for k, d in _digests(ms).items() if k not in stale}
+                self._engine.apply_in_place(plans, specs, tensors, kept, None)
             pause_s = time.perf_counter() - t0
-        self._version, self._held = m.version, ms
-        logger.info("resumed version %d of %s from the worker cache in %s", m.version, self.url, cache.path)
-        return FollowRecord(VersionInfo.from_manifest(m, key), None, 0, 0.0, 0.0, pause_s, _whole(tensors), True)
+        self._set_held(_Held.of(ms))
+        logger.info("resumed version %d of %s from the worker cache in %s (%d chunk(s) fetched)",
+                    m.version, self.url, cache.path, len(plans))
+        return FollowRecord(VersionInfo.from_manifest(m, key), None, self.bytes_fetched - before, 0.0, 0.0, pause_s,
+                            _whole(tensors), True)
 
     def verify(self, version: int | None = None, *, all_versions: bool = False) -> VerifyReport:
         """Check every segment of a version's chain, or of every version, and report each bad one.
@@ -599,7 +847,8 @@ class Subscriber:
 
         Args:
             version: the version whose chain (from its anchor) to check; default the latest.
-            all_versions: check every version from 1 to the latest instead.
+            all_versions: check every version from 1 (the index's floor once versions were
+                collected) to the latest instead.
 
         Raises:
             VersionNotFoundError: no such version (or an empty store).
@@ -607,9 +856,11 @@ class Subscriber:
                 unreadable or the chain is broken (nothing further can be checked).
         """
         if all_versions:
-            top = self._history.head_manifest(self._require_head())
+            head = self._require_head()
+            top = self._history.head_manifest(head)
             assert top is not None
-            ms = self._history.chain(*top, down_to=1)
+            index = self._index(head)
+            ms = self._history.chain(*top, down_to=1 if index is None else index.floor)
         else:
             ms = self._history.anchor_chain(*self._resolve(version))
         problems: list[Problem] = []
@@ -664,7 +915,7 @@ class Subscriber:
         if self._owns_store:
             self.store.close()
 
-    def __enter__(self) -> Subscriber:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -674,7 +925,7 @@ class Subscriber:
         """SPEC §7 step 3: the version to reach must be in the held version's history (D7)."""
         if self._held is None:
             return
-        held_key, held = self._held[-1]
+        held_key, held = self._held.key, self._held.manifest
         if m.lineage is not None and held.lineage is not None and m.lineage != held.lineage:
             raise self._replaced(f"its lineage is {m.lineage}, the held version's is {held.lineage}")
         if m.version == held.version and key != held_key:
@@ -702,6 +953,7 @@ class Subscriber:
         head = self._history.poll_head()
         if head is None or head.manifest is None:
             raise VersionNotFoundError(f"{self.url} has no committed version yet")
+        self._head = head
         return head
 
     def _resolve(self, version: int | None) -> tuple[str, Manifest]:
@@ -710,7 +962,37 @@ class Subscriber:
             top = self._history.head_manifest(head)
             assert top is not None
             return top
+        index = self._index(head)
+        if index is not None and version < index.floor:  # SPEC §7.4: learnt from the index, not a 404
+            pin = next((p for p in index.pins if p.version == version), None)
+            if pin is None:
+                pins = sorted(p.version for p in index.pins)
+                raise VersionCollectedError(
+                    f"version {version} of {self.url} was collected: the oldest readable version is {index.floor}"
+                    + (f", and the pinned versions below it are {', '.join(map(str, pins))}" if pins else ""),
+                    version=version, floor=index.floor, pins=pins,
+                )
+            m = self._history.manifest(pin.manifest)
+            if m.version != version:
+                raise CorruptObjectError(f"the index pins version {version} as {pin.manifest!r}, which is version {m.version}")
+            return pin.manifest, m
         return self._history.find(version, head)
+
+    def _index(self, head: Head | None = None) -> Index | None:
+        """The history index of ``head`` (default: the HEAD last read), read once per key."""
+        head = head if head is not None else self._head
+        if head is None or head.index is None:
+            return None
+        if self._index_cache is None or self._index_cache[0] != head.index.key:
+            index = _read_index(self._history, head)
+            assert index is not None
+            self._index_cache = (head.index.key, index)
+        return self._index_cache[1]
+
+    def _set_held(self, held: _Held) -> None:
+        if self._held is None or held.key != self._held.key:
+            self._bad_squashes.clear()  # squash hints are per held version
+        self._version, self._held = held.manifest.version, held
 
     # Planning is pure (deltastore.plan); pull_into calls it under these names.
     _plan_from_anchor = staticmethod(plan_from_anchor)

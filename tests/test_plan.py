@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -135,3 +136,64 @@ def test_plan_forward_does_not_trust_an_unchanged_claim_that_contradicts_the_dig
     assert "lists chunk w[1] as unchanged" in caplog.text
     consistent = {("w", 0): "4-0", ("w", 1): "6-1"}
     assert [p.index for p in plan_forward(ms, specs, consistent)] == [0]
+
+
+# --- catch-up pricing and squashes (design 005 D6) ----------------------------------------------
+
+
+def test_chain_price_uses_cumulative_bytes_only_within_one_chain() -> None:
+    from deltastore.manifest import Stats
+    from deltastore.plan import chain_price
+
+    ms = [
+        _manifest(1, "anchor", {0: (100, None), 1: (101, None)}, delta_base=None),
+        _manifest(2, "delta", {0: (None, 5)}, anchor=1),
+        _manifest(3, "delta", {0: (None, 6), 1: (None, 7)}, anchor=1),
+        _manifest(4, "anchor", {0: (90, None), 1: (91, None)}, delta_base=None),
+        _manifest(5, "delta", {1: (None, 8)}, anchor=4),
+    ]
+    reads = []
+
+    def between(lo: int, hi: int) -> Any:
+        reads.append((lo, hi))
+        return [km for km in ms if lo < km[1].version <= hi]
+
+    assert chain_price(ms[1][1], ms[2][1], lambda: between(2, 3)) == 13  # summed: no cum recorded
+    assert chain_price(ms[0][1], ms[4][1], lambda: between(1, 5)) == 5 + 13 + 181 + 8  # the break at 4 by its full bytes
+    with_cum = [(k, m.model_copy(update={"stats": Stats(cum_delta_bytes=c), "chain_start": s}))
+                for (k, m), c, s in zip(ms, [0, 5, 18, 0, 8], [1, 1, 1, 4, 4])]  # fmt: skip
+    reads.clear()
+    assert chain_price(with_cum[1][1], with_cum[2][1], lambda: between(2, 3)) == 13 and reads == []
+    assert chain_price(with_cum[1][1], with_cum[4][1], lambda: between(2, 5)) == 13 + 181 + 8 and reads == [(2, 5)]
+
+
+def test_plan_changed_from_anchor_skips_chunks_already_at_their_target_digest() -> None:
+    from deltastore.plan import plan_changed_from_anchor
+
+    ms = [
+        _manifest(1, "anchor", {0: (100, None), 1: (101, None)}, delta_base=None),
+        _manifest(2, "delta", {0: (None, 5)}, anchor=1),
+    ]
+    held = {("w", 0): "old", ("w", 1): "1-1"}  # chunk 1 held at its digest at 2
+    assert [(p.index, _sizes(p)) for p in plan_changed_from_anchor(ms, layout(ms[0][1]), held)] == [(0, (100, (5,)))]
+
+
+def test_check_squash_refuses_chunks_outside_the_layout_or_their_packs() -> None:
+    from deltastore.manifest import SquashManifest
+    from deltastore.plan import check_squash
+
+    _, a = _manifest(1, "anchor", {0: (100, None), 1: (101, None)}, delta_base=None)
+    specs = layout(a)
+    pack = BlobRef(key=f"objects/{'a' * 32}/{'b' * 64}.pack", size=10, sha256="b" * 64, role="d")
+
+    def sq(index: int, length: int) -> SquashManifest:
+        entry = ChunkEntry(index=index, digest="x", delta=_seg(0, 0, length))
+        return SquashManifest(from_=1, to=3, from_manifest="m1", to_manifest="m3", commit_id="a" * 32, writer="c",
+                              created="t", blobs=(pack,),
+                              tensors=(TensorEntry(name="w", dtype="float32", shape=SHAPE, chunk_rows=ROWS, chunks=(entry,)),))  # fmt: skip
+
+    check_squash("k", sq(1, 10), specs)
+    with pytest.raises(CorruptObjectError, match="out of range"):
+        check_squash("k", sq(2, 10), specs)
+    with pytest.raises(CorruptObjectError, match="outside its packs"):
+        check_squash("k", sq(0, 11), specs)
