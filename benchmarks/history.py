@@ -655,9 +655,10 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
     gc_mod = optional("gc")
     store = open_store(f"memory://history-bench-{uuid.uuid4().hex[:8]}")
     pub = Publisher(store.url, store=store, threads=THREADS)
-    lagger = Subscriber(store.url, store=store, threads=THREADS)
+    lag_cs, restart_cs = CountingStore(store), CountingStore(store)
+    lagger = Subscriber(store.url, store=lag_cs, threads=THREADS)
     beats = HeartbeatWriter(store, "lagging-worker")
-    restarter = Subscriber(store.url, store=store, threads=THREADS)
+    restarter = Subscriber(store.url, store=restart_cs, threads=THREADS)
     lag_target: StateDict | None = None
     old_target: StateDict | None = None
     digests: dict[int, str] = {}
@@ -689,7 +690,7 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
                 except Exception as e:  # noqa: BLE001 - counted; the goal is that none happens
                     lag_errors.append(f"v{v}: {type(e).__name__}: {e}")
                     lag_target = None
-                    lagger = Subscriber(store.url, store=store, threads=THREADS)
+                    lagger = Subscriber(store.url, store=lag_cs, threads=THREADS)
             for old in [k for k in digests if k < v - lag - 1]:
                 del digests[old]  # only the lagging window is compared
             gc_row = None
@@ -711,13 +712,12 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
         head = len(rows)
         final = {k: t.clone() for k, t in last.items()}
 
-        def finish(label: str, sub: Any, target: StateDict | None, fresh: bool) -> dict[str, Any]:
+        def finish(label: str, sub: Any, cs: CountingStore, target: StateDict | None) -> dict[str, Any]:
             out: dict[str, Any] = {"worker": label}
             if target is None:
                 out["error"] = "never pulled"
                 return out
-            cs = CountingStore(store)
-            if fresh:
+            if sub is None:  # a restarted process: a fresh Subscriber, the tensors it kept
                 sub = Subscriber(store.url, store=cs, threads=THREADS)
             before = cs.snapshot()
             try:
@@ -730,17 +730,16 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
                 for k, t in got.items():
                     target[k].copy_(t)
                 out["outcome"] = "pull() after pull_into failed"
-            out["fetched"] = _diff(cs.snapshot(), before) if fresh else None
+            out["fetched"] = _diff(cs.snapshot(), before)
             out["bit_exact"] = bit_equal(target, final)
             return out
 
-        lag_result = finish("lagging", lagger, lag_target, fresh=False)
+        lag_result = finish("lagging", lagger, lag_cs, lag_target)
         lag_result.update(checks=lag_checks, mismatches=lag_fail, errors=lag_errors[:10],
                           n_errors=len(lag_errors))
-        resumed = finish("restarted (same Subscriber, held a collected version)", restarter,
-                         None if old_target is None else {k: t.clone() for k, t in old_target.items()}, fresh=False)
-        restarted = finish("restarted (fresh Subscriber, tensors of a collected version)", None,
-                           old_target, fresh=True)
+        resumed = finish("resumed", restarter, restart_cs,
+                         None if old_target is None else {k: t.clone() for k, t in old_target.items()})
+        restarted = finish("restarted", None, CountingStore(store), old_target)
     finally:
         pub.close()
     sizes = [r["bytes"] for r in rows]
@@ -818,13 +817,14 @@ def markdown(res: dict[str, Any]) -> str:
     out.append("Catch-up: bytes a worker k versions behind fetched (every GET: HEAD, manifests, index, "
                "packs) against one squashed delta from its version to head.")
     out.append("")
-    out.append("| workload | set | k | fetched | requests (manifest / all) | squash | fetched / squash | "
-               "squash (offline) | fetched / offline | chain deltas / offline | bit-exact |")
-    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    out.append("| workload | set | k | fetched | metadata (HEAD, manifests, index) | requests (manifest / all) | squash | "
+               "fetched / squash | squash (offline) | fetched / offline | chain deltas / offline | bit-exact |")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for w in res.get("catchup", []):
         for r in w["catchup"]:
             chain = r["chain_delta_bytes"] / r["squash_offline_bytes"] if r["squash_offline_bytes"] else None
-            out.append(f"| {w['workload']} | {r['set']} | {r['k']} | {_mb(r['fetched_bytes'])} | "
+            meta = sum(v for kk, v in r["fetched_by_kind"].items() if kk != "pack")
+            out.append(f"| {w['workload']} | {r['set']} | {r['k']} | {_mb(r['fetched_bytes'])} | {_mb(meta)} | "
                        f"{r['manifest_requests']} / {r['requests']} | {_mb(r['squash_bytes'])} | {_r(r['ratio'])} | "
                        f"{_mb(r['squash_offline_bytes'])} | {_r(r['ratio_offline'])} | {_r(chain)} | "
                        f"{'yes' if r['bit_exact'] else 'NO'} |")
@@ -860,7 +860,10 @@ def markdown(res: dict[str, Any]) -> str:
         out.append("")
         out.append("| worker | outcome | bit-exact | notes |")
         out.append("|---|---|---|---|")
-        for wk in ret["workers"]:
+        labels = [f"lagging {ret['lag']} versions (heartbeats its version)",
+                  f"held version {ret['restart_from']}, resumed (same Subscriber)",
+                  f"held version {ret['restart_from']}, restarted (fresh Subscriber, kept tensors)"]
+        for label, wk in zip(labels, ret["workers"]):
             notes = []
             if "checks" in wk:
                 notes.append(f"{wk['checks']} lagged versions checked, {wk['mismatches']} mismatches, "
@@ -869,14 +872,15 @@ def markdown(res: dict[str, Any]) -> str:
                 notes.append(f"pull_into raised {wk['pull_into_error'][:120]}")
             if wk.get("fetched"):
                 notes.append(f"fetched {_mb(wk['fetched']['total_bytes'])}")
-            out.append(f"| {wk['worker']} | {wk.get('outcome', wk.get('error'))} | "
+            out.append(f"| {label} | {wk.get('outcome', wk.get('error'))} | "
                        f"{'yes' if wk.get('bit_exact') else 'NO'} | {'; '.join(notes)} |")
     return "\n".join(out) + "\n"
 
 
 def run(*, quick: bool, out: Path, ks: Sequence[int] = CATCHUP_KS, workloads: Sequence[str] | None = None,
         retention_versions: int | None = None, gc_every: int = GC_EVERY, keep_last: int = KEEP_LAST,
-        lag: int = LAG, restart_from: int = RESTART_FROM, skip_retention: bool = False) -> dict[str, Any]:
+        lag: int = LAG, restart_from: int = RESTART_FROM, skip_retention: bool = False,
+        skip_catchup: bool = False) -> dict[str, Any]:
     """Everything, written to ``out`` (JSON) with ``.csv``, ``.md`` (and ``.png``) beside it."""
     torch.set_num_threads(1)  # deltastore's own threads do the work
     steps = max(ks)
@@ -886,7 +890,7 @@ def run(*, quick: bool, out: Path, ks: Sequence[int] = CATCHUP_KS, workloads: Se
                            "torch": torch.__version__, "catchup": []}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ds-history-") as tmp:
-        names = list(workloads) if workloads is not None else (["tiny-mlp"] if quick else list(CATCHUP_WORKLOADS))
+        names = [] if skip_catchup else list(workloads) if workloads is not None else (["tiny-mlp"] if quick else list(CATCHUP_WORKLOADS))
         for name in names:
             states = mlp_states(steps) if name == "tiny-mlp" else workload_states(name, steps)
             res["catchup"].append(catchup(name, states, steps + 1, ks, Path(tmp)))
@@ -914,6 +918,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ks", type=int, nargs="+", default=list(CATCHUP_KS))
     p.add_argument("--retention-versions", type=int, default=None)
     p.add_argument("--no-retention", action="store_true")
+    p.add_argument("--no-catchup", action="store_true")
     p.add_argument("--table", type=Path, default=None, help="print the markdown tables of a results JSON and exit")
     args = p.parse_args(argv)
     if args.table is not None:
@@ -921,7 +926,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     res = run(quick=args.quick, out=args.out, ks=args.ks, workloads=args.workloads,
-              retention_versions=args.retention_versions, skip_retention=args.no_retention)
+              retention_versions=args.retention_versions, skip_retention=args.no_retention,
+              skip_catchup=args.no_catchup)
     print(markdown(res), end="")
     print(f"results: {args.out} ({res['seconds']:.0f} s)")
 

@@ -203,3 +203,39 @@ def test_history_benchmark_quick_end_to_end(tmp_path) -> None:
     else:
         assert ret["sizes"] == sorted(ret["sizes"])  # nothing is ever deleted without GC
     assert "| tiny-mlp | chain | 12 |" in markdown(res)
+
+
+def test_history_benchmark_uses_gc_and_compact_when_present(tmp_path, monkeypatch) -> None:
+    """Feature detection: stand-in gc/compact modules are called with the arguments they take."""
+    import dataclasses
+    import sys
+    import types
+
+    from benchmarks.history import run
+
+    calls: dict[str, list] = {"gc": [], "compact": []}
+
+    @dataclasses.dataclass
+    class Report:
+        deleted_objects: int = 0
+
+    def collect(store, *, keep_last=10, grace_s=86400.0):  # no unsafe_grace_ok: must not be passed
+        calls["gc"].append((keep_last, grace_s))
+        return Report()
+
+    def compact(store, *, bases=None, register=True):
+        calls["compact"].append((sorted(bases), register))
+        return Report()
+
+    monkeypatch.setitem(sys.modules, "deltastore.gc", types.SimpleNamespace(collect=collect))
+    monkeypatch.setitem(sys.modules, "deltastore.compact", types.SimpleNamespace(compact=compact))
+    res = run(quick=True, out=tmp_path / "h.json", ks=(1, 3), retention_versions=20, gc_every=10,
+              keep_last=4, lag=5, restart_from=2)
+    assert calls["compact"] == [([1, 3], True)]
+    assert calls["gc"] == [(4, 0.0), (4, 0.0)]
+    (w,) = res["catchup"]
+    assert w["compact"]["available"] and "error" not in w["compact"], w["compact"]
+    sets = [(r["set"], r["k"], r["bit_exact"]) for r in w["catchup"]]
+    assert sets == [("chain", 1, True), ("chain", 3, True), ("compacted", 1, True), ("compacted", 3, True)]
+    assert res["retention"]["gc_available"]
+    assert [g["report"] for g in res["retention"]["gc_runs"]] == [{"deleted_objects": 0}] * 2
