@@ -667,12 +667,18 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
     lag_checks = lag_fail = 0
     lag_errors: list[str] = []
     last: StateDict | None = None
+    aborted: str | None = None
     t0 = time.perf_counter()
     try:
         for v, state in enumerate(states, start=1):
             if v > versions:
                 break
-            pub.publish(state, step=v - 1)
+            try:
+                pub.publish(state, step=v - 1)
+            except Exception as e:  # noqa: BLE001 - a publisher broken by GC is a result, not a crash
+                logger.exception("retention: publish of version %d failed", v)
+                aborted = f"publish of version {v} failed: {type(e).__name__}: {e}"
+                break
             digests[v] = digest(state)
             last = state
             if v == restart_from:
@@ -741,7 +747,10 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
                          None if old_target is None else {k: t.clone() for k, t in old_target.items()})
         restarted = finish("restarted", None, CountingStore(store), old_target)
     finally:
-        pub.close()
+        try:
+            pub.close()
+        except Exception:  # noqa: BLE001 - already reported through ``aborted``
+            logger.exception("retention: closing the publisher failed")
     sizes = [r["bytes"] for r in rows]
     if csv_path is not None:
         csv_path.parent.mkdir(parents=True, exist_ok=True)
@@ -760,6 +769,7 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
         "gc_runs": gc_runs, "workers": [lag_result, resumed, restarted],
         "sizes": sizes,
         "note": None if gc_mod is not None else "deltastore.gc not available in this revision: growth without GC",
+        "aborted": aborted,
     }
 
 
@@ -813,6 +823,15 @@ def markdown(res: dict[str, Any]) -> str:
     out: list[str] = []
     out.append(f"revision {res.get('revision')}, {res.get('date')}, quick={res.get('quick')}, "
                f"features: {res.get('features')}")
+    if res.get("catchup"):
+        _catchup_tables(res, out)
+    ret = res.get("retention")
+    if ret:
+        _retention_tables(ret, out)
+    return "\n".join(out) + "\n"
+
+
+def _catchup_tables(res: dict[str, Any], out: list[str]) -> None:
     out.append("")
     out.append("Catch-up: bytes a worker k versions behind fetched (every GET: HEAD, manifests, index, "
                "packs) against one squashed delta from its version to head.")
@@ -842,39 +861,42 @@ def markdown(res: dict[str, Any]) -> str:
                    f"{_mb(b['h0_bytes'])} | {_r(b['pack_over_h0'], '{:.3f}')} | "
                    f"{_r(b['pack_manifest_over_h0'], '{:.3f}')} | {_r(100 * b['manifest_over_pack'], '{:.1f}%')} | "
                    f"{_r(b['fetched_over_h0'], '{:.3f}')} | {b['follower_requests']:.0f} |")
-    ret = res.get("retention")
-    if ret:
+
+
+def _retention_tables(ret: dict[str, Any], out: list[str]) -> None:
+    out.append("")
+    gc = (f"GC every {ret['gc_every']} (keep_last={ret['keep_last']}, grace 0)" if ret["gc_available"]
+          else "**no GC** (deltastore.gc absent in this revision)")
+    out.append(f"Retention: {ret['versions']} versions of a {_mb(ret['model_bytes'])} model, {gc}, "
+               f"{ret['seconds']:.0f} s.")
+    if ret.get("aborted"):
         out.append("")
-        gc = (f"GC every {ret['gc_every']} (keep_last={ret['keep_last']}, grace 0)" if ret["gc_available"]
-              else "**no GC** (deltastore.gc absent in this revision)")
-        out.append(f"Retention: {ret['versions']} versions of a {_mb(ret['model_bytes'])} model, {gc}, "
-                   f"{ret['seconds']:.0f} s.")
-        out.append("")
-        out.append(f"store size per version (max per bucket, 0..{_mb(ret['max_bytes'])}): "
-                   f"`{sparkline(ret['sizes'])}`")
-        out.append("")
-        out.append(f"final {_mb(ret['final_bytes'])} in {ret['final_objects']} objects; max "
-                   f"{_mb(ret['max_bytes'])}; second half min/max {_mb(ret['min_bytes_second_half'])} / "
-                   f"{_mb(ret['max_bytes_second_half'])}; at versions " +
-                   ", ".join(f"{v}: {_mb(b)}" for v, b in ret["bytes_at"].items()))
-        out.append("")
-        out.append("| worker | outcome | bit-exact | notes |")
-        out.append("|---|---|---|---|")
-        labels = [f"lagging {ret['lag']} versions (heartbeats its version)",
-                  f"held version {ret['restart_from']}, resumed (same Subscriber)",
-                  f"held version {ret['restart_from']}, restarted (fresh Subscriber, kept tensors)"]
-        for label, wk in zip(labels, ret["workers"]):
-            notes = []
-            if "checks" in wk:
-                notes.append(f"{wk['checks']} lagged versions checked, {wk['mismatches']} mismatches, "
-                             f"{wk['n_errors']} errors")
-            if wk.get("pull_into_error"):
-                notes.append(f"pull_into raised {wk['pull_into_error'][:120]}")
-            if wk.get("fetched"):
-                notes.append(f"fetched {_mb(wk['fetched']['total_bytes'])}")
-            out.append(f"| {label} | {wk.get('outcome', wk.get('error'))} | "
-                       f"{'yes' if wk.get('bit_exact') else 'NO'} | {'; '.join(notes)} |")
-    return "\n".join(out) + "\n"
+        out.append(f"**Stopped early**: {ret['aborted']}")
+    out.append("")
+    out.append(f"store size per version (max per bucket, 0..{_mb(ret['max_bytes'])}): "
+               f"`{sparkline(ret['sizes'])}`")
+    out.append("")
+    out.append(f"final {_mb(ret['final_bytes'])} in {ret['final_objects']} objects; max "
+               f"{_mb(ret['max_bytes'])}; second half min/max {_mb(ret['min_bytes_second_half'])} / "
+               f"{_mb(ret['max_bytes_second_half'])}; at versions " +
+               ", ".join(f"{v}: {_mb(b)}" for v, b in ret["bytes_at"].items()))
+    out.append("")
+    out.append("| worker | outcome | bit-exact | notes |")
+    out.append("|---|---|---|---|")
+    labels = [f"lagging {ret['lag']} versions (heartbeats its version)",
+              f"held version {ret['restart_from']}, resumed (same Subscriber)",
+              f"held version {ret['restart_from']}, restarted (fresh Subscriber, kept tensors)"]
+    for label, wk in zip(labels, ret["workers"]):
+        notes = []
+        if "checks" in wk:
+            notes.append(f"{wk['checks']} lagged versions checked, {wk['mismatches']} mismatches, "
+                         f"{wk['n_errors']} errors")
+        if wk.get("pull_into_error"):
+            notes.append(f"pull_into raised {wk['pull_into_error'][:120]}")
+        if wk.get("fetched"):
+            notes.append(f"fetched {_mb(wk['fetched']['total_bytes'])}")
+        out.append(f"| {label} | {wk.get('outcome', wk.get('error'))} | "
+                   f"{'yes' if wk.get('bit_exact') else 'NO'} | {'; '.join(notes)} |")
 
 
 def run(*, quick: bool, out: Path, ks: Sequence[int] = CATCHUP_KS, workloads: Sequence[str] | None = None,

@@ -195,6 +195,7 @@ def test_history_benchmark_quick_end_to_end(tmp_path) -> None:
     assert 0.3 < b["pack_over_h0"] < 3 and b["pack_manifest_over_h0"] > b["pack_over_h0"]
     assert 0 < b["manifest_over_pack"]
     ret = res["retention"]
+    assert ret["aborted"] is None, ret["aborted"]
     assert ret["versions"] == 45 and len(ret["sizes"]) == 45
     assert [wk["bit_exact"] for wk in ret["workers"]] == [True, True, True], ret["workers"]
     assert ret["workers"][0]["mismatches"] == 0 and ret["workers"][0]["checks"] == 45 - 8
