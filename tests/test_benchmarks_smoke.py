@@ -110,3 +110,133 @@ def test_decoder_workload_at_reduced_size() -> None:
     assert all(0.001 < f < 0.1 for f in st.per_step), st.per_step
     # RMSNorm weights sit at 1.0, where a bf16 ulp is 2^-7: 1e-6 steps cannot move them yet.
     assert all(torch.equal(sds[2][k], first[k]) for k in first if k.endswith("norm.weight"))
+
+
+# --- benchmarks.history (issue 8): catch-up, bytes per version, retention -----------------------
+
+
+def test_history_key_kinds_cover_schema_2_and_3() -> None:
+    from benchmarks.history import key_kind
+
+    assert key_kind("HEAD") == "head"
+    assert key_kind("manifests/000000000007-" + "a" * 64 + ".json") == "manifest"
+    assert key_kind("manifests/000000000007-" + "a" * 64 + ".json.zst") == "manifest"
+    assert key_kind("blobs/ab/" + "ab" * 32) == "pack"
+    attempt = "objects/" + "0" * 32 + "/" + "b" * 64
+    assert key_kind(attempt + ".pack") == "pack"
+    assert key_kind(attempt + ".layout.json.zst") == "layout"
+    assert key_kind(attempt + ".squash.json.zst") == "squash"
+    assert key_kind(attempt + ".index.json.zst") == "index"
+    assert key_kind("workers/w1.json") == "ledger"
+
+
+def test_history_counting_store_counts_reads_not_writes() -> None:
+    from benchmarks.history import CountingStore
+    from deltastore.storage import open_store
+
+    inner = open_store("memory://history-smoke-count")
+    cs = CountingStore(inner)
+    cs.put("HEAD", b"{}")
+    cs.put("blobs/ab/" + "ab" * 32, b"x" * 100)
+    assert cs.snapshot() == ({}, {})
+    assert cs.get("blobs/ab/" + "ab" * 32, byte_range=(10, 30)) == b"x" * 20
+    etag = cs.get_with_meta("HEAD").meta.etag
+    assert cs.get_if_changed("HEAD", etag) is None  # a 304: one request, no bytes
+    req, byt = cs.snapshot()
+    assert req == {"pack": 1, "head": 2} and byt == {"pack": 20, "head": 2}
+
+
+def test_history_offline_squash_composition_matches_direct_encoding(tmp_path) -> None:
+    """Composing the stored deltas gives the bytes of encoding old → new directly."""
+    from benchmarks.history import mlp_states, offline_squash
+    from deltastore import Publisher
+    from deltastore.storage import open_store
+
+    states = list(mlp_states(6))
+    store = open_store(str(tmp_path / "store"))
+    with Publisher(store.url, store=store, threads=1) as pub:
+        for i, sd in enumerate(states):
+            pub.publish(sd, step=i)
+    composed = offline_squash(store, 2, 7, states[1], states[6])
+    direct = offline_squash(store, 2, 7, states[1], states[6], direct=True)
+    assert composed["chunks_composed"] > 0 and composed["chunks_encoded_directly"] == 0
+    assert composed["segments_read"] >= 5
+    assert composed["bytes"] == direct["bytes"] > 0
+
+
+def test_history_benchmark_quick_end_to_end(tmp_path) -> None:
+    """A reduced --quick run: result structure, bit-exactness and sane sizes (no timings)."""
+    import json
+
+    from benchmarks.history import markdown, run
+
+    out = tmp_path / "history.json"
+    res = run(quick=True, out=out, ks=(1, 4, 12), retention_versions=45, gc_every=15, keep_last=3,
+              lag=8, restart_from=2)
+    assert json.loads(out.read_text())["quick"] is True
+    assert out.with_suffix(".md").exists() and out.with_suffix(".csv").exists()
+    (w,) = res["catchup"]
+    assert w["versions"] == 13 and w["anchors"][0] == 1
+    rows = {(r["set"], r["k"]): r for r in w["catchup"]}
+    assert {k for s, k in rows if s == "chain"} == {1, 4, 12}
+    for r in rows.values():
+        assert r["bit_exact"], r
+        assert r["fetched_bytes"] >= r["fetched_by_kind"].get("pack", 0) > 0
+        assert 1 <= r["manifest_requests"] <= r["k"] + 2  # never more than one per version (+HEAD/index)
+        assert r["squash_offline_bytes"] > 0
+        # a squash is never larger than the chain it replaces (composition only cancels)
+        assert r["squash_offline_bytes"] <= r["chain_delta_bytes"] * 1.01
+        if r["squash_bytes"] is not None:
+            assert r["ratio"] == pytest.approx(r["fetched_bytes"] / r["squash_bytes"])
+    one = rows[("chain", 1)]
+    assert one["chain_delta_bytes"] == pytest.approx(one["squash_offline_bytes"], rel=0.01)
+    b = w["bytes_per_version"]
+    assert b["versions"] >= 10
+    assert 0.3 < b["pack_over_h0"] < 3 and b["pack_manifest_over_h0"] > b["pack_over_h0"]
+    assert 0 < b["manifest_over_pack"]
+    ret = res["retention"]
+    assert ret["aborted"] is None, ret["aborted"]
+    assert ret["versions"] == 45 and len(ret["sizes"]) == 45
+    assert [wk["bit_exact"] for wk in ret["workers"]] == [True, True, True], ret["workers"]
+    assert ret["workers"][0]["mismatches"] == 0 and ret["workers"][0]["checks"] == 45 - 8
+    if ret["gc_available"]:
+        assert len(ret["gc_runs"]) == 3 and not any("error" in g for g in ret["gc_runs"]), ret["gc_runs"]
+    else:
+        assert ret["sizes"] == sorted(ret["sizes"])  # nothing is ever deleted without GC
+    assert "| tiny-mlp | chain | 12 |" in markdown(res)
+
+
+def test_history_benchmark_uses_gc_and_compact_when_present(tmp_path, monkeypatch) -> None:
+    """Feature detection: stand-in gc/compact modules are called with the arguments they take."""
+    import dataclasses
+    import sys
+    import types
+
+    from benchmarks.history import run
+
+    calls: dict[str, list] = {"gc": [], "compact": []}
+
+    @dataclasses.dataclass
+    class Report:
+        deleted_objects: int = 0
+
+    def collect(store, *, keep_last=10, grace_s=86400.0):  # no unsafe_grace_ok: must not be passed
+        calls["gc"].append((keep_last, grace_s))
+        return Report()
+
+    def compact(store, *, bases=None, register=True):
+        calls["compact"].append((sorted(bases), register))
+        return Report()
+
+    monkeypatch.setitem(sys.modules, "deltastore.gc", types.SimpleNamespace(collect=collect))
+    monkeypatch.setitem(sys.modules, "deltastore.compact", types.SimpleNamespace(compact=compact))
+    res = run(quick=True, out=tmp_path / "h.json", ks=(1, 3), retention_versions=20, gc_every=10,
+              keep_last=4, lag=5, restart_from=2)
+    assert calls["compact"] == [([1, 3], True)]
+    assert calls["gc"] == [(4, 0.0), (4, 0.0)]
+    (w,) = res["catchup"]
+    assert w["compact"]["available"] and "error" not in w["compact"], w["compact"]
+    sets = [(r["set"], r["k"], r["bit_exact"]) for r in w["catchup"]]
+    assert sets == [("chain", 1, True), ("chain", 3, True), ("compacted", 1, True), ("compacted", 3, True)]
+    assert res["retention"]["gc_available"]
+    assert [g["report"] for g in res["retention"]["gc_runs"]] == [{"deleted_objects": 0}] * 2
