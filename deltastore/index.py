@@ -22,10 +22,8 @@ from collections.abc import Callable, Iterable
 from deltastore.commit import now, put_immutable
 from deltastore.errors import (
     ConflictError,
-    CorruptObjectError,
     HistoryReplacedError,
     IntegrityError,
-    NotFoundError,
     PreconditionFailedError,
     StorageError,
     UnsupportedSchemaError,
@@ -41,7 +39,6 @@ from deltastore.manifest import (
     ObjectRef,
     Pin,
     SquashRef,
-    decode_object,
     dump,
     encode_object,
     new_attempt_id,
@@ -69,7 +66,8 @@ Mutate = Callable[[Head, "Index | None"], Index]
 
 
 def read_index(history: History, head: Head) -> Index | None:
-    """The index ``head`` names, verified against its digest (None when HEAD names none).
+    """The index ``head`` names, verified against its digest and HEAD's lineage (None when
+    HEAD names none); :meth:`History.index`, which caches it by key.
 
     Raises:
         NotFoundError: HEAD names an index that is missing (the store is damaged).
@@ -77,21 +75,7 @@ def read_index(history: History, head: Head) -> Index | None:
             its lineage is not HEAD's.
         UnsupportedSchemaError: an index of a schema this deltastore does not read.
     """
-    ref = head.index
-    if ref is None:
-        return None
-    try:
-        data = history.store.get(ref.key)
-    except NotFoundError:
-        raise NotFoundError(
-            f"history index {ref.key!r} named by HEAD of {history.store.url} is missing: the store was damaged"
-        ) from None
-    index: Index = decode_object(Index, data, ref.key, ref.sha256)
-    if head.lineage is not None and index.lineage != head.lineage:
-        raise CorruptObjectError(
-            f"history index {ref.key!r} has lineage {index.lineage}, but HEAD's is {head.lineage}: it belongs to another history"
-        )
-    return index
+    return history.index(head)
 
 
 def effective_floor(index: Index | None) -> int:

@@ -108,22 +108,8 @@ class _Update:
 
 
 def _read_index(history: History, head: Head) -> Index | None:
-    """The history index HEAD names (SPEC §11), verified; None when HEAD names none.
-
-    Raises:
-        NotFoundError: HEAD names an index that is missing (the store was damaged).
-        IntegrityError, CorruptObjectError, UnsupportedSchemaError: as :func:`decode_object`.
-    """
-    if head.index is None:
-        return None
-    ref = head.index
-    try:
-        data = history.store.get(ref.key)
-    except NotFoundError:
-        raise NotFoundError(
-            f"history index {ref.key!r} named by HEAD is missing from {history.store.url}: the store was damaged"
-        ) from None
-    return decode_object(Index, data, ref.key, ref.sha256)
+    """The history index HEAD names (SPEC §11), verified; None when HEAD names none."""
+    return history.index(head)
 
 
 #: Plans tried for one update: a squash that turns out bad, then a held version collected

@@ -31,7 +31,6 @@ from deltastore.storage import open_store
 from deltastore.storage.base import GetResult, IfMatch
 from tests._helpers import (
     HeadPutHook,
-    WrappedStore,
     assert_bits_equal,
     check_invariants,
     keys,
