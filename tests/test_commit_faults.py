@@ -7,7 +7,6 @@ cases also run against moto server and SeaweedFS through ``any_store_target``.
 
 from __future__ import annotations
 
-import json
 import threading
 import uuid
 from pathlib import Path
@@ -37,6 +36,7 @@ from tests._helpers import (
     small_state,
     sparse_edit,
 )
+from tests._manifest_docs import read_manifest_doc
 
 
 class _Boom(StorageError):
@@ -121,7 +121,7 @@ def _manifest_epochs(store) -> list[tuple[int, int, str]]:
     out = []
     key = h.manifest
     while key is not None:
-        doc = json.loads(store.get(key))
+        doc = read_manifest_doc(store, key)  # any schema
         out.append((doc["version"], doc["epoch"], doc["writer"]))
         key = doc["parent_manifest"]
     return out[::-1]
