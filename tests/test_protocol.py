@@ -20,6 +20,7 @@ from deltastore import (
     StorageError,
     Subscriber,
 )
+from deltastore.history import History
 from deltastore.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
@@ -527,14 +528,15 @@ def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url
     with Publisher(local_url, takeover=False, threads=2) as pub:
         for s in states[:3]:
             pub.publish(s)
-    # Rewrite the store as schema 1 wrote it: no lineage, no signature, schema 1.
+    # Rewrite the store as schema 1 wrote it: no lineage, no signature, schema 1, plain JSON.
     with open_store(local_url) as store:
+        history = History(store)
         head = json.loads(store.get(HEAD_KEY))
         chain, key = [], head["manifest"]
         while key is not None:
-            doc = json.loads(store.get(key))
-            chain.append(doc)
-            key = doc["parent_manifest"]
+            m = history.manifest(key)
+            chain.append(m.model_dump(mode="json", by_alias=True))
+            key = m.parent_manifest
         parent_key = None
         for doc in reversed(chain):
             doc.update(schema=1, parent_manifest=parent_key)
@@ -544,10 +546,12 @@ def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url
             for field in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
                 del doc["stats"][field]
             for blob in doc["blobs"]:  # schema 1 kept packs under blobs/
+                old_key = blob["key"]
                 blob["key"] = f"blobs/{blob['sha256'][:2]}/{blob['sha256']}"
-                store.put(blob["key"], store.get(f"objects/{doc['commit_id']}/{blob.pop('role') and blob['sha256']}.pack"), mode="create")
+                del blob["role"]
+                store.put(blob["key"], store.get(old_key), mode="create")
             data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-            parent_key = manifest_key(doc["version"], sha256_hex(data))
+            parent_key = manifest_key(doc["version"], sha256_hex(data), schema=1)
             store.put(parent_key, data, mode="create")
         head.update(schema=1, manifest=parent_key, manifest_sha256=sha256_hex(data))
         del head["lineage"], head["index"]
@@ -561,9 +565,9 @@ def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url
     assert (info.version, info.kind) == (4, "anchor")  # the first schema-3 version (design 005 D10)
     with open_store(local_url) as store:
         head = json.loads(store.get(HEAD_KEY))
-        m = json.loads(store.get(head["manifest"]))
-        assert head["schema"] == m["schema"] == 3 and head["lineage"] == m["lineage"]
-        assert m["delta_base"] == 3  # an upgrade anchor carries deltas as usual
+        m = History(store).manifest(head["manifest"])
+        assert head["schema"] == m.schema_ == 3 and head["lineage"] == m.lineage
+        assert m.delta_base == 3  # an upgrade anchor carries deltas as usual
         assert check_invariants(store) == [1, 2, 3, 4]
     assert sub.pull_into(target).version == 4
     assert_bits_equal(target, states[3])
