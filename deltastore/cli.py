@@ -225,7 +225,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if got is None or got[0].manifest is None:
         raise VersionNotFoundError(f"{args.url}: no versions")
     head = got[0]
-    key, m = history.find(head.version if args.version is None else args.version, head)
+    key, m = history.resolve(head.version if args.version is None else args.version, head)
     if args.json:
         print(json.dumps(json.loads(dump(m)), indent=1, sort_keys=True))
         return 0

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltastore.errors import CorruptObjectError, NotFoundError, VersionNotFoundError
+from deltastore.errors import CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
 from deltastore.manifest import (
     HEAD_KEY,
     MAX_HEAD_BYTES,
@@ -353,6 +353,30 @@ class History:
                 f"manifest {key!r} (version {m.version}, anchor {m.anchor}) skips to {bkey!r} (version {b.version}), "
                 f"whose anchor is {b.anchor}: they cannot be on one chain"
             )
+
+    def resolve(self, version: int, head: Head) -> tuple[str, Manifest]:
+        """The manifest of ``version`` as the history index allows (SPEC §7.4, §11): a version
+        below the floor is read through its pin, or is collected.
+
+        Raises:
+            VersionCollectedError: ``version`` is below the index's floor and not pinned.
+            VersionNotFoundError: no such version on HEAD's chain.
+        """
+        index = self.index(head)
+        if index is not None and version < index.floor:  # learnt from the index, not from a 404
+            pin = next((p for p in index.pins if p.version == version), None)
+            if pin is None:
+                pins = sorted(p.version for p in index.pins)
+                raise VersionCollectedError(
+                    f"version {version} of {self.store.url} was collected: the oldest readable version is {index.floor}"
+                    + (f", and the pinned versions below it are {', '.join(map(str, pins))}" if pins else ""),
+                    version=version, floor=index.floor, pins=pins,
+                )
+            m = self.manifest(pin.manifest)
+            if m.version != version:
+                raise CorruptObjectError(f"the index pins version {version} as {pin.manifest!r}, which is version {m.version}")
+            return pin.manifest, m
+        return self.find(version, head)
 
     def find(self, version: int, head: Head) -> tuple[str, Manifest]:
         """The manifest of ``version`` on the chain ending at ``head``: through skip pointers

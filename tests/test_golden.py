@@ -469,15 +469,20 @@ def test_golden_schema3_inspect_snapshot(store3_url, capsys):
     assert _inspect(store3_url, 10, capsys) == INSPECT_SNAPSHOT.read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="cli._cmd_inspect finds the version with History.find, without the index's "
-                   "floor: a collected version whose manifest GC deleted is reported as a damaged store (NotFoundError)")
-def test_golden_schema3_inspect_collected_version(store3_url, capsys):
+@pytest.mark.parametrize("version", [1, 3])
+def test_golden_schema3_inspect_collected_version(store3_url, capsys, version):
     """``deltastore inspect`` of a collected version says it was collected (as pull does),
-    not that the store was damaged."""
+    not that the store was damaged (v3: GC deleted its manifest) nor prints it (v1: its
+    manifest is still there for a pin's chain)."""
     from deltastore.cli import main
 
-    assert main(["inspect", store3_url, "--version", "3"]) != 0
-    assert "VersionCollectedError" in capsys.readouterr().err
+    assert main(["inspect", store3_url, "--version", str(version)]) != 0
+    assert "collected" in capsys.readouterr().err
+
+
+def test_golden_schema3_inspect_pinned_version(store3_url, capsys):
+    """A pinned version below the floor is inspected through its pin."""
+    assert "version         2" in _inspect(store3_url, 2, capsys)
 
 
 @pytest.mark.parametrize("url_fixture", ["store3_url", "mixed_url"])
