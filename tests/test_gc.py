@@ -635,7 +635,12 @@ def _rewrite_as_schema_1(store: Store) -> None:
     """Rewrite the store's chain and HEAD as schema 1 wrote them (no lineage, no schema-2/3
     fields, packs at their content addresses ``blobs/<xx>/<sha256>``, copied from the
     publisher's attempt-scoped packs: SPEC §13, old stores are upgraded in place)."""
-    from deltastore.manifest import SCHEMA3_MANIFEST_FIELDS, blob_key, manifest_key, sha256_hex
+    from deltastore.manifest import (
+        SCHEMA3_MANIFEST_FIELDS,
+        blob_key,
+        manifest_key,
+        sha256_hex,
+    )
     from tests._manifest_docs import read_manifest_doc
 
     head = json.loads(store.get(HEAD_KEY))
@@ -687,3 +692,36 @@ def test_schema1_store_is_upgraded_in_place(aged):
     # Readers and a new publisher continue the upgraded store.
     publish(aged, 1, states=states)
     assert json.loads(aged.get(HEAD_KEY))["index"] == head["index"]
+
+
+def test_registered_squashes_are_kept_with_their_packs_and_layout(aged):
+    """SPEC §11: the squashes the index lists whose ``from`` is ≥ floor or a pin are kept with
+    their packs and layout; one from below the floor (not pinned) is dropped from the index
+    on the floor raise and collected with its packs."""
+    from deltastore.compact import compact
+
+    publish(aged, 14, anchor_every=5)  # anchors 1, 6, 11
+    report = compact(aged, bases=[7, 8, 11], to=14)
+    assert report.registered and sorted(s.from_ for s in report.squashes) == [7, 8, 11]
+    h = History(aged)
+    sq = {s.from_: h.squash(s) for s in h.index(h.read_head()[0]).squashes}
+    needs = {f: {s.key for s in h.index(h.read_head()[0]).squashes if s.from_ == f} | set(q.references())
+             | ({q.layout.key} if q.layout is not None else set()) for f, q in sq.items()}
+    assert all(q.blobs for q in sq.values())
+    aged.age_everything(2 * DAY)
+
+    first = collect(aged, keep_last=6, grace_s=DAY)  # low 9 → floor 6: every squash stays
+    assert first.floor_after == 6
+    assert set().union(*needs.values()) <= keys(aged)
+    assert sorted(s.from_ for s in read_head_and_index(History(aged))[1].squashes) == [7, 8, 11]
+
+    second = collect(aged, keep_last=1, keep_versions=[7], grace_s=DAY)  # floor 11, pin 7
+    assert second.floor_after == 11 and second.pins == [7]
+    _head, idx = _index(aged)
+    assert sorted(s.from_ for s in idx.squashes) == [7, 11]  # from 7 is pinned; from 8 is below the floor
+    after = keys(aged)
+    assert needs[7] | needs[11] <= after
+    assert not needs[8] - (needs[7] | needs[11]) & after  # the dropped squash and its own packs went
+    assert needs[8] - (needs[7] | needs[11]) <= set(all_deleted(second))
+    for s in idx.squashes:
+        History(aged).squash(s)  # still readable and verified

@@ -28,7 +28,14 @@ from tests._helpers import (
     keys,
     small_state,
 )
-from tests.test_gc import DAY, AgedStore, needs_of, pin_needs_of, publish, pull_from_manifest
+from tests.test_gc import (
+    DAY,
+    AgedStore,
+    needs_of,
+    pin_needs_of,
+    publish,
+    pull_from_manifest,
+)
 
 #: Versions the racing publisher commits.
 RACE_VERSIONS = 24
