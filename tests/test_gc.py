@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+import torch
 
 from deltastore import Publisher, Subscriber
 from deltastore.errors import (
@@ -725,3 +726,29 @@ def test_registered_squashes_are_kept_with_their_packs_and_layout(aged):
     assert needs[8] - (needs[7] | needs[11]) <= set(all_deleted(second))
     for s in idx.squashes:
         History(aged).squash(s)  # still readable and verified
+
+
+def test_a_pins_own_layout_is_kept_below_the_floor(aged):
+    """A pin below the floor needs its chain's layout even when no kept version names it
+    (SPEC §11 needs_materialize: the manifests with their layouts). Versions 6 on add a tensor,
+    so their layout is a new object; version 5's layout is needed by the pin alone."""
+    trainer = TinyTrainer()
+    states = publish(aged, 5, trainer=trainer)  # anchors 1, 4
+    with Publisher(aged.url, store=aged, anchor_every=3, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        for i in range(4):  # versions 6–9: 6 an anchor (the layout changes), 9 an anchor
+            s = dict(trainer.step())
+            s["extra.added"] = torch.arange(12, dtype=torch.float32)
+            states[pub.publish(s, anchor=i == 0).version] = s
+    h = History(aged)
+    _, m5 = h.find(5, h.read_head()[0])
+    _, m9 = h.head_manifest(h.read_head()[0])
+    assert m5.layout is not None and m9.layout is not None and m5.layout.key != m9.layout.key
+    pin_needs, _ = pin_needs_of(aged, 5)
+    assert m5.layout.key in pin_needs
+    aged.age_everything(2 * DAY)
+    report = collect(aged, keep_last=1, keep_versions=[5], grace_s=DAY)
+    assert report.floor_after > 5 and report.pins == [5]
+    after = keys(aged)
+    assert pin_needs <= after and m9.layout.key in after
+    assert_bits_equal(pull_from_manifest(aged, _index(aged)[1].pins[0].manifest), states[5])
+    assert_versions_intact(aged, states, [9])
