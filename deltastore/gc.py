@@ -67,7 +67,7 @@ from deltastore.manifest import (
     Index,
     Manifest,
     SquashManifest,
-    decode_object,
+    SquashRef,
 )
 from deltastore.storage.base import ObjectMeta, Store
 
@@ -311,14 +311,14 @@ class _Run:
             if m.version >= head.version - SQUASH_RETAIN:
                 for s in m.squashes:
                     if s.from_ >= floor or s.from_ in pins:
-                        kept.update(self._squash_needs(s.key, s.sha256))
+                        kept.update(self._squash_needs(s))
         for p in committed.pins:
             if p.version >= floor:
                 continue
             kept.update(self._needs_materialize(p.manifest))
         for s in committed.squashes:
             if s.from_ >= floor or s.from_ in pins:
-                kept.update(self._squash_needs(s.key, s.sha256))
+                kept.update(self._squash_needs(s))
 
         # --- step 4: sweep -----------------------------------------------------------------
         report = GCReport(run_id=self.run_id, now=_iso(now), head_version=head.version, floor_before=floor_before,
@@ -466,15 +466,17 @@ class _Run:
 
         return self._read(walk, f"the chain of pinned manifest {key!r}")
 
-    def _squash_needs(self, key: str, sha256: str) -> set[str]:
+    def _squash_needs(self, ref: SquashRef) -> set[str]:
+        """The squash manifest, its packs and its layout (read through History: verified
+        against the ref's digest and range)."""
         def read() -> set[str]:
-            s: SquashManifest = decode_object(SquashManifest, self.store.get(key), key, sha256)
-            refs = {key, *s.references()}
+            s: SquashManifest = self.history.squash(ref)
+            refs = {ref.key, *s.references()}
             if s.layout is not None:
                 refs.add(s.layout.key)
             return refs
 
-        return self._read(read, f"squash manifest {key!r}")
+        return self._read(read, f"squash manifest {ref.key!r}")
 
 
 @dataclass(frozen=True)

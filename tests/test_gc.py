@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+import torch
 
 from deltastore import Publisher, Subscriber
 from deltastore.errors import (
+    AlreadyExistsError,
     GCAbortedError,
     GCRefusedError,
     NotFoundError,
@@ -100,6 +102,23 @@ def _chain_needs(h: History, key: str, m) -> set[str]:
         out.add(k)
         out.update(mm.references())
     return out
+
+
+def pin_needs_of(store: Store, version: int) -> tuple[set[str], set[str]]:
+    """SPEC §11 ``needs_materialize(version)``: the manifests anchor(v) … v with their layouts,
+    the anchor's full packs (role ``f``, or unmarked before schema 3) and every pack of the
+    deltas after it. Also returns the anchor's delta packs (role ``d``): materializing v does
+    not need them, so a pin alone does not keep them (design 005 D3)."""
+    h = History(store)
+    key, m = h.find(version, h.read_head()[0])
+    needs, anchor_deltas = set(), set()
+    for k, mm in h.anchor_chain(key, m):
+        needs.add(k)
+        if mm.layout is not None:
+            needs.add(mm.layout.key)
+        for b in mm.blobs:
+            (anchor_deltas if mm.kind == "anchor" and b.role == "d" else needs).add(b.key)
+    return needs, anchor_deltas - needs
 
 
 def pull_from_manifest(store: Store, key: str) -> dict:
@@ -214,7 +233,8 @@ def test_live_workers_hold_the_floor(aged):
 
 def test_keep_versions_are_pinned_then_kept_with_their_chain(aged):
     states = publish(aged, 10)
-    pin_needs = needs_of(aged, 5)  # anchor 4, deltas 5
+    pin_needs, unneeded = pin_needs_of(aged, 5)  # anchor 4 (its full packs), delta 5
+    assert unneeded  # the schema-3 writer gives anchor 4 a delta pack too (from 3)
     aged.age_everything(2 * DAY)
     report = collect(aged, keep_last=1, keep_versions=[5], grace_s=DAY)
     assert report.floor_after == 10 and report.pins == [5]
@@ -222,6 +242,7 @@ def test_keep_versions_are_pinned_then_kept_with_their_chain(aged):
     assert pinned(idx) == {5}
     after = keys(aged)
     assert pin_needs <= after
+    assert not unneeded & after  # a pin keeps what materializing it needs, not anchor 4's delta packs
     assert not any(k.startswith("manifests/000000000006-") for k in after)  # not needed by the pin
     assert_bits_equal(pull_from_manifest(aged, idx.pins[0].manifest), states[5])
     # The pin persists: the next run keeps it too.
@@ -446,16 +467,18 @@ def test_fsspec_store_gives_no_clock_and_is_refused(tmp_path):
 
 def test_orphan_reuse_cannot_resurrect_a_collected_object(tmp_path):
     """Design 005 D3 #1: a publish crashes after uploading its packs; much later the retry
-    produces identical bytes; GC runs between the retry's uploads and its HEAD write. With
-    attempt-scoped keys (D1) the retry's objects are new and young, and the committed version
-    is complete. With content-addressed ``blobs/`` keys (schemas 1/2) the retry meets the old
-    orphan (AlreadyExists = success), GC deletes it, and HEAD names a missing pack."""
+    produces identical bytes; GC runs between the retry's uploads and its HEAD write and
+    deletes the crashed attempt's (old, unreferenced) packs. With content-addressed ``blobs/``
+    keys (schemas 1/2) the retry met the old orphan (AlreadyExists = success) and HEAD then
+    named a deleted pack. With attempt-scoped keys (D1) the retry's packs are new, young
+    objects under its own attempt, and every committed version is complete."""
     inner = open_store(str(tmp_path / "store"))
     store = AgedStore(inner)
     trainer = TinyTrainer()
     states = publish(store, 3, trainer=trainer)
     collect(store, keep_last=100, grace_s=DAY)  # an index exists: later runs change nothing in it
     nxt = trainer.step()
+    reports = []
 
     class CrashOnManifest(AgedStore):
         crash = True
@@ -476,20 +499,21 @@ def test_orphan_reuse_cannot_resurrect_a_collected_object(tmp_path):
             pub.publish(nxt)
         orphans = keys(inner) - {k for v in states for k in needs_of(inner, v)} - {"HEAD"}
         orphans = {k for k in orphans if k.startswith(("objects/", "blobs/")) and not k.endswith(".index.json.zst")}
-        assert orphans  # the crashed attempt's packs
+        assert orphans and all(k.endswith(".pack") for k in orphans)  # the crashed attempt's packs
         crashing.age_everything(2 * DAY)  # ... days pass
         crashing.crash = False
-        crashing.gc_hook = lambda: collect(crashing, keep_last=100, grace_s=DAY)
+        crashing.gc_hook = lambda: reports.append(collect(crashing, keep_last=100, grace_s=DAY))
         info = pub.publish(nxt)  # the retry; GC runs just before its manifest is written
-    legacy = any(k.startswith("blobs/") for k in orphans)
-    missing = needs_of(inner, info.version) - keys(inner)
-    if legacy:
-        # Content-addressed packs: the hazard is real (this is what attempt-scoped keys fix).
-        assert missing, "expected the schema-1/2 layout to reproduce hazard #1"
-        pytest.xfail(f"packs are content-addressed under blobs/ in this build: hazard #1 reproduced ({len(missing)} missing)")
-    assert not missing
+    # The hazard was exercised: GC ran between the retry's uploads and its commit, and deleted
+    # the crashed attempt's packs (older than the grace, named by no manifest).
+    assert len(reports) == 1 and orphans <= set(reports[0].deleted["packs"])
+    assert not orphans & keys(inner)
+    needed = needs_of(inner, info.version)
+    packs = {k for k in needed if k.endswith(".pack")}
+    assert packs and not packs & orphans  # the retry wrote its own packs (a new attempt)
+    assert needed <= keys(inner), sorted(needed - keys(inner))
     states[info.version] = nxt
-    assert_versions_intact(inner, states, [info.version])
+    assert_versions_intact(inner, states, sorted(states))
 
 
 def test_empty_store_is_a_no_op(tmp_path):
@@ -547,10 +571,42 @@ def test_collect_on_every_backend(any_store_target):
 
 def test_missing_needed_pack_is_reported(aged):
     publish(aged, 4)
-    pack = next(k for k in needs_of(aged, 4) if k.startswith(("blobs/", "objects/")))
+    pack = min(k for k in needs_of(aged, 4) if k.endswith(".pack"))  # a pack, not the layout
     aged.inner.delete(pack)
     report = collect(aged, keep_last=1, grace_s=DAY, dry_run=True)
     assert report.missing == [pack]
+
+
+def test_missing_layout_of_a_kept_version_aborts_with_nothing_deleted(aged):
+    """A schema-3 manifest cannot be read without its layout (SPEC §11: GC aborts when it
+    cannot read a needed layout). The layout here was written by version 1's attempt and is
+    reused by every later version."""
+    publish(aged, 10)
+    h = History(aged)
+    _, m = h.head_manifest(h.read_head()[0])
+    assert m.layout is not None and m.commit_id not in m.layout.key
+    aged.inner.delete(m.layout.key)
+    aged.age_everything(2 * DAY)
+    before = keys(aged)
+    with pytest.raises(GCAbortedError, match="layout"):
+        collect(aged, keep_last=1, grace_s=DAY)
+    assert before <= keys(aged)
+
+
+def test_a_layout_written_by_an_older_attempt_is_kept(aged):
+    """Versions reuse their parent's layout object (design 005 D8): the layout the kept
+    versions name was written by version 1's attempt, whose manifest and packs GC deletes."""
+    states = publish(aged, 10)  # anchors 1, 4, 7, 10
+    h = History(aged)
+    _, m10 = h.head_manifest(h.read_head()[0])
+    first, m1 = h.find(1, h.read_head()[0])
+    assert m10.layout == m1.layout and m1.commit_id in m10.layout.key
+    aged.age_everything(2 * DAY)
+    report = collect(aged, keep_last=1, grace_s=DAY)
+    after = keys(aged)
+    assert first not in after and not any(b.key in after for b in m1.blobs)  # its attempt's other objects went
+    assert m10.layout.key in after and m10.layout.key not in all_deleted(report)
+    assert_versions_intact(aged, states, [10])
 
 
 def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
@@ -578,13 +634,20 @@ def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
 
 def _rewrite_as_schema_1(store: Store) -> None:
     """Rewrite the store's chain and HEAD as schema 1 wrote them (no lineage, no schema-2/3
-    fields), keeping the packs (SPEC §13: old stores are upgraded in place)."""
-    from deltastore.manifest import SCHEMA3_MANIFEST_FIELDS, manifest_key, sha256_hex
+    fields, packs at their content addresses ``blobs/<xx>/<sha256>``, copied from the
+    publisher's attempt-scoped packs: SPEC §13, old stores are upgraded in place)."""
+    from deltastore.manifest import (
+        SCHEMA3_MANIFEST_FIELDS,
+        blob_key,
+        manifest_key,
+        sha256_hex,
+    )
+    from tests._manifest_docs import read_manifest_doc
 
     head = json.loads(store.get(HEAD_KEY))
     chain, key = [], head["manifest"]
     while key is not None:
-        doc = json.loads(store.get(key))
+        doc = read_manifest_doc(store, key)  # any schema, in its in-memory (schema-2) shape
         chain.append(doc)
         key = doc["parent_manifest"]
     parent_key = None
@@ -594,10 +657,16 @@ def _rewrite_as_schema_1(store: Store) -> None:
             doc.pop(f, None)
         for b in doc["blobs"]:
             b.pop("role", None)
+            if b["key"] != blob_key(b["sha256"]):
+                try:
+                    store.put(blob_key(b["sha256"]), store.get(b["key"]), mode="create")
+                except AlreadyExistsError:
+                    pass  # the same bytes, named by an earlier version
+                b["key"] = blob_key(b["sha256"])
         for f in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
             doc["stats"].pop(f, None)
         data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        parent_key = manifest_key(doc["version"], sha256_hex(data))
+        parent_key = manifest_key(doc["version"], sha256_hex(data), schema=1)
         store.put(parent_key, data, mode="create")
     head.update(schema=1, manifest=parent_key, manifest_sha256=sha256_hex(data))
     for f in ("lineage", "index"):
@@ -624,3 +693,62 @@ def test_schema1_store_is_upgraded_in_place(aged):
     # Readers and a new publisher continue the upgraded store.
     publish(aged, 1, states=states)
     assert json.loads(aged.get(HEAD_KEY))["index"] == head["index"]
+
+
+def test_registered_squashes_are_kept_with_their_packs_and_layout(aged):
+    """SPEC §11: the squashes the index lists whose ``from`` is ≥ floor or a pin are kept with
+    their packs and layout; one from below the floor (not pinned) is dropped from the index
+    on the floor raise and collected with its packs."""
+    from deltastore.compact import compact
+
+    publish(aged, 14, anchor_every=5)  # anchors 1, 6, 11
+    report = compact(aged, bases=[7, 8, 11], to=14)
+    assert report.registered and sorted(s.from_ for s in report.squashes) == [7, 8, 11]
+    h = History(aged)
+    sq = {s.from_: h.squash(s) for s in h.index(h.read_head()[0]).squashes}
+    needs = {f: {s.key for s in h.index(h.read_head()[0]).squashes if s.from_ == f} | set(q.references())
+             | ({q.layout.key} if q.layout is not None else set()) for f, q in sq.items()}
+    assert all(q.blobs for q in sq.values())
+    aged.age_everything(2 * DAY)
+
+    first = collect(aged, keep_last=6, grace_s=DAY)  # low 9 → floor 6: every squash stays
+    assert first.floor_after == 6
+    assert set().union(*needs.values()) <= keys(aged)
+    assert sorted(s.from_ for s in read_head_and_index(History(aged))[1].squashes) == [7, 8, 11]
+
+    second = collect(aged, keep_last=1, keep_versions=[7], grace_s=DAY)  # floor 11, pin 7
+    assert second.floor_after == 11 and second.pins == [7]
+    _head, idx = _index(aged)
+    assert sorted(s.from_ for s in idx.squashes) == [7, 11]  # from 7 is pinned; from 8 is below the floor
+    after = keys(aged)
+    assert needs[7] | needs[11] <= after
+    assert not needs[8] - (needs[7] | needs[11]) & after  # the dropped squash and its own packs went
+    assert needs[8] - (needs[7] | needs[11]) <= set(all_deleted(second))
+    for s in idx.squashes:
+        History(aged).squash(s)  # still readable and verified
+
+
+def test_a_pins_own_layout_is_kept_below_the_floor(aged):
+    """A pin below the floor needs its chain's layout even when no kept version names it
+    (SPEC §11 needs_materialize: the manifests with their layouts). Versions 6 on add a tensor,
+    so their layout is a new object; version 5's layout is needed by the pin alone."""
+    trainer = TinyTrainer()
+    states = publish(aged, 5, trainer=trainer)  # anchors 1, 4
+    with Publisher(aged.url, store=aged, anchor_every=3, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        for i in range(4):  # versions 6–9: 6 an anchor (the layout changes), 9 an anchor
+            s = dict(trainer.step())
+            s["extra.added"] = torch.arange(12, dtype=torch.float32)
+            states[pub.publish(s, anchor=i == 0).version] = s
+    h = History(aged)
+    _, m5 = h.find(5, h.read_head()[0])
+    _, m9 = h.head_manifest(h.read_head()[0])
+    assert m5.layout is not None and m9.layout is not None and m5.layout.key != m9.layout.key
+    pin_needs, _ = pin_needs_of(aged, 5)
+    assert m5.layout.key in pin_needs
+    aged.age_everything(2 * DAY)
+    report = collect(aged, keep_last=1, keep_versions=[5], grace_s=DAY)
+    assert report.floor_after > 5 and report.pins == [5]
+    after = keys(aged)
+    assert pin_needs <= after and m9.layout.key in after
+    assert_bits_equal(pull_from_manifest(aged, _index(aged)[1].pins[0].manifest), states[5])
+    assert_versions_intact(aged, states, [9])

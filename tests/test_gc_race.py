@@ -28,7 +28,14 @@ from tests._helpers import (
     keys,
     small_state,
 )
-from tests.test_gc import DAY, AgedStore, needs_of, publish, pull_from_manifest
+from tests.test_gc import (
+    DAY,
+    AgedStore,
+    needs_of,
+    pin_needs_of,
+    publish,
+    pull_from_manifest,
+)
 
 #: Versions the racing publisher commits.
 RACE_VERSIONS = 24
@@ -166,7 +173,7 @@ def test_pin_landing_between_gc_read_and_cas_is_kept(tmp_path):
     aged = AgedStore(inner)
     states = publish(aged, 10)
     aged.age_everything(2 * DAY)
-    pin_needs = needs_of(aged, 5)
+    pin_needs, _ = pin_needs_of(aged, 5)  # SPEC §11 needs_materialize(5)
     fired = []
 
     def hook(key, data, mode, real_put):
