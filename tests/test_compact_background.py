@@ -1,9 +1,14 @@
 """Compaction that keeps up with head (issue 8, design 005 D5): the publisher's background
-compactor (``Publisher(compact=...)``)."""
+compactor (``Publisher(compact=...)``) and ``deltastore compact --follow``."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +26,7 @@ from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, assert_bits_equal, keys, snapshot
 
+REPO = Path(__file__).resolve().parent.parent
 #: Generous bound on one background run of these tiny models (a loaded 2-core machine).
 IDLE_TIMEOUT_S = 60.0
 
@@ -230,3 +236,40 @@ def test_the_anchor_squash_is_rewritten_every_anchor_squash_every_versions(tmp_p
     assert written[3] == [(1, 3)]
     assert all(written[v] == [] for v in range(4, 3 + ANCHOR_SQUASH_EVERY)), written
     assert written[3 + ANCHOR_SQUASH_EVERY] == [(1, 3 + ANCHOR_SQUASH_EVERY)]
+
+
+def test_cli_compact_follow_one_round_per_new_head_until_sigterm(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    trainer = TinyTrainer(10)
+    pub = _publisher(url)
+    try:
+        state = trainer.export()
+        for _ in range(3):
+            pub.publish(state)
+            state = trainer.step()
+        _beat(url, "w-follow", 2)
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltastore", "compact", url, "--follow", "--interval", "0.2", "--json"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            first = json.loads(proc.stdout.readline())
+            assert first["to"] == 3 and [(s["from"], s["to"]) for s in first["squashes"]] == [(1, 3)]
+            pub.publish(state)  # HEAD moves: a second round, for the worker at 2
+            second = json.loads(proc.stdout.readline())
+            assert second["to"] == 4 and [(s["from"], s["to"]) for s in second["squashes"]] == [(2, 4)]
+            assert second["registered"] is True
+            time.sleep(0.5)  # polls while HEAD does not move (its own index write included): no round
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 0, err
+        assert out.strip() == "", out  # no third round
+    finally:
+        pub.close()
+    assert (2, 4) in _index_squashes(url) and (1, 3) in _index_squashes(url)
