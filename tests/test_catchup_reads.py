@@ -6,12 +6,10 @@ skip pointers, never one at a time."""
 from __future__ import annotations
 
 import math
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
