@@ -238,6 +238,25 @@ def test_the_anchor_squash_is_rewritten_every_anchor_squash_every_versions(tmp_p
     assert written[3 + ANCHOR_SQUASH_EVERY] == [(1, 3 + ANCHOR_SQUASH_EVERY)]
 
 
+def test_default_bases_already_squashed_to_head_are_not_written_again(tmp_path: Path) -> None:
+    """A second compactor (or round) on the same head writes nothing: the index has them."""
+    from deltastore.compact import compact
+
+    url = f"file://{tmp_path / 'store'}"
+    trainer = TinyTrainer(11)
+    with _publisher(url) as pub:
+        state = trainer.export()
+        for _ in range(5):
+            pub.publish(state)
+            state = trainer.step()
+    _beat(url, "w-two", 2)
+    first = compact(url, threads=1)
+    assert sorted((s.from_, s.to) for s in first.squashes) == [(1, 5), (2, 5)]
+    again = compact(url, threads=1)
+    assert again.squashes == () and again.skipped == ()
+    assert sorted((s.from_, s.to) for s in compact(url, bases=[2], threads=1).squashes) == [(2, 5)]  # asked: written
+
+
 def test_cli_compact_follow_one_round_per_new_head_until_sigterm(tmp_path: Path) -> None:
     url = f"file://{tmp_path / 'store'}"
     trainer = TinyTrainer(10)
