@@ -287,6 +287,8 @@ def _duration(s: float) -> str:
 def _cmd_compact(args: argparse.Namespace) -> int:
     from deltastore.compact import compact
 
+    if args.follow:
+        return _compact_follow(args)
     report = compact(args.url, bases=args.base, storage_options=_storage_options(args), writer=args.writer,
                      register=not args.no_register)
     if args.json:
@@ -299,6 +301,53 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         print(f"no squash from {base}: {why}")
     where = "registered in the history index" if report.registered else "not registered"
     print(f"{len(report.squashes)} squash(es) to version {report.to} of {args.url}, {where}, in {report.seconds:.1f} s")
+    return 0
+
+
+def _compact_follow(args: argparse.Namespace) -> int:
+    """``compact --follow``: one round (squashes to the new head) each time HEAD's version
+    moves, one line per round, until SIGINT/SIGTERM (the current round is finished first)."""
+    import signal
+    import threading
+
+    from deltastore.compact import ANCHOR_SQUASH_EVERY, compact
+    from deltastore.history import History
+    from deltastore.storage import open_store
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:  # finish the current round, then end
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    store = open_store(args.url, storage_options=_storage_options(args))
+    try:
+        history = History(store)
+        done: int | None = None  # the head version of the last round
+        while not stop.is_set():
+            head = history.poll_head()  # a conditional GET; our own index writes move no version
+            if head is not None and head.manifest is not None and head.version != done:
+                done = head.version  # a failed round is not retried until HEAD moves again
+                try:
+                    report = compact(store, bases=args.base, to=head.version, writer=args.writer,
+                                     register=not args.no_register, anchor_squash_every=ANCHOR_SQUASH_EVERY)
+                except DeltastoreError as e:
+                    logger.warning("compaction round to version %d of %s failed: %s", head.version, args.url, e)
+                    if args.json:
+                        print(json.dumps({"to": head.version, "error": _one_line(e)}, sort_keys=True), flush=True)
+                    else:
+                        print(f"version {head.version}: round failed: {_one_line(e)}", flush=True)
+                else:
+                    if args.json:
+                        print(json.dumps(report.to_json(), sort_keys=True), flush=True)
+                    else:
+                        made = ", ".join(f"{s.from_}→{s.to} {_size(s.bytes)}" for s in report.squashes) or "nothing to squash"
+                        print(f"version {report.to}: {len(report.squashes)} squash(es) ({made}), "
+                              f"{'registered' if report.registered else 'not registered'}, {report.seconds:.1f} s", flush=True)
+            stop.wait(args.interval)
+    finally:
+        store.close()
     return 0
 
 
@@ -450,7 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="squash from version V (repeatable; default: versions live workers hold, and the latest anchor)")
     p.add_argument("--writer", help="the id recorded in the squashes and the index (default compactor-host-pid)")
     p.add_argument("--no-register", action="store_true", help="write the squashes without registering them in the index")
-    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--json", action="store_true", help="one JSON object (with --follow: one per round, one a line)")
+    p.add_argument("--follow", action="store_true",
+                   help="keep compacting: one round each time HEAD's version moves, until Ctrl-C/SIGTERM "
+                        "(the anchor squash every 8 versions)")
+    p.add_argument("--interval", type=float, default=2.0, help="with --follow: seconds between polls of HEAD (default 2)")
     p.set_defaults(func=_cmd_compact)
 
     p = sub.add_parser("keygen", help="write a new Ed25519 key pair for signing manifests")

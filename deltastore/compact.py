@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -69,6 +70,19 @@ MIN_SQUASH_VERSIONS = 2
 #: A squash's composed segments stay in memory up to this size while the rest of it is
 #: verified; beyond it they go to a local temporary file (a squash of a large model is tens of GB).
 SPILL_MEMORY_BYTES = 64 * 1024 * 1024
+#: S(anchor, head) is written again once the indexed one ends this many versions before head
+#: (design 005 D5): a worker starting from scratch then fetches the anchor, one squash and at
+#: most this many deltas. Used by ``--follow`` and the publisher's background compactor; a
+#: one-shot ``compact`` writes it whenever the anchor is 2 or more behind.
+ANCHOR_SQUASH_EVERY = 8
+#: Decode/compose threads of a background compaction: it shares the machine with training and
+#: the publisher's encoder, so it takes a little of it rather than every core.
+BACKGROUND_THREADS = 2
+#: How long ``Publisher.close()`` waits for a running background compaction to finish before
+#: asking it to stop (it then stops at its next batch of chunks, writing nothing).
+BACKGROUND_CLOSE_TIMEOUT_S = 60.0
+#: After asking a background compaction to stop, how long close() still waits for it (one batch).
+BACKGROUND_STOP_TIMEOUT_S = 10.0
 #: Squashes the compactor keeps listed in the index (newest ``to`` first): readers use only
 #: those starting at the version they hold, and the index is read on every change of HEAD's
 #: index, so stale ones are dropped rather than accumulated over a run.
@@ -192,6 +206,8 @@ def compact(
     writer: str | None = None,
     register: bool = True,
     threads: int | None = None,
+    anchor_squash_every: int | None = None,
+    stop: threading.Event | None = None,
 ) -> CompactReport:
     """Write the squashes S(h, to) for each base h, verified, and register them in the index.
 
@@ -199,13 +215,20 @@ def compact(
         store_or_url: an open store or a store URL.
         bases: the versions to squash from. Default: the versions live workers hold (the
             ledger, SPEC §10, lineage matching HEAD's) at least two behind ``to``, plus the
-            anchor of ``to`` when it is at least two behind.
+            anchor of ``to`` when it is at least two behind (see ``anchor_squash_every``),
+            less the versions the index already has a squash to ``to`` from.
         to: the version the squashes end at (default: head).
         storage_options: for the store, when ``store_or_url`` is a URL.
         writer: recorded in the squash manifests and the index (default ``compactor-<host>-<pid>``).
         register: register the squashes in the history index (HEAD CAS changing only
             ``index``); False writes them unregistered (readers will not find them).
         threads: decode/compose threads (default: all cores).
+        anchor_squash_every: with the default bases, the anchor of ``to`` is a base only when
+            the index has no squash from it ending within this many versions of ``to``
+            (``ANCHOR_SQUASH_EVERY`` for a compactor that runs every version); None (default):
+            whenever it is at least two behind.
+        stop: when set during the run, the run stops at its next batch of chunks (or before
+            its first write) and writes nothing; every base is reported skipped.
 
     Returns:
         A :class:`CompactReport`. A base below the floor, less than two versions behind, or
@@ -237,7 +260,7 @@ def compact(
         index = _read_index(history, head)
         floor = 1 if index is None else index.floor
         if bases is None:
-            bases = _default_bases(store, head, to_m, floor)
+            bases = _default_bases(store, head, to_m, index, anchor_squash_every)
         wanted = sorted({int(b) for b in bases})
         skipped: list[tuple[int, str]] = []
         usable: list[int] = []
@@ -261,7 +284,15 @@ def compact(
                     continue
                 chained.append(h)
             if chained:
-                composed.extend(_compose(history, engine, by_version, chained, to, at_to))
+                try:
+                    composed.extend(_compose(history, engine, by_version, chained, to, at_to, stop))
+                except _Stopped:
+                    skipped.extend((h, "stopped before it was written") for h in chained)
+            if stop is not None and stop.is_set() and composed:  # nothing written yet: stop cleanly
+                skipped.extend((c.h, "stopped before it was written") for c in composed)
+                for c in composed:
+                    c.close()
+                composed = []
         for h, why in skipped:
             logger.warning("no squash %d→%d for %s: %s", h, to, store.url, why)
         attempt, first_write = new_attempt_id(), time.monotonic()
@@ -288,17 +319,29 @@ def compact(
             store.close()
 
 
-def _default_bases(store: Store, head: Head, to_m: Manifest, floor: int) -> list[int]:
-    """Versions held by live workers of this lineage, and the anchor of ``to``."""
+def _default_bases(store: Store, head: Head, to_m: Manifest, index: Index | None, anchor_every: int | None) -> list[int]:
+    """Versions held by live workers of this lineage, and the anchor of ``to`` (when due:
+    ``anchor_every``), less those the index already has a squash to ``to`` from."""
+    to = to_m.version
+    floor = 1 if index is None else index.floor
+    indexed = () if index is None else index.squashes
+    served = {r.from_ for r in indexed if r.to == to}  # another round (or compactor) did them
     live = {b.version for b in read_ledger(store) if b.live() and b.lineage in (None, head.lineage)}
-    out = {h for h in live if floor <= h and to_m.version - h >= MIN_SQUASH_VERSIONS}
-    if to_m.version - to_m.anchor >= MIN_SQUASH_VERSIONS and to_m.anchor >= floor:
-        out.add(to_m.anchor)
-    return sorted(out)
+    out = {h for h in live if floor <= h and to - h >= MIN_SQUASH_VERSIONS}
+    a = to_m.anchor
+    if to - a >= MIN_SQUASH_VERSIONS and a >= floor:
+        newest = max((r.to for r in indexed if r.from_ == a), default=None)
+        if anchor_every is None or newest is None or to - newest >= anchor_every:
+            out.add(a)
+    return sorted(out - served)
+
+
+class _Stopped(Exception):
+    """A run was asked to stop (``compact(stop=...)``) before it wrote anything (internal)."""
 
 
 def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[str, Manifest]], bases: list[int],
-             to: int, at_to: dict[_Key, str]) -> list[_Composed]:
+             to: int, at_to: dict[_Key, str], stop: threading.Event | None = None) -> list[_Composed]:
     """Compose and verify S(h, to) for every base h (ascending, no chain break in (bases[0], to]),
     in one pass over the chunks changed since the first base.
 
@@ -375,6 +418,8 @@ def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[s
 
     try:
         for batch in _batched(todo, cost):
+            if stop is not None and stop.is_set():
+                raise _Stopped
             steps = [s for k in batch for s in at_h0[k].steps() + [st for _, st in changed[k]]]
             data = engine.fetcher.fetch(steps)  # every segment SHA-256-checked
             groups = grouped(batch, lambda k: specs[k[0]].chunk_bytes(k[1]))
@@ -482,4 +527,139 @@ def merge_squashes(head: Head, index: Index | None, refs: list[SquashRef], write
     )  # fmt: skip
 
 
-__all__ = ["CompactReport", "SquashWritten", "compact", "merge_squashes"]
+# --- the publisher's background compactor --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompactPolicy:
+    """How a publisher compacts in the background (``Publisher(compact=CompactPolicy(...))``;
+    ``compact=True`` is ``CompactPolicy()``).
+
+    After each commit the publisher asks for one :func:`compact` run to head with the default
+    bases (versions live workers hold, and the anchor every ``anchor_every`` versions).
+
+    Attributes:
+        anchor_every: S(anchor, head) is rewritten once the indexed one ends this many
+            versions before head (design 005 D5).
+        threads: decode/compose threads of a run.
+        close_timeout_s: how long ``Publisher.close()`` waits for a running run before asking
+            it to stop (it then writes nothing).
+    """
+
+    anchor_every: int = ANCHOR_SQUASH_EVERY
+    threads: int = BACKGROUND_THREADS
+    close_timeout_s: float = BACKGROUND_CLOSE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.anchor_every < 1:
+            raise ValueError(f"anchor_every must be ≥ 1, got {self.anchor_every}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be ≥ 1, got {self.threads}")
+        if not self.close_timeout_s >= 0:
+            raise ValueError(f"close_timeout_s must be ≥ 0, got {self.close_timeout_s}")
+
+
+class BackgroundCompactor:
+    """Runs :func:`compact` to head on one background thread, one run at a time.
+
+    :meth:`submit` (the publisher calls it after each commit) never blocks and never raises: a
+    head that lands while a run is going is remembered, and the heads that landed meanwhile
+    are served by **one** next run to the newest head (never a queue of runs). A failed run is
+    logged at WARNING and forgotten; the next head gets a new run.
+
+    Example::
+
+        bg = BackgroundCompactor(store, CompactPolicy(), writer="trainer-0-compactor")
+        bg.submit(12)       # after version 12 was committed
+        bg.close()          # waits (bounded) for the running run, then stops
+    """
+
+    def __init__(self, store: Store, policy: CompactPolicy | None = None, *, writer: str | None = None):
+        self.store = store
+        self.policy = policy or CompactPolicy()
+        self.writer = writer
+        self.runs = 0  # runs finished (written or not)
+        self.failures = 0  # runs that raised (logged)
+        self.last_report: CompactReport | None = None
+        self._cond = threading.Condition()
+        self._wanted: int | None = None  # newest head submitted and not yet served by a run
+        self._running = False
+        self._closed = False
+        self._stop = threading.Event()  # asks a running compact() to stop (close() timed out)
+        self._thread: threading.Thread | None = None
+
+    def submit(self, version: int) -> None:
+        """Ask for a run to head now that ``version`` was committed (coalesced, non-blocking)."""
+        try:
+            with self._cond:
+                if self._closed:
+                    return
+                self._wanted = version if self._wanted is None else max(self._wanted, version)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="deltastore-compact", daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+        except Exception as e:  # noqa: BLE001 - a failure here must never fail the publish
+            logger.warning("background compaction of %s not started for version %d: %s", self.store.url, version, e)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no run is going and none is wanted; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._running and self._wanted is None, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Serve no further head; wait up to ``timeout`` (default the policy's) for a running
+        run, then ask it to stop and wait up to BACKGROUND_STOP_TIMEOUT_S more. Idempotent."""
+        timeout = self.policy.close_timeout_s if timeout is None else timeout
+        with self._cond:
+            self._closed = True
+            self._wanted = None
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("background compaction of %s still running after %.0f s: asking it to stop (it writes nothing)",
+                           self.store.url, timeout)
+            self._stop.set()
+            thread.join(BACKGROUND_STOP_TIMEOUT_S)
+            if thread.is_alive():
+                logger.warning("background compaction of %s did not stop; abandoning its thread", self.store.url)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._wanted is not None)
+                if self._closed:
+                    return
+                version, self._wanted, self._running = self._wanted, None, True
+            try:
+                # to=None: the newest head when the run starts (heads that landed since the
+                # submit are served too); the run's own index write moves no version.
+                report = compact(self.store, writer=self.writer, threads=self.policy.threads,
+                                 anchor_squash_every=self.policy.anchor_every, stop=self._stop)
+                self.last_report = report
+                if report.squashes:
+                    logger.info("background compaction of %s to version %d: %d squash(es), %d bytes in %.1f s",
+                                self.store.url, report.to, len(report.squashes), report.bytes, report.seconds)
+            except Exception as e:  # logged; a compaction never fails a publish
+                self.failures += 1
+                logger.warning("background compaction of %s after version %d failed (the publish is unaffected): %s",
+                               self.store.url, version, e, exc_info=logger.isEnabledFor(logging.DEBUG))
+            finally:
+                with self._cond:
+                    self.runs += 1
+                    self._running = False
+                    self._cond.notify_all()
+
+
+__all__ = [
+    "ANCHOR_SQUASH_EVERY",
+    "BackgroundCompactor",
+    "CompactPolicy",
+    "CompactReport",
+    "SquashWritten",
+    "compact",
+    "merge_squashes",
+]

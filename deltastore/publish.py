@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -61,6 +61,9 @@ from deltastore.tensors import (
     spec_for,
     validate_state_dict,
 )
+
+if TYPE_CHECKING:
+    from deltastore.compact import BackgroundCompactor, CompactPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +151,13 @@ class Publisher:
             store is slower than training (above).
         max_pending: snapshots that may wait behind the one being published (≥ 1; default 1:
             encoding step n overlaps training step n+1 with two snapshots alive).
+        compact: after each commit, write squashes to the new head in a background thread
+            (:class:`~deltastore.compact.BackgroundCompactor`: the versions live workers hold,
+            and the anchor every ``ANCHOR_SQUASH_EVERY`` versions; one run at a time, heads
+            that land meanwhile coalesced into one run to the newest). ``True`` or a
+            :class:`~deltastore.compact.CompactPolicy`; default False (off). A failed
+            compaction is logged and never fails a publish; :meth:`close` waits for the
+            running one (bounded).
 
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
@@ -189,6 +199,7 @@ class Publisher:
         anchor_policy: AnchorPolicy | None = None,
         anchor_cost_ratio: float = DEFAULT_ANCHOR_COST_RATIO,
         max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S,
+        compact: bool | CompactPolicy = False,
     ):
         if anchor_policy is None:
             anchor_policy = "every" if anchor_every is not None else "cost"
@@ -257,6 +268,7 @@ class Publisher:
         self._tip: _Tip | None = None
         self._links: dict[str, _Link] = {}
         self._closed = False
+        self._compactor: BackgroundCompactor | None = None
 
         self._commits = CommitProtocol(self.store, self._history, self.writer_id)
         try:
@@ -264,6 +276,14 @@ class Publisher:
         except BaseException:
             self.close()
             raise
+        if compact is not False:
+            from deltastore.compact import BackgroundCompactor, CompactPolicy
+
+            policy = CompactPolicy() if compact is True else compact
+            if not isinstance(policy, CompactPolicy):
+                self.close()
+                raise TypeError(f"compact must be a bool or a CompactPolicy, got {compact!r}")
+            self._compactor = BackgroundCompactor(self.store, policy, writer=f"{self.writer_id}-compactor")
 
     # --- public API ---------------------------------------------------------------------
 
@@ -414,6 +434,8 @@ class Publisher:
             info = self._commit(state, step=step, meta=meta, anchor=anchor, owned=owned)
             if not owned:  # publish_async records the layout when it queues
                 self._accepted_layout = _layout_of(state)
+            if self._compactor is not None:  # never blocks, never raises
+                self._compactor.submit(info.version)
             return info
 
     def _commit(self, state: dict[str, torch.Tensor], *, step: int | None, meta: dict[str, Any],
@@ -675,6 +697,8 @@ class Publisher:
                 except BaseException as e:  # noqa: BLE001 - raised or logged below, after the cleanup
                     error = e
         finally:
+            if self._compactor is not None:  # before the store closes under it
+                self._compactor.close()
             self._pool.shutdown(wait=True)
             self._uploader.shutdown(wait=True)
             self._reference = None

@@ -432,7 +432,7 @@ class Subscriber:
                 if not below:
                     raise
         if m.anchor > h:
-            _a_key, a_m = between(m.anchor - 1)[0]
+            a_m = self._anchor_of(key, m, between)
             cands.append((full_bytes(a_m) + chain_price(a_m, m, lambda: between(m.anchor)), 2, "anchor", None))
         if not cands:
             raise VersionNotFoundError(
@@ -460,6 +460,21 @@ class Subscriber:
                     return _Update(plans, held.specs, held.digests, _Held(key, m, held.specs, {**held.digests, **_digests(fwd)}))
             return self._plan_anchor(key, m, held, tensors)
         raise AssertionError("unreachable: the anchor path always plans")  # pragma: no cover
+
+    def _anchor_of(self, key: str, m: Manifest, between: Any) -> Manifest:
+        """``m``'s anchor manifest, to price the anchor path: one GET through
+        ``anchor_manifest`` (schema 3), so that pricing reads no manifest of the chain in
+        between (design 005 D6); the chain walk only without that pointer, or when it names
+        another version (pricing is a hint; the anchor path checks every link it plans)."""
+        if m.kind == "anchor" and m.version == m.anchor:
+            return m
+        if m.anchor_manifest is not None:
+            a = self._history.manifest(m.anchor_manifest)
+            if a.version == m.anchor and a.kind == "anchor" and a.lineage == m.lineage:
+                return a
+            logger.warning("version %d's anchor_manifest %r is version %d (%s), not its anchor %d; walking the chain",
+                           m.version, m.anchor_manifest, a.version, a.kind, m.anchor)
+        return between(m.anchor - 1)[0][1]
 
     @staticmethod
     def _relaid(fwd: _Manifests, held: _Held) -> bool:
