@@ -301,7 +301,8 @@ def compact(
         if written and register:
             # SPEC §5 step 3a: the attempt's HEAD write must come within max_attempt_s of its
             # first write, or GC may already have judged its objects abandoned.
-            left = DEFAULT_MAX_ATTEMPT_S - (time.monotonic() - first_write)
+            limit = min(DEFAULT_MAX_ATTEMPT_S, to_m.max_attempt_s or DEFAULT_MAX_ATTEMPT_S)  # the publisher's
+            left = limit - (time.monotonic() - first_write)
             if left <= 0:
                 logger.warning("not registering the squashes of attempt %s: its deadline passed; they are garbage", attempt)
             else:

@@ -21,6 +21,7 @@ from typing import Any
 
 from deltastore.errors import CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
 from deltastore.manifest import (
+    DEFAULT_MAX_ATTEMPT_S,
     HEAD_KEY,
     MAX_HEAD_BYTES,
     MAX_MANIFEST_BYTES,
@@ -353,6 +354,16 @@ class History:
                 f"manifest {key!r} (version {m.version}, anchor {m.anchor}) skips to {bkey!r} (version {b.version}), "
                 f"whose anchor is {b.anchor}: they cannot be on one chain"
             )
+
+    def attempt_deadline(self, head: Head) -> float:
+        """The attempt deadline every writer on this store keeps (SPEC §5 step 3a, §11): the
+        head manifest's ``max_attempt_s`` (DEFAULT_MAX_ATTEMPT_S when it records none). GC's
+        grace is checked against the largest of these, so a compactor or index writer that
+        kept a longer deadline than the publisher could have its objects collected before it
+        commits them."""
+        top = self.head_manifest(head)
+        recorded = top[1].max_attempt_s if top is not None else None
+        return float(min(recorded or DEFAULT_MAX_ATTEMPT_S, DEFAULT_MAX_ATTEMPT_S))
 
     def resolve(self, version: int, head: Head) -> tuple[str, Manifest]:
         """The manifest of ``version`` as the history index allows (SPEC §7.4, §11): a version

@@ -177,8 +177,9 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
         digest = sha256_hex(data)
         key = object_key(new_attempt_id(), digest, INDEX_SUFFIX)
         put_immutable(store, key, data, "history index")
-        if time.monotonic() - started > max_attempt_s:
-            logger.warning("index write %s took over %ss; abandoning the attempt", key, max_attempt_s)
+        limit = min(max_attempt_s, history.attempt_deadline(head))  # never longer than the publisher's
+        if time.monotonic() - started > limit:
+            logger.warning("index write %s took over %ss; abandoning the attempt", key, limit)
             continue
         ref = ObjectRef(key=key, sha256=digest)
         doc = head.model_dump(by_alias=True)

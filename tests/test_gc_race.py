@@ -1,9 +1,11 @@
-"""GC racing a publisher, another GC and pins (design 005 D3 interleavings #3, #9), with real processes on
-a real S3 server (moto), and a deterministic pin-vs-GC interleaving.
+"""GC racing a publisher, a compactor, another GC and pins (design 005 D3 interleavings #3, #9,
+#10), with real processes on real S3 servers (moto, SeaweedFS), and deterministic pin-vs-GC
+interleavings.
 
-The publisher here has no attempt deadline yet (the writer change adds ``max_attempt_s``), so
-the race runs with a grace period of a few seconds and ``unsafe_grace_ok``: each publish takes
-a fraction of a second, far below the grace, which is what the deadline guarantees in general.
+The race runs with a grace period of a few seconds (``unsafe_grace_ok``: below the 10-minute
+clock margin) and a publisher whose attempt deadline (``max_attempt_s``) is shorter than the
+grace, as SPEC §11 requires; the compactor and the index writers keep the deadline the head
+manifest records, so none of them can commit an object GC already judged abandoned.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.errors import ConflictError, GCAbortedError, VersionCollectedError
+from deltastore.compact import compact
+from deltastore.errors import CommitAbandonedError, ConflictError, DeltastoreError, GCAbortedError, VersionCollectedError
 from deltastore.gc import collect
 from deltastore.history import History
 from deltastore.index import pin, pinned, read_index
@@ -43,6 +46,8 @@ RACE_VERSIONS = 24
 RACE_PAUSE_S = 0.25
 #: The grace of the racing GC (see the module docstring).
 RACE_GRACE_S = 3.0
+#: The racing publisher's attempt deadline: shorter than the grace (SPEC §11).
+RACE_ATTEMPT_S = 2.0
 
 
 def state_for(i: int) -> dict[str, torch.Tensor]:
@@ -58,14 +63,15 @@ def state_for(i: int) -> dict[str, torch.Tensor]:
 
 def _publisher(url: str, options: dict, out: mp.Queue) -> None:
     conflicts = 0
-    with Publisher(url, storage_options=options, anchor_every=5, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, storage_options=options, anchor_every=5, chunk_bytes=SMALL_CHUNK_BYTES,
+                   max_attempt_s=RACE_ATTEMPT_S) as pub:
         for i in range(1, RACE_VERSIONS + 1):
             state = state_for(i)
             for _ in range(50):
                 try:
                     pub.publish(state, step=i)
                     break
-                except ConflictError:  # an index write landed first (no D4 rebase in this build)
+                except (ConflictError, CommitAbandonedError):  # 8 index writes in a row, or a slow attempt
                     conflicts += 1
             else:
                 raise AssertionError(f"step {i} never committed")
@@ -88,6 +94,25 @@ def _gc(url: str, options: dict, stop: mp.Event, out: mp.Queue, keep_last: int, 
             damaged += "missing" in str(e)  # a needed object gone: what GC must never cause
         time.sleep(0.1)
     out.put((name, (runs, deleted, aborted, damaged)))
+
+
+def _compactor(url: str, options: dict, stop: mp.Event, out: mp.Queue) -> None:
+    """Squashes from 2 and 5 versions behind head, registered in the index, while GC runs."""
+    runs = written = failed = 0
+    store = open_store(url, storage_options=options)
+    h = History(store)
+    while not stop.is_set():
+        cur = h.read_head()
+        if cur is not None and cur[0].version > 5:
+            v = cur[0].version
+            try:
+                rep = compact(store, bases=[v - 2, v - 5], to=v)
+                runs += 1
+                written += len(rep.squashes) if rep.registered else 0
+            except DeltastoreError:  # a base collected under it, a lost CAS race: next round
+                failed += 1
+        time.sleep(0.3)
+    out.put(("compactor", (runs, written, failed)))
 
 
 def _pinner(url: str, options: dict, stop: mp.Event, out: mp.Queue) -> None:
@@ -119,7 +144,8 @@ def test_gc_racing_a_publisher_and_pins_on_s3(request, server):
     procs = [ctx.Process(target=_publisher, args=(url, options, out)),
              ctx.Process(target=_gc, args=(url, options, stop, out, 2, "gc")),
              ctx.Process(target=_gc, args=(url, options, stop, out, 4, "gc2")),  # two GCs serialize by CAS
-             ctx.Process(target=_pinner, args=(url, options, stop, out))]
+             ctx.Process(target=_pinner, args=(url, options, stop, out)),
+             ctx.Process(target=_compactor, args=(url, options, stop, out))]
     for p in procs:
         p.start()
     try:
@@ -141,7 +167,8 @@ def test_gc_racing_a_publisher_and_pins_on_s3(request, server):
             break
         results[who] = what
     print(f"race: {results}")
-    assert set(results) == {"publisher", "gc", "gc2", "pinner"}, results
+    assert set(results) == {"publisher", "gc", "gc2", "pinner", "compactor"}, results
+    assert results["compactor"][1] > 0, results  # squashes were registered during the race
     runs, deleted, _aborted, damaged = (a + b for a, b in zip(results["gc"], results["gc2"]))
     assert runs >= 3 and deleted > 0, results  # GC really ran and collected during the race
     assert damaged == 0, results
@@ -164,6 +191,15 @@ def test_gc_racing_a_publisher_and_pins_on_s3(request, server):
         assert_bits_equal(pull_from_manifest(store, p.manifest), state_for(p.version), f"pinned version {p.version}")
     # Every pin that succeeded is still pinned (GC merged them, never dropped them).
     assert set(results["pinner"][0]) <= pinned(idx)
+    # Every squash the index still names is whole and brings its base to its end bit-exactly.
+    for ref in idx.squashes:
+        assert ref.from_ >= idx.floor or ref.from_ in pinned(idx), f"index keeps a squash below the floor: {ref}"
+        sq = h.squash(ref)
+        assert set(sq.references()) <= present, f"squash {ref.from_}→{ref.to} lost objects"
+        with Subscriber(url, store=store) as sub:
+            target = sub.pull(ref.from_)
+            assert sub.pull_into(target, version=ref.to).version == ref.to
+            assert_bits_equal(target, state_for(ref.to), f"through squash {ref.from_}→{ref.to}")
 
 
 def test_pin_landing_between_gc_read_and_cas_is_kept(tmp_path):
