@@ -808,6 +808,34 @@ def plot(sizes: Sequence[int], gc_every: int, path: Path) -> bool:
     return True
 
 
+def plot_svg(sizes: Sequence[int], gc_every: int, path: Path, *, width: int = 800, height: int = 300) -> None:
+    """The same plot as :func:`plot` as a plain SVG (no plotting library needed): store size
+    per version, a grey line at every GC."""
+    pad_l, pad_b, pad_t, pad_r = 60, 30, 10, 10
+    w, h = width - pad_l - pad_r, height - pad_t - pad_b
+    n, top = len(sizes), max(sizes) or 1
+
+    def x(v: float) -> float:
+        return pad_l + (v - 1) / max(1, n - 1) * w
+
+    def y(b: float) -> float:
+        return pad_t + h - b / top * h
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
+             f'<rect x="{pad_l}" y="{pad_t}" width="{w}" height="{h}" fill="none" stroke="black" stroke-width="0.5"/>']
+    parts += [f'<line x1="{x(v):.1f}" y1="{pad_t}" x2="{x(v):.1f}" y2="{pad_t + h}" stroke="#ccc" stroke-width="0.5"/>'
+              for v in range(gc_every, n + 1, gc_every)]
+    points = " ".join(f"{x(i + 1):.1f},{y(b):.1f}" for i, b in enumerate(sizes))
+    parts.append(f'<polyline points="{points}" fill="none" stroke="#1f77b4" stroke-width="1"/>')
+    for frac in (0, 0.5, 1):
+        parts.append(f'<text x="{pad_l - 5}" y="{y(top * frac) + 4:.1f}" text-anchor="end">{top * frac / 1e6:.1f} MB</text>')
+    for v in (1, n // 2, n):
+        parts.append(f'<text x="{x(v):.1f}" y="{height - 10}" text-anchor="middle">{v}</text>')
+    parts.append(f'<text x="{pad_l + w / 2:.1f}" y="{height - 0}" text-anchor="middle">version (GC every {gc_every})</text>')
+    parts.append("</svg>")
+    path.write_text("\n".join(parts) + "\n")
+
+
 def _mb(n: float | None) -> str:
     return "—" if n is None else f"{n / 1e6:.3f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
 
@@ -901,7 +929,8 @@ def run(*, quick: bool, out: Path, ks: Sequence[int] = CATCHUP_KS, workloads: Se
         retention_versions: int | None = None, gc_every: int = GC_EVERY, keep_last: int = KEEP_LAST,
         lag: int = LAG, restart_from: int = RESTART_FROM, skip_retention: bool = False,
         skip_catchup: bool = False) -> dict[str, Any]:
-    """Everything, written to ``out`` (JSON) with ``.csv``, ``.md`` (and ``.png``) beside it."""
+    """Everything, written to ``out`` (JSON) with ``.csv``, ``.md`` and a plot (``.png`` with
+    matplotlib, else ``.svg``) beside it."""
     torch.set_num_threads(1)  # deltastore's own threads do the work
     steps = max(ks)
     features = {m: optional(m) is not None for m in ("compact", "gc", "index")}
@@ -922,6 +951,9 @@ def run(*, quick: bool, out: Path, ks: Sequence[int] = CATCHUP_KS, workloads: Se
         res["retention"]["source"] = "tiny MLP" if quick else f"tiny decoder {TINY_DECODER}"
         if plot(res["retention"]["sizes"], gc_every, out.with_suffix(".png")):
             res["retention"]["plot"] = str(out.with_suffix(".png").name)
+        else:
+            plot_svg(res["retention"]["sizes"], gc_every, out.with_suffix(".svg"))
+            res["retention"]["plot"] = str(out.with_suffix(".svg").name)
     res["seconds"] = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
