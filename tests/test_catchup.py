@@ -4,7 +4,6 @@ and pull() of a version below the floor."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,18 +15,10 @@ import torch
 from deltastore import Publisher, Subscriber
 from deltastore.compact import compact
 from deltastore.errors import NotFoundError, VersionCollectedError, VersionNotFoundError
-from deltastore.manifest import (
-    HEAD_KEY,
-    Index,
-    Pin,
-    SquashRef,
-    encode_object,
-    new_attempt_id,
-    object_key,
-    parse_head,
-    parse_manifest,
-    sha256_hex,
-)
+from deltastore.gc import collect as gc_collect
+from deltastore.history import History
+from deltastore.index import add_squashes, update_index
+from deltastore.manifest import HEAD_KEY, Index, SquashRef, parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from tests._helpers import (
@@ -35,36 +26,25 @@ from tests._helpers import (
     TinyTrainer,
     WrappedStore,
     assert_bits_equal,
-    keys,
     snapshot,
 )
 
-# --- a stand-in for the index writer and GC, for these tests only ---------------------------------
-# (deltastore.index / deltastore.gc are written in parallel; these helpers write the same objects
-# directly: a schema-3 HEAD naming an index, and the deletions a collection makes.)
+# --- the index writer and GC, driven the way these tests need them ------------------------------
 
 
-def set_index(store: Store, *, floor: int = 1, squashes: Iterable[SquashRef] = (), pins: Iterable[Pin] = ()) -> Index:
-    """Write a history index and point HEAD at it (schema 3), changing nothing else of HEAD."""
-    doc = json.loads(store.get(HEAD_KEY))
-    head = parse_head(store.get(HEAD_KEY))
-    index = Index(lineage=head.lineage, generation=1, floor=floor, pins=tuple(pins), squashes=tuple(squashes),
-                  writer="test", created="2026-01-01T00:00:00Z", previous=head.index)  # fmt: skip
-    data = encode_object(index)
-    key = object_key(new_attempt_id(), sha256_hex(data), ".index.json.zst")
-    store.put(key, data, mode="create")
-    doc.update(schema=3, index={"key": key, "sha256": sha256_hex(data)})
-    store.put(HEAD_KEY, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode(), mode="overwrite")
-    return index
+def set_index(store: Store, *, squashes: Iterable[SquashRef] = ()) -> Index:
+    """Register ``squashes`` in the history index (the compactor's index-only HEAD write)."""
+    return update_index(store, History(store), add_squashes(squashes), writer="test")[1]
 
 
 def chain_keys(store: Store) -> dict[int, str]:
     """Manifest key of each version on HEAD's chain (down to the first collected one)."""
     head = parse_head(store.get(HEAD_KEY))
+    history = History(store)
     out, key = {}, head.manifest
     while key is not None:
         try:
-            m = parse_manifest(store.get(key), key)
+            m = history.manifest(key)
         except NotFoundError:  # collected below here
             break
         out[m.version] = key
@@ -73,22 +53,21 @@ def chain_keys(store: Store) -> dict[int, str]:
 
 
 def collect(store: Store, floor: int, *, pins: Iterable[int] = ()) -> None:
-    """What GC does to a reader (SPEC §11): raise the floor in the index, then delete every
-    manifest and pack that versions ≥ floor and the pins' anchor chains do not need."""
-    mkeys = chain_keys(store)
-    pin_list = [Pin(version=p, manifest=mkeys[p]) for p in pins]
-    set_index(store, floor=floor, pins=pin_list)
-    needed: set[int] = {v for v in mkeys if v >= floor}
-    for p in pins:
-        m = parse_manifest(store.get(mkeys[p]), mkeys[p])
-        needed |= set(range(m.anchor, p + 1))
-    keep = set()
-    for v in needed:
-        keep.add(mkeys[v])
-        keep.update(parse_manifest(store.get(mkeys[v]), mkeys[v]).references())
-    for k in keys(store, "manifests/") | keys(store, "blobs/"):
-        if k not in keep:
-            store.delete(k)
+    """Run GC (deltastore.gc.collect, no grace) so that the floor becomes ``floor``: it raises the
+    floor in the index, then deletes every manifest and pack that versions ≥ floor and the pins'
+    anchor chains do not need."""
+    head = parse_head(store.get(HEAD_KEY))
+    report = gc_collect(store, keep_last=head.version - floor + 1, keep_versions=pins, grace_s=0.0,
+                        unsafe_grace_ok=True)
+    assert report.floor_after == floor and report.pins == sorted(pins), report
+    assert report.deleted["packs"] and report.deleted["manifests"], report
+
+
+def squash_pack(store: Store, sq: SquashRef) -> str:
+    """The key of the (first) pack a squash's deltas are in."""
+    packs = History(store).squash(sq).references()
+    assert packs and all(k.endswith(".pack") for k in packs), packs
+    return packs[0]
 
 
 # --- a small fine-tune ------------------------------------------------------------------------------
@@ -175,7 +154,7 @@ def test_a_squash_that_is_missing_or_bad_is_planned_around(run10: Any, damage: s
     (sq,) = compact(url, bases=[2], register=False).squashes
     store = open_store(url)
     set_index(store, squashes=[sq.ref()])
-    pack = next(k for k in keys(store, "objects/") if k.endswith(".pack"))
+    pack = squash_pack(store, sq.ref())
     if damage == "manifest deleted":
         store.delete(sq.key)
     elif damage == "pack deleted":
@@ -221,7 +200,7 @@ def test_a_worker_holding_a_collected_version_catches_up_from_the_anchor(spans: 
     monkeypatch.setattr("deltastore.apply.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
     sub, target = held_at(url, 2)
     store = open_store(url)
-    anchor = parse_manifest(store.get(chain_keys(store)[9]), chain_keys(store)[9])
+    anchor = History(store).manifest(chain_keys(store)[9])
     assert anchor.kind == "anchor"
     collect(store, floor=9)
     with sub, caplog.at_level(logging.INFO, logger="deltastore.pull"):
@@ -260,7 +239,7 @@ class CollectOnFirstPackRead(WrappedStore):
         self.done = True  # armed by the test
 
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
-        if key.startswith("blobs/") and not self.done:
+        if key.endswith(".pack") and not self.done:
             with self._lock:
                 if not self.done:
                     self.done = True
@@ -316,8 +295,8 @@ def test_a_missing_pack_of_a_kept_version_is_damage_not_collection(spans: Any) -
     store = open_store(url)
     collect(store, floor=9)
     anchor_key = chain_keys(store)[9]
-    for k in parse_manifest(store.get(anchor_key), anchor_key).references():
-        store.delete(k)
+    for b in History(store).manifest(anchor_key).blobs:  # its packs (not the layout 10..12 share)
+        store.delete(b.key)
     with sub, pytest.raises(NotFoundError, match="missing"):
         sub.pull_into(target)
     assert_bits_equal(target, states[2], "rolled back")
@@ -330,7 +309,7 @@ def test_a_staged_update_through_a_corrupt_squash_falls_back_to_the_chain(run10:
     (sq,) = compact(url, bases=[2], register=False).squashes
     store = open_store(url)
     set_index(store, squashes=[sq.ref()])
-    pack = next(k for k in keys(store, "objects/") if k.endswith(".pack"))
+    pack = squash_pack(store, sq.ref())
     data = bytearray(store.get(pack))
     data[0] ^= 0xFF
     store.put(pack, bytes(data), mode="overwrite")

@@ -4,8 +4,6 @@ written, never across a chain break, registered in the history index."""
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -123,20 +121,18 @@ def test_bases_below_two_versions_are_skipped_and_default_bases_come_from_the_le
 
 
 def test_squashes_are_registered_in_the_index(run22: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Registration is one update_index call (deltastore.index is the GC change's; a stand-in here)."""
+    """Registration is one deltastore.index.update_index call (the real one, watched)."""
+    import deltastore.index
+
     url, states = run22
     calls = []
+    real = deltastore.index.update_index
 
     def update_index(store: Any, history: History, mutate: Any, *, writer: str, **kw: Any) -> Any:
-        head = history.read_head()[0]
-        new = mutate(head, _read_index(history, head))
         calls.append(writer)
-        set_index(store, floor=new.floor, squashes=new.squashes, pins=new.pins)
-        return head, new
+        return real(store, history, mutate, writer=writer, **kw)
 
-    fake = types.ModuleType("deltastore.index")
-    fake.update_index = update_index  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "deltastore.index", fake)
+    monkeypatch.setattr(deltastore.index, "update_index", update_index)
     report = compact(url, bases=[HEAD_VERSION - 8], writer="c1")
     assert report.registered and calls == ["c1"]
     store = open_store(url)

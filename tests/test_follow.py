@@ -30,6 +30,7 @@ from deltastore.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.tensors import bits
 from tests._helpers import (
+    HeadPutHook,
     WrappedStore,
     assert_bits_equal,
     bits_differ,
@@ -292,17 +293,26 @@ def test_head_pointing_to_a_missing_manifest_keeps_the_last_good_version_and_rec
         th = threading.Thread(target=run)
         th.start()
         _wait(lambda: got == [2])
-        with _publisher(t) as pub:
+        hidden: dict[str, bytes] = {}
+
+        def hide_then_commit(key: str, data: bytes, mode: Any, put: Any) -> Any:
+            # The manifest goes just before HEAD names it: the follower never sees version 3 whole.
+            doc = json.loads(data)
+            if doc["version"] == 3:  # (the publisher's claim of HEAD names version 2)
+                hidden[doc["manifest"]] = store.get(doc["manifest"])
+                store.delete(doc["manifest"])
+            return put()
+
+        with _publisher(t, store=HeadPutHook(store, hide_then_commit)) as pub:
             pub.publish(states[2])
         published[3] = snapshot(states[2])
-        key = json.loads(store.get(HEAD_KEY))["manifest"]
-        hidden = store.get(key)
-        store.delete(key)  # HEAD now names a missing manifest
+        ((key, manifest),) = hidden.items()  # HEAD now names a missing manifest
+        assert json.loads(store.get(HEAD_KEY))["manifest"] == key
         _wait(lambda: "NotFoundError" in caplog.text)
         time.sleep(0.5)  # several failed polls
         assert got == [2] and th.is_alive()
         assert_bits_equal(target, published[2], "the target keeps the last good version")
-        store.put(key, hidden)
+        store.put(key, manifest)
         _wait(lambda: got == [2, 3])
         stop.set()
         th.join()
