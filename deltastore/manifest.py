@@ -424,6 +424,13 @@ def _load(data: bytes, what: str, key: str, max_bytes: int) -> dict[str, Any]:
         raise CorruptObjectError(
             f"{what} {key!r} is {len(data)} bytes, over the {max_bytes}-byte limit: not a deltastore {what}"
         )
+    doc = _json_document(data, what, key)
+    _check_depth(doc, what, key)
+    return doc
+
+
+def _json_document(data: bytes, what: str, key: str) -> dict[str, Any]:
+    """``data`` parsed as a JSON object of a readable schema, or a typed error naming ``key``."""
     try:
         doc = json.loads(data)
     # ValueError covers JSONDecodeError, undecodable bytes and integers over Python's digit
@@ -438,7 +445,6 @@ def _load(data: bytes, what: str, key: str, max_bytes: int) -> dict[str, Any]:
         raise UnsupportedSchemaError(
             f"{what} {key!r} has schema {schema!r}; this deltastore reads schemas {', '.join(map(str, READABLE_SCHEMAS))}: upgrade deltastore"
         )
-    _check_depth(doc, what, key)
     return doc
 
 
@@ -715,18 +721,8 @@ def _unzstd(data: bytes, what: str, key: str, max_bytes: int) -> bytes:
 
 def _load3(data: bytes, what: str, key: str, max_bytes: int) -> dict[str, Any]:
     """A schema-3 object's JSON document (decompressed, parsed, schema and depth checked)."""
-    raw = _unzstd(data, what, key, max_bytes)
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise CorruptObjectError(f"{what} {key!r} is not valid JSON; the object is corrupt or truncated") from None
-    if not isinstance(doc, dict):
-        raise CorruptObjectError(f"{what} {key!r} is not a JSON object")
-    schema = doc.get("schema")
-    if type(schema) is not int or schema not in READABLE_SCHEMAS:
-        raise UnsupportedSchemaError(
-            f"{what} {key!r} has schema {schema!r}; this deltastore reads schemas {', '.join(map(str, READABLE_SCHEMAS))}: upgrade deltastore"
-        )
+    doc = _json_document(_unzstd(data, what, key, max_bytes), what, key)
+    schema = doc["schema"]
     if schema != 3:
         raise CorruptObjectError(f"{what} {key!r} is zstd-compressed but has schema {schema}: only schema-3 objects are")
     _check_depth(doc, what, key)

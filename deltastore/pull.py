@@ -36,7 +36,6 @@ from deltastore.errors import (
     StaleStageError,
     StorageError,
     TargetModifiedError,
-    VersionCollectedError,
     VersionNotFoundError,
 )
 from deltastore.history import History, VersionInfo
@@ -963,21 +962,7 @@ class Subscriber:
             top = self._history.head_manifest(head)
             assert top is not None
             return top
-        index = self._index(head)
-        if index is not None and version < index.floor:  # SPEC §7.4: learnt from the index, not a 404
-            pin = next((p for p in index.pins if p.version == version), None)
-            if pin is None:
-                pins = sorted(p.version for p in index.pins)
-                raise VersionCollectedError(
-                    f"version {version} of {self.url} was collected: the oldest readable version is {index.floor}"
-                    + (f", and the pinned versions below it are {', '.join(map(str, pins))}" if pins else ""),
-                    version=version, floor=index.floor, pins=pins,
-                )
-            m = self._history.manifest(pin.manifest)
-            if m.version != version:
-                raise CorruptObjectError(f"the index pins version {version} as {pin.manifest!r}, which is version {m.version}")
-            return pin.manifest, m
-        return self._history.find(version, head)
+        return self._history.resolve(version, head)  # below the floor: its pin, or collected
 
     def _index(self, head: Head | None = None) -> Index | None:
         """The history index of ``head`` (default: the HEAD last read), read once per key."""
