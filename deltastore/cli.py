@@ -493,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the manifest as read (schema 3: tensors rebuilt from its layout), as JSON")
     p.add_argument(*trusted[0], **trusted[1])
     p.set_defaults(func=_cmd_inspect)
+
     p = sub.add_parser("compact", parents=[common], help="write squashed deltas to head for workers far behind")
     p.add_argument("url")
     p.add_argument("--base", type=int, action="append", metavar="V",

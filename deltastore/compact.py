@@ -255,9 +255,7 @@ def compact(
         head = got[0]
         to = head.version if to is None else to
         to_key, to_m = history.find(to, head)
-        from deltastore.pull import _read_index  # the shared index reader (one place)
-
-        index = _read_index(history, head)
+        index = history.index(head)
         floor = 1 if index is None else index.floor
         if bases is None:
             bases = _default_bases(store, head, to_m, index, anchor_squash_every)

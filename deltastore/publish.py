@@ -40,9 +40,9 @@ from deltastore.manifest import (
     Layout,
     Manifest,
     ObjectRef,
-    decode_object,
     encode_manifest,
     encode_object,
+    layout_of,
     manifest_key,
     manifest_key_version,
     new_attempt_id,
@@ -468,7 +468,7 @@ class Publisher:
         assert kind == "anchor" or (tip is not None and tip.schema3)  # a delta continues a schema-3 chain
         specs = self._specs if same_layout else {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
         assert specs is not None
-        layout = layout_from_specs(specs)
+        layout = layout_of(specs)
 
         lineage = self._commits.lineage_for_commit()
         attempt = new_attempt_id()  # the commit id: every object of this attempt is under it (D1)
@@ -613,7 +613,7 @@ class Publisher:
         assert top is not None  # HEAD names a manifest
         key, m = top
         self._remember(key, m)
-        self._tip = _tip_of(key, m, self._history, self.store)
+        self._tip = _tip_of(key, m, self._history)
         return self._tip
 
     def _remember(self, key: str, m: Manifest) -> None:
@@ -793,7 +793,7 @@ class _Tip:
     anchor_cum: int = 0
 
 
-def _tip_of(key: str, m: Manifest, history: History, store: Store) -> _Tip:
+def _tip_of(key: str, m: Manifest, history: History) -> _Tip:
     """Read the :class:`_Tip` of manifest ``m`` (its anchor's manifest and its layout)."""
     if m.schema_ < 3:
         return _Tip(version=m.version, key=key, schema3=False)
@@ -807,27 +807,8 @@ def _tip_of(key: str, m: Manifest, history: History, store: Store) -> _Tip:
         return _Tip(version=m.version, key=key, schema3=False)
     return _Tip(
         version=m.version, key=key, schema3=True, chain_start=m.chain_start, cum=m.stats.cum_delta_bytes,
-        layout=_read_layout(store, m.layout), layout_ref=m.layout, anchor=a.version, anchor_key=anchor_key,
+        layout=history.layout(m.layout), layout_ref=m.layout, anchor=a.version, anchor_key=anchor_key,
         anchor_full=a.stats.full_bytes, anchor_cum=a.stats.cum_delta_bytes,
-    )
-
-
-def _read_layout(store: Store, ref: ObjectRef) -> Layout:
-    """The layout object ``ref`` names, verified (``History.layout`` once the reader has it)."""
-    try:
-        data = store.get(ref.key)
-    except NotFoundError:
-        raise NotFoundError(f"layout {ref.key!r} is missing from {store.url}: the store was damaged (a reachable object was deleted)") from None
-    return decode_object(Layout, data, ref.key, ref.sha256)
-
-
-def layout_from_specs(specs: Mapping[str, TensorSpec]) -> Layout:
-    """The schema-3 layout object of ``specs`` (unsharded: no column grid, pieces or parts)."""
-    n = len(specs)
-    return Layout(
-        name=tuple(specs), dtype=tuple(s.dtype for s in specs.values()), shape=tuple(tuple(s.shape) for s in specs.values()),
-        chunk_rows=tuple(s.chunk_rows for s in specs.values()), chunk_cols=(0,) * n, pieces=(None,) * n,
-        piece_parts=(None,) * n, parts=0,
     )
 
 

@@ -106,11 +106,6 @@ class _Update:
     squash: SquashRef | None = None
 
 
-def _read_index(history: History, head: Head) -> Index | None:
-    """The history index HEAD names (SPEC §11), verified; None when HEAD names none."""
-    return history.index(head)
-
-
 #: Plans tried for one update: a squash that turns out bad, then a held version collected
 #: meanwhile, each cost one more plan; more than this means the store keeps changing under us.
 MAX_REPLANS = 4
@@ -242,7 +237,6 @@ class Subscriber:
         self._version: int | None = None
         self._held: _Held | None = None  # the held version's manifest, layout and chunk digests
         self._head: Head | None = None  # the HEAD last read
-        self._index_cache: tuple[str, Index] | None = None  # (key, index): re-read when HEAD's changes
         self._collected_logged: int | None = None  # the held version last logged as collected
         self._bad_squashes: set[str] = set()  # squashes that failed for the held version (cleared on update)
         # Squashes are unsigned hints (the compactor signs nothing yet): a subscriber that requires
@@ -965,15 +959,9 @@ class Subscriber:
         return self._history.resolve(version, head)  # below the floor: its pin, or collected
 
     def _index(self, head: Head | None = None) -> Index | None:
-        """The history index of ``head`` (default: the HEAD last read), read once per key."""
+        """The history index of ``head`` (default: the HEAD last read); History caches it by key."""
         head = head if head is not None else self._head
-        if head is None or head.index is None:
-            return None
-        if self._index_cache is None or self._index_cache[0] != head.index.key:
-            index = _read_index(self._history, head)
-            assert index is not None
-            self._index_cache = (head.index.key, index)
-        return self._index_cache[1]
+        return None if head is None else self._history.index(head)
 
     def _set_held(self, held: _Held) -> None:
         if self._held is None or held.key != self._held.key:

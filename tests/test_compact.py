@@ -17,7 +17,7 @@ from deltastore.compact import compact, merge_squashes
 from deltastore.errors import IntegrityError
 from deltastore.history import History
 from deltastore.manifest import Index, SquashManifest, SquashRef, decode_object
-from deltastore.pull import _read_index
+from deltastore.index import read_index
 from deltastore.storage import open_store
 from deltastore.tensors import bits, state_digest
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, keys, snapshot
@@ -137,7 +137,7 @@ def test_squashes_are_registered_in_the_index(run22: Any, monkeypatch: pytest.Mo
     assert report.registered and calls == ["c1"]
     store = open_store(url)
     history = History(store)
-    index = _read_index(history, history.read_head()[0])
+    index = read_index(history, history.read_head()[0])
     assert index is not None and [s.key for s in index.squashes] == [report.squashes[0].key]
     with Subscriber(url, threads=2) as sub:
         target = sub.pull(HEAD_VERSION - 8)
