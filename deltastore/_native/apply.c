@@ -31,8 +31,7 @@
 
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include "xxhash.h"
+#include "ds_xxh.h"
 
 #if defined(__GNUC__) || defined(__clang__)
 #define DS_INLINE static inline __attribute__((always_inline))
