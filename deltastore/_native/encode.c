@@ -5,20 +5,19 @@
 
 #include <stdlib.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
-
-/* Must equal deltastore.codec.delta.ESCAPE and NIBBLE_ESCAPE (checked by codec/_kernels.py). */
-#define DS_GAP_ESCAPE 255
-#define DS_NIBBLE_ESCAPE 15
 
 /* Bytes of `new` hashed, then scanned, at a time: small enough to stay in L1/L2 between the
  * two, large enough that XXH3's per-update overhead is negligible. */
 #define HASH_BLOCK (16 * 1024)
 
-/* Bytes compared word by word before looking at single elements: at 1-2 % of bf16 elements
- * changed, ~60 % of 64-byte blocks have no change and are skipped with 8 word compares. */
+/* Bytes compared at once into a bit mask (one bit per byte, SSE2 where available); the changed
+ * elements are then visited by counting trailing zeros, never one element at a time. */
 #define SCAN_BLOCK 64
 
 /* --- growable output buffers (malloc: usable without the GIL) ------------------------- */
@@ -46,17 +45,6 @@ static PyObject *buf_bytes(const dsbuf *b) {
     return PyBytes_FromStringAndSize((const char *)b->p, (Py_ssize_t)b->len);
 }
 
-static int differs64(const uint8_t *a, const uint8_t *b) {
-    uint64_t acc = 0;
-    for (int k = 0; k < SCAN_BLOCK / 8; k++) {
-        uint64_t x, y;
-        memcpy(&x, a + 8 * k, 8);
-        memcpy(&y, b + 8 * k, 8);
-        acc |= x ^ y;
-    }
-    return acc != 0;
-}
-
 /* --- add-sparse/1 in one pass ----------------------------------------------------------- */
 
 typedef struct {
@@ -76,58 +64,130 @@ static void enc_free(enc_out *s) {
     free(s->esc.p);
 }
 
-/* Scan elements [lo, hi): emit every change, advance `ob` if asked. -1: out of memory. */
+static inline unsigned ctz64(uint64_t x) { /* x != 0 */
+#if defined(__GNUC__) || defined(__clang__)
+    return (unsigned)__builtin_ctzll(x);
+#else
+    unsigned n = 0;
+    while (!(x & 1)) {
+        x >>= 1;
+        n++;
+    }
+    return n;
+#endif
+}
+
+/* Bit b set: byte b of the two 64-byte blocks differs. */
+static inline uint64_t diff_mask64(const uint8_t *a, const uint8_t *b) {
+#ifdef __SSE2__
+    uint64_t eq = 0;
+    for (int q = 0; q < 4; q++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(a + 16 * q));
+        __m128i y = _mm_loadu_si128((const __m128i *)(b + 16 * q));
+        eq |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)) << (16 * q);
+    }
+    return ~eq;
+#else
+    uint64_t m = 0;
+    for (int q = 0; q < SCAN_BLOCK / 8; q++) {
+        uint64_t x, y;
+        memcpy(&x, a + 8 * q, 8);
+        memcpy(&y, b + 8 * q, 8);
+        if (x == y) continue;
+        for (int k = 0; k < 8; k++) m |= (uint64_t)(a[8 * q + k] != b[8 * q + k]) << (8 * q + k);
+    }
+    return m;
+#endif
+}
+
+/* One change at element j (old value ov, new value nv): gap symbol (and escape), value code
+ * (and escape), reference advance. Uses the locals of the scan below. */
+#define EMIT(T, W, j, ov, nv)                                                                   \
+    do {                                                                                        \
+        size_t gap = (j) - next;                                                                \
+        next = (j) + 1;                                                                         \
+        uint8_t sym;                                                                            \
+        if (gap >= DS_GAP_ESCAPE) {                                                             \
+            uint32_t r = (uint32_t)(gap - DS_GAP_ESCAPE);                                       \
+            memcpy(rest + rest_len, &r, 4);                                                     \
+            rest_len += 4;                                                                      \
+            if (r > max_rest) max_rest = r;                                                     \
+            sym = DS_GAP_ESCAPE;                                                                \
+        } else {                                                                                \
+            sym = (uint8_t)gap;                                                                 \
+        }                                                                                       \
+        syms[k] = sym;                                                                          \
+        T d = (T)((nv) - (ov));                                                                 \
+        T zz = (T)((T)(d << 1) ^ (T)(0 - (T)(d >> (8 * W - 1))));                               \
+        uint8_t code = zz < DS_NIBBLE_ESCAPE ? (uint8_t)zz : DS_NIBBLE_ESCAPE;                  \
+        if (code == DS_NIBBLE_ESCAPE) {                                                         \
+            memcpy(esc + esc_len, &zz, W);                                                      \
+            esc_len += W;                                                                       \
+        }                                                                                       \
+        if (k & 1)                                                                              \
+            codes[k >> 1] |= (uint8_t)(code << 4);                                              \
+        else                                                                                    \
+            codes[k >> 1] = code;                                                               \
+        k++;                                                                                    \
+        if (adv) memcpy(ob + (j) * W, &(nv), W);                                                \
+    } while (0)
+
+/* Scan elements [lo, hi): emit every change, advance `ob` if asked. -1: out of memory.
+ * Buffers live in locals between reserves (stores through uint8_t pointers would otherwise
+ * make the compiler reload every field of `s` after each one). */
 #define DEFINE_SCAN(T, W)                                                                           \
     static int scan_##W(uint8_t *ob, const uint8_t *nb, size_t lo, size_t hi, int adv, enc_out *s) { \
         const size_t blk = SCAN_BLOCK / W;                                                           \
+        const uint64_t lane = (W == 8) ? 0xFFu : ((1u << W) - 1);                                    \
         size_t k = s->k, next = s->next;                                                             \
         uint32_t max_rest = s->max_rest;                                                             \
+        uint8_t *syms, *codes, *rest, *esc;                                                          \
+        size_t rest_len, esc_len;                                                                    \
         int rc = 0;                                                                                  \
         for (size_t i = lo; i < hi; i += blk) {                                                      \
             size_t e = i + blk < hi ? i + blk : hi;                                                  \
-            if (e - i == blk && !differs64(ob + i * W, nb + i * W)) continue;                        \
+            uint64_t mask = 0;                                                                       \
+            if (e - i == blk) {                                                                      \
+                mask = diff_mask64(ob + i * W, nb + i * W);                                          \
+                if (!mask) continue;                                                                 \
+            }                                                                                        \
             size_t m = e - i;                                                                        \
+            s->syms.len = k;                                                                         \
+            s->codes.len = (k + 1) / 2;                                                              \
             if (reserve(&s->syms, m) || reserve(&s->codes, m / 2 + 1) || reserve(&s->rest, 4 * m) ||  \
                 reserve(&s->esc, W * m)) {                                                           \
                 rc = -1;                                                                             \
                 break;                                                                               \
             }                                                                                        \
-            uint8_t *syms = s->syms.p, *codes = s->codes.p;                                          \
-            for (size_t j = i; j < e; j++) {                                                         \
-                T ov, nv;                                                                            \
-                memcpy(&ov, ob + j * W, W);                                                          \
-                memcpy(&nv, nb + j * W, W);                                                          \
-                if (ov == nv) continue;                                                              \
-                size_t gap = j - next;                                                               \
-                next = j + 1;                                                                        \
-                uint8_t sym;                                                                         \
-                if (gap >= DS_GAP_ESCAPE) {                                                          \
-                    uint32_t r = (uint32_t)(gap - DS_GAP_ESCAPE);                                    \
-                    memcpy(s->rest.p + s->rest.len, &r, 4);                                          \
-                    s->rest.len += 4;                                                                \
-                    if (r > max_rest) max_rest = r;                                                  \
-                    sym = DS_GAP_ESCAPE;                                                             \
-                } else {                                                                             \
-                    sym = (uint8_t)gap;                                                              \
+            syms = s->syms.p;                                                                        \
+            codes = s->codes.p;                                                                      \
+            rest = s->rest.p;                                                                        \
+            esc = s->esc.p;                                                                          \
+            rest_len = s->rest.len;                                                                  \
+            esc_len = s->esc.len;                                                                    \
+            if (e - i == blk) {                                                                      \
+                while (mask) {                                                                       \
+                    size_t el = (size_t)ctz64(mask) / W;                                   \
+                    mask &= ~(lane << (el * W));                                                     \
+                    size_t j = i + el;                                                               \
+                    T ov, nv;                                                                        \
+                    memcpy(&ov, ob + j * W, W);                                                      \
+                    memcpy(&nv, nb + j * W, W);                                                      \
+                    EMIT(T, W, j, ov, nv);                                                           \
                 }                                                                                    \
-                syms[k] = sym;                                                                       \
-                T d = (T)(nv - ov);                                                                  \
-                T zz = (T)((T)(d << 1) ^ (T)(0 - (T)(d >> (8 * W - 1))));                            \
-                uint8_t code = zz < DS_NIBBLE_ESCAPE ? (uint8_t)zz : DS_NIBBLE_ESCAPE;               \
-                if (code == DS_NIBBLE_ESCAPE) {                                                      \
-                    memcpy(s->esc.p + s->esc.len, &zz, W);                                           \
-                    s->esc.len += W;                                                                 \
+            } else {                                                                                 \
+                for (size_t j = i; j < e; j++) {                                                     \
+                    T ov, nv;                                                                        \
+                    memcpy(&ov, ob + j * W, W);                                                      \
+                    memcpy(&nv, nb + j * W, W);                                                      \
+                    if (ov != nv) EMIT(T, W, j, ov, nv);                                             \
                 }                                                                                    \
-                if (k & 1)                                                                           \
-                    codes[k >> 1] |= (uint8_t)(code << 4);                                           \
-                else                                                                                 \
-                    codes[k >> 1] = code;                                                            \
-                k++;                                                                                 \
-                if (adv) memcpy(ob + j * W, &nv, W);                                                 \
             }                                                                                        \
-            s->syms.len = k;                                                                         \
-            s->codes.len = (k + 1) / 2;                                                              \
+            s->rest.len = rest_len;                                                                  \
+            s->esc.len = esc_len;                                                                    \
         }                                                                                            \
+        s->syms.len = k;                                                                             \
+        s->codes.len = (k + 1) / 2;                                                                  \
         s->k = k;                                                                                    \
         s->next = next;                                                                              \
         s->max_rest = max_rest;                                                                      \
