@@ -210,15 +210,18 @@ static scan_fn scan_for(int w) {
     }
 }
 
-/* Runs without the GIL. The digest covers all of `nb` when `always` or when anything changed
- * (hashing starts lazily at the first changed block, catching up on the blocks before it). */
-static int encode_add_pass(uint8_t *ob, const uint8_t *nb, size_t count, int w, int adv, int always,
+/* What encode_add hashes: nothing, `new` if anything changed, or `new` always. */
+enum { DIGEST_NONE = 0, DIGEST_IF_CHANGED = 1, DIGEST_ALWAYS = 2 };
+
+/* Runs without the GIL. With DIGEST_IF_CHANGED hashing starts at the first changed block,
+ * catching up on the (unchanged) blocks before it. */
+static int encode_add_pass(uint8_t *ob, const uint8_t *nb, size_t count, int w, int adv, int digest,
                            enc_out *s, XXH3_state_t *st, int *hashed) {
     scan_fn scan = scan_for(w);
     const size_t step = HASH_BLOCK / (size_t)w;
     size_t hashed_upto = 0; /* elements */
     *hashed = 0;
-    if (always) {
+    if (digest == DIGEST_ALWAYS) {
         XXH3_128bits_reset(st);
         *hashed = 1;
     }
@@ -230,7 +233,7 @@ static int encode_add_pass(uint8_t *ob, const uint8_t *nb, size_t count, int w, 
         }
         size_t before = s->k;
         if (scan(ob, nb, h0, h1, adv, s) < 0) return -1;
-        if (!*hashed && s->k != before) {
+        if (digest == DIGEST_IF_CHANGED && !*hashed && s->k != before) {
             XXH3_128bits_reset(st);
             XXH3_128bits_update(st, nb, h1 * (size_t)w);
             hashed_upto = h1;
@@ -267,20 +270,25 @@ static int acquire_pair(PyObject *old_obj, PyObject *new_obj, int adv, Py_buffer
 }
 
 PyDoc_STRVAR(encode_add_doc,
-"encode_add(old, new, width, advance, always_digest) -> (n_changed, gap_symbols, gap_rests,\n"
+"encode_add(old, new, width, advance, digest) -> (n_changed, gap_symbols, gap_rests,\n"
 "    max_rest, value_codes, value_escapes, digest)\n\n"
 "One pass over two chunks of `width`-byte little-endian elements: the add-sparse/1 sections'\n"
 "raw planes (gap symbols; u32 escaped gap remainders; paired 4-bit zigzag codes; escaped\n"
 "zigzag values), `old` advanced to `new` at every change when `advance`, and the XXH3-128\n"
-"hex digest of `new` (None when nothing changed and not `always_digest`). Releases the GIL.\n"
+"hex digest of `new` (digest: 0 never, 1 if anything changed, 2 always; else None).\n"
+"Releases the GIL.\n"
 "On MemoryError `old` may be partly advanced.");
 
 static PyObject *py_encode_add(PyObject *self, PyObject *args) {
     PyObject *old_obj, *new_obj;
     long width;
-    int adv, always;
+    int adv, digest;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOlpp:encode_add", &old_obj, &new_obj, &width, &adv, &always)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOlpi:encode_add", &old_obj, &new_obj, &width, &adv, &digest)) return NULL;
+    if (digest < DIGEST_NONE || digest > DIGEST_ALWAYS) {
+        PyErr_SetString(PyExc_ValueError, "digest must be 0, 1 or 2");
+        return NULL;
+    }
     int w = ds_check_width(width);
     if (w < 0) return NULL;
     Py_buffer ob, nb;
@@ -291,7 +299,7 @@ static PyObject *py_encode_add(PyObject *self, PyObject *args) {
     int rc = -1, hashed = 0;
     if (st != NULL) {
         Py_BEGIN_ALLOW_THREADS
-        rc = encode_add_pass((uint8_t *)ob.buf, (const uint8_t *)nb.buf, (size_t)(nb.len / w), w, adv, always,
+        rc = encode_add_pass((uint8_t *)ob.buf, (const uint8_t *)nb.buf, (size_t)(nb.len / w), w, adv, digest,
                              &s, st, &hashed);
         Py_END_ALLOW_THREADS
     }

@@ -371,7 +371,9 @@ def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAUL
         (True, 1)
     """
     del float_bits  # accepted for compatibility (deltastore/publish.py passes it); ignored
-    return _encode(ADD, old, new, level)
+    if _kernels.encode_add is None:
+        return _encode(ADD, old, new, level)
+    return _encode_add_native(old, new, level, advance=False, digest=_DIGEST_NONE)[0]
 
 
 def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
@@ -400,20 +402,35 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
         >>> seg.n_changed, old.tolist() == new.tolist(), len(digest)
         (1, True, 32)
     """
+    if _kernels.encode_add is not None:
+        return _encode_add_native(old, new, level, advance=advance,
+                                  digest=_DIGEST_ALWAYS if always_digest else _DIGEST_IF_CHANGED)
+    seg = _encode(ADD, old, new, level)
+    n = check_values(new, "new")
+    digest = xxhash.xxh3_128_hexdigest(memoryview(n).cast("B")) if seg is not None or always_digest else None
+    if advance and seg is not None:
+        old[...] = new
+    return seg, digest
+
+
+# digest modes of the encode_add kernel
+_DIGEST_NONE, _DIGEST_IF_CHANGED, _DIGEST_ALWAYS = 0, 1, 2
+
+
+def _encode_add_native(old: np.ndarray, new: np.ndarray, level: int | None, *, advance: bool,
+                       digest: int) -> tuple[Segment | None, str | None]:
     o = check_values(old, "old")
     n = check_values(new, "new")
     if o.dtype != n.dtype or o.size != n.size:
         raise ValueError(f"old ({o.dtype}, {o.size}) and new ({n.dtype}, {n.size}) differ in layout")
-    if _kernels.encode_add is None or o is not old:  # o is a byte-swapped copy: numpy path
-        seg = _encode(ADD, o, n, level)
-        digest = xxhash.xxh3_128_hexdigest(memoryview(n).cast("B")) if seg is not None or always_digest else None
-        if advance and seg is not None:
-            old[...] = new
-        return seg, digest
-    k, syms, rest, max_rest, codes, esc, digest = _kernels.encode_add(o, n, o.itemsize, advance, always_digest)
+    # o is old unless old is big-endian (then o is a little-endian copy): advance old afterwards
+    k, syms, rest, max_rest, codes, esc, hexdigest = _kernels.encode_add(o, n, o.itemsize, advance and o is old, digest)
     if k == 0:
-        return None, digest
-    return _add_segment_from_planes(int(o.size), o.itemsize, k, syms, rest, max_rest, codes, esc, level), digest
+        return None, hexdigest
+    if advance and o is not old:
+        old[...] = new
+    seg = _add_segment_from_planes(int(o.size), o.itemsize, k, syms, rest, max_rest, codes, esc, level)
+    return seg, hexdigest
 
 
 def _add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: bytes, max_rest: int,
