@@ -22,7 +22,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltastore.codec import _kernels, apply_delta, delta
+from deltastore.codec import MIN_PAIR_COUNT, _kernels, apply_delta, decode_full, encode_full
 from deltastore.codec.delta import ESCAPE, NIBBLE_ESCAPE, encode_delta, encode_delta_advance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,8 +93,8 @@ pairs = st.builds(
 def numpy_path(monkeypatch: pytest.MonkeyPatch, fn, *args, **kw):
     """Call ``fn`` with the kernels switched off (the loader's None)."""
     with monkeypatch.context() as m:
-        m.setattr(_kernels, "encode_add", None)
-        m.setattr(_kernels, "xxh3_128_hex", None)
+        for name in ("encode_add", "xxh3_128_hex", "split_planes", "pair_codes"):
+            m.setattr(_kernels, name, None)
         return fn(*args, **kw)
 
 
@@ -178,6 +178,69 @@ def test_state_digest_kernel(data):
     assert state_digest(arr) == xxhash.xxh3_128_hexdigest(arr.tobytes())
 
 
+def make_full(width: int, size: int, kind: str, seed: int) -> np.ndarray:
+    """Values for an anchor: float-like (a narrow exponent range, some outside the window),
+    special patterns, or random bits."""
+    rng = np.random.default_rng(seed)
+    dt = _uint(width)
+    if kind == "random" or width == 1:
+        return rng.integers(0, 2 ** (8 * width) - 1, size=size, dtype=dt, endpoint=True)
+    f = (rng.standard_normal(size) * 0.02).astype(np.float32)
+    bits32 = f.view(np.uint32)
+    if width == 2:
+        v = (bits32 >> 16).astype(dt)
+    elif width == 4:
+        v = bits32.astype(dt)
+    else:
+        v = f.astype(np.float64).view(np.uint64)
+    if size and kind == "floats+specials":
+        sp = np.array(SPECIALS[width], dtype=dt)
+        v[rng.integers(0, size, min(size, 50))] = sp[rng.integers(0, sp.size, min(size, 50))]
+    return v
+
+
+@native
+@PROPS
+@given(width=st.sampled_from(WIDTHS),
+       size=st.one_of(st.integers(0, 40), st.sampled_from([MIN_PAIR_COUNT - 1, MIN_PAIR_COUNT, MIN_PAIR_COUNT + 1, 70001])),
+       kind=st.sampled_from(["floats", "floats+specials", "random"]), float_bits=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_encode_full_same_bytes(width, size, kind, float_bits, seed):
+    v = make_full(width, size, kind, seed)
+    with pytest.MonkeyPatch.context() as mp:
+        want = numpy_path(mp, encode_full, v, float_bits=float_bits)
+    got = encode_full(v, float_bits=float_bits)
+    assert seg_bytes(got) == seg_bytes(want)
+    assert np.array_equal(decode_full(got.data, codec=got.codec, dtype=v.dtype, count=v.size), v)
+
+
+@native
+@pytest.mark.parametrize("width", (1, 2, 4, 8))
+@pytest.mark.parametrize("rotate", (False, True))
+def test_split_planes_kernel(width, rotate):
+    from deltastore.codec.planes import rotl1, split
+
+    v = make_full(width, 1001, "random", width)
+    out = np.empty((width, v.size), dtype=np.uint8)
+    _kernels.split_planes(v, out, width, rotate)
+    want = split(rotl1(v) if rotate else v)
+    assert all(np.array_equal(a, b) for a, b in zip(out, want))
+
+
+@native
+@given(top=st.binary(max_size=600), low=st.integers(0, 241))
+@settings(max_examples=300, deadline=None)
+def test_pair_codes_kernel(top, low):
+    from deltastore.codec.planes import pack_nibbles
+
+    t = np.frombuffer(top, dtype=np.uint8)
+    out = np.empty((t.size + 1) // 2, dtype=np.uint8)
+    esc = np.frombuffer(_kernels.pair_codes(t, low, 15, out), dtype=np.uint8)
+    codes = t - np.uint8(low)
+    assert np.array_equal(esc, t[codes >= 15])
+    assert np.array_equal(out, pack_nibbles(np.minimum(codes, 15)))
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
@@ -205,6 +268,17 @@ def test_kernel_rejects_bad_buffers():
     assert not ro.any() and not a.any()  # nothing written by a rejected call
     with pytest.raises(ValueError, match="contiguous"):
         _kernels.xxh3_128_hex(np.zeros(8)[::2])
+    with pytest.raises(ValueError, match="length"):
+        _kernels.split_planes(a, np.empty(8, np.uint16), 2, True)
+    with pytest.raises(ValueError, match="overlap"):
+        _kernels.split_planes(a, a, 2, True)
+    with pytest.raises(ValueError, match="writable"):
+        _kernels.split_planes(b, ro, 2, True)
+    with pytest.raises(ValueError, match="hold"):
+        _kernels.pair_codes(np.zeros(9, np.uint8), 0, 15, np.empty(4, np.uint8))
+    with pytest.raises(ValueError, match="low"):
+        _kernels.pair_codes(np.zeros(9, np.uint8), 256, 15, np.empty(5, np.uint8))
+    assert not ro.any() and not a.any()
     # the codec's own checks come first, with the numpy path's messages
     with pytest.raises(ValueError, match="differ in layout"):
         encode_delta_advance(a, b[:8])
@@ -325,3 +399,14 @@ def test_kernels_release_the_gil(kernel):
         call = lambda: _kernels.xxh3_128_hex(big)  # noqa: E731
     count, duration = _runs_python_meanwhile(call)
     assert count >= 3, f"Python ran {count} times during a {duration * 1e3:.0f} ms kernel call"
+
+
+@pytest.mark.parametrize("codec_id", ["full/1", "full/2", "add-sparse/1"])
+def test_packed_size_is_packs_length(codec_id):
+    """encode_full compares its two forms by packed_size before packing one of them."""
+    from deltastore.codec.container import KIND_RAW, KIND_ZSTD, pack, packed_size
+
+    secs = [(KIND_RAW, b"abc", 3), (KIND_ZSTD, b"x" * 40, 90), (KIND_RAW, b"", 0)]
+    for k in range(len(secs) + 1):
+        data = pack(codec_id, width=2, count=90, n_changed=3, sections=secs[:k])
+        assert packed_size(codec_id, k, sum(len(s[1]) for s in secs[:k])) == len(data)
