@@ -58,5 +58,7 @@ NATIVE = _native is not None
 #: See the docstrings in deltastore/_native/encode.c.
 encode_add = getattr(_native, "encode_add", None)
 xxh3_128_hex = getattr(_native, "xxh3_128_hex", None)
+split_planes = getattr(_native, "split_planes", None)
+pair_codes = getattr(_native, "pair_codes", None)
 #: See the docstring in deltastore/_native/apply.c.
 apply_segment = getattr(_native, "apply_segment", None)
