@@ -28,6 +28,7 @@ from deltastore.errors import (
     NotFoundError,
     TargetModifiedError,
 )
+from deltastore.groups import split_patch, unit_targets
 from deltastore.jobs import grouped
 from deltastore.manifest import BlobRef, SegmentRef, sha256_hex
 from deltastore.plan import ChunkPlan, Step
@@ -162,6 +163,12 @@ class _Target:
         self.t.detach().reshape(-1)[a:b].copy_(src)
 
 
+def targets_for(specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Raw access per unit of ``specs``: a tensor's :class:`_Target`, or a group row's
+    gather/scatter over its members' targets (design 007 D4)."""
+    return unit_targets(specs, tensors, _Target)
+
+
 class ReadEngine:
     """Fetches, verifies, decodes and applies planned chunks for one subscriber.
 
@@ -186,7 +193,7 @@ class ReadEngine:
 
     def materialize(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], out: dict[str, torch.Tensor]) -> None:
         """Build every plan (each starts from a full segment) into the new tensors ``out``."""
-        targets = {n: _Target(t) for n, t in out.items()}
+        targets = targets_for(specs, out)
         for batch, data, _ in self.fetch_batches(plans):
             groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
             list(self.pool.map(lambda g: [self.build(p, specs, data, targets[p.name]) for p in g], groups))
@@ -260,13 +267,14 @@ class ReadEngine:
             TargetModifiedError: a chunk the update keeps or patches is not what ``base`` says.
         """
         # Tied weights (one storage under two names) are updated once.
+        # A group row is its own owner: its members are written through it (design 007 D4).
         seen: dict[tuple[int, int], str] = {}
-        owner: dict[str, str] = {}
+        owner: dict[str, str] = {n: n for n, s in specs.items() if s.members}
         for n, t in tensors.items():
             k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
             owner[n] = seen.setdefault(k, n)
         plans = [p for p in plans if owner[p.name] == p.name]
-        targets = {n: _Target(t) for n, t in tensors.items()}
+        targets = targets_for(specs, tensors)
 
         # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
         # the chunks this update touches (a local edit elsewhere would survive silently).
@@ -277,8 +285,11 @@ class ReadEngine:
         bad = digest_mismatches(self.pool, specs, expected, lambda name, a, b: targets[name].read(a, b))
         if bad:
             name, index = bad[0]
+            members = specs[name].members
+            what = f"tensor {name!r}" if not members else (
+                f"group {name!r} (tensors {members[0].name!r} … {members[-1].name!r}; one of them)")
             raise TargetModifiedError(
-                f"tensor {name!r} chunk {index} is not what version {held_version} holds there: "
+                f"{what} chunk {index} is not what version {held_version} holds there: "
                 "the target was modified since it was pulled (pull() it again)"
             )
         return plans, targets
@@ -360,6 +371,8 @@ class ReadEngine:
                 decode_s += time.perf_counter() - t
         finally:
             batches.close()  # stops the prefetch thread when a chunk failed
+        if any(specs[p.name].members for p in patches):  # swaps write tensors (design 007 D4)
+            patches = [q for p in patches for q in (split_patch(p, specs[p.name]) if specs[p.name].members else [p])]
         return patches, fetch_s, decode_s
 
     def apply_in_place(

@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from deltastore.errors import InvalidStateDictError, LayoutMismatchError
-from deltastore.manifest import DTYPE_WIDTHS, chunk_count
+from deltastore.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
 
 #: A chunk of about this size is the unit of change detection, encoding, threading and
 #: partial reads: big enough that per-chunk overhead vanishes, small enough that a few chunks
@@ -48,6 +48,8 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
     chunk_rows: int
+    #: a group row's tensors (design 007), in storage order; empty for a tensor.
+    members: tuple[GroupMember, ...] = ()
 
     @property
     def width(self) -> int:
@@ -132,7 +134,11 @@ def validate_state_dict(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
 
 
 def check_layout(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Tensor], *, against: str) -> None:
-    """Raise LayoutMismatchError naming the first tensor whose name, dtype or shape differ."""
+    """Raise LayoutMismatchError naming the first tensor whose name, dtype or shape differ.
+
+    ``specs`` may hold group rows (design 007): their members are what ``state`` must hold."""
+    if any(s.members for s in specs.values()):
+        specs = member_specs(specs)
     missing = sorted(set(specs) - set(state))
     extra = sorted(set(state) - set(specs))
     if missing:
@@ -162,3 +168,18 @@ def from_bits(raw: np.ndarray, spec: TensorSpec) -> torch.Tensor:
     """A tensor of ``spec``'s dtype and shape over the bits in ``raw`` (takes ownership)."""
     signed = torch.from_numpy(raw.view(np.dtype(_UINT_BY_WIDTH[spec.width]).str.replace("u", "i")))
     return signed.view(torch_dtype(spec.dtype)).reshape(spec.shape)
+
+
+def member_specs(specs: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+    """The tensors as users see them (design 007 D4): every group row replaced by its members
+    (in the group's place); ``specs`` itself when it has no groups."""
+    if not any(s.members for s in specs.values()):
+        return dict(specs)
+    out: dict[str, TensorSpec] = {}
+    for name, s in specs.items():
+        if not s.members:
+            out[name] = s
+            continue
+        for m in s.members:
+            out[m.name] = TensorSpec(m.name, m.dtype, m.shape, max(1, m.shape[0]) if m.shape else 1)
+    return out
