@@ -22,7 +22,7 @@ import torch
 
 from deltastore import codec
 from deltastore.commit import put_immutable
-from deltastore.groups import gather
+from deltastore.groups import gather, host_bits
 from deltastore.jobs import grouped
 from deltastore.manifest import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry, blob_key, object_key, sha256_hex
 from deltastore.storage.base import Store
@@ -190,13 +190,20 @@ def encode_version(
 
     # Bit views made once, here: per-chunk torch calls on the encode threads would queue for
     # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
-    new_bits = {n: bits(t) for n, t in state.items() if t.device.type == "cpu"}
+    # Group members (design 007) are read when their group's chunk is gathered (host_bits).
+    in_group = {m.name for s in specs.values() for m in s.members}
+    new_bits = {n: bits(t) for n, t in state.items() if t.device.type == "cpu" and n not in in_group}
     ref_bits = {n: bits(t) for n, t in reference.items()} if reference is not None else {}
 
     def new_chunk(name: str, a: int, b: int) -> np.ndarray:
         """Elements [a, b) of tensor ``name``'s new bits (a view on the CPU)."""
         full = new_bits.get(name)
-        return full[a:b] if full is not None else bits(state[name].detach().reshape(-1)[a:b].cpu())
+        if full is not None:
+            return full[a:b]
+        t = state[name]
+        if t.device.type == "cpu":  # a group member: ``state`` holds ``t`` while its view is used
+            return host_bits(t)[a:b]
+        return bits(t.detach().reshape(-1)[a:b].cpu())
 
     def job(ti: int, ci: int, name: str) -> _Encoded | None:
         spec = specs[name]

@@ -16,6 +16,7 @@ group rows, each chunked like a tensor. This module is the only one that knows b
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -39,6 +40,7 @@ GROUP_TARGET_BYTES = 1024 * 1024
 GROUP_NAME_PREFIX = "#group/"
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_CTYPES = {1: ctypes.c_uint8, 2: ctypes.c_uint16, 4: ctypes.c_uint32, 8: ctypes.c_uint64}
 _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -132,6 +134,39 @@ def gather(spec: TensorSpec, member_bits: Callable[[str, int, int], np.ndarray],
     return out
 
 
+def host_bits(t: torch.Tensor) -> np.ndarray:
+    """A 1-D unsigned view of a contiguous CPU tensor's bits, like ``tensors.bits`` but ~7×
+    cheaper per call (4 µs, not 30, on the reference machine): a group has thousands of members.
+
+    The array does not keep ``t`` alive: the caller MUST hold ``t`` while it uses the array
+    (every caller here keeps the tensor next to the view). Falls back to ``bits`` for anything
+    else (a device tensor: ``bits`` raises, as it always did).
+    """
+    n = t.numel()
+    if t.device.type != "cpu" or not t.is_contiguous() or n == 0:
+        return bits(t)
+    w = t.element_size()
+    return np.frombuffer((_CTYPES[w] * n).from_address(t.data_ptr()), dtype=_UINT[w])
+
+
+class _HostMember:
+    """A CPU member tensor of a pull target: live bits, held with their tensor."""
+
+    cpu = True
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t  # keeps the memory of ``raw`` alive
+        self.raw = host_bits(t)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        return self.raw[a:b]
+
+    def write(self, a: int, b: int, raw: np.ndarray) -> None:
+        view = self.raw[a:b]
+        if not np.shares_memory(view, raw):
+            view[...] = raw
+
+
 class _Raw(Protocol):
     cpu: bool
 
@@ -163,12 +198,16 @@ class GroupTarget:
 
 def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], make: Callable[[Any], _Raw]) -> dict[str, Any]:
     """The read engine's targets per unit: ``make(tensor)`` for a tensor, a :class:`GroupTarget`
-    over ``make`` of each member for a group row. Tensors of ``tensors`` that no unit names are
-    left out."""
+    over its members (``make`` of a device member) for a group row. Tensors of ``tensors`` that
+    no unit names are left out."""
+
+    def member(t: torch.Tensor) -> _Raw:
+        return _HostMember(t) if t.device.type == "cpu" else make(t)
+
     out: dict[str, Any] = {}
     for name, spec in specs.items():
         if spec.members:
-            out[name] = GroupTarget(spec, {m.name: make(tensors[m.name]) for m in spec.members})
+            out[name] = GroupTarget(spec, {m.name: member(tensors[m.name]) for m in spec.members})
         elif name in tensors:
             out[name] = make(tensors[name])
     return out
@@ -204,7 +243,8 @@ def unit_reference(state: Mapping[str, torch.Tensor], specs: Mapping[str, Tensor
         raw = bits(buf)
         for m in spec.members:
             t = state[m.name]
-            src = bits(t) if t.device.type == "cpu" else bits(t.detach().to("cpu"))
-            raw[m.offset:m.offset + m.numel] = src
+            if t.device.type != "cpu":
+                t = t.detach().to("cpu")
+            raw[m.offset:m.offset + m.numel] = host_bits(t)
         out[name] = buf
     return out

@@ -272,6 +272,9 @@ class Publisher:
         # The last committed state as this publisher wrote it (None until its first commit).
         self._reference: dict[str, torch.Tensor] | None = None
         self._specs: dict[str, TensorSpec] | None = None
+        #: the layout object of ``_specs`` once committed (rebuilding it validates every row and
+        #: group member again: ~0.2 s per publish at 20,000 tensors)
+        self._layout: Layout | None = None
         self._anchor_version = 0
         # What the next version needs of the version it builds on (schema-3 fields), and the
         # skip-pointer links of recent manifests (bounded).
@@ -478,8 +481,11 @@ class Publisher:
         assert kind == "anchor" or (tip is not None and tip.schema3)  # a delta continues a schema-3 chain
         specs = self._specs if same_layout else self._new_specs(state)
         assert specs is not None
-        grouped = any(s.members for s in specs.values())
-        layout = layout_of(specs, schema=GROUPS_SCHEMA if grouped else 3)
+        if same_layout and self._layout is not None:
+            layout = self._layout
+        else:
+            grouped = any(s.members for s in specs.values())
+            layout = layout_of(specs, schema=GROUPS_SCHEMA if grouped else 3)
 
         lineage = self._commits.lineage_for_commit()
         attempt = new_attempt_id()  # the commit id: every object of this attempt is under it (D1)
@@ -563,7 +569,7 @@ class Publisher:
             # A new dict (the queue clears the snapshot's dict once this returns), per unit: a
             # group row is one buffer of its members' bits (design 007 D5).
             self._reference = unit_reference(state, specs, owned=owned)
-        self._specs = specs
+        self._specs, self._layout = specs, layout
         if kind == "anchor":
             self._anchor_version = version
         self._remember(mkey, manifest)
@@ -772,10 +778,10 @@ class Publisher:
             check_layout(specs, state, against=f"version {self._head.version} of {self.url}")
         except LayoutMismatchError:
             logger.info("not resuming from version %d: its layout differs", self._head.version)
-            self._specs = specs  # so publish() reports the mismatch (or anchors, if asked)
+            self._specs, self._layout = specs, None  # so publish() reports the mismatch (or anchors, if asked)
             return
         self._reference = unit_reference(reference, specs, owned=True)
-        self._specs, self._anchor_version = specs, anchor
+        self._specs, self._layout, self._anchor_version = specs, None, anchor
         logger.info("resumed from version %d of %s", self._head.version, self.url)
 
 

@@ -137,19 +137,23 @@ def check_layout(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Tens
     """Raise LayoutMismatchError naming the first tensor whose name, dtype or shape differ.
 
     ``specs`` may hold group rows (design 007): their members are what ``state`` must hold."""
-    if any(s.members for s in specs.values()):
-        specs = member_specs(specs)
-    missing = sorted(set(specs) - set(state))
-    extra = sorted(set(state) - set(specs))
-    if missing:
-        raise LayoutMismatchError(f"tensor {missing[0]!r} of {against} is missing ({len(missing)} missing in all)")
-    if extra:
+    expected = [(m.name, m.dtype, m.shape) for s in specs.values() for m in (s.members or (s,))]
+    names = {e[0] for e in expected}
+    if len(names) != len(state) or not names.issuperset(state):
+        missing = sorted(names - set(state))
+        extra = sorted(set(state) - names)
+        if missing:
+            raise LayoutMismatchError(f"tensor {missing[0]!r} of {against} is missing ({len(missing)} missing in all)")
         raise LayoutMismatchError(f"tensor {extra[0]!r} is not in {against} ({len(extra)} new in all)")
-    for name, spec in specs.items():
+    names_of: dict[torch.dtype, str] = {}  # dtype_name once per dtype, not per tensor
+    for name, dtype, shape in expected:
         t = state[name]
-        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+        dt = names_of.get(t.dtype)
+        if dt is None:
+            dt = names_of[t.dtype] = dtype_name(t.dtype)
+        if dt != dtype or t.shape != shape:
             raise LayoutMismatchError(
-                f"tensor {name!r} is {dtype_name(t.dtype)}{list(t.shape)} but {against} has {spec.dtype}{list(spec.shape)}"
+                f"tensor {name!r} is {dt}{list(t.shape)} but {against} has {dtype}{list(shape)}"
             )
 
 
