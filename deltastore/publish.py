@@ -836,7 +836,8 @@ def _tip_of(key: str, m: Manifest, history: History) -> _Tip:
 
 
 def _layout_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
+    names: dict[torch.dtype, str] = {}  # dtype_name once per dtype (20,000-tensor models)
+    return {n: (names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)), tuple(t.shape)) for n, t in state.items()}
 
 
 def _int_step(step: Any) -> int | None:
