@@ -28,6 +28,7 @@ from deltastore.errors import (
     NotFoundError,
     TargetModifiedError,
 )
+from deltastore.groups import split_patch, unit_targets
 from deltastore.jobs import grouped
 from deltastore.manifest import BlobRef, SegmentRef, sha256_hex
 from deltastore.plan import ChunkPlan, Step
@@ -57,9 +58,11 @@ _BAD_DATA = (IntegrityError, FormatError, NotFoundError)
 _Base = tuple["str | None", "int | None"]
 
 
-def _modified(name: str, index: int, held_version: int | None) -> TargetModifiedError:
+def _modified(name: str, index: int, held_version: int | None, members: tuple = ()) -> TargetModifiedError:
+    what = f"tensor {name!r}" if not members else (
+        f"group {name!r} (tensors {members[0].name!r} … {members[-1].name!r}; one of them)")
     return TargetModifiedError(
-        f"tensor {name!r} chunk {index} is not what version {held_version} holds there: "
+        f"{what} chunk {index} is not what version {held_version} holds there: "
         "the target was modified since it was pulled (pull() it again)"
     )
 
@@ -171,6 +174,12 @@ class _Target:
         self.t.detach().reshape(-1)[a:b].copy_(src)
 
 
+def targets_for(specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Raw access per unit of ``specs``: a tensor's :class:`_Target`, or a group row's
+    gather/scatter over its members' targets (design 007 D4)."""
+    return unit_targets(specs, tensors, _Target)
+
+
 class ReadEngine:
     """Fetches, verifies, decodes and applies planned chunks for one subscriber.
 
@@ -195,7 +204,7 @@ class ReadEngine:
 
     def materialize(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], out: dict[str, torch.Tensor]) -> None:
         """Build every plan (each starts from a full segment) into the new tensors ``out``."""
-        targets = {n: _Target(t) for n, t in out.items()}
+        targets = targets_for(specs, out)
         for batch, data, _ in self.fetch_batches(plans):
             groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
             list(self.pool.map(lambda g: [self.build(p, specs, data, targets[p.name]) for p in g], groups))
@@ -226,7 +235,7 @@ class ReadEngine:
         applied: list[Step] = []
         try:
             if base is not None and not p.deltas and state_digest(raw) != base[0]:
-                raise _modified(p.name, p.index, base[1])
+                raise _modified(p.name, p.index, base[1], spec.members)
             digest = None
             for i, s in enumerate(p.deltas):
                 first, last = i == 0, i == len(p.deltas) - 1
@@ -235,7 +244,7 @@ class ReadEngine:
                 )
                 applied.append(s)
                 if first and base is not None and before != base[0]:
-                    raise _modified(p.name, p.index, base[1])
+                    raise _modified(p.name, p.index, base[1], spec.members)
             if (digest if p.deltas else state_digest(raw)) != p.digest:
                 raise IntegrityError(
                     f"chunk {p.name}[{p.index}] does not match its digest after applying {len(p.steps())} segment(s)"
@@ -290,13 +299,14 @@ class ReadEngine:
             TargetModifiedError: a chunk the update keeps is not what ``base`` says.
         """
         # Tied weights (one storage under two names) are updated once.
+        # A group row is its own owner: its members are written through it (design 007 D4).
         seen: dict[tuple[int, int], str] = {}
-        owner: dict[str, str] = {}
+        owner: dict[str, str] = {n: n for n, s in specs.items() if s.members}
         for n, t in tensors.items():
             k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
             owner[n] = seen.setdefault(k, n)
         plans = [p for p in plans if owner[p.name] == p.name]
-        targets = {n: _Target(t) for n, t in tensors.items()}
+        targets = targets_for(specs, tensors)
 
         # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
         # the chunks this update touches (a local edit elsewhere would survive silently).
@@ -310,7 +320,7 @@ class ReadEngine:
         expected = {k: base.get(k) for k in kept - replaced - patched}
         bad = digest_mismatches(self.pool, specs, expected, lambda name, a, b: targets[name].read(a, b))
         if bad:
-            raise _modified(*bad[0], held_version)
+            raise _modified(*bad[0], held_version, specs[bad[0][0]].members)
         deferred: dict[tuple[str, int], _Base] = {k: (base.get(k), held_version) for k in patched - replaced}
         return plans, targets, deferred
 
@@ -416,6 +426,8 @@ class ReadEngine:
                 decode_s += time.perf_counter() - t
         finally:
             batches.close()  # stops the prefetch thread when a chunk failed
+        if any(specs[p.name].members for p in patches):  # swaps write tensors (design 007 D4)
+            patches = [q for p in patches for q in (split_patch(p, specs[p.name]) if specs[p.name].members else [p])]
         return patches, fetch_s, decode_s
 
     def apply_in_place(

@@ -23,6 +23,7 @@ import torch
 from deltastore import codec
 from deltastore.codec.delta import encode_delta_advance
 from deltastore.commit import put_immutable
+from deltastore.groups import gather, host_bits
 from deltastore.jobs import grouped
 from deltastore.manifest import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry, blob_key, object_key, sha256_hex
 from deltastore.storage.base import Store
@@ -196,13 +197,26 @@ def encode_version(
 
     # Bit views made once, here: per-chunk torch calls on the encode threads would queue for
     # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
-    new_bits = {n: bits(t) for n, t in state.items() if t.device.type == "cpu"}
+    # Group members (design 007) are read when their group's chunk is gathered (host_bits).
+    in_group = {m.name for s in specs.values() for m in s.members}
+    new_bits = {n: bits(t) for n, t in state.items() if t.device.type == "cpu" and n not in in_group}
     ref_bits = {n: bits(t) for n, t in reference.items()} if reference is not None else {}
 
-    def job(ti: int, ci: int, name: str) -> _Encoded | None:
-        a, b = specs[name].chunk_span(ci)
+    def new_chunk(name: str, a: int, b: int) -> np.ndarray:
+        """Elements [a, b) of tensor ``name``'s new bits (a view on the CPU)."""
         full = new_bits.get(name)
-        new = full[a:b] if full is not None else bits(state[name].detach().reshape(-1)[a:b].cpu())
+        if full is not None:
+            return full[a:b]
+        t = state[name]
+        if t.device.type == "cpu":  # a group member: ``state`` holds ``t`` while its view is used
+            return host_bits(t)[a:b]
+        return bits(t.detach().reshape(-1)[a:b].cpu())
+
+    def job(ti: int, ci: int, name: str) -> _Encoded | None:
+        spec = specs[name]
+        a, b = spec.chunk_span(ci)
+        # A group row's chunk is gathered from its members into one buffer (design 007 D5).
+        new = gather(spec, new_chunk, a, b) if spec.members else new_chunk(name, a, b)
         old = ref_bits[name][a:b] if reference is not None else None
         # encode_chunk advances ``old`` while the chunk is hot in cache (the caller drops the
         # reference on failure)
@@ -234,6 +248,9 @@ def encode_version(
     full_packs.finish()
     offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
 
+    def tensors_in(spec: TensorSpec) -> int:  # a group row counts its members (design 007 D3)
+        return len(spec.members) or 1
+
     by_tensor: dict[int, list[ChunkEntry]] = {}
     elements_changed = 0
     for enc, d, f in chunks:
@@ -247,16 +264,16 @@ def encode_version(
     for ti, tchunks in sorted(by_tensor.items()):
         spec = specs[names[ti]]
         if any(c.delta is not None for c in tchunks):
-            tensors_changed += 1
+            tensors_changed += tensors_in(spec)
         entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows, chunks=tuple(tchunks)))
     if kind == "anchor" and reference is None:
-        tensors_changed = len(specs)
+        tensors_changed = sum(tensors_in(s) for s in specs.values())
         elements_changed = sum(s.numel for s in specs.values())
     stats = Stats(
         bytes_stored=delta_packs.bytes_written + full_packs.bytes_written,
         tensors_changed=tensors_changed,
         elements_changed=elements_changed,
-        tensors_total=len(specs),
+        tensors_total=sum(tensors_in(s) for s in specs.values()),
         elements_total=sum(s.numel for s in specs.values()),
         delta_bytes=delta_packs.bytes_written if attempt is not None else None,
         full_bytes=full_packs.bytes_written if attempt is not None else None,

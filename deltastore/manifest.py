@@ -10,10 +10,10 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import zstandard
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
 
@@ -22,7 +22,14 @@ SCHEMA_VERSION = 3
 #: Schemas readers accept: every store written by an earlier release stays readable.
 #: Schema 3 (design 005, issue 8): compact zstd manifests, layout objects, attempt-scoped keys,
 #: skip pointers, the history index (retention), squashes, and `parts`.
-READABLE_SCHEMAS = (1, 2, 3)
+#: Schema 4 (design 007, issue 9): layout objects may group small tensors into one row; a
+#: manifest whose layout is schema 4 says schema 4 and is otherwise a schema-3 manifest.
+READABLE_SCHEMAS = (1, 2, 3, 4)
+#: The schema of a grouped layout and of the manifests that use it (design 007 D3).
+GROUPS_SCHEMA = 4
+#: Schemas of the zstd-compressed objects, by kind: layouts and manifests gained groups in
+#: schema 4; the history index and squash manifests did not change (design 007 D3).
+_ZST_SCHEMAS = {"manifest": (3, 4), "layout": (3, 4)}
 #: Fields that exist only in schema 3 (a schema-1/2 document is written without them).
 SCHEMA3_MANIFEST_FIELDS = ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes")
 #: Immutable objects written by schema 3 live under ``objects/<attempt>/`` (design 005 D1).
@@ -32,6 +39,8 @@ DEFAULT_MAX_ATTEMPT_S = 6 * 3600
 #: ``lineage``: 32 lowercase hex digits (128 random bits), docs/SPEC.md §5.
 LINEAGE_PATTERN = r"^[0-9a-f]{32}$"
 HEAD_KEY = "HEAD"
+#: The newest HEAD schema (design 007 D3: schema 4 left HEAD as schema 3 wrote it).
+HEAD_SCHEMA = 3
 MANIFEST_PREFIX = "manifests/"
 BLOB_PREFIX = "blobs/"
 STATE_DIGEST = "xxh3-128"
@@ -212,6 +221,18 @@ class Manifest(_Model):
     squashes: tuple[SquashRef, ...] = ()
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    #: schema 4: group row name → members, from the layout (design 007 D4). Not a field: the
+    #: layout object holds it and ``layout`` (a field, signed) names that object by SHA-256.
+    _groups: dict[str, tuple[GroupMember, ...]] = PrivateAttr(default_factory=dict)
+
+    def members(self, name: str) -> tuple[GroupMember, ...]:
+        """The members of group row ``name`` (empty for a tensor)."""
+        return self._groups.get(name, ())
+
+    def with_groups(self, layout: Layout | None) -> Manifest:
+        """Attach ``layout``'s groups (in place; returns self)."""
+        self._groups = layout.members() if layout is not None else {}
+        return self
 
     @model_validator(mode="after")
     def _schema_fields(self) -> Manifest:
@@ -289,6 +310,32 @@ class Index(_Model):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
 
+class GroupMember(NamedTuple):
+    """One tensor inside a group (design 007): elements ``[offset, offset + numel)`` of the
+    group's row hold this tensor, of the group's dtype, in C order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class GroupRecord(_Model):
+    """The members of one group row of a schema-4 layout (SPEC §3.2), as columns."""
+
+    unit: int
+    name: tuple[str, ...]
+    shape: tuple[tuple[int, ...], ...]
+    offset: tuple[int, ...]
+
+
 class Layout(_Model):
     """A schema-3 layout object (SPEC §3): the tensors of a version, as columns.
 
@@ -307,8 +354,26 @@ class Layout(_Model):
     pieces: tuple[tuple[int, ...] | None, ...]
     piece_parts: tuple[tuple[int, ...] | None, ...]
     parts: int = 0
+    #: schema 4 (design 007): the members of each group row; None in schema 3.
+    groups: tuple[GroupRecord, ...] | None = None
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    #: group row name → members; derived from ``groups`` once, when the object is built (so
+    #: equal layouts stay equal: pydantic compares private attributes too).
+    _members: dict[str, tuple[GroupMember, ...]] = PrivateAttr(default_factory=dict)
+
+    def model_post_init(self, context: Any, /) -> None:
+        out: dict[str, tuple[GroupMember, ...]] = {}
+        for g in self.groups or ():
+            if not 0 <= g.unit < len(self.name) or not len(g.name) == len(g.shape) == len(g.offset):
+                continue  # malformed: _check_layout refuses it before anyone asks for members
+            dt = self.dtype[g.unit] if g.unit < len(self.dtype) else ""
+            out[self.name[g.unit]] = tuple(GroupMember(n, dt, sh, off) for n, sh, off in zip(g.name, g.shape, g.offset))
+        self._members = out
+
+    def members(self) -> dict[str, tuple[GroupMember, ...]]:
+        """Group row name → its members (empty for a schema-3 layout)."""
+        return self._members
 
 
 class SquashManifest(_Model):
@@ -345,6 +410,8 @@ def dump(model: BaseModel) -> bytes:
     """
     doc = model.model_dump(mode="json", by_alias=True)
     schema = doc.get("schema")
+    if "groups" in doc and doc["groups"] is None:  # a schema-3 layout, byte for byte as before
+        doc.pop("groups")
     if schema == 1:
         for field in ("lineage", "signature"):
             if doc.get(field) is None:
@@ -480,6 +547,8 @@ def _check_int(value: int | None, field: str, what: str, key: str, *, low: int =
 def parse_head(data: bytes, key: str = HEAD_KEY) -> Head:
     """Parse HEAD bytes. Raises CorruptObjectError / UnsupportedSchemaError."""
     head: Head = _validate(Head, _load(data, "HEAD", key, MAX_HEAD_BYTES), "HEAD", key)
+    if head.schema_ > HEAD_SCHEMA:  # schema 4 changed layouts and manifests, not HEAD
+        raise UnsupportedSchemaError(f"HEAD {key!r} has schema {head.schema_}; this deltastore reads HEAD schemas 1-{HEAD_SCHEMA}: upgrade deltastore")
     _check_int(head.version, "version", "HEAD", key)
     _check_int(head.epoch, "epoch", "HEAD", key)
     # HEAD names its manifest by key and digest: both must be what a writer produces, so that a
@@ -675,12 +744,24 @@ _HEX = re.compile(r"[0-9a-f]*")
 SHARDED_UNSUPPORTED = "sharded versions are read from a later release"
 
 
-def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any]) -> Layout:
+def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int = 3) -> Layout:
     """The (unsharded) layout of ``tensors``, in their order: TensorEntry objects, or a mapping
-    of name to anything with ``name``, ``dtype``, ``shape`` and ``chunk_rows`` (TensorSpec)."""
+    of name to anything with ``name``, ``dtype``, ``shape`` and ``chunk_rows`` (TensorSpec).
+
+    ``schema`` 4 writes the ``groups`` record of every item with ``members`` (a TensorSpec of
+    a group row, design 007); schema 3 refuses such items (ValueError)."""
     items = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
     n = len(items)
+    groups = [
+        GroupRecord(unit=i, name=tuple(m.name for m in t.members), shape=tuple(tuple(m.shape) for m in t.members),
+                    offset=tuple(m.offset for m in t.members))
+        for i, t in enumerate(items) if getattr(t, "members", ())
+    ]
+    if schema < GROUPS_SCHEMA and groups:
+        raise ValueError(f"a schema-{schema} layout cannot hold groups (schema {GROUPS_SCHEMA} does)")
     return Layout(
+        schema=schema,
+        groups=tuple(groups) if schema >= GROUPS_SCHEMA else None,
         name=tuple(t.name for t in items),
         dtype=tuple(t.dtype for t in items),
         shape=tuple(tuple(t.shape) for t in items),
@@ -720,18 +801,87 @@ def _unzstd(data: bytes, what: str, key: str, max_bytes: int) -> bytes:
 
 
 def _load3(data: bytes, what: str, key: str, max_bytes: int) -> dict[str, Any]:
-    """A schema-3 object's JSON document (decompressed, parsed, schema and depth checked)."""
+    """A schema-3/4 object's JSON document (decompressed, parsed, schema and depth checked)."""
     doc = _json_document(_unzstd(data, what, key, max_bytes), what, key)
     schema = doc["schema"]
-    if schema != 3:
+    allowed = _ZST_SCHEMAS.get(what, (3,))
+    if schema not in allowed:
+        if schema > max(allowed):
+            raise UnsupportedSchemaError(f"{what} {key!r} has schema {schema}; this deltastore reads {what}s of schema "
+                                         f"{', '.join(map(str, allowed))}: upgrade deltastore")
         raise CorruptObjectError(f"{what} {key!r} is zstd-compressed but has schema {schema}: only schema-3 objects are")
     _check_depth(doc, what, key)
     return doc
 
 
+def _check_groups(layout: Layout, what: str, key: str) -> None:
+    """Schema 4's group records (design 007 D6): each names one 1-D row, once; its members
+    tile the row in order (no overlap, no gap, nothing past the end); every name is unique
+    across rows and members. After this, gather and scatter stay in range."""
+    if layout.schema_ not in (3, GROUPS_SCHEMA):
+        raise CorruptObjectError(f"{what} {key!r} has schema {layout.schema_}: layouts are schema 3 or 4")
+    if (layout.groups is None) != (layout.schema_ == 3):
+        raise CorruptObjectError(f"{what} {key!r}: a schema-{layout.schema_} layout "
+                                 f"{'has no' if layout.schema_ == 3 else 'needs a'} groups record")
+    n = len(layout.name)
+    names = set(layout.name)
+    units: set[int] = set()
+    for gi, g in enumerate(layout.groups or ()):
+        def bad(msg: str, gi: int = gi, g: GroupRecord = g) -> CorruptObjectError:
+            row = layout.name[g.unit] if 0 <= g.unit < n else g.unit
+            return CorruptObjectError(f"{what} {key!r}: group record {gi} (row {row!r}) {msg}")
+
+        if not 0 <= g.unit < n:
+            raise bad(f"names row {g.unit}; the layout has {n}")
+        if g.unit in units:
+            raise bad("names a row another group record names")
+        units.add(g.unit)
+        k = len(g.name)
+        if k == 0 or len(g.shape) != k or len(g.offset) != k:
+            raise bad(f"has {k} names, {len(g.shape)} shapes and {len(g.offset)} offsets (non-empty, all equal)")
+        row_shape = layout.shape[g.unit]
+        if len(row_shape) != 1:
+            raise bad(f"has shape {list(row_shape)[:MAX_NDIM + 1]}: a group row is 1-D")
+        total, pos = row_shape[0], 0
+        for i in range(k):
+            shape, name = g.shape[i], g.name[i]
+            if len(shape) > MAX_NDIM or any(not 0 <= d < INT_LIMIT for d in shape):
+                raise bad(f"member {name!r} has impossible shape {list(shape)[:MAX_NDIM + 1]}")
+            count = 1
+            for d in shape:
+                count *= d
+            if g.offset[i] != pos:
+                raise bad(f"member {name!r} starts at element {g.offset[i]}, not {pos}: members tile the group "
+                          "in order, without overlap or gap")
+            pos += count
+            if pos > total:
+                raise bad(f"member {name!r} ends at element {pos}, past the group's {total}")
+            if not name or name in names:
+                raise bad(f"member name {name!r} is empty or also names another row or member")
+            names.add(name)
+        if pos != total:
+            raise bad(f"members end at element {pos}, but the group has {total}")
+
+
+#: Layout objects that passed :func:`_check_layout` (by identity; History caches layouts, and
+#: every manifest of an anchor span is parsed against the same object): re-checking 20,000
+#: rows per manifest parse was ~0.2 s (design 007). Bounded: a few layouts are live at once.
+_CHECKED_LAYOUTS: dict[int, Layout] = {}
+_CHECKED_LAYOUTS_MAX = 16
+
+
 def _check_layout(layout: Layout, what: str, key: str) -> None:
     """A layout's columns agree, and describe tensors a reader can allocate; sharded layouts
-    are refused (UnsupportedSchemaError)."""
+    are refused (UnsupportedSchemaError); schema 4's groups are checked (design 007 D6)."""
+    if _CHECKED_LAYOUTS.get(id(layout)) is layout:  # the same (immutable) object passed before
+        return
+    _check_layout_once(layout, what, key)
+    if len(_CHECKED_LAYOUTS) >= _CHECKED_LAYOUTS_MAX:
+        _CHECKED_LAYOUTS.pop(next(iter(_CHECKED_LAYOUTS)))
+    _CHECKED_LAYOUTS[id(layout)] = layout
+
+
+def _check_layout_once(layout: Layout, what: str, key: str) -> None:
     n = len(layout.name)
     columns = (layout.dtype, layout.shape, layout.chunk_rows, layout.chunk_cols, layout.pieces, layout.piece_parts)
     if any(len(c) != n for c in columns):
@@ -749,6 +899,7 @@ def _check_layout(layout: Layout, what: str, key: str) -> None:
             raise CorruptObjectError(f"{where} has impossible shape {list(shape)[:MAX_NDIM + 1]}")
         if not 1 <= layout.chunk_rows[i] < INT_LIMIT:
             raise CorruptObjectError(f"{where} has chunk_rows {layout.chunk_rows[i]}")
+    _check_groups(layout, what, key)
 
 
 def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
@@ -920,7 +1071,11 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str) -> Manifes
         del t["_ti"]
     header["blobs"] = [p.model_dump() for p in packs]
     header["tensors"] = tensors
-    return _validate(Manifest, header, "manifest", key)
+    if (header.get("schema") == GROUPS_SCHEMA) != (layout.schema_ == GROUPS_SCHEMA):
+        raise bad(f"a schema-{header.get('schema')} manifest names a schema-{layout.schema_} layout "
+                  f"(schema-{GROUPS_SCHEMA} manifests and layouts go together)")
+    m: Manifest = _validate(Manifest, header, "manifest", key)
+    return m.with_groups(layout)
 
 
 def encode_manifest(m: Manifest, layout: Layout | None = None) -> bytes:

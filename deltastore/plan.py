@@ -70,8 +70,9 @@ class ChunkPlan:
 
 
 def layout(m: Manifest) -> dict[str, TensorSpec]:
-    """The tensor layout an anchor manifest defines."""
-    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows) for t in m.tensors}
+    """The layout an anchor manifest defines: its units (tensors, and group rows with their
+    members, design 007)."""
+    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows, m.members(t.name)) for t in m.tensors}
 
 
 def digests(ms: Manifests) -> dict[tuple[str, int], str]:

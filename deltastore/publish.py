@@ -36,6 +36,7 @@ from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
 from deltastore.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     DTYPE_WIDTHS,
+    GROUPS_SCHEMA,
     Head,
     Layout,
     Manifest,
@@ -49,6 +50,7 @@ from deltastore.manifest import (
     object_key,
     sha256_hex,
 )
+from deltastore.groups import group_specs, unit_reference
 from deltastore.publish_queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -134,6 +136,12 @@ class Publisher:
         writer_id: id recorded in manifests and HEAD (default ``host-pid-random``).
         threads: encode threads (default: all cores).
         chunk_bytes: target chunk size for new layouts (default 16 MiB).
+        group_small_tensors: pack small tensors (≤ 256 KiB) of one dtype into shared ~1 MiB
+            rows of new layouts (design 007): per-segment and per-entry costs are then paid per
+            MiB, not per tensor (20,000 norms publish and pull ~10-40× faster). A store with
+            groups is schema 4, which releases before it do not read; default False (schema 3).
+            A resumed publisher continues the grouping of the version it resumes from until a
+            layout change.
         allow_unsafe_store: publish to a store without atomic conditional writes (this
             publisher promises to be the only writer); otherwise an ``s3://`` endpoint is probed
             once for If-None-Match/If-Match support (cached in ``_deltastore/probe.json``).
@@ -200,6 +208,7 @@ class Publisher:
         anchor_cost_ratio: float = DEFAULT_ANCHOR_COST_RATIO,
         max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S,
         compact: bool | CompactPolicy = False,
+        group_small_tensors: bool = False,
     ):
         if anchor_policy is None:
             anchor_policy = "every" if anchor_every is not None else "cost"
@@ -246,6 +255,7 @@ class Publisher:
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.threads = threads or default_threads()
         self.chunk_bytes = chunk_bytes
+        self.group_small_tensors = group_small_tensors
         self.resume = resume
         self.dtype = dtype
         self.async_policy = async_policy
@@ -262,6 +272,9 @@ class Publisher:
         # The last committed state as this publisher wrote it (None until its first commit).
         self._reference: dict[str, torch.Tensor] | None = None
         self._specs: dict[str, TensorSpec] | None = None
+        #: the layout object of ``_specs`` once committed (rebuilding it validates every row and
+        #: group member again: ~0.2 s per publish at 20,000 tensors)
+        self._layout: Layout | None = None
         self._anchor_version = 0
         # What the next version needs of the version it builds on (schema-3 fields), and the
         # skip-pointer links of recent manifests (bounded).
@@ -466,9 +479,13 @@ class Publisher:
         why = self._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
         kind = "anchor" if why else "delta"
         assert kind == "anchor" or (tip is not None and tip.schema3)  # a delta continues a schema-3 chain
-        specs = self._specs if same_layout else {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
+        specs = self._specs if same_layout else self._new_specs(state)
         assert specs is not None
-        layout = layout_of(specs)
+        if same_layout and self._layout is not None:
+            layout = self._layout
+        else:
+            grouped = any(s.members for s in specs.values())
+            layout = layout_of(specs, schema=GROUPS_SCHEMA if grouped else 3)
 
         lineage = self._commits.lineage_for_commit()
         attempt = new_attempt_id()  # the commit id: every object of this attempt is under it (D1)
@@ -493,6 +510,7 @@ class Publisher:
             cum = 0 if restart else tip.cum + delta_bytes
             parent_key = self._head.manifest if self._head else None
             manifest = Manifest(
+                schema=layout.schema_,
                 version=version,
                 parent=self._head.version if self._head and self._head.version else None,
                 parent_manifest=parent_key,
@@ -514,7 +532,7 @@ class Publisher:
                 chain_start=chain_start,
                 layout=layout_ref,
                 max_attempt_s=math.ceil(self.max_attempt_s),
-            )
+            ).with_groups(layout)
             if self._signing_key is not None:
                 from deltastore.signing import sign_manifest
 
@@ -548,11 +566,10 @@ class Publisher:
                 self._reference = None
             raise
         if not has_base:  # deltas advanced the reference while encoding
-            if owned:  # a new dict: the queue clears the snapshot's dict once this returns
-                self._reference = dict(state)
-            else:
-                self._reference = {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
-        self._specs = specs
+            # A new dict (the queue clears the snapshot's dict once this returns), per unit: a
+            # group row is one buffer of its members' bits (design 007 D5).
+            self._reference = unit_reference(state, specs, owned=owned)
+        self._specs, self._layout = specs, layout
         if kind == "anchor":
             self._anchor_version = version
         self._remember(mkey, manifest)
@@ -592,6 +609,11 @@ class Publisher:
             if since > 0 and since >= self.anchor_cost_ratio * tip.anchor_full:
                 return f"{since} delta bytes since anchor {tip.anchor} ≥ {self.anchor_cost_ratio:g} × its {tip.anchor_full} full bytes"
         return None
+
+    def _new_specs(self, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+        """The units of a new layout: a spec per tensor, small ones grouped if asked (design 007)."""
+        specs = {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
+        return group_specs(specs, self.chunk_bytes) if self.group_small_tensors else specs
 
     def _write_layout(self, attempt: str, layout: Layout) -> ObjectRef:
         data = encode_object(layout)
@@ -750,15 +772,16 @@ class Publisher:
         assert self._head is not None
         with Subscriber(self.url, store=self.store, threads=self.threads) as sub:
             reference = sub.pull(self._head.version)
-            specs = sub.layout()
+            specs = sub.units()  # group rows stay rows: the chain continues their grouping
             anchor = sub.info(self._head.version).anchor
         try:
             check_layout(specs, state, against=f"version {self._head.version} of {self.url}")
         except LayoutMismatchError:
             logger.info("not resuming from version %d: its layout differs", self._head.version)
-            self._specs = specs  # so publish() reports the mismatch (or anchors, if asked)
+            self._specs, self._layout = specs, None  # so publish() reports the mismatch (or anchors, if asked)
             return
-        self._reference, self._specs, self._anchor_version = reference, specs, anchor
+        self._reference = unit_reference(reference, specs, owned=True)
+        self._specs, self._layout, self._anchor_version = specs, None, anchor
         logger.info("resumed from version %d of %s", self._head.version, self.url)
 
 
@@ -813,7 +836,8 @@ def _tip_of(key: str, m: Manifest, history: History) -> _Tip:
 
 
 def _layout_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
+    names: dict[torch.dtype, str] = {}  # dtype_name once per dtype (20,000-tensor models)
+    return {n: (names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)), tuple(t.shape)) for n, t in state.items()}
 
 
 def _int_step(step: Any) -> int | None:

@@ -23,6 +23,7 @@ from deltastore.apply import (
     _torch_dtype,
     _verify_chunk,
     digest_mismatches,
+    targets_for,
 )
 from deltastore.cache import WorkerCache
 from deltastore.errors import (
@@ -68,7 +69,7 @@ from deltastore.plan import layout as _layout
 from deltastore.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import TensorSpec, bits, check_layout
+from deltastore.tensors import TensorSpec, check_layout, member_specs
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +256,13 @@ class Subscriber:
         return self._fetcher.bytes_fetched
 
     def layout(self) -> dict[str, TensorSpec]:
-        """The tensor layout (names, dtypes, shapes, chunking) of the version last pulled."""
+        """The tensor layout (names, dtypes, shapes, chunking) of the version last pulled: the
+        tensors users see, group members included (design 007)."""
+        return member_specs(self.units())
+
+    def units(self) -> dict[str, TensorSpec]:
+        """The layout rows of the version last pulled: tensors, and group rows of small
+        tensors (each spec's ``members``) as the store chunks them (design 007)."""
         if self._held is None:
             raise VersionNotFoundError(f"no version of {self.url} has been pulled yet")
         return dict(self._held.specs)
@@ -297,7 +304,7 @@ class Subscriber:
         specs = _layout(ms[0][1])
         plans = self._plan_from_anchor(ms, specs)  # checks the whole chain before allocating
         self._check_model_size(specs, m.version)
-        out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
+        out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in member_specs(specs).items()}
         self._engine.materialize(plans, specs, out)
         self._set_held(_Held.of(ms))
         return out
@@ -310,7 +317,7 @@ class Subscriber:
         key, m = self._resolve(version)
         specs = _layout(self._history.anchor_chain(key, m)[0][1])
         self._check_model_size(specs, m.version)
-        return {n: torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in specs.items()}
+        return {n: torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in member_specs(specs).items()}
 
     def pull_into(self, target: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None) -> VersionInfo | None:
         """Fast-forward ``target`` in place to ``version`` (default: the latest).
@@ -796,8 +803,8 @@ class Subscriber:
             ms = self._history.anchor_chain(key, m)
             specs = _layout(ms[0][1])
             check_layout(specs, st.tensors, against=f"version {m.version} of {self.url}")
-            cached = {n: bits(t) for n, t in st.tensors.items()}
-            bad = digest_mismatches(self._pool, specs, _digests(ms), lambda name, a, b: cached[name][a:b])
+            cached = targets_for(specs, st.tensors)
+            bad = digest_mismatches(self._pool, specs, _digests(ms), lambda name, a, b: cached[name].read(a, b))
             if bad and collected is None:
                 raise _Unusable(f"tensor {bad[0][0]!r} chunk {bad[0][1]} does not match its digest")
         except NotFoundError:

@@ -16,7 +16,7 @@ import xxhash
 
 from deltastore.codec import _kernels
 from deltastore.errors import InvalidStateDictError, LayoutMismatchError
-from deltastore.manifest import DTYPE_WIDTHS, chunk_count
+from deltastore.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
 
 #: A chunk of about this size is the unit of change detection, encoding, threading and
 #: partial reads: big enough that per-chunk overhead vanishes, small enough that a few chunks
@@ -49,6 +49,8 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
     chunk_rows: int
+    #: a group row's tensors (design 007), in storage order; empty for a tensor.
+    members: tuple[GroupMember, ...] = ()
 
     @property
     def width(self) -> int:
@@ -111,6 +113,8 @@ def validate_state_dict(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
     if not state:
         raise InvalidStateDictError("the state dict is empty: nothing to publish")
     out: dict[str, torch.Tensor] = {}
+    # The dtype checks run once per dtype: a model of 20,000 small tensors has a handful.
+    dtypes_ok: set[torch.dtype] = set()
     for name, t in state.items():
         if not isinstance(name, str) or not name:
             raise InvalidStateDictError(f"state dict key {name!r} is not a non-empty string")
@@ -118,12 +122,16 @@ def validate_state_dict(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
             raise InvalidStateDictError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if t.layout != torch.strided:
             raise InvalidStateDictError(f"tensor {name!r} is {t.layout}; convert it with .to_dense() before publishing")
-        if t.is_quantized or t.is_complex() and t.element_size() not in _UINT_BY_WIDTH:
+        if t.dtype in dtypes_ok:
+            pass
+        elif t.is_quantized or t.is_complex() and t.element_size() not in _UINT_BY_WIDTH:
             raise InvalidStateDictError(f"tensor {name!r} has unsupported dtype {t.dtype}")
-        if t.element_size() not in _UINT_BY_WIDTH:
+        elif t.element_size() not in _UINT_BY_WIDTH:
             raise InvalidStateDictError(f"tensor {name!r} has dtype {t.dtype} of {t.element_size()} bytes; deltastore stores 1-, 2-, 4- and 8-byte elements")
-        if dtype_name(t.dtype) not in DTYPE_WIDTHS:  # readers refuse any other dtype name
+        elif dtype_name(t.dtype) not in DTYPE_WIDTHS:  # readers refuse any other dtype name
             raise InvalidStateDictError(f"tensor {name!r} has dtype {t.dtype}, which deltastore does not store")
+        else:
+            dtypes_ok.add(t.dtype)
         if not t.is_contiguous():
             raise InvalidStateDictError(f"tensor {name!r} is not contiguous; pass .contiguous() (deltastore never copies silently)")
         if t.device.type == "meta":
@@ -133,18 +141,26 @@ def validate_state_dict(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
 
 
 def check_layout(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Tensor], *, against: str) -> None:
-    """Raise LayoutMismatchError naming the first tensor whose name, dtype or shape differ."""
-    missing = sorted(set(specs) - set(state))
-    extra = sorted(set(state) - set(specs))
-    if missing:
-        raise LayoutMismatchError(f"tensor {missing[0]!r} of {against} is missing ({len(missing)} missing in all)")
-    if extra:
+    """Raise LayoutMismatchError naming the first tensor whose name, dtype or shape differ.
+
+    ``specs`` may hold group rows (design 007): their members are what ``state`` must hold."""
+    expected = [(m.name, m.dtype, m.shape) for s in specs.values() for m in (s.members or (s,))]
+    names = {e[0] for e in expected}
+    if len(names) != len(state) or not names.issuperset(state):
+        missing = sorted(names - set(state))
+        extra = sorted(set(state) - names)
+        if missing:
+            raise LayoutMismatchError(f"tensor {missing[0]!r} of {against} is missing ({len(missing)} missing in all)")
         raise LayoutMismatchError(f"tensor {extra[0]!r} is not in {against} ({len(extra)} new in all)")
-    for name, spec in specs.items():
+    names_of: dict[torch.dtype, str] = {}  # dtype_name once per dtype, not per tensor
+    for name, dtype, shape in expected:
         t = state[name]
-        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+        dt = names_of.get(t.dtype)
+        if dt is None:
+            dt = names_of[t.dtype] = dtype_name(t.dtype)
+        if dt != dtype or t.shape != shape:
             raise LayoutMismatchError(
-                f"tensor {name!r} is {dtype_name(t.dtype)}{list(t.shape)} but {against} has {spec.dtype}{list(spec.shape)}"
+                f"tensor {name!r} is {dt}{list(t.shape)} but {against} has {dtype}{list(shape)}"
             )
 
 
@@ -166,3 +182,18 @@ def from_bits(raw: np.ndarray, spec: TensorSpec) -> torch.Tensor:
     """A tensor of ``spec``'s dtype and shape over the bits in ``raw`` (takes ownership)."""
     signed = torch.from_numpy(raw.view(np.dtype(_UINT_BY_WIDTH[spec.width]).str.replace("u", "i")))
     return signed.view(torch_dtype(spec.dtype)).reshape(spec.shape)
+
+
+def member_specs(specs: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+    """The tensors as users see them (design 007 D4): every group row replaced by its members
+    (in the group's place); ``specs`` itself when it has no groups."""
+    if not any(s.members for s in specs.values()):
+        return dict(specs)
+    out: dict[str, TensorSpec] = {}
+    for name, s in specs.items():
+        if not s.members:
+            out[name] = s
+            continue
+        for m in s.members:
+            out[m.name] = TensorSpec(m.name, m.dtype, m.shape, max(1, m.shape[0]) if m.shape else 1)
+    return out

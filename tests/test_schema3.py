@@ -379,8 +379,12 @@ def test_hostile_schema_mismatches(base) -> None:
     data, key = _frame(_mutated(doc, ("parts",), [{"part": 0}]))
     with pytest.raises(UnsupportedSchemaError, match="sharded versions are read from a later release"):
         parse_manifest(data, key, layout=layout)
-    data, key = _frame(_mutated(doc, ("schema",), 4))
+    data, key = _frame(_mutated(doc, ("schema",), 5))
     with pytest.raises(UnsupportedSchemaError):
+        parse_manifest(data, key, layout=layout)
+    # schema 4 (design 007) is readable, but only with a schema-4 layout
+    data, key = _frame(_mutated(doc, ("schema",), 4))
+    with pytest.raises(CorruptObjectError, match="schema-3 layout"):
         parse_manifest(data, key, layout=layout)
     data, key = _frame(_mutated(doc, ("schema",), 2))
     with pytest.raises(CorruptObjectError, match="schema 2"):

@@ -1,0 +1,297 @@
+"""Tensor groups (design 007, SPEC §2 *Groups*, §3.2 schema 4).
+
+- the publisher's grouping policy (per dtype, size threshold, no group of one, layout order);
+- schema-4 layouts round-trip, and hostile group records are refused with typed errors;
+- publish → pull / pull_into / stage+swap / squash / GC stay bit-exact with groups, on a real
+  S3 endpoint (moto), with groups cut into several chunks that split members;
+- a group chunk's digest is XXH3-128 of its members' bytes concatenated;
+- a modified member is detected before anything is applied; a publisher resumes a grouped chain;
+- with grouping off, the writer still writes schema 3.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+import zstandard
+
+from deltastore import Publisher, Subscriber
+from deltastore.compact import compact
+from deltastore.errors import CorruptObjectError, TargetModifiedError, UnsupportedSchemaError
+from deltastore.gc import collect
+from deltastore.groups import GROUP_MEMBER_MAX_BYTES, GROUP_TARGET_BYTES, group_specs, split_patch
+from deltastore.history import History
+from deltastore.manifest import GroupMember, Layout, decode_object, encode_object, layout_of, object_key, sha256_hex
+from deltastore.stage import make_patch
+from deltastore.storage import open_store
+from deltastore.tensors import TensorSpec, bits, member_specs
+from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, assert_bits_equal, snapshot
+
+# --- the grouping policy ---------------------------------------------------------------------
+
+
+def _spec(name: str, dtype: str, shape: tuple[int, ...]) -> TensorSpec:
+    return TensorSpec(name, dtype, shape, max(1, shape[0]) if shape else 1)
+
+
+def test_grouping_is_per_dtype_in_order_and_leaves_big_and_lonely_tensors_alone() -> None:
+    specs: dict[str, TensorSpec] = {}
+    for i in range(300):  # 300 × 8 KiB of bf16, interleaved with fp32 norms and a big matrix
+        specs[f"l{i}.w"] = _spec(f"l{i}.w", "bfloat16", (4096,))
+        specs[f"l{i}.n"] = _spec(f"l{i}.n", "float32", (64,))
+        if i == 150:
+            specs["big"] = _spec("big", "bfloat16", (GROUP_MEMBER_MAX_BYTES // 2 + 1,))
+    specs["lonely"] = _spec("lonely", "int64", (3,))
+    specs["empty"] = _spec("empty", "bfloat16", (0,))
+    units = group_specs(specs)
+    rows = {n: s for n, s in units.items() if s.members}
+    assert {"big", "lonely", "empty"} <= set(units) and not any(units[n].members for n in ("big", "lonely", "empty"))
+    # every small tensor is in exactly one group, of its own dtype, members in state-dict order
+    seen = [m.name for s in rows.values() for m in s.members]
+    assert sorted(seen) == sorted(n for n in specs if n not in ("big", "lonely", "empty"))
+    order = list(specs)
+    for s in rows.values():
+        assert all(m.dtype == s.dtype for m in s.members)
+        assert [order.index(m.name) for m in s.members] == sorted(order.index(m.name) for m in s.members)
+        assert s.shape == (sum(m.numel for m in s.members),)
+        assert [m.offset for m in s.members] == list(np.cumsum([0] + [m.numel for m in s.members])[:-1])
+        nbytes = s.nbytes
+        assert nbytes <= GROUP_TARGET_BYTES + GROUP_MEMBER_MAX_BYTES
+    full = [s for s in rows.values() if s.dtype == "bfloat16"]
+    assert all(s.nbytes >= GROUP_TARGET_BYTES for s in full[:-1])  # only the last one is short
+    # the user's view: every tensor, none of the rows
+    assert set(member_specs(units)) == set(specs)
+
+
+def test_group_names_never_collide_with_tensor_names() -> None:
+    specs = {n: _spec(n, "float16", (8,)) for n in ("#group/0", "a", "b")}
+    units = group_specs(specs)
+    (row,) = [n for n, s in units.items() if s.members]
+    assert row not in specs and row.startswith("##group/")
+
+
+# --- schema-4 layouts ------------------------------------------------------------------------
+
+
+def _layout() -> Layout:
+    specs = {f"t{i}": _spec(f"t{i}", "bfloat16", (3, 4)) for i in range(5)}
+    specs["big"] = _spec("big", "float32", (100_000,))
+    return layout_of(group_specs(specs), schema=4)
+
+
+def _doc(layout: Layout) -> dict[str, Any]:
+    return json.loads(zstandard.ZstdDecompressor().decompress(encode_object(layout)))
+
+
+def _decode(doc: dict[str, Any]) -> Layout:
+    data = zstandard.ZstdCompressor(write_content_size=True).compress(json.dumps(doc, sort_keys=True).encode())
+    return decode_object(Layout, data, object_key("0" * 32, sha256_hex(data), ".layout.json.zst"))
+
+
+def test_schema4_layout_round_trips_with_its_members() -> None:
+    layout = _layout()
+    back = _decode(_doc(layout))
+    assert back == layout and back.schema_ == 4
+    (row,) = back.members()
+    assert back.members()[row] == tuple(GroupMember(f"t{i}", "bfloat16", (3, 4), 12 * i) for i in range(5))
+    with pytest.raises(ValueError, match="schema-3 layout cannot hold groups"):
+        layout_of(group_specs({f"t{i}": _spec(f"t{i}", "int8", (2,)) for i in range(3)}))
+
+
+def _mutate(path: tuple[Any, ...], value: Any) -> Any:
+    def f(doc: dict[str, Any]) -> dict[str, Any]:
+        node = doc
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = value
+        return doc
+
+    return f
+
+
+HOSTILE = {
+    "overlap": (_mutate(("groups", 0, "offset", 2), 20), "starts at element 20, not 24"),
+    "gap": (_mutate(("groups", 0, "offset", 1), 13), "starts at element 13, not 12"),
+    "negative offset": (_mutate(("groups", 0, "offset", 0), -1), "starts at element -1, not 0"),
+    "past the end": (_mutate(("groups", 0, "shape", 4), [3, 5]), "past the group's 60"),
+    "short of the end": (_mutate(("groups", 0, "shape", 4), [3, 3]), "members end at element 57"),
+    "unit out of range": (_mutate(("groups", 0, "unit"), 7), "names row 7"),
+    "two records, one row": (lambda d: {**d, "groups": d["groups"] * 2}, "another group record"),
+    "columns differ": (_mutate(("groups", 0, "offset"), [0, 12]), "5 names, 5 shapes and 2 offsets"),
+    "empty record": (_mutate(("groups", 0), {"unit": 0, "name": [], "shape": [], "offset": []}), "0 names"),
+    "member named like a row": (_mutate(("groups", 0, "name", 1), "big"), "also names another row"),
+    "member named twice": (_mutate(("groups", 0, "name", 1), "t0"), "also names another row or member"),
+    "2-D group row": (_mutate(("shape", 0), [6, 10]), "a group row is 1-D"),
+    "impossible member shape": (_mutate(("groups", 0, "shape", 0), [-12]), "impossible shape"),
+    "schema 3 with groups": (_mutate(("schema",), 3), "schema-3 layout has no groups"),
+    "schema 4 without groups": (lambda d: {k: v for k, v in d.items() if k != "groups"}, "needs a groups record"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_group_records_are_refused(case: str) -> None:
+    mutate, message = HOSTILE[case]
+    doc = _doc(_layout())
+    assert doc["groups"][0]["unit"] == 0 and doc["shape"][0] == [60]
+    with pytest.raises(CorruptObjectError, match=message):
+        _decode(mutate(doc))
+
+
+def test_a_newer_layout_schema_is_unsupported() -> None:
+    with pytest.raises(UnsupportedSchemaError, match="upgrade"):
+        _decode(_mutate(("schema",), 5)(_doc(_layout())))
+
+
+# --- patches of a group chunk ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_group_patch_splits_into_member_patches_that_rebuild_the_chunk(dense: bool) -> None:
+    rng = np.random.default_rng(1)
+    spec = group_specs({f"m{i}": _spec(f"m{i}", "int16", (n,)) for i, n in enumerate([5, 1, 7, 3, 9])})
+    (row,) = spec.values()
+    old = rng.integers(0, 2**16, row.numel, dtype=np.uint16)
+    new = old.copy()
+    where = rng.choice(row.numel, size=row.numel, replace=False) if dense else np.array([4, 5, 9, 18])
+    new[where] ^= 1
+    a, b = 3, 20  # a chunk that cuts the first and last members it touches
+    patch = make_patch(row.name, 0, (a, b), old[a:b], new[a:b])
+    assert patch is not None and (patch.positions is None) == dense
+    members = {m.name: old[m.offset:m.offset + m.numel].copy() for m in row.members}
+    for p in split_patch(patch, row):
+        raw = members[p.name][p.span[0]:p.span[1]]
+        if p.positions is None:
+            assert np.array_equal(raw, p.expected_old)
+            raw[...] = p.values
+        else:
+            assert np.array_equal(raw[p.positions], p.expected_old)
+            raw[p.positions] = p.values
+    got = np.concatenate([members[m.name] for m in row.members])
+    want = old.copy()
+    want[a:b] = new[a:b]
+    assert np.array_equal(got, want)
+
+
+# --- end to end, on S3 ------------------------------------------------------------------------
+
+
+def _chunk_digests(url: str, storage_options: Any, version: int) -> tuple[Any, Layout]:
+    store = open_store(url, storage_options=storage_options)
+    h = History(store)
+    head = h.read_head()[0]
+    key, m = h.find(version, head)
+    return m, h.layout(m.layout)
+
+
+def test_grouped_store_is_bit_exact_over_s3_through_pull_pull_into_stage_squash_and_gc(moto_s3_url: Any) -> None:
+    t = moto_s3_url
+    opts = t.storage_options
+    trainer = TinyTrainer(4)
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    with Publisher(t.url, storage_options=opts, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, anchor_every=5,
+                   group_small_tensors=True) as pub:
+        state = trainer.export()
+        for _ in range(8):
+            states[pub.publish(state).version] = snapshot(state)
+            state = trainer.step()
+
+    # The format: schema 4, one group per dtype, split into several chunks; digests cover
+    # the members' bytes concatenated (SPEC §2).
+    m1, layout = _chunk_digests(t.url, opts, 1)
+    assert m1.schema_ == 4 and layout.schema_ == 4 and layout.groups
+    units = {e.name: e for e in m1.tensors}
+    # SMALL_CHUNK_BYTES cuts the bf16 group, and members, across chunks
+    assert max(len(units[layout.name[g.unit]].chunks) for g in layout.groups) > 2
+    for g in layout.groups:
+        row = layout.name[g.unit]
+        members = layout.members()[row]
+        concat = np.concatenate([bits(states[1][mm.name]).ravel() for mm in members])
+        entry = units[row]
+        for c in entry.chunks:
+            a, b = c.index * entry.chunk_rows, min((c.index + 1) * entry.chunk_rows, concat.size)
+            assert c.digest == xxhash.xxh3_128_hexdigest(concat[a:b].tobytes())
+    assert m1.stats.tensors_total == len(states[1])
+
+    with Subscriber(t.url, storage_options=opts, threads=2) as sub:
+        for v in states:
+            assert_bits_equal(sub.pull(v), states[v], f"pull v{v}")
+        assert set(sub.layout()) == set(states[1]) and any(s.members for s in sub.units().values())
+    with Subscriber(t.url, storage_options=opts, threads=2) as sub:
+        target = sub.pull(1)
+        sub.pull_into(target, 3)
+        assert_bits_equal(target, states[3], "pull_into 3")
+        staged = sub.stage(target, 6)
+        assert staged is not None and staged.patches and all(p.name in states[6] for p in staged.patches)
+        sub.swap(staged, target)
+        assert_bits_equal(target, states[6], "stage+swap 6")
+        sub.pull_into(target)
+        assert_bits_equal(target, states[8], "pull_into head")
+
+    # A squash 2 → 8 over group rows, then a worker at 2 catches up through it.
+    (sq,) = compact(t.url, bases=[2], storage_options=opts, register=True).squashes
+    with Subscriber(t.url, storage_options=opts, threads=2) as sub:
+        target = sub.pull(2)
+        before = sub.bytes_fetched
+        sub.pull_into(target)
+        assert sub.bytes_fetched - before == sq.bytes
+        assert_bits_equal(target, states[8], "through the squash")
+
+    # GC keeps what versions ≥ the floor need: they still pull bit-exactly; older ones are gone.
+    report = collect(t.url, storage_options=opts, keep_last=2, grace_s=0, unsafe_grace_ok=True)
+    assert report.floor_after == 6 and report.deleted_objects > 0
+    with Subscriber(t.url, storage_options=opts, threads=2) as sub:
+        for v in (6, 7, 8):
+            assert_bits_equal(sub.pull(v), states[v], f"after GC v{v}")
+
+
+def test_a_modified_member_is_refused_before_anything_is_applied(tmp_path: Any) -> None:
+    url = str(tmp_path / "s")
+    trainer = TinyTrainer(5)
+    with Publisher(url, threads=2, group_small_tensors=True) as pub:
+        v1 = snapshot(trainer.export())
+        pub.publish(v1)
+        with Subscriber(url, threads=2) as sub:
+            target = sub.pull()
+            pub.publish(trainer.step())
+            name = "extra.f16"  # a member of a group
+            assert any(m.name == name for s in sub.units().values() for m in s.members)
+            target[name].view(-1)[3] += 1
+            edited = snapshot(target)
+            with pytest.raises(TargetModifiedError, match="group"):
+                sub.pull_into(target)
+            assert_bits_equal(target, edited, "nothing applied")
+            with pytest.raises(TargetModifiedError):
+                sub.stage(target)
+
+
+def test_a_restarted_publisher_continues_a_grouped_chain_with_deltas(tmp_path: Any) -> None:
+    url = str(tmp_path / "s")
+    trainer = TinyTrainer(6)
+    states = {}
+    with Publisher(url, threads=2, group_small_tensors=True, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        states[pub.publish(trainer.export()).version] = snapshot(trainer.export())
+    for _ in range(2):  # the option is what a resumed publisher does not need: the chain decides
+        with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+            s = trainer.step()
+            info = pub.publish(s)
+            states[info.version] = snapshot(s)
+            assert info.kind == "delta"
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(1)
+        for v in (2, 3):
+            sub.pull_into(target, v)
+            assert_bits_equal(target, states[v])
+
+
+def test_without_the_option_the_writer_writes_schema_3(tmp_path: Any) -> None:
+    url = str(tmp_path / "s")
+    with Publisher(url, threads=2) as pub:
+        pub.publish(TinyTrainer(7).export())
+    m, layout = _chunk_digests(url, None, 1)
+    assert m.schema_ == 3 and layout.schema_ == 3 and layout.groups is None
+    assert "groups" not in _doc(layout)
