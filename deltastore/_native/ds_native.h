@@ -1,0 +1,32 @@
+/* Shared declarations of the native kernels (deltastore._native).
+ *
+ * Each kernel file exports one method table; module.c adds them all to the module. Kernels take
+ * buffers through the buffer protocol, check sizes, contiguity and writability before touching
+ * them, and release the GIL around every loop over elements. */
+#ifndef DS_NATIVE_H
+#define DS_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* Bumped when a kernel's Python-visible signature changes; codec/_kernels.py checks it, so a
+ * stale build in the source tree is refused (numpy path) rather than called wrongly. */
+#define DS_NATIVE_ABI 1
+
+extern PyMethodDef ds_encode_methods[]; /* encode.c */
+extern PyMethodDef ds_apply_methods[];  /* apply.c */
+extern PyMethodDef ds_ctx_methods[];    /* ctx.c */
+
+/* The 32 lowercase hex digits of an XXH3-128 digest (high 64 bits first, as
+ * xxhash.xxh3_128_hexdigest writes them) as a new str. */
+PyObject *ds_hex128(uint64_t high, uint64_t low);
+
+/* Acquire a C-contiguous byte buffer of obj (writable if asked); on failure a Python error is
+ * set and -1 returned. */
+int ds_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what);
+
+/* Element width (1, 2, 4, 8) from a Python int, or -1 with ValueError set. */
+int ds_check_width(long width);
+
+#endif

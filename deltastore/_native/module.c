@@ -1,0 +1,47 @@
+/* deltastore._native: module init and the helpers every kernel file shares. */
+#include "ds_native.h"
+
+PyObject *ds_hex128(uint64_t high, uint64_t low) {
+    static const char digits[] = "0123456789abcdef";
+    char out[32];
+    for (int i = 0; i < 16; i++) {
+        out[i] = digits[(high >> (60 - 4 * i)) & 15];
+        out[16 + i] = digits[(low >> (60 - 4 * i)) & 15];
+    }
+    return PyUnicode_FromStringAndSize(out, 32);
+}
+
+int ds_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s buffer", what,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+int ds_check_width(long width) {
+    if (width == 1 || width == 2 || width == 4 || width == 8) return (int)width;
+    PyErr_Format(PyExc_ValueError, "element width must be 1, 2, 4 or 8, got %ld", width);
+    return -1;
+}
+
+static struct PyModuleDef ds_module = {
+    PyModuleDef_HEAD_INIT,
+    "deltastore._native",
+    "Native kernels of deltastore's codec (import them through deltastore.codec._kernels).",
+    -1,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&ds_module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddFunctions(m, ds_encode_methods) < 0 || PyModule_AddFunctions(m, ds_apply_methods) < 0 ||
+        PyModule_AddFunctions(m, ds_ctx_methods) < 0 || PyModule_AddIntConstant(m, "ABI", DS_NATIVE_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

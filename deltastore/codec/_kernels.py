@@ -1,0 +1,60 @@
+"""The one loader of the native kernels (``deltastore._native``, a C extension built at install
+when a compiler is there; docs/design/006-native-kernels.md).
+
+Everything else imports kernels from here, never ``deltastore._native`` itself. Each kernel is
+the extension's function, or None when the extension is not loaded; then callers run the numpy
+path, which writes the same bytes (tests/test_native.py compares the two).
+
+- ``DELTASTORE_NATIVE=0`` in the environment forces the numpy path (logged at INFO).
+- An extension that is missing, fails to load, or is a stale build (``ABI`` mismatch) is
+  reported once per process by one WARNING line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable: ``0`` forces the numpy path (for comparisons and tests).
+ENV_VAR = "DELTASTORE_NATIVE"
+
+#: The extension interface this loader expects (``DS_NATIVE_ABI`` in _native/ds_native.h).
+ABI = 1
+
+
+def _load():
+    if os.environ.get(ENV_VAR, "").strip() == "0":
+        logger.info("%s=0: native kernels off, running the numpy path", ENV_VAR)
+        return None
+    if sys.byteorder != "little":  # the kernels read and write elements in host order
+        logger.warning("native kernels not used on a big-endian host; running the numpy path (same bytes, slower)")
+        return None
+    try:
+        from deltastore import _native
+    except Exception as e:  # ImportError, or an OSError/… from a broken shared object
+        reason = f"{type(e).__name__}: {e}"
+    else:
+        abi = getattr(_native, "ABI", None)
+        if abi == ABI:
+            return _native
+        # a source checkout without a build imports deltastore/_native/ as a namespace package
+        reason = "not built" if abi is None else f"stale build (ABI {abi}, expected {ABI})"
+    logger.warning(
+        "deltastore native kernels unavailable (%s); running the numpy path (same bytes, slower). "
+        "Build them with a C compiler: pip install -e . (or python setup.py build_ext --inplace)",
+        reason,
+    )
+    return None
+
+
+_native = _load()
+
+#: True when the native kernels are loaded.
+NATIVE = _native is not None
+
+#: See the docstrings in deltastore/_native/encode.c.
+encode_add = getattr(_native, "encode_add", None)
+xxh3_128_hex = getattr(_native, "xxh3_128_hex", None)

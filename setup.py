@@ -1,0 +1,35 @@
+"""Build of the optional native kernels (``deltastore._native``); everything else is in
+pyproject.toml.
+
+The extension is ``optional``: on a machine without a working C compiler ``pip install`` still
+succeeds and deltastore runs its numpy path (same bytes, slower; one WARNING says so, see
+deltastore/codec/_kernels.py). The sources need only Python's headers (buffers come in through
+the buffer protocol, so numpy is not a build dependency).
+
+Sanitizer build (see docs/design/006-native-kernels.md)::
+
+    CFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -O1" \
+    LDFLAGS="-fsanitize=address,undefined" python setup.py build_ext --inplace --force
+"""
+
+import glob
+import os
+
+from setuptools import Extension, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = "deltastore/_native"
+
+# -O3: the kernels are tight loops over elements that gcc/clang vectorize only at -O3.
+OPT = ["/O2"] if os.name == "nt" else ["-O3"]
+
+native = Extension(
+    "deltastore._native",
+    sources=sorted(glob.glob(f"{SRC}/*.c", root_dir=HERE)),
+    depends=sorted(glob.glob(f"{SRC}/*.h", root_dir=HERE)),
+    include_dirs=[SRC],
+    extra_compile_args=OPT,
+    optional=True,  # no compiler, or it fails: install anyway, the numpy path runs
+)
+
+setup(ext_modules=[native])
