@@ -8,12 +8,14 @@ On a transformer-shaped model with real AdamW steps (``benchmarks/workload.py``,
 every core, 2 here):
 
 * **copy**: ``dst.copy_(src)`` of every tensor into preallocated tensors (torch on the same
-  threads), median of ``COPY_REPEATS``: the denominator of every ratio;
-* **publisher**: the first publish (an anchor), one delta publish per step (median), a forced
-  anchor publish (``anchor=True``) in the steady state, peak RSS of the delta publishes;
+  threads), median of ``COPY_REPEATS``, in its own process: the denominator of every ratio;
+* **publisher**: the first publish (step 0, an anchor), a delta publish for each of steps
+  1..N-1 (median), step N as a forced anchor (``anchor=True``: the steady-state anchor cost,
+  reference held), peak RSS of the delta publishes;
 * **worker**: ``pull`` of the first version, ``pull_into`` of each delta version (median) and of
-  the forced anchor, ``pull`` of the latest delta version (its anchor plus every delta), peak RSS
-  of the ``pull_into`` calls; every result compared bit for bit with the trainer's export;
+  the forced anchor, ``pull`` of the last delta version (its anchor plus every delta), peak RSS
+  of the delta ``pull_into`` calls; every result compared with the trainer's export (XXH3-128
+  of every tensor, taken by the publisher role);
 * **PULSE** (``benchmarks/peers.py``: COO int32 + new values, zstd-3) encode and decode+apply of
   the same steps, torch on the same threads;
 * **anchor encode on one thread**: ZipNN (bf16 byte mode, one thread) against
@@ -123,11 +125,13 @@ def _model_bytes(sd: dict) -> int:
     return sum(t.numel() * t.element_size() for t in sd.values())
 
 
-def _same(a: dict, b: dict) -> bool:
+def _digest(sd: dict) -> dict[str, str]:
+    """XXH3-128 of every tensor's bytes: compares a result with the trainer's export without a
+    second model-sized copy in the worker (which would sit in its heap and skew its peak RSS)."""
     import torch
+    import xxhash
 
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k].contiguous().view(torch.int16), b[k].contiguous().view(torch.int16)) for k in a)
+    return {k: xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.int16).numpy().data) for k, t in sd.items()}
 
 
 def _time_copy(state: dict) -> dict:
@@ -149,6 +153,15 @@ def _time_copy(state: dict) -> dict:
     clone_s = time.perf_counter() - t0
     del clone
     return {"copy_s": statistics.median(times), "copy_all_s": times, "clone_s": clone_s}
+
+
+def _copy(src: Path, threads: int) -> dict:
+    """The denominator, in its own process: the roles' peaks never see its extra model copy."""
+    import torch
+
+    torch.set_num_threads(threads)
+    state = _load(src, 0)
+    return {"role": "copy", "model_bytes": _model_bytes(state), **_time_copy(state)}
 
 
 def native_status() -> dict:
@@ -176,7 +189,7 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
     state = _load(src, 0)  # the trainer's tensors, updated in place per step
     model = _model_bytes(state)
     out: dict = {"role": "publisher", "model_bytes": model, "tensors": len(state), **native_status()}
-    out.update(_time_copy(state))
+    digests = [_digest(state)]  # what the worker must reach, per step
     delta_s, peaks, stored = [], [], []
     with Publisher(url, threads=threads) as pub:
         _reset_peak()
@@ -184,8 +197,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         pub.publish(state, step=0)
         out["first_anchor_s"] = time.perf_counter() - t0
         out["first_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
-        for s in range(1, steps + 1):
+        for s in range(1, steps):
             _load_into(src, s, state)
+            digests.append(_digest(state))
             _reset_peak()  # the benchmark's own file reads are not the publisher's memory
             t0 = time.perf_counter()
             info = pub.publish(state, step=s)
@@ -193,6 +207,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
             peaks.append(_status_kb("VmHWM"))
             assert info.kind == "delta", info
             stored.append(info.bytes_stored)
+        # The last step as a forced anchor: a steady-state anchor publish (reference held).
+        _load_into(src, steps, state)
+        digests.append(_digest(state))
         _reset_peak()
         t0 = time.perf_counter()
         info = pub.publish(state, step=steps, anchor=True)
@@ -200,12 +217,13 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         out["anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         out["anchor_bytes"] = info.bytes_stored
     del state
+    (work / "digests.json").write_text(json.dumps(digests))
     out.update(delta_s=delta_s, delta_median_s=statistics.median(delta_s), delta_bytes=stored,
                peak_over_model=(max(peaks) - baseline) * 1024 / model)
     # Baseline encoder and sizes, after the publisher is gone (its memory is measured above).
     pulse = peers.FORMATS["pulse"]
     pulse_s, pulse_bytes, h0 = [], [], []
-    for s in range(1, steps + 1):
+    for s in range(1, steps):
         if s > PULSE_STEPS and not entropy:
             break
         prev, new = _load(src, s - 1), _load(src, s)
@@ -230,6 +248,7 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
     from deltastore import Subscriber
 
     torch.set_num_threads(threads)
+    digests = json.loads((work / "digests.json").read_text())  # per step, from the publisher
     baseline = _status_kb("VmRSS")
     out: dict = {"role": "worker", **native_status()}
     exact = True
@@ -242,38 +261,38 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
         model = _model_bytes(target)
         out["model_bytes"] = model
         out["first_pull_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
-        exact &= _same(target, _load(src, 0))
-        out.update(_time_copy(target))
-        for v in range(2, steps + 2):  # version v holds step v - 1
+        exact &= _digest(target) == digests[0]
+        for v in range(2, steps + 1):  # version v holds step v - 1; versions 2..steps are deltas
             _reset_peak()
             t0 = time.perf_counter()
             sub.pull_into(target, version=v)
             into_s.append(time.perf_counter() - t0)
             peaks.append(_status_kb("VmHWM"))
-            exact &= _same(target, _load(src, v - 1))
-        # The forced anchor holds the same state as the last delta: pull_into reads it anyway.
+            exact &= _digest(target) == digests[v - 1]
         _reset_peak()
         t0 = time.perf_counter()
-        sub.pull_into(target, version=steps + 2)
+        sub.pull_into(target, version=steps + 1)  # the forced anchor (the last step)
         out["pull_into_anchor_s"] = time.perf_counter() - t0
+        out["pull_into_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
+        exact &= _digest(target) == digests[steps]
         del target
         _reset_peak()
         t0 = time.perf_counter()
-        latest = sub.pull(steps + 1)  # the anchor and every delta after it, into new tensors
+        latest = sub.pull(steps)  # the last delta version: the first anchor and every delta
         out["pull_chain_s"] = time.perf_counter() - t0
         out["pull_chain_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
-        exact &= _same(latest, _load(src, steps))
+        exact &= _digest(latest) == digests[steps - 1]
         del latest
     out.update(pull_into_s=into_s, pull_into_median_s=statistics.median(into_s),
                peak_over_model=(max(peaks) - baseline) * 1024 / model)
     pulse = peers.FORMATS["pulse"]
     pulse_s = []
-    for s in range(1, min(steps, PULSE_STEPS) + 1):
+    for s in range(1, min(steps - 1, PULSE_STEPS) + 1):
         target, blob = _load(src, s - 1), (work / f"pulse_{s}.bin").read_bytes()
         t0 = time.perf_counter()
         pulse.decode_apply(target, blob)
         pulse_s.append(time.perf_counter() - t0)
-        exact &= _same(target, _load(src, s))
+        exact &= _digest(target) == digests[s]
         del target
     out.update(pulse_apply_s=pulse_s, pulse_apply_median_s=statistics.median(pulse_s), exact=exact)
     return out
@@ -309,13 +328,15 @@ def _anchor_codecs(src: Path, step: int) -> dict:
     return out
 
 
-ROLES = {"publisher", "worker", "anchor", "probe"}
+ROLES = {"copy", "publisher", "worker", "anchor", "probe"}
 
 
 def _role_main(args: argparse.Namespace) -> dict:
     src, work = Path(args.src), Path(args.work)
     if args.role == "probe":
         return native_status()
+    if args.role == "copy":
+        return _copy(src, args.threads)
     if args.role == "publisher":
         return _publisher(src, args.url, args.steps, args.threads, work, args.entropy)
     if args.role == "worker":
@@ -377,10 +398,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def summarize(mode: dict) -> dict:
-    """One mode's ratios from its publisher and worker results."""
+def summarize(mode: dict, copy_s: float) -> dict:
+    """One mode's ratios from its publisher and worker results and the memory copy's time."""
     pub, wk = mode["publisher"], mode["worker"]
-    pc, wc = pub["copy_s"], wk["copy_s"]
+    pc = wc = copy_s
     h0 = pub.get("h0_bytes") or []
     return {
         "publish_over_copy": pub["delta_median_s"] / pc,
@@ -419,11 +440,14 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
 
             steps = steps or WORKLOADS[workload].steps
             src = ensure_workload(workload, steps)
+        if steps < 2:
+            raise ValueError("perf needs ≥ 2 steps: deltas for steps 1..N-1, a forced anchor at N")
         probe = _run_role("probe", src=src, url="", steps=steps, threads=threads, work=tmp, native=True)
+        copy = _run_role("copy", src=src, url="", steps=steps, threads=threads, work=tmp, native=True)
         res: dict = {
             "workload": workload, "steps": steps, "threads": threads, "quick": quick,
             "store": f"local directory on {'tmpfs (/dev/shm)' if shm.is_dir() else 'the temp dir'}",
-            "machine": _machine(), "native_probe": probe, "modes": {},
+            "machine": _machine(), "native_probe": probe, "copy": copy, "modes": {},
         }
         for i, mode in enumerate(modes):
             native = mode == "native"
@@ -443,7 +467,7 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
                 first = res["modes"][modes[0]]["publisher"]
                 pub["h0_bytes"] = first.get("h0_bytes")
                 m["same_bytes_as_" + modes[0]] = pub["delta_bytes"] == first["delta_bytes"]
-            m["ratios"] = summarize(m)
+            m["ratios"] = summarize(m, res["copy"]["copy_s"])
             z, a = anc.get("zipnn", {}), anc.get("deltastore-anchor", {})
             if "encode_s" in z and "encode_s" in a:
                 m["ratios"]["anchor_encode_time_over_zipnn"] = a["encode_s"] / z["encode_s"]
@@ -505,8 +529,11 @@ ROWS = [
 def markdown(res: dict) -> str:
     """The results as a Markdown table: one row per figure, one column per mode, the goal."""
     modes = list(res["modes"])
+    mach = res["machine"]
     lines = [f"# Performance (issue 9): {res['workload']}, {res['steps']} steps, {res['threads']} threads",
-             "", f"Store: {res['store']}. Machine: {res['machine']}.", ""]
+             "", f"Store: {res['store']}. Machine: {mach['cpus']} CPUs, {mach['platform']}, Python "
+             f"{mach['python']}, torch {mach['torch']}, numpy {mach['numpy']}; load average "
+             f"{_f(mach['load_avg_1m_at_start'])} at the start.", ""]
     m0 = next((m for m in res["modes"].values() if "publisher" in m), None)
     if m0:
         mb = m0["publisher"]["model_bytes"]
@@ -524,9 +551,10 @@ def markdown(res: dict) -> str:
     lines.append("")
     lines.append("| absolute | " + " | ".join(modes) + " |")
     lines.append("|---" * (len(modes) + 1) + "|")
-    for label, role, key in [("memory copy (publisher), ms", "publisher", "copy_s"),
-                             ("memory copy (worker), ms", "worker", "copy_s"),
-                             ("delta publish median, ms", "publisher", "delta_median_s"),
+    copy = res["copy"]
+    lines.append("| memory copy (`copy_`, median), ms | " + " | ".join(
+        _f(copy["copy_s"] * 1e3, "{:.1f}") for _ in modes) + " |")
+    for label, role, key in [("delta publish median, ms", "publisher", "delta_median_s"),
                              ("PULSE encode median, ms", "publisher", "pulse_encode_median_s"),
                              ("anchor publish, ms", "publisher", "anchor_s"),
                              ("pull_into median, ms", "worker", "pull_into_median_s"),

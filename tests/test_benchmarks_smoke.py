@@ -254,7 +254,7 @@ def test_perf_quick_end_to_end(tmp_path) -> None:
     from benchmarks.perf import ROWS, run
 
     out = tmp_path / "perf.json"
-    res = run(quick=True, steps=2, out=out)
+    res = run(quick=True, steps=3, out=out)  # deltas for steps 1-2, step 3 a forced anchor
     assert json.loads(out.read_text())["quick"] is True
     md = out.with_suffix(".md").read_text()
     assert "| delta publish / copy |" in md and "| pull_into (delta) / copy |" in md
