@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from deltastore import codec
+from deltastore.codec.delta import encode_delta_advance
 from deltastore.commit import put_immutable
 from deltastore.jobs import grouped
 from deltastore.manifest import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry, blob_key, object_key, sha256_hex
@@ -134,13 +135,19 @@ def chunk_jobs(specs: Mapping[str, TensorSpec]) -> list[list[tuple[int, int, str
 def encode_chunk(ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: Kind, floating: bool) -> _Encoded | None:
     """One chunk: a delta against ``old`` (when given) and, for an anchor, a full segment.
 
+    ``old`` (the reference copy's chunk) is advanced to ``new`` in the same pass.
     Returns None for an unchanged chunk of a delta version (it is not listed in the manifest).
     """
-    delta = codec.encode_delta(old, new) if old is not None else None
+    digest = None
+    if old is not None:
+        # one pass: compare, code the changes, advance ``old`` to ``new``, hash ``new``
+        delta, digest = encode_delta_advance(old, new, always_digest=kind == "anchor")
+    else:
+        delta = None
     if kind == "delta" and delta is None:
         return None
     full = codec.encode_full(new, float_bits=floating) if kind == "anchor" else None
-    return _Encoded(ti, ci, state_digest(new), full, delta)
+    return _Encoded(ti, ci, digest if digest is not None else state_digest(new), full, delta)
 
 
 def encode_version(
@@ -197,10 +204,9 @@ def encode_version(
         full = new_bits.get(name)
         new = full[a:b] if full is not None else bits(state[name].detach().reshape(-1)[a:b].cpu())
         old = ref_bits[name][a:b] if reference is not None else None
-        enc = encode_chunk(ti, ci, new, old, kind, floating[name])
-        if old is not None and enc is not None and enc.delta is not None:
-            old[...] = new  # advance the reference now (the caller drops it on failure)
-        return enc
+        # encode_chunk advances ``old`` while the chunk is hot in cache (the caller drops the
+        # reference on failure)
+        return encode_chunk(ti, ci, new, old, kind, floating[name])
 
     # Delta and full segments go to separate packs, so a subscriber one version behind an
     # anchor range-reads the small delta packs without touching the snapshot.

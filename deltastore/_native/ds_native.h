@@ -14,6 +14,11 @@
  * stale build in the source tree is refused (numpy path) rather than called wrongly. */
 #define DS_NATIVE_ABI 1
 
+/* add-sparse/1's escape symbols: must equal deltastore.codec.delta.ESCAPE and NIBBLE_ESCAPE
+ * (exported as GAP_ESCAPE and NIBBLE_ESCAPE; tests/test_native.py compares them). */
+#define DS_GAP_ESCAPE 255
+#define DS_NIBBLE_ESCAPE 15
+
 extern PyMethodDef ds_encode_methods[]; /* encode.c */
 extern PyMethodDef ds_apply_methods[];  /* apply.c */
 extern PyMethodDef ds_ctx_methods[];    /* ctx.c */

@@ -58,3 +58,5 @@ NATIVE = _native is not None
 #: See the docstrings in deltastore/_native/encode.c.
 encode_add = getattr(_native, "encode_add", None)
 xxh3_128_hex = getattr(_native, "xxh3_128_hex", None)
+split_planes = getattr(_native, "split_planes", None)
+pair_codes = getattr(_native, "pair_codes", None)

@@ -415,3 +415,10 @@ def pack(codec: str, *, width: int, count: int, n_changed: int, sections: Sequen
         head = DSG2.header.pack(DSG2.magic, cid, cver, width, param, count, n_changed, aux, n_escaped, len(sections))
         table = [DSG2.entry.pack(kind, len(stored)) for kind, stored, _ in sections]
     return b"".join([head, *table, *(stored for _, stored, _ in sections)])
+
+
+def packed_size(codec: str, n_sections: int, stored_bytes: int) -> int:
+    """The length :func:`pack` returns for ``n_sections`` sections of ``stored_bytes`` in all
+    (lets an encoder compare candidate forms without building each)."""
+    layout = _LAYOUT_OF[codec]
+    return layout.header.size + n_sections * layout.entry.size + stored_bytes

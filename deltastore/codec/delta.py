@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
+from deltastore.codec import _kernels
 from deltastore.codec.container import (
     CODEC_ADD_DENSE,
     CODEC_ADD_SPARSE,
@@ -49,6 +51,7 @@ from deltastore.codec.planes import (
     join,
     pack_nibbles,
     split,
+    unpack_nibbles,
     unzigzag,
     zigzag,
 )
@@ -302,10 +305,7 @@ def encode_changes(op: _Operation, count: int, width: int, pos: np.ndarray, vals
     n = int(pos.size)
     if n == 0:
         return None
-    p, v = op.code_positions(pos), op.code_values(vals)
-    data = pack(op.sparse, width=width, count=count, n_changed=n, param=p.param, aux=p.n_escaped,
-                n_escaped=v.n_escaped, sections=encode_sections(p.planes + v.planes, level))
-    best = Segment(op.sparse, data, n)
+    best = _sparse_segment(op, count, width, n, op.code_positions(pos), op.code_values(vals), level)
     if n > DENSE_TRY_FRACTION * count:
         if dense is None:
             dense = np.zeros(count, dtype=UINT[width])
@@ -316,6 +316,13 @@ def encode_changes(op: _Operation, count: int, width: int, pos: np.ndarray, vals
         if len(data) < len(best.data):
             best = Segment(op.dense, data, n)
     return best
+
+
+def _sparse_segment(op: _Operation, count: int, width: int, n: int, p: _Coded, v: _Coded,
+                    level: int | None) -> Segment:
+    data = pack(op.sparse, width=width, count=count, n_changed=n, param=p.param, aux=p.n_escaped,
+                n_escaped=v.n_escaped, sections=encode_sections(p.planes + v.planes, level))
+    return Segment(op.sparse, data, n)
 
 
 def _encode(op: _Operation, old: np.ndarray, new: np.ndarray, level: int | None) -> Segment | None:
@@ -364,7 +371,93 @@ def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAUL
         (True, 1)
     """
     del float_bits  # accepted for compatibility (deltastore/publish.py passes it); ignored
-    return _encode(ADD, old, new, level)
+    if _kernels.encode_add is None:
+        return _encode(ADD, old, new, level)
+    return _encode_add_native(old, new, level, advance=False, digest=_DIGEST_NONE)[0]
+
+
+def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
+                         advance: bool = True, always_digest: bool = True) -> tuple[Segment | None, str | None]:
+    """:func:`encode_delta`, the reference advance and the chunk's state digest in one pass.
+
+    With the native kernels loaded (:mod:`deltastore.codec._kernels`) each element of ``old``
+    and ``new`` is read once; otherwise the numpy path runs. Both write the same bytes.
+
+    Args:
+        old, new: as for :func:`encode_delta`. ``old`` is overwritten with ``new`` (at the
+            changed elements) when ``advance``; it must then be writable.
+        level: as for :func:`encode_delta`.
+        advance: advance ``old`` to ``new``. After an exception ``old`` may be partly advanced
+            (an encoder's reference copy is dropped after any failure, SPEC §5 step 7).
+        always_digest: return the digest even when nothing changed (else None then).
+
+    Returns:
+        ``(segment, digest)``: the segment as :func:`encode_delta` returns it, and the XXH3-128
+        hex digest of ``new`` (SPEC §2, state digests).
+
+    Example::
+
+        >>> old = np.zeros(8, np.uint16); new = old.copy(); new[2] = 1
+        >>> seg, digest = encode_delta_advance(old, new)
+        >>> seg.n_changed, old.tolist() == new.tolist(), len(digest)
+        (1, True, 32)
+    """
+    if _kernels.encode_add is not None:
+        return _encode_add_native(old, new, level, advance=advance,
+                                  digest=_DIGEST_ALWAYS if always_digest else _DIGEST_IF_CHANGED)
+    seg = _encode(ADD, old, new, level)
+    n = check_values(new, "new")
+    digest = xxhash.xxh3_128_hexdigest(memoryview(n).cast("B")) if seg is not None or always_digest else None
+    if advance and seg is not None:
+        old[...] = new
+    return seg, digest
+
+
+# digest modes of the encode_add kernel
+_DIGEST_NONE, _DIGEST_IF_CHANGED, _DIGEST_ALWAYS = 0, 1, 2
+
+
+def _encode_add_native(old: np.ndarray, new: np.ndarray, level: int | None, *, advance: bool,
+                       digest: int) -> tuple[Segment | None, str | None]:
+    o = check_values(old, "old")
+    n = check_values(new, "new")
+    if o.dtype != n.dtype or o.size != n.size:
+        raise ValueError(f"old ({o.dtype}, {o.size}) and new ({n.dtype}, {n.size}) differ in layout")
+    # o is old unless old is big-endian (then o is a little-endian copy): advance old afterwards
+    k, syms, rest, max_rest, codes, esc, hexdigest = _kernels.encode_add(o, n, o.itemsize, advance and o is old, digest)
+    if k == 0:
+        return None, hexdigest
+    if advance and o is not old:
+        old[...] = new
+    seg = _add_segment_from_planes(int(o.size), o.itemsize, k, syms, rest, max_rest, codes, esc, level)
+    return seg, hexdigest
+
+
+def _add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: bytes, max_rest: int,
+                             codes: bytes, esc: bytes, level: int | None) -> Segment:
+    """The add segment from the kernel's raw planes (see encode.c): exactly what
+    :func:`encode_changes` writes for the same change set."""
+    sym = np.frombuffer(syms, dtype=np.uint8)
+    rest_u32 = np.frombuffer(rest, dtype="<u4")
+    esc_w = np.frombuffer(esc, dtype=UINT[width])
+    if k > DENSE_TRY_FRACTION * count:
+        # the dense form is tried too: rebuild the change set (rare: > 40 % changed) and let
+        # encode_changes choose, as the numpy path does
+        gaps = sym.astype(np.int64)
+        gaps[sym == ESCAPE] += rest_u32
+        gaps += 1
+        pos = np.cumsum(gaps) - 1
+        zz = unpack_nibbles(np.frombuffer(codes, dtype=np.uint8), k, ADD.sparse).astype(UINT[width])
+        zz[zz == NIBBLE_ESCAPE] = esc_w
+        return encode_changes(ADD, count, width, pos, unzigzag(zz), None, level)
+    if rest_u32.size:
+        gw = _gap_width(max_rest)
+        p = _Coded([sym, *split(rest_u32.astype(UINT[gw]))], param=gw, n_escaped=int(rest_u32.size))
+    else:
+        p = _Coded([sym], param=1)
+    packed = np.frombuffer(codes, dtype=np.uint8)
+    v = _Coded([packed, *split(esc_w)], n_escaped=int(esc_w.size)) if esc_w.size else _Coded([packed])
+    return _sparse_segment(ADD, count, width, k, p, v, level)
 
 
 def _encode_delta_xor(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL) -> Segment | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from deltastore.codec import _kernels
 from deltastore.codec.container import (
     CODEC_FULL,
     CODEC_FULL2,
@@ -20,6 +21,7 @@ from deltastore.codec.container import (
     Segment,
     expect_codec,
     pack,
+    packed_size,
     read_header,
 )
 from deltastore.codec.planes import (
@@ -50,6 +52,7 @@ PAIR_SAMPLE_STRIDE = 16
 # 39 large bf16 tensors the exponent plane drops from 7,487,646 to 7,468,312 bytes (entropy
 # 7,411,197), enough to come in under ZipNN; 0.03 % of exponents fall outside the window.
 EXP_ESCAPE = 15
+assert EXP_ESCAPE == EXP_WINDOW  # the window's codes are 0..14: code 15 escapes (pair_codes)
 
 
 def encode_full(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
@@ -89,18 +92,32 @@ def encode_full(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
                     param=transform, aux=exp_low, n_escaped=n_escaped)
 
     if not float_bits or w == 1:
-        return Segment(CODEC_FULL2, segment(TRANSFORM_NONE, encode_sections(split(v), level)), n)
+        return Segment(CODEC_FULL2, segment(TRANSFORM_NONE, encode_sections(_planes(v, rotate=False), level)), n)
     encode = SectionEncoder(level)
-    planes = split(rotl1(v))
+    planes = _planes(v, rotate=True)
     secs = encode(planes)
-    best = segment(TRANSFORM_ROTL1, secs)
     if n >= MIN_PAIR_COUNT:
         low, packed, esc = _pair_exponents(planes[-1])
-        tail = encode([packed, esc] if esc.size else [packed])
-        paired = segment(TRANSFORM_PAIRS, secs[:-1] + tail, low, int(esc.size))
-        if len(paired) < len(best):
-            best = paired
-    return Segment(CODEC_FULL2, best, n)
+        paired = secs[:-1] + encode([packed, esc] if esc.size else [packed])
+        # compare the two forms' sizes before packing only the smaller (packing copies the
+        # whole segment, mantissa planes included)
+        if _size(paired) < _size(secs):
+            return Segment(CODEC_FULL2, segment(TRANSFORM_PAIRS, paired, low, int(esc.size)), n)
+    return Segment(CODEC_FULL2, segment(TRANSFORM_ROTL1, secs), n)
+
+
+def _size(sections) -> int:
+    return packed_size(CODEC_FULL2, len(sections), sum(len(stored) for _, stored, _ in sections))
+
+
+def _planes(v: np.ndarray, *, rotate: bool) -> list[np.ndarray]:
+    """The byte planes of ``v`` (rotated left by one bit first when ``rotate``): one pass in the
+    native kernel, else numpy's rotate and strided copies."""
+    if _kernels.split_planes is None or v.itemsize == 1:
+        return split(rotl1(v) if rotate else v)
+    out = np.empty((v.itemsize, v.size), dtype=np.uint8)
+    _kernels.split_planes(v, out, v.itemsize, rotate)
+    return list(out)
 
 
 def _encode_full_v1(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL) -> Segment:
@@ -152,6 +169,10 @@ def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     counts = np.bincount(top[::PAIR_SAMPLE_STRIDE], minlength=256)
     csum = np.concatenate([[0], np.cumsum(counts)])
     low = int(np.argmax(csum[EXP_WINDOW:] - csum[:-EXP_WINDOW]))
+    if _kernels.pair_codes is not None:
+        packed = np.empty((top.size + 1) // 2, dtype=np.uint8)
+        esc = _kernels.pair_codes(top, low, EXP_ESCAPE, packed)
+        return low, packed, np.frombuffer(esc, dtype=np.uint8)
     codes = top - np.uint8(low)  # wraps: in the window iff < 15
     out = codes >= EXP_WINDOW
     esc = top[out]
