@@ -53,6 +53,15 @@ _Segs = dict[tuple[str, int], memoryview]
 _Errs = dict[tuple[str, int], DeltastoreError]
 #: What a bad segment or chunk raises: a fallback path may succeed where one of these failed.
 _BAD_DATA = (IntegrityError, FormatError, NotFoundError)
+#: A chunk's expected digest at the held version, and that version (for the error message).
+_Base = tuple["str | None", "int | None"]
+
+
+def _modified(name: str, index: int, held_version: int | None) -> TargetModifiedError:
+    return TargetModifiedError(
+        f"tensor {name!r} chunk {index} is not what version {held_version} holds there: "
+        "the target was modified since it was pulled (pull() it again)"
+    )
 
 
 
@@ -197,17 +206,37 @@ class ReadEngine:
         target.write(*p.span, raw)
 
     @staticmethod
-    def replay(p: ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None) -> np.ndarray:
+    def replay(
+        p: ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None, base: _Base | None = None,
+    ) -> np.ndarray:
+        """Run plan ``p`` on ``raw`` (its bits at the plan's start; None when it starts from a
+        full segment) in place and check the result against the chunk's digest; on any failure
+        ``raw`` is restored (every applied delta undone) and the error raised.
+
+        With ``base`` (a delta plan's expected digest of ``raw`` at the start, and the held
+        version), ``raw``'s digest before the first delta is taken in the same pass that applies
+        it (SPEC §7.5): a mismatch undoes the delta and raises TargetModifiedError. The result's
+        digest is taken in the pass of the last delta, so a one-delta plan reads ``raw`` once.
+        """
         a, b = p.span
         if p.full is not None:
             raw = codec.decode_full(data[p.full.where], codec=p.full.ref.codec, dtype=spec.uint_dtype(), count=b - a)
+            base = None  # the plan does not read the target's bits
         assert raw is not None
         applied: list[Step] = []
         try:
-            for s in p.deltas:
-                codec.apply_delta(raw, data[s.where], codec=s.ref.codec)  # validates before writing
+            if base is not None and not p.deltas and state_digest(raw) != base[0]:
+                raise _modified(p.name, p.index, base[1])
+            digest = None
+            for i, s in enumerate(p.deltas):
+                first, last = i == 0, i == len(p.deltas) - 1
+                before, digest = codec.apply_delta_digests(  # validates before writing
+                    raw, data[s.where], codec=s.ref.codec, before=first and base is not None, after=last,
+                )
                 applied.append(s)
-            if state_digest(raw) != p.digest:
+                if first and base is not None and before != base[0]:
+                    raise _modified(p.name, p.index, base[1])
+            if (digest if p.deltas else state_digest(raw)) != p.digest:
                 raise IntegrityError(
                     f"chunk {p.name}[{p.index}] does not match its digest after applying {len(p.steps())} segment(s)"
                 )
@@ -252,12 +281,13 @@ class ReadEngine:
     def check_base(
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
         base: dict[tuple[str, int], str], held_version: int | None,
-    ) -> tuple[list[ChunkPlan], dict[str, _Target]]:
-        """Check that ``tensors`` hold the base version's bits; the plans to run (tied weights
-        once) and the targets.
+    ) -> tuple[list[ChunkPlan], dict[str, _Target], dict[tuple[str, int], _Base]]:
+        """Check that ``tensors`` hold the base version's bits in the chunks the update keeps;
+        the plans to run (tied weights once), the targets, and the base digest of every chunk a
+        delta plan patches, to be checked in the pass that applies it (:meth:`replay`).
 
         Raises:
-            TargetModifiedError: a chunk the update keeps or patches is not what ``base`` says.
+            TargetModifiedError: a chunk the update keeps is not what ``base`` says.
         """
         # Tied weights (one storage under two names) are updated once.
         seen: dict[tuple[int, int], str] = {}
@@ -270,26 +300,51 @@ class ReadEngine:
 
         # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
         # the chunks this update touches (a local edit elsewhere would survive silently).
+        # Chunks a delta plan patches are hashed while the first delta is applied (one pass
+        # instead of two; a mismatch there is undone before anything is reported, see replay);
+        # the rest here, before any write.
         replaced = {(p.name, p.index) for p in plans if p.full is not None}
-        kept = {k for k in base if owner.get(k[0]) == k[0]} | {(p.name, p.index) for p in plans if p.full is None}
+        patched = {(p.name, p.index) for p in plans if p.full is None}
+        kept = {k for k in base if owner.get(k[0]) == k[0]} | patched
 
-        expected = {k: base.get(k) for k in kept - replaced}
+        expected = {k: base.get(k) for k in kept - replaced - patched}
         bad = digest_mismatches(self.pool, specs, expected, lambda name, a, b: targets[name].read(a, b))
         if bad:
-            name, index = bad[0]
-            raise TargetModifiedError(
-                f"tensor {name!r} chunk {index} is not what version {held_version} holds there: "
-                "the target was modified since it was pulled (pull() it again)"
-            )
-        return plans, targets
+            raise _modified(*bad[0], held_version)
+        deferred: dict[tuple[str, int], _Base] = {k: (base.get(k), held_version) for k in patched - replaced}
+        return plans, targets, deferred
 
-    def with_fallbacks(self, p: ChunkPlan, data: _Segs, errors: _Errs, attempt: Callable[[ChunkPlan, _Segs, _Errs], _R]) -> _R:
+    @staticmethod
+    def base_checker(
+        targets: dict[str, _Target], deferred: dict[tuple[str, int], _Base],
+    ) -> Callable[[ChunkPlan], None]:
+        """A check that a delta plan's chunk still holds its base bits, for when the plan failed
+        before its apply pass could tell (a fallback must not overwrite a modified chunk)."""
+
+        def check(p: ChunkPlan) -> None:
+            want = deferred.get((p.name, p.index))
+            if p.full is None and want is not None and state_digest(targets[p.name].read(*p.span)) != want[0]:
+                raise _modified(p.name, p.index, want[1])
+
+        return check
+
+    def with_fallbacks(
+        self, p: ChunkPlan, data: _Segs, errors: _Errs, attempt: Callable[[ChunkPlan, _Segs, _Errs], _R],
+        check_base: Callable[[ChunkPlan], None] | None = None,
+    ) -> _R:
         """``attempt(p)``, else ``attempt`` of each full-segment fallback (a failed attempt
-        must leave the target as it was); raises the last error when all fail."""
+        must leave the target as it was); raises the last error when all fail.
+
+        ``check_base(p)`` runs after ``p`` failed, before anything else: a modified target
+        (TargetModifiedError, never a reason to fall back) is reported as such."""
         try:
             return attempt(p, data, errors)
+        except TargetModifiedError:
+            raise
         except _BAD_DATA as e:
             error: DeltastoreError = e
+        if check_base is not None:
+            check_base(p)
         for alt in p.fallbacks:
             assert alt.full is not None
             logger.warning(
@@ -321,7 +376,8 @@ class ReadEngine:
             IntegrityError, FormatError, NotFoundError: a chunk failed on every path.
         """
         t0 = time.perf_counter()
-        plans, targets = self.check_base(plans, specs, tensors, base, held_version)
+        plans, targets, deferred = self.check_base(plans, specs, tensors, base, held_version)
+        check = self.base_checker(targets, deferred)
         decode_s = time.perf_counter() - t0
         fetch_s = 0.0
 
@@ -332,13 +388,13 @@ class ReadEngine:
             tgt = targets[p.name]
             current = tgt.read(*p.span)
             scratch = None if p.full is not None else current.copy()
-            result = self.replay(p, specs[p.name], data, scratch)  # checks the digest
+            result = self.replay(p, specs[p.name], data, scratch, deferred.get((p.name, p.index)))  # checks both digests
             return make_patch(p.name, p.index, p.span, current, result)
 
         def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> list[ChunkPatch]:
             out = []
             for p in group:
-                patch = self.with_fallbacks(p, data, errors, attempt)
+                patch = self.with_fallbacks(p, data, errors, attempt, check)
                 if patch is not None:
                     out.append(patch)
             return out
@@ -366,8 +422,14 @@ class ReadEngine:
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
         base: dict[tuple[str, int], str], held_version: int | None,
     ) -> None:
-        """Apply every plan to ``tensors``; on any failure restore what was applied, then raise."""
-        plans, targets = self.check_base(plans, specs, tensors, base, held_version)
+        """Apply every plan to ``tensors``; on any failure restore what was applied, then raise.
+
+        The chunks the update keeps are checked against ``base`` before any write; each chunk a
+        delta plan patches is checked in the pass that applies it, and a mismatch there is
+        rolled back like any other failure (undoing is exact, so the target ends with the bits
+        it had, modified or not: SPEC §7.5)."""
+        plans, targets, deferred = self.check_base(plans, specs, tensors, base, held_version)
+        check = self.base_checker(targets, deferred)
 
         done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
@@ -379,11 +441,12 @@ class ReadEngine:
                     raise errors[st.where]
             tgt = targets[p.name]
             if p.full is None:
+                b = deferred.get((p.name, p.index))
                 if tgt.cpu:
-                    self.replay(p, specs[p.name], data, tgt.read(*p.span))
+                    self.replay(p, specs[p.name], data, tgt.read(*p.span), b)
                 else:
                     raw = tgt.read(*p.span)
-                    self.replay(p, specs[p.name], data, raw)
+                    self.replay(p, specs[p.name], data, raw, b)
                     tgt.write(*p.span, raw)
                 return p, None, data
             new = self.replay(p, specs[p.name], data, None)
@@ -392,7 +455,7 @@ class ReadEngine:
             return p, saved, data
 
         def run(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
-            return self.with_fallbacks(p, data, errors, attempt)
+            return self.with_fallbacks(p, data, errors, attempt, check)
 
         def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
             applied = []
@@ -464,15 +527,16 @@ def _verify_chunk(
         try:
             if which == "full":
                 raw = codec.decode_full(data[st.where], codec=st.ref.codec, dtype=spec.uint_dtype(), count=b - a)
+                digest = state_digest(raw)
             else:
                 raw = base.copy() if base is not None else np.zeros(b - a, dtype=spec.uint_dtype())
-                codec.apply_delta(raw, data[st.where], codec=st.ref.codec)
+                _, digest = codec.apply_delta_digests(raw, data[st.where], codec=st.ref.codec, after=base is not None)
         except (DeltastoreError, ValueError) as e:
             problems.append(f"{what} does not decode: {type(e).__name__}: {e}")
             continue
         if which == "delta" and base is None:
             continue  # structure checked; values unknowable without a verified parent
-        if state_digest(raw) != c.digest:
+        if digest != c.digest:
             problems.append(f"{what} does not reproduce the chunk's digest {c.digest}")
             continue
         result = raw

@@ -1,6 +1,476 @@
-/* Decode/apply kernels (issue 9, N3). Stub: an empty table until they land. */
+/* Decode-and-apply of delta segments in one pass, with the chunk's XXH3-128 before and/or after.
+ *
+ * The Python side (deltastore/codec/delta.py) parses the segment header and decompresses its
+ * sections (python-zstandard releases the GIL); this kernel takes those sections and:
+ *
+ *   1. validates everything first -- plane sizes, padding, escape counts, escaped values, zero
+ *      values, changed-element counts, positions -- in the same order as the numpy decoder, so
+ *      that a bad segment gets the same CorruptObjectError message on both paths, and nothing
+ *      is written;
+ *   2. then walks the target in cache-sized blocks: hash the block (state before), apply the
+ *      changes that fall in it, hash it again (state after). The target is read from memory
+ *      once, however many digests are asked for.
+ *
+ * Contract (table ds_apply_methods, merged into deltastore._native by module.c):
+ *
+ *   apply_segment(target, kind, width, gap_width, sections, n_changed, n_gap_escaped,
+ *                 n_escaped, inverse, want) -> (err, a, b, before_hex | None, after_hex | None)
+ *
+ *   target    writable C-contiguous buffer of count * width bytes (little-endian elements)
+ *   kind      0 xor-sparse/1, 1 xor-dense/1, 2 add-sparse/1, 3 add-dense/1
+ *   sections  tuple, in segment order, of bytes-like planes or ints 0..255 (CONST sections)
+ *   want      bit 0: digest of the target before, bit 1: after
+ *   err       0 on success, else a DS_E_* code (a, b its numbers); the target is then untouched
+ *
+ * Sizes that disagree with the header fields (a caller bug, since read_header checked them)
+ * raise ValueError. No input can make the kernel read or write outside its buffers: every
+ * plane's length is checked against the fields, every position against count, before use.
+ * The GIL is released around every loop over elements.
+ */
 #include "ds_native.h"
 
+#include <string.h>
+
+#include "ds_xxh.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define DS_INLINE static inline __attribute__((always_inline))
+#else
+#define DS_INLINE static inline
+#endif
+
+/* Codec constants: must equal deltastore.codec.delta.ESCAPE / NIBBLE_ESCAPE (format). */
+#define GAP_ESCAPE 255
+#define NIBBLE_ESCAPE 15
+
+/* Bytes hashed, patched and hashed again per step: small enough that the block is still in
+ * L1/L2 for the second hash (so the target is read from memory once), big enough that the
+ * per-block cost (two XXH3 update calls) is negligible. */
+#define BLOCK_BYTES ((uint64_t)32 * 1024)
+
+/* At most 1 gap-symbol + 4 gap-escape + 1 code + 8 value-escape planes (add-sparse, width 8). */
+#define MAX_PLANES 16
+
+enum { K_XOR_SPARSE = 0, K_XOR_DENSE = 1, K_ADD_SPARSE = 2, K_ADD_DENSE = 3 };
+enum { OP_ADD = 0, OP_SUB = 1, OP_XOR = 2 };
+
+/* Error codes, mirrored by deltastore.codec.delta._KERNEL_ERRORS. */
+enum {
+    DS_E_OK = 0,
+    DS_E_PADDING = 1,        /* odd count, high nibble of the last code byte is not 0 */
+    DS_E_ESC_COUNT = 2,      /* a = declared escaped values, b = code-15 count */
+    DS_E_ESC_SMALL = 3,      /* an escaped value below NIBBLE_ESCAPE */
+    DS_E_ZERO = 4,           /* a sparse value is 0 */
+    DS_E_GAP_ESC_COUNT = 5,  /* a = declared escaped gaps, b = symbol-255 count */
+    DS_E_GAP_ESC_TOTAL = 6,  /* a = sum of gap escape remainders (>= count) */
+    DS_E_POSITION = 7,       /* a = last position (>= count) */
+    DS_E_NCHANGED = 8,       /* a = declared changed elements, b = non-zero values */
+};
+
+/* One decoded section: p[i & mask] is byte i (mask 0 for a CONST section). */
+typedef struct {
+    const uint8_t *p;
+    size_t mask;
+} plane_t;
+
+typedef struct {
+    int kind, width, gap_width;
+    uint64_t count, n, n_gap_escaped, n_escaped;
+    /* xor: gap planes (gap_width) then value planes (width); add: see the layout in layout() */
+    const plane_t *gaps, *vals, *gsym, *gesc, *codes, *vesc;
+} seg_t;
+
+DS_INLINE uint8_t pbyte(const plane_t *pl, uint64_t i) { return pl->p[i & pl->mask]; }
+
+/* Element i of `k` little-endian byte planes. */
+DS_INLINE uint64_t pval(const plane_t *pl, int k, uint64_t i) {
+    uint64_t v = 0;
+    for (int j = 0; j < k; j++) v |= (uint64_t)pbyte(&pl[j], i) << (8 * j);
+    return v;
+}
+
+DS_INLINE uint64_t unzigzag(uint64_t z) { return (z >> 1) ^ (0 - (z & 1)); }
+
+DS_INLINE unsigned code_at(const plane_t *codes, uint64_t i) {
+    return (pbyte(codes, i >> 1) >> ((i & 1) * 4)) & 15u;
+}
+
+/* --- validation (no writes) ------------------------------------------------------------- */
+
+/* add-* value codes: padding, escape count, escaped values; *zeros = codes equal to 0. */
+static int check_add_values(const seg_t *s, uint64_t n, uint64_t *zeros, uint64_t *a, uint64_t *b) {
+    if ((n & 1) && (pbyte(s->codes, n >> 1) >> 4)) return DS_E_PADDING;
+    uint64_t esc = 0, z = 0;
+    for (uint64_t i = 0; i < (n >> 1); i++) {
+        unsigned byte = pbyte(s->codes, i), lo = byte & 15u, hi = byte >> 4;
+        esc += (lo == NIBBLE_ESCAPE) + (hi == NIBBLE_ESCAPE);
+        z += (lo == 0) + (hi == 0);
+    }
+    if (n & 1) {
+        unsigned lo = pbyte(s->codes, n >> 1) & 15u;
+        esc += lo == NIBBLE_ESCAPE;
+        z += lo == 0;
+    }
+    if (esc != s->n_escaped) {
+        *a = s->n_escaped;
+        *b = esc;
+        return DS_E_ESC_COUNT;
+    }
+    for (uint64_t j = 0; j < s->n_escaped; j++)
+        if (pval(s->vesc, s->width, j) < NIBBLE_ESCAPE) return DS_E_ESC_SMALL;
+    *zeros = z;
+    return DS_E_OK;
+}
+
+static uint64_t count_zero_values(const seg_t *s, uint64_t n) {
+    uint64_t z = 0;
+    for (uint64_t i = 0; i < n; i++) z += pval(s->vals, s->width, i) == 0;
+    return z;
+}
+
+static int check_positions(const seg_t *s, uint64_t *a, uint64_t *b) {
+    uint64_t n = s->n, sum = 0;
+    if (n == 0) return DS_E_OK;
+    if (s->kind == K_XOR_SPARSE) {
+        /* each gap < 2**32, fewer than 2**32 of them: the sum cannot wrap */
+        for (uint64_t i = 0; i < n; i++) sum += pval(s->gaps, s->gap_width, i);
+    } else {
+        uint64_t esc = 0, total = 0;
+        for (uint64_t i = 0; i < n; i++) {
+            unsigned g = pbyte(s->gsym, i);
+            esc += g == GAP_ESCAPE;
+            sum += g;
+        }
+        if (esc != s->n_gap_escaped) {
+            *a = s->n_gap_escaped;
+            *b = esc;
+            return DS_E_GAP_ESC_COUNT;
+        }
+        for (uint64_t j = 0; j < s->n_gap_escaped; j++) total += pval(s->gesc, s->gap_width, j);
+        if (total >= s->count) {
+            *a = total;
+            return DS_E_GAP_ESC_TOTAL;
+        }
+        sum += total;
+    }
+    uint64_t last = sum + n - 1; /* < 2**40 + 2**33 for add, < 2**64 for xor */
+    if (last >= s->count) {
+        *a = last;
+        return DS_E_POSITION;
+    }
+    return DS_E_OK;
+}
+
+static int validate(const seg_t *s, uint64_t *a, uint64_t *b) {
+    uint64_t zeros = 0;
+    int err;
+    switch (s->kind) {
+    case K_XOR_SPARSE:
+        if (count_zero_values(s, s->n)) return DS_E_ZERO;
+        return check_positions(s, a, b);
+    case K_ADD_SPARSE:
+        if ((err = check_add_values(s, s->n, &zeros, a, b))) return err;
+        if (zeros) return DS_E_ZERO;
+        return check_positions(s, a, b);
+    case K_XOR_DENSE:
+        zeros = count_zero_values(s, s->count);
+        break;
+    default: /* K_ADD_DENSE */
+        if ((err = check_add_values(s, s->count, &zeros, a, b))) return err;
+        break;
+    }
+    if (s->count - zeros != s->n) {
+        *a = s->n;
+        *b = s->count - zeros;
+        return DS_E_NCHANGED;
+    }
+    return DS_E_OK;
+}
+
+/* --- applying (after validation) -------------------------------------------------------- */
+
+DS_INLINE void apply_at(uint8_t *t, uint64_t p, int W, int OP, uint64_t d) {
+    uint8_t *at = t + p * (uint64_t)W;
+#define DS_APPLY_T(T)                                                   \
+    {                                                                   \
+        T x;                                                            \
+        memcpy(&x, at, sizeof x);                                       \
+        x = OP == OP_ADD ? (T)(x + (T)d) : OP == OP_SUB ? (T)(x - (T)d) \
+                                                        : (T)(x ^ (T)d); \
+        memcpy(at, &x, sizeof x);                                       \
+    }
+    switch (W) {
+    case 1: DS_APPLY_T(uint8_t) break;
+    case 2: DS_APPLY_T(uint16_t) break;
+    case 4: DS_APPLY_T(uint32_t) break;
+    default: DS_APPLY_T(uint64_t) break;
+    }
+#undef DS_APPLY_T
+}
+
+/* Cursor over the value stream (values in element order; escapes consumed in order). */
+typedef struct {
+    uint64_t ve; /* next escaped value */
+    uint64_t ge; /* next escaped gap */
+} cursor_t;
+
+DS_INLINE uint64_t value_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
+    if (!ADD) return pval(s->vals, s->width, i);
+    unsigned code = code_at(s->codes, i);
+    if (code == NIBBLE_ESCAPE) return unzigzag(pval(s->vesc, s->width, c->ve++));
+    return unzigzag(code);
+}
+
+DS_INLINE uint64_t gap_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
+    if (!ADD) return pval(s->gaps, s->gap_width, i);
+    unsigned g = pbyte(s->gsym, i);
+    if (g == GAP_ESCAPE) return GAP_ESCAPE + pval(s->gesc, s->gap_width, c->ge++);
+    return g;
+}
+
+/* Walk the target in blocks [start, end): hash before, apply the block's changes, hash after.
+ * Without digests the whole chunk is one block. */
+DS_INLINE void run(uint8_t *t, const seg_t *s, int W, int OP, int ADD, int SPARSE,
+                   XXH3_state_t *sb, XXH3_state_t *sa) {
+    uint64_t count = s->count;
+    uint64_t blk = (sb || sa) ? BLOCK_BYTES / W : count;
+    cursor_t c = {0, 0};
+    uint64_t i = 0, p = 0;
+    if (SPARSE && s->n) p = gap_at(s, ADD, 0, &c);
+    for (uint64_t start = 0; start < count;) {
+        uint64_t end = count - start > blk ? start + blk : count;
+        if (sb) XXH3_128bits_update(sb, t + start * W, (size_t)((end - start) * W));
+        if (SPARSE) {
+            while (i < s->n && p < end) {
+                apply_at(t, p, W, OP, value_at(s, ADD, i, &c));
+                if (++i < s->n) p += gap_at(s, ADD, i, &c) + 1;
+            }
+        } else {
+            for (uint64_t e = start; e < end; e++) {
+                uint64_t d = value_at(s, ADD, e, &c);
+                if (d) apply_at(t, e, W, OP, d);
+            }
+        }
+        if (sa) XXH3_128bits_update(sa, t + start * W, (size_t)((end - start) * W));
+        start = end;
+    }
+}
+
+#define DS_RUN_OPS(W, ADD, SPARSE)                                  \
+    do {                                                            \
+        if (!(ADD)) run(t, s, W, OP_XOR, ADD, SPARSE, sb, sa);      \
+        else if (inverse) run(t, s, W, OP_SUB, ADD, SPARSE, sb, sa); \
+        else run(t, s, W, OP_ADD, ADD, SPARSE, sb, sa);             \
+    } while (0)
+#define DS_RUN_KINDS(W)                                        \
+    do {                                                       \
+        switch (s->kind) {                                     \
+        case K_XOR_SPARSE: DS_RUN_OPS(W, 0, 1); break;         \
+        case K_XOR_DENSE: DS_RUN_OPS(W, 0, 0); break;          \
+        case K_ADD_SPARSE: DS_RUN_OPS(W, 1, 1); break;         \
+        default: DS_RUN_OPS(W, 1, 0); break;                   \
+        }                                                      \
+    } while (0)
+
+static void apply_all(uint8_t *t, const seg_t *s, int inverse, XXH3_state_t *sb, XXH3_state_t *sa) {
+    switch (s->width) {
+    case 1: DS_RUN_KINDS(1); break;
+    case 2: DS_RUN_KINDS(2); break;
+    case 4: DS_RUN_KINDS(4); break;
+    default: DS_RUN_KINDS(8); break;
+    }
+}
+
+/* --- the Python binding ------------------------------------------------------------------ */
+
+typedef struct {
+    plane_t pl[MAX_PLANES];
+    Py_buffer views[MAX_PLANES];
+    int has_view[MAX_PLANES];
+    uint8_t consts[MAX_PLANES];
+    int n;
+} sections_t;
+
+static void release_sections(sections_t *ss) {
+    for (int i = 0; i < ss->n; i++)
+        if (ss->has_view[i]) PyBuffer_Release(&ss->views[i]);
+    ss->n = 0;
+}
+
+/* The sections' expected lengths for this segment (the section layout of SPEC/codec-format). */
+static int layout(seg_t *s, uint64_t *len, int *role_start) {
+    int k = 0;
+    uint64_t n = s->n;
+    /* role_start: index of the first plane of gaps/gsym, gesc, values/codes, vesc (-1 absent) */
+    for (int r = 0; r < 4; r++) role_start[r] = -1;
+    switch (s->kind) {
+    case K_XOR_SPARSE:
+        role_start[0] = k;
+        for (int j = 0; j < s->gap_width; j++) len[k++] = n;
+        role_start[2] = k;
+        for (int j = 0; j < s->width; j++) len[k++] = n;
+        break;
+    case K_XOR_DENSE:
+        role_start[2] = k;
+        for (int j = 0; j < s->width; j++) len[k++] = s->count;
+        break;
+    case K_ADD_SPARSE:
+        role_start[0] = k;
+        len[k++] = n;
+        if (s->n_gap_escaped) {
+            role_start[1] = k;
+            for (int j = 0; j < s->gap_width; j++) len[k++] = s->n_gap_escaped;
+        }
+        role_start[2] = k;
+        len[k++] = (n + 1) / 2;
+        if (s->n_escaped) {
+            role_start[3] = k;
+            for (int j = 0; j < s->width; j++) len[k++] = s->n_escaped;
+        }
+        break;
+    default:
+        role_start[2] = k;
+        len[k++] = (s->count + 1) / 2;
+        if (s->n_escaped) {
+            role_start[3] = k;
+            for (int j = 0; j < s->width; j++) len[k++] = s->n_escaped;
+        }
+        break;
+    }
+    return k;
+}
+
+static PyObject *hex_digest(XXH3_state_t *st) {
+    XXH128_hash_t h = XXH3_128bits_digest(st);
+    return ds_hex128(h.high64, h.low64);
+}
+
+PyDoc_STRVAR(apply_segment_doc,
+"apply_segment(target, kind, width, gap_width, sections, n_changed, n_gap_escaped, n_escaped,\n"
+"              inverse, want) -> (err, a, b, before_hex | None, after_hex | None)\n\n"
+"Validate a decompressed delta segment, then apply it to target (or undo it), hashing the\n"
+"target (XXH3-128) before and/or after in the same pass (want: bit 0 before, bit 1 after).\n"
+"err != 0: the segment is corrupt (see DS_E_* in apply.c) and target was not written.");
+
+static PyObject *apply_segment(PyObject *self, PyObject *args) {
+    PyObject *target, *sections;
+    int kind, width, gap_width, inverse, want;
+    unsigned long long n, nge, ne;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OiiiO!KKKpi", &target, &kind, &width, &gap_width, &PyTuple_Type,
+                          &sections, &n, &nge, &ne, &inverse, &want))
+        return NULL;
+    if (kind < K_XOR_SPARSE || kind > K_ADD_DENSE) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
+    if (width != 1 && width != 2 && width != 4 && width != 8)
+        return PyErr_Format(PyExc_ValueError, "width %d is not 1, 2, 4 or 8", width);
+    int uses_gap_width = kind == K_XOR_SPARSE || (kind == K_ADD_SPARSE && nge);
+    if (uses_gap_width && gap_width != 1 && gap_width != 2 && gap_width != 4)
+        return PyErr_Format(PyExc_ValueError, "gap width %d is not 1, 2 or 4", gap_width);
+
+    Py_buffer tv;
+    if (PyObject_GetBuffer(target, &tv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    seg_t s;
+    memset(&s, 0, sizeof s);
+    s.kind = kind;
+    s.width = width;
+    s.gap_width = uses_gap_width ? gap_width : 0;
+    s.count = (uint64_t)tv.len / (uint64_t)width;
+    s.n = n;
+    s.n_gap_escaped = kind == K_ADD_SPARSE ? nge : 0;
+    s.n_escaped = kind == K_ADD_SPARSE || kind == K_ADD_DENSE ? ne : 0;
+
+    sections_t ss;
+    ss.n = 0;
+    uint64_t len[MAX_PLANES];
+    int role[4];
+    PyObject *result = NULL;
+    if ((uint64_t)tv.len % (uint64_t)width) {
+        PyErr_Format(PyExc_ValueError, "target has %zd bytes, not a multiple of width %d", tv.len, width);
+        goto done;
+    }
+    if (s.n > s.count || s.n_escaped > (kind == K_ADD_DENSE ? s.count : s.n) || s.n_gap_escaped > s.n) {
+        PyErr_SetString(PyExc_ValueError, "segment counts exceed the target's element count");
+        goto done;
+    }
+    int want_planes = layout(&s, len, role);
+    if (PyTuple_GET_SIZE(sections) != want_planes) {
+        PyErr_Format(PyExc_ValueError, "segment has %zd sections, its header implies %d",
+                     PyTuple_GET_SIZE(sections), want_planes);
+        goto done;
+    }
+    for (int i = 0; i < want_planes; i++) {
+        PyObject *o = PyTuple_GET_ITEM(sections, i);
+        ss.has_view[i] = 0;
+        ss.n = i + 1;
+        if (PyLong_Check(o)) {
+            long v = PyLong_AsLong(o);
+            if (v < 0 || v > 255) {
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "const section %d is not a byte", i);
+                goto done;
+            }
+            if (len[i] == 0) {
+                PyErr_Format(PyExc_ValueError, "const section %d stands for 0 bytes", i);
+                goto done;
+            }
+            ss.consts[i] = (uint8_t)v;
+            ss.pl[i].p = &ss.consts[i];
+            ss.pl[i].mask = 0;
+            continue;
+        }
+        if (PyObject_GetBuffer(o, &ss.views[i], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        ss.has_view[i] = 1;
+        if ((uint64_t)ss.views[i].len != len[i]) {
+            PyErr_Format(PyExc_ValueError, "section %d has %zd bytes, its header implies %llu", i,
+                         ss.views[i].len, (unsigned long long)len[i]);
+            goto done;
+        }
+        ss.pl[i].p = (const uint8_t *)ss.views[i].buf;
+        ss.pl[i].mask = ~(size_t)0;
+    }
+    if (s.kind == K_XOR_SPARSE) {
+        s.gaps = &ss.pl[role[0]];
+        s.vals = &ss.pl[role[2]];
+    } else if (s.kind == K_XOR_DENSE) {
+        s.vals = &ss.pl[role[2]];
+    } else {
+        if (role[0] >= 0) s.gsym = &ss.pl[role[0]];
+        if (role[1] >= 0) s.gesc = &ss.pl[role[1]];
+        s.codes = &ss.pl[role[2]];
+        if (role[3] >= 0) s.vesc = &ss.pl[role[3]];
+    }
+
+    XXH3_state_t *sb = NULL, *sa = NULL;
+    if ((want & 1) && !(sb = XXH3_createState())) { PyErr_NoMemory(); goto done; }
+    if ((want & 2) && !(sa = XXH3_createState())) { XXH3_freeState(sb); PyErr_NoMemory(); goto done; }
+    if (sb) XXH3_128bits_reset(sb);
+    if (sa) XXH3_128bits_reset(sa);
+
+    uint64_t ea = 0, eb = 0;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = validate(&s, &ea, &eb);
+    if (!err) apply_all((uint8_t *)tv.buf, &s, inverse, sb, sa);
+    Py_END_ALLOW_THREADS
+
+    PyObject *before = NULL, *after = NULL;
+    if (!err && sb) before = hex_digest(sb);
+    else before = Py_NewRef(Py_None);
+    if (!err && sa) after = hex_digest(sa);
+    else after = Py_NewRef(Py_None);
+    XXH3_freeState(sb);
+    XXH3_freeState(sa);
+    if (before && after) result = Py_BuildValue("(iKKNN)", err, (unsigned long long)ea, (unsigned long long)eb, before, after);
+    else {
+        Py_XDECREF(before);
+        Py_XDECREF(after);
+    }
+done:
+    release_sections(&ss);
+    PyBuffer_Release(&tv);
+    return result;
+}
+
 PyMethodDef ds_apply_methods[] = {
+    {"apply_segment", apply_segment, METH_VARARGS, apply_segment_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -120,6 +120,7 @@ from deltastore.codec.delta import (
     SparseDelta,
     _encode_delta_xor,  # noqa: F401 - the v1 writer, kept for golden tests
     apply_delta,
+    apply_delta_digests,
     decode_delta,
     encode_delta,
 )
@@ -153,6 +154,7 @@ __all__ = [
     "XOR_CODECS",
     "ZSTD_PLANE_PARAMS",
     "apply_delta",
+    "apply_delta_digests",
     "compose_deltas",
     "decode_delta",
     "decode_full",

@@ -1,0 +1,369 @@
+"""The native decode-and-apply kernel (deltastore/_native/apply.c) against the numpy decoder,
+and pull_into's one-pass verification (SPEC §7.5-6).
+
+Kernel and numpy path must accept and refuse the same segments, with the same message, and
+write bit-identical targets (every width, sparse and dense, XOR and add, inverse); the digests
+the kernel takes in its pass must be the chunk's XXH3-128. The corruption suite itself runs on
+the numpy path in tests/test_codec_corruption_numpy.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltastore import Publisher, Subscriber, TargetModifiedError
+from deltastore.codec import (
+    CODEC_ADD_DENSE,
+    CODEC_ADD_SPARSE,
+    CODEC_XOR_DENSE,
+    CODEC_XOR_SPARSE,
+    _encode_delta_xor,
+    _kernels,
+    apply_delta,
+    apply_delta_digests,
+    encode_delta,
+)
+from deltastore.codec.container import KIND_CONST, KIND_RAW, pack
+from deltastore.codec.delta import ADD, XOR
+from deltastore.codec.planes import encode_sections
+from deltastore.errors import CorruptObjectError, DeltastoreError, IntegrityError
+
+NATIVE = _kernels.apply_segment is not None
+needs_native = pytest.mark.skipif(not NATIVE, reason="deltastore._native is not built (numpy path only)")
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@contextlib.contextmanager
+def numpy_path():
+    """Run the numpy decoder even where the kernel is loaded."""
+    saved = _kernels.apply_segment
+    _kernels.apply_segment = None
+    try:
+        yield
+    finally:
+        _kernels.apply_segment = saved
+
+
+def digest(a: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(a.tobytes())
+
+
+def outcome(base: np.ndarray, data: bytes, codec: str, inverse: bool = False):
+    """(target bytes after, digests or the error message) of one apply."""
+    t = base.copy()
+    try:
+        d = apply_delta_digests(t, data, codec=codec, inverse=inverse, before=True, after=True)
+    except (DeltastoreError, ValueError) as e:
+        assert np.array_equal(t, base), "a refused segment wrote the target"
+        return t.tobytes(), f"{type(e).__name__}: {e}"
+    return t.tobytes(), d
+
+
+def both(base: np.ndarray, data: bytes, codec: str, inverse: bool = False):
+    native = outcome(base, data, codec, inverse)
+    with numpy_path():
+        fallback = outcome(base, data, codec, inverse)
+    assert native == fallback
+    return native
+
+
+def dense_segment(op, old: np.ndarray, new: np.ndarray) -> tuple[str, bytes] | None:
+    """``op``'s dense form ``(codec, data)``, whatever the encoder would choose."""
+    dense = op.diff(old, new)
+    n = int(np.count_nonzero(dense))
+    if n == 0:
+        return None
+    v = op.code_values(dense)
+    return op.dense, pack(op.dense, width=old.itemsize, count=old.size, n_changed=n, n_escaped=v.n_escaped,
+                          sections=encode_sections(v.planes, None))
+
+
+def all_forms(old: np.ndarray, new: np.ndarray) -> list[tuple[str, bytes]]:
+    """Every delta codec's segment from old to new (sparse as the encoders write them; dense
+    forced): empty when old == new."""
+    out = [(s.codec, s.data) for s in (encode_delta(old, new), _encode_delta_xor(old, new)) if s is not None]
+    return out + [d for d in (dense_segment(ADD, old, new), dense_segment(XOR, old, new)) if d is not None]
+
+
+@st.composite
+def chunk_pairs(draw):
+    """(old, new): random bits, then a change set of any density; differences small (Adam-like,
+    mostly codes), large (escapes) or arbitrary; NaN-ish and -0.0-ish patterns come for free."""
+    width = draw(st.sampled_from([1, 2, 4, 8]))
+    dt = UINT[width]
+    n = draw(st.integers(1, 1500))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, np.iinfo(dt).max, n, dtype=dt, endpoint=True)
+    if draw(st.booleans()):
+        old[rng.random(n) < 0.5] = 0  # runs of equal bits: CONST planes
+    density = draw(st.sampled_from([0.0, 0.001, 0.01, 0.1, 0.5, 0.9, 1.0]))
+    mask = rng.random(n) < density
+    if draw(st.booleans()) and n > 600:
+        mask[:] = False
+        mask[rng.integers(0, n, 2)] = True  # long gaps: escaped gap symbols
+    spread = draw(st.sampled_from([3, 20, 1 << 30]))
+    d = rng.integers(-spread, spread, n).astype(np.int64).astype(dt)
+    new = old.copy()
+    new[mask] += d[mask]
+    return old, new
+
+
+@needs_native
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunk_pairs())
+def test_kernel_and_numpy_write_identical_targets(pair):
+    old, new = pair
+    forms = all_forms(old, new)
+    assert len(forms) == (0 if np.array_equal(old, new) else 4)
+    for codec, data in forms:
+        after, digests = both(old, data, codec)
+        assert after == new.tobytes(), codec
+        assert digests == (digest(old), digest(new))
+        back, digests = both(new, data, codec, inverse=True)
+        assert back == old.tobytes(), codec
+        assert digests == (digest(new), digest(old))
+
+
+@needs_native
+def test_digests_span_many_blocks_and_partial_ones():
+    # 32 KiB blocks: chunks smaller than, equal to and far beyond one block, odd tails
+    rng = np.random.default_rng(7)
+    for n in (1, 16383, 16384, 16385, 1_000_003):
+        old = rng.integers(0, 65535, n, dtype=np.uint16)
+        new = old.copy()
+        idx = rng.choice(n, max(1, n // 100), replace=False)
+        new[idx] += np.uint16(1)
+        new[-1] += np.uint16(3)  # a change in the last (partial) block
+        seg = encode_delta(old, new)
+        for want in ((True, False), (False, True), (True, True), (False, False)):
+            t = old.copy()
+            got = apply_delta_digests(t, seg.data, codec=seg.codec, before=want[0], after=want[1])
+            assert got == (digest(old) if want[0] else None, digest(new) if want[1] else None)
+            assert np.array_equal(t, new)
+
+
+# --- hostile segments: hand-built with RAW/CONST sections of the right sizes --------------
+
+
+def _planes(values: np.ndarray, width: int) -> list[bytes]:
+    u8 = values.astype(f"<u{width}").view(np.uint8).reshape(-1, width)
+    return [u8[:, k].tobytes() for k in range(width)]
+
+
+def _section(raw: bytes, const: bool):
+    return (KIND_CONST, raw[:1], len(raw)) if const and raw and raw == raw[:1] * len(raw) else (KIND_RAW, raw, len(raw))
+
+
+@st.composite
+def hostile_segments(draw):
+    """Real segment structures (positions, values, escapes coded by the encoders' own coders)
+    stored in RAW/CONST sections, then damaged in their payload or declared counts: zero
+    values, bad escapes and padding, positions past the end, wrong counts -- and intact ones.
+    Sizes stay consistent with the header, so the payload checks are what is tested."""
+    codec = draw(st.sampled_from([CODEC_ADD_SPARSE, CODEC_ADD_DENSE, CODEC_XOR_SPARSE, CODEC_XOR_DENSE]))
+    op = ADD if codec.startswith("add") else XOR
+    width = draw(st.sampled_from([1, 2, 4, 8]))
+    count = draw(st.integers(1, 1200))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n = int(rng.integers(1, min(count, 80) + 1))
+    pos = np.sort(rng.choice(count, n, replace=False)).astype(np.int64)
+    spread = draw(st.sampled_from([2, 9, 1 << 20]))
+    vals = rng.integers(1, spread, n).astype(UINT[width]) * UINT[width](draw(st.sampled_from([1, 255])))
+    vals[vals == 0] = 1
+    if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE):
+        p, v = op.code_positions(pos), op.code_values(vals)
+        planes, param, aux, n_esc = p.planes + v.planes, p.param, p.n_escaped, v.n_escaped
+    else:
+        dense = np.zeros(count, UINT[width])
+        dense[pos] = vals
+        v = op.code_values(dense)
+        planes, param, aux, n_esc = v.planes, 0, 0, v.n_escaped
+    const = draw(st.booleans())
+    secs = [_section(np.ascontiguousarray(pl).tobytes(), const) for pl in planes]
+    n_changed = n + draw(st.sampled_from([0, 0, 0, -1, 1]))  # a lie about the count (dense: checked)
+    if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE) or not 0 <= n_changed <= count:
+        n_changed = n
+    data = bytearray(pack(codec, width=width, count=count, n_changed=n_changed, param=param, aux=aux,
+                          n_escaped=n_esc, sections=secs))
+    payload = len(data) - sum(len(sec[1]) for sec in secs)
+    for _ in range(draw(st.sampled_from([0, 1, 1, 2]))):
+        if len(data) > payload:
+            at = draw(st.integers(payload, len(data) - 1))
+            data[at] = draw(st.sampled_from([0, 1, 15, 16, 240, 255, int(rng.integers(0, 256))]))
+    return codec, width, count, bytes(data), draw(st.booleans())
+
+
+@needs_native
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile_segments(), st.integers(0, 2**32 - 1))
+def test_kernel_and_numpy_refuse_the_same_segments(seg, seed):
+    codec, width, count, data, inverse = seg
+    base = np.random.default_rng(seed).integers(0, 255, count * width, dtype=np.uint8).view(UINT[width])
+    both(base, data, codec, inverse)  # same bytes written, or the same error and nothing written
+
+
+@needs_native
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunk_pairs(), st.data())
+def test_flipped_bytes_of_real_segments_agree(pair, data):
+    old, new = pair
+    seg = encode_delta(old, new) if data.draw(st.booleans()) else _encode_delta_xor(old, new)
+    if seg is None:
+        return
+    raw = bytearray(seg.data)
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] ^= 1 << data.draw(st.integers(0, 7))
+    cut = data.draw(st.integers(0, len(raw)))
+    both(old, bytes(raw[:cut]) if data.draw(st.booleans()) else bytes(raw), seg.codec)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [
+    lambda t: t.astype(np.uint32),  # not the segment's width: a typed error before the kernel
+])
+def test_kernel_refuses_bad_targets(bad):
+    old = np.arange(100, dtype=np.uint16)
+    new = old.copy()
+    new[3] += np.uint16(1)
+    seg = encode_delta(old, new)
+    with pytest.raises(CorruptObjectError, match="width"):
+        apply_delta(bad(old.copy()), seg.data, codec=seg.codec)
+    ro = old.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        apply_delta(ro, seg.data, codec=seg.codec)
+    raw = (CODEC_ADD_SPARSE, 2, 2, 1, (b"\x00",), 1, 0, 0, False, 0)
+    with pytest.raises(ValueError, match="sections"):  # the kernel checks sizes on its own too
+        _kernels.apply_segment(old.copy(), *raw[1:])
+    with pytest.raises(ValueError, match="section 1 has 2 bytes"):
+        _kernels.apply_segment(old.copy(), 2, 2, 1, (b"\x03", b"\x01\x00"), 1, 0, 0, False, 0)
+
+
+# --- pull_into with the one-pass verification, kernel on and off -------------------------
+
+
+def _states(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    a = {
+        "w1": torch.from_numpy(rng.standard_normal((64, 256)).astype(np.float32)).to(torch.bfloat16),
+        "w2": torch.from_numpy(rng.standard_normal((64, 256)).astype(np.float32)).to(torch.bfloat16),
+        "w3": torch.from_numpy(rng.standard_normal((64, 256)).astype(np.float32)).to(torch.bfloat16),
+    }
+    b = {k: v.clone() for k, v in a.items()}
+    for k in ("w1", "w2"):  # w3 unchanged: a kept chunk, hashed up front
+        flat = b[k].view(-1)
+        idx = torch.from_numpy(rng.choice(flat.numel(), 200, replace=False))
+        flat[idx] = (flat[idx].float() * 1.01 + 1e-3).to(torch.bfloat16)
+    return a, b
+
+
+def _bits(sd) -> dict[str, bytes]:
+    return {k: v.view(torch.int16).numpy().tobytes() for k, v in sd.items()}
+
+
+@pytest.fixture(params=["native", "numpy"])
+def path(request):
+    if request.param == "native" and not NATIVE:
+        pytest.skip("deltastore._native is not built")
+    ctx = contextlib.nullcontext() if request.param == "native" else numpy_path()
+    with ctx:
+        yield request.param
+
+
+def _store(tmp_path, chunk_bytes=8192):
+    a, b = _states()
+    url = str(tmp_path / "store")
+    with Publisher(url, threads=1, chunk_bytes=chunk_bytes) as pub:
+        pub.publish(a)
+        pub.publish(b)
+    return url, a, b
+
+
+def test_pull_into_reaches_the_head_bit_exact(tmp_path, path):
+    url, a, b = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    sub.pull_into(target)
+    assert _bits(target) == _bits(b)
+
+
+@pytest.mark.parametrize("where", ["patched", "kept"])
+def test_modified_target_is_refused_and_left_as_it_was(tmp_path, path, where):
+    url, a, b = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    # a local edit in a chunk the update patches (w2's last chunk, checked in the apply pass
+    # after w1's chunks were written) or in one it keeps (w3, checked before any write)
+    name = "w2" if where == "patched" else "w3"
+    target[name].view(-1)[-1] += 1
+    edited = _bits(target)
+    with pytest.raises(TargetModifiedError, match=f"tensor '{name}'"):
+        sub.pull_into(target)
+    assert _bits(target) == edited  # every chunk written before the check was restored
+    assert sub.version == 1
+
+
+def test_bad_chunk_in_the_middle_restores_everything(tmp_path, path, monkeypatch):
+    url, a, b = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    before = _bits(target)
+    calls = itertools.count(1)
+    real = apply_delta_digests
+
+    def flaky(t, data, **kw):
+        out = real(t, data, **kw)
+        if next(calls) == 3:  # the third chunk applied: a wrong result digest
+            return out[0], "0" * 32
+        return out
+
+    import deltastore.codec as codec_mod
+
+    monkeypatch.setattr(codec_mod, "apply_delta_digests", flaky)
+    with pytest.raises(IntegrityError, match="does not match its digest"):
+        sub.pull_into(target)
+    assert _bits(target) == before
+    monkeypatch.undo()
+    sub.pull_into(target)  # and the next try goes through
+    assert _bits(target) == _bits(b)
+
+
+def test_corrupt_delta_on_a_modified_chunk_is_a_modified_target(tmp_path, path, monkeypatch):
+    # the delta fails before its pass could hash the base: the chunk is hashed before any
+    # fallback, so a full segment never overwrites the local edit
+    url, a, b = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    target["w1"].view(-1)[0] += 1
+    edited = _bits(target)
+
+    import deltastore.codec as codec_mod
+
+    def broken(*args, **kw):
+        raise CorruptObjectError("add-sparse/1 segment's padding code is not 0")
+
+    monkeypatch.setattr(codec_mod, "apply_delta_digests", broken)
+    with pytest.raises(TargetModifiedError):
+        sub.pull_into(target)
+    assert _bits(target) == edited
+
+
+def test_stage_refuses_a_modified_patched_chunk(tmp_path, path):
+    url, a, b = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    target["w1"].view(-1)[5] += 1
+    edited = _bits(target)
+    with pytest.raises(TargetModifiedError):
+        sub.stage(target)
+    assert _bits(target) == edited
