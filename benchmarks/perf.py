@@ -1,0 +1,609 @@
+"""Issue 9's goals in one run: every cost as a ratio to a memory copy of the same model.
+
+    python -m benchmarks.perf                       # tf265m-rl-1e-6 (531 MB bf16), ~5-10 min
+    python -m benchmarks.perf --quick               # a small synthetic model, seconds (the smoke test)
+
+On a transformer-shaped model with real AdamW steps (``benchmarks/workload.py``, cached in
+``benchmarks/.cache``), each role in a fresh subprocess, on ``--threads`` threads (default:
+every core, 2 here):
+
+* **copy**: ``dst.copy_(src)`` of every tensor into preallocated tensors (torch on the same
+  threads), median of ``COPY_REPEATS``, in its own process: the denominator of every ratio;
+* **publisher**: the first publish (step 0, an anchor), a delta publish for each of steps
+  1..N-1 (median), step N as a forced anchor (``anchor=True``: the steady-state anchor cost,
+  reference held), peak RSS of the delta publishes;
+* **worker**: ``pull`` of the first version, ``pull_into`` of each delta version (median) and of
+  the forced anchor, ``pull`` of the last delta version (its anchor plus every delta), peak RSS
+  of the delta ``pull_into`` calls; every result compared with the trainer's export (XXH3-128
+  of every tensor, taken by the publisher role);
+* **PULSE** (``benchmarks/peers.py``: COO int32 + new values, zstd-3) encode and decode+apply of
+  the same steps, torch on the same threads;
+* **anchor encode on one thread**: ZipNN (bf16 byte mode, one thread) against
+  ``deltastore.codec.encode_full`` per tensor, time and size;
+* **sizes**: pack bytes each delta version stored against the order-0 entropy estimate
+  (``peers.entropy_bytes``).
+
+The publisher and worker run twice, with the native kernels (``deltastore.codec._kernels``) and
+with ``DELTASTORE_NATIVE=0`` (the numpy path), against separate stores, so both columns come
+from one run on the same machine state. Where the kernels are not built (or not in this
+revision) the native column says so and only the numpy path runs. The store is a local
+directory on tmpfs (``/dev/shm`` when present), so no disk is timed.
+
+Peak memory is VmHWM above the role's RSS before it loaded the model, in units of the model's
+bytes (reset before each timed call through ``/proc/self/clear_refs``), so the publisher's figure
+includes the trainer's own tensors (1×) and the reference copy (1×): the goal "model +
+reference + 0.2×" is ≤ 2.2 here, the worker's "model + 0.2×" is ≤ 1.2.
+
+Results go to ``benchmarks/results/perf.json`` and ``perf.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WORKLOAD = "tf265m-rl-1e-6"
+RESULTS = Path(__file__).resolve().parent / "results"
+# The memory copy is timed this many times (median): it is the denominator of every ratio, and
+# one copy of a 531 MB model takes ~0.1-0.3 s, so five cost ~1 s.
+COPY_REPEATS = 5
+# PULSE's encoder and decoder are timed on at most this many steps (median): they are
+# baselines, and each step of the 531 MB model costs a load of two snapshots (~2-4 s here).
+PULSE_STEPS = 3
+# Anchor encoders on one thread (ZipNN and ours) are timed this many times, fastest kept: on a
+# shared machine the minimum is the least disturbed estimate; each takes 1-3 s on 531 MB.
+ANCHOR_REPEATS = 2
+# --quick: a synthetic model of this many transformer blocks (d_model QUICK_D), QUICK_STEPS
+# AdamW steps: a few MB, enough to run every role and path in seconds.
+QUICK_LAYERS = 2
+QUICK_D = 256
+QUICK_STEPS = 3
+# A role that runs past this is a hang, not a slow machine (a full role takes ~1-2 min here).
+ROLE_TIMEOUT_S = 900
+# The issue's goals, next to the figures (docs/benchmarks.md, issue 9).
+GOALS = {
+    "publish_over_copy": 2.0,
+    "pull_into_over_copy": 1.3,
+    "publisher_peak_over_model": 2.2,  # trainer state 1 + reference 1 + 0.2
+    "worker_peak_over_model": 1.2,  # target 1 + 0.2
+    "delta_over_h0": 0.85,
+}
+
+
+# --- helpers shared by the roles ----------------------------------------------------------
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    """Restart VmHWM from the current RSS (Linux ≥ 4.0), so a peak belongs to one call."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # pragma: no cover - not Linux: peaks then include earlier work
+        pass
+
+
+def _step_file(src: Path, step: int) -> Path:
+    return src / f"step_{step:04d}.safetensors"
+
+
+def _load(src: Path, step: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(_step_file(src, step)))
+
+
+def _load_into(src: Path, step: int, state: dict) -> None:
+    """Overwrite ``state`` in place with ``step``'s tensors, as an optimizer step would."""
+    from safetensors import safe_open
+
+    with safe_open(str(_step_file(src, step)), framework="pt") as f:
+        for k in f.keys():
+            state[k].copy_(f.get_tensor(k))
+
+
+def _model_bytes(sd: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def _digest(sd: dict) -> dict[str, str]:
+    """XXH3-128 of every tensor's bytes: compares a result with the trainer's export without a
+    second model-sized copy in the worker (which would sit in its heap and skew its peak RSS)."""
+    import torch
+    import xxhash
+
+    return {k: xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.int16).numpy().data) for k, t in sd.items()}
+
+
+def _time_copy(state: dict) -> dict:
+    """Median seconds of ``copy_`` of every tensor into preallocated ones (and one clone)."""
+    import torch
+
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    for k, v in state.items():  # fault the pages in: a copy into fresh memory is not the point
+        dst[k].copy_(v)
+    times = []
+    for _ in range(COPY_REPEATS):
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            dst[k].copy_(v)
+        times.append(time.perf_counter() - t0)
+    del dst
+    t0 = time.perf_counter()
+    clone = {k: v.clone() for k, v in state.items()}
+    clone_s = time.perf_counter() - t0
+    del clone
+    return {"copy_s": statistics.median(times), "copy_all_s": times, "clone_s": clone_s}
+
+
+def _copy(src: Path, threads: int) -> dict:
+    """The denominator, in its own process: the roles' peaks never see its extra model copy."""
+    import torch
+
+    torch.set_num_threads(threads)
+    state = _load(src, 0)
+    return {"role": "copy", "model_bytes": _model_bytes(state), **_time_copy(state)}
+
+
+def native_status() -> dict:
+    """Whether this process loaded the native kernels, and why not."""
+    try:
+        from deltastore.codec import _kernels
+    except ImportError as e:
+        return {"native": False, "why": f"no deltastore.codec._kernels in this revision ({e})"}
+    if os.environ.get("DELTASTORE_NATIVE") == "0":
+        return {"native": bool(_kernels.NATIVE), "why": "DELTASTORE_NATIVE=0"}
+    return {"native": bool(_kernels.NATIVE), "why": "" if _kernels.NATIVE else "extension not built or not loadable"}
+
+
+# --- roles (each in a fresh interpreter) --------------------------------------------------
+
+
+def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entropy: bool) -> dict:
+    import torch
+
+    from benchmarks import peers
+    from deltastore import Publisher
+
+    torch.set_num_threads(threads)  # the copy and PULSE use the cores deltastore's threads use
+    baseline = _status_kb("VmRSS")
+    state = _load(src, 0)  # the trainer's tensors, updated in place per step
+    model = _model_bytes(state)
+    out: dict = {"role": "publisher", "model_bytes": model, "tensors": len(state), **native_status()}
+    digests = [_digest(state)]  # what the worker must reach, per step
+    delta_s, peaks, stored = [], [], []
+    with Publisher(url, threads=threads) as pub:
+        _reset_peak()
+        t0 = time.perf_counter()
+        pub.publish(state, step=0)
+        out["first_anchor_s"] = time.perf_counter() - t0
+        out["first_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
+        for s in range(1, steps):
+            _load_into(src, s, state)
+            digests.append(_digest(state))
+            _reset_peak()  # the benchmark's own file reads are not the publisher's memory
+            t0 = time.perf_counter()
+            info = pub.publish(state, step=s)
+            delta_s.append(time.perf_counter() - t0)
+            peaks.append(_status_kb("VmHWM"))
+            assert info.kind == "delta", info
+            stored.append(info.bytes_stored)
+        # The last step as a forced anchor: a steady-state anchor publish (reference held).
+        _load_into(src, steps, state)
+        digests.append(_digest(state))
+        _reset_peak()
+        t0 = time.perf_counter()
+        info = pub.publish(state, step=steps, anchor=True)
+        out["anchor_s"] = time.perf_counter() - t0
+        out["anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
+        out["anchor_bytes"] = info.bytes_stored
+    del state
+    (work / "digests.json").write_text(json.dumps(digests))
+    out.update(delta_s=delta_s, delta_median_s=statistics.median(delta_s), delta_bytes=stored,
+               peak_over_model=(max(peaks) - baseline) * 1024 / model)
+    # Baseline encoder and sizes, after the publisher is gone (its memory is measured above).
+    pulse = peers.FORMATS["pulse"]
+    pulse_s, pulse_bytes, h0 = [], [], []
+    for s in range(1, steps):
+        if s > PULSE_STEPS and not entropy:
+            break
+        prev, new = _load(src, s - 1), _load(src, s)
+        if s <= PULSE_STEPS:
+            t0 = time.perf_counter()
+            blob = pulse.encode(prev, new)
+            pulse_s.append(time.perf_counter() - t0)
+            pulse_bytes.append(len(blob))
+            (work / f"pulse_{s}.bin").write_bytes(blob)
+        if entropy:
+            h0.append(peers.entropy_bytes(prev, new))
+        del prev, new
+    out.update(pulse_encode_s=pulse_s, pulse_encode_median_s=statistics.median(pulse_s),
+               pulse_bytes=pulse_bytes, h0_bytes=h0)
+    return out
+
+
+def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
+    import torch
+
+    from benchmarks import peers
+    from deltastore import Subscriber
+
+    torch.set_num_threads(threads)
+    digests = json.loads((work / "digests.json").read_text())  # per step, from the publisher
+    baseline = _status_kb("VmRSS")
+    out: dict = {"role": "worker", **native_status()}
+    exact = True
+    into_s, peaks = [], []
+    with Subscriber(url, threads=threads) as sub:
+        _reset_peak()
+        t0 = time.perf_counter()
+        target = sub.pull(1)
+        out["first_pull_s"] = time.perf_counter() - t0
+        model = _model_bytes(target)
+        out["model_bytes"] = model
+        out["first_pull_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
+        exact &= _digest(target) == digests[0]
+        for v in range(2, steps + 1):  # version v holds step v - 1; versions 2..steps are deltas
+            _reset_peak()
+            t0 = time.perf_counter()
+            sub.pull_into(target, version=v)
+            into_s.append(time.perf_counter() - t0)
+            peaks.append(_status_kb("VmHWM"))
+            exact &= _digest(target) == digests[v - 1]
+        _reset_peak()
+        t0 = time.perf_counter()
+        sub.pull_into(target, version=steps + 1)  # the forced anchor (the last step)
+        out["pull_into_anchor_s"] = time.perf_counter() - t0
+        out["pull_into_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
+        exact &= _digest(target) == digests[steps]
+        del target
+        _reset_peak()
+        t0 = time.perf_counter()
+        latest = sub.pull(steps)  # the last delta version: the first anchor and every delta
+        out["pull_chain_s"] = time.perf_counter() - t0
+        out["pull_chain_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
+        exact &= _digest(latest) == digests[steps - 1]
+        del latest
+    out.update(pull_into_s=into_s, pull_into_median_s=statistics.median(into_s),
+               peak_over_model=(max(peaks) - baseline) * 1024 / model)
+    pulse = peers.FORMATS["pulse"]
+    pulse_s = []
+    for s in range(1, min(steps - 1, PULSE_STEPS) + 1):
+        target, blob = _load(src, s - 1), (work / f"pulse_{s}.bin").read_bytes()
+        t0 = time.perf_counter()
+        pulse.decode_apply(target, blob)
+        pulse_s.append(time.perf_counter() - t0)
+        exact &= _digest(target) == digests[s]
+        del target
+    out.update(pulse_apply_s=pulse_s, pulse_apply_median_s=statistics.median(pulse_s), exact=exact)
+    return out
+
+
+def _anchor_codecs(src: Path, step: int) -> dict:
+    """ZipNN's and deltastore's anchor encoders on one thread, on one snapshot: time and size."""
+    import numpy as np
+    import torch
+
+    from benchmarks import peers
+
+    torch.set_num_threads(1)
+    sd = _load(src, step)
+    out: dict = {"role": "anchor", "model_bytes": _model_bytes(sd), **native_status()}
+    for name in ("zipnn", "deltastore-anchor"):
+        why = peers.unavailable(name)
+        if why:
+            out[name] = {"unavailable": why}
+            continue
+        if name == "zipnn":
+            raw = np.concatenate([peers.u16(t) for t in sd.values()]).tobytes()  # not timed
+            z = peers._zipnn(False)
+            enc = lambda: bytes(z.compress(raw))  # noqa: E731
+        else:
+            enc = lambda: peers.FORMATS[name].encode(sd, sd)  # noqa: E731
+        times, blob = [], b""
+        for _ in range(ANCHOR_REPEATS):
+            t0 = time.perf_counter()
+            blob = enc()
+            times.append(time.perf_counter() - t0)
+        out[name] = {"encode_s": min(times), "bytes": len(blob)}
+    return out
+
+
+ROLES = {"copy", "publisher", "worker", "anchor", "probe"}
+
+
+def _role_main(args: argparse.Namespace) -> dict:
+    src, work = Path(args.src), Path(args.work)
+    if args.role == "probe":
+        return native_status()
+    if args.role == "copy":
+        return _copy(src, args.threads)
+    if args.role == "publisher":
+        return _publisher(src, args.url, args.steps, args.threads, work, args.entropy)
+    if args.role == "worker":
+        return _worker(src, args.url, args.steps, args.threads, work)
+    return _anchor_codecs(src, args.steps)
+
+
+# --- the driver -----------------------------------------------------------------------------
+
+
+def _run_role(role: str, *, src: Path, url: str, steps: int, threads: int, work: Path,
+              native: bool, entropy: bool = False) -> dict:
+    env = dict(os.environ)
+    if native:
+        env.pop("DELTASTORE_NATIVE", None)
+    else:
+        env["DELTASTORE_NATIVE"] = "0"
+    cmd = [sys.executable, "-m", "benchmarks.perf", "--role", role, "--src", str(src), "--url", url,
+           "--steps", str(steps), "--threads", str(threads), "--work", str(work)]
+    if entropy:
+        cmd.append("--entropy")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=ROLE_TIMEOUT_S,
+                          cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode:
+        raise RuntimeError(f"perf role {role} (native={native}) failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def quick_workload(dst: Path, *, layers: int = QUICK_LAYERS, d: int = QUICK_D, steps: int = QUICK_STEPS) -> Path:
+    """A small Llama-shaped bf16 model (embedding, q/k/v/o, SwiGLU, RMSNorms, LM head) with
+    real AdamW steps at lr 1e-6 on random gradients, written as ``step_XXXX.safetensors``."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    vocab, ff = 4 * d, 3 * d
+    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                   p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (d // 2, d),
+                   p + "self_attn.v_proj.weight": (d // 2, d), p + "self_attn.o_proj.weight": (d, d),
+                   p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
+                   p + "mlp.down_proj.weight": (d, ff)}
+    params = {k: torch.nn.Parameter(torch.ones(s) if k.endswith("norm.weight") else torch.randn(*s, generator=g) * 0.02)
+              for k, s in shapes.items()}
+    opt = torch.optim.AdamW(params.values(), lr=1e-6, weight_decay=0.0)
+    dst.mkdir(parents=True, exist_ok=True)
+    for step in range(steps + 1):
+        if step:
+            for k, p in params.items():
+                p.grad = None if k.endswith("norm.weight") else torch.randn(p.shape, generator=g)
+            opt.step()
+        save_file({k: p.detach().bfloat16().contiguous() for k, p in params.items()}, str(_step_file(dst, step)))
+    return dst
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def summarize(mode: dict, copy_s: float) -> dict:
+    """One mode's ratios from its publisher and worker results and the memory copy's time."""
+    pub, wk = mode["publisher"], mode["worker"]
+    pc = wc = copy_s
+    h0 = pub.get("h0_bytes") or []
+    return {
+        "publish_over_copy": pub["delta_median_s"] / pc,
+        "publish_over_pulse": pub["delta_median_s"] / pub["pulse_encode_median_s"],
+        "pulse_encode_over_copy": pub["pulse_encode_median_s"] / pc,
+        "first_anchor_over_copy": pub["first_anchor_s"] / pc,
+        "anchor_publish_over_copy": pub["anchor_s"] / pc,
+        "anchor_over_delta_publish": pub["anchor_s"] / pub["delta_median_s"],
+        "pull_into_over_copy": wk["pull_into_median_s"] / wc,
+        "pull_into_over_pulse": wk["pull_into_median_s"] / wk["pulse_apply_median_s"],
+        "pulse_apply_over_copy": wk["pulse_apply_median_s"] / wc,
+        "pull_into_anchor_over_copy": wk["pull_into_anchor_s"] / wc,
+        "first_pull_over_copy": wk["first_pull_s"] / wc,
+        "pull_chain_over_copy": wk["pull_chain_s"] / wc,
+        "publisher_peak_over_model": pub["peak_over_model"],
+        "worker_peak_over_model": wk["peak_over_model"],
+        "delta_over_h0": (statistics.median(b / h for b, h in zip(pub["delta_bytes"], h0) if h)
+                          if h0 else None),
+        "exact": wk["exact"],
+    }
+
+
+def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: int | None = None,
+        quick: bool = False, out: Path | None = None, modes: tuple[str, ...] = ("numpy", "native")) -> dict:
+    """Run every role in every mode; write ``out`` (.json and .md); return the results."""
+    threads = threads or len(os.sched_getaffinity(0))
+    shm = Path("/dev/shm")
+    with tempfile.TemporaryDirectory(prefix="ds-perf-", dir=shm if shm.is_dir() else None) as tmp:
+        tmp = Path(tmp)
+        if quick:
+            workload = "quick-synthetic"
+            steps = steps or QUICK_STEPS
+            src = quick_workload(tmp / "src", steps=steps)
+        else:
+            from benchmarks.workload import WORKLOADS, ensure_workload
+
+            steps = steps or WORKLOADS[workload].steps
+            src = ensure_workload(workload, steps)
+        if steps < 2:
+            raise ValueError("perf needs ≥ 2 steps: deltas for steps 1..N-1, a forced anchor at N")
+        probe = _run_role("probe", src=src, url="", steps=steps, threads=threads, work=tmp, native=True)
+        copy = _run_role("copy", src=src, url="", steps=steps, threads=threads, work=tmp, native=True)
+        res: dict = {
+            "workload": workload, "steps": steps, "threads": threads, "quick": quick,
+            "store": f"local directory on {'tmpfs (/dev/shm)' if shm.is_dir() else 'the temp dir'}",
+            "machine": _machine(), "native_probe": probe, "copy": copy, "modes": {},
+        }
+        for i, mode in enumerate(modes):
+            native = mode == "native"
+            if native and not probe["native"]:
+                res["modes"][mode] = {"unavailable": probe["why"]}
+                continue
+            url = str(tmp / f"store-{mode}")
+            work = tmp / f"work-{mode}"
+            work.mkdir()
+            t0 = time.perf_counter()
+            kw = dict(src=src, url=url, steps=steps, threads=threads, work=work, native=native)
+            pub = _run_role("publisher", entropy=i == 0, **kw)
+            wk = _run_role("worker", **kw)
+            anc = _run_role("anchor", **kw)
+            m = {"publisher": pub, "worker": wk, "anchor": anc, "wall_s": time.perf_counter() - t0}
+            if i:  # sizes and H0 do not depend on the mode (identical bytes): measured once
+                first = res["modes"][modes[0]]["publisher"]
+                pub["h0_bytes"] = first.get("h0_bytes")
+                m["same_bytes_as_" + modes[0]] = pub["delta_bytes"] == first["delta_bytes"]
+            m["ratios"] = summarize(m, res["copy"]["copy_s"])
+            z, a = anc.get("zipnn", {}), anc.get("deltastore-anchor", {})
+            if "encode_s" in z and "encode_s" in a:
+                m["ratios"]["anchor_encode_time_over_zipnn"] = a["encode_s"] / z["encode_s"]
+                m["ratios"]["anchor_size_over_zipnn"] = a["bytes"] / z["bytes"]
+            res["modes"][mode] = m
+            shutil.rmtree(url, ignore_errors=True)
+    res["goals"] = GOALS
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+        out.with_suffix(".md").write_text(markdown(res))
+    return res
+
+
+def _machine() -> dict:
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover
+        load = None
+    import numpy
+    import torch
+
+    return {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+            "load_avg_1m_at_start": load}
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return fmt.format(x)
+
+
+ROWS = [
+    # (label, ratio key, goal key or None)
+    ("delta publish / copy", "publish_over_copy", "publish_over_copy"),
+    ("delta publish / PULSE encode", "publish_over_pulse", None),
+    ("PULSE encode / copy", "pulse_encode_over_copy", None),
+    ("anchor publish (steady) / copy", "anchor_publish_over_copy", None),
+    ("anchor publish / delta publish", "anchor_over_delta_publish", None),
+    ("first publish (anchor) / copy", "first_anchor_over_copy", None),
+    ("pull_into (delta) / copy", "pull_into_over_copy", "pull_into_over_copy"),
+    ("pull_into / PULSE decode+apply", "pull_into_over_pulse", None),
+    ("PULSE decode+apply / copy", "pulse_apply_over_copy", None),
+    ("pull_into (anchor) / copy", "pull_into_anchor_over_copy", None),
+    ("pull (first version) / copy", "first_pull_over_copy", None),
+    ("pull (anchor + all deltas) / copy", "pull_chain_over_copy", None),
+    ("anchor encode 1 thread / ZipNN (time)", "anchor_encode_time_over_zipnn", None),
+    ("anchor size / ZipNN", "anchor_size_over_zipnn", None),
+    ("publisher peak RSS / model", "publisher_peak_over_model", "publisher_peak_over_model"),
+    ("worker peak RSS / model", "worker_peak_over_model", "worker_peak_over_model"),
+    ("delta bytes / H0 (median)", "delta_over_h0", "delta_over_h0"),
+    ("bit-exact", "exact", None),
+]
+
+
+def markdown(res: dict) -> str:
+    """The results as a Markdown table: one row per figure, one column per mode, the goal."""
+    modes = list(res["modes"])
+    mach = res["machine"]
+    lines = [f"# Performance (issue 9): {res['workload']}, {res['steps']} steps, {res['threads']} threads",
+             "", f"Store: {res['store']}. Machine: {mach['cpus']} CPUs, {mach['platform']}, Python "
+             f"{mach['python']}, torch {mach['torch']}, numpy {mach['numpy']}; load average "
+             f"{_f(mach['load_avg_1m_at_start'])} at the start.", ""]
+    m0 = next((m for m in res["modes"].values() if "publisher" in m), None)
+    if m0:
+        mb = m0["publisher"]["model_bytes"]
+        lines.append(f"Model {mb / 1e6:.1f} MB bf16, {m0['publisher']['tensors']} tensors.")
+        lines.append("")
+    lines.append("| figure | " + " | ".join(modes) + " | goal |")
+    lines.append("|---" * (len(modes) + 2) + "|")
+    for label, key, goal in ROWS:
+        cells = []
+        for m in modes:
+            r = res["modes"][m].get("ratios")
+            cells.append(_f(r.get(key)) if r else "n/a")
+        g = f"≤ {GOALS[goal]}" if goal else ""
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {g} |")
+    lines.append("")
+    lines.append("| absolute | " + " | ".join(modes) + " |")
+    lines.append("|---" * (len(modes) + 1) + "|")
+    copy = res["copy"]
+    lines.append("| memory copy (`copy_`, median), ms | " + " | ".join(
+        _f(copy["copy_s"] * 1e3, "{:.1f}") for _ in modes) + " |")
+    for label, role, key in [("delta publish median, ms", "publisher", "delta_median_s"),
+                             ("PULSE encode median, ms", "publisher", "pulse_encode_median_s"),
+                             ("anchor publish, ms", "publisher", "anchor_s"),
+                             ("pull_into median, ms", "worker", "pull_into_median_s"),
+                             ("PULSE decode+apply median, ms", "worker", "pulse_apply_median_s")]:
+        cells = []
+        for m in modes:
+            d = res["modes"][m].get(role)
+            cells.append(_f(d[key] * 1e3, "{:.1f}") if d else "n/a")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for m in modes:
+        mm = res["modes"][m]
+        if "unavailable" in mm:
+            lines.append(f"\n{m}: not run ({mm['unavailable']})")
+            continue
+        pub, anc = mm["publisher"], mm["anchor"]
+        h0 = pub.get("h0_bytes") or []
+        lines.append(f"\n{m}: delta bytes per version {pub['delta_bytes']}; H0 {[round(h) for h in h0]}; "
+                     f"PULSE bytes {pub['pulse_bytes']}; anchor stored {pub['anchor_bytes']}; "
+                     f"one-thread anchor encode: ZipNN {anc.get('zipnn')}, deltastore {anc.get('deltastore-anchor')}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    parser.add_argument("--steps", type=int, default=None, help="delta steps (default: the workload's)")
+    parser.add_argument("--threads", type=int, default=None, help="default: every core")
+    parser.add_argument("--quick", action="store_true", help="a small synthetic model (smoke test)")
+    parser.add_argument("--modes", nargs="+", default=["numpy", "native"], choices=["numpy", "native"])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results file (.json; .md next to it); default benchmarks/results/perf.json, "
+                             "or perf-quick.json with --quick")
+    parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
+    parser.add_argument("--src", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--entropy", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role:
+        print(json.dumps(_role_main(args)))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = args.out or RESULTS / ("perf-quick.json" if args.quick else "perf.json")
+    res = run(workload=args.workload, steps=args.steps, threads=args.threads, quick=args.quick, out=out,
+              modes=tuple(args.modes))
+    print(markdown(res))
+    print(f"written: {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
