@@ -15,15 +15,31 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from deltastore.errors import UnsupportedURLError
-from deltastore.storage._fsspec import FsspecStore
 from deltastore.storage._local import LocalStore
 from deltastore.storage._memory import MemoryStore
-from deltastore.storage._s3 import S3Store
 from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
 from deltastore.storage.probe import ProbeResult, probe_conditional_writes, require_atomic_writes
 
+if TYPE_CHECKING:
+    from deltastore.storage._fsspec import FsspecStore
+    from deltastore.storage._s3 import S3Store
+
 logger = logging.getLogger(__name__)
+
+#: Backends whose modules import heavy SDKs (boto3 ~0.15 s, fsspec): loaded on first use, so
+#: that ``import deltastore`` and ``deltastore --help`` stay fast.
+_LAZY = {"S3Store": "deltastore.storage._s3", "FsspecStore": "deltastore.storage._fsspec"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Store:
@@ -65,7 +81,11 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> St
             raise UnsupportedURLError(f"{url!r} names no in-memory store; use memory://name")
         return MemoryStore(url)
     if scheme == "s3":
+        from deltastore.storage._s3 import S3Store
+
         return S3Store(url, storage_options=storage_options)
+    from deltastore.storage._fsspec import FsspecStore
+
     return FsspecStore.from_url(url, storage_options=storage_options)
 
 
