@@ -180,18 +180,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(verbose: int, quiet: int) -> None:
-    """Default: warnings. -v: deltastore's own INFO and DEBUG lines (not botocore's flood).
-    -vv: every library's debug lines. -q: errors only."""
-    if verbose >= 2:
-        root_level = logging.DEBUG
-    elif quiet:
-        root_level = logging.ERROR
-    else:
-        root_level = logging.WARNING
-    logging.basicConfig(level=root_level, format="deltastore: %(levelname)s %(name)s: %(message)s")
-    logging.getLogger().setLevel(root_level)
-    logging.getLogger("deltastore").setLevel(logging.DEBUG if verbose >= 1 and not quiet else logging.NOTSET)
+class _Logging:
+    """The CLI's log output on stderr for one ``main`` call (undone after it, for callers in-process).
+
+    Default: warnings. ``-v``: deltastore's own INFO and DEBUG lines (not botocore's flood).
+    ``-vv``: every library's debug lines. ``-q``: errors only.
+    """
+
+    def __init__(self, verbose: int, quiet: int):
+        self.root = logging.getLogger()
+        self.ours = logging.getLogger("deltastore")
+        self.saved = (self.root.level, self.ours.level)
+        self.handler = logging.StreamHandler(sys.stderr)
+        if verbose >= 1 and not quiet:
+            self.handler.setFormatter(logging.Formatter("deltastore: %(levelname)s %(name)s: %(message)s"))
+        else:
+            self.handler.setFormatter(logging.Formatter("deltastore: %(levelname)s: %(message)s"))
+        if verbose >= 2:
+            root_level = logging.DEBUG
+        elif quiet:
+            root_level = logging.ERROR
+        else:
+            root_level = logging.WARNING
+        self.handler.setLevel(logging.DEBUG if verbose >= 1 and not quiet else root_level)
+        self.root.addHandler(self.handler)
+        self.root.setLevel(root_level)
+        self.ours.setLevel(logging.DEBUG if verbose >= 1 and not quiet else root_level)
+
+    def close(self) -> None:
+        self.root.removeHandler(self.handler)
+        self.root.setLevel(self.saved[0])
+        self.ours.setLevel(self.saved[1])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -202,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     args.verbose_total = args.verbose + getattr(args, "verbose_sub", 0)
     args.quiet_total = args.quiet + getattr(args, "quiet_sub", 0)
-    _configure_logging(args.verbose_total, args.quiet_total)
+    log = _Logging(args.verbose_total, args.quiet_total)
     debug = os.environ.get("DELTASTORE_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
@@ -214,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("deltastore: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        log.close()
 
 
 if __name__ == "__main__":

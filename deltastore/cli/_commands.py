@@ -245,16 +245,23 @@ def _follow(args: argparse.Namespace) -> int:
 def cmd_log(args: argparse.Namespace) -> int:
     from deltastore.pull import Subscriber
 
+    if args.plot:
+        from deltastore.cli.plot import _pyplot
+
+        _pyplot()  # a missing matplotlib fails before any IO
     store = open_store(args)
     try:
         with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
             infos = sub.log()
+            if args.plot:
+                from deltastore.cli.plot import plot_history, points_of_store
+                from deltastore.signing import TrustedKeys
+
+                check = TrustedKeys(args.trusted_key).verify if args.trusted_key else None
+                since = infos[0].version if infos else 1
+                plot_history(*points_of_store(store, check, since=since), args.plot, title=args.url)
     finally:
         store.close()
-    if args.plot:
-        from deltastore.cli.plot import plot_log
-
-        plot_log(infos, args.plot, title=args.url)
     for info in infos:
         if args.json:
             emit_json(_info_json(info))
