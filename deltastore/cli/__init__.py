@@ -36,6 +36,8 @@ from deltastore.errors import DeltastoreError
 
 logger = logging.getLogger(__name__)
 
+_parse_duration = commands.parse_duration  # its name before the CLI became a package
+
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_NOTHING_TO_DO", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 
