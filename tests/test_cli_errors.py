@@ -392,3 +392,42 @@ def test_errors_through_a_subprocess(tmp_path: Path, ckpt: Path) -> None:
     assert r.returncode == EXIT_NOTHING_TO_DO and "identical" in r.stdout
     r = run("--version")
     assert r.returncode == EXIT_OK and r.stdout.startswith("deltastore ")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_seaweedfs_filer_and_master_ports_are_not_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's case: a worker pointed at SeaweedFS's filer port saw an empty store forever."""
+    if os.environ.get("DELTASTORE_SKIP_SEAWEEDFS") == "1":
+        pytest.skip("DELTASTORE_SKIP_SEAWEEDFS=1")
+    import campaigns.servers as servers
+
+    picked: list[list[int]] = []
+    real_free_ports = servers.free_ports
+
+    def recording(n: int) -> list[int]:  # the fixture does not expose its filer and master ports
+        picked.append(real_free_ports(n))
+        return picked[-1]
+
+    monkeypatch.setattr(servers, "free_ports", recording)
+    cm = servers.seaweedfs(tmp_path)
+    try:
+        server = cm.__enter__()
+    except servers.ServerStartError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        master, _, _, _, filer, _, s3, _ = picked[-1]
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+        monkeypatch.setenv("AWS_DEFAULT_REGION", server.region)
+        url = f"s3://{server.bucket}/run"
+        for port in (filer, master):
+            argv = ["log", url, "--endpoint-url", f"http://127.0.0.1:{port}", "--storage-option", "retries=1"]
+            assert main(argv) == EXIT_FAILED, port
+            line, _ = _error(capsys)
+            assert "not an S3 endpoint" in line, line
+        assert main(["log", url, "--endpoint-url", f"http://127.0.0.1:{s3}"]) == EXIT_OK
+        assert "no versions" in capsys.readouterr().out
+    finally:
+        cm.__exit__(None, None, None)
