@@ -89,7 +89,7 @@ def test_verify_fails_on_a_corrupted_pack(tmp_path: Path, checkpoints: list[Path
     capsys.readouterr()
     assert main(["verify", str(store)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "IntegrityError" in err and pack.name in err  # no hint: verify is the tool
+    assert err.count("\n") == 1 and "IntegrityError" in err and pack.name in err
 
 
 def test_errors_are_one_line_and_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

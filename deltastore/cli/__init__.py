@@ -182,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _not_our_errors(record: logging.LogRecord) -> bool:
+    """Without -v, deltastore's own ERROR records are not shown: what failed reaches the user
+    as the command's one error line (or verify's BAD lines); the log of it would repeat it."""
+    return not (record.levelno >= logging.ERROR and record.name.startswith("deltastore"))
+
+
 class _Logging:
     """The CLI's log output on stderr for one ``main`` call (undone after it, for callers in-process).
 
@@ -205,6 +211,8 @@ class _Logging:
         else:
             root_level = logging.WARNING
         self.handler.setLevel(logging.DEBUG if verbose >= 1 and not quiet else root_level)
+        if not verbose:
+            self.handler.addFilter(_not_our_errors)
         self.root.addHandler(self.handler)
         self.root.setLevel(root_level)
         self.ours.setLevel(logging.DEBUG if verbose >= 1 and not quiet else root_level)

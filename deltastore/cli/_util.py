@@ -23,7 +23,6 @@ from deltastore.errors import (
     CommitUnknownError,
     ConflictError,
     FencedError,
-    IntegrityError,
     LayoutMismatchError,
     SignatureError,
     StorageError,
@@ -169,8 +168,6 @@ def hint_for(e: BaseException, args: argparse.Namespace | None) -> str | None:
         return f"deltastore log {url} lists the versions the store has"
     if isinstance(e, CommitUnknownError):
         return "run the same publish again: it settles whether the version landed first"
-    if isinstance(e, IntegrityError) and getattr(args, "command", None) != "verify":
-        return f"deltastore verify {url} --all lists every damaged object"
     if isinstance(e, BucketNotFoundError):
         if url.startswith("s3://"):
             return "create the bucket first (e.g. aws s3 mb s3://BUCKET --endpoint-url ...) or fix the URL"
