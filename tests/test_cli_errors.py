@@ -255,6 +255,23 @@ def test_unknown_aws_profile(fake_credentials: None, capsys: pytest.CaptureFixtu
     assert hint is not None and "--storage-option profile=NAME" in hint
 
 
+def test_unknown_profile_from_the_environment(fake_credentials: None, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile-e1")
+    assert main(["log", "s3://bucket/run", "--endpoint-url", "http://127.0.0.1:9"]) == EXIT_FAILED
+    line, hint = _error(capsys)
+    assert "'no-such-profile-e1'" in line and "None" not in line
+    assert hint is not None and "profile=NAME" in hint
+
+
+def test_endpoint_from_the_environment_without_scheme(fake_credentials: None, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:9000")
+    assert main(["status", "s3://bucket/run"]) == EXIT_USAGE
+    line, hint = _error(capsys)
+    assert "AWS_ENDPOINT_URL='127.0.0.1:9000'" in line and "http://127.0.0.1:9000" in line and hint is None
+
+
 def test_library_messages_are_put_in_cli_terms() -> None:
     from deltastore.cli._util import cli_terms
 

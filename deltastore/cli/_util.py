@@ -115,6 +115,11 @@ def open_store(args: argparse.Namespace, *, write: bool = False) -> Any:
     from deltastore.storage.probe import check_endpoint
 
     check_url(args.url)
+    if args.url.startswith("s3://") and not getattr(args, "endpoint_url", None):
+        for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+            value = os.environ.get(name)
+            if value and not re.match(r"^https?://", value):
+                raise UnsupportedURLError(f"{name}={value!r} has no scheme; set it to http://{value} (or https://)")
     store = _open(args.url, storage_options=options(args), create=write)
     try:
         check_endpoint(store)
@@ -177,7 +182,7 @@ def hint_for(e: BaseException, args: argparse.Namespace | None) -> str | None:
             return "list the profiles with: aws configure list-profiles; pass one with --storage-option profile=NAME or AWS_PROFILE"
         return ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
                 "--storage-option profile=NAME")
-    if isinstance(e, UnsupportedURLError):
+    if isinstance(e, UnsupportedURLError) and "AWS_ENDPOINT_URL" not in text:
         return ("a store is ./DIR, file:///DIR, s3://BUCKET/PREFIX (--endpoint-url for S3-compatible "
                 "servers) or memory://NAME")
     if isinstance(e, StorageError) and "not an S3 endpoint" in text:

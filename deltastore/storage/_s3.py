@@ -310,9 +310,8 @@ class S3Store(Store):
                 "s3", endpoint_url=options.get("endpoint_url"), config=Config(**config_kwargs)
             )
         except botocore.exceptions.ProfileNotFound as e:
-            raise AccessDeniedError(
-                f"AWS profile {options.get('profile')!r} for {self.url} not found in ~/.aws/config"
-            ) from e
+            profile = options.get("profile") or getattr(e, "kwargs", {}).get("profile")  # or AWS_PROFILE's
+            raise AccessDeniedError(f"AWS profile {profile!r} for {self.url} not found in ~/.aws/config") from e
         except botocore.exceptions.BotoCoreError as e:
             raise StorageError(f"cannot configure an S3 client for {self.url}: {_one_line(e)}") from e
         _redact_sdk_logs(options.get("aws_secret_access_key"), options.get("aws_session_token"))
