@@ -175,6 +175,11 @@ def test_real_s3_endpoint_passes_the_check(moto_s3_url, ckpt: Path, tmp_path: Pa
     assert "no versions" in capsys.readouterr().out
     assert main(["publish", moto_s3_url.url, str(ckpt), *flags, "--json"]) == EXIT_OK
     assert json.loads(capsys.readouterr().out)["version"] == 1
+    assert main(["log", moto_s3_url.url, *flags, "-v"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert "deltastore." in err and "botocore" not in err  # -v: our lines, not botocore's flood
+    assert main(["log", moto_s3_url.url, *flags, "-vv"]) == EXIT_OK
+    assert "botocore" in capsys.readouterr().err
     assert main(["log", "s3://no-such-bucket-e1/x", *flags]) == EXIT_FAILED
     line, hint = _error(capsys)
     assert "BucketNotFoundError" in line and hint is not None and "create the bucket" in hint
@@ -339,7 +344,7 @@ def test_progress_bar_on_request_and_off_with_q(tmp_path: Path, ckpt: Path, caps
     monkeypatch.setenv("DELTASTORE_PROGRESS", "1")  # stderr is not a TTY under pytest
     assert main(["publish", store, str(ckpt)]) == EXIT_OK
     err = capsys.readouterr().err
-    assert "upload" in err and "B/s" in err
+    assert "publish" in err and "B/s" in err
     assert main(["pull", store, str(tmp_path / "o.safetensors"), "-q"]) == EXIT_OK
     assert capsys.readouterr().err == ""
     monkeypatch.delenv("DELTASTORE_PROGRESS")

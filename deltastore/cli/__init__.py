@@ -245,7 +245,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     finally:
         log.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

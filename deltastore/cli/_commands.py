@@ -125,7 +125,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
             logger.warning("%s; publishing fences it (its next publish fails with FencedError). "
                            "Use --no-takeover to refuse instead", what)
         writer = f"{CLI_WRITER_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        with byte_progress("upload", quiet=args.quiet_total > 0) as add:
+        with byte_progress("publish", quiet=args.quiet_total > 0) as add:
             with Publisher(args.url, store=counting_store(store, add), anchor_every=args.anchor_every,
                            signing_key=args.signing_key, takeover=not args.no_takeover, writer_id=writer,
                            allow_unsafe_store=args.allow_unsafe_store, skip_unchanged=not args.allow_empty) as pub:
@@ -169,7 +169,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         return _follow(args)
     store = open_store(args)
     try:
-        with byte_progress("download", quiet=args.quiet_total > 0) as add:
+        with byte_progress("pull", quiet=args.quiet_total > 0) as add:
             with Subscriber(args.url, store=counting_store(store, add), trusted_keys=args.trusted_key) as sub:
                 state = sub.pull(args.version)
                 version = sub.version

@@ -243,7 +243,8 @@ def progress_enabled(quiet: bool) -> bool:
 
 @contextlib.contextmanager
 def byte_progress(desc: str, *, quiet: bool) -> Iterator[Callable[[int], None]]:
-    """A thread-safe ``add(n_bytes)`` that feeds a tqdm bar on stderr (a no-op when bars are
+    """A thread-safe ``add(n_bytes)`` that feeds a tqdm bar of bytes moved (both ways: a publish
+    first reads the head back to delta against it) on stderr (a no-op when bars are
     off: ``-q``, stderr not a terminal, DELTASTORE_PROGRESS=0, or tqdm missing)."""
     if not progress_enabled(quiet):
         yield lambda n: None
