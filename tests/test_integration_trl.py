@@ -294,3 +294,69 @@ def test_example_trl_grpo_runs(tmp_path) -> None:
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("version")]
     assert len(lines) == 3 and "anchor" in lines[0] and "model_version 3" in lines[-1]
     assert "store head == trainer weights (bf16): True; worker bit-identical: True" in out.stdout
+
+
+_RANK_SCRIPT = r'''
+import datetime, json, os, sys
+import torch
+import torch.distributed as dist
+from deltastore.integrations.trl import DeltastoreWeightTransfer
+
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2, timeout=datetime.timedelta(seconds=30))
+rank = dist.get_rank()
+
+def stream(names):
+    # FSDP2's full_tensor() is a collective per parameter: every rank must take every item.
+    for i, name in enumerate(names):
+        t = torch.full((4, 4), float(i))
+        dist.all_reduce(t)
+        yield name, t
+
+wt = DeltastoreWeightTransfer(sys.argv[1])  # every rank builds it, as a training script does
+out = {"rank": rank}
+if rank == 0:
+    wt.init_weight_transfer()
+wt.send_weights(stream(["a", "b", "c"]))
+try:
+    wt.send_weights(stream(["module.a", "a", "b", "c"]))  # a duplicate name: refused on every rank
+    out["second"] = "ok"
+except Exception as e:
+    out["second"] = type(e).__name__
+t = torch.ones(1)
+dist.all_reduce(t)  # both ranks reach this only if rank 0 drained the failed stream
+out["after"] = t.item()
+out["holds_publisher"] = wt.publisher is not None
+wt.destroy()
+dist.destroy_process_group()
+print(json.dumps(out))
+'''
+
+
+def test_failed_send_keeps_ranks_in_lockstep(tmp_path) -> None:
+    """Two gloo ranks whose stream is a collective per tensor: rank 0's failed send still drains
+    it, so rank 1 is not left waiting in a collective; only rank 0 holds a publisher."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = str(tmp_path / "store")
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, url], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert outs[0] == {"rank": 0, "second": "DeltastoreError", "after": 2.0, "holds_publisher": True}
+    assert outs[1]["after"] == 2.0 and outs[1]["holds_publisher"] is False
+    with Subscriber(url, threads=1) as sub:
+        log = sub.log()
+        assert len(log) == 1 and log[0].metadata["model_version"] == 1  # the failed sync published nothing
+        got = sub.pull()
+    assert sorted(got) == ["a", "b", "c"] and got["c"].eq(4.0).all()  # 2.0 on each rank, all-reduced
