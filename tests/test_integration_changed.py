@@ -97,8 +97,8 @@ def test_follow_record_updates_feed_load_weights(tmp_path) -> None:
                     # a full load of the latest version: nothing more to come
                     stop.set()
     assert loaded and set(loaded[0]) == set(states[0])
-    for n in model:
-        assert torch.equal(model[n], states[-1][n])
+    for n, t in model.items():
+        assert torch.equal(t, states[-1][n])
 
 
 def test_follow_reports_each_version_changes(tmp_path) -> None:
@@ -121,8 +121,8 @@ def test_follow_reports_each_version_changes(tmp_path) -> None:
         for n, t in rec.updates(weights):
             model[n].copy_(t)
         it.close()
-    for n in model:
-        assert torch.equal(model[n], nxt[n]), n
+    for n, t in model.items():
+        assert torch.equal(t, nxt[n]), n
 
 
 def test_changed_tensors_names_a_missing_tensor() -> None:

@@ -9,7 +9,7 @@ from deltastore import Subscriber
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'deltastore[transformers]')")
 
-from deltastore.integrations.transformers import DeltastoreCallback  # noqa: E402
+from deltastore.integrations.transformers import DeltastoreCallback
 
 
 def _tiny_lm():

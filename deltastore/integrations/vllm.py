@@ -206,4 +206,4 @@ def _updates(weights: Mapping[str, torch.Tensor], names: list[str]) -> list[tupl
     copies them to the device), read under the follower's lock."""
     from deltastore.changes import changed_tensors
 
-    return list(changed_tensors(weights, dict.fromkeys(names, [])))
+    return list(changed_tensors(weights, {n: [] for n in names}))
