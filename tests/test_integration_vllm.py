@@ -139,3 +139,45 @@ def test_follow_failure_is_reported_by_the_next_rpc(tmp_path) -> None:
         w.deltastore_sync()
     _assert_model(model, v1)  # the engine keeps serving the last good version
     w.deltastore_stop()
+
+
+def test_start_on_an_empty_store_waits_and_sync_never_blocks_the_engine(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    v1 = _state(3)
+    model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
+    w = _Worker(model)
+    with Publisher(url, threads=1) as pub:
+        pub.publish(v1)  # creates the store; the worker starts before the version it follows
+        v2 = {n: t.clone() for n, t in v1.items()}
+        v2["model.norm.weight"][0] = 9.0
+        w.deltastore_start(url, interval=0.02, threads=1, wait_s=DEADLINE_S)
+        assert w.deltastore_sync()["version"] == 1
+        f = w._deltastore
+        with f.lock:  # the follow thread is writing the host copy (a swap, or a whole first load)
+            t0 = time.monotonic()
+            assert w.deltastore_sync()["version"] == 1  # returns at once with what is served
+            assert w.deltastore_status()["served"]["version"] == 1  # status does not wait either
+            assert time.monotonic() - t0 < 5.0
+            pub.publish(v2)
+        _wait_staged(w, 2)
+        assert w.deltastore_sync(block=True)["version"] == 2
+        _assert_model(model, v2)
+    w.deltastore_stop()
+
+
+def test_start_before_the_first_version(tmp_path) -> None:
+    store = tmp_path / "store"
+    v1 = _state(4)
+    model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
+    w = _Worker(model)
+    with Publisher(str(store), threads=1) as pub:  # an empty store: HEAD at version 0
+        w.deltastore_start(str(store), interval=0.02, threads=1)
+        time.sleep(0.2)
+        st = w.deltastore_status()
+        assert st["error"] is None and st["staged"] is None
+        assert w.deltastore_sync() is None  # nothing to serve yet
+        pub.publish(v1)
+        _wait_staged(w, 1)
+    assert w.deltastore_sync()["version"] == 1
+    _assert_model(model, v1)
+    w.deltastore_stop()

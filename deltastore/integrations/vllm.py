@@ -73,8 +73,18 @@ class _Follower:
         )
 
     def _run(self, interval: float, cache_dir: str | None, worker_id: str | None) -> None:
+        from deltastore.errors import StorageError, VersionNotFoundError
+
         try:
-            self.weights = self.sub.allocate()
+            while not self.stop.is_set():  # an empty store (the trainer not started yet): wait
+                try:
+                    self.weights = self.sub.allocate()
+                    break
+                except (VersionNotFoundError, StorageError) as e:
+                    logger.info("waiting for a first version of %s (%s)", self.sub.url, e)
+                    self.stop.wait(interval)
+            if self.stop.is_set():
+                return
             for rec in self.sub.follow(self.weights, interval=interval, pause=self.lock, stop=self.stop,
                                        cache_dir=cache_dir, worker_id=worker_id):
                 with self.lock:
@@ -137,8 +147,13 @@ class DeltastoreWorkerExtension:
             f.ready.wait(wait_s)
         return self.deltastore_status()
 
-    def deltastore_sync(self) -> dict[str, Any] | None:
+    def deltastore_sync(self, block: bool = False) -> dict[str, Any] | None:
         """Load the tensors changed since the last sync into the engine's model (the pause).
+
+        Args:
+            block: wait while the follow thread writes the host copy (a swap, or the first
+                version's full load). Default False: the engine does not wait for the host side;
+                the version served stays as it is, and the next sync picks the update up.
 
         Returns:
             :meth:`deltastore_version` after the sync (None while nothing was staged yet).
@@ -147,7 +162,9 @@ class DeltastoreWorkerExtension:
             RuntimeError: not started, or the follow thread died (its error chained).
         """
         f = self._follower()
-        with f.lock:
+        if not f.lock.acquire(blocking=block):
+            return _describe(f.served)
+        try:
             if f.staged is None or f.staged is f.served:
                 return _describe(f.served)
             names = list(f.pending)
@@ -157,6 +174,8 @@ class DeltastoreWorkerExtension:
             f.pending.clear()
             f.served = f.staged
             dt = time.perf_counter() - t0
+        finally:
+            f.lock.release()
         logger.info("serving version %d (model_version %s): %d tensors reloaded in %.3f s",
                     f.served.version, f.served.metadata.get("model_version"), len(names), dt)
         return _describe(f.served)
@@ -169,10 +188,12 @@ class DeltastoreWorkerExtension:
     def deltastore_status(self) -> dict[str, Any]:
         """Served and staged versions, the tensors waiting for a sync, and the follow error if any."""
         f = self._follower(check=False)
-        with f.lock:
-            return {"url": f.sub.url, "served": _describe(f.served), "staged": _describe(f.staged),
-                    "pending_tensors": len(f.pending),
-                    "error": None if f.error is None else f"{type(f.error).__name__}: {f.error}"}
+        # Without the lock, which the follow thread holds through a whole first load: a status
+        # RPC must not stall the engine. Each field is read once (a consistent enough snapshot).
+        served, staged, error = f.served, f.staged, f.error
+        return {"url": f.sub.url, "served": _describe(served), "staged": _describe(staged),
+                "pending_tensors": len(f.pending),
+                "error": None if error is None else f"{type(error).__name__}: {error}"}
 
     def deltastore_stop(self) -> None:
         """Stop following and release the store (the engine keeps the weights it serves)."""
