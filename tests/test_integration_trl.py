@@ -360,3 +360,19 @@ def test_failed_send_keeps_ranks_in_lockstep(tmp_path) -> None:
         assert len(log) == 1 and log[0].metadata["model_version"] == 1  # the failed sync published nothing
         got = sub.pull()
     assert sorted(got) == ["a", "b", "c"] and got["c"].eq(4.0).all()  # 2.0 on each rank, all-reduced
+
+
+def test_backend_matches_trls_protocol_signatures() -> None:
+    """Every method of TRL's WeightTransferProtocol exists here with the same parameters (a
+    typing.Protocol is not checked at run time: this catches upstream API churn)."""
+    pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore[trl]')")
+    import inspect
+
+    from trl.experimental.async_grpo.async_grpo_trainer import WeightTransferProtocol
+
+    methods = [n for n, v in vars(WeightTransferProtocol).items() if callable(v) and not n.startswith("_")]
+    assert set(methods) == {"init_weight_transfer", "pause", "send_weights", "resume", "destroy"}
+    for name in methods:
+        theirs = list(inspect.signature(getattr(WeightTransferProtocol, name)).parameters)
+        ours = list(inspect.signature(getattr(DeltastoreWeightTransfer, name)).parameters)
+        assert ours == theirs, (name, ours, theirs)
