@@ -208,9 +208,12 @@ class DeltastoreRolloutWorker:
             raise RuntimeError(f"the rollout worker produced nothing for {stale_after_s} s")
 
     def stop(self) -> None:
+        """Stop generating and following (the Subscriber stays open: see close)."""
         self._stop.set()
         for t in self._threads:
             t.join(timeout=30)
+
+    def close(self) -> None:
         if getattr(self, "sub", None) is not None:
             self.sub.close()
 
@@ -248,10 +251,10 @@ def run(store: str, work: Path, *, steps: int, lr: float = 1e-3, log: bool = Tru
         log_ = sub.log()
         final = sub.pull()
     trained_bitexact = set(final) == set(sent) and all(torch.equal(final[n], sent[n]) for n in sent)
-    # The worker stopped with train(); it may not have applied the last version: bring it there.
-    with Subscriber(store, threads=1) as sub:
-        sub.pull_into(worker.weights, version=worker.sub.version)  # no-op: it holds that one
-        sub.pull_into(worker.weights)
+    # The worker stopped with train(), maybe before the last version: its own subscriber
+    # fast-forwards it from the version it holds (a delta, checked against every digest).
+    worker.sub.pull_into(worker.weights)
+    worker.close()
     worker_bitexact = all(torch.equal(worker.weights[n], sent[n]) for n in sent)
     result = {
         "versions": [(i.version, i.kind, i.bytes_stored, i.metadata.get("model_version")) for i in log_],
