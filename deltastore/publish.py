@@ -373,6 +373,7 @@ class Publisher:
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         anchor: bool = False,
+        copy: bool = True,
     ) -> Future[VersionInfo]:
         """Snapshot ``state_dict`` and commit it as a later version in the background.
 
@@ -387,6 +388,10 @@ class Publisher:
 
         Args:
             state_dict, step, metadata, anchor: as for :meth:`publish`.
+            copy: False hands ``state_dict`` over instead (a dict of CPU tensors, already in the
+                served dtype, that the caller never touches again, e.g. one it assembled for
+                this call): those are queued as they are, without a second host copy; any other
+                tensor is still copied (cast).
 
         Returns:
             A Future of the committed version's :class:`VersionInfo`. It raises what the
@@ -414,7 +419,8 @@ class Publisher:
                 self._publish_snapshot, policy=self.async_policy, max_pending=self.max_pending,
                 name=self.url, sticky=("anchor",),
             )
-        future = self._queue.submit_snapshot(lambda: snapshot(state, self.dtype), step=step, meta=meta, anchor=anchor)
+        take = (lambda: snapshot(state, self.dtype)) if copy else (lambda: _handed_over(state, self.dtype))
+        future = self._queue.submit_snapshot(take, step=step, meta=meta, anchor=anchor)
         self._accepted_layout = layout
         return future
 
@@ -859,6 +865,15 @@ def _identical(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.
         if not torch.equal(t.detach().to("cpu").reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)):
             return False
     return True
+def _handed_over(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``state`` handed over by its caller (publish_async(copy=False)): CPU tensors in the
+    served dtype are kept as they are, the others copied as a snapshot would."""
+    def ready(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+
+    out = {n: t.detach() for n, t in state.items() if ready(t)}
+    out.update(snapshot({n: t for n, t in state.items() if n not in out}, dtype))
+    return {n: out[n] for n in state}
 
 
 def _layout_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:

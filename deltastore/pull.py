@@ -26,6 +26,7 @@ from deltastore.apply import (
     targets_for,
 )
 from deltastore.cache import WorkerCache
+from deltastore.changes import changed_rows, changed_tensors, merge_spans
 from deltastore.errors import (
     CorruptObjectError,
     DeltastoreError,
@@ -184,6 +185,17 @@ class FollowRecord:
     changed: dict[str, list[tuple[int, int]]]
     full_load: bool
 
+    def updates(self, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every tensor this version changed, taken from ``target`` (the
+        one followed), whole: what ``model.load_weights`` takes. Computed from the plan, no pass
+        over the weights (:func:`deltastore.changes.changed_tensors`)."""
+        return changed_tensors(target, self.changed)
+
+    def rows(self, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> Iterator[tuple[str, list[tuple[int, int]], torch.Tensor]]:
+        """``(name, rows, tensor)``: as :meth:`updates`, with the row ranges along dim 0 that
+        changed (:func:`deltastore.changes.changed_rows`)."""
+        return changed_rows(target, self.changed)
+
 
 class Subscriber:
     """Reads versions from a store and keeps a state dict or module up to date.
@@ -243,12 +255,26 @@ class Subscriber:
         # Squashes are unsigned hints (the compactor signs nothing yet): a subscriber that requires
         # signatures does not use them (SPEC §12), since a forged squash could match an XXH3 digest.
         self._use_squashes = trusted_keys is None
+        self._last_changed: dict[str, list[tuple[int, int]]] = {}
         self._closed = False
 
     @property
     def version(self) -> int | None:
         """The version this subscriber last pulled (None before the first pull)."""
         return self._version
+
+    @property
+    def last_changed(self) -> dict[str, list[tuple[int, int]]]:
+        """What the last :meth:`pull_into`, :meth:`swap` or :meth:`follow` step wrote: tensor
+        name → merged element spans ``[start, stop)`` of the flattened tensor (chunk-granular,
+        from the plan; a full load lists every tensor whole). Empty before any and after a
+        call that found the target current. Feed it to
+        :func:`deltastore.changes.changed_tensors` or ``changed_rows`` to reload only those::
+
+            if sub.pull_into(weights):
+                engine.load_weights(changed_tensors(weights, sub.last_changed))
+        """
+        return {n: list(s) for n, s in self._last_changed.items()}
 
     @property
     def bytes_fetched(self) -> int:
@@ -389,6 +415,7 @@ class Subscriber:
         except IntegrityError as e:
             raise TargetModifiedError(str(e)) from None
         self._set_held(staged.held)
+        self._last_changed = {n: merge_spans(s) for n, s in staged.changed.items()}
         return dt
 
     def _plan_update(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor]) -> _Update:
@@ -585,12 +612,14 @@ class Subscriber:
 
     def _fast_forward(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> VersionInfo | None:
         if not self._check_forward(key, m):
+            self._last_changed = {}
             return None
         tensors = _target_tensors(target)
         upd, _ = self._updated(
             key, m, tensors, lambda u: self._engine.apply_in_place(u.plans, u.specs, tensors, u.base, self._version)
         )
         self._set_held(upd.held)
+        self._last_changed = _plan_spans(upd.plans)
         return VersionInfo.from_manifest(m, key)
 
     def _stage(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> StagedUpdate | None:
@@ -832,6 +861,7 @@ class Subscriber:
                 self._engine.apply_in_place(plans, specs, tensors, kept, None)
             pause_s = time.perf_counter() - t0
         self._set_held(_Held.of(ms))
+        self._last_changed = _whole(tensors)
         logger.info("resumed version %d of %s from the worker cache in %s (%d chunk(s) fetched)",
                     m.version, self.url, cache.path, len(plans))
         return FollowRecord(VersionInfo.from_manifest(m, key), None, self.bytes_fetched - before, 0.0, 0.0, pause_s,
@@ -1002,6 +1032,14 @@ def _pause_context(pause: Any) -> contextlib.AbstractContextManager[Any]:
 
 def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]]]:
     return {n: [(0, t.numel())] for n, t in tensors.items()}
+
+
+def _plan_spans(plans: list[ChunkPlan]) -> dict[str, list[tuple[int, int]]]:
+    """Tensor name → the merged spans of the chunks ``plans`` write (what changed)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for p in plans:
+        spans.setdefault(p.name, []).append(p.span)
+    return {n: merge_spans(s) for n, s in spans.items()}
 
 
 def _owners(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
