@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -227,7 +228,11 @@ def moto(bucket: str = DEFAULT_BUCKET, *, port: int = 0, serial_writes: bool = T
     """
     try:
         from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
         from werkzeug.serving import make_server
     except ImportError as e:
         raise DevServerError(f"moto server is not installed ({e}): {INSTALL_HINT}") from None
@@ -333,10 +338,9 @@ def seaweedfs(
         data_dir = base / "data"
         data_dir.mkdir(parents=True, exist_ok=True)
         s3_config = base / "s3.json"
-        s3_config.write_text(
-            '{"identities": [{"name": "admin", "credentials": [{"accessKey": "%s", "secretKey": "%s"}],'
-            ' "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}' % (access_key, secret_key)
-        )
+        identity = {"name": "admin", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
+        s3_config.write_text(json.dumps({"identities": [identity]}))
         s3_config.chmod(0o600)  # it holds the secret
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
         s3 = port or s3
@@ -377,7 +381,7 @@ def seaweedfs(
         try:
             _wait_for_s3(endpoint, proc, deadline)
             _create_bucket(info, deadline)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever stopped it, the log tail says why
             raise DevServerError(
                 f"SeaweedFS did not start ({e}); command: {' '.join(args)}\n--- log tail ---\n{log_tail(log_path)}"
             ) from None

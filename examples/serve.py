@@ -44,13 +44,13 @@ from typing import Any
 
 import torch
 
-from deltastore import DeltastoreError, Publisher, Subscriber, VersionNotFoundError
-from deltastore.devserver import start
-from deltastore.errors import DevServerError, StorageError
-
 # Siblings in examples/ (the script's directory is on sys.path).
 from demo import DEFAULT_LR, PAIRS, DemoError, Trainer, export_bf16, model_dir
 from worker import human_bytes, is_final, setup_logging, tensor_digests
+
+from deltastore import DeltastoreError, Publisher, Subscriber, VersionNotFoundError
+from deltastore.devserver import start
+from deltastore.errors import DevServerError, StorageError
 
 logger = logging.getLogger("deltastore.examples.serve")
 
@@ -164,12 +164,12 @@ def make_http_server(worker: EmbeddingWorker, port: int) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(data)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:
             if self.path != "/version":
                 return self._send(404, {"error": f"no such path {self.path}: GET /version, POST /embed"})
             self._send(200, {"version": worker.version})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if self.path != "/embed":
                 return self._send(404, {"error": f"no such path {self.path}: POST /embed"})
             try:
@@ -184,7 +184,7 @@ def make_http_server(worker: EmbeddingWorker, port: int) -> ThreadingHTTPServer:
             version, emb = worker.embed(texts)
             self._send(200, {"version": version, "embeddings": emb.tolist()})
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - one line per request otherwise
+        def log_message(self, format: str, *args: Any) -> None:
             logger.debug(format, *args)
 
     return ThreadingHTTPServer(("127.0.0.1", port), Handler)
@@ -214,7 +214,7 @@ def trainer_main(url: str, steps: int, lr: float, interval: float, run_id: str, 
                 if step < steps:
                     time.sleep(interval)
         results.put({"version": pub.version, "digests": tensor_digests(export_bf16(trainer.model))})
-    except Exception as e:  # noqa: BLE001 - reported to the serving process, which decides the exit code
+    except Exception as e:
         logger.exception("trainer failed")
         results.put({"error": f"{type(e).__name__}: {e}"})
 

@@ -41,10 +41,6 @@ from typing import Any
 
 import torch
 
-from deltastore import Publisher, VersionInfo
-from deltastore.devserver import start
-from deltastore.errors import DevServerError
-
 # Siblings in examples/ (the script's directory is on sys.path): the demo's trainer and the worker.
 from demo import (
     DEFAULT_LR,
@@ -60,6 +56,10 @@ from demo import (
     trainer_threads,
 )
 from worker import human_bytes, run_worker, setup_logging, tensor_digests
+
+from deltastore import Publisher, VersionInfo
+from deltastore.devserver import start
+from deltastore.errors import DevServerError
 
 logger = logging.getLogger("deltastore.examples.trainer_workers")
 

@@ -35,7 +35,7 @@ def _run(script: str, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedP
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     try:
         res = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S)
+                             capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{script} did not finish in {EXAMPLE_TIMEOUT_S} s\n--- stdout ---\n{e.stdout}\n--- stderr ---\n{e.stderr}")
     return res, f"--- stdout ---\n{res.stdout}\n--- stderr ---\n{res.stderr}"
