@@ -43,8 +43,8 @@ def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], dict[str,
     return proc, env
 
 
-def _stop(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGINT) -> tuple[int, str, str]:
+    proc.send_signal(sig)  # SIGINT is what Ctrl-C sends
     try:
         out, err = proc.communicate(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -122,6 +122,27 @@ def test_seaweedfs_devserver_checks_signatures_and_keeps_data_across_restarts(tm
             assert sub.latest().version == 2  # the bucket and its objects survived the restart
     finally:
         assert _stop(proc)[0] == 0
+
+
+@pytest.mark.integration
+def test_sigterm_stops_it_cleanly_too(tmp_path) -> None:
+    proc, env = _start(tmp_path, "--server", "moto")
+    rc, out, err = _stop(proc, signal.SIGTERM)  # what a process manager or `kill` sends
+    assert rc == 0, err
+    assert out.rstrip().endswith("stopped"), out
+    assert not _listening(env["AWS_ENDPOINT_URL"])
+
+
+def test_missing_moto_is_one_line_with_the_install_hint(tmp_path) -> None:
+    fake = tmp_path / "site" / "moto"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named moto (simulated)')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(Path(__file__).resolve().parents[1])])}
+    res = subprocess.run([sys.executable, "-m", "deltastore.devserver", "--server", "moto"],
+                         capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert res.returncode == 1
+    assert res.stderr.strip() == ('error: moto server is not installed (No module named moto (simulated)): '
+                                  'pip install "deltastore[dev]"')
 
 
 def test_moto_with_a_data_directory_is_refused(tmp_path) -> None:
