@@ -51,6 +51,7 @@ from demo import (
     WorkerState,
     check_alive,
     export_bf16,
+    prepare_store,
     report_workers,
     stop_workers,
     trainer_threads,
@@ -161,7 +162,7 @@ def store_for(args: argparse.Namespace) -> Iterator[str]:
     """The store URL: on a fresh local S3 server (exported to the environment, which the
     spawned workers inherit), or the one given with ``--store``."""
     if args.store is not None:
-        yield args.store
+        yield prepare_store(args.store)  # a local directory is wiped first, as by demo.py
         return
     with start(args.server) as server:
         os.environ.update(server.env())  # before the workers are spawned: they read it at start
@@ -218,8 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--server", choices=("auto", "seaweedfs", "moto"), default="auto",
                         help="the local S3 server to start (auto: SeaweedFS when installed, else moto)")
     parser.add_argument("--store", default=None,
-                        help="use this store instead of starting a server (s3://bucket/prefix with AWS_* set, "
-                             "or a directory)")
+                        help="use this store instead of starting a server: s3://bucket/prefix (with AWS_* set), "
+                             "or a directory (wiped first, as by demo.py)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default {DEFAULT_STEPS})")
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                         help=f"worker processes (default {DEFAULT_WORKERS})")
