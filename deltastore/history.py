@@ -320,7 +320,7 @@ class History:
             raise CorruptObjectError(
                 f"manifest {key!r} (version {m.version}) links to {pkey!r}, which is version {p.version}, not {m.parent}"
             )
-        if m.kind == "delta" and m.anchor != p.anchor:
+        if m.kind == "delta" and m.base is None and m.anchor != p.anchor:  # a based version is its own anchor
             raise CorruptObjectError(
                 f"manifest {key!r} (version {m.version}) says its anchor is version {m.anchor}, but its parent "
                 f"{pkey!r} has anchor {p.anchor}: version {m.anchor} is not the anchor of this chain"
