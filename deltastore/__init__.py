@@ -36,13 +36,43 @@ from deltastore.errors import (
     VersionNotFoundError,
     VersionSkippedError,
 )
-from deltastore.gc import GCReport, collect
-from deltastore.history import VersionInfo
-from deltastore.publish import Publisher
-from deltastore.pull import FollowRecord, Subscriber
-from deltastore.stage import StagedUpdate
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltastore.gc import GCReport, collect
+    from deltastore.history import VersionInfo
+    from deltastore.publish import Publisher
+    from deltastore.pull import FollowRecord, Subscriber
+    from deltastore.stage import StagedUpdate
 
 __version__ = "0.1.0"
+
+#: Public names whose modules import torch (~1.4 s), boto3 and pydantic: loaded on first
+#: attribute access (PEP 562), so ``import deltastore`` and ``deltastore --help`` stay fast.
+_LAZY = {
+    "GCReport": "deltastore.gc",
+    "collect": "deltastore.gc",
+    "VersionInfo": "deltastore.history",
+    "Publisher": "deltastore.publish",
+    "FollowRecord": "deltastore.pull",
+    "Subscriber": "deltastore.pull",
+    "StagedUpdate": "deltastore.stage",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deltastore' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "AccessDeniedError",

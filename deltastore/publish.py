@@ -166,6 +166,12 @@ class Publisher:
             :class:`~deltastore.compact.CompactPolicy`; default False (off). A failed
             compaction is logged and never fails a publish; :meth:`close` waits for the
             running one (bounded).
+        skip_unchanged: a state bit-identical to the head version this publisher holds is not
+            committed again (default True): no new version, no worker woken for nothing;
+            :meth:`publish` returns the head's :class:`VersionInfo` (its ``version`` is the
+            current one, not +1) and logs it. ``step`` and ``metadata`` alone do not make a
+            new version. False: every call commits (an empty delta). ``anchor=True`` always
+            commits.
 
     Raises:
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
@@ -209,6 +215,7 @@ class Publisher:
         max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S,
         compact: bool | CompactPolicy = False,
         group_small_tensors: bool = False,
+        skip_unchanged: bool = True,
     ):
         if anchor_policy is None:
             anchor_policy = "every" if anchor_every is not None else "cost"
@@ -257,6 +264,7 @@ class Publisher:
         self.chunk_bytes = chunk_bytes
         self.group_small_tensors = group_small_tensors
         self.resume = resume
+        self.skip_unchanged = skip_unchanged
         self.dtype = dtype
         self.async_policy = async_policy
         self.max_pending = max_pending
@@ -470,8 +478,13 @@ class Publisher:
             except LayoutMismatchError:
                 if not anchor:
                     raise
-        version = self.version + 1
         has_base = same_layout and self._reference is not None
+        if (self.skip_unchanged and has_base and not anchor and self._head is not None
+                and self._head.manifest and _identical(state, self._reference)):
+            key, m = self._history.resolve(self._head.version, self._head)
+            logger.info("state identical to version %d of %s: nothing committed (skip_unchanged)", m.version, self.url)
+            return VersionInfo.from_manifest(m, key)
+        version = self.version + 1
         tip = self._current_tip()
         why = self._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
         kind = "anchor" if why else "delta"
@@ -827,6 +840,19 @@ def _tip_of(key: str, m: Manifest, history: History) -> _Tip:
         layout=history.layout(m.layout), layout_ref=m.layout, anchor=a.version, anchor_key=anchor_key,
         anchor_full=a.stats.full_bytes, anchor_cum=a.stats.cum_delta_bytes,
     )
+
+
+def _identical(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> bool:
+    """True when both hold the same names, dtypes, shapes and bits (NaN payloads and -0.0 included)."""
+    if state.keys() != reference.keys():
+        return False
+    for name, t in state.items():
+        r = reference[name]
+        if t.dtype != r.dtype or t.shape != r.shape:
+            return False
+        if not torch.equal(t.detach().to("cpu").reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)):
+            return False
+    return True
 
 
 def _layout_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:

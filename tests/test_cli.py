@@ -93,9 +93,10 @@ def test_verify_fails_on_a_corrupted_pack(tmp_path: Path, checkpoints: list[Path
 
 
 def test_errors_are_one_line_and_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["pull", "nosuchscheme://bucket/x", str(tmp_path / "o.safetensors")]) == 1
+    assert main(["pull", "nosuchscheme://bucket/x", str(tmp_path / "o.safetensors")]) == 2  # usage
     err = capsys.readouterr().err
-    assert err.startswith("deltastore: error: UnsupportedURLError") and err.count("\n") == 1
+    assert err.startswith("deltastore: error: UnsupportedURLError") and err.count("\n") <= 2
+    (tmp_path / "empty").mkdir()
     assert main(["pull", str(tmp_path / "empty"), str(tmp_path / "o.safetensors")]) == 1
     assert "VersionNotFoundError" in capsys.readouterr().err
     assert main(["publish", str(tmp_path / "s"), str(tmp_path / "missing.safetensors")]) == 1
@@ -120,7 +121,7 @@ def test_layout_change_needs_anchor(tmp_path: Path, checkpoints: list[Path], cap
 def test_console_script_and_debug_traceback(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "deltastore", "log", "nosuchscheme://x"]
     quiet = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DELTASTORE_DEBUG": ""})
-    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
     loud = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DELTASTORE_DEBUG": "1"})
     assert loud.returncode != 0 and "Traceback" in loud.stderr
 

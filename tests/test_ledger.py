@@ -137,6 +137,7 @@ def test_status_on_an_empty_store(tmp_path, capsys):
     from deltastore.cli import main
 
     url = str(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()  # status creates nothing: an empty store, not a missing one
     assert main(["status", url, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["head_version"] == 0 and doc["workers"] == []

@@ -72,7 +72,9 @@ def test_racing_publishers_never_fork_history(any_store_target) -> None:
         return real_put()
 
     stores = [HeadPutHook(any_store_target.open(), meet_at_head) for _ in range(2)]
-    pubs = [Publisher(any_store_target.url, store=st, takeover=False, anchor_every=1000, threads=2) for st in stores]
+    # skip_unchanged=False: every round must race to HEAD, even when an edit happens to change nothing
+    pubs = [Publisher(any_store_target.url, store=st, takeover=False, anchor_every=1000, threads=2, skip_unchanged=False)
+            for st in stores]
     rng = np.random.default_rng(0)
     base = small_state(0, n=3, rows=16)
     barrier = threading.Barrier(2)

@@ -210,7 +210,7 @@ def test_close_drains_every_queued_publish_and_refuses_more() -> None:
 def test_bad_input_raises_at_once_and_queues_nothing() -> None:
     url = "memory://async-bad-input"
     state = make_state(4)
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, skip_unchanged=False) as pub:  # republishes `bigger`
         pub.publish_async(state, step=0).result(WAIT_S)
         with pytest.raises(InvalidStateDictError, match="'oops'"):
             pub.publish_async({**state, "oops": [1, 2]})

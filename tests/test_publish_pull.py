@@ -231,7 +231,7 @@ def test_pull_into_before_any_pull_overwrites_a_same_layout_target() -> None:
 def test_unchanged_publish_is_an_empty_delta() -> None:
     url = "memory://e2e-noop"
     state = small_state(0)
-    with Publisher(url) as pub, Subscriber(url) as sub:
+    with Publisher(url, skip_unchanged=False) as pub, Subscriber(url) as sub:  # the empty delta on purpose
         pub.publish(state)
         target = sub.pull()
         info = pub.publish(state)

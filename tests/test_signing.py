@@ -149,7 +149,8 @@ def test_cli_keygen_publish_signed_and_pull_trusted(tmp_path: Path, capsys) -> N
     capsys.readouterr()
     assert main(["pull", store, str(tmp_path / "x.safetensors"), "--trusted-key", str(tmp_path / "other.pub")]) == 1
     err = capsys.readouterr().err
-    assert "SignatureError" in err and "not trusted" in err and len(err.strip().splitlines()) == 1
+    first, *rest = err.strip().splitlines()  # the error line, then a hint line naming --trusted-key
+    assert "SignatureError" in first and "not trusted" in first and len(rest) == 1 and "--trusted-key" in rest[0]
 
 
 # --- fetched bytes never reach pickle ----------------------------------------------------------

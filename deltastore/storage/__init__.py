@@ -13,43 +13,111 @@ any other fsspec URL        FsspecStore     check-then-write: NOT safe for concu
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from deltastore.errors import UnsupportedURLError
-from deltastore.storage._fsspec import FsspecStore
 from deltastore.storage._local import LocalStore
 from deltastore.storage._memory import MemoryStore
-from deltastore.storage._s3 import S3Store
 from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
 from deltastore.storage.probe import ProbeResult, probe_conditional_writes, require_atomic_writes
 
+if TYPE_CHECKING:
+    from deltastore.storage._fsspec import FsspecStore
+    from deltastore.storage._s3 import S3Store
+
 logger = logging.getLogger(__name__)
 
+#: Backends whose modules import heavy SDKs (boto3 ~0.15 s, fsspec): loaded on first use, so
+#: that ``import deltastore`` and ``deltastore --help`` stay fast.
+_LAZY = {"S3Store": "deltastore.storage._s3", "FsspecStore": "deltastore.storage._fsspec"}
 
-def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Store:
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: A scheme as RFC 3986 spells it, at least two characters (``C:`` is a Windows drive).
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+")
+#: Schemes people type for stores; ``s3//bucket`` (colon lost) is a typo of one of them, not a
+#: directory named ``s3``.
+_STORE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs", "abfss", "adl", "file", "memory", "http", "https", "hf", "r2")
+
+
+def check_url(url: str) -> None:
+    """Refuse a store URL that is malformed, or that looks like a URL but is not one.
+
+    A mistyped URL (``s3:/bucket``, ``s3//bucket``, ``S3://bucket``) would otherwise be taken
+    for a local directory and silently written to. Write ``./name`` for a local directory whose
+    name looks like that. ``http(s)://`` names an endpoint, not a store.
+
+    Raises:
+        UnsupportedURLError: the URL is not usable, with the spelling that probably was meant.
+    """
+    if not isinstance(url, str) or not url:
+        raise UnsupportedURLError(f"store URL must be a non-empty string, got {url!r}")
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        if "::" in scheme:  # an fsspec chain (simplecache::s3://...): fsspec checks its parts
+            return
+        if not _SCHEME.fullmatch(scheme):
+            raise UnsupportedURLError(f"{url!r} has no valid scheme before '://' (e.g. s3://bucket/prefix)")
+        if scheme != scheme.lower():
+            raise UnsupportedURLError(
+                f"{url!r}: URL schemes are lower case here; did you mean {scheme.lower()}://{rest}?"
+            )
+        if scheme in ("http", "https"):
+            raise UnsupportedURLError(
+                f"{url!r} is an endpoint, not a store: name the store as s3://BUCKET/PREFIX and pass "
+                f"the endpoint as endpoint_url={scheme}://{rest.split('/', 1)[0]}"
+            )
+        return
+    head = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", url)
+    first = url.split("/", 1)[0]
+    if head or (first.lower() in _STORE_SCHEMES and url[len(first):].startswith("//")):
+        name = (head.group(1) if head else first).lower()
+        tail = url[len(name) + 1:].lstrip("/") if head else url[len(first):].lstrip("/")
+        raise UnsupportedURLError(
+            f"{url!r} looks like a URL but is not one; did you mean {name}://{tail}? "
+            f"(for a local directory of that name write ./{url})"
+        )
+
+
+def open_store(url: str, *, storage_options: dict[str, Any] | None = None, create: bool = True) -> Store:
     """Open the store a URL names.
 
     Args:
-        url: a local path or ``file://`` URL (the directory is created if missing: a local
-            store needs no setup), ``memory://name``, ``s3://bucket/prefix``, or any other
-            URL fsspec can open (``gs://``, ``az://``, ...; not safe for concurrent writers).
+        url: a local path or ``file://`` URL (the directory is created if missing and
+            ``create``: a local store needs no setup), ``memory://name``, ``s3://bucket/prefix``,
+            or any other URL fsspec can open (``gs://``, ``az://``, ...; not safe for concurrent
+            writers). A string that looks like a mistyped URL (``s3:/x``, ``S3://x``) is refused
+            (see :func:`check_url`), never taken for a directory.
         storage_options: backend options; for ``s3://`` see :class:`S3Store`, for fsspec URLs
             they are passed to the filesystem. Not accepted for local and memory stores.
+        create: create a missing local store directory (default True); readers pass False so
+            that looking at a store never creates anything (a missing one raises
+            BucketNotFoundError). Buckets are never created.
 
     Returns:
         The store. Use it as a context manager or call ``close()`` when done.
 
     Raises:
-        UnsupportedURLError: unknown scheme, a missing fsspec backend package, or options the
-            backend does not take.
+        UnsupportedURLError: unknown or mistyped scheme, a missing fsspec backend package, or
+            options the backend does not take.
+        BucketNotFoundError: ``create=False`` and the local directory does not exist.
 
     Example::
 
         with open_store("s3://weights/run1") as store:
             store.put("HEAD", b"{}", mode="create")
     """
-    if not isinstance(url, str) or not url:
-        raise UnsupportedURLError(f"store URL must be a non-empty string, got {url!r}")
+    check_url(url)
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "file", url
@@ -59,13 +127,17 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> St
     if scheme == "file":
         if not rest:
             raise UnsupportedURLError(f"{url!r} names no directory")
-        return LocalStore(rest)
+        return LocalStore(rest, create=create)
     if scheme == "memory":
         if not rest:
             raise UnsupportedURLError(f"{url!r} names no in-memory store; use memory://name")
         return MemoryStore(url)
     if scheme == "s3":
+        from deltastore.storage._s3 import S3Store
+
         return S3Store(url, storage_options=storage_options)
+    from deltastore.storage._fsspec import FsspecStore
+
     return FsspecStore.from_url(url, storage_options=storage_options)
 
 
@@ -77,6 +149,7 @@ __all__ = [
     "MemoryStore",
     "ObjectMeta",
     "ProbeResult",
+    "check_url",
     "PutMode",
     "S3Store",
     "Store",

@@ -653,6 +653,40 @@ class S3Store(Store):
             raise self._translate(e, "HeadObject", key) from e
         return self._meta(key, response)
 
+    def check_endpoint(self) -> None:
+        """Make sure the endpoint speaks S3 (one ListObjectsV2 of at most one key).
+
+        A web server, a SeaweedFS filer or master port answers every read with an HTML or JSON
+        404 (or 200) that botocore reads as "no such key": the store would look empty forever.
+        S3 errors carry an XML document with a code, and a listing names its bucket.
+
+        Raises:
+            StorageError: the endpoint is not an S3 endpoint (the message says what it answered).
+            BucketNotFoundError, AccessDeniedError, StorageError: an S3 error from the listing.
+        """
+        where = self.endpoint_url or "the default AWS endpoint"
+        try:
+            response = self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+        except botocore.exceptions.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
+            if not code or code.isdigit():  # no S3 error document in the body
+                raise StorageError(
+                    f"{where} is not an S3 endpoint: listing {self.url} answered HTTP {status} without an "
+                    f"S3 error document; check endpoint_url (the S3 port, not a filer, master or web port)"
+                ) from e
+            raise self._translate(e, "ListObjectsV2", None) from e
+        except botocore.exceptions.ResponseParserError as e:
+            raise StorageError(f"{where} is not an S3 endpoint: its answer to a listing of {self.url} is not S3 XML") from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._translate(e, "ListObjectsV2", None) from e
+        if "Name" not in response and "KeyCount" not in response:
+            raise StorageError(
+                f"{where} is not an S3 endpoint: its answer to a listing of {self.url} is not an S3 listing; "
+                f"check endpoint_url (the S3 port, not a filer, master or web port)"
+            )
+        self._bucket_known_to_exist = True
+
     def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
         check_prefix(prefix)
         metas: list[ObjectMeta] = []

@@ -230,6 +230,21 @@ def probe_conditional_writes(store: Store) -> ProbeResult:
     return result
 
 
+def check_endpoint(store: Store) -> None:
+    """Make sure a store's endpoint is what its URL says (an ``s3://`` URL: an S3 endpoint).
+
+    Without it a web server or a SeaweedFS filer port looks like an empty store (every key
+    "missing") and a follower waits forever. Costs one small request; a no-op for stores that
+    have no remote endpoint.
+
+    Raises:
+        StorageError: the endpoint does not speak the store's protocol, or could not be reached.
+    """
+    check = getattr(store, "check_endpoint", None)
+    if check is not None:
+        check()
+
+
 def cached_probe(store: Store) -> ProbeResult | None:
     """The verdict cached in the store, or None when there is none this version can read."""
     try:
@@ -302,6 +317,7 @@ __all__ = [
     "PROBE_RESULT_KEY",
     "ProbeResult",
     "cached_probe",
+    "check_endpoint",
     "probe_conditional_writes",
     "require_atomic_writes",
 ]

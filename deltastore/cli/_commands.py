@@ -1,0 +1,599 @@
+"""The commands of the ``deltastore`` CLI, one function each (``args`` in, exit code out).
+
+Heavy modules (torch, safetensors, boto3) are imported inside the commands that need them.
+Each command opens its store itself (:func:`deltastore.cli._util.open_store`): only ``publish``
+may create a local store; every other command fails on a missing one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import uuid
+from typing import Any
+
+from deltastore.cli._util import (
+    EXIT_FAILED,
+    EXIT_NOTHING_TO_DO,
+    EXIT_OK,
+    byte_progress,
+    counting_store,
+    duration,
+    emit_json,
+    one_line,
+    open_store,
+    size,
+)
+from deltastore.errors import ConflictError, DeltastoreError, InvalidStateDictError
+
+logger = logging.getLogger(__name__)
+
+#: A HEAD written less than this long ago by a publisher that is not a one-off CLI call means a
+#: trainer probably still runs there: ``publish`` warns before fencing it, ``--no-takeover``
+#: refuses. Trainers publish every few seconds to minutes; a dead one is quiet for longer.
+LIVE_WRITER_S = 300.0
+#: Prefix of the writer id of CLI publishes: a HEAD they wrote belongs to a process that has
+#: exited, so it never counts as a live writer.
+CLI_WRITER_PREFIX = "cli-"
+#: File suffixes of PyTorch pickles, which deltastore does not load (unsafe, and not a state dict format).
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
+
+
+def _info_json(info: Any) -> dict[str, Any]:
+    return {
+        "version": info.version, "step": info.step, "kind": info.kind, "parent": info.parent,
+        "anchor": info.anchor, "bytes_stored": info.bytes_stored, "tensors_changed": info.tensors_changed,
+        "elements_changed": info.elements_changed, "created": info.created, "writer": info.writer,
+        "metadata": info.metadata, "manifest": info.manifest,
+    }
+
+
+# --- publish ------------------------------------------------------------------------------------
+
+
+def load_state(path: str) -> dict[str, Any]:
+    """Read a ``.safetensors`` file, or raise a one-line error naming it (missing, a directory,
+    a PyTorch pickle, truncated, or not safetensors at all)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory; publish takes one .safetensors file")
+    if path.lower().endswith(PICKLE_SUFFIXES):
+        raise InvalidStateDictError(
+            f"{path} is a PyTorch pickle, not a .safetensors file; convert it first: python -c \"import torch; "
+            f"from safetensors.torch import save_file; save_file(torch.load('{path}'), 'model.safetensors')\""
+        )
+    size_ = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        header = f.read(n) if 0 < n <= min(size_ - 8, 100 * 2**20) else b""
+    if not header.startswith(b"{"):
+        raise InvalidStateDictError(f"{path} is not a .safetensors file (no safetensors header at its start)")
+    try:
+        entries = json.loads(header)
+    except ValueError as e:
+        raise InvalidStateDictError(f"{path} is not a readable .safetensors file: its header is not JSON ({e})") from None
+    ends = [v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__" and isinstance(v, dict)]
+    if 8 + n + max(ends, default=0) > size_:
+        raise InvalidStateDictError(
+            f"{path} is truncated: its header describes {8 + n + max(ends)} bytes, the file has {size_}"
+        )
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
+        raise InvalidStateDictError(f"{path} is not a readable .safetensors file: {' '.join(str(e).split())}") from e
+
+
+def _live_writer(store: Any) -> tuple[Any, float] | None:
+    """HEAD and its age when a publisher other than a CLI call wrote it within LIVE_WRITER_S."""
+    from datetime import datetime, timezone
+
+    from deltastore.history import History
+    from deltastore.ledger import parse_time
+
+    got = History(store).read_head()
+    if got is None:
+        return None
+    head = got[0]
+    when = parse_time(head.updated)
+    if when is None or head.writer.startswith(CLI_WRITER_PREFIX):
+        return None
+    age = (datetime.now(timezone.utc) - when).total_seconds()
+    return (head, age) if age < LIVE_WRITER_S else None
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from deltastore.publish import Publisher
+
+    state = load_state(args.file)  # a bad file fails before the store is touched
+    store = open_store(args, write=True)
+    try:
+        live = _live_writer(store)
+        if live is not None:
+            head, age = live
+            what = (f"HEAD of {args.url} was written {age:.0f} s ago by publisher {head.writer} (epoch {head.epoch}), "
+                    f"which may still be running")
+            if args.no_takeover:
+                raise ConflictError(f"{what}; --no-takeover refuses to fence it. Run without --no-takeover to take "
+                                    f"the store over (that publisher's next publish then fails with FencedError)")
+            logger.warning("%s; publishing fences it (its next publish fails with FencedError). "
+                           "Use --no-takeover to refuse instead", what)
+        writer = f"{CLI_WRITER_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        with byte_progress("upload", quiet=args.quiet_total > 0) as add:
+            with Publisher(args.url, store=counting_store(store, add), anchor_every=args.anchor_every,
+                           signing_key=args.signing_key, takeover=not args.no_takeover, writer_id=writer,
+                           allow_unsafe_store=args.allow_unsafe_store, skip_unchanged=not args.allow_empty) as pub:
+                before = pub.version
+                info = pub.publish(state, step=args.step, metadata=args.metadata, anchor=args.anchor)
+    finally:
+        store.close()
+    skipped = info.version == before
+    if args.json:
+        emit_json({**_info_json(info), "url": args.url, "skipped": skipped})
+    elif skipped:
+        print(f"nothing to publish: {args.file} is identical to version {info.version} of {args.url} "
+              f"(pass --allow-empty to commit it anyway)")
+    else:
+        print(f"published version {info.version} ({info.kind}) to {args.url}: {size(info.bytes_stored)}, "
+              f"{info.tensors_changed} tensors / {info.elements_changed} elements changed")
+    return EXIT_NOTHING_TO_DO if skipped else EXIT_OK
+
+
+# --- pull ---------------------------------------------------------------------------------------
+
+
+def _check_out(path: str) -> None:
+    """Fail before any download when OUT cannot be written."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory; pull writes one .safetensors file (e.g. {os.path.join(path, 'model.safetensors')})")
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"output directory {parent} does not exist; create it first (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"output directory {parent} is not writable")
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from deltastore.pull import Subscriber
+
+    _check_out(args.out)
+    if args.follow:
+        return _follow(args)
+    store = open_store(args)
+    try:
+        with byte_progress("download", quiet=args.quiet_total > 0) as add:
+            with Subscriber(args.url, store=counting_store(store, add), trusted_keys=args.trusted_key) as sub:
+                state = sub.pull(args.version)
+                version = sub.version
+    finally:
+        store.close()
+    tmp = f"{args.out}.partial"
+    save_file(state, tmp, metadata={"deltastore_url": args.url, "deltastore_version": str(version)})
+    os.replace(tmp, args.out)  # never leave a half-written output under the real name
+    if args.json:
+        emit_json({"url": args.url, "version": version, "out": args.out, "tensors": len(state),
+                   "bytes": sum(t.numel() * t.element_size() for t in state.values())})
+    else:
+        print(f"pulled version {version} of {args.url} to {args.out} ({len(state)} tensors)")
+    return EXIT_OK
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """``pull --follow``: keep OUT at the latest version until SIGINT/SIGTERM (then exit 0)."""
+    import signal
+    import threading
+    import time
+
+    from safetensors.torch import save_file
+
+    from deltastore.errors import VersionNotFoundError
+    from deltastore.pull import Subscriber
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:  # finish the current version, then end
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    store = open_store(args)  # a non-S3 endpoint fails here instead of looking empty forever
+    try:
+        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
+            while True:  # wait for a first version: the layout to follow into
+                try:
+                    target = sub.allocate()
+                    break
+                except VersionNotFoundError:
+                    if stop.wait(args.interval):
+                        return EXIT_OK
+            records = sub.follow(target, interval=args.interval, stop=stop, cache_dir=args.cache,
+                                 worker_id=args.worker_id, max_versions=args.max_versions)
+            for rec in records:
+                t0 = time.perf_counter()
+                tmp = f"{args.out}.partial"
+                save_file(target, tmp, metadata={"deltastore_url": args.url, "deltastore_version": str(rec.info.version)})
+                os.replace(tmp, args.out)  # readers of OUT see one whole version or the next
+                write_s = time.perf_counter() - t0
+                if args.json:
+                    emit_json({
+                        "version": rec.info.version, "from_version": rec.from_version, "full_load": rec.full_load,
+                        "bytes_fetched": rec.bytes_fetched, "fetch_s": round(rec.fetch_s, 6),
+                        "decode_s": round(rec.decode_s, 6), "pause_s": round(rec.pause_s, 6),
+                        "write_s": round(write_s, 6), "out": args.out,
+                    })
+                else:
+                    how = "full load" if rec.full_load else f"from v{rec.from_version}"
+                    print(f"v{rec.info.version} ({how}): {size(rec.bytes_fetched)} fetched, fetch {rec.fetch_s:.3f} s, "
+                          f"decode {rec.decode_s:.3f} s, pause {rec.pause_s:.3f} s, wrote {args.out} in {write_s:.3f} s",
+                          flush=True)
+    finally:
+        store.close()
+    return EXIT_OK
+
+
+# --- read-only commands -------------------------------------------------------------------------
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    from deltastore.pull import Subscriber
+
+    if args.plot:
+        from deltastore.cli.plot import _pyplot
+
+        _pyplot()  # a missing matplotlib fails before any IO
+    store = open_store(args)
+    try:
+        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
+            infos = sub.log()
+            if args.plot:
+                from deltastore.cli.plot import plot_history, points_of_store
+                from deltastore.signing import TrustedKeys
+
+                check = TrustedKeys(args.trusted_key).verify if args.trusted_key else None
+                since = infos[0].version if infos else 1
+                plot_history(*points_of_store(store, check, since=since), args.plot, title=args.url)
+    finally:
+        store.close()
+    for info in infos:
+        if args.json:
+            emit_json(_info_json(info))
+        else:
+            step = "-" if info.step is None else str(info.step)
+            print(f"v{info.version:<6} {info.kind:<6} step {step:<8} {size(info.bytes_stored):>10}  "
+                  f"{info.tensors_changed:>6} tensors {info.elements_changed:>12} elements changed  {info.created}")
+    if not infos and not args.json:
+        print(f"{args.url}: no versions")
+    if args.plot and not args.json:
+        print(f"wrote {args.plot}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from deltastore.pull import Subscriber
+
+    store = open_store(args)
+    try:
+        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
+            if sub.latest() is None:
+                if args.json:
+                    emit_json({"url": args.url, "ok": False, "versions": [], "tensors": {}, "segments": 0,
+                               "problems": [], "error": "no versions"})
+                else:
+                    print(f"{args.url}: no versions to verify")
+                return EXIT_FAILED
+            # Every segment (full and delta) of every manifest checked, every chunk's digest.
+            report = sub.verify(args.version, all_versions=args.all)
+    finally:
+        store.close()
+    bad = {p.version for p in report.problems}
+    if args.json:
+        emit_json({
+            "url": args.url, "ok": not report.problems, "versions": report.versions,
+            "tensors": {str(v): n for v, n in report.tensors.items()}, "segments": report.segments,
+            "problems": [{"version": p.version, "manifest": p.manifest, "message": p.message} for p in report.problems],
+        })
+        return EXIT_FAILED if report.problems else EXIT_OK
+    for p in report.problems:
+        print(f"BAD version {p.version}: {p.message}")
+    shown = report.versions if args.all else report.versions[-1:]
+    for v in shown:
+        if v not in bad:
+            print(f"OK version {v}: {report.tensors[v]} tensors verified")
+    if report.problems:
+        from deltastore.errors import IntegrityError
+
+        first = report.problems[0]
+        raise IntegrityError(
+            f"{len(report.problems)} bad segment(s) or chunk(s) in {len(bad)} version(s) of {args.url}; "
+            f"first, in version {first.version}: {first.message}"
+        )
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from deltastore.ledger import fleet_status, oldest_live_version, parse_time, read_ledger
+    from deltastore.pull import Subscriber
+
+    store = open_store(args)
+    try:
+        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
+            head = sub.latest()
+            beats = read_ledger(sub.store)
+            # Only the versions a lagging worker lacks first are needed (their commit times), not
+            # the whole history: walk the chain down to the oldest of them, no further.
+            behind = [b.version + 1 for b in beats if head is not None and b.version < head.version]
+            infos = {i.version: i for i in sub.log(since=min(behind))} if behind else {}
+    finally:
+        store.close()
+    head_version = head.version if head else 0
+    workers = fleet_status(beats, head_version, lambda v: parse_time(infos[v].created) if v in infos else None)
+    head_age = None
+    if head is not None and (t := parse_time(head.created)) is not None:
+        from datetime import datetime, timezone
+
+        head_age = (datetime.now(timezone.utc) - t).total_seconds()
+    oldest = oldest_live_version(beats)
+    if args.json:
+        emit_json({
+            "url": args.url, "head_version": head_version, "head_age_s": head_age,
+            "oldest_live_version": oldest,
+            "workers": [{"worker": w.worker, "host": w.host, "version": w.version, "lag_versions": w.lag_versions,
+                         "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live} for w in workers],
+        })
+        return EXIT_OK
+    if head is None:
+        print(f"{args.url}: no versions")
+    else:
+        age = "" if head_age is None else f", {duration(head_age)} old"
+        print(f"{args.url}: head version {head_version}{age}; {len(workers)} worker(s), "
+              f"{sum(w.live for w in workers)} live, oldest live version {oldest if oldest is not None else '-'}")
+    for w in workers:
+        lag = "current" if w.lag_versions == 0 else f"{w.lag_versions} behind" + (
+            "" if w.lag_s is None else f" ({duration(w.lag_s)})")
+        state = "live" if w.live else "gone"
+        print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {duration(w.last_seen_s)} ago  {state}  {w.host}")
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from deltastore.errors import VersionNotFoundError
+    from deltastore.history import History
+    from deltastore.manifest import dump
+    from deltastore.signing import TrustedKeys
+
+    check = TrustedKeys(args.trusted_key).verify if args.trusted_key else None
+    store = open_store(args)
+    try:
+        history = History(store, check)
+        got = history.read_head()
+        if got is None or got[0].manifest is None:
+            raise VersionNotFoundError(f"{args.url}: no versions")
+        head = got[0]
+        key, m = history.resolve(head.version if args.version is None else args.version, head)
+        if args.json:
+            print(json.dumps(json.loads(dump(m)), indent=1, sort_keys=True))
+            return EXIT_OK
+        layout = history.layout(m.layout) if m.layout is not None else None
+    finally:
+        store.close()
+    for line in _inspect_lines(key, m, layout):
+        print(line)
+    return EXIT_OK
+
+
+def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
+    """``deltastore inspect``: every field of a manifest, one fact per line."""
+    out = [f"manifest        {key}", f"schema          {m.schema_}"]
+    for name in ("version", "kind", "parent", "parent_manifest", "anchor", "anchor_manifest", "delta_base",
+                 "chain_start", "step", "created", "writer", "epoch", "commit_id", "lineage", "state_digest",
+                 "max_attempt_s"):
+        value = getattr(m, name)
+        if value is not None or m.schema_ >= 3:
+            out.append(f"{name:<15} {'-' if value is None else value}")
+    sig = m.signature
+    out.append(f"signature       {'none' if sig is None else f'{sig.alg} key {sig.key_id}'}")
+    out.append(f"metadata        {json.dumps(m.metadata, sort_keys=True)}")
+    out.append("stats           " + ", ".join(f"{k}={v}" for k, v in m.stats.model_dump().items() if v is not None))
+    out.append(f"back            {len(m.back)} skip pointer(s)")
+    out += [f"  v{m.version - 2**j:<12} {k}" for j, k in enumerate(m.back, 1)]
+    out.append(f"squashes        {len(m.squashes)}")
+    out += [f"  {s.from_} -> {s.to}  {size(s.bytes)}  {s.key}" for s in m.squashes]
+    if layout is not None:
+        out.append(f"layout          {m.layout.key} (sha256 {m.layout.sha256}), {len(layout.name)} tensor(s), parts {layout.parts}")
+        for i, name in enumerate(layout.name):
+            out.append(f"  [{i}] {name}  {layout.dtype[i]} {list(layout.shape[i])}  chunk_rows {layout.chunk_rows[i]}")
+    else:
+        out.append("layout          inline (schema 1/2: the tensors below carry it)")
+    out.append(f"packs           {len(m.blobs)}")
+    for i, b in enumerate(m.blobs):
+        role = "" if b.role is None else f"role {b.role}  "
+        sz = f"{b.size} B" if b.size < 1024 else f"{size(b.size)} ({b.size} B)"
+        out.append(f"  [{i}] {role}{sz}  {b.key}")
+    listed = sum(len(t.chunks) for t in m.tensors)
+    out.append(f"tensors         {len(m.tensors)} listed, {listed} chunk row(s)")
+    for t in m.tensors:
+        out.append(f"  {t.name}  {t.dtype} {list(t.shape)}  chunk_rows {t.chunk_rows}  ({len(t.chunks)} chunk(s) listed)")
+        for c in t.chunks:
+            out.append(f"    chunk {c.index}  digest {c.digest}")
+            for which, seg in (("delta", c.delta), ("full", c.full)):
+                if seg is not None:
+                    out.append(f"      {which:<5} pack {seg.blob} @ {seg.offset} +{seg.length}  {seg.codec}  "
+                               f"n_changed {seg.n_changed}  sha256 {seg.sha256}")
+    return out
+
+
+# --- maintenance --------------------------------------------------------------------------------
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    from deltastore.compact import compact
+
+    if args.follow:
+        return _compact_follow(args)
+    store = open_store(args)
+    try:
+        report = compact(store, bases=args.base, writer=args.writer, register=not args.no_register)
+    finally:
+        store.close()
+    if args.json:
+        emit_json(report.to_json())
+        return EXIT_OK
+    for s in report.squashes:
+        ratio = s.chain_bytes / s.bytes if s.bytes else float("inf")
+        print(f"squash {s.from_}→{s.to}: {size(s.bytes)} replacing {size(s.chain_bytes)} of deltas ({ratio:.2f}×), {s.key}")
+    for base, why in report.skipped:
+        print(f"no squash from {base}: {why}")
+    where = "registered in the history index" if report.registered else "not registered"
+    print(f"{len(report.squashes)} squash(es) to version {report.to} of {args.url}, {where}, in {report.seconds:.1f} s")
+    return EXIT_OK
+
+
+def _compact_follow(args: argparse.Namespace) -> int:
+    """``compact --follow``: one round (squashes to the new head) each time HEAD's version
+    moves, one line per round, until SIGINT/SIGTERM (the current round is finished first)."""
+    import signal
+    import threading
+
+    from deltastore.compact import ANCHOR_SQUASH_EVERY, compact
+    from deltastore.history import History
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:  # finish the current round, then end
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    store = open_store(args)
+    try:
+        history = History(store)
+        done: int | None = None  # the head version of the last round
+        while not stop.is_set():
+            head = history.poll_head()  # a conditional GET; our own index writes move no version
+            if head is not None and head.manifest is not None and head.version != done:
+                done = head.version  # a failed round is not retried until HEAD moves again
+                try:
+                    report = compact(store, bases=args.base, to=head.version, writer=args.writer,
+                                     register=not args.no_register, anchor_squash_every=ANCHOR_SQUASH_EVERY)
+                except DeltastoreError as e:
+                    logger.warning("compaction round to version %d of %s failed: %s", head.version, args.url, e)
+                    if args.json:
+                        emit_json({"to": head.version, "error": one_line(e)})
+                    else:
+                        print(f"version {head.version}: round failed: {one_line(e)}", flush=True)
+                else:
+                    if args.json:
+                        emit_json(report.to_json())
+                    else:
+                        made = ", ".join(f"{s.from_}→{s.to} {size(s.bytes)}" for s in report.squashes) or "nothing to squash"
+                        print(f"version {report.to}: {len(report.squashes)} squash(es) ({made}), "
+                              f"{'registered' if report.registered else 'not registered'}, {report.seconds:.1f} s", flush=True)
+            stop.wait(args.interval)
+    finally:
+        store.close()
+    return EXIT_OK
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from deltastore.signing import generate_key_files, key_id, load_public_key
+
+    priv, pub = generate_key_files(args.private_key)
+    kid = key_id(load_public_key(pub))
+    if args.json:
+        emit_json({"private_key": str(priv), "public_key": str(pub), "key_id": kid})
+    else:
+        print(f"wrote private key {priv} (mode 0600) and public key {pub} (key id {kid})")
+    return EXIT_OK
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``24h``, ``7d`` or plain seconds, as seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in units:
+            value = float(t[:-1]) * units[t[-1]]
+        else:
+            value = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90s, 30m, 24h, 7d)") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from deltastore.gc import collect
+
+    store = open_store(args)
+    try:
+        report = collect(store, keep_last=args.keep_last, keep_versions=args.keep_version or (), grace_s=args.grace,
+                         dry_run=args.dry_run, upgrade=args.upgrade)
+    finally:
+        store.close()
+    if args.json:
+        emit_json(report.to_json())
+        return EXIT_OK
+    if report.aborted_reason:
+        print(f"{args.url}: {report.aborted_reason}")
+        return EXIT_OK
+    verb = "would delete" if report.dry_run else "deleted"
+    kept = report.kept_versions
+    span = f"versions {kept[0]}-{kept[-1]}" if kept else "no versions"
+    pins = ", ".join(map(str, report.pins)) or "none"
+    print(f"{args.url}: head {report.head_version}, floor {report.floor_before} -> {report.floor_after}; "
+          f"keeping {span}, pins: {pins}")
+    print(f"  kept {report.kept_objects} objects ({size(report.kept_bytes)}) needed by kept versions, "
+          f"{report.young_objects} ({size(report.young_bytes)}) younger than the grace period")
+    parts = ", ".join(f"{len(keys)} {kind}" for kind, keys in report.deleted.items() if keys) or "nothing"
+    print(f"  {verb} {report.deleted_objects} objects ({size(report.deleted_bytes)} freed): {parts}")
+    if args.verbose_total or report.dry_run:
+        for keys in report.deleted.values():
+            for key in keys:
+                print(f"    {verb} {key}")
+    return EXIT_OK
+
+
+def _pins_json(args: argparse.Namespace, index: Any) -> dict[str, Any]:
+    return {"url": args.url, "version": args.version, "floor": None if index is None else index.floor,
+            "pins": [] if index is None else [{"version": p.version, "note": p.note} for p in index.pins]}
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    from deltastore.index import pin
+
+    store = open_store(args)
+    try:
+        index = pin(store, args.version, note=args.note or "")
+    finally:
+        store.close()
+    if args.json:
+        emit_json(_pins_json(args, index))
+    else:
+        print(f"pinned version {args.version} of {args.url} (floor {index.floor}; pins: "
+              f"{', '.join(str(p.version) for p in index.pins)})")
+    return EXIT_OK
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    from deltastore.index import unpin
+
+    store = open_store(args)
+    try:
+        index = unpin(store, args.version)
+    finally:
+        store.close()
+    if args.json:
+        emit_json(_pins_json(args, index))
+    else:
+        pins = ", ".join(str(p.version) for p in index.pins) if index is not None else ""
+        print(f"version {args.version} of {args.url} is not pinned (pins: {pins or 'none'})")
+    return EXIT_OK
