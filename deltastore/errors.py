@@ -23,12 +23,16 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
     │   ├── CorruptObjectError                    unparseable / truncated object
     │   ├── SignatureError                        manifest unsigned / untrusted / bad signature
-    │   └── TargetModifiedError                   the target no longer holds the version pulled
+    │   ├── TargetModifiedError                   the target no longer holds the version pulled
+    │   └── WrongBaseError                        a site's result is against another base (federated)
     ├── FormatError (ValueError)                  something this version cannot read
     │   ├── UnsupportedSchemaError
+    │   │   └── BaseElsewhereError                a based version read without its base's store
     │   └── UnknownCodecError
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
+    │       └── SiteLayoutError                   a site's result has another layout (federated)
+    ├── QuorumError (TimeoutError)                a federated round missed its quorum by the deadline
     ├── VersionNotFoundError (LookupError)        no such version in the store
     │   └── VersionCollectedError                 below the retention floor and not pinned
     ├── GCAbortedError                            GC stopped before deleting (or partway): see why
@@ -202,6 +206,11 @@ class UnsupportedSchemaError(FormatError):
     """A HEAD or manifest has a schema version this deltastore does not know."""
 
 
+class BaseElsewhereError(UnsupportedSchemaError):
+    """A based version (design 009) was read as if its store held its base: its segments
+    apply to a version of another store. Read it with :mod:`deltastore.federated`."""
+
+
 class UnknownCodecError(FormatError):
     """A blob segment names a codec (or codec version) this deltastore does not know."""
 
@@ -215,6 +224,20 @@ class InvalidStateDictError(DeltastoreError, ValueError):
 
 class LayoutMismatchError(InvalidStateDictError):
     """Tensor names, shapes or dtypes differ from the version this one is based on."""
+
+
+class WrongBaseError(IntegrityError):
+    """A site's result was computed against another base than the round's (design 009): it is
+    refused, named, and the round goes on without it."""
+
+
+class SiteLayoutError(LayoutMismatchError):
+    """A site's result has another layout than the round's base (design 009): refused, named."""
+
+
+class QuorumError(DeltastoreError, TimeoutError):
+    """A federated round's deadline passed with fewer accepted site results than its quorum;
+    nothing was published."""
 
 
 class VersionNotFoundError(DeltastoreError, LookupError):

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltastore.errors import CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
+from deltastore.errors import BaseElsewhereError, CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
 from deltastore.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     HEAD_KEY,
@@ -320,7 +320,7 @@ class History:
             raise CorruptObjectError(
                 f"manifest {key!r} (version {m.version}) links to {pkey!r}, which is version {p.version}, not {m.parent}"
             )
-        if m.kind == "delta" and m.anchor != p.anchor:
+        if m.kind == "delta" and m.base is None and m.anchor != p.anchor:  # a based version is its own anchor
             raise CorruptObjectError(
                 f"manifest {key!r} (version {m.version}) says its anchor is version {m.anchor}, but its parent "
                 f"{pkey!r} has anchor {p.anchor}: version {m.anchor} is not the anchor of this chain"
@@ -472,6 +472,11 @@ class History:
         """Manifests from ``m``'s anchor up to ``m``, oldest first; the first is an anchor."""
         ms = self.chain(key, m, down_to=m.anchor)
         akey, a = ms[0]
+        if a.base is not None:  # its bits are another store's version plus its deltas (design 009)
+            raise BaseElsewhereError(
+                f"manifest {akey!r} is a based version: its segments apply to version {a.base.version} of another "
+                f"store ({a.base.manifest!r}); read it with deltastore.federated, which is given that store"
+            )
         if a.kind != "anchor" or a.version != m.anchor:
             raise CorruptObjectError(f"manifest {key!r} names version {m.anchor} as its anchor, but {akey!r} is a {a.kind}")
         return ms

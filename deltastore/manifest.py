@@ -99,6 +99,22 @@ class ObjectRef(_Model):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class BaseRef(_Model):
+    """The base of a based version (schema 4, design 009): a version of *another* store, named
+    by its manifest key and that manifest's SHA-256, version and lineage (SPEC §14)."""
+
+    version: int = Field(ge=1)
+    manifest: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    lineage: str = Field(pattern=LINEAGE_PATTERN)
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+#: The schema that may carry ``base`` (design 009 D3: the one new schema of this release).
+BASE_SCHEMA = 4
+
+
 class SquashRef(_Model):
     """Where a squash manifest ``from → to`` is (SPEC §12); a hint: readers tolerate it missing."""
 
@@ -219,6 +235,9 @@ class Manifest(_Model):
     max_attempt_s: int | None = None
     #: squash manifests with ``to`` = this version (hints)
     squashes: tuple[SquashRef, ...] = ()
+    #: schema 4, optional (design 009): the version of another store this version's delta
+    #: segments apply to; absent (not null) from every document without it
+    base: BaseRef | None = None
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
     #: schema 4: group row name → members, from the layout (design 007 D4). Not a field: the
@@ -241,6 +260,8 @@ class Manifest(_Model):
             present = [k for k in SCHEMA3_MANIFEST_FIELDS if k in self.model_fields_set]
             if present:
                 raise ValueError(f"schema {self.schema_} has no {', '.join(present)} (schema 3 fields)")
+        if self.base is not None and self.schema_ < BASE_SCHEMA:
+            raise ValueError(f"schema {self.schema_} has no base (a schema-{BASE_SCHEMA} field)")
         return self
 
     def references(self) -> list[str]:
@@ -412,6 +433,8 @@ def dump(model: BaseModel) -> bytes:
     schema = doc.get("schema")
     if "groups" in doc and doc["groups"] is None:  # a schema-3 layout, byte for byte as before
         doc.pop("groups")
+    if "base" in doc and doc["base"] is None:  # only based versions carry it (design 009)
+        doc.pop("base")
     if schema == 1:
         for field in ("lineage", "signature"):
             if doc.get(field) is None:
@@ -639,7 +662,9 @@ def _check_manifest(m: Manifest, key: str) -> None:
         raise bad(f"parent_manifest {m.parent_manifest!r} is not the manifest key of version {m.parent}")
     if m.kind == "anchor" and m.anchor != m.version:
         raise bad("an anchor's 'anchor' must be its own version")
-    if m.kind == "delta" and (m.parent is None or m.anchor >= m.version or m.delta_base != m.parent):
+    if m.base is not None:
+        _check_based(m, bad)
+    elif m.kind == "delta" and (m.parent is None or m.anchor >= m.version or m.delta_base != m.parent):
         raise bad("a delta needs a parent, an earlier anchor, and delta_base equal to its parent")
     if m.delta_base is not None and m.delta_base != m.parent:
         raise bad("delta_base must be the parent version or null")
@@ -682,7 +707,7 @@ def _check_manifest(m: Manifest, key: str) -> None:
                 raise bad(f"anchor {here} has no full segment")
             if m.kind == "delta" and c.delta is None:
                 raise bad(f"delta {here} has no delta segment")
-            if m.delta_base is None and c.delta is not None:
+            if m.delta_base is None and m.base is None and c.delta is not None:
                 raise bad(f"{here} has a delta segment but the manifest has no delta_base")
             elements = chunk_elements(t.shape, t.chunk_rows, c.index)
             for which, seg in (("full", c.full), ("delta", c.delta)):
@@ -700,6 +725,27 @@ def _check_manifest(m: Manifest, key: str) -> None:
             raise bad(f"anchor lists {len(seen)} of the {n_chunks} chunks of tensor {t.name!r}")
 
 
+def _check_based(m: Manifest, bad: Callable[[str], CorruptObjectError]) -> None:
+    """A based version (SPEC §14): a delta of another store's version, starting its own chain.
+
+    Its chunks' delta segments apply to the base's chunks, never to its parent's; so it is its
+    own anchor and chain start, with no anchor manifest, no delta_base and no full segment."""
+    b = m.base
+    assert b is not None
+    if m.kind != "delta" or m.delta_base is not None or m.anchor != m.version:
+        raise bad("a based version is a delta with delta_base null and 'anchor' its own version")
+    if m.anchor_manifest is not None or m.chain_start != m.version:
+        raise bad("a based version has no anchor_manifest and starts its own chain (chain_start = version)")
+    _check_int(b.version, "base.version", "manifest", "")
+    if manifest_key_version(b.manifest) != b.version or not b.manifest.endswith(f"-{b.sha256}.json.zst"):
+        raise bad(f"base.manifest {b.manifest!r} is not the schema-3/4 manifest key of version {b.version} "
+                  f"with SHA-256 {b.sha256}")
+    for t in m.tensors:
+        for c in t.chunks:
+            if c.full is not None or c.delta is None:
+                raise bad(f"based chunk {t.name}[{c.index}] must have a delta segment and no full segment")
+
+
 #: Skip pointers of one manifest: versions v−2, …, v−2^62 cover every version below 2**63.
 MAX_BACK = 62
 
@@ -710,7 +756,9 @@ def _check_schema3_links(m: Manifest, bad: Callable[[str], CorruptObjectError]) 
         raise bad("a schema-3 manifest needs a layout")
     if m.kind == "anchor" and m.anchor_manifest is not None:
         raise bad("an anchor has no anchor_manifest")
-    if m.kind == "delta" and (m.anchor_manifest is None or manifest_key_version(m.anchor_manifest) != m.anchor):
+    if m.kind == "delta" and m.base is None and (
+        m.anchor_manifest is None or manifest_key_version(m.anchor_manifest) != m.anchor
+    ):
         raise bad(f"anchor_manifest {m.anchor_manifest!r} is not the manifest key of version {m.anchor}")
     if len(m.back) > MAX_BACK:
         raise bad(f"back lists {len(m.back)} keys, more than {MAX_BACK}")
@@ -925,6 +973,8 @@ def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
     codecs = sorted({s[4].codec for s in segs})
     codec_index = {c: i for i, c in enumerate(codecs)}
     doc = m.model_dump(mode="json", by_alias=True, exclude={"blobs", "tensors", "parts"})
+    if doc.get("base") is None:  # only based versions carry it (design 009)
+        doc.pop("base", None)
     doc.update(
         parts=[],
         codecs=codecs,

@@ -1,0 +1,26 @@
+"""Federated rounds (design 009, SPEC §14).
+
+Sites train locally and publish only their change, as *based versions* in their own stores;
+an :class:`Aggregator` waits for a round's quorum, verifies every result against the round's
+base, merges them (weighted average in fp32 of the changes by default) and publishes the next
+global version; each :class:`Site` fast-forwards to it.
+"""
+
+from deltastore.federated.aggregator import Aggregator, RoundReport, SiteOutcome
+from deltastore.federated.based import BasedResult, BasedWriter, RoundBase, read_based
+from deltastore.federated.merge import MergeFn, weighted_average
+from deltastore.federated.site import Site, SiteRound
+
+__all__ = [
+    "Aggregator",
+    "BasedResult",
+    "BasedWriter",
+    "MergeFn",
+    "RoundBase",
+    "RoundReport",
+    "Site",
+    "SiteOutcome",
+    "SiteRound",
+    "read_based",
+    "weighted_average",
+]

@@ -1,0 +1,149 @@
+"""A federated site (design 009): one round = fast-forward to the global version, train (user
+code), publish the local result as a based version into the site's own store."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltastore.errors import VersionNotFoundError
+from deltastore.federated.based import BasedWriter, RoundBase
+from deltastore.history import History, VersionInfo
+from deltastore.pull import Subscriber
+from deltastore.storage import open_store
+from deltastore.storage.base import Store
+
+logger = logging.getLogger(__name__)
+
+#: What a site's training callback gets and returns: the global version's tensors (a copy the
+#: callback may modify or load into its model) in, the trained state dict out.
+TrainFn = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SiteRound:
+    """One round of one site.
+
+    Attributes:
+        base: the global version trained on. published: the site version written.
+        bytes_down: pack bytes read from the global store by this round's pull.
+        bytes_up: pack bytes written to the site store (the version's ``bytes_stored``).
+    """
+
+    base: int
+    published: VersionInfo
+    bytes_down: int
+    bytes_up: int
+
+
+class Site:
+    """One site of a federated run: follows the global store, writes its own site store.
+
+    The site keeps the global version it pulled (in the served dtype) as its own copy, so the
+    next round's pull is a verified fast-forward of a few deltas; training works on a copy.
+
+    Args:
+        global_url: the global store (read only).
+        site_url: this site's store (written only by this site).
+        dtype: the served dtype results are cast to (the global store's; default: as trained).
+        storage_options / site_storage_options: for each store.
+        global_store / site_store: already opened stores to use (not closed by us).
+        threads: read and encode threads.
+        writer_id, allow_unsafe_store, takeover: for the site store (see BasedWriter).
+
+    Example (a transformers Trainer)::
+
+        site = Site("s3://b/run/global", "s3://b/run/sites/3", dtype=torch.bfloat16)
+        def train(weights):
+            model.load_state_dict(weights)      # fp32 masters from the bf16 global version
+            trainer.train()
+            return model.state_dict()
+        rnd = site.run_round(train, num_examples=len(dataset))
+    """
+
+    def __init__(self, global_url: str, site_url: str, *, dtype: torch.dtype | None = None,
+                 storage_options: Mapping[str, Any] | None = None, site_storage_options: Mapping[str, Any] | None = None,
+                 global_store: Store | None = None, site_store: Store | None = None, threads: int | None = None,
+                 writer_id: str | None = None, allow_unsafe_store: bool = False, takeover: bool = True):
+        self.dtype = dtype
+        self._sub = Subscriber(global_url, storage_options=storage_options, store=global_store, threads=threads)
+        self._site_store = site_store if site_store is not None else open_store(site_url, storage_options=dict(site_storage_options or {}))
+        self._owns_site_store = site_store is None
+        try:
+            self._writer = BasedWriter(self._site_store, writer_id=writer_id, takeover=takeover,
+                                       allow_unsafe_store=allow_unsafe_store, threads=threads)
+        except BaseException:
+            self._sub.close()
+            if self._owns_site_store:
+                self._site_store.close()
+            raise
+        self._history = History(self._sub.store)
+        self._weights: dict[str, torch.Tensor] | None = None
+        self._base: RoundBase | None = None
+
+    @property
+    def base(self) -> RoundBase | None:
+        """The global version this site holds (after :meth:`pull`)."""
+        return self._base
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The global version's tensors as pulled (verified; do not modify)."""
+        if self._weights is None:
+            raise VersionNotFoundError("the site has pulled no global version yet")
+        return self._weights
+
+    def pull(self) -> tuple[RoundBase, int]:
+        """Fast-forward to the global HEAD's version. Returns the base and the pack bytes read."""
+        before = self._sub.bytes_fetched
+        top = self._history.read_head()
+        if top is None or not top[0].manifest:
+            raise VersionNotFoundError(f"{self._sub.url} has no global version yet")
+        head = top[0]
+        if self._weights is None:
+            self._weights = self._sub.pull(head.version)
+        else:
+            self._sub.pull_into(self._weights, head.version)
+        _, m = self._history.head_manifest(head)  # type: ignore[misc]
+        assert m.layout is not None
+        self._base = RoundBase.of(head, self._history.layout(m.layout))
+        return self._base, self._sub.bytes_fetched - before
+
+    def publish_result(self, state: Mapping[str, torch.Tensor], *, num_examples: int | None = None,
+                       step: int | None = None, metadata: Mapping[str, Any] | None = None) -> VersionInfo:
+        """Publish ``state`` (cast to the served dtype) as a based version on the version last
+        pulled. ``num_examples`` is the site's weight in the default merge."""
+        if self._base is None or self._weights is None:
+            raise VersionNotFoundError("pull() the global version before publishing a result on it")
+        served = {n: t.detach().to("cpu") for n, t in state.items()}
+        if self.dtype is not None:
+            served = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in served.items()}
+        meta = dict(metadata or {})
+        if num_examples is not None:
+            meta["num_examples"] = int(num_examples)
+        return self._writer.publish(served, self._base, self._weights, step=step, metadata=meta)
+
+    def run_round(self, train: TrainFn, *, num_examples: int | None = None, step: int | None = None,
+                  metadata: Mapping[str, Any] | None = None) -> SiteRound:
+        """Pull the global version, ``train`` on a copy of it, publish the result (based)."""
+        base, down = self.pull()
+        result = train({n: t.clone() for n, t in self.weights.items()})
+        info = self.publish_result(result, num_examples=num_examples, step=step, metadata=metadata)
+        return SiteRound(base.version, info, down, info.bytes_stored)
+
+    def close(self) -> None:
+        """Release threads and the stores this site opened."""
+        self._writer.close()
+        self._sub.close()
+        if self._owns_site_store:
+            self._site_store.close()
+
+    def __enter__(self) -> Site:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
