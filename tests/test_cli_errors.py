@@ -453,3 +453,34 @@ def test_seaweedfs_filer_and_master_ports_are_not_s3(tmp_path: Path, monkeypatch
         assert "no versions" in capsys.readouterr().out
     finally:
         cm.__exit__(None, None, None)
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path: Path, ckpt: Path) -> None:
+    """A real pseudo-terminal gets a bar on stderr; the same command piped gets none."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    argv = [sys.executable, "-m", "deltastore", "publish", str(tmp_path / "store"), str(ckpt)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DELTASTORE_PROGRESS", None)
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.execve(argv[0], argv, env)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))  # tqdm draws nothing at width 0
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == EXIT_OK
+    assert b"publish: " in out and b"B/s" in out and b"published version 1" in out
+    piped = subprocess.run([*argv[:-2], str(tmp_path / "store2"), str(ckpt)], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert piped.returncode == EXIT_OK and piped.stderr == ""
