@@ -484,3 +484,17 @@ def test_progress_bar_on_a_terminal_only(tmp_path: Path, ckpt: Path) -> None:
     piped = subprocess.run([*argv[:-2], str(tmp_path / "store2"), str(ckpt)], capture_output=True, text=True,
                            env=env, timeout=120)
     assert piped.returncode == EXIT_OK and piped.stderr == ""
+
+
+def test_library_subscriber_on_non_s3_endpoint_fails_fast(html_endpoint: str, fake_credentials: None) -> None:
+    """Not only the CLI: a Subscriber reading HEAD from an HTML server raises at once (an HTML 404
+    cannot be told from a missing bucket by a HEAD request: BucketNotFoundError; an HTML 200:
+    not an S3 endpoint), instead of reading as an empty store."""
+    from deltastore.errors import BucketNotFoundError, StorageError
+    from deltastore.pull import Subscriber
+
+    opts = {"endpoint_url": html_endpoint, "retries": 1}
+    with Subscriber("s3://bucket/run", storage_options=opts) as sub:
+        with pytest.raises(StorageError) as got:
+            sub.latest()
+    assert isinstance(got.value, BucketNotFoundError) or "not an S3 endpoint" in str(got.value), got.value
