@@ -5,13 +5,15 @@ content-addressed, verified deltas; a :class:`Subscriber` anywhere polls, fetche
 it lacks and fast-forwards its weights bit-exactly. The format is specified in docs/SPEC.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from deltastore.errors import (
     AccessDeniedError,
     AlreadyExistsError,
     BucketNotFoundError,
     CommitAbandonedError,
-    ConcurrentWriteError,
     CommitUnknownError,
+    ConcurrentWriteError,
     ConflictError,
     CorruptObjectError,
     DeltastoreError,
@@ -36,7 +38,6 @@ from deltastore.errors import (
     VersionNotFoundError,
     VersionSkippedError,
 )
-from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from deltastore.gc import GCReport, collect
@@ -79,8 +80,8 @@ __all__ = [
     "AlreadyExistsError",
     "BucketNotFoundError",
     "CommitAbandonedError",
-    "ConcurrentWriteError",
     "CommitUnknownError",
+    "ConcurrentWriteError",
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",

@@ -165,7 +165,7 @@ def test_follower_on_non_s3_endpoint_fails_fast(html_endpoint: str, fake_credent
 
 
 @pytest.mark.integration
-def test_real_s3_endpoint_passes_the_check(moto_s3_url, ckpt: Path, tmp_path: Path,  # noqa: ANN001
+def test_real_s3_endpoint_passes_the_check(moto_s3_url, ckpt: Path, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     opts = moto_s3_url.storage_options
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["aws_access_key_id"])
@@ -397,7 +397,7 @@ def test_errors_through_a_subprocess(tmp_path: Path, ckpt: Path) -> None:
     env = {**os.environ, "DELTASTORE_DEBUG": "", "PYTHONPATH": str(REPO)}
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "deltastore", *argv], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "deltastore", *argv], capture_output=True, text=True, check=False,
                               env=env, cwd=tmp_path, timeout=120)
 
     r = run("publish", "s3:/weights/typo", str(ckpt))
@@ -423,7 +423,7 @@ def test_seaweedfs_filer_and_master_ports_are_not_s3(tmp_path: Path, monkeypatch
     """The issue's case: a worker pointed at SeaweedFS's filer port saw an empty store forever."""
     if os.environ.get("DELTASTORE_SKIP_SEAWEEDFS") == "1":
         pytest.skip("DELTASTORE_SKIP_SEAWEEDFS=1")
-    import campaigns.servers as servers
+    from campaigns import servers
 
     picked: list[list[int]] = []
     real_free_ports = servers.free_ports
@@ -453,3 +453,48 @@ def test_seaweedfs_filer_and_master_ports_are_not_s3(tmp_path: Path, monkeypatch
         assert "no versions" in capsys.readouterr().out
     finally:
         cm.__exit__(None, None, None)
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path: Path, ckpt: Path) -> None:
+    """A real pseudo-terminal gets a bar on stderr; the same command piped gets none."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    argv = [sys.executable, "-m", "deltastore", "publish", str(tmp_path / "store"), str(ckpt)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DELTASTORE_PROGRESS", None)
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.execve(argv[0], argv, env)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))  # tqdm draws nothing at width 0
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == EXIT_OK
+    assert b"publish: " in out and b"B/s" in out and b"published version 1" in out
+    piped = subprocess.run([*argv[:-2], str(tmp_path / "store2"), str(ckpt)], capture_output=True, text=True, check=False,
+                           env=env, timeout=120)
+    assert piped.returncode == EXIT_OK and piped.stderr == ""
+
+
+def test_library_subscriber_on_non_s3_endpoint_fails_fast(html_endpoint: str, fake_credentials: None) -> None:
+    """Not only the CLI: a Subscriber reading HEAD from an HTML server raises at once (an HTML 404
+    cannot be told from a missing bucket by a HEAD request: BucketNotFoundError; an HTML 200:
+    not an S3 endpoint), instead of reading as an empty store."""
+    from deltastore.errors import BucketNotFoundError, StorageError
+    from deltastore.pull import Subscriber
+
+    opts = {"endpoint_url": html_endpoint, "retries": 1}
+    with Subscriber("s3://bucket/run", storage_options=opts) as sub:
+        with pytest.raises(StorageError) as got:
+            sub.latest()
+    assert isinstance(got.value, BucketNotFoundError) or "not an S3 endpoint" in str(got.value), got.value

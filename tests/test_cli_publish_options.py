@@ -37,7 +37,7 @@ def test_skip_unchanged_false_commits_an_empty_delta() -> None:
         assert (info.version, info.kind, info.elements_changed) == (2, "delta", 0)
 
 
-def test_a_restarted_publisher_skips_an_unchanged_state(tmp_path) -> None:  # noqa: ANN001
+def test_a_restarted_publisher_skips_an_unchanged_state(tmp_path) -> None:
     url = str(tmp_path / "store")
     with Publisher(url) as pub:
         pub.publish(_state())

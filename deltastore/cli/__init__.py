@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     trusted = (("--trusted-key",), {"action": "append", "metavar": "FILE",
                "help": "Ed25519 public key (PEM); every manifest must be signed by one (repeatable)"})
 
-    def add(name: str, help_: str, func, parents=(common,)) -> argparse.ArgumentParser:  # noqa: ANN001
+    def add(name: str, help_: str, func, parents=(common,)) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=list(parents), help=help_, description=help_)
         p.set_defaults(func=func)
         return p

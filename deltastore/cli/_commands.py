@@ -319,7 +319,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from deltastore.ledger import fleet_status, oldest_live_version, parse_time, read_ledger
+    from deltastore.ledger import (
+        fleet_status,
+        oldest_live_version,
+        parse_time,
+        read_ledger,
+    )
     from deltastore.pull import Subscriber
 
     store = open_store(args)

@@ -41,7 +41,7 @@ class SquashPoint:
     bytes: int
 
 
-def _pyplot():  # noqa: ANN202 - matplotlib.pyplot
+def _pyplot():
     try:
         import matplotlib
     except ImportError as e:
@@ -117,7 +117,7 @@ def plot_history(points: Sequence[VersionPoint], squashes: Sequence[SquashPoint]
         plt.close(fig)
 
 
-def points_of_store(store, check=None, *, since: int = 1) -> tuple[list[VersionPoint], list[SquashPoint]]:  # noqa: ANN001
+def points_of_store(store, check=None, *, since: int = 1) -> tuple[list[VersionPoint], list[SquashPoint]]:
     """The versions ``since`` … head of ``store`` (oldest first) and its registered squashes."""
     from deltastore.history import History
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deltastore.errors import UnsupportedURLError
 from deltastore.storage._local import LocalStore
 from deltastore.storage._memory import MemoryStore
 from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
-from deltastore.storage.probe import ProbeResult, probe_conditional_writes, require_atomic_writes
+from deltastore.storage.probe import (
+    ProbeResult,
+    probe_conditional_writes,
+    require_atomic_writes,
+)
 
 if TYPE_CHECKING:
     from deltastore.storage._fsspec import FsspecStore
@@ -149,10 +151,10 @@ __all__ = [
     "MemoryStore",
     "ObjectMeta",
     "ProbeResult",
-    "check_url",
     "PutMode",
     "S3Store",
     "Store",
+    "check_url",
     "open_store",
     "probe_conditional_writes",
     "require_atomic_writes",

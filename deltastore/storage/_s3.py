@@ -347,6 +347,14 @@ class S3Store(Store):
         code = str(error.get("Code", ""))
         status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
         message = _one_line(error.get("Message", "")) or code
+        if op == "GetObject" and status == "404" and not code:
+            # S3 answers a GET with an XML error document (NoSuchKey, NoSuchBucket); a body
+            # botocore cannot read as one is a web server or a SeaweedFS filer/master port. Read
+            # as "missing", HEAD would look absent forever and a follower would wait forever.
+            return StorageError(
+                f"{self.endpoint_url or 'the endpoint'} is not an S3 endpoint: GET {name} answered HTTP 404 "
+                f"without an S3 error document; check endpoint_url (the S3 port, not a filer, master or web port)"
+            )
         if code == "NoSuchBucket":
             return BucketNotFoundError(
                 f"bucket {self.bucket!r} of {name} does not exist"
@@ -386,6 +394,11 @@ class S3Store(Store):
         return self.prefix + check_key(key)
 
     def _meta(self, key: str, response: dict[str, Any], size_field: str = "ContentLength") -> ObjectMeta:
+        if "ETag" not in response:  # every S3 object has one; a web server's 200 page has none
+            raise StorageError(
+                f"{self.endpoint_url or 'the endpoint'} is not an S3 endpoint: {self._name(key)} came back "
+                f"without an ETag; check endpoint_url (the S3 port, not a filer, master or web port)"
+            )
         return ObjectMeta(
             key=key,
             size=int(response[size_field]),

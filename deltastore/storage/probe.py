@@ -153,7 +153,7 @@ def probe_conditional_writes(store: Store) -> ProbeResult:
     clauses: list[str] = []
     written: list[str] = []
 
-    def put(key: str, data: bytes, mode):  # noqa: ANN001 - PutMode
+    def put(key: str, data: bytes, mode):
         written.append(key)
         return store.put(key, data, mode=mode)
 
