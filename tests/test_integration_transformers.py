@@ -105,3 +105,17 @@ def test_only_rank_zero_publishes(tmp_path) -> None:
     assert cb.publisher is None and not cb.futures and not url.exists()
     with pytest.raises(ValueError):
         DeltastoreCallback(str(url), every_n_steps=0)
+
+
+def test_import_deltastore_imports_no_framework() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, deltastore, deltastore.changes; "
+            "print(sorted(m for m in ('trl', 'transformers', 'vllm', 'accelerate', 'deltastore.integrations') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)
+    assert out.stdout.strip() == "[]"
