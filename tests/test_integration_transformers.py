@@ -105,3 +105,43 @@ def test_only_rank_zero_publishes(tmp_path) -> None:
     assert cb.publisher is None and not cb.futures and not url.exists()
     with pytest.raises(ValueError):
         DeltastoreCallback(str(url), every_n_steps=0)
+
+
+def test_import_deltastore_imports_no_framework() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, deltastore, deltastore.changes; "
+            "print(sorted(m for m in ('trl', 'transformers', 'vllm', 'accelerate', 'deltastore.integrations') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)
+    assert out.stdout.strip() == "[]"
+
+
+def test_background_failure_stops_training_at_the_next_step(tmp_path) -> None:
+    from transformers import TrainerControl, TrainerState
+
+    from deltastore import Publisher
+    from deltastore.errors import FencedError
+
+    url = str(tmp_path / "store")
+    cb, model, control = DeltastoreCallback(url), _tiny_lm(), TrainerControl()
+    state = TrainerState()
+    state.is_world_process_zero = True
+    cb.on_train_begin(None, state, control)
+    state.global_step = 1
+    cb.on_step_end(None, state, control, model=model)
+    cb.futures[-1].result(timeout=60)
+    Publisher(url).close()  # another trainer took the store over
+    state.global_step = 2
+    cb.on_step_end(None, state, control, model=model)  # queued; fails in the background
+    with pytest.raises(FencedError):
+        cb.futures[-1].result(timeout=60)
+    state.global_step = 3
+    with pytest.raises(FencedError):
+        cb.on_step_end(None, state, control, model=model)  # reported once, at the next step
+    cb.on_train_end(None, state, control)  # closes; the failure is not raised twice
+    assert cb.publisher is None

@@ -43,8 +43,12 @@ logger = logging.getLogger(__name__)
 
 def _callback_base() -> type:
     """transformers' TrainerCallback (imported here, when this module is used)."""
-    from transformers import TrainerCallback
-
+    try:
+        from transformers import TrainerCallback
+    except ImportError as e:
+        raise ImportError(
+            f"deltastore.integrations.transformers needs transformers ({e}): pip install 'deltastore[transformers]'"
+        ) from e
     return TrainerCallback
 
 
