@@ -255,7 +255,10 @@ def moto(bucket: str = DEFAULT_BUCKET, *, port: int = 0, serial_writes: bool = T
     try:
         host, bound = server.get_host_and_port()
         info = S3Server("moto", f"http://{host}:{bound}", bucket, *MOTO_CREDENTIALS)
-        _create_bucket(info, time.monotonic())
+        try:
+            _create_bucket(info, time.monotonic())  # in-process: it answers at once or not at all
+        except Exception as e:  # noqa: BLE001 - reported as the server failing to start
+            raise DevServerError(f"moto server at {info.endpoint_url} did not create bucket {bucket!r}: {e}") from None
         logger.info("moto S3 server at %s", info.endpoint_url)
         yield info
     finally:
