@@ -16,6 +16,7 @@ from deltastore.errors import (
     BaseElsewhereError,
     CorruptObjectError,
     FencedError,
+    GCRefusedError,
     QuorumError,
     SiteLayoutError,
     VersionCollectedError,
@@ -163,6 +164,11 @@ def test_site_store_is_its_own_history_and_refuses_plain_reads(memory_target) ->
             assert [i.version for i in sub.log()] == [1, 2, 3]
             with pytest.raises(BaseElsewhereError, match="based version"):
                 sub.pull()
+            with pytest.raises(BaseElsewhereError):
+                sub.verify()
+        with pytest.raises(GCRefusedError, match="site store"):
+            collect(st, keep_last=1, grace_s=1.0, unsafe_grace_ok=True)
+        assert h.read_head()[0] == head, "nothing written"
 
 
 # --- refused sites ---------------------------------------------------------------------------
