@@ -172,6 +172,8 @@ def test_site_store_is_its_own_history_and_refuses_plain_reads(memory_target) ->
                 sub.pull()
             with pytest.raises(BaseElsewhereError):
                 sub.verify()
+            with pytest.raises(BaseElsewhereError):
+                sub.verify(all_versions=True)
         with pytest.raises(GCRefusedError, match="site store"):
             collect(st, keep_last=1, grace_s=1.0, unsafe_grace_ok=True)
         assert h.read_head()[0] == head, "nothing written"
