@@ -10,10 +10,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from deltastore import Subscriber  # noqa: E402
-from deltastore.federated import Aggregator, Site  # noqa: E402
-from tests._helpers import assert_bits_equal  # noqa: E402
-from tests.test_federated import reference_merge, served  # noqa: E402
+from deltastore import Subscriber
+from deltastore.federated import Aggregator, Site
+from tests._helpers import assert_bits_equal
+from tests.test_federated import reference_merge, served
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
