@@ -73,3 +73,11 @@ def test_golden_site_store_refuses_plain_pull(stores: Path) -> None:
         assert [i.version for i in sub.log()] == [1, 2]
         with pytest.raises(BaseElsewhereError):
             sub.pull(2)
+
+
+def test_golden_inspect_names_the_base(stores: Path, capsys) -> None:
+    from deltastore.cli import main
+
+    assert main(["inspect", str(stores / "site-b"), "--version", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "base            version 1 of another store: manifests/000000000001-" in out
