@@ -249,6 +249,9 @@ class _Run:
         chain = _Chain(self)
         top_key, top = self._read(lambda: self.history.head_manifest(head), "the head manifest")  # type: ignore[misc]
         chain.add(top_key, top)
+        if top.base is not None:  # design 009, "Not done": the retention rules assume anchors here
+            raise GCRefusedError(f"{self.store.url} is a federated site store (its head version is based on another "
+                                 "store's version): this release does not collect site stores")
 
         # --- step 2: the floor ---------------------------------------------------------------
         low = max(1, head.version - self.keep_last + 1)

@@ -892,6 +892,9 @@ class Subscriber:
             assert top is not None
             index = self._index(head)
             ms = self._history.chain(*top, down_to=1 if index is None else index.floor)
+            for k, m in ms:
+                if m.base is not None:  # a site store's based version (design 009): BaseElsewhereError
+                    self._history.anchor_chain(k, m)
         else:
             ms = self._history.anchor_chain(*self._resolve(version))
         problems: list[Problem] = []

@@ -16,11 +16,18 @@ from deltastore.errors import (
     BaseElsewhereError,
     CorruptObjectError,
     FencedError,
+    GCRefusedError,
     QuorumError,
     SiteLayoutError,
     VersionCollectedError,
 )
-from deltastore.federated import Aggregator, BasedWriter, RoundBase, Site, weighted_average
+from deltastore.federated import (
+    Aggregator,
+    BasedWriter,
+    RoundBase,
+    Site,
+    weighted_average,
+)
 from deltastore.gc import collect
 from deltastore.history import History
 from deltastore.index import pinned, read_index
@@ -118,7 +125,7 @@ def test_rounds_bit_exact_on_moto(moto_s3_url) -> None:
                 base_state = {n: t.clone() for n, t in agg.state().items()}
                 results = []
                 for i, s in enumerate(sites):
-                    r = s.run_round(lambda w, i=i: trained(w, i, rnd), num_examples=10 * (i + 1))
+                    r = s.run_round(lambda w, i=i, rnd=rnd: trained(w, i, rnd), num_examples=10 * (i + 1))
                     assert r.base == agg.version
                     assert_bits_equal(s.weights, base_state)  # the site trained on the global version
                     assert r.bytes_up < model_bytes / 4, "a site uploads its change, not the model"
@@ -150,19 +157,26 @@ def test_site_store_is_its_own_history_and_refuses_plain_reads(memory_target) ->
         (site,) = open_sites(global_url, site_urls)
         with site:
             for rnd in range(3):
-                site.run_round(lambda w: trained(w, 0, rnd))
+                site.run_round(lambda w, rnd=rnd: trained(w, 0, rnd))
                 agg.run_round()
         st = open_store(site_urls["site-0"])
         h = History(st)
         head, _ = h.read_head()
         assert head.version == 3
-        key, m = h.head_manifest(head)
+        _, m = h.head_manifest(head)
         assert m.base is not None and m.base.version == 3 and m.parent == 2 and m.chain_start == 3
         assert all(b.role == "d" for b in m.blobs), "a based version holds delta packs only"
         with Subscriber(site_urls["site-0"]) as sub:
             assert [i.version for i in sub.log()] == [1, 2, 3]
             with pytest.raises(BaseElsewhereError, match="based version"):
                 sub.pull()
+            with pytest.raises(BaseElsewhereError):
+                sub.verify()
+            with pytest.raises(BaseElsewhereError):
+                sub.verify(all_versions=True)
+        with pytest.raises(GCRefusedError, match="site store"):
+            collect(st, keep_last=1, grace_s=1.0, unsafe_grace_ok=True)
+        assert h.read_head()[0] == head, "nothing written"
 
 
 # --- refused sites ---------------------------------------------------------------------------

@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url")
     p.add_argument("version", type=int)
     json_flag(p)
+
+    from deltastore.cli import aggregate  # federated rounds (design 009), its own module
+
+    aggregate.add_parser(add, json_flag)
     return parser
 
 

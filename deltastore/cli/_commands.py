@@ -403,6 +403,9 @@ def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
         value = getattr(m, name)
         if value is not None or m.schema_ >= 3:
             out.append(f"{name:<15} {'-' if value is None else value}")
+    base = getattr(m, "base", None)
+    if base is not None:  # a based version (design 009): its deltas apply to another store's version
+        out.append(f"base            version {base.version} of another store: {base.manifest} (lineage {base.lineage})")
     sig = m.signature
     out.append(f"signature       {'none' if sig is None else f'{sig.alg} key {sig.key_id}'}")
     out.append(f"metadata        {json.dumps(m.metadata, sort_keys=True)}")

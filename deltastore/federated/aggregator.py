@@ -150,6 +150,10 @@ class Aggregator:
         self.threads = threads or default_threads()
         self.merge_fn = merge
         self.poll_interval_s = poll_interval_s
+        # Every round must make a new global version (even one where no element moved): the
+        # round's identity is its base version, and a repeated base would accept last round's
+        # results again.
+        publisher_options.setdefault("skip_unchanged", False)
         self.publisher = Publisher(global_url, storage_options=storage_options, dtype=dtype, store=global_store,
                                    threads=self.threads, writer_id=writer_id, allow_unsafe_store=allow_unsafe_store,
                                    **publisher_options)
