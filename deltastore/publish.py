@@ -488,15 +488,16 @@ class Publisher:
                 if not anchor:
                     raise
         has_base = same_layout and self._reference is not None
-        if (self.skip_unchanged and has_base and not anchor and self._head is not None
-                and self._head.manifest and _identical(state, self._reference)):
-            key, m = self._history.resolve(self._head.version, self._head)
-            logger.info("state identical to version %d of %s: nothing committed (skip_unchanged)", m.version, self.url)
-            return VersionInfo.from_manifest(m, key)
+        # skip_unchanged: a delta finds "nothing changed" in the encode pass itself (no extra
+        # pass over the model; checked below); only an anchor the policy asks for is compared
+        # first, so that an unchanged state never uploads a snapshot.
+        skippable = self.skip_unchanged and has_base and not anchor and self._head is not None and bool(self._head.manifest)
         version = self.version + 1
         tip = self._current_tip()
         why = self._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
         kind = "anchor" if why else "delta"
+        if skippable and kind == "anchor" and _identical(state, self._reference):
+            return self._unchanged()
         assert kind == "anchor" or (tip is not None and tip.schema3)  # a delta continues a schema-3 chain
         specs = self._specs if same_layout else self._new_specs(state)
         assert specs is not None
@@ -516,6 +517,8 @@ class Publisher:
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=attempt,
             )
+            if skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0:
+                return self._unchanged()  # nothing was written: no packs for an unchanged state
             if tip is not None and tip.layout is not None and tip.layout == layout:
                 layout_ref = tip.layout_ref
             else:  # a new layout, or the first schema-3 version of this chain
@@ -612,6 +615,13 @@ class Publisher:
         return info
 
     # --- schema-3 fields: anchors, layout, skip pointers ----------------------------------
+
+    def _unchanged(self) -> VersionInfo:
+        """skip_unchanged: the head version, which the state equals; nothing is committed."""
+        assert self._head is not None
+        key, m = self._history.resolve(self._head.version, self._head)
+        logger.info("state identical to version %d of %s: nothing committed (skip_unchanged)", m.version, self.url)
+        return VersionInfo.from_manifest(m, key)
 
     def _anchor_reason(self, version: int, tip: _Tip | None, *, has_base: bool, anchor: bool) -> str | None:
         """Why ``version`` must be an anchor (None: it is a delta), design 005 D7 / D10."""
