@@ -50,7 +50,7 @@ from deltastore.manifest import (
     object_key,
     sha256_hex,
 )
-from deltastore.groups import group_specs, unit_reference
+from deltastore.groups import group_specs, tied_names, unit_reference
 from deltastore.publish_queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -613,7 +613,9 @@ class Publisher:
     def _new_specs(self, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """The units of a new layout: a spec per tensor, small ones grouped if asked (design 007)."""
         specs = {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
-        return group_specs(specs, self.chunk_bytes) if self.group_small_tensors else specs
+        if not self.group_small_tensors:
+            return specs
+        return group_specs(specs, self.chunk_bytes, exclude=tied_names(state))
 
     def _write_layout(self, attempt: str, layout: Layout) -> ObjectRef:
         data = encode_object(layout)
