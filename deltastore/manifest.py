@@ -546,9 +546,10 @@ def _check_int(value: int | None, field: str, what: str, key: str, *, low: int =
 
 def parse_head(data: bytes, key: str = HEAD_KEY) -> Head:
     """Parse HEAD bytes. Raises CorruptObjectError / UnsupportedSchemaError."""
-    head: Head = _validate(Head, _load(data, "HEAD", key, MAX_HEAD_BYTES), "HEAD", key)
-    if head.schema_ > HEAD_SCHEMA:  # schema 4 changed layouts and manifests, not HEAD
-        raise UnsupportedSchemaError(f"HEAD {key!r} has schema {head.schema_}; this deltastore reads HEAD schemas 1-{HEAD_SCHEMA}: upgrade deltastore")
+    doc = _load(data, "HEAD", key, MAX_HEAD_BYTES)
+    if doc["schema"] > HEAD_SCHEMA:  # schema 4 changed layouts and manifests, not HEAD
+        raise UnsupportedSchemaError(f"HEAD {key!r} has schema {doc['schema']}; this deltastore reads HEAD schemas 1-{HEAD_SCHEMA}: upgrade deltastore")
+    head: Head = _validate(Head, doc, "HEAD", key)
     _check_int(head.version, "version", "HEAD", key)
     _check_int(head.epoch, "epoch", "HEAD", key)
     # HEAD names its manifest by key and digest: both must be what a writer produces, so that a
