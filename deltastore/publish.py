@@ -30,6 +30,7 @@ from deltastore.errors import (
     NotFoundError,
     StorageError,
 )
+from deltastore.groups import group_specs, tied_names, unit_reference
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
 from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
@@ -50,7 +51,6 @@ from deltastore.manifest import (
     object_key,
     sha256_hex,
 )
-from deltastore.groups import group_specs, tied_names, unit_reference
 from deltastore.publish_queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
 from deltastore.storage.base import Store

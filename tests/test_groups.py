@@ -184,7 +184,7 @@ def _chunk_digests(url: str, storage_options: Any, version: int) -> tuple[Any, L
     store = open_store(url, storage_options=storage_options)
     h = History(store)
     head = h.read_head()[0]
-    key, m = h.find(version, head)
+    _, m = h.find(version, head)
     return m, h.layout(m.layout)
 
 
