@@ -302,7 +302,10 @@ class ReadEngine:
         # A group row is its own owner: its members are written through it (design 007 D4).
         seen: dict[tuple[int, int], str] = {}
         owner: dict[str, str] = {n: n for n, s in specs.items() if s.members}
+        members = {m.name for s in specs.values() for m in s.members}  # never tied (groups.tied_names)
         for n, t in tensors.items():
+            if n in members:
+                continue
             k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
             owner[n] = seen.setdefault(k, n)
         plans = [p for p in plans if owner[p.name] == p.name]
@@ -601,6 +604,7 @@ def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dic
             raise InvalidStateDictError(f"target {n!r} is a {type(t).__name__}, not a torch.Tensor")
         if not t.is_contiguous():
             raise InvalidStateDictError(f"target tensor {n!r} is not contiguous; it cannot be updated in place")
-        out[n] = t.data if isinstance(t, torch.nn.Parameter) else t
+        # type() first: Parameter's isinstance check costs ~4 µs (20,000-tensor models)
+        out[n] = t if type(t) is torch.Tensor else t.data if isinstance(t, torch.nn.Parameter) else t
     return out
 

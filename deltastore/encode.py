@@ -199,7 +199,7 @@ def encode_version(
     # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
     # Group members (design 007) are read when their group's chunk is gathered (host_bits).
     in_group = {m.name for s in specs.values() for m in s.members}
-    new_bits = {n: bits(t) for n, t in state.items() if t.device.type == "cpu" and n not in in_group}
+    new_bits = {n: bits(t) for n, t in state.items() if n not in in_group and t.device.type == "cpu"}
     ref_bits = {n: bits(t) for n, t in reference.items()} if reference is not None else {}
 
     def new_chunk(name: str, a: int, b: int) -> np.ndarray:

@@ -48,11 +48,13 @@ def _groupable(spec: TensorSpec) -> bool:
     return 0 < spec.nbytes <= GROUP_MEMBER_MAX_BYTES
 
 
-def group_specs(specs: Mapping[str, TensorSpec], chunk_target_bytes: int = CHUNK_TARGET_BYTES) -> dict[str, TensorSpec]:
+def group_specs(specs: Mapping[str, TensorSpec], chunk_target_bytes: int = CHUNK_TARGET_BYTES, *,
+                exclude: frozenset[str] = frozenset()) -> dict[str, TensorSpec]:
     """The publisher's units: small tensors (≤ GROUP_MEMBER_MAX_BYTES, non-empty) of one dtype
     packed, in ``specs`` order, into group rows of about GROUP_TARGET_BYTES; every other tensor
-    as it is. A group row stands where its first member stood; a dtype with a single small
-    tensor left over gets no group of one."""
+    (and those in ``exclude``: tied tensors, see :func:`tied_names`) as it is. A group row
+    stands where its first member stood; a dtype with a single small tensor left over gets no
+    group of one."""
     prefix = GROUP_NAME_PREFIX
     while any(n.startswith(prefix) for n in specs):
         prefix = "#" + prefix
@@ -60,7 +62,7 @@ def group_specs(specs: Mapping[str, TensorSpec], chunk_target_bytes: int = CHUNK
     open_: dict[str, list[TensorSpec]] = {}
     closed: list[list[TensorSpec]] = []
     for s in specs.values():
-        if not _groupable(s):
+        if not _groupable(s) or s.name in exclude:
             continue
         members = open_.setdefault(s.dtype, [])
         members.append(s)
@@ -91,6 +93,22 @@ def group_specs(specs: Mapping[str, TensorSpec], chunk_target_bytes: int = CHUNK
         name = f"{prefix}{gi}"
         out[name] = _group_spec(name, members, chunk_target_bytes)
     return out
+
+
+def tied_names(state: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """Small tensors that share memory with another tensor of ``state`` (tied weights). They
+    stay ungrouped: the read engine updates a tied tensor once, by its owner, which a group
+    holding one half of a tie cannot do (its other half would be replayed twice)."""
+    seen: dict[tuple[str, int, int], str] = {}
+    tied: set[str] = set()
+    for name, t in state.items():
+        if t.numel() * t.element_size() > GROUP_MEMBER_MAX_BYTES:
+            continue
+        k = (t.device.type, t.data_ptr(), t.numel())
+        if k in seen and t.numel():
+            tied.update((name, seen[k]))
+        seen.setdefault(k, name)
+    return frozenset(tied)
 
 
 def _group_spec(name: str, members: list[TensorSpec], chunk_target_bytes: int) -> TensorSpec:
@@ -167,6 +185,57 @@ class _HostMember:
             view[...] = raw
 
 
+class _HostSpan:
+    """A group whose members lie back to back in memory, in member order (as ``pull`` allocates
+    them): one live view over the whole row, as fast as a tensor's (no gather, no scatter)."""
+
+    cpu = True
+
+    def __init__(self, tensors: list[torch.Tensor], raw: np.ndarray):
+        self.tensors = tensors  # keep the memory of ``raw`` alive
+        self.raw = raw
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        return self.raw[a:b]
+
+    def write(self, a: int, b: int, raw: np.ndarray) -> None:
+        view = self.raw[a:b]
+        if not np.shares_memory(view, raw):
+            view[...] = raw
+
+
+def _span(spec: TensorSpec, tensors: Mapping[str, torch.Tensor]) -> _HostSpan | None:
+    """A :class:`_HostSpan` when ``spec``'s members (of the layout's shapes, checked before)
+    are contiguous CPU tensors at addresses base + offset × width: then the members' own memory
+    covers exactly [base, base + n × width), and one view over it is as safe as theirs."""
+    ts = [tensors[m.name] for m in spec.members]
+    w = DTYPE_WIDTHS[spec.dtype]
+    base = ts[0].data_ptr()
+    for m, t in zip(spec.members, ts):
+        if t.data_ptr() != base + m.offset * w or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != m.numel:
+            return None
+    return _HostSpan(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(base), dtype=_UINT[w]))
+
+
+def allocate_members(specs: Mapping[str, TensorSpec], dtype_of: Callable[[str], torch.dtype], *,
+                     zeros: bool = False) -> dict[str, torch.Tensor]:
+    """New CPU tensors for every tensor of ``specs`` (units); a group's members are views of
+    one buffer per group, back to back (so the read engine writes the group in place, see
+    :class:`_HostSpan`): like a flattened parameter, each member is a tensor of its own shape
+    sharing one storage with its group's other members."""
+    new = torch.zeros if zeros else torch.empty
+    out: dict[str, torch.Tensor] = {}
+    for name, s in specs.items():
+        dt = dtype_of(s.dtype)
+        if not s.members:
+            out[name] = new(s.shape, dtype=dt)
+            continue
+        buf = new(s.numel, dtype=dt)
+        for m in s.members:
+            out[m.name] = buf[m.offset:m.offset + m.numel].view(m.shape)
+    return out
+
+
 class _Raw(Protocol):
     cpu: bool
 
@@ -207,7 +276,7 @@ def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], ma
     out: dict[str, Any] = {}
     for name, spec in specs.items():
         if spec.members:
-            out[name] = GroupTarget(spec, {m.name: member(tensors[m.name]) for m in spec.members})
+            out[name] = _span(spec, tensors) or GroupTarget(spec, {m.name: member(tensors[m.name]) for m in spec.members})
         elif name in tensors:
             out[name] = make(tensors[name])
     return out

@@ -569,9 +569,10 @@ def _check_int(value: int | None, field: str, what: str, key: str, *, low: int =
 
 def parse_head(data: bytes, key: str = HEAD_KEY) -> Head:
     """Parse HEAD bytes. Raises CorruptObjectError / UnsupportedSchemaError."""
-    head: Head = _validate(Head, _load(data, "HEAD", key, MAX_HEAD_BYTES), "HEAD", key)
-    if head.schema_ > HEAD_SCHEMA:  # schema 4 changed layouts and manifests, not HEAD
-        raise UnsupportedSchemaError(f"HEAD {key!r} has schema {head.schema_}; this deltastore reads HEAD schemas 1-{HEAD_SCHEMA}: upgrade deltastore")
+    doc = _load(data, "HEAD", key, MAX_HEAD_BYTES)
+    if doc["schema"] > HEAD_SCHEMA:  # schema 4 changed layouts and manifests, not HEAD
+        raise UnsupportedSchemaError(f"HEAD {key!r} has schema {doc['schema']}; this deltastore reads HEAD schemas 1-{HEAD_SCHEMA}: upgrade deltastore")
+    head: Head = _validate(Head, doc, "HEAD", key)
     _check_int(head.version, "version", "HEAD", key)
     _check_int(head.epoch, "epoch", "HEAD", key)
     # HEAD names its manifest by key and digest: both must be what a writer produces, so that a
@@ -1080,7 +1081,7 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str) -> Manifes
         raise bad("codecs lists a codec twice")
     # segments fill the packs back to back: offsets and pack indices are implicit
     packs = tables.packs
-    segs_of: dict[int, dict[str, dict[str, Any]]] = {}
+    segs_of: dict[int, dict[str, SegmentRef]] = {}
     pack, offset = 0, 0
     for s in range(k):
         row, role, length = sg.row[s], sg.role[s], sg.length[s]
@@ -1101,31 +1102,42 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str) -> Manifes
         roles = segs_of.setdefault(row, {})
         if role in roles:
             raise bad(f"chunk row {row} has two segments of role {role!r}")
-        roles[role] = {"blob": pack, "offset": offset, "length": length, "sha256": shas[s],
-                       "codec": tables.codecs[sg.codec[s]], "n_changed": sg.n_changed[s]}
+        # Built without validation: every field was checked above (issue 9: no pydantic per entry).
+        roles[role] = SegmentRef.model_construct(blob=pack, offset=offset, length=length, sha256=shas[s],
+                                                 codec=tables.codecs[sg.codec[s]], n_changed=sg.n_changed[s])
         offset += length
         if offset == packs[pack].size:
             pack, offset = pack + 1, 0
     if pack != len(packs) or offset != 0:
         raise bad(f"the segment lengths do not fill the packs exactly (they end in pack {pack} at offset {offset})")
 
-    tensors: list[dict[str, Any]] = []
+    # Entries are built without validation (issue 9: parsing 20,000 entries through pydantic
+    # dominated a pull): the columnar checks above, the layout's and _check_manifest's (which
+    # every caller runs next) cover every field pydantic would check.
+    tensors: list[TensorEntry] = []
+    run: list[ChunkEntry] = []
+    no_roles: dict[str, SegmentRef] = {}
+
+    def close(ti: int) -> None:
+        tensors.append(TensorEntry.model_construct(name=layout.name[ti], dtype=layout.dtype[ti], shape=tuple(layout.shape[ti]),
+                                                   chunk_rows=layout.chunk_rows[ti], chunks=tuple(run)))
+
     for r in range(n):
         ti = ch.tensor[r]
-        if not tensors or tensors[-1]["_ti"] != ti:
-            tensors.append({"_ti": ti, "name": layout.name[ti], "dtype": layout.dtype[ti], "shape": layout.shape[ti],
-                            "chunk_rows": layout.chunk_rows[ti], "chunks": []})
-        roles = segs_of.get(r, {})
-        tensors[-1]["chunks"].append({"index": ch.chunk[r], "digest": digests[r], "full": roles.get("f"), "delta": roles.get("d")})
-    for t in tensors:
-        del t["_ti"]
+        if r and ti != ch.tensor[r - 1]:
+            close(ch.tensor[r - 1])
+            run = []
+        roles = segs_of.get(r, no_roles)
+        run.append(ChunkEntry.model_construct(index=ch.chunk[r], digest=digests[r], full=roles.get("f"), delta=roles.get("d")))
+    if n:
+        close(ch.tensor[n - 1])
     header["blobs"] = [p.model_dump() for p in packs]
-    header["tensors"] = tensors
+    header["tensors"] = []
     if (header.get("schema") == GROUPS_SCHEMA) != (layout.schema_ == GROUPS_SCHEMA):
         raise bad(f"a schema-{header.get('schema')} manifest names a schema-{layout.schema_} layout "
                   f"(schema-{GROUPS_SCHEMA} manifests and layouts go together)")
     m: Manifest = _validate(Manifest, header, "manifest", key)
-    return m.with_groups(layout)
+    return m.model_copy(update={"tensors": tuple(tensors)}).with_groups(layout)
 
 
 def encode_manifest(m: Manifest, layout: Layout | None = None) -> bytes:

@@ -30,6 +30,7 @@ from deltastore.errors import (
     NotFoundError,
     StorageError,
 )
+from deltastore.groups import group_specs, tied_names, unit_reference
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
 from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
@@ -50,7 +51,6 @@ from deltastore.manifest import (
     object_key,
     sha256_hex,
 )
-from deltastore.groups import group_specs, unit_reference
 from deltastore.publish_queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -642,7 +642,9 @@ class Publisher:
     def _new_specs(self, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """The units of a new layout: a spec per tensor, small ones grouped if asked (design 007)."""
         specs = {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
-        return group_specs(specs, self.chunk_bytes) if self.group_small_tensors else specs
+        if not self.group_small_tensors:
+            return specs
+        return group_specs(specs, self.chunk_bytes, exclude=tied_names(state))
 
     def _write_layout(self, attempt: str, layout: Layout) -> ObjectRef:
         data = encode_object(layout)

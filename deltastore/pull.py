@@ -40,6 +40,7 @@ from deltastore.errors import (
     TargetModifiedError,
     VersionNotFoundError,
 )
+from deltastore.groups import allocate_members
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads, grouped
 from deltastore.ledger import HeartbeatWriter
@@ -321,6 +322,10 @@ class Subscriber:
     def pull(self, version: int | None = None) -> dict[str, torch.Tensor]:
         """Materialize ``version`` (default: the latest) as new CPU tensors, verified.
 
+        In a store with tensor groups (design 007), the small tensors of one group are views of
+        one buffer, back to back (each of its own shape; safetensors and ``torch.save`` store
+        them as usual), so that ``pull_into`` updates the group in place.
+
         Raises:
             VersionNotFoundError: no such version (or an empty store).
             IntegrityError: a segment or a reconstructed chunk failed its digest.
@@ -330,7 +335,7 @@ class Subscriber:
         specs = _layout(ms[0][1])
         plans = self._plan_from_anchor(ms, specs)  # checks the whole chain before allocating
         self._check_model_size(specs, m.version)
-        out = {n: torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in member_specs(specs).items()}
+        out = allocate_members(specs, _torch_dtype)  # a group's members share one buffer (design 007)
         self._engine.materialize(plans, specs, out)
         self._set_held(_Held.of(ms))
         return out
@@ -343,7 +348,7 @@ class Subscriber:
         key, m = self._resolve(version)
         specs = _layout(self._history.anchor_chain(key, m)[0][1])
         self._check_model_size(specs, m.version)
-        return {n: torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for n, s in member_specs(specs).items()}
+        return allocate_members(specs, _torch_dtype, zeros=True)
 
     def pull_into(self, target: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None) -> VersionInfo | None:
         """Fast-forward ``target`` in place to ``version`` (default: the latest).

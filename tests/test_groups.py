@@ -184,7 +184,7 @@ def _chunk_digests(url: str, storage_options: Any, version: int) -> tuple[Any, L
     store = open_store(url, storage_options=storage_options)
     h = History(store)
     head = h.read_head()[0]
-    key, m = h.find(version, head)
+    _, m = h.find(version, head)
     return m, h.layout(m.layout)
 
 
@@ -295,3 +295,54 @@ def test_without_the_option_the_writer_writes_schema_3(tmp_path: Any) -> None:
     m, layout = _chunk_digests(url, None, 1)
     assert m.schema_ == 3 and layout.schema_ == 3 and layout.groups is None
     assert "groups" not in _doc(layout)
+
+
+def test_pull_allocates_a_group_in_one_buffer_and_pull_into_also_works_on_separate_tensors(tmp_path: Any) -> None:
+    """pull() gives a group's members as views of one buffer (updated in place as one span);
+    a target of separately allocated tensors (a model's own parameters) is updated through
+    gather/scatter; both end bit-exact."""
+    url = str(tmp_path / "s")
+    trainer = TinyTrainer(8)
+    states = {}
+    with Publisher(url, threads=2, group_small_tensors=True, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        for _ in range(3):
+            s = trainer.export() if not states else trainer.step()
+            states[pub.publish(s).version] = snapshot(s)
+    with Subscriber(url, threads=2) as sub:
+        shared = sub.pull(1)
+        rows = [s for s in sub.units().values() if s.members]
+        for row in rows:
+            ptrs = [shared[m.name].data_ptr() for m in row.members]
+            assert ptrs == [ptrs[0] + m.offset * shared[row.members[0].name].element_size() for m in row.members]
+        separate = snapshot(shared)  # each its own storage
+        assert sub.allocate(1).keys() == shared.keys()
+    for target in (shared, separate):
+        with Subscriber(url, threads=2) as sub:
+            sub.pull_into(target, 1)  # adopt: the target holds version 1 (checked against its digests)
+            sub.pull_into(target, 3)
+            assert_bits_equal(target, states[3])
+
+
+def test_tied_small_tensors_stay_ungrouped_and_update_once(tmp_path: Any) -> None:
+    url = str(tmp_path / "s")
+    g = torch.Generator().manual_seed(0)
+    norm = torch.randn(32, generator=g).to(torch.bfloat16)
+    state = {f"n{i}": torch.randn(32, generator=g).to(torch.bfloat16) for i in range(6)}
+    state["tied.a"] = norm
+    state["tied.b"] = norm  # the same tensor under two names
+    with Publisher(url, threads=2, group_small_tensors=True) as pub:
+        pub.publish(state)
+        with Subscriber(url, threads=2) as sub:
+            target = sub.pull()
+            units = sub.units()
+            assert {"tied.a", "tied.b"} <= set(units) and not units["tied.a"].members
+            assert any(s.members for s in units.values())
+            target["tied.b"] = target["tied.a"]  # tied in the target too
+            norm2 = norm.clone()
+            norm2[3] = 1.0
+            state2 = {**state, "tied.a": norm2, "tied.b": norm2}
+            state2["n2"] = state["n2"].clone()
+            state2["n2"][0] = -2.0
+            pub.publish(state2)
+            sub.pull_into(target)
+            assert_bits_equal(target, state2)

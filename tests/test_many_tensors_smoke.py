@@ -1,0 +1,21 @@
+"""Smoke test of benchmarks/many_tensors.py on tiny shapes: it runs, every case ends bit-exact
+(the benchmark asserts it), and the report has the rows and ratios the docs quote."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import many_tensors
+
+
+def test_many_tensors_benchmark_runs_on_tiny_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(many_tensors, "MANY", (300, 64))
+    monkeypatch.setattr(many_tensors, "FEW", (3, 6400))
+    r = many_tensors.run(scale=1.0, repeats=1)
+    many = r["cases"]["many"]
+    assert many["deltastore"]["units"] == 300 and many["deltastore+groups"]["units"] < 300
+    assert set(r["ratios"]) == {f"{i}/{op}" for i in ("deltastore", "deltastore+groups") for op in ("publish", "pull_into", "pull")} | {
+        "pulse/publish", "pulse/pull_into"}
+    assert all(v > 0 for v in r["ratios"].values())
+    md = many_tensors.markdown(r)
+    assert "deltastore+groups" in md and "ratio many / few" in md
