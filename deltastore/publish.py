@@ -30,7 +30,7 @@ from deltastore.errors import (
     NotFoundError,
     StorageError,
 )
-from deltastore.groups import group_specs, tied_names, unit_reference
+from deltastore.groups import GROUP_MEMBER_MAX_BYTES, group_specs, tied_names, unit_reference
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
 from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
@@ -80,6 +80,11 @@ DEFAULT_ANCHOR_COST_RATIO = 1.0
 #: ``back`` list of version v is derived from those of v−1, v−2, v−4, … (design 005 D6), so
 #: the recent ones are read from memory and only older levels cost a manifest read.
 LINK_CACHE_ENTRIES = 64
+#: group_small_tensors="auto" groups a layout with at least this many small tensors: below it,
+#: per-tensor costs (~20-60 µs each per publish and pull) add well under 0.1 s per version,
+#: and the store stays schema 3 (readable by older releases); MoE experts and per-layer norms
+#: of large models run to thousands, where groups cut publish and pull 10-40× (design 007).
+GROUP_AUTO_MIN_TENSORS = 1000
 
 AnchorPolicy = Literal["cost", "every"]
 ANCHOR_POLICIES: tuple[str, ...] = ("cost", "every")
@@ -139,7 +144,10 @@ class Publisher:
         group_small_tensors: pack small tensors (≤ 256 KiB) of one dtype into shared ~1 MiB
             rows of new layouts (design 007): per-segment and per-entry costs are then paid per
             MiB, not per tensor (20,000 norms publish and pull ~10-40× faster). A store with
-            groups is schema 4, which releases before it do not read; default False (schema 3).
+            groups is schema 4, which releases before it do not read (they refuse it: "upgrade
+            deltastore"). ``"auto"`` (default): group only a layout with at least
+            :data:`GROUP_AUTO_MIN_TENSORS` small tensors, where it pays; a typical transformer
+            has far fewer and stays schema 3. True: always; False: never (schema 3).
             A resumed publisher continues the grouping of the version it resumes from until a
             layout change.
         allow_unsafe_store: publish to a store without atomic conditional writes (this
@@ -214,7 +222,7 @@ class Publisher:
         anchor_cost_ratio: float = DEFAULT_ANCHOR_COST_RATIO,
         max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S,
         compact: bool | CompactPolicy = False,
-        group_small_tensors: bool = False,
+        group_small_tensors: bool | Literal["auto"] = "auto",
         skip_unchanged: bool = True,
     ):
         if anchor_policy is None:
@@ -642,7 +650,11 @@ class Publisher:
     def _new_specs(self, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """The units of a new layout: a spec per tensor, small ones grouped if asked (design 007)."""
         specs = {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
-        if not self.group_small_tensors:
+        if self.group_small_tensors == "auto":
+            small = sum(1 for sp in specs.values() if 0 < sp.nbytes <= GROUP_MEMBER_MAX_BYTES)
+            if small < GROUP_AUTO_MIN_TENSORS:
+                return specs
+        elif not self.group_small_tensors:
             return specs
         return group_specs(specs, self.chunk_bytes, exclude=tied_names(state))
 

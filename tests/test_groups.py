@@ -22,11 +22,29 @@ import zstandard
 
 from deltastore import Publisher, Subscriber
 from deltastore.compact import compact
-from deltastore.errors import CorruptObjectError, TargetModifiedError, UnsupportedSchemaError
+from deltastore.errors import (
+    CorruptObjectError,
+    TargetModifiedError,
+    UnsupportedSchemaError,
+)
 from deltastore.gc import collect
-from deltastore.groups import GROUP_MEMBER_MAX_BYTES, GROUP_TARGET_BYTES, group_specs, split_patch
+from deltastore.groups import (
+    GROUP_MEMBER_MAX_BYTES,
+    GROUP_TARGET_BYTES,
+    group_specs,
+    split_patch,
+)
 from deltastore.history import History
-from deltastore.manifest import GroupMember, Layout, decode_object, encode_object, layout_of, object_key, sha256_hex
+from deltastore.manifest import (
+    GroupMember,
+    Layout,
+    decode_object,
+    encode_object,
+    layout_of,
+    object_key,
+    sha256_hex,
+)
+from deltastore.publish import GROUP_AUTO_MIN_TENSORS
 from deltastore.stage import make_patch
 from deltastore.storage import open_store
 from deltastore.tensors import TensorSpec, bits, member_specs
@@ -288,13 +306,34 @@ def test_a_restarted_publisher_continues_a_grouped_chain_with_deltas(tmp_path: A
             assert_bits_equal(target, states[v])
 
 
-def test_without_the_option_the_writer_writes_schema_3(tmp_path: Any) -> None:
+@pytest.mark.parametrize("option", [False, "auto"])
+def test_without_the_option_the_writer_writes_schema_3(tmp_path: Any, option: Any) -> None:
+    """False never groups; "auto" (the default) leaves a layout with few small tensors alone."""
     url = str(tmp_path / "s")
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, threads=2, group_small_tensors=option) as pub:
         pub.publish(TinyTrainer(7).export())
     m, layout = _chunk_digests(url, None, 1)
     assert m.schema_ == 3 and layout.schema_ == 3 and layout.groups is None
     assert "groups" not in _doc(layout)
+
+
+@pytest.mark.parametrize("n", [GROUP_AUTO_MIN_TENSORS - 1, GROUP_AUTO_MIN_TENSORS])
+def test_auto_grouping_starts_at_its_tensor_count(tmp_path: Any, n: int) -> None:
+    """The default groups a layout once it has GROUP_AUTO_MIN_TENSORS small tensors, and the
+    grouped store pulls back bit-exact."""
+    url = str(tmp_path / "s")
+    gen = torch.Generator().manual_seed(n)
+    state = {f"norm.{i}": torch.randn(64, generator=gen).to(torch.bfloat16) for i in range(n)}
+    state["big"] = torch.randn(512, 1024, generator=gen).to(torch.bfloat16)  # 1 MiB: never grouped
+    with Publisher(url, threads=2) as pub:
+        pub.publish(state)
+    m, layout = _chunk_digests(url, None, 1)
+    grouped = n >= GROUP_AUTO_MIN_TENSORS
+    assert (m.schema_, layout.schema_) == ((4, 4) if grouped else (3, 3))
+    assert bool(layout.groups) == grouped
+    got = Subscriber(url).pull()
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k].view(torch.int16), v.view(torch.int16)) for k, v in state.items())
 
 
 def test_pull_allocates_a_group_in_one_buffer_and_pull_into_also_works_on_separate_tensors(tmp_path: Any) -> None:

@@ -409,7 +409,7 @@ def test_delta_manifest_lists_only_what_changed() -> None:
     url = f"memory://manifest-size-{uuid.uuid4().hex}"
     state = {f"layer{i:04d}.weight": torch.full((4, 4), float(i), dtype=torch.bfloat16) for i in range(2000)}
     state["big"] = torch.zeros(4096, 8, dtype=torch.bfloat16)
-    with Publisher(url, threads=2, chunk_bytes=1024, skip_unchanged=False) as pub:
+    with Publisher(url, threads=2, chunk_bytes=1024, skip_unchanged=False, group_small_tensors=False) as pub:
         a = pub.publish(state)
         store = pub.store
         anchor_size = len(json.dumps(_in_memory_doc(store, a.manifest)))  # the anchor lists all 2001 tensors
