@@ -154,6 +154,9 @@ class Aggregator:
         # round's identity is its base version, and a repeated base would accept last round's
         # results again.
         publisher_options.setdefault("skip_unchanged", False)
+        # The merge works per tensor (design 009): the global store stays ungrouped, whatever
+        # its tensor count (Publisher's default groups layouts of >= 1,000 small tensors).
+        publisher_options.setdefault("group_small_tensors", False)
         self.publisher = Publisher(global_url, storage_options=storage_options, dtype=dtype, store=global_store,
                                    threads=self.threads, writer_id=writer_id, allow_unsafe_store=allow_unsafe_store,
                                    **publisher_options)
