@@ -9,20 +9,7 @@
 #include <emmintrin.h>
 #endif
 
-#define XXH_INLINE_ALL
-#include "xxhash.h"
-
-/* XXH3 entry points that take the bulk of the bytes: the x86-64 runtime dispatcher (AVX2 /
- * AVX-512 when present, xxh3_dispatch.c) or the portable functions. Same digests. */
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(DS_NO_XXH_DISPATCH)
-#define XXH_DISPATCH_DISABLE_REPLACE
-#include "xxh_x86dispatch.h"
-#define DS_XXH3_128 XXH3_128bits_dispatch
-#define DS_XXH3_128_UPDATE XXH3_128bits_update_dispatch
-#else
-#define DS_XXH3_128 XXH3_128bits
-#define DS_XXH3_128_UPDATE XXH3_128bits_update
-#endif
+#include "ds_xxh3.h"
 
 /* Bytes of `new` scanned, then hashed, at a time: small enough to stay in L1/L2 between the
  * two, large enough that XXH3's per-update overhead is negligible. */
