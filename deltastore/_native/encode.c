@@ -9,8 +9,7 @@
 #include <emmintrin.h>
 #endif
 
-#define XXH_INLINE_ALL
-#include "xxhash.h"
+#include "ds_xxh.h" /* xxhash.h inlined, XXH3 dispatched to the widest SIMD unit (N3) */
 
 /* Bytes of `new` hashed, then scanned, at a time: small enough to stay in L1/L2 between the
  * two, large enough that XXH3's per-update overhead is negligible. */
