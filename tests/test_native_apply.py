@@ -298,7 +298,7 @@ def test_pull_into_reaches_the_head_bit_exact(tmp_path, path):
 
 
 @pytest.mark.parametrize("where", ["patched", "kept"])
-def test_modified_target_is_refused_and_left_as_it_was(tmp_path, path, where):
+def test_modified_target_is_refused_and_left_as_it_was(tmp_path, path, where, monkeypatch):
     url, a, b = _store(tmp_path)
     sub = Subscriber(url)
     target = sub.pull(version=1)
@@ -307,10 +307,22 @@ def test_modified_target_is_refused_and_left_as_it_was(tmp_path, path, where):
     name = "w2" if where == "patched" else "w3"
     target[name].view(-1)[-1] += 1
     edited = _bits(target)
+    import deltastore.apply as apply_mod
+
+    hashed_up_front: list[tuple[str, int]] = []
+    real = apply_mod.digest_mismatches
+
+    def spy(pool, specs, expected, read):
+        hashed_up_front.extend(expected)
+        return real(pool, specs, expected, read)
+
+    monkeypatch.setattr(apply_mod, "digest_mismatches", spy)
     with pytest.raises(TargetModifiedError, match=f"tensor '{name}'"):
         sub.pull_into(target)
     assert _bits(target) == edited  # every chunk written before the check was restored
     assert sub.version == 1
+    last = (name, 3)  # 64 rows of 256 bf16 in 8 KiB chunks: 4 chunks
+    assert (last in hashed_up_front) == (where == "kept")
 
 
 def test_bad_chunk_in_the_middle_restores_everything(tmp_path, path, monkeypatch):
