@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltastore.codec import Changes
 from deltastore.errors import IntegrityError
 from deltastore.history import VersionInfo
 from deltastore.tensors import bits
@@ -63,17 +64,19 @@ class ChunkPatch:
 
 
 def make_patch(name: str, index: int, span: tuple[int, int], current: np.ndarray, result: np.ndarray,
-               changed: np.ndarray | None = None) -> ChunkPatch | None:
+               changes: Changes | None = None) -> ChunkPatch | None:
     """The patch turning ``current`` into ``result`` (equal-length uint arrays); None if equal.
 
-    ``changed``: the positions where they differ, when the caller knows them (a sparse delta's
-    positions), so the two chunks need not be compared element by element."""
-    if changed is None:
-        changed = np.flatnonzero(current != result)
+    ``changes``: where they differ and the bits there, when the caller knows them (a sparse
+    delta applied by :func:`~deltastore.codec.apply_delta_into`), so the two chunks need not be
+    compared and gathered element by element."""
+    changed = changes.positions if changes is not None else np.flatnonzero(current != result)
     if changed.size == 0:
         return None
     if changed.size > DENSE_PATCH_FRACTION * current.size:
         return ChunkPatch(name, index, span, None, np.array(result, copy=True), np.array(current, copy=True))
+    if changes is not None:
+        return ChunkPatch(name, index, span, changed, changes.new, changes.old)
     return ChunkPatch(name, index, span, changed, result[changed], current[changed])
 
 

@@ -138,12 +138,15 @@ def into_outcome(base: np.ndarray, data: bytes, codec: str):
     out = np.full_like(base, 0x5A)
     source = base.copy()
     try:
-        b, a, pos = apply_delta_into(source, out, data, codec=codec, before=True, after=True)
+        b, a, ch = apply_delta_into(source, out, data, codec=codec, before=True, after=True)
     except (DeltastoreError, ValueError) as e:
         assert np.array_equal(out, np.full_like(base, 0x5A)), "a refused segment wrote out"
         return f"{type(e).__name__}: {e}"
     assert np.array_equal(source, base), "apply_delta_into wrote its source"
-    return out.tobytes(), b, a, None if pos is None else pos.tolist()
+    if ch is None:
+        return out.tobytes(), b, a, None
+    assert ch.old.dtype == ch.new.dtype == base.dtype
+    return out.tobytes(), b, a, (ch.positions.tolist(), ch.old.tolist(), ch.new.tolist())
 
 
 @needs_native
@@ -158,7 +161,8 @@ def test_apply_into_agrees_and_names_the_changed_positions(pair):
         out, b, a, pos = native
         assert out == new.tobytes() and (b, a) == (digest(old), digest(new))
         if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE):
-            assert pos == np.flatnonzero(old != new).tolist()
+            where = np.flatnonzero(old != new)
+            assert pos == (where.tolist(), old[where].tolist(), new[where].tolist())
         else:
             assert pos is None
 

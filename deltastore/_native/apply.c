@@ -233,6 +233,7 @@ DS_INLINE uint64_t gap_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
 typedef struct {
     const uint8_t *src;
     int64_t *pos;
+    uint8_t *oldv, *newv; /* with pos: the bits before and after at each position (n * W bytes) */
 } io_t;
 
 /* Walk the target in blocks [start, end): (copy the block from src,) hash before, apply the
@@ -250,8 +251,12 @@ DS_INLINE void run(uint8_t *t, const seg_t *s, int W, int OP, int ADD, int SPARS
         if (sb) XXH3_128bits_update(sb, t + start * W, (size_t)((end - start) * W));
         if (SPARSE) {
             while (i < s->n && p < end) {
+                if (io->pos) {
+                    io->pos[i] = (int64_t)p;
+                    memcpy(io->oldv + i * W, t + p * W, W);
+                }
                 apply_at(t, p, W, OP, value_at(s, ADD, i, &c));
-                if (io->pos) io->pos[i] = (int64_t)p;
+                if (io->pos) memcpy(io->newv + i * W, t + p * W, W);
                 if (++i < s->n) p += gap_at(s, ADD, i, &c) + 1;
             }
         } else {
@@ -362,23 +367,26 @@ static PyObject *hex_digest(XXH3_state_t *st) {
 
 PyDoc_STRVAR(apply_segment_doc,
 "apply_segment(target, kind, width, gap_width, sections, n_changed, n_gap_escaped, n_escaped,\n"
-"              inverse, want, out=None, positions=None)\n"
+"              inverse, want, out=None, positions=None, old=None, new=None)\n"
 "    -> (err, a, b, before_hex | None, after_hex | None)\n\n"
 "Validate a decompressed delta segment, then apply it to target (or undo it), hashing the\n"
 "target (XXH3-128) before and/or after in the same pass (want: bit 0 before, bit 1 after).\n"
 "With out (a writable buffer of target's size), target is only read: the result is written\n"
-"to out. With positions (sparse kinds; a writable buffer of n_changed int64), the changed\n"
-"positions are written there. err != 0: the segment is corrupt (see DS_E_* in apply.c) and\n"
+"to out. With positions, old and new (sparse kinds; writable buffers of n_changed int64 and\n"
+"n_changed elements), the changed positions and the bits there before and after are written\n"
+"there. err != 0: the segment is corrupt (see DS_E_* in apply.c) and\n"
 "nothing was written.");
 
 static PyObject *apply_segment(PyObject *self, PyObject *args) {
-    PyObject *target, *sections, *out = Py_None, *positions = Py_None;
+    PyObject *target, *sections, *out = Py_None, *positions = Py_None, *oldo = Py_None, *newo = Py_None;
     int kind, width, gap_width, inverse, want;
     unsigned long long n, nge, ne;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OiiiO!KKKpi|OO", &target, &kind, &width, &gap_width, &PyTuple_Type,
-                          &sections, &n, &nge, &ne, &inverse, &want, &out, &positions))
+    if (!PyArg_ParseTuple(args, "OiiiO!KKKpi|OOOO", &target, &kind, &width, &gap_width, &PyTuple_Type,
+                          &sections, &n, &nge, &ne, &inverse, &want, &out, &positions, &oldo, &newo))
         return NULL;
+    if ((positions == Py_None) != (oldo == Py_None) || (positions == Py_None) != (newo == Py_None))
+        return PyErr_Format(PyExc_ValueError, "positions, old and new go together");
     int sparse = kind == K_XOR_SPARSE || kind == K_ADD_SPARSE;
     if (positions != Py_None && !sparse)
         return PyErr_Format(PyExc_ValueError, "positions are only written for sparse kinds");
@@ -390,7 +398,7 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "gap width %d is not 1, 2 or 4", gap_width);
 
     /* tv: what is read (target); ov: what is written (out, or target in place); pv: positions */
-    Py_buffer tv, ov, pv;
+    Py_buffer tv, ov, pv, oldb, newb;
     int has_out = 0, has_pos = 0;
     if (PyObject_GetBuffer(target, &tv, (out == Py_None ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (out != Py_None) {
@@ -402,6 +410,19 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     }
     if (positions != Py_None) {
         if (PyObject_GetBuffer(positions, &pv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            if (has_out) PyBuffer_Release(&ov);
+            PyBuffer_Release(&tv);
+            return NULL;
+        }
+        if (PyObject_GetBuffer(oldo, &oldb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&pv);
+            if (has_out) PyBuffer_Release(&ov);
+            PyBuffer_Release(&tv);
+            return NULL;
+        }
+        if (PyObject_GetBuffer(newo, &newb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&oldb);
+            PyBuffer_Release(&pv);
             if (has_out) PyBuffer_Release(&ov);
             PyBuffer_Release(&tv);
             return NULL;
@@ -427,9 +448,11 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "out must have target's size and not overlap it");
         goto done;
     }
-    if (has_pos && (uint64_t)pv.len != (uint64_t)n * sizeof(int64_t)) {
-        PyErr_Format(PyExc_ValueError, "positions has %zd bytes, n_changed %llu needs %llu", pv.len, n,
-                     (unsigned long long)n * sizeof(int64_t));
+    if (has_pos && ((uint64_t)pv.len != (uint64_t)n * sizeof(int64_t) || (uint64_t)oldb.len != (uint64_t)n * width ||
+                    (uint64_t)newb.len != (uint64_t)n * width)) {
+        PyErr_Format(PyExc_ValueError, "positions/old/new have %zd/%zd/%zd bytes, n_changed %llu needs %llu/%llu/%llu",
+                     pv.len, oldb.len, newb.len, n, (unsigned long long)n * sizeof(int64_t),
+                     (unsigned long long)n * width, (unsigned long long)n * width);
         goto done;
     }
     if ((uint64_t)tv.len % (uint64_t)width) {
@@ -498,7 +521,8 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     err = validate(&s, &ea, &eb);
     if (!err) {
-        io_t io = {has_out ? (const uint8_t *)tv.buf : NULL, has_pos ? (int64_t *)pv.buf : NULL};
+        io_t io = {has_out ? (const uint8_t *)tv.buf : NULL, has_pos ? (int64_t *)pv.buf : NULL,
+                   has_pos ? (uint8_t *)oldb.buf : NULL, has_pos ? (uint8_t *)newb.buf : NULL};
         apply_all(has_out ? (uint8_t *)ov.buf : (uint8_t *)tv.buf, &s, inverse, sb, sa, &io);
     }
     Py_END_ALLOW_THREADS
@@ -517,7 +541,11 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     }
 done:
     release_sections(&ss);
-    if (has_pos) PyBuffer_Release(&pv);
+    if (has_pos) {
+        PyBuffer_Release(&newb);
+        PyBuffer_Release(&oldb);
+        PyBuffer_Release(&pv);
+    }
     if (has_out) PyBuffer_Release(&ov);
     PyBuffer_Release(&tv);
     return result;

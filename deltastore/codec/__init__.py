@@ -116,6 +116,7 @@ from deltastore.codec.delta import (
     DENSE_TRY_FRACTION,
     ESCAPE,
     NIBBLE_ESCAPE,
+    Changes,
     DenseDelta,
     SparseDelta,
     _encode_delta_xor,  # noqa: F401 - the v1 writer, kept for golden tests
@@ -136,6 +137,7 @@ __all__ = [
     "CODEC_FULL2",
     "CODEC_XOR_DENSE",
     "CODEC_XOR_SPARSE",
+    "Changes",
     "DEFAULT_LEVEL",
     "DELTA_CODECS",
     "DENSE_TRY_FRACTION",
