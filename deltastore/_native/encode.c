@@ -11,7 +11,19 @@
 
 #include "ds_xxh.h" /* xxhash.h inlined, XXH3 dispatched to the widest SIMD unit (N3) */
 
-/* Bytes of `new` hashed, then scanned, at a time: small enough to stay in L1/L2 between the
+/* XXH3 entry points that take the bulk of the bytes: the x86-64 runtime dispatcher (AVX2 /
+ * AVX-512 when present, xxh3_dispatch.c) or the portable functions. Same digests. */
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(DS_NO_XXH_DISPATCH)
+#define XXH_DISPATCH_DISABLE_REPLACE
+#include "xxh_x86dispatch.h"
+#define DS_XXH3_128 XXH3_128bits_dispatch
+#define DS_XXH3_128_UPDATE XXH3_128bits_update_dispatch
+#else
+#define DS_XXH3_128 XXH3_128bits
+#define DS_XXH3_128_UPDATE XXH3_128bits_update
+#endif
+
+/* Bytes of `new` scanned, then hashed, at a time: small enough to stay in L1/L2 between the
  * two, large enough that XXH3's per-update overhead is negligible. */
 #define HASH_BLOCK (16 * 1024)
 
@@ -249,7 +261,6 @@ static int encode_add_pass(uint8_t *ob, const uint8_t *nb, size_t count, int w, 
                            enc_out *s, XXH3_state_t *st, int *hashed) {
     scan_fn scan = scan_for(w);
     const size_t step = HASH_BLOCK / (size_t)w;
-    size_t hashed_upto = 0; /* elements */
     *hashed = 0;
     if (digest == DIGEST_ALWAYS) {
         XXH3_128bits_reset(st);
@@ -257,20 +268,18 @@ static int encode_add_pass(uint8_t *ob, const uint8_t *nb, size_t count, int w, 
     }
     for (size_t h0 = 0; h0 < count; h0 += step) {
         size_t h1 = count - h0 > step ? h0 + step : count;
-        if (*hashed) { /* hash first: the scan then finds the block in cache */
-            XXH3_128bits_update(st, nb + h0 * w, (h1 - h0) * (size_t)w);
-            hashed_upto = h1;
-        }
         size_t before = s->k;
+        /* scan first (old and new stream from memory together), then hash the block of new
+         * while it is in cache */
         if (scan(ob, nb, h0, h1, adv, s) < 0) return -1;
-        if (digest == DIGEST_IF_CHANGED && !*hashed && s->k != before) {
-            XXH3_128bits_reset(st);
-            XXH3_128bits_update(st, nb, h1 * (size_t)w);
-            hashed_upto = h1;
+        if (*hashed) {
+            DS_XXH3_128_UPDATE(st, nb + h0 * w, (h1 - h0) * (size_t)w);
+        } else if (digest == DIGEST_IF_CHANGED && s->k != before) {
+            XXH3_128bits_reset(st); /* the first change: catch up on the blocks before it */
+            DS_XXH3_128_UPDATE(st, nb, h1 * (size_t)w);
             *hashed = 1;
         }
     }
-    (void)hashed_upto;
     return 0;
 }
 
@@ -510,7 +519,7 @@ static PyObject *py_xxh3_128_hex(PyObject *self, PyObject *arg) {
     if (ds_get_buffer(arg, &b, 0, "buffer") < 0) return NULL;
     XXH128_hash_t h;
     Py_BEGIN_ALLOW_THREADS
-    h = XXH3_128bits(b.buf, (size_t)b.len);
+    h = DS_XXH3_128(b.buf, (size_t)b.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&b);
     return ds_hex128(h.high64, h.low64);

@@ -121,7 +121,7 @@ def _cctx(level: int | None) -> zstandard.ZstdCompressor:
 def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes, int]:
     """Pick the smallest of CONST / ZSTD / RAW for one plane: (kind, stored bytes, raw size)."""
     n = plane.size
-    if n and not np.any(plane != plane[0]):
+    if n and plane.min() == plane.max():  # all equal; no n-byte temporary (plane != plane[0])
         return KIND_CONST, bytes(plane[:1]), n
     if n >= MIN_ZSTD_INPUT:
         z = cctx.compress(plane)
