@@ -9,7 +9,8 @@
 #include <emmintrin.h>
 #endif
 
-#include "ds_xxh.h" /* xxhash.h inlined, XXH3 dispatched to the widest SIMD unit (N3) */
+#define XXH_INLINE_ALL
+#include "xxhash.h"
 
 /* XXH3 entry points that take the bulk of the bytes: the x86-64 runtime dispatcher (AVX2 /
  * AVX-512 when present, xxh3_dispatch.c) or the portable functions. Same digests. */
