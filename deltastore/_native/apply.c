@@ -238,8 +238,29 @@ typedef struct {
 
 /* Walk the target in blocks [start, end): (copy the block from src,) hash before, apply the
  * block's changes, hash after. Without digests or src the whole chunk is one block. */
-DS_INLINE void run(uint8_t *t, const seg_t *s, int W, int OP, int ADD, int SPARSE,
-                   XXH3_state_t *sb, XXH3_state_t *sa, const io_t *io) {
+DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPARSE,
+                   XXH3_state_t *sb, XXH3_state_t *sa, const io_t *iop) {
+    /* Local copies: stores into t (bytes, which may alias anything) would otherwise make the
+     * compiler reload every plane pointer and mask from memory after each element written. */
+    plane_t pl[MAX_PLANES];
+    seg_t ls = *seg;
+    io_t lio = *iop;
+    const seg_t *s = &ls;
+    const io_t *io = &lio;
+    int k = 0;
+#define DS_LOCAL(field, nplanes)                                      \
+    if (seg->field) {                                                 \
+        for (int j = 0; j < (nplanes); j++) pl[k + j] = seg->field[j]; \
+        ls.field = &pl[k];                                            \
+        k += (nplanes);                                               \
+    }
+    DS_LOCAL(gaps, seg->gap_width)
+    DS_LOCAL(vals, seg->width)
+    DS_LOCAL(gsym, 1)
+    DS_LOCAL(gesc, seg->gap_width)
+    DS_LOCAL(codes, 1)
+    DS_LOCAL(vesc, seg->width)
+#undef DS_LOCAL
     uint64_t count = s->count;
     uint64_t blk = (sb || sa || io->src) ? BLOCK_BYTES / W : count;
     cursor_t c = {0, 0};
