@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltastore.codec import Changes
 from deltastore.errors import IntegrityError
 from deltastore.history import VersionInfo
 from deltastore.tensors import bits
@@ -62,13 +63,20 @@ class ChunkPatch:
         return pos + self.values.nbytes + self.expected_old.nbytes
 
 
-def make_patch(name: str, index: int, span: tuple[int, int], current: np.ndarray, result: np.ndarray) -> ChunkPatch | None:
-    """The patch turning ``current`` into ``result`` (equal-length uint arrays); None if equal."""
-    changed = np.flatnonzero(current != result)
+def make_patch(name: str, index: int, span: tuple[int, int], current: np.ndarray, result: np.ndarray,
+               changes: Changes | None = None) -> ChunkPatch | None:
+    """The patch turning ``current`` into ``result`` (equal-length uint arrays); None if equal.
+
+    ``changes``: where they differ and the bits there, when the caller knows them (a sparse
+    delta applied by :func:`~deltastore.codec.apply_delta_into`), so the two chunks need not be
+    compared and gathered element by element."""
+    changed = changes.positions if changes is not None else np.flatnonzero(current != result)
     if changed.size == 0:
         return None
     if changed.size > DENSE_PATCH_FRACTION * current.size:
         return ChunkPatch(name, index, span, None, np.array(result, copy=True), np.array(current, copy=True))
+    if changes is not None:
+        return ChunkPatch(name, index, span, changed, changes.new, changes.old)
     return ChunkPatch(name, index, span, changed, result[changed], current[changed])
 
 
