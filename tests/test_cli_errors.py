@@ -424,15 +424,16 @@ def test_seaweedfs_filer_and_master_ports_are_not_s3(tmp_path: Path, monkeypatch
     if os.environ.get("DELTASTORE_SKIP_SEAWEEDFS") == "1":
         pytest.skip("DELTASTORE_SKIP_SEAWEEDFS=1")
     from campaigns import servers
+    from deltastore import devserver  # where the server is started (campaigns.servers wraps it)
 
     picked: list[list[int]] = []
-    real_free_ports = servers.free_ports
+    real_free_ports = devserver.free_ports
 
     def recording(n: int) -> list[int]:  # the fixture does not expose its filer and master ports
         picked.append(real_free_ports(n))
         return picked[-1]
 
-    monkeypatch.setattr(servers, "free_ports", recording)
+    monkeypatch.setattr(devserver, "free_ports", recording)
     cm = servers.seaweedfs(tmp_path)
     try:
         server = cm.__enter__()
