@@ -121,6 +121,12 @@ def _group_spec(name: str, members: list[TensorSpec], chunk_target_bytes: int) -
     return TensorSpec(name, dtype, (offset,), min(per_chunk, offset), tuple(out))
 
 
+def member_overlaps(spec: TensorSpec, a: int, b: int) -> list[tuple[GroupMember, int, int]]:
+    """``(member, lo, hi)`` for each member of group ``spec`` overlapping its elements
+    ``[a, b)``, with ``[lo, hi)`` the overlap in group coordinates."""
+    return _overlapping(spec, _starts(spec), a, b)
+
+
 def _starts(spec: TensorSpec) -> list[int]:
     return [m.offset for m in spec.members]
 

@@ -270,6 +270,8 @@ class Publisher:
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.threads = threads or default_threads()
         self.chunk_bytes = chunk_bytes
+        if group_small_tensors not in (True, False, "auto"):
+            raise ValueError(f'group_small_tensors must be True, False or "auto", got {group_small_tensors!r}')
         self.group_small_tensors = group_small_tensors
         self.resume = resume
         self.skip_unchanged = skip_unchanged

@@ -40,7 +40,7 @@ from deltastore.errors import (
     TargetModifiedError,
     VersionNotFoundError,
 )
-from deltastore.groups import allocate_members
+from deltastore.groups import allocate_members, member_overlaps
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads, grouped
 from deltastore.ledger import HeartbeatWriter
@@ -624,7 +624,7 @@ class Subscriber:
             key, m, tensors, lambda u: self._engine.apply_in_place(u.plans, u.specs, tensors, u.base, self._version)
         )
         self._set_held(upd.held)
-        self._last_changed = _plan_spans(upd.plans)
+        self._last_changed = _plan_spans(upd.plans, upd.specs)
         return VersionInfo.from_manifest(m, key)
 
     def _stage(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> StagedUpdate | None:
@@ -1042,11 +1042,18 @@ def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]]]
     return {n: [(0, t.numel())] for n, t in tensors.items()}
 
 
-def _plan_spans(plans: list[ChunkPlan]) -> dict[str, list[tuple[int, int]]]:
-    """Tensor name → the merged spans of the chunks ``plans`` write (what changed)."""
+def _plan_spans(plans: list[ChunkPlan], specs: Mapping[str, TensorSpec]) -> dict[str, list[tuple[int, int]]]:
+    """Tensor name → the merged spans of the chunks ``plans`` write (what changed). A group
+    row's span (design 007) is reported as the spans of the member tensors it overlaps, in
+    each member's own element coordinates: users see tensors, never group rows."""
     spans: dict[str, list[tuple[int, int]]] = {}
     for p in plans:
-        spans.setdefault(p.name, []).append(p.span)
+        spec = specs.get(p.name)
+        if spec is not None and spec.members:
+            for member, lo, hi in member_overlaps(spec, *p.span):
+                spans.setdefault(member.name, []).append((lo - member.offset, hi - member.offset))
+        else:
+            spans.setdefault(p.name, []).append(p.span)
     return {n: merge_spans(s) for n, s in spans.items()}
 
 

@@ -128,3 +128,27 @@ def test_follow_reports_each_version_changes(tmp_path) -> None:
 def test_changed_tensors_names_a_missing_tensor() -> None:
     with pytest.raises(KeyError, match="nope"):
         list(changed_tensors({"a": torch.zeros(2)}, {"nope": [(0, 1)]}))
+
+
+def test_pull_into_on_a_grouped_store_names_member_tensors(tmp_path) -> None:
+    """With tensor groups (design 007) last_changed names the member tensors a changed group
+    chunk overlaps, in their own element coordinates, never the group row."""
+    url = str(tmp_path / "s")
+    gen = torch.Generator().manual_seed(3)
+    state = {f"norm.{i}": torch.randn(256, generator=gen).to(torch.bfloat16) for i in range(40)}
+    with Publisher(url, threads=2, group_small_tensors=True) as pub:
+        pub.publish(state)
+        sub = Subscriber(url)
+        weights = sub.pull()
+        assert any(n.startswith("#") for n in sub.units()) and not any(n.startswith("#") for n in weights)
+        nxt = {n: t.clone() for n, t in state.items()}
+        nxt["norm.7"][5] += 1
+        pub.publish(nxt)
+    sub.pull_into(weights)
+    changed = sub.last_changed
+    assert changed and all(not n.startswith("#") for n in changed)
+    assert "norm.7" in changed
+    for name, spans in changed.items():
+        assert all(0 <= a < b <= weights[name].numel() for a, b in spans)
+    got = dict(changed_tensors(weights, changed))
+    assert torch.equal(got["norm.7"].view(torch.int16), nxt["norm.7"].view(torch.int16))
