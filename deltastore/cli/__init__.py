@@ -1,5 +1,5 @@
 """The ``deltastore`` command line: publish, pull, log, verify, status, inspect, gc, pin, unpin,
-compact, keygen (docs/cli.md).
+compact, keygen, aggregate (docs/cli.md).
 
 Errors print as one line ``deltastore: error: <what>`` (naming the object), then a ``hint:``
 line in CLI terms where there is one; set ``DELTASTORE_DEBUG=1`` for the full traceback. Exit
