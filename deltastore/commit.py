@@ -158,6 +158,28 @@ class CommitProtocol:
         if self.fenced:
             raise FencedError(f"publisher {self.writer_id} was fenced from {self.url} by a newer publisher")
 
+    def head_is_current(self) -> bool:
+        """Read HEAD: True when it still holds the version this publisher last wrote or read
+        (an index-only change aside), i.e. a state equal to that version needs no commit.
+
+        Raises:
+            FencedError: a newer publisher has claimed the store.
+            StorageError: HEAD could not be read.
+        """
+        self.check_can_commit()
+        current = self.history.read_head()
+        if current is None:
+            return self.head is None
+        head = current[0]
+        if head.epoch > self.epoch:
+            self.fenced = True
+            raise FencedError(
+                f"publisher {self.writer_id} (epoch {self.epoch}) was fenced from {self.url}: "
+                f"publisher {head.writer} took over at epoch {head.epoch} (head version {head.version}); "
+                "open a new Publisher to continue"
+            )
+        return self._index_only_change(head)
+
     def prepare(self) -> bool:
         """Before building a new version: raise if fenced, settle an earlier unknown outcome.
 

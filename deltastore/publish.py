@@ -506,7 +506,7 @@ class Publisher:
         tip = self._current_tip()
         why = self._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
         kind = "anchor" if why else "delta"
-        if skippable and kind == "anchor" and _identical(state, self._reference):
+        if skippable and kind == "anchor" and _identical(state, self._reference) and self._commits.head_is_current():
             return self._unchanged()
         assert kind == "anchor" or (tip is not None and tip.schema3)  # a delta continues a schema-3 chain
         specs = self._specs if same_layout else self._new_specs(state)
@@ -527,8 +527,12 @@ class Publisher:
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=attempt,
             )
-            if skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0:
-                return self._unchanged()  # nothing was written: no packs for an unchanged state
+            if (skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0
+                    and self._commits.head_is_current()):
+                # Nothing was written (no packs for an unchanged state), and HEAD is still the
+                # version the state equals (read: a publisher fenced or overtaken since must
+                # not report a version that is no longer the head; it commits and learns why).
+                return self._unchanged()
             if tip is not None and tip.layout is not None and tip.layout == layout:
                 layout_ref = tip.layout_ref
             else:  # a new layout, or the first schema-3 version of this chain

@@ -57,6 +57,11 @@ class PublishSubscribe(RuleBasedStateMachine):
         return "anchor" if forced or v == 1 or v - last_anchor >= ANCHOR_EVERY else "delta"
 
     def _commit(self, state: dict[str, torch.Tensor], *, anchor: bool, relayout: bool = False) -> None:
+        if not anchor and self.committed and _bit_identical(state, self.committed[-1]):
+            # skip_unchanged (the default): the same state again is not a new version
+            info = self.pub.publish(state, step=len(self.committed), metadata={"v": len(self.committed) + 1})
+            assert info.version == len(self.committed) and info.metadata == {"v": info.version}
+            return
         expected_kind = self._next_kind(anchor)
         info = self.pub.publish(state, anchor=anchor, step=len(self.committed), metadata={"v": len(self.committed) + 1})
         self.committed.append(snapshot(state))
@@ -183,3 +188,12 @@ PublishSubscribe.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPublishSubscribe = PublishSubscribe.TestCase
+
+
+def _bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Same names, dtypes, shapes and bits (what skip_unchanged compares)."""
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype and a[n].shape == b[n].shape
+        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+        for n in a
+    )
