@@ -126,9 +126,9 @@ class EmbeddingWorker:
             self.version, self.info = staged.info.version, staged.info
         changed = staged.changed
         how = "in full" if staged.from_version is None else f"from version {staged.from_version}"
-        print(f"swapped in version {staged.info.version} ({how}): fetched {human_bytes(staged.bytes_fetched)}, "
-              f"staged in {staged.fetch_s + staged.decode_s:.2f} s while serving, paused {1000 * pause_s:.1f} ms, "
-              f"{len(changed)} tensors differed", flush=True)
+        say(f"swapped in version {staged.info.version} ({how}): fetched {human_bytes(staged.bytes_fetched)}, "
+            f"staged in {staged.fetch_s + staged.decode_s:.2f} s while serving, paused {1000 * pause_s:.1f} ms, "
+            f"{len(changed)} tensors differed")
         return True
 
     def follow(self) -> None:
@@ -150,6 +150,14 @@ class EmbeddingWorker:
         self.stop.set()
         self.sub.close()
 
+
+_PRINT_LOCK = threading.Lock()
+
+
+def say(*parts: object, **kw: Any) -> None:
+    """print() for lines written from several threads: one line at a time, never interleaved."""
+    with _PRINT_LOCK:
+        print(*parts, **kw, flush=True)
 
 def make_http_server(worker: EmbeddingWorker, port: int) -> ThreadingHTTPServer:
     """``POST /embed {"texts": [...]}`` → ``{"version": V, "embeddings": [[...], ...]}``;
@@ -279,8 +287,8 @@ def _requests_until_final(args: argparse.Namespace, worker: EmbeddingWorker, end
         n += 1
         emb = torch.tensor(res["embeddings"])
         answered.append(res["version"])
-        print(f"request {n:>3} answered by version {res['version']}: similarity(question, answer) = "
-              f"{float(emb[0] @ emb[1]):.4f}   ({q!r})", flush=True)
+        say(f"request {n:>3} answered by version {res['version']}: similarity(question, answer) = "
+            f"{float(emb[0] @ emb[1]):.4f}   ({q!r})")
         if expected is not None and res["version"] == expected["version"] and worker.info is not None \
                 and is_final(worker.info, run_id):
             break
