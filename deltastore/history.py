@@ -19,7 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltastore.errors import BaseElsewhereError, CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
+from deltastore.errors import (
+    BaseElsewhereError,
+    CorruptObjectError,
+    NotFoundError,
+    VersionCollectedError,
+    VersionNotFoundError,
+)
 from deltastore.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     HEAD_KEY,

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import zstandard
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
 
@@ -1052,11 +1060,11 @@ def _tables_doc(tensors: Sequence[TensorEntry], blobs: Sequence[BlobRef], layout
     segs.sort(key=lambda s: (s[0], s[1]))  # storage order: pack by pack, ascending offset
     codecs = sorted({s[4].codec for s in segs})
     codec_index = {c: i for i, c in enumerate(codecs)}
-    return dict(
-        codecs=codecs,
-        packs=[{"key": b.key, "size": b.size, "sha256": b.sha256, "role": b.role} for b in blobs],
-        chunks={"tensor": [r[0] for r in rows], "chunk": [r[1] for r in rows], "digest": "".join(r[2] for r in rows)},
-        segments={
+    return {
+        "codecs": codecs,
+        "packs": [{"key": b.key, "size": b.size, "sha256": b.sha256, "role": b.role} for b in blobs],
+        "chunks": {"tensor": [r[0] for r in rows], "chunk": [r[1] for r in rows], "digest": "".join(r[2] for r in rows)},
+        "segments": {
             "row": [s[2] for s in segs],
             "role": "".join(s[3] for s in segs),
             "codec": [codec_index[s[4].codec] for s in segs],
@@ -1064,7 +1072,7 @@ def _tables_doc(tensors: Sequence[TensorEntry], blobs: Sequence[BlobRef], layout
             "n_changed": [s[4].n_changed for s in segs],
             "sha256": "".join(s[4].sha256 for s in segs),
         },
-    )
+    }
 
 
 class _Pack(_Model):
@@ -1224,7 +1232,7 @@ def _merge_parts(header: dict[str, Any], tables: _Tables, refs: list[PartRef], l
         rows.extend(part_rows)
         packs.extend(part_packs)
     rows.sort(key=lambda r: (r[0], r[1]))
-    for prev, row in zip(rows, rows[1:]):
+    for prev, row in itertools.pairwise(rows):
         if (prev[0], prev[1]) == (row[0], row[1]):
             raise bad(f"chunk {layout.name[row[0]]}[{row[1]}] is listed by two parts")
     return rows, packs
@@ -1310,6 +1318,24 @@ def encode_part(*, schema: int, version: int, part: int, commit_id: str, lineage
     doc.update(format=PART_FORMAT, schema=schema, version=version, part=part, commit_id=commit_id, lineage=lineage,
                layout=layout_ref.model_dump(mode="json"), stats=stats.model_dump(mode="json"))
     return _zstd(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+
+
+def join_parts(header: Manifest, layout: Layout, parts: Mapping[str, bytes]) -> Manifest:
+    """The in-memory form of a sharded version (SPEC §8): ``header`` (a manifest with
+    ``parts`` and neither ``blobs`` nor ``tensors``) with its parts' tables joined, checked as a
+    reader checks them (every part names this version, attempt, lineage and layout; every chunk
+    lies in its part's pieces, none twice; the table rules of §3). ``parts`` maps each part
+    manifest's key to its bytes. This is the form a signature covers (§3.1).
+
+    Raises:
+        CorruptObjectError: a part does not belong to ``header`` or the parts do not form a
+            valid chunk table.
+        KeyError: a part's bytes are not in ``parts``.
+    """
+    where = f"<version {header.version} being joined>"
+    m = _manifest_from_doc(_manifest_doc(header, layout), layout, where, lambda ref: parts[ref.key])
+    _check_manifest(m, where)
+    return m
 
 
 def encode_manifest(m: Manifest, layout: Layout | None = None, parts: Mapping[str, bytes] | None = None) -> bytes:
