@@ -335,3 +335,137 @@ def test_gc_keeps_sharded_versions_readable(tmp_path: Path) -> None:
     assert report is not None
     with Subscriber(url) as sub:
         _assert_equal(sub.pull(4), full_model(4))
+
+
+# --- part manifests, checked as a reader checks them (pure: no processes) ---------------------
+
+ATTEMPT = "ab" * 16
+LINEAGE = "cd" * 16
+
+
+def _layout(parts: int = 2) -> Any:
+    from deltastore.manifest import Layout
+
+    return Layout(schema=3, name=("a", "b"), dtype=("float32", "float32"), shape=((4, 2), (3,)), chunk_rows=(2, 3),
+                  chunk_cols=(0, 0), pieces=((2,), ()), piece_parts=((0, 1), (1,)), parts=parts)
+
+
+def _part(part: int, chunks: list[tuple[str, int]], **override: Any) -> tuple[Any, bytes]:
+    """Part ``part`` of an anchor (version 1) listing ``chunks`` with full segments."""
+    import numpy as np
+
+    from deltastore import codec
+    from deltastore.manifest import (
+        BlobRef,
+        ChunkEntry,
+        ObjectRef,
+        PartRef,
+        SegmentRef,
+        Stats,
+        TensorEntry,
+        encode_part,
+        object_key,
+        part_key,
+        sha256_hex,
+    )
+    from deltastore.tensors import state_digest
+
+    layout = _layout()
+    pack = bytearray()
+    tensors = []
+    for name, index in chunks:
+        values = np.arange(4 if name == "a" else 3, dtype=np.uint32) + index
+        seg = codec.encode_full(values)
+        ref = SegmentRef(blob=0, offset=len(pack), length=len(seg.data), sha256=sha256_hex(seg.data), codec=seg.codec,
+                         n_changed=seg.n_changed)
+        pack += seg.data
+        i = layout.name.index(name)
+        tensors.append(TensorEntry(name=name, dtype="float32", shape=layout.shape[i], chunk_rows=layout.chunk_rows[i],
+                                   chunks=(ChunkEntry(index=index, digest=state_digest(values), full=ref),)))
+    digest = sha256_hex(bytes(pack))
+    blob = BlobRef(key=object_key(ATTEMPT, digest, ".pack"), size=len(pack), sha256=digest, role="f")
+    kw = {"schema": 3, "version": 1, "part": part, "commit_id": ATTEMPT, "lineage": LINEAGE,
+          "layout_ref": ObjectRef(key=object_key(ATTEMPT, "e" * 64, ".layout.json.zst"), sha256="e" * 64),
+          "layout": layout, "tensors": tensors, "blobs": (blob,), "stats": Stats()}
+    kw.update(override)
+    data = encode_part(**kw)
+    d = sha256_hex(data)
+    return PartRef(part=part, key=part_key(ATTEMPT, part, d), sha256=d, writer=f"w{part}", bytes=len(pack)), data
+
+
+def _header(refs: list[Any]) -> Any:
+    from deltastore.manifest import Manifest, ObjectRef, object_key
+
+    return Manifest(schema=3, version=1, parent=None, parent_manifest=None, kind="anchor", anchor=1, created="t",
+                    writer="w0", epoch=1, commit_id=ATTEMPT, lineage=LINEAGE, parts=tuple(refs), chain_start=1,
+                    layout=ObjectRef(key=object_key(ATTEMPT, "e" * 64, ".layout.json.zst"), sha256="e" * 64),
+                    max_attempt_s=60)
+
+
+def test_parts_join_into_one_manifest_and_round_trip() -> None:
+    from deltastore.manifest import (
+        encode_manifest,
+        join_parts,
+        manifest_key,
+        parse_manifest,
+        sha256_hex,
+    )
+
+    p0, p1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
+    parts = {p0[0].key: p0[1], p1[0].key: p1[1]}
+    m = join_parts(_header([p0[0], p1[0]]), _layout(), parts)
+    assert [t.name for t in m.tensors] == ["a", "b"] and [c.index for c in m.tensors[0].chunks] == [0, 1]
+    assert len(m.blobs) == 2 and m.tensors[0].chunks[1].full.blob == 1  # part 1's pack follows part 0's
+    assert set(m.references()) >= set(parts)  # GC keeps the part manifests
+    data = encode_manifest(m, _layout(), parts)
+    key = manifest_key(1, sha256_hex(data))
+    back = parse_manifest(data, key, layout=_layout(), parts=lambda ref: parts[ref.key])
+    assert back == m
+    with pytest.raises(ValueError, match="part manifests"):
+        parse_manifest(data, key, layout=_layout())
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("version", "version is .2., but the version says .1."),
+        ("commit_id", "commit_id is"),
+        ("lineage", "lineage is"),
+        ("layout", "layout is"),
+        ("foreign_piece", "lies in a piece of part 1"),
+        ("twice", "not sorted|listed by two parts|piece of part"),
+        ("digest", "SHA-256"),
+        ("missing_part", "0…1"),
+    ],
+)
+def test_bad_parts_are_refused(case: str, match: str) -> None:
+    from deltastore.errors import CorruptObjectError, IntegrityError
+    from deltastore.manifest import ObjectRef, join_parts, object_key
+
+    unsharded = _layout().model_copy(update={"parts": 0, "pieces": (None, None), "piece_parts": (None, None)})
+    good0, good1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
+    p0, p1 = good0, good1
+    if case == "version":
+        p1 = _part(1, [("a", 1), ("b", 0)], version=2)
+    elif case == "commit_id":
+        p1 = _part(1, [("a", 1), ("b", 0)], commit_id="ef" * 16)
+    elif case == "lineage":
+        p1 = _part(1, [("a", 1), ("b", 0)], lineage="01" * 16)
+    elif case == "layout":
+        p1 = _part(1, [("a", 1), ("b", 0)], layout_ref=ObjectRef(key=object_key(ATTEMPT, "f" * 64, ".layout.json.zst"),
+                                                                sha256="f" * 64))
+    elif case == "foreign_piece":  # part 0 writes a chunk of part 1's rows (the writer's check bypassed)
+        p0 = _part(0, [("a", 0), ("a", 1)], layout=unsharded)
+    elif case == "twice":
+        p0 = _part(0, [("a", 0), ("b", 0)], layout=unsharded)
+    elif case == "digest":
+        p1 = (p1[0], p1[1] + b"x")
+    parts = {p0[0].key: p0[1], p1[0].key: p1[1]}
+    refs = [p0[0]] if case == "missing_part" else [p0[0], p1[0]]
+    with pytest.raises((CorruptObjectError, IntegrityError), match=match):
+        join_parts(_header(refs), _layout(), parts)
+
+
+def test_writer_refuses_a_chunk_of_another_part() -> None:
+    with pytest.raises(ValueError, match="another part's piece"):
+        _part(0, [("a", 1)])
