@@ -26,7 +26,6 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import resource
 import socket
 import statistics
 import tempfile
@@ -47,6 +46,16 @@ BLOCK_ROWS = 256
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_bytes() -> int:
+    """This process's peak RSS (VmHWM). Not ru_maxrss: across fork+exec that keeps the
+    parent's peak, so a spawned rank would report the benchmark driver's memory."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _block(ti: int, block: int, step: int, cols: int, density: float) -> Any:
@@ -104,6 +113,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         base_rss = _rss_bytes()  # after imports and the process group: what a trainer has anyway
         shard = {f"layer{ti}.weight": _rows(ti, start, stop, 1, cols, cfg["density"]) for ti in range(n)}
         result["shard_bytes"] = sum(t.numel() * t.element_size() for t in shard.values())
+        marks = [("shard built", _rss_bytes() - base_rss, _peak_bytes() - base_rss)]
         times = []
         if sharded:
             pub = ShardedPublisher(url, threads=cfg["threads"], anchor_every=1000)
@@ -122,9 +132,13 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
                 t0 = time.perf_counter()
                 info = pub.publish(state, step=step)
                 times.append((info.kind, time.perf_counter() - t0, info.bytes_stored))
+                marks.append((f"after v{info.version}", _rss_bytes() - base_rss,
+                              _peak_bytes() - base_rss))
+        marks.append(("closed", _rss_bytes() - base_rss, _peak_bytes() - base_rss))
+        result["marks"] = marks
         result["times"] = times
-        result["peak_rss_above_base"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
-    except BaseException as e:  # noqa: BLE001 - reported
+        result["peak_rss_above_base"] = marks[-1][2]
+    except BaseException as e:
         import traceback
 
         result["error"] = traceback.format_exc()
@@ -164,7 +178,8 @@ def run_config(world: int, mode: str, args: argparse.Namespace, tmp: Path, threa
     _check(url, args)
     return {
         "mode": mode, "ranks": world, "threads_per_rank": threads,
-        "anchor_s": round(times[0][1], 3), "delta_median_s": round(statistics.median(deltas), 3),
+        "anchor_s": round(times[0][1], 3), "anchor_mb_s": round(model_bytes / times[0][1] / 1e6, 1),
+        "delta_median_s": round(statistics.median(deltas), 3),
         "delta_bytes_median": int(statistics.median(b for k, _, b in times if k == "delta")),
         "throughput_mb_s": round(model_bytes / statistics.median(deltas) / 1e6, 1),
         "per_rank": [{"rank": r["rank"], "shard_bytes": r["shard_bytes"], "peak_rss_above_base": r["peak_rss_above_base"]}
@@ -208,24 +223,28 @@ def main(argv: list[str] | None = None) -> int:
     one = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 1 and r["threads_per_rank"] == 1)
     for r in rows:
         r["vs_1_rank"] = round(r["throughput_mb_s"] / one["throughput_mb_s"], 2)
+        r["anchor_vs_1_rank"] = round(r["anchor_mb_s"] / one["anchor_mb_s"], 2)
     two = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 2)
     out = {"model_bytes": model_bytes, "tensors": args.tensors, "shape": [args.rows, args.cols], "steps": args.steps,
            "density": args.density, "cpus": os.cpu_count(), "configs": rows,
            "two_over_one": two["vs_1_rank"], "goal_met": two["vs_1_rank"] >= GOAL_2_OVER_1, "bit_exact": True}
+    header = (f"model: {args.tensors} × bf16[{args.rows}, {args.cols}] = {model_bytes:,} B; {args.steps} delta steps at "
+              f"{100 * args.density:g} % changed; file store; {os.cpu_count()} CPUs (shared); every configuration bit-exact")
     lines = [
-        f"model: {args.tensors} × bf16[{args.rows}, {args.cols}] = {model_bytes:,} B; {args.steps} delta steps at "
-        f"{100 * args.density:g} % changed; file store; {os.cpu_count()} CPUs (shared); every configuration bit-exact",
+        header,
         "",
-        "| writer | ranks × threads | anchor s | delta s (median) | delta MB/s of model | vs 1 rank | per-rank peak RSS above base / shard |",
+        "| writer | ranks × threads | anchor s (vs 1 rank) | delta s, median | delta: MB/s of model | delta vs 1 rank | per-rank peak RSS above base / shard |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mem = ", ".join(f"{p['peak_rss_above_base'] / 2**20:.0f}/{p['shard_bytes'] / 2**20:.0f} MiB" for p in r["per_rank"])
         lines.append(f"| {'Publisher' if r['mode'] == 'unsharded' else 'ShardedPublisher'} | {r['ranks']} × "
-                     f"{r['threads_per_rank']} | {r['anchor_s']} | {r['delta_median_s']} | {r['throughput_mb_s']} | "
+                     f"{r['threads_per_rank']} | {r['anchor_s']} ({r['anchor_vs_1_rank']}×) | {r['delta_median_s']} | {r['throughput_mb_s']} | "
                      f"{r['vs_1_rank']}× | {mem} |")
     lines.append("")
-    lines.append(f"2 ranks / 1 rank: {two['vs_1_rank']}× (goal ≥ {GOAL_2_OVER_1}×: {'met' if out['goal_met'] else 'not met'})")
+    lines.append(f"2 ranks / 1 rank: delta publish {two['vs_1_rank']}×, anchor {two['anchor_vs_1_rank']}× "
+                 f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if out['goal_met'] else 'not met'}); load average at the end "
+                 f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     md = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sharded.json").write_text(json.dumps(out, indent=2) + "\n")
