@@ -74,10 +74,16 @@ def rank_state(version: int, rank: int, world: int) -> dict[str, Any]:
 
 # --- the rank side ----------------------------------------------------------------------------
 
+#: The store's storage options in a rank process (set by _rank_main: an S3 endpoint, keys).
+_OPTIONS: dict[str, Any] | None = None
 
-def _rank_main(rank: int, world: int, port: int, url: str, scenario: str, out: str) -> None:
+
+def _rank_main(rank: int, world: int, port: int, url: str, scenario: str, out: str,
+               options: dict[str, Any] | None = None) -> None:
     import torch.distributed as dist
 
+    global _OPTIONS
+    _OPTIONS = options
     result: dict[str, Any] = {"rank": rank}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -95,7 +101,7 @@ def _publish_versions(rank: int, world: int, url: str, versions: range) -> dict[
     from deltastore.sharded import ShardedPublisher
 
     infos = []
-    with ShardedPublisher(url, threads=1, anchor_every=3) as pub:
+    with ShardedPublisher(url, threads=1, anchor_every=3, storage_options=_OPTIONS) as pub:
         for v in versions:
             info = pub.publish(rank_state(v, rank, world), step=v, metadata={"v": v})
             infos.append((info.version, info.kind))
@@ -225,13 +231,13 @@ def _head_version(url: str) -> int:
         store.close()
 
 
-def run_ranks(world: int, url: str, scenario: str, tmp: Path) -> list[dict[str, Any]]:
+def run_ranks(world: int, url: str, scenario: str, tmp: Path, options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world`` spawned ranks; their results (a killed rank: exit code)."""
     out = tmp / f"out-{scenario}-{world}-{os.urandom(4).hex()}"
     out.mkdir()
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, url, scenario, str(out))) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, url, scenario, str(out), options)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -285,6 +291,19 @@ def test_ranks_publish_rows_and_whole_tensors(tmp_path: Path, world: int) -> Non
         assert sub.info(4).metadata == {"v": 4} and sub.info(4).step == 4
     layout_parts = open_store(url).list("objects/")
     assert sum(1 for o in layout_parts if o.key.endswith(".part.json.zst")) == 4 * world
+
+
+def test_two_ranks_over_s3(tmp_path: Path, moto_s3_url: Any) -> None:
+    """The same protocol against a real S3 server (moto): conditional writes, HTTP."""
+    target = moto_s3_url
+    _ok(run_ranks(2, target.url, "versions", tmp_path, target.storage_options))
+    with Subscriber(target.url, storage_options=target.storage_options) as sub:
+        target_state = sub.pull(1)
+        sub.pull_into(target_state, 2)
+        staged = sub.stage(target_state, 4)  # what follow() does: prepare while serving, then swap
+        assert staged is not None
+        sub.swap(staged, target_state)
+        _assert_equal(target_state, full_model(4))
 
 
 def test_disagreeing_ranks_commit_nothing(tmp_path: Path) -> None:
