@@ -476,6 +476,8 @@ class ShardedPublisher:
         mine = self._owned(layout, local)
 
         # --- 2: rank 0 plans the version ---
+        # The attempt deadline runs from before its first write (the layout object, on rank 0).
+        deadline = time.monotonic() + self.max_attempt_s
         plan: _Plan | None = None
         if self.rank == COORDINATOR:
             try:
@@ -492,7 +494,6 @@ class ShardedPublisher:
             _raise(plan.error)
 
         # --- 3: encode and upload this rank's part ---
-        deadline = time.monotonic() + self.max_attempt_s
         result: tuple[str, Any]
         try:
             result = ("ok", self._write_part(plan, layout, mine))

@@ -131,6 +131,13 @@ def _scenario_disagree(rank: int, world: int, url: str) -> dict[str, Any]:
                 out[what] = str(e)
         # agreeing ranks then commit
         out["ok"] = pub.publish({"x": Rows(torch.full((2, 2), float(rank)), 2 * rank, 4)}, step=9).version
+        if rank == 1:  # as if rank 1 had missed a publish: the ranks disagree on the version
+            pub._known = 7
+        try:
+            pub.publish({"x": Rows(torch.full((2, 2), 5.0), 2 * rank, 4)}, step=10)
+            out["version"] = None
+        except ShardMismatchError as e:
+            out["version"] = str(e)
     return out
 
 
@@ -316,6 +323,8 @@ def test_disagreeing_ranks_commit_nothing(tmp_path: Path) -> None:
         assert "held by no rank" in r["gap"]
         assert "different steps" in r["step"]
         assert r["ok"] == 1  # nothing was committed before
+        assert "different versions [1, 7]" in r["version"]
+    assert _head_version(url) == 1  # the version disagreement committed nothing either
     with Subscriber(url) as sub:
         assert sub.pull(1)["x"].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
 
