@@ -534,3 +534,31 @@ def test_bad_parts_are_refused(case: str, match: str) -> None:
 def test_writer_refuses_a_chunk_of_another_part() -> None:
     with pytest.raises(ValueError, match="another part's piece"):
         _part(0, [("a", 1)])
+
+
+# --- the golden sharded store (tests/golden/make_golden_sharded.py, written once at issue 12) ---
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def test_golden_sharded_store_reads_bit_exact(tmp_path: Path) -> None:
+    """Sharded versions written by the first release that wrote them are read bit for bit by
+    every later one: three parts, pieces of a row-split tensor, whole and replicated tensors,
+    anchors with and without deltas."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(GOLDEN / "store-sharded", tmp_path / "store")
+    url = f"file://{tmp_path / 'store'}"
+    with Subscriber(url) as sub:
+        m = sub._history.manifest(sub.info(2).manifest)
+        layout = sub._history.layout(m.layout)
+        assert layout.parts == 3 and [p.part for p in m.parts] == [0, 1, 2]
+        assert layout.pieces[layout.name.index("a")] == (4, 8) and layout.piece_parts[layout.name.index("a")] == (0, 1, 2)
+        for v in range(1, 5):
+            _assert_equal(sub.pull(v), load_file(str(GOLDEN / "store-sharded-expected" / f"v{v}.safetensors")))
+        target = sub.pull(1)
+        sub.pull_into(target, 4)
+        _assert_equal(target, load_file(str(GOLDEN / "store-sharded-expected" / "v4.safetensors")))
+        assert not sub.verify().problems
