@@ -25,7 +25,9 @@ from deltastore.errors import (
     InvalidStateDictError,
     LayoutMismatchError,
     NotFoundError,
+    PartFailedError,
     PreconditionFailedError,
+    ShardMismatchError,
     SignatureError,
     StaleStageError,
     StorageError,
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from deltastore.history import VersionInfo
     from deltastore.publish import Publisher
     from deltastore.pull import FollowRecord, Subscriber
+    from deltastore.sharded import Rows, ShardedPublisher
     from deltastore.stage import StagedUpdate
 
 __version__ = "0.1.0"
@@ -58,6 +61,8 @@ _LAZY = {
     "FollowRecord": "deltastore.pull",
     "Subscriber": "deltastore.pull",
     "StagedUpdate": "deltastore.stage",
+    "ShardedPublisher": "deltastore.sharded",
+    "Rows": "deltastore.sharded",
 }
 
 
@@ -95,8 +100,12 @@ __all__ = [
     "InvalidStateDictError",
     "LayoutMismatchError",
     "NotFoundError",
+    "PartFailedError",
     "PreconditionFailedError",
     "Publisher",
+    "Rows",
+    "ShardMismatchError",
+    "ShardedPublisher",
     "SignatureError",
     "StagedUpdate",
     "StaleStageError",

@@ -31,7 +31,9 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   └── UnknownCodecError
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
+    │       ├── ShardMismatchError                ranks of a sharded publish disagree (layout, step, version)
     │       └── SiteLayoutError                   a site's result has another layout (federated)
+    ├── PartFailedError                           another rank of a sharded publish failed: nothing committed
     ├── QuorumError (TimeoutError)                a federated round missed its quorum by the deadline
     ├── VersionNotFoundError (LookupError)        no such version in the store
     │   └── VersionCollectedError                 below the retention floor and not pinned
@@ -224,6 +226,17 @@ class InvalidStateDictError(DeltastoreError, ValueError):
 
 class LayoutMismatchError(InvalidStateDictError):
     """Tensor names, shapes or dtypes differ from the version this one is based on."""
+
+
+class ShardMismatchError(LayoutMismatchError):
+    """The ranks of a sharded publish disagree (design 010): on a tensor's dtype or shape, on
+    who owns which rows (a gap or an overlap), on the step, or on the version they hold.
+    Raised on every rank; nothing was written."""
+
+
+class PartFailedError(DeltastoreError):
+    """Another rank of a sharded publish failed (or was lost) before the version was committed
+    (design 010): nothing was committed; the rank that failed raised the cause itself."""
 
 
 class WrongBaseError(IntegrityError):

@@ -19,7 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltastore.errors import BaseElsewhereError, CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
+from deltastore.errors import (
+    BaseElsewhereError,
+    CorruptObjectError,
+    NotFoundError,
+    VersionCollectedError,
+    VersionNotFoundError,
+)
 from deltastore.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     HEAD_KEY,
@@ -30,6 +36,7 @@ from deltastore.manifest import (
     Layout,
     Manifest,
     ObjectRef,
+    PartRef,
     SquashManifest,
     SquashRef,
     decode_object,
@@ -226,7 +233,8 @@ class History:
             raise NotFoundError(
                 f"manifest {key!r} is missing from {self.store.url}: the store was damaged (a reachable object was deleted)"
             ) from None
-        m = parse_manifest(data, key, expected_sha256, layout=self.layout, max_bytes=self.max_manifest_bytes)
+        m = parse_manifest(data, key, expected_sha256, layout=self.layout, max_bytes=self.max_manifest_bytes,
+                           parts=self._part)
         if self._check is not None:
             self._check(key, m)
         with self._lock:
@@ -238,6 +246,17 @@ class History:
             ):
                 self._manifest_bytes -= _parsed_bytes(self._manifests.popitem(last=False)[1])
         return m
+
+    def _part(self, ref: PartRef) -> bytes:
+        """A part manifest's bytes (a sharded version, SPEC §8); parse_manifest verifies them.
+        Not cached apart: the merged manifest is."""
+        try:
+            return self.store.get(ref.key)
+        except NotFoundError:
+            raise NotFoundError(
+                f"part manifest {ref.key!r} (part {ref.part}) is missing from {self.store.url}: the store was damaged "
+                "(a reachable object was deleted)"
+            ) from None
 
     def _object(self, key: str, what: str) -> bytes:
         try:

@@ -6,14 +6,23 @@ package's typed errors naming the object, never a bare pydantic ``ValidationErro
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import zstandard
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
 
@@ -29,7 +38,7 @@ READABLE_SCHEMAS = (1, 2, 3, 4)
 GROUPS_SCHEMA = 4
 #: Schemas of the zstd-compressed objects, by kind: layouts and manifests gained groups in
 #: schema 4; the history index and squash manifests did not change (design 007 D3).
-_ZST_SCHEMAS = {"manifest": (3, 4), "layout": (3, 4)}
+_ZST_SCHEMAS = {"manifest": (3, 4), "layout": (3, 4), "part manifest": (3, 4)}
 #: Fields that exist only in schema 3 (a schema-1/2 document is written without them).
 SCHEMA3_MANIFEST_FIELDS = ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes")
 #: Immutable objects written by schema 3 live under ``objects/<attempt>/`` (design 005 D1).
@@ -127,6 +136,18 @@ class SquashRef(_Model):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
 
+class PartRef(_Model):
+    """One part of a sharded version (SPEC §8): its part manifest, by key and SHA-256."""
+
+    part: int = Field(ge=0)
+    key: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    writer: str
+    bytes: int = Field(ge=0)
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
 def new_lineage() -> str:
     """A fresh random lineage id (one per history, SPEC §5)."""
     import secrets
@@ -219,7 +240,9 @@ class Manifest(_Model):
     blobs: tuple[BlobRef, ...] = ()
     tensors: tuple[TensorEntry, ...] = ()
     stats: Stats = Stats()
-    parts: tuple[()] = ()
+    #: schema 3/4: the parts of a sharded version (SPEC §8). In memory a sharded version also
+    #: has its parts' packs (in part order) as ``blobs`` and their chunks as ``tensors``.
+    parts: tuple[PartRef, ...] = ()
     lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
     signature: Signature | None = None
     # --- schema 3 (design 005); absent from schema-1/2 documents ---
@@ -262,6 +285,8 @@ class Manifest(_Model):
                 raise ValueError(f"schema {self.schema_} has no {', '.join(present)} (schema 3 fields)")
         if self.base is not None and self.schema_ < BASE_SCHEMA:
             raise ValueError(f"schema {self.schema_} has no base (a schema-{BASE_SCHEMA} field)")
+        if self.parts and self.schema_ < 3:
+            raise ValueError(f"schema {self.schema_} has no parts (sharded versions are schema 3 or 4)")
         return self
 
     def references(self) -> list[str]:
@@ -270,6 +295,7 @@ class Manifest(_Model):
         keys = [b.key for b in self.blobs]
         if self.layout is not None:
             keys.append(self.layout.key)
+        keys.extend(p.key for p in self.parts)  # a sharded version's chunk table lives there
         return keys
 
 
@@ -595,6 +621,7 @@ def parse_manifest(
     *,
     layout: Layout | Callable[[ObjectRef], Layout] | None = None,
     max_bytes: int = MAX_MANIFEST_BYTES,
+    parts: Callable[[PartRef], bytes] | None = None,
 ) -> Manifest:
     """Verify a manifest's bytes against its content address (and HEAD's record), then parse it.
 
@@ -608,13 +635,16 @@ def parse_manifest(
             layout's bytes against that reference). The returned Manifest has its tensors
             rebuilt from it.
         max_bytes: refuse a larger object (stored or decompressed) before parsing it.
+        parts: a sharded version only (required there): returns a part manifest's bytes,
+            which are verified here against the version's reference (SPEC §8).
 
     Raises:
         IntegrityError: the bytes do not hash to the key's digest or to ``expected_sha256``.
         CorruptObjectError: not a well-formed manifest, inconsistent with itself (SPEC §3), or
             filed under another version's key.
-        UnsupportedSchemaError: written by a newer schema, or a sharded version.
-        ValueError: a schema-3 manifest without ``layout``.
+        UnsupportedSchemaError: written by a newer schema, or a sharded layout this release
+            does not read (a column grid, pieces off chunk boundaries).
+        ValueError: a schema-3 manifest without ``layout`` (a sharded one without ``parts``).
     """
     _check_digest(data, key, expected_sha256, "manifest")
     key_version = manifest_key_version(key)
@@ -630,7 +660,7 @@ def parse_manifest(
             except ValidationError:
                 raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}") from None
             layout = layout(ref)
-        manifest = _manifest_from_doc(doc, layout, key)
+        manifest = _manifest_from_doc(doc, layout, key, parts)
     else:
         doc = _load(data, "manifest", key, max_bytes)
         if doc["schema"] >= 3:
@@ -791,6 +821,9 @@ SHA256_HEX = 64
 _HEX = re.compile(r"[0-9a-f]*")
 #: The message of every refusal of a sharded version (parts, pieces, chunk grid: issue 12).
 SHARDED_UNSUPPORTED = "sharded versions are read from a later release"
+#: Refusals of what this release does not read of sharded layouts (design 010).
+GRID_UNSUPPORTED = "column grids are read from a later release"
+SHARDED_UNALIGNED = "pieces that do not start on a chunk boundary are read from a later release"
 
 
 def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int = 3) -> Layout:
@@ -935,8 +968,8 @@ def _check_layout_once(layout: Layout, what: str, key: str) -> None:
     columns = (layout.dtype, layout.shape, layout.chunk_rows, layout.chunk_cols, layout.pieces, layout.piece_parts)
     if any(len(c) != n for c in columns):
         raise CorruptObjectError(f"{what} {key!r}: the layout's columns have different lengths")
-    if layout.parts != 0 or any(layout.chunk_cols) or any(p is not None for p in (*layout.pieces, *layout.piece_parts)):
-        raise UnsupportedSchemaError(f"{what} {key!r} describes a sharded version (parts, pieces or a chunk grid): {SHARDED_UNSUPPORTED}")
+    if any(layout.chunk_cols):
+        raise UnsupportedSchemaError(f"{what} {key!r} has a chunk grid (chunk_cols > 0): {GRID_UNSUPPORTED}")
     if len(set(layout.name)) != n:
         raise CorruptObjectError(f"{what} {key!r}: the layout lists a tensor name twice")
     for i in range(n):
@@ -948,22 +981,77 @@ def _check_layout_once(layout: Layout, what: str, key: str) -> None:
             raise CorruptObjectError(f"{where} has impossible shape {list(shape)[:MAX_NDIM + 1]}")
         if not 1 <= layout.chunk_rows[i] < INT_LIMIT:
             raise CorruptObjectError(f"{where} has chunk_rows {layout.chunk_rows[i]}")
+    _check_pieces(layout, what, key)
     _check_groups(layout, what, key)
 
 
+def _check_pieces(layout: Layout, what: str, key: str) -> None:
+    """Pieces of a sharded layout (SPEC §2 *Pieces*, §8): ``parts`` = 0 is unsharded (no pieces);
+    otherwise every row has its inner boundaries (strictly increasing, inside the first
+    dimension) and one part in ``[0, parts)`` per piece. This release reads boundaries that are
+    multiples of the row's ``chunk_rows`` (chunking restarting at each piece is then the
+    unsharded chunking) and refuses others (UnsupportedSchemaError)."""
+    if not 0 <= layout.parts < INT_LIMIT:
+        raise CorruptObjectError(f"{what} {key!r} has parts = {layout.parts}")
+    if layout.parts == 0:
+        if any(p is not None for p in (*layout.pieces, *layout.piece_parts)):
+            raise CorruptObjectError(f"{what} {key!r}: an unsharded layout (parts 0) has pieces")
+        return
+    for i in range(len(layout.name)):
+        where = f"{what} {key!r}: tensor {layout.name[i]!r}"
+        bounds, owners = layout.pieces[i], layout.piece_parts[i]
+        if bounds is None or owners is None or len(owners) != len(bounds) + 1:
+            raise CorruptObjectError(f"{where} needs pieces and one part per piece in a sharded layout")
+        shape, rows = layout.shape[i], layout.chunk_rows[i]
+        previous = 0
+        for b in bounds:
+            if not shape or not previous < b < shape[0]:
+                raise CorruptObjectError(f"{where} {list(shape)} has piece boundaries {list(bounds)[:8]}: not strictly "
+                                         "increasing inside its first dimension")
+            if b % rows:
+                raise UnsupportedSchemaError(f"{where} has a piece boundary at row {b}, not a multiple of its "
+                                             f"chunk_rows {rows}: {SHARDED_UNALIGNED}")
+            previous = b
+        if any(not 0 <= p < layout.parts for p in owners):
+            raise CorruptObjectError(f"{where} names parts {list(owners)[:8]} of {layout.parts}")
+        if layout.groups and any(g.unit == i for g in layout.groups) and bounds:
+            raise CorruptObjectError(f"{where} is a group row split into pieces: a group row is one piece")
+
+
+def piece_part(layout: Layout, tensor: int, chunk: int) -> int:
+    """The part that writes chunk ``chunk`` of layout row ``tensor`` (a sharded layout:
+    pieces aligned to chunk rows, as :func:`_check_pieces` requires)."""
+    bounds, owners = layout.pieces[tensor] or (), layout.piece_parts[tensor] or (0,)
+    return owners[bisect.bisect_right(bounds, chunk * layout.chunk_rows[tensor])]
+
+
 def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
-    """The schema-3 JSON document of ``m`` (design 005 D8), before compression."""
+    """The schema-3 JSON document of ``m`` (design 005 D8), before compression. A sharded
+    version's document lists its ``parts`` and has empty tables (its parts hold them)."""
+    doc = m.model_dump(mode="json", by_alias=True, exclude={"blobs", "tensors", "parts"})
+    if doc.get("base") is None:  # only based versions carry it (design 009)
+        doc.pop("base", None)
     if m.parts:
-        raise ValueError(f"manifest of version {m.version}: {SHARDED_UNSUPPORTED} (and written by one)")
+        doc.update(_tables_doc((), (), layout, m.version))
+        doc["parts"] = [p.model_dump(mode="json", by_alias=True) for p in m.parts]
+        return doc
+    doc.update(_tables_doc(m.tensors, m.blobs, layout, m.version))
+    doc["parts"] = []
+    return doc
+
+
+def _tables_doc(tensors: Sequence[TensorEntry], blobs: Sequence[BlobRef], layout: Layout, version: int) -> dict[str, Any]:
+    """The columnar ``codecs``, ``packs``, ``chunks`` and ``segments`` of ``tensors`` (a
+    manifest's or a part's), naming tensors by their position in ``layout``."""
     index = {name: i for i, name in enumerate(layout.name)}
     rows: list[tuple[int, int, str]] = []
     segs: list[tuple[int, int, int, str, SegmentRef]] = []
-    for t in m.tensors:
+    for t in tensors:
         ti = index.get(t.name)
         if ti is None:
-            raise ValueError(f"manifest of version {m.version}: tensor {t.name!r} is not in its layout")
+            raise ValueError(f"manifest of version {version}: tensor {t.name!r} is not in its layout")
         if (layout.dtype[ti], layout.shape[ti], layout.chunk_rows[ti]) != (t.dtype, tuple(t.shape), t.chunk_rows):
-            raise ValueError(f"manifest of version {m.version}: tensor {t.name!r} differs from its layout")
+            raise ValueError(f"manifest of version {version}: tensor {t.name!r} differs from its layout")
         for c in t.chunks:
             row = len(rows)
             rows.append((ti, c.index, c.digest))
@@ -973,15 +1061,11 @@ def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
     segs.sort(key=lambda s: (s[0], s[1]))  # storage order: pack by pack, ascending offset
     codecs = sorted({s[4].codec for s in segs})
     codec_index = {c: i for i, c in enumerate(codecs)}
-    doc = m.model_dump(mode="json", by_alias=True, exclude={"blobs", "tensors", "parts"})
-    if doc.get("base") is None:  # only based versions carry it (design 009)
-        doc.pop("base", None)
-    doc.update(
-        parts=[],
-        codecs=codecs,
-        packs=[{"key": b.key, "size": b.size, "sha256": b.sha256, "role": b.role} for b in m.blobs],
-        chunks={"tensor": [r[0] for r in rows], "chunk": [r[1] for r in rows], "digest": "".join(r[2] for r in rows)},
-        segments={
+    return {
+        "codecs": codecs,
+        "packs": [{"key": b.key, "size": b.size, "sha256": b.sha256, "role": b.role} for b in blobs],
+        "chunks": {"tensor": [r[0] for r in rows], "chunk": [r[1] for r in rows], "digest": "".join(r[2] for r in rows)},
+        "segments": {
             "row": [s[2] for s in segs],
             "role": "".join(s[3] for s in segs),
             "codec": [codec_index[s[4].codec] for s in segs],
@@ -989,8 +1073,7 @@ def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
             "n_changed": [s[4].n_changed for s in segs],
             "sha256": "".join(s[4].sha256 for s in segs),
         },
-    )
-    return doc
+    }
 
 
 class _Pack(_Model):
@@ -1034,17 +1117,34 @@ def _hex_column(text: str, n: int, width: int, name: str, bad: Callable[[str], C
     return [text[i * width:(i + 1) * width] for i in range(n)]
 
 
-def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str) -> Manifest:
+#: The format of a part manifest (SPEC §3.2, §8).
+PART_FORMAT = "deltastore.part"
+#: A part manifest's key: ``objects/<attempt>/<part:05d>-<sha256>.part.json.zst``.
+_PART_KEY = re.compile(r"objects/([0-9a-f]{32})/([0-9]{5,19})-([0-9a-f]{64})\.part\.json\.zst")
+#: The header fields of a part manifest besides its tables.
+_PART_FIELDS = ("format", "schema", "version", "part", "commit_id", "lineage", "layout", "stats")
+
+_Row = tuple[int, int, str, dict[str, "SegmentRef"]]
+
+
+def part_key(attempt: str, part: int, digest: str) -> str:
+    """``objects/<attempt>/<part:05d>-<sha256>.part.json.zst`` (SPEC §1)."""
+    return f"{OBJECT_PREFIX}{attempt}/{part:05d}-{digest}.part.json.zst"
+
+
+def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str,
+                       parts: Callable[[PartRef], bytes] | None = None) -> Manifest:
     """The in-memory Manifest of a schema-3 document: ``blobs`` are its packs, ``tensors`` its
     chunk table rebuilt from ``layout`` (layout order, only tensors with listed chunks, chunks
-    in index order: the shape a schema-2 manifest of the same version has)."""
+    in index order: the shape a schema-2 manifest of the same version has).
+
+    A sharded version (non-empty ``parts``) is read with ``parts``, which returns a part
+    manifest's bytes: its ``blobs`` are every part's packs in part order, its ``tensors`` the
+    union of their chunk tables (SPEC §8)."""
 
     def bad(msg: str) -> CorruptObjectError:
         return CorruptObjectError(f"manifest {key!r}: {msg}")
 
-    parts = doc.get("parts")
-    if isinstance(parts, list) and parts:
-        raise UnsupportedSchemaError(f"manifest {key!r} is a sharded version: {SHARDED_UNSUPPORTED}")
     _check_layout(layout, "layout of manifest", key)
     table_fields = ("codecs", "packs", "chunks", "segments", "parts")
     missing = [f for f in table_fields if f not in doc]
@@ -1055,7 +1155,103 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str) -> Manifes
     if inline:
         raise bad(f"a schema-3 manifest has no {', '.join(inline)} (its chunk table is columnar)")
     header = {k: v for k, v in doc.items() if k not in table_fields}
+    if (header.get("schema") == GROUPS_SCHEMA) != (layout.schema_ == GROUPS_SCHEMA):
+        raise bad(f"a schema-{header.get('schema')} manifest names a schema-{layout.schema_} layout "
+                  f"(schema-{GROUPS_SCHEMA} manifests and layouts go together)")
 
+    if tables.parts:
+        refs = [_validate(PartRef, p, "manifest", key) if isinstance(p, dict) else None for p in tables.parts]
+        if any(r is None for r in refs):
+            raise bad("parts must be objects {part, key, sha256, writer, bytes}")
+        rows, packs = _merge_parts(header, tables, [r for r in refs if r is not None], layout, key, parts, bad)
+        header["parts"] = [r.model_dump(mode="json", by_alias=True) for r in refs if r is not None]
+    else:
+        if layout.parts:
+            raise bad(f"its layout is sharded ({layout.parts} parts) but the manifest lists no parts")
+        rows, packs = _table_rows(tables, layout, bad)
+    # Entries are built without validation (issue 9: parsing 20,000 entries through pydantic
+    # dominated a pull): the columnar checks of _table_rows, the layout's and _check_manifest's
+    # (which every caller runs next) cover every field pydantic would check.
+    tensors: list[TensorEntry] = []
+    run: list[ChunkEntry] = []
+
+    def close(ti: int) -> None:
+        tensors.append(TensorEntry.model_construct(name=layout.name[ti], dtype=layout.dtype[ti], shape=tuple(layout.shape[ti]),
+                                                   chunk_rows=layout.chunk_rows[ti], chunks=tuple(run)))
+
+    for r, (ti, ci, digest, roles) in enumerate(rows):
+        if r and ti != rows[r - 1][0]:
+            close(rows[r - 1][0])
+            run = []
+        run.append(ChunkEntry.model_construct(index=ci, digest=digest, full=roles.get("f"), delta=roles.get("d")))
+    if rows:
+        close(rows[-1][0])
+    header["blobs"] = [p.model_dump() for p in packs]
+    header["tensors"] = []
+    m: Manifest = _validate(Manifest, header, "manifest", key)
+    return m.model_copy(update={"tensors": tuple(tensors)}).with_groups(layout)
+
+
+def _merge_parts(header: dict[str, Any], tables: _Tables, refs: list[PartRef], layout: Layout, key: str,
+                 fetch: Callable[[PartRef], bytes] | None,
+                 bad: Callable[[str], CorruptObjectError]) -> tuple[list[_Row], list[_Pack]]:
+    """The chunk rows and packs of a sharded version: every part manifest fetched, verified
+    against its reference and checked against the version (SPEC §8), then their tables joined."""
+    if tables.packs or tables.codecs or tables.chunks.tensor or tables.segments.row:
+        raise bad("a sharded version's own tables must be empty (its parts hold the chunks)")
+    if not layout.parts:
+        raise bad("a sharded version needs a sharded layout (parts > 0)")
+    if fetch is None:
+        raise ValueError(f"manifest {key!r} is a sharded version: reading it needs its part manifests")
+    if [r.part for r in refs] != list(range(len(refs))) or len(refs) != layout.parts:
+        raise bad(f"parts are numbered {[r.part for r in refs][:8]}; a layout of {layout.parts} parts needs 0…{layout.parts - 1} in order")
+    commit_id = header.get("commit_id")
+    rows: list[_Row] = []
+    packs: list[_Pack] = []
+    for ref in refs:
+        match = _PART_KEY.fullmatch(ref.key)
+        if match is None or match.group(1) != commit_id or int(match.group(2)) != ref.part or match.group(3) != ref.sha256:
+            raise bad(f"part {ref.part} has key {ref.key!r}: not objects/{commit_id}/{ref.part:05d}-{ref.sha256}.part.json.zst")
+        data = fetch(ref)
+        _check_digest(data, ref.key, ref.sha256, "part manifest")
+        doc = _load3(data, "part manifest", ref.key, MAX_MANIFEST_BYTES)
+
+        def pbad(msg: str, ref: PartRef = ref) -> CorruptObjectError:
+            return CorruptObjectError(f"part manifest {ref.key!r} of manifest {key!r}: {msg}")
+
+        table_fields = ("codecs", "packs", "chunks", "segments")
+        extra = set(doc) - set(table_fields) - set(_PART_FIELDS)
+        missing = [f for f in (*table_fields, *_PART_FIELDS) if f not in doc]
+        if missing or extra:
+            raise pbad(f"fields missing {missing} or unknown {sorted(extra)[:8]}")
+        if doc["format"] != PART_FORMAT:
+            raise pbad(f"format {doc['format']!r} is not {PART_FORMAT!r}")
+        for field, want in (("schema", header.get("schema")), ("version", header.get("version")), ("part", ref.part),
+                            ("commit_id", commit_id), ("lineage", header.get("lineage")), ("layout", header.get("layout"))):
+            if doc[field] != want:
+                raise pbad(f"{field} is {str(doc[field])[:100]!r}, but the version says {str(want)[:100]!r}: "
+                           "the part belongs to another version, attempt or layout")
+        part_tables: _Tables = _validate(_Tables, {**{f: doc[f] for f in table_fields}, "parts": []}, "part manifest", ref.key)
+        part_rows, part_packs = _table_rows(part_tables, layout, pbad)
+        for ti, ci, _, roles in part_rows:
+            owner = piece_part(layout, ti, ci)
+            if owner != ref.part:
+                raise pbad(f"lists chunk {layout.name[ti]}[{ci}], which lies in a piece of part {owner}")
+            if packs:  # the part's pack indices follow the packs of the parts before it
+                for role, seg in list(roles.items()):
+                    roles[role] = seg.model_copy(update={"blob": seg.blob + len(packs)})
+        rows.extend(part_rows)
+        packs.extend(part_packs)
+    rows.sort(key=lambda r: (r[0], r[1]))
+    for prev, row in itertools.pairwise(rows):
+        if (prev[0], prev[1]) == (row[0], row[1]):
+            raise bad(f"chunk {layout.name[row[0]]}[{row[1]}] is listed by two parts")
+    return rows, packs
+
+
+def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObjectError]) -> tuple[list[_Row], list[_Pack]]:
+    """The rows of one columnar chunk table (a manifest's or a part's), with each row's
+    segments placed in the packs by the fill rule (SPEC §3), and the packs."""
     ch, sg = tables.chunks, tables.segments
     n = len(ch.tensor)
     if len(ch.chunk) != n:
@@ -1110,40 +1306,58 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str) -> Manifes
             pack, offset = pack + 1, 0
     if pack != len(packs) or offset != 0:
         raise bad(f"the segment lengths do not fill the packs exactly (they end in pack {pack} at offset {offset})")
-
-    # Entries are built without validation (issue 9: parsing 20,000 entries through pydantic
-    # dominated a pull): the columnar checks above, the layout's and _check_manifest's (which
-    # every caller runs next) cover every field pydantic would check.
-    tensors: list[TensorEntry] = []
-    run: list[ChunkEntry] = []
-    no_roles: dict[str, SegmentRef] = {}
-
-    def close(ti: int) -> None:
-        tensors.append(TensorEntry.model_construct(name=layout.name[ti], dtype=layout.dtype[ti], shape=tuple(layout.shape[ti]),
-                                                   chunk_rows=layout.chunk_rows[ti], chunks=tuple(run)))
-
-    for r in range(n):
-        ti = ch.tensor[r]
-        if r and ti != ch.tensor[r - 1]:
-            close(ch.tensor[r - 1])
-            run = []
-        roles = segs_of.get(r, no_roles)
-        run.append(ChunkEntry.model_construct(index=ch.chunk[r], digest=digests[r], full=roles.get("f"), delta=roles.get("d")))
-    if n:
-        close(ch.tensor[n - 1])
-    header["blobs"] = [p.model_dump() for p in packs]
-    header["tensors"] = []
-    if (header.get("schema") == GROUPS_SCHEMA) != (layout.schema_ == GROUPS_SCHEMA):
-        raise bad(f"a schema-{header.get('schema')} manifest names a schema-{layout.schema_} layout "
-                  f"(schema-{GROUPS_SCHEMA} manifests and layouts go together)")
-    m: Manifest = _validate(Manifest, header, "manifest", key)
-    return m.model_copy(update={"tensors": tuple(tensors)}).with_groups(layout)
+    return [(ch.tensor[r], ch.chunk[r], digests[r], segs_of.get(r, {})) for r in range(n)], list(packs)
 
 
-def encode_manifest(m: Manifest, layout: Layout | None = None) -> bytes:
+def encode_part(*, schema: int, version: int, part: int, commit_id: str, lineage: str | None, layout_ref: ObjectRef,
+                layout: Layout, tensors: Sequence[TensorEntry], blobs: Sequence[BlobRef], stats: Stats) -> bytes:
+    """The stored bytes of one part manifest of a sharded version (SPEC §3.2, §8): the
+    part's chunk table, columnar as a manifest's, with the header a reader checks against the
+    version (``version``, ``part``, ``commit_id``, ``lineage``, ``layout``). Its key is
+    :func:`part_key` of the bytes' SHA-256.
+
+    Raises:
+        ValueError: a tensor not in ``layout`` or different from it, or a chunk outside the
+            pieces of ``part``.
+    """
+    index = {name: i for i, name in enumerate(layout.name)}
+    for t in tensors:
+        ti = index.get(t.name)
+        for c in t.chunks:
+            if ti is not None and layout.parts and piece_part(layout, ti, c.index) != part:
+                raise ValueError(f"part {part} of version {version}: chunk {t.name}[{c.index}] lies in another part's piece")
+    doc = _tables_doc(tensors, blobs, layout, version)
+    doc.update(format=PART_FORMAT, schema=schema, version=version, part=part, commit_id=commit_id, lineage=lineage,
+               layout=layout_ref.model_dump(mode="json"), stats=stats.model_dump(mode="json"))
+    return _zstd(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+
+
+def join_parts(header: Manifest, layout: Layout, parts: Mapping[str, bytes]) -> Manifest:
+    """The in-memory form of a sharded version (SPEC §8): ``header`` (a manifest with
+    ``parts`` and neither ``blobs`` nor ``tensors``) with its parts' tables joined, checked as a
+    reader checks them (every part names this version, attempt, lineage and layout; every chunk
+    lies in its part's pieces, none twice; the table rules of §3). ``parts`` maps each part
+    manifest's key to its bytes. This is the form a signature covers (§3.1).
+
+    Raises:
+        CorruptObjectError: a part does not belong to ``header`` or the parts do not form a
+            valid chunk table.
+        KeyError: a part's bytes are not in ``parts``.
+    """
+    where = f"<version {header.version} being joined>"
+    m = _manifest_from_doc(_manifest_doc(header, layout), layout, where, lambda ref: parts[ref.key])
+    _check_manifest(m, where)
+    return m
+
+
+def encode_manifest(m: Manifest, layout: Layout | None = None, parts: Mapping[str, bytes] | None = None) -> bytes:
     """The stored bytes of a manifest. Schema 1/2: canonical JSON (:func:`dump`). Schema 3: one
     zstd frame of the columnar document of design 005 D8, whose chunk table names tensors by
     their position in ``layout`` (the object ``m.layout`` refers to).
+
+    A sharded version (``m.parts``; in memory, ``m`` holds the union of its parts' tables) is
+    stored as its header and part list; ``parts`` maps each part manifest's key to its bytes,
+    and the parts must rebuild exactly ``m``.
 
     Raises:
         ValueError: ``m`` cannot be stored as it is: a tensor not in ``layout`` or different
@@ -1158,7 +1372,8 @@ def encode_manifest(m: Manifest, layout: Layout | None = None) -> bytes:
     doc = _manifest_doc(m, layout)
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     try:
-        back = _manifest_from_doc(json.loads(raw), layout, f"<version {m.version} being encoded>")
+        fetch = None if parts is None else (lambda ref: parts[ref.key])
+        back = _manifest_from_doc(json.loads(raw), layout, f"<version {m.version} being encoded>", fetch)
         _check_manifest(back, f"<version {m.version} being encoded>")
     except CorruptObjectError as e:
         raise ValueError(f"manifest of version {m.version} cannot be encoded: {e}") from None

@@ -244,18 +244,25 @@ def test_objects_are_zstd_frames_and_round_trip() -> None:
         decode_object(Index, data, object_key("0" * 32, "f" * 64, ".index.json.zst"))
 
 
-def test_sharded_layout_is_refused() -> None:
+def test_layouts_this_release_cannot_read_are_refused() -> None:
+    """Sharded layouts are read since issue 12 (tests/test_sharded.py); a column grid is still
+    refused, and pieces without parts (or parts without pieces) are corrupt."""
     rng = random.Random(8)
     layout = make_layout(rng, 3)
-    for change in ({"parts": 2}, {"chunk_cols": (0, 4, 0)}, {"pieces": (None, (3,), None)}):
+    cases = (
+        ({"chunk_cols": (0, 4, 0)}, UnsupportedSchemaError, "column grids are read from a later release"),
+        ({"parts": 2}, CorruptObjectError, "needs pieces"),
+        ({"pieces": (None, (3,), None)}, CorruptObjectError, "unsharded layout"),
+    )
+    for change, error, match in cases:
         bad = layout.model_copy(update=change)
         data = encode_object(bad)
         key = object_key("0" * 32, sha256_hex(data), ".layout.json.zst")
-        with pytest.raises(UnsupportedSchemaError, match="sharded versions are read from a later release"):
+        with pytest.raises(error, match=match):
             decode_object(Layout, data, key)
         m = make_manifest(rng, layout, kind="anchor")
         mdata, mkey = _store(m, layout)
-        with pytest.raises(UnsupportedSchemaError, match="later release"):
+        with pytest.raises(error, match=match):
             parse_manifest(mdata, mkey, layout=bad)
 
 
@@ -376,8 +383,14 @@ def test_hostile_frames_refused(base) -> None:
 
 def test_hostile_schema_mismatches(base) -> None:
     _m, layout, doc = base
+    # parts (issue 12) are read, but not with tables of their own nor with an unsharded layout
     data, key = _frame(_mutated(doc, ("parts",), [{"part": 0}]))
-    with pytest.raises(UnsupportedSchemaError, match="sharded versions are read from a later release"):
+    with pytest.raises(CorruptObjectError, match="malformed"):
+        parse_manifest(data, key, layout=layout)
+    ref = {"part": 0, "key": "objects/" + "0" * 32 + "/00000-" + "a" * 64 + ".part.json.zst", "sha256": "a" * 64,
+           "writer": "w", "bytes": 1}
+    data, key = _frame(_mutated(doc, ("parts",), [ref]))
+    with pytest.raises(CorruptObjectError, match="own tables must be empty"):
         parse_manifest(data, key, layout=layout)
     data, key = _frame(_mutated(doc, ("schema",), 5))
     with pytest.raises(UnsupportedSchemaError):

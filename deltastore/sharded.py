@@ -1,0 +1,703 @@
+"""Sharded publishing (SPEC §8, design 010): every rank publishes the rows it owns.
+
+A :class:`ShardedPublisher` runs on every rank of a ``torch.distributed`` process group. Each
+rank passes the tensors, or the row ranges of tensors, it holds (FSDP2 DTensor local shards
+among them, never gathered), encodes them against its own reference copy of those rows, and
+uploads its packs and one *part manifest* under the version's attempt. Rank 0 then checks the
+parts, writes the version manifest that lists them and makes the version visible with the one
+HEAD compare-and-swap of SPEC §5. No rank ever holds another rank's rows.
+
+One publish is five steps, all ranks in lockstep (every collective is over ``group``)::
+
+    1. all_gather   each rank: what it owns (name, dtype, global shape, rows), the version it
+                    holds, step, anchor request, or its local error
+                    -> every rank computes the same layout, or the same ShardMismatchError
+    2. broadcast    rank 0: reads HEAD (claim, fencing, unknown outcomes: commit.py), picks
+                    version, attempt, kind, lineage; writes the layout object if new
+    3. (local)      each rank: encode its rows, upload packs + its part manifest under the attempt
+    4. gather       part references and bytes to rank 0, or each rank's error
+    5. broadcast    rank 0: joins and checks the parts, writes the version manifest, CASes
+                    HEAD once; the outcome (or the error) goes to every rank
+
+A rank that fails raises its own error after telling the others, which raise
+:class:`~deltastore.errors.PartFailedError`; a rank that dies makes the collectives of the
+others fail, which is reported the same way. Either way HEAD has not moved: the parts already
+uploaded sit unreferenced under the attempt and GC collects them after its grace period. The
+next publish is a new attempt (an anchor when any rank lost its reference copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltastore import errors as _errors
+from deltastore.commit import now, put_immutable
+from deltastore.encode import UPLOADS_IN_FLIGHT, encode_version
+from deltastore.errors import (
+    DeltastoreError,
+    InvalidStateDictError,
+    PartFailedError,
+    ShardMismatchError,
+)
+from deltastore.history import VersionInfo
+from deltastore.jobs import default_threads
+from deltastore.manifest import (
+    DEFAULT_MAX_ATTEMPT_S,
+    Head,
+    Layout,
+    Manifest,
+    ObjectRef,
+    PartRef,
+    Stats,
+    TensorEntry,
+    encode_manifest,
+    encode_part,
+    join_parts,
+    manifest_key,
+    new_attempt_id,
+    part_key,
+    sha256_hex,
+)
+from deltastore.storage import open_store
+from deltastore.tensors import (
+    CHUNK_TARGET_BYTES,
+    TensorSpec,
+    dtype_name,
+    validate_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The rank that reads HEAD, writes the layout and the version manifest and CASes HEAD: the
+#: one rank every process group has.
+COORDINATOR = 0
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``[start, start + local.shape[0])`` of a tensor of ``rows`` rows, held by this rank.
+
+    For tensors split by hand; an FSDP2 parameter (a DTensor sharded on dimension 0) is
+    recognised without it.
+    """
+
+    local: torch.Tensor
+    start: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """What one rank holds of one tensor (sent to every rank in step 1)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class _Report:
+    """Step 1: one rank's view, or its error."""
+
+    rank: int
+    claims: tuple[_Claim, ...] = ()
+    held: tuple[int, str] | None = None  # (version, manifest key) its reference copy is at
+    known: int | None = None  # the last version this rank saw committed
+    step: int | None = None
+    anchor: bool = False
+    error: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Step 2: what rank 0 decided, or the error every rank raises."""
+
+    version: int = 0
+    attempt: str = ""
+    kind: str = "anchor"
+    has_base: bool = False
+    lineage: str | None = None
+    layout_ref: ObjectRef | None = None
+    error: tuple[str, str] | None = None
+
+
+def _error_of(e: BaseException) -> tuple[str, str]:
+    return (type(e).__name__, str(e))
+
+
+def _raise(error: tuple[str, str], *, default: type[DeltastoreError] = PartFailedError) -> None:
+    """Raise an error reported by another rank: its own deltastore class when it has one (so a
+    ConflictError or FencedError reads the same on every rank), else ``default``."""
+    name, message = error
+    cls = getattr(_errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, DeltastoreError):
+        try:
+            raise cls(message)
+        except TypeError:  # a class whose constructor wants more than a message
+            pass
+    raise default(f"{name}: {message}")
+
+
+def chunk_rows_for(row_bytes: int, rows: int, bounds: Sequence[int], chunk_bytes: int) -> int:
+    """Rows per chunk of a tensor split at ``bounds``: about ``chunk_bytes`` per chunk, and a
+    divisor of every boundary, so that no chunk crosses a piece (SPEC §2; this release reads
+    aligned pieces only). FSDP2's boundaries are multiples of ceil(rows / world)."""
+    target = max(1, chunk_bytes // max(1, row_bytes))
+    target = max(1, min(target, rows)) if rows else 1
+    if not bounds:
+        return target
+    g = 0
+    for b in bounds:
+        g = math.gcd(g, b)
+    best = 1
+    d = 1
+    while d * d <= g:
+        if g % d == 0:
+            for c in (d, g // d):
+                if c <= target and c > best:
+                    best = c
+        d += 1
+    return best
+
+
+def plan_layout(reports: Sequence[_Report], world: int, chunk_bytes: int) -> Layout:
+    """The sharded layout every rank computes from the same reports (step 1): tensors in the
+    order ranks 0, 1, … list them, each tensor's pieces and the part (rank) of each piece.
+
+    Rows claimed by several ranks alike (replicated tensors, whole tensors every rank passes)
+    are owned by the lowest of them. Raises ShardMismatchError, naming the tensor and ranks,
+    when ranks disagree on a dtype or shape, or when rows are claimed by no rank or by
+    overlapping ranges.
+    """
+    order: dict[str, list[tuple[int, _Claim]]] = {}
+    for r in sorted(reports, key=lambda r: r.rank):
+        for c in r.claims:
+            order.setdefault(c.name, []).append((r.rank, c))
+    names, dtypes, shapes, rows_col, pieces, owners_col = [], [], [], [], [], []
+    for name, claims in order.items():
+        rank0, first = claims[0]
+        for rank, c in claims[1:]:
+            if (c.dtype, c.shape) != (first.dtype, first.shape):
+                raise ShardMismatchError(f"tensor {name!r} is {first.dtype}{list(first.shape)} on rank {rank0} but "
+                                         f"{c.dtype}{list(c.shape)} on rank {rank}: the ranks disagree on the layout")
+        extent = first.shape[0] if first.shape else 1
+        ranges: dict[tuple[int, int], int] = {}
+        for rank, c in claims:
+            if c.start < c.stop or extent == 0:
+                ranges.setdefault((c.start, c.stop), rank)  # the lowest rank owns a replicated range
+        pos, bounds, owners = 0, [], []
+        for (start, stop), rank in sorted(ranges.items()):
+            if start != pos:
+                what = f"rows [{pos}, {start}) are held by no rank" if start > pos else (
+                    f"rows [{start}, {min(stop, pos)}) are claimed twice (rank {rank} and rank {owners[-1]})")
+                raise ShardMismatchError(f"tensor {name!r} {list(first.shape)}: {what}: the ranks disagree on who owns which rows")
+            if owners:
+                bounds.append(start)
+            owners.append(rank)
+            pos = stop
+        if pos != extent or not owners:
+            raise ShardMismatchError(f"tensor {name!r} {list(first.shape)}: rows [{pos}, {extent}) are held by no rank")
+        row_bytes = math.prod(first.shape[1:]) * torch.empty((), dtype=getattr(torch, first.dtype)).element_size()
+        names.append(name)
+        dtypes.append(first.dtype)
+        shapes.append(first.shape)
+        rows_col.append(chunk_rows_for(row_bytes, extent, bounds, chunk_bytes))
+        pieces.append(tuple(bounds))
+        owners_col.append(tuple(owners))
+    n = len(names)
+    layout = Layout(schema=3, name=tuple(names), dtype=tuple(dtypes), shape=tuple(shapes), chunk_rows=tuple(rows_col),
+                    chunk_cols=(0,) * n, pieces=tuple(pieces), piece_parts=tuple(owners_col), parts=world)
+    return layout
+
+
+def _local_shard(name: str, t: Any) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """``(local rows, first row, global shape)`` of one state value on this rank."""
+    if isinstance(t, Rows):
+        local = t.local
+        shape = (t.rows, *local.shape[1:])
+        if local.dim() == 0 or not 0 <= t.start <= t.start + local.shape[0] <= t.rows:
+            raise InvalidStateDictError(f"tensor {name!r}: Rows(start={t.start}, rows={t.rows}) with local shape "
+                                        f"{list(local.shape)} is not a row range of a {t.rows}-row tensor")
+        return local, t.start, shape
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed tensors
+        DTensor = ()  # type: ignore[assignment]
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
+
+        for p in t.placements:
+            if not isinstance(p, (Replicate, Shard)) or (isinstance(p, Shard) and p.dim != 0):
+                raise InvalidStateDictError(f"tensor {name!r} is a DTensor placed {t.placements}: deltastore publishes "
+                                            "row shards (Shard(0)) and replicas; column shards need a chunk grid (a later release)")
+        shape = tuple(t.shape)
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        if tuple(local.shape) != tuple(local_shape):
+            raise InvalidStateDictError(f"tensor {name!r}: its local shard is {list(local.shape)}, not the "
+                                        f"{list(local_shape)} its placement {t.placements} implies (padded?)")
+        return local, (offset[0] if shape else 0), shape
+    if isinstance(t, torch.Tensor):
+        return t, 0, tuple(t.shape)
+    raise InvalidStateDictError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor, DTensor or Rows")
+
+
+class ShardedPublisher:
+    """Publishes versions of a model whose rows are spread over the ranks of a process group.
+
+    Create one on every rank with the same ``url`` and ``group``; call :meth:`publish` on
+    every rank for each version, in the same order (it is a collective). Each rank passes only
+    what it holds: plain tensors (owned whole), :class:`Rows` (a row range of a larger tensor),
+    or FSDP2 parameters (DTensors sharded on dimension 0; their ``to_local()`` rows are read,
+    never gathered). Rows several ranks pass alike (replicas, buffers every rank holds) are
+    published by the lowest of them. A rank keeps a reference copy of its own rows only.
+
+    The version becomes visible by one HEAD compare-and-swap on rank 0, after every rank's part
+    is stored; until then nothing is visible, whatever fails. Readers need nothing special: a
+    :class:`~deltastore.pull.Subscriber` reads a sharded version whole, bit-exactly.
+
+    Args:
+        url: the store URL (as for :class:`~deltastore.publish.Publisher`).
+        group: the ``torch.distributed`` process group (default: the world). Object
+            collectives over it carry a few small Python objects per publish.
+        storage_options: passed to the storage backend.
+        anchor_every, anchor_policy, anchor_cost_ratio, max_attempt_s, takeover,
+            allow_unsafe_store, signing_key, dtype: as for Publisher (rank 0 decides anchors,
+            claims the store and signs; ``dtype`` casts floating tensors on every rank).
+        writer_id: this rank's id (default ``host-pid-random``); recorded in its part.
+        threads: encode threads per rank (default: this process's cores).
+        chunk_bytes: target chunk size (default 16 MiB); chunk rows also divide every piece
+            boundary, so no chunk crosses two ranks' rows.
+
+    A restarted ShardedPublisher holds no reference copy, so its first version is an anchor
+    (there is no resume from the store: that would read every rank's rows back).
+
+    Raises:
+        ShardMismatchError: (from publish) the ranks disagree on the layout, step or version.
+        PartFailedError: (from publish) another rank failed; nothing was committed.
+        Everything Publisher raises, on rank 0 and (re-raised by class) on the other ranks.
+
+    Example::
+
+        dist.init_process_group("gloo")
+        fully_shard(model)
+        pub = ShardedPublisher("s3://bucket/run", dtype=torch.bfloat16)
+        for step in range(steps):
+            train_step()
+            pub.publish(model.state_dict(), step=step)  # every rank; DTensor shards, no gather
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        anchor_every: int | None = None,
+        anchor_policy: Any = None,
+        anchor_cost_ratio: float = 1.0,
+        max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S,
+        takeover: bool = True,
+        writer_id: str | None = None,
+        threads: int | None = None,
+        chunk_bytes: int = CHUNK_TARGET_BYTES,
+        allow_unsafe_store: bool = False,
+        signing_key: Any = None,
+        dtype: torch.dtype | None = None,
+    ):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedPublisher needs torch.distributed initialised (init_process_group) on every rank")
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-r{self.rank}"
+        self.chunk_bytes = chunk_bytes
+        self.dtype = dtype
+        self.threads = threads or default_threads()
+        self.max_attempt_s = max_attempt_s
+        self._coordinator = None
+        self._closed = False
+        self._reference: dict[str, torch.Tensor] | None = None  # this rank's rows of the held version
+        self._held: tuple[int, str] | None = None  # (version, manifest key) of the reference
+        self._layout: Layout | None = None
+        self._known: int | None = None
+        error: tuple[str, str] | None = None
+        try:
+            if self.rank == COORDINATOR:
+                from deltastore.publish import Publisher
+
+                # Rank 0's HEAD side is an ordinary publisher's (claim, fencing, anchors, back,
+                # lost responses); it never encodes a state itself.
+                self._coordinator = Publisher(
+                    url, storage_options=storage_options, anchor_every=anchor_every, anchor_policy=anchor_policy,
+                    anchor_cost_ratio=anchor_cost_ratio, max_attempt_s=max_attempt_s, takeover=takeover,
+                    writer_id=self.writer_id, threads=1, chunk_bytes=chunk_bytes, allow_unsafe_store=allow_unsafe_store,
+                    resume=False, signing_key=signing_key, skip_unchanged=False,
+                )
+                self.store = self._coordinator.store
+            else:
+                self.store = open_store(url, storage_options=dict(storage_options or {}))
+        except BaseException as e:  # noqa: BLE001 - every rank learns it below, then it is raised
+            error = _error_of(e)
+            self._open_error: BaseException | None = e
+        else:
+            self._open_error = None
+        # Every rank opens or none does: a rank left waiting in the first publish would hang.
+        errors = self._all_gather(error)
+        if any(errors):
+            self._release()
+            if self._open_error is not None:
+                raise self._open_error
+            _raise(next(e for e in errors if e is not None))
+        self.url = self.store.url
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
+        self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")
+
+    # --- collectives ------------------------------------------------------------------------
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        try:
+            self._dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:  # gloo/NCCL: a rank died or the group timed out
+            raise PartFailedError(f"a rank of the sharded publisher of {getattr(self, 'url', '?')} was lost ({e}); "
+                                  "nothing was committed by this step") from e
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        try:
+            self._dist.broadcast_object_list(box, src=self._global(COORDINATOR), group=self.group)
+        except RuntimeError as e:
+            raise PartFailedError(f"a rank of the sharded publisher of {self.url} was lost ({e}); "
+                                  "nothing was committed unless rank 0 reports otherwise") from e
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world if self.rank == COORDINATOR else None
+        try:
+            self._dist.gather_object(obj, out, dst=self._global(COORDINATOR), group=self.group)
+        except RuntimeError as e:
+            raise PartFailedError(f"a rank of the sharded publisher of {self.url} was lost ({e}); nothing was committed") from e
+        return out
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else self._dist.get_global_rank(self.group, rank)
+
+    # --- publish ----------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The latest version this rank saw committed (0 before the first)."""
+        return self._known or 0
+
+    def publish(self, state_dict: Mapping[str, Any] | torch.nn.Module, *, step: int | None = None,
+                metadata: Mapping[str, Any] | None = None, anchor: bool = False) -> VersionInfo:
+        """Commit this rank's rows, with every other rank's, as the next version (a collective).
+
+        Args:
+            state_dict: what this rank holds: name → tensor, :class:`Rows` or DTensor (or an
+                FSDP2-sharded ``nn.Module``). The tensors must not change while this runs.
+            step: the trainer's step; every rank must pass the same.
+            metadata: user JSON, taken from rank 0.
+            anchor: write a full snapshot (any rank asking is enough).
+
+        Returns:
+            The committed version's VersionInfo (the same on every rank).
+
+        Raises:
+            ShardMismatchError: ranks disagree on a tensor's dtype/shape, who owns which rows,
+                the step, or the version they hold; nothing was written.
+            PartFailedError: another rank failed or was lost; nothing was committed.
+            InvalidStateDictError, StorageError, ConflictError, FencedError, ...: as Publisher
+                (this rank's own failure, or rank 0's commit outcome).
+        """
+        if self._closed:
+            raise _errors.StorageError(f"sharded publisher for {self.url} is closed")
+        # --- 1: what each rank holds ---
+        local: dict[str, tuple[torch.Tensor, int]] = {}
+        report: _Report
+        try:
+            from deltastore.publish import _int_step, _json_metadata
+
+            step = _int_step(step)
+            meta = _json_metadata(metadata) if self.rank == COORDINATOR else {}
+            claims = []
+            state = state_dict.state_dict() if isinstance(state_dict, torch.nn.Module) else state_dict
+            if not isinstance(state, Mapping) or not state:
+                raise InvalidStateDictError("expected a non-empty state dict (name → tensor, Rows or DTensor)")
+            for name, value in state.items():
+                t, start, shape = _local_shard(name, value)
+                if self.dtype is not None and t.is_floating_point():
+                    t = t.detach().to(self.dtype)
+                validate_state_dict({name: t})
+                claims.append(_Claim(name, dtype_name(t.dtype), shape, start, start + (t.shape[0] if t.dim() else 1)))
+                local[name] = (t, start)
+            report = _Report(self.rank, tuple(claims), self._held, self._known, step, anchor)
+        except Exception as e:  # noqa: BLE001 - told to every rank, raised below
+            report = _Report(self.rank, error=_error_of(e))
+            own: BaseException | None = e
+        else:
+            own = None
+        reports: list[_Report] = self._all_gather(report)
+        failed = [r for r in reports if r.error is not None]
+        if failed:
+            if own is not None:
+                raise own
+            _raise(failed[0].error, default=PartFailedError)  # type: ignore[arg-type]
+        layout = plan_layout(reports, self.world, self.chunk_bytes)  # the same verdict on every rank
+        steps = {r.step for r in reports}
+        if len(steps) > 1:
+            raise ShardMismatchError(f"the ranks publish different steps {sorted(map(str, steps))}: every rank must "
+                                     "call publish for the same step")
+        known = {r.known for r in reports if r.known is not None}
+        if len(known) > 1:
+            raise ShardMismatchError(f"the ranks hold different versions {sorted(known)} of {self.url}: a rank missed a "
+                                     "publish; nothing was written")
+        mine = self._owned(layout, local)
+
+        # --- 2: rank 0 plans the version ---
+        # The attempt deadline runs from before its first write (the layout object, on rank 0).
+        deadline = time.monotonic() + self.max_attempt_s
+        plan: _Plan | None = None
+        if self.rank == COORDINATOR:
+            try:
+                plan = self._plan(reports, layout, anchor=any(r.anchor for r in reports))
+            except Exception as e:  # noqa: BLE001
+                plan = _Plan(error=_error_of(e))
+                own = e
+        plan = self._broadcast(plan)
+        assert plan is not None
+        if plan.error is not None:
+            self._drop()
+            if own is not None:
+                raise own
+            _raise(plan.error)
+
+        # --- 3: encode and upload this rank's part ---
+        result: tuple[str, Any]
+        try:
+            result = ("ok", self._write_part(plan, layout, mine))
+        except Exception as e:  # noqa: BLE001
+            result = ("error", _error_of(e))
+            own = e
+        except BaseException as e:  # KeyboardInterrupt & co: tell the others, then leave
+            self._drop()
+            self._gather(("error", _error_of(e)))
+            raise
+
+        # --- 4 and 5: rank 0 joins the parts and commits ---
+        parts = self._gather(result)
+        outcome: tuple[str, Any] = ("error", ("PartFailedError", "no outcome"))
+        if self.rank == COORDINATOR:
+            assert parts is not None
+            bad = [(r, p[1]) for r, p in enumerate(parts) if p[0] != "ok"]
+            if bad:
+                why = f"part {bad[0][0]} of version {plan.version} failed ({bad[0][1][0]}: {bad[0][1][1]}); nothing was committed"
+                outcome = ("error", ("PartFailedError", why))
+            else:
+                try:
+                    outcome = ("ok", self._commit(plan, layout, [p[1] for p in parts], reports, meta, step, deadline))
+                except Exception as e:  # noqa: BLE001
+                    outcome = ("error", _error_of(e))
+                    own = e
+        outcome = self._broadcast(outcome)
+        if outcome[0] != "ok":
+            self._drop()
+            if own is not None:
+                raise own
+            _raise(outcome[1])
+        info: VersionInfo = outcome[1]
+        self._known = info.version
+        self._held = (info.version, info.manifest)
+        self._layout = layout
+        if not plan.has_base:  # an anchor without a base: these rows are the reference from now on
+            self._reference = {n: t.detach().to("cpu", copy=True) for n, t in mine.items()}
+        return info
+
+    def _owned(self, layout: Layout, local: Mapping[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+        """The rows this rank publishes: those of the pieces the layout gives it."""
+        out: dict[str, torch.Tensor] = {}
+        for i, name in enumerate(layout.name):
+            if name not in local:
+                continue
+            t, start = local[name]
+            bounds = (0, *(layout.pieces[i] or ()))
+            for b, owner in zip(bounds, layout.piece_parts[i] or ()):
+                if owner == self.rank and b == start:
+                    out[name] = t
+        return out
+
+    def _drop(self) -> None:
+        """Forget the reference copy: encoding advances it in place, so after a failure it
+        matches no version (SPEC §5 step 7); the next version is an anchor."""
+        self._reference = None
+        self._held = None
+
+    def _plan(self, reports: Sequence[_Report], layout: Layout, *, anchor: bool) -> _Plan:
+        """Rank 0: read HEAD, decide the version, its kind and attempt; write a new layout."""
+        pub = self._coordinator
+        assert pub is not None
+        if pub._commits.prepare():
+            pub._tip = None
+        head = pub._head
+        head_key = head.manifest if head is not None else None
+        tip = pub._current_tip()
+        version = pub.version + 1
+        # A delta needs every rank's reference at HEAD's version and HEAD's layout.
+        has_base = (
+            head_key is not None and tip is not None and tip.layout == layout
+            and all(r.held == (head.version, head_key) for r in reports)  # type: ignore[union-attr]
+        )
+        pub._specs = pub._reference = None  # only for _anchor_reason's wording of "no base"
+        why = pub._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
+        attempt = new_attempt_id()
+        if tip is not None and tip.layout is not None and tip.layout == layout:
+            layout_ref = tip.layout_ref
+        else:
+            layout_ref = pub._write_layout(attempt, layout)
+        logger.info("sharded version %d of %s: %s over %d parts%s", version, self.url, "anchor" if why else "delta",
+                    self.world, f" ({why})" if why else "")
+        return _Plan(version=version, attempt=attempt, kind="anchor" if why else "delta", has_base=has_base,
+                     lineage=pub._commits.lineage_for_commit(), layout_ref=layout_ref)
+
+    def _write_part(self, plan: _Plan, layout: Layout, mine: Mapping[str, torch.Tensor]) -> tuple[PartRef, bytes, list[str], Stats]:
+        """Step 3: encode this rank's rows (chunk indices of the whole tensor), upload the
+        packs and the part manifest under the attempt."""
+        index = {n: i for i, n in enumerate(layout.name)}
+        specs: dict[str, TensorSpec] = {}
+        first_chunk: dict[str, int] = {}
+        for name, t in mine.items():
+            i = index[name]
+            rows = layout.chunk_rows[i]
+            bounds = (0, *(layout.pieces[i] or ()))
+            start = bounds[(layout.piece_parts[i] or ()).index(self.rank)] if layout.pieces[i] else 0
+            specs[name] = TensorSpec(name, layout.dtype[i], tuple(t.shape), rows)
+            first_chunk[name] = start // rows
+        reference = self._reference if plan.has_base else None
+        if plan.has_base and (reference is None or set(reference) != set(mine)):
+            raise ShardMismatchError(f"rank {self.rank} holds no reference copy of its rows for version {plan.version - 1}")
+        state = {n: t for n, t in mine.items()}
+        encoded = encode_version(state, specs, kind=plan.kind, reference=reference, pool=self._pool,  # type: ignore[arg-type]
+                                 uploader=self._uploader, store=self.store, threads=self.threads, attempt=plan.attempt)
+        tensors = []
+        changed = []
+        for e in encoded.entries:
+            i = index[e.name]
+            shift = first_chunk[e.name]
+            chunks = tuple(c.model_copy(update={"index": c.index + shift}) for c in e.chunks)
+            tensors.append(TensorEntry(name=e.name, dtype=e.dtype, shape=layout.shape[i], chunk_rows=e.chunk_rows, chunks=chunks))
+            if any(c.delta is not None for c in chunks):
+                changed.append(e.name)
+        assert plan.layout_ref is not None
+        data = encode_part(schema=layout.schema_, version=plan.version, part=self.rank, commit_id=plan.attempt,
+                           lineage=plan.lineage, layout_ref=plan.layout_ref, layout=layout, tensors=tensors,
+                           blobs=encoded.blobs, stats=encoded.stats)
+        digest = sha256_hex(data)
+        key = part_key(plan.attempt, self.rank, digest)
+        put_immutable(self.store, key, data, "part manifest")
+        ref = PartRef(part=self.rank, key=key, sha256=digest, writer=self.writer_id, bytes=encoded.stats.bytes_stored)
+        return ref, data, changed, encoded.stats
+
+    def _commit(self, plan: _Plan, layout: Layout, parts: Sequence[Any], reports: Sequence[_Report],
+                meta: dict[str, Any], step: int | None, deadline: float) -> VersionInfo:
+        """Rank 0, step 5: join and check the parts, write the version manifest, CAS HEAD."""
+        pub = self._coordinator
+        assert pub is not None
+        tip = pub._current_tip()
+        head = pub._head
+        refs = [p[0] for p in parts]
+        stats_of: list[Stats] = [p[3] for p in parts]
+        changed = {n for p in parts for n in p[2]}
+        delta_bytes = sum(s.delta_bytes or 0 for s in stats_of)
+        full_bytes = sum(s.full_bytes or 0 for s in stats_of)
+        restart = not plan.has_base or tip is None or not tip.schema3
+        chain_start = plan.version if restart else tip.chain_start  # type: ignore[union-attr]
+        cum = 0 if restart else tip.cum + delta_bytes  # type: ignore[union-attr]
+        kind = plan.kind
+        total = len(layout.name)
+        stats = Stats(
+            bytes_stored=delta_bytes + full_bytes, delta_bytes=delta_bytes, full_bytes=full_bytes, cum_delta_bytes=cum,
+            tensors_changed=total if kind == "anchor" and not plan.has_base else len(changed),
+            elements_changed=sum(s.elements_changed for s in stats_of),
+            tensors_total=total, elements_total=sum(math.prod(s) for s in layout.shape),
+        )
+        parent_key = head.manifest if head is not None else None
+        header = Manifest(
+            schema=layout.schema_, version=plan.version,
+            parent=head.version if head is not None and head.version else None, parent_manifest=parent_key,
+            kind=kind, anchor=plan.version if kind == "anchor" else tip.anchor,  # type: ignore[union-attr]
+            delta_base=head.version if plan.has_base and head is not None else None,
+            step=step, created=now(), writer=self.writer_id, epoch=pub.epoch, commit_id=plan.attempt, metadata=meta,
+            stats=stats, parts=tuple(refs), lineage=plan.lineage,
+            anchor_manifest=None if kind == "anchor" else tip.anchor_key,  # type: ignore[union-attr]
+            back=pub._back_for(plan.version, parent_key), chain_start=chain_start, layout=plan.layout_ref,
+            max_attempt_s=math.ceil(self.max_attempt_s),
+        )
+        datas = {p[0].key: p[1] for p in parts}
+        manifest = join_parts(header, layout, datas)  # the reader's checks, before anything is visible
+        if pub._signing_key is not None:
+            from deltastore.signing import sign_manifest
+
+            manifest = sign_manifest(manifest, pub._signing_key)
+        data = encode_manifest(manifest, layout, datas)
+        digest = sha256_hex(data)
+        mkey = manifest_key(plan.version, digest)
+        put_immutable(self.store, mkey, data, "manifest")
+        pub._commits.commit(Head(
+            version=plan.version, manifest=mkey, manifest_sha256=digest, commit_id=plan.attempt, writer=self.writer_id,
+            epoch=pub.epoch, updated=manifest.created, lineage=plan.lineage, index=head.index if head is not None else None,
+        ), deadline=deadline)
+        if pub._commits.superseded:  # landed, but another writer is on top: no rank's reference is HEAD's
+            pub._commits.superseded = False
+        pub._remember(mkey, manifest)
+        pub._tip = None  # read back from the manifest next time (cheap: one object, cached)
+        if kind == "anchor":
+            pub._anchor_version = plan.version
+        logger.info("published sharded version %d (%s, %d parts): %d bytes (%d delta, %d full)", plan.version, kind,
+                    len(refs), stats.bytes_stored, delta_bytes, full_bytes)
+        return VersionInfo.from_manifest(manifest, mkey)
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release threads and the store (not a collective). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._uploader.shutdown(wait=True)
+        self._release()
+
+    def _release(self) -> None:
+        self._reference = None
+        if self._coordinator is not None:
+            self._coordinator.close()
+            self._coordinator = None
+        elif getattr(self, "store", None) is not None:
+            self.store.close()
+
+    def __enter__(self) -> ShardedPublisher:  # noqa: PYI034 - as Publisher
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

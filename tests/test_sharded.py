@@ -1,0 +1,564 @@
+"""Sharded publishing (SPEC §8, design 010): ranks of a gloo process group each publish their
+rows; an unsharded Subscriber reads every version whole, bit-exactly.
+
+Each test starts real processes (spawn) with torch.distributed over 127.0.0.1; the ranks write
+their outcome to files the test reads. Kept small: the CI machine may have two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deltastore import Subscriber
+from deltastore.errors import PartFailedError, ShardMismatchError
+from deltastore.manifest import HEAD_KEY
+from deltastore.storage import open_store
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+
+#: Seconds a test waits for its ranks: spawning imports torch in each (a few seconds on 2 cores).
+RANKS_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def full_model(version: int) -> dict[str, torch.Tensor]:
+    """The whole model at ``version`` (every rank and the test compute the same): a few
+    elements change per version, as in RL steps."""
+    g = torch.Generator().manual_seed(1234)
+    state = {
+        "a": torch.randn(10, 6, generator=g).to(torch.bfloat16),  # split by rows
+        "b": torch.randn(5, generator=g),  # whole, on the last rank
+        "c": torch.randint(0, 100, (7, 3), generator=g, dtype=torch.int32),  # whole, on rank 0
+        "s": torch.tensor(3.5),  # 0-d, passed by every rank (replicated)
+    }
+    for v in range(2, version + 1):
+        g2 = torch.Generator().manual_seed(v)
+        for name in ("a", "b", "c"):
+            flat = state[name].view(-1)
+            idx = torch.randint(0, flat.numel(), (3,), generator=g2)
+            flat[idx] = flat[idx] + (1 if name == "c" else 0.5)
+    return state
+
+
+def rank_state(version: int, rank: int, world: int) -> dict[str, Any]:
+    """What rank ``rank`` holds of version ``version``: FSDP-like row shards of ``a``."""
+    from deltastore.sharded import Rows
+
+    full = full_model(version)
+    per = -(-10 // world)  # ceil, as FSDP2's torch.chunk
+    start, stop = min(rank * per, 10), min((rank + 1) * per, 10)
+    out: dict[str, Any] = {"a": Rows(full["a"][start:stop].clone(), start, 10), "s": full["s"]}
+    if rank == 0:
+        out["c"] = full["c"]
+    if rank == world - 1:
+        out["b"] = full["b"]
+    return out
+
+
+# --- the rank side ----------------------------------------------------------------------------
+
+#: The store's storage options in a rank process (set by _rank_main: an S3 endpoint, keys).
+_OPTIONS: dict[str, Any] | None = None
+
+
+def _rank_main(rank: int, world: int, port: int, url: str, scenario: str, out: str,
+               options: dict[str, Any] | None = None) -> None:
+    import torch.distributed as dist
+
+    global _OPTIONS
+    _OPTIONS = options
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        result.update(SCENARIOS[scenario](rank, world, url))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result["error"] = (type(e).__name__, str(e), traceback.format_exc())
+    finally:
+        Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _publish_versions(rank: int, world: int, url: str, versions: range) -> dict[str, Any]:
+    from deltastore.sharded import ShardedPublisher
+
+    infos = []
+    with ShardedPublisher(url, threads=1, anchor_every=3, storage_options=_OPTIONS) as pub:
+        for v in versions:
+            info = pub.publish(rank_state(v, rank, world), step=v, metadata={"v": v})
+            infos.append((info.version, info.kind))
+    return {"infos": infos}
+
+
+def _scenario_versions(rank: int, world: int, url: str) -> dict[str, Any]:
+    return _publish_versions(rank, world, url, range(1, 5))
+
+
+def _scenario_disagree(rank: int, world: int, url: str) -> dict[str, Any]:
+    from deltastore.sharded import Rows, ShardedPublisher
+
+    out: dict[str, Any] = {}
+    with ShardedPublisher(url, threads=1) as pub:
+        t = torch.zeros(4, 3 if rank == 0 else 2)
+        for what, state, step in (
+            ("shape", {"x": t}, 1),  # rank 0: [4,3] and rank 1: [4,2] under one name, both whole
+            ("overlap", {"x": Rows(torch.zeros(3, 2), 0 if rank == 0 else 2, 5)}, 1),
+            ("gap", {"x": Rows(torch.zeros(2, 2), 0 if rank == 0 else 3, 5)}, 1),
+            ("step", {"x": torch.zeros(2)}, rank),
+        ):
+            try:
+                pub.publish(state, step=step)
+                out[what] = None
+            except ShardMismatchError as e:
+                out[what] = str(e)
+        # agreeing ranks then commit
+        out["ok"] = pub.publish({"x": Rows(torch.full((2, 2), float(rank)), 2 * rank, 4)}, step=9).version
+        if rank == 1:  # as if rank 1 had missed a publish: the ranks disagree on the version
+            pub._known = 7
+        try:
+            pub.publish({"x": Rows(torch.full((2, 2), 5.0), 2 * rank, 4)}, step=10)
+            out["version"] = None
+        except ShardMismatchError as e:
+            out["version"] = str(e)
+    return out
+
+
+def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Rank 1 fails while writing its part of version 2; nothing is committed; the retry does."""
+    from deltastore import sharded
+
+    out: dict[str, Any] = {}
+    with sharded.ShardedPublisher(url, threads=1) as pub:
+        pub.publish(rank_state(1, rank, world), step=1)
+        real = sharded.encode_part
+        if rank == 1:
+            def broken(**kw: Any) -> bytes:
+                raise OSError("disk full (injected)")
+            sharded.encode_part = broken
+        try:
+            pub.publish(rank_state(2, rank, world), step=2)
+        except (PartFailedError, OSError) as e:
+            out["failure"] = type(e).__name__
+        sharded.encode_part = real
+        out["head_after_failure"] = _head_version(url)
+        info = pub.publish(rank_state(2, rank, world), step=2)
+        out["retry"] = (info.version, info.kind)
+    return out
+
+
+def _scenario_killed(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Rank 1 is SIGKILLed after uploading its packs, before its part manifest."""
+    from deltastore import sharded
+
+    out: dict[str, Any] = {}
+    with sharded.ShardedPublisher(url, threads=1) as pub:
+        pub.publish(rank_state(1, rank, world), step=1)
+        if rank == 1:
+            def die(**kw: Any) -> bytes:
+                os.kill(os.getpid(), signal.SIGKILL)
+                raise AssertionError("unreachable")
+            sharded.encode_part = die
+        try:
+            pub.publish(rank_state(2, rank, world), step=2)
+            out["published"] = True
+        except PartFailedError as e:
+            out["failure"] = str(e)
+    return out
+
+
+def _scenario_fsdp(rank: int, world: int, url: str) -> dict[str, Any]:
+    """A real FSDP2 module (fully_shard on CPU): its DTensor local shards are published."""
+    from torch.distributed.fsdp import fully_shard
+
+    from deltastore.sharded import ShardedPublisher
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fulls = []
+    with ShardedPublisher(url, threads=1, dtype=torch.bfloat16) as pub:
+        for step in range(3):
+            sd = model.state_dict()
+            assert any(type(v).__name__ == "DTensor" for v in sd.values())
+            info = pub.publish(sd, step=step)
+            # for the test only: the whole model, as a reader should see it
+            fulls.append((info.version, {k: v.full_tensor().detach().to(torch.bfloat16).clone() for k, v in sd.items()}))
+            loss = model(torch.randn(4, 12)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {"fulls": fulls if rank == 0 else None}
+
+
+def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Rank 0 signs the joined form of each sharded version (SPEC §3.1, §8)."""
+    from deltastore.sharded import ShardedPublisher
+
+    key = Path(url.removeprefix("file://")).parent / "key.pem"
+    with ShardedPublisher(url, threads=1, signing_key=key) as pub:
+        for v in (1, 2):
+            pub.publish(rank_state(v, rank, world), step=v)
+    return {}
+
+
+SCENARIOS = {
+    "signed": _scenario_signed,
+    "versions": _scenario_versions,
+    "disagree": _scenario_disagree,
+    "fail_then_retry": _scenario_fail_then_retry,
+    "killed": _scenario_killed,
+    "fsdp": _scenario_fsdp,
+}
+
+
+def _head_version(url: str) -> int:
+    store = open_store(url)
+    try:
+        return json.loads(store.get(HEAD_KEY))["version"]
+    finally:
+        store.close()
+
+
+def run_ranks(world: int, url: str, scenario: str, tmp: Path, options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``world`` spawned ranks; their results (a killed rank: exit code)."""
+    out = tmp / f"out-{scenario}-{world}-{os.urandom(4).hex()}"
+    out.mkdir()
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, url, scenario, str(out), options)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(RANKS_TIMEOUT_S)
+    results = []
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join()
+            results.append({"rank": r, "hung": True})
+            continue
+        f = out / f"rank{r}.pkl"
+        results.append(pickle.loads(f.read_bytes()) if f.exists() else {"rank": r, "exitcode": p.exitcode})
+    return results
+
+
+def _ok(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert "error" not in r and "hung" not in r and "exitcode" not in r, r
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
+
+
+# --- tests ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_publish_rows_and_whole_tensors(tmp_path: Path, world: int) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(world, url, "versions", tmp_path)
+    _ok(results)
+    kinds = [k for _, k in results[0]["infos"]]
+    assert kinds == ["anchor", "delta", "delta", "anchor"]  # anchor_every=3
+    assert all(r["infos"] == results[0]["infos"] for r in results)
+    with Subscriber(url) as sub:
+        for v in range(1, 5):
+            _assert_equal(sub.pull(v), full_model(v))
+            m = sub._history.manifest(sub.info(v).manifest)
+            assert len(m.parts) == world and not any(p is None for p in m.parts)
+        # an unsharded subscriber fast-forwards in place across sharded deltas and an anchor
+        target = sub.pull(1)
+        sub.pull_into(target, 3)
+        _assert_equal(target, full_model(3))
+        sub.pull_into(target)
+        _assert_equal(target, full_model(4))
+        assert sub.info(4).metadata == {"v": 4} and sub.info(4).step == 4
+    layout_parts = open_store(url).list("objects/")
+    assert sum(1 for o in layout_parts if o.key.endswith(".part.json.zst")) == 4 * world
+
+
+def test_two_ranks_over_s3(tmp_path: Path, moto_s3_url: Any) -> None:
+    """The same protocol against a real S3 server (moto): conditional writes, HTTP."""
+    target = moto_s3_url
+    _ok(run_ranks(2, target.url, "versions", tmp_path, target.storage_options))
+    with Subscriber(target.url, storage_options=target.storage_options) as sub:
+        target_state = sub.pull(1)
+        sub.pull_into(target_state, 2)
+        staged = sub.stage(target_state, 4)  # what follow() does: prepare while serving, then swap
+        assert staged is not None
+        sub.swap(staged, target_state)
+        _assert_equal(target_state, full_model(4))
+
+
+def test_disagreeing_ranks_commit_nothing(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "disagree", tmp_path)
+    _ok(results)
+    for r in results:
+        assert "disagree on the layout" in r["shape"]
+        assert "claimed twice" in r["overlap"]
+        assert "held by no rank" in r["gap"]
+        assert "different steps" in r["step"]
+        assert r["ok"] == 1  # nothing was committed before
+        assert "different versions [1, 7]" in r["version"]
+    assert _head_version(url) == 1  # the version disagreement committed nothing either
+    with Subscriber(url) as sub:
+        assert sub.pull(1)["x"].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
+
+
+def test_failed_part_commits_nothing_and_retry_commits(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "fail_then_retry", tmp_path)
+    _ok(results)
+    assert results[0]["failure"] == "PartFailedError" and results[1]["failure"] == "OSError"
+    assert all(r["head_after_failure"] == 1 for r in results)
+    assert results[0]["retry"] == (2, "anchor")  # rank 1 dropped its reference: an anchor
+    with Subscriber(url) as sub:
+        _assert_equal(sub.pull(2), full_model(2))
+
+
+def test_killed_rank_leaves_nothing_visible_and_a_new_group_commits(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "killed", tmp_path)
+    assert results[1].get("exitcode") == -signal.SIGKILL
+    assert "was lost" in results[0]["failure"], results[0]
+    assert _head_version(url) == 1  # nothing visible
+    store = open_store(url)
+    orphans = [o.key for o in store.list("objects/") if o.key.endswith(".pack")]
+    assert orphans  # rank 1's packs (and rank 0's part) of the lost attempt lie unreferenced
+    # the restarted job (new processes, no reference copies) commits version 2 as an anchor
+    _ok(run_ranks(2, url, "versions", tmp_path))
+    with Subscriber(url) as sub:
+        assert sub.info(2).kind == "anchor"
+        _assert_equal(sub.pull(), full_model(4))  # "versions" published its versions 1-4 as 2-5
+
+
+def test_fsdp2_module_publishes_local_shards(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "fsdp", tmp_path)
+    _ok(results)
+    with Subscriber(url) as sub:
+        for version, full in results[0]["fulls"]:
+            _assert_equal(sub.pull(version), full)
+        assert sub.info(2).kind == "delta"
+
+
+def test_compaction_and_gc_of_sharded_versions(tmp_path: Path) -> None:
+    """Compaction and GC read sharded versions through the history module: a squash over
+    sharded deltas is written and applies; GC keeps the kept versions' part manifests."""
+    from deltastore.compact import compact
+    from deltastore.gc import collect
+
+    url = f"file://{tmp_path}/store"
+    _ok(run_ranks(2, url, "versions", tmp_path))
+    report = compact(url, bases=[1], to=3)
+    assert [(s.from_, s.to) for s in report.squashes] == [(1, 3)]
+    with Subscriber(url) as sub:
+        target = sub.pull(1)
+        sub.pull_into(target, 3)
+        _assert_equal(target, full_model(3))
+    before = {o.key for o in open_store(url).list("objects/") if o.key.endswith(".part.json.zst")}
+    collect(url, keep_last=1, grace_s=0, unsafe_grace_ok=True)
+    after = {o.key for o in open_store(url).list("objects/") if o.key.endswith(".part.json.zst")}
+    assert after < before and len(after) == 2  # version 4's two parts are kept, the others collected
+    with Subscriber(url) as sub:
+        _assert_equal(sub.pull(4), full_model(4))
+
+
+def test_signed_sharded_versions_verify(tmp_path: Path) -> None:
+    from deltastore.errors import SignatureError
+    from deltastore.signing import generate_key_files
+
+    _, public = generate_key_files(tmp_path / "key.pem")
+    url = f"file://{tmp_path}/store"
+    _ok(run_ranks(2, url, "signed", tmp_path))
+    with Subscriber(url, trusted_keys=[public]) as sub:
+        _assert_equal(sub.pull(2), full_model(2))
+    _, other = generate_key_files(tmp_path / "other.pem")
+    with Subscriber(url, trusted_keys=[other]) as sub, pytest.raises(SignatureError):
+        sub.pull(2)
+
+
+# --- part manifests, checked as a reader checks them (pure: no processes) ---------------------
+
+ATTEMPT = "ab" * 16
+LINEAGE = "cd" * 16
+
+
+def _layout(parts: int = 2) -> Any:
+    from deltastore.manifest import Layout
+
+    return Layout(schema=3, name=("a", "b"), dtype=("float32", "float32"), shape=((4, 2), (3,)), chunk_rows=(2, 3),
+                  chunk_cols=(0, 0), pieces=((2,), ()), piece_parts=((0, 1), (1,)), parts=parts)
+
+
+def _part(part: int, chunks: list[tuple[str, int]], **override: Any) -> tuple[Any, bytes]:
+    """Part ``part`` of an anchor (version 1) listing ``chunks`` with full segments."""
+    import numpy as np
+
+    from deltastore import codec
+    from deltastore.manifest import (
+        BlobRef,
+        ChunkEntry,
+        ObjectRef,
+        PartRef,
+        SegmentRef,
+        Stats,
+        TensorEntry,
+        encode_part,
+        object_key,
+        part_key,
+        sha256_hex,
+    )
+    from deltastore.tensors import state_digest
+
+    layout = _layout()
+    pack = bytearray()
+    tensors = []
+    for name, index in chunks:
+        values = np.arange(4 if name == "a" else 3, dtype=np.uint32) + index
+        seg = codec.encode_full(values)
+        ref = SegmentRef(blob=0, offset=len(pack), length=len(seg.data), sha256=sha256_hex(seg.data), codec=seg.codec,
+                         n_changed=seg.n_changed)
+        pack += seg.data
+        i = layout.name.index(name)
+        tensors.append(TensorEntry(name=name, dtype="float32", shape=layout.shape[i], chunk_rows=layout.chunk_rows[i],
+                                   chunks=(ChunkEntry(index=index, digest=state_digest(values), full=ref),)))
+    digest = sha256_hex(bytes(pack))
+    blob = BlobRef(key=object_key(ATTEMPT, digest, ".pack"), size=len(pack), sha256=digest, role="f")
+    kw = {"schema": 3, "version": 1, "part": part, "commit_id": ATTEMPT, "lineage": LINEAGE,
+          "layout_ref": ObjectRef(key=object_key(ATTEMPT, "e" * 64, ".layout.json.zst"), sha256="e" * 64),
+          "layout": layout, "tensors": tensors, "blobs": (blob,), "stats": Stats()}
+    kw.update(override)
+    data = encode_part(**kw)
+    d = sha256_hex(data)
+    return PartRef(part=part, key=part_key(ATTEMPT, part, d), sha256=d, writer=f"w{part}", bytes=len(pack)), data
+
+
+def _header(refs: list[Any]) -> Any:
+    from deltastore.manifest import Manifest, ObjectRef, object_key
+
+    return Manifest(schema=3, version=1, parent=None, parent_manifest=None, kind="anchor", anchor=1, created="t",
+                    writer="w0", epoch=1, commit_id=ATTEMPT, lineage=LINEAGE, parts=tuple(refs), chain_start=1,
+                    layout=ObjectRef(key=object_key(ATTEMPT, "e" * 64, ".layout.json.zst"), sha256="e" * 64),
+                    max_attempt_s=60)
+
+
+def test_parts_join_into_one_manifest_and_round_trip() -> None:
+    from deltastore.manifest import (
+        encode_manifest,
+        join_parts,
+        manifest_key,
+        parse_manifest,
+        sha256_hex,
+    )
+
+    p0, p1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
+    parts = {p0[0].key: p0[1], p1[0].key: p1[1]}
+    m = join_parts(_header([p0[0], p1[0]]), _layout(), parts)
+    assert [t.name for t in m.tensors] == ["a", "b"] and [c.index for c in m.tensors[0].chunks] == [0, 1]
+    assert len(m.blobs) == 2 and m.tensors[0].chunks[1].full.blob == 1  # part 1's pack follows part 0's
+    assert set(m.references()) >= set(parts)  # GC keeps the part manifests
+    data = encode_manifest(m, _layout(), parts)
+    key = manifest_key(1, sha256_hex(data))
+    back = parse_manifest(data, key, layout=_layout(), parts=lambda ref: parts[ref.key])
+    assert back == m
+    with pytest.raises(ValueError, match="part manifests"):
+        parse_manifest(data, key, layout=_layout())
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("version", "version is .2., but the version says .1."),
+        ("commit_id", "commit_id is"),
+        ("lineage", "lineage is"),
+        ("layout", "layout is"),
+        ("foreign_piece", "lies in a piece of part 1"),
+        ("twice", "not sorted|listed by two parts|piece of part"),
+        ("digest", "SHA-256"),
+        ("missing_part", "0…1"),
+    ],
+)
+def test_bad_parts_are_refused(case: str, match: str) -> None:
+    from deltastore.errors import CorruptObjectError, IntegrityError
+    from deltastore.manifest import ObjectRef, join_parts, object_key
+
+    unsharded = _layout().model_copy(update={"parts": 0, "pieces": (None, None), "piece_parts": (None, None)})
+    good0, good1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
+    p0, p1 = good0, good1
+    if case == "version":
+        p1 = _part(1, [("a", 1), ("b", 0)], version=2)
+    elif case == "commit_id":
+        p1 = _part(1, [("a", 1), ("b", 0)], commit_id="ef" * 16)
+    elif case == "lineage":
+        p1 = _part(1, [("a", 1), ("b", 0)], lineage="01" * 16)
+    elif case == "layout":
+        p1 = _part(1, [("a", 1), ("b", 0)], layout_ref=ObjectRef(key=object_key(ATTEMPT, "f" * 64, ".layout.json.zst"),
+                                                                sha256="f" * 64))
+    elif case == "foreign_piece":  # part 0 writes a chunk of part 1's rows (the writer's check bypassed)
+        p0 = _part(0, [("a", 0), ("a", 1)], layout=unsharded)
+    elif case == "twice":
+        p0 = _part(0, [("a", 0), ("b", 0)], layout=unsharded)
+    elif case == "digest":
+        p1 = (p1[0], p1[1] + b"x")
+    parts = {p0[0].key: p0[1], p1[0].key: p1[1]}
+    refs = [p0[0]] if case == "missing_part" else [p0[0], p1[0]]
+    with pytest.raises((CorruptObjectError, IntegrityError), match=match):
+        join_parts(_header(refs), _layout(), parts)
+
+
+def test_writer_refuses_a_chunk_of_another_part() -> None:
+    with pytest.raises(ValueError, match="another part's piece"):
+        _part(0, [("a", 1)])
+
+
+# --- the golden sharded store (tests/golden/make_golden_sharded.py, written once at issue 12) ---
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def test_golden_sharded_store_reads_bit_exact(tmp_path: Path) -> None:
+    """Sharded versions written by the first release that wrote them are read bit for bit by
+    every later one: three parts, pieces of a row-split tensor, whole and replicated tensors,
+    anchors with and without deltas."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(GOLDEN / "store-sharded", tmp_path / "store")
+    url = f"file://{tmp_path / 'store'}"
+    with Subscriber(url) as sub:
+        m = sub._history.manifest(sub.info(2).manifest)
+        layout = sub._history.layout(m.layout)
+        assert layout.parts == 3 and [p.part for p in m.parts] == [0, 1, 2]
+        assert layout.pieces[layout.name.index("a")] == (4, 8) and layout.piece_parts[layout.name.index("a")] == (0, 1, 2)
+        for v in range(1, 5):
+            _assert_equal(sub.pull(v), load_file(str(GOLDEN / "store-sharded-expected" / f"v{v}.safetensors")))
+        target = sub.pull(1)
+        sub.pull_into(target, 4)
+        _assert_equal(target, load_file(str(GOLDEN / "store-sharded-expected" / "v4.safetensors")))
+        assert not sub.verify().problems
