@@ -31,7 +31,8 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   └── UnknownCodecError
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
-    │       └── SiteLayoutError                   a site's result has another layout (federated)
+    │       ├── SiteLayoutError                   a site's result has another layout (federated)
+    │       └── SelectionError                    a partial pull's selection does not fit the layout
     ├── QuorumError (TimeoutError)                a federated round missed its quorum by the deadline
     ├── VersionNotFoundError (LookupError)        no such version in the store
     │   └── VersionCollectedError                 below the retention floor and not pinned
@@ -224,6 +225,11 @@ class InvalidStateDictError(DeltastoreError, ValueError):
 
 class LayoutMismatchError(InvalidStateDictError):
     """Tensor names, shapes or dtypes differ from the version this one is based on."""
+
+
+class SelectionError(LayoutMismatchError):
+    """A partial pull's selection (deltastore.select) does not fit the store's layout, or the
+    target does not hold what it selects."""
 
 
 class WrongBaseError(IntegrityError):
