@@ -37,6 +37,8 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
+from typing_extensions import Self
+
 logger = logging.getLogger(__name__)
 
 #: Bytes read from a socket at a time: small enough that pacing is smooth at 100 Mbit/s
@@ -143,7 +145,7 @@ class LinkShaper:
         assert self._server is not None, "start() the shaper first"
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def start(self) -> LinkShaper:
+    def start(self) -> Self:
         shaper = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -164,7 +166,7 @@ class LinkShaper:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> LinkShaper:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,7 +1,7 @@
 """Partial pulls (SPEC §8 "Partial pulls"): which part of a version a subscriber reads.
 
 A :class:`Selection` names tensors by pattern and may cut some of them along their first
-dimension (tensor-parallel serving: rank r of N holds rows ``[r·S/N, (r+1)·S/N)``).
+dimension (tensor-parallel serving: rank r of N holds rows ``[r·S//N, (r+1)·S//N)``).
 :func:`resolve` turns it, with a version's layout, into what a partial pull needs: per layout
 unit (a tensor or a group row, design 007) the element windows the user's tensors hold and the
 chunks that overlap them. Pure: layouts in, a :class:`Resolved` out.
@@ -34,7 +34,8 @@ class Selection:
             group rows). A tensor is selected when any pattern matches it; every pattern must
             match at least one tensor.
         shard: ``(dim, rank, world)``: cut the sharded tensors along ``dim`` and keep part
-            ``rank`` of ``world`` equal parts. Only ``dim == 0`` is supported: chunks are whole
+            ``rank`` of ``world``: rows ``[rank·S//world, (rank+1)·S//world)`` (equal parts when
+            ``world`` divides ``S``, else parts differing by at most one row). Only ``dim == 0`` is supported: chunks are whole
             rows, so a slice along another dimension would read the whole tensor anyway.
         shard_names: fnmatch patterns of the selected tensors to cut (default: every selected
             tensor with at least one dimension); the others are read whole (replicated).
@@ -106,8 +107,8 @@ def resolve(sel: Selection, units: Mapping[str, TensorSpec]) -> Resolved:
     """What ``sel`` reads of a version with layout ``units`` (tensors and group rows).
 
     Raises:
-        SelectionError: a pattern matches no tensor, a sharded tensor's ``shape[dim]`` is not a
-            multiple of ``world``, or a sharded tensor is a group member (those are small and
+        SelectionError: a pattern matches no tensor, a sharded tensor has fewer rows than
+            ``world``, or a sharded tensor is a group member (those are small and
             stored back to back with others: read them whole).
     """
     used: set[str] = set()
@@ -144,10 +145,10 @@ def resolve(sel: Selection, units: Mapping[str, TensorSpec]) -> Resolved:
             assert sel.shard is not None
             _, rank, world = sel.shard
             n = spec.shape[0]
-            if n % world:
+            if n < world:
                 raise SelectionError(
-                    f"tensor {uname!r} has {n} rows, not a multiple of {world}: rank {rank} of {world} has no equal "
-                    "slice of it (leave it out of shard_names to read it whole)"
+                    f"tensor {uname!r} has {n} rows, fewer than {world} ranks: rank {rank} would hold no row of it "
+                    "(leave it out of shard_names to read it whole)"
                 )
             lo, hi = rank * n // world, (rank + 1) * n // world
             rows[uname] = (lo, hi)

@@ -77,8 +77,8 @@ def _rows(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, torch.Ten
             sel.shard_names is None or any(fnmatch.fnmatchcase(n, p) for p in sel.shard_names))
         if cut:
             _, r, w = sel.shard
-            k = t.shape[0] // w
-            t = t[r * k : (r + 1) * k]
+            s = t.shape[0]
+            t = t[r * s // w : (r + 1) * s // w]
         out[n] = t.contiguous()
     return out
 
@@ -86,9 +86,10 @@ def _rows(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, torch.Ten
 @pytest.mark.parametrize("sel", [
     Selection(shard=(0, 1, 4)),
     Selection(shard=(0, 3, 8), shard_names=("layers.*",)),
+    Selection(shard=(0, 2, 5)),
     Selection(names=("layers.1.*", "emb"), shard=(0, 0, 2)),
     Selection(names=("layers.0.mlp.w",)),
-], ids=["rows-1of4", "rows-3of8-layers", "names+rows", "names"])
+], ids=["rows-1of4", "rows-3of8-layers", "rows-2of5-uneven", "names+rows", "names"])
 def test_partial_pull_and_pull_into_match_the_full_rows(tmp_path, sel: Selection) -> None:
     url = str(tmp_path / "store")
     states = _publish_chain(url)
@@ -174,7 +175,7 @@ def test_selections_that_do_not_fit_the_layout_are_typed_errors(tmp_path) -> Non
     with pytest.raises(SelectionError, match="rank"):
         Selection(shard=(0, 4, 4))
     for sel, match in [
-        (Selection(shard=(0, 0, 5)), "not a multiple of 5"),
+        (Selection(shard=(0, 0, 40)), "fewer than 40 ranks"),
         (Selection(names=("layers.9.*",)), "matches no tensor"),
     ]:
         with Subscriber(url, threads=2, select=sel) as sub:

@@ -21,14 +21,14 @@ PAYLOAD = bytes(range(256)) * 4096  # 1 MiB, not compressible to anything a prox
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: requests on one connection
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         n = int(self.path.strip("/") or 0)
         self.send_response(200)
         self.send_header("Content-Length", str(n))
         self.end_headers()
         self.wfile.write(PAYLOAD[:n])
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def do_PUT(self) -> None:
         n = int(self.headers["Content-Length"])
         got = self.rfile.read(n)
         body = str(len(got)).encode()
@@ -107,9 +107,8 @@ def test_loss_caps_one_connection_at_the_mathis_rate(upstream: str) -> None:
 
 
 def test_resets_happen_at_their_rate(upstream: str) -> None:
-    with LinkShaper(upstream, Link(reset_rate=1.0)) as shaper:
-        with pytest.raises((ConnectionError, http.client.HTTPException)):
-            _get(_conn(shaper), 10)
+    with LinkShaper(upstream, Link(reset_rate=1.0)) as shaper, pytest.raises((ConnectionError, http.client.HTTPException)):
+        _get(_conn(shaper), 10)
     failed = 0
     with LinkShaper(upstream, Link(reset_rate=0.3, seed=7)) as shaper:
         for _ in range(40):
