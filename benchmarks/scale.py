@@ -266,19 +266,23 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _worker(url: str, opts: dict[str, Any], versions: int, out: Any, wid: int) -> None:
+def _worker(url: str, opts: dict[str, Any], last: int, out: Any, ready: Any, wid: int) -> None:
     torch.set_num_threads(1)
     store = _Counting(open_store(url, storage_options=opts))
     recs = []
     with Subscriber(url, store=store, threads=1) as sub:
         weights = sub.allocate(1)
         before = (store.requests, store.bytes, store.idle_polls)
-        for rec in sub.follow(weights, interval=POLL_S, jitter=0.2, heartbeat=False, max_versions=versions):
+        for rec in sub.follow(weights, interval=POLL_S, jitter=0.2, heartbeat=False):
             now = time.time()
             recs.append({"version": rec.info.version, "applied_at": now, "requests": store.requests - before[0],
                          "idle_polls": store.idle_polls - before[2], "bytes": store.bytes - before[1],
                          "full_load": rec.full_load})
             before = (store.requests, store.bytes, store.idle_polls)
+            if len(recs) == 1:
+                ready.put(wid)  # loaded: the publisher starts the deltas when every worker is
+            if rec.info.version >= last:
+                break
         digest = _digest(weights)
     out.put((wid, recs, digest, sub.version))
 
@@ -287,14 +291,16 @@ def bench_fanout(server: Any, states: list[dict[str, torch.Tensor]], m: int, gap
     url = server.url(f"scale-fan-{uuid.uuid4().hex[:8]}")
     opts = server.storage_options()
     ctx = mp.get_context("fork")
-    q = ctx.Queue()
+    q, ready = ctx.Queue(), ctx.Queue()
     committed: dict[int, float] = {}
     with Publisher(url, storage_options=opts) as pub:
         committed[pub.publish(states[0]).version] = time.time()
-        procs = [ctx.Process(target=_worker, args=(url, opts, len(states), q, i), daemon=True) for i in range(m)]
+        procs = [ctx.Process(target=_worker, args=(url, opts, len(states), q, ready, i), daemon=True) for i in range(m)]
         for p in procs:
             p.start()
-        time.sleep(gap_s * 2)  # every worker loads version 1 before the first delta
+        for _ in procs:  # every worker holds version 1 before the first delta
+            ready.get(timeout=600)
+        time.sleep(gap_s)
         for s in states[1:]:
             committed[pub.publish(s).version] = time.time()
             time.sleep(gap_s)
@@ -390,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         if "fanout" in parts:
             res["fanout"] = bench_fanout(server, states, args.workers, args.gap)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only and args.out.with_suffix(".json").exists():  # a partial run updates its sections only
+        res = {**json.loads(args.out.with_suffix(".json").read_text()), **res}
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(_md(res))
     print(_md(res))
