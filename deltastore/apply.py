@@ -80,6 +80,9 @@ class _Fetcher:
         self._lock = threading.Lock()
         #: Byte ranges closer than this are read as one GET (a partial subscriber sets 0).
         self.gap = COALESCE_GAP_BYTES
+        #: Longest run read by one GET (None: no cap): on a far, lossy link one TCP connection
+        #: carries little, so a pack is better read as parallel ranges (Subscriber(range_part_bytes)).
+        self.max_run: int | None = None
 
     def fetch(
         self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
@@ -94,7 +97,7 @@ class _Fetcher:
             by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
         jobs = []
         for blob, refs in by_blob.values():
-            for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset), self.gap):
+            for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset), self.gap, self.max_run):
                 jobs.append((blob, run, self.pool.submit(self._get_run, blob, run, errors is not None)))
         out: dict[tuple[str, int], memoryview] = {}
         for blob, run, j in jobs:
@@ -143,10 +146,13 @@ class _Fetcher:
         return out, bad
 
 
-def _coalesce(refs: list[SegmentRef], gap: int = COALESCE_GAP_BYTES) -> list[list[SegmentRef]]:
+def _coalesce(refs: list[SegmentRef], gap: int = COALESCE_GAP_BYTES, max_run: int | None = None) -> list[list[SegmentRef]]:
+    """Segments (sorted by offset) grouped into runs read by one GET each: neighbours closer
+    than ``gap``, up to ``max_run`` bytes a run (None: no cap; a segment is never split)."""
     runs: list[list[SegmentRef]] = []
     for r in refs:
-        if runs and r.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= gap:
+        if (runs and r.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= gap
+                and (max_run is None or r.offset + r.length - runs[-1][0].offset <= max_run)):
             runs[-1].append(r)
         else:
             runs.append([r])

@@ -230,3 +230,31 @@ def test_partial_pull_over_real_s3(moto_s3_url) -> None:
         mine = sub.pull(2)
         sub.pull_into(mine)
         assert_bits_equal(mine, _rows(states[-1], sel))
+
+
+def test_range_part_bytes_reads_a_pack_as_several_ranges(tmp_path) -> None:
+    from deltastore.storage import open_store as _open
+    from tests._helpers import WrappedStore
+
+    class Ranges(WrappedStore):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.reads: list[tuple[str, tuple[int, int] | None]] = []
+
+        def get(self, key, *, byte_range=None):
+            if key.endswith(".pack"):
+                self.reads.append((key, byte_range))
+            return self.inner.get(key, byte_range=byte_range)
+
+    url = str(tmp_path / "store")
+    states = _publish_chain(url, n=2)
+    got = {}
+    for part in (None, 64):
+        store = Ranges(_open(url))
+        with Subscriber(url, threads=2, store=store, range_part_bytes=part) as sub:
+            held = sub.pull(1)
+            store.reads.clear()
+            sub.pull_into(held, 2)
+            assert_bits_equal(held, states[1])
+            got[part] = list(store.reads)
+    assert len(got[64]) > len(got[None])
