@@ -66,10 +66,10 @@ BASELINE_PART_BYTES = 8 * 1024 * 1024
 BASELINE_CONCURRENCY = 10
 
 
-def _states(steps: int) -> list[dict[str, torch.Tensor]]:
+def _states(steps: int, workload: str = WORKLOAD) -> list[dict[str, torch.Tensor]]:
     from benchmarks.workload import load_step
 
-    return [load_step(WORKLOAD, s) for s in range(steps + 1)]
+    return [load_step(workload, s) for s in range(steps + 1)]
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -364,7 +364,7 @@ def bench_fanout(server: Any, states: list[dict[str, torch.Tensor]], m: int, gap
 
 def _md(res: dict[str, Any]) -> str:
     lines = ["# Scale out: partial pulls, a far link, fan-out (benchmarks/scale.py)", "",
-             f"Workload `{WORKLOAD}` (MiniLM, bf16, real AdamW steps), {res['steps']} versions after the first, "
+             f"Workload `{res['workload']}` (bf16, real AdamW steps), {res['steps']} versions after the first, "
              f"moto on 127.0.0.1; {res['machine']}. Machine shared with other work: times are noisy.", ""]
     if "partial" in res:
         lines += ["## Partial pulls: bytes read by a worker holding 1/8", "",
@@ -416,11 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gap", type=float, default=3.0, help="seconds between versions in the fan-out")
     ap.add_argument("--only", choices=("partial", "far", "fanout"), action="append")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale")
+    ap.add_argument("--workload", default=WORKLOAD, help="e.g. tf265m-rl-1e-6 (531 MB) for the far link")
     args = ap.parse_args(argv)
     from deltastore import devserver
 
-    states = _states(args.steps)
-    res: dict[str, Any] = {"workload": WORKLOAD, "steps": args.steps,
+    states = _states(args.steps, args.workload)
+    res: dict[str, Any] = {"workload": args.workload, "steps": args.steps,
                            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
     parts = args.only or ["partial", "far", "fanout"]
     with devserver.moto() as server:
