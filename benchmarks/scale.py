@@ -139,10 +139,9 @@ def _name_block(state: dict[str, torch.Tensor], fraction: float, start: str) -> 
 
 def _cut(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, torch.Tensor]:
     out = {}
-    for n in state:
+    for n, t in state.items():
         if n not in sel.names and sel.names != ("*",):
             continue
-        t = state[n]
         if sel.shard is not None and sel.shard_names is not None and n in sel.shard_names:
             _, r, w = sel.shard
             t = t[r * t.shape[0] // w : (r + 1) * t.shape[0] // w]
@@ -364,8 +363,8 @@ def bench_fanout(server: Any, states: list[dict[str, torch.Tensor]], m: int, gap
 
 def _md(res: dict[str, Any]) -> str:
     lines = ["# Scale out: partial pulls, a far link, fan-out (benchmarks/scale.py)", "",
-             f"Workload `{res['workload']}` (bf16, real AdamW steps), {res['steps']} versions after the first, "
-             f"moto on 127.0.0.1; {res['machine']}. Machine shared with other work: times are noisy.", ""]
+             (f"Workload `{res['workload']}` (bf16, real AdamW steps), {res['steps']} versions after the first, "
+              f"moto on 127.0.0.1; {res['machine']}. Machine shared with other work: times are noisy."), ""]
     if "partial" in res:
         lines += ["## Partial pulls: bytes read by a worker holding 1/8", "",
                   "| chunking | selection | held / whole | first pull / whole | per version / whole | bit-exact |",
@@ -379,9 +378,9 @@ def _md(res: dict[str, Any]) -> str:
     if "far" in res:
         f = res["far"]
         lines += ["## Far worker: time from publish to fresh weights", "",
-                  f"Link: {f['link']['bytes_per_s'] * 8 / 1e6:.0f} Mbit/s, {f['link']['rtt_s'] * 1000:.0f} ms RTT, "
-                  f"{f['link']['loss']:.1%} loss (one TCP connection capped at "
-                  f"{f['per_connection_cap_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s).", "",
+                  (f"Link: {f['link']['bytes_per_s'] * 8 / 1e6:.0f} Mbit/s, {f['link']['rtt_s'] * 1000:.0f} ms RTT, "
+                   f"{f['link']['loss']:.1%} loss (one TCP connection capped at "
+                   f"{f['per_connection_cap_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)."), "",
                   "| sync | median publish→fresh (s) | per version: publish s + pull s, MB down |", "|---|---|---|"]
         for k, rows in f["runs"].items():
             per = "; ".join(f"{r['publish_s']:.2f} + {r['pull_s']:.2f}, {r['link_bytes_down'] / 1e6:.1f}" for r in rows)
@@ -392,20 +391,20 @@ def _md(res: dict[str, Any]) -> str:
     if "fanout" in res:
         fo = res["fanout"]
         lines += ["## Fan-out", "",
-                  f"{fo['workers']} worker processes, {fo['versions']} versions, one every {fo['gap_s']} s: "
-                  f"{fo['at_head_workers']} at head, {fo['bit_exact_workers']} bit-exact.", "",
-                  f"Per worker per version: {fo['per_worker_per_version']['requests_median']:.0f} requests (median, "
-                  f"max {fo['per_worker_per_version']['requests_max']}) plus "
-                  f"{fo['per_worker_per_version']['idle_polls_median']:.0f} idle HEAD polls (every {fo['poll_s']} s), "
-                  f"{fo['per_worker_per_version']['bytes_median'] / 1e6:.2f} MB and "
-                  f"{fo['per_worker_per_version']['cpu_s_median']:.2f} s of CPU (polls included; medians). "
-                  f"HEAD→applied: p50 {fo['head_to_applied_s']['p50']:.2f} s, p90 {fo['head_to_applied_s']['p90']:.2f} s, "
-                  f"p99 {fo['head_to_applied_s']['p99']:.2f} s, max {fo['head_to_applied_s']['max']:.2f} s.", "",
-                  f"({fo['note']}.) {fo['workers']} workers × "
-                  f"{fo['per_worker_per_version']['cpu_s_median']:.2f} s of CPU on {fo['cores']} cores is "
-                  f"{fo['workers'] * fo['per_worker_per_version']['cpu_s_median'] / fo['cores']:.1f} s per version "
-                  "with the cores to themselves; moto (Python, one process) serves every request on the same cores, "
-                  "which other work shared: the latency here is CPU-bound, not a property of S3.", ""]
+                  (f"{fo['workers']} worker processes, {fo['versions']} versions, one every {fo['gap_s']} s: "
+                   f"{fo['at_head_workers']} at head, {fo['bit_exact_workers']} bit-exact."), "",
+                  (f"Per worker per version: {fo['per_worker_per_version']['requests_median']:.0f} requests (median, "
+                    f"max {fo['per_worker_per_version']['requests_max']}) plus "
+                    f"{fo['per_worker_per_version']['idle_polls_median']:.0f} idle HEAD polls (every {fo['poll_s']} s), "
+                    f"{fo['per_worker_per_version']['bytes_median'] / 1e6:.2f} MB and "
+                    f"{fo['per_worker_per_version']['cpu_s_median']:.2f} s of CPU (polls included; medians). "
+                    f"HEAD→applied: p50 {fo['head_to_applied_s']['p50']:.2f} s, p90 {fo['head_to_applied_s']['p90']:.2f} s, "
+                    f"p99 {fo['head_to_applied_s']['p99']:.2f} s, max {fo['head_to_applied_s']['max']:.2f} s."), "",
+                  (f"({fo['note']}.) {fo['workers']} workers × "
+                    f"{fo['per_worker_per_version']['cpu_s_median']:.2f} s of CPU on {fo['cores']} cores is "
+                    f"{fo['workers'] * fo['per_worker_per_version']['cpu_s_median'] / fo['cores']:.1f} s per version "
+                    "with the cores to themselves; moto (Python, one process) serves every request on the same cores, "
+                    "which other work shared: the latency here is CPU-bound, not a property of S3."), ""]
     return "\n".join(lines)
 
 
