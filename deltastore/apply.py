@@ -56,6 +56,8 @@ _Errs = dict[tuple[str, int], DeltastoreError]
 _BAD_DATA = (IntegrityError, FormatError, NotFoundError)
 #: A chunk's expected digest at the held version, and that version (for the error message).
 _Base = tuple["str | None", "int | None"]
+#: Builds the engine's per-unit targets from a layout and the user's tensors (default: targets_for).
+_MakeTargets = Callable[[Mapping[str, TensorSpec], Mapping[str, torch.Tensor]], dict[str, Any]]
 
 
 def _modified(name: str, index: int, held_version: int | None, members: tuple = ()) -> TargetModifiedError:
@@ -76,6 +78,11 @@ class _Fetcher:
         self.pool = pool
         self.bytes_fetched = 0  # segment bytes read from the store, cumulative
         self._lock = threading.Lock()
+        #: Byte ranges closer than this are read as one GET (a partial subscriber sets 0).
+        self.gap = COALESCE_GAP_BYTES
+        #: Longest run read by one GET (None: no cap): on a far, lossy link one TCP connection
+        #: carries little, so a pack is better read as parallel ranges (Subscriber(range_part_bytes)).
+        self.max_run: int | None = None
 
     def fetch(
         self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
@@ -90,7 +97,7 @@ class _Fetcher:
             by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
         jobs = []
         for blob, refs in by_blob.values():
-            for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset)):
+            for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset), self.gap, self.max_run):
                 jobs.append((blob, run, self.pool.submit(self._get_run, blob, run, errors is not None)))
         out: dict[tuple[str, int], memoryview] = {}
         for blob, run, j in jobs:
@@ -139,10 +146,13 @@ class _Fetcher:
         return out, bad
 
 
-def _coalesce(refs: list[SegmentRef]) -> list[list[SegmentRef]]:
+def _coalesce(refs: list[SegmentRef], gap: int = COALESCE_GAP_BYTES, max_run: int | None = None) -> list[list[SegmentRef]]:
+    """Segments (sorted by offset) grouped into runs read by one GET each: neighbours closer
+    than ``gap``, up to ``max_run`` bytes a run (None: no cap; a segment is never split)."""
     runs: list[list[SegmentRef]] = []
     for r in refs:
-        if runs and r.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= COALESCE_GAP_BYTES:
+        if (runs and r.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= gap
+                and (max_run is None or r.offset + r.length - runs[-1][0].offset <= max_run)):
             runs[-1].append(r)
         else:
             runs.append([r])
@@ -203,9 +213,11 @@ class ReadEngine:
         self.pool.shutdown(wait=True)
         self.io.shutdown(wait=True)
 
-    def materialize(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], out: dict[str, torch.Tensor]) -> None:
-        """Build every plan (each starts from a full segment) into the new tensors ``out``."""
-        targets = targets_for(specs, out)
+    def materialize(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], out: dict[str, torch.Tensor],
+                    make_targets: _MakeTargets | None = None) -> None:
+        """Build every plan (each starts from a full segment) into the new tensors ``out``
+        (through ``make_targets(specs, out)`` when given: a partial target, deltastore.select)."""
+        targets = (make_targets or targets_for)(specs, out)
         for batch, data, _ in self.fetch_batches(plans):
             groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
             list(self.pool.map(lambda g: [self.build(p, specs, data, targets[p.name]) for p in g], groups))
@@ -315,7 +327,7 @@ class ReadEngine:
 
     def check_base(
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
-        base: dict[tuple[str, int], str], held_version: int | None,
+        base: dict[tuple[str, int], str], held_version: int | None, make_targets: _MakeTargets | None = None,
     ) -> tuple[list[ChunkPlan], dict[str, _Target], dict[tuple[str, int], _Base]]:
         """Check that ``tensors`` hold the base version's bits in the chunks the update keeps;
         the plans to run (tied weights once), the targets, and the base digest of every chunk a
@@ -335,7 +347,7 @@ class ReadEngine:
             k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
             owner[n] = seen.setdefault(k, n)
         plans = [p for p in plans if owner[p.name] == p.name]
-        targets = targets_for(specs, tensors)
+        targets = (make_targets or targets_for)(specs, tensors)
 
         # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
         # the chunks this update touches (a local edit elsewhere would survive silently).
@@ -463,7 +475,7 @@ class ReadEngine:
 
     def apply_in_place(
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
-        base: dict[tuple[str, int], str], held_version: int | None,
+        base: dict[tuple[str, int], str], held_version: int | None, make_targets: _MakeTargets | None = None,
     ) -> None:
         """Apply every plan to ``tensors``; on any failure restore what was applied, then raise.
 
@@ -471,7 +483,7 @@ class ReadEngine:
         delta plan patches is checked in the pass that applies it, and a mismatch there is
         rolled back like any other failure (undoing is exact, so the target ends with the bits
         it had, modified or not: SPEC §7.5)."""
-        plans, targets, deferred = self.check_base(plans, specs, tensors, base, held_version)
+        plans, targets, deferred = self.check_base(plans, specs, tensors, base, held_version, make_targets)
         check = self.base_checker(targets, deferred)
 
         done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)

@@ -32,7 +32,8 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
     │       ├── ShardMismatchError                ranks of a sharded publish disagree (layout, step, version)
-    │       └── SiteLayoutError                   a site's result has another layout (federated)
+    │       ├── SiteLayoutError                   a site's result has another layout (federated)
+    │       └── SelectionError                    a partial pull's selection does not fit the layout
     ├── PartFailedError                           another rank of a sharded publish failed: nothing committed
     ├── QuorumError (TimeoutError)                a federated round missed its quorum by the deadline
     ├── VersionNotFoundError (LookupError)        no such version in the store
@@ -237,6 +238,11 @@ class ShardMismatchError(LayoutMismatchError):
 class PartFailedError(DeltastoreError):
     """Another rank of a sharded publish failed (or was lost) before the version was committed
     (design 010): nothing was committed; the rank that failed raised the cause itself."""
+
+
+class SelectionError(LayoutMismatchError):
+    """A partial pull's selection (deltastore.select) does not fit the store's layout, or the
+    target does not hold what it selects."""
 
 
 class WrongBaseError(IntegrityError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import threading
@@ -35,6 +36,7 @@ from deltastore.errors import (
     IntegrityError,
     LayoutMismatchError,
     NotFoundError,
+    SelectionError,
     StaleStageError,
     StorageError,
     TargetModifiedError,
@@ -68,10 +70,11 @@ from deltastore.plan import (
 )
 from deltastore.plan import digests as _digests
 from deltastore.plan import layout as _layout
+from deltastore.select import Resolved, Selection, check_target, resolve, slice_targets
 from deltastore.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import TensorSpec, check_layout, member_specs
+from deltastore.tensors import DTYPE_WIDTHS, TensorSpec, check_layout, member_specs
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,9 @@ class _Update:
 #: Plans tried for one update: a squash that turns out bad, then a held version collected
 #: meanwhile, each cost one more plan; more than this means the store keeps changing under us.
 MAX_REPLANS = 4
+#: A partial subscriber reads adjacent segments as one GET but never the bytes between: they
+#: are other ranks' segments, and what it reads is what its link carries.
+PARTIAL_COALESCE_GAP_BYTES = 0
 
 
 def physical_memory() -> int | None:
@@ -212,6 +218,16 @@ class Subscriber:
             this (default: this machine's physical memory), checked before allocating: a few KB
             of hostile metadata must not become gigabytes resident.
         max_manifest_bytes: refuse a manifest larger than this before parsing it.
+        select: a partial subscriber (:class:`deltastore.select.Selection`, SPEC §8 "Partial
+            pulls"): :meth:`pull`, :meth:`allocate` and :meth:`pull_into` then handle only the
+            selected tensors, sharded ones as their slice, and fetch only the chunks that
+            overlap them (a chunk straddling a slice's edge is read whole and cut; its bits
+            outside the slice are kept by the subscriber). :meth:`stage`, :meth:`swap` and
+            :meth:`follow` are for whole targets (SelectionError).
+        range_part_bytes: read packs as parallel range GETs of at most this many bytes (cut at
+            segment boundaries; None: one GET per pack's run of needed segments). For far or
+            lossy links, where one TCP connection carries a fraction of the link (at 80 ms and
+            0.1 % loss, ~5.6 Mbit/s): e.g. 256 KiB. Costs more requests per version.
 
     Example::
 
@@ -233,6 +249,8 @@ class Subscriber:
         trusted_keys: Iterable[Any] | None = None,
         max_model_bytes: int | None = None,
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
+        select: Selection | None = None,
+        range_part_bytes: int | None = None,
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
         check = None
@@ -258,6 +276,16 @@ class Subscriber:
         self._use_squashes = trusted_keys is None
         self._last_changed: dict[str, list[tuple[int, int]]] = {}
         self._closed = False
+        self.select = select
+        # A partial subscriber's bits of edge chunks outside its slices (deltastore.select).
+        self._spare: dict[tuple[str, int], np.ndarray] = {}
+        self._resolved_for: tuple[dict[str, TensorSpec], Resolved] | None = None
+        if select is not None:
+            self._fetcher.gap = PARTIAL_COALESCE_GAP_BYTES
+        if range_part_bytes is not None:
+            if range_part_bytes < 1:
+                raise ValueError(f"range_part_bytes must be positive, got {range_part_bytes}")
+            self._fetcher.max_run = range_part_bytes
 
     @property
     def version(self) -> int | None:
@@ -334,9 +362,18 @@ class Subscriber:
         ms = self._history.anchor_chain(key, m)
         specs = _layout(ms[0][1])
         plans = self._plan_from_anchor(ms, specs)  # checks the whole chain before allocating
-        self._check_model_size(specs, m.version)
-        out = allocate_members(specs, _torch_dtype)  # a group's members share one buffer (design 007)
-        self._engine.materialize(plans, specs, out)
+        if self.select is not None:
+            res = self._selected(specs)
+            self._check_model_size(specs, m.version, res)
+            out = self._empty(res, torch.empty)
+            spare: dict[tuple[str, int], np.ndarray] = {}
+            self._engine.materialize(self._narrow(plans, res), specs, out,
+                                     lambda sp, t: slice_targets(sp, res, t, spare))
+            self._spare = spare
+        else:
+            self._check_model_size(specs, m.version)
+            out = allocate_members(specs, _torch_dtype)  # a group's members share one buffer (design 007)
+            self._engine.materialize(plans, specs, out)
         self._set_held(_Held.of(ms))
         return out
 
@@ -347,6 +384,10 @@ class Subscriber:
         """
         key, m = self._resolve(version)
         specs = _layout(self._history.anchor_chain(key, m)[0][1])
+        if self.select is not None:  # the selection's tensors, sharded ones as their slice
+            res = self._selected(specs)
+            self._check_model_size(specs, m.version, res)
+            return self._empty(res, torch.zeros)
         self._check_model_size(specs, m.version)
         return allocate_members(specs, _torch_dtype, zeros=True)
 
@@ -388,6 +429,7 @@ class Subscriber:
             The errors of :meth:`pull_into` (TargetModifiedError when ``target`` was modified);
             nothing is written either way.
         """
+        self._refuse_partial("stage")
         key, m = self._resolve(version)
         return self._stage(key, m, target)
 
@@ -406,6 +448,7 @@ class Subscriber:
             TargetModifiedError: ``target`` was written since it was staged; nothing is left
                 applied.
         """
+        self._refuse_partial("swap")
         held_key = None if self._held is None else self._held.key
         if staged.owner is not self or staged.base_manifest != held_key or staged.from_version != self._version:
             raise StaleStageError(
@@ -436,9 +479,9 @@ class Subscriber:
         if self._version is None or held is None:
             ms = self._history.anchor_chain(key, m)
             specs = _layout(ms[0][1])
-            check_layout(specs, tensors, against=f"version {m.version} of {self.url}")
+            self._check_target(specs, tensors, against=f"version {m.version} of {self.url}")
             return _Update(self._plan_from_anchor(ms, specs), specs, {}, _Held.of(ms))
-        check_layout(held.specs, tensors, against=f"version {self._version} held by this subscriber")
+        self._check_target(held.specs, tensors, against=f"version {self._version} held by this subscriber")
         h = held.manifest.version
         index = self._index()
         floor = 1 if index is None else index.floor
@@ -518,7 +561,7 @@ class Subscriber:
         ms = self._history.anchor_chain(key, m)
         specs = _layout(ms[0][1])
         if specs != held.specs:  # another layout: everything from the anchor
-            check_layout(specs, tensors, against=f"version {m.version} of {self.url}")
+            self._check_target(specs, tensors, against=f"version {m.version} of {self.url}")
             return _Update(self._plan_from_anchor(ms, specs), specs, {}, _Held.of(ms))
         return _Update(plan_changed_from_anchor(ms, specs, held.digests), specs, held.digests, _Held.of(ms))
 
@@ -620,12 +663,60 @@ class Subscriber:
             self._last_changed = {}
             return None
         tensors = _target_tensors(target)
+        if self.select is not None:
+            return self._fast_forward_partial(key, m, tensors)
         upd, _ = self._updated(
             key, m, tensors, lambda u: self._engine.apply_in_place(u.plans, u.specs, tensors, u.base, self._version)
         )
         self._set_held(upd.held)
         self._last_changed = _plan_spans(upd.plans, upd.specs)
         return VersionInfo.from_manifest(m, key)
+
+    # --- partial pulls (SPEC §8 "Partial pulls", deltastore.select) ----------------------------
+
+    def _selected(self, specs: dict[str, TensorSpec]) -> Resolved:
+        """The selection against layout ``specs`` (resolved once per layout)."""
+        assert self.select is not None
+        if self._resolved_for is None or self._resolved_for[0] != specs:
+            self._resolved_for = (specs, resolve(self.select, specs))
+        return self._resolved_for[1]
+
+    @staticmethod
+    def _empty(res: Resolved, make: Any) -> dict[str, torch.Tensor]:
+        return {n: make(shape, dtype=_torch_dtype(dt)) for n, (dt, shape) in res.shapes.items()}
+
+    @staticmethod
+    def _narrow(plans: list[ChunkPlan], res: Resolved) -> list[ChunkPlan]:
+        """The plans of the chunks the selection reads."""
+        return [p for p in plans if (p.name, p.index) in res.chunks]
+
+    def _check_target(self, specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], *, against: str) -> None:
+        if self.select is None:
+            check_layout(specs, tensors, against=against)
+        else:
+            check_target(self._selected(specs), tensors, against=against)
+
+    def _fast_forward_partial(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor]) -> VersionInfo:
+        """``pull_into`` of a partial target: the whole-target update, narrowed to the chunks
+        the selection reads (plans, and the held digests the target must match)."""
+
+        def run(u: _Update) -> None:
+            res = self._selected(u.specs)
+            base = {k: d for k, d in u.base.items() if k in res.chunks}
+            spare = {k: v for k, v in self._spare.items() if k in res.edges} if u.base else {}
+            self._engine.apply_in_place(self._narrow(u.plans, res), u.specs, tensors, base, self._version,
+                                        lambda sp, t: slice_targets(sp, res, t, spare))
+            self._spare = spare
+
+        upd, _ = self._updated(key, m, tensors, run)
+        self._set_held(upd.held)
+        res = self._selected(upd.specs)
+        self._last_changed = _slice_spans(self._narrow(upd.plans, res), res)
+        return VersionInfo.from_manifest(m, key)
+
+    def _refuse_partial(self, what: str) -> None:
+        if self.select is not None:
+            raise SelectionError(f"{what} updates whole targets; a partial subscriber of {self.url} uses pull_into")
 
     def _stage(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> StagedUpdate | None:
         if not self._check_forward(key, m):
@@ -701,6 +792,7 @@ class Subscriber:
             for rec in sub.follow(model, pause=lock, cache_dir="/var/cache/ds"):
                 print(rec.info.version, rec.pause_s)
         """
+        self._refuse_partial("follow")
         if swap_mode not in ("inplace", "rebind"):
             raise ValueError(f"swap_mode must be 'inplace' or 'rebind', got {swap_mode!r}")
         tensors = _target_tensors(target)
@@ -979,8 +1071,11 @@ class Subscriber:
 
     # --- planning -----------------------------------------------------------------------
 
-    def _check_model_size(self, specs: dict[str, TensorSpec], version: int) -> None:
+    def _check_model_size(self, specs: dict[str, TensorSpec], version: int, res: Resolved | None = None) -> None:
         total = sum(s.nbytes for s in specs.values())
+        if res is not None:  # a partial subscriber holds its selection and whole edge chunks
+            total = sum(math.prod(shape) * DTYPE_WIDTHS[dt] for dt, shape in res.shapes.values())
+            total += sum(specs[u].chunk_bytes(i) for u, i in res.edges)
         if self.max_model_bytes is not None and total > self.max_model_bytes:
             raise CorruptObjectError(
                 f"version {version} of {self.url} declares {total} bytes of tensors, more than "
@@ -1054,6 +1149,19 @@ def _plan_spans(plans: list[ChunkPlan], specs: Mapping[str, TensorSpec]) -> dict
                 spans.setdefault(member.name, []).append((lo - member.offset, hi - member.offset))
         else:
             spans.setdefault(p.name, []).append(p.span)
+    return {n: merge_spans(s) for n, s in spans.items()}
+
+
+def _slice_spans(plans: list[ChunkPlan], res: Resolved) -> dict[str, list[tuple[int, int]]]:
+    """As :func:`_plan_spans`, in the coordinates of the partial target's tensors (a slice's
+    elements from 0; a group member's own elements)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for p in plans:
+        a, b = p.span
+        for w in res.windows.get(p.name, ()):
+            x, y = max(a, w.start), min(b, w.stop)
+            if x < y:
+                spans.setdefault(w.name, []).append((w.offset + x - w.start, w.offset + y - w.start))
     return {n: merge_spans(s) for n, s in spans.items()}
 
 

@@ -1,0 +1,443 @@
+"""Scale out, the read side (issue 12 parts 2-4): partial pulls, a far link, fan-out.
+
+    python -m benchmarks.scale [--steps 4] [--workers 32] [--quick]
+
+Everything runs against a real S3 server (moto, deltastore.devserver) on 127.0.0.1, with the
+cached RL workload ``rl-1e-6`` (MiniLM, 22.7M parameters, bf16, real AdamW steps at lr 1e-6;
+benchmarks/workload.py). Three measurements, one run, figures side by side:
+
+``partial``
+    A worker holding 1/8 of the model, by names (a contiguous block of tensors holding 1/8 of
+    the bytes, as a pipeline stage) and by rows (rank 3 of 8 of every tensor with ≥ 8 rows,
+    the rest whole), against a whole subscriber: bytes fetched for the first pull and per
+    version after it, for the publisher's default chunking (16 MiB), 256 KiB, and 12 KiB
+    (chunk rows that divide the slices).
+    Every partial result is checked bit-exact against the full pull's rows.
+``far``
+    A worker behind campaigns.shaper.LinkShaper (100 Mbit/s, 80 ms RTT, 0.1 % packet loss),
+    the publisher next to the bucket. Time from the start of ``publish`` to fresh weights in
+    the worker's tensors: deltastore (publish, then the worker's ``pull_into`` through the
+    link) against full-checkpoint sync (``safetensors.save_file``, upload, then the worker's
+    download through the link with boto3's TransferManager — 8 MiB ranged GETs on 10
+    connections, as ``aws s3 cp`` — and ``load_file``). Per-element costs for docs/scale.md.
+``fanout``
+    M worker processes (forked) follow one publisher on one moto server: requests and bytes
+    per worker per version, HEAD-to-applied latency (publish return → the worker's follow
+    yields the version), every worker bit-exact with the last version at the end.
+
+This machine has 2 cores shared with other work: times are noisy; ratios within a section
+come from the same run. Results: benchmarks/results/scale.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltastore import Publisher, Subscriber
+from deltastore.select import Selection
+from deltastore.storage import open_store
+from deltastore.tensors import bits
+
+RESULTS = Path(__file__).parent / "results"
+WORKLOAD = "rl-1e-6"
+#: The issue's far worker: 100 Mbit/s, 80 ms RTT, 0.1 % loss.
+FAR = {"bytes_per_s": 12.5e6, "rtt_s": 0.08, "loss": 0.001}
+#: Chunkings measured for partial pulls: the default (16 MiB), 256 KiB, and 12 KiB, where a
+#: chunk is 16 rows of the 384-wide matrices, which divides every 1/8 row slice of them (a
+#: slice then starts and ends on chunk edges; 1 MiB does that for a 4096-wide bf16 model).
+CHUNKINGS = (16 * 1024 * 1024, 256 * 1024, 12 * 1024)
+#: boto3 TransferManager settings of the full-checkpoint baseline (its defaults: 8 MiB parts,
+#: 10 threads): what ``aws s3 cp`` of one safetensors file does.
+BASELINE_PART_BYTES = 8 * 1024 * 1024
+BASELINE_CONCURRENCY = 10
+
+
+def _states(steps: int, workload: str = WORKLOAD) -> list[dict[str, torch.Tensor]]:
+    from benchmarks.workload import load_step
+
+    return [load_step(workload, s) for s in range(steps + 1)]
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(bits(a[k].contiguous()), bits(b[k].contiguous())) for k in a)
+
+
+def _changed_fraction(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    n = sum(int((bits(a[k]) != bits(b[k])).sum()) for k in a)
+    return n / sum(t.numel() for t in a.values())
+
+
+class _Counting:
+    """A store that counts requests and body bytes (delegates everything else)."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+        self.requests = 0
+        self.bytes = 0
+        self.idle_polls = 0  # conditional GETs of HEAD answered 304 (no body)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _n(self, data: Any) -> Any:
+        self.requests += 1
+        body = data if isinstance(data, (bytes, bytearray, memoryview)) else getattr(data, "data", None)
+        self.bytes += len(body) if body is not None else 0
+        return data
+
+    def get(self, key: str, **kw: Any) -> bytes:
+        return self._n(self._inner.get(key, **kw))
+
+    def get_with_meta(self, key: str) -> Any:
+        return self._n(self._inner.get_with_meta(key))
+
+    def get_if_changed(self, key: str, etag: str | None) -> Any:
+        got = self._n(self._inner.get_if_changed(key, etag))
+        self.idle_polls += got is None
+        return got
+
+    def head(self, key: str) -> Any:
+        return self._n(self._inner.head(key))
+
+    def exists(self, key: str) -> bool:
+        self.requests += 1
+        return self._inner.exists(key)
+
+    def list(self, prefix: str = "") -> Any:
+        self.requests += 1
+        return self._inner.list(prefix)
+
+
+# --- partial ----------------------------------------------------------------------------------
+
+
+def _name_block(state: dict[str, torch.Tensor], fraction: float, start: str) -> tuple[str, ...]:
+    """A contiguous block of tensor names, from ``start``, holding about ``fraction`` of the bytes."""
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    names, got, on = [], 0, False
+    for n, t in state.items():
+        on = on or n.startswith(start)
+        if on and got < fraction * total:
+            names.append(n)
+            got += t.numel() * t.element_size()
+    return tuple(names)
+
+
+def _cut(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, t in state.items():
+        if n not in sel.names and sel.names != ("*",):
+            continue
+        if sel.shard is not None and sel.shard_names is not None and n in sel.shard_names:
+            _, r, w = sel.shard
+            t = t[r * t.shape[0] // w : (r + 1) * t.shape[0] // w]
+        out[n] = t.contiguous()
+    return out
+
+
+def bench_partial(server: Any, states: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    s0 = states[0]
+    by_names = Selection(names=_name_block(s0, 1 / 8, "encoder.layer.2."))
+    tall = tuple(n for n, t in s0.items() if t.dim() and t.shape[0] >= 8)
+    by_rows = Selection(shard=(0, 3, 8), shard_names=tall)
+    out = []
+    for chunk in CHUNKINGS:
+        url = server.url(f"scale-partial-{uuid.uuid4().hex[:8]}")
+        opts = server.storage_options()
+        with Publisher(url, storage_options=opts, chunk_bytes=chunk, anchor_every=1000) as pub:
+            for s in states:
+                pub.publish(s)
+        row: dict[str, Any] = {"chunk_bytes": chunk}
+        for label, sel in (("whole", None), ("names 1/8", by_names), ("rows 3 of 8", by_rows)):
+            with Subscriber(url, storage_options=opts, select=sel) as sub:
+                held = sub.pull(1)
+                first = sub.bytes_fetched
+                per = []
+                for v in range(2, len(states) + 1):
+                    b = sub.bytes_fetched
+                    sub.pull_into(held, v)
+                    per.append(sub.bytes_fetched - b)
+                want = states[-1] if sel is None else _cut(states[-1], sel)
+                held_bytes = sum(t.numel() * t.element_size() for t in held.values())
+                row[label] = {"first_pull_bytes": first, "per_version_bytes": per,
+                              "held_bytes": held_bytes, "bit_exact": _equal(held, want)}
+        whole = row["whole"]
+        for label in ("names 1/8", "rows 3 of 8"):
+            r = row[label]
+            r["first_pull_ratio"] = r["first_pull_bytes"] / whole["first_pull_bytes"]
+            r["per_version_ratio"] = sum(r["per_version_bytes"]) / max(1, sum(whole["per_version_bytes"]))
+            r["held_ratio"] = r["held_bytes"] / whole["held_bytes"]
+        out.append(row)
+    return out
+
+
+# --- far link ---------------------------------------------------------------------------------
+
+
+def _far_deltastore(server: Any, shaper: Any, states: list[dict[str, torch.Tensor]], part: int | None) -> list[dict[str, Any]]:
+    url = server.url(f"scale-far-{uuid.uuid4().hex[:8]}")
+    far = server.with_endpoint(shaper.endpoint_url).storage_options()
+    rows: list[dict[str, Any]] = []
+    with (Publisher(url, storage_options=server.storage_options()) as pub,
+          Subscriber(url, storage_options=far, range_part_bytes=part) as sub):
+        pub.publish(states[0])
+        held = sub.pull()
+        for i, s in enumerate(states[1:], start=1):
+            t0 = time.perf_counter()
+            pub.publish(s)
+            t1 = time.perf_counter()
+            b, up, down = sub.bytes_fetched, shaper.bytes_up, shaper.bytes_down
+            sub.pull_into(held)  # the worker's poll (one HEAD GET) and fast-forward
+            t2 = time.perf_counter()
+            assert _equal(held, s), "far worker not bit-exact"
+            rows.append({"version": i + 1, "publish_s": t1 - t0, "pull_s": t2 - t1, "fresh_s": t2 - t0,
+                         "segment_bytes": sub.bytes_fetched - b, "link_bytes_down": shaper.bytes_down - down,
+                         "link_bytes_up": shaper.bytes_up - up, "changed": _changed_fraction(states[i - 1], s)})
+    return rows
+
+
+def _far_full(server: Any, shaper: Any, states: list[dict[str, torch.Tensor]], part: int, threads: int) -> list[dict[str, Any]]:
+    """Full-checkpoint sync: save, upload next to the bucket, download through the link, load."""
+    from boto3.s3.transfer import TransferConfig
+    from safetensors.torch import load, save
+
+    near_c, far_c = server.boto3_client(), server.with_endpoint(shaper.endpoint_url).boto3_client()
+    cfg = TransferConfig(multipart_chunksize=part, multipart_threshold=part, max_concurrency=threads)
+    key = f"scale-full-{uuid.uuid4().hex[:8]}/model.safetensors"
+    rows: list[dict[str, Any]] = []
+    for i, s in enumerate(states[1:], start=1):
+        t0 = time.perf_counter()
+        blob = save(s)
+        near_c.upload_fileobj(io.BytesIO(blob), server.bucket, key, Config=cfg)
+        t1 = time.perf_counter()
+        down = shaper.bytes_down
+        buf = io.BytesIO()
+        far_c.download_fileobj(server.bucket, key, buf, Config=cfg)
+        got = load(buf.getvalue())
+        t2 = time.perf_counter()
+        assert _equal(got, s), "full-checkpoint worker not bit-exact"
+        rows.append({"version": i + 1, "publish_s": t1 - t0, "pull_s": t2 - t1, "fresh_s": t2 - t0,
+                     "file_bytes": len(blob), "link_bytes_down": shaper.bytes_down - down})
+    return rows
+
+
+#: The far worker's range parts in the second deltastore run: a sub-MB delta pack read as
+#: several parallel GETs, since one connection on the far link carries ~5.6 Mbit/s.
+FAR_RANGE_PART_BYTES = 64 * 1024
+#: The tuned full-checkpoint baseline: 1 MiB parts on 16 connections (fills the link).
+TUNED_PART_BYTES, TUNED_CONCURRENCY = 1024 * 1024, 16
+
+
+def bench_far(server: Any, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    from campaigns.shaper import Link, LinkShaper
+
+    link = Link(**FAR, seed=1)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with LinkShaper(server.endpoint_url, link) as shaper:
+        runs["deltastore"] = _far_deltastore(server, shaper, states, None)
+        runs["deltastore, 64 KiB ranges"] = _far_deltastore(server, shaper, states, FAR_RANGE_PART_BYTES)
+        runs["full checkpoint (aws s3 cp: 8 MiB parts, 10 connections)"] = _far_full(
+            server, shaper, states, BASELINE_PART_BYTES, BASELINE_CONCURRENCY)
+        runs["full checkpoint (1 MiB parts, 16 connections)"] = _far_full(
+            server, shaper, states, TUNED_PART_BYTES, TUNED_CONCURRENCY)
+        lost = shaper.lost_packets
+    n_elem = sum(t.numel() for t in states[0].values())
+    med = {k: statistics.median(r["fresh_s"] for r in rows) for k, rows in runs.items()}
+    ds = runs["deltastore"]
+    changed = statistics.median(r["changed"] for r in ds)
+    return {
+        "link": FAR, "per_connection_cap_bytes_per_s": link.per_connection_bytes_per_s, "lost_packets": lost,
+        "runs": runs, "median_fresh_s": med,
+        "speedups": {f"{d} vs {f}": med[f] / med[d] for d in med if d.startswith("deltastore")
+                     for f in med if f.startswith("full")},
+        "per_element": {
+            "elements": n_elem, "changed_fraction": changed,
+            "delta_bytes_per_changed_element": statistics.median(r["segment_bytes"] for r in ds) / (changed * n_elem),
+            "publish_s_per_element": statistics.median(r["publish_s"] for r in ds) / n_elem,
+        },
+    }
+
+
+# --- fan-out ----------------------------------------------------------------------------------
+
+
+#: Fan-out workers poll HEAD this often: 32 workers at 5 polls/s is what a shared 2-core machine
+#: running moto can answer without the polls themselves dominating the latency measured.
+POLL_S = 0.2
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for n in sorted(state):
+        h.update(n.encode())
+        h.update(bits(state[n].contiguous()).tobytes())
+    return h.hexdigest()
+
+
+def _worker(url: str, opts: dict[str, Any], last: int, out: Any, ready: Any, wid: int) -> None:
+    torch.set_num_threads(1)
+    store = _Counting(open_store(url, storage_options=opts))
+    recs = []
+    with Subscriber(url, store=store, threads=1) as sub:
+        weights = sub.allocate(1)
+        before = (store.requests, store.bytes, store.idle_polls)
+        cpu = time.process_time()
+        for rec in sub.follow(weights, interval=POLL_S, jitter=0.2, heartbeat=False):
+            now = time.time()
+            recs.append({"version": rec.info.version, "applied_at": now, "requests": store.requests - before[0],
+                         "idle_polls": store.idle_polls - before[2], "bytes": store.bytes - before[1],
+                         "full_load": rec.full_load, "cpu_s": time.process_time() - cpu})
+            before = (store.requests, store.bytes, store.idle_polls)
+            cpu = time.process_time()
+            if len(recs) == 1:
+                ready.put(wid)  # loaded: the publisher starts the deltas when every worker is
+            if rec.info.version >= last:
+                break
+        digest = _digest(weights)
+    out.put((wid, recs, digest, sub.version))
+
+
+def bench_fanout(server: Any, states: list[dict[str, torch.Tensor]], m: int, gap_s: float) -> dict[str, Any]:
+    url = server.url(f"scale-fan-{uuid.uuid4().hex[:8]}")
+    opts = server.storage_options()
+    ctx = mp.get_context("fork")
+    q, ready = ctx.Queue(), ctx.Queue()
+    committed: dict[int, float] = {}
+    with Publisher(url, storage_options=opts) as pub:
+        committed[pub.publish(states[0]).version] = time.time()
+        procs = [ctx.Process(target=_worker, args=(url, opts, len(states), q, ready, i), daemon=True) for i in range(m)]
+        for p in procs:
+            p.start()
+        for _ in procs:  # every worker holds version 1 before the first delta
+            ready.get(timeout=600)
+        time.sleep(gap_s)
+        for s in states[1:]:
+            committed[pub.publish(s).version] = time.time()
+            time.sleep(gap_s)
+        results = [q.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    want = _digest(states[-1])
+    lat, reqs, polls, byts, cpus, exact, at_head = [], [], [], [], [], 0, 0
+    for _wid, recs, digest, version in results:
+        exact += digest == want
+        at_head += version == len(states)
+        for r in recs:
+            if r["full_load"]:
+                continue
+            lat.append(r["applied_at"] - committed[r["version"]])
+            reqs.append(r["requests"] - r["idle_polls"])
+            polls.append(r["idle_polls"])
+            cpus.append(r["cpu_s"])
+            byts.append(r["bytes"])
+    q_ = lambda xs, p: float(np.percentile(xs, p)) if xs else None
+    return {
+        "workers": m, "versions": len(states), "gap_s": gap_s, "bit_exact_workers": exact, "at_head_workers": at_head,
+        "poll_s": POLL_S,
+        "per_worker_per_version": {"requests_median": q_(reqs, 50), "requests_max": max(reqs, default=None),
+                                   "idle_polls_median": q_(polls, 50), "bytes_median": q_(byts, 50),
+                                   "cpu_s_median": q_(cpus, 50)},
+        "cores": os.cpu_count(),
+        "head_to_applied_s": {"p50": q_(lat, 50), "p90": q_(lat, 90), "p99": q_(lat, 99), "max": max(lat, default=None)},
+        "note": "requests: what a worker sent to apply a version (the HEAD GET that saw it, manifests, segment "
+                "range GETs), idle polls (conditional GETs of HEAD answered 304) counted apart; bytes: bodies received",
+    }
+
+
+# --- driver -----------------------------------------------------------------------------------
+
+
+def _md(res: dict[str, Any]) -> str:
+    lines = ["# Scale out: partial pulls, a far link, fan-out (benchmarks/scale.py)", "",
+             (f"Workload `{res['workload']}` (bf16, real AdamW steps), {res['steps']} versions after the first, "
+              f"moto on 127.0.0.1; {res['machine']}. Machine shared with other work: times are noisy."), ""]
+    if "partial" in res:
+        lines += ["## Partial pulls: bytes read by a worker holding 1/8", "",
+                  "| chunking | selection | held / whole | first pull / whole | per version / whole | bit-exact |",
+                  "|---|---|---|---|---|---|"]
+        for row in res["partial"]:
+            for label in ("names 1/8", "rows 3 of 8"):
+                r = row[label]
+                lines.append(f"| {row['chunk_bytes'] // 1024} KiB | {label} | {r['held_ratio']:.1%} | "
+                             f"{r['first_pull_ratio']:.1%} | {r['per_version_ratio']:.1%} | {r['bit_exact']} |")
+        lines.append("")
+    if "far" in res:
+        f = res["far"]
+        lines += ["## Far worker: time from publish to fresh weights", "",
+                  (f"Link: {f['link']['bytes_per_s'] * 8 / 1e6:.0f} Mbit/s, {f['link']['rtt_s'] * 1000:.0f} ms RTT, "
+                   f"{f['link']['loss']:.1%} loss (one TCP connection capped at "
+                   f"{f['per_connection_cap_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)."), "",
+                  "| sync | median publish→fresh (s) | per version: publish s + pull s, MB down |", "|---|---|---|"]
+        for k, rows in f["runs"].items():
+            per = "; ".join(f"{r['publish_s']:.2f} + {r['pull_s']:.2f}, {r['link_bytes_down'] / 1e6:.1f}" for r in rows)
+            lines.append(f"| {k} | {f['median_fresh_s'][k]:.2f} | {per} |")
+        lines += ["", "Speed-ups (median publish→fresh, goal ≥ 20×):", ""]
+        lines += [f"- {k}: **{v:.1f}×**" for k, v in f["speedups"].items()]
+        lines.append("")
+    if "fanout" in res:
+        fo = res["fanout"]
+        lines += ["## Fan-out", "",
+                  (f"{fo['workers']} worker processes, {fo['versions']} versions, one every {fo['gap_s']} s: "
+                   f"{fo['at_head_workers']} at head, {fo['bit_exact_workers']} bit-exact."), "",
+                  (f"Per worker per version: {fo['per_worker_per_version']['requests_median']:.0f} requests (median, "
+                    f"max {fo['per_worker_per_version']['requests_max']}) plus "
+                    f"{fo['per_worker_per_version']['idle_polls_median']:.0f} idle HEAD polls (every {fo['poll_s']} s), "
+                    f"{fo['per_worker_per_version']['bytes_median'] / 1e6:.2f} MB and "
+                    f"{fo['per_worker_per_version']['cpu_s_median']:.2f} s of CPU (polls included; medians). "
+                    f"HEAD→applied: p50 {fo['head_to_applied_s']['p50']:.2f} s, p90 {fo['head_to_applied_s']['p90']:.2f} s, "
+                    f"p99 {fo['head_to_applied_s']['p99']:.2f} s, max {fo['head_to_applied_s']['max']:.2f} s."), "",
+                  (f"({fo['note']}.) {fo['workers']} workers × "
+                    f"{fo['per_worker_per_version']['cpu_s_median']:.2f} s of CPU on {fo['cores']} cores is "
+                    f"{fo['workers'] * fo['per_worker_per_version']['cpu_s_median'] / fo['cores']:.1f} s per version "
+                    "with the cores to themselves; moto (Python, one process) serves every request on the same cores, "
+                    "which other work shared: the latency here is CPU-bound, not a property of S3."), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4, help="versions after the first")
+    ap.add_argument("--workers", type=int, default=32)
+    ap.add_argument("--gap", type=float, default=3.0, help="seconds between versions in the fan-out")
+    ap.add_argument("--only", choices=("partial", "far", "fanout"), action="append")
+    ap.add_argument("--out", type=Path, default=RESULTS / "scale")
+    ap.add_argument("--workload", default=WORKLOAD, help="e.g. tf265m-rl-1e-6 (531 MB) for the far link")
+    args = ap.parse_args(argv)
+    from deltastore import devserver
+
+    states = _states(args.steps, args.workload)
+    res: dict[str, Any] = {"workload": args.workload, "steps": args.steps,
+                           "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+    parts = args.only or ["partial", "far", "fanout"]
+    with devserver.moto() as server:
+        if "partial" in parts:
+            res["partial"] = bench_partial(server, states)
+        if "far" in parts:
+            res["far"] = bench_far(server, states)
+        if "fanout" in parts:
+            res["fanout"] = bench_fanout(server, states, args.workers, args.gap)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only and args.out.with_suffix(".json").exists():  # a partial run updates its sections only
+        res = {**json.loads(args.out.with_suffix(".json").read_text()), **res}
+    args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(_md(res))
+    print(_md(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

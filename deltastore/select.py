@@ -1,0 +1,247 @@
+"""Partial pulls (SPEC §8 "Partial pulls"): which part of a version a subscriber reads.
+
+A :class:`Selection` names tensors by pattern and may cut some of them along their first
+dimension (tensor-parallel serving: rank r of N holds rows ``[r·S//N, (r+1)·S//N)``).
+:func:`resolve` turns it, with a version's layout, into what a partial pull needs: per layout
+unit (a tensor or a group row, design 007) the element windows the user's tensors hold and the
+chunks that overlap them. Pure: layouts in, a :class:`Resolved` out.
+
+Chunks are whole rows (SPEC §2), so a chunk is the smallest thing a reader can fetch and verify:
+a chunk straddling the edge of a slice is read whole and cut. Its bits outside the slice are
+kept by the subscriber (:class:`SliceTarget`'s ``spare``) so that later deltas, which apply to
+the whole chunk, can be applied and checked against the chunk's digest.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from deltastore.errors import SelectionError
+from deltastore.tensors import TensorSpec, bits, dtype_name
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The part of each version a partial subscriber reads.
+
+    Args:
+        names: fnmatch patterns over tensor names (the names users see: group members, never
+            group rows). A tensor is selected when any pattern matches it; every pattern must
+            match at least one tensor.
+        shard: ``(dim, rank, world)``: cut the sharded tensors along ``dim`` and keep part
+            ``rank`` of ``world``: rows ``[rank·S//world, (rank+1)·S//world)`` (equal parts when
+            ``world`` divides ``S``, else parts differing by at most one row). Only ``dim == 0`` is supported: chunks are whole
+            rows, so a slice along another dimension would read the whole tensor anyway.
+        shard_names: fnmatch patterns of the selected tensors to cut (default: every selected
+            tensor with at least one dimension); the others are read whole (replicated).
+
+    Example::
+
+        sel = Selection(names=["layers.*.mlp.*"], shard=(0, rank, world))
+        sub = Subscriber(url, select=sel)
+        mine = sub.pull()            # only this rank's rows of the MLP weights
+    """
+
+    names: tuple[str, ...] = ("*",)
+    shard: tuple[int, int, int] | None = None
+    shard_names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", tuple(self.names))
+        if self.shard_names is not None:
+            object.__setattr__(self, "shard_names", tuple(self.shard_names))
+        if not self.names:
+            raise SelectionError("a selection needs at least one name pattern")
+        if self.shard is not None:
+            dim, rank, world = self.shard
+            if world < 1 or not 0 <= rank < world:
+                raise SelectionError(f"shard {self.shard}: rank must be in [0, world) and world ≥ 1")
+            if dim != 0:
+                raise SelectionError(
+                    f"shard {self.shard}: only dim 0 can be read partially; chunks hold whole rows (SPEC §2), so "
+                    f"a slice along dim {dim} would fetch the whole tensor. Leave the tensor out of shard_names "
+                    "and cut it after the pull"
+                )
+
+
+@dataclass(frozen=True)
+class Window:
+    """Elements ``[start, stop)`` of a layout unit, held by the user's tensor ``name`` from
+    its element ``offset`` on."""
+
+    start: int
+    stop: int
+    name: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A selection against one layout.
+
+    Attributes:
+        windows: per unit, the windows the user's tensors hold, in element order.
+        chunks: the chunks a pull reads: ``(unit, index)`` of every chunk overlapping a window.
+        edges: the chunks of ``chunks`` not wholly inside windows (read whole and cut).
+        shapes: per user tensor, ``(dtype, shape)`` of what the subscriber hands out.
+        rows: per sharded tensor, its row range ``[start, stop)``.
+    """
+
+    windows: dict[str, tuple[Window, ...]]
+    chunks: frozenset[tuple[str, int]]
+    edges: frozenset[tuple[str, int]]
+    shapes: dict[str, tuple[str, tuple[int, ...]]]
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def resolve(sel: Selection, units: Mapping[str, TensorSpec]) -> Resolved:
+    """What ``sel`` reads of a version with layout ``units`` (tensors and group rows).
+
+    Raises:
+        SelectionError: a pattern matches no tensor, a sharded tensor has fewer rows than
+            ``world``, or a sharded tensor is a group member (those are small and
+            stored back to back with others: read them whole).
+    """
+    used: set[str] = set()
+    windows: dict[str, list[Window]] = {}
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    rows: dict[str, tuple[int, int]] = {}
+
+    def picked(name: str) -> bool:
+        hit = [p for p in sel.names if fnmatch.fnmatchcase(name, p)]
+        used.update(hit)
+        return bool(hit)
+
+    def sharded(name: str, shape: tuple[int, ...]) -> bool:
+        if sel.shard is None or not shape:
+            return False
+        return sel.shard_names is None or _matches(name, sel.shard_names)
+
+    for uname, spec in units.items():
+        if spec.members:
+            for m in spec.members:
+                if not picked(m.name):
+                    continue
+                if sel.shard is not None and sel.shard_names is not None and _matches(m.name, sel.shard_names):
+                    raise SelectionError(
+                        f"tensor {m.name!r} is stored in group row {uname!r} (a small tensor, design 007): it cannot "
+                        "be cut; leave it out of shard_names to read it whole"
+                    )
+                windows.setdefault(uname, []).append(Window(m.offset, m.offset + m.numel, m.name))
+                shapes[m.name] = (m.dtype, tuple(m.shape))
+            continue
+        if not picked(uname):
+            continue
+        if sharded(uname, spec.shape):
+            assert sel.shard is not None
+            _, rank, world = sel.shard
+            n = spec.shape[0]
+            if n < world:
+                raise SelectionError(
+                    f"tensor {uname!r} has {n} rows, fewer than {world} ranks: rank {rank} would hold no row of it "
+                    "(leave it out of shard_names to read it whole)"
+                )
+            lo, hi = rank * n // world, (rank + 1) * n // world
+            rows[uname] = (lo, hi)
+            windows[uname] = [Window(lo * spec.row_elems, hi * spec.row_elems, uname)]
+            shapes[uname] = (spec.dtype, (hi - lo, *spec.shape[1:]))
+        else:
+            windows[uname] = [Window(0, spec.numel, uname)]
+            shapes[uname] = (spec.dtype, tuple(spec.shape))
+    unused = [p for p in sel.names if p not in used]
+    if unused:
+        raise SelectionError(f"name pattern {unused[0]!r} matches no tensor of the store's layout")
+    chunks: set[tuple[str, int]] = set()
+    edges: set[tuple[str, int]] = set()
+    for uname, ws in windows.items():
+        spec = units[uname]
+        for i in range(spec.n_chunks):
+            a, b = spec.chunk_span(i)
+            inside = sum(max(0, min(b, w.stop) - max(a, w.start)) for w in ws)
+            if inside:
+                chunks.add((uname, i))
+                if inside < b - a:
+                    edges.add((uname, i))
+    return Resolved({u: tuple(ws) for u, ws in windows.items()}, frozenset(chunks), frozenset(edges), shapes, rows)
+
+
+def check_target(res: Resolved, tensors: Mapping[str, torch.Tensor], *, against: str) -> None:
+    """The user's tensors are exactly the selection's, with its dtypes and (sliced) shapes, on
+    the CPU.
+
+    Raises:
+        SelectionError: naming the first tensor that differs.
+    """
+    missing = sorted(set(res.shapes) - set(tensors))
+    extra = sorted(set(tensors) - set(res.shapes))
+    if missing:
+        raise SelectionError(f"tensor {missing[0]!r} of the selection of {against} is missing from the target")
+    if extra:
+        raise SelectionError(f"tensor {extra[0]!r} of the target is not in the selection of {against}")
+    for name, (dtype, shape) in res.shapes.items():
+        t = tensors[name]
+        if dtype_name(t.dtype) != dtype or tuple(t.shape) != shape:
+            raise SelectionError(
+                f"tensor {name!r} is {dtype_name(t.dtype)}{list(t.shape)} but the selection of {against} "
+                f"is {dtype}{list(shape)}"
+            )
+        if t.device.type != "cpu":
+            raise SelectionError(f"tensor {name!r} is on {t.device}: a partial target is held on the CPU")
+
+
+class SliceTarget:
+    """The read engine's access to one layout unit of a partial target (a tensor's slice, or
+    the selected members of a group row) in the unit's element coordinates.
+
+    ``read`` assembles a chunk from the user's tensors and, outside the windows, from
+    ``spare`` (the subscriber's copy of each edge chunk's bits); ``write`` scatters into both.
+    Reads are copies (``cpu = False``: the engine writes results back).
+    """
+
+    cpu = False
+    raw = None
+
+    def __init__(self, spec: TensorSpec, windows: Sequence[Window], tensors: Mapping[str, torch.Tensor],
+                 spare: dict[tuple[str, int], np.ndarray], edges: frozenset[tuple[str, int]]):
+        self.spec = spec
+        self.windows = [(w, bits(tensors[w.name])) for w in windows]
+        self.spare = spare
+        self.edges = edges
+        self._index = {spec.chunk_span(i)[0]: i for i in range(spec.n_chunks)}
+
+    def _key(self, a: int) -> tuple[str, int]:
+        return (self.spec.name, self._index[a])
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        key = self._key(a)
+        sp = self.spare.get(key) if key in self.edges else None
+        out = sp.copy() if sp is not None else np.zeros(b - a, dtype=self.spec.uint_dtype())
+        for w, arr in self.windows:
+            x, y = max(a, w.start), min(b, w.stop)
+            if x < y:
+                out[x - a : y - a] = arr[w.offset + x - w.start : w.offset + y - w.start]
+        return out
+
+    def write(self, a: int, b: int, raw: np.ndarray) -> None:
+        key = self._key(a)
+        if key in self.edges:
+            self.spare[key] = np.array(raw, copy=True)
+        for w, arr in self.windows:
+            x, y = max(a, w.start), min(b, w.stop)
+            if x < y:
+                arr[w.offset + x - w.start : w.offset + y - w.start] = raw[x - a : y - a]
+
+
+def slice_targets(units: Mapping[str, TensorSpec], res: Resolved, tensors: Mapping[str, torch.Tensor],
+                  spare: dict[tuple[str, int], np.ndarray]) -> dict[str, SliceTarget]:
+    """One :class:`SliceTarget` per selected unit."""
+    return {u: SliceTarget(units[u], ws, tensors, spare, res.edges) for u, ws in res.windows.items()}
