@@ -134,6 +134,38 @@ def _digest(sd: dict) -> dict[str, str]:
     return {k: xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.int16).numpy().data) for k, t in sd.items()}
 
 
+class Dur(float):
+    """Wall seconds of one call, with ``cpu``: CPU seconds of every thread of this process
+    over the same call. On a shared machine wall time includes waiting for a core; CPU time
+    does not, so its ratios are the steadier of the two (both are reported)."""
+
+    cpu: float
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(t0: tuple[float, float]) -> Dur:
+    d = Dur(time.perf_counter() - t0[0])
+    d.cpu = time.process_time() - t0[1]
+    return d
+
+
+def _with_cpu(out: dict) -> dict:
+    """``out`` plus ``out["cpu"]``: the same timing keys in CPU seconds (lists as medians, under
+    the name of the wall median: ``delta_s`` -> ``delta_median_s``, ``copy_all_s`` -> ``copy_s``)."""
+    cpu = {}
+    for k, v in out.items():
+        if isinstance(v, Dur):
+            cpu[k] = v.cpu
+        elif isinstance(v, list) and v and all(isinstance(x, Dur) for x in v):
+            cpu[k] = [x.cpu for x in v]
+            cpu["copy_s" if k == "copy_all_s" else k[:-2] + "_median_s"] = statistics.median(cpu[k])
+    out["cpu"] = cpu
+    return out
+
+
 def _time_copy(state: dict) -> dict:
     """Median seconds of ``copy_`` of every tensor into preallocated ones (and one clone)."""
     import torch
@@ -143,16 +175,16 @@ def _time_copy(state: dict) -> dict:
         dst[k].copy_(v)
     times = []
     for _ in range(COPY_REPEATS):
-        t0 = time.perf_counter()
+        t0 = _now()
         for k, v in state.items():
             dst[k].copy_(v)
-        times.append(time.perf_counter() - t0)
+        times.append(_since(t0))
     del dst
-    t0 = time.perf_counter()
+    t0 = _now()
     clone = {k: v.clone() for k, v in state.items()}
-    clone_s = time.perf_counter() - t0
+    clone_s = _since(t0)
     del clone
-    return {"copy_s": statistics.median(times), "copy_all_s": times, "clone_s": clone_s}
+    return {"copy_s": float(statistics.median(times)), "copy_all_s": times, "clone_s": clone_s}
 
 
 def _copy(src: Path, threads: int) -> dict:
@@ -161,7 +193,7 @@ def _copy(src: Path, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     state = _load(src, 0)
-    return {"role": "copy", "model_bytes": _model_bytes(state), **_time_copy(state)}
+    return _with_cpu({"role": "copy", "model_bytes": _model_bytes(state), **_time_copy(state)})
 
 
 def native_status() -> dict:
@@ -193,17 +225,17 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
     delta_s, peaks, stored = [], [], []
     with Publisher(url, threads=threads) as pub:
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         pub.publish(state, step=0)
-        out["first_anchor_s"] = time.perf_counter() - t0
+        out["first_anchor_s"] = _since(t0)
         out["first_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         for s in range(1, steps):
             _load_into(src, s, state)
             digests.append(_digest(state))
             _reset_peak()  # the benchmark's own file reads are not the publisher's memory
-            t0 = time.perf_counter()
+            t0 = _now()
             info = pub.publish(state, step=s)
-            delta_s.append(time.perf_counter() - t0)
+            delta_s.append(_since(t0))
             peaks.append(_status_kb("VmHWM"))
             assert info.kind == "delta", info
             stored.append(info.bytes_stored)
@@ -211,9 +243,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         _load_into(src, steps, state)
         digests.append(_digest(state))
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         info = pub.publish(state, step=steps, anchor=True)
-        out["anchor_s"] = time.perf_counter() - t0
+        out["anchor_s"] = _since(t0)
         out["anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         out["anchor_bytes"] = info.bytes_stored
     del state
@@ -228,9 +260,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
             break
         prev, new = _load(src, s - 1), _load(src, s)
         if s <= PULSE_STEPS:
-            t0 = time.perf_counter()
+            t0 = _now()
             blob = pulse.encode(prev, new)
-            pulse_s.append(time.perf_counter() - t0)
+            pulse_s.append(_since(t0))
             pulse_bytes.append(len(blob))
             (work / f"pulse_{s}.bin").write_bytes(blob)
         if entropy:
@@ -238,7 +270,7 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         del prev, new
     out.update(pulse_encode_s=pulse_s, pulse_encode_median_s=statistics.median(pulse_s),
                pulse_bytes=pulse_bytes, h0_bytes=h0)
-    return out
+    return _with_cpu(out)
 
 
 def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
@@ -255,31 +287,31 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
     into_s, peaks = [], []
     with Subscriber(url, threads=threads) as sub:
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         target = sub.pull(1)
-        out["first_pull_s"] = time.perf_counter() - t0
+        out["first_pull_s"] = _since(t0)
         model = _model_bytes(target)
         out["model_bytes"] = model
         out["first_pull_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         exact &= _digest(target) == digests[0]
         for v in range(2, steps + 1):  # version v holds step v - 1; versions 2..steps are deltas
             _reset_peak()
-            t0 = time.perf_counter()
+            t0 = _now()
             sub.pull_into(target, version=v)
-            into_s.append(time.perf_counter() - t0)
+            into_s.append(_since(t0))
             peaks.append(_status_kb("VmHWM"))
             exact &= _digest(target) == digests[v - 1]
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         sub.pull_into(target, version=steps + 1)  # the forced anchor (the last step)
-        out["pull_into_anchor_s"] = time.perf_counter() - t0
+        out["pull_into_anchor_s"] = _since(t0)
         out["pull_into_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         exact &= _digest(target) == digests[steps]
         del target
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         latest = sub.pull(steps)  # the last delta version: the first anchor and every delta
-        out["pull_chain_s"] = time.perf_counter() - t0
+        out["pull_chain_s"] = _since(t0)
         out["pull_chain_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         exact &= _digest(latest) == digests[steps - 1]
         del latest
@@ -289,13 +321,13 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
     pulse_s = []
     for s in range(1, min(steps - 1, PULSE_STEPS) + 1):
         target, blob = _load(src, s - 1), (work / f"pulse_{s}.bin").read_bytes()
-        t0 = time.perf_counter()
+        t0 = _now()
         pulse.decode_apply(target, blob)
-        pulse_s.append(time.perf_counter() - t0)
+        pulse_s.append(_since(t0))
         exact &= _digest(target) == digests[s]
         del target
     out.update(pulse_apply_s=pulse_s, pulse_apply_median_s=statistics.median(pulse_s), exact=exact)
-    return out
+    return _with_cpu(out)
 
 
 def _anchor_codecs(src: Path, step: int) -> dict:
@@ -321,10 +353,10 @@ def _anchor_codecs(src: Path, step: int) -> dict:
             enc = lambda: peers.FORMATS[name].encode(sd, sd)  # noqa: E731
         times, blob = [], b""
         for _ in range(ANCHOR_REPEATS):
-            t0 = time.perf_counter()
+            t0 = _now()
             blob = enc()
-            times.append(time.perf_counter() - t0)
-        out[name] = {"encode_s": min(times), "bytes": len(blob)}
+            times.append(_since(t0))
+        out[name] = {"encode_s": min(times), "encode_cpu_s": min(t.cpu for t in times), "bytes": len(blob)}
     return out
 
 
@@ -398,10 +430,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def summarize(mode: dict, copy_s: float) -> dict:
-    """One mode's ratios from its publisher and worker results and the memory copy's time."""
-    pub, wk = mode["publisher"], mode["worker"]
-    pc = wc = copy_s
+def summarize(mode: dict, copy: dict, clock: str = "wall") -> dict:
+    """One mode's ratios from its roles' results and the memory copy's, in wall or CPU time."""
+    pub, wk, anc = mode["publisher"], mode["worker"], mode["anchor"]
+    if clock == "cpu":
+        pub, wk, copy = ({**d, **d["cpu"]} for d in (pub, wk, copy))
+    pc = wc = copy["copy_s"]
     h0 = pub.get("h0_bytes") or []
     return {
         "publish_over_copy": pub["delta_median_s"] / pc,
@@ -421,7 +455,15 @@ def summarize(mode: dict, copy_s: float) -> dict:
         "delta_over_h0": (statistics.median(b / h for b, h in zip(pub["delta_bytes"], h0) if h)
                           if h0 else None),
         "exact": wk["exact"],
+        **_anchor_ratios(anc, "encode_s" if clock == "wall" else "encode_cpu_s"),
     }
+
+
+def _anchor_ratios(anc: dict, key: str) -> dict:
+    z, a = anc.get("zipnn", {}), anc.get("deltastore-anchor", {})
+    if key not in z or key not in a:
+        return {}
+    return {"anchor_encode_time_over_zipnn": a[key] / z[key], "anchor_size_over_zipnn": a["bytes"] / z["bytes"]}
 
 
 def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: int | None = None,
@@ -457,21 +499,18 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
             url = str(tmp / f"store-{mode}")
             work = tmp / f"work-{mode}"
             work.mkdir()
-            t0 = time.perf_counter()
+            t0 = _now()
             kw = dict(src=src, url=url, steps=steps, threads=threads, work=work, native=native)
             pub = _run_role("publisher", entropy=i == 0, **kw)
             wk = _run_role("worker", **kw)
             anc = _run_role("anchor", **kw)
-            m = {"publisher": pub, "worker": wk, "anchor": anc, "wall_s": time.perf_counter() - t0}
+            m = {"publisher": pub, "worker": wk, "anchor": anc, "wall_s": float(_since(t0))}
             if i:  # sizes and H0 do not depend on the mode (identical bytes): measured once
                 first = res["modes"][modes[0]]["publisher"]
                 pub["h0_bytes"] = first.get("h0_bytes")
                 m["same_bytes_as_" + modes[0]] = pub["delta_bytes"] == first["delta_bytes"]
-            m["ratios"] = summarize(m, res["copy"]["copy_s"])
-            z, a = anc.get("zipnn", {}), anc.get("deltastore-anchor", {})
-            if "encode_s" in z and "encode_s" in a:
-                m["ratios"]["anchor_encode_time_over_zipnn"] = a["encode_s"] / z["encode_s"]
-                m["ratios"]["anchor_size_over_zipnn"] = a["bytes"] / z["bytes"]
+            m["ratios"] = summarize(m, res["copy"])
+            m["ratios_cpu"] = summarize(m, res["copy"], "cpu")
             res["modes"][mode] = m
             shutil.rmtree(url, ignore_errors=True)
     res["goals"] = GOALS
@@ -539,30 +578,35 @@ def markdown(res: dict) -> str:
         mb = m0["publisher"]["model_bytes"]
         lines.append(f"Model {mb / 1e6:.1f} MB bf16, {m0['publisher']['tensors']} tensors.")
         lines.append("")
-    lines.append("| figure | " + " | ".join(modes) + " | goal |")
-    lines.append("|---" * (len(modes) + 2) + "|")
+    lines.append("Ratios of wall time (what the goals are stated in) and of CPU time (every thread of the "
+                 "role's process; steadier when other jobs share the cores). Sizes and memory are the same "
+                 "in both.")
+    lines.append("")
+    lines.append("| figure | " + " | ".join(f"{m} (wall) | {m} (CPU)" for m in modes) + " | goal |")
+    lines.append("|---" * (2 * len(modes) + 2) + "|")
     for label, key, goal in ROWS:
         cells = []
         for m in modes:
-            r = res["modes"][m].get("ratios")
-            cells.append(_f(r.get(key)) if r else "n/a")
+            for which in ("ratios", "ratios_cpu"):
+                r = res["modes"][m].get(which)
+                cells.append(_f(r.get(key)) if r else "n/a")
         g = f"≤ {GOALS[goal]}" if goal else ""
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {g} |")
     lines.append("")
-    lines.append("| absolute | " + " | ".join(modes) + " |")
+    lines.append("| absolute, ms (wall / CPU) | " + " | ".join(modes) + " |")
     lines.append("|---" * (len(modes) + 1) + "|")
     copy = res["copy"]
-    lines.append("| memory copy (`copy_`, median), ms | " + " | ".join(
-        _f(copy["copy_s"] * 1e3, "{:.1f}") for _ in modes) + " |")
-    for label, role, key in [("delta publish median, ms", "publisher", "delta_median_s"),
-                             ("PULSE encode median, ms", "publisher", "pulse_encode_median_s"),
-                             ("anchor publish, ms", "publisher", "anchor_s"),
-                             ("pull_into median, ms", "worker", "pull_into_median_s"),
-                             ("PULSE decode+apply median, ms", "worker", "pulse_apply_median_s")]:
+    lines.append("| memory copy (`copy_`, median) | " + " | ".join(
+        f"{copy['copy_s'] * 1e3:.1f} / {copy['cpu']['copy_s'] * 1e3:.1f}" for _ in modes) + " |")
+    for label, role, key in [("delta publish median", "publisher", "delta_median_s"),
+                             ("PULSE encode median", "publisher", "pulse_encode_median_s"),
+                             ("anchor publish", "publisher", "anchor_s"),
+                             ("pull_into median", "worker", "pull_into_median_s"),
+                             ("PULSE decode+apply median", "worker", "pulse_apply_median_s")]:
         cells = []
         for m in modes:
             d = res["modes"][m].get(role)
-            cells.append(_f(d[key] * 1e3, "{:.1f}") if d else "n/a")
+            cells.append(f"{d[key] * 1e3:.1f} / {d['cpu'][key] * 1e3:.1f}" if d else "n/a")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for m in modes:
         mm = res["modes"][m]
