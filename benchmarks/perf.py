@@ -7,8 +7,9 @@ On a transformer-shaped model with real AdamW steps (``benchmarks/workload.py``,
 ``benchmarks/.cache``), each role in a fresh subprocess, on ``--threads`` threads (default:
 every core, 2 here):
 
-* **copy**: ``dst.copy_(src)`` of every tensor into preallocated tensors (torch on the same
-  threads), median of ``COPY_REPEATS``, in its own process: the denominator of every ratio;
+* **copy**: ``dst.copy_(src)`` of every tensor into preallocated tensors, median of
+  ``COPY_REPEATS``, torch on one thread and on ``--threads``, the faster kept, in its own
+  process: the denominator of every ratio;
 * **publisher**: the first publish (step 0, an anchor), a delta publish for each of steps
   1..N-1 (median), step N as a forced anchor (``anchor=True``: the steady-state anchor cost,
   reference held), peak RSS of the delta publishes;
@@ -17,7 +18,7 @@ every core, 2 here):
   of the delta ``pull_into`` calls; every result compared with the trainer's export (XXH3-128
   of every tensor, taken by the publisher role);
 * **PULSE** (``benchmarks/peers.py``: COO int32 + new values, zstd-3) encode and decode+apply of
-  the same steps, torch on the same threads;
+  the same steps (torch on one thread: ``PULSE_THREADS``);
 * **anchor encode on one thread**: ZipNN (bf16 byte mode, one thread) against
   ``deltastore.codec.encode_full`` per tensor, time and size;
 * **sizes**: pack bytes each delta version stored against the order-0 entropy estimate
@@ -62,6 +63,9 @@ COPY_REPEATS = 5
 # PULSE's encoder and decoder are timed on at most this many steps (median): they are
 # baselines, and each step of the 531 MB model costs a load of two snapshots (~2-4 s here).
 PULSE_STEPS = 3
+# PULSE's encode and decode run with torch on one thread: the format is a single-threaded Python
+# loop over tensors, and its torch ops on two OpenMP threads were slower on the shared machine.
+PULSE_THREADS = 1
 # Anchor encoders on one thread (ZipNN and ours) are timed this many times, fastest kept: on a
 # shared machine the minimum is the least disturbed estimate; each takes 1-3 s on 531 MB.
 ANCHOR_REPEATS = 2
@@ -166,34 +170,45 @@ def _with_cpu(out: dict) -> dict:
     return out
 
 
-def _time_copy(state: dict) -> dict:
-    """Median seconds of ``copy_`` of every tensor into preallocated ones (and one clone)."""
+def _time_copy(state: dict, threads: int) -> dict:
+    """Median seconds of ``copy_`` of every tensor into preallocated ones, with torch on one
+    thread and on ``threads``, the faster kept (and one clone).
+
+    Both, because the faster depends on the machine: on an idle one two threads copy faster; on
+    a shared one torch's OpenMP threads spin-wait for a descheduled partner, and a 531 MB copy
+    on two threads measured 2.1 s of wall and 0.73 s of CPU time (load average 12), several
+    times a one-thread copy. The denominator should be what a copy can cost, not that.
+    """
     import torch
 
     dst = {k: torch.empty_like(v) for k, v in state.items()}
     for k, v in state.items():  # fault the pages in: a copy into fresh memory is not the point
         dst[k].copy_(v)
-    times = []
-    for _ in range(COPY_REPEATS):
-        t0 = _now()
-        for k, v in state.items():
-            dst[k].copy_(v)
-        times.append(_since(t0))
+    by_threads: dict[int, list] = {}
+    for nt in sorted({1, threads}):
+        torch.set_num_threads(nt)
+        times = by_threads[nt] = []
+        for _ in range(COPY_REPEATS):
+            t0 = _now()
+            for k, v in state.items():
+                dst[k].copy_(v)
+            times.append(_since(t0))
     del dst
+    best = min(by_threads, key=lambda nt: statistics.median(by_threads[nt]))
     t0 = _now()
     clone = {k: v.clone() for k, v in state.items()}
     clone_s = _since(t0)
     del clone
-    return {"copy_s": float(statistics.median(times)), "copy_all_s": times, "clone_s": clone_s}
+    torch.set_num_threads(threads)
+    return {"copy_s": float(statistics.median(by_threads[best])), "copy_all_s": by_threads[best],
+            "copy_threads": best, "clone_s": clone_s,
+            "copy_median_s_by_threads": {nt: float(statistics.median(t)) for nt, t in by_threads.items()}}
 
 
 def _copy(src: Path, threads: int) -> dict:
     """The denominator, in its own process: the roles' peaks never see its extra model copy."""
-    import torch
-
-    torch.set_num_threads(threads)
     state = _load(src, 0)
-    return _with_cpu({"role": "copy", "model_bytes": _model_bytes(state), **_time_copy(state)})
+    return _with_cpu({"role": "copy", "model_bytes": _model_bytes(state), **_time_copy(state, threads)})
 
 
 def native_status() -> dict:
@@ -253,6 +268,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
     out.update(delta_s=delta_s, delta_median_s=statistics.median(delta_s), delta_bytes=stored,
                peak_over_model=(max(peaks) - baseline) * 1024 / model)
     # Baseline encoder and sizes, after the publisher is gone (its memory is measured above).
+    # PULSE's encoder is single-threaded Python around torch ops; on two torch threads the ops'
+    # OpenMP spin-waits made it slower on this shared machine, so it runs on one (PULSE_THREADS).
+    torch.set_num_threads(PULSE_THREADS)
     pulse = peers.FORMATS["pulse"]
     pulse_s, pulse_bytes, h0 = [], [], []
     for s in range(1, steps):
@@ -317,6 +335,7 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
         del latest
     out.update(pull_into_s=into_s, pull_into_median_s=statistics.median(into_s),
                peak_over_model=(max(peaks) - baseline) * 1024 / model)
+    torch.set_num_threads(PULSE_THREADS)
     pulse = peers.FORMATS["pulse"]
     pulse_s = []
     for s in range(1, min(steps - 1, PULSE_STEPS) + 1):
