@@ -247,6 +247,22 @@ class ReadEngine:
             raise
         return raw
 
+    @staticmethod
+    def patch_one(p: ChunkPlan, data: dict, current: np.ndarray, base: _Base | None) -> ChunkPatch | None:
+        """Stage a one-delta plan: ``current`` (only read) with the delta applied into a scratch
+        buffer, ``current``'s base digest and the result's taken in that same pass (as
+        :meth:`replay` does in place), and the patch made from the delta's own positions."""
+        s = p.deltas[0]
+        scratch = np.empty_like(current)
+        before, after, changed = codec.apply_delta_into(
+            current, scratch, data[s.where], codec=s.ref.codec, before=base is not None, after=True,
+        )
+        if base is not None and before != base[0]:
+            raise _modified(p.name, p.index, base[1])
+        if after != p.digest:
+            raise IntegrityError(f"chunk {p.name}[{p.index}] does not match its digest after applying 1 segment(s)")
+        return make_patch(p.name, p.index, p.span, current, scratch, changed)
+
     def fetch_batches(
         self, plans: list[ChunkPlan], *, tolerant: bool = False
     ) -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
@@ -387,6 +403,8 @@ class ReadEngine:
                     raise errors[st.where]
             tgt = targets[p.name]
             current = tgt.read(*p.span)
+            if p.full is None and len(p.deltas) == 1:  # the common case: one pass, no compare
+                return self.patch_one(p, data, current, deferred.get((p.name, p.index)))
             scratch = None if p.full is not None else current.copy()
             result = self.replay(p, specs[p.name], data, scratch, deferred.get((p.name, p.index)))  # checks both digests
             return make_patch(p.name, p.index, p.span, current, result)

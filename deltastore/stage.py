@@ -62,9 +62,14 @@ class ChunkPatch:
         return pos + self.values.nbytes + self.expected_old.nbytes
 
 
-def make_patch(name: str, index: int, span: tuple[int, int], current: np.ndarray, result: np.ndarray) -> ChunkPatch | None:
-    """The patch turning ``current`` into ``result`` (equal-length uint arrays); None if equal."""
-    changed = np.flatnonzero(current != result)
+def make_patch(name: str, index: int, span: tuple[int, int], current: np.ndarray, result: np.ndarray,
+               changed: np.ndarray | None = None) -> ChunkPatch | None:
+    """The patch turning ``current`` into ``result`` (equal-length uint arrays); None if equal.
+
+    ``changed``: the positions where they differ, when the caller knows them (a sparse delta's
+    positions), so the two chunks need not be compared element by element."""
+    if changed is None:
+        changed = np.flatnonzero(current != result)
     if changed.size == 0:
         return None
     if changed.size > DENSE_PATCH_FRACTION * current.size:

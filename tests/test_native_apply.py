@@ -29,6 +29,7 @@ from deltastore.codec import (
     _kernels,
     apply_delta,
     apply_delta_digests,
+    apply_delta_into,
     encode_delta,
 )
 from deltastore.codec.container import KIND_CONST, KIND_RAW, pack
@@ -133,6 +134,35 @@ def test_kernel_and_numpy_write_identical_targets(pair):
         assert digests == (digest(new), digest(old))
 
 
+def into_outcome(base: np.ndarray, data: bytes, codec: str):
+    out = np.full_like(base, 0x5A)
+    source = base.copy()
+    try:
+        b, a, pos = apply_delta_into(source, out, data, codec=codec, before=True, after=True)
+    except (DeltastoreError, ValueError) as e:
+        assert np.array_equal(out, np.full_like(base, 0x5A)), "a refused segment wrote out"
+        return f"{type(e).__name__}: {e}"
+    assert np.array_equal(source, base), "apply_delta_into wrote its source"
+    return out.tobytes(), b, a, None if pos is None else pos.tolist()
+
+
+@needs_native
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunk_pairs())
+def test_apply_into_agrees_and_names_the_changed_positions(pair):
+    old, new = pair
+    for codec, data in all_forms(old, new):
+        native = into_outcome(old, data, codec)
+        with numpy_path():
+            assert into_outcome(old, data, codec) == native
+        out, b, a, pos = native
+        assert out == new.tobytes() and (b, a) == (digest(old), digest(new))
+        if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE):
+            assert pos == np.flatnonzero(old != new).tolist()
+        else:
+            assert pos is None
+
+
 @needs_native
 def test_digests_span_many_blocks_and_partial_ones():
     # 32 KiB blocks: chunks smaller than, equal to and far beyond one block, odd tails
@@ -209,6 +239,9 @@ def test_kernel_and_numpy_refuse_the_same_segments(seg, seed):
     codec, width, count, data, inverse = seg
     base = np.random.default_rng(seed).integers(0, 255, count * width, dtype=np.uint8).view(UINT[width])
     both(base, data, codec, inverse)  # same bytes written, or the same error and nothing written
+    native = into_outcome(base, data, codec)
+    with numpy_path():
+        assert into_outcome(base, data, codec) == native
 
 
 @needs_native
@@ -298,7 +331,7 @@ def test_pull_into_reaches_the_head_bit_exact(tmp_path, path):
 
 
 @pytest.mark.parametrize("where", ["patched", "kept"])
-def test_modified_target_is_refused_and_left_as_it_was(tmp_path, path, where):
+def test_modified_target_is_refused_and_left_as_it_was(tmp_path, path, where, monkeypatch):
     url, a, b = _store(tmp_path)
     sub = Subscriber(url)
     target = sub.pull(version=1)
@@ -307,10 +340,22 @@ def test_modified_target_is_refused_and_left_as_it_was(tmp_path, path, where):
     name = "w2" if where == "patched" else "w3"
     target[name].view(-1)[-1] += 1
     edited = _bits(target)
+    import deltastore.apply as apply_mod
+
+    hashed_up_front: list[tuple[str, int]] = []
+    real = apply_mod.digest_mismatches
+
+    def spy(pool, specs, expected, read):
+        hashed_up_front.extend(expected)
+        return real(pool, specs, expected, read)
+
+    monkeypatch.setattr(apply_mod, "digest_mismatches", spy)
     with pytest.raises(TargetModifiedError, match=f"tensor '{name}'"):
         sub.pull_into(target)
     assert _bits(target) == edited  # every chunk written before the check was restored
     assert sub.version == 1
+    last = (name, 3)  # 64 rows of 256 bf16 in 8 KiB chunks: 4 chunks
+    assert (last in hashed_up_front) == (where == "kept")
 
 
 def test_bad_chunk_in_the_middle_restores_everything(tmp_path, path, monkeypatch):

@@ -228,21 +228,30 @@ DS_INLINE uint64_t gap_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
     return g;
 }
 
-/* Walk the target in blocks [start, end): hash before, apply the block's changes, hash after.
- * Without digests the whole chunk is one block. */
+/* Where the result goes: in place (src NULL), or src copied into t block by block; and, for
+ * sparse kinds, the positions written (pos NULL: not wanted). */
+typedef struct {
+    const uint8_t *src;
+    int64_t *pos;
+} io_t;
+
+/* Walk the target in blocks [start, end): (copy the block from src,) hash before, apply the
+ * block's changes, hash after. Without digests or src the whole chunk is one block. */
 DS_INLINE void run(uint8_t *t, const seg_t *s, int W, int OP, int ADD, int SPARSE,
-                   XXH3_state_t *sb, XXH3_state_t *sa) {
+                   XXH3_state_t *sb, XXH3_state_t *sa, const io_t *io) {
     uint64_t count = s->count;
-    uint64_t blk = (sb || sa) ? BLOCK_BYTES / W : count;
+    uint64_t blk = (sb || sa || io->src) ? BLOCK_BYTES / W : count;
     cursor_t c = {0, 0};
     uint64_t i = 0, p = 0;
     if (SPARSE && s->n) p = gap_at(s, ADD, 0, &c);
     for (uint64_t start = 0; start < count;) {
         uint64_t end = count - start > blk ? start + blk : count;
+        if (io->src) memcpy(t + start * W, io->src + start * W, (size_t)((end - start) * W));
         if (sb) XXH3_128bits_update(sb, t + start * W, (size_t)((end - start) * W));
         if (SPARSE) {
             while (i < s->n && p < end) {
                 apply_at(t, p, W, OP, value_at(s, ADD, i, &c));
+                if (io->pos) io->pos[i] = (int64_t)p;
                 if (++i < s->n) p += gap_at(s, ADD, i, &c) + 1;
             }
         } else {
@@ -258,9 +267,9 @@ DS_INLINE void run(uint8_t *t, const seg_t *s, int W, int OP, int ADD, int SPARS
 
 #define DS_RUN_OPS(W, ADD, SPARSE)                                  \
     do {                                                            \
-        if (!(ADD)) run(t, s, W, OP_XOR, ADD, SPARSE, sb, sa);      \
-        else if (inverse) run(t, s, W, OP_SUB, ADD, SPARSE, sb, sa); \
-        else run(t, s, W, OP_ADD, ADD, SPARSE, sb, sa);             \
+        if (!(ADD)) run(t, s, W, OP_XOR, ADD, SPARSE, sb, sa, io);      \
+        else if (inverse) run(t, s, W, OP_SUB, ADD, SPARSE, sb, sa, io); \
+        else run(t, s, W, OP_ADD, ADD, SPARSE, sb, sa, io);             \
     } while (0)
 #define DS_RUN_KINDS(W)                                        \
     do {                                                       \
@@ -272,7 +281,8 @@ DS_INLINE void run(uint8_t *t, const seg_t *s, int W, int OP, int ADD, int SPARS
         }                                                      \
     } while (0)
 
-static void apply_all(uint8_t *t, const seg_t *s, int inverse, XXH3_state_t *sb, XXH3_state_t *sa) {
+static void apply_all(uint8_t *t, const seg_t *s, int inverse, XXH3_state_t *sb, XXH3_state_t *sa,
+                      const io_t *io) {
     switch (s->width) {
     case 1: DS_RUN_KINDS(1); break;
     case 2: DS_RUN_KINDS(2); break;
@@ -340,6 +350,11 @@ static int layout(seg_t *s, uint64_t *len, int *role_start) {
     return k;
 }
 
+static int ranges_overlap(const Py_buffer *a, const Py_buffer *b) {
+    const char *a0 = (const char *)a->buf, *b0 = (const char *)b->buf;
+    return a->len && b->len && a0 < b0 + b->len && b0 < a0 + a->len;
+}
+
 static PyObject *hex_digest(XXH3_state_t *st) {
     XXH128_hash_t h = XXH3_128bits_digest(st);
     return ds_hex128(h.high64, h.low64);
@@ -347,19 +362,26 @@ static PyObject *hex_digest(XXH3_state_t *st) {
 
 PyDoc_STRVAR(apply_segment_doc,
 "apply_segment(target, kind, width, gap_width, sections, n_changed, n_gap_escaped, n_escaped,\n"
-"              inverse, want) -> (err, a, b, before_hex | None, after_hex | None)\n\n"
+"              inverse, want, out=None, positions=None)\n"
+"    -> (err, a, b, before_hex | None, after_hex | None)\n\n"
 "Validate a decompressed delta segment, then apply it to target (or undo it), hashing the\n"
 "target (XXH3-128) before and/or after in the same pass (want: bit 0 before, bit 1 after).\n"
-"err != 0: the segment is corrupt (see DS_E_* in apply.c) and target was not written.");
+"With out (a writable buffer of target's size), target is only read: the result is written\n"
+"to out. With positions (sparse kinds; a writable buffer of n_changed int64), the changed\n"
+"positions are written there. err != 0: the segment is corrupt (see DS_E_* in apply.c) and\n"
+"nothing was written.");
 
 static PyObject *apply_segment(PyObject *self, PyObject *args) {
-    PyObject *target, *sections;
+    PyObject *target, *sections, *out = Py_None, *positions = Py_None;
     int kind, width, gap_width, inverse, want;
     unsigned long long n, nge, ne;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OiiiO!KKKpi", &target, &kind, &width, &gap_width, &PyTuple_Type,
-                          &sections, &n, &nge, &ne, &inverse, &want))
+    if (!PyArg_ParseTuple(args, "OiiiO!KKKpi|OO", &target, &kind, &width, &gap_width, &PyTuple_Type,
+                          &sections, &n, &nge, &ne, &inverse, &want, &out, &positions))
         return NULL;
+    int sparse = kind == K_XOR_SPARSE || kind == K_ADD_SPARSE;
+    if (positions != Py_None && !sparse)
+        return PyErr_Format(PyExc_ValueError, "positions are only written for sparse kinds");
     if (kind < K_XOR_SPARSE || kind > K_ADD_DENSE) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
     if (width != 1 && width != 2 && width != 4 && width != 8)
         return PyErr_Format(PyExc_ValueError, "width %d is not 1, 2, 4 or 8", width);
@@ -367,8 +389,25 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     if (uses_gap_width && gap_width != 1 && gap_width != 2 && gap_width != 4)
         return PyErr_Format(PyExc_ValueError, "gap width %d is not 1, 2 or 4", gap_width);
 
-    Py_buffer tv;
-    if (PyObject_GetBuffer(target, &tv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    /* tv: what is read (target); ov: what is written (out, or target in place); pv: positions */
+    Py_buffer tv, ov, pv;
+    int has_out = 0, has_pos = 0;
+    if (PyObject_GetBuffer(target, &tv, (out == Py_None ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (out != Py_None) {
+        if (PyObject_GetBuffer(out, &ov, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&tv);
+            return NULL;
+        }
+        has_out = 1;
+    }
+    if (positions != Py_None) {
+        if (PyObject_GetBuffer(positions, &pv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            if (has_out) PyBuffer_Release(&ov);
+            PyBuffer_Release(&tv);
+            return NULL;
+        }
+        has_pos = 1;
+    }
     seg_t s;
     memset(&s, 0, sizeof s);
     s.kind = kind;
@@ -384,6 +423,15 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     uint64_t len[MAX_PLANES];
     int role[4];
     PyObject *result = NULL;
+    if (has_out && (ov.len != tv.len || ranges_overlap(&ov, &tv))) {
+        PyErr_SetString(PyExc_ValueError, "out must have target's size and not overlap it");
+        goto done;
+    }
+    if (has_pos && (uint64_t)pv.len != (uint64_t)n * sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "positions has %zd bytes, n_changed %llu needs %llu", pv.len, n,
+                     (unsigned long long)n * sizeof(int64_t));
+        goto done;
+    }
     if ((uint64_t)tv.len % (uint64_t)width) {
         PyErr_Format(PyExc_ValueError, "target has %zd bytes, not a multiple of width %d", tv.len, width);
         goto done;
@@ -449,7 +497,10 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     int err;
     Py_BEGIN_ALLOW_THREADS
     err = validate(&s, &ea, &eb);
-    if (!err) apply_all((uint8_t *)tv.buf, &s, inverse, sb, sa);
+    if (!err) {
+        io_t io = {has_out ? (const uint8_t *)tv.buf : NULL, has_pos ? (int64_t *)pv.buf : NULL};
+        apply_all(has_out ? (uint8_t *)ov.buf : (uint8_t *)tv.buf, &s, inverse, sb, sa, &io);
+    }
     Py_END_ALLOW_THREADS
 
     PyObject *before = NULL, *after = NULL;
@@ -466,6 +517,8 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     }
 done:
     release_sections(&ss);
+    if (has_pos) PyBuffer_Release(&pv);
+    if (has_out) PyBuffer_Release(&ov);
     PyBuffer_Release(&tv);
     return result;
 }

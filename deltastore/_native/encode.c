@@ -9,15 +9,14 @@
 #include <emmintrin.h>
 #endif
 
-#define XXH_INLINE_ALL
-#include "xxhash.h"
+#include "ds_xxh.h" /* xxhash.h inlined, XXH3 dispatched to the widest SIMD unit (N3) */
 
 /* Bytes of `new` hashed, then scanned, at a time: small enough to stay in L1/L2 between the
  * two, large enough that XXH3's per-update overhead is negligible. */
 #define HASH_BLOCK (16 * 1024)
 
-/* Bytes compared at once into a bit mask (one bit per byte, SSE2 where available); the changed
- * elements are then visited by counting trailing zeros, never one element at a time. */
+/* Elements compared at once into a bit mask (one bit per element, SSE2 where available); the
+ * changed elements are then visited by counting trailing zeros, never one element at a time. */
 #define SCAN_BLOCK 64
 
 /* --- growable output buffers (malloc: usable without the GIL) ------------------------- */
@@ -77,28 +76,61 @@ static inline unsigned ctz64(uint64_t x) { /* x != 0 */
 #endif
 }
 
-/* Bit b set: byte b of the two 64-byte blocks differs. */
-static inline uint64_t diff_mask64(const uint8_t *a, const uint8_t *b) {
+/* Bit j set: element j of the two blocks of 64 elements differs. SSE2 compares 16 bytes at a
+ * time and packs the lane results to one bit per element; elsewhere a branch-free scalar loop. */
+#define SCALAR_MASK(T, W)                                                                 \
+    static inline uint64_t elem_mask_scalar_##W(const uint8_t *a, const uint8_t *b) {    \
+        uint64_t m = 0;                                                                   \
+        for (int j = 0; j < 64; j++) {                                                    \
+            T x, y;                                                                       \
+            memcpy(&x, a + j * W, W);                                                     \
+            memcpy(&y, b + j * W, W);                                                     \
+            m |= (uint64_t)(x != y) << j;                                                 \
+        }                                                                                 \
+        return m;                                                                         \
+    }
+SCALAR_MASK(uint8_t, 1)
+SCALAR_MASK(uint16_t, 2)
+SCALAR_MASK(uint32_t, 4)
+SCALAR_MASK(uint64_t, 8)
+
 #ifdef __SSE2__
+static inline __m128i ld(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+
+static inline uint64_t elem_mask_1(const uint8_t *a, const uint8_t *b) {
     uint64_t eq = 0;
-    for (int q = 0; q < 4; q++) {
-        __m128i x = _mm_loadu_si128((const __m128i *)(a + 16 * q));
-        __m128i y = _mm_loadu_si128((const __m128i *)(b + 16 * q));
-        eq |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)) << (16 * q);
+    for (int q = 0; q < 4; q++)
+        eq |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(ld(a + 16 * q), ld(b + 16 * q))) << (16 * q);
+    return ~eq;
+}
+
+static inline uint64_t elem_mask_2(const uint8_t *a, const uint8_t *b) {
+    uint64_t eq = 0;
+    for (int q = 0; q < 4; q++) { /* 16 elements: two 8-lane compares packed to 16 bytes */
+        __m128i e0 = _mm_cmpeq_epi16(ld(a + 32 * q), ld(b + 32 * q));
+        __m128i e1 = _mm_cmpeq_epi16(ld(a + 32 * q + 16), ld(b + 32 * q + 16));
+        eq |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_packs_epi16(e0, e1)) << (16 * q);
     }
     return ~eq;
-#else
-    uint64_t m = 0;
-    for (int q = 0; q < SCAN_BLOCK / 8; q++) {
-        uint64_t x, y;
-        memcpy(&x, a + 8 * q, 8);
-        memcpy(&y, b + 8 * q, 8);
-        if (x == y) continue;
-        for (int k = 0; k < 8; k++) m |= (uint64_t)(a[8 * q + k] != b[8 * q + k]) << (8 * q + k);
-    }
-    return m;
-#endif
 }
+
+static inline uint64_t elem_mask_4(const uint8_t *a, const uint8_t *b) {
+    uint64_t eq = 0;
+    for (int q = 0; q < 4; q++) { /* 16 elements: four 4-lane compares packed twice */
+        const uint8_t *x = a + 64 * q, *y = b + 64 * q;
+        __m128i e0 = _mm_cmpeq_epi32(ld(x), ld(y)), e1 = _mm_cmpeq_epi32(ld(x + 16), ld(y + 16));
+        __m128i e2 = _mm_cmpeq_epi32(ld(x + 32), ld(y + 32)), e3 = _mm_cmpeq_epi32(ld(x + 48), ld(y + 48));
+        __m128i p = _mm_packs_epi16(_mm_packs_epi32(e0, e1), _mm_packs_epi32(e2, e3));
+        eq |= (uint64_t)(uint16_t)_mm_movemask_epi8(p) << (16 * q);
+    }
+    return ~eq;
+}
+#else
+#define elem_mask_1 elem_mask_scalar_1
+#define elem_mask_2 elem_mask_scalar_2
+#define elem_mask_4 elem_mask_scalar_4
+#endif
+#define elem_mask_8 elem_mask_scalar_8 /* SSE2 has no 64-bit compare; 8-byte elements are rare */
 
 /* One change at element j (old value ov, new value nv): gap symbol (and escape), value code
  * (and escape), reference advance. Uses the locals of the scan below. */
@@ -137,8 +169,7 @@ static inline uint64_t diff_mask64(const uint8_t *a, const uint8_t *b) {
  * make the compiler reload every field of `s` after each one). */
 #define DEFINE_SCAN(T, W)                                                                           \
     static int scan_##W(uint8_t *ob, const uint8_t *nb, size_t lo, size_t hi, int adv, enc_out *s) { \
-        const size_t blk = SCAN_BLOCK / W;                                                           \
-        const uint64_t lane = (W == 8) ? 0xFFu : ((1u << W) - 1);                                    \
+        const size_t blk = SCAN_BLOCK;                                                               \
         size_t k = s->k, next = s->next;                                                             \
         uint32_t max_rest = s->max_rest;                                                             \
         uint8_t *syms, *codes, *rest, *esc;                                                          \
@@ -148,7 +179,7 @@ static inline uint64_t diff_mask64(const uint8_t *a, const uint8_t *b) {
             size_t e = i + blk < hi ? i + blk : hi;                                                  \
             uint64_t mask = 0;                                                                       \
             if (e - i == blk) {                                                                      \
-                mask = diff_mask64(ob + i * W, nb + i * W);                                          \
+                mask = elem_mask_##W(ob + i * W, nb + i * W);                                        \
                 if (!mask) continue;                                                                 \
             }                                                                                        \
             size_t m = e - i;                                                                        \
@@ -167,9 +198,8 @@ static inline uint64_t diff_mask64(const uint8_t *a, const uint8_t *b) {
             esc_len = s->esc.len;                                                                    \
             if (e - i == blk) {                                                                      \
                 while (mask) {                                                                       \
-                    size_t el = (size_t)ctz64(mask) / W;                                   \
-                    mask &= ~(lane << (el * W));                                                     \
-                    size_t j = i + el;                                                               \
+                    size_t j = i + ctz64(mask);                                                      \
+                    mask &= mask - 1;                                                                \
                     T ov, nv;                                                                        \
                     memcpy(&ov, ob + j * W, W);                                                      \
                     memcpy(&nv, nb + j * W, W);                                                      \

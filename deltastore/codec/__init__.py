@@ -121,6 +121,7 @@ from deltastore.codec.delta import (
     _encode_delta_xor,  # noqa: F401 - the v1 writer, kept for golden tests
     apply_delta,
     apply_delta_digests,
+    apply_delta_into,
     decode_delta,
     encode_delta,
 )
@@ -155,6 +156,7 @@ __all__ = [
     "ZSTD_PLANE_PARAMS",
     "apply_delta",
     "apply_delta_digests",
+    "apply_delta_into",
     "compose_deltas",
     "decode_delta",
     "decode_full",

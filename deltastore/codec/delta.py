@@ -584,7 +584,41 @@ def apply_delta_digests(target: np.ndarray, data: bytes, *, codec: str, inverse:
         >>> b == xxhash.xxh3_128_hexdigest(old.tobytes()), a == xxhash.xxh3_128_hexdigest(new.tobytes())
         (True, True)
     """
-    return _apply(target, data, codec, inverse, (1 if before else 0) | (2 if after else 0))
+    return _apply(target, data, codec, inverse, (1 if before else 0) | (2 if after else 0))[:2]
+
+
+def apply_delta_into(source: np.ndarray, out: np.ndarray, data: bytes, *, codec: str, before: bool = False,
+                     after: bool = False) -> tuple[str | None, str | None, np.ndarray | None]:
+    """Write ``source`` with the delta applied into ``out``, leaving ``source`` as it is, and
+    say which elements differ: what a staged update needs (SPEC §7.7), in one pass.
+
+    Args:
+        source: the base values (1-D contiguous unsigned array; only read).
+        out: a writable array of ``source``'s dtype and size, not overlapping it.
+        data, codec: as for :func:`apply_delta`.
+        before, after: return the XXH3-128 hex digest of ``source`` / of ``out``.
+
+    Returns:
+        ``(before_hex or None, after_hex or None, positions)``: ``positions`` (int64, strictly
+        increasing) are the elements where ``out`` differs from ``source`` for a sparse codec
+        (a sparse segment's values are never zero), None for a dense one.
+
+    Raises:
+        as :func:`apply_delta`; a refused segment leaves ``out`` unwritten.
+
+    Example::
+
+        >>> old = np.zeros(8, np.uint16); new = old.copy(); new[2] = 1
+        >>> seg = encode_delta(old, new); out = np.empty_like(old)
+        >>> _, _, pos = apply_delta_into(old, out, seg.data, codec=seg.codec)
+        >>> out.tolist() == new.tolist(), pos.tolist()
+        (True, [2])
+    """
+    if not isinstance(out, np.ndarray) or not isinstance(source, np.ndarray):
+        raise TypeError("source and out must be numpy arrays")
+    if out.dtype != source.dtype or out.shape != source.shape or np.shares_memory(out, source):
+        raise ValueError(f"out ({out.dtype} {out.shape}) must match source ({source.dtype} {source.shape}) and not overlap it")
+    return _apply(out, data, codec, False, (1 if before else 0) | (2 if after else 0), source=source)
 
 
 # The kernel's segment kinds (apply.c K_*).
@@ -611,26 +645,41 @@ def _digest(t: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(memoryview(t).cast("B"))
 
 
-def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int) -> tuple[str | None, str | None]:
-    """:func:`apply_delta_digests` with ``want`` as the kernel's bits (1 before, 2 after)."""
+def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int,
+           source: np.ndarray | None = None) -> tuple[str | None, str | None, np.ndarray | None]:
+    """:func:`apply_delta_digests` with ``want`` as the kernel's bits (1 before, 2 after); with
+    ``source``, :func:`apply_delta_into` (``target`` is ``out``, ``before`` hashes ``source``)."""
     expect_codec(codec, DELTA_CODECS, "apply_delta")
     t = _check_target(target)
+    sparse = codec in SPARSE_CODECS
     kernel = _kernels.apply_segment
     if kernel is not None and t.dtype.str[0] != ">":  # the kernel works in little-endian
         h = read_header(data, codec, t.itemsize, t.size)
         secs = decode_sections(data, h)
+        pos = np.empty(h.n_changed, np.int64) if source is not None and sparse else None
         try:
-            err, a, b, before, after = kernel(
-                t, _KERNEL_KIND[codec], h.width, h.gap_width, tuple(secs),
-                h.n_changed, h.n_gap_escaped, h.n_escaped, inverse, want,
-            )
+            if source is None:
+                err, a, b, before, after = kernel(
+                    t, _KERNEL_KIND[codec], h.width, h.gap_width, tuple(secs),
+                    h.n_changed, h.n_gap_escaped, h.n_escaped, inverse, want,
+                )
+            else:
+                err, a, b, before, after = kernel(
+                    source, _KERNEL_KIND[codec], h.width, h.gap_width, tuple(secs),
+                    h.n_changed, h.n_gap_escaped, h.n_escaped, inverse, want, t, pos,
+                )
         except ValueError as e:  # sections disagree with the header: read_header should not allow it
             raise CorruptObjectError(f"{codec} segment: {e}") from None
         if err:
             raise _kernel_error(err, a, b, codec, t.size)
-        return before, after
+        return before, after, pos
     d = _decode(data, codec, t.itemsize, t.size)
-    before = _digest(t) if want & 1 else None
+    pos = d.positions.copy() if source is not None and isinstance(d, SparseDelta) else None
+    if source is not None:
+        before = _digest(source) if want & 1 else None
+        np.copyto(t, source)
+    else:
+        before = _digest(t) if want & 1 else None
     op = OPERATION[codec]
     ufunc = op.undo if inverse else op.combine
     # astype: the codec works in little-endian; the target may be in native (big) order
@@ -641,4 +690,4 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
         # positions are unique, so ufunc.at equals t[p] = op(t[p], v); it is ~1.8x faster
         # (numpy >= 1.25 has a fast path for it: one pass instead of a gather and a scatter)
         ufunc.at(t, d.positions, values)
-    return before, (_digest(t) if want & 2 else None)
+    return before, (_digest(t) if want & 2 else None), pos
