@@ -115,11 +115,16 @@ def conditioned_chunk(old: np.ndarray, new: np.ndarray, k: int) -> dict:
     return out
 
 
+def class_window(old: np.ndarray, k: int) -> int:
+    """``lo`` of the chunk's class window ``clip(e, lo, lo+k-1)`` (see ``conditioned_chunk``)."""
+    hi = int(np.quantile(_exp(old), TOP_QUANTILE, method="lower"))
+    return max(0, hi - k + 1)
+
+
 def class_lut(old: np.ndarray, k: int) -> np.ndarray:
     """Class of every (sign, exponent) value, ``old >> 7`` of a bf16 element, as the coder sets
-    it for this chunk (see ``conditioned_chunk``)."""
-    hi = int(np.quantile(_exp(old), TOP_QUANTILE, method="lower"))
-    lo = max(0, hi - k + 1)
+    it for this chunk."""
+    lo = class_window(old, k)
     return (np.clip(np.arange(512) & 0xFF, lo, lo + k - 1) - lo).astype(np.uint8)
 
 
@@ -160,6 +165,12 @@ def _compile_kernel(tmp: Path):
     P = ctypes.c_void_p
     lib.ctx_select.argtypes = [P, ctypes.c_int64, P, ctypes.c_int, P, ctypes.c_int64, P, P, P]
     lib.ctx_select.restype = ctypes.c_int
+    if hasattr(lib, "ctx_has_avx2") and lib.ctx_has_avx2():
+        lib.ctx_select_avx2.argtypes = [P, ctypes.c_int64, ctypes.c_int, ctypes.c_int, P, ctypes.c_int64, P, P, P]
+        lib.ctx_select_avx2.restype = ctypes.c_int
+        lib.avx2 = True
+    else:
+        lib.avx2 = False
     return lib
 
 
@@ -209,6 +220,12 @@ def kernel_speed(workload: str, step: int, k: int, repeats: int = 5, max_chunks:
                         rk.ctypes.data, off.ctypes.data, out.ctypes.data)
                 kern_s = best(lambda args=args: lib.ctx_select(*args))
                 assert lib.ctx_select(*args) == 0 and np.array_equal(out, want), name
+                avx2_s = None
+                if lib.avx2:
+                    out[:] = -1
+                    args2 = (o.ctypes.data, o.size, class_window(o, k), k, *args[4:])
+                    avx2_s = best(lambda args2=args2: lib.ctx_select_avx2(*args2))
+                    assert lib.ctx_select_avx2(*args2) == 0 and np.array_equal(out, want), name
                 dst = np.empty_like(o)
                 copy_s = best(lambda dst=dst, o=o: np.copyto(dst, o))
                 xxh_s = best(lambda o=o: xxhash.xxh3_128(o).digest())
@@ -217,10 +234,14 @@ def kernel_speed(workload: str, step: int, k: int, repeats: int = 5, max_chunks:
                 apply_s -= copy_s
                 rows.append({"tensor": name, "start": start, "changed": int(np.count_nonzero(o != n)),
                              "kernel_ms": kern_s * 1e3, "copy_ms": copy_s * 1e3, "xxh3_ms": xxh_s * 1e3,
+                             "kernel_avx2_ms": None if avx2_s is None else avx2_s * 1e3,
                              "apply_today_ms": apply_s * 1e3, "numpy_reference_ms": numpy_s * 1e3})
     med = {key: statistics.median(r[key] for r in rows)
            for key in ("kernel_ms", "copy_ms", "xxh3_ms", "apply_today_ms", "numpy_reference_ms")}
     med["kernel_over_copy"] = statistics.median(r["kernel_ms"] / r["copy_ms"] for r in rows)
+    if rows and rows[0]["kernel_avx2_ms"] is not None:
+        med["kernel_avx2_ms"] = statistics.median(r["kernel_avx2_ms"] for r in rows)
+        med["kernel_avx2_over_copy"] = statistics.median(r["kernel_avx2_ms"] / r["copy_ms"] for r in rows)
     med["kernel_over_xxh3"] = statistics.median(r["kernel_ms"] / r["xxh3_ms"] for r in rows)
     return {"workload": workload, "step": step, "classes": k, "chunks": len(rows), "median": med, "rows": rows}
 

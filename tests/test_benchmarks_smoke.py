@@ -326,6 +326,10 @@ def test_conditioned_coder_measurement_and_prototype_kernel(tmp_path) -> None:
             off.ctypes.data, out.ctypes.data)
     assert lib.ctx_select(*args) == 0
     assert np.array_equal(out, want)
+    if lib.avx2:  # the vectorized variant, where the CPU has AVX2 and BMI2
+        out[:] = -1
+        assert lib.ctx_select_avx2(w.ctypes.data, w.size, C.class_window(w, 8), 8, *args[4:]) == 0
+        assert np.array_equal(out, want)
     bad = rk.copy()
     bad[off[1] - 1] = 10**9  # a rank beyond its class: the kernel says so
     assert lib.ctx_select(w.ctypes.data, w.size, lut.ctypes.data, 8, xs.ctypes.data, xs.size, bad.ctypes.data,
