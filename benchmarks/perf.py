@@ -7,8 +7,9 @@ On a transformer-shaped model with real AdamW steps (``benchmarks/workload.py``,
 ``benchmarks/.cache``), each role in a fresh subprocess, on ``--threads`` threads (default:
 every core, 2 here):
 
-* **copy**: ``dst.copy_(src)`` of every tensor into preallocated tensors (torch on the same
-  threads), median of ``COPY_REPEATS``, in its own process: the denominator of every ratio;
+* **copy**: ``dst.copy_(src)`` of every tensor into preallocated tensors, median of
+  ``COPY_REPEATS``, torch on one thread and on ``--threads``, the faster kept, in its own
+  process: the denominator of every ratio;
 * **publisher**: the first publish (step 0, an anchor), a delta publish for each of steps
   1..N-1 (median), step N as a forced anchor (``anchor=True``: the steady-state anchor cost,
   reference held), peak RSS of the delta publishes;
@@ -17,7 +18,7 @@ every core, 2 here):
   of the delta ``pull_into`` calls; every result compared with the trainer's export (XXH3-128
   of every tensor, taken by the publisher role);
 * **PULSE** (``benchmarks/peers.py``: COO int32 + new values, zstd-3) encode and decode+apply of
-  the same steps, torch on the same threads;
+  the same steps (torch on one thread: ``PULSE_THREADS``);
 * **anchor encode on one thread**: ZipNN (bf16 byte mode, one thread) against
   ``deltastore.codec.encode_full`` per tensor, time and size;
 * **sizes**: pack bytes each delta version stored against the order-0 entropy estimate
@@ -62,6 +63,9 @@ COPY_REPEATS = 5
 # PULSE's encoder and decoder are timed on at most this many steps (median): they are
 # baselines, and each step of the 531 MB model costs a load of two snapshots (~2-4 s here).
 PULSE_STEPS = 3
+# PULSE's encode and decode run with torch on one thread: the format is a single-threaded Python
+# loop over tensors, and its torch ops on two OpenMP threads were slower on the shared machine.
+PULSE_THREADS = 1
 # Anchor encoders on one thread (ZipNN and ours) are timed this many times, fastest kept: on a
 # shared machine the minimum is the least disturbed estimate; each takes 1-3 s on 531 MB.
 ANCHOR_REPEATS = 2
@@ -117,7 +121,7 @@ def _load_into(src: Path, step: int, state: dict) -> None:
     from safetensors import safe_open
 
     with safe_open(str(_step_file(src, step)), framework="pt") as f:
-        for k in f.keys():
+        for k in f.keys():  # noqa: SIM118 - safe_open is not a dict
             state[k].copy_(f.get_tensor(k))
 
 
@@ -134,34 +138,77 @@ def _digest(sd: dict) -> dict[str, str]:
     return {k: xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.int16).numpy().data) for k, t in sd.items()}
 
 
-def _time_copy(state: dict) -> dict:
-    """Median seconds of ``copy_`` of every tensor into preallocated ones (and one clone)."""
+class Dur(float):
+    """Wall seconds of one call, with ``cpu``: CPU seconds of every thread of this process
+    over the same call. On a shared machine wall time includes waiting for a core; CPU time
+    does not, so its ratios are the steadier of the two (both are reported)."""
+
+    cpu: float
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(t0: tuple[float, float]) -> Dur:
+    d = Dur(time.perf_counter() - t0[0])
+    d.cpu = time.process_time() - t0[1]
+    return d
+
+
+def _with_cpu(out: dict) -> dict:
+    """``out`` plus ``out["cpu"]``: the same timing keys in CPU seconds (lists as medians, under
+    the name of the wall median: ``delta_s`` -> ``delta_median_s``, ``copy_all_s`` -> ``copy_s``)."""
+    cpu = {}
+    for k, v in out.items():
+        if isinstance(v, Dur):
+            cpu[k] = v.cpu
+        elif isinstance(v, list) and v and all(isinstance(x, Dur) for x in v):
+            cpu[k] = [x.cpu for x in v]
+            cpu["copy_s" if k == "copy_all_s" else k[:-2] + "_median_s"] = statistics.median(cpu[k])
+    out["cpu"] = cpu
+    return out
+
+
+def _time_copy(state: dict, threads: int) -> dict:
+    """Median seconds of ``copy_`` of every tensor into preallocated ones, with torch on one
+    thread and on ``threads``, the faster kept (and one clone).
+
+    Both, because the faster depends on the machine: on an idle one two threads copy faster; on
+    a shared one torch's OpenMP threads spin-wait for a descheduled partner, and a 531 MB copy
+    on two threads measured 2.1 s of wall and 0.73 s of CPU time (load average 12), several
+    times a one-thread copy. The denominator should be what a copy can cost, not that.
+    """
     import torch
 
     dst = {k: torch.empty_like(v) for k, v in state.items()}
     for k, v in state.items():  # fault the pages in: a copy into fresh memory is not the point
         dst[k].copy_(v)
-    times = []
-    for _ in range(COPY_REPEATS):
-        t0 = time.perf_counter()
-        for k, v in state.items():
-            dst[k].copy_(v)
-        times.append(time.perf_counter() - t0)
+    by_threads: dict[int, list] = {}
+    for nt in sorted({1, threads}):
+        torch.set_num_threads(nt)
+        times = by_threads[nt] = []
+        for _ in range(COPY_REPEATS):
+            t0 = _now()
+            for k, v in state.items():
+                dst[k].copy_(v)
+            times.append(_since(t0))
     del dst
-    t0 = time.perf_counter()
+    best = min(by_threads, key=lambda nt: statistics.median(by_threads[nt]))
+    t0 = _now()
     clone = {k: v.clone() for k, v in state.items()}
-    clone_s = time.perf_counter() - t0
+    clone_s = _since(t0)
     del clone
-    return {"copy_s": statistics.median(times), "copy_all_s": times, "clone_s": clone_s}
+    torch.set_num_threads(threads)
+    return {"copy_s": float(statistics.median(by_threads[best])), "copy_all_s": by_threads[best],
+            "copy_threads": best, "clone_s": clone_s,
+            "copy_median_s_by_threads": {nt: float(statistics.median(t)) for nt, t in by_threads.items()}}
 
 
 def _copy(src: Path, threads: int) -> dict:
     """The denominator, in its own process: the roles' peaks never see its extra model copy."""
-    import torch
-
-    torch.set_num_threads(threads)
     state = _load(src, 0)
-    return {"role": "copy", "model_bytes": _model_bytes(state), **_time_copy(state)}
+    return _with_cpu({"role": "copy", "model_bytes": _model_bytes(state), **_time_copy(state, threads)})
 
 
 def native_status() -> dict:
@@ -193,17 +240,17 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
     delta_s, peaks, stored = [], [], []
     with Publisher(url, threads=threads) as pub:
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         pub.publish(state, step=0)
-        out["first_anchor_s"] = time.perf_counter() - t0
+        out["first_anchor_s"] = _since(t0)
         out["first_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         for s in range(1, steps):
             _load_into(src, s, state)
             digests.append(_digest(state))
             _reset_peak()  # the benchmark's own file reads are not the publisher's memory
-            t0 = time.perf_counter()
+            t0 = _now()
             info = pub.publish(state, step=s)
-            delta_s.append(time.perf_counter() - t0)
+            delta_s.append(_since(t0))
             peaks.append(_status_kb("VmHWM"))
             assert info.kind == "delta", info
             stored.append(info.bytes_stored)
@@ -211,9 +258,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         _load_into(src, steps, state)
         digests.append(_digest(state))
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         info = pub.publish(state, step=steps, anchor=True)
-        out["anchor_s"] = time.perf_counter() - t0
+        out["anchor_s"] = _since(t0)
         out["anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         out["anchor_bytes"] = info.bytes_stored
     del state
@@ -221,6 +268,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
     out.update(delta_s=delta_s, delta_median_s=statistics.median(delta_s), delta_bytes=stored,
                peak_over_model=(max(peaks) - baseline) * 1024 / model)
     # Baseline encoder and sizes, after the publisher is gone (its memory is measured above).
+    # PULSE's encoder is single-threaded Python around torch ops; on two torch threads the ops'
+    # OpenMP spin-waits made it slower on this shared machine, so it runs on one (PULSE_THREADS).
+    torch.set_num_threads(PULSE_THREADS)
     pulse = peers.FORMATS["pulse"]
     pulse_s, pulse_bytes, h0 = [], [], []
     for s in range(1, steps):
@@ -228,9 +278,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
             break
         prev, new = _load(src, s - 1), _load(src, s)
         if s <= PULSE_STEPS:
-            t0 = time.perf_counter()
+            t0 = _now()
             blob = pulse.encode(prev, new)
-            pulse_s.append(time.perf_counter() - t0)
+            pulse_s.append(_since(t0))
             pulse_bytes.append(len(blob))
             (work / f"pulse_{s}.bin").write_bytes(blob)
         if entropy:
@@ -238,7 +288,7 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         del prev, new
     out.update(pulse_encode_s=pulse_s, pulse_encode_median_s=statistics.median(pulse_s),
                pulse_bytes=pulse_bytes, h0_bytes=h0)
-    return out
+    return _with_cpu(out)
 
 
 def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
@@ -255,47 +305,48 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
     into_s, peaks = [], []
     with Subscriber(url, threads=threads) as sub:
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         target = sub.pull(1)
-        out["first_pull_s"] = time.perf_counter() - t0
+        out["first_pull_s"] = _since(t0)
         model = _model_bytes(target)
         out["model_bytes"] = model
         out["first_pull_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         exact &= _digest(target) == digests[0]
         for v in range(2, steps + 1):  # version v holds step v - 1; versions 2..steps are deltas
             _reset_peak()
-            t0 = time.perf_counter()
+            t0 = _now()
             sub.pull_into(target, version=v)
-            into_s.append(time.perf_counter() - t0)
+            into_s.append(_since(t0))
             peaks.append(_status_kb("VmHWM"))
             exact &= _digest(target) == digests[v - 1]
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         sub.pull_into(target, version=steps + 1)  # the forced anchor (the last step)
-        out["pull_into_anchor_s"] = time.perf_counter() - t0
+        out["pull_into_anchor_s"] = _since(t0)
         out["pull_into_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         exact &= _digest(target) == digests[steps]
         del target
         _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _now()
         latest = sub.pull(steps)  # the last delta version: the first anchor and every delta
-        out["pull_chain_s"] = time.perf_counter() - t0
+        out["pull_chain_s"] = _since(t0)
         out["pull_chain_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         exact &= _digest(latest) == digests[steps - 1]
         del latest
     out.update(pull_into_s=into_s, pull_into_median_s=statistics.median(into_s),
                peak_over_model=(max(peaks) - baseline) * 1024 / model)
+    torch.set_num_threads(PULSE_THREADS)
     pulse = peers.FORMATS["pulse"]
     pulse_s = []
     for s in range(1, min(steps - 1, PULSE_STEPS) + 1):
         target, blob = _load(src, s - 1), (work / f"pulse_{s}.bin").read_bytes()
-        t0 = time.perf_counter()
+        t0 = _now()
         pulse.decode_apply(target, blob)
-        pulse_s.append(time.perf_counter() - t0)
+        pulse_s.append(_since(t0))
         exact &= _digest(target) == digests[s]
         del target
     out.update(pulse_apply_s=pulse_s, pulse_apply_median_s=statistics.median(pulse_s), exact=exact)
-    return out
+    return _with_cpu(out)
 
 
 def _anchor_codecs(src: Path, step: int) -> dict:
@@ -316,15 +367,17 @@ def _anchor_codecs(src: Path, step: int) -> dict:
         if name == "zipnn":
             raw = np.concatenate([peers.u16(t) for t in sd.values()]).tobytes()  # not timed
             z = peers._zipnn(False)
-            enc = lambda: bytes(z.compress(raw))  # noqa: E731
+            def enc(z=z, raw=raw) -> bytes:
+                return bytes(z.compress(raw))
         else:
-            enc = lambda: peers.FORMATS[name].encode(sd, sd)  # noqa: E731
+            def enc(fmt=peers.FORMATS[name]) -> bytes:
+                return fmt.encode(sd, sd)
         times, blob = [], b""
         for _ in range(ANCHOR_REPEATS):
-            t0 = time.perf_counter()
+            t0 = _now()
             blob = enc()
-            times.append(time.perf_counter() - t0)
-        out[name] = {"encode_s": min(times), "bytes": len(blob)}
+            times.append(_since(t0))
+        out[name] = {"encode_s": min(times), "encode_cpu_s": min(t.cpu for t in times), "bytes": len(blob)}
     return out
 
 
@@ -359,7 +412,7 @@ def _run_role(role: str, *, src: Path, url: str, steps: int, threads: int, work:
     if entropy:
         cmd.append("--entropy")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=ROLE_TIMEOUT_S,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parent.parent, check=False)
     if proc.returncode:
         raise RuntimeError(f"perf role {role} (native={native}) failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -398,10 +451,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def summarize(mode: dict, copy_s: float) -> dict:
-    """One mode's ratios from its publisher and worker results and the memory copy's time."""
-    pub, wk = mode["publisher"], mode["worker"]
-    pc = wc = copy_s
+def summarize(mode: dict, copy: dict, clock: str = "wall") -> dict:
+    """One mode's ratios from its roles' results and the memory copy's, in wall or CPU time."""
+    pub, wk, anc = mode["publisher"], mode["worker"], mode["anchor"]
+    if clock == "cpu":
+        pub, wk, copy = ({**d, **d["cpu"]} for d in (pub, wk, copy))
+    pc = wc = copy["copy_s"]
     h0 = pub.get("h0_bytes") or []
     return {
         "publish_over_copy": pub["delta_median_s"] / pc,
@@ -421,7 +476,15 @@ def summarize(mode: dict, copy_s: float) -> dict:
         "delta_over_h0": (statistics.median(b / h for b, h in zip(pub["delta_bytes"], h0) if h)
                           if h0 else None),
         "exact": wk["exact"],
+        **_anchor_ratios(anc, "encode_s" if clock == "wall" else "encode_cpu_s"),
     }
+
+
+def _anchor_ratios(anc: dict, key: str) -> dict:
+    z, a = anc.get("zipnn", {}), anc.get("deltastore-anchor", {})
+    if key not in z or key not in a:
+        return {}
+    return {"anchor_encode_time_over_zipnn": a[key] / z[key], "anchor_size_over_zipnn": a["bytes"] / z["bytes"]}
 
 
 def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: int | None = None,
@@ -457,21 +520,18 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
             url = str(tmp / f"store-{mode}")
             work = tmp / f"work-{mode}"
             work.mkdir()
-            t0 = time.perf_counter()
-            kw = dict(src=src, url=url, steps=steps, threads=threads, work=work, native=native)
+            t0 = _now()
+            kw = {"src": src, "url": url, "steps": steps, "threads": threads, "work": work, "native": native}
             pub = _run_role("publisher", entropy=i == 0, **kw)
             wk = _run_role("worker", **kw)
             anc = _run_role("anchor", **kw)
-            m = {"publisher": pub, "worker": wk, "anchor": anc, "wall_s": time.perf_counter() - t0}
+            m = {"publisher": pub, "worker": wk, "anchor": anc, "wall_s": float(_since(t0))}
             if i:  # sizes and H0 do not depend on the mode (identical bytes): measured once
                 first = res["modes"][modes[0]]["publisher"]
                 pub["h0_bytes"] = first.get("h0_bytes")
                 m["same_bytes_as_" + modes[0]] = pub["delta_bytes"] == first["delta_bytes"]
-            m["ratios"] = summarize(m, res["copy"]["copy_s"])
-            z, a = anc.get("zipnn", {}), anc.get("deltastore-anchor", {})
-            if "encode_s" in z and "encode_s" in a:
-                m["ratios"]["anchor_encode_time_over_zipnn"] = a["encode_s"] / z["encode_s"]
-                m["ratios"]["anchor_size_over_zipnn"] = a["bytes"] / z["bytes"]
+            m["ratios"] = summarize(m, res["copy"])
+            m["ratios_cpu"] = summarize(m, res["copy"], "cpu")
             res["modes"][mode] = m
             shutil.rmtree(url, ignore_errors=True)
     res["goals"] = GOALS
@@ -531,38 +591,43 @@ def markdown(res: dict) -> str:
     modes = list(res["modes"])
     mach = res["machine"]
     lines = [f"# Performance (issue 9): {res['workload']}, {res['steps']} steps, {res['threads']} threads",
-             "", f"Store: {res['store']}. Machine: {mach['cpus']} CPUs, {mach['platform']}, Python "
-             f"{mach['python']}, torch {mach['torch']}, numpy {mach['numpy']}; load average "
-             f"{_f(mach['load_avg_1m_at_start'])} at the start.", ""]
+             "", (f"Store: {res['store']}. Machine: {mach['cpus']} CPUs, {mach['platform']}, Python "
+                  f"{mach['python']}, torch {mach['torch']}, numpy {mach['numpy']}; load average "
+                  f"{_f(mach['load_avg_1m_at_start'])} at the start."), ""]
     m0 = next((m for m in res["modes"].values() if "publisher" in m), None)
     if m0:
         mb = m0["publisher"]["model_bytes"]
         lines.append(f"Model {mb / 1e6:.1f} MB bf16, {m0['publisher']['tensors']} tensors.")
         lines.append("")
-    lines.append("| figure | " + " | ".join(modes) + " | goal |")
-    lines.append("|---" * (len(modes) + 2) + "|")
+    lines.append("Ratios of wall time (what the goals are stated in) and of CPU time (every thread of the "
+                 "role's process; steadier when other jobs share the cores). Sizes and memory are the same "
+                 "in both.")
+    lines.append("")
+    lines.append("| figure | " + " | ".join(f"{m} (wall) | {m} (CPU)" for m in modes) + " | goal |")
+    lines.append("|---" * (2 * len(modes) + 2) + "|")
     for label, key, goal in ROWS:
         cells = []
         for m in modes:
-            r = res["modes"][m].get("ratios")
-            cells.append(_f(r.get(key)) if r else "n/a")
+            for which in ("ratios", "ratios_cpu"):
+                r = res["modes"][m].get(which)
+                cells.append(_f(r.get(key)) if r else "n/a")
         g = f"≤ {GOALS[goal]}" if goal else ""
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {g} |")
     lines.append("")
-    lines.append("| absolute | " + " | ".join(modes) + " |")
+    lines.append("| absolute, ms (wall / CPU) | " + " | ".join(modes) + " |")
     lines.append("|---" * (len(modes) + 1) + "|")
     copy = res["copy"]
-    lines.append("| memory copy (`copy_`, median), ms | " + " | ".join(
-        _f(copy["copy_s"] * 1e3, "{:.1f}") for _ in modes) + " |")
-    for label, role, key in [("delta publish median, ms", "publisher", "delta_median_s"),
-                             ("PULSE encode median, ms", "publisher", "pulse_encode_median_s"),
-                             ("anchor publish, ms", "publisher", "anchor_s"),
-                             ("pull_into median, ms", "worker", "pull_into_median_s"),
-                             ("PULSE decode+apply median, ms", "worker", "pulse_apply_median_s")]:
+    lines.append("| memory copy (`copy_`, median) | " + " | ".join(
+        f"{copy['copy_s'] * 1e3:.1f} / {copy['cpu']['copy_s'] * 1e3:.1f}" for _ in modes) + " |")
+    for label, role, key in [("delta publish median", "publisher", "delta_median_s"),
+                             ("PULSE encode median", "publisher", "pulse_encode_median_s"),
+                             ("anchor publish", "publisher", "anchor_s"),
+                             ("pull_into median", "worker", "pull_into_median_s"),
+                             ("PULSE decode+apply median", "worker", "pulse_apply_median_s")]:
         cells = []
         for m in modes:
             d = res["modes"][m].get(role)
-            cells.append(_f(d[key] * 1e3, "{:.1f}") if d else "n/a")
+            cells.append(f"{d[key] * 1e3:.1f} / {d['cpu'][key] * 1e3:.1f}" if d else "n/a")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for m in modes:
         mm = res["modes"][m]

@@ -296,3 +296,41 @@ def test_perf_quick_workload_is_a_sparse_adam_step(tmp_path) -> None:
     total = sum(t.numel() for t in s0.values())
     assert 0.001 < changed / total < 0.2, changed / total  # lr 1e-6 moves a few % of bf16 weights
     assert all(torch.equal(s0[k], s1[k]) for k in s0 if k.endswith("norm.weight"))
+
+
+def test_conditioned_coder_measurement_and_prototype_kernel(tmp_path) -> None:
+    """benchmarks.conditioned on a synthetic bf16 chunk: the conditioned sizes are positive and
+    add up, and the prototype kernel maps ranks back to exactly the changed positions."""
+    import numpy as np
+
+    from benchmarks import conditioned as C
+
+    rng = np.random.default_rng(0)
+    w = (rng.normal(0, 0.02, 200_000).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    new = w.copy()
+    # changes more likely for small magnitudes (small exponents), as Adam steps on bf16 leave them
+    p = np.clip(2.0 ** (118 - ((w >> 7) & 0xFF).astype(np.float64)), 0, 1) * 0.5
+    hit = rng.random(w.size) < p
+    new[hit] += rng.choice(np.array([1, 2, 0xFFFF, 0xFFFE], dtype=np.uint16), int(hit.sum()))
+    part = C.conditioned_chunk(w, new, 8)
+    assert part["changed"] == int(np.count_nonzero(w != new)) > C.MIN_CHANGES
+    assert part["positions"] > 0 and part["values"] > 0 and part["headers"] > 0
+    lut = C.class_lut(w, 8)
+    xs, rk, off, want = C.ranks_of(w, new, lut, 8)
+    assert xs.size + rk.size == part["changed"] and xs.size == part["crosser_n"]
+    lib = C._compile_kernel(tmp_path)
+    if lib is None:
+        pytest.skip("no C compiler")
+    out = np.empty_like(rk)
+    args = (w.ctypes.data, w.size, lut.ctypes.data, 8, xs.ctypes.data, xs.size, rk.ctypes.data,
+            off.ctypes.data, out.ctypes.data)
+    assert lib.ctx_select(*args) == 0
+    assert np.array_equal(out, want)
+    if lib.avx2:  # the vectorized variant, where the CPU has AVX2 and BMI2
+        out[:] = -1
+        assert lib.ctx_select_avx2(w.ctypes.data, w.size, C.class_window(w, 8), 8, *args[4:]) == 0
+        assert np.array_equal(out, want)
+    bad = rk.copy()
+    bad[off[1] - 1] = 10**9  # a rank beyond its class: the kernel says so
+    assert lib.ctx_select(w.ctypes.data, w.size, lut.ctypes.data, 8, xs.ctypes.data, xs.size, bad.ctypes.data,
+                          off.ctypes.data, out.ctypes.data) == -1
