@@ -12,6 +12,13 @@ aggregator, a local moto server) and reports, in the same run:
 
 Goals (issue 11): up ≤ 5 % and down ≤ 10 % of the model's bf16 bytes. Results go to
 benchmarks/results/federated.{json,md}.
+
+``--far`` (issue 11's "over the far-link proxy"): every site's S3 traffic and the aggregator's
+go through a link of their own (campaigns/shaper.py; ``--mbit 100 --rtt-ms 80 --loss 0.001`` by
+default), and each round is also run as an exchange of full safetensors checkpoints over the
+same links (sites download the global checkpoint and upload their result, the aggregator
+downloads every result and uploads the merge, with boto3's transfer manager). Reports the time
+per round of both, side by side, into benchmarks/results/federated-far.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,6 +34,51 @@ RESULTS = ROOT / "benchmarks" / "results"
 #: Issue 11's goals, as fractions of the model's bf16 bytes.
 UPLOAD_GOAL = 0.05
 DOWNLOAD_GOAL = 0.10
+#: --far's default link: issue 12's far link (a cross-region or home-office path).
+FAR_MBIT, FAR_RTT_MS, FAR_LOSS = 100.0, 80.0, 0.001
+
+
+def far(args: argparse.Namespace, federated: object) -> int:
+    """Time rounds over shaped links, deltastore against full checkpoints, in one run."""
+    from statistics import median
+
+    from campaigns.shaper import Link
+
+    link = Link(bytes_per_s=args.mbit * 1e6 / 8, rtt_s=args.rtt_ms / 1000, loss=args.loss)
+    t0 = time.monotonic()
+    r = federated.run(argparse.Namespace(sites=args.sites, rounds=args.rounds, steps=args.steps, lr=args.lr,  # type: ignore[attr-defined]
+                                         verbose=False, link=link))
+    rows = [
+        "| round | | deltastore | full safetensors | full / deltastore |",
+        "|---|---|---:|---:|---:|",
+    ]
+    per_round = []
+    for t in r["timings"]:
+        d, f = t["deltastore"], t["full"]
+        site_d = median(p + u for p, u in zip(d["site_pull_s"], d["site_publish_s"]))
+        site_f = median(p + u for p, u in zip(f["site_down_s"], f["site_up_s"]))
+        row = {"round": t["round"], "site_transfer_s": (site_d, site_f), "aggregator_s": (d["agg_s"], f["agg_s"]),
+               "end_to_end_s": (d["end_to_end_s"], f["end_to_end_s"])}
+        per_round.append(row)
+        for label, key in (("site pull + upload (median)", "site_transfer_s"), ("aggregator merge + publish", "aggregator_s"),
+                           ("end to end", "end_to_end_s")):
+            a, b = row[key]
+            rows.append(f"| {t['round']} | {label} | {a:.1f} s | {b:.1f} s | {b / a:.1f}× |")
+    steady = [x for x in per_round if x["round"] > 0] or per_round  # round 0's pull is the whole model
+    ratio = {k: round(median(x[k][1] / x[k][0] for x in steady), 2) for k in ("site_transfer_s", "aggregator_s", "end_to_end_s")}
+    out = {**r, "lr": args.lr, "steps_per_round": args.steps, "elapsed_s": round(time.monotonic() - t0, 1),
+           "per_round": per_round, "full_over_deltastore_after_round_0": ratio}
+    md = (f"{args.sites} sites, {args.rounds} rounds, {args.steps} AdamW steps per site per round at lr {args.lr:g}; "
+          f"each site and the aggregator behind its own link of {args.mbit:g} Mbit/s, {args.rtt_ms:g} ms RTT, "
+          f"{100 * args.loss:g} % loss; model {r['model_bytes']:,} B bf16; bit_exact {r['bit_exact']}\n\n"
+          + "\n".join(rows) + "\n\nfull / deltastore after round 0 (medians): "
+          + ", ".join(f"{k} {v}×" for k, v in ratio.items()) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "federated-far.json").write_text(json.dumps(out, indent=1) + "\n")
+    (args.out / "federated-far.md").write_text(md)
+    print(md)
+    print(json.dumps(out))
+    return 0 if r["bit_exact"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-6)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--far", action="store_true", help="time rounds over shaped links, against full checkpoints")
+    ap.add_argument("--mbit", type=float, default=FAR_MBIT, help="--far: each link's bandwidth, Mbit/s per direction")
+    ap.add_argument("--rtt-ms", type=float, default=FAR_RTT_MS, help="--far: each link's round-trip time")
+    ap.add_argument("--loss", type=float, default=FAR_LOSS, help="--far: each link's packet loss probability")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # campaigns.shaper
     sys.path.insert(0, str(ROOT / "examples"))  # the example and its siblings (demo, worker)
     import federated  # examples/federated.py
 
+    if args.far:
+        return far(args, federated)
     t0 = time.monotonic()
     r = federated.run(argparse.Namespace(sites=args.sites, rounds=args.rounds, steps=args.steps, lr=args.lr, verbose=False))
     model, full = r["model_bytes"], r["full_checkpoint_bytes"]

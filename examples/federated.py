@@ -17,11 +17,18 @@ download_bytes_per_site_round (medians; download counts the fast-forwards after 
 pull), bit_exact (every site's weights equal the global version it pulled, and every global
 version equals the merge of the sites' results recomputed here, independently, from files the
 sites wrote). Exit status 0 when bit-exact, 1 otherwise, 2 on bad arguments.
+
+:func:`run` with ``args.link`` (a ``campaigns.shaper.Link``, set by ``python -m
+benchmarks.federated --far``) puts each site's S3 traffic and the aggregator's behind their own
+link-shaping proxy, times every round, and runs the same rounds a second time as an exchange of
+full safetensors checkpoints over the same links (see :func:`full_round`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -30,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +66,8 @@ BATCH_SIZE = 8
 #: Seconds to wait for a site's answer before the run is declared failed (model load included).
 SITE_TIMEOUT_S = 600.0
 SEED = 0
+#: Where the full-checkpoint exchange keeps its files (next to the stores, same bucket).
+FULL_PREFIX = "run/full"
 
 
 # --- byte accounting ------------------------------------------------------------------------
@@ -123,6 +133,7 @@ def site_main(index: int, n_sites: int, global_url: str, site_url: str, options:
         down, up = count_bytes(global_store), count_bytes(site_store)
         site = Site(global_url, site_url, dtype=torch.bfloat16, global_store=global_store, site_store=site_store,
                     threads=1, writer_id=f"site-{index}")
+        full_client = s3_client(options)
         answers.put({"site": index, "event": "ready"})
 
         def embed(texts: list[str]) -> torch.Tensor:
@@ -151,20 +162,35 @@ def site_main(index: int, n_sites: int, global_url: str, site_url: str, options:
             order = orders.get()
             if order["do"] == "stop":
                 break
+            if order["do"] == "full":  # the baseline: fetch the global checkpoint, send the result
+                t0 = time.monotonic()
+                full_client.download_file(order["bucket"], order["global_key"], str(Path(out_dir) / f"global-site{index}"))
+                t1 = time.monotonic()
+                full_client.upload_file(str(Path(out_dir) / f"round{order['round']}-site{index}.safetensors"),
+                                        order["bucket"], order["result_key"])
+                answers.put({"site": index, "event": "full", "down_s": t1 - t0, "up_s": time.monotonic() - t1})
+                continue
             d0, u0 = down["down"] + down["up"], up["down"] + up["up"]
+            t0 = time.monotonic()
             base, _ = site.pull()
+            pull_s = time.monotonic() - t0
             pulled = tensor_digests(site.weights)
             d1 = down["down"] + down["up"]
             if order["do"] == "final":
                 answers.put({"site": index, "event": "final", "version": base.version, "digests": pulled, "down": d1 - d0})
                 continue
             rnd = order["round"]
+            t0 = time.monotonic()
             result = train({n: t.clone() for n, t in site.weights.items()}, rnd)
+            train_s = time.monotonic() - t0
             save_file(result, str(Path(out_dir) / f"round{rnd}-site{index}.safetensors"))
+            t0 = time.monotonic()
             info = site.publish_result(result, num_examples=len(pairs), step=rnd)  # FedAvg: weight by data size
+            publish_s = time.monotonic() - t0
             answers.put({"site": index, "event": "round", "round": rnd, "base": base.version, "version": info.version,
                          "digests": pulled, "down": d1 - d0, "up": up["down"] + up["up"] - u0,
-                         "packs_up": info.bytes_stored, "num_examples": len(pairs)})
+                         "packs_up": info.bytes_stored, "num_examples": len(pairs),
+                         "pull_s": pull_s, "train_s": train_s, "publish_s": publish_s})
         site.close()
         global_store.close()
         site_store.close()
@@ -202,6 +228,52 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(tensor_digests({n: a[n]}) == tensor_digests({n: b[n]}) for n in a)
 
 
+# --- the full-checkpoint baseline -------------------------------------------------------------
+
+
+def s3_client(options: dict) -> Any:
+    """A plain boto3 client on ``options``' endpoint: its ``upload_file`` / ``download_file``
+    (boto3's transfer manager: 8 MiB parts, 10 threads) are how full checkpoints move."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=options["endpoint_url"], aws_access_key_id=options["aws_access_key_id"],
+                        aws_secret_access_key=options["aws_secret_access_key"], region_name=options["region_name"],
+                        config=Config(s3={"addressing_style": "path"}))
+
+
+def full_round(rnd: int, client: Any, bucket: str, orders: list[Any], answers: Any, base: dict[str, torch.Tensor],
+               weights: list[float], out_dir: str) -> dict[str, Any]:
+    """Round ``rnd`` as an exchange of full safetensors checkpoints, timed: every site downloads
+    the global checkpoint and uploads its result (the file it saved this round), all at once;
+    then the aggregator downloads every result, merges (:func:`merge_check`, the same merge) and
+    uploads the next global checkpoint. Returns the times and the merged state."""
+    from safetensors.torch import load_file, save_file
+
+    n = len(orders)
+    t0 = time.monotonic()
+    for i, q in enumerate(orders):
+        q.put({"do": "full", "round": rnd, "bucket": bucket, "global_key": f"{FULL_PREFIX}/global-{rnd}.safetensors",
+               "result_key": f"{FULL_PREFIX}/round{rnd}-site{i}.safetensors"})
+    done = wait_for(answers, n, "full")
+    sites_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    paths = [str(Path(out_dir) / f"agg-round{rnd}-site{i}.safetensors") for i in range(n)]
+    with ThreadPoolExecutor(max_workers=n) as pool:  # all sites' results at once, as deltastore's aggregator
+        list(pool.map(lambda i: client.download_file(bucket, f"{FULL_PREFIX}/round{rnd}-site{i}.safetensors", paths[i]),
+                      range(n)))
+    down_s = time.monotonic() - t0
+    t1 = time.monotonic()
+    merged = merge_check(base, [load_file(p) for p in paths], [w / sum(weights) for w in weights])
+    out = str(Path(out_dir) / f"global-{rnd + 1}.safetensors")
+    save_file(merged, out)
+    t2 = time.monotonic()
+    client.upload_file(out, bucket, f"{FULL_PREFIX}/global-{rnd + 1}.safetensors")
+    t3 = time.monotonic()
+    return {"sites_s": sites_s, "site_down_s": [m["down_s"] for m in done], "site_up_s": [m["up_s"] for m in done],
+            "agg_down_s": down_s, "agg_merge_s": t2 - t1, "agg_up_s": t3 - t2, "agg_s": t3 - t0, "merged": merged}
+
+
 # --- the aggregator (this process) -------------------------------------------------------------
 
 
@@ -218,7 +290,7 @@ def wait_for(answers: Any, n: int, event: str) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModel
 
     from deltastore import Subscriber
@@ -236,26 +308,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     del model
     model_bytes = sum(t.numel() * t.element_size() for t in initial.values())
     ctx = multiprocessing.get_context("spawn")
-    with moto() as server, tempfile.TemporaryDirectory(prefix="federated-") as out_dir:
+    link = getattr(args, "link", None)
+    with moto() as server, tempfile.TemporaryDirectory(prefix="federated-") as out_dir, \
+            contextlib.ExitStack() as links:
         options = server.storage_options()
+        # Each site and the aggregator reach S3 through a link of their own (or directly).
+        shapers = []
+        if link is not None:
+            from campaigns.shaper import LinkShaper
+
+            shapers = [links.enter_context(LinkShaper(server.endpoint_url, link)) for _ in range(args.sites + 1)]
+        reach = [server.with_endpoint(s.endpoint_url).storage_options() for s in shapers] or [options] * (args.sites + 1)
+        site_options, agg_options = reach[:args.sites], reach[args.sites]
         global_url = server.url("run/global")
         site_urls = {f"site-{i}": server.url(f"run/sites/site-{i}") for i in range(args.sites)}
         orders = [ctx.Queue() for _ in range(args.sites)]
         answers = ctx.Queue()
         procs = [ctx.Process(target=site_main, name=f"site-{i}", daemon=True,
-                             args=(i, args.sites, global_url, site_urls[f"site-{i}"], options, args.lr, args.steps,
+                             args=(i, args.sites, global_url, site_urls[f"site-{i}"], site_options[i], args.lr, args.steps,
                                    out_dir, orders[i], answers)) for i in range(args.sites)]
         for p in procs:
             p.start()
-        global_store = open_store(global_url, storage_options=options)
+        global_store = open_store(global_url, storage_options=agg_options)
         agg_bytes = count_bytes(global_store)
+        agg_client = s3_client(agg_options)
+        timings: list[dict[str, Any]] = []
         uploads: list[int] = []
         downloads: list[int] = []
         checkpoints: list[int] = []
         bit_exact = True
         try:
             with Aggregator(global_url, site_urls, dtype=torch.bfloat16, global_store=global_store,
-                            site_storage_options=options, poll_interval_s=0.2, writer_id="aggregator") as agg:
+                            site_storage_options=agg_options, poll_interval_s=0.2, writer_id="aggregator") as agg:
                 agg.start(initial)
                 digests = {agg.version: tensor_digests(agg.state())}
                 print(f"global version {agg.version}: {human_bytes(model_bytes)} model (bf16) published; "
@@ -263,11 +347,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 wait_for(answers, args.sites, "ready")
                 for rnd in range(args.rounds):
                     base_state = {n: t.clone() for n, t in agg.state().items()}
+                    t_round = time.monotonic()
                     for q in orders:
                         q.put({"do": "round", "round": rnd})
                     done = wait_for(answers, args.sites, "round")
                     a0 = dict(agg_bytes)
+                    t_agg = time.monotonic()
                     report = agg.run_round(step=rnd)
+                    t_end = time.monotonic()
                     read = sum(o.bytes_read for o in report.sites)
                     files = [Path(out_dir) / f"round{rnd}-site{i}.safetensors" for i in range(args.sites)]
                     checkpoints.extend(f.stat().st_size for f in files)  # what exchanging full checkpoints moves
@@ -280,6 +367,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     pulled_ok = all(m["digests"] == digests[m["base"]] for m in done)
                     bit_exact &= merged_ok and pulled_ok
                     digests[report.published.version] = tensor_digests(agg.state())
+                    if link is not None:
+                        if rnd == 0:  # the initial global checkpoint, as agg.start published version 1
+                            path = str(Path(out_dir) / "global-0.safetensors")
+                            save_file(base_state, path)
+                            agg_client.upload_file(path, server.bucket, f"{FULL_PREFIX}/global-0.safetensors")
+                        full = full_round(rnd, agg_client, server.bucket, orders, answers, base_state, weights, out_dir)
+                        full_ok = same_bits(want, full.pop("merged"))
+                        bit_exact &= full_ok
+                        train_s = max(m["train_s"] for m in done)
+                        timings.append({
+                            "round": rnd,
+                            "deltastore": {"end_to_end_s": t_end - t_round, "sites_s": t_agg - t_round,
+                                           "site_pull_s": [m["pull_s"] for m in done],
+                                           "site_publish_s": [m["publish_s"] for m in done],
+                                           "site_train_s": [m["train_s"] for m in done], "agg_s": t_end - t_agg},
+                            # the sites' training is not repeated: its time in this round is added
+                            "full": {**full, "end_to_end_s": full["sites_s"] + train_s + full["agg_s"],
+                                     "merge_bit_exact": full_ok},
+                        })
+                        print(f"round {rnd} time: deltastore {t_end - t_round:.1f} s end to end (aggregator "
+                              f"{t_end - t_agg:.1f} s), full checkpoints {timings[-1]['full']['end_to_end_s']:.1f} s "
+                              f"(aggregator {full['agg_s']:.1f} s)")
                     for m in done:
                         uploads.append(m["up"])
                         if rnd > 0:  # round 0's pull is the first full download of the model
@@ -315,6 +424,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "upload_fraction": round(statistics.median(uploads) / model_bytes, 5),
         "download_fraction": round(statistics.median(downloads) / model_bytes, 5),
         "bit_exact": bit_exact,
+        **({"link": dataclasses.asdict(link), "timings": timings,
+            # what crossed each link (sites', then the aggregator's), request headers included
+            "link_bytes": [{"up": s.bytes_up, "down": s.bytes_down} for s in shapers]} if link is not None else {}),
     }
 
 
