@@ -50,7 +50,16 @@ def test_fsspec_scheme_with_missing_package_names_it() -> None:
         open_store("gs://bucket/run")
 
 
-def test_other_fsspec_scheme_goes_to_fsspec() -> None:
+def test_other_fsspec_scheme_goes_to_fsspec(tmp_path) -> None:
+    """A scheme deltastore has no backend of its own for goes to fsspec (fsspec's own
+    protocols here, so the test needs no optional package)."""
+    store = open_store(f"simplecache::file://{tmp_path}/run")
+    assert isinstance(store, FsspecStore)
+    assert store.atomic_conditional_writes is False
+
+
+def test_s3a_goes_to_fsspec_when_s3fs_is_installed() -> None:
+    pytest.importorskip("s3fs", reason="s3fs is not a dependency: fsspec's s3a:// needs it installed")
     store = open_store("s3a://bucket/run", storage_options={"anon": True})
     assert isinstance(store, FsspecStore)
     assert store.atomic_conditional_writes is False
