@@ -49,6 +49,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from typing_extensions import Self
+
 logger = logging.getLogger(__name__)
 
 FAULT_KINDS = ("500", "503", "409", "reset", "truncate", "slow", "drop", "flip")
@@ -187,8 +189,58 @@ def _reset(sock: socket.socket) -> None:
         pass
 
 
-class FaultProxy:
+class LoopbackTCPServer:
+    """A threaded TCP server on 127.0.0.1 that hands each connection to :meth:`_handle`; the
+    lifecycle (start, stop, context manager, endpoint) shared by the fault proxy and the link
+    shaper (campaigns/shaper.py)."""
+
+    _server: socketserver.ThreadingTCPServer | None = None
+    #: thread name of the accept loop
+    _name = "loopback-server"
+
+    @property
+    def endpoint_url(self) -> str:
+        assert self._server is not None, f"{type(self).__name__} not started"
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def _handle(self, sock: socket.socket) -> None:
+        """One accepted connection, on its own thread."""
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        owner = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                owner._handle(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+            request_queue_size = 128
+
+        self._server = Server(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, name=self._name, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class FaultProxy(LoopbackTCPServer):
     """The proxy: start with ``with FaultProxy(...)`` or :meth:`start`/:meth:`stop`."""
+
+    _name = "fault-proxy"
 
     def __init__(self, upstream: str, plan: FaultPlan = OFF):
         u = urllib.parse.urlsplit(upstream)
@@ -205,7 +257,6 @@ class FaultProxy:
         self.requests = 0
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._server: socketserver.ThreadingTCPServer | None = None
-        self._thread: threading.Thread | None = None
 
     # --- configuration ------------------------------------------------------------------
 
@@ -250,41 +301,9 @@ class FaultProxy:
 
     # --- lifecycle ----------------------------------------------------------------------
 
-    @property
-    def endpoint_url(self) -> str:
-        assert self._server is not None, "proxy not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> FaultProxy:
-        proxy = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                with proxy._slots:
-                    proxy._serve(self.request)
-
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-            request_queue_size = 128
-
-        self._server = Server(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _handle(self, sock: socket.socket) -> None:
+        with self._slots:
+            self._serve(sock)
 
     # --- one client connection ----------------------------------------------------------
 

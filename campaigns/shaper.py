@@ -37,7 +37,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
-from typing_extensions import Self
+from campaigns.proxy import LoopbackTCPServer
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +120,11 @@ def _reset(sock: socket.socket) -> None:
         pass
 
 
-class LinkShaper:
+class LinkShaper(LoopbackTCPServer):
     """A TCP proxy on 127.0.0.1 that shapes traffic to ``upstream`` (``http://host:port``)
     like :class:`Link` says. Use as a context manager; ``endpoint_url`` is where to connect."""
+
+    _name = "link-shaper"
 
     def __init__(self, upstream: str, link: Link):
         u = urllib.parse.urlsplit(upstream)
@@ -140,37 +142,8 @@ class LinkShaper:
         self.lost_packets = 0
         self._server: socketserver.ThreadingTCPServer | None = None
 
-    @property
-    def endpoint_url(self) -> str:
-        assert self._server is not None, "start() the shaper first"
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def start(self) -> Self:
-        shaper = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                shaper._serve(self.request)
-
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self._server = Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, name="link-shaper", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _handle(self, sock: socket.socket) -> None:
+        self._serve(sock)
 
     def _chance(self, p: float) -> bool:
         if p <= 0:
