@@ -158,10 +158,12 @@ def log_tail(path: Path) -> str:
 
 
 def _create_bucket(server: S3Server, deadline: float) -> None:
-    """Create the bucket (or find it, in a kept data directory) and prove a write lands.
+    """Create the bucket (or find it, in a kept data directory) and prove a write lands and,
+    in a kept data directory, that an object already stored reads back.
 
-    SeaweedFS's gateway answers before a volume is registered, so this retries until
-    ``deadline``.
+    SeaweedFS's gateway answers before a volume is registered (a kept volume is served only
+    after the volume server's first heartbeat: until then a GET is a 500), so this retries
+    until ``deadline``.
     """
     import botocore.exceptions
 
@@ -178,6 +180,8 @@ def _create_bucket(server: S3Server, deadline: float) -> None:
                 created = True
             client.put_object(Bucket=server.bucket, Key=".ready", Body=b"")
             client.delete_object(Bucket=server.bucket, Key=".ready")
+            for obj in client.list_objects_v2(Bucket=server.bucket, MaxKeys=1).get("Contents", []):
+                client.get_object(Bucket=server.bucket, Key=obj["Key"])["Body"].read()
             return
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError):
             if time.monotonic() > deadline:
