@@ -1159,9 +1159,9 @@ def _slice_spans(plans: list[ChunkPlan], res: Resolved) -> dict[str, list[tuple[
     for p in plans:
         a, b = p.span
         for w in res.windows.get(p.name, ()):
-            x, y = max(a, w.start), min(b, w.stop)
-            if x < y:
-                spans.setdefault(w.name, []).append((w.offset + x - w.start, w.offset + y - w.start))
+            span = w.user_span(a, b)
+            if span is not None:
+                spans.setdefault(w.name, []).append(span)
     return {n: merge_spans(s) for n, s in spans.items()}
 
 

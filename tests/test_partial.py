@@ -73,12 +73,17 @@ def _rows(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, torch.Ten
     for n, t in state.items():
         if not any(fnmatch.fnmatchcase(n, p) for p in sel.names):
             continue
-        cut = sel.shard is not None and t.dim() > 0 and (
-            sel.shard_names is None or any(fnmatch.fnmatchcase(n, p) for p in sel.shard_names))
-        if cut:
+        dim = None
+        if sel.shard is not None and t.dim() > 0:
+            dims = [d for p, d in sel.shard_dims or () if fnmatch.fnmatchcase(n, p)]
+            if dims:
+                dim = dims[0]
+            elif sel.shard_names is None or any(fnmatch.fnmatchcase(n, p) for p in sel.shard_names):
+                dim = sel.shard[0]
+        if dim is not None:
             _, r, w = sel.shard
-            s = t.shape[0]
-            t = t[r * s // w : (r + 1) * s // w]
+            s = t.shape[dim]
+            t = t.narrow(dim, r * s // w, (r + 1) * s // w - r * s // w)
         out[n] = t.contiguous()
     return out
 
@@ -89,7 +94,11 @@ def _rows(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, torch.Ten
     Selection(shard=(0, 2, 5)),
     Selection(names=("layers.1.*", "emb"), shard=(0, 0, 2)),
     Selection(names=("layers.0.mlp.w",)),
-], ids=["rows-1of4", "rows-3of8-layers", "rows-2of5-uneven", "names+rows", "names"])
+    Selection(shard=(1, 1, 4), shard_names=("layers.*", "emb")),
+    Selection(shard=(1, 2, 5), shard_names=("layers.*",)),
+    Selection(shard=(0, 1, 2), shard_names=("layers.*.attn.w",), shard_dims={"layers.*.mlp.w": 1}),
+], ids=["rows-1of4", "rows-3of8-layers", "rows-2of5-uneven", "names+rows", "names", "cols-1of4",
+        "cols-2of5-uneven", "tensor-parallel"])
 def test_partial_pull_and_pull_into_match_the_full_rows(tmp_path, sel: Selection) -> None:
     url = str(tmp_path / "store")
     states = _publish_chain(url)
@@ -170,12 +179,18 @@ def test_groups_are_selected_by_member_name(tmp_path) -> None:
 def test_selections_that_do_not_fit_the_layout_are_typed_errors(tmp_path) -> None:
     url = str(tmp_path / "store")
     _publish_chain(url, n=2)
-    with pytest.raises(SelectionError, match="dim 1"):
-        Selection(shard=(1, 0, 2))
+    with pytest.raises(SelectionError, match="dim 2"):
+        Selection(shard=(2, 0, 2))
+    with pytest.raises(SelectionError, match="dim 3"):
+        Selection(shard=(0, 0, 2), shard_dims={"emb": 3})
+    with pytest.raises(SelectionError, match="shard_dims needs shard"):
+        Selection(shard_dims={"emb": 1})
     with pytest.raises(SelectionError, match="rank"):
         Selection(shard=(0, 4, 4))
     for sel, match in [
         (Selection(shard=(0, 0, 40)), "fewer than 40 ranks"),
+        (Selection(shard=(1, 0, 13), shard_names=("emb",)), "12 columns, fewer than 13 ranks"),
+        (Selection(shard=(1, 0, 2)), "no dimension 1"),  # norm.f32 is 1-D
         (Selection(names=("layers.9.*",)), "matches no tensor"),
     ]:
         with Subscriber(url, threads=2, select=sel) as sub:
@@ -210,6 +225,35 @@ def test_a_modified_slice_is_detected_and_nothing_is_applied(tmp_path) -> None:
         assert_bits_equal(mine, _rows(states[2], sel))
 
 
+def test_a_column_cut_reads_and_verifies_the_whole_tensor_and_holds_only_its_columns(tmp_path) -> None:
+    """Chunks are whole rows (SPEC §2): a cut along dim 1 needs every chunk of the tensor, keeps
+    the other columns beside the user's tensor (so later deltas verify against whole chunks),
+    and detects a change to the user's columns or to the kept remainder with nothing applied."""
+    url = str(tmp_path / "store")
+    states = _publish_chain(url, n=4)
+    sel = Selection(names=("layers.0.mlp.w",), shard=(1, 1, 3))
+    with Subscriber(url, threads=2, select=sel) as sub:
+        mine = sub.pull(1)
+        assert mine["layers.0.mlp.w"].shape == (128, 8)
+        assert sub.bytes_fetched == _needed_bytes(url, Selection(names=("layers.0.mlp.w",)), 1)
+        assert_bits_equal(mine, _rows(states[0], sel))
+        b = bits(mine["layers.0.mlp.w"])
+        b[5] ^= 1  # the user's own columns
+        before = snapshot(mine)
+        with pytest.raises(TargetModifiedError):
+            sub.pull_into(mine, 3)
+        assert_bits_equal(mine, before, "nothing applied")
+        b[5] ^= 1
+        sub.pull_into(mine, 3)
+        assert_bits_equal(mine, _rows(states[2], sel))
+        kept = next(iter(sub._spare.values()))
+        kept[0] ^= 1  # the kept remainder (another rank's columns)
+        before = snapshot(mine)
+        with pytest.raises(TargetModifiedError):
+            sub.pull_into(mine, 4)
+        assert_bits_equal(mine, before, "nothing applied")
+
+
 def test_a_hostile_parts_entry_is_refused_by_a_partial_subscriber(tmp_path) -> None:
     url = str(tmp_path / "store")
     _publish_chain(url, n=1)
@@ -222,7 +266,8 @@ def test_a_hostile_parts_entry_is_refused_by_a_partial_subscriber(tmp_path) -> N
         sub.pull()
 
 
-@pytest.mark.parametrize("sel", [Selection(names=("a",)), Selection(shard=(0, 1, 2)), Selection(shard=(0, 2, 3))])
+@pytest.mark.parametrize("sel", [Selection(names=("a",)), Selection(shard=(0, 1, 2)), Selection(shard=(0, 2, 3)),
+                                 Selection(shard=(1, 1, 2), shard_names=("a", "c"))])
 def test_a_sharded_version_is_read_partially(tmp_path, sel: Selection) -> None:
     """A version written by three ranks (golden store, design 010) read through a selection:
     the same rows as the full pull, and pull_into fast-forwards the slice."""
