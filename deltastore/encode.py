@@ -10,6 +10,7 @@ assembles and commits what it returns.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from collections.abc import Mapping
@@ -62,13 +63,19 @@ class EncodedVersion:
 
 @dataclass
 class _Encoded:
-    """One chunk's encoding result (mutable: its segments move into the pack writers)."""
+    """One chunk's encoding result (mutable: its segments move into the pack writers).
+
+    ``full_sha256``/``delta_sha256`` are the segments' SHA-256, taken on the encode thread while
+    the bytes are in its cache (hashlib releases the GIL), not on the thread that packs them.
+    """
 
     tensor: int
     index: int
     digest: str
     full: codec.Segment | None
     delta: codec.Segment | None
+    full_sha256: str | None = None
+    delta_sha256: str | None = None
 
 
 class _PackWriter:
@@ -78,6 +85,9 @@ class _PackWriter:
     ``role``; without one, to the schema-1/2 ``blobs/`` keys. Uploads run on ``uploader``
     threads (at most ``UPLOADS_IN_FLIGHT`` packs held at once), so encoding goes on while a
     pack travels; :meth:`finish` waits for every upload.
+
+    The pack's SHA-256 is taken incrementally as segments are appended (each segment's bytes
+    are read while recent in cache), never by re-reading the whole pack when it is flushed.
     """
 
     def __init__(self, store: Store, uploader: Executor, *, attempt: str | None = None, role: Literal["f", "d"] | None = None):
@@ -87,28 +97,31 @@ class _PackWriter:
         self.role = role if attempt is not None else None
         self.blobs: list[BlobRef] = []
         self._buf = bytearray()  # segments appended in place: no second copy to join them
+        self._sha = hashlib.sha256()  # of _buf, updated per segment
         self._uploads: deque[Future[None]] = deque()
         self.bytes_written = 0
 
-    def add(self, seg: codec.Segment) -> SegmentRef:
+    def add(self, seg: codec.Segment, sha256: str | None = None) -> SegmentRef:
+        """Append ``seg`` (whose SHA-256 is ``sha256`` when the caller has it) and return its ref."""
         if len(self._buf) >= PACK_TARGET_BYTES:
             self.flush()
         ref = SegmentRef(
             blob=len(self.blobs),
             offset=len(self._buf),
             length=len(seg.data),
-            sha256=sha256_hex(seg.data),
+            sha256=sha256 if sha256 is not None else sha256_hex(seg.data),
             codec=seg.codec,
             n_changed=seg.n_changed,
         )
         self._buf += seg.data
+        self._sha.update(seg.data)
         return ref
 
     def flush(self) -> None:
         if not self._buf:
             return
         data, self._buf = self._buf, bytearray()
-        digest = sha256_hex(data)
+        digest, self._sha = self._sha.hexdigest(), hashlib.sha256()
         key = object_key(self.attempt, digest, ".pack") if self.attempt is not None else blob_key(digest)
         self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest, role=self.role))
         self.bytes_written += len(data)
@@ -148,7 +161,9 @@ def encode_chunk(ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind
     if kind == "delta" and delta is None:
         return None
     full = codec.encode_full(new, float_bits=floating) if kind == "anchor" else None
-    return _Encoded(ti, ci, digest if digest is not None else state_digest(new), full, delta)
+    return _Encoded(ti, ci, digest if digest is not None else state_digest(new), full, delta,
+                    full_sha256=sha256_hex(full.data) if full is not None else None,
+                    delta_sha256=sha256_hex(delta.data) if delta is not None else None)
 
 
 def encode_version(
@@ -235,8 +250,8 @@ def encode_version(
             for enc in pending.popleft().result():
                 if enc is None:
                     continue
-                d = delta_packs.add(enc.delta) if enc.delta is not None else None
-                f = full_packs.add(enc.full) if enc.full is not None else None
+                d = delta_packs.add(enc.delta, enc.delta_sha256) if enc.delta is not None else None
+                f = full_packs.add(enc.full, enc.full_sha256) if enc.full is not None else None
                 enc.delta = enc.full = None  # the bytes now live in the pack writers only
                 chunks.append((enc, d, f))
 

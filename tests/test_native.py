@@ -90,6 +90,37 @@ pairs = st.builds(
 )
 
 
+def _isas() -> list[str]:
+    """The scan variants of encode_add this machine runs (deltastore._native.scan_isa)."""
+    if not _kernels.NATIVE:
+        return ["baseline"]
+    out = []
+    for name in ("baseline", "avx2", "avx512bw"):
+        try:
+            _kernels._native.scan_isa(name)
+        except ValueError:
+            continue
+        out.append(name)
+    _kernels._native.scan_isa("auto")
+    return out
+
+
+ISAS = _isas()
+
+
+class forced_isa:
+    """Run encode_add's scan on one instruction set inside the block (then the CPU's best)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        assert _kernels._native.scan_isa(self.name) == self.name
+
+    def __exit__(self, *exc):
+        _kernels._native.scan_isa("auto")
+
+
 def numpy_path(monkeypatch: pytest.MonkeyPatch, fn, *args, **kw):
     """Call ``fn`` with the kernels switched off (the loader's None)."""
     with monkeypatch.context() as m:
@@ -106,15 +137,18 @@ def seg_bytes(seg):
 
 
 @native
+@pytest.mark.parametrize("isa", ISAS)
 @PROPS
 @given(pair=pairs, always=st.booleans())
-def test_encode_delta_advance_same_bytes_digest_and_advance(pair, always):
+def test_encode_delta_advance_same_bytes_digest_and_advance(isa, pair, always):
+    """Every scan variant (SSE2/scalar baseline, AVX2, AVX-512BW where the CPU has them)."""
     old, new = pair
     with pytest.MonkeyPatch.context() as mp:
         ref_old = old.copy()
         want_seg, want_digest = numpy_path(mp, encode_delta_advance, ref_old, new, always_digest=always)
     got_old = old.copy()
-    got_seg, got_digest = encode_delta_advance(got_old, new, always_digest=always)
+    with forced_isa(isa):
+        got_seg, got_digest = encode_delta_advance(got_old, new, always_digest=always)
     assert seg_bytes(got_seg) == seg_bytes(want_seg)
     assert got_digest == want_digest
     if got_digest is not None:
@@ -151,13 +185,42 @@ def test_no_advance_leaves_old_and_big_endian_old_advances():
 
 
 @native
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("width", WIDTHS)
-def test_large_chunk_same_bytes(width, monkeypatch):
-    """A chunk of several hash blocks, with every change pattern at once."""
+def test_large_chunk_same_bytes(width, isa, monkeypatch):
+    """A chunk of several hash blocks, with every change pattern at once, on each scan variant."""
     old, new = make_pair(width, (1 << 21) // width + 3, 0.015, "random", "escaping", width)
     new[:100] = old[:100] + 1  # a run at the start
+    new[-70:] = old[-70:] ^ 1  # and one over the last block edge and the tail
     want = numpy_path(monkeypatch, encode_delta_advance, old.copy(), new)
-    assert encode_delta_advance(old, new) == (want[0], want[1])
+    with forced_isa(isa):
+        assert encode_delta_advance(old, new) == (want[0], want[1])
+
+
+@native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_dense_blocks_same_bytes(width, isa, monkeypatch):
+    """Blocks with every element changed, and every gap and value escaped: the worst case the
+    scan reserves for, on each scan variant."""
+    n = 3 * 8192 // width + 17
+    old = np.zeros(n, dtype=_uint(width))
+    new = old.copy()
+    new[: n // 3] = 2 ** (8 * width - 1)  # every element changed, every value escaped
+    new[n // 3 + 300 :: 300] = 1  # then gaps past the escape
+    want = numpy_path(monkeypatch, encode_delta_advance, old.copy(), new)
+    with forced_isa(isa):
+        assert encode_delta_advance(old, new) == (want[0], want[1])
+
+
+@native
+def test_scan_isa_rejects_unknown_names_and_auto_is_supported():
+    from deltastore import _native
+
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        _native.scan_isa("sse9")
+    assert _native.scan_isa("auto") in ISAS
+    assert _native.scan_isa() == _native.scan_isa("auto")
 
 
 @native
