@@ -464,3 +464,38 @@ def test_stage_refuses_a_modified_patched_chunk(tmp_path, path):
     with pytest.raises(TargetModifiedError):
         sub.stage(target)
     assert _bits(target) == edited
+
+
+def test_fetched_bytes_are_sha256_checked_once(tmp_path, monkeypatch):
+    # A delta version's pack is read whole and its segments tile it (SPEC §3): every byte is
+    # checked by its segment's SHA-256, and the pack's own hash would only hash it again.
+    import deltastore.apply as apply_mod
+
+    url, a, b = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    hashed = []
+    real = apply_mod.sha256_hex
+
+    def spy(data):
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(apply_mod, "sha256_hex", spy)
+    before = sub.bytes_fetched
+    sub.pull_into(target)
+    assert _bits(target) == _bits(b)
+    assert hashed and sum(hashed) == sub.bytes_fetched - before
+
+
+def test_a_corrupt_byte_of_a_whole_pack_is_still_found(tmp_path):
+    url, a, b = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    newest = max((tmp_path / "store").rglob("*.pack"), key=lambda f: f.stat().st_mtime_ns)  # version 2's
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="SHA-256"):
+        sub.pull_into(target)
+    assert _bits(target) == _bits(a)
