@@ -489,7 +489,7 @@ def test_fetched_bytes_are_sha256_checked_once(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_byte_of_a_whole_pack_is_still_found(tmp_path):
-    url, a, b = _store(tmp_path)
+    url, a, _ = _store(tmp_path)
     sub = Subscriber(url)
     target = sub.pull(version=1)
     newest = max((tmp_path / "store").rglob("*.pack"), key=lambda f: f.stat().st_mtime_ns)  # version 2's
