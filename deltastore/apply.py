@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -68,6 +70,45 @@ def _modified(name: str, index: int, held_version: int | None, members: tuple = 
         "the target was modified since it was pulled (pull() it again)"
     )
 
+
+
+def spread(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], items: list[_T],
+           stop: Callable[[], bool] | None = None) -> list[_R | None]:
+    """``[fn(item) for item in items]`` on ``pool``, on as many jobs as it has threads, each
+    taking the next item from a shared queue: one Future per thread, not per item.
+
+    A Future with its Condition, lock and work item is ~11 objects the cyclic garbage collector
+    tracks; one per chunk (~100 a pull of a 531 MB model) kept the collector running several
+    times a pull, and promoting what a pull holds to the old generation, whose collection walks
+    the whole heap (design 006, "The cyclic collector"). Results are in ``items`` order; once
+    ``stop()`` is true, or ``fn`` raised, no further item is started (its result is None);
+    the first exception is raised once every job has finished.
+    """
+    queue = deque(enumerate(items))  # popleft is atomic: the jobs share it without a lock
+    out: list[_R | None] = [None] * len(items)
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        while queue and not failed and not (stop is not None and stop()):
+            try:
+                i, item = queue.popleft()
+            except IndexError:  # another job took the last one
+                return
+            try:
+                out[i] = fn(item)
+            except BaseException as e:  # noqa: BLE001 - raised by spread once every job finished
+                failed.append(e)
+                return
+
+    for j in [pool.submit(work) for _ in range(min(len(items), _pool_threads(pool)))]:
+        j.result()
+    if failed:
+        raise failed[0]
+    return out
+
+
+def _pool_threads(pool: ThreadPoolExecutor) -> int:
+    return max(1, getattr(pool, "_max_workers", 1))  # not public, but stable since Python 3.2
 
 
 class _Fetcher:
@@ -126,7 +167,10 @@ class _Fetcher:
             self.bytes_fetched += len(data)
         if len(data) != stop - start:
             raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
-        pack_bad = whole and sha256_hex(data) != blob.sha256
+        # A whole pack's own SHA-256 adds nothing when the run's segments tile it (every
+        # schema-3 pack read whole: segments fill packs back to back, SPEC §3): each byte is
+        # then checked by its segment's SHA-256 below, so it is hashed once, not twice.
+        pack_bad = whole and not _tiles(run, blob.size) and sha256_hex(data) != blob.sha256
         if pack_bad and not tolerant:
             raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
         view = memoryview(data)
@@ -144,6 +188,16 @@ class _Fetcher:
         if pack_bad and not bad:  # every segment hashes right, so the damage is between them: say so
             raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256 (its segments do): the object is corrupt")
         return out, bad
+
+
+def _tiles(run: list[SegmentRef], size: int) -> bool:
+    """The segments (sorted by offset) cover ``[0, size)`` back to back, with no gap."""
+    at = 0
+    for r in run:
+        if r.offset != at:
+            return False
+        at += r.length
+    return at == size
 
 
 def _coalesce(refs: list[SegmentRef], gap: int = COALESCE_GAP_BYTES, max_run: int | None = None) -> list[list[SegmentRef]]:
@@ -220,7 +274,11 @@ class ReadEngine:
         targets = (make_targets or targets_for)(specs, out)
         for batch, data, _ in self.fetch_batches(plans):
             groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
-            list(self.pool.map(lambda g: [self.build(p, specs, data, targets[p.name]) for p in g], groups))
+            spread(self.pool, partial(self._build_group, specs, data, targets), groups)
+
+    def _build_group(self, specs: dict[str, TensorSpec], data: dict, targets: dict[str, Any], group: list[ChunkPlan]) -> None:
+        for p in group:
+            self.build(p, specs, data, targets[p.name])
 
     def build(self, p: ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
         """Decode a plan that starts from a full segment, verify it, write it to ``target``."""
@@ -464,8 +522,8 @@ class ReadEngine:
                 batch, data, errors = item
                 t = time.perf_counter()
                 groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
-                for f in [self.pool.submit(run_group, g, data, errors) for g in groups]:
-                    patches.extend(f.result())
+                for found in spread(self.pool, partial(run_group, data=data, errors=errors), groups):
+                    patches.extend(found or ())
                 decode_s += time.perf_counter() - t
         finally:
             batches.close()  # stops the prefetch thread when a chunk failed
@@ -512,12 +570,15 @@ class ReadEngine:
         def run(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
             return self.with_fallbacks(p, data, errors, attempt, check)
 
+        failures: list[BaseException] = []  # a failed group stops the others of its batch early
+
         def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
             applied = []
             for p in group:
                 try:
                     applied.append(run(p, data, errors))
                 except BaseException as e:  # noqa: BLE001 - re-raised by the caller after rollback
+                    failures.append(e)
                     return applied, e
             return applied, None
 
@@ -525,8 +586,10 @@ class ReadEngine:
         try:
             for batch, data, errors in self.fetch_batches(plans, tolerant=True):
                 groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
-                for f in [self.pool.submit(run_group, g, data, errors) for g in groups]:
-                    applied, failed = f.result()
+                for result in spread(self.pool, partial(run_group, data=data, errors=errors), groups, lambda: bool(failures)):
+                    if result is None:  # not started: another group failed first
+                        continue
+                    applied, failed = result
                     error = error or failed
                     for p, saved, segs in applied:
                         done.append((p, saved))
@@ -630,7 +693,7 @@ def digest_mismatches(
         return [k for k in group if state_digest(read(k[0], *specs[k[0]].chunk_span(k[1]))) != expected[k]]
 
     groups = grouped(sorted(expected), lambda k: specs[k[0]].chunk_bytes(k[1]))
-    return [k for found in pool.map(bad, groups) for k in found]
+    return [k for found in spread(pool, bad, groups) for k in found or ()]
 
 
 def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -264,6 +264,54 @@ def test_flipped_bytes_of_real_segments_agree(pair, data):
     both(old, bytes(raw[:cut]) if data.draw(st.booleans()) else bytes(raw), seg.codec)
 
 
+def _raw_segment(codec: str, old: np.ndarray, new: np.ndarray, damage=None) -> bytes:
+    """``codec``'s segment from old to new in RAW sections; ``damage(planes)`` may edit them."""
+    op = ADD if codec.startswith("add") else XOR
+    diff = op.diff(old, new)
+    if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE):
+        pos = np.flatnonzero(diff)
+        p, v = op.code_positions(pos), op.code_values(diff[pos])
+        planes, param, aux, n = p.planes + v.planes, p.param, p.n_escaped, pos.size
+    else:
+        v = op.code_values(diff)
+        planes, param, aux, n = v.planes, 0, 0, int(np.count_nonzero(diff))
+    planes = [bytearray(np.ascontiguousarray(pl).tobytes()) for pl in planes]
+    if damage is not None:
+        damage(planes)
+    return pack(codec, width=old.itemsize, count=old.size, n_changed=n, param=param, aux=aux,
+                n_escaped=v.n_escaped, sections=[(KIND_RAW, bytes(pl), len(pl)) for pl in planes])
+
+
+@needs_native
+@pytest.mark.parametrize("codec", [CODEC_ADD_SPARSE, CODEC_ADD_DENSE, CODEC_XOR_SPARSE, CODEC_XOR_DENSE])
+def test_validation_scans_cross_their_blocks(codec):
+    # apply.c counts code nibbles and sums gap bytes in blocks of 2**20 bytes (32-bit counters,
+    # so they vectorize): planes longer than several blocks, intact and damaged past the first
+    # block, must be accepted and refused exactly as the numpy decoder does.
+    rng = np.random.default_rng(11)
+    n = (1 << 22) + 5
+    old = rng.integers(0, 256, n, dtype=np.uint8)
+    new = old.copy()
+    mask = rng.random(n) < 0.7
+    mask[-3:] = False  # a short last gap: a larger gap puts the last position past the end
+    new[mask] += rng.integers(1, 40, n).astype(np.uint8)[mask]  # codes and escapes
+    after, digests = both(old, _raw_segment(codec, old, new), codec)
+    assert after == new.tobytes() and digests == (digest(old), digest(new))
+
+    def poke(plane: int, at: float, value: int):
+        def edit(planes):
+            pl = planes[plane]
+            pl[int(len(pl) * at)] = value
+        return edit
+
+    refused = 0
+    for damage in (poke(0, 0.9, 255), poke(0, 0.6, 0), poke(-1, 0.8, 0), poke(0, 0.999, 254)):
+        data = _raw_segment(codec, old, new, damage)
+        got = both(old, data, codec)
+        refused += isinstance(got[1], str)
+    assert refused >= 2  # the damage is seen past the first block (not only accepted bits)
+
+
 @needs_native
 @pytest.mark.parametrize("bad", [
     lambda t: t.astype(np.uint32),  # not the segment's width: a typed error before the kernel
@@ -416,3 +464,63 @@ def test_stage_refuses_a_modified_patched_chunk(tmp_path, path):
     with pytest.raises(TargetModifiedError):
         sub.stage(target)
     assert _bits(target) == edited
+
+
+def test_fetched_bytes_are_sha256_checked_once(tmp_path, monkeypatch):
+    # A delta version's pack is read whole and its segments tile it (SPEC §3): every byte is
+    # checked by its segment's SHA-256, and the pack's own hash would only hash it again.
+    import deltastore.apply as apply_mod
+
+    url, a, b = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    hashed = []
+    real = apply_mod.sha256_hex
+
+    def spy(data):
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(apply_mod, "sha256_hex", spy)
+    before = sub.bytes_fetched
+    sub.pull_into(target)
+    assert _bits(target) == _bits(b)
+    assert hashed and sum(hashed) == sub.bytes_fetched - before
+
+
+def test_a_corrupt_byte_of_a_whole_pack_is_still_found(tmp_path):
+    url, a, _ = _store(tmp_path)
+    sub = Subscriber(url)
+    target = sub.pull(version=1)
+    newest = max((tmp_path / "store").rglob("*.pack"), key=lambda f: f.stat().st_mtime_ns)  # version 2's
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="SHA-256"):
+        sub.pull_into(target)
+    assert _bits(target) == _bits(a)
+
+
+def test_a_refused_zstd_frame_does_not_spoil_the_threads_decompressor(path):
+    # decode_sections reuses one ZstdDecompressor per thread: after a frame it refused, the
+    # next segment on that thread must decode exactly as on a fresh one.
+    rng = np.random.default_rng(5)
+    old = rng.integers(0, 65535, 200_000, dtype=np.uint16)
+    new = old.copy()
+    idx = rng.choice(old.size, 20_000, replace=False)
+    new[idx] += rng.integers(1, 3, idx.size).astype(np.uint16)
+    seg = encode_delta(old, new)
+    refused = 0
+    for at in range(40, len(seg.data), max(1, len(seg.data) // 60)):
+        bad = bytearray(seg.data)
+        bad[at : at + 8] = b"\xff" * 8
+        t = old.copy()
+        try:
+            apply_delta(t, bytes(bad), codec=seg.codec)
+        except CorruptObjectError as e:
+            refused += "zstd frame" in str(e)
+            assert np.array_equal(t, old)
+        t = old.copy()
+        assert apply_delta_digests(t, seg.data, codec=seg.codec, after=True) == (None, digest(new))
+        assert np.array_equal(t, new)
+    assert refused  # zstd itself refused some of them

@@ -97,15 +97,59 @@ DS_INLINE unsigned code_at(const plane_t *codes, uint64_t i) {
 
 /* --- validation (no writes) ------------------------------------------------------------- */
 
+/* The validation scans below read whole planes byte by byte. They run on every segment before
+ * anything is written, so they are written to vectorize: a plain pointer (never p[i & mask])
+ * for RAW planes, a closed form for CONST ones, and 32-bit counters per SCAN_BLOCK bytes
+ * (u8 lanes widen to u32, not u64; the block keeps any count below 2**32). */
+#define SCAN_BLOCK ((uint64_t)1 << 20)
+
+/* Nibble counts over `nbytes` code bytes: nibbles equal to 15 (*esc) and equal to 0 (*z). */
+static void count_nibbles(const plane_t *pl, uint64_t nbytes, uint64_t *esc, uint64_t *z) {
+    if (!pl->mask) { /* CONST: every byte is the same */
+        unsigned c = pl->p[0], lo = c & 15u, hi = c >> 4;
+        *esc += nbytes * ((lo == NIBBLE_ESCAPE) + (hi == NIBBLE_ESCAPE));
+        *z += nbytes * ((lo == 0) + (hi == 0));
+        return;
+    }
+    const uint8_t *p = pl->p;
+    for (uint64_t s0 = 0; s0 < nbytes; s0 += SCAN_BLOCK) {
+        uint64_t e = nbytes - s0 > SCAN_BLOCK ? s0 + SCAN_BLOCK : nbytes;
+        uint32_t be = 0, bz = 0;
+        for (uint64_t i = s0; i < e; i++) {
+            uint8_t lo = p[i] & 15u, hi = p[i] >> 4;
+            be += (uint32_t)(lo == NIBBLE_ESCAPE) + (uint32_t)(hi == NIBBLE_ESCAPE);
+            bz += (uint32_t)(lo == 0) + (uint32_t)(hi == 0);
+        }
+        *esc += be;
+        *z += bz;
+    }
+}
+
+/* Sum of the first n bytes of a plane, and how many equal `eq`. */
+static void sum_bytes(const plane_t *pl, uint64_t n, unsigned eq, uint64_t *sum, uint64_t *count_eq) {
+    if (!pl->mask) {
+        *sum += n * pl->p[0];
+        *count_eq += pl->p[0] == eq ? n : 0;
+        return;
+    }
+    const uint8_t *p = pl->p;
+    for (uint64_t s0 = 0; s0 < n; s0 += SCAN_BLOCK) {
+        uint64_t e = n - s0 > SCAN_BLOCK ? s0 + SCAN_BLOCK : n;
+        uint32_t bs = 0, bc = 0; /* < 2**20 * 255 */
+        for (uint64_t i = s0; i < e; i++) {
+            bs += p[i];
+            bc += (uint32_t)(p[i] == eq);
+        }
+        *sum += bs;
+        *count_eq += bc;
+    }
+}
+
 /* add-* value codes: padding, escape count, escaped values; *zeros = codes equal to 0. */
 static int check_add_values(const seg_t *s, uint64_t n, uint64_t *zeros, uint64_t *a, uint64_t *b) {
     if ((n & 1) && (pbyte(s->codes, n >> 1) >> 4)) return DS_E_PADDING;
     uint64_t esc = 0, z = 0;
-    for (uint64_t i = 0; i < (n >> 1); i++) {
-        unsigned byte = pbyte(s->codes, i), lo = byte & 15u, hi = byte >> 4;
-        esc += (lo == NIBBLE_ESCAPE) + (hi == NIBBLE_ESCAPE);
-        z += (lo == 0) + (hi == 0);
-    }
+    count_nibbles(s->codes, n >> 1, &esc, &z);
     if (n & 1) {
         unsigned lo = pbyte(s->codes, n >> 1) & 15u;
         esc += lo == NIBBLE_ESCAPE;
@@ -132,15 +176,16 @@ static int check_positions(const seg_t *s, uint64_t *a, uint64_t *b) {
     uint64_t n = s->n, sum = 0;
     if (n == 0) return DS_E_OK;
     if (s->kind == K_XOR_SPARSE) {
-        /* each gap < 2**32, fewer than 2**32 of them: the sum cannot wrap */
-        for (uint64_t i = 0; i < n; i++) sum += pval(s->gaps, s->gap_width, i);
+        /* each gap < 2**32, fewer than 2**32 of them: the sum cannot wrap. The sum of the
+         * gaps is the sum over planes of (that plane's byte sum) << 8j. */
+        for (int j = 0; j < s->gap_width; j++) {
+            uint64_t plane_sum = 0, unused = 0;
+            sum_bytes(&s->gaps[j], n, 0, &plane_sum, &unused);
+            sum += plane_sum << (8 * j);
+        }
     } else {
         uint64_t esc = 0, total = 0;
-        for (uint64_t i = 0; i < n; i++) {
-            unsigned g = pbyte(s->gsym, i);
-            esc += g == GAP_ESCAPE;
-            sum += g;
-        }
+        sum_bytes(s->gsym, n, GAP_ESCAPE, &sum, &esc);
         if (esc != s->n_gap_escaped) {
             *a = s->n_gap_escaped;
             *b = esc;
