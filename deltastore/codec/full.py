@@ -196,9 +196,8 @@ def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, float
         esc = _kernels.pair_codes(top, low, EXP_ESCAPE, packed)
         return low, packed, np.frombuffer(esc, dtype=np.uint8), escaped_share
     codes = top - np.uint8(low)  # wraps: in the window iff < 15
-    out = codes >= EXP_WINDOW
-    esc = top[out]
-    codes[out] = EXP_ESCAPE
+    esc = top[codes >= EXP_WINDOW]
+    np.minimum(codes, np.uint8(EXP_ESCAPE), out=codes)  # a vector pass, not a masked store
     return low, pack_nibbles(codes), esc, escaped_share
 
 
