@@ -184,3 +184,12 @@ def test_many_escapes_fall_back_to_the_exact_comparison():
     seg = encode_full(v, float_bits=True)
     assert peek_header(seg.data).transform == TRANSFORM_ROTL1
     roundtrip(seg, v)
+
+
+def test_byte_counts_equals_bincount_on_any_array():
+    """Strided or wider arrays take numpy's bincount (the kernel reads contiguous bytes only)."""
+    a = np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8)
+    for plane in (a, a[::3], a.astype(np.uint16)):
+        for stride in (1, 16, 64):
+            want = np.bincount(plane[::stride], minlength=256)
+            assert np.array_equal(planes_mod.byte_counts(plane, stride), want)

@@ -141,7 +141,7 @@ def _cctx(level: int | None) -> zstandard.ZstdCompressor:
 def byte_counts(plane: np.ndarray, stride: int) -> np.ndarray:
     """Counts of each byte value in ``plane[::stride]`` (256 int64): the native kernel, else
     numpy's bincount (which widens the sample to intp first)."""
-    if _kernels.byte_histogram is not None:
+    if _kernels.byte_histogram is not None and plane.dtype == np.uint8 and plane.flags.c_contiguous:
         out = np.empty(256, dtype=np.int64)
         _kernels.byte_histogram(plane, stride, out)
         return out
@@ -157,17 +157,17 @@ def sample_entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor,
-                    judge: int = 0) -> tuple[int, bytes, int]:
+def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor, judge: bool = False,
+                    raw_if_uniform: bool = False) -> tuple[int, bytes, int]:
     """Pick the smallest of CONST / ZSTD / RAW for one plane: (kind, stored bytes, raw size).
 
-    ``judge``: 0 tries every kind exactly; 1 lets a sample prove a big plane is not CONST; 2
-    also stores a near-uniform big plane RAW without trying zstd (see MIN_JUDGED_PLANE)."""
+    ``judge``: a sample may prove a big plane is not CONST (see MIN_JUDGED_PLANE); with
+    ``raw_if_uniform`` too, a near-uniform big plane is stored RAW without trying zstd."""
     n = plane.size
     if judge and n >= MIN_JUDGED_PLANE:
         counts = byte_counts(plane, SAMPLE_STRIDE)
         if np.count_nonzero(counts) > 1:  # two values: not CONST, no min/max pass needed
-            if judge > 1 and sample_entropy(counts) >= RAW_ENTROPY_BITS:
+            if raw_if_uniform and sample_entropy(counts) >= RAW_ENTROPY_BITS:
                 return KIND_RAW, memoryview(np.ascontiguousarray(plane)).cast("B"), n
             z = cctx.compress(plane)
             if len(z) < n:
@@ -189,10 +189,11 @@ class SectionEncoder:
 
     def __init__(self, level: int | None, *, judge: bool = False):
         self._cctx = _cctx(level)
-        self._judge = (2 if level is None else 1) if judge else 0
+        self._judge = judge
+        self._raw_if_uniform = judge and level is None  # see RAW_ENTROPY_BITS
 
     def __call__(self, planes: Sequence[np.ndarray]) -> list[tuple[int, bytes, int]]:
-        return [_encode_section(p, self._cctx, self._judge) for p in planes]
+        return [_encode_section(p, self._cctx, self._judge, self._raw_if_uniform) for p in planes]
 
 
 def encode_sections(planes: Sequence[np.ndarray], level: int | None) -> list[tuple[int, bytes, int]]:
