@@ -123,7 +123,7 @@ def test_judged_chunks_roundtrip(name, v, float_bits):
 
 
 def test_sampled_not_constant_plane_is_not_const():
-    v = dict((c[0], c[1]) for c in BIG)["bf16-constant-on-the-sample"]
+    v = {c[0]: c[1] for c in BIG}["bf16-constant-on-the-sample"]
     seg = encode_full(v, float_bits=True)
     assert "const" not in kinds(seg)[:1]  # the low plane differs off the sample
     roundtrip(seg, v)

@@ -15,7 +15,13 @@ import numpy as np
 import zstandard
 
 from deltastore.codec import _kernels
-from deltastore.codec.container import KIND_CONST, KIND_RAW, KIND_ZSTD, MAX_COUNT, SegmentHeader
+from deltastore.codec.container import (
+    KIND_CONST,
+    KIND_RAW,
+    KIND_ZSTD,
+    MAX_COUNT,
+    SegmentHeader,
+)
 from deltastore.errors import CorruptObjectError
 
 # Byte planes are memoryless sources (mantissa bytes, XOR low bytes, gap low bytes): the win is
