@@ -84,7 +84,8 @@ def encode_full(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
             holds (nearly) only exponent bits and compresses to their ~2.6-bit entropy, and for
             chunks of at least :data:`MIN_PAIR_COUNT` elements that plane is also tried as
             paired window codes; the smaller form is written and the segment records it, so
-            :func:`decode_full` needs no flag. Wrong for integers only in size, never in
+            :func:`decode_full` needs no flag (from :data:`PAIRS_ONLY_COUNT` elements, when few
+            exponents escape the window, the paired form is written without trying the other). Wrong for integers only in size, never in
             correctness. Ignored for 1-byte elements.
 
     Returns:
