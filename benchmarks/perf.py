@@ -20,7 +20,8 @@ every core, 2 here):
 * **PULSE** (``benchmarks/peers.py``: COO int32 + new values, zstd-3) encode and decode+apply of
   the same steps (torch on one thread: ``PULSE_THREADS``);
 * **anchor encode on one thread**: ZipNN (bf16 byte mode, one thread) against
-  ``deltastore.codec.encode_full`` per tensor, time and size;
+  ``deltastore.codec.encode_full`` per tensor, time and size (and an XXH3-128 of the blob,
+  so that ``same_bytes_as_numpy`` covers anchors as well as deltas);
 * **sizes**: pack bytes each delta version stored against the order-0 entropy estimate
   (``peers.entropy_bytes``).
 
@@ -353,6 +354,7 @@ def _anchor_codecs(src: Path, step: int) -> dict:
     """ZipNN's and deltastore's anchor encoders on one thread, on one snapshot: time and size."""
     import numpy as np
     import torch
+    import xxhash
 
     from benchmarks import peers
 
@@ -377,7 +379,8 @@ def _anchor_codecs(src: Path, step: int) -> dict:
             t0 = _now()
             blob = enc()
             times.append(_since(t0))
-        out[name] = {"encode_s": min(times), "encode_cpu_s": min(t.cpu for t in times), "bytes": len(blob)}
+        out[name] = {"encode_s": min(times), "encode_cpu_s": min(t.cpu for t in times), "bytes": len(blob),
+                     "xxh3": xxhash.xxh3_128_hexdigest(blob)}  # kernels and numpy path: same bytes?
     return out
 
 
@@ -480,6 +483,11 @@ def summarize(mode: dict, copy: dict, clock: str = "wall") -> dict:
     }
 
 
+def _anchor_digest(anc: dict) -> str | None:
+    """XXH3-128 of the deltastore anchor blob (None where the role did not record one)."""
+    return anc.get("deltastore-anchor", {}).get("xxh3")
+
+
 def _anchor_ratios(anc: dict, key: str) -> dict:
     z, a = anc.get("zipnn", {}), anc.get("deltastore-anchor", {})
     if key not in z or key not in a:
@@ -529,7 +537,8 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
             if i:  # sizes and H0 do not depend on the mode (identical bytes): measured once
                 first = res["modes"][modes[0]]["publisher"]
                 pub["h0_bytes"] = first.get("h0_bytes")
-                m["same_bytes_as_" + modes[0]] = pub["delta_bytes"] == first["delta_bytes"]
+                m["same_bytes_as_" + modes[0]] = (pub["delta_bytes"] == first["delta_bytes"]
+                                                  and _anchor_digest(anc) == _anchor_digest(res["modes"][modes[0]]["anchor"]))
             m["ratios"] = summarize(m, res["copy"])
             m["ratios_cpu"] = summarize(m, res["copy"], "cpu")
             res["modes"][mode] = m

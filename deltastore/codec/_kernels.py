@@ -60,5 +60,7 @@ encode_add = getattr(_native, "encode_add", None)
 xxh3_128_hex = getattr(_native, "xxh3_128_hex", None)
 split_planes = getattr(_native, "split_planes", None)
 pair_codes = getattr(_native, "pair_codes", None)
+#: See the docstring in deltastore/_native/planes.c.
+byte_histogram = getattr(_native, "byte_histogram", None)
 #: See the docstring in deltastore/_native/apply.c.
 apply_segment = getattr(_native, "apply_segment", None)

@@ -27,6 +27,7 @@ from deltastore.codec.container import (
 from deltastore.codec.planes import (
     DEFAULT_LEVEL,
     SectionEncoder,
+    byte_counts,
     check_dtype,
     check_values,
     decode_sections,
@@ -54,6 +55,21 @@ PAIR_SAMPLE_STRIDE = 16
 EXP_ESCAPE = 15
 assert EXP_ESCAPE == EXP_WINDOW  # the window's codes are 0..14: code 15 escapes (pair_codes)
 
+# From this many elements on, the paired form is written without also compressing the plain
+# exponent plane to compare (that second zstd pass was 0.54 s of a 1.42 s tf265m anchor) when the
+# sample says few exponents escape the window. Both forms then code the same information, and
+# pairs halve Huffman's per-symbol redundancy: paired won on every tf265m tensor (0.3239 against
+# 0.3257 bytes per element) and on MiniLM's large ones but two, which it lost by 24 and 1 bytes;
+# at 4,096-8,192 elements the plain form often wins (its Huffman table is smaller), hence the
+# exact comparison below this size.
+PAIRS_ONLY_COUNT = 1 << 17
+
+# Largest share of sampled exponents outside the window for which PAIRS_ONLY_COUNT applies: each
+# escape costs a code in the paired stream plus its byte in the escape stream, so with many
+# escapes (integers passed as float_bits, or exotic value ranges) the plain form can win. bf16
+# weights escape 0.015 %.
+PAIRS_ONLY_MAX_ESCAPED = 1 / 256
+
 
 def encode_full(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
                 float_bits: bool = False) -> Segment:
@@ -68,7 +84,8 @@ def encode_full(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
             holds (nearly) only exponent bits and compresses to their ~2.6-bit entropy, and for
             chunks of at least :data:`MIN_PAIR_COUNT` elements that plane is also tried as
             paired window codes; the smaller form is written and the segment records it, so
-            :func:`decode_full` needs no flag. Wrong for integers only in size, never in
+            :func:`decode_full` needs no flag (from :data:`PAIRS_ONLY_COUNT` elements, when few
+            exponents escape the window, the paired form is written without trying the other). Wrong for integers only in size, never in
             correctness. Ignored for 1-byte elements.
 
     Returns:
@@ -91,19 +108,22 @@ def encode_full(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
         return pack(CODEC_FULL2, width=w, count=n, n_changed=n, sections=sections,
                     param=transform, aux=exp_low, n_escaped=n_escaped)
 
+    encode = SectionEncoder(level, judge=True)
     if not float_bits or w == 1:
-        return Segment(CODEC_FULL2, segment(TRANSFORM_NONE, encode_sections(_planes(v, rotate=False), level)), n)
-    encode = SectionEncoder(level)
+        return Segment(CODEC_FULL2, segment(TRANSFORM_NONE, encode(_planes(v, rotate=False))), n)
     planes = _planes(v, rotate=True)
-    secs = encode(planes)
-    if n >= MIN_PAIR_COUNT:
-        low, packed, esc = _pair_exponents(planes[-1])
-        paired = secs[:-1] + encode([packed, esc] if esc.size else [packed])
-        # compare the two forms' sizes before packing only the smaller (packing copies the
-        # whole segment, mantissa planes included)
-        if _size(paired) < _size(secs):
-            return Segment(CODEC_FULL2, segment(TRANSFORM_PAIRS, paired, low, int(esc.size)), n)
-    return Segment(CODEC_FULL2, segment(TRANSFORM_ROTL1, secs), n)
+    if n < MIN_PAIR_COUNT:
+        return Segment(CODEC_FULL2, segment(TRANSFORM_ROTL1, encode(planes)), n)
+    low, packed, esc, escaped_share = _pair_exponents(planes[-1])
+    paired = encode(planes[:-1] + ([packed, esc] if esc.size else [packed]))
+    if n >= PAIRS_ONLY_COUNT and escaped_share <= PAIRS_ONLY_MAX_ESCAPED:
+        return Segment(CODEC_FULL2, segment(TRANSFORM_PAIRS, paired, low, int(esc.size)), n)
+    plain = paired[: w - 1] + encode(planes[-1:])
+    # compare the two forms' sizes before packing only the smaller (packing copies the whole
+    # segment, mantissa planes included)
+    if _size(paired) < _size(plain):
+        return Segment(CODEC_FULL2, segment(TRANSFORM_PAIRS, paired, low, int(esc.size)), n)
+    return Segment(CODEC_FULL2, segment(TRANSFORM_ROTL1, plain), n)
 
 
 def _size(sections) -> int:
@@ -161,23 +181,26 @@ def decode_full(data: bytes, *, codec: str, dtype: np.dtype, count: int) -> np.n
     return out.astype(dt, copy=False)
 
 
-def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, float]:
     """The top byte plane as pairs of 4-bit window codes: (window low end, packed codes,
-    escaped bytes). The window is the 15 consecutive values holding the most elements."""
-    # the window only affects size, not correctness: choose it on a sample (bincount widens
-    # uint8 to intp, ~7 ms per 8M elements; a 1/16 sample picks the same window on real weights)
-    counts = np.bincount(top[::PAIR_SAMPLE_STRIDE], minlength=256)
+    escaped bytes, share of the sample outside the window). The window is the 15 consecutive
+    values holding the most elements."""
+    # the window only affects size, not correctness: choose it on a sample (a 1/16 sample picks
+    # the same window on real weights)
+    counts = byte_counts(top, PAIR_SAMPLE_STRIDE)
     csum = np.concatenate([[0], np.cumsum(counts)])
-    low = int(np.argmax(csum[EXP_WINDOW:] - csum[:-EXP_WINDOW]))
+    in_window = csum[EXP_WINDOW:] - csum[:-EXP_WINDOW]
+    low = int(np.argmax(in_window))
+    escaped_share = 1.0 - int(in_window[low]) / max(int(csum[-1]), 1)
     if _kernels.pair_codes is not None:
         packed = np.empty((top.size + 1) // 2, dtype=np.uint8)
         esc = _kernels.pair_codes(top, low, EXP_ESCAPE, packed)
-        return low, packed, np.frombuffer(esc, dtype=np.uint8)
+        return low, packed, np.frombuffer(esc, dtype=np.uint8), escaped_share
     codes = top - np.uint8(low)  # wraps: in the window iff < 15
     out = codes >= EXP_WINDOW
     esc = top[out]
-    codes[out] = EXP_ESCAPE
-    return low, pack_nibbles(codes), esc
+    codes[out] = EXP_ESCAPE  # a masked store beats np.minimum 1.7x on weights (few escapes)
+    return low, pack_nibbles(codes), esc, escaped_share
 
 
 def _unpair_exponents(packed: np.ndarray, esc: np.ndarray | None, low: int, count: int,

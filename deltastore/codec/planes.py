@@ -14,7 +14,14 @@ from typing import Union
 import numpy as np
 import zstandard
 
-from deltastore.codec.container import KIND_CONST, KIND_RAW, KIND_ZSTD, MAX_COUNT, SegmentHeader
+from deltastore.codec import _kernels
+from deltastore.codec.container import (
+    KIND_CONST,
+    KIND_RAW,
+    KIND_ZSTD,
+    MAX_COUNT,
+    SegmentHeader,
+)
 from deltastore.errors import CorruptObjectError
 
 # Byte planes are memoryless sources (mantissa bytes, XOR low bytes, gap low bytes): the win is
@@ -38,6 +45,24 @@ DEFAULT_LEVEL = None
 # Smallest stored size worth handing to zstd: a frame costs ~10 bytes of header, so a plane this
 # short is stored RAW (or CONST) without trying.
 MIN_ZSTD_INPUT = 32
+
+# Judged planes (anchors, ``SectionEncoder(judge=True)``): a plane of at least MIN_JUDGED_PLANE
+# bytes is first looked at through the histogram of a 1/SAMPLE_STRIDE sample. The sample is big
+# enough to judge (>= 2,048 bytes) and far cheaper than the passes it saves: a sample with two
+# values proves the plane is not CONST (no full min/max pass), and a near-uniform one means zstd
+# cannot gain, so the plane is stored RAW without compressing it (the mantissa plane of bf16
+# weights: zstd wrote 1.00003x its size on every tf265m tensor, 0.13 s of a 1.4 s anchor).
+# Below this size planes are always tried exactly (and the golden segments are all smaller).
+MIN_JUDGED_PLANE = 1 << 17
+
+# Stride of a judged plane's sample: one byte per 64-byte cache line.
+SAMPLE_STRIDE = 64
+
+# Sampled order-0 entropy (bits per byte) at or above which a judged plane is stored RAW untried.
+# zstd (ZSTD_PLANE_PARAMS) gained nothing on 2 MiB mixtures of uniform and skewed bytes down to
+# 7.88 bits and 2.4 % at 7.75; a small sample underestimates entropy, so errors fall on the side
+# of trying zstd. Only with the tuned parameters (level None): a high level may find LZ matches.
+RAW_ENTROPY_BITS = 7.9
 
 UINT = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -77,8 +102,9 @@ def split(a: np.ndarray) -> list[np.ndarray]:
     w = a.itemsize
     if w == 1:
         return [a.view(np.uint8)]
-    u8 = a.view(np.uint8).reshape(-1, w)
-    return [np.ascontiguousarray(u8[:, k]) for k in range(w)]
+    # a truncating cast of each shifted element (vectorized) rather than strided byte copies:
+    # 20 % faster on 8M uint16
+    return [(a >> a.dtype.type(8 * k) if k else a).astype(np.uint8) for k in range(w)]
 
 
 def join(planes: Sequence[Plane], n: int) -> np.ndarray:
@@ -128,9 +154,41 @@ def _cctx(level: int | None) -> zstandard.ZstdCompressor:
     return c
 
 
-def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes, int]:
-    """Pick the smallest of CONST / ZSTD / RAW for one plane: (kind, stored bytes, raw size)."""
+def byte_counts(plane: np.ndarray, stride: int) -> np.ndarray:
+    """Counts of each byte value in ``plane[::stride]`` (256 int64): the native kernel, else
+    numpy's bincount (which widens the sample to intp first)."""
+    if _kernels.byte_histogram is not None and plane.dtype == np.uint8 and plane.flags.c_contiguous:
+        out = np.empty(256, dtype=np.int64)
+        _kernels.byte_histogram(plane, stride, out)
+        return out
+    return np.bincount(plane[::stride], minlength=256).astype(np.int64, copy=False)
+
+
+def sample_entropy(counts: np.ndarray) -> float:
+    """Order-0 entropy in bits per byte of a histogram (0.0 for an empty one)."""
+    c = counts[counts > 0]
+    if c.size == 0:
+        return 0.0
+    p = c / c.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor, judge: bool = False,
+                    raw_if_uniform: bool = False) -> tuple[int, bytes, int]:
+    """Pick the smallest of CONST / ZSTD / RAW for one plane: (kind, stored bytes, raw size).
+
+    ``judge``: a sample may prove a big plane is not CONST (see MIN_JUDGED_PLANE); with
+    ``raw_if_uniform`` too, a near-uniform big plane is stored RAW without trying zstd."""
     n = plane.size
+    if judge and n >= MIN_JUDGED_PLANE:
+        counts = byte_counts(plane, SAMPLE_STRIDE)
+        if np.count_nonzero(counts) > 1:  # two values: not CONST, no min/max pass needed
+            if raw_if_uniform and sample_entropy(counts) >= RAW_ENTROPY_BITS:
+                return KIND_RAW, memoryview(np.ascontiguousarray(plane)).cast("B"), n
+            z = cctx.compress(plane)
+            if len(z) < n:
+                return KIND_ZSTD, z, n
+            return KIND_RAW, memoryview(np.ascontiguousarray(plane)).cast("B"), n
     if n and plane.min() == plane.max():  # all equal; no n-byte temporary (plane != plane[0])
         return KIND_CONST, bytes(plane[:1]), n
     if n >= MIN_ZSTD_INPUT:
@@ -142,13 +200,16 @@ def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[
 
 class SectionEncoder:
     """Encodes planes into sections with this thread's zstd compressor for ``level`` (use it on
-    the thread that made it)."""
+    the thread that made it). ``judge``: big planes are first judged from a sample
+    (MIN_JUDGED_PLANE), which the anchor encoder uses; the delta codecs try every kind exactly."""
 
-    def __init__(self, level: int | None):
+    def __init__(self, level: int | None, *, judge: bool = False):
         self._cctx = _cctx(level)
+        self._judge = judge
+        self._raw_if_uniform = judge and level is None  # see RAW_ENTROPY_BITS
 
     def __call__(self, planes: Sequence[np.ndarray]) -> list[tuple[int, bytes, int]]:
-        return [_encode_section(p, self._cctx) for p in planes]
+        return [_encode_section(p, self._cctx, self._judge, self._raw_if_uniform) for p in planes]
 
 
 def encode_sections(planes: Sequence[np.ndarray], level: int | None) -> list[tuple[int, bytes, int]]:
@@ -200,7 +261,10 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """uint8 codes < 16 -> bytes holding two each (low nibble first), padded with a 0 code."""
     if codes.size % 2:
         codes = np.append(codes, np.uint8(0))
-    return codes[0::2] | (codes[1::2] << np.uint8(4))
+    # each pair read as one little-endian uint16 c0 + 256*c1; (x | x >> 4) puts c1 in the low
+    # byte's high nibble (c0 < 16 shifts out): 2.6x faster than two strided slices
+    pairs = np.ascontiguousarray(codes).view(UINT[2])  # explicitly little-endian
+    return (pairs | (pairs >> np.uint16(4))).astype(np.uint8)
 
 
 def unpack_nibbles(packed: np.ndarray, n: int, what: str) -> np.ndarray:
