@@ -276,6 +276,21 @@ def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, An
         info = pub.publish(rank_state(2, rank, world), step=2)
         out["retry"] = (info.version, info.kind)
         out["next"] = (pub.publish(rank_state(3, rank, world), step=3).kind)
+        # rank 0's pre-plan of version 4 fails (as prepare() does when fenced or an earlier
+        # outcome is still unknown): every rank raises its class, nothing is committed
+        if rank == 0:
+            def no_preplan(**kw: Any) -> None:
+                raise StorageError("HEAD unreadable (injected)")
+            pub._preplan = no_preplan  # type: ignore[method-assign]
+        try:
+            pub.publish(rank_state(4, rank, world), step=4)
+        except StorageError as e:
+            out["preplan_failure"] = type(e).__name__
+        if rank == 0:
+            del pub._preplan
+        out["head_after_preplan_failure"] = _head_version(url)
+        info = pub.publish(rank_state(4, rank, world), step=4)
+        out["after"] = (info.version, info.kind)
     return out
 
 
@@ -417,16 +432,19 @@ def test_steady_versions_skip_the_plan_round_and_read_nothing(tmp_path: Path) ->
             _assert_equal(sub.pull(v), full_model(v))
 
 
-def test_failed_part_manifest_upload_commits_nothing_and_retry_commits(tmp_path: Path) -> None:
+def test_failed_part_manifest_upload_or_preplan_commits_nothing_and_retry_commits(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
     results = run_ranks(2, url, "part_upload_fails", tmp_path)
     _ok(results)
     assert [r["failure"] for r in results] == ["StorageError", "StorageError"]
     assert all(r["head_after_failure"] == 1 for r in results)
     assert all(r["retry"] == (2, "anchor") and r["next"] == "delta" for r in results), results
+    assert [r["preplan_failure"] for r in results] == ["StorageError", "StorageError"]
+    assert all(r["head_after_preplan_failure"] == 3 for r in results)
+    assert all(r["after"] == (4, "anchor") for r in results), results  # a failed plan drops the references, as before
     with Subscriber(url) as sub:
-        _assert_equal(sub.pull(2), full_model(2))
-        _assert_equal(sub.pull(3), full_model(3))
+        for v in (2, 3, 4):
+            _assert_equal(sub.pull(v), full_model(v))
 
 
 def test_killed_rank_leaves_nothing_visible_and_a_new_group_commits(tmp_path: Path) -> None:
