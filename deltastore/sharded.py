@@ -351,6 +351,9 @@ class ShardedPublisher:
         self._held: tuple[int, str] | None = None  # (version, manifest key) of the reference
         self._layout: Layout | None = None
         self._known: int | None = None
+        # The layout planned from the last claims: a trainer passes the same claims every step,
+        # and planning is O(tensors × ranks) per version (every rank plans).
+        self._planned: tuple[tuple[tuple[_Claim, ...], ...], Layout] | None = None
         error: tuple[str, str] | None = None
         try:
             if self.rank == COORDINATOR:
@@ -486,7 +489,12 @@ class ShardedPublisher:
             if own is not None:
                 raise own
             _raise(failed[0].error, default=PartFailedError)  # type: ignore[arg-type]
-        layout = plan_layout(reports, self.world, self.chunk_bytes)  # the same verdict on every rank
+        claimed = tuple(r.claims for r in sorted(reports, key=lambda r: r.rank))
+        if self._planned is not None and self._planned[0] == claimed:
+            layout = self._planned[1]
+        else:
+            layout = plan_layout(reports, self.world, self.chunk_bytes)  # the same verdict on every rank
+            self._planned = (claimed, layout)
         steps = {r.step for r in reports}
         if len(steps) > 1:
             raise ShardMismatchError(f"the ranks publish different steps {sorted(map(str, steps))}: every rank must "
@@ -664,7 +672,7 @@ class ShardedPublisher:
         for e in encoded.entries:
             i = index[e.name]
             shift = first_chunk[e.name]
-            chunks = tuple(c.model_copy(update={"index": c.index + shift}) for c in e.chunks)
+            chunks = tuple(c.model_copy(update={"index": c.index + shift}) for c in e.chunks) if shift else tuple(e.chunks)
             tensors.append(TensorEntry(name=e.name, dtype=e.dtype, shape=layout.shape[i], chunk_rows=e.chunk_rows, chunks=chunks))
             if any(c.delta is not None for c in chunks):
                 changed.append(e.name)
