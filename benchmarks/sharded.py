@@ -1,31 +1,53 @@
 """Sharded publishing (issue 12 part 1): publish throughput with 1, 2 and 4 ranks, per-rank memory.
 
-``python -m benchmarks.sharded [--tensors 8 --rows 4096 --cols 1024 --steps 4 --density 0.01]``
-publishes the same bf16 model (``tensors`` × [rows, cols], rows split among the ranks as FSDP2
-splits them) to a local file store, in one run per configuration:
+``python -m benchmarks.sharded [--workload synthetic rl fixed] [--repeat 3]`` publishes the same
+model to a local file store, once per configuration and repeat, the configurations interleaved
+(1, 2, 4 ranks, then again) so that a shared machine's load falls on all of them alike:
 
 - ``Publisher``: one process, the unsharded writer (the reference);
 - ``ShardedPublisher`` with 1, 2 and 4 ranks (gloo over 127.0.0.1), one encode thread per rank,
   so that N ranks use N cores as an FSDP job's N processes would.
 
-Each rank builds only its own rows (seeded per block of rows, so every configuration publishes
-the same bits) and changes ``density`` of its elements per step. Reported per configuration:
-the anchor's time, the median time of a delta publish (from a barrier to the committed HEAD),
-throughput (model bytes / median delta time) and its ratio to one rank, and per rank the peak
-RSS above the process's RSS before it built its rows, next to its shard's bytes (the
-reference copy is one more shard). Goal (issue 12): 2 ranks ≥ 1.7× one rank.
+Workloads:
+
+``synthetic`` (``--tensors 8 --rows 4096 --cols 1024 --steps 8 --density 0.01``)
+    bf16 ``tensors`` × [rows, cols]; each rank builds only its own rows (seeded per block of
+    rows, so every configuration publishes the same bits) and changes ``density`` of its
+    elements per step.
+``rl`` (``--rl-workload tf265m-rl-1e-6``)
+    The cached real workload (531 MB of bf16, a Llama-shaped decoder after real AdamW steps at
+    lr 1e-6, 1.5–3.7 % of elements changed per step). Every tensor's rows are split among the
+    ranks as FSDP2 splits them (``torch.chunk`` on dimension 0: ``ceil(rows / N)`` per rank,
+    the last ranks possibly short or empty); each rank reads only its rows of each step from
+    the safetensors file and copies them into its parameters in place, as an optimizer step
+    does, before the timed publish.
+``fixed``
+    The per-version fixed cost: a tiny model (8 × bf16[64, 16]) published unchanged
+    ``--fixed-versions`` times; per version the median time, and per rank the store requests
+    (gets, heads, lists: reads; puts) and object collectives.
+
+Reported per configuration: the anchor's time, the median time of a delta publish (from a
+barrier to the committed HEAD; median over the steps of a run, then median over repeats),
+throughput (model bytes / median delta time) and its ratio to one rank, the CPU seconds of a
+delta publish on the busiest rank (its process's CPU time, every thread; on a shared machine
+the ranks wait for cores, and this is the time a publish takes when each rank has a core of
+its own, less what it waits for the others and the store) and its ratio, and per rank the peak
+RSS above the process's RSS before it built its rows, next to its shard's bytes (the reference
+copy is one more shard). Goal (issue 12): 2 ranks ≥ 1.7× one rank.
 
 Every configuration's last version is pulled by an unsharded Subscriber and compared with the
-model rebuilt here, bit for bit. Results: benchmarks/results/sharded.{json,md}.
+model published, bit for bit. Results: benchmarks/results/sharded.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import socket
 import statistics
 import tempfile
@@ -38,6 +60,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 #: Issue 12's goal: publish throughput with 2 ranks over 1 rank.
 GOAL_2_OVER_1 = 1.7
+#: The real workload of ``--workload rl`` (cached under benchmarks/.cache; 7 steps: an anchor and 6 deltas).
+RL_WORKLOAD = "tf265m-rl-1e-6"
+#: Steps of the cached RL workload published (step 0 is the anchor).
+RL_STEPS = 6
+#: Tiny model of ``--workload fixed``: 8 tensors of bf16[64, 16] (16 KiB), so that encoding is
+#: negligible and what is measured is the protocol (collectives, manifests, HEAD).
+FIXED_TENSORS, FIXED_ROWS, FIXED_COLS = 8, 64, 16
+#: Store methods counted per version in ``--workload fixed`` (reads, then writes).
+READ_OPS = ("get", "get_if_changed", "head", "list")
+WRITE_OPS = ("put", "delete")
 #: Rows generated (and changed) per seed: every rank's rows are whole blocks for 1, 2 and 4
 #: ranks when rows is a multiple of 4 × this.
 BLOCK_ROWS = 256
@@ -93,12 +125,118 @@ def _advance(t: Any, ti: int, start: int, step: int, density: float) -> None:
         flat[idx] = (flat[idx].float() * 1.01 + 1e-4).to(torch.bfloat16)
 
 
+def _fsdp_range(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a ``rows``-row tensor on ``rank`` as FSDP2 shards it
+    (``torch.chunk`` on dimension 0: ceil(rows / world) per rank; the last may be short or empty)."""
+    per = -(-rows // world)
+    return min(rank * per, rows), min((rank + 1) * per, rows)
+
+
+class _Source:
+    """What one rank holds of the model at each step: its rows, built or read, and updated in place."""
+
+    def __init__(self, cfg: dict[str, Any], rank: int, world: int):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.ranges: dict[str, tuple[int, int, int]] = {}  # name -> (start, stop, rows)
+
+    def build(self) -> dict[str, Any]:
+        import torch
+
+        cfg, rank, world = self.cfg, self.rank, self.world
+        if cfg["workload"] == "synthetic":
+            rows = cfg["rows"]
+            per = rows // world
+            start, stop = rank * per, (rank + 1) * per
+            shard = {f"layer{ti}.weight": _rows(ti, start, stop, 1, cfg["cols"], cfg["density"]) for ti in range(cfg["tensors"])}
+            self.ranges = {k: (start, stop, rows) for k in shard}
+            return shard
+        if cfg["workload"] == "fixed":
+            start, stop = _fsdp_range(FIXED_ROWS, rank, world)
+            shard = {f"t{i}": torch.full((stop - start, FIXED_COLS), float(i), dtype=torch.bfloat16) for i in range(FIXED_TENSORS)}
+            self.ranges = {k: (start, stop, FIXED_ROWS) for k in shard}
+            return shard
+        path = _rl_path(cfg["rl_workload"], 0)
+        shard = {}
+        for name, (dtype, shape, _) in _safetensors_header(path)[0].items():
+            start, stop = _fsdp_range(shape[0], rank, world)
+            shard[name] = torch.empty((stop - start, *shape[1:]), dtype=getattr(torch, dtype))
+            self.ranges[name] = (start, stop, shape[0])
+        self._read(path, shard)
+        return shard
+
+    def _read(self, path: Path, shard: dict[str, Any]) -> None:
+        """Read this rank's rows of every tensor of ``path`` into ``shard``, in place. With
+        pread, not safetensors' mmap: the mapped file's pages would count in this rank's RSS."""
+        import torch
+
+        header, data_start = _safetensors_header(path)
+        with open(path, "rb", buffering=0) as f:
+            for name, t in shard.items():
+                _, shape, begin = header[name]
+                start, stop, _ = self.ranges[name]
+                if start == stop:
+                    continue
+                row_bytes = t.element_size() * math.prod(shape[1:])
+                buf = memoryview(t.view(torch.uint8).reshape(-1).numpy())
+                n = os.preadv(f.fileno(), [buf], data_start + begin + start * row_bytes)
+                if n != (stop - start) * row_bytes:
+                    raise OSError(f"{path}: short read of {name}")
+
+    def advance(self, shard: dict[str, Any], step: int) -> None:
+        """Bring ``shard`` to ``step`` in place (the trainer's optimizer step; not timed)."""
+        cfg = self.cfg
+        if cfg["workload"] == "synthetic":
+            for ti, t in enumerate(shard.values()):
+                _advance(t, ti, self.ranges[f"layer{ti}.weight"][0], step, cfg["density"])
+        elif cfg["workload"] == "rl":
+            self._read(_rl_path(cfg["rl_workload"], step - 1), shard)
+
+    def state(self, shard: dict[str, Any], sharded: bool) -> dict[str, Any]:
+        from deltastore.sharded import Rows
+
+        if not sharded:
+            return shard
+        return {k: Rows(t, self.ranges[k][0], self.ranges[k][2]) for k, t in shard.items()}
+
+
+#: safetensors dtype names -> torch attribute names.
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I64": "int64", "I32": "int32"}
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, tuple[str, list[int], int]], int]:
+    """``({name: (torch dtype name, shape, first data byte)}, where the data starts)``."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: (_ST_DTYPES[v["dtype"]], v["shape"], v["data_offsets"][0]) for k, v in header.items()}, 8 + n
+
+
+def _rl_path(name: str, step: int) -> Path:
+    from benchmarks.workload import _step_path
+
+    return _step_path(name, step)
+
+
+def _count_requests(store: Any, counts: dict[str, int]) -> None:
+    """Count ``store``'s requests into ``counts`` (reads, writes) from now on."""
+    for kind, ops in (("reads", READ_OPS), ("writes", WRITE_OPS)):
+        for op in ops:
+            real = getattr(store, op)
+
+            def counted(*a: Any, _real: Any = real, _kind: str = kind, **k: Any) -> Any:
+                counts[_kind] += 1
+                return _real(*a, **k)
+
+            setattr(store, op, counted)
+
+
 def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: str) -> None:
     base_rss = _rss_bytes()
     import torch
     import torch.distributed as dist
 
-    from deltastore.sharded import Rows, ShardedPublisher
+    from deltastore.sharded import ShardedPublisher
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank}
@@ -107,36 +245,50 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         if sharded:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=600))
-        rows, cols, n = cfg["rows"], cfg["cols"], cfg["tensors"]
-        per = rows // world
-        start, stop = rank * per, (rank + 1) * per
+        source = _Source(cfg, rank, world)
         base_rss = _rss_bytes()  # after imports and the process group: what a trainer has anyway
-        shard = {f"layer{ti}.weight": _rows(ti, start, stop, 1, cols, cfg["density"]) for ti in range(n)}
+        shard = source.build()
         result["shard_bytes"] = sum(t.numel() * t.element_size() for t in shard.values())
         marks = [("shard built", _rss_bytes() - base_rss, _peak_bytes() - base_rss)]
-        times = []
+        times, requests, cpu = [], [], []
         if sharded:
             pub = ShardedPublisher(url, threads=cfg["threads"], anchor_every=1000)
         else:
             from deltastore import Publisher
 
             pub = Publisher(url, threads=cfg["threads"], anchor_every=1000)
+        counts = {"reads": 0, "writes": 0, "collectives": 0}
+        if cfg["workload"] == "fixed":
+            _count_requests(pub.store, counts)
+            if sharded:
+                for op in ("_all_gather", "_broadcast", "_gather"):
+                    real = getattr(pub, op)
+
+                    def counted(obj: Any, _real: Any = real) -> Any:
+                        counts["collectives"] += 1
+                        return _real(obj)
+
+                    setattr(pub, op, counted)
         with pub:
             for step in range(1, cfg["steps"] + 2):
                 if step > 1:
-                    for ti, t in enumerate(shard.values()):
-                        _advance(t, ti, start, step, cfg["density"])
-                state = {k: Rows(t, start, rows) for k, t in shard.items()} if sharded else shard
+                    source.advance(shard, step)
+                state = source.state(shard, sharded)
                 if sharded:
                     dist.barrier()
-                t0 = time.perf_counter()
+                counts.update(reads=0, writes=0, collectives=0)
+                t0, c0 = time.perf_counter(), time.process_time()
                 info = pub.publish(state, step=step)
                 times.append((info.kind, time.perf_counter() - t0, info.bytes_stored))
-                marks.append((f"after v{info.version}", _rss_bytes() - base_rss,
-                              _peak_bytes() - base_rss))
+                cpu.append(time.process_time() - c0)
+                requests.append(dict(counts))
+                if cfg["workload"] != "fixed":
+                    marks.append((f"after v{info.version}", _rss_bytes() - base_rss, _peak_bytes() - base_rss))
         marks.append(("closed", _rss_bytes() - base_rss, _peak_bytes() - base_rss))
         result["marks"] = marks
         result["times"] = times
+        result["requests"] = requests
+        result["cpu"] = cpu  # this process's CPU seconds (all its threads) per publish
         result["peak_rss_above_base"] = marks[-1][2]
     except BaseException as e:
         import traceback
@@ -155,12 +307,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(world: int, mode: str, args: argparse.Namespace, tmp: Path, threads: int = 1) -> dict[str, Any]:
-    url = f"file://{tmp}/store-{mode}-{world}-{threads}"
-    out = tmp / f"out-{mode}-{world}-{threads}"
+def _steps(workload: str, args: argparse.Namespace) -> int:
+    return {"synthetic": args.steps, "rl": RL_STEPS, "fixed": args.fixed_versions}[workload]
+
+
+def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, tmp: Path, threads: int = 1,
+               repeat: int = 0) -> dict[str, Any]:
+    """One run of one configuration: its ranks' times, requests and memory."""
+    name = f"{workload}-{mode}-{world}-{threads}-{repeat}"
+    url = f"file://{tmp}/store-{name}"
+    out = tmp / f"out-{name}"
     out.mkdir()
-    cfg = {"mode": mode, "rows": args.rows, "cols": args.cols, "tensors": args.tensors, "steps": args.steps,
-           "density": args.density, "threads": threads}
+    cfg = {"workload": workload, "mode": mode, "rows": args.rows, "cols": args.cols, "tensors": args.tensors,
+           "steps": _steps(workload, args), "density": args.density, "threads": threads, "rl_workload": args.rl_workload}
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, url, cfg, str(out))) for r in range(world)]
@@ -171,86 +330,171 @@ def run_config(world: int, mode: str, args: argparse.Namespace, tmp: Path, threa
     ranks = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     for r in ranks:
         if "error" in r:
-            raise RuntimeError(f"{mode} world {world} rank {r['rank']} failed:\n{r['error']}")
-    times = ranks[0]["times"]
-    deltas = [t for kind, t, _ in times if kind == "delta"]
-    model_bytes = args.tensors * args.rows * args.cols * 2
-    _check(url, args)
-    return {
-        "mode": mode, "ranks": world, "threads_per_rank": threads,
-        "anchor_s": round(times[0][1], 3), "anchor_mb_s": round(model_bytes / times[0][1] / 1e6, 1),
-        "delta_median_s": round(statistics.median(deltas), 3),
-        "delta_bytes_median": int(statistics.median(b for k, _, b in times if k == "delta")),
-        "throughput_mb_s": round(model_bytes / statistics.median(deltas) / 1e6, 1),
-        "per_rank": [{"rank": r["rank"], "shard_bytes": r["shard_bytes"], "peak_rss_above_base": r["peak_rss_above_base"]}
-                     for r in ranks],
+            raise RuntimeError(f"{name} rank {r['rank']} failed:\n{r['error']}")
+    _check(url, workload, args)
+    shutil.rmtree(tmp / f"store-{name}", ignore_errors=True)  # a 531 MB anchor per run adds up
+    return {"ranks": ranks}
+
+
+def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dict[str, Any]],
+              model_bytes: int) -> dict[str, Any]:
+    """Medians over a configuration's runs (each run: the median of its delta publishes)."""
+    run_deltas = [statistics.median(t for kind, t, _ in run["ranks"][0]["times"] if kind in ("delta", "unchanged"))
+                  for run in runs]
+    all_deltas = [t for run in runs for kind, t, _ in run["ranks"][0]["times"] if kind in ("delta", "unchanged")]
+    anchors = [run["ranks"][0]["times"][0][1] for run in runs]
+    delta_s = statistics.median(run_deltas)
+    # CPU seconds of a delta publish on the busiest rank (median over its publishes, then over
+    # runs): what one publish costs when every rank has a core of its own, whatever the load.
+    busiest_cpu = statistics.median(
+        max(statistics.median(c for (kind, _, _), c in zip(r["times"], r["cpu"]) if kind in ("delta", "unchanged"))
+            for r in run["ranks"])
+        for run in runs)
+    row = {
+        "workload": workload, "mode": mode, "ranks": world, "threads_per_rank": threads, "runs": len(runs),
+        "anchor_s": round(statistics.median(anchors), 3), "anchor_mb_s": round(model_bytes / statistics.median(anchors) / 1e6, 1),
+        "delta_median_s": round(delta_s, 4), "delta_runs_s": [round(t, 4) for t in run_deltas],
+        "delta_min_max_s": [round(min(all_deltas), 4), round(max(all_deltas), 4)], "deltas": len(all_deltas),
+        "delta_bytes_median": int(statistics.median(b for run in runs for k, _, b in run["ranks"][0]["times"][1:])),
+        "throughput_mb_s": round(model_bytes / delta_s / 1e6, 1),
+        "delta_cpu_s_busiest_rank": round(busiest_cpu, 4),
+        "per_rank": [{"rank": r["rank"], "shard_bytes": r["shard_bytes"],
+                      "peak_rss_above_base": max(run["ranks"][i]["peak_rss_above_base"] for run in runs)}
+                     for i, r in enumerate(runs[0]["ranks"])],
     }
+    if workload == "fixed":  # requests and collectives per steady version (after the anchor), per rank
+        row["per_version"] = [
+            {k: statistics.median(q[k] for run in runs for q in run["ranks"][i]["requests"][1:]) for k in ("reads", "writes", "collectives")}
+            for i in range(world)
+        ]
+    return row
 
 
-def _check(url: str, args: argparse.Namespace) -> None:
-    """The last version, pulled by an unsharded Subscriber, is the model rebuilt here."""
+def _check(url: str, workload: str, args: argparse.Namespace) -> None:
+    """The last version, pulled by an unsharded Subscriber, is the model published."""
     import torch
 
     from deltastore import Subscriber
 
     with Subscriber(url) as sub:
         got = sub.pull()
-    step = args.steps + 1
-    for ti in range(args.tensors):
-        want = _rows(ti, 0, args.rows, step, args.cols, args.density)
-        if not torch.equal(got[f"layer{ti}.weight"].view(torch.int16), want.view(torch.int16)):
-            raise AssertionError(f"{url}: layer{ti}.weight differs from the model published")
+    step = _steps(workload, args) + 1
+    if workload == "synthetic":
+        want = {f"layer{ti}.weight": _rows(ti, 0, args.rows, step, args.cols, args.density) for ti in range(args.tensors)}
+    elif workload == "fixed":
+        want = {f"t{i}": torch.full((FIXED_ROWS, FIXED_COLS), float(i), dtype=torch.bfloat16) for i in range(FIXED_TENSORS)}
+    else:
+        from safetensors.torch import load_file
+
+        want = load_file(str(_rl_path(args.rl_workload, step - 1)))
+    if set(got) != set(want):
+        raise AssertionError(f"{url}: tensors {sorted(set(got) ^ set(want))[:5]} differ between the store and the model")
+    for name, t in want.items():
+        if not torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
+            raise AssertionError(f"{url}: {name} differs from the model published")
+
+
+def _model_bytes(workload: str, args: argparse.Namespace) -> int:
+    if workload == "synthetic":
+        return args.tensors * args.rows * args.cols * 2
+    if workload == "fixed":
+        return FIXED_TENSORS * FIXED_ROWS * FIXED_COLS * 2
+    import torch
+
+    header, _ = _safetensors_header(_rl_path(args.rl_workload, 0))
+    return sum(math.prod(shape) * getattr(torch, dtype).itemsize for dtype, shape, _ in header.values())
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="sharded publishing: throughput with 1, 2, 4 ranks; per-rank memory")
+    ap.add_argument("--workload", nargs="+", choices=["synthetic", "rl", "fixed"], default=["fixed", "synthetic", "rl"])
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each configuration, interleaved")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the unsharded Publisher and one rank with two threads")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--rl-workload", default=RL_WORKLOAD)
+    ap.add_argument("--fixed-versions", type=int, default=30)
+    ap.add_argument("--tmp", type=Path, default=None, help="where the stores go (default: the system's temp dir)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.rows % (4 * BLOCK_ROWS):
         ap.error(f"--rows must be a multiple of {4 * BLOCK_ROWS}")
-    model_bytes = args.tensors * args.rows * args.cols * 2
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        rows.append(run_config(1, "unsharded", args, Path(tmp)))
-        for world in (1, 2, 4):
-            rows.append(run_config(world, "sharded", args, Path(tmp)))
-        rows.append(run_config(1, "sharded", args, Path(tmp), threads=2))
-    one = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 1 and r["threads_per_rank"] == 1)
-    for r in rows:
-        r["vs_1_rank"] = round(r["throughput_mb_s"] / one["throughput_mb_s"], 2)
-        r["anchor_vs_1_rank"] = round(r["anchor_mb_s"] / one["anchor_mb_s"], 2)
-    two = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 2)
-    out = {"model_bytes": model_bytes, "tensors": args.tensors, "shape": [args.rows, args.cols], "steps": args.steps,
-           "density": args.density, "cpus": os.cpu_count(), "configs": rows,
-           "two_over_one": two["vs_1_rank"], "goal_met": two["vs_1_rank"] >= GOAL_2_OVER_1, "bit_exact": True}
-    header = (f"model: {args.tensors} × bf16[{args.rows}, {args.cols}] = {model_bytes:,} B; {args.steps} delta steps at "
-              f"{100 * args.density:g} % changed; file store; {os.cpu_count()} CPUs (shared); every configuration bit-exact")
-    lines = [
-        header,
-        "",
-        "| writer | ranks × threads | anchor s (vs 1 rank) | delta s, median | delta: MB/s of model | delta vs 1 rank | per-rank peak RSS above base / shard |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        mem = ", ".join(f"{p['peak_rss_above_base'] / 2**20:.0f}/{p['shard_bytes'] / 2**20:.0f} MiB" for p in r["per_rank"])
-        lines.append(f"| {'Publisher' if r['mode'] == 'unsharded' else 'ShardedPublisher'} | {r['ranks']} × "
-                     f"{r['threads_per_rank']} | {r['anchor_s']} ({r['anchor_vs_1_rank']}×) | {r['delta_median_s']} | {r['throughput_mb_s']} | "
-                     f"{r['vs_1_rank']}× | {mem} |")
-    lines.append("")
-    lines.append(f"2 ranks / 1 rank: delta publish {two['vs_1_rank']}×, anchor {two['anchor_vs_1_rank']}× "
-                 f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if out['goal_met'] else 'not met'}); load average at the end "
-                 f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if 1 not in args.worlds:
+        ap.error("--worlds must include 1 (the ratios are to one rank)")
+    load0 = os.getloadavg()[0]
+    out: dict[str, Any] = {"cpus": os.cpu_count(), "repeat": args.repeat, "workloads": {}}
+    lines: list[str] = []
+    for workload in args.workload:
+        model_bytes = _model_bytes(workload, args)
+        configs = [("sharded", w, 1) for w in args.worlds]
+        if args.reference and workload != "fixed":
+            configs = [("unsharded", 1, 1), *configs, ("sharded", 1, 2)]
+        runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {c: [] for c in configs}
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            for rep in range(args.repeat):  # interleaved: a burst of load falls on every configuration
+                for mode, world, threads in configs:
+                    runs[(mode, world, threads)].append(run_config(workload, world, mode, args, Path(tmp), threads, rep))
+        rows = [summarise(workload, w, m, t, runs[(m, w, t)], model_bytes) for m, w, t in configs]
+        one = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 1 and r["threads_per_rank"] == 1)
+        for r in rows:
+            r["vs_1_rank"] = round(r["throughput_mb_s"] / one["throughput_mb_s"], 2)
+            r["anchor_vs_1_rank"] = round(r["anchor_mb_s"] / one["anchor_mb_s"], 2)
+            r["cpu_vs_1_rank"] = round(one["delta_cpu_s_busiest_rank"] / r["delta_cpu_s_busiest_rank"], 2)
+        entry: dict[str, Any] = {"model_bytes": model_bytes, "steps": _steps(workload, args), "configs": rows, "bit_exact": True}
+        lines += _report(workload, args, entry)
+        out["workloads"][workload] = entry
+    out["load_average"] = [round(load0, 1), round(os.getloadavg()[0], 1)]
+    lines.append(f"load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs")
     md = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sharded.json").write_text(json.dumps(out, indent=2) + "\n")
     (args.out / "sharded.md").write_text(md)
     print(md)
     return 0
+
+
+def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> list[str]:
+    """The markdown of one workload."""
+    rows, model_bytes = entry["configs"], entry["model_bytes"]
+    what = {
+        "synthetic": f"synthetic: {args.tensors} × bf16[{args.rows}, {args.cols}] = {model_bytes:,} B; {args.steps} delta steps "
+                     f"at {100 * args.density:g} % changed",
+        "rl": f"rl: {args.rl_workload} ({model_bytes:,} B of bf16, real AdamW steps at lr 1e-6), rows split as FSDP2 "
+              f"splits them; {RL_STEPS} delta steps",
+        "fixed": f"fixed cost: {FIXED_TENSORS} × bf16[{FIXED_ROWS}, {FIXED_COLS}] published unchanged {args.fixed_versions} times",
+    }[workload]
+    lines = [f"### {what}; file store; {args.repeat} interleaved runs per configuration; every run bit-exact", ""]
+    if workload == "fixed":
+        lines += ["| ranks | per version: median s (runs) | per rank: store reads / writes / object collectives per version |",
+                  "|---|---|---|"]
+        for r in rows:
+            per = ", ".join(f"{q['reads']:g} / {q['writes']:g} / {q['collectives']:g}" for q in r["per_version"])
+            lines.append(f"| {r['ranks']} | {r['delta_median_s']} ({', '.join(map(str, r['delta_runs_s']))}) | {per} |")
+        return [*lines, ""]
+    lines += [
+        ("| writer | ranks × threads | anchor s (vs 1 rank) | delta s, median (per run) | delta: MB/s of model | delta vs 1 rank "
+         "| delta CPU s, busiest rank (vs 1 rank) | per-rank peak RSS above base / shard |"),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mem = ", ".join(f"{p['peak_rss_above_base'] / 2**20:.0f}/{p['shard_bytes'] / 2**20:.0f} MiB" for p in r["per_rank"])
+        lines.append(f"| {'Publisher' if r['mode'] == 'unsharded' else 'ShardedPublisher'} | {r['ranks']} × "
+                     f"{r['threads_per_rank']} | {r['anchor_s']} ({r['anchor_vs_1_rank']}×) | {r['delta_median_s']} "
+                     f"({', '.join(map(str, r['delta_runs_s']))}) | {r['throughput_mb_s']} | {r['vs_1_rank']}× "
+                     f"| {r['delta_cpu_s_busiest_rank']} ({r['cpu_vs_1_rank']}×) | {mem} |")
+    two = next((r for r in rows if r["mode"] == "sharded" and r["ranks"] == 2), None)
+    if two is not None:
+        entry["two_over_one"] = two["vs_1_rank"]
+        entry["goal_met"] = two["vs_1_rank"] >= GOAL_2_OVER_1
+        lines += ["", (f"2 ranks / 1 rank: delta publish {two['vs_1_rank']}×, anchor {two['anchor_vs_1_rank']}× "
+                      f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if entry['goal_met'] else 'not met'} on this machine); "
+                      f"by the busiest rank's CPU time {two['cpu_vs_1_rank']}×")]
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

@@ -3,25 +3,33 @@
 A :class:`ShardedPublisher` runs on every rank of a ``torch.distributed`` process group. Each
 rank passes the tensors, or the row ranges of tensors, it holds (FSDP2 DTensor local shards
 among them, never gathered), encodes them against its own reference copy of those rows, and
-uploads its packs and one *part manifest* under the version's attempt. Rank 0 then checks the
-parts, writes the version manifest that lists them and makes the version visible with the one
+uploads its packs under the version's attempt. Rank 0 then checks the parts, uploads their part
+manifests and the version manifest that lists them, and makes the version visible with the one
 HEAD compare-and-swap of SPEC §5. No rank ever holds another rank's rows.
 
 One publish is five steps, all ranks in lockstep (every collective is over ``group``)::
 
     1. all_gather   each rank: what it owns (name, dtype, global shape, rows), the version it
-                    holds, step, anchor request, or its local error
-                    -> every rank computes the same layout, or the same ShardMismatchError
-    2. broadcast    rank 0: reads HEAD (claim, fencing, unknown outcomes: commit.py), picks
-                    version, attempt, kind, lineage; writes the layout object if new
-    3. (local)      each rank: encode its rows, upload packs + its part manifest under the attempt
-    4. gather       part references and bytes to rank 0, or each rank's error
-    5. broadcast    rank 0: joins and checks the parts, writes the version manifest, CASes
-                    HEAD once; the outcome (or the error) goes to every rank
+                    holds, step, anchor request, or its local error; rank 0 adds its pre-plan
+                    of a steady-state version (next version, same layout and base, design 010 D6)
+                    -> every rank computes the same layout, or the same ShardMismatchError,
+                       and the same verdict on the pre-plan
+    2. broadcast    only when the pre-plan does not hold (the first version, a layout change, an
+                    anchor request, a failure before): rank 0 reads HEAD (claim, fencing,
+                    unknown outcomes: commit.py), picks version, attempt, kind, lineage; writes
+                    the layout object if new
+    3. (local)      each rank: encode its rows, upload its packs, build its part manifest
+    4. gather       part references and part manifests to rank 0, or each rank's error
+    5. broadcast    rank 0: uploads the part manifests while it joins and checks them, writes
+                    the version manifest, CASes HEAD once (nothing read back: the next tip is
+                    what it wrote); the outcome (or the error) goes to every rank
+
+A steady-state version therefore costs three object collectives and, on rank 0, no read of the
+store; the part manifests' uploads overlap the join instead of preceding the gather.
 
 A rank that fails raises its own error after telling the others, which raise
 :class:`~deltastore.errors.PartFailedError`; a rank that dies makes the collectives of the
-others fail, which is reported the same way. Either way HEAD has not moved: the parts already
+others fail, which is reported the same way. Either way HEAD has not moved: the packs already
 uploaded sit unreferenced under the attempt and GC collects them after its grace period. The
 next publish is a new attempt (an anchor when any rank lost its reference copy).
 """
@@ -35,7 +43,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +77,7 @@ from deltastore.manifest import (
     part_key,
     sha256_hex,
 )
+from deltastore.publish import _Tip
 from deltastore.storage import open_store
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
@@ -119,6 +128,7 @@ class _Report:
     step: int | None = None
     anchor: bool = False
     error: tuple[str, str] | None = None
+    plan: _Plan | None = None  # rank 0 only: its steady-state plan, made before step 1 (D6)
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,7 @@ class _Plan:
     lineage: str | None = None
     layout_ref: ObjectRef | None = None
     error: tuple[str, str] | None = None
+    base: tuple[int, str] | None = None  # a pre-plan: the (version, manifest key) every rank must hold
 
 
 def _error_of(e: BaseException) -> tuple[str, str]:
@@ -340,6 +351,9 @@ class ShardedPublisher:
         self._held: tuple[int, str] | None = None  # (version, manifest key) of the reference
         self._layout: Layout | None = None
         self._known: int | None = None
+        # The layout planned from the last claims: a trainer passes the same claims every step,
+        # and planning is O(tensors × ranks) per version (every rank plans).
+        self._planned: tuple[tuple[tuple[_Claim, ...], ...], Layout] | None = None
         error: tuple[str, str] | None = None
         try:
             if self.rank == COORDINATOR:
@@ -433,9 +447,14 @@ class ShardedPublisher:
         """
         if self._closed:
             raise _errors.StorageError(f"sharded publisher for {self.url} is closed")
-        # --- 1: what each rank holds ---
+        # The attempt deadline runs from before its first write (on rank 0: the layout object,
+        # or its pre-plan, which writes nothing, made before step 1).
+        deadline = time.monotonic() + self.max_attempt_s
+        # --- 1: what each rank holds (and, from rank 0, the plan of a steady-state version) ---
         local: dict[str, tuple[torch.Tensor, int]] = {}
         report: _Report
+        pre: _Plan | None = None
+        own_plan_error: BaseException | None = None
         try:
             from deltastore.publish import _int_step, _json_metadata
 
@@ -452,7 +471,13 @@ class ShardedPublisher:
                 validate_state_dict({name: t})
                 claims.append(_Claim(name, dtype_name(t.dtype), shape, start, start + (t.shape[0] if t.dim() else 1)))
                 local[name] = (t, start)
-            report = _Report(self.rank, tuple(claims), self._held, self._known, step, anchor)
+            if self.rank == COORDINATOR:
+                try:
+                    pre = self._preplan(anchor=anchor)
+                except Exception as e:  # noqa: BLE001 - raised on every rank after the layout checks
+                    pre = _Plan(error=_error_of(e))
+                    own_plan_error = e
+            report = _Report(self.rank, tuple(claims), self._held, self._known, step, anchor, plan=pre)
         except Exception as e:  # noqa: BLE001 - told to every rank, raised below
             report = _Report(self.rank, error=_error_of(e))
             own: BaseException | None = e
@@ -464,7 +489,12 @@ class ShardedPublisher:
             if own is not None:
                 raise own
             _raise(failed[0].error, default=PartFailedError)  # type: ignore[arg-type]
-        layout = plan_layout(reports, self.world, self.chunk_bytes)  # the same verdict on every rank
+        claimed = tuple(r.claims for r in sorted(reports, key=lambda r: r.rank))
+        if self._planned is not None and self._planned[0] == claimed:
+            layout = self._planned[1]
+        else:
+            layout = plan_layout(reports, self.world, self.chunk_bytes)  # the same verdict on every rank
+            self._planned = (claimed, layout)
         steps = {r.step for r in reports}
         if len(steps) > 1:
             raise ShardMismatchError(f"the ranks publish different steps {sorted(map(str, steps))}: every rank must "
@@ -475,17 +505,20 @@ class ShardedPublisher:
                                      "publish; nothing was written")
         mine = self._owned(layout, local)
 
-        # --- 2: rank 0 plans the version ---
-        # The attempt deadline runs from before its first write (the layout object, on rank 0).
-        deadline = time.monotonic() + self.max_attempt_s
-        plan: _Plan | None = None
-        if self.rank == COORDINATOR:
-            try:
-                plan = self._plan(reports, layout, anchor=any(r.anchor for r in reports))
-            except Exception as e:  # noqa: BLE001
-                plan = _Plan(error=_error_of(e))
-                own = e
-        plan = self._broadcast(plan)
+        # --- 2: rank 0 plans the version (unless its pre-plan holds: no round trip then) ---
+        plan: _Plan | None = reports[COORDINATOR].plan
+        if plan is not None and plan.error is not None:
+            if self.rank == COORDINATOR:
+                own = own_plan_error
+        elif plan is None or not self._preplan_holds(plan, reports, layout):
+            plan = None
+            if self.rank == COORDINATOR:
+                try:
+                    plan = self._plan(reports, layout, anchor=any(r.anchor for r in reports))
+                except Exception as e:  # noqa: BLE001
+                    plan = _Plan(error=_error_of(e))
+                    own = e
+            plan = self._broadcast(plan)
         assert plan is not None
         if plan.error is not None:
             self._drop()
@@ -553,6 +586,41 @@ class ShardedPublisher:
         self._reference = None
         self._held = None
 
+    def _preplan(self, *, anchor: bool) -> _Plan | None:
+        """Rank 0, before step 1: the plan step 2 would make in the steady state (the next
+        version on the layout and base of the last one this publisher committed), sent with
+        rank 0's report so that step 2 needs no broadcast when every report confirms it
+        (:meth:`_preplan_holds`; design 010 D6). Writes nothing.
+
+        Returns None when there is no such base (nothing committed yet by this publisher, a
+        failure dropped the reference, HEAD moved under us): step 2 then plans from the reports.
+        Raises what :meth:`CommitProtocol.prepare` raises (fenced, an outcome still unknown).
+        """
+        pub = self._coordinator
+        assert pub is not None
+        if pub._commits.prepare():
+            pub._tip = None
+            return None
+        head = pub._head
+        if self._held is None or self._layout is None or head is None or self._held != (head.version, head.manifest):
+            return None
+        tip = pub._current_tip()
+        if tip is None or tip.layout_ref is None or tip.layout != self._layout:
+            return None
+        version = pub.version + 1
+        why = pub._anchor_reason(version, tip, has_base=True, anchor=anchor)
+        return _Plan(version=version, attempt=new_attempt_id(), kind="anchor" if why else "delta", has_base=True,
+                     lineage=pub._commits.lineage_for_commit(), layout_ref=tip.layout_ref, base=self._held)
+
+    def _preplan_holds(self, plan: _Plan, reports: Sequence[_Report], layout: Layout) -> bool:
+        """Whether rank 0's pre-plan is the plan step 2 would make from these reports; every
+        rank decides alike (the same reports; equal ``held`` means each rank's last commit was
+        that base, with the same layout). Else step 2 plans and broadcasts as before."""
+        return (
+            plan.base is not None and all(r.held == plan.base for r in reports) and self._layout == layout
+            and (plan.kind == "anchor" or not any(r.anchor for r in reports))
+        )
+
     def _plan(self, reports: Sequence[_Report], layout: Layout, *, anchor: bool) -> _Plan:
         """Rank 0: read HEAD, decide the version, its kind and attempt; write a new layout."""
         pub = self._coordinator
@@ -582,7 +650,7 @@ class ShardedPublisher:
 
     def _write_part(self, plan: _Plan, layout: Layout, mine: Mapping[str, torch.Tensor]) -> tuple[PartRef, bytes, list[str], Stats]:
         """Step 3: encode this rank's rows (chunk indices of the whole tensor), upload the
-        packs and the part manifest under the attempt."""
+        packs under the attempt and build the part manifest (rank 0 uploads it in step 5)."""
         index = {n: i for i, n in enumerate(layout.name)}
         specs: dict[str, TensorSpec] = {}
         first_chunk: dict[str, int] = {}
@@ -604,7 +672,7 @@ class ShardedPublisher:
         for e in encoded.entries:
             i = index[e.name]
             shift = first_chunk[e.name]
-            chunks = tuple(c.model_copy(update={"index": c.index + shift}) for c in e.chunks)
+            chunks = tuple(c.model_copy(update={"index": c.index + shift}) for c in e.chunks) if shift else tuple(e.chunks)
             tensors.append(TensorEntry(name=e.name, dtype=e.dtype, shape=layout.shape[i], chunk_rows=e.chunk_rows, chunks=chunks))
             if any(c.delta is not None for c in chunks):
                 changed.append(e.name)
@@ -614,13 +682,29 @@ class ShardedPublisher:
                            blobs=encoded.blobs, stats=encoded.stats)
         digest = sha256_hex(data)
         key = part_key(plan.attempt, self.rank, digest)
-        put_immutable(self.store, key, data, "part manifest")
+        # Not uploaded here: rank 0 receives these bytes in step 4 anyway and uploads every part
+        # manifest in parallel with the version manifest (one upload fewer on the critical path).
         ref = PartRef(part=self.rank, key=key, sha256=digest, writer=self.writer_id, bytes=encoded.stats.bytes_stored)
         return ref, data, changed, encoded.stats
 
     def _commit(self, plan: _Plan, layout: Layout, parts: Sequence[Any], reports: Sequence[_Report],
                 meta: dict[str, Any], step: int | None, deadline: float) -> VersionInfo:
         """Rank 0, step 5: join and check the parts, write the version manifest, CAS HEAD."""
+        pub = self._coordinator
+        assert pub is not None
+        # The part manifests go up first, in parallel (each rank's bytes came with step 4);
+        # joining, signing and encoding the version manifest overlap them.
+        uploads = [self._uploader.submit(put_immutable, self.store, p[0].key, p[1], f"part manifest {p[0].part}")
+                   for p in parts]
+        try:
+            return self._commit_parts(plan, layout, parts, meta, step, deadline, uploads)
+        finally:
+            for u in uploads:  # none outlives the attempt (an error in joining leaves them running)
+                u.cancel()
+            wait(uploads)
+
+    def _commit_parts(self, plan: _Plan, layout: Layout, parts: Sequence[Any], meta: dict[str, Any],
+                      step: int | None, deadline: float, uploads: Sequence[Future[None]]) -> VersionInfo:
         pub = self._coordinator
         assert pub is not None
         tip = pub._current_tip()
@@ -663,6 +747,8 @@ class ShardedPublisher:
         digest = sha256_hex(data)
         mkey = manifest_key(plan.version, digest)
         put_immutable(self.store, mkey, data, "manifest")
+        for u in uploads:
+            u.result()  # every part manifest is stored before HEAD names the version
         pub._commits.commit(Head(
             version=plan.version, manifest=mkey, manifest_sha256=digest, commit_id=plan.attempt, writer=self.writer_id,
             epoch=pub.epoch, updated=manifest.created, lineage=plan.lineage, index=head.index if head is not None else None,
@@ -670,7 +756,15 @@ class ShardedPublisher:
         if pub._commits.superseded:  # landed, but another writer is on top: no rank's reference is HEAD's
             pub._commits.superseded = False
         pub._remember(mkey, manifest)
-        pub._tip = None  # read back from the manifest next time (cheap: one object, cached)
+        # The next version's tip, from what was just written: reading it back would fetch the
+        # manifest and every part manifest again and join them, once per version.
+        pub._tip = _Tip(
+            version=plan.version, key=mkey, schema3=True, chain_start=chain_start, cum=cum, layout=layout,
+            layout_ref=plan.layout_ref, anchor=manifest.anchor,
+            anchor_key=mkey if kind == "anchor" else tip.anchor_key,  # type: ignore[union-attr]
+            anchor_full=full_bytes if kind == "anchor" else tip.anchor_full,  # type: ignore[union-attr]
+            anchor_cum=cum if kind == "anchor" else tip.anchor_cum,  # type: ignore[union-attr]
+        )
         if kind == "anchor":
             pub._anchor_version = plan.version
         logger.info("published sharded version %d (%s, %d parts): %d bytes (%d delta, %d full)", plan.version, kind,

@@ -220,7 +220,83 @@ def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
     return {}
 
 
+def _scenario_steady(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Per version: the rounds of collectives and rank 0's reads of the store. Rank 1 asks
+    for an anchor at version 3, which rank 0's pre-plan (a delta) did not foresee."""
+    from deltastore.sharded import ShardedPublisher
+
+    out: dict[str, Any] = {"broadcasts": [], "reads": [], "infos": []}
+    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+        calls = {"broadcast": 0, "read": 0}
+        real_broadcast = pub._broadcast
+
+        def broadcast(obj: Any) -> Any:
+            calls["broadcast"] += 1
+            return real_broadcast(obj)
+
+        pub._broadcast = broadcast  # type: ignore[method-assign]
+        for op in ("get", "get_if_changed", "get_range", "head", "list"):
+            real = getattr(pub.store, op, None)
+            if real is not None:
+                def counted(*a: Any, _real: Any = real, **k: Any) -> Any:
+                    calls["read"] += 1
+                    return _real(*a, **k)
+                setattr(pub.store, op, counted)
+        for v in range(1, 6):
+            calls.update(broadcast=0, read=0)
+            info = pub.publish(rank_state(v, rank, world), step=v, anchor=(rank == 1 and v == 3))
+            out["infos"].append((info.version, info.kind))
+            out["broadcasts"].append(calls["broadcast"])
+            out["reads"].append(calls["read"])
+    return out
+
+
+def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Rank 0's upload of rank 1's part manifest of version 2 fails: nothing is committed (on
+    any rank the same error class), and the retry commits."""
+    from deltastore import sharded
+    from deltastore.errors import StorageError
+
+    out: dict[str, Any] = {}
+    with sharded.ShardedPublisher(url, threads=1) as pub:
+        pub.publish(rank_state(1, rank, world), step=1)
+        real = sharded.put_immutable
+        if rank == 0:
+            def broken(store: Any, key: str, data: bytes, what: str) -> None:
+                if what == "part manifest 1":
+                    raise StorageError(f"uploading {key} failed (injected)")
+                real(store, key, data, what)
+            sharded.put_immutable = broken
+        try:
+            pub.publish(rank_state(2, rank, world), step=2)
+        except StorageError as e:
+            out["failure"] = type(e).__name__
+        sharded.put_immutable = real
+        out["head_after_failure"] = _head_version(url)
+        info = pub.publish(rank_state(2, rank, world), step=2)
+        out["retry"] = (info.version, info.kind)
+        out["next"] = (pub.publish(rank_state(3, rank, world), step=3).kind)
+        # rank 0's pre-plan of version 4 fails (as prepare() does when fenced or an earlier
+        # outcome is still unknown): every rank raises its class, nothing is committed
+        if rank == 0:
+            def no_preplan(**kw: Any) -> None:
+                raise StorageError("HEAD unreadable (injected)")
+            pub._preplan = no_preplan  # type: ignore[method-assign]
+        try:
+            pub.publish(rank_state(4, rank, world), step=4)
+        except StorageError as e:
+            out["preplan_failure"] = type(e).__name__
+        if rank == 0:
+            del pub._preplan
+        out["head_after_preplan_failure"] = _head_version(url)
+        info = pub.publish(rank_state(4, rank, world), step=4)
+        out["after"] = (info.version, info.kind)
+    return out
+
+
 SCENARIOS = {
+    "steady": _scenario_steady,
+    "part_upload_fails": _scenario_part_upload_fails,
     "signed": _scenario_signed,
     "versions": _scenario_versions,
     "disagree": _scenario_disagree,
@@ -340,6 +416,37 @@ def test_failed_part_commits_nothing_and_retry_commits(tmp_path: Path) -> None:
         _assert_equal(sub.pull(2), full_model(2))
 
 
+def test_steady_versions_skip_the_plan_round_and_read_nothing(tmp_path: Path) -> None:
+    """Design 010 D6: a version on the last one's layout and base is planned by rank 0 before
+    step 1, so its only broadcast is the outcome; rank 0 reads nothing back from the store. A
+    rank's anchor request that the pre-plan did not foresee falls back to step 2's round."""
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "steady", tmp_path)
+    _ok(results)
+    assert results[0]["infos"] == results[1]["infos"] == [(1, "anchor"), (2, "delta"), (3, "anchor"), (4, "delta"), (5, "delta")]
+    for r in results:
+        assert r["broadcasts"] == [2, 1, 2, 1, 1], r
+    assert results[0]["reads"][1] == results[0]["reads"][3] == results[0]["reads"][4] == 0, results[0]["reads"]
+    with Subscriber(url) as sub:
+        for v in range(1, 6):
+            _assert_equal(sub.pull(v), full_model(v))
+
+
+def test_failed_part_manifest_upload_or_preplan_commits_nothing_and_retry_commits(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "part_upload_fails", tmp_path)
+    _ok(results)
+    assert [r["failure"] for r in results] == ["StorageError", "StorageError"]
+    assert all(r["head_after_failure"] == 1 for r in results)
+    assert all(r["retry"] == (2, "anchor") and r["next"] == "delta" for r in results), results
+    assert [r["preplan_failure"] for r in results] == ["StorageError", "StorageError"]
+    assert all(r["head_after_preplan_failure"] == 3 for r in results)
+    assert all(r["after"] == (4, "anchor") for r in results), results  # a failed plan drops the references, as before
+    with Subscriber(url) as sub:
+        for v in (2, 3, 4):
+            _assert_equal(sub.pull(v), full_model(v))
+
+
 def test_killed_rank_leaves_nothing_visible_and_a_new_group_commits(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
     results = run_ranks(2, url, "killed", tmp_path)
@@ -348,7 +455,7 @@ def test_killed_rank_leaves_nothing_visible_and_a_new_group_commits(tmp_path: Pa
     assert _head_version(url) == 1  # nothing visible
     store = open_store(url)
     orphans = [o.key for o in store.list("objects/") if o.key.endswith(".pack")]
-    assert orphans  # rank 1's packs (and rank 0's part) of the lost attempt lie unreferenced
+    assert orphans  # rank 1's packs of the lost attempt lie unreferenced (part manifests go up only at the commit)
     # the restarted job (new processes, no reference copies) commits version 2 as an anchor
     _ok(run_ranks(2, url, "versions", tmp_path))
     with Subscriber(url) as sub:
