@@ -319,14 +319,14 @@ FAR_RANGE_PART_BYTES = 32 * 1024
 TUNED_PART_BYTES, TUNED_CONCURRENCY = 1024 * 1024, 16
 
 
-def bench_far(server: Any, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+def bench_far(server: Any, states: list[dict[str, torch.Tensor]], part: int = FAR_RANGE_PART_BYTES) -> dict[str, Any]:
     from campaigns.shaper import Link, LinkShaper
 
     link = Link(**FAR, seed=1)
     runs: dict[str, list[dict[str, Any]]] = {}
     with LinkShaper(server.endpoint_url, link) as shaper:
         runs["deltastore"] = _far_deltastore(server, shaper, states, None)
-        runs[f"deltastore, {FAR_RANGE_PART_BYTES // 1024} KiB ranges"] = _far_deltastore(server, shaper, states, FAR_RANGE_PART_BYTES)
+        runs[f"deltastore, {part // 1024} KiB ranges"] = _far_deltastore(server, shaper, states, part)
         runs["full checkpoint (aws s3 cp: 8 MiB parts, 10 connections)"] = _far_full(
             server, shaper, states, BASELINE_PART_BYTES, BASELINE_CONCURRENCY)
         runs["full checkpoint (1 MiB parts, 16 connections)"] = _far_full(
@@ -510,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("partial", "chunking", "far", "fanout"), action="append")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale")
     ap.add_argument("--workload", default=WORKLOAD, help="e.g. tf265m-rl-1e-6 (531 MB) for the far link")
+    ap.add_argument("--far-range-kib", type=int, default=FAR_RANGE_PART_BYTES // 1024,
+                    help="range_part_bytes of the second far run, in KiB (about a delta pack / 16 is best: "
+                         "the subscriber reads 16 ranges at a time)")
     ap.add_argument("--far-server", choices=("seaweedfs", "moto"), default=None,
                     help="the server behind the far link (default: SeaweedFS where installed: it keeps connections "
                          "alive, as S3 does, where moto closes every one and each request pays a second RTT)")
@@ -527,11 +530,12 @@ def main(argv: list[str] | None = None) -> int:
             res["chunking"] = bench_chunking(states)
         if "far" in parts:
             kind = args.far_server or ("seaweedfs" if devserver.find_weed() else "moto")
+            part = args.far_range_kib * 1024
             if kind == "moto":
-                res["far"] = bench_far(server, states)
+                res["far"] = bench_far(server, states, part)
             else:
                 with devserver.seaweedfs() as weed:
-                    res["far"] = bench_far(weed, states)
+                    res["far"] = bench_far(weed, states, part)
             res["far"]["server"] = kind
         if "fanout" in parts:
             res["fanout"] = bench_fanout(server, states, args.workers, args.gap)
