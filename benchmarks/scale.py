@@ -10,11 +10,12 @@ benchmarks/workload.py). Four measurements, one run, figures side by side:
     A worker holding 1/8 of the model, by names (a contiguous block of tensors holding 1/8 of
     the bytes, as a pipeline stage) and by rows (rank 3 of 8 of every tensor with ≥ 8 rows,
     the rest whole), against a whole subscriber: bytes fetched for the first pull and per
-    version after it, for the publisher's default chunking (16 MiB target, edges on the 1/8
-    row slices), the rule before it (plain 16 MiB chunks), and 12 KiB (see CHUNKINGS).
+    version after it, for the publisher's default chunking (plain 16 MiB chunks),
+    ``Publisher(slice_align=8)`` (16 MiB target, edges on the 1/8 row slices), and 12 KiB
+    (see CHUNKINGS).
     Every partial result is checked bit-exact against the full pull's rows.
 ``chunking``
-    What the default chunking costs a whole worker against the rule before it (plain 16 MiB
+    What ``slice_align=8`` costs a whole worker against the default chunking (plain 16 MiB
     chunks), interleaved on a local store: chunks, delta and manifest bytes, publish and
     ``pull_into`` time per version.
 ``far``
@@ -39,7 +40,6 @@ come from the same run. Results: benchmarks/results/scale.{json,md}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import io
 import json
@@ -49,7 +49,6 @@ import platform
 import statistics
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +64,13 @@ RESULTS = Path(__file__).parent / "results"
 WORKLOAD = "rl-1e-6"
 #: The issue's far worker: 100 Mbit/s, 80 ms RTT, 0.1 % loss.
 FAR = {"bytes_per_s": 12.5e6, "rtt_s": 0.08, "loss": 0.001}
-#: Chunkings measured for partial pulls, as ``(label, chunk_bytes, slice-aligned)``: the
-#: publisher's default (a 16 MiB target, chunk edges on the 1/8 row slices where rows allow,
-#: deltastore.tensors.slice_chunk_rows), the rule before it at the same target (plain 16 MiB
-#: chunks: most MiniLM tensors one chunk), and 12 KiB (16 rows of the 384-wide matrices, which
-#: divide every 1/8 slice of them; the hand-picked setting that rule needed).
-CHUNKINGS = (("default", 16 * 1024 * 1024, True), ("16 MiB unaligned (before)", 16 * 1024 * 1024, False),
-             ("12 KiB", 12 * 1024, True))
+#: Chunkings measured for partial pulls, as ``(label, chunk_bytes, slice_align)``: the
+#: publisher's default (plain 16 MiB chunks: most MiniLM tensors one chunk), ``slice_align=8``
+#: at the same target (chunk edges on the 1/8 row slices where rows allow,
+#: deltastore.tensors.slice_chunk_rows), and 12 KiB (16 rows of the 384-wide matrices, which
+#: divide every 1/8 slice of them; the hand-picked setting the default rule needs).
+CHUNKINGS = (("default (16 MiB)", 16 * 1024 * 1024, None), ("slice_align=8", 16 * 1024 * 1024, 8),
+             ("12 KiB", 12 * 1024, None))
 #: boto3 TransferManager settings of the full-checkpoint baseline (its defaults: 8 MiB parts,
 #: 10 threads): what ``aws s3 cp`` of one safetensors file does.
 BASELINE_PART_BYTES = 8 * 1024 * 1024
@@ -161,37 +160,19 @@ def _cut(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, torch.Tens
     return out
 
 
-@contextlib.contextmanager
-def _chunk_rule(aligned: bool) -> Iterator[None]:
-    """Publish with the slice-aligned chunk rule (the default) or, for comparison in the same run,
-    the rule before it: plain chunks of about the target (``chunk_rows_for`` without bounds)."""
-    from deltastore import tensors
-
-    if aligned:
-        yield
-        return
-    rule = tensors.slice_chunk_rows
-    tensors.slice_chunk_rows = lambda row_bytes, rows, chunk_bytes=tensors.CHUNK_TARGET_BYTES: (
-        tensors.chunk_rows_for(row_bytes, rows, (), chunk_bytes))
-    try:
-        yield
-    finally:
-        tensors.slice_chunk_rows = rule
-
-
 def bench_partial(server: Any, states: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
     s0 = states[0]
     by_names = Selection(names=_name_block(s0, 1 / 8, "encoder.layer.2."))
     tall = tuple(n for n, t in s0.items() if t.dim() and t.shape[0] >= 8)
     by_rows = Selection(shard=(0, 3, 8), shard_names=tall)
     out = []
-    for label_, chunk, aligned in CHUNKINGS:
+    for label_, chunk, align in CHUNKINGS:
         url = server.url(f"scale-partial-{uuid.uuid4().hex[:8]}")
         opts = server.storage_options()
-        with _chunk_rule(aligned), Publisher(url, storage_options=opts, chunk_bytes=chunk, anchor_every=1000) as pub:
+        with Publisher(url, storage_options=opts, chunk_bytes=chunk, slice_align=align, anchor_every=1000) as pub:
             for s in states:
                 pub.publish(s)
-        row: dict[str, Any] = {"chunking": label_, "chunk_bytes": chunk, "slice_aligned": aligned}
+        row: dict[str, Any] = {"chunking": label_, "chunk_bytes": chunk, "slice_align": align}
         for label, sel in (("whole", None), ("names 1/8", by_names), ("rows 3 of 8", by_rows)):
             with Subscriber(url, storage_options=opts, select=sel) as sub:
                 held = sub.pull(1)
@@ -216,14 +197,14 @@ def bench_partial(server: Any, states: list[dict[str, torch.Tensor]]) -> list[di
 
 
 def bench_chunking(states: list[dict[str, torch.Tensor]], reps: int = 3) -> dict[str, Any]:
-    """What slice-aligned chunks cost a whole worker: the default rule against the rule before it
+    """What slice-aligned chunks cost a whole worker: ``slice_align=8`` against the default
     (plain 16 MiB chunks), interleaved ``reps`` times on a local store (tmpfs where there is one):
     chunks, delta and manifest bytes per version, delta publish and ``pull_into`` time (medians)."""
     import shutil
     import tempfile
 
     root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    runs: dict[str, list[dict[str, float]]] = {"before (plain 16 MiB)": [], "default (slice-aligned)": []}
+    runs: dict[str, list[dict[str, float]]] = {"default (plain 16 MiB)": [], "slice_align=8": []}
     for rep in range(reps):
         order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
         for label in order:
@@ -231,7 +212,8 @@ def bench_chunking(states: list[dict[str, torch.Tensor]], reps: int = 3) -> dict
             url = os.path.join(d, "store")
             try:
                 pub_s, sizes, mans = [], [], []
-                with _chunk_rule(label.startswith("default")), Publisher(url, anchor_every=1000) as pub:
+                align = 8 if label.startswith("slice_align") else None
+                with Publisher(url, anchor_every=1000, slice_align=align) as pub:
                     pub.publish(states[0])
                     for s in states[1:]:
                         t = time.perf_counter()

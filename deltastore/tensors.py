@@ -22,9 +22,11 @@ from deltastore.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
 #: partial reads: big enough that per-chunk overhead vanishes, small enough that a few chunks
 #: in flight per thread keep memory bounded.
 CHUNK_TARGET_BYTES = 16 * 1024 * 1024
-#: Chunk edges fall on the 1/SLICE_ALIGN row boundaries of a tensor where its rows allow:
-#: tensor-parallel degrees 1, 2, 4 and 8 (rank r of N holds rows [r·S//N, (r+1)·S//N), SPEC §8)
-#: then read only their own rows, since a chunk is the unit a partial pull reads.
+#: The tensor-parallel degree to align chunk edges for when a publisher asks for it
+#: (``Publisher(slice_align=SLICE_ALIGN)``): degrees 1, 2, 4 and 8 (rank r of N holds rows
+#: [r·S//N, (r+1)·S//N), SPEC §8) then read only their own rows, since a chunk is the unit a
+#: partial pull reads. Not the default: it multiplies the chunks of mid-sized tensors (a 531 MB
+#: model: 171 → 1,301), and per-chunk costs with them (docs/scale.md §5).
 SLICE_ALIGN = 8
 #: Aligned chunks are never cut smaller than this: below it, per-chunk costs (a manifest entry
 #: and digest, a segment header, a task) outweigh the bytes saved, and tiny tensors stay one
@@ -129,32 +131,39 @@ def chunk_rows_for(row_bytes: int, rows: int, bounds: Sequence[int], chunk_bytes
     return best
 
 
-def slice_chunk_rows(row_bytes: int, rows: int, chunk_bytes: int = CHUNK_TARGET_BYTES) -> int:
-    """The unsharded writer's ``chunk_rows`` (SPEC §2): at most ``chunk_bytes`` per chunk, with
-    chunk edges on the row boundaries of tensor-parallel degrees 1, 2, 4 and 8
-    (:data:`SLICE_ALIGN`) when the rows allow it with chunks of at least
+def slice_chunk_rows(row_bytes: int, rows: int, chunk_bytes: int = CHUNK_TARGET_BYTES, align: int = SLICE_ALIGN) -> int:
+    """The unsharded writer's ``chunk_rows`` (SPEC §2) with ``slice_align=align``: at most
+    ``chunk_bytes`` per chunk, with chunk edges on the row boundaries of the tensor-parallel
+    degrees that divide ``align`` (e.g. 1, 2, 4 and 8 for 8) when the rows allow it with chunks of at least
     :data:`SLICE_CHUNK_MIN_BYTES`; else chunks of 1/:data:`SLICE_EDGE_PARTS` of a slice (so a
     rank reads at most two edge chunks beyond its rows), never below that floor; tensors too
     small for either stay one chunk, and no chunk exceeds the size target."""
     target = chunk_rows_for(row_bytes, rows, (), chunk_bytes)
-    if rows < SLICE_ALIGN or target * row_bytes <= SLICE_CHUNK_MIN_BYTES:
+    if rows < align or target * row_bytes <= SLICE_CHUNK_MIN_BYTES:
         return target
     floor_rows = -(-SLICE_CHUNK_MIN_BYTES // max(1, row_bytes))
-    share = rows // SLICE_ALIGN
+    share = rows // align
     unaligned = min(target, max(floor_rows, -(-share // SLICE_EDGE_PARTS)))
-    bounds = [k * rows // SLICE_ALIGN for k in range(1, SLICE_ALIGN)]
+    bounds = [k * rows // align for k in range(1, SLICE_ALIGN)]
     aligned = chunk_rows_for(row_bytes, rows, bounds, chunk_bytes)
     if aligned * row_bytes >= SLICE_CHUNK_MIN_BYTES and aligned * ALIGN_MAX_SHRINK >= unaligned:
         return aligned
     return unaligned
 
 
-def spec_for(name: str, t: torch.Tensor, chunk_target_bytes: int = CHUNK_TARGET_BYTES) -> TensorSpec:
-    """The layout deltastore uses for tensor ``t``: chunk rows by :func:`slice_chunk_rows`
-    (about ``chunk_target_bytes`` at most, edges on the 1/8 row slices where they fit)."""
+def spec_for(name: str, t: torch.Tensor, chunk_target_bytes: int = CHUNK_TARGET_BYTES,
+             slice_align: int | None = None) -> TensorSpec:
+    """The layout deltastore uses for tensor ``t``: chunk rows sized to about
+    ``chunk_target_bytes``, or with ``slice_align`` by :func:`slice_chunk_rows` (edges on the
+    1/slice_align row slices where they fit)."""
     shape = tuple(t.shape)
     row_bytes = (math.prod(shape[1:]) if shape else 1) * t.element_size()
-    rows = slice_chunk_rows(row_bytes, shape[0], chunk_target_bytes) if shape else 1
+    if not shape:
+        rows = 1
+    elif slice_align is None or slice_align <= 1:
+        rows = chunk_rows_for(row_bytes, shape[0], (), chunk_target_bytes)
+    else:
+        rows = slice_chunk_rows(row_bytes, shape[0], chunk_target_bytes, slice_align)
     return TensorSpec(name, dtype_name(t.dtype), shape, rows)
 
 

@@ -3,10 +3,10 @@
 - chunk edges fall on the row boundaries of tensor-parallel degrees 1, 2, 4 and 8 when the
   rows divide, with chunks within the size target and above the floor;
 - tiny tensors stay one chunk; rows that do not divide get chunks of 1/16 of a slice;
-- with the publisher's defaults, a worker holding rows r/8 of every tensor of a MiniLM-shaped
+- with ``Publisher(slice_align=8)``, a worker holding rows r/8 of every tensor of a MiniLM-shaped
   model reads about its share of a version (≤ 15 %), first pull and per version;
 - a publisher resuming a store written with another chunking (the schema-3 golden store, and a
-  store chunked by the previous rule) keeps the store's chunk rows: its next version is a delta
+  store chunked by the default rule) keeps the store's chunk rows: its next version is a delta
   every subscriber reads bit-exact.
 """
 
@@ -22,7 +22,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-import deltastore.tensors as tensors_mod
 from deltastore import Publisher, Subscriber
 from deltastore.select import Selection, resolve
 from deltastore.tensors import (
@@ -55,7 +54,7 @@ def _read_rows(spec, rank: int, world: int) -> int:
 @pytest.mark.parametrize("shape", [(384, 384), (1536, 384), (384, 1536), (512, 384), (4096, 4096),
                                    (11008, 4096), (4096, 11008), (128256, 4096), (151936, 3584), (32000, 4096)])
 def test_common_matrices_are_cut_on_every_tp_slice(shape: tuple[int, int]) -> None:
-    spec = spec_for("w", _meta(shape))
+    spec = spec_for("w", _meta(shape), slice_align=SLICE_ALIGN)
     chunk_bytes = spec.chunk_rows * spec.row_elems * 2
     assert SLICE_CHUNK_MIN_BYTES <= chunk_bytes <= CHUNK_TARGET_BYTES
     for world in (1, 2, 4, 8):
@@ -69,11 +68,11 @@ def test_common_matrices_are_cut_on_every_tp_slice(shape: tuple[int, int]) -> No
                                          ((4096,), torch.float32), ((7,), torch.int64), ((), torch.float32),
                                          ((0, 16), torch.bfloat16), ((64, 24), torch.bfloat16)])
 def test_tiny_tensors_stay_one_chunk(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    assert spec_for("t", _meta(shape, dtype)).n_chunks == 1
+    assert spec_for("t", _meta(shape, dtype), slice_align=SLICE_ALIGN).n_chunks == 1
 
 
 def test_rows_that_do_not_divide_read_at_most_two_small_edge_chunks_beyond_the_slice() -> None:
-    spec = spec_for("emb", _meta((30522, 384)))  # BERT's vocabulary: 30522 = 2 · 15261
+    spec = spec_for("emb", _meta((30522, 384)), slice_align=SLICE_ALIGN)  # BERT's vocabulary: 30522 = 2 · 15261
     share = 30522 // SLICE_ALIGN
     assert spec.chunk_rows * spec.row_elems * 2 >= SLICE_CHUNK_MIN_BYTES
     assert spec.chunk_rows <= -(-share // SLICE_EDGE_PARTS)
@@ -85,7 +84,7 @@ def test_rows_that_do_not_divide_read_at_most_two_small_edge_chunks_beyond_the_s
 
 def test_a_slice_without_a_fitting_divisor_is_not_cut_into_tiny_chunks() -> None:
     # 8 · 1009 rows (a prime share) of 8 KiB: an aligned chunk would be one row
-    spec = spec_for("w", _meta((8 * 1009, 4096)))
+    spec = spec_for("w", _meta((8 * 1009, 4096)), slice_align=SLICE_ALIGN)
     assert spec.chunk_rows * spec.row_elems * 2 <= CHUNK_TARGET_BYTES
     assert spec.n_chunks <= SLICE_ALIGN * SLICE_EDGE_PARTS
 
@@ -130,12 +129,12 @@ def _minilm_shaped(seed: int = 0) -> dict[str, torch.Tensor]:
     return {n: t.bfloat16() for n, t in out.items()}
 
 
-def test_a_worker_holding_rows_r_of_8_reads_its_share_with_default_chunking(tmp_path) -> None:
+def test_a_worker_holding_rows_r_of_8_reads_its_share_with_slice_aligned_chunking(tmp_path) -> None:
     url = str(tmp_path / "store")
     rng = np.random.default_rng(3)
     state = _minilm_shaped()
     states = []
-    with Publisher(url, threads=2, anchor_every=1000) as pub:  # the defaults: 16 MiB target
+    with Publisher(url, threads=2, anchor_every=1000, slice_align=SLICE_ALIGN) as pub:  # 16 MiB target
         for _ in range(3):
             pub.publish(state)
             states.append(snapshot(state))
@@ -162,12 +161,12 @@ def test_a_worker_holding_rows_r_of_8_reads_its_share_with_default_chunking(tmp_
 
 
 def _resume_and_continue(url: str, state: dict[str, torch.Tensor], old_rows: dict[str, int]) -> None:
-    """A default publisher resumes ``url`` and commits ``state``: a delta, in the store's chunk
+    """A slice-aligned publisher resumes ``url`` and commits ``state``: a delta, in the store's chunk
     rows, that a new subscriber and one holding the old head both read bit-exact."""
     with Subscriber(url) as follower:
         held = follower.pull()
         v = follower.version
-        with Publisher(url, threads=2) as pub:
+        with Publisher(url, threads=2, slice_align=SLICE_ALIGN) as pub:  # would chunk a new layout otherwise
             info = pub.publish(state)
         assert info.version == v + 1 and info.kind == "delta", "resuming must continue the chain, not anchor"
         assert follower.pull_into(held) is not None
@@ -185,25 +184,19 @@ def test_a_publisher_resuming_the_schema3_golden_store_keeps_its_chunk_rows(tmp_
         old_rows = {n: s.chunk_rows for n, s in sub.units().items()}
     state = load_file(str(GOLDEN / "store-schema3-expected" / "v12.safetensors"))
     # the golden store was chunked at 1 KiB: today's default would pick other rows for it
-    assert any(spec_for(n, t).chunk_rows != old_rows[n] for n, t in state.items())
+    assert any(spec_for(n, t, slice_align=SLICE_ALIGN).chunk_rows != old_rows[n] for n, t in state.items())
     state = sparse_edit(state, np.random.default_rng(5), 0.05)
     _resume_and_continue(url, state, old_rows)
 
 
-def test_a_publisher_resuming_a_store_of_the_previous_chunking_keeps_it(tmp_path, monkeypatch) -> None:
+def test_a_publisher_resuming_a_store_of_the_default_chunking_keeps_it(tmp_path) -> None:
     url = str(tmp_path / "store")
     state = _minilm_shaped(1)
-
-    def previous(row_bytes: int, rows: int, chunk_bytes: int = CHUNK_TARGET_BYTES) -> int:
-        return chunk_rows_for(row_bytes, rows, (), chunk_bytes)  # the rule before slice alignment
-
-    with monkeypatch.context() as m:
-        m.setattr(tensors_mod, "slice_chunk_rows", previous)
-        with Publisher(url, threads=2) as pub:
-            pub.publish(state)
-        with Subscriber(url) as sub:
-            sub.pull()
-            old_rows = {n: s.chunk_rows for n, s in sub.units().items()}
+    with Publisher(url, threads=2) as pub:  # the default chunking: about 16 MiB per chunk
+        pub.publish(state)
+    with Subscriber(url) as sub:
+        sub.pull()
+        old_rows = {n: s.chunk_rows for n, s in sub.units().items()}
     assert old_rows["layer.q.weight"] == 384 and old_rows["emb.word"] == 21845
-    assert spec_for("layer.q.weight", state["layer.q.weight"]).chunk_rows == 48  # the new rule differs
+    assert spec_for("layer.q.weight", state["layer.q.weight"], slice_align=SLICE_ALIGN).chunk_rows == 48
     _resume_and_continue(url, sparse_edit(state, np.random.default_rng(6), 0.02), old_rows)
