@@ -2,20 +2,28 @@
 
     python -m benchmarks.scale [--steps 4] [--workers 32] [--quick]
 
-Everything runs against a real S3 server (moto, deltastore.devserver) on 127.0.0.1, with the
+Everything runs against a real S3 server (moto or SeaweedFS, deltastore.devserver) on 127.0.0.1, with the
 cached RL workload ``rl-1e-6`` (MiniLM, 22.7M parameters, bf16, real AdamW steps at lr 1e-6;
-benchmarks/workload.py). Three measurements, one run, figures side by side:
+benchmarks/workload.py). Four measurements, one run, figures side by side:
 
 ``partial``
     A worker holding 1/8 of the model, by names (a contiguous block of tensors holding 1/8 of
     the bytes, as a pipeline stage) and by rows (rank 3 of 8 of every tensor with ≥ 8 rows,
     the rest whole), against a whole subscriber: bytes fetched for the first pull and per
-    version after it, for the publisher's default chunking (16 MiB), 256 KiB, and 12 KiB
-    (chunk rows that divide the slices).
+    version after it, for the publisher's default chunking (plain 16 MiB chunks),
+    ``Publisher(slice_align=8)`` (16 MiB target, edges on the 1/8 row slices), and 12 KiB
+    (see CHUNKINGS).
     Every partial result is checked bit-exact against the full pull's rows.
+``chunking``
+    What ``slice_align=8`` costs a whole worker against the default chunking (plain 16 MiB
+    chunks), interleaved on a local store: chunks, delta and manifest bytes, publish and
+    ``pull_into`` time per version.
 ``far``
     A worker behind campaigns.shaper.LinkShaper (100 Mbit/s, 80 ms RTT, 0.1 % packet loss),
-    the publisher next to the bucket. Time from the start of ``publish`` to fresh weights in
+    the publisher next to the bucket, on SeaweedFS where it is installed (it keeps connections
+    alive, as S3 does; moto closes each one, so every request would pay a second RTT) or moto
+    (``--far-server``); the worker's requests and new connections are counted per version.
+    Time from the start of ``publish`` to fresh weights in
     the worker's tensors: deltastore (publish, then the worker's ``pull_into`` through the
     link) against full-checkpoint sync (``safetensors.save_file``, upload, then the worker's
     download through the link with boto3's TransferManager — 8 MiB ranged GETs on 10
@@ -56,10 +64,13 @@ RESULTS = Path(__file__).parent / "results"
 WORKLOAD = "rl-1e-6"
 #: The issue's far worker: 100 Mbit/s, 80 ms RTT, 0.1 % loss.
 FAR = {"bytes_per_s": 12.5e6, "rtt_s": 0.08, "loss": 0.001}
-#: Chunkings measured for partial pulls: the default (16 MiB), 256 KiB, and 12 KiB, where a
-#: chunk is 16 rows of the 384-wide matrices, which divides every 1/8 row slice of them (a
-#: slice then starts and ends on chunk edges; 1 MiB does that for a 4096-wide bf16 model).
-CHUNKINGS = (16 * 1024 * 1024, 256 * 1024, 12 * 1024)
+#: Chunkings measured for partial pulls, as ``(label, chunk_bytes, slice_align)``: the
+#: publisher's default (plain 16 MiB chunks: most MiniLM tensors one chunk), ``slice_align=8``
+#: at the same target (chunk edges on the 1/8 row slices where rows allow,
+#: deltastore.tensors.slice_chunk_rows), and 12 KiB (16 rows of the 384-wide matrices, which
+#: divide every 1/8 slice of them; the hand-picked setting the default rule needs).
+CHUNKINGS = (("default (16 MiB)", 16 * 1024 * 1024, None), ("slice_align=8", 16 * 1024 * 1024, 8),
+             ("12 KiB", 12 * 1024, None))
 #: boto3 TransferManager settings of the full-checkpoint baseline (its defaults: 8 MiB parts,
 #: 10 threads): what ``aws s3 cp`` of one safetensors file does.
 BASELINE_PART_BYTES = 8 * 1024 * 1024
@@ -155,13 +166,13 @@ def bench_partial(server: Any, states: list[dict[str, torch.Tensor]]) -> list[di
     tall = tuple(n for n, t in s0.items() if t.dim() and t.shape[0] >= 8)
     by_rows = Selection(shard=(0, 3, 8), shard_names=tall)
     out = []
-    for chunk in CHUNKINGS:
+    for label_, chunk, align in CHUNKINGS:
         url = server.url(f"scale-partial-{uuid.uuid4().hex[:8]}")
         opts = server.storage_options()
-        with Publisher(url, storage_options=opts, chunk_bytes=chunk, anchor_every=1000) as pub:
+        with Publisher(url, storage_options=opts, chunk_bytes=chunk, slice_align=align, anchor_every=1000) as pub:
             for s in states:
                 pub.publish(s)
-        row: dict[str, Any] = {"chunk_bytes": chunk}
+        row: dict[str, Any] = {"chunking": label_, "chunk_bytes": chunk, "slice_align": align}
         for label, sel in (("whole", None), ("names 1/8", by_names), ("rows 3 of 8", by_rows)):
             with Subscriber(url, storage_options=opts, select=sel) as sub:
                 held = sub.pull(1)
@@ -185,15 +196,58 @@ def bench_partial(server: Any, states: list[dict[str, torch.Tensor]]) -> list[di
     return out
 
 
+def bench_chunking(states: list[dict[str, torch.Tensor]], reps: int = 3) -> dict[str, Any]:
+    """What slice-aligned chunks cost a whole worker: ``slice_align=8`` against the default
+    (plain 16 MiB chunks), interleaved ``reps`` times on a local store (tmpfs where there is one):
+    chunks, delta and manifest bytes per version, delta publish and ``pull_into`` time (medians)."""
+    import shutil
+    import tempfile
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    runs: dict[str, list[dict[str, float]]] = {"default (plain 16 MiB)": [], "slice_align=8": []}
+    for rep in range(reps):
+        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
+        for label in order:
+            d = tempfile.mkdtemp(dir=root, prefix="scale-chunking-")
+            url = os.path.join(d, "store")
+            try:
+                pub_s, sizes, mans = [], [], []
+                align = 8 if label.startswith("slice_align") else None
+                with Publisher(url, anchor_every=1000, slice_align=align) as pub:
+                    pub.publish(states[0])
+                    for s in states[1:]:
+                        t = time.perf_counter()
+                        info = pub.publish(s)
+                        pub_s.append(time.perf_counter() - t)
+                        sizes.append(info.bytes_stored)
+                        mans.append(os.path.getsize(os.path.join(url, info.manifest)))
+                with Subscriber(url) as sub:
+                    held = sub.pull(1)
+                    chunks = sum(u.n_chunks for u in sub.units().values())
+                    pull_s = []
+                    for v in range(2, len(states) + 1):
+                        t = time.perf_counter()
+                        sub.pull_into(held, v)
+                        pull_s.append(time.perf_counter() - t)
+                    assert _equal(held, states[-1]), "not bit-exact"
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+            runs[label].append({"chunks": chunks, "delta_bytes": statistics.median(sizes),
+                                "manifest_bytes": statistics.median(mans), "publish_s": statistics.median(pub_s),
+                                "pull_into_s": statistics.median(pull_s)})
+    return {"reps": reps, "medians": {k: {m: statistics.median(r[m] for r in rows) for m in rows[0]} for k, rows in runs.items()}}
+
+
 # --- far link ---------------------------------------------------------------------------------
 
 
 def _far_deltastore(server: Any, shaper: Any, states: list[dict[str, torch.Tensor]], part: int | None) -> list[dict[str, Any]]:
     url = server.url(f"scale-far-{uuid.uuid4().hex[:8]}")
     far = server.with_endpoint(shaper.endpoint_url).storage_options()
+    store = _Counting(open_store(url, storage_options=far))
     rows: list[dict[str, Any]] = []
     with (Publisher(url, storage_options=server.storage_options()) as pub,
-          Subscriber(url, storage_options=far, range_part_bytes=part) as sub):
+          Subscriber(url, store=store, range_part_bytes=part) as sub):
         pub.publish(states[0])
         held = sub.pull()
         for i, s in enumerate(states[1:], start=1):
@@ -201,12 +255,15 @@ def _far_deltastore(server: Any, shaper: Any, states: list[dict[str, torch.Tenso
             pub.publish(s)
             t1 = time.perf_counter()
             b, up, down = sub.bytes_fetched, shaper.bytes_up, shaper.bytes_down
+            reqs, conns = store.requests, shaper.connections
             sub.pull_into(held)  # the worker's poll (one HEAD GET) and fast-forward
             t2 = time.perf_counter()
             assert _equal(held, s), "far worker not bit-exact"
             rows.append({"version": i + 1, "publish_s": t1 - t0, "pull_s": t2 - t1, "fresh_s": t2 - t0,
                          "segment_bytes": sub.bytes_fetched - b, "link_bytes_down": shaper.bytes_down - down,
-                         "link_bytes_up": shaper.bytes_up - up, "changed": _changed_fraction(states[i - 1], s)})
+                         "link_bytes_up": shaper.bytes_up - up, "requests": store.requests - reqs,
+                         "new_connections": shaper.connections - conns,
+                         "changed": _changed_fraction(states[i - 1], s)})
     return rows
 
 
@@ -235,21 +292,23 @@ def _far_full(server: Any, shaper: Any, states: list[dict[str, torch.Tensor]], p
     return rows
 
 
-#: The far worker's range parts in the second deltastore run: a sub-MB delta pack read as
-#: several parallel GETs, since one connection on the far link carries ~5.6 Mbit/s.
-FAR_RANGE_PART_BYTES = 64 * 1024
+#: The far worker's range parts in the second deltastore run: a sub-MB delta pack read as about
+#: 16 parallel GETs (the subscriber's IO threads), since one connection on the far link carries
+#: ~5.6 Mbit/s (MiniLM, one A/B run on the shared machine: pull_into 0.52 s median at 32 KiB,
+#: 0.59 s at 64 KiB, 0.69 s at 16 KiB).
+FAR_RANGE_PART_BYTES = 32 * 1024
 #: The tuned full-checkpoint baseline: 1 MiB parts on 16 connections (fills the link).
 TUNED_PART_BYTES, TUNED_CONCURRENCY = 1024 * 1024, 16
 
 
-def bench_far(server: Any, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+def bench_far(server: Any, states: list[dict[str, torch.Tensor]], part: int = FAR_RANGE_PART_BYTES) -> dict[str, Any]:
     from campaigns.shaper import Link, LinkShaper
 
     link = Link(**FAR, seed=1)
     runs: dict[str, list[dict[str, Any]]] = {}
     with LinkShaper(server.endpoint_url, link) as shaper:
         runs["deltastore"] = _far_deltastore(server, shaper, states, None)
-        runs["deltastore, 64 KiB ranges"] = _far_deltastore(server, shaper, states, FAR_RANGE_PART_BYTES)
+        runs[f"deltastore, {part // 1024} KiB ranges"] = _far_deltastore(server, shaper, states, part)
         runs["full checkpoint (aws s3 cp: 8 MiB parts, 10 connections)"] = _far_full(
             server, shaper, states, BASELINE_PART_BYTES, BASELINE_CONCURRENCY)
         runs["full checkpoint (1 MiB parts, 16 connections)"] = _far_full(
@@ -372,19 +431,36 @@ def _md(res: dict[str, Any]) -> str:
         for row in res["partial"]:
             for label in ("names 1/8", "rows 3 of 8"):
                 r = row[label]
-                lines.append(f"| {row['chunk_bytes'] // 1024} KiB | {label} | {r['held_ratio']:.1%} | "
+                lines.append(f"| {row.get('chunking', str(row['chunk_bytes'] // 1024) + ' KiB')} | {label} | {r['held_ratio']:.1%} | "
                              f"{r['first_pull_ratio']:.1%} | {r['per_version_ratio']:.1%} | {r['bit_exact']} |")
+        lines.append("")
+    if "chunking" in res:
+        c = res["chunking"]
+        lines += ["## What slice-aligned chunking costs a whole worker", "",
+                  f"Local store on tmpfs, the two rules interleaved {c['reps']} times, medians.", "",
+                  "| chunking | chunks | delta bytes / version | manifest bytes / version | delta publish s | pull_into s |",
+                  "|---|---|---|---|---|---|"]
+        for k, m in c["medians"].items():
+            lines.append(f"| {k} | {m['chunks']:.0f} | {m['delta_bytes']:.0f} | {m['manifest_bytes']:.0f} | "
+                         f"{m['publish_s']:.3f} | {m['pull_into_s']:.3f} |")
         lines.append("")
     if "far" in res:
         f = res["far"]
         lines += ["## Far worker: time from publish to fresh weights", "",
-                  (f"Link: {f['link']['bytes_per_s'] * 8 / 1e6:.0f} Mbit/s, {f['link']['rtt_s'] * 1000:.0f} ms RTT, "
+                  (f"Server behind the link: {f.get('server', 'moto')}. "
+                   f"Link: {f['link']['bytes_per_s'] * 8 / 1e6:.0f} Mbit/s, {f['link']['rtt_s'] * 1000:.0f} ms RTT, "
                    f"{f['link']['loss']:.1%} loss (one TCP connection capped at "
                    f"{f['per_connection_cap_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)."), "",
                   "| sync | median publish→fresh (s) | per version: publish s + pull s, MB down |", "|---|---|---|"]
         for k, rows in f["runs"].items():
-            per = "; ".join(f"{r['publish_s']:.2f} + {r['pull_s']:.2f}, {r['link_bytes_down'] / 1e6:.1f}" for r in rows)
+            per = "; ".join(f"{r['publish_s']:.2f} + {r['pull_s']:.2f}, {r['link_bytes_down'] / 1e6:.2f}" for r in rows)
             lines.append(f"| {k} | {f['median_fresh_s'][k]:.2f} | {per} |")
+        trips = [(k, rows) for k, rows in f["runs"].items() if rows and "requests" in rows[0]]
+        if trips:
+            lines += ["", ("Far worker's requests and new connections per version (each new connection costs one "
+                      "more RTT; the HEAD GET, the manifest and the segment GETs are three sequential round trips):"), ""]
+            lines += [f"- {k}: requests {[r['requests'] for r in rows]}, new connections "
+                      f"{[r['new_connections'] for r in rows]}" for k, rows in trips]
         lines += ["", "Speed-ups (median publish→fresh, goal ≥ 20×):", ""]
         lines += [f"- {k}: **{v:.1f}×**" for k, v in f["speedups"].items()]
         lines.append("")
@@ -413,21 +489,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="versions after the first")
     ap.add_argument("--workers", type=int, default=32)
     ap.add_argument("--gap", type=float, default=3.0, help="seconds between versions in the fan-out")
-    ap.add_argument("--only", choices=("partial", "far", "fanout"), action="append")
+    ap.add_argument("--only", choices=("partial", "chunking", "far", "fanout"), action="append")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale")
     ap.add_argument("--workload", default=WORKLOAD, help="e.g. tf265m-rl-1e-6 (531 MB) for the far link")
+    ap.add_argument("--far-range-kib", type=int, default=FAR_RANGE_PART_BYTES // 1024,
+                    help="range_part_bytes of the second far run, in KiB (about a delta pack / 16 is best: "
+                         "the subscriber reads 16 ranges at a time)")
+    ap.add_argument("--far-server", choices=("seaweedfs", "moto"), default=None,
+                    help="the server behind the far link (default: SeaweedFS where installed: it keeps connections "
+                         "alive, as S3 does, where moto closes every one and each request pays a second RTT)")
     args = ap.parse_args(argv)
     from deltastore import devserver
 
     states = _states(args.steps, args.workload)
     res: dict[str, Any] = {"workload": args.workload, "steps": args.steps,
                            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
-    parts = args.only or ["partial", "far", "fanout"]
+    parts = args.only or ["partial", "chunking", "far", "fanout"]
     with devserver.moto() as server:
         if "partial" in parts:
             res["partial"] = bench_partial(server, states)
+        if "chunking" in parts:
+            res["chunking"] = bench_chunking(states)
         if "far" in parts:
-            res["far"] = bench_far(server, states)
+            kind = args.far_server or ("seaweedfs" if devserver.find_weed() else "moto")
+            part = args.far_range_kib * 1024
+            if kind == "moto":
+                res["far"] = bench_far(server, states, part)
+            else:
+                with devserver.seaweedfs() as weed:
+                    res["far"] = bench_far(weed, states, part)
+            res["far"]["server"] = kind
         if "fanout" in parts:
             res["fanout"] = bench_fanout(server, states, args.workers, args.gap)
     args.out.parent.mkdir(parents=True, exist_ok=True)

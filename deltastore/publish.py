@@ -141,6 +141,12 @@ class Publisher:
         writer_id: id recorded in manifests and HEAD (default ``host-pid-random``).
         threads: encode threads (default: all cores).
         chunk_bytes: target chunk size for new layouts (default 16 MiB).
+        slice_align: lay new layouts out for tensor-parallel readers of degree N dividing this
+            (e.g. :data:`deltastore.tensors.SLICE_ALIGN` = 8 for N = 1, 2, 4, 8): chunk edges
+            fall on every 1/slice_align of a tensor's rows where they fit, so a partial
+            Subscriber holding rows r/N reads about its share instead of whole 16 MiB chunks
+            (docs/scale.md §5). It costs more, smaller chunks (per-chunk work, manifest size).
+            Default None: chunks of about ``chunk_bytes``. A resumed layout keeps its chunks.
         group_small_tensors: pack small tensors (≤ 256 KiB) of one dtype into shared ~1 MiB
             rows of new layouts (design 007): per-segment and per-entry costs are then paid per
             MiB, not per tensor (20,000 norms publish and pull ~10-40× faster). A store with
@@ -211,6 +217,7 @@ class Publisher:
         writer_id: str | None = None,
         threads: int | None = None,
         chunk_bytes: int = CHUNK_TARGET_BYTES,
+        slice_align: int | None = None,
         allow_unsafe_store: bool = False,
         resume: bool = True,
         store: Store | None = None,
@@ -270,6 +277,9 @@ class Publisher:
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.threads = threads or default_threads()
         self.chunk_bytes = chunk_bytes
+        if slice_align is not None and (isinstance(slice_align, bool) or not isinstance(slice_align, int) or slice_align < 1):
+            raise ValueError(f"slice_align must be an int ≥ 1 or None, got {slice_align!r}")
+        self.slice_align = slice_align
         if group_small_tensors not in (True, False, "auto"):
             raise ValueError(f'group_small_tensors must be True, False or "auto", got {group_small_tensors!r}')
         self.group_small_tensors = group_small_tensors
@@ -655,7 +665,7 @@ class Publisher:
 
     def _new_specs(self, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """The units of a new layout: a spec per tensor, small ones grouped if asked (design 007)."""
-        specs = {n: spec_for(n, t, self.chunk_bytes) for n, t in state.items()}
+        specs = {n: spec_for(n, t, self.chunk_bytes, self.slice_align) for n, t in state.items()}
         if self.group_small_tensors == "auto":
             small = sum(1 for sp in specs.values() if 0 < sp.nbytes <= GROUP_MEMBER_MAX_BYTES)
             if small < GROUP_AUTO_MIN_TENSORS:

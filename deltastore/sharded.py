@@ -82,6 +82,7 @@ from deltastore.storage import open_store
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
     TensorSpec,
+    chunk_rows_for,
     dtype_name,
     validate_state_dict,
 )
@@ -160,28 +161,6 @@ def _raise(error: tuple[str, str], *, default: type[DeltastoreError] = PartFaile
         except TypeError:  # a class whose constructor wants more than a message
             pass
     raise default(f"{name}: {message}")
-
-
-def chunk_rows_for(row_bytes: int, rows: int, bounds: Sequence[int], chunk_bytes: int) -> int:
-    """Rows per chunk of a tensor split at ``bounds``: about ``chunk_bytes`` per chunk, and a
-    divisor of every boundary, so that no chunk crosses a piece (SPEC §2; this release reads
-    aligned pieces only). FSDP2's boundaries are multiples of ceil(rows / world)."""
-    target = max(1, chunk_bytes // max(1, row_bytes))
-    target = max(1, min(target, rows)) if rows else 1
-    if not bounds:
-        return target
-    g = 0
-    for b in bounds:
-        g = math.gcd(g, b)
-    best = 1
-    d = 1
-    while d * d <= g:
-        if g % d == 0:
-            for c in (d, g // d):
-                if c <= target and c > best:
-                    best = c
-        d += 1
-    return best
 
 
 def plan_layout(reports: Sequence[_Report], world: int, chunk_bytes: int) -> Layout:

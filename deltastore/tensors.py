@@ -7,7 +7,7 @@ sees 1-D unsigned-integer numpy views of a tensor's bits.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +22,24 @@ from deltastore.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
 #: partial reads: big enough that per-chunk overhead vanishes, small enough that a few chunks
 #: in flight per thread keep memory bounded.
 CHUNK_TARGET_BYTES = 16 * 1024 * 1024
+#: The tensor-parallel degree to align chunk edges for when a publisher asks for it
+#: (``Publisher(slice_align=SLICE_ALIGN)``): degrees 1, 2, 4 and 8 (rank r of N holds rows
+#: [r·S//N, (r+1)·S//N), SPEC §8) then read only their own rows, since a chunk is the unit a
+#: partial pull reads. Not the default: it multiplies the chunks of mid-sized tensors (a 531 MB
+#: model: 171 → 1,301), and per-chunk costs with them (docs/scale.md §5).
+SLICE_ALIGN = 8
+#: Aligned chunks are never cut smaller than this: below it, per-chunk costs (a manifest entry
+#: and digest, a segment header, a task) outweigh the bytes saved, and tiny tensors stay one
+#: chunk. 32 KiB still aligns a 384-wide bf16 matrix (a 1/8 slice of 48 rows is 36 KiB).
+SLICE_CHUNK_MIN_BYTES = 32 * 1024
+#: Where the slice edges cannot be chunk edges (rows with no fitting divisor, e.g. a 30522-row
+#: vocabulary), chunks of 1/SLICE_EDGE_PARTS of a slice bound what a rank reads beyond its
+#: rows to two such chunks, 2/16 of its share.
+SLICE_EDGE_PARTS = 16
+#: An aligned chunk is taken only if it is at least 1/ALIGN_MAX_SHRINK of the unaligned
+#: choice: a slice whose rows have no divisor near the target (a prime) would otherwise be cut
+#: into thousands of tiny chunks.
+ALIGN_MAX_SHRINK = 4
 
 _UINT_BY_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -89,13 +107,63 @@ class TensorSpec:
         return np.dtype(_UINT_BY_WIDTH[self.width])
 
 
-def spec_for(name: str, t: torch.Tensor, chunk_target_bytes: int = CHUNK_TARGET_BYTES) -> TensorSpec:
-    """The layout deltastore uses for tensor ``t`` (chunk rows sized to ~chunk_target_bytes)."""
+def chunk_rows_for(row_bytes: int, rows: int, bounds: Sequence[int], chunk_bytes: int) -> int:
+    """Rows per chunk of a tensor of ``rows`` rows of ``row_bytes`` whose chunk edges must fall
+    on ``bounds``: the largest divisor of every boundary that keeps a chunk within about
+    ``chunk_bytes`` (at least one row, at most ``rows``). With no bounds, just the size target.
+    Sharded layouts pass their piece boundaries (SPEC §2: no chunk crosses a piece); the
+    unsharded writer passes the 1/SLICE_ALIGN row boundaries (:func:`slice_chunk_rows`)."""
+    target = max(1, chunk_bytes // max(1, row_bytes))
+    target = max(1, min(target, rows)) if rows else 1
+    if not bounds:
+        return target
+    g = 0
+    for b in bounds:
+        g = math.gcd(g, b)
+    best = 1
+    d = 1
+    while d * d <= g:
+        if g % d == 0:
+            for c in (d, g // d):
+                if c <= target and c > best:
+                    best = c
+        d += 1
+    return best
+
+
+def slice_chunk_rows(row_bytes: int, rows: int, chunk_bytes: int = CHUNK_TARGET_BYTES, align: int = SLICE_ALIGN) -> int:
+    """The unsharded writer's ``chunk_rows`` (SPEC §2) with ``slice_align=align``: at most
+    ``chunk_bytes`` per chunk, with chunk edges on the row boundaries of the tensor-parallel
+    degrees that divide ``align`` (e.g. 1, 2, 4 and 8 for 8) when the rows allow it with chunks of at least
+    :data:`SLICE_CHUNK_MIN_BYTES`; else chunks of 1/:data:`SLICE_EDGE_PARTS` of a slice (so a
+    rank reads at most two edge chunks beyond its rows), never below that floor; tensors too
+    small for either stay one chunk, and no chunk exceeds the size target."""
+    target = chunk_rows_for(row_bytes, rows, (), chunk_bytes)
+    if rows < align or target * row_bytes <= SLICE_CHUNK_MIN_BYTES:
+        return target
+    floor_rows = -(-SLICE_CHUNK_MIN_BYTES // max(1, row_bytes))
+    share = rows // align
+    unaligned = min(target, max(floor_rows, -(-share // SLICE_EDGE_PARTS)))
+    bounds = [k * rows // align for k in range(1, SLICE_ALIGN)]
+    aligned = chunk_rows_for(row_bytes, rows, bounds, chunk_bytes)
+    if aligned * row_bytes >= SLICE_CHUNK_MIN_BYTES and aligned * ALIGN_MAX_SHRINK >= unaligned:
+        return aligned
+    return unaligned
+
+
+def spec_for(name: str, t: torch.Tensor, chunk_target_bytes: int = CHUNK_TARGET_BYTES,
+             slice_align: int | None = None) -> TensorSpec:
+    """The layout deltastore uses for tensor ``t``: chunk rows sized to about
+    ``chunk_target_bytes``, or with ``slice_align`` by :func:`slice_chunk_rows` (edges on the
+    1/slice_align row slices where they fit)."""
     shape = tuple(t.shape)
     row_bytes = (math.prod(shape[1:]) if shape else 1) * t.element_size()
-    rows = max(1, chunk_target_bytes // max(1, row_bytes))
-    if shape:
-        rows = max(1, min(rows, shape[0]))
+    if not shape:
+        rows = 1
+    elif slice_align is None or slice_align <= 1:
+        rows = chunk_rows_for(row_bytes, shape[0], (), chunk_target_bytes)
+    else:
+        rows = slice_chunk_rows(row_bytes, shape[0], chunk_target_bytes, slice_align)
     return TensorSpec(name, dtype_name(t.dtype), shape, rows)
 
 
