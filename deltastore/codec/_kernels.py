@@ -62,3 +62,6 @@ split_planes = getattr(_native, "split_planes", None)
 pair_codes = getattr(_native, "pair_codes", None)
 #: See the docstring in deltastore/_native/apply.c.
 apply_segment = getattr(_native, "apply_segment", None)
+#: See deltastore/_native/groups.c (tensor groups, design 007).
+gather_members = getattr(_native, "gather_members", None)
+scatter_members = getattr(_native, "scatter_members", None)
