@@ -201,7 +201,8 @@ def encode_version(
     # table of the members' addresses built once per version (one native copy per chunk), or
     # member by member when one is not a contiguous CPU tensor.
     new_bits = {n: bits(state[n]) for n, s in specs.items() if not s.members and state[n].is_cpu}
-    tables = {n: (member_pointers(s, [state[m.name] for m in s.members]), member_starts(s)) for n, s in specs.items() if s.members}
+    tables = {n: (member_pointers(s, [state[m.name] for m in s.members], contiguous=True), member_starts(s))
+              for n, s in specs.items() if s.members}  # ``state`` is validated: contiguous
     ref_bits = {n: bits(t) for n, t in reference.items()} if reference is not None else {}
 
     def new_chunk(name: str, a: int, b: int) -> np.ndarray:

@@ -179,12 +179,13 @@ def member_starts(spec: TensorSpec) -> np.ndarray:
     return starts
 
 
-def member_pointers(spec: TensorSpec, ts: list[torch.Tensor]) -> np.ndarray | None:
+def member_pointers(spec: TensorSpec, ts: list[torch.Tensor], *, contiguous: bool = False) -> np.ndarray | None:
     """uint64 host addresses of ``spec``'s member tensors ``ts`` (in member order), or None
     unless every one is a contiguous CPU tensor (then gather/scatter go through
     :func:`copy_members`). The caller has checked the members' shapes and dtypes against the
-    layout, and holds the tensors while the addresses are used."""
-    if not all(t.is_cpu and t.is_contiguous() for t in ts):
+    layout (and their contiguity, if it says ``contiguous``: validate_state_dict does), and
+    holds the tensors while the addresses are used."""
+    if not all(t.is_cpu for t in ts) or not (contiguous or all(t.is_contiguous() for t in ts)):
         return None
     return np.fromiter((t.data_ptr() for t in ts), dtype=np.uint64, count=len(ts))
 
