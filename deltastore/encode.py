@@ -198,11 +198,17 @@ def encode_version(
     # Bit views made once, here: per-chunk torch calls on the encode threads would queue for
     # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
     # Group members (design 007) are read when their group's chunk is gathered: through a
-    # table of the members' addresses built once per version (one native copy per chunk), or
-    # member by member when one is not a contiguous CPU tensor.
+    # table of the members' addresses (one native copy per chunk), or member by member when
+    # one is not a contiguous CPU tensor. Each table is built on an encode thread, by the
+    # group's first chunk job, so that it overlaps the other threads' kernels.
     new_bits = {n: bits(state[n]) for n, s in specs.items() if not s.members and state[n].is_cpu}
-    tables = {n: (member_pointers(s, [state[m.name] for m in s.members], contiguous=True), member_starts(s))
-              for n, s in specs.items() if s.members}  # ``state`` is validated: contiguous
+    tables: dict[str, np.ndarray | None] = {}
+
+    def table(spec: TensorSpec) -> np.ndarray | None:
+        if spec.name not in tables:  # a race builds the same table twice, harmlessly
+            # ``state`` is validated (contiguous) and of the layout's shapes
+            tables[spec.name] = member_pointers(spec, [state[m.name] for m in spec.members], contiguous=True)
+        return tables[spec.name]
     ref_bits = {n: bits(t) for n, t in reference.items()} if reference is not None else {}
 
     def new_chunk(name: str, a: int, b: int) -> np.ndarray:
@@ -221,9 +227,9 @@ def encode_version(
         # A group row's chunk is gathered from its members into one buffer (design 007 D5).
         if not spec.members:
             new = new_chunk(name, a, b)
-        elif (ptrs := tables[name][0]) is not None:
+        elif (ptrs := table(spec)) is not None:
             new = np.empty(b - a, dtype=spec.uint_dtype())
-            copy_members(new, ptrs, tables[name][1], a, to_row=True)
+            copy_members(new, ptrs, member_starts(spec), a, to_row=True)
         else:
             new = gather(spec, new_chunk, a, b)
         old = ref_bits[name][a:b] if reference is not None else None
