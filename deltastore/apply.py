@@ -398,9 +398,10 @@ class ReadEngine:
         # A group row is its own owner: its members are written through it (design 007 D4).
         seen: dict[tuple[int, int], str] = {}
         owner: dict[str, str] = {n: n for n, s in specs.items() if s.members}
-        members = {m.name for s in specs.values() for m in s.members}  # never tied (groups.tied_names)
+        # members are never tied (groups.tied_names); ``tensors`` holds exactly the layout's
+        # tensors (checked before), so the ungrouped units, in target order, are the rest
         for n, t in tensors.items():
-            if n in members:
+            if n not in specs or specs[n].members:
                 continue
             k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
             owner[n] = seen.setdefault(k, n)

@@ -24,7 +24,7 @@ import torch
 from deltastore import codec
 from deltastore.codec.delta import encode_delta_advance
 from deltastore.commit import put_immutable
-from deltastore.groups import gather, host_bits
+from deltastore.groups import copy_members, gather, host_bits, member_pointers, member_starts
 from deltastore.jobs import grouped
 from deltastore.manifest import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry, blob_key, object_key, sha256_hex
 from deltastore.storage.base import Store
@@ -212,9 +212,18 @@ def encode_version(
 
     # Bit views made once, here: per-chunk torch calls on the encode threads would queue for
     # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
-    # Group members (design 007) are read when their group's chunk is gathered (host_bits).
-    in_group = {m.name for s in specs.values() for m in s.members}
-    new_bits = {n: bits(t) for n, t in state.items() if n not in in_group and t.device.type == "cpu"}
+    # Group members (design 007) are read when their group's chunk is gathered: through a
+    # table of the members' addresses (one native copy per chunk), or member by member when
+    # one is not a contiguous CPU tensor. Each table is built on an encode thread, by the
+    # group's first chunk job, so that it overlaps the other threads' kernels.
+    new_bits = {n: bits(state[n]) for n, s in specs.items() if not s.members and state[n].is_cpu}
+    tables: dict[str, np.ndarray | None] = {}
+
+    def table(spec: TensorSpec) -> np.ndarray | None:
+        if spec.name not in tables:  # a race builds the same table twice, harmlessly
+            # ``state`` is validated (contiguous) and of the layout's shapes
+            tables[spec.name] = member_pointers(spec, [state[m.name] for m in spec.members], contiguous=True)
+        return tables[spec.name]
     ref_bits = {n: bits(t) for n, t in reference.items()} if reference is not None else {}
 
     def new_chunk(name: str, a: int, b: int) -> np.ndarray:
@@ -231,7 +240,13 @@ def encode_version(
         spec = specs[name]
         a, b = spec.chunk_span(ci)
         # A group row's chunk is gathered from its members into one buffer (design 007 D5).
-        new = gather(spec, new_chunk, a, b) if spec.members else new_chunk(name, a, b)
+        if not spec.members:
+            new = new_chunk(name, a, b)
+        elif (ptrs := table(spec)) is not None:
+            new = np.empty(b - a, dtype=spec.uint_dtype())
+            copy_members(new, ptrs, member_starts(spec), a, to_row=True)
+        else:
+            new = gather(spec, new_chunk, a, b)
         old = ref_bits[name][a:b] if reference is not None else None
         # encode_chunk advances ``old`` while the chunk is hot in cache (the caller drops the
         # reference on failure)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from deltastore.codec import _kernels
 from deltastore.manifest import DTYPE_WIDTHS, GroupMember
 from deltastore.stage import ChunkPatch
 from deltastore.tensors import CHUNK_TARGET_BYTES, TensorSpec, bits
@@ -158,6 +159,63 @@ def gather(spec: TensorSpec, member_bits: Callable[[str, int, int], np.ndarray],
     return out
 
 
+#: Member tables kept per group spec (by identity; a publisher or subscriber reuses its specs
+#: for every version of a layout). Bounded: a few layouts' worth of groups.
+_STARTS_CACHE_MAX = 4096
+_starts_cache: dict[int, tuple[TensorSpec, np.ndarray]] = {}
+
+
+def member_starts(spec: TensorSpec) -> np.ndarray:
+    """int64 ``[offset_0, …, offset_{k-1}, n]`` of group ``spec``: member i holds elements
+    ``[starts[i], starts[i+1])``. Cached per spec object (the offsets never change for it)."""
+    hit = _starts_cache.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    starts = np.fromiter((m.offset for m in spec.members), dtype=np.int64, count=len(spec.members))
+    starts = np.append(starts, np.int64(spec.numel))
+    if len(_starts_cache) >= _STARTS_CACHE_MAX:
+        _starts_cache.clear()
+    _starts_cache[id(spec)] = (spec, starts)
+    return starts
+
+
+def member_pointers(spec: TensorSpec, ts: list[torch.Tensor], *, contiguous: bool = False) -> np.ndarray | None:
+    """uint64 host addresses of ``spec``'s member tensors ``ts`` (in member order), or None
+    unless every one is a contiguous CPU tensor (then gather/scatter go through
+    :func:`copy_members`). The caller has checked the members' shapes and dtypes against the
+    layout (and their contiguity, if it says ``contiguous``: validate_state_dict does), and
+    holds the tensors while the addresses are used."""
+    if not all(t.is_cpu for t in ts) or not (contiguous or all(t.is_contiguous() for t in ts)):
+        return None
+    return np.fromiter((t.data_ptr() for t in ts), dtype=np.uint64, count=len(ts))
+
+
+def copy_members(row: np.ndarray, ptrs: np.ndarray, starts: np.ndarray, a: int, *, to_row: bool) -> None:
+    """Copy elements ``[a, a + row.size)`` of a group between ``row`` and its members (at
+    ``ptrs``, see :func:`member_pointers`): ``to_row`` gathers into ``row``, else scatters
+    ``row`` into the members. One native call per range; the numpy fallback copies the same
+    bytes member by member (tests/test_groups.py compares them)."""
+    width = row.dtype.itemsize
+    kernel = _kernels.gather_members if to_row else _kernels.scatter_members
+    if kernel is not None:
+        kernel(row, ptrs, starts, width, a)
+        return
+    b = a + row.size
+    if a < 0 or b > int(starts[-1]):
+        raise ValueError(f"elements [{a}, {b}) are outside the group's {int(starts[-1])}")
+    i = max(0, int(np.searchsorted(starts, a, side="right")) - 1)
+    while i < len(ptrs) and starts[i] < b:
+        lo, hi = max(a, int(starts[i])), min(b, int(starts[i + 1]))
+        if lo < hi:
+            member = np.frombuffer((ctypes.c_uint8 * ((hi - lo) * width)).from_address(int(ptrs[i]) + (lo - int(starts[i])) * width),
+                                   dtype=row.dtype)
+            if to_row:
+                row[lo - a:hi - a] = member
+            else:
+                member[...] = row[lo - a:hi - a]
+        i += 1
+
+
 def host_bits(t: torch.Tensor) -> np.ndarray:
     """A 1-D unsigned view of a contiguous CPU tensor's bits, like ``tensors.bits`` but ~7×
     cheaper per call (4 µs, not 30, on the reference machine): a group has thousands of members.
@@ -210,17 +268,40 @@ class _HostSpan:
             view[...] = raw
 
 
-def _span(spec: TensorSpec, tensors: Mapping[str, torch.Tensor]) -> _HostSpan | None:
-    """A :class:`_HostSpan` when ``spec``'s members (of the layout's shapes, checked before)
-    are contiguous CPU tensors at addresses base + offset × width: then the members' own memory
-    covers exactly [base, base + n × width), and one view over it is as safe as theirs."""
-    ts = [tensors[m.name] for m in spec.members]
+def _span(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostSpan | None:
+    """A :class:`_HostSpan` when ``spec``'s members (of the layout's shapes, checked before;
+    contiguous CPU tensors at ``ptrs``) lie at addresses base + offset × width: then the
+    members' own memory covers exactly [base, base + n × width), and one view over it is as
+    safe as theirs."""
     w = DTYPE_WIDTHS[spec.dtype]
-    base = ts[0].data_ptr()
-    for m, t in zip(spec.members, ts):
-        if t.data_ptr() != base + m.offset * w or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != m.numel:
-            return None
+    base = int(ptrs[0])
+    if not np.array_equal(ptrs - np.uint64(base), member_starts(spec)[:-1].astype(np.uint64) * np.uint64(w)):
+        return None
     return _HostSpan(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(base), dtype=_UINT[w]))
+
+
+class _HostGroup:
+    """A group whose members are contiguous CPU tensors anywhere in memory (a model's own
+    parameters): ``read`` gathers a copy of an element range and ``write`` scatters one, each in
+    one native call over the members' addresses (:func:`copy_members`). Never a live view
+    (``cpu`` is False), so the read engine writes back what it changed."""
+
+    cpu = False
+    raw = None
+
+    def __init__(self, spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray):
+        self.tensors = ts  # keep the memory at ``ptrs`` alive
+        self.ptrs = ptrs
+        self.starts = member_starts(spec)
+        self.dtype = _UINT[DTYPE_WIDTHS[spec.dtype]]
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        out = np.empty(b - a, dtype=self.dtype)
+        copy_members(out, self.ptrs, self.starts, a, to_row=True)
+        return out
+
+    def write(self, a: int, b: int, raw: np.ndarray) -> None:
+        copy_members(np.ascontiguousarray(raw, dtype=self.dtype), self.ptrs, self.starts, a, to_row=False)
 
 
 def allocate_members(specs: Mapping[str, TensorSpec], dtype_of: Callable[[str], torch.dtype], *,
@@ -282,7 +363,12 @@ def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], ma
     out: dict[str, Any] = {}
     for name, spec in specs.items():
         if spec.members:
-            out[name] = _span(spec, tensors) or GroupTarget(spec, {m.name: member(tensors[m.name]) for m in spec.members})
+            ts = [tensors[m.name] for m in spec.members]
+            ptrs = member_pointers(spec, ts)
+            if ptrs is not None:
+                out[name] = _span(spec, ts, ptrs) or _HostGroup(spec, ts, ptrs)
+            else:
+                out[name] = GroupTarget(spec, {m.name: member(tensors[m.name]) for m in spec.members})
         elif name in tensors:
             out[name] = make(tensors[name])
     return out

@@ -19,8 +19,11 @@ import pytest
 import torch
 import xxhash
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deltastore import Publisher, Subscriber
+from deltastore.codec import _kernels
 from deltastore.compact import compact
 from deltastore.errors import (
     CorruptObjectError,
@@ -31,7 +34,10 @@ from deltastore.gc import collect
 from deltastore.groups import (
     GROUP_MEMBER_MAX_BYTES,
     GROUP_TARGET_BYTES,
+    copy_members,
     group_specs,
+    member_pointers,
+    member_starts,
     split_patch,
 )
 from deltastore.history import History
@@ -385,3 +391,122 @@ def test_tied_small_tensors_stay_ungrouped_and_update_once(tmp_path: Any) -> Non
             pub.publish(state2)
             sub.pull_into(target)
             assert_bits_equal(target, state2)
+
+
+# --- member tables: one native gather/scatter per group chunk, numpy fallback identical ---------
+
+
+
+def _group_of(counts: list[int], width: int) -> tuple[Any, list[torch.Tensor]]:
+    dtype = {1: "uint8", 2: "bfloat16", 4: "float32", 8: "int64"}[width]
+    tdt = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.int64}[width]
+    members, off = [], 0
+    for i, c in enumerate(counts):
+        members.append(GroupMember(f"m{i}", dtype, (c,), off))
+        off += c
+    spec = TensorSpec("#group/0", dtype, (off,), max(1, off), tuple(members))
+    g = torch.Generator().manual_seed(sum(counts) + width)
+    ts = [torch.randint(0, 256, (c * width,), dtype=torch.uint8, generator=g).view(tdt) for c in counts]
+    return spec, ts
+
+
+def _both(fn: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """``fn()`` with the native kernels, then with the numpy fallback."""
+    native = fn()
+    with monkeypatch.context() as m:
+        m.setattr(_kernels, "gather_members", None)
+        m.setattr(_kernels, "scatter_members", None)
+        fallback = fn()
+    return native, fallback
+
+
+@pytest.mark.skipif(not _kernels.NATIVE, reason="native kernels not built")
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(1, 40), min_size=1, max_size=12), width=st.sampled_from([1, 2, 4, 8]),
+       cut=st.tuples(st.floats(0, 1), st.floats(0, 1)))
+def test_copy_members_native_equals_fallback(counts: list[int], width: int, cut: tuple[float, float]) -> None:
+    """Gather and scatter of any element range (cutting members anywhere) copy the same bytes
+    natively and in numpy, and the same bytes as concatenating the members."""
+    mp = pytest.MonkeyPatch()
+    spec, ts = _group_of(counts, width)
+    n = spec.numel
+    a, b = sorted(int(x * n) for x in cut)
+    starts = member_starts(spec)
+    ptrs = member_pointers(spec, ts)
+    assert ptrs is not None
+    whole = np.concatenate([t.view(torch.uint8).numpy() for t in ts]).view(np.dtype(f"u{width}"))
+
+    def gather() -> np.ndarray:
+        out = np.empty(b - a, dtype=f"u{width}")
+        copy_members(out, ptrs, starts, a, to_row=True)
+        return out
+
+    native, fallback = _both(gather, mp)
+    assert native.tobytes() == fallback.tobytes() == whole[a:b].tobytes()
+
+    src = np.arange(b - a, dtype=f"u{width}") ^ np.array(0x5A, dtype=f"u{width}")
+    expected = whole.copy()
+    expected[a:b] = src
+    results = []
+    for kernels_on in (True, False):
+        for t, part in zip(ts, np.split(whole, np.cumsum(counts)[:-1])):
+            t.view(torch.uint8).numpy()[:] = part.view(np.uint8)  # back to the original bytes
+        with mp.context() as m:
+            if not kernels_on:
+                m.setattr(_kernels, "scatter_members", None)
+            copy_members(src, ptrs, starts, a, to_row=False)
+        results.append(np.concatenate([t.view(torch.uint8).numpy() for t in ts]).tobytes())
+    assert results[0] == results[1] == expected.tobytes()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_copy_members_refuses_bad_tables(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range outside the group, or (natively) a table that does not start at 0, decreases,
+    or does not match the pointers, is a ValueError before any byte is copied."""
+    if native and not _kernels.NATIVE:
+        pytest.skip("native kernels not built")
+    if not native:
+        monkeypatch.setattr(_kernels, "gather_members", None)
+    spec, ts = _group_of([3, 5, 2], 2)
+    starts, ptrs = member_starts(spec), member_pointers(spec, ts)
+    assert ptrs is not None
+    for a, size in ((-1, 2), (9, 2), (0, 11)):
+        with pytest.raises(ValueError):
+            copy_members(np.empty(size, np.uint16), ptrs, starts, a, to_row=True)
+    if native:
+        for bad in (np.array([1, 3, 8, 10]), np.array([0, 5, 3, 10]), np.array([0, 3, 8])):
+            with pytest.raises(ValueError):
+                copy_members(np.empty(2, np.uint16), ptrs, bad.astype(np.int64), 0, to_row=True)
+        read_only = np.zeros(2, np.uint16)
+        read_only.setflags(write=False)
+        with pytest.raises(ValueError):
+            copy_members(read_only, ptrs, starts, 0, to_row=True)
+
+
+def test_member_pointers_need_contiguous_cpu_members() -> None:
+    spec, ts = _group_of([4, 4], 4)
+    assert member_pointers(spec, ts) is not None
+    ts[1] = torch.zeros(8, dtype=torch.float32)[::2]  # right shape, not contiguous
+    assert member_pointers(spec, ts) is None
+
+
+def test_pull_into_separate_member_tensors_scatters_natively() -> None:
+    """A target whose members are separate tensors (a model's own parameters, not one buffer)
+    is updated through the member table, bit-exact, and a modified member is still refused."""
+    state = {f"n{i}": (torch.randn(300 + i) * 0.02).to(torch.bfloat16) for i in range(40)}
+    url = "memory://groups-separate"
+    with Publisher(url, group_small_tensors=True) as pub:
+        pub.publish(state)
+        with Subscriber(url) as sub:
+            target = {n: t.clone() for n, t in sub.pull().items()}  # separate storages
+            for step in range(2):
+                new = {n: t.clone() for n, t in state.items()}
+                for t in new.values():
+                    t.view(torch.int16)[step::7] += 1
+                pub.publish(new)
+                assert sub.pull_into(target) is not None
+                assert all(torch.equal(target[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
+            pub.publish({n: t + 1 for n, t in new.items()})
+            target["n3"].view(torch.int16)[0] += 1
+            with pytest.raises(TargetModifiedError):
+                sub.pull_into(target)

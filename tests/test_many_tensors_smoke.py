@@ -19,3 +19,13 @@ def test_many_tensors_benchmark_runs_on_tiny_shapes(monkeypatch: pytest.MonkeyPa
     assert all(v > 0 for v in r["ratios"].values())
     md = many_tensors.markdown(r)
     assert "deltastore+groups" in md and "ratio many / few" in md
+
+
+def test_many_tensors_benchmark_can_skip_the_ungrouped_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-ungrouped: the grouped ratios are still measured against the few-tensor case."""
+    monkeypatch.setattr(many_tensors, "MANY", (300, 64))
+    monkeypatch.setattr(many_tensors, "FEW", (3, 6400))
+    r = many_tensors.run(scale=1.0, repeats=1, ungrouped=False)
+    assert "deltastore" not in r["cases"]["many"] and "deltastore" in r["cases"]["few"]
+    assert {k for k in r["ratios"] if k.startswith("deltastore")} == {f"deltastore+groups/{op}" for op in ("publish", "pull_into", "pull")}
+    assert "deltastore+groups" in many_tensors.markdown(r)
