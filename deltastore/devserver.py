@@ -66,6 +66,11 @@ SEAWEEDFS_STOP_TIMEOUT_S = 3.0
 SEAWEEDFS_VOLUME_MB = 256
 #: Seconds between readiness checks while a server starts.
 READY_POLL_S = 0.2
+#: Written, read back and deleted to prove the server is ready; not empty, because SeaweedFS
+#: keeps an empty object in its filer alone, so storing it proves no volume is served.
+READY_KEY, READY_BODY = ".ready", b"ready"
+#: Objects listed to find one already stored with bytes (a kept data directory) to read back.
+READY_LIST_KEYS = 100
 #: Lines of server log shown when a server fails to start.
 LOG_TAIL_LINES = 40
 #: What to install when a server is missing.
@@ -158,12 +163,14 @@ def log_tail(path: Path) -> str:
 
 
 def _create_bucket(server: S3Server, deadline: float) -> None:
-    """Create the bucket (or find it, in a kept data directory) and prove a write lands and,
-    in a kept data directory, that an object already stored reads back.
+    """Create the bucket (or find it, in a kept data directory) and prove that an object's
+    bytes go through a volume both ways: a non-empty write reads back, and, in a kept data
+    directory, so does an object already stored.
 
-    SeaweedFS's gateway answers before a volume is registered (a kept volume is served only
-    after the volume server's first heartbeat: until then a GET is a 500), so this retries
-    until ``deadline``.
+    SeaweedFS's gateway answers before a volume is registered: an empty object needs no volume
+    (the old empty probe passed at once), and a kept volume is served only after the volume
+    server's first heartbeat, which is retried 5 s later when the master is not yet elected
+    (until then a GET is a 500). So this retries until ``deadline``.
     """
     import botocore.exceptions
 
@@ -178,10 +185,14 @@ def _create_bucket(server: S3Server, deadline: float) -> None:
                     if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                         raise
                 created = True
-            client.put_object(Bucket=server.bucket, Key=".ready", Body=b"")
-            client.delete_object(Bucket=server.bucket, Key=".ready")
-            for obj in client.list_objects_v2(Bucket=server.bucket, MaxKeys=1).get("Contents", []):
-                client.get_object(Bucket=server.bucket, Key=obj["Key"])["Body"].read()
+            client.put_object(Bucket=server.bucket, Key=READY_KEY, Body=READY_BODY)
+            if client.get_object(Bucket=server.bucket, Key=READY_KEY)["Body"].read() != READY_BODY:
+                raise DevServerError(f"{server.endpoint_url} returned other bytes for {READY_KEY} than were written")
+            client.delete_object(Bucket=server.bucket, Key=READY_KEY)
+            listed = client.list_objects_v2(Bucket=server.bucket, MaxKeys=READY_LIST_KEYS).get("Contents", [])
+            kept = next((o["Key"] for o in listed if o.get("Size", 0) > 0), None)
+            if kept is not None:  # one byte is enough: every kept volume arrives in one heartbeat
+                client.get_object(Bucket=server.bucket, Key=kept, Range="bytes=0-0")["Body"].read()
             return
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError):
             if time.monotonic() > deadline:

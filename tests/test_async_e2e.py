@@ -122,17 +122,24 @@ class _Worker:
 
 
 def _read_out(path: Path) -> tuple[int | None, dict[str, torch.Tensor]] | None:
-    """(version in the metadata, tensors) of OUT through one open file; None before it exists."""
-    from safetensors import safe_open
+    """(version in the metadata, tensors) of OUT through one open file; None before it exists.
+
+    The bytes are read whole through one file object and parsed from memory. Not
+    ``safe_open(framework="pt")``: it reads the header through one open and then maps the
+    data by *name* (``torch.UntypedStorage.from_file``), so a worker replacing OUT in between
+    gave the next version's bits under this version's tag (a false "not the published state").
+    """
+    from safetensors.torch import load
 
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         return None
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
     version = meta.get("deltastore_version")
-    return (int(version) if version is not None else None), tensors
+    return (int(version) if version is not None else None), load(data)
 
 
 class _OutChecker:
@@ -199,6 +206,29 @@ class _OutChecker:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def test_out_reader_gets_tag_and_bits_of_one_file_when_out_is_replaced_mid_read(tmp_path: Path, monkeypatch) -> None:
+    """The checker's reader against a worker replacing OUT while it reads (the race that once
+    reported "version 6 in OUT is not the published state" with every worker right): the tag
+    and the tensors come from the same file, whichever it is."""
+    from safetensors.torch import save_file
+
+    out, nxt = tmp_path / "w.safetensors", tmp_path / "w.safetensors.partial"
+    save_file({"w": torch.full((8,), 6, dtype=torch.int32)}, str(out), metadata={"deltastore_version": "6"})
+    save_file({"w": torch.full((8,), 7, dtype=torch.int32)}, str(nxt), metadata={"deltastore_version": "7"})
+    from_file = torch.UntypedStorage.from_file
+
+    def replaced_meanwhile(*args, **kwargs):  # safe_open(framework="pt") maps the data by name here
+        if nxt.exists():
+            os.replace(nxt, out)  # the worker's next version lands now (as the CLI writes it)
+        return from_file(*args, **kwargs)
+
+    monkeypatch.setattr(torch.UntypedStorage, "from_file", replaced_meanwhile)
+    got = _read_out(out)
+    assert got is not None
+    tag, tensors = got
+    assert tag is not None and tensors["w"].tolist() == [tag] * 8, f"tag {tag}, bits of {tensors['w'].tolist()}"
 
 
 def test_publish_async_trainer_and_three_follow_workers_stay_bit_exact(seaweedfs_server, tmp_path: Path) -> None:

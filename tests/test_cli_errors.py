@@ -204,6 +204,63 @@ def test_bad_input_files(tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixtu
     assert not store.exists()  # a bad file is refused before the store is touched
 
 
+def _replace_on_data_read(monkeypatch: pytest.MonkeyPatch, path: Path, make_next) -> list[int]:
+    """Make ``path`` be atomically replaced by ``make_next(i)`` when safetensors maps its data by
+    name (between reading the header and the data): a trainer saving its next checkpoint then."""
+    from_file = torch.UntypedStorage.from_file
+    calls: list[int] = []
+
+    def replaced(filename, *args, **kwargs):
+        if str(filename) == str(path):
+            nxt = make_next(len(calls))
+            if nxt is not None:
+                calls.append(1)
+                os.replace(nxt, path)
+        return from_file(filename, *args, **kwargs)
+
+    monkeypatch.setattr(torch.UntypedStorage, "from_file", replaced)
+    return calls
+
+
+def test_publish_of_a_checkpoint_replaced_while_read_publishes_one_whole_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without the check, the old file's header cut the new file's bytes: header bytes were
+    published as weights."""
+    from safetensors.torch import load_file
+
+    store, path, out = str(tmp_path / "store"), tmp_path / "latest.safetensors", tmp_path / "out.safetensors"
+    old = {"w": torch.arange(64, dtype=torch.int32)}
+    new = {"w": torch.arange(64, dtype=torch.int32) + 1000}
+    save_file(old, str(path), metadata={"step": "9"})
+    save_file(new, str(tmp_path / "next"), metadata={"step": "10", "note": "a longer header " * 4})
+    calls = _replace_on_data_read(monkeypatch, path, lambda i: tmp_path / "next" if i == 0 else None)
+    assert main(["publish", store, str(path)]) == EXIT_OK
+    assert calls == [1]
+    monkeypatch.undo()
+    assert main(["pull", store, str(out)]) == EXIT_OK
+    assert torch.equal(load_file(str(out))["w"], new["w"])
+
+
+def test_a_checkpoint_replaced_at_every_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, path = tmp_path / "store", tmp_path / "latest.safetensors"
+    save_file({"w": torch.zeros(8)}, str(path), metadata={"step": "0"})
+
+    def next_save(i: int) -> Path:
+        nxt = tmp_path / f"next{i}"
+        save_file({"w": torch.full((8,), float(i + 1))}, str(nxt), metadata={"step": str(i + 1) * (i + 1)})
+        return nxt
+
+    _replace_on_data_read(monkeypatch, path, next_save)
+    assert main(["publish", str(store), str(path)]) == EXIT_FAILED
+    *retries, line = capsys.readouterr().err.splitlines()
+    assert len(retries) == 3 and all("reading it again" in r for r in retries), retries
+    assert line.startswith("deltastore: error: ") and str(path) in line and "replaced while it was read" in line, line
+    assert not store.exists()
+
+
 def test_pull_output_directory_missing(tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = str(tmp_path / "store")
     assert main(["publish", store, str(ckpt)]) == EXIT_OK

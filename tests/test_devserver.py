@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.devserver import S3Server, find_weed, write_env_file
+from deltastore.devserver import S3Server, _create_bucket, find_weed, write_env_file
 
 #: Bound on a server's start (SeaweedFS takes seconds; a busy machine more).
 START_TIMEOUT_S = 90.0
@@ -122,6 +122,56 @@ def test_seaweedfs_devserver_checks_signatures_and_keeps_data_across_restarts(tm
             assert sub.latest().version == 2  # the bucket and its objects survived the restart
     finally:
         assert _stop(proc)[0] == 0
+
+
+class _UnregisteredVolumes:
+    """A boto3 client as SeaweedFS answers right after a restart with kept data: the bucket and
+    its listing are there (filer), but an object's bytes need a volume, and volumes are served
+    only from the ``served_from``-th request on (the volume server's first heartbeat); an empty
+    object needs none, so it is stored and read at once."""
+
+    def __init__(self, objects: dict[str, bytes], served_from: int):
+        self.objects, self.served_from, self.requests = dict(objects), served_from, 0
+
+    def _bytes(self, op: str, data: bytes) -> None:
+        import botocore.exceptions
+
+        self.requests += 1
+        if data and self.requests < self.served_from:
+            raise botocore.exceptions.ClientError({"Error": {"Code": "InternalError", "Message": "volume not found"}}, op)
+
+    def create_bucket(self, Bucket: str) -> None:
+        import botocore.exceptions
+
+        raise botocore.exceptions.ClientError({"Error": {"Code": "BucketAlreadyOwnedByYou"}}, "CreateBucket")
+
+    def put_object(self, Bucket: str, Key: str, Body: bytes) -> None:
+        self._bytes("PutObject", Body)
+        self.objects[Key] = bytes(Body)
+
+    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict:
+        import io
+
+        data = self.objects[Key]
+        self._bytes("GetObject", data)
+        return {"Body": io.BytesIO(data[:1] if Range == "bytes=0-0" else data)}
+
+    def delete_object(self, Bucket: str, Key: str) -> None:
+        self.objects.pop(Key, None)
+
+    def list_objects_v2(self, Bucket: str, MaxKeys: int) -> dict:
+        return {"Contents": [{"Key": k, "Size": len(v)} for k, v in sorted(self.objects.items())][:MaxKeys]}
+
+
+def test_ready_only_once_kept_objects_read_back_even_when_the_first_listed_is_empty(monkeypatch) -> None:
+    """Readiness after a restart with kept data: neither an empty probe nor an empty kept object
+    (both need no volume) may pass for a served volume (the CI run's 500 on GET HEAD)."""
+    kept = {"run/.keep": b"", "run/HEAD": b'{"version": 2}'}
+    fake = _UnregisteredVolumes(kept, served_from=6)
+    monkeypatch.setattr(S3Server, "boto3_client", lambda self: fake)
+    _create_bucket(S3Server("seaweedfs", "http://127.0.0.1:1", "b", "ak", "sk"), time.monotonic() + 30)
+    assert fake.get_object(Bucket="b", Key="run/HEAD")["Body"].read() == kept["run/HEAD"]
+    assert set(fake.objects) == set(kept)  # the probe object is gone again
 
 
 @pytest.mark.integration

@@ -40,6 +40,9 @@ LIVE_WRITER_S = 300.0
 CLI_WRITER_PREFIX = "cli-"
 #: File suffixes of PyTorch pickles, which deltastore does not load (unsafe, and not a state dict format).
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
+#: Reads of a checkpoint that is replaced while being read (a trainer's atomic save of its next
+#: step) before giving up: a save takes far longer than a read, so a second read gets a whole file.
+LOAD_ATTEMPTS = 3
 
 
 def _info_json(info: Any) -> dict[str, Any]:
@@ -66,11 +69,28 @@ def load_state(path: str) -> dict[str, Any]:
             f"{path} is a PyTorch pickle, not a .safetensors file; convert it first: python -c \"import torch; "
             f"from safetensors.torch import save_file; save_file(torch.load('{path}'), 'model.safetensors')\""
         )
-    size_ = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        header = f.read(n) if 0 < n <= min(size_ - 8, 100 * 2**20) else b""
+    for _ in range(LOAD_ATTEMPTS):
+        with open(path, "rb") as f:  # held open: its inode tells whether ``path`` moved on meanwhile
+            before = os.fstat(f.fileno())
+            try:
+                state = _load_checked(path, f, before.st_size)
+            except InvalidStateDictError:
+                if _same_file(before, os.stat(path)):
+                    raise
+                state = None  # two files' bytes mixed into an unreadable one: read again
+        if state is not None and _same_file(before, os.stat(path)):
+            return state
+        logger.warning("%s was replaced while it was read (a writer saved a newer one); reading it again", path)
+    raise InvalidStateDictError(
+        f"{path} was replaced while it was read, {LOAD_ATTEMPTS} times in a row; publish a file nobody is writing"
+    )
+
+
+def _load_checked(path: str, f: Any, size_: int) -> dict[str, Any]:
+    """The tensors of ``path`` (open as ``f``), after checking its header."""
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    header = f.read(n) if 0 < n <= min(size_ - 8, 100 * 2**20) else b""
     if not header.startswith(b"{"):
         raise InvalidStateDictError(f"{path} is not a .safetensors file (no safetensors header at its start)")
     try:
@@ -85,9 +105,16 @@ def load_state(path: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     try:
+        # load_file reads the header through one open and maps the data by name: if ``path`` is
+        # replaced in between, one file's offsets cut the other's bytes (the caller checks).
         return load_file(path)
     except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
         raise InvalidStateDictError(f"{path} is not a readable .safetensors file: {' '.join(str(e).split())}") from e
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    """The same file, unmodified (an atomic save makes a new inode; an in-place one a new mtime)."""
+    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns) == (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns)
 
 
 def _live_writer(store: Any) -> tuple[Any, float] | None:
