@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
+import xxhash
+
 from deltastore.errors import (
     AccessDeniedError,
     AlreadyExistsError,
@@ -29,7 +31,6 @@ from deltastore.storage._keys import (
     check_key,
     check_prefix,
     check_range,
-    content_etag,
 )
 from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, check_if_match
 
@@ -42,13 +43,22 @@ logger = logging.getLogger(__name__)
 
 _TMP_PREFIX = RESERVED_PREFIX + "tmp-"
 _LOCK_DIR = RESERVED_PREFIX + "locks"
-#: The object's MD5 is stored in an extended attribute of its own inode, so it is replaced
-#: atomically together with the bytes and head()/list() need not re-read large files.
-_ETAG_XATTR = "user.deltastore.md5"
+#: The object's ETag is stored in an extended attribute of its own inode, so it is replaced
+#: atomically together with the bytes and head()/list() need not re-read large files. (Releases
+#: before 0.x kept an MD5 under ``user.deltastore.md5``; a process only ever compares ETags it
+#: computed itself, so the two never meet: an object without this attribute is hashed.)
+_ETAG_XATTR = "user.deltastore.etag"
 #: Chunk size when hashing a file that has no ETag attribute (written by hand, or a filesystem
 #: without user xattrs): large enough to amortize syscalls, small enough to be cache friendly.
 _HASH_CHUNK = 4 * 1024 * 1024
 _HAS_XATTR = hasattr(os, "getxattr") and hasattr(os, "setxattr")
+
+
+def local_etag(data: bytes | memoryview) -> str:
+    """A local object's ETag: the XXH3-128 hex of its bytes (32 hex digits, like an MD5's). An
+    identifier for compare-and-swap, not a security measure; ETags never leave the process that
+    computed them, so it need not match S3's MD5."""
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 class LocalStore(Store):
@@ -62,7 +72,9 @@ class LocalStore(Store):
     - ``IfMatch`` puts, overwrites and deletes of one key are serialized by an ``fcntl.flock``
       on a per-key lock file, so compare-and-swap is atomic across processes on this host (not
       across hosts sharing an NFS mount: use an object store for that).
-    - ETags are the hex MD5 of the content, like single-part S3 objects.
+    - ETags are the XXH3-128 hex of the content (:func:`local_etag`): content-determined, as S3's
+      MD5 of a single-part object, at memory speed (MD5 was a third pass over every pack byte,
+      about 9 % of a delta publish to tmpfs).
 
     The root directory is created when missing (``create=True``, the default used by
     :func:`open_store`): a local store needs no setup. Files under the root are assumed to be
@@ -166,8 +178,8 @@ class LocalStore(Store):
             except OSError:
                 pass
         if data is not None:
-            return content_etag(data)
-        h = hashlib.md5(usedforsecurity=False)
+            return local_etag(data)
+        h = xxhash.xxh3_128()
         offset = 0
         while chunk := os.pread(fd, _HASH_CHUNK, offset):
             h.update(chunk)
@@ -252,7 +264,7 @@ class LocalStore(Store):
         if not (mode in ("create", "overwrite") or isinstance(mode, IfMatch)):
             raise ValueError(f"unknown put mode {mode!r}")
         data = memoryview(data).cast("B")  # any bytes-like; no copy of a large blob
-        etag = content_etag(data)
+        etag = local_etag(data)
         try:
             tmp, mtime = self._write_tmp(final, data, etag)
         except OSError as e:

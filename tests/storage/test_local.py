@@ -9,6 +9,7 @@ import pytest
 from deltastore.errors import BucketNotFoundError, PreconditionFailedError
 from deltastore.storage import IfMatch, LocalStore, open_store
 from deltastore.storage._keys import content_etag
+from deltastore.storage._local import local_etag
 from tests.storage.contract import StoreContract
 
 #: Processes and increments per process in the cross-process CAS test.
@@ -45,12 +46,31 @@ def test_temp_files_and_locks_are_not_listed(tmp_path: Path) -> None:
     assert [m.key for m in store.list()] == ["dir/HEAD"]
 
 
-def test_etag_of_file_written_by_hand_is_content_md5(tmp_path: Path) -> None:
+def test_etag_of_file_written_by_hand_is_its_content_hash(tmp_path: Path) -> None:
     (tmp_path / "manual").write_bytes(b"by hand")
     store = LocalStore(tmp_path)
-    assert store.head("manual").etag == content_etag(b"by hand")
-    store.put("manual", b"next", mode=IfMatch(content_etag(b"by hand")))
+    assert store.head("manual").etag == local_etag(b"by hand")
+    store.put("manual", b"next", mode=IfMatch(local_etag(b"by hand")))
     assert store.get("manual") == b"next"
+    assert store.head("manual").etag == store.put("other", b"next").etag == local_etag(b"next")
+
+
+def test_an_object_of_an_older_release_is_compared_by_its_content(tmp_path: Path) -> None:
+    """Releases before XXH3 ETags kept an MD5 under another attribute: this release ignores it,
+    hashes the content, and its compare-and-swap on such an object works."""
+    path = tmp_path / "HEAD"
+    path.write_bytes(b"old head")
+    try:
+        os.setxattr(path, "user.deltastore.md5", content_etag(b"old head").encode())
+    except OSError:
+        pytest.skip("no user xattrs on this filesystem")
+    store = LocalStore(tmp_path)
+    etag = store.head("HEAD").etag
+    assert etag == local_etag(b"old head") != content_etag(b"old head")
+    with pytest.raises(PreconditionFailedError):
+        store.put("HEAD", b"lost", mode=IfMatch(content_etag(b"old head")))
+    store.put("HEAD", b"new head", mode=IfMatch(etag))
+    assert store.get("HEAD") == b"new head"
 
 
 def test_key_and_directory_collision_is_one_line_error(tmp_path: Path) -> None:
