@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -151,7 +152,8 @@ def run(scale: float, repeats: int, *, ungrouped: bool = True) -> dict[str, Any]
     rng = np.random.default_rng(0)
     shapes = {"many": (MANY[0], max(1, int(MANY[1] * scale))), "few": (FEW[0], max(1, int(FEW[1] * scale)))}
     out: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads; shared with other jobs",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads; "
+                   f"load average {os.getloadavg()[0]:.2f} at the start",
         "scale": scale, "repeats": repeats, "changed": CHANGED, "shapes": shapes, "cases": {},
     }
     for name, (n, numel) in shapes.items():

@@ -423,7 +423,7 @@ def bench_fanout(server: Any, states: list[dict[str, torch.Tensor]], m: int, gap
 def _md(res: dict[str, Any]) -> str:
     lines = ["# Scale out: partial pulls, a far link, fan-out (benchmarks/scale.py)", "",
              (f"Workload `{res['workload']}` (bf16, real AdamW steps), {res['steps']} versions after the first, "
-              f"moto on 127.0.0.1; {res['machine']}. Machine shared with other work: times are noisy."), ""]
+              f"moto on 127.0.0.1; {res['machine']}."), ""]
     if "partial" in res:
         lines += ["## Partial pulls: bytes read by a worker holding 1/8", "",
                   "| chunking | selection | held / whole | first pull / whole | per version / whole | bit-exact |",
@@ -503,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
 
     states = _states(args.steps, args.workload)
     res: dict[str, Any] = {"workload": args.workload, "steps": args.steps,
-                           "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+                           "machine": f"{platform.machine()}, {os.cpu_count()} cores, load average "
+                                      f"{os.getloadavg()[0]:.2f} at the start"}
     parts = args.only or ["partial", "chunking", "far", "fanout"]
     with devserver.moto() as server:
         if "partial" in parts:

@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 _TMP_PREFIX = RESERVED_PREFIX + "tmp-"
 _LOCK_DIR = RESERVED_PREFIX + "locks"
 #: The object's ETag is stored in an extended attribute of its own inode, so it is replaced
-#: atomically together with the bytes and head()/list() need not re-read large files. (Releases
-#: before 0.x kept an MD5 under ``user.deltastore.md5``; a process only ever compares ETags it
+#: atomically together with the bytes and head()/list() need not re-read large files. (Earlier
+#: releases kept an MD5 under ``user.deltastore.md5``; a process only ever compares ETags it
 #: computed itself, so the two never meet: an object without this attribute is hashed.)
 _ETAG_XATTR = "user.deltastore.etag"
 #: Chunk size when hashing a file that has no ETag attribute (written by hand, or a filesystem
