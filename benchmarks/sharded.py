@@ -231,7 +231,21 @@ def _count_requests(store: Any, counts: dict[str, int]) -> None:
             setattr(store, op, counted)
 
 
+def _pin(rank: int, threads: int) -> list[int]:
+    """Pin this process (and the threads it starts) to ``threads`` cores of its own, rank r
+    taking cores ``[r·threads, (r+1)·threads)`` (wrapping when the ranks need more cores than
+    there are): N ranks of one encode thread then use N cores, and one rank cannot spill its
+    main, upload and gloo threads onto a core another configuration's rank would need, as the
+    processes of a training job on a node with cores per rank would not."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = sorted({cores[(rank * threads + i) % len(cores)] for i in range(threads)})
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: str) -> None:
+    if cfg.get("pin"):
+        _pin(rank, cfg["threads"])
     base_rss = _rss_bytes()
     import torch
     import torch.distributed as dist
@@ -319,7 +333,8 @@ def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, t
     out = tmp / f"out-{name}"
     out.mkdir()
     cfg = {"workload": workload, "mode": mode, "rows": args.rows, "cols": args.cols, "tensors": args.tensors,
-           "steps": _steps(workload, args), "density": args.density, "threads": threads, "rl_workload": args.rl_workload}
+           "steps": _steps(workload, args), "density": args.density, "threads": threads, "rl_workload": args.rl_workload,
+           "pin": args.pin}
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, url, cfg, str(out))) for r in range(world)]
@@ -412,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the unsharded Publisher and one rank with two threads")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
+                    help="pin each rank to cores of its own (rank r: cores [r·threads, (r+1)·threads)), as a "
+                         "node with cores per rank runs them; without it the ranks share every core")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=1024)
@@ -468,7 +486,8 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
               f"splits them; {RL_STEPS} delta steps",
         "fixed": f"fixed cost: {FIXED_TENSORS} × bf16[{FIXED_ROWS}, {FIXED_COLS}] published unchanged {args.fixed_versions} times",
     }[workload]
-    lines = [f"### {what}; file store; {args.repeat} interleaved runs per configuration; every run bit-exact", ""]
+    pinned = "; each rank pinned to cores of its own (--pin)" if args.pin else ""
+    lines = [f"### {what}; file store; {args.repeat} interleaved runs per configuration{pinned}; every run bit-exact", ""]
     if workload == "fixed":
         lines += ["| ranks | per version: median s (runs) | per rank: store reads / writes / object collectives per version |",
                   "|---|---|---|"]
