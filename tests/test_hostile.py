@@ -209,7 +209,13 @@ def _layout_of_objects(objects: dict[str, bytes]):
 
     if not any(k.endswith(".layout.json.zst") for k in objects):
         return None
-    return lambda ref: decode_object(Layout, objects[ref.key], ref.key, ref.sha256)
+
+    def layout(ref):
+        if ref.key not in objects:  # as a store answers a key it does not hold (not a bare KeyError)
+            raise NotFoundError(f"{ref.key!r} does not exist")
+        return decode_object(Layout, objects[ref.key], ref.key, ref.sha256)
+
+    return layout
 
 
 def _publish_mutated(store, pristine: dict, data: st.DataObject, depth: int) -> None:
