@@ -231,32 +231,16 @@ def host_bits(t: torch.Tensor) -> np.ndarray:
     return np.frombuffer((_CTYPES[w] * n).from_address(t.data_ptr()), dtype=_UINT[w])
 
 
-class _HostMember:
-    """A CPU member tensor of a pull target: live bits, held with their tensor."""
+class _HostView:
+    """Live bits of a pull target's CPU memory, held with what owns it: a member tensor
+    (``host_bits`` of it), or the members of a group lying back to back in member order (as
+    ``pull`` allocates them: one view over the whole row, as fast as a tensor's, no gather or
+    scatter)."""
 
     cpu = True
 
-    def __init__(self, t: torch.Tensor):
-        self.t = t  # keeps the memory of ``raw`` alive
-        self.raw = host_bits(t)
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        return self.raw[a:b]
-
-    def write(self, a: int, b: int, raw: np.ndarray) -> None:
-        view = self.raw[a:b]
-        if not np.shares_memory(view, raw):
-            view[...] = raw
-
-
-class _HostSpan:
-    """A group whose members lie back to back in memory, in member order (as ``pull`` allocates
-    them): one live view over the whole row, as fast as a tensor's (no gather, no scatter)."""
-
-    cpu = True
-
-    def __init__(self, tensors: list[torch.Tensor], raw: np.ndarray):
-        self.tensors = tensors  # keep the memory of ``raw`` alive
+    def __init__(self, owner: Any, raw: np.ndarray):
+        self.owner = owner  # keeps the memory of ``raw`` alive
         self.raw = raw
 
     def read(self, a: int, b: int) -> np.ndarray:
@@ -268,8 +252,8 @@ class _HostSpan:
             view[...] = raw
 
 
-def _span(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostSpan | None:
-    """A :class:`_HostSpan` when ``spec``'s members (of the layout's shapes, checked before;
+def _span(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostView | None:
+    """A :class:`_HostView` over the whole row when ``spec``'s members (of the layout's shapes, checked before;
     contiguous CPU tensors at ``ptrs``) lie at addresses base + offset × width: then the
     members' own memory covers exactly [base, base + n × width), and one view over it is as
     safe as theirs."""
@@ -277,7 +261,7 @@ def _span(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostSp
     base = int(ptrs[0])
     if not np.array_equal(ptrs - np.uint64(base), member_starts(spec)[:-1].astype(np.uint64) * np.uint64(w)):
         return None
-    return _HostSpan(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(base), dtype=_UINT[w]))
+    return _HostView(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(base), dtype=_UINT[w]))
 
 
 class _HostGroup:
@@ -308,7 +292,7 @@ def allocate_members(specs: Mapping[str, TensorSpec], dtype_of: Callable[[str], 
                      zeros: bool = False) -> dict[str, torch.Tensor]:
     """New CPU tensors for every tensor of ``specs`` (units); a group's members are views of
     one buffer per group, back to back (so the read engine writes the group in place, see
-    :class:`_HostSpan`): like a flattened parameter, each member is a tensor of its own shape
+    :class:`_HostView`): like a flattened parameter, each member is a tensor of its own shape
     sharing one storage with its group's other members."""
     new = torch.zeros if zeros else torch.empty
     out: dict[str, torch.Tensor] = {}
@@ -358,7 +342,7 @@ def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], ma
     no unit names are left out."""
 
     def member(t: torch.Tensor) -> _Raw:
-        return _HostMember(t) if t.device.type == "cpu" else make(t)
+        return _HostView(t, host_bits(t)) if t.device.type == "cpu" else make(t)
 
     out: dict[str, Any] = {}
     for name, spec in specs.items():
