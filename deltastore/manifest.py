@@ -1350,6 +1350,32 @@ def join_parts(header: Manifest, layout: Layout, parts: Mapping[str, bytes]) -> 
     return m
 
 
+def encode_joined(m: Manifest, layout: Layout, joined: Manifest) -> bytes:
+    """The stored bytes of a sharded version that :func:`join_parts` built: ``joined`` as it
+    returned it, and ``m`` that or that with a signature added (SPEC §3.1, §8).
+
+    What :func:`encode_manifest` does for a sharded version without joining the parts again:
+    its document is the header and part list, which ``join_parts`` decoded with these very
+    parts. So the check here is that ``m`` is ``joined`` but for its signature and that the
+    header survives JSON as it is (then decoding the bytes returns ``m`` exactly, and its
+    signature verifies): O(header), not O(chunks) twice.
+
+    Raises:
+        ValueError: ``m`` is not sharded or differs from ``joined`` beyond its signature.
+    """
+    if not m.parts or m.schema_ < 3:
+        raise ValueError(f"manifest of version {m.version}: encode_joined stores a sharded version (use encode_manifest)")
+    doc = _manifest_doc(m, layout)
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    base = _manifest_doc(joined, layout)
+    same = {k: v for k, v in doc.items() if k != "signature"} == {k: v for k, v in base.items() if k != "signature"}
+    if (not same or (m.tensors is not joined.tensors and m.tensors != joined.tensors)
+            or (m.blobs is not joined.blobs and m.blobs != joined.blobs) or json.loads(raw) != doc):
+        raise ValueError(f"manifest of version {m.version} is not the version join_parts returned (or does not survive "
+                         "JSON as it is): decoding its bytes would not return it")
+    return _zstd(raw)
+
+
 def encode_manifest(m: Manifest, layout: Layout | None = None, parts: Mapping[str, bytes] | None = None) -> bytes:
     """The stored bytes of a manifest. Schema 1/2: canonical JSON (:func:`dump`). Schema 3: one
     zstd frame of the columnar document of design 005 D8, whose chunk table names tensors by

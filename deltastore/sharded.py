@@ -69,7 +69,7 @@ from deltastore.manifest import (
     PartRef,
     Stats,
     TensorEntry,
-    encode_manifest,
+    encode_joined,
     encode_part,
     join_parts,
     manifest_key,
@@ -717,12 +717,14 @@ class ShardedPublisher:
             max_attempt_s=math.ceil(self.max_attempt_s),
         )
         datas = {p[0].key: p[1] for p in parts}
-        manifest = join_parts(header, layout, datas)  # the reader's checks, before anything is visible
+        joined = join_parts(header, layout, datas)  # the reader's checks, before anything is visible
+        manifest = joined
         if pub._signing_key is not None:
             from deltastore.signing import sign_manifest
 
-            manifest = sign_manifest(manifest, pub._signing_key)
-        data = encode_manifest(manifest, layout, datas)
+            manifest = sign_manifest(joined, pub._signing_key)
+        # Not encode_manifest: it would join every part again to check what join_parts checked.
+        data = encode_joined(manifest, layout, joined)
         digest = sha256_hex(data)
         mkey = manifest_key(plan.version, digest)
         put_immutable(self.store, mkey, data, "manifest")

@@ -597,6 +597,39 @@ def test_parts_join_into_one_manifest_and_round_trip() -> None:
         parse_manifest(data, key, layout=_layout())
 
 
+def test_joined_version_encodes_without_a_second_join(tmp_path: Path) -> None:
+    """encode_joined (rank 0's commit, design 010 D7) stores the same bytes as encode_manifest,
+    signed or not, and refuses a manifest that is not the one join_parts returned."""
+    from deltastore.manifest import (
+        encode_joined,
+        encode_manifest,
+        join_parts,
+        manifest_key,
+        parse_manifest,
+        sha256_hex,
+    )
+    from deltastore.signing import generate_key_files, load_private_key, sign_manifest
+
+    p0, p1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
+    parts = {p0[0].key: p0[1], p1[0].key: p1[1]}
+    joined = join_parts(_header([p0[0], p1[0]]), _layout(), parts)
+    private, _ = generate_key_files(tmp_path / "k.pem")
+    signed = sign_manifest(joined, load_private_key(private))
+    for m in (joined, signed):
+        data = encode_joined(m, _layout(), joined)
+        assert data == encode_manifest(m, _layout(), parts)
+        back = parse_manifest(data, manifest_key(1, sha256_hex(data)), layout=_layout(), parts=lambda ref: parts[ref.key])
+        assert back == m  # with its signature: what a subscriber verifies
+    with pytest.raises(ValueError, match="not the version join_parts returned"):
+        encode_joined(joined.model_copy(update={"step": 7}), _layout(), joined)
+    with pytest.raises(ValueError, match="not the version join_parts returned"):
+        encode_joined(joined.model_copy(update={"tensors": joined.tensors[:1]}), _layout(), joined)
+    with pytest.raises(ValueError, match="not the version join_parts returned"):  # a signature of another form
+        encode_joined(signed.model_copy(update={"step": 7}), _layout(), joined)
+    with pytest.raises(ValueError, match="sharded"):
+        encode_joined(joined.model_copy(update={"parts": ()}), _layout(), joined)
+
+
 @pytest.mark.parametrize(
     ("case", "match"),
     [
