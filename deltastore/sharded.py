@@ -36,6 +36,8 @@ next publish is a new attempt (an anchor when any rank lost its reference copy).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -120,10 +122,15 @@ class _Claim:
 
 @dataclass(frozen=True)
 class _Report:
-    """Step 1: one rank's view, or its error."""
+    """Step 1: one rank's view, or its error.
+
+    ``claims`` is None when they are this rank's claims of the last layout every rank planned,
+    whose digest ``planned`` names (design 010 D7): a steady version sends a digest, not
+    O(tensors) claims per rank."""
 
     rank: int
-    claims: tuple[_Claim, ...] = ()
+    claims: tuple[_Claim, ...] | None = ()
+    planned: str | None = None  # digest of the claims of the layout this rank planned last
     held: tuple[int, str] | None = None  # (version, manifest key) its reference copy is at
     known: int | None = None  # the last version this rank saw committed
     step: int | None = None
@@ -330,9 +337,9 @@ class ShardedPublisher:
         self._held: tuple[int, str] | None = None  # (version, manifest key) of the reference
         self._layout: Layout | None = None
         self._known: int | None = None
-        # The layout planned from the last claims: a trainer passes the same claims every step,
-        # and planning is O(tensors × ranks) per version (every rank plans).
-        self._planned: tuple[tuple[tuple[_Claim, ...], ...], Layout] | None = None
+        # The layout planned from the last claims (and their digest): a trainer passes the same
+        # claims every step, and planning is O(tensors × ranks) per version (every rank plans).
+        self._planned: tuple[tuple[tuple[_Claim, ...], ...], Layout, str] | None = None
         error: tuple[str, str] | None = None
         try:
             if self.rank == COORDINATOR:
@@ -456,7 +463,11 @@ class ShardedPublisher:
                 except Exception as e:  # noqa: BLE001 - raised on every rank after the layout checks
                     pre = _Plan(error=_error_of(e))
                     own_plan_error = e
-            report = _Report(self.rank, tuple(claims), self._held, self._known, step, anchor, plan=pre)
+            mine_claims = tuple(claims)
+            last = self._planned
+            same = last is not None and last[0][self.rank] == mine_claims  # then the digest says it
+            report = _Report(self.rank, None if same else mine_claims, planned=last[2] if last is not None else None,
+                             held=self._held, known=self._known, step=step, anchor=anchor, plan=pre)
         except Exception as e:  # noqa: BLE001 - told to every rank, raised below
             report = _Report(self.rank, error=_error_of(e))
             own: BaseException | None = e
@@ -468,12 +479,18 @@ class ShardedPublisher:
             if own is not None:
                 raise own
             _raise(failed[0].error, default=PartFailedError)  # type: ignore[arg-type]
-        claimed = tuple(r.claims for r in sorted(reports, key=lambda r: r.rank))
-        if self._planned is not None and self._planned[0] == claimed:
+        if all(r.claims is None for r in reports) and len({r.planned for r in reports}) == 1:
+            # every rank: the claims of the layout every rank planned last (one digest)
+            assert self._planned is not None
             layout = self._planned[1]
         else:
-            layout = plan_layout(reports, self.world, self.chunk_bytes)  # the same verdict on every rank
-            self._planned = (claimed, layout)
+            reports = self._full_claims(reports, mine_claims)
+            claimed = tuple(r.claims or () for r in reports)
+            if self._planned is not None and self._planned[0] == claimed:
+                layout = self._planned[1]
+            else:
+                layout = plan_layout(reports, self.world, self.chunk_bytes)  # the same verdict on every rank
+                self._planned = (claimed, layout, hashlib.sha256(repr(claimed).encode()).hexdigest())
         steps = {r.step for r in reports}
         if len(steps) > 1:
             raise ShardMismatchError(f"the ranks publish different steps {sorted(map(str, steps))}: every rank must "
@@ -545,6 +562,22 @@ class ShardedPublisher:
         if not plan.has_base:  # an anchor without a base: these rows are the reference from now on
             self._reference = {n: t.detach().to("cpu", copy=True) for n, t in mine.items()}
         return info
+
+    def _full_claims(self, reports: list[_Report], mine: tuple[_Claim, ...]) -> list[_Report]:
+        """``reports`` (in rank order) with every rank's claims: those sent as a digest are the
+        claims of the layout planned last, which every rank holds when every report names the
+        same digest; else (a rank planned another layout, or none) one more round sends every
+        rank's claims. The choice depends on the reports only, so every rank makes it alike."""
+        reports = sorted(reports, key=lambda r: r.rank)
+        if all(r.claims is not None for r in reports):
+            return reports
+        digests = {r.planned for r in reports}
+        if len(digests) == 1 and None not in digests:  # this rank's digest among them: _planned is that
+            assert self._planned is not None
+            last = self._planned[0]
+            return [r if r.claims is not None else dataclasses.replace(r, claims=last[r.rank]) for r in reports]
+        full = self._all_gather(mine)
+        return [dataclasses.replace(r, claims=full[r.rank]) for r in reports]
 
     def _owned(self, layout: Layout, local: Mapping[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
         """The rows this rank publishes: those of the pieces the layout gives it."""

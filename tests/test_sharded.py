@@ -294,8 +294,39 @@ def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, An
     return out
 
 
+def _scenario_claims(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Design 010 D7: claims go as a digest once every rank planned them; a rank that lost its
+    plan makes every rank send its claims in one more round; a new row split is a new layout."""
+    from deltastore.sharded import Rows, ShardedPublisher
+
+    out: dict[str, Any] = {"rounds": [], "sent": [], "infos": []}
+    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+        calls: list[Any] = []
+        real = pub._all_gather
+
+        def all_gather(obj: Any) -> Any:
+            calls.append(obj)
+            return real(obj)
+
+        pub._all_gather = all_gather  # type: ignore[method-assign]
+        for v in range(1, 8):
+            state = rank_state(v, rank, world)
+            if v == 4 and rank == 1:
+                pub._planned = None  # as a rank that planned nothing would: one more round on every rank
+            if v >= 6:  # rows [0, 4) on rank 0, [4, 10) on rank 1: another layout
+                start, stop = (0, 4) if rank == 0 else (4, 10)
+                state["a"] = Rows(full_model(v)["a"][start:stop].clone(), start, 10)
+            calls.clear()
+            info = pub.publish(state, step=v)
+            out["infos"].append((info.version, info.kind))
+            out["rounds"].append(len(calls))
+            out["sent"].append("claims" if calls[0].claims is not None else "digest")
+    return out
+
+
 SCENARIOS = {
     "steady": _scenario_steady,
+    "claims": _scenario_claims,
     "part_upload_fails": _scenario_part_upload_fails,
     "signed": _scenario_signed,
     "versions": _scenario_versions,
@@ -429,6 +460,21 @@ def test_steady_versions_skip_the_plan_round_and_read_nothing(tmp_path: Path) ->
     assert results[0]["reads"][1] == results[0]["reads"][3] == results[0]["reads"][4] == 0, results[0]["reads"]
     with Subscriber(url) as sub:
         for v in range(1, 6):
+            _assert_equal(sub.pull(v), full_model(v))
+
+
+def test_steady_claims_go_as_a_digest(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "claims", tmp_path)
+    _ok(results)
+    for r in results:
+        assert r["infos"] == [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "delta"), (5, "delta"), (6, "anchor"),
+                              (7, "delta")], r
+        assert r["rounds"] == [1, 1, 1, 2, 1, 1, 1], r  # version 4: rank 1 planned nothing, so a second round
+    assert results[0]["sent"] == ["claims", "digest", "digest", "digest", "digest", "claims", "digest"]
+    assert results[1]["sent"] == ["claims", "digest", "digest", "claims", "digest", "claims", "digest"]
+    with Subscriber(url) as sub:
+        for v in range(1, 8):
             _assert_equal(sub.pull(v), full_model(v))
 
 
