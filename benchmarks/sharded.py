@@ -31,9 +31,16 @@ barrier to the committed HEAD; median over the steps of a run, then median over 
 throughput (model bytes / median delta time) and its ratio to one rank, the CPU seconds of a
 delta publish on the busiest rank (its process's CPU time, every thread; on a shared machine
 the ranks wait for cores, and this is the time a publish takes when each rank has a core of
-its own, less what it waits for the others and the store) and its ratio, and per rank the peak
-RSS above the process's RSS before it built its rows, next to its shard's bytes (the reference
-copy is one more shard). Goal (issue 12): 2 ranks ≥ 1.7× one rank.
+its own, less what it waits for the others and the store) and its ratio, every rank's CPU
+seconds (rank 0 also joins and commits), and per rank the peak RSS above the process's RSS
+before it built its rows, next to its shard's bytes (the reference copy is one more shard).
+Goal (issue 12): 2 ranks ≥ 1.7× one rank.
+
+``scan`` (``--scan-bytes``, default the rl model's 531 MB)
+    The machine's ceiling without deltastore: one process scans the bytes (memcmp of two equal
+    buffers, as the encoder compares a shard with its reference; memmove, as it advances the
+    reference), then 1, 2, 4 processes at once scan a 1/N share each. If N processes are not
+    N× faster here, N ranks cannot be either (memory bandwidth, or cores taken by others).
 
 Every configuration's last version is pulled by an unsharded Subscriber and compared with the
 model published, bit for bit. Results: benchmarks/results/sharded.{json,md}.
@@ -315,6 +322,53 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
             dist.destroy_process_group()
 
 
+#: Scans per process and configuration of ``--workload scan`` (the median is reported).
+SCAN_REPEATS = 9
+
+
+def _scan_proc(nbytes: int, q: Any, barrier: Any) -> None:
+    """One process of the scan ceiling: memcmp and memmove of ``nbytes``, timed between barriers."""
+    import ctypes
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None)
+    libc.memcmp.restype = ctypes.c_int
+    libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    b, c = a.copy(), np.empty_like(a)  # equal buffers: memcmp reads both to the end
+    cmp_s, move_s, cpu_s = [], [], []
+    barrier.wait()
+    for _ in range(SCAN_REPEATS):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        libc.memcmp(a.ctypes.data, b.ctypes.data, nbytes)
+        cmp_s.append(time.perf_counter() - t0)
+        cpu_s.append(time.thread_time() - c0)
+        barrier.wait()
+        t0 = time.perf_counter()
+        ctypes.memmove(c.ctypes.data, a.ctypes.data, nbytes)
+        move_s.append(time.perf_counter() - t0)
+        barrier.wait()
+    q.put((statistics.median(cmp_s), statistics.median(move_s), statistics.median(cpu_s)))
+
+
+def scan_ceiling(nbytes: int, worlds: list[int]) -> list[dict[str, Any]]:
+    """Per process count: the slowest process's median memcmp and memmove times of its share."""
+    ctx = mp.get_context("fork")
+    rows = []
+    for n in worlds:
+        q, barrier = ctx.Queue(), ctx.Barrier(n)
+        procs = [ctx.Process(target=_scan_proc, args=(nbytes // n, q, barrier)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        res = [q.get() for _ in procs]
+        for p in procs:
+            p.join()
+        rows.append({"processes": n, "memcmp_s": round(max(r[0] for r in res), 4), "memmove_s": round(max(r[1] for r in res), 4),
+                     "cpu_over_wall": round(min(r[2] / r[0] for r in res), 2)})
+    return rows
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -361,10 +415,12 @@ def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dic
     delta_s = statistics.median(run_deltas)
     # CPU seconds of a delta publish on the busiest rank (median over its publishes, then over
     # runs): what one publish costs when every rank has a core of its own, whatever the load.
-    busiest_cpu = statistics.median(
-        max(statistics.median(c for (kind, _, _), c in zip(r["times"], r["cpu"]) if kind in ("delta", "unchanged"))
-            for r in run["ranks"])
-        for run in runs)
+    def rank_cpu(r: dict[str, Any]) -> float:  # one rank's median CPU seconds of a delta publish
+        return statistics.median(c for (kind, _, _), c in zip(r["times"], r["cpu"]) if kind in ("delta", "unchanged"))
+
+    busiest_cpu = statistics.median(max(rank_cpu(r) for r in run["ranks"]) for run in runs)
+    # every rank's (median over runs): rank 0 also commits, the others wait for it
+    per_rank_cpu = [statistics.median(rank_cpu(run["ranks"][i]) for run in runs) for i in range(world)]
     row = {
         "workload": workload, "mode": mode, "ranks": world, "threads_per_rank": threads, "runs": len(runs),
         "anchor_s": round(statistics.median(anchors), 3), "anchor_mb_s": round(model_bytes / statistics.median(anchors) / 1e6, 1),
@@ -373,6 +429,7 @@ def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dic
         "delta_bytes_median": int(statistics.median(b for run in runs for k, _, b in run["ranks"][0]["times"][1:])),
         "throughput_mb_s": round(model_bytes / delta_s / 1e6, 1),
         "delta_cpu_s_busiest_rank": round(busiest_cpu, 4),
+        "delta_cpu_s_per_rank": [round(c, 4) for c in per_rank_cpu],
         "per_rank": [{"rank": r["rank"], "shard_bytes": r["shard_bytes"],
                       "peak_rss_above_base": max(run["ranks"][i]["peak_rss_above_base"] for run in runs)}
                      for i, r in enumerate(runs[0]["ranks"])],
@@ -422,7 +479,7 @@ def _model_bytes(workload: str, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="sharded publishing: throughput with 1, 2, 4 ranks; per-rank memory")
-    ap.add_argument("--workload", nargs="+", choices=["synthetic", "rl", "fixed"], default=["fixed", "synthetic", "rl"])
+    ap.add_argument("--workload", nargs="+", choices=["synthetic", "rl", "fixed", "scan"], default=["fixed", "synthetic", "rl"])
     ap.add_argument("--repeat", type=int, default=3, help="runs of each configuration, interleaved")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
@@ -437,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--rl-workload", default=RL_WORKLOAD)
     ap.add_argument("--fixed-versions", type=int, default=30)
+    ap.add_argument("--scan-bytes", type=int, default=None, help="bytes of --workload scan (default: the rl model's)")
     ap.add_argument("--tmp", type=Path, default=None, help="where the stores go (default: the system's temp dir)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -448,6 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"cpus": os.cpu_count(), "repeat": args.repeat, "workloads": {}}
     lines: list[str] = []
     for workload in args.workload:
+        if workload == "scan":
+            nbytes = args.scan_bytes or _model_bytes("rl", args)
+            rows = [r for _ in range(args.repeat) for r in scan_ceiling(nbytes, args.worlds)]  # interleaved
+            out["workloads"]["scan"] = {"bytes": nbytes, "rows": rows}
+            lines += _scan_report(nbytes, rows, args.worlds)
+            continue
         model_bytes = _model_bytes(workload, args)
         configs = [("sharded", w, 1) for w in args.worlds]
         if args.reference and workload != "fixed":
@@ -476,6 +540,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _scan_report(nbytes: int, rows: list[dict[str, Any]], worlds: list[int]) -> list[str]:
+    """The markdown of the scan ceiling (medians over repeats)."""
+    lines = [f"### scan ceiling: {nbytes:,} B scanned by 1 process, or by N processes at once (1/N each); no deltastore", "",
+             "| processes | memcmp s (vs 1) | memmove s (vs 1) | CPU / wall of a scan (lowest process) |", "|---|---|---|---|"]
+    med = {n: {k: statistics.median(r[k] for r in rows if r["processes"] == n) for k in ("memcmp_s", "memmove_s", "cpu_over_wall")}
+           for n in worlds}
+    for n in worlds:
+        m = med[n]
+        lines.append(f"| {n} | {m['memcmp_s']:.4f} ({med[1]['memcmp_s'] / m['memcmp_s']:.2f}×) "
+                     f"| {m['memmove_s']:.4f} ({med[1]['memmove_s'] / m['memmove_s']:.2f}×) | {m['cpu_over_wall']:.2f} |")
+    return [*lines, ""]
+
+
 def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> list[str]:
     """The markdown of one workload."""
     rows, model_bytes = entry["configs"], entry["model_bytes"]
@@ -497,15 +574,16 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
         return [*lines, ""]
     lines += [
         ("| writer | ranks × threads | anchor s (vs 1 rank) | delta s, median (per run) | delta: MB/s of model | delta vs 1 rank "
-         "| delta CPU s, busiest rank (vs 1 rank) | per-rank peak RSS above base / shard |"),
-        "|---|---|---|---|---|---|---|---|",
+         "| delta CPU s, busiest rank (vs 1 rank) | delta CPU s per rank | per-rank peak RSS above base / shard |"),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mem = ", ".join(f"{p['peak_rss_above_base'] / 2**20:.0f}/{p['shard_bytes'] / 2**20:.0f} MiB" for p in r["per_rank"])
         lines.append(f"| {'Publisher' if r['mode'] == 'unsharded' else 'ShardedPublisher'} | {r['ranks']} × "
                      f"{r['threads_per_rank']} | {r['anchor_s']} ({r['anchor_vs_1_rank']}×) | {r['delta_median_s']} "
                      f"({', '.join(map(str, r['delta_runs_s']))}) | {r['throughput_mb_s']} | {r['vs_1_rank']}× "
-                     f"| {r['delta_cpu_s_busiest_rank']} ({r['cpu_vs_1_rank']}×) | {mem} |")
+                     f"| {r['delta_cpu_s_busiest_rank']} ({r['cpu_vs_1_rank']}×) "
+                     f"| {', '.join(f'{c:.3f}' for c in r['delta_cpu_s_per_rank'])} | {mem} |")
     two = next((r for r in rows if r["mode"] == "sharded" and r["ranks"] == 2), None)
     if two is not None:
         entry["two_over_one"] = two["vs_1_rank"]
