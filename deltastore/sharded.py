@@ -9,7 +9,8 @@ HEAD compare-and-swap of SPEC §5. No rank ever holds another rank's rows.
 
 One publish is five steps, all ranks in lockstep (every collective is over ``group``)::
 
-    1. all_gather   each rank: what it owns (name, dtype, global shape, rows), the version it
+    1. all_gather   each rank: what it owns (name, dtype, global shape, rows; a digest when
+                    that is what every rank planned last, design 010 D7), the version it
                     holds, step, anchor request, or its local error; rank 0 adds its pre-plan
                     of a steady-state version (next version, same layout and base, design 010 D6)
                     -> every rank computes the same layout, or the same ShardMismatchError,
@@ -20,7 +21,8 @@ One publish is five steps, all ranks in lockstep (every collective is over ``gro
                     the layout object if new
     3. (local)      each rank: encode its rows, upload its packs, build its part manifest
     4. gather       part references and part manifests to rank 0, or each rank's error
-    5. broadcast    rank 0: uploads the part manifests while it joins and checks them, writes
+    5. broadcast    rank 0: uploads the part manifests while it joins and checks them (once:
+                    the version manifest is stored without a second join), writes
                     the version manifest, CASes HEAD once (nothing read back: the next tip is
                     what it wrote); the outcome (or the error) goes to every rank
 
