@@ -52,13 +52,32 @@ class EncodedVersion:
     Attributes:
         entries: one entry per tensor, in layout order, each with its chunks' segment refs.
         stats: bytes stored and what changed.
-        blobs: the packs, all uploaded: delta packs (role ``d``) first, then full packs
-            (role ``f``); a pack never holds both (SPEC §2, design 005 D2).
+        blobs: the packs: delta packs (role ``d``) first, then full packs (role ``f``); a
+            pack never holds both (SPEC §2, design 005 D2). All uploaded, unless
+            :func:`encode_version` was called with ``wait=False``: then the last ones may still
+            be in flight until :meth:`wait_stored` returns.
     """
 
     entries: tuple[TensorEntry, ...]
     stats: Stats
     blobs: tuple[BlobRef, ...]
+    uploads: tuple[Future[None], ...] = ()
+
+    def wait_stored(self) -> None:
+        """Return once every pack in :attr:`blobs` is stored.
+
+        Raises:
+            StorageError, IntegrityError: an upload failed (the first failure, after waiting
+                for all: none is still writing when this raises).
+        """
+        error: BaseException | None = None
+        for f in self.uploads:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below once all are done
+                error = error or e
+        if error is not None:
+            raise error
 
 
 @dataclass
@@ -134,9 +153,15 @@ class _PackWriter:
 
     def finish(self) -> None:
         """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
+        for f in self.finish_async():
+            f.result()
+
+    def finish_async(self) -> list[Future[None]]:
+        """Start uploading what is buffered; return the uploads still in flight (every pack's
+        digest and key are final in :attr:`blobs` already)."""
         self.flush()
-        while self._uploads:
-            self._uploads.popleft().result()
+        out, self._uploads = list(self._uploads), deque()
+        return out
 
 
 def chunk_jobs(specs: Mapping[str, TensorSpec]) -> list[list[tuple[int, int, str]]]:
@@ -177,6 +202,7 @@ def encode_version(
     store: Store,
     threads: int,
     attempt: str | None = None,
+    wait: bool = True,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -197,9 +223,13 @@ def encode_version(
         store: where packs are uploaded (create-only, content-addressed).
         attempt: the commit attempt's id (schema 3): packs go under ``objects/<attempt>/``
             with their role; None writes schema-1/2 ``blobs/`` keys.
+        wait: return once every pack is stored (default). False returns as soon as the last
+            chunk is encoded, with the last packs' uploads in flight (their keys and digests
+            are final): the caller builds its manifest meanwhile and MUST call
+            :meth:`EncodedVersion.wait_stored` before writing anything that names them.
 
     Returns:
-        The :class:`EncodedVersion`; every pack it lists is stored.
+        The :class:`EncodedVersion`; every pack it lists is stored (``wait``) or uploading.
 
     Raises:
         StorageError, IntegrityError: a pack upload failed; nothing was committed.
@@ -210,21 +240,34 @@ def encode_version(
     # Float bit patterns code better with the exponent in one byte plane (codec full/2).
     floating = {n: torch_dtype(sp.dtype).is_floating_point for n, sp in specs.items()}
 
-    # Bit views made once, here: per-chunk torch calls on the encode threads would queue for
-    # the GIL behind numpy. A device tensor is copied to the host chunk by chunk instead.
-    # Group members (design 007) are read when their group's chunk is gathered: through a
-    # table of the members' addresses (one native copy per chunk), or member by member when
-    # one is not a contiguous CPU tensor. Each table is built on an encode thread, by the
-    # group's first chunk job, so that it overlaps the other threads' kernels.
-    new_bits = {n: bits(state[n]) for n, s in specs.items() if not s.members and state[n].is_cpu}
+    # Bit views made once per tensor, on this thread (per-chunk torch calls on the encode
+    # threads would queue for the GIL behind numpy), as the first job that needs them is
+    # submitted: the first chunk is encoding after two views rather than after all of them
+    # (~20 µs each: 165 tensors and their references cost ~4 ms of serial start on tf265m).
+    # A device tensor is copied to the host chunk by chunk instead. Group members (design
+    # 007) are read when their group's chunk is gathered: through a table of the members'
+    # addresses (one native copy per chunk), or member by member when one is not a contiguous
+    # CPU tensor. Each table is built on an encode thread, by the group's first chunk job, so
+    # that it overlaps the other threads' kernels.
+    new_bits: dict[str, np.ndarray] = {}
+    ref_bits: dict[str, np.ndarray] = {}
     tables: dict[str, np.ndarray | None] = {}
+    viewed: set[str] = set()
+
+    def views(name: str) -> None:
+        if name in viewed:
+            return
+        viewed.add(name)
+        if not specs[name].members and state[name].is_cpu:
+            new_bits[name] = bits(state[name])
+        if reference is not None:
+            ref_bits[name] = bits(reference[name])
 
     def table(spec: TensorSpec) -> np.ndarray | None:
         if spec.name not in tables:  # a race builds the same table twice, harmlessly
             # ``state`` is validated (contiguous) and of the layout's shapes
             tables[spec.name] = member_pointers(spec, [state[m.name] for m in spec.members], contiguous=True)
         return tables[spec.name]
-    ref_bits = {n: bits(t) for n, t in reference.items()} if reference is not None else {}
 
     def new_chunk(name: str, a: int, b: int) -> np.ndarray:
         """Elements [a, b) of tensor ``name``'s new bits (a view on the CPU)."""
@@ -258,9 +301,15 @@ def encode_version(
     full_packs = _PackWriter(store, uploader, attempt=attempt, role="f")
     window = threads * IN_FLIGHT_PER_THREAD
     pending: deque[Future[list[_Encoded | None]]] = deque()
-    chunks: list[tuple[_Encoded, SegmentRef | None, SegmentRef | None]] = []
+    # The chunk table is built as results arrive, while the threads encode: a delta chunk's
+    # entry is final at once; a full segment's pack index moves past the delta packs, whose
+    # number is known only at the end, so an anchor's entries are built then.
+    by_tensor: dict[int, list[ChunkEntry]] = {}
+    with_full: list[tuple[_Encoded, SegmentRef | None, SegmentRef]] = []
+    elements_changed = 0
 
     def drain(limit: int) -> None:
+        nonlocal elements_changed
         while len(pending) > limit:
             for enc in pending.popleft().result():
                 if enc is None:
@@ -268,26 +317,32 @@ def encode_version(
                 d = delta_packs.add(enc.delta, enc.delta_sha256) if enc.delta is not None else None
                 f = full_packs.add(enc.full, enc.full_sha256) if enc.full is not None else None
                 enc.delta = enc.full = None  # the bytes now live in the pack writers only
-                chunks.append((enc, d, f))
+                if d is not None:
+                    elements_changed += d.n_changed
+                if f is None:
+                    by_tensor.setdefault(enc.tensor, []).append(ChunkEntry(index=enc.index, digest=enc.digest, full=None, delta=d))
+                else:  # every chunk of an anchor has a full segment: one path per version, in order
+                    with_full.append((enc, d, f))
 
     for group in chunk_jobs(specs):
+        for j in group:
+            views(j[2])
         pending.append(pool.submit(lambda g: [job(*j) for j in g], group))
         drain(window)
     drain(0)
-    delta_packs.finish()
-    full_packs.finish()
+    if wait:
+        delta_packs.finish()
+        full_packs.finish()
+        uploads: tuple[Future[None], ...] = ()
+    else:
+        uploads = (*delta_packs.finish_async(), *full_packs.finish_async())
     offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
 
     def tensors_in(spec: TensorSpec) -> int:  # a group row counts its members (design 007 D3)
         return len(spec.members) or 1
 
-    by_tensor: dict[int, list[ChunkEntry]] = {}
-    elements_changed = 0
-    for enc, d, f in chunks:
-        if d is not None:
-            elements_changed += d.n_changed
-        if f is not None:
-            f = f.model_copy(update={"blob": f.blob + offset})
+    for enc, d, f in with_full:
+        f = f.model_copy(update={"blob": f.blob + offset})
         by_tensor.setdefault(enc.tensor, []).append(ChunkEntry(index=enc.index, digest=enc.digest, full=f, delta=d))
     entries = []
     tensors_changed = 0
@@ -308,4 +363,4 @@ def encode_version(
         delta_bytes=delta_packs.bytes_written if attempt is not None else None,
         full_bytes=full_packs.bytes_written if attempt is not None else None,
     )
-    return EncodedVersion(entries=tuple(entries), stats=stats, blobs=tuple(delta_packs.blobs + full_packs.blobs))
+    return EncodedVersion(entries=tuple(entries), stats=stats, blobs=tuple(delta_packs.blobs + full_packs.blobs), uploads=uploads)
