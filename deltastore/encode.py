@@ -301,12 +301,39 @@ def encode_version(
     full_packs = _PackWriter(store, uploader, attempt=attempt, role="f")
     window = threads * IN_FLIGHT_PER_THREAD
     pending: deque[Future[list[_Encoded | None]]] = deque()
-    # The chunk table is built as results arrive, while the threads encode: a delta chunk's
-    # entry is final at once; a full segment's pack index moves past the delta packs, whose
-    # number is known only at the end, so an anchor's entries are built then.
-    by_tensor: dict[int, list[ChunkEntry]] = {}
+
+    def tensors_in(spec: TensorSpec) -> int:  # a group row counts its members (design 007 D3)
+        return len(spec.members) or 1
+
+    # The chunk table is built as results arrive, while the threads encode (results come in
+    # layout order, chunks by index, so a tensor's entry is complete when the next tensor's
+    # first chunk arrives). A delta chunk's entry is final at once; a full segment's pack
+    # index moves past the delta packs, whose number is known only at the end, so an anchor's
+    # entries are built then.
+    entries: list[TensorEntry] = []
+    tensor_chunks: list[ChunkEntry] = []  # of tensor ``open_tensor``, not yet in ``entries``
+    open_tensor = -1
     with_full: list[tuple[_Encoded, SegmentRef | None, SegmentRef]] = []
     elements_changed = 0
+    tensors_changed = 0
+
+    def close_tensor() -> None:
+        nonlocal tensors_changed
+        if not tensor_chunks:
+            return
+        spec = specs[names[open_tensor]]
+        if any(c.delta is not None for c in tensor_chunks):
+            tensors_changed += tensors_in(spec)
+        entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows,
+                                   chunks=tuple(tensor_chunks)))
+        tensor_chunks.clear()
+
+    def add_chunk(ti: int, chunk: ChunkEntry) -> None:
+        nonlocal open_tensor
+        if ti != open_tensor:
+            close_tensor()
+            open_tensor = ti
+        tensor_chunks.append(chunk)
 
     def drain(limit: int) -> None:
         nonlocal elements_changed
@@ -320,7 +347,7 @@ def encode_version(
                 if d is not None:
                     elements_changed += d.n_changed
                 if f is None:
-                    by_tensor.setdefault(enc.tensor, []).append(ChunkEntry(index=enc.index, digest=enc.digest, full=None, delta=d))
+                    add_chunk(enc.tensor, ChunkEntry(index=enc.index, digest=enc.digest, full=None, delta=d))
                 else:  # every chunk of an anchor has a full segment: one path per version, in order
                     with_full.append((enc, d, f))
 
@@ -337,20 +364,9 @@ def encode_version(
     else:
         uploads = (*delta_packs.finish_async(), *full_packs.finish_async())
     offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
-
-    def tensors_in(spec: TensorSpec) -> int:  # a group row counts its members (design 007 D3)
-        return len(spec.members) or 1
-
     for enc, d, f in with_full:
-        f = f.model_copy(update={"blob": f.blob + offset})
-        by_tensor.setdefault(enc.tensor, []).append(ChunkEntry(index=enc.index, digest=enc.digest, full=f, delta=d))
-    entries = []
-    tensors_changed = 0
-    for ti, tchunks in sorted(by_tensor.items()):
-        spec = specs[names[ti]]
-        if any(c.delta is not None for c in tchunks):
-            tensors_changed += tensors_in(spec)
-        entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows, chunks=tuple(tchunks)))
+        add_chunk(enc.tensor, ChunkEntry(index=enc.index, digest=enc.digest, full=f.model_copy(update={"blob": f.blob + offset}), delta=d))
+    close_tensor()
     if kind == "anchor" and reference is None:
         tensors_changed = sum(tensors_in(s) for s in specs.values())
         elements_changed = sum(s.numel for s in specs.values())
