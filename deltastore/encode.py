@@ -52,32 +52,13 @@ class EncodedVersion:
     Attributes:
         entries: one entry per tensor, in layout order, each with its chunks' segment refs.
         stats: bytes stored and what changed.
-        blobs: the packs: delta packs (role ``d``) first, then full packs (role ``f``); a
-            pack never holds both (SPEC §2, design 005 D2). All uploaded, unless
-            :func:`encode_version` was called with ``wait=False``: then the last ones may still
-            be in flight until :meth:`wait_stored` returns.
+        blobs: the packs, all uploaded: delta packs (role ``d``) first, then full packs
+            (role ``f``); a pack never holds both (SPEC §2, design 005 D2).
     """
 
     entries: tuple[TensorEntry, ...]
     stats: Stats
     blobs: tuple[BlobRef, ...]
-    uploads: tuple[Future[None], ...] = ()
-
-    def wait_stored(self) -> None:
-        """Return once every pack in :attr:`blobs` is stored.
-
-        Raises:
-            StorageError, IntegrityError: an upload failed (the first failure, after waiting
-                for all: none is still writing when this raises).
-        """
-        error: BaseException | None = None
-        for f in self.uploads:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - re-raised below once all are done
-                error = error or e
-        if error is not None:
-            raise error
 
 
 @dataclass
@@ -153,15 +134,9 @@ class _PackWriter:
 
     def finish(self) -> None:
         """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
-        for f in self.finish_async():
-            f.result()
-
-    def finish_async(self) -> list[Future[None]]:
-        """Start uploading what is buffered; return the uploads still in flight (every pack's
-        digest and key are final in :attr:`blobs` already)."""
         self.flush()
-        out, self._uploads = list(self._uploads), deque()
-        return out
+        while self._uploads:
+            self._uploads.popleft().result()
 
 
 def chunk_jobs(specs: Mapping[str, TensorSpec]) -> list[list[tuple[int, int, str]]]:
@@ -202,7 +177,6 @@ def encode_version(
     store: Store,
     threads: int,
     attempt: str | None = None,
-    wait: bool = True,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -223,13 +197,9 @@ def encode_version(
         store: where packs are uploaded (create-only, content-addressed).
         attempt: the commit attempt's id (schema 3): packs go under ``objects/<attempt>/``
             with their role; None writes schema-1/2 ``blobs/`` keys.
-        wait: return once every pack is stored (default). False returns as soon as the last
-            chunk is encoded, with the last packs' uploads in flight (their keys and digests
-            are final): the caller builds its manifest meanwhile and MUST call
-            :meth:`EncodedVersion.wait_stored` before writing anything that names them.
 
     Returns:
-        The :class:`EncodedVersion`; every pack it lists is stored (``wait``) or uploading.
+        The :class:`EncodedVersion`; every pack it lists is stored.
 
     Raises:
         StorageError, IntegrityError: a pack upload failed; nothing was committed.
@@ -357,12 +327,8 @@ def encode_version(
         pending.append(pool.submit(lambda g: [job(*j) for j in g], group))
         drain(window)
     drain(0)
-    if wait:
-        delta_packs.finish()
-        full_packs.finish()
-        uploads: tuple[Future[None], ...] = ()
-    else:
-        uploads = (*delta_packs.finish_async(), *full_packs.finish_async())
+    delta_packs.finish()
+    full_packs.finish()
     offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
     for enc, d, f in with_full:
         add_chunk(enc.tensor, ChunkEntry(index=enc.index, digest=enc.digest, full=f.model_copy(update={"blob": f.blob + offset}), delta=d))
@@ -379,4 +345,4 @@ def encode_version(
         delta_bytes=delta_packs.bytes_written if attempt is not None else None,
         full_bytes=full_packs.bytes_written if attempt is not None else None,
     )
-    return EncodedVersion(entries=tuple(entries), stats=stats, blobs=tuple(delta_packs.blobs + full_packs.blobs), uploads=uploads)
+    return EncodedVersion(entries=tuple(entries), stats=stats, blobs=tuple(delta_packs.blobs + full_packs.blobs))

@@ -6,7 +6,6 @@ the HEAD protocol (claim, compare-and-swap, lost responses, fencing) in :mod:`de
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import operator
@@ -534,14 +533,13 @@ class Publisher:
 
         lineage = self._commits.lineage_for_commit()
         attempt = new_attempt_id()  # the commit id: every object of this attempt is under it (D1)
-        encoded = None
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
             deadline = time.monotonic() + self.max_attempt_s
             encoded = encode_version(
                 state, specs, kind=kind, reference=self._reference if has_base else None,
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
-                attempt=attempt, wait=False,  # the last packs upload while the manifest is built
+                attempt=attempt,
             )
             if (skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0
                     and self._commits.head_is_current()):
@@ -592,7 +590,6 @@ class Publisher:
             data = encode_manifest(manifest, layout)
             digest = sha256_hex(data)
             mkey = manifest_key(version, digest)
-            encoded.wait_stored()  # a manifest is written only once every pack it names is stored
             put_immutable(self.store, mkey, data, "manifest")
             self._commits.commit(Head(
                 version=version,
@@ -612,9 +609,6 @@ class Publisher:
             self._reference = None
             raise
         except BaseException:
-            if encoded is not None:  # no pack of this attempt is still being written once we raise
-                with contextlib.suppress(BaseException):
-                    encoded.wait_stored()
             # Encoding advances the reference copy chunk by chunk (while the chunk is hot in
             # cache); without a commit it matches no version: drop it, so that the next publish
             # resumes from the store's head (or writes an anchor).
