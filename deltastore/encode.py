@@ -213,7 +213,7 @@ def encode_version(
     # Bit views made once per tensor, on this thread (per-chunk torch calls on the encode
     # threads would queue for the GIL behind numpy), as the first job that needs them is
     # submitted: the first chunk is encoding after two views rather than after all of them
-    # (~20 µs each: 165 tensors and their references cost ~4 ms of serial start on tf265m).
+    # (~10 µs each: the 165 tensors of tf265m and their references cost ~4 ms of serial start).
     # A device tensor is copied to the host chunk by chunk instead. Group members (design
     # 007) are read when their group's chunk is gathered: through a table of the members'
     # addresses (one native copy per chunk), or member by member when one is not a contiguous
