@@ -27,7 +27,14 @@ import torch
 from deltastore.codec import _kernels
 from deltastore.manifest import DTYPE_WIDTHS, GroupMember
 from deltastore.stage import ChunkPatch
-from deltastore.tensors import CHUNK_TARGET_BYTES, TensorSpec, bits
+from deltastore.tensors import (
+    CHUNK_TARGET_BYTES,
+    TensorScan,
+    TensorSpec,
+    bits,
+    layout_tables,
+    scan_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +68,18 @@ def group_specs(specs: Mapping[str, TensorSpec], chunk_target_bytes: int = CHUNK
         prefix = "#" + prefix
     # First pass: assign members to groups per dtype (a group closes when full).
     open_: dict[str, list[TensorSpec]] = {}
+    filled: dict[str, int] = {}  # bytes in each open group (a running sum: O(1) per member)
     closed: list[list[TensorSpec]] = []
     for s in specs.values():
         if not _groupable(s) or s.name in exclude:
             continue
         members = open_.setdefault(s.dtype, [])
         members.append(s)
-        if sum(m.nbytes for m in members) >= GROUP_TARGET_BYTES:
+        filled[s.dtype] = filled.get(s.dtype, 0) + s.nbytes
+        if filled[s.dtype] >= GROUP_TARGET_BYTES:
             closed.append(members)
             open_[s.dtype] = []
+            filled[s.dtype] = 0
     closed.extend(m for m in open_.values() if m)
     position = {n: i for i, n in enumerate(specs)}
     group_of: dict[str, int] = {}
@@ -188,6 +198,36 @@ def member_pointers(spec: TensorSpec, ts: list[torch.Tensor], *, contiguous: boo
     if not all(t.is_cpu for t in ts) or not (contiguous or all(t.is_contiguous() for t in ts)):
         return None
     return np.fromiter((t.data_ptr() for t in ts), dtype=np.uint64, count=len(ts))
+
+
+def member_tables(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Tensor],
+                  scan: TensorScan | None = None) -> dict[str, tuple[list[torch.Tensor], np.ndarray | None]] | None:
+    """Per group row of ``specs``: its member tensors of ``state`` (in member order) and their
+    host addresses, or None for a group whose members are not all contiguous CPU tensors (see
+    :func:`member_pointers`); None when ``state`` lacks a tensor of the layout.
+
+    One pass over all members (a :class:`~deltastore.tensors.TensorScan` in layout order:
+    ``scan``, or the one ``state`` carries, or a new one), not one per group. The caller has
+    checked the tensors' shapes and dtypes against the layout (check_layout) in this call, and
+    holds the tensors while the addresses are used."""
+    tables = layout_tables(specs)
+    if scan is None:
+        scan = scan_of(state, tables.names)
+        if scan is None:
+            return None
+    groups = [(name, tables.spans[name]) for name, s in specs.items() if s.members]
+    out: dict[str, tuple[list[torch.Tensor], np.ndarray | None]] = {}
+    if not groups:
+        return out
+    lo0, hi0 = groups[0][1][0], groups[-1][1][1]
+    ok = scan.cpu[lo0:hi0].all() and scan.contiguous[lo0:hi0].all()
+    for name, (lo, hi) in groups:
+        ts = scan.tensors[lo:hi]
+        if ok or (scan.cpu[lo:hi].all() and scan.contiguous[lo:hi].all()):
+            out[name] = (ts, scan.ptrs[lo:hi])  # ptrs: one pass over all members, at first use
+        else:
+            out[name] = (ts, None)
+    return out
 
 
 def copy_members(row: np.ndarray, ptrs: np.ndarray, starts: np.ndarray, a: int, *, to_row: bool) -> None:
@@ -339,20 +379,25 @@ class GroupTarget:
 def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], make: Callable[[Any], _Raw]) -> dict[str, Any]:
     """The read engine's targets per unit: ``make(tensor)`` for a tensor, a :class:`GroupTarget`
     over its members (``make`` of a device member) for a group row. Tensors of ``tensors`` that
-    no unit names are left out."""
+    no unit names are left out. ``tensors`` are of the layout's shapes and dtypes (checked
+    before, in this call)."""
 
     def member(t: torch.Tensor) -> _Raw:
         return _HostView(t, host_bits(t)) if t.device.type == "cpu" else make(t)
 
+    groups = member_tables(specs, tensors) if any(s.members for s in specs.values()) else {}
     out: dict[str, Any] = {}
     for name, spec in specs.items():
         if spec.members:
-            ts = [tensors[m.name] for m in spec.members]
-            ptrs = member_pointers(spec, ts)
+            if groups is not None:
+                ts, ptrs = groups[name]
+            else:  # ``tensors`` lacks a tensor of the layout: look each member up
+                ts = [tensors[m.name] for m in spec.members]
+                ptrs = member_pointers(spec, ts)
             if ptrs is not None:
                 out[name] = _span(spec, ts, ptrs) or _HostGroup(spec, ts, ptrs)
             else:
-                out[name] = GroupTarget(spec, {m.name: member(tensors[m.name]) for m in spec.members})
+                out[name] = GroupTarget(spec, {m.name: member(t) for m, t in zip(spec.members, ts)})
         elif name in tensors:
             out[name] = make(tensors[name])
     return out
