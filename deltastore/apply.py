@@ -716,7 +716,7 @@ def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dic
         sc = TensorScan(values)
         if sc.contiguous.all():
             names = list(target)
-            return TensorDict(zip(names, values), (names, sc))
+            return TensorDict(target if type(target) is dict else zip(names, values), (names, sc))
     out = {}
     for n, t in target.items():
         if not isinstance(t, torch.Tensor):

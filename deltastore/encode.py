@@ -25,6 +25,7 @@ from deltastore import codec
 from deltastore.codec.delta import encode_delta_advance
 from deltastore.commit import put_immutable
 from deltastore.groups import (
+    MemberTable,
     copy_members,
     gather,
     host_bits,
@@ -234,7 +235,7 @@ def encode_version(
     # first group chunk job, so that it overlaps the other threads' kernels: all at once, from
     # the scan the caller's checks made of ``state`` (groups.member_tables), not per member.
     new_bits = {n: bits(state[n]) for n, s in specs.items() if not s.members and state[n].is_cpu}
-    tables: list[dict[str, tuple[list[torch.Tensor], np.ndarray | None]] | None] = []
+    tables: list[dict[str, MemberTable] | None] = []
 
     def table(spec: TensorSpec) -> np.ndarray | None:
         if not tables:  # a race builds the same tables twice, harmlessly
@@ -243,7 +244,7 @@ def encode_version(
         found = tables[0]
         if found is None:  # not reached: ``state`` holds the layout's tensors (checked before)
             return member_pointers(spec, [state[m.name] for m in spec.members], contiguous=True)
-        return found[spec.name][1]
+        return found[spec.name].ptrs
     ref_bits = {n: bits(t) for n, t in reference.items()} if reference is not None else {}
 
     def new_chunk(name: str, a: int, b: int) -> np.ndarray:

@@ -200,11 +200,48 @@ def member_pointers(spec: TensorSpec, ts: list[torch.Tensor], *, contiguous: boo
     return np.fromiter((t.data_ptr() for t in ts), dtype=np.uint64, count=len(ts))
 
 
+class MemberTable:
+    """A group row's member tensors (in member order) in a pull target or a published state,
+    with their host addresses when every one is a contiguous CPU tensor (else ``ptrs`` is
+    None), and whether they lie back to back as one row (``span``: see :func:`_span`)."""
+
+    __slots__ = ("ptrs", "span", "tensors")
+
+    def __init__(self, tensors: list[torch.Tensor], ptrs: np.ndarray | None, span: bool):
+        self.tensors = tensors
+        self.ptrs = ptrs
+        self.span = span
+
+
+#: Per layout (by its LayoutTables object, which tensors.layout_tables keeps while the layout
+#: is in use): the group rows' entries in the layout's member order, to check every group's
+#: addresses in a few array operations instead of a few per group.
+_group_index: dict[int, tuple[Any, list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _groups_of(specs: Mapping[str, TensorSpec], tables: Any) -> tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]:
+    """``(rows, sel, first, byte_offsets)``: each group row's ``(name, lo, hi)`` in the layout
+    tables, the tables' indices of all members (row by row), the index in ``sel`` where each
+    row starts, and each member's byte offset in its row."""
+    hit = _group_index.get(id(tables))
+    if hit is not None and hit[0] is tables:
+        return hit[1], hit[2], hit[3], hit[4]
+    rows = [(name, *tables.spans[name]) for name, s in specs.items() if s.members]
+    sel = np.concatenate([np.arange(lo, hi, dtype=np.int64) for _, lo, hi in rows]) if rows else np.zeros(0, np.int64)
+    first = np.cumsum([0] + [hi - lo for _, lo, hi in rows[:-1]], dtype=np.int64) if rows else np.zeros(0, np.int64)
+    byte_offsets = np.concatenate(
+        [member_starts(specs[name])[:-1].astype(np.uint64) * np.uint64(DTYPE_WIDTHS[specs[name].dtype]) for name, _, _ in rows]
+    ) if rows else np.zeros(0, np.uint64)
+    if len(_group_index) >= _STARTS_CACHE_MAX:
+        _group_index.clear()
+    _group_index[id(tables)] = (tables, rows, sel, first, byte_offsets)
+    return rows, sel, first, byte_offsets
+
+
 def member_tables(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Tensor],
-                  scan: TensorScan | None = None) -> dict[str, tuple[list[torch.Tensor], np.ndarray | None]] | None:
-    """Per group row of ``specs``: its member tensors of ``state`` (in member order) and their
-    host addresses, or None for a group whose members are not all contiguous CPU tensors (see
-    :func:`member_pointers`); None when ``state`` lacks a tensor of the layout.
+                  scan: TensorScan | None = None) -> dict[str, MemberTable] | None:
+    """A :class:`MemberTable` per group row of ``specs``, of ``state``'s tensors; None when
+    ``state`` lacks a tensor of the layout.
 
     One pass over all members (a :class:`~deltastore.tensors.TensorScan` in layout order:
     ``scan``, or the one ``state`` carries, or a new one), not one per group. The caller has
@@ -215,18 +252,24 @@ def member_tables(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Ten
         scan = scan_of(state, tables.names)
         if scan is None:
             return None
-    groups = [(name, tables.spans[name]) for name, s in specs.items() if s.members]
-    out: dict[str, tuple[list[torch.Tensor], np.ndarray | None]] = {}
-    if not groups:
+    rows, sel, first, byte_offsets = _groups_of(specs, tables)
+    out: dict[str, MemberTable] = {}
+    if not rows:
         return out
-    lo0, hi0 = groups[0][1][0], groups[-1][1][1]
-    ok = scan.cpu[lo0:hi0].all() and scan.contiguous[lo0:hi0].all()
-    for name, (lo, hi) in groups:
+    host = scan.cpu[sel] & scan.contiguous[sel]
+    # per row: every member a contiguous CPU tensor; and at base + offset × width (one span)
+    host_row = np.logical_and.reduceat(host, first)
+    span_row = np.zeros(len(rows), dtype=bool)
+    if host_row.any():
+        ptrs = scan.ptrs[sel]  # ptrs: one pass over all members, at first use
+        base = np.repeat(ptrs[first], np.diff(np.append(first, len(sel))))
+        span_row = np.logical_and.reduceat(ptrs - base == byte_offsets, first) & host_row
+    for r, (name, lo, hi) in enumerate(rows):
         ts = scan.tensors[lo:hi]
-        if ok or (scan.cpu[lo:hi].all() and scan.contiguous[lo:hi].all()):
-            out[name] = (ts, scan.ptrs[lo:hi])  # ptrs: one pass over all members, at first use
+        if host_row[r]:
+            out[name] = MemberTable(ts, ptrs[first[r]:first[r] + hi - lo], bool(span_row[r]))
         else:
-            out[name] = (ts, None)
+            out[name] = MemberTable(ts, None, False)
     return out
 
 
@@ -298,10 +341,15 @@ def _span(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostVi
     members' own memory covers exactly [base, base + n × width), and one view over it is as
     safe as theirs."""
     w = DTYPE_WIDTHS[spec.dtype]
-    base = int(ptrs[0])
-    if not np.array_equal(ptrs - np.uint64(base), member_starts(spec)[:-1].astype(np.uint64) * np.uint64(w)):
+    if not np.array_equal(ptrs - ptrs[0], member_starts(spec)[:-1].astype(np.uint64) * np.uint64(w)):
         return None
-    return _HostView(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(base), dtype=_UINT[w]))
+    return _span_view(spec, ts, ptrs)
+
+
+def _span_view(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostView:
+    """The :class:`_HostView` of :func:`_span`, once the addresses were checked."""
+    w = DTYPE_WIDTHS[spec.dtype]
+    return _HostView(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(int(ptrs[0])), dtype=_UINT[w]))
 
 
 class _HostGroup:
@@ -390,12 +438,15 @@ def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], ma
     for name, spec in specs.items():
         if spec.members:
             if groups is not None:
-                ts, ptrs = groups[name]
+                g = groups[name]
+                ts, ptrs = g.tensors, g.ptrs
+                view = _span_view(spec, ts, ptrs) if g.span else None
             else:  # ``tensors`` lacks a tensor of the layout: look each member up
                 ts = [tensors[m.name] for m in spec.members]
                 ptrs = member_pointers(spec, ts)
+                view = _span(spec, ts, ptrs) if ptrs is not None else None
             if ptrs is not None:
-                out[name] = _span(spec, ts, ptrs) or _HostGroup(spec, ts, ptrs)
+                out[name] = view or _HostGroup(spec, ts, ptrs)
             else:
                 out[name] = GroupTarget(spec, {m.name: member(t) for m, t in zip(spec.members, ts)})
         elif name in tensors:

@@ -656,3 +656,39 @@ def test_a_validated_state_dict_drops_its_scan_when_changed(mutate: str) -> None
     with pytest.raises(LayoutMismatchError):
         check_layout(specs, d, against="v1")
     assert type(pickle.loads(pickle.dumps(d))) is dict
+
+
+def test_member_tables_agree_with_the_per_group_checks() -> None:
+    """groups.member_tables checks every group's members at once; it must find what the
+    per-group checks (member_pointers, _span) find, row by row: a row of back-to-back views,
+    of separate tensors, of views in the wrong order, with a non-contiguous or a meta member."""
+    from deltastore.groups import _span, member_tables
+    from deltastore.tensors import check_layout
+
+    state: dict[str, torch.Tensor] = {}
+    for row in range(5):
+        buf = torch.zeros(6 * 64, dtype=torch.bfloat16)
+        for i in range(6):
+            j = 5 - i if row == 2 else i  # row 2: the right memory, in the wrong order
+            state[f"r{row}.m{i}"] = buf[j * 64:(j + 1) * 64].view(8, 8)
+    for i in range(6):
+        state[f"r1.m{i}"] = state[f"r1.m{i}"].clone()  # row 1: separate tensors
+    state["r3.m4"] = torch.zeros(8, 8, dtype=torch.bfloat16).t().contiguous().t()  # row 3: not contiguous
+    state["r4.m0"] = torch.zeros(8, 8, dtype=torch.bfloat16, device="meta")  # row 4: no host memory
+    specs = {}
+    for r in range(5):
+        members = tuple(GroupMember(f"r{r}.m{i}", "bfloat16", (8, 8), i * 64) for i in range(6))
+        specs[f"#g{r}"] = TensorSpec(f"#g{r}", "bfloat16", (6 * 64,), 6 * 64, members)
+    check_layout(specs, state, against="test")
+    found = member_tables(specs, state)
+    assert found is not None
+    for name, spec in specs.items():
+        ts = [state[m.name] for m in spec.members]
+        ptrs = member_pointers(spec, ts)
+        got = found[name]
+        assert (got.ptrs is None) == (ptrs is None), name
+        if ptrs is not None:
+            assert np.array_equal(got.ptrs, ptrs), name
+            assert got.span == (_span(spec, ts, ptrs) is not None), name
+    assert [found[f"#g{r}"].span for r in range(5)] == [True, False, False, False, False]
+    assert [found[f"#g{r}"].ptrs is not None for r in range(5)] == [True, True, True, False, False]
