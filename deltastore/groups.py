@@ -29,6 +29,7 @@ from deltastore.manifest import DTYPE_WIDTHS, GroupMember
 from deltastore.stage import ChunkPatch
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
+    LayoutTables,
     TensorScan,
     TensorSpec,
     bits,
@@ -216,10 +217,10 @@ class MemberTable:
 #: Per layout (by its LayoutTables object, which tensors.layout_tables keeps while the layout
 #: is in use): the group rows' entries in the layout's member order, to check every group's
 #: addresses in a few array operations instead of a few per group.
-_group_index: dict[int, tuple[Any, list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]] = {}
+_group_index: dict[int, tuple[LayoutTables, list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
-def _groups_of(specs: Mapping[str, TensorSpec], tables: Any) -> tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]:
+def _groups_of(specs: Mapping[str, TensorSpec], tables: LayoutTables) -> tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]:
     """``(rows, sel, first, byte_offsets)``: each group row's ``(name, lo, hi)`` in the layout
     tables, the tables' indices of all members (row by row), the index in ``sel`` where each
     row starts, and each member's byte offset in its row."""
