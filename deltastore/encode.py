@@ -24,9 +24,26 @@ import torch
 from deltastore import codec
 from deltastore.codec.delta import encode_delta_advance
 from deltastore.commit import put_immutable
-from deltastore.groups import copy_members, gather, host_bits, member_pointers, member_starts
+from deltastore.groups import (
+    MemberTable,
+    copy_members,
+    gather,
+    host_bits,
+    member_pointers,
+    member_starts,
+    member_tables,
+)
 from deltastore.jobs import grouped
-from deltastore.manifest import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry, blob_key, object_key, sha256_hex
+from deltastore.manifest import (
+    BlobRef,
+    ChunkEntry,
+    SegmentRef,
+    Stats,
+    TensorEntry,
+    blob_key,
+    object_key,
+    sha256_hex,
+)
 from deltastore.storage.base import Store
 from deltastore.tensors import TensorSpec, bits, state_digest, torch_dtype
 
@@ -217,11 +234,12 @@ def encode_version(
     # A device tensor is copied to the host chunk by chunk instead. Group members (design
     # 007) are read when their group's chunk is gathered: through a table of the members'
     # addresses (one native copy per chunk), or member by member when one is not a contiguous
-    # CPU tensor. Each table is built on an encode thread, by the group's first chunk job, so
-    # that it overlaps the other threads' kernels.
+    # CPU tensor. The tables are built on an encode thread, by the first group chunk job, so
+    # that it overlaps the other threads' kernels: all at once, from the scan the caller's
+    # checks made of ``state`` (groups.member_tables), not per member.
     new_bits: dict[str, np.ndarray] = {}
     ref_bits: dict[str, np.ndarray] = {}
-    tables: dict[str, np.ndarray | None] = {}
+    tables: list[dict[str, MemberTable] | None] = []
     viewed: set[str] = set()
 
     def views(name: str) -> None:
@@ -234,10 +252,13 @@ def encode_version(
             ref_bits[name] = bits(reference[name])
 
     def table(spec: TensorSpec) -> np.ndarray | None:
-        if spec.name not in tables:  # a race builds the same table twice, harmlessly
+        if not tables:  # a race builds the same tables twice, harmlessly
             # ``state`` is validated (contiguous) and of the layout's shapes
-            tables[spec.name] = member_pointers(spec, [state[m.name] for m in spec.members], contiguous=True)
-        return tables[spec.name]
+            tables.append(member_tables(specs, state))
+        found = tables[0]
+        if found is None:  # not reached: ``state`` holds the layout's tensors (checked before)
+            return member_pointers(spec, [state[m.name] for m in spec.members], contiguous=True)
+        return found[spec.name].ptrs
 
     def new_chunk(name: str, a: int, b: int) -> np.ndarray:
         """Elements [a, b) of tensor ``name``'s new bits (a view on the CPU)."""

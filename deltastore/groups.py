@@ -27,7 +27,15 @@ import torch
 from deltastore.codec import _kernels
 from deltastore.manifest import DTYPE_WIDTHS, GroupMember
 from deltastore.stage import ChunkPatch
-from deltastore.tensors import CHUNK_TARGET_BYTES, TensorSpec, bits
+from deltastore.tensors import (
+    CHUNK_TARGET_BYTES,
+    LayoutTables,
+    TensorScan,
+    TensorSpec,
+    bits,
+    layout_tables,
+    scan_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +69,18 @@ def group_specs(specs: Mapping[str, TensorSpec], chunk_target_bytes: int = CHUNK
         prefix = "#" + prefix
     # First pass: assign members to groups per dtype (a group closes when full).
     open_: dict[str, list[TensorSpec]] = {}
+    filled: dict[str, int] = {}  # bytes in each open group (a running sum: O(1) per member)
     closed: list[list[TensorSpec]] = []
     for s in specs.values():
         if not _groupable(s) or s.name in exclude:
             continue
         members = open_.setdefault(s.dtype, [])
         members.append(s)
-        if sum(m.nbytes for m in members) >= GROUP_TARGET_BYTES:
+        filled[s.dtype] = filled.get(s.dtype, 0) + s.nbytes
+        if filled[s.dtype] >= GROUP_TARGET_BYTES:
             closed.append(members)
             open_[s.dtype] = []
+            filled[s.dtype] = 0
     closed.extend(m for m in open_.values() if m)
     position = {n: i for i, n in enumerate(specs)}
     group_of: dict[str, int] = {}
@@ -190,6 +201,79 @@ def member_pointers(spec: TensorSpec, ts: list[torch.Tensor], *, contiguous: boo
     return np.fromiter((t.data_ptr() for t in ts), dtype=np.uint64, count=len(ts))
 
 
+class MemberTable:
+    """A group row's member tensors (in member order) in a pull target or a published state,
+    with their host addresses when every one is a contiguous CPU tensor (else ``ptrs`` is
+    None), and whether they lie back to back as one row (``span``: see :func:`_span`)."""
+
+    __slots__ = ("ptrs", "span", "tensors")
+
+    def __init__(self, tensors: list[torch.Tensor], ptrs: np.ndarray | None, span: bool):
+        self.tensors = tensors
+        self.ptrs = ptrs
+        self.span = span
+
+
+#: Per layout (by its LayoutTables object, which tensors.layout_tables keeps while the layout
+#: is in use): the group rows' entries in the layout's member order, to check every group's
+#: addresses in a few array operations instead of a few per group.
+_group_index: dict[int, tuple[LayoutTables, list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _groups_of(specs: Mapping[str, TensorSpec], tables: LayoutTables) -> tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]:
+    """``(rows, sel, first, byte_offsets)``: each group row's ``(name, lo, hi)`` in the layout
+    tables, the tables' indices of all members (row by row), the index in ``sel`` where each
+    row starts, and each member's byte offset in its row."""
+    hit = _group_index.get(id(tables))
+    if hit is not None and hit[0] is tables:
+        return hit[1], hit[2], hit[3], hit[4]
+    rows = [(name, *tables.spans[name]) for name, s in specs.items() if s.members]
+    sel = np.concatenate([np.arange(lo, hi, dtype=np.int64) for _, lo, hi in rows]) if rows else np.zeros(0, np.int64)
+    first = np.cumsum([0] + [hi - lo for _, lo, hi in rows[:-1]], dtype=np.int64) if rows else np.zeros(0, np.int64)
+    byte_offsets = np.concatenate(
+        [member_starts(specs[name])[:-1].astype(np.uint64) * np.uint64(DTYPE_WIDTHS[specs[name].dtype]) for name, _, _ in rows]
+    ) if rows else np.zeros(0, np.uint64)
+    if len(_group_index) >= _STARTS_CACHE_MAX:
+        _group_index.clear()
+    _group_index[id(tables)] = (tables, rows, sel, first, byte_offsets)
+    return rows, sel, first, byte_offsets
+
+
+def member_tables(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Tensor],
+                  scan: TensorScan | None = None) -> dict[str, MemberTable] | None:
+    """A :class:`MemberTable` per group row of ``specs``, of ``state``'s tensors; None when
+    ``state`` lacks a tensor of the layout.
+
+    One pass over all members (a :class:`~deltastore.tensors.TensorScan` in layout order:
+    ``scan``, or the one ``state`` carries, or a new one), not one per group. The caller has
+    checked the tensors' shapes and dtypes against the layout (check_layout) in this call, and
+    holds the tensors while the addresses are used."""
+    tables = layout_tables(specs)
+    if scan is None:
+        scan = scan_of(state, tables.names)
+        if scan is None:
+            return None
+    rows, sel, first, byte_offsets = _groups_of(specs, tables)
+    out: dict[str, MemberTable] = {}
+    if not rows:
+        return out
+    host = scan.cpu[sel] & scan.contiguous[sel]
+    # per row: every member a contiguous CPU tensor; and at base + offset × width (one span)
+    host_row = np.logical_and.reduceat(host, first)
+    span_row = np.zeros(len(rows), dtype=bool)
+    if host_row.any():
+        ptrs = scan.ptrs[sel]  # ptrs: one pass over all members, at first use
+        base = np.repeat(ptrs[first], np.diff(np.append(first, len(sel))))
+        span_row = np.logical_and.reduceat(ptrs - base == byte_offsets, first) & host_row
+    for r, (name, lo, hi) in enumerate(rows):
+        ts = scan.tensors[lo:hi]
+        if host_row[r]:
+            out[name] = MemberTable(ts, ptrs[first[r]:first[r] + hi - lo], bool(span_row[r]))
+        else:
+            out[name] = MemberTable(ts, None, False)
+    return out
+
+
 def copy_members(row: np.ndarray, ptrs: np.ndarray, starts: np.ndarray, a: int, *, to_row: bool) -> None:
     """Copy elements ``[a, a + row.size)`` of a group between ``row`` and its members (at
     ``ptrs``, see :func:`member_pointers`): ``to_row`` gathers into ``row``, else scatters
@@ -258,10 +342,15 @@ def _span(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostVi
     members' own memory covers exactly [base, base + n × width), and one view over it is as
     safe as theirs."""
     w = DTYPE_WIDTHS[spec.dtype]
-    base = int(ptrs[0])
-    if not np.array_equal(ptrs - np.uint64(base), member_starts(spec)[:-1].astype(np.uint64) * np.uint64(w)):
+    if not np.array_equal(ptrs - ptrs[0], member_starts(spec)[:-1].astype(np.uint64) * np.uint64(w)):
         return None
-    return _HostView(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(base), dtype=_UINT[w]))
+    return _span_view(spec, ts, ptrs)
+
+
+def _span_view(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostView:
+    """The :class:`_HostView` of :func:`_span`, once the addresses were checked."""
+    w = DTYPE_WIDTHS[spec.dtype]
+    return _HostView(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(int(ptrs[0])), dtype=_UINT[w]))
 
 
 class _HostGroup:
@@ -339,20 +428,28 @@ class GroupTarget:
 def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], make: Callable[[Any], _Raw]) -> dict[str, Any]:
     """The read engine's targets per unit: ``make(tensor)`` for a tensor, a :class:`GroupTarget`
     over its members (``make`` of a device member) for a group row. Tensors of ``tensors`` that
-    no unit names are left out."""
+    no unit names are left out. ``tensors`` are of the layout's shapes and dtypes (checked
+    before, in this call)."""
 
     def member(t: torch.Tensor) -> _Raw:
         return _HostView(t, host_bits(t)) if t.device.type == "cpu" else make(t)
 
+    groups = member_tables(specs, tensors) if any(s.members for s in specs.values()) else {}
     out: dict[str, Any] = {}
     for name, spec in specs.items():
         if spec.members:
-            ts = [tensors[m.name] for m in spec.members]
-            ptrs = member_pointers(spec, ts)
+            if groups is not None:
+                g = groups[name]
+                ts, ptrs = g.tensors, g.ptrs
+                view = _span_view(spec, ts, ptrs) if g.span else None
+            else:  # ``tensors`` lacks a tensor of the layout: look each member up
+                ts = [tensors[m.name] for m in spec.members]
+                ptrs = member_pointers(spec, ts)
+                view = _span(spec, ts, ptrs) if ptrs is not None else None
             if ptrs is not None:
-                out[name] = _span(spec, ts, ptrs) or _HostGroup(spec, ts, ptrs)
+                out[name] = view or _HostGroup(spec, ts, ptrs)
             else:
-                out[name] = GroupTarget(spec, {m.name: member(tensors[m.name]) for m in spec.members})
+                out[name] = GroupTarget(spec, {m.name: member(t) for m, t in zip(spec.members, ts)})
         elif name in tensors:
             out[name] = make(tensors[name])
     return out

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,8 @@ from deltastore.codec import _kernels
 from deltastore.compact import compact
 from deltastore.errors import (
     CorruptObjectError,
+    InvalidStateDictError,
+    LayoutMismatchError,
     TargetModifiedError,
     UnsupportedSchemaError,
 )
@@ -53,7 +56,14 @@ from deltastore.manifest import (
 from deltastore.publish import GROUP_AUTO_MIN_TENSORS
 from deltastore.stage import make_patch
 from deltastore.storage import open_store
-from deltastore.tensors import TensorSpec, bits, member_specs
+from deltastore.tensors import (
+    TensorDict,
+    TensorSpec,
+    bits,
+    check_layout,
+    member_specs,
+    validate_state_dict,
+)
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, assert_bits_equal, snapshot
 
 # --- the grouping policy ---------------------------------------------------------------------
@@ -510,3 +520,175 @@ def test_pull_into_separate_member_tensors_scatters_natively() -> None:
             target["n3"].view(torch.int16)[0] += 1
             with pytest.raises(TargetModifiedError):
                 sub.pull_into(target)
+
+
+# --- the one-pass checks (tensors.TensorScan) are redone on every call -----------------------
+# torch has no metadata version counter: a member swapped, resized, transposed or moved to new
+# memory in place (the same tensor object) since the last call must still be seen.
+
+
+def _square_members(n: int = 60) -> dict[str, torch.Tensor]:
+    return {f"m{i}": (torch.randn(8, 8) * 0.02).to(torch.bfloat16) for i in range(n)}
+
+
+def _bumped(state: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+    out = {n: t.clone() for n, t in state.items()}
+    for t in out.values():
+        t.view(torch.int16).view(-1)[k::5] += 1
+    return out
+
+
+@pytest.mark.parametrize("change", ["transposed", "resized", "dtype", "replaced", "removed", "added"])
+def test_pull_into_sees_a_member_changed_since_its_last_call(change: str) -> None:
+    state = _square_members()
+    url = f"memory://groups-changed-{change}"
+    with Publisher(url, group_small_tensors=True) as pub:
+        pub.publish(state)
+        with Subscriber(url) as sub:
+            target = sub.pull()
+            assert any(s.members for s in sub.units().values())
+            pub.publish(_bumped(state, 0))
+            sub.pull_into(target)  # a first call: anything it could keep is now warm
+            pub.publish(_bumped(state, 1))
+            name = "m17"
+            if change == "transposed":  # same object, same shape, no longer contiguous
+                target[name].t_()
+                expected: type[Exception] = InvalidStateDictError
+            elif change == "resized":  # same object, another shape over the same memory
+                target[name].resize_(4, 8)
+                expected = LayoutMismatchError
+            elif change == "dtype":
+                target[name].data = target[name].data.float()
+                expected = LayoutMismatchError
+            elif change == "replaced":  # another tensor under the name
+                target[name] = torch.zeros(8, 4, dtype=torch.bfloat16)
+                expected = LayoutMismatchError
+            elif change == "removed":
+                del target[name]
+                expected = LayoutMismatchError
+            else:
+                target["stranger"] = torch.zeros(3)
+                expected = LayoutMismatchError
+            before = snapshot(target)
+            with pytest.raises(expected, match=name if change != "added" else "stranger"):
+                sub.pull_into(target)
+            assert_bits_equal(target, before, "nothing applied")
+
+
+def test_pull_into_writes_a_member_moved_to_new_memory_since_its_last_call() -> None:
+    """``set_`` gives a member (the same object) new memory holding the same bits: the next
+    pull_into must update the new memory, not the address it had before."""
+    state = _square_members()
+    url = "memory://groups-moved"
+    with Publisher(url, group_small_tensors=True) as pub:
+        pub.publish(state)
+        with Subscriber(url) as sub:
+            target = sub.pull()
+            pub.publish(_bumped(state, 0))
+            sub.pull_into(target)
+            old = target["m5"]
+            old_memory = old.clone()
+            old_view = old.view(-1)  # the group buffer's memory, as it was
+            old.set_(old.clone())
+            assert old.data_ptr() != old_view.data_ptr()
+            new = _bumped(state, 2)
+            pub.publish(new)
+            sub.pull_into(target)
+            assert_bits_equal(target, new)
+            assert torch.equal(old_view.view(torch.int16), old_memory.view(-1).view(torch.int16)), "old memory untouched"
+
+
+@pytest.mark.parametrize("change", ["transposed", "resized", "moved"])
+def test_publish_sees_a_member_changed_since_its_last_call(change: str) -> None:
+    state = _square_members()
+    url = f"memory://groups-pub-changed-{change}"
+    with Publisher(url, group_small_tensors=True) as pub:
+        pub.publish(state)
+        live = {n: t.clone() for n, t in state.items()}  # one dict, published again and again
+        pub.publish(live)
+        for t in live.values():
+            t.view(torch.int16).view(-1)[::3] += 1
+        pub.publish(live)
+        name = "m40"
+        if change == "transposed":
+            live[name].t_()
+            with pytest.raises(InvalidStateDictError, match=name):
+                pub.publish(live)
+        elif change == "resized":
+            live[name].resize_(2, 8)
+            with pytest.raises(LayoutMismatchError, match=name):
+                pub.publish(live)
+        else:  # new memory with new bits: the delta must read them there
+            moved = live[name].clone()
+            moved.view(torch.int16).view(-1)[:10] += 3
+            live[name].set_(moved)
+            v = pub.publish(live).version
+            with Subscriber(url) as sub:
+                assert_bits_equal(sub.pull(v), live)
+
+
+@pytest.mark.parametrize("mutate", ["setitem", "delitem", "update", "ior", "pop", "popitem", "setdefault", "clear"])
+def test_a_validated_state_dict_drops_its_scan_when_changed(mutate: str) -> None:
+    """validate_state_dict's TensorDict carries its scan for the same call's checks; any change
+    to the dict must drop it, so check_layout sees the tensors the dict now holds."""
+    state = {f"t{i}": torch.zeros(4, 4) for i in range(5)}
+    specs = {n: TensorSpec(n, "float32", (4, 4), 4) for n in state}
+    d = validate_state_dict(state)
+    assert isinstance(d, TensorDict)
+    check_layout(specs, d, against="v1")  # uses (and keeps) the scan
+    other = torch.zeros(2, 8)
+    if mutate == "setitem":
+        d["t2"] = other
+    elif mutate == "delitem":
+        del d["t2"]
+    elif mutate == "update":
+        d.update({"t2": other})
+    elif mutate == "ior":
+        d |= {"t2": other}
+    elif mutate == "pop":
+        d.pop("t2")
+    elif mutate == "popitem":
+        d.popitem()
+    elif mutate == "setdefault":
+        d.setdefault("t9", other)
+    else:
+        d.clear()
+    with pytest.raises(LayoutMismatchError):
+        check_layout(specs, d, against="v1")
+    assert type(pickle.loads(pickle.dumps(d))) is dict
+
+
+def test_member_tables_agree_with_the_per_group_checks() -> None:
+    """groups.member_tables checks every group's members at once; it must find what the
+    per-group checks (member_pointers, _span) find, row by row: a row of back-to-back views,
+    of separate tensors, of views in the wrong order, with a non-contiguous or a meta member."""
+    from deltastore.groups import _span, member_tables
+    from deltastore.tensors import check_layout
+
+    state: dict[str, torch.Tensor] = {}
+    for row in range(5):
+        buf = torch.zeros(6 * 64, dtype=torch.bfloat16)
+        for i in range(6):
+            j = 5 - i if row == 2 else i  # row 2: the right memory, in the wrong order
+            state[f"r{row}.m{i}"] = buf[j * 64:(j + 1) * 64].view(8, 8)
+    for i in range(6):
+        state[f"r1.m{i}"] = state[f"r1.m{i}"].clone()  # row 1: separate tensors
+    state["r3.m4"] = torch.zeros(8, 8, dtype=torch.bfloat16).t().contiguous().t()  # row 3: not contiguous
+    state["r4.m0"] = torch.zeros(8, 8, dtype=torch.bfloat16, device="meta")  # row 4: no host memory
+    specs = {}
+    for r in range(5):
+        members = tuple(GroupMember(f"r{r}.m{i}", "bfloat16", (8, 8), i * 64) for i in range(6))
+        specs[f"#g{r}"] = TensorSpec(f"#g{r}", "bfloat16", (6 * 64,), 6 * 64, members)
+    check_layout(specs, state, against="test")
+    found = member_tables(specs, state)
+    assert found is not None
+    for name, spec in specs.items():
+        ts = [state[m.name] for m in spec.members]
+        ptrs = member_pointers(spec, ts)
+        got = found[name]
+        assert (got.ptrs is None) == (ptrs is None), name
+        if ptrs is not None:
+            assert np.array_equal(got.ptrs, ptrs), name
+            assert got.span == (_span(spec, ts, ptrs) is not None), name
+    assert [found[f"#g{r}"].span for r in range(5)] == [True, False, False, False, False]
+    assert [found[f"#g{r}"].ptrs is not None for r in range(5)] == [True, True, True, False, False]
