@@ -131,3 +131,16 @@ def test_one_run_is_read_on_the_calling_thread(tmp_path: Path) -> None:
         threads.clear()
         sub.pull_into(target, version=2)
     assert threads and all(n.startswith("deltastore-prefetch") for n in threads), threads
+
+
+def test_groups_are_applied_largest_first() -> None:
+    """The decode threads share one queue: the biggest groups go first, so the last group
+    taken is a small one (and the order within a group is kept)."""
+    from deltastore.apply import _largest_first
+    from deltastore.plan import ChunkPlan
+    from deltastore.tensors import TensorSpec
+
+    specs = {n: TensorSpec(n, "bfloat16", (rows, 64), 1 << 20) for n, rows in (("a", 4), ("b", 4096), ("c", 64))}
+    plan = {n: ChunkPlan(n, 0, specs[n].chunk_span(0), "0" * 32) for n in specs}
+    groups = [[plan["a"]], [plan["b"]], [plan["a"], plan["c"]]]
+    assert [[p.name for p in g] for g in _largest_first(groups, specs)] == [["b"], ["a", "c"], ["a"]]
