@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from typing_extensions import Self
 
 from deltastore import codec
 from deltastore.errors import (
@@ -162,7 +163,10 @@ class CheckedOnRead(dict):
         return view
 
     def get(self, where: tuple[str, int], default: Any = None) -> Any:  # type: ignore[override]
-        return self[where] if where in self else default
+        try:
+            return self[where]
+        except KeyError:
+            return default
 
     def values(self) -> Any:  # pragma: no cover - no caller; checked reads only
         raise TypeError("CheckedOnRead: read segments by key")
@@ -297,7 +301,7 @@ class _Prefetch(Iterator[_T]):
         self._gen = gen
         self._pool = pool
 
-    def __iter__(self) -> Iterator[_T]:
+    def __iter__(self) -> Self:
         return self
 
     def __next__(self) -> _T:

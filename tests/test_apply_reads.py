@@ -16,7 +16,14 @@ from deltastore.apply import CheckedOnRead, ReadEngine
 from deltastore.errors import IntegrityError, TargetModifiedError
 from deltastore.manifest import sha256_hex
 from deltastore.storage import open_store
-from tests._helpers import TinyTrainer, WrappedStore, assert_bits_equal, head_manifest, publisher, snapshot
+from tests._helpers import (
+    TinyTrainer,
+    WrappedStore,
+    assert_bits_equal,
+    head_manifest,
+    publisher,
+    snapshot,
+)
 
 
 def test_checked_on_read_hashes_each_segment_before_handing_it_out() -> None:
@@ -100,8 +107,8 @@ def test_a_damaged_segment_in_a_whole_pack_is_refused_before_it_is_decoded(tmp_p
     url = str(tmp_path / "store")
     states = _history(url, n=2)
     with open_store(url) as store:
-        key, doc = head_manifest(store)
-        t, c = next((t, c) for t in doc["tensors"] for c in t["chunks"] if c.get("delta") and t["name"].endswith("weight"))
+        _, doc = head_manifest(store)
+        c = next(c for t in doc["tensors"] for c in t["chunks"] if c.get("delta") and t["name"].endswith("weight"))
         blob = doc["blobs"][c["delta"]["blob"]]
         data = bytearray(store.get(blob["key"]))
         data[c["delta"]["offset"] + c["delta"]["length"] - 1] ^= 0x40
