@@ -14,12 +14,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from typing_extensions import Self
 
 from deltastore import codec
 from deltastore.errors import (
@@ -114,8 +115,70 @@ def spread(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], items: list[_T],
     return out
 
 
+def _largest_first(groups: list[list[ChunkPlan]], specs: Mapping[str, TensorSpec]) -> list[list[ChunkPlan]]:
+    """Groups of plans, the most bytes first: the threads take them from one queue, so the
+    last one to finish runs at most the smallest group past the others (in file order, a
+    16 MiB chunk taken last kept one thread busy alone for its whole apply)."""
+    return sorted(groups, key=lambda g: -sum(specs[p.name].chunk_bytes(p.index) for p in g))
+
+
+def _run_here(fn: Callable[..., _R], *args: Any) -> Future[_R]:
+    """``fn(*args)`` called now, on this thread, as a finished Future (an inline ``submit``)."""
+    done: Future[_R] = Future()
+    try:
+        done.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - re-raised by result(), as a pool's Future would
+        done.set_exception(e)
+    return done
+
+
 def _pool_threads(pool: ThreadPoolExecutor) -> int:
     return max(1, getattr(pool, "_max_workers", 1))  # not public, but stable since Python 3.2
+
+
+def _bad_segment(blob_key: str, offset: int) -> IntegrityError:
+    return IntegrityError(f"segment at {offset} of pack {blob_key!r} does not match its SHA-256: the object is corrupt")
+
+
+class CheckedOnRead(dict):
+    """Fetched segments keyed by ``(pack key, offset)``, each checked against its SHA-256 the
+    first time it is read (``[]``, ``get``): by the decode thread that is about to decode it.
+
+    A steady pull_into reads one pack of ~100 segments; hashing them on the fetch thread before
+    the first chunk could be applied was ~20 % of the call's wall time, on one core, with the
+    decode threads idle (design 006, "Addendum (session 16): pull_into"). Read here, each
+    segment is hashed by the thread that decodes it next, from cache, while the other thread
+    applies. The rule of SPEC §7.6 is unchanged: no segment is decoded before its SHA-256
+    matched; a mismatch raises the IntegrityError the eager check raised.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: dict[tuple[str, int], str] = {}  # where → expected SHA-256, not yet checked
+
+    def defer(self, where: tuple[str, int], view: memoryview, sha256: str) -> None:
+        dict.__setitem__(self, where, view)
+        self._pending[where] = sha256
+
+    def __getitem__(self, where: tuple[str, int]) -> memoryview:
+        view = dict.__getitem__(self, where)
+        want = self._pending.get(where)
+        if want is not None:  # two threads may both hash one segment: harmless, never skipped
+            if sha256_hex(view) != want:
+                raise _bad_segment(*where)
+            self._pending.pop(where, None)
+        return view
+
+    def get(self, where: tuple[str, int], default: Any = None) -> Any:  # type: ignore[override]
+        try:
+            return self[where]
+        except KeyError:
+            return default
+
+    def values(self) -> Any:  # pragma: no cover - no caller; checked reads only
+        raise TypeError("CheckedOnRead: read segments by key")
+
+    items = values
 
 
 class _Fetcher:
@@ -133,21 +196,27 @@ class _Fetcher:
         self.max_run: int | None = None
 
     def fetch(
-        self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None
+        self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None,
+        *, check_on_read: bool = False,
     ) -> dict[tuple[str, int], memoryview]:
         """Fetch and verify every step's segment, keyed by ``(pack key, offset)``.
 
         With ``errors``, a segment that is missing, truncated or fails its SHA-256 is recorded
         there (with the error naming it) instead of raising, so a caller can take another path.
+        With ``check_on_read``, segments are returned in a :class:`CheckedOnRead` that checks
+        each one's SHA-256 when it is first read (a mismatch raises there, not here); a pack
+        whose segments do not tile it is still checked here, whole and per segment.
         """
         by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
         for s in steps:
             by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
-        jobs = []
-        for blob, refs in by_blob.values():
-            for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset), self.gap, self.max_run):
-                jobs.append((blob, run, self.pool.submit(self._get_run, blob, run, errors is not None)))
-        out: dict[tuple[str, int], memoryview] = {}
+        runs = [(blob, run) for blob, refs in by_blob.values()
+                for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset), self.gap, self.max_run)]
+        # One GET (a steady version: one pack) runs on this thread: a hand-off to an IO thread
+        # and back costs two wake-ups, milliseconds on a busy machine, before anything applies.
+        submit = _run_here if len(runs) == 1 else self.pool.submit
+        jobs = [(blob, run, submit(self._get_run, blob, run, errors is not None, check_on_read)) for blob, run in runs]
+        out: dict[tuple[str, int], memoryview] = CheckedOnRead() if check_on_read else {}
         for blob, run, j in jobs:
             try:
                 got, bad = j.result()
@@ -156,13 +225,18 @@ class _Fetcher:
                     raise
                 errors.update(((blob.key, r.offset), e) for r in run)
                 continue
-            out.update(got)
+            if isinstance(got, CheckedOnRead):
+                assert isinstance(out, CheckedOnRead)
+                for where, sha in got._pending.items():
+                    out.defer(where, dict.__getitem__(got, where), sha)
+            else:
+                out.update(got)
             if errors is not None:
                 errors.update(bad)
         return out
 
     def _get_run(
-        self, blob: BlobRef, run: list[SegmentRef], tolerant: bool = False
+        self, blob: BlobRef, run: list[SegmentRef], tolerant: bool = False, check_on_read: bool = False,
     ) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
         start, stop = run[0].offset, run[-1].offset + run[-1].length
         whole = start == 0 and stop == blob.size
@@ -181,12 +255,17 @@ class _Fetcher:
         if pack_bad and not tolerant:
             raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
         view = memoryview(data)
-        out = {}
         bad: dict[tuple[str, int], DeltastoreError] = {}
+        if check_on_read and not (whole and not _tiles(run, blob.size)):
+            lazy = CheckedOnRead()
+            for r in run:  # no copy: codec reads views
+                lazy.defer((blob.key, r.offset), view[r.offset - start : r.offset - start + r.length], r.sha256)
+            return lazy, bad
+        out = {}
         for r in run:
             seg = view[r.offset - start : r.offset - start + r.length]  # no copy: codec reads views
             if sha256_hex(seg) != r.sha256:  # also for whole packs: SPEC §7.6, every segment
-                e = IntegrityError(f"segment at {r.offset} of pack {blob.key!r} does not match its SHA-256: the object is corrupt")
+                e = _bad_segment(blob.key, r.offset)
                 if not tolerant:
                     raise e
                 bad[(blob.key, r.offset)] = e
@@ -220,14 +299,43 @@ def _coalesce(refs: list[SegmentRef], gap: int = COALESCE_GAP_BYTES, max_run: in
     return runs
 
 
+class _Prefetch(Iterator[_T]):
+    """An iterator over a prefetching generator that ends the prefetch when closed, also when
+    it was never started (a generator's ``close`` before its first ``next`` skips its body,
+    so its ``with`` block would not wait for the fetch already in flight)."""
+
+    def __init__(self, gen: Iterator[_T], pool: ThreadPoolExecutor):
+        self._gen = gen
+        self._pool = pool
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> _T:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()  # type: ignore[attr-defined]
+        self._pool.shutdown(wait=True)
+
+
 class _Target:
     """Raw access to one target tensor's chunks, on any device (CPU tensors in place)."""
 
     def __init__(self, t: torch.Tensor):
         self.t = t
         self.cpu = t.device.type == "cpu"
-        # Made once: per-chunk torch calls on worker threads queue for the GIL behind numpy.
-        self.raw = bits(t) if self.cpu else None
+        self._raw: np.ndarray | None = None
+
+    @property
+    def raw(self) -> np.ndarray | None:
+        """The CPU tensor's bits as a numpy view (None on a device), made on first use and kept:
+        per-chunk torch calls on worker threads queue for the GIL behind numpy, and making all
+        of them up front (~165 tensors) held up the start of every pull_into on one thread
+        while most are needed by one decode thread only (two threads racing make equal views)."""
+        if self._raw is None and self.cpu:
+            self._raw = bits(self.t)
+        return self._raw
 
     def read(self, a: int, b: int) -> np.ndarray:
         """The chunk's bits: a live view for CPU tensors, a copy for device tensors."""
@@ -360,13 +468,19 @@ class ReadEngine:
         return buf[: like.nbytes].view(like.dtype)
 
     def fetch_batches(
-        self, plans: list[ChunkPlan], *, tolerant: bool = False
+        self, plans: list[ChunkPlan], *, tolerant: bool = False, check_on_read: bool = False,
     ) -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
         """Yield plans in batches of about FETCH_BATCH_BYTES with their verified segments,
         fetching the next batch while the caller applies the current one.
 
+        The first batch's fetch starts when this is called, not at the first ``next``: a caller
+        that has other work before it applies (apply_in_place hashes the chunks it keeps) does
+        it while the segments arrive. Close the iterator (or exhaust it) to end the prefetch.
+
         With ``tolerant``, segments that are missing or fail their SHA-256 come back as errors
-        (the third item) instead of raising, so the caller can take another path for them."""
+        (the third item) instead of raising, so the caller can take another path for them. With
+        ``check_on_read``, each segment's SHA-256 is checked when the caller first reads it
+        (:class:`CheckedOnRead`), on the caller's thread."""
         batches: list[list[ChunkPlan]] = [[]]
         size = 0
         for p in plans:
@@ -376,19 +490,28 @@ class ReadEngine:
                 size = 0
             batches[-1].append(p)
             size += cost
+        if not batches[0]:
+            return (item for item in ())  # closeable, like the prefetching iterator
 
         def fetch(batch: list[ChunkPlan]) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
             errors: dict[tuple[str, int], DeltastoreError] = {}
-            data = self.fetcher.fetch((st for p in batch for st in p.steps()), errors if tolerant else None)
+            data = self.fetcher.fetch((st for p in batch for st in p.steps()), errors if tolerant else None,
+                                      check_on_read=check_on_read)
             return data, errors
 
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch") as ahead:
-            nxt = ahead.submit(fetch, batches[0])
-            for i, batch in enumerate(batches):
-                data, errors = nxt.result()
-                if i + 1 < len(batches):
-                    nxt = ahead.submit(fetch, batches[i + 1])
-                yield batch, data, errors
+        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch")
+        first = ahead.submit(fetch, batches[0])
+
+        def run() -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
+            with ahead:
+                nxt = first
+                for i, batch in enumerate(batches):
+                    data, errors = nxt.result()
+                    if i + 1 < len(batches):
+                        nxt = ahead.submit(fetch, batches[i + 1])
+                    yield batch, data, errors
+
+        return _Prefetch(run(), ahead)
 
     def check_base(
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
@@ -401,6 +524,16 @@ class ReadEngine:
         Raises:
             TargetModifiedError: a chunk the update keeps is not what ``base`` says.
         """
+        plans, targets, deferred, expected = self.prepare(plans, specs, tensors, base, held_version, make_targets)
+        self.check_kept(specs, targets, expected, held_version)
+        return plans, targets, deferred
+
+    def prepare(
+        self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
+        base: dict[tuple[str, int], str], held_version: int | None, make_targets: _MakeTargets | None = None,
+    ) -> tuple[list[ChunkPlan], dict[str, _Target], dict[tuple[str, int], _Base], dict[tuple[str, int], str | None]]:
+        """:meth:`check_base` without the hashing: the plans to run, the targets, the deferred
+        base digests, and the digests the kept chunks must have (for :meth:`check_kept`)."""
         # Tied weights (one storage under two names) are updated once.
         # A group row is its own owner: its members are written through it (design 007 D4).
         seen: dict[tuple[int, int], str] = {}
@@ -425,11 +558,15 @@ class ReadEngine:
         kept = {k for k in base if owner.get(k[0]) == k[0]} | patched
 
         expected = {k: base.get(k) for k in kept - replaced - patched}
+        deferred: dict[tuple[str, int], _Base] = {k: (base.get(k), held_version) for k in patched - replaced}
+        return plans, targets, deferred, expected
+
+    def check_kept(self, specs: Mapping[str, TensorSpec], targets: dict[str, Any],
+                   expected: dict[tuple[str, int], str | None], held_version: int | None) -> None:
+        """Raise TargetModifiedError unless every chunk in ``expected`` hashes to its digest."""
         bad = digest_mismatches(self.pool, specs, expected, lambda name, a, b: targets[name].read(a, b))
         if bad:
             raise _modified(*bad[0], held_version, specs[bad[0][0]].members)
-        deferred: dict[tuple[str, int], _Base] = {k: (base.get(k), held_version) for k in patched - replaced}
-        return plans, targets, deferred
 
     @staticmethod
     def base_checker(
@@ -549,8 +686,16 @@ class ReadEngine:
         delta plan patches is checked in the pass that applies it, and a mismatch there is
         rolled back like any other failure (undoing is exact, so the target ends with the bits
         it had, modified or not: SPEC §7.5)."""
-        plans, targets, deferred = self.check_base(plans, specs, tensors, base, held_version, make_targets)
+        plans, targets, deferred, expected = self.prepare(plans, specs, tensors, base, held_version, make_targets)
         check = self.base_checker(targets, deferred)
+        # The segments are read (and each checked as it is decoded, CheckedOnRead) while the
+        # kept chunks are hashed: nothing is written before check_kept passed (SPEC §7.5).
+        batches = self.fetch_batches(plans, tolerant=True, check_on_read=True)
+        try:
+            self.check_kept(specs, targets, expected, held_version)
+        except BaseException:
+            batches.close()
+            raise
 
         done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
@@ -560,6 +705,7 @@ class ReadEngine:
             for st in p.steps():
                 if st.where in errors:
                     raise errors[st.where]
+                data[st.where]  # CheckedOnRead: its SHA-256, before anything is applied
             tgt = targets[p.name]
             if p.full is None:
                 b = deferred.get((p.name, p.index))
@@ -592,8 +738,8 @@ class ReadEngine:
 
         error: BaseException | None = None
         try:
-            for batch, data, errors in self.fetch_batches(plans, tolerant=True):
-                groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
+            for batch, data, errors in batches:
+                groups = _largest_first(grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index)), specs)
                 for result in spread(self.pool, partial(run_group, data=data, errors=errors), groups, lambda: bool(failures)):
                     if result is None:  # not started: another group failed first
                         continue
@@ -607,6 +753,8 @@ class ReadEngine:
                     break
         except BaseException as e:  # noqa: BLE001 - a fetch failed: roll back what was applied
             error = e
+        finally:
+            batches.close()
         if error is None:
             return
         for p, saved in done:

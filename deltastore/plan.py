@@ -198,6 +198,9 @@ def plan_forward(ms: Manifests, specs: dict[str, TensorSpec],
             candidates.append(ChunkPlan(name, idx, specs[name].chunk_span(idx), entries[-1][1].digest, full, deltas))
         if not candidates:
             raise CorruptObjectError(f"no way to bring chunk {name}[{idx}] forward: the chain lacks segments")
+        if len(candidates) == 1:  # a steady delta: no anchor in range, nothing to compare
+            plans.append(candidates[0])
+            continue
         candidates.sort(key=lambda p: p.cost)  # cheapest; stable: on a tie, the earliest start
         best, others = candidates[0], candidates[1:]
         # When the chosen path's segments turn out bad, a path from a full segment (an anchor

@@ -185,6 +185,33 @@ def test_digests_span_many_blocks_and_partial_ones():
             assert np.array_equal(t, new)
 
 
+@needs_native
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_steps_and_prefetch_edges_write_what_numpy_writes(width):
+    """Each 32 KiB block is patched and hashed again in 4 KiB steps, with the same step of the
+    next block prefetched (apply.c STEP_BYTES): chunks ending just before, at and after a step
+    and a block edge, changes on both sides of every edge, every codec form, in place and
+    into ``out`` with the changed positions, must equal the numpy path."""
+    rng = np.random.default_rng(width)
+    dt = UINT[width]
+    step, block = 4096 // width, 32768 // width
+    for n in (step - 1, step, step + 1, block - 1, block, block + step + 1, 3 * block + 5):
+        old = rng.integers(0, np.iinfo(dt).max, n, dtype=dt, endpoint=True)
+        new = old.copy()
+        idx = rng.choice(n, max(1, n // 50), replace=False)
+        edges = np.array([e + d for e in range(0, n + 1, step) for d in (-1, 0) if 0 <= e + d < n])
+        idx = np.unique(np.concatenate([idx, edges]))
+        new[idx] += dt(1 + idx.size % 5)
+        for codec, data in all_forms(old, new):
+            after, digests = both(old, data, codec)
+            assert after == new.tobytes() and digests == (digest(old), digest(new)), (codec, n)
+            back, digests = both(new, data, codec, inverse=True)
+            assert back == old.tobytes() and digests == (digest(new), digest(old)), (codec, n)
+            native = into_outcome(old, data, codec)
+            with numpy_path():
+                assert into_outcome(old, data, codec) == native, (codec, n)
+
+
 # --- hostile segments: hand-built with RAW/CONST sections of the right sizes --------------
 
 

@@ -48,6 +48,12 @@
  * per-block cost (two XXH3 update calls) is negligible. */
 #define BLOCK_BYTES ((uint64_t)32 * 1024)
 
+/* Each block is patched and hashed the second time in steps of this many bytes, and before
+ * each step the same step of the next block is prefetched (64 lines of 64 bytes): a page's
+ * worth is a burst the line-fill buffers absorb while the step is worked on, where asking for
+ * the whole next block at once stalled (design 006, "Addendum (session 16): pull_into"). */
+#define STEP_BYTES ((uint64_t)4096)
+
 /* At most 1 gap-symbol + 4 gap-escape + 1 code + 8 value-escape planes (add-sparse, width 8). */
 #define MAX_PLANES 16
 
@@ -281,8 +287,9 @@ typedef struct {
     uint8_t *oldv, *newv; /* with pos: the bits before and after at each position (n * W bytes) */
 } io_t;
 
-/* Walk the target in blocks [start, end): (copy the block from src,) hash before, apply the
- * block's changes, hash after. Without digests or src the whole chunk is one block. */
+/* Walk the target in blocks [start, end): (copy the block from src,) hash before, then per step
+ * of STEP_BYTES prefetch that step of the next block, apply the step's changes and hash it
+ * after. Without digests or src the whole chunk is one block and one step. */
 DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPARSE,
                    XXH3_state_t *sb, XXH3_state_t *sa, const io_t *iop) {
     /* Local copies: stores into t (bytes, which may alias anything) would otherwise make the
@@ -308,6 +315,9 @@ DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPA
 #undef DS_LOCAL
     uint64_t count = s->count;
     uint64_t blk = (sb || sa || io->src) ? BLOCK_BYTES / W : count;
+    uint64_t sub = (sb || sa || io->src) ? STEP_BYTES / W : count;
+    /* What the next block is read from: the source when copying, else the target. */
+    const uint8_t *ahead = io->src ? io->src : t;
     cursor_t c = {0, 0};
     uint64_t i = 0, p = 0;
     if (SPARSE && s->n) p = gap_at(s, ADD, 0, &c);
@@ -315,23 +325,39 @@ DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPA
         uint64_t end = count - start > blk ? start + blk : count;
         if (io->src) memcpy(t + start * W, io->src + start * W, (size_t)((end - start) * W));
         if (sb) XXH3_128bits_update(sb, t + start * W, (size_t)((end - start) * W));
-        if (SPARSE) {
-            while (i < s->n && p < end) {
-                if (io->pos) {
-                    io->pos[i] = (int64_t)p;
-                    memcpy(io->oldv + i * W, t + p * W, W);
+        for (uint64_t s0 = start; s0 < end;) {
+            uint64_t s1 = end - s0 > sub ? s0 + sub : end;
+            /* Ask for the same step of the next block now, so that memory delivers it while
+             * this one is patched and hashed from cache (without this, nothing is in flight
+             * during that phase: the first hash of each block stalls on memory). Into L2, not
+             * L1: the block being worked on stays in L1. Past the chunk, nothing. */
+            if (s0 + blk < count) {
+                const uint8_t *q = ahead + (s0 + blk) * W;
+                const uint8_t *qe = ahead + (s1 + blk < count ? s1 + blk : count) * W;
+                if (io->src)
+                    for (; q < qe; q += 64) __builtin_prefetch(q, 0, 2);
+                else
+                    for (; q < qe; q += 64) __builtin_prefetch(q, 1, 2);
+            }
+            if (SPARSE) {
+                while (i < s->n && p < s1) {
+                    if (io->pos) {
+                        io->pos[i] = (int64_t)p;
+                        memcpy(io->oldv + i * W, t + p * W, W);
+                    }
+                    apply_at(t, p, W, OP, value_at(s, ADD, i, &c));
+                    if (io->pos) memcpy(io->newv + i * W, t + p * W, W);
+                    if (++i < s->n) p += gap_at(s, ADD, i, &c) + 1;
                 }
-                apply_at(t, p, W, OP, value_at(s, ADD, i, &c));
-                if (io->pos) memcpy(io->newv + i * W, t + p * W, W);
-                if (++i < s->n) p += gap_at(s, ADD, i, &c) + 1;
+            } else {
+                for (uint64_t e = s0; e < s1; e++) {
+                    uint64_t d = value_at(s, ADD, e, &c);
+                    if (d) apply_at(t, e, W, OP, d);
+                }
             }
-        } else {
-            for (uint64_t e = start; e < end; e++) {
-                uint64_t d = value_at(s, ADD, e, &c);
-                if (d) apply_at(t, e, W, OP, d);
-            }
+            if (sa) XXH3_128bits_update(sa, t + s0 * W, (size_t)((s1 - s0) * W));
+            s0 = s1;
         }
-        if (sa) XXH3_128bits_update(sa, t + start * W, (size_t)((end - start) * W));
         start = end;
     }
 }

@@ -1,0 +1,153 @@
+"""How the read engine (deltastore.apply) orders a pull_into's reads (design 006, "Addendum
+(session 16): pull_into"): the pack is read while the kept chunks are hashed, each segment's
+SHA-256 is checked by the thread that decodes it, and neither change lets a bad segment or a
+modified target through."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltastore import Subscriber
+from deltastore.apply import CheckedOnRead, ReadEngine
+from deltastore.errors import IntegrityError, TargetModifiedError
+from deltastore.manifest import sha256_hex
+from deltastore.storage import open_store
+from tests._helpers import (
+    TinyTrainer,
+    WrappedStore,
+    assert_bits_equal,
+    head_manifest,
+    publisher,
+    snapshot,
+)
+
+
+def test_checked_on_read_hashes_each_segment_before_handing_it_out() -> None:
+    good, bad = b"segment one", b"segment two"
+    segs = CheckedOnRead()
+    segs.defer(("objects/p.pack", 0), memoryview(good), sha256_hex(good))
+    segs.defer(("objects/p.pack", 11), memoryview(bad), sha256_hex(b"something else"))
+    assert ("objects/p.pack", 11) in segs  # present, but not handed out unchecked
+    assert bytes(segs[("objects/p.pack", 0)]) == good
+    assert bytes(segs.get(("objects/p.pack", 0))) == good
+    assert segs.get(("objects/p.pack", 99)) is None
+    for _ in range(2):  # a failed check is not remembered as passed
+        with pytest.raises(IntegrityError, match=r"segment at 11 of pack 'objects/p.pack' does not match its SHA-256"):
+            segs[("objects/p.pack", 11)]
+    with pytest.raises(TypeError):
+        segs.values()  # only keyed (checked) reads
+
+
+def _history(url: str, n: int = 3) -> list[dict[str, torch.Tensor]]:
+    trainer = TinyTrainer(seed=3)
+    states = []
+    with publisher(url, anchor_every=100) as pub:
+        for step in range(n):
+            state = trainer.export() if step == 0 else trainer.step()
+            pub.publish(state, step=step)
+            states.append(snapshot(state))
+    return states
+
+
+def test_the_pack_is_read_while_the_kept_chunks_are_hashed(tmp_path: Path, monkeypatch) -> None:
+    """The pack GET starts before the check of the kept chunks returns (it waits for it here;
+    when the fetch only started after that check, the wait timed out), and the result is exact."""
+    url = str(tmp_path / "store")
+    states = _history(url)
+    started = threading.Event()
+
+    class Packs(WrappedStore):
+        def get(self, key: str, *, byte_range=None) -> bytes:
+            if key.endswith(".pack"):
+                started.set()
+            return super().get(key, byte_range=byte_range)
+
+    seen: list[bool] = []
+    check_kept = ReadEngine.check_kept
+
+    def waiting(self, *args, **kwargs):
+        seen.append(started.wait(timeout=10))
+        return check_kept(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReadEngine, "check_kept", waiting)
+    with open_store(url) as inner, Subscriber(url, store=Packs(inner), threads=2) as sub:
+        target = sub.pull(1)
+        started.clear()
+        assert sub.pull_into(target, version=3).version == 3
+    assert seen == [True]
+    assert_bits_equal(target, states[2])
+
+
+def test_a_modified_kept_chunk_stops_the_read_and_writes_nothing(tmp_path: Path) -> None:
+    """A kept chunk modified since the pull: TargetModifiedError while the pack is in flight,
+    nothing applied, and no prefetch thread left behind."""
+    url = str(tmp_path / "store")
+    states = _history(url)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(1)
+        kept = "extra.scale"  # 0-d and constant: kept by every delta of this history
+        target[kept].add_(1.0)
+        before = snapshot(target)
+        with pytest.raises(TargetModifiedError, match=kept):
+            sub.pull_into(target, version=3)
+        assert_bits_equal(target, before)
+        assert sub.version == 1
+        assert not [t for t in threading.enumerate() if t.name.startswith("deltastore-prefetch") and t.is_alive()]
+    assert states
+
+
+def test_a_damaged_segment_in_a_whole_pack_is_refused_before_it_is_decoded(tmp_path: Path) -> None:
+    """The pack's bytes of one delta segment are damaged (its SHA-256 in the manifest is the
+    intact one): the decode thread's check refuses it, and with no full segment to fall back
+    to, nothing is applied."""
+    url = str(tmp_path / "store")
+    states = _history(url, n=2)
+    with open_store(url) as store:
+        _, doc = head_manifest(store)
+        c = next(c for t in doc["tensors"] for c in t["chunks"] if c.get("delta") and t["name"].endswith("weight"))
+        blob = doc["blobs"][c["delta"]["blob"]]
+        data = bytearray(store.get(blob["key"]))
+        data[c["delta"]["offset"] + c["delta"]["length"] - 1] ^= 0x40
+        store.put(blob["key"], bytes(data), mode="overwrite")
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(1)
+        with pytest.raises(IntegrityError, match="does not match its SHA-256"):
+            sub.pull_into(target, version=2)
+        assert_bits_equal(target, states[0])
+        assert sub.version == 1
+
+
+def test_one_run_is_read_on_the_calling_thread(tmp_path: Path) -> None:
+    """A fetch that needs one GET does not hand it to an IO thread (two wake-ups)."""
+    url = str(tmp_path / "store")
+    _history(url, n=2)
+    threads: list[str] = []
+
+    class Where(WrappedStore):
+        def get(self, key: str, *, byte_range=None) -> bytes:
+            if key.endswith(".pack"):
+                threads.append(threading.current_thread().name)
+            return super().get(key, byte_range=byte_range)
+
+    with open_store(url) as inner, Subscriber(url, store=Where(inner), threads=2) as sub:
+        target = sub.pull(1)
+        threads.clear()
+        sub.pull_into(target, version=2)
+    assert threads and all(n.startswith("deltastore-prefetch") for n in threads), threads
+
+
+def test_groups_are_applied_largest_first() -> None:
+    """The decode threads share one queue: the biggest groups go first, so the last group
+    taken is a small one (and the order within a group is kept)."""
+    from deltastore.apply import _largest_first
+    from deltastore.plan import ChunkPlan
+    from deltastore.tensors import TensorSpec
+
+    specs = {n: TensorSpec(n, "bfloat16", (rows, 64), 1 << 20) for n, rows in (("a", 4), ("b", 4096), ("c", 64))}
+    plan = {n: ChunkPlan(n, 0, specs[n].chunk_span(0), "0" * 32) for n in specs}
+    groups = [[plan["a"]], [plan["b"]], [plan["a"], plan["c"]]]
+    assert [[p.name for p in g] for g in _largest_first(groups, specs)] == [["b"], ["a", "c"], ["a"]]
