@@ -160,6 +160,11 @@ class CheckedOnRead(dict):
         dict.__setitem__(self, where, view)
         self._pending[where] = sha256
 
+    def absorb(self, other: CheckedOnRead) -> None:
+        """Take ``other``'s segments as they are: those not yet checked stay unchecked."""
+        dict.update(self, dict.items(other))
+        self._pending.update(other._pending)
+
     def __getitem__(self, where: tuple[str, int]) -> memoryview:
         view = dict.__getitem__(self, where)
         want = self._pending.get(where)
@@ -227,8 +232,7 @@ class _Fetcher:
                 continue
             if isinstance(got, CheckedOnRead):
                 assert isinstance(out, CheckedOnRead)
-                for where, sha in got._pending.items():
-                    out.defer(where, dict.__getitem__(got, where), sha)
+                out.absorb(got)
             else:
                 out.update(got)
             if errors is not None:

@@ -1367,7 +1367,7 @@ def encode_joined(m: Manifest, layout: Layout, joined: Manifest) -> bytes:
         raise ValueError(f"manifest of version {m.version}: encode_joined stores a sharded version (use encode_manifest)")
     doc = _manifest_doc(m, layout)
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    base = _manifest_doc(joined, layout)
+    base = doc if m is joined else _manifest_doc(joined, layout)
     same = {k: v for k, v in doc.items() if k != "signature"} == {k: v for k, v in base.items() if k != "signature"}
     if (not same or (m.tensors is not joined.tensors and m.tensors != joined.tensors)
             or (m.blobs is not joined.blobs and m.blobs != joined.blobs) or json.loads(raw) != doc):

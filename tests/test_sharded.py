@@ -620,18 +620,19 @@ def _header(refs: list[Any]) -> Any:
                     max_attempt_s=60)
 
 
-def test_parts_join_into_one_manifest_and_round_trip() -> None:
-    from deltastore.manifest import (
-        encode_manifest,
-        join_parts,
-        manifest_key,
-        parse_manifest,
-        sha256_hex,
-    )
+def _two_parts_joined() -> tuple[dict[str, bytes], Any]:
+    """Part 0 with a[0], part 1 with a[1] and b[0]: their bytes by key, and join_parts' result."""
+    from deltastore.manifest import join_parts
 
     p0, p1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
     parts = {p0[0].key: p0[1], p1[0].key: p1[1]}
-    m = join_parts(_header([p0[0], p1[0]]), _layout(), parts)
+    return parts, join_parts(_header([p0[0], p1[0]]), _layout(), parts)
+
+
+def test_parts_join_into_one_manifest_and_round_trip() -> None:
+    from deltastore.manifest import encode_manifest, manifest_key, parse_manifest, sha256_hex
+
+    parts, m = _two_parts_joined()
     assert [t.name for t in m.tensors] == ["a", "b"] and [c.index for c in m.tensors[0].chunks] == [0, 1]
     assert len(m.blobs) == 2 and m.tensors[0].chunks[1].full.blob == 1  # part 1's pack follows part 0's
     assert set(m.references()) >= set(parts)  # GC keeps the part manifests
@@ -646,19 +647,10 @@ def test_parts_join_into_one_manifest_and_round_trip() -> None:
 def test_joined_version_encodes_without_a_second_join(tmp_path: Path) -> None:
     """encode_joined (rank 0's commit, design 010 D7) stores the same bytes as encode_manifest,
     signed or not, and refuses a manifest that is not the one join_parts returned."""
-    from deltastore.manifest import (
-        encode_joined,
-        encode_manifest,
-        join_parts,
-        manifest_key,
-        parse_manifest,
-        sha256_hex,
-    )
+    from deltastore.manifest import encode_joined, encode_manifest, manifest_key, parse_manifest, sha256_hex
     from deltastore.signing import generate_key_files, load_private_key, sign_manifest
 
-    p0, p1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
-    parts = {p0[0].key: p0[1], p1[0].key: p1[1]}
-    joined = join_parts(_header([p0[0], p1[0]]), _layout(), parts)
+    parts, joined = _two_parts_joined()
     private, _ = generate_key_files(tmp_path / "k.pem")
     signed = sign_manifest(joined, load_private_key(private))
     for m in (joined, signed):
