@@ -413,9 +413,11 @@ class ReadEngine:
         ``raw`` is restored (every applied delta undone) and the error raised.
 
         With ``base`` (a delta plan's expected digest of ``raw`` at the start, and the held
-        version), ``raw``'s digest before the first delta is taken in the same pass that applies
-        it (SPEC §7.5): a mismatch undoes the delta and raises TargetModifiedError. The result's
-        digest is taken in the pass of the last delta, so a one-delta plan reads ``raw`` once.
+        version), ``raw``'s start is checked through the result (SPEC §7.5 (iv)): deltas are
+        bijections on the bits, so the result matches its digest only if ``raw`` held the base
+        bits. Only the result is hashed, in the pass of the last delta (a one-delta plan reads
+        ``raw`` once and hashes it once); on a mismatch the deltas are undone and ``raw`` is
+        hashed to tell a modified target (TargetModifiedError) from a bad segment (IntegrityError).
         """
         a, b = p.span
         if p.full is not None:
@@ -428,36 +430,34 @@ class ReadEngine:
                 raise _modified(p.name, p.index, base[1], spec.members)
             digest = None
             for i, s in enumerate(p.deltas):
-                first, last = i == 0, i == len(p.deltas) - 1
-                before, digest = codec.apply_delta_digests(  # validates before writing
-                    raw, data[s.where], codec=s.ref.codec, before=first and base is not None, after=last,
+                _, digest = codec.apply_delta_digests(  # validates before writing
+                    raw, data[s.where], codec=s.ref.codec, after=i == len(p.deltas) - 1,
                 )
                 applied.append(s)
-                if first and base is not None and before != base[0]:
-                    raise _modified(p.name, p.index, base[1], spec.members)
             if (digest if p.deltas else state_digest(raw)) != p.digest:
                 raise IntegrityError(
                     f"chunk {p.name}[{p.index}] does not match its digest after applying {len(p.steps())} segment(s)"
                 )
-        except BaseException:
+        except BaseException as e:
             if p.full is None:  # undo in place, newest delta first
                 for s in reversed(applied):
                     codec.apply_delta(raw, data[s.where], codec=s.ref.codec, inverse=True)
+                if applied and base is not None and isinstance(e, IntegrityError) and state_digest(raw) != base[0]:
+                    raise _modified(p.name, p.index, base[1], spec.members) from e
             raise
         return raw
 
     def patch_one(self, p: ChunkPlan, data: dict, current: np.ndarray, base: _Base | None) -> ChunkPatch | None:
         """Stage a one-delta plan: ``current`` (only read) with the delta applied into a scratch
-        buffer, ``current``'s base digest and the result's taken in that same pass (as
-        :meth:`replay` does in place), and the patch made from the delta's own positions."""
+        buffer and the result hashed in that pass, ``current``'s base checked through the result
+        (as :meth:`replay` does in place), and the patch made from the delta's own positions."""
         s = p.deltas[0]
         scratch = self._scratch(current)
-        before, after, changes = codec.apply_delta_into(
-            current, scratch, data[s.where], codec=s.ref.codec, before=base is not None, after=True,
-        )
-        if base is not None and before != base[0]:
-            raise _modified(p.name, p.index, base[1])
+        _, after, changes = codec.apply_delta_into(current, scratch, data[s.where], codec=s.ref.codec, after=True)
         if after != p.digest:
+            # the result is wrong: from a modified base or a bad segment (SPEC §7.5 (iv))
+            if base is not None and state_digest(current) != base[0]:
+                raise _modified(p.name, p.index, base[1])
             raise IntegrityError(f"chunk {p.name}[{p.index}] does not match its digest after applying 1 segment(s)")
         return make_patch(p.name, p.index, p.span, current, scratch, changes)
 
@@ -523,7 +523,7 @@ class ReadEngine:
     ) -> tuple[list[ChunkPlan], dict[str, _Target], dict[tuple[str, int], _Base]]:
         """Check that ``tensors`` hold the base version's bits in the chunks the update keeps;
         the plans to run (tied weights once), the targets, and the base digest of every chunk a
-        delta plan patches, to be checked in the pass that applies it (:meth:`replay`).
+        delta plan patches, to be checked through its result (:meth:`replay`).
 
         Raises:
             TargetModifiedError: a chunk the update keeps is not what ``base`` says.
@@ -554,9 +554,9 @@ class ReadEngine:
 
         # SPEC §7.5: every chunk the target keeps or patches must hold version h's bits, not only
         # the chunks this update touches (a local edit elsewhere would survive silently).
-        # Chunks a delta plan patches are hashed while the first delta is applied (one pass
-        # instead of two; a mismatch there is undone before anything is reported, see replay);
-        # the rest here, before any write.
+        # Chunks a delta plan patches are checked through their result (hashed once, in the
+        # pass of the last delta; a mismatch is undone before anything is reported, see
+        # replay and SPEC §7.5 (iv)); the rest here, before any write.
         replaced = {(p.name, p.index) for p in plans if p.full is not None}
         patched = {(p.name, p.index) for p in plans if p.full is None}
         kept = {k for k in base if owner.get(k[0]) == k[0]} | patched
@@ -687,7 +687,7 @@ class ReadEngine:
         """Apply every plan to ``tensors``; on any failure restore what was applied, then raise.
 
         The chunks the update keeps are checked against ``base`` before any write; each chunk a
-        delta plan patches is checked in the pass that applies it, and a mismatch there is
+        delta plan patches is checked through its result, and a mismatch there is
         rolled back like any other failure (undoing is exact, so the target ends with the bits
         it had, modified or not: SPEC §7.5)."""
         plans, targets, deferred, expected = self.prepare(plans, specs, tensors, base, held_version, make_targets)

@@ -151,3 +151,53 @@ def test_groups_are_applied_largest_first() -> None:
     plan = {n: ChunkPlan(n, 0, specs[n].chunk_span(0), "0" * 32) for n in specs}
     groups = [[plan["a"]], [plan["b"]], [plan["a"], plan["c"]]]
     assert [[p.name for p in g] for g in _largest_first(groups, specs)] == [["b"], ["a", "c"], ["a"]]
+
+
+@pytest.mark.parametrize("deltas", [1, 2])
+def test_a_modified_patched_chunk_is_found_through_its_result(tmp_path: Path, monkeypatch, deltas: int) -> None:
+    """SPEC §7.5 (iv): a chunk the update patches is hashed once, after its last delta (no
+    hash of its bits before); a local edit there still raises TargetModifiedError (not a
+    corrupt-segment error), and every chunk written before is restored bit for bit."""
+    import deltastore.codec as codec_mod
+
+    url = str(tmp_path / "store")
+    states = _history(url, n=1 + deltas)
+    asked: list[tuple[bool, bool]] = []
+    real = codec_mod.apply_delta_digests
+
+    def spy(*args, **kw):
+        asked.append((kw.get("before", False), kw.get("after", False)))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(codec_mod, "apply_delta_digests", spy)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(1)
+        patched = "extra.step"  # 0-d, changed by every step: patched by every delta
+        target[patched].add_(100)
+        edited = snapshot(target)
+        asked.clear()
+        with pytest.raises(TargetModifiedError, match=patched):
+            sub.pull_into(target, version=1 + deltas)
+        assert_bits_equal(target, edited)
+        assert sub.version == 1
+        assert asked and not any(before for before, _ in asked)
+        # per chunk, only its last delta hashes (its result)
+        assert sum(after for _, after in asked) * deltas == len(asked)
+        target[patched].sub_(100)  # the edit undone: the same call goes through
+        assert sub.pull_into(target, version=1 + deltas).version == 1 + deltas
+    assert_bits_equal(target, states[deltas])
+
+
+def test_stage_finds_a_modified_patched_chunk_through_its_result(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    states = _history(url, n=2)
+    with Subscriber(url, threads=2) as sub:
+        target = sub.pull(1)
+        target["extra.step"].add_(100)
+        edited = snapshot(target)
+        with pytest.raises(TargetModifiedError, match="extra.step"):
+            sub.stage(target, version=2)
+        assert_bits_equal(target, edited)
+        target["extra.step"].sub_(100)
+        sub.swap(sub.stage(target, version=2), target)
+    assert_bits_equal(target, states[1])
