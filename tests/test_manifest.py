@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
+import pydantic
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -608,3 +609,25 @@ def test_head_must_name_a_well_formed_manifest_key(manifest, sha, version):
            "lineage": "0" * 32}
     with pytest.raises(CorruptObjectError, match="HEAD"):
         parse_head(json.dumps(doc).encode())
+
+
+def test_table_entries_are_built_as_model_construct_builds_them() -> None:
+    """The read path builds chunk-table entries without pydantic's per-call field walk; with
+    this pydantic that shortcut must build exactly what ``model_construct`` builds (else the
+    import-time check turns it off, and this test says so)."""
+    from deltastore import manifest as mf
+
+    assert mf._FAST_CONSTRUCT, "the fast entry constructor was turned off for this pydantic"
+    seg = dict(blob=1, offset=4096, length=77, sha256="ab" * 32, codec="add-sparse/1", n_changed=5)
+    for cls, values in [
+        (mf.SegmentRef, seg),
+        (mf.ChunkEntry, dict(index=3, digest="cd" * 16, full=None, delta=mf.SegmentRef.model_construct(**seg))),
+        (mf.TensorEntry, dict(name="w", dtype="bfloat16", shape=(4, 8), chunk_rows=2, chunks=())),
+    ]:
+        fast, slow = mf._entry(cls, **values), cls.model_construct(**values)
+        assert type(fast) is cls
+        assert fast == slow and hash(fast) == hash(slow)
+        assert fast.model_dump() == slow.model_dump() and fast.model_dump_json() == slow.model_dump_json()
+        assert fast.__pydantic_fields_set__ == slow.__pydantic_fields_set__
+        with pytest.raises(pydantic.ValidationError):  # still frozen
+            fast.__setattr__(next(iter(values)), values[next(iter(values))])
