@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from deltastore import Subscriber
-from deltastore.errors import PartFailedError, ShardMismatchError
+from deltastore.errors import InvalidStateDictError, PartFailedError, ShardMismatchError
 from deltastore.manifest import HEAD_KEY
 from deltastore.storage import open_store
 
@@ -148,6 +148,19 @@ def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]
     out: dict[str, Any] = {}
     with sharded.ShardedPublisher(url, threads=1) as pub:
         pub.publish(rank_state(1, rank, world), step=1)
+        # A bad tensor on one rank (its rows of "a" not contiguous), found by the one batched
+        # check of the rank's tensors (design 010 D8): named on every rank, nothing written.
+        state = rank_state(2, rank, world)
+        if rank == 1:
+            rows = state["a"].local
+            strided = torch.empty(rows.shape[1], rows.shape[0], dtype=rows.dtype).t()
+            strided.copy_(rows)
+            state["a"] = sharded.Rows(strided, state["a"].start, state["a"].rows)
+        try:
+            pub.publish(state, step=2)
+        except (PartFailedError, InvalidStateDictError) as e:
+            out["invalid"] = (type(e).__name__, str(e))
+        out["head_after_invalid"] = _head_version(url)
         real = sharded.encode_part
         if rank == 1:
             def broken(**kw: Any) -> bytes:
@@ -440,6 +453,9 @@ def test_failed_part_commits_nothing_and_retry_commits(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
     results = run_ranks(2, url, "fail_then_retry", tmp_path)
     _ok(results)
+    # rank 1's own error; rank 0 re-raises it by class (a deltastore error), naming the tensor
+    assert all(r["invalid"][0] == "InvalidStateDictError" and "'a'" in r["invalid"][1] for r in results), results
+    assert all(r["head_after_invalid"] == 1 for r in results)
     assert results[0]["failure"] == "PartFailedError" and results[1]["failure"] == "OSError"
     assert all(r["head_after_failure"] == 1 for r in results)
     assert results[0]["retry"] == (2, "anchor")  # rank 1 dropped its reference: an anchor
