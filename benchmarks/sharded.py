@@ -42,6 +42,10 @@ Goal (issue 12): 2 ranks ≥ 1.7× one rank.
     reference), then 1, 2, 4 processes at once scan a 1/N share each. If N processes are not
     N× faster here, N ranks cannot be either (memory bandwidth, or cores taken by others).
 
+``--step-cpu`` also times each step of a sharded publish on every rank with thread-CPU timers
+(the caller thread's CPU in the collectives, ``encode_version``, the part manifest, rank 0's
+join and commit; design 010 D8) and reports them per rank beside the process's CPU.
+
 Every configuration's last version is pulled by an unsharded Subscriber and compared with the
 model published, bit for bit. Results: benchmarks/results/sharded.{json,md}.
 """
