@@ -312,7 +312,7 @@ def _scenario_claims(rank: int, world: int, url: str) -> dict[str, Any]:
     plan makes every rank send its claims in one more round; a new row split is a new layout."""
     from deltastore.sharded import Rows, ShardedPublisher
 
-    out: dict[str, Any] = {"rounds": [], "sent": [], "infos": []}
+    out: dict[str, Any] = {"rounds": [], "sent": [], "infos": [], "share_kept": []}
     with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
         calls: list[Any] = []
         real = pub._all_gather
@@ -330,7 +330,9 @@ def _scenario_claims(rank: int, world: int, url: str) -> dict[str, Any]:
                 start, stop = (0, 4) if rank == 0 else (4, 10)
                 state["a"] = Rows(full_model(v)["a"][start:stop].clone(), start, 10)
             calls.clear()
+            specs = pub._share.specs if pub._share is not None else None
             info = pub.publish(state, step=v)
+            out["share_kept"].append(pub._share.specs is specs)  # design 010 D8: made once per layout
             out["infos"].append((info.version, info.kind))
             out["rounds"].append(len(calls))
             out["sent"].append("claims" if calls[0].claims is not None else "digest")
@@ -487,6 +489,10 @@ def test_steady_claims_go_as_a_digest(tmp_path: Path) -> None:
         assert r["infos"] == [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "delta"), (5, "delta"), (6, "anchor"),
                               (7, "delta")], r
         assert r["rounds"] == [1, 1, 1, 2, 1, 1, 1], r  # version 4: rank 1 planned nothing, so a second round
+    # a rank's share is made anew for a new layout object only: on rank 1 at version 4 (it
+    # planned again) and on both at version 6 (another row split)
+    assert results[0]["share_kept"] == [False, True, True, True, True, False, True]
+    assert results[1]["share_kept"] == [False, True, True, False, True, False, True]
     assert results[0]["sent"] == ["claims", "digest", "digest", "digest", "digest", "claims", "digest"]
     assert results[1]["sent"] == ["claims", "digest", "digest", "claims", "digest", "claims", "digest"]
     with Subscriber(url) as sub:
