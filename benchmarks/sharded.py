@@ -42,6 +42,10 @@ Goal (issue 12): 2 ranks ≥ 1.7× one rank.
     reference), then 1, 2, 4 processes at once scan a 1/N share each. If N processes are not
     N× faster here, N ranks cannot be either (memory bandwidth, or cores taken by others).
 
+``--step-cpu`` also times each step of a sharded publish on every rank with thread-CPU timers
+(the caller thread's CPU in the collectives, ``encode_version``, the part manifest, rank 0's
+join and commit; design 010 D8) and reports them per rank beside the process's CPU.
+
 Every configuration's last version is pulled by an unsharded Subscriber and compared with the
 model published, bit for bit. Results: benchmarks/results/sharded.{json,md}.
 """
@@ -250,6 +254,37 @@ def _pin(rank: int, threads: int) -> list[int]:
     return mine
 
 
+#: The steps of a sharded publish timed by ``--step-cpu`` (main-thread CPU): ShardedPublisher
+#: methods and, nested in them, deltastore.sharded functions (label, owner, attribute).
+STEP_TIMERS = (
+    ("collectives", "pub", "_all_gather"), ("collectives", "pub", "_broadcast"), ("collectives", "pub", "_gather"),
+    ("part", "pub", "_write_part"), ("encode_version", "module", "encode_version"),
+    ("encode_part", "module", "encode_part"), ("commit", "pub", "_commit"), ("join", "module", "join_parts"),
+)
+
+
+def _time_steps(pub: Any, acc: dict[str, float]) -> None:
+    """Wrap the steps of ``pub`` (a ShardedPublisher) in main-thread CPU timers adding into
+    ``acc``: where a rank's own thread spends a version beyond the encode threads (design 010
+    D8). Nested labels overlap: ``part`` holds ``encode_version`` and ``encode_part``,
+    ``commit`` holds ``join``."""
+    from deltastore import sharded
+
+    def timed(fn: Any, label: str) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            c0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.thread_time() - c0
+
+        return wrapper
+
+    for label, owner, attr in STEP_TIMERS:
+        target = pub if owner == "pub" else sharded
+        setattr(target, attr, timed(getattr(target, attr), label))
+
+
 def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: str) -> None:
     if cfg.get("pin"):
         _pin(rank, cfg["threads"])
@@ -271,7 +306,8 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         shard = source.build()
         result["shard_bytes"] = sum(t.numel() * t.element_size() for t in shard.values())
         marks = [("shard built", _rss_bytes() - base_rss, _peak_bytes() - base_rss)]
-        times, requests, cpu = [], [], []
+        times, requests, cpu, main_cpu, step_cpu = [], [], [], [], []
+        acc: dict[str, float] = {}
         if sharded:
             pub = ShardedPublisher(url, threads=cfg["threads"], anchor_every=1000)
         else:
@@ -290,6 +326,8 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
                         return _real(obj)
 
                     setattr(pub, op, counted)
+        if cfg.get("step_cpu") and sharded:
+            _time_steps(pub, acc)
         with pub:
             for step in range(1, cfg["steps"] + 2):
                 if step > 1:
@@ -298,10 +336,13 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
                 if sharded:
                     dist.barrier()
                 counts.update(reads=0, writes=0, collectives=0)
-                t0, c0 = time.perf_counter(), time.process_time()
+                acc.clear()
+                t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
                 info = pub.publish(state, step=step)
                 times.append((info.kind, time.perf_counter() - t0, info.bytes_stored))
                 cpu.append(time.process_time() - c0)
+                main_cpu.append(time.thread_time() - m0)
+                step_cpu.append(dict(acc))
                 requests.append(dict(counts))
                 if cfg["workload"] != "fixed":
                     marks.append((f"after v{info.version}", _rss_bytes() - base_rss, _peak_bytes() - base_rss))
@@ -310,6 +351,8 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         result["times"] = times
         result["requests"] = requests
         result["cpu"] = cpu  # this process's CPU seconds (all its threads) per publish
+        result["main_cpu"] = main_cpu  # ... of the thread that called publish
+        result["step_cpu"] = step_cpu  # ... of that thread in each timed step (--step-cpu)
         result["peak_rss_above_base"] = marks[-1][2]
     except BaseException as e:
         import traceback
@@ -388,7 +431,7 @@ def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, t
     out.mkdir()
     cfg = {"workload": workload, "mode": mode, "rows": args.rows, "cols": args.cols, "tensors": args.tensors,
            "steps": _steps(workload, args), "density": args.density, "threads": threads, "rl_workload": args.rl_workload,
-           "pin": args.pin}
+           "pin": args.pin, "step_cpu": args.step_cpu}
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, url, cfg, str(out))) for r in range(world)]
@@ -434,6 +477,18 @@ def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dic
                       "peak_rss_above_base": max(run["ranks"][i]["peak_rss_above_base"] for run in runs)}
                      for i, r in enumerate(runs[0]["ranks"])],
     }
+    if mode == "sharded" and any(run["ranks"][0].get("step_cpu", [{}])[-1] for run in runs):
+        # --step-cpu: per rank, median ms of the caller thread's CPU in each step of a delta
+        # publish (over its publishes and runs); "main" is the whole publish on that thread
+        def step_ms(i: int, label: str) -> float:
+            return round(1e3 * statistics.median(
+                (m if label == "main" else s.get(label, 0.0))
+                for run in runs
+                for (kind, _, _), m, s in zip(run["ranks"][i]["times"], run["ranks"][i]["main_cpu"], run["ranks"][i]["step_cpu"])
+                if kind in ("delta", "unchanged")), 2)
+
+        row["step_cpu_ms"] = [{label: step_ms(i, label) for label in ("main", *dict.fromkeys(t[0] for t in STEP_TIMERS))}
+                              for i in range(world)]
     if workload == "fixed":  # requests and collectives per steady version (after the anchor), per rank
         row["per_version"] = [
             {k: statistics.median(q[k] for run in runs for q in run["ranks"][i]["requests"][1:]) for k in ("reads", "writes", "collectives")}
@@ -487,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
                     help="pin each rank to cores of its own (rank r: cores [r·threads, (r+1)·threads)), as a "
                          "node with cores per rank runs them; without it the ranks share every core")
+    ap.add_argument("--step-cpu", action=argparse.BooleanOptionalAction, default=False,
+                    help="also time each step of a sharded publish on every rank (main-thread CPU: collectives, "
+                         "encoding, part manifest, rank 0's join and commit; design 010 D8)")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=1024)
@@ -584,6 +642,17 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
                      f"({', '.join(map(str, r['delta_runs_s']))}) | {r['throughput_mb_s']} | {r['vs_1_rank']}× "
                      f"| {r['delta_cpu_s_busiest_rank']} ({r['cpu_vs_1_rank']}×) "
                      f"| {', '.join(f'{c:.3f}' for c in r['delta_cpu_s_per_rank'])} | {mem} |")
+    timed = [r for r in rows if "step_cpu_ms" in r]
+    if timed:
+        labels = [k for k in timed[0]["step_cpu_ms"][0] if k != "main"]
+        lines += ["", ("Caller thread's CPU ms per delta publish, by step (--step-cpu; medians; `part` holds "
+                       "`encode_version` and `encode_part`, `commit` holds `join`; the encode threads' CPU is not in these):"), "",
+                  f"| ranks × threads | rank | publish (caller thread) | {' | '.join(labels)} | process CPU (all threads) |",
+                  "|---|---|---|" + "---|" * len(labels) + "---|"]
+        for r in timed:
+            for i, st in enumerate(r["step_cpu_ms"]):
+                lines.append(f"| {r['ranks']} × {r['threads_per_rank']} | {i} | {st['main']:.1f} | "
+                             f"{' | '.join(f'{st[k]:.1f}' for k in labels)} | {1e3 * r['delta_cpu_s_per_rank'][i]:.1f} |")
     two = next((r for r in rows if r["mode"] == "sharded" and r["ranks"] == 2), None)
     if two is not None:
         entry["two_over_one"] = two["vs_1_rank"]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from deltastore import Subscriber
-from deltastore.errors import PartFailedError, ShardMismatchError
+from deltastore.errors import InvalidStateDictError, PartFailedError, ShardMismatchError
 from deltastore.manifest import HEAD_KEY
 from deltastore.storage import open_store
 
@@ -148,6 +148,19 @@ def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]
     out: dict[str, Any] = {}
     with sharded.ShardedPublisher(url, threads=1) as pub:
         pub.publish(rank_state(1, rank, world), step=1)
+        # A bad tensor on one rank (its rows of "a" not contiguous), found by the one batched
+        # check of the rank's tensors (design 010 D8): named on every rank, nothing written.
+        state = rank_state(2, rank, world)
+        if rank == 1:
+            rows = state["a"].local
+            strided = torch.empty(rows.shape[1], rows.shape[0], dtype=rows.dtype).t()
+            strided.copy_(rows)
+            state["a"] = sharded.Rows(strided, state["a"].start, state["a"].rows)
+        try:
+            pub.publish(state, step=2)
+        except (PartFailedError, InvalidStateDictError) as e:
+            out["invalid"] = (type(e).__name__, str(e))
+        out["head_after_invalid"] = _head_version(url)
         real = sharded.encode_part
         if rank == 1:
             def broken(**kw: Any) -> bytes:
@@ -299,7 +312,7 @@ def _scenario_claims(rank: int, world: int, url: str) -> dict[str, Any]:
     plan makes every rank send its claims in one more round; a new row split is a new layout."""
     from deltastore.sharded import Rows, ShardedPublisher
 
-    out: dict[str, Any] = {"rounds": [], "sent": [], "infos": []}
+    out: dict[str, Any] = {"rounds": [], "sent": [], "infos": [], "share_kept": []}
     with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
         calls: list[Any] = []
         real = pub._all_gather
@@ -317,7 +330,9 @@ def _scenario_claims(rank: int, world: int, url: str) -> dict[str, Any]:
                 start, stop = (0, 4) if rank == 0 else (4, 10)
                 state["a"] = Rows(full_model(v)["a"][start:stop].clone(), start, 10)
             calls.clear()
+            specs = pub._share.specs if pub._share is not None else None
             info = pub.publish(state, step=v)
+            out["share_kept"].append(pub._share.specs is specs)  # design 010 D8: made once per layout
             out["infos"].append((info.version, info.kind))
             out["rounds"].append(len(calls))
             out["sent"].append("claims" if calls[0].claims is not None else "digest")
@@ -440,6 +455,9 @@ def test_failed_part_commits_nothing_and_retry_commits(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
     results = run_ranks(2, url, "fail_then_retry", tmp_path)
     _ok(results)
+    # rank 1's own error; rank 0 re-raises it by class (a deltastore error), naming the tensor
+    assert all(r["invalid"][0] == "InvalidStateDictError" and "'a'" in r["invalid"][1] for r in results), results
+    assert all(r["head_after_invalid"] == 1 for r in results)
     assert results[0]["failure"] == "PartFailedError" and results[1]["failure"] == "OSError"
     assert all(r["head_after_failure"] == 1 for r in results)
     assert results[0]["retry"] == (2, "anchor")  # rank 1 dropped its reference: an anchor
@@ -471,6 +489,10 @@ def test_steady_claims_go_as_a_digest(tmp_path: Path) -> None:
         assert r["infos"] == [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "delta"), (5, "delta"), (6, "anchor"),
                               (7, "delta")], r
         assert r["rounds"] == [1, 1, 1, 2, 1, 1, 1], r  # version 4: rank 1 planned nothing, so a second round
+    # a rank's share is made anew for a new layout object only: on rank 1 at version 4 (it
+    # planned again) and on both at version 6 (another row split)
+    assert results[0]["share_kept"] == [False, True, True, True, True, False, True]
+    assert results[1]["share_kept"] == [False, True, True, False, True, False, True]
     assert results[0]["sent"] == ["claims", "digest", "digest", "digest", "digest", "claims", "digest"]
     assert results[1]["sent"] == ["claims", "digest", "digest", "claims", "digest", "claims", "digest"]
     with Subscriber(url) as sub:
