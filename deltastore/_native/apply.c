@@ -398,7 +398,7 @@ DS_INLINE unsigned decode_xor(decoder_t *d, const seg_t *s, uint64_t *pos, uint6
 /* Apply pos/val[j..) while the position is below lim (the sentinel stops it at the end of the
  * batch); returns where it stopped. Out of line: inside run() (every plane, cursor and hash
  * state live at once) gcc kept neither t nor lim in a register and reloaded both from the
- * stack for every change; here the loop is five instructions. One call per step. */
+ * stack for every change; here the loop is six instructions. One call per step. */
 DS_INLINE size_t apply_batch_t(uint8_t *t, const uint64_t *pos, const uint64_t *val, size_t j,
                                uint64_t lim, int W, int OP) {
     for (uint64_t q; (q = pos[j]) < lim; j++) apply_at(t, q, W, OP, val[j]);
