@@ -212,6 +212,83 @@ def test_steps_and_prefetch_edges_write_what_numpy_writes(width):
                 assert into_outcome(old, data, codec) == native, (codec, n)
 
 
+@st.composite
+def escapes_at_edges(draw):
+    """(old, new) whose changes put escapes where the kernel's sparse decoder changes gear:
+    apply.c decodes BATCH = 64 changes at a time, in groups of 8 (a group with an escaped gap
+    or value takes the slow path), 2 codes per byte, and applies them per 4 KiB step of a
+    32 KiB block. Escaped gaps (>= 255) and values (zigzag >= 15) land on the changes around
+    those edges; some gaps are long enough to cross steps and blocks; ``uniform`` repeats one
+    gap and one value (CONST gap-symbol and code sections)."""
+    width = draw(st.sampled_from([1, 2, 4, 8]))
+    dt = UINT[width]
+    n_changes = draw(st.integers(1, 200))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    edges = [k + d for k in (0, 8, 16, 56, 64, 72, 120, 128, 136, 192) for d in (-1, 0, 1)]
+    edges = [e for e in edges if 0 <= e < n_changes]
+    esc_gaps = draw(st.lists(st.sampled_from(edges), max_size=6)) if edges else []
+    esc_vals = draw(st.lists(st.sampled_from(edges), max_size=6)) if edges else []
+    gaps = rng.choice([0, 1, 3, 40, 254], n_changes).astype(np.int64)
+    gaps[esc_gaps] = rng.choice([255, 256, 300, 5000, 20000], len(esc_gaps))
+    vals = rng.choice([1, -1, 2, -2, 7, -7], n_changes).astype(np.int64)  # codes 1..14
+    vals[esc_vals] = rng.choice([8, -8, 100, -(1 << (8 * width - 1))], len(esc_vals))  # zigzag >= 15
+    if draw(st.booleans()):  # uniform: one gap symbol and one code everywhere
+        gaps[:] = gaps[0]
+        vals[:] = vals[0]
+    positions = np.cumsum(gaps + 1) - 1
+    count = int(positions[-1]) + 1 + draw(st.sampled_from([0, 1, 7, 3000]))
+    old = rng.integers(0, np.iinfo(dt).max, count, dtype=dt, endpoint=True)
+    new = old.copy()
+    new[positions] += vals.astype(dt)  # wraps modulo 2**(8 * width), as the codec does
+    keep = new[positions] != old[positions]  # a value that wrapped to 0 is not a change
+    assert keep.all()
+    return old, new
+
+
+@needs_native
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(escapes_at_edges())
+def test_escapes_at_batch_group_and_step_edges_write_what_numpy_writes(pair):
+    old, new = pair
+    # the encoders' choices (CONST sections where a plane is uniform), and both sparse forms
+    # in RAW sections whatever the encoders would choose
+    forms = all_forms(old, new) + [(c, _raw_segment(c, old, new)) for c in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE)]
+    for codec, data in forms:
+        after, digests = both(old, data, codec)
+        assert after == new.tobytes() and digests == (digest(old), digest(new)), codec
+        back, digests = both(new, data, codec, inverse=True)
+        assert back == old.tobytes() and digests == (digest(new), digest(old)), codec
+        native = into_outcome(old, data, codec)
+        with numpy_path():
+            assert into_outcome(old, data, codec) == native, codec
+        for want in ((False, False), (False, True)):  # one block for the whole chunk / steps
+            t = old.copy()
+            got = apply_delta_digests(t, data, codec=codec, before=want[0], after=want[1])
+            assert t.tobytes() == new.tobytes() and got == (None, digest(new) if want[1] else None)
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_many_batches_with_escapes_everywhere(width):
+    """Thousands of changes (dozens of batches), every gap symbol and code value used, escapes
+    in about one group of eight in three, over several blocks: kernel and numpy agree."""
+    rng = np.random.default_rng(100 + width)
+    dt = UINT[width]
+    n_changes = 5000
+    gaps = rng.choice(np.arange(0, 300), n_changes)
+    vals = rng.integers(-9, 10, n_changes)
+    vals[vals == 0] = 1
+    positions = np.cumsum(gaps + 1) - 1
+    old = rng.integers(0, np.iinfo(dt).max, int(positions[-1]) + 2, dtype=dt, endpoint=True)
+    new = old.copy()
+    new[positions] += vals.astype(dt)
+    for codec, data in all_forms(old, new):
+        after, digests = both(old, data, codec)
+        assert after == new.tobytes() and digests == (digest(old), digest(new)), codec
+        back, _ = both(new, data, codec, inverse=True)
+        assert back == old.tobytes(), codec
+
+
 # --- hostile segments: hand-built with RAW/CONST sections of the right sizes --------------
 
 

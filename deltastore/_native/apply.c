@@ -259,10 +259,9 @@ DS_INLINE void apply_at(uint8_t *t, uint64_t p, int W, int OP, uint64_t d) {
 #undef DS_APPLY_T
 }
 
-/* Cursor over the value stream (values in element order; escapes consumed in order). */
+/* Cursor over a dense value stream (values in element order; escapes consumed in order). */
 typedef struct {
     uint64_t ve; /* next escaped value */
-    uint64_t ge; /* next escaped gap */
 } cursor_t;
 
 DS_INLINE uint64_t value_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
@@ -272,11 +271,158 @@ DS_INLINE uint64_t value_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
     return unzigzag(code);
 }
 
-DS_INLINE uint64_t gap_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
-    if (!ADD) return pval(s->gaps, s->gap_width, i);
-    unsigned g = pbyte(s->gsym, i);
-    if (g == GAP_ESCAPE) return GAP_ESCAPE + pval(s->gesc, s->gap_width, c->ge++);
-    return g;
+/* --- sparse changes, decoded a batch at a time --------------------------------------------
+ *
+ * The sparse kinds are decoded BATCH changes at a time into two small local arrays (positions
+ * and differences) and then applied from them, instead of decoding each change between two
+ * writes: the decode loop is then a short run of loads and adds with no store into the target
+ * between them (a store into t, bytes that may alias anything, made the compiler reload the
+ * decoder's state), and the apply loop has one branch per change (the next position against
+ * the end of the step, which fails once per step). Design 006, "Addendum (session 17, task D)". */
+
+/* Changes per batch: the two arrays (1 KiB) stay in L1 next to the step being patched, and a
+ * batch spans ~1.5 steps of bf16 at RL densities (~2 %), so the per-batch costs (the loop's
+ * exit, the state saved) are paid once per ~64 changes. A multiple of 8 (decode_add's groups;
+ * every batch then starts at an even change, on a code byte's low nibble). */
+#define BATCH 64
+
+/* Differences of the 4-bit codes 0..14 (unzigzag); 15 is the escape, read from its planes. */
+static const uint64_t UNZIGZAG4[16] = {
+    0, (uint64_t)-1, 1, (uint64_t)-2, 2, (uint64_t)-3, 3, (uint64_t)-4,
+    4, (uint64_t)-5, 5, (uint64_t)-6, 6, (uint64_t)-7, 7, 0,
+};
+
+typedef struct {
+    uint64_t i;  /* next change to decode */
+    uint64_t p;  /* position of the last change decoded; UINT64_MAX before the first (+ g + 1 wraps to g) */
+    uint64_t ve; /* add-sparse: next escaped value */
+    uint64_t ge; /* add-sparse: next escaped gap */
+} decoder_t;
+
+/* add-sparse: changes d->i .. d->i + m into pos[0..m) and val[0..m) (differences, not yet
+ * cast to the width); pos[m] = UINT64_MAX, the apply loop's sentinel. d->i is even (batches
+ * start at multiples of BATCH), so each code byte holds the codes of changes j and j + 1.
+ * Escapes (~2 % of values and ~0.5 % of gaps on RL deltas) take a branch, and only in a group
+ * of eight that holds one: a branch-free select for every change (from a ring of escapes
+ * widened ahead, at a masked cursor advanced by the flag) cost 54 instructions per change
+ * decoded and applied against 31 with plain branches (callgrind, real bf16 segments; the
+ * addendum). validate() proved that the symbols and codes hold exactly n_gap_escaped and
+ * n_escaped escapes, so the cursors stay inside their planes. The words are read in host
+ * order: the kernels run on little-endian hosts only (codec/_kernels.py). */
+DS_INLINE unsigned decode_add(decoder_t *d, const seg_t *s, uint64_t *pos, uint64_t *val) {
+    uint64_t i = d->i, left = s->n - i;
+    unsigned m = left < BATCH ? (unsigned)left : BATCH;
+    /* This batch's gap symbols g[0..m) and code bytes c[0..(m+1)/2): a CONST plane is read
+     * from a batch's worth of its byte, so both are plain arrays below. */
+    uint8_t gconst[BATCH], cconst[BATCH / 2];
+    const uint8_t *g = s->gsym->p + i, *c = s->codes->p + i / 2;
+    if (!s->gsym->mask) memset(gconst, s->gsym->p[0], sizeof gconst), g = gconst;
+    if (!s->codes->mask) memset(cconst, s->codes->p[0], sizeof cconst), c = cconst;
+    uint64_t p = d->p;
+    unsigned j = 0;
+    /* Eight changes at a time (8 gap symbols, 4 code bytes): when none is an escape (~80 % of
+     * groups on RL deltas), positions and differences come straight from the two words. */
+    for (; j + 8 <= m; j += 8) {
+        uint64_t gw;
+        uint32_t cw;
+        memcpy(&gw, g + j, 8);
+        memcpy(&cw, c + j / 2, 4);
+        /* a byte 255 / a nibble 15 is a zero byte / nibble of the complement */
+        uint64_t ng = ~gw;
+        uint32_t nc = ~cw;
+        if (!(((ng - 0x0101010101010101ull) & ~ng & 0x8080808080808080ull) |
+              ((nc - 0x11111111u) & ~nc & 0x88888888u))) {
+            for (unsigned k = 0; k < 8; k++) {
+                pos[j + k] = p += (gw & 255u) + 1;
+                gw >>= 8;
+                val[j + k] = UNZIGZAG4[cw & 15u];
+                cw >>= 4;
+            }
+            continue;
+        }
+        for (unsigned k = 0; k < 8; k++) {
+            unsigned gs = (unsigned)(gw & 255u), cs = cw & 15u;
+            gw >>= 8;
+            cw >>= 4;
+            uint64_t gap = gs, v = UNZIGZAG4[cs];
+            if (gs == GAP_ESCAPE) gap = GAP_ESCAPE + pval(s->gesc, s->gap_width, d->ge++);
+            if (cs == NIBBLE_ESCAPE) v = unzigzag(pval(s->vesc, s->width, d->ve++));
+            pos[j + k] = p += gap + 1;
+            val[j + k] = v;
+        }
+    }
+    for (; j < m; j++) {
+        unsigned gs = g[j], cs = (c[j / 2] >> ((j & 1) * 4)) & 15u;
+        uint64_t gap = gs, v = UNZIGZAG4[cs];
+        if (gs == GAP_ESCAPE) gap = GAP_ESCAPE + pval(s->gesc, s->gap_width, d->ge++);
+        if (cs == NIBBLE_ESCAPE) v = unzigzag(pval(s->vesc, s->width, d->ve++));
+        pos[j] = p += gap + 1;
+        val[j] = v;
+    }
+    pos[m] = UINT64_MAX;
+    d->p = p;
+    d->i = i + m;
+    return m;
+}
+
+/* `k` byte planes of elements i .. i + m into out[0..m), plane by plane (each inner loop reads
+ * one plane contiguously). */
+DS_INLINE void gather_planes(const plane_t *pl, int k, uint64_t i, unsigned m, uint64_t *out) {
+    for (unsigned j = 0; j < m; j++) out[j] = 0;
+    for (int b = 0; b < k; b++) {
+        const uint8_t *q = pl[b].p;
+        if (pl[b].mask) {
+            q += i;
+            for (unsigned j = 0; j < m; j++) out[j] |= (uint64_t)q[j] << (8 * b);
+        } else {
+            uint64_t c = (uint64_t)q[0] << (8 * b);
+            for (unsigned j = 0; j < m; j++) out[j] |= c;
+        }
+    }
+}
+
+/* xor-sparse: as decode_add, from the gap and value byte planes (no escapes). */
+DS_INLINE unsigned decode_xor(decoder_t *d, const seg_t *s, uint64_t *pos, uint64_t *val) {
+    uint64_t i = d->i, left = s->n - i;
+    unsigned m = left < BATCH ? (unsigned)left : BATCH;
+    gather_planes(s->gaps, s->gap_width, i, m, pos);
+    gather_planes(s->vals, s->width, i, m, val);
+    uint64_t p = d->p;
+    for (unsigned j = 0; j < m; j++) pos[j] = p += pos[j] + 1;
+    pos[m] = UINT64_MAX;
+    d->p = p;
+    d->i = i + m;
+    return m;
+}
+
+/* Apply pos/val[j..) while the position is below lim (the sentinel stops it at the end of the
+ * batch); returns where it stopped. Out of line: inside run() (every plane, cursor and hash
+ * state live at once) gcc kept neither t nor lim in a register and reloaded both from the
+ * stack for every change; here the loop is six instructions. One call per step. */
+DS_INLINE size_t apply_batch_t(uint8_t *t, const uint64_t *pos, const uint64_t *val, size_t j,
+                               uint64_t lim, int W, int OP) {
+    for (uint64_t q; (q = pos[j]) < lim; j++) apply_at(t, q, W, OP, val[j]);
+    return j;
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((noinline))
+#endif
+static size_t apply_batch(uint8_t *t, const uint64_t *pos, const uint64_t *val, size_t j, uint64_t lim,
+                          int W, int OP) {
+#define DS_AB(w)                                                                        \
+    case w:                                                                             \
+        return OP == OP_ADD   ? apply_batch_t(t, pos, val, j, lim, w, OP_ADD)          \
+               : OP == OP_SUB ? apply_batch_t(t, pos, val, j, lim, w, OP_SUB)          \
+                              : apply_batch_t(t, pos, val, j, lim, w, OP_XOR);
+    switch (W) {
+        DS_AB(1)
+        DS_AB(2)
+        DS_AB(4)
+    default:
+        DS_AB(8)
+    }
+#undef DS_AB
 }
 
 /* Where the result goes: in place (src NULL), or src copied into t block by block; and, for
@@ -290,7 +436,7 @@ typedef struct {
 /* Walk the target in blocks [start, end): (copy the block from src,) hash before, then per step
  * of STEP_BYTES prefetch that step of the next block, apply the step's changes and hash it
  * after. Without digests or src the whole chunk is one block and one step. */
-DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPARSE,
+DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPARSE, int REC,
                    XXH3_state_t *sb, XXH3_state_t *sa, const io_t *iop) {
     /* Local copies: stores into t (bytes, which may alias anything) would otherwise make the
      * compiler reload every plane pointer and mask from memory after each element written. */
@@ -318,9 +464,18 @@ DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPA
     uint64_t sub = (sb || sa || io->src) ? STEP_BYTES / W : count;
     /* What the next block is read from: the source when copying, else the target. */
     const uint8_t *ahead = io->src ? io->src : t;
-    cursor_t c = {0, 0};
-    uint64_t i = 0, p = 0;
-    if (SPARSE && s->n) p = gap_at(s, ADD, 0, &c);
+    cursor_t c = {0};
+    /* sparse: the batch being applied is pos/val[j..m); pos[m] is the sentinel UINT64_MAX, so
+     * the apply loop stops at the end of the batch without a second test. */
+    decoder_t dec;
+    uint64_t pos[BATCH + 1], val[BATCH];
+    size_t j = 0, m = 0;
+    uint64_t a = 0; /* changes applied so far (REC: where the next one is recorded) */
+    if (SPARSE) {
+        dec.i = dec.ve = dec.ge = 0;
+        dec.p = UINT64_MAX;
+        pos[0] = UINT64_MAX;
+    }
     for (uint64_t start = 0; start < count;) {
         uint64_t end = count - start > blk ? start + blk : count;
         if (io->src) memcpy(t + start * W, io->src + start * W, (size_t)((end - start) * W));
@@ -340,14 +495,21 @@ DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPA
                     for (; q < qe; q += 64) __builtin_prefetch(q, 1, 2);
             }
             if (SPARSE) {
-                while (i < s->n && p < s1) {
-                    if (io->pos) {
-                        io->pos[i] = (int64_t)p;
-                        memcpy(io->oldv + i * W, t + p * W, W);
+                for (;;) {
+                    if (REC) {
+                        for (uint64_t q; (q = pos[j]) < s1; j++, a++) {
+                            io->pos[a] = (int64_t)q;
+                            memcpy(io->oldv + a * W, t + q * W, W);
+                            apply_at(t, q, W, OP, val[j]);
+                            memcpy(io->newv + a * W, t + q * W, W);
+                        }
+                    } else {
+                        j = apply_batch(t, pos, val, j, s1, W, OP);
                     }
-                    apply_at(t, p, W, OP, value_at(s, ADD, i, &c));
-                    if (io->pos) memcpy(io->newv + i * W, t + p * W, W);
-                    if (++i < s->n) p += gap_at(s, ADD, i, &c) + 1;
+                    /* stopped before the sentinel: the next change is in a later step */
+                    if (j < m || dec.i >= s->n) break;
+                    m = ADD ? decode_add(&dec, s, pos, val) : decode_xor(&dec, s, pos, val);
+                    j = 0;
                 }
             } else {
                 for (uint64_t e = s0; e < s1; e++) {
@@ -362,11 +524,16 @@ DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPA
     }
 }
 
+#define DS_RUN_REC(W, OP, ADD, SPARSE)                                           \
+    do {                                                                         \
+        if ((SPARSE) && io->pos) run(t, s, W, OP, ADD, SPARSE, 1, sb, sa, io);   \
+        else run(t, s, W, OP, ADD, SPARSE, 0, sb, sa, io);                       \
+    } while (0)
 #define DS_RUN_OPS(W, ADD, SPARSE)                                  \
     do {                                                            \
-        if (!(ADD)) run(t, s, W, OP_XOR, ADD, SPARSE, sb, sa, io);      \
-        else if (inverse) run(t, s, W, OP_SUB, ADD, SPARSE, sb, sa, io); \
-        else run(t, s, W, OP_ADD, ADD, SPARSE, sb, sa, io);             \
+        if (!(ADD)) DS_RUN_REC(W, OP_XOR, ADD, SPARSE);             \
+        else if (inverse) DS_RUN_REC(W, OP_SUB, ADD, SPARSE);       \
+        else DS_RUN_REC(W, OP_ADD, ADD, SPARSE);                    \
     } while (0)
 #define DS_RUN_KINDS(W)                                        \
     do {                                                       \
