@@ -99,3 +99,82 @@ def test_a_pack_upload_that_fails_after_the_scan_commits_nothing():
     with Subscriber("unused", store=store.inner) as sub:
         assert_bits_equal(sub.pull(), s1)
 
+
+
+# --- jobs and the in-flight window (session 17, task E) -------------------------------------
+
+
+def _encode_steady(tmp_path, name: str, threads: int):
+    """A delta of a 40-tensor state in 4 KiB chunks (many per job), encoded on ``threads``
+    threads; returns what encode_version returned and every pack's bytes."""
+    import torch
+
+    from deltastore.manifest import new_attempt_id
+    from deltastore.tensors import spec_for
+
+    g = torch.Generator().manual_seed(7)
+    old = {f"t{i}": torch.randint(-2000, 2000, (9 + i, 512), generator=g, dtype=torch.int16) for i in range(40)}
+    new = {n: t.clone() for n, t in old.items()}
+    for i, t in enumerate(new.values()):
+        if i % 3:  # some tensors unchanged: their chunks are not listed
+            flat = t.view(-1)
+            flat[torch.randint(0, flat.numel(), (50,), generator=g)] += 1
+    specs = {n: spec_for(n, t, 4096) for n, t in old.items()}
+    reference = {n: t.clone() for n, t in old.items()}
+    store = open_store(str(tmp_path / name))
+    with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(4) as up:
+        enc = encode.encode_version(new, specs, kind="delta", reference=reference, pool=pool, uploader=up,
+                                    store=store, threads=threads, attempt=new_attempt_id())
+    for n in new:  # the reference was advanced to the new state
+        assert torch.equal(reference[n], new[n])
+    return enc, [store.get(b.key) for b in enc.blobs]
+
+
+def _comparable(enc):
+    return [e.model_dump() for e in enc.entries], enc.stats, [(b.sha256, b.size) for b in enc.blobs]
+
+
+def test_grouped_jobs_and_a_drained_window_write_what_one_job_per_chunk_writes(tmp_path, monkeypatch):
+    # One job per chunk and a window drained job by job (the encoder before this round)...
+    monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", 1)
+    monkeypatch.setattr(encode, "DRAIN_DIVISOR", 1)
+    monkeypatch.setattr(encode, "IN_FLIGHT_PER_THREAD", 1)
+    want, want_packs = _encode_steady(tmp_path, "one-by-one", threads=1)
+    assert len(want.entries) == 26 and want.stats.elements_changed > 0
+    # ...against grouped jobs of several chunks, windows of several sizes, drained by halves
+    # (or to empty: a window of one job per thread), on 1-3 threads: same entries, same packs.
+    monkeypatch.setattr(encode, "DRAIN_DIVISOR", 2)
+    for job_bytes, per_thread, threads in [(16 * 1024, 8, 2), (16 * 1024, 1, 3), (1 << 20, 8, 1), (4096, 3, 2)]:
+        monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", job_bytes)
+        monkeypatch.setattr(encode, "IN_FLIGHT_PER_THREAD", per_thread)
+        got, packs = _encode_steady(tmp_path, f"g{job_bytes}-{per_thread}-{threads}", threads)
+        assert _comparable(got) == _comparable(want)
+        assert packs == want_packs
+
+
+def test_chunk_jobs_group_consecutive_chunks_up_to_the_job_size(monkeypatch):
+    from deltastore.tensors import TensorSpec
+
+    specs = {"a": TensorSpec("a", "int16", (10, 512), 1), "b": TensorSpec("b", "int16", (3, 2048), 1)}
+    monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", 3 * 1024)  # a's chunks are 1 KiB, b's 4 KiB
+    jobs = encode.chunk_jobs(specs)
+    assert [[(ti, ci) for ti, ci, _ in j] for j in jobs] == [
+        [(0, 0), (0, 1), (0, 2)], [(0, 3), (0, 4), (0, 5)], [(0, 6), (0, 7), (0, 8)], [(0, 9), (1, 0)], [(1, 1)], [(1, 2)],
+    ]
+
+
+def test_a_failed_chunk_job_raises_its_own_error_after_the_window_is_drained(tmp_path, monkeypatch):
+    real = encode.encode_chunk
+    seen: list[tuple[int, int]] = []
+
+    def failing(ti, ci, *args):
+        seen.append((ti, ci))
+        if (ti, ci) == (5, 1):
+            raise RuntimeError("chunk 1 of tensor 5 (injected)")
+        return real(ti, ci, *args)
+
+    monkeypatch.setattr(encode, "encode_chunk", failing)
+    monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", 8192)
+    with pytest.raises(RuntimeError, match="tensor 5"):
+        _encode_steady(tmp_path, "fails", threads=2)
+    assert (5, 1) in seen
