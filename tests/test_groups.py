@@ -803,3 +803,25 @@ def test_validate_and_check_layout_name_the_bad_tensor_with_either_scan(native: 
         with pytest.raises(error, match="m31"):
             check_layout(specs, validate_state_dict(state), against="v1")
         assert what
+
+
+def test_bits_views_the_tensor_memory_and_keeps_it_alive() -> None:
+    """tensors.bits: the address view of a plain tensor has the bits torch's numpy() view has,
+    writes through to the tensor, and keeps the tensor alive; other tensors go through torch."""
+    import gc
+
+    cases = [torch.arange(10, dtype=torch.bfloat16), torch.nn.Parameter(torch.arange(6.0).view(2, 3)),
+             torch.tensor(3, dtype=torch.int8), torch.tensor([True, False]), torch.arange(12.0).view(3, 4).t(),
+             torch.zeros(0, dtype=torch.float64)]
+    for t in cases:
+        w = t.element_size()
+        want = t.detach().reshape(-1).contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w])
+        got = bits(t)
+        assert got.dtype.itemsize == w and got.tobytes() == want.numpy().tobytes()
+    t = torch.zeros(5, dtype=torch.float32)
+    view = bits(t)
+    view[2] = 0x3F800000  # 1.0
+    assert t[2].item() == 1.0
+    del t
+    gc.collect()
+    assert view[2] == 0x3F800000 and view.base is not None
