@@ -197,8 +197,8 @@ class TensorScan:
         self._contiguous: np.ndarray | None = None
         self._meta: np.ndarray | None = None
         self._ptrs: np.ndarray | None = None
-        self._ndims: np.ndarray | None = None  # with the native scan: int64 per tensor (-1 unless strided)
-        self._dims: np.ndarray | None = None  # ... and the strided tensors' sizes, concatenated
+        self._ndims: np.ndarray | None = None  # with the native scan: int64 rank per tensor
+        self._dims: np.ndarray | None = None  # ... and the tensors' sizes, concatenated (see shape_code)
 
     def __len__(self) -> int:
         return len(self.tensors)
