@@ -1,6 +1,6 @@
 """Many small tensors against the same bytes in a few large ones (issue 9, design 007).
 
-    python -m benchmarks.many_tensors [--scale 1.0] [--repeats 3] [--no-ungrouped]
+    python -m benchmarks.many_tensors [--scale 1.0] [--repeats 3] [--no-ungrouped] [--scan-ab]
 
 Two bf16 models of the same bytes: 20,000 tensors of 4,096 elements ("many") and 20 tensors of
 4,096,000 ("few"), 164 MB each at scale 1. Each step changes 1 % of the elements by ±1-2 ulp (an
@@ -18,11 +18,16 @@ thread) encoding and applying the same step. ``gc_share`` is the fraction of eac
 wall time spent in Python's cyclic garbage collector (gc.callbacks). All figures come from one
 run, side by side; the ratios (many / few) are what the issue's goal is stated in (≤ 3×).
 Results go to benchmarks/results/many_tensors.{json,md}.
+
+``--scan-ab`` also measures the grouped case with the native tensor scan (design 007, session 17
+addendum) on and off, alternating step by step in one process: wall time and the caller thread's
+CPU time (``time.thread_time``, steadier than wall time on a shared machine) of each operation.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -139,6 +144,38 @@ def bench_pulse(state0: dict[str, torch.Tensor], steps: list[dict[str, torch.Ten
     return {"publish": _summary(enc), "pull_into": _summary(app)}
 
 
+def bench_scan_ab(state0: dict[str, torch.Tensor], steps: list[dict[str, torch.Tensor]], rounds: int) -> dict[str, Any]:
+    """The grouped case with ``_kernels.scan_tensors`` on and off, alternating step by step in
+    one process (the same store, publisher and target): medians of wall and caller-thread CPU
+    seconds per operation and mode."""
+    from deltastore import Publisher, Subscriber
+    from deltastore.codec import _kernels
+
+    kernel = _kernels.scan_tensors
+    rows: dict[str, dict[str, list[float]]] = {m: {k: [] for k in ("publish", "publish_cpu", "pull_into", "pull_into_cpu")}
+                                               for m in ("native", "python")}
+    url = f"memory://scan-ab-{uuid.uuid4().hex[:8]}"
+    try:
+        with Publisher(url, anchor_every=10_000, group_small_tensors=True) as pub:
+            pub.publish(state0)
+            with Subscriber(url) as sub:
+                target = sub.pull()
+                for i in range(2 * rounds + 2):  # the first two steps warm both modes up
+                    mode = "native" if i % 2 == 0 else "python"
+                    _kernels.scan_tensors = kernel if mode == "native" else None
+                    ops = (("publish", functools.partial(pub.publish, steps[i % len(steps)])),
+                           ("pull_into", functools.partial(sub.pull_into, target)))
+                    for op, fn in ops:
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        fn()
+                        if i >= 2:
+                            rows[mode][op].append(time.perf_counter() - t0)
+                            rows[mode][op + "_cpu"].append(time.thread_time() - c0)
+    finally:
+        _kernels.scan_tensors = kernel
+    return {m: {k: statistics.median(v) for k, v in r.items()} for m, r in rows.items()}
+
+
 def _summary(rows: list[tuple[float, float]]) -> dict[str, float]:
     return {"s": statistics.median(r[0] for r in rows), "gc_share": sum(r[1] for r in rows) / max(1e-12, sum(r[0] for r in rows))}
 
@@ -148,7 +185,7 @@ def bench_copy(state: dict[str, torch.Tensor]) -> float:
     return min(_timed(lambda: [t.clone() for t in state.values()])[0] for _ in range(3))
 
 
-def run(scale: float, repeats: int, *, ungrouped: bool = True) -> dict[str, Any]:
+def run(scale: float, repeats: int, *, ungrouped: bool = True, scan_ab: bool = False) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     shapes = {"many": (MANY[0], max(1, int(MANY[1] * scale))), "few": (FEW[0], max(1, int(FEW[1] * scale)))}
     out: dict[str, Any] = {
@@ -168,6 +205,8 @@ def run(scale: float, repeats: int, *, ungrouped: bool = True) -> dict[str, Any]
             case["deltastore"] = bench_deltastore(state0, steps, groups=False)
         if name == "many":
             case["deltastore+groups"] = bench_deltastore(state0, steps, groups=True)
+            if scan_ab:
+                case["scan_ab"] = bench_scan_ab(state0, steps, rounds=max(5, repeats))
         case["pulse"] = bench_pulse(state0, steps)
         out["cases"][name] = case
         del state0, steps
@@ -201,6 +240,12 @@ def markdown(r: dict[str, Any]) -> str:
             lines.append(f"| {label} | {impl} | {c.get('units', '–')} | {' | '.join(cells)} | {gcs} |")
     lines += ["", "| ratio many / few (goal ≤ 3) | value |", "|---|---|"]
     lines += [f"| {k} | {v:.1f}× |" for k, v in r["ratios"].items()]
+    ab = r["cases"]["many"].get("scan_ab")
+    if ab:
+        lines += ["", "| many, grouped: tensor scan (alternating steps, medians, ms) | publish wall | publish caller CPU | pull_into wall | pull_into caller CPU |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {m} | " + " | ".join(f"{ab[m][k] * 1e3:.1f}" for k in ("publish", "publish_cpu", "pull_into", "pull_into_cpu")) + " |"
+                  for m in ("native", "python")]
     return "\n".join(lines) + "\n"
 
 
@@ -211,8 +256,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for many_tensors.{json,md}")
     ap.add_argument("--no-ungrouped", action="store_true",
                     help="skip the many-tensor case without groups (the slowest part: ~1 min on a quiet machine)")
+    ap.add_argument("--scan-ab", action="store_true",
+                    help="also time the grouped case with the native tensor scan on and off, alternating (one process)")
     args = ap.parse_args()
-    r = run(args.scale, args.repeats, ungrouped=not args.no_ungrouped)
+    r = run(args.scale, args.repeats, ungrouped=not args.no_ungrouped, scan_ab=args.scan_ab)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "many_tensors.json").write_text(json.dumps(r, indent=1) + "\n")
     md = markdown(r)

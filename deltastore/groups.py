@@ -204,14 +204,22 @@ def member_pointers(spec: TensorSpec, ts: list[torch.Tensor], *, contiguous: boo
 class MemberTable:
     """A group row's member tensors (in member order) in a pull target or a published state,
     with their host addresses when every one is a contiguous CPU tensor (else ``ptrs`` is
-    None), and whether they lie back to back as one row (``span``: see :func:`_span`)."""
+    None), and whether they lie back to back as one row (``span``: see :func:`_span`).
 
-    __slots__ = ("ptrs", "span", "tensors")
+    ``owner`` holds the members alive (the scan's list of all tensors, shared by every row:
+    no list per row for the collector to walk); :attr:`tensors` slices this row's members."""
 
-    def __init__(self, tensors: list[torch.Tensor], ptrs: np.ndarray | None, span: bool):
-        self.tensors = tensors
+    __slots__ = ("_hi", "_lo", "owner", "ptrs", "span")
+
+    def __init__(self, owner: list[torch.Tensor], lo: int, hi: int, ptrs: np.ndarray | None, span: bool):
+        self.owner = owner
+        self._lo, self._hi = lo, hi
         self.ptrs = ptrs
         self.span = span
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.owner[self._lo:self._hi]
 
 
 #: Per layout (by its LayoutTables object, which tensors.layout_tables keeps while the layout
@@ -266,11 +274,10 @@ def member_tables(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Ten
         base = np.repeat(ptrs[first], np.diff(np.append(first, len(sel))))
         span_row = np.logical_and.reduceat(ptrs - base == byte_offsets, first) & host_row
     for r, (name, lo, hi) in enumerate(rows):
-        ts = scan.tensors[lo:hi]
         if host_row[r]:
-            out[name] = MemberTable(ts, ptrs[first[r]:first[r] + hi - lo], bool(span_row[r]))
+            out[name] = MemberTable(scan.tensors, lo, hi, ptrs[first[r]:first[r] + hi - lo], bool(span_row[r]))
         else:
-            out[name] = MemberTable(ts, None, False)
+            out[name] = MemberTable(scan.tensors, lo, hi, None, False)
     return out
 
 
@@ -348,7 +355,8 @@ def _span(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostVi
 
 
 def _span_view(spec: TensorSpec, ts: list[torch.Tensor], ptrs: np.ndarray) -> _HostView:
-    """The :class:`_HostView` of :func:`_span`, once the addresses were checked."""
+    """The :class:`_HostView` of :func:`_span`, once the addresses were checked (``ts`` holds
+    the members, whose memory the view covers)."""
     w = DTYPE_WIDTHS[spec.dtype]
     return _HostView(ts, np.frombuffer((_CTYPES[w] * spec.numel).from_address(int(ptrs[0])), dtype=_UINT[w]))
 
@@ -440,8 +448,12 @@ def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], ma
         if spec.members:
             if groups is not None:
                 g = groups[name]
-                ts, ptrs = g.tensors, g.ptrs
-                view = _span_view(spec, ts, ptrs) if g.span else None
+                ptrs = g.ptrs
+                if ptrs is not None:  # the memory at ptrs is the members': ``g.owner`` holds them
+                    out[name] = _span_view(spec, g.owner, ptrs) if g.span else _HostGroup(spec, g.owner, ptrs)
+                    continue
+                ts = g.tensors
+                view = None
             else:  # ``tensors`` lacks a tensor of the layout: look each member up
                 ts = [tensors[m.name] for m in spec.members]
                 ptrs = member_pointers(spec, ts)

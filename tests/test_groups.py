@@ -692,3 +692,136 @@ def test_member_tables_agree_with_the_per_group_checks() -> None:
             assert got.span == (_span(spec, ts, ptrs) is not None), name
     assert [found[f"#g{r}"].span for r in range(5)] == [True, False, False, False, False]
     assert [found[f"#g{r}"].ptrs is not None for r in range(5)] == [True, True, True, False, False]
+
+
+# --- the one-pass tensor scan (tensors.TensorScan, native scan_tensors) -------------------------
+
+
+def _scan_zoo() -> list[torch.Tensor]:
+    """Tensors of every kind the checks meet: plain, views, a Parameter, 0-d, empty, another
+    dtype, not contiguous, on the meta device, sparse."""
+    base = torch.arange(64, dtype=torch.float32)
+    return [
+        torch.zeros(3), base[8:24].view(4, 4), torch.nn.Parameter(torch.ones(2, 3, 5)), torch.tensor(7),
+        torch.zeros(0, 4, dtype=torch.int64), torch.zeros(6, dtype=torch.bfloat16),
+        torch.zeros(4, 6).t(), torch.zeros(3, device="meta"), torch.zeros(3, 3).to_sparse(),
+        torch.zeros(2, 2, dtype=torch.uint8),
+    ]
+
+
+def _scan_fields(sc: Any, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    from deltastore.tensors import shape_code
+
+    strided = sc.strided.tolist()
+    return {
+        "dtypes": sc.dtypes, "strided": strided, "cpu": sc.cpu.tolist(), "contiguous": sc.contiguous.tolist(),
+        "meta": sc.meta.tolist(), "shapes_equal": sc.shapes_equal(shapes),
+        "shapes_equal_code": sc.shapes_equal(shapes, shape_code(shapes)),
+    }
+
+
+@pytest.mark.skipif(_kernels.scan_tensors is None, reason="native kernels not built")
+@pytest.mark.parametrize("shapes_change", [None, 0, 1, 3, 9])
+def test_native_tensor_scan_equals_the_python_scan(shapes_change: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native one-pass scan reads what the per-attribute Python scan reads, for every kind
+    of tensor; and the shape comparison by codes fails wherever one shape differs (in rank or
+    in a size), as the tuple comparison does."""
+    from deltastore.tensors import TensorScan
+
+    ts = _scan_zoo()
+    dense = [t.layout == torch.strided for t in ts]
+    shapes = [tuple(t.shape) for t in ts]
+    if shapes_change is not None:  # one shape off: another size, or another rank
+        sh = shapes[shapes_change]
+        shapes[shapes_change] = sh[:-1] + (sh[-1] + 1,) if sh else (1,)
+    native = TensorScan(list(ts))
+    got = _scan_fields(native, shapes)
+    assert native._native is True
+    ptrs = native.ptrs.tolist()
+    monkeypatch.setattr(_kernels, "scan_tensors", None)
+    python = TensorScan(list(ts))
+    want = _scan_fields(python, shapes)
+    assert python._native is False
+    assert got == want
+    assert want["shapes_equal"] is (shapes_change is None)
+    assert [p for p, d in zip(ptrs, dense) if d] == [t.data_ptr() for t, d in zip(ts, dense) if d]
+
+
+@pytest.mark.skipif(_kernels.scan_tensors is None, reason="native kernels not built")
+def test_native_tensor_scan_declines_what_it_cannot_read_as_getattr_would() -> None:
+    """The kernel reads only exact torch.Tensor / Parameter objects (a subclass may override
+    an attribute in Python), says None when a getter raises, and refuses descriptors that are
+    not torch's getters; the scan then reads in Python and finds the same values."""
+    from deltastore.tensors import _SCAN_ARGS, TensorScan
+
+    assert _SCAN_ARGS is not None
+    types, strided, descrs = _SCAN_ARGS
+
+    class Odd(torch.Tensor):
+        @property
+        def dtype(self) -> torch.dtype:  # type: ignore[override]
+            return torch.float64
+
+    odd = torch.zeros(3).as_subclass(Odd)
+    assert _kernels.scan_tensors([torch.zeros(2), odd], types, strided, descrs) is None
+    sc = TensorScan([torch.zeros(2), odd])
+    assert sc.dtypes == [torch.float32, torch.float64] and sc._native is False
+    assert _kernels.scan_tensors([torch.zeros(2), "not a tensor"], types, strided, descrs) is None
+    with pytest.warns(UserWarning):
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    assert _kernels.scan_tensors([nested], types, strided, descrs) is None  # its shape raises
+    with pytest.raises(TypeError):
+        _kernels.scan_tensors([torch.zeros(2)], types, strided, (len,) * 7)
+    with pytest.raises(TypeError):
+        _kernels.scan_tensors([torch.zeros(2)], (dict,), strided, descrs)
+    with pytest.raises(ValueError):
+        _kernels.scan_tensors([torch.zeros(2)], types, strided, descrs[:6])
+    assert _kernels.scan_tensors([], types, strided, descrs)[1] == b""
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_validate_and_check_layout_name_the_bad_tensor_with_either_scan(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every typed error of the per-member checks, with the native scan and without it."""
+    if not native:
+        monkeypatch.setattr(_kernels, "scan_tensors", None)
+    good = {f"m{i}": torch.zeros(4, 4, dtype=torch.bfloat16) for i in range(50)}
+    specs = {n: TensorSpec(n, "bfloat16", (4, 4), 4) for n in good}
+    check_layout(specs, validate_state_dict(good), against="v1")
+    cases: list[tuple[str, Any, type[Exception]]] = [
+        ("not contiguous", torch.zeros(4, 4, dtype=torch.bfloat16).t(), InvalidStateDictError),
+        ("sparse", torch.zeros(4, 4, dtype=torch.bfloat16).to_sparse(), InvalidStateDictError),
+        ("meta", torch.zeros(4, 4, dtype=torch.bfloat16, device="meta"), InvalidStateDictError),
+        ("complex", torch.zeros(4, 4, dtype=torch.complex128), InvalidStateDictError),
+        ("not a tensor", np.zeros((4, 4)), InvalidStateDictError),
+        ("shape", torch.zeros(16, dtype=torch.bfloat16), LayoutMismatchError),
+        ("rank", torch.zeros(4, 4, 1, dtype=torch.bfloat16), LayoutMismatchError),
+        ("dtype", torch.zeros(4, 4, dtype=torch.float16), LayoutMismatchError),
+    ]
+    for what, value, error in cases:
+        state = dict(good)
+        state["m31"] = value
+        with pytest.raises(error, match="m31"):
+            check_layout(specs, validate_state_dict(state), against="v1")
+        assert what
+
+
+def test_bits_views_the_tensor_memory_and_keeps_it_alive() -> None:
+    """tensors.bits: the address view of a plain tensor has the bits torch's numpy() view has,
+    writes through to the tensor, and keeps the tensor alive; other tensors go through torch."""
+    import gc
+
+    cases = [torch.arange(10, dtype=torch.bfloat16), torch.nn.Parameter(torch.arange(6.0).view(2, 3)),
+             torch.tensor(3, dtype=torch.int8), torch.tensor([True, False]), torch.arange(12.0).view(3, 4).t(),
+             torch.zeros(0, dtype=torch.float64)]
+    for t in cases:
+        w = t.element_size()
+        want = t.detach().reshape(-1).contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w])
+        got = bits(t)
+        assert got.dtype.itemsize == w and got.tobytes() == want.numpy().tobytes()
+    t = torch.zeros(5, dtype=torch.float32)
+    view = bits(t)
+    view[2] = 0x3F800000  # 1.0
+    assert t[2].item() == 1.0
+    del t
+    gc.collect()
+    assert view[2] == 0x3F800000 and view.base is not None

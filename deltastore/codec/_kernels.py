@@ -67,3 +67,4 @@ apply_segment = getattr(_native, "apply_segment", None)
 #: See deltastore/_native/groups.c (tensor groups, design 007).
 gather_members = getattr(_native, "gather_members", None)
 scatter_members = getattr(_native, "scatter_members", None)
+scan_tensors = getattr(_native, "scan_tensors", None)
