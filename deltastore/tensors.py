@@ -579,8 +579,8 @@ def _mismatched_names(specs: Mapping[str, TensorSpec], state: Mapping[str, torch
 def bits(t: torch.Tensor) -> np.ndarray:
     """A 1-D unsigned-integer numpy view of a contiguous CPU tensor's bits (no copy).
 
-    The view keeps ``t`` alive. A plain dense CPU tensor is viewed through its address (a
-    ctypes array that holds ``t``): ~6 µs instead of ~16 for four torch calls and ``numpy()``,
+    The view keeps ``t``'s storage alive. A plain dense CPU tensor is viewed through its address
+    (a ctypes array that holds the storage): ~6 µs instead of ~16 for four torch calls and ``numpy()``,
     and no short-lived tensors for the collector (the publisher views every unit's reference
     on each call). Anything else (a subclass, a conjugate or negative view, another device,
     no elements) goes through torch, which copies a non-contiguous tensor or raises as it did.
@@ -590,7 +590,9 @@ def bits(t: torch.Tensor) -> np.ndarray:
     if (type(t) in _PLAIN_TYPES and n and t.is_cpu and t.layout is torch.strided and t.is_contiguous()
             and not t.is_conj() and not t.is_neg() and w in _CTYPES_BY_WIDTH):
         raw = (_CTYPES_BY_WIDTH[w] * n).from_address(t.data_ptr())
-        raw._owner = t  # the array's memory is t's: keep t alive with it
+        # keep the memory alive with the view: t's storage, not t (t.set_() may give t another
+        # storage and free this one; torch's own numpy() view holds the storage the same way)
+        raw._owner = t.untyped_storage()
         return np.frombuffer(raw, dtype=_UINT_BY_WIDTH[w])
     flat = t.detach().reshape(-1)
     return flat.view(_TORCH_INT_BY_WIDTH[w]).numpy().view(_UINT_BY_WIDTH[w])

@@ -825,3 +825,17 @@ def test_bits_views_the_tensor_memory_and_keeps_it_alive() -> None:
     del t
     gc.collect()
     assert view[2] == 0x3F800000 and view.base is not None
+
+
+def test_bits_view_outlives_a_set_of_its_tensor() -> None:
+    """The address view holds the tensor's storage, not the tensor: ``t.set_()`` (another
+    storage for t) leaves the view on the old memory, as torch's own numpy() view is."""
+    import gc
+
+    t = torch.arange(1 << 16, dtype=torch.int16)
+    view = bits(t)
+    t.set_(torch.zeros(4, dtype=torch.int16))
+    gc.collect()
+    junk = [torch.full((1 << 16,), 7, dtype=torch.int16) for _ in range(8)]  # reuse freed memory
+    assert view[:3].tolist() == [0, 1, 2] and int(view[-1]) == (1 << 16) - 1
+    assert junk
