@@ -342,10 +342,11 @@ def encode_version(
         nonlocal elements_changed
         if len(pending) <= limit:
             return
-        # Take results down to ``limit // DRAIN_DIVISOR`` jobs in flight, waiting first on the
-        # newest of them: the threads take jobs in order, so once it is done the older ones are
-        # too, and the caller wakes once per half window instead of once per job (each wake-up
-        # is a context switch and a GIL hand-off with the encode threads).
+        # Take results down to ``limit // DRAIN_DIVISOR`` jobs in flight (a delta), waiting
+        # first on the newest of them: the threads take jobs in order, so the older ones are
+        # done or nearly (each .result() below still waits for its own), and the caller wakes
+        # about once per half window instead of once per job (each wake-up is a context switch
+        # and a GIL hand-off with the encode threads).
         take = len(pending) - (limit // DRAIN_DIVISOR if kind == "delta" else limit)
         pending[take - 1].exception()  # waits; a failure is raised below, in layout order
         for _ in range(take):
