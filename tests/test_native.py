@@ -95,7 +95,7 @@ def _isas() -> list[str]:
     if not _kernels.NATIVE:
         return ["baseline"]
     out = []
-    for name in ("baseline", "avx2", "avx512bw"):
+    for name in ("baseline", "avx2", "avx512bw", "avx512vbmi2"):
         try:
             _kernels._native.scan_isa(name)
         except ValueError:

@@ -25,6 +25,26 @@
  * changed elements are then visited by counting trailing zeros, never one element at a time. */
 #define SCAN_BLOCK 64
 
+/* Bytes ahead of the compared block that the scan prefetches in both streams. The hardware
+ * prefetchers alone left the loads waiting whenever a block had changes to emit (the emit work
+ * and the memory stream did not overlap: on tf265m steps the kernel took ~1.7x a plain read of
+ * the same bytes). 1 KiB is ~8 blocks of bf16 ahead, about one memory latency of emit work;
+ * 512 B to 8 KiB measured alike within noise (design 006, session 18 addendum). A prefetch
+ * never faults, so reading past the end of a buffer is harmless. */
+#define SCAN_PREFETCH 1024
+
+/* Prefetch the lines SCAN_PREFETCH bytes past those of a block of `bytes` at `p` (the address
+ * is formed as an integer: it may lie past the end of the buffer). */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH_AHEAD(p, bytes)                                                              \
+    do {                                                                                      \
+        for (size_t pf_ = 0; pf_ < (size_t)(bytes); pf_ += 64)                                \
+            __builtin_prefetch((const void *)((uintptr_t)(p) + SCAN_PREFETCH + pf_), 0, 3);    \
+    } while (0)
+#else
+#define PREFETCH_AHEAD(p, bytes) ((void)0)
+#endif
+
 /* --- growable output buffers (malloc: usable without the GIL) ------------------------- */
 
 typedef struct {
@@ -57,6 +77,7 @@ typedef struct {
     dsbuf rest;  /* u32 gap - DS_GAP_ESCAPE per escaped gap */
     dsbuf codes; /* paired 4-bit value codes, low nibble first */
     dsbuf esc;   /* zigzag values >= DS_NIBBLE_ESCAPE, full width */
+    dsbuf cb;    /* scratch of the vector scan: one code byte per change of a range, then paired */
     size_t k;    /* changes so far */
     size_t next; /* position after the last change */
     uint32_t max_rest;
@@ -67,6 +88,7 @@ static void enc_free(enc_out *s) {
     free(s->rest.p);
     free(s->codes.p);
     free(s->esc.p);
+    free(s->cb.p);
 }
 
 static inline unsigned ctz64(uint64_t x) { /* x != 0 */
@@ -261,6 +283,8 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
         uint8_t pend = (k & 1) ? codes[k >> 1] : 0;                                                  \
         size_t i = lo;                                                                               \
         for (; i + SCAN_BLOCK <= hi; i += SCAN_BLOCK) {                                              \
+            PREFETCH_AHEAD(ob + i * W, SCAN_BLOCK * W);                                              \
+            PREFETCH_AHEAD(nb + i * W, SCAN_BLOCK * W);                                              \
             uint64_t mask = MASK(ob + i * W, nb + i * W);                                            \
             while (mask) {                                                                           \
                 size_t j = i + ctz64(mask);                                                          \
@@ -292,8 +316,8 @@ DEFINE_SCAN(uint64_t, 8, scan_8, elem_mask_8, )
 typedef int (*scan_fn)(uint8_t *, const uint8_t *, size_t, size_t, int, enc_out *);
 
 /* The scan variants, by instruction set: index ISA_* below, then log2 of the width. */
-enum { ISA_BASELINE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, N_ISA = 3 };
-static const char *const isa_names[N_ISA] = {"baseline", "avx2", "avx512bw"};
+enum { ISA_BASELINE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VBMI2 = 3, N_ISA = 4 };
+static const char *const isa_names[N_ISA] = {"baseline", "avx2", "avx512bw", "avx512vbmi2"};
 
 #ifdef DS_SCAN_DISPATCH
 DEFINE_SCAN(uint8_t, 1, scan_1_avx2, elem_mask_1_avx2, DS_AVX2)
@@ -305,11 +329,120 @@ DEFINE_SCAN(uint16_t, 2, scan_2_avx512, elem_mask_2_avx512, DS_AVX512)
 DEFINE_SCAN(uint32_t, 4, scan_4_avx512, elem_mask_4_avx512, DS_AVX512)
 DEFINE_SCAN(uint64_t, 8, scan_8_avx512, elem_mask_8_avx512, DS_AVX512)
 
+#define DS_VBMI2 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,avx2,bmi,bmi2,popcnt")))
+
+/* Pair the code bytes cb[0..n) (each < 16) into nibbles, continuing at change k0: what EMIT
+ * writes one change at a time (low nibble first; an odd last code alone in its byte). */
+static inline void pair_code_bytes(uint8_t *codes, size_t k0, const uint8_t *cb, size_t n) {
+    size_t t = 0;
+    if ((k0 & 1) && n) { /* the low nibble of codes[k0 >> 1] is written already */
+        codes[k0 >> 1] = (uint8_t)(codes[k0 >> 1] | (cb[0] << 4));
+        t = 1;
+    }
+    uint8_t *dst = codes + ((k0 + t) >> 1);
+    for (; t + 2 <= n; t += 2) *dst++ = (uint8_t)(cb[t] | (cb[t + 1] << 4));
+    if (t < n) *dst = cb[t];
+}
+
+/* bf16/fp16 add-sparse with AVX-512 VBMI2: a block's changes emitted as vectors, not one at a
+ * time. EMIT's loop costs a mispredicted exit per block with changes and ~15 instructions per
+ * change; here each block of 64 elements with any change costs one fixed sequence: the
+ * differences zigzagged for all 64 lanes, their 4-bit codes, escapes and in-block gaps
+ * compressed to the changed lanes (vpcompressb/w) and stored whole (the buffers keep 64 bytes
+ * of slack), the first gap of the block (the only one that can reach DS_GAP_ESCAPE) fixed up
+ * by scalar code, the reference advanced by masked stores. Codes go to `cb` one byte per
+ * change and are paired into nibbles once per range. Same bytes as scan_2 (tests/test_native.py
+ * runs every variant against the numpy path). */
+static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size_t hi, int adv, enc_out *s) {
+    enum { W = 2 };
+    size_t k = s->k, next = s->next;
+    uint32_t max_rest = s->max_rest;
+    size_t m = hi > lo ? hi - lo : 0;
+    if (reserve(&s->syms, m + 64) || reserve(&s->codes, m / 2 + 1) || reserve(&s->rest, 4 * m + 4) ||
+        reserve(&s->esc, W * m + 128) || reserve(&s->cb, m + 64))
+        return -1;
+    uint8_t *syms = s->syms.p, *codes = s->codes.p, *rest = s->rest.p, *esc = s->esc.p, *cb = s->cb.p;
+    size_t rest_len = s->rest.len, esc_len = s->esc.len;
+    const size_t k0 = k;
+    static const uint8_t lanes[64] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                      16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+                                      32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
+                                      48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+    static const uint8_t before[64] = {0,  0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14,
+                                       15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
+                                       31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46,
+                                       47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62};
+    const __m512i iota = ld64(lanes), prev_idx = ld64(before);
+    const __m512i one8 = _mm512_set1_epi8(1), esc16 = _mm512_set1_epi16(DS_NIBBLE_ESCAPE);
+    size_t i = lo;
+    for (; i + SCAN_BLOCK <= hi; i += SCAN_BLOCK) {
+        const uint8_t *op = ob + i * W, *np = nb + i * W;
+        PREFETCH_AHEAD(op, SCAN_BLOCK * W);
+        PREFETCH_AHEAD(np, SCAN_BLOCK * W);
+        __m512i o0 = ld64(op), o1 = ld64(op + 64), n0 = ld64(np), n1 = ld64(np + 64);
+        __mmask32 m0 = _mm512_cmpneq_epi16_mask(o0, n0), m1 = _mm512_cmpneq_epi16_mask(o1, n1);
+        uint64_t mask = (uint64_t)m0 | (uint64_t)m1 << 32;
+        if (!mask) continue;
+        size_t c = (size_t)__builtin_popcountll(mask);
+        /* zigzag(new - old) in every lane; the code is min(zz, 15), the escape the whole zz */
+        __m512i d0 = _mm512_sub_epi16(n0, o0), d1 = _mm512_sub_epi16(n1, o1);
+        __m512i z0 = _mm512_xor_si512(_mm512_slli_epi16(d0, 1), _mm512_srai_epi16(d0, 15));
+        __m512i z1 = _mm512_xor_si512(_mm512_slli_epi16(d1, 1), _mm512_srai_epi16(d1, 15));
+        __m512i code = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_min_epu16(z0, esc16))),
+                                          _mm512_cvtepi16_epi8(_mm512_min_epu16(z1, esc16)), 1);
+        _mm512_storeu_si512((void *)(cb + (k - k0)), _mm512_maskz_compress_epi8(mask, code));
+        __mmask32 e0 = _mm512_mask_cmpge_epu16_mask(m0, z0, esc16), e1 = _mm512_mask_cmpge_epu16_mask(m1, z1, esc16);
+        if (e0 | e1) {
+            _mm512_storeu_si512((void *)(esc + esc_len), _mm512_maskz_compress_epi16(e0, z0));
+            esc_len += W * (size_t)__builtin_popcount(e0);
+            _mm512_storeu_si512((void *)(esc + esc_len), _mm512_maskz_compress_epi16(e1, z1));
+            esc_len += W * (size_t)__builtin_popcount(e1);
+        }
+        /* gaps inside the block: position minus the previous one minus 1 (all < 63) */
+        __m512i pos = _mm512_maskz_compress_epi8(mask, iota);
+        __m512i gaps = _mm512_sub_epi8(_mm512_sub_epi8(pos, _mm512_permutexvar_epi8(prev_idx, pos)), one8);
+        _mm512_storeu_si512((void *)(syms + k), gaps);
+        size_t gap = i + ctz64(mask) - next; /* the first change's gap, from the last block's */
+        if (gap >= DS_GAP_ESCAPE) {
+            uint32_t rr = (uint32_t)(gap - DS_GAP_ESCAPE);
+            memcpy(rest + rest_len, &rr, 4);
+            rest_len += 4;
+            max_rest = rr > max_rest ? rr : max_rest;
+            syms[k] = (uint8_t)DS_GAP_ESCAPE;
+        } else {
+            syms[k] = (uint8_t)gap;
+        }
+        next = i + 64 - (size_t)__builtin_clzll(mask);
+        if (adv) {
+            if (m0) _mm512_mask_storeu_epi16((void *)(ob + i * W), m0, n0);
+            if (m1) _mm512_mask_storeu_epi16((void *)(ob + i * W + 64), m1, n1);
+        }
+        k += c;
+    }
+    pair_code_bytes(codes, k0, cb, k - k0);
+    uint8_t pend = (k & 1) ? codes[k >> 1] : 0;
+    for (size_t j = i; j < hi; j++) { /* the tail: under one block */
+        uint16_t x, y;
+        memcpy(&x, ob + j * W, W);
+        memcpy(&y, nb + j * W, W);
+        if (x != y) EMIT(uint16_t, W, j);
+    }
+    s->rest.len = rest_len;
+    s->esc.len = esc_len;
+    s->syms.len = k;
+    s->codes.len = (k + 1) / 2;
+    s->k = k;
+    s->next = next;
+    s->max_rest = max_rest;
+    return 0;
+}
+
 
 static const scan_fn scan_table[N_ISA][4] = {
     {scan_1, scan_2, scan_4, scan_8},
     {scan_1_avx2, scan_2_avx2, scan_4_avx2, scan_8_avx2},
     {scan_1_avx512, scan_2_avx512, scan_4_avx512, scan_8_avx512},
+    {scan_1_avx512, scan_2_vbmi2, scan_4_avx512, scan_8_avx512}, /* 2-byte elements vectorized */
 };
 
 /* What this CPU (and OS: __builtin_cpu_supports checks XSAVE state) can run. */
@@ -320,6 +453,9 @@ static int isa_supported(int isa) {
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
     case ISA_AVX512:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && isa_supported(ISA_AVX2);
+    case ISA_VBMI2:
+        return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2") &&
+               __builtin_cpu_supports("popcnt") && isa_supported(ISA_AVX512);
     default: return 1;
     }
 }
@@ -356,7 +492,8 @@ static scan_fn scan_for(int isa, int w) {
 
 PyDoc_STRVAR(scan_isa_doc,
 "scan_isa(name=None) -> str\n\n"
-"The instruction set encode_add's scan uses ('baseline': SSE2 or scalar, 'avx2', 'avx512bw'):\n"
+"The instruction set encode_add's scan uses ('baseline': SSE2 or scalar, 'avx2', 'avx512bw',\n"
+"'avx512vbmi2'):\n"
 "with `name`, switch to it first ('auto': the best this CPU supports; ValueError for one it\n"
 "lacks or an unknown name). Every variant writes the same bytes; forcing one is for tests and\n"
 "benchmarks. Process-wide; do not switch while another thread encodes.");
@@ -373,7 +510,7 @@ static PyObject *py_scan_isa(PyObject *self, PyObject *args) {
             for (int i = 0; i < N_ISA; i++)
                 if (strcmp(name, isa_names[i]) == 0) isa = i;
             if (isa < 0) {
-                PyErr_Format(PyExc_ValueError, "unknown instruction set %R (baseline, avx2, avx512bw, auto)", PyTuple_GET_ITEM(args, 0));
+                PyErr_Format(PyExc_ValueError, "unknown instruction set %R (baseline, avx2, avx512bw, avx512vbmi2, auto)", PyTuple_GET_ITEM(args, 0));
                 return NULL;
             }
             if (!isa_supported(isa)) {
