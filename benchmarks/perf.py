@@ -220,7 +220,10 @@ def native_status() -> dict:
         return {"native": False, "why": f"no deltastore.codec._kernels in this revision ({e})"}
     if os.environ.get("DELTASTORE_NATIVE") == "0":
         return {"native": bool(_kernels.NATIVE), "why": "DELTASTORE_NATIVE=0"}
-    return {"native": bool(_kernels.NATIVE), "why": "" if _kernels.NATIVE else "extension not built or not loadable"}
+    if not _kernels.NATIVE:
+        return {"native": False, "why": "extension not built or not loadable"}
+    isa = getattr(_kernels._native, "scan_isa", None)  # the encode scan's instruction set
+    return {"native": True, "why": "", **({"scan_isa": isa()} if isa is not None else {})}
 
 
 # --- roles (each in a fresh interpreter) --------------------------------------------------
