@@ -25,13 +25,15 @@
  * changed elements are then visited by counting trailing zeros, never one element at a time. */
 #define SCAN_BLOCK 64
 
-/* Bytes ahead of the compared block that the scan prefetches in both streams. The hardware
- * prefetchers alone left the loads waiting whenever a block had changes to emit (the emit work
- * and the memory stream did not overlap: on tf265m steps the kernel took ~1.7x a plain read of
- * the same bytes). 1 KiB is ~8 blocks of bf16 ahead, about one memory latency of emit work;
- * 512 B to 8 KiB measured alike within noise (design 006, session 18 addendum). A prefetch
- * never faults, so reading past the end of a buffer is harmless. */
-#define SCAN_PREFETCH 1024
+/* Bytes ahead of the compared block that the scan prefetches in both streams, into L2. The
+ * hardware prefetchers alone left the loads waiting whenever a block had changes to emit (the
+ * emit work and the memory stream did not overlap: on tf265m steps the kernel took ~1.7x a
+ * plain read of the same bytes). Measured one thread over a whole version (design 006,
+ * session 18 addendum): 1-2 KiB into L1 gained 15-30 %, 4-64 KiB into L2 another ~10 %
+ * (alike within noise), a non-temporal prefetch doubled the time. A prefetch never faults. */
+#define SCAN_PREFETCH 4096
+/* __builtin_prefetch's locality: 1 is prefetcht2 (L2 and outward on current x86 cores) */
+#define SCAN_PREFETCH_LOCALITY 1
 
 /* Prefetch the lines SCAN_PREFETCH bytes past those of a block of `bytes` at `p` (the address
  * is formed as an integer: it may lie past the end of the buffer). */
@@ -39,7 +41,7 @@
 #define PREFETCH_AHEAD(p, bytes)                                                              \
     do {                                                                                      \
         for (size_t pf_ = 0; pf_ < (size_t)(bytes); pf_ += 64)                                \
-            __builtin_prefetch((const void *)((uintptr_t)(p) + SCAN_PREFETCH + pf_), 0, 3);    \
+            __builtin_prefetch((const void *)((uintptr_t)(p) + SCAN_PREFETCH + pf_), 0, SCAN_PREFETCH_LOCALITY);    \
     } while (0)
 #else
 #define PREFETCH_AHEAD(p, bytes) ((void)0)
