@@ -860,7 +860,7 @@ class ShardedPublisher:
             wait(uploads)
 
     def _commit_parts(self, plan: _Plan, layout: Layout, parts: Sequence[Any], meta: dict[str, Any],
-                      step: int | None, deadline: float, uploads: Sequence[Future[None]]) -> VersionInfo:
+                      step: int | None, deadline: float, uploads: list[Future[None]]) -> VersionInfo:
         pub = self._coordinator
         assert pub is not None
         tip = pub._current_tip()
@@ -894,6 +894,16 @@ class ShardedPublisher:
             max_attempt_s=math.ceil(self.max_attempt_s),
         )
         datas = {p[0].key: p[1] for p in parts}
+        early: bytes | None = None
+        if pub._signing_key is None:
+            # An unsigned sharded version is stored as its header and part list (SPEC §8), which
+            # the join does not change: its bytes are known now, and their upload overlaps the
+            # join as the part manifests' do (design 010 D9). If the join refuses the parts, the
+            # manifest is an unreferenced object, as after a failed HEAD write (SPEC §5 step 6):
+            # HEAD names it only after the join and every upload succeeded.
+            early = encode_joined(header, layout, header)
+            mkey = manifest_key(plan.version, sha256_hex(early))
+            uploads.append(self._uploader.submit(put_immutable, self.store, mkey, early, "manifest"))
         joined = join_parts(header, layout, datas)  # the reader's checks, before anything is visible
         manifest = joined
         if pub._signing_key is not None:
@@ -903,10 +913,14 @@ class ShardedPublisher:
         # Not encode_manifest: it would join every part again to check what join_parts checked.
         data = encode_joined(manifest, layout, joined)
         digest = sha256_hex(data)
+        if early is not None and data != early:  # not reached: the join decodes the header as it is
+            raise ValueError(f"sharded version {plan.version}: the joined version does not store as its header "
+                             "did; nothing was committed")
         mkey = manifest_key(plan.version, digest)
-        put_immutable(self.store, mkey, data, "manifest")
+        if early is None:
+            put_immutable(self.store, mkey, data, "manifest")
         for u in uploads:
-            u.result()  # every part manifest is stored before HEAD names the version
+            u.result()  # the manifest and every part manifest are stored before HEAD names the version
         pub._commits.commit(Head(
             version=plan.version, manifest=mkey, manifest_sha256=digest, commit_id=plan.attempt, writer=self.writer_id,
             epoch=pub.epoch, updated=manifest.created, lineage=plan.lineage, index=head.index if head is not None else None,

@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import socket
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -304,6 +305,23 @@ def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, An
         out["head_after_preplan_failure"] = _head_version(url)
         info = pub.publish(rank_state(4, rank, world), step=4)
         out["after"] = (info.version, info.kind)
+        # rank 0's join refuses the parts of version 5 after the version manifest's upload began
+        # (design 010 D9): every rank raises its class, HEAD stays, the retry commits
+        real_join = sharded.join_parts
+        if rank == 0:
+            def refuse(*a: Any, **k: Any) -> Any:
+                from deltastore.errors import CorruptObjectError
+                time.sleep(0.5)  # a join that takes a while: the uploads begun before it run meanwhile
+                raise CorruptObjectError("part manifest refused (injected)")
+            sharded.join_parts = refuse
+        try:
+            pub.publish(rank_state(5, rank, world), step=5)
+        except Exception as e:  # noqa: BLE001 - its class is the result
+            out["join_failure"] = type(e).__name__
+        sharded.join_parts = real_join
+        out["head_after_join_failure"] = _head_version(url)
+        info = pub.publish(rank_state(5, rank, world), step=5)
+        out["after_join"] = (info.version, info.kind, info.manifest)
     return out
 
 
@@ -585,8 +603,14 @@ def test_failed_part_manifest_upload_or_preplan_commits_nothing_and_retry_commit
     assert [r["preplan_failure"] for r in results] == ["StorageError", "StorageError"]
     assert all(r["head_after_preplan_failure"] == 3 for r in results)
     assert all(r["after"] == (4, "anchor") for r in results), results  # a failed plan drops the references, as before
+    assert [r["join_failure"] for r in results] == ["CorruptObjectError", "CorruptObjectError"]
+    assert all(r["head_after_join_failure"] == 4 for r in results)
+    assert all(r["after_join"][:2] == (5, "anchor") for r in results), results
+    # the refused attempt's manifest was stored while the join ran: an unreferenced object
+    manifests_5 = [o.key for o in open_store(url).list("manifests/") if o.key.startswith("manifests/000000000005-")]
+    assert len(manifests_5) == 2 and results[0]["after_join"][2] in manifests_5, manifests_5
     with Subscriber(url) as sub:
-        for v in (2, 3, 4):
+        for v in (2, 3, 4, 5):
             _assert_equal(sub.pull(v), full_model(v))
 
 
