@@ -21,13 +21,15 @@ One publish is five steps, all ranks in lockstep (every collective is over ``gro
                     the layout object if new
     3. (local)      each rank: encode its rows, upload its packs, build its part manifest
     4. gather       part references and part manifests to rank 0, or each rank's error
-    5. broadcast    rank 0: uploads the part manifests while it joins and checks them (once:
-                    the version manifest is stored without a second join), writes
-                    the version manifest, CASes HEAD once (nothing read back: the next tip is
-                    what it wrote); the outcome (or the error) goes to every rank
+    5. broadcast    rank 0: uploads the part manifests, and an unsigned version's manifest
+                    (its header and part list), while it joins and checks the parts (once:
+                    the version manifest is stored without a second join), then CASes HEAD
+                    once (nothing read back: the next tip is what it wrote); the outcome (or
+                    the error) goes to every rank
 
-A steady-state version therefore costs three object collectives and, on rank 0, no read of the
-store; the part manifests' uploads overlap the join instead of preceding the gather.
+A steady-state version therefore costs three collectives (on gloo, four gloo operations: design
+010 D9) and, on rank 0, no read of the store; the uploads overlap the join instead of preceding
+the gather or following it.
 
 A rank that fails raises its own error after telling the others, which raise
 :class:`~deltastore.errors.PartFailedError`; a rank that dies makes the collectives of the
