@@ -1232,14 +1232,12 @@ def _merge_parts(header: dict[str, Any], tables: _Tables, refs: list[PartRef], l
                 raise pbad(f"{field} is {str(doc[field])[:100]!r}, but the version says {str(want)[:100]!r}: "
                            "the part belongs to another version, attempt or layout")
         part_tables: _Tables = _validate(_Tables, {**{f: doc[f] for f in table_fields}, "parts": []}, "part manifest", ref.key)
-        part_rows, part_packs = _table_rows(part_tables, layout, pbad)
-        for ti, ci, _, roles in part_rows:
+        # the part's pack indices follow the packs of the parts before it
+        part_rows, part_packs = _table_rows(part_tables, layout, pbad, first_pack=len(packs))
+        for ti, ci, _, _ in part_rows:
             owner = piece_part(layout, ti, ci)
             if owner != ref.part:
                 raise pbad(f"lists chunk {layout.name[ti]}[{ci}], which lies in a piece of part {owner}")
-            if packs:  # the part's pack indices follow the packs of the parts before it
-                for role, seg in list(roles.items()):
-                    roles[role] = seg.model_copy(update={"blob": seg.blob + len(packs)})
         rows.extend(part_rows)
         packs.extend(part_packs)
     rows.sort(key=lambda r: (r[0], r[1]))
@@ -1284,9 +1282,14 @@ def _entry(cls: type[_M], **values: Any) -> _M:
     return _fast_construct(cls, values) if _FAST_CONSTRUCT else cls.model_construct(**values)
 
 
-def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObjectError]) -> tuple[list[_Row], list[_Pack]]:
+def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObjectError], *,
+                first_pack: int = 0) -> tuple[list[_Row], list[_Pack]]:
     """The rows of one columnar chunk table (a manifest's or a part's), with each row's
-    segments placed in the packs by the fill rule (SPEC §3), and the packs."""
+    segments placed in the packs by the fill rule (SPEC §3), and the packs.
+
+    ``first_pack``: the index the table's first pack has in the joined version (a part's packs
+    follow the packs of the parts before it, SPEC §8); the segments name their packs by that
+    index, so joining needs no copy of each segment (design 010 D9)."""
     ch, sg = tables.chunks, tables.segments
     n = len(ch.tensor)
     if len(ch.chunk) != n:
@@ -1334,7 +1337,7 @@ def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObj
         if role in roles:
             raise bad(f"chunk row {row} has two segments of role {role!r}")
         # Built without validation: every field was checked above (issue 9: no pydantic per entry).
-        roles[role] = _entry(SegmentRef, blob=pack, offset=offset, length=length, sha256=shas[s],
+        roles[role] = _entry(SegmentRef, blob=first_pack + pack, offset=offset, length=length, sha256=shas[s],
                              codec=tables.codecs[sg.codec[s]], n_changed=sg.n_changed[s])
         offset += length
         if offset == packs[pack].size:

@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import socket
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -304,6 +305,23 @@ def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, An
         out["head_after_preplan_failure"] = _head_version(url)
         info = pub.publish(rank_state(4, rank, world), step=4)
         out["after"] = (info.version, info.kind)
+        # rank 0's join refuses the parts of version 5 after the version manifest's upload began
+        # (design 010 D9): every rank raises its class, HEAD stays, the retry commits
+        real_join = sharded.join_parts
+        if rank == 0:
+            def refuse(*a: Any, **k: Any) -> Any:
+                from deltastore.errors import CorruptObjectError
+                time.sleep(0.5)  # a join that takes a while: the uploads begun before it run meanwhile
+                raise CorruptObjectError("part manifest refused (injected)")
+            sharded.join_parts = refuse
+        try:
+            pub.publish(rank_state(5, rank, world), step=5)
+        except Exception as e:  # noqa: BLE001 - its class is the result
+            out["join_failure"] = type(e).__name__
+        sharded.join_parts = real_join
+        out["head_after_join_failure"] = _head_version(url)
+        info = pub.publish(rank_state(5, rank, world), step=5)
+        out["after_join"] = (info.version, info.kind, info.manifest)
     return out
 
 
@@ -339,6 +357,59 @@ def _scenario_claims(rank: int, world: int, url: str) -> dict[str, Any]:
     return out
 
 
+def _collective_object(rank: int, big: int, size: int) -> tuple[str, int, bytes]:
+    return ("obj", rank, bytes([rank + 1]) * (size if rank == big else 3))
+
+
+def _scenario_collectives(rank: int, world: int, url: str) -> dict[str, Any]:
+    """The collectives of design 010 D9 on a gloo group: rank-dependent objects below, at and
+    above INLINE_BYTES through the lean path and through torch's object collectives; the gloo
+    operations each lean call made."""
+    import torch.distributed as dist
+
+    from deltastore.sharded import INLINE_BYTES, ShardedPublisher
+
+    sizes = (0, 100, INLINE_BYTES - 200, INLINE_BYTES + 1, 3 * INLINE_BYTES + 5)  # pickles under and over the inline bytes
+
+    class Counting:  # torch.distributed, counting the operations the lean path calls
+        def __init__(self) -> None:
+            self.ops = 0
+
+        def __getattr__(self, name: str) -> Any:
+            real = getattr(dist, name)
+            if name not in ("all_gather", "broadcast", "gather"):
+                return real
+
+            def op(*a: Any, **k: Any) -> Any:
+                self.ops += 1
+                return real(*a, **k)
+            return op
+
+    out: dict[str, Any] = {"lean": [], "torch": [], "ops": [], "expected": []}
+    with ShardedPublisher(url, threads=1) as pub:
+        assert pub._lean
+        counting = Counting()
+        for size in sizes:
+            for big in range(world):  # the rank whose object is ``size`` bytes; the others' are small
+                mine = _collective_object(rank, big, size)
+                root = ("root", bytes(range(256)) * (size // 256) + b"x")
+                for lean in (True, False):
+                    pub._lean = lean
+                    pub._dist = counting if lean else dist
+                    counting.ops = 0
+                    got = (pub._all_gather(mine), counting.ops)
+                    counting.ops = 0
+                    got += (pub._broadcast(root if rank == 0 else None), counting.ops)
+                    counting.ops = 0
+                    got += (pub._gather(mine), counting.ops)
+                    out["lean" if lean else "torch"].append(got[0::2])
+                    if lean:
+                        out["ops"].append((size, got[1::2]))
+                out["expected"].append(([_collective_object(r, big, size) for r in range(world)], root))
+        pub._dist, pub._lean = dist, True
+    return out
+
+
 SCENARIOS = {
     "steady": _scenario_steady,
     "claims": _scenario_claims,
@@ -349,6 +420,7 @@ SCENARIOS = {
     "fail_then_retry": _scenario_fail_then_retry,
     "killed": _scenario_killed,
     "fsdp": _scenario_fsdp,
+    "collectives": _scenario_collectives,
 }
 
 
@@ -435,6 +507,27 @@ def test_two_ranks_over_s3(tmp_path: Path, moto_s3_url: Any) -> None:
         _assert_equal(target_state, full_model(4))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_lean_collectives_carry_what_torchs_do(tmp_path: Path, world: int) -> None:
+    """Design 010 D9: on gloo, the publisher's all_gather, broadcast and gather carry every
+    object as torch's object collectives do, small or larger than INLINE_BYTES; a small one is
+    one gloo operation (all_gather, broadcast) or two (gather: lengths, then bytes)."""
+    from deltastore.sharded import INLINE_BYTES
+
+    results = run_ranks(world, f"file://{tmp_path}/store", "collectives", tmp_path)
+    _ok(results)
+    for r in results:
+        assert r["lean"] == r["torch"]
+        assert len(r["lean"]) == 5 * world
+        for (gathered, broadcast, to_root), (expected, root) in zip(r["lean"], r["expected"]):
+            assert gathered == expected  # each rank's object, in rank order
+            assert broadcast == root
+            assert to_root == (expected if r["rank"] == 0 else None)
+        for size, ops in r["ops"]:
+            one_round = size < INLINE_BYTES - 100  # the pickle adds a few dozen bytes
+            assert ops == ((1, 1, 2) if one_round else (2, 2, 2)), (size, ops)
+
+
 def test_disagreeing_ranks_commit_nothing(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
     results = run_ranks(2, url, "disagree", tmp_path)
@@ -510,8 +603,14 @@ def test_failed_part_manifest_upload_or_preplan_commits_nothing_and_retry_commit
     assert [r["preplan_failure"] for r in results] == ["StorageError", "StorageError"]
     assert all(r["head_after_preplan_failure"] == 3 for r in results)
     assert all(r["after"] == (4, "anchor") for r in results), results  # a failed plan drops the references, as before
+    assert [r["join_failure"] for r in results] == ["CorruptObjectError", "CorruptObjectError"]
+    assert all(r["head_after_join_failure"] == 4 for r in results)
+    assert all(r["after_join"][:2] == (5, "anchor") for r in results), results
+    # the refused attempt's manifest was stored while the join ran: an unreferenced object
+    manifests_5 = [o.key for o in open_store(url).list("manifests/") if o.key.startswith("manifests/000000000005-")]
+    assert len(manifests_5) == 2 and results[0]["after_join"][2] in manifests_5, manifests_5
     with Subscriber(url) as sub:
-        for v in (2, 3, 4):
+        for v in (2, 3, 4, 5):
             _assert_equal(sub.pull(v), full_model(v))
 
 
