@@ -726,7 +726,7 @@ def _check_manifest(m: Manifest, key: str) -> None:
             numel *= d
         if numel * DTYPE_WIDTHS[t.dtype] >= INT_LIMIT:
             raise bad(f"tensor {t.name!r} of shape {list(t.shape)} has more than 2**63 bytes")
-        if not 1 <= t.chunk_rows < INT_LIMIT:
+        if t.chunk_rows is not None and not 1 <= t.chunk_rows < INT_LIMIT:
             _check_int(t.chunk_rows, f"tensor {t.name!r} chunk_rows", "manifest", key, low=1)
         n_chunks = chunk_count(t.shape, t.chunk_rows)
         seen: set[int] = set()
