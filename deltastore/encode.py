@@ -206,6 +206,7 @@ def encode_version(
     store: Store,
     threads: int,
     attempt: str | None = None,
+    reference_bits: dict[str, np.ndarray] | None = None,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -226,6 +227,11 @@ def encode_version(
         store: where packs are uploaded (create-only, content-addressed).
         attempt: the commit attempt's id (schema 3): packs go under ``objects/<attempt>/``
             with their role; None writes schema-1/2 ``blobs/`` keys.
+        reference_bits: the caller's cache of bit views of ``reference``'s tensors (name →
+            view), filled here as views are made and used by later calls with the same
+            reference: the caller keeps it exactly as long as that reference dict and its
+            tensors (a view is of a tensor's memory, and holds its storage). None: views
+            are made per call.
 
     Returns:
         The :class:`EncodedVersion`; every pack it lists is stored.
@@ -250,7 +256,7 @@ def encode_version(
     # that it overlaps the other threads' kernels: all at once, from the scan the caller's
     # checks made of ``state`` (groups.member_tables), not per member.
     new_bits: dict[str, np.ndarray] = {}
-    ref_bits: dict[str, np.ndarray] = {}
+    ref_bits: dict[str, np.ndarray] = reference_bits if reference_bits is not None and reference is not None else {}
     tables: list[dict[str, MemberTable] | None] = []
     viewed: set[str] = set()
 
@@ -260,7 +266,7 @@ def encode_version(
         viewed.add(name)
         if not specs[name].members and state[name].is_cpu:
             new_bits[name] = bits(state[name])
-        if reference is not None:
+        if reference is not None and name not in ref_bits:
             ref_bits[name] = bits(reference[name])
 
     def table(spec: TensorSpec) -> np.ndarray | None:

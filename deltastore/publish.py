@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from deltastore.commit import CommitProtocol, now, put_immutable
@@ -301,8 +302,9 @@ class Publisher:
         self._history = History(self.store)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")
-        # The last committed state as this publisher wrote it (None until its first commit).
-        self._reference: dict[str, torch.Tensor] | None = None
+        # The last committed state as this publisher wrote it (None until its first commit),
+        # with the bit views encode_version made of its tensors (see the property below).
+        self._reference = None
         self._specs: dict[str, TensorSpec] | None = None
         #: the layout object of ``_specs`` once committed (rebuilding it validates every row and
         #: group member again: ~0.2 s per publish at 20,000 tensors)
@@ -345,6 +347,20 @@ class Publisher:
     @property
     def _head(self) -> Head | None:
         return self._commits.head
+
+    @property
+    def _reference(self) -> dict[str, torch.Tensor] | None:
+        """The last committed state as this publisher wrote it (None until its first commit)."""
+        return self._held_reference
+
+    @_reference.setter
+    def _reference(self, value: dict[str, torch.Tensor] | None) -> None:
+        # encode_version's bit views of the reference's tensors live with it: made once per
+        # reference, not per publish (tf265m: 165 views, ~1,000 torch calls and ~500 objects
+        # for the cyclic collector each time). A view holds its tensor's storage, so the views
+        # go whenever the reference is replaced or dropped, in this one place.
+        self._held_reference: dict[str, torch.Tensor] | None = value
+        self._reference_bits: dict[str, np.ndarray] = {}
 
     def publish(
         self,
@@ -539,7 +555,7 @@ class Publisher:
             encoded = encode_version(
                 state, specs, kind=kind, reference=self._reference if has_base else None,
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
-                attempt=attempt,
+                attempt=attempt, reference_bits=self._reference_bits if has_base else None,
             )
             if (skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0
                     and self._commits.head_is_current()):

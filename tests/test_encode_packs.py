@@ -178,3 +178,76 @@ def test_a_failed_chunk_job_raises_its_own_error_after_the_window_is_drained(tmp
     with pytest.raises(RuntimeError, match="tensor 5"):
         _encode_steady(tmp_path, "fails", threads=2)
     assert (5, 1) in seen
+
+
+# --- the reference's bit views, kept with it (session 18, task T) ---------------------------
+
+
+def _counting_bits(monkeypatch):
+    """Count encode.bits calls by the id of the tensor viewed."""
+    from collections import Counter
+
+    calls: Counter[int] = Counter()
+    real = encode.bits
+
+    def counted(t):
+        calls[id(t)] += 1
+        return real(t)
+
+    monkeypatch.setattr(encode, "bits", counted)
+    return calls
+
+
+def test_reference_views_are_made_once_per_reference_and_write_the_same_packs(monkeypatch):
+    """The publisher keeps encode_version's views of its reference between publishes: each
+    reference tensor is viewed once while that reference lives (the state's tensors every
+    publish), a new reference (an anchor without a base, a failed publish) gets new views,
+    and the packs are those a publisher that views per publish writes."""
+    from deltastore import publish as publish_mod
+
+    rng = np.random.default_rng(3)
+    states = [small_state(0, n=6, rows=64)]
+    for _ in range(4):
+        states.append(sparse_edit(states[-1], rng))
+
+    def run(name: str, cache: bool):
+        store = _SlowPacks(open_store(f"memory://refviews-{name}-{uuid.uuid4().hex}"), delay=0)
+        shas = []
+        with Publisher("unused", store=store, threads=2, anchor_policy="every", anchor_every=1000) as pub:
+            if not cache:
+                real = publish_mod.encode_version
+                monkeypatch.setattr(publish_mod, "encode_version", lambda *a, **k: real(*a, **{**k, "reference_bits": None}))
+            calls = _counting_bits(monkeypatch)
+            for i, s in enumerate(states[:3]):
+                pub.publish(s)
+                if i == 0:
+                    first_ref = pub._reference
+                    assert pub._reference_bits == {}  # an anchor without a base views no reference
+            if cache:  # two deltas on one reference: each of its tensors viewed once
+                assert pub._reference is first_ref
+                assert set(pub._reference_bits) == set(first_ref)
+                assert all(calls[id(t)] == 1 for t in first_ref.values())
+            else:
+                assert all(calls[id(t)] == 2 for t in first_ref.values())
+            # a failed publish drops the reference and its views with it
+            store.fail = True
+            with pytest.raises(StorageError, match="injected"):
+                pub.publish(states[3])
+            assert pub._reference is None and pub._reference_bits == {}
+            store.fail = False
+            pub.publish(states[3])  # resumes from the head: a new reference, new views
+            assert pub._reference is not first_ref
+            pub.publish(states[4])
+            assert not cache or set(pub._reference_bits) == set(pub._reference)
+            monkeypatch.undo()
+            head = pub._head
+        for v in range(1, head.version + 1):
+            from deltastore.history import History
+
+            _, m = History(store.inner).resolve(v, head)
+            shas.append([(b.sha256, b.size) for b in m.blobs])
+        with Subscriber("unused", store=store.inner) as sub:
+            assert_bits_equal(sub.pull(), states[4])
+        return shas
+
+    assert run("cached", cache=True) == run("per-call", cache=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import uuid
 
 import pydantic
@@ -32,12 +33,14 @@ from deltastore.manifest import (
     chunk_elements,
     digest_from_key,
     dump,
+    encode_manifest,
     manifest_key,
     parse_head,
     parse_manifest,
     sha256_hex,
 )
 from tests._helpers import small_state, snapshot
+from tests.test_schema3 import make_layout, make_manifest
 
 
 def _key(version: int, digest: str) -> str:
@@ -631,3 +634,143 @@ def test_table_entries_are_built_as_model_construct_builds_them() -> None:
         assert fast.__pydantic_fields_set__ == slow.__pydantic_fields_set__
         with pytest.raises(pydantic.ValidationError):  # still frozen
             fast.__setattr__(next(iter(values)), values[next(iter(values))])
+
+
+# --- the writer's self-check (design 006, session 18, task T) ----------------------------------
+
+
+def _round_trip_returns(m: Manifest, layout) -> bool:
+    """The check encode_manifest made before session 18, kept here as the reference: decode the
+    document, check it as a reader does, and compare canonical JSON."""
+    import deltastore.manifest as mf
+
+    raw = json.dumps(mf._manifest_doc(m, layout), sort_keys=True, separators=(",", ":")).encode()
+    try:
+        back = mf._manifest_from_doc(json.loads(raw), layout, "<reference>")
+        mf._check_manifest(back, "<reference>")
+    except CorruptObjectError:
+        return False
+    return dump(back) == dump(m)
+
+
+def _seg(m: Manifest, pick: int) -> tuple[int, int, str] | None:
+    """(tensor, chunk, role) of the ``pick``-th segment of ``m`` (modulo their number)."""
+    found = [(ti, ci, role) for ti, t in enumerate(m.tensors) for ci, c in enumerate(t.chunks)
+             for role, s in (("full", c.full), ("delta", c.delta)) if s is not None]
+    return found[pick % len(found)] if found else None
+
+
+def _with_chunk(m: Manifest, ti: int, ci: int, **update) -> Manifest:
+    t = m.tensors[ti]
+    chunks = list(t.chunks)
+    chunks[ci] = chunks[ci].model_copy(update=update)
+    tensors = list(m.tensors)
+    tensors[ti] = t.model_copy(update={"chunks": tuple(chunks)})
+    return m.model_copy(update={"tensors": tuple(tensors)})
+
+
+def _with_segment(m: Manifest, pick: int, **update) -> Manifest:
+    where = _seg(m, pick)
+    if where is None:
+        return m
+    ti, ci, role = where
+    seg = getattr(m.tensors[ti].chunks[ci], role)
+    return _with_chunk(m, ti, ci, **{role: seg.model_copy(update=update)})
+
+
+def _with_tensor(m: Manifest, pick: int, **update) -> Manifest:
+    if not m.tensors:
+        return m
+    tensors = list(m.tensors)
+    ti = pick % len(tensors)
+    tensors[ti] = tensors[ti].model_copy(update=update)
+    return m.model_copy(update={"tensors": tuple(tensors)})
+
+
+def _split(m: Manifest, pick: int) -> Manifest:
+    """One tensor listed as two entries (its chunks cut in two runs)."""
+    many = [i for i, t in enumerate(m.tensors) if len(t.chunks) > 1]
+    if not many:
+        return m
+    t = m.tensors[many[pick % len(many)]]
+    i = m.tensors.index(t)
+    a, b = t.model_copy(update={"chunks": t.chunks[:1]}), t.model_copy(update={"chunks": t.chunks[1:]})
+    return m.model_copy(update={"tensors": m.tensors[:i] + (a, b) + m.tensors[i + 1:]})
+
+
+# Each returns a manifest that model_copy built without validation: what a buggy writer
+# (or compaction, or a caller of the library) could hand to encode_manifest.
+_MUTATIONS = {
+    "none": lambda m, k: m,
+    "reversed tensors": lambda m, k: m.model_copy(update={"tensors": tuple(reversed(m.tensors))}),
+    "a tensor twice": lambda m, k: m.model_copy(update={"tensors": m.tensors + m.tensors[-1:]}),
+    "a tensor dropped": lambda m, k: m.model_copy(update={"tensors": m.tensors[:-1]}),
+    "a tensor without chunks": lambda m, k: _with_tensor(m, k, chunks=()),
+    "a tensor in two runs": _split,
+    "chunks reversed": lambda m, k: _with_tensor(m, k, chunks=tuple(reversed(m.tensors[k % len(m.tensors)].chunks)) if m.tensors else ()),
+    "chunks as a list": lambda m, k: _with_tensor(m, k, chunks=list(m.tensors[k % len(m.tensors)].chunks) if m.tensors else ()),
+    "another dtype": lambda m, k: _with_tensor(m, k, dtype="float64"),
+    "another shape": lambda m, k: _with_tensor(m, k, shape=(7, 7, 7)),
+    "shape as bools": lambda m, k: _with_tensor(m, k, shape=tuple(bool(d) if d in (0, 1) else d for d in m.tensors[k % len(m.tensors)].shape) if m.tensors else ()),
+    "chunk_rows as float": lambda m, k: _with_tensor(m, k, chunk_rows=float(m.tensors[k % len(m.tensors)].chunk_rows) if m.tensors else 1),
+    "segment offset + 1": lambda m, k: _with_segment(m, k, offset=_seg(m, k) and getattr(m.tensors[_seg(m, k)[0]].chunks[_seg(m, k)[1]], _seg(m, k)[2]).offset + 1),
+    "segment blob + 1": lambda m, k: _with_segment(m, k, blob=_seg(m, k) and getattr(m.tensors[_seg(m, k)[0]].chunks[_seg(m, k)[1]], _seg(m, k)[2]).blob + 1),
+    "segment offset as bool": lambda m, k: _with_segment(m, k, offset=False),
+    "segment blob as bool": lambda m, k: _with_segment(m, k, blob=False),
+    "segment n_changed as bool": lambda m, k: _with_segment(m, k, n_changed=False),
+    "segment length as float": lambda m, k: _with_segment(m, k, length=float(_seg(m, k) and getattr(m.tensors[_seg(m, k)[0]].chunks[_seg(m, k)[1]], _seg(m, k)[2]).length or 0)),
+    "segment sha256 upper case": lambda m, k: _with_segment(m, k, sha256="AB" * 32),
+    "segment codec renamed": lambda m, k: _with_segment(m, k, codec="other/9"),
+    "chunk index as bool": lambda m, k: _with_chunk(m, k % len(m.tensors), 0, index=False) if m.tensors else m,
+    "chunk index + 100": lambda m, k: _with_chunk(m, k % len(m.tensors), 0, index=m.tensors[k % len(m.tensors)].chunks[0].index + 100) if m.tensors and m.tensors[k % len(m.tensors)].chunks else m,
+    "chunk digest upper case": lambda m, k: _with_chunk(m, k % len(m.tensors), 0, digest="CD" * 16) if m.tensors and m.tensors[k % len(m.tensors)].chunks else m,
+    "full and delta swapped": lambda m, k: _with_chunk(m, k % len(m.tensors), 0, full=m.tensors[k % len(m.tensors)].chunks[0].delta, delta=m.tensors[k % len(m.tensors)].chunks[0].full) if m.tensors and m.tensors[k % len(m.tensors)].chunks else m,
+    "a pack one byte longer": lambda m, k: m.model_copy(update={"blobs": tuple(b.model_copy(update={"size": b.size + 1}) for b in m.blobs)}),
+    "packs reversed": lambda m, k: m.model_copy(update={"blobs": tuple(reversed(m.blobs))}),
+    "version as bool": lambda m, k: m.model_copy(update={"version": True}),
+    "metadata with a tuple": lambda m, k: m.model_copy(update={"metadata": {"tags": ("a", "b")}}),
+    "metadata with a float": lambda m, k: m.model_copy(update={"metadata": {"lr": 1.0}}),
+    "step as bool": lambda m, k: m.model_copy(update={"step": True}),
+    "a delta without delta_base": lambda m, k: m.model_copy(update={"delta_base": None}),
+}
+
+
+#: Damage the round trip let through and encode_manifest refuses: a bool where the decoder
+#: builds an int, in a field the document does not carry (a segment's pack and offset follow
+#: from the fill rule, a tensor's shape comes from the layout). pydantic writes ``False`` there
+#: as ``0``, so the canonical JSON of the decoded manifest matched; encode_manifest compares
+#: values with their types and refuses it, since decoding does not return those objects (a
+#: writer never builds them).
+_REFUSED_BY_TYPE_ONLY = {"segment offset as bool", "segment blob as bool", "shape as bools"}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32), n_tensors=st.integers(1, 12), kind=st.sampled_from(["anchor", "delta"]),
+       mutation=st.sampled_from(sorted(_MUTATIONS)), pick=st.integers(0, 1000))
+def test_encode_check_agrees_with_the_round_trip(seed, n_tensors, kind, mutation, pick) -> None:
+    """encode_manifest proves without building the decoded manifest that its bytes decode to
+    exactly ``m``: for valid manifests and for every kind of damage a writer could do, it
+    refuses what the full round trip (decode, reader's checks, canonical JSON compared)
+    refuses, accepts what it accepts (but for values of another type than the decoder's), and
+    what it accepts parses back to ``m`` byte for byte."""
+    rng = random.Random(seed)
+    layout = make_layout(rng, n_tensors)
+    m = make_manifest(rng, layout, kind=kind, changed=0.5, with_delta=rng.random() < 0.5, max_pack_segments=4)
+    m = _MUTATIONS[mutation](m, pick)
+    try:
+        reference = _round_trip_returns(m, layout)
+    except (ValueError, TypeError) as e:  # before any check: not in the layout, not JSON
+        with pytest.raises(type(e)):
+            encode_manifest(m, layout)
+        return
+    try:
+        data = encode_manifest(m, layout)
+    except ValueError as e:
+        assert "cannot be encoded" in str(e) or "canonical" in str(e)
+        assert not reference or mutation in _REFUSED_BY_TYPE_ONLY, f"refused what the round trip accepts: {e}"
+        return
+    assert reference, "accepted what the round trip refuses"
+    key = manifest_key(m.version, sha256_hex(data), schema=3)
+    assert dump(parse_manifest(data, key, layout=layout)) == dump(m)
+    if mutation == "none":
+        assert parse_manifest(data, key, layout=layout) == m
