@@ -399,9 +399,15 @@ class S3Store(Store):
                 f"{self.endpoint_url or 'the endpoint'} is not an S3 endpoint: {self._name(key)} came back "
                 f"without an ETag; check endpoint_url (the S3 port, not a filer, master or web port)"
             )
+        size = response.get(size_field)
+        if size is None:  # a response cut short (its headers truncated in transit) has no length
+            raise StorageError(
+                f"{self._name(key)} came back without its size ({size_field}): the response was cut short; "
+                "nothing was read from it"
+            )
         return ObjectMeta(
             key=key,
-            size=int(response[size_field]),
+            size=int(size),
             etag=normalize_etag(response["ETag"]),
             last_modified=response.get("LastModified"),
         )

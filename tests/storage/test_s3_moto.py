@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from deltastore.errors import BucketNotFoundError, NotFoundError
+from deltastore.errors import BucketNotFoundError, NotFoundError, StorageError
 from deltastore.storage import IfMatch, S3Store, open_store
 from tests.storage.contract import StoreContract
 
@@ -33,6 +33,19 @@ def test_missing_bucket(moto_server) -> None:
             op()
         message = str(info.value)
         assert "no-such-bucket-here" in message and "\n" not in message
+
+
+def test_head_cut_short_is_a_typed_error(moto_s3_url) -> None:
+    """A HEAD answer whose headers were truncated in transit (the fault campaign's "truncate")
+    carries an ETag but no Content-Length: a StorageError naming the object, not a KeyError."""
+    from botocore.stub import ANY, Stubber
+
+    store = moto_s3_url.open()
+    with Stubber(store._client) as stub:
+        stub.add_response("head_object", {"ETag": '"d41d8cd98f00b204e9800998ecf8427e"'}, {"Bucket": ANY, "Key": ANY})
+        with pytest.raises(StorageError, match="without its size") as info:
+            store.head("HEAD")
+    assert "HEAD" in str(info.value) and not isinstance(info.value, KeyError)
 
 
 def test_head_missing_key_in_existing_bucket_is_not_found(moto_s3_url) -> None:
