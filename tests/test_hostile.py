@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltastore import (
+    CorruptObjectError,
     HistoryReplacedError,
     DeltastoreError,
     FormatError,
@@ -277,3 +278,27 @@ def test_subscriber_on_a_mutated_store_raises_only_typed_errors(pristine, data, 
             _typed_only(fresh.latest)
             _typed_only(fresh.pull)
     assert sum(allocated) <= 3 * CAP, f"allocated {sum(allocated)} bytes under a {CAP}-byte cap"
+
+
+@pytest.mark.parametrize("bad_key", ["../../etc", ""])
+def test_a_manifest_naming_its_layout_by_an_invalid_key_is_corrupt(pristine, bad_key: str) -> None:
+    """A key the store's content names and the store refuses to look up (a path escape, an empty
+    key) is corrupt content: CorruptObjectError naming it, not the store's InvalidKeyError (the
+    fuzzer above found this once in CI)."""
+    objects, chain = pristine["objects"], pristine["chain"]
+    key = chain[-1]  # HEAD's manifest
+    doc = _load(key, objects[key])
+    assert isinstance(doc.get("layout"), dict), "the pristine store is schema 3"
+    doc["layout"]["key"] = bad_key
+    raw, mkey = _store_as(key, doc, 3, doc["version"])
+    url = f"memory://hostile-{next(_ids)}"
+    with open_store(url) as store:
+        for k, v in objects.items():
+            store.put(k, v, mode="overwrite")
+        store.put(mkey, raw, mode="overwrite")
+        head = json.loads(objects[HEAD_KEY])
+        head.update(manifest=mkey, manifest_sha256=sha256_hex(raw))
+        store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
+        with Subscriber(url, store=store, threads=1, max_model_bytes=CAP) as sub:
+            with pytest.raises(CorruptObjectError, match="invalid key"):
+                sub.pull()
