@@ -422,13 +422,6 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
         k += c;
     }
     pair_code_bytes(codes, k0, cb, k - k0);
-    uint8_t pend = (k & 1) ? codes[k >> 1] : 0;
-    for (size_t j = i; j < hi; j++) { /* the tail: under one block */
-        uint16_t x, y;
-        memcpy(&x, ob + j * W, W);
-        memcpy(&y, nb + j * W, W);
-        if (x != y) EMIT(uint16_t, W, j);
-    }
     s->rest.len = rest_len;
     s->esc.len = esc_len;
     s->syms.len = k;
@@ -436,7 +429,7 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
     s->k = k;
     s->next = next;
     s->max_rest = max_rest;
-    return 0;
+    return i < hi ? scan_2(ob, nb, i, hi, adv, s) : 0; /* the tail, under one block: the scalar scan's */
 }
 
 
