@@ -6,7 +6,13 @@ model to a local file store, once per configuration and repeat, the configuratio
 
 - ``Publisher``: one process, the unsharded writer (the reference);
 - ``ShardedPublisher`` with 1, 2 and 4 ranks (gloo over 127.0.0.1), one encode thread per rank,
-  so that N ranks use N cores as an FSDP job's N processes would.
+  so that N ranks use N cores as an FSDP job's N processes would;
+- ``independent`` (``--independent``, on by default): the same N processes, each an ordinary
+  ``Publisher`` of its own rows to a store of its own — no collectives, no join, no shared
+  commit. It is this machine's ceiling for N ranks on this workload: what N processes doing
+  the same encoding at once achieve, so ``sharded / independent`` is what the protocol costs
+  and ``independent / 1 rank`` what the cores give (two processes on a 2-vCPU VM can each run
+  slower than one alone: shared caches, memory bandwidth, a host's sibling hyperthreads).
 
 Workloads:
 
@@ -27,7 +33,8 @@ Workloads:
     (gets, heads, lists: reads; puts) and object collectives.
 
 Reported per configuration: the anchor's time, the median time of a delta publish (from a
-barrier to the committed HEAD; median over the steps of a run, then median over repeats),
+barrier to the committed HEAD on the last rank to return; median over the steps of a run, then
+median over repeats),
 throughput (model bytes / median delta time) and its ratio to one rank, the CPU seconds of a
 delta publish on the busiest rank (its process's CPU time, every thread; on a shared machine
 the ranks wait for cores, and this is the time a publish takes when each rank has a core of
@@ -297,8 +304,9 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank}
     sharded = cfg["mode"] == "sharded"
+    grouped = world > 1 or sharded  # the independent processes share a process group for the barrier only
     try:
-        if sharded:
+        if grouped:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=600))
         source = _Source(cfg, rank, world)
@@ -313,7 +321,8 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         else:
             from deltastore import Publisher
 
-            pub = Publisher(url, threads=cfg["threads"], anchor_every=1000)
+            own = f"{url}-r{rank}" if cfg["mode"] == "independent" else url  # a store of its own
+            pub = Publisher(own, threads=cfg["threads"], anchor_every=1000)
         counts = {"reads": 0, "writes": 0, "collectives": 0}
         if cfg["workload"] == "fixed":
             _count_requests(pub.store, counts)
@@ -333,7 +342,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
                 if step > 1:
                     source.advance(shard, step)
                 state = source.state(shard, sharded)
-                if sharded:
+                if grouped:
                     dist.barrier()
                 counts.update(reads=0, writes=0, collectives=0)
                 acc.clear()
@@ -361,7 +370,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         raise SystemExit(str(e)) from e
     finally:
         Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-        if sharded and dist.is_initialized():
+        if grouped and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -443,18 +452,28 @@ def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, t
     for r in ranks:
         if "error" in r:
             raise RuntimeError(f"{name} rank {r['rank']} failed:\n{r['error']}")
-    _check(url, workload, args)
-    shutil.rmtree(tmp / f"store-{name}", ignore_errors=True)  # a 531 MB anchor per run adds up
+    if mode == "independent":
+        for r in range(world):
+            _check(f"{url}-r{r}", workload, args, rows_of=(r, world))
+            shutil.rmtree(tmp / f"store-{name}-r{r}", ignore_errors=True)
+    else:
+        _check(url, workload, args)
+        shutil.rmtree(tmp / f"store-{name}", ignore_errors=True)  # a 531 MB anchor per run adds up
     return {"ranks": ranks}
 
 
 def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dict[str, Any]],
               model_bytes: int) -> dict[str, Any]:
-    """Medians over a configuration's runs (each run: the median of its delta publishes)."""
-    run_deltas = [statistics.median(t for kind, t, _ in run["ranks"][0]["times"] if kind in ("delta", "unchanged"))
-                  for run in runs]
-    all_deltas = [t for run in runs for kind, t, _ in run["ranks"][0]["times"] if kind in ("delta", "unchanged")]
-    anchors = [run["ranks"][0]["times"][0][1] for run in runs]
+    """Medians over a configuration's runs (each run: the median of its delta publishes). A
+    version's time is the last rank's (every rank starts from a barrier): on ShardedPublisher
+    every rank returns after rank 0's commit, the independent publishers each after their own."""
+    def walls(run: dict[str, Any]) -> list[tuple[str, float]]:  # (kind, seconds) per version
+        per = zip(*(r["times"] for r in run["ranks"]))
+        return [(v[0][0], max(t for _, t, _ in v)) for v in per]
+
+    run_deltas = [statistics.median(t for kind, t in walls(run) if kind in ("delta", "unchanged")) for run in runs]
+    all_deltas = [t for run in runs for kind, t in walls(run) if kind in ("delta", "unchanged")]
+    anchors = [walls(run)[0][1] for run in runs]
     delta_s = statistics.median(run_deltas)
     # CPU seconds of a delta publish on the busiest rank (median over its publishes, then over
     # runs): what one publish costs when every rank has a core of its own, whatever the load.
@@ -469,7 +488,10 @@ def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dic
         "anchor_s": round(statistics.median(anchors), 3), "anchor_mb_s": round(model_bytes / statistics.median(anchors) / 1e6, 1),
         "delta_median_s": round(delta_s, 4), "delta_runs_s": [round(t, 4) for t in run_deltas],
         "delta_min_max_s": [round(min(all_deltas), 4), round(max(all_deltas), 4)], "deltas": len(all_deltas),
-        "delta_bytes_median": int(statistics.median(b for run in runs for k, _, b in run["ranks"][0]["times"][1:])),
+        "delta_bytes_median": int(statistics.median(sum(bs) for run in runs
+                                                    for bs in zip(*([b for _, _, b in r["times"][1:]] for r in run["ranks"])))
+                                  if mode == "independent" else
+                                  statistics.median(b for run in runs for k, _, b in run["ranks"][0]["times"][1:])),
         "throughput_mb_s": round(model_bytes / delta_s / 1e6, 1),
         "delta_cpu_s_busiest_rank": round(busiest_cpu, 4),
         "delta_cpu_s_per_rank": [round(c, 4) for c in per_rank_cpu],
@@ -497,8 +519,9 @@ def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dic
     return row
 
 
-def _check(url: str, workload: str, args: argparse.Namespace) -> None:
-    """The last version, pulled by an unsharded Subscriber, is the model published."""
+def _check(url: str, workload: str, args: argparse.Namespace, rows_of: tuple[int, int] | None = None) -> None:
+    """The last version, pulled by an unsharded Subscriber, is the model published (with
+    ``rows_of=(rank, world)``: that rank's rows of it, as FSDP2 splits them)."""
     import torch
 
     from deltastore import Subscriber
@@ -514,6 +537,8 @@ def _check(url: str, workload: str, args: argparse.Namespace) -> None:
         from safetensors.torch import load_file
 
         want = load_file(str(_rl_path(args.rl_workload, step - 1)))
+    if rows_of is not None:
+        want = {k: t[slice(*_fsdp_range(t.shape[0], *rows_of))] for k, t in want.items()}
     if set(got) != set(want):
         raise AssertionError(f"{url}: tensors {sorted(set(got) ^ set(want))[:5]} differ between the store and the model")
     for name, t in want.items():
@@ -539,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the unsharded Publisher and one rank with two threads")
+    ap.add_argument("--independent", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run N > 1 independent processes (each a Publisher of its own rows to a store of "
+                         "its own): the machine's ceiling for N ranks on this workload")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
                     help="pin each rank to cores of its own (rank r: cores [r·threads, (r+1)·threads)), as a "
                          "node with cores per rank runs them; without it the ranks share every core")
@@ -572,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         model_bytes = _model_bytes(workload, args)
         configs = [("sharded", w, 1) for w in args.worlds]
+        if args.independent and workload != "fixed":
+            configs += [("independent", w, 1) for w in args.worlds if w > 1]
         if args.reference and workload != "fixed":
             configs = [("unsharded", 1, 1), *configs, ("sharded", 1, 2)]
         runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {c: [] for c in configs}
@@ -637,7 +667,8 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
     ]
     for r in rows:
         mem = ", ".join(f"{p['peak_rss_above_base'] / 2**20:.0f}/{p['shard_bytes'] / 2**20:.0f} MiB" for p in r["per_rank"])
-        lines.append(f"| {'Publisher' if r['mode'] == 'unsharded' else 'ShardedPublisher'} | {r['ranks']} × "
+        writer = {"unsharded": "Publisher", "sharded": "ShardedPublisher", "independent": "independent Publishers"}[r["mode"]]
+        lines.append(f"| {writer} | {r['ranks']} × "
                      f"{r['threads_per_rank']} | {r['anchor_s']} ({r['anchor_vs_1_rank']}×) | {r['delta_median_s']} "
                      f"({', '.join(map(str, r['delta_runs_s']))}) | {r['throughput_mb_s']} | {r['vs_1_rank']}× "
                      f"| {r['delta_cpu_s_busiest_rank']} ({r['cpu_vs_1_rank']}×) "
@@ -660,6 +691,12 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
         lines += ["", (f"2 ranks / 1 rank: delta publish {two['vs_1_rank']}×, anchor {two['anchor_vs_1_rank']}× "
                       f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if entry['goal_met'] else 'not met'} on this machine); "
                       f"by the busiest rank's CPU time {two['cpu_vs_1_rank']}×")]
+        ceiling = next((r for r in rows if r["mode"] == "independent" and r["ranks"] == 2), None)
+        if ceiling is not None:
+            entry["two_independent_over_one"] = ceiling["vs_1_rank"]
+            entry["sharded_over_independent"] = round(two["throughput_mb_s"] / ceiling["throughput_mb_s"], 2)
+            lines.append(f"2 independent processes / 1 rank (this machine's ceiling for 2 ranks): {ceiling['vs_1_rank']}×; "
+                         f"2 sharded ranks reach {entry['sharded_over_independent']}× of it")
     return [*lines, ""]
 
 
