@@ -562,7 +562,7 @@ SCENARIOS = {
 
 
 def _head_version(url: str) -> int:
-    store = open_store(url)
+    store = open_store(url, storage_options=dict(_OPTIONS or {}))  # in a rank: the server's keys
     try:
         return json.loads(store.get(HEAD_KEY))["version"]
     finally:
@@ -1017,6 +1017,17 @@ def test_publish_async_pipelines_versions_bit_exact(tmp_path: Path) -> None:
         for v in range(1, 8):
             _assert_equal(sub.pull(v), full_model(v))
         assert sub.info(3).metadata == {"v": 3} and sub.info(3).step == 3
+
+
+def test_publish_async_over_s3(tmp_path: Path, moto_s3_url: Any) -> None:
+    """publish_async against a real S3 server (moto over HTTP): the committer's conditional
+    writes run beside the next version's uploads."""
+    target = moto_s3_url
+    results = run_ranks(2, target.url, "async_versions", tmp_path, target.storage_options)
+    _ok(results)
+    assert all(r["sync"] == (7, "delta") and r["head_after_flush"] == 6 for r in results), results
+    with Subscriber(target.url, storage_options=target.storage_options) as sub:
+        _assert_equal(sub.pull(6), full_model(6))
 
 
 def test_publish_async_failure_is_raised_once_and_the_retry_commits(tmp_path: Path) -> None:
