@@ -303,7 +303,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank}
-    sharded = cfg["mode"] == "sharded"
+    sharded = cfg["mode"] in ("sharded", "pipelined")
     grouped = world > 1 or sharded  # the independent processes share a process group for the barrier only
     try:
         if grouped:
@@ -337,6 +337,11 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
                     setattr(pub, op, counted)
         if cfg.get("step_cpu") and sharded:
             _time_steps(pub, acc)
+        if cfg["mode"] == "pipelined":
+            with pub:
+                _pipelined(pub, source, shard, cfg, result, base_rss, marks)
+            result["peak_rss_above_base"] = _peak_bytes() - result["base_rss"]
+            return
         with pub:
             for step in range(1, cfg["steps"] + 2):
                 if step > 1:
@@ -429,6 +434,42 @@ def _free_port() -> int:
 
 def _steps(workload: str, args: argparse.Namespace) -> int:
     return {"synthetic": args.steps, "rl": RL_STEPS, "fixed": args.fixed_versions}[workload]
+
+
+def _pipelined(pub: Any, source: _Source, shard: dict[str, Any], cfg: dict[str, Any], result: dict[str, Any],
+               base_rss: int, marks: list[Any]) -> None:
+    """``pipelined``: every step's rows are read first (other tensors than the ones published
+    before them, as a trainer's next step would write); the anchor is published, then every
+    delta by ``publish_async`` back to back and one ``flush``. Each delta's time is the loop's
+    time over the deltas (publish_async returns before rank 0's commit: only the loop's end,
+    after the flush, says when the versions are in)."""
+    import torch.distributed as dist
+
+    states = []
+    for step in range(1, cfg["steps"] + 2):
+        if step > 1:
+            source.advance(shard, step)
+        states.append(source.state({k: t.clone() for k, t in shard.items()}, True))
+    result["base_rss"] = base = _rss_bytes()  # the preloaded steps are the trainer's memory, not the publisher's
+    result["shard_bytes"] = sum(t.numel() * t.element_size() for t in shard.values())
+    marks.append(("steps read", 0, _peak_bytes() - base))
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    info = pub.publish(states[0], step=1)
+    times = [(info.kind, time.perf_counter() - t0, info.bytes_stored)]
+    cpu = [time.process_time() - c0]
+    dist.barrier()
+    t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+    futures = [pub.publish_async(state, step=i + 2) for i, state in enumerate(states[1:])]
+    pub.flush()
+    n = len(futures)
+    wall, proc, main = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n, (time.thread_time() - m0) / n
+    for f in futures:
+        times.append((f.result().kind, wall, f.result().bytes_stored))
+        cpu.append(proc)
+    marks.append(("closed", _rss_bytes() - base, _peak_bytes() - base))
+    result.update(times=times, cpu=cpu, main_cpu=[cpu[0], *[main] * n], step_cpu=[{}] * (n + 1),
+                  requests=[{}] * (n + 1), marks=marks)
 
 
 def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, tmp: Path, threads: int = 1,
@@ -567,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--independent", action=argparse.BooleanOptionalAction, default=True,
                     help="also run N > 1 independent processes (each a Publisher of its own rows to a store of "
                          "its own): the machine's ceiling for N ranks on this workload")
+    ap.add_argument("--pipelined", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run ShardedPublisher.publish_async back to back on preloaded steps (1 rank and N): "
+                         "throughput when rank 0 commits a version while the ranks encode the next (design 010 D10)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
                     help="pin each rank to cores of its own (rank r: cores [r·threads, (r+1)·threads)), as a "
                          "node with cores per rank runs them; without it the ranks share every core")
@@ -602,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         configs = [("sharded", w, 1) for w in args.worlds]
         if args.independent and workload != "fixed":
             configs += [("independent", w, 1) for w in args.worlds if w > 1]
+        if args.pipelined and workload != "fixed":
+            configs += [("pipelined", w, 1) for w in args.worlds]
         if args.reference and workload != "fixed":
             configs = [("unsharded", 1, 1), *configs, ("sharded", 1, 2)]
         runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {c: [] for c in configs}
@@ -667,7 +713,8 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
     ]
     for r in rows:
         mem = ", ".join(f"{p['peak_rss_above_base'] / 2**20:.0f}/{p['shard_bytes'] / 2**20:.0f} MiB" for p in r["per_rank"])
-        writer = {"unsharded": "Publisher", "sharded": "ShardedPublisher", "independent": "independent Publishers"}[r["mode"]]
+        writer = {"unsharded": "Publisher", "sharded": "ShardedPublisher", "independent": "independent Publishers",
+                  "pipelined": "ShardedPublisher.publish_async"}[r["mode"]]
         lines.append(f"| {writer} | {r['ranks']} × "
                      f"{r['threads_per_rank']} | {r['anchor_s']} ({r['anchor_vs_1_rank']}×) | {r['delta_median_s']} "
                      f"({', '.join(map(str, r['delta_runs_s']))}) | {r['throughput_mb_s']} | {r['vs_1_rank']}× "
@@ -697,6 +744,16 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
             entry["sharded_over_independent"] = round(two["throughput_mb_s"] / ceiling["throughput_mb_s"], 2)
             lines.append(f"2 independent processes / 1 rank (this machine's ceiling for 2 ranks): {ceiling['vs_1_rank']}×; "
                          f"2 sharded ranks reach {entry['sharded_over_independent']}× of it")
+        pipe = [r for r in rows if r["mode"] == "pipelined"]
+        one_p = next((r for r in pipe if r["ranks"] == 1), None)
+        two_p = next((r for r in pipe if r["ranks"] == 2), None)
+        one = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 1 and r["threads_per_rank"] == 1)
+        if one_p is not None and two_p is not None:
+            entry["pipelined_two_over_one"] = round(two_p["throughput_mb_s"] / one_p["throughput_mb_s"], 2)
+            entry["pipelined_goal_met"] = entry["pipelined_two_over_one"] >= GOAL_2_OVER_1
+            lines.append(f"publish_async back to back, 2 ranks / 1 rank: {entry['pipelined_two_over_one']}× "
+                         f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if entry['pipelined_goal_met'] else 'not met'} on this machine); "
+                         f"1 rank publish_async / publish: {round(one_p['throughput_mb_s'] / one['throughput_mb_s'], 2)}×")
     return [*lines, ""]
 
 

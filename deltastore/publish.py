@@ -667,15 +667,20 @@ class Publisher:
         logger.info("state identical to version %d of %s: nothing committed (skip_unchanged)", m.version, self.url)
         return VersionInfo.from_manifest(m, key)
 
-    def _anchor_reason(self, version: int, tip: _Tip | None, *, has_base: bool, anchor: bool) -> str | None:
-        """Why ``version`` must be an anchor (None: it is a delta), design 005 D7 / D10."""
+    def _anchor_reason(self, version: int, tip: _Tip | None, *, has_base: bool, anchor: bool,
+                       anchor_version: int | None = None) -> str | None:
+        """Why ``version`` must be an anchor (None: it is a delta), design 005 D7 / D10.
+        ``anchor_version``: the last anchor's version, when not this publisher's (a sharded
+        plan made ahead of a commit, design 010 D10)."""
+        if anchor_version is None:
+            anchor_version = self._anchor_version
         if anchor:
             return "requested"
         if not has_base:
             return "no base" if self._specs is None or self._reference is None else "layout change"
         if tip is None or not tip.schema3:
             return "first schema-3 version"  # every schema-3 anchor span is homogeneous (D10)
-        if self.anchor_every is not None and version - self._anchor_version >= self.anchor_every:
+        if self.anchor_every is not None and version - anchor_version >= self.anchor_every:
             return f"every {self.anchor_every} versions"
         if self.anchor_policy == "cost":
             since = tip.cum - tip.anchor_cum  # delta bytes written since the anchor (C)

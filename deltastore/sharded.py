@@ -27,6 +27,12 @@ One publish is five steps, all ranks in lockstep (every collective is over ``gro
                     once (nothing read back: the next tip is what it wrote); the outcome (or
                     the error) goes to every rank
 
+:meth:`ShardedPublisher.publish_async` runs steps 1-4 alike and returns there: rank 0 joins and
+commits the version (step 5) on a thread of its own while every rank goes on to the next
+version, planned on the one being committed (design 010 D10); the outcome reaches every rank
+with the next call's step 1 (or a :meth:`~ShardedPublisher.flush`), and a version whose base
+then failed fails too, so nothing is committed on a base that is not in the store.
+
 A steady-state version therefore costs three collectives (on gloo, four gloo operations: design
 010 D9) and, on rank 0, no read of the store; the uploads overlap the join instead of preceding
 the gather or following it.
@@ -50,7 +56,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +112,10 @@ COORDINATOR = 0
 INLINE_BYTES = 8192
 #: The length prefix of a collective's buffer (little-endian unsigned).
 _LENGTH_BYTES = 8
+#: Versions of :meth:`ShardedPublisher.publish_async` rank 0 holds at once between the gather and
+#: HEAD (one committing, one waiting): a store slower than the ranks makes the next call wait on
+#: rank 0, instead of parts piling up (each holds its part manifests, and a deadline runs).
+COMMITS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -186,6 +196,7 @@ class _Report:
     anchor: bool = False
     error: tuple[str, str] | None = None
     plan: _Plan | None = None  # rank 0 only: its steady-state plan, made before step 1 (D6)
+    settled: tuple[tuple[int, Any], ...] = ()  # rank 0 only: outcomes of earlier async versions (D10)
 
 
 @dataclass(frozen=True)
@@ -199,7 +210,40 @@ class _Plan:
     lineage: str | None = None
     layout_ref: ObjectRef | None = None
     error: tuple[str, str] | None = None
-    base: tuple[int, str] | None = None  # a pre-plan: the (version, manifest key) every rank must hold
+    base: tuple[int, str] | None = None  # a pre-plan: the (version, attempt) every rank must hold
+    ahead: bool = False  # planned on a version still being committed (publish_async, D10)
+    settled: tuple[tuple[int, Any], ...] = ()  # outcomes rank 0 waited for before planning (D10)
+
+
+@dataclass(frozen=True)
+class _Forecast:
+    """Rank 0: what the store will hold once the last version handed to the committer is
+    committed: the version (and attempt) the next one builds on, its tip and anchor (D10)."""
+
+    version: int
+    attempt: str
+    lineage: str | None
+    tip: _Tip
+    anchor_version: int
+
+
+class _VersionFuture(Future):
+    """The Future :meth:`ShardedPublisher.publish_async` returns. It is resolved by this rank's
+    own next collective call (the outcome comes from rank 0 with it), so waiting for it with no
+    timeout before that call would wait forever: that raises instead."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._check(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._check(timeout)
+        return super().exception(timeout)
+
+    def _check(self, timeout: float | None) -> None:
+        if timeout is None and not self.done():
+            raise InvalidStateError("this version's outcome reaches the ranks with their next publish_async, publish, "
+                                    "flush or close (collectives): call flush() first, or pass a timeout")
 
 
 def _framed(data: bytes, inline: int) -> torch.Tensor:
@@ -214,17 +258,44 @@ def _error_of(e: BaseException) -> tuple[str, str]:
     return (type(e).__name__, str(e))
 
 
+def _done(outcome: tuple[str, Any]) -> Future[tuple[str, Any]]:
+    """A Future already resolved with ``outcome``."""
+    f: Future[tuple[str, Any]] = Future()
+    f.set_result(outcome)
+    return f
+
+
 def _raise(error: tuple[str, str], *, default: type[DeltastoreError] = PartFailedError) -> None:
     """Raise an error reported by another rank: its own deltastore class when it has one (so a
     ConflictError or FencedError reads the same on every rank), else ``default``."""
+    raise _exception(error, default=default)
+
+
+def _exception(error: tuple[str, str], *, default: type[DeltastoreError] = PartFailedError) -> DeltastoreError:
+    """The exception :func:`_raise` raises."""
     name, message = error
     cls = getattr(_errors, name, None)
     if isinstance(cls, type) and issubclass(cls, DeltastoreError):
         try:
-            raise cls(message)
+            return cls(message)
         except TypeError:  # a class whose constructor wants more than a message
             pass
-    raise default(f"{name}: {message}")
+    return default(f"{name}: {message}")
+
+
+def _next_tip(tip: _Tip | None, plan: _Plan, layout: Layout, delta_bytes: int, full_bytes: int, key: str) -> _Tip:
+    """The tip after committing ``plan`` on ``tip`` (design 005 D7/D10 bookkeeping): what rank 0
+    keeps after a commit, and forecasts before one (D10; ``key`` unknown then: "")."""
+    restart = not plan.has_base or tip is None or not tip.schema3
+    cum = 0 if restart else tip.cum + delta_bytes  # type: ignore[union-attr]
+    anchor = plan.kind == "anchor"
+    return _Tip(
+        version=plan.version, key=key, schema3=True, chain_start=plan.version if restart else tip.chain_start,  # type: ignore[union-attr]
+        cum=cum, layout=layout, layout_ref=plan.layout_ref, anchor=plan.version if anchor else tip.anchor,  # type: ignore[union-attr]
+        anchor_key=key if anchor else tip.anchor_key,  # type: ignore[union-attr]
+        anchor_full=full_bytes if anchor else tip.anchor_full,  # type: ignore[union-attr]
+        anchor_cum=cum if anchor else tip.anchor_cum,  # type: ignore[union-attr]
+    )
 
 
 def plan_layout(reports: Sequence[_Report], world: int, chunk_bytes: int) -> Layout:
@@ -325,6 +396,8 @@ class ShardedPublisher:
     The version becomes visible by one HEAD compare-and-swap on rank 0, after every rank's part
     is stored; until then nothing is visible, whatever fails. Readers need nothing special: a
     :class:`~deltastore.pull.Subscriber` reads a sharded version whole, bit-exactly.
+    :meth:`publish_async` returns once the rank's part is stored and lets rank 0 commit while
+    the ranks encode the next version (design 010 D10).
 
     Args:
         url: the store URL (as for :class:`~deltastore.publish.Publisher`).
@@ -393,13 +466,24 @@ class ShardedPublisher:
         self._coordinator = None
         self._closed = False
         self._reference: dict[str, torch.Tensor] | None = None  # this rank's rows of the held version
-        self._held: tuple[int, str] | None = None  # (version, manifest key) of the reference
+        self._held: tuple[int, str] | None = None  # (version, attempt) of the reference copy
         self._layout: Layout | None = None
         self._known: int | None = None
         # The layout planned from the last claims (and their digest): a trainer passes the same
         # claims every step, and planning is O(tensors × ranks) per version (every rank plans).
         self._planned: tuple[tuple[tuple[_Claim, ...], ...], Layout, str] | None = None
         self._share: _Share | None = None  # this rank's share of the layout planned last
+        # publish_async (design 010 D10). Every rank: the Futures it returned, by version, not
+        # yet resolved, and its own error for a version whose part it failed to write.
+        self._waiting: dict[int, _VersionFuture] = {}
+        self._own_errors: dict[int, BaseException] = {}
+        # Rank 0: the versions handed to the committer thread (or failed before it), in order,
+        # with the Future of each one's outcome; the forecast of the store once they commit;
+        # whether one failed (those after it, planned on it, then fail too: set by the committer).
+        self._committer: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[int, Future[tuple[str, Any]]]] = []
+        self._forecast: _Forecast | None = None
+        self._broken = False
         error: tuple[str, str] | None = None
         try:
             if self.rank == COORDINATOR:
@@ -559,11 +643,80 @@ class ShardedPublisher:
             InvalidStateDictError, StorageError, ConflictError, FencedError, ...: as Publisher
                 (this rank's own failure, or rank 0's commit outcome).
         """
+        if self._waiting:  # every rank has the same ones: earlier publish_async calls report first
+            self.flush()
+        result = self._run(state_dict, step=step, metadata=metadata, anchor=anchor, asynchronous=False)
+        assert isinstance(result, VersionInfo)
+        return result
+
+    def publish_async(self, state_dict: Mapping[str, Any] | torch.nn.Module, *, step: int | None = None,
+                      metadata: Mapping[str, Any] | None = None, anchor: bool = False) -> Future[VersionInfo]:
+        """Store this rank's rows of the next version and go on; rank 0 commits it in the
+        background (a collective, design 010 D10).
+
+        Runs :meth:`publish`'s steps up to rank 0 holding every part: when it returns, this
+        rank's rows are encoded and uploaded, so the caller may change its tensors. Rank 0 then
+        joins the parts and CASes HEAD on a thread of its own, one version at a time, in call
+        order, while the ranks go on to the next version, which is planned on this one (a delta
+        on it). The version becomes visible as with :meth:`publish`: once, when every part is
+        stored, or never.
+
+        The outcome reaches every rank with its next collective call on this publisher
+        (``publish_async``, :meth:`publish`, :meth:`flush` or :meth:`close`): that call resolves
+        the returned Future, and if the version failed it raises the failure (once; the call's
+        own state is then not published) and every rank drops its reference copy, so the next
+        version is an anchor. A version planned on one that failed fails too (it was a delta on
+        a version that is not in the store); its Future says so, and only the first failure is
+        raised. Call :meth:`flush` (a collective) to wait for every outcome.
+
+        Args:
+            state_dict, step, metadata, anchor: as for :meth:`publish`.
+
+        Returns:
+            A Future of the committed version's VersionInfo, resolved on every rank by its next
+            call on this publisher; ``result()`` without a timeout before then raises
+            ``InvalidStateError`` (it would wait forever).
+
+        Raises:
+            What :meth:`publish` raises before it writes (bad input, ShardMismatchError, a plan
+            failure), and an earlier version's failure (once). A failure while this rank
+            encodes or uploads is this version's outcome, reported like a failed commit.
+        """
+        result = self._run(state_dict, step=step, metadata=metadata, anchor=anchor, asynchronous=True)
+        assert isinstance(result, Future)
+        return result
+
+    def flush(self) -> None:
+        """Wait until every :meth:`publish_async` version is committed or failed (a collective:
+        rank 0 waits for its committer and tells every rank), and resolve their Futures.
+
+        Raises:
+            DeltastoreError: the first failure not yet raised (once).
+        """
+        if self._closed:
+            raise _errors.StorageError(f"sharded publisher for {self.url} is closed")
+        settled = self._settle(block=True) if self.rank == COORDINATOR else ()
+        settled = self._broadcast(settled)
+        failure = self._apply(settled)
+        if failure is not None:
+            raise failure
+
+    def _run(self, state_dict: Mapping[str, Any] | torch.nn.Module, *, step: int | None, metadata: Mapping[str, Any] | None,
+             anchor: bool, asynchronous: bool) -> VersionInfo | Future[VersionInfo]:
         if self._closed:
             raise _errors.StorageError(f"sharded publisher for {self.url} is closed")
         # The attempt deadline runs from before its first write (on rank 0: the layout object,
         # or its pre-plan, which writes nothing, made before step 1).
         deadline = time.monotonic() + self.max_attempt_s
+        # --- 0: rank 0 collects the outcomes of earlier publish_async versions (D10) ---
+        known = self._known  # what every rank reports: the outcomes below are applied after
+        settled: tuple[tuple[int, Any], ...] = ()
+        failure: BaseException | None = None
+        if self.rank == COORDINATOR and self._pending:
+            settled = self._settle(block=False)
+            if any(outcome[0] != "ok" for _, outcome in settled):
+                settled += self._settle(block=True)  # the rest were planned on the failed one: they fail at once
+            failure = self._apply(settled)
         # --- 1: what each rank holds (and, from rank 0, the plan of a steady-state version) ---
         local: dict[str, tuple[torch.Tensor, int]] = {}
         report: _Report
@@ -590,9 +743,10 @@ class ShardedPublisher:
             # One batched check of every local tensor (one scan, design 007's TensorScan), not
             # one call per tensor: 165 calls cost ~2.5 ms per rank per version (design 010 D8).
             validate_state_dict({name: t for name, (t, _) in local.items()})
-            if self.rank == COORDINATOR:
+            if self.rank == COORDINATOR and failure is None:
                 try:
-                    pre = self._preplan(anchor=anchor)
+                    # on a version still being committed: planned on its forecast (D10)
+                    pre = self._preplan_ahead(anchor=anchor) if self._pending else self._preplan(anchor=anchor)
                 except Exception as e:  # noqa: BLE001 - raised on every rank after the layout checks
                     pre = _Plan(error=_error_of(e))
                     own_plan_error = e
@@ -602,13 +756,17 @@ class ShardedPublisher:
             if same:  # the stored tuple, equal: later comparisons with it (_share_of) are identity checks
                 mine_claims = last[0][self.rank]  # type: ignore[union-attr]
             report = _Report(self.rank, None if same else mine_claims, planned=last[2] if last is not None else None,
-                             held=self._held, known=self._known, step=step, anchor=anchor, plan=pre)
+                             held=self._held, known=known, step=step, anchor=anchor, plan=pre, settled=settled)
         except Exception as e:  # noqa: BLE001 - told to every rank, raised below
-            report = _Report(self.rank, error=_error_of(e))
+            report = _Report(self.rank, error=_error_of(e), settled=settled)
             own: BaseException | None = e
         else:
             own = None
         reports: list[_Report] = self._all_gather(report)
+        if self.rank != COORDINATOR:
+            failure = self._apply(reports[COORDINATOR].settled)
+        if failure is not None:  # an earlier version failed: raised once, on every rank; this state is not published
+            raise failure
         failed = [r for r in reports if r.error is not None]
         if failed:
             if own is not None:
@@ -645,12 +803,21 @@ class ShardedPublisher:
         elif plan is None or not self._preplan_holds(plan, reports, layout):
             plan = None
             if self.rank == COORDINATOR:
+                # Planning reads and writes the coordinator's state: the committer must be done with it.
+                waited = self._settle(block=True) if self._pending else ()
+                failure = self._apply(waited)
                 try:
-                    plan = self._plan(reports, layout, anchor=any(r.anchor for r in reports))
+                    plan = _Plan(settled=waited) if failure is not None else dataclasses.replace(
+                        self._plan(reports, layout, anchor=any(r.anchor for r in reports)), settled=waited)
                 except Exception as e:  # noqa: BLE001
-                    plan = _Plan(error=_error_of(e))
+                    plan = _Plan(error=_error_of(e), settled=waited)
                     own = e
             plan = self._broadcast(plan)
+            assert plan is not None
+            if self.rank != COORDINATOR:
+                failure = self._apply(plan.settled)
+            if failure is not None:
+                raise failure
         assert plan is not None
         if plan.error is not None:
             self._drop()
@@ -670,8 +837,10 @@ class ShardedPublisher:
             self._gather(("error", _error_of(e)))
             raise
 
-        # --- 4 and 5: rank 0 joins the parts and commits ---
+        # --- 4 and 5: rank 0 joins the parts and commits (publish_async: in the background) ---
         parts = self._gather(result)
+        if asynchronous:
+            return self._launch(plan, layout, mine, parts, own, reports, meta, step, deadline)
         outcome: tuple[str, Any] = ("error", ("PartFailedError", "no outcome"))
         if self.rank == COORDINATOR:
             assert parts is not None
@@ -693,7 +862,7 @@ class ShardedPublisher:
             _raise(outcome[1])
         info: VersionInfo = outcome[1]
         self._known = info.version
-        self._held = (info.version, info.manifest)
+        self._held = (info.version, plan.attempt)
         self._layout = layout
         if not plan.has_base:  # an anchor without a base: these rows are the reference from now on
             self._reference = {n: t.detach().to("cpu", copy=True) for n, t in mine.items()}
@@ -745,6 +914,136 @@ class ShardedPublisher:
         self._share = _Share(layout, claims, specs, first_chunk)
         return self._share
 
+    # --- publish_async (design 010 D10) -----------------------------------------------------
+
+    def _launch(self, plan: _Plan, layout: Layout, mine: Mapping[str, torch.Tensor], parts: list[Any] | None,
+                own: BaseException | None, reports: Sequence[_Report], meta: dict[str, Any], step: int | None,
+                deadline: float) -> Future[VersionInfo]:
+        """Step 5 of :meth:`publish_async`, every rank: hold the version as committed (the next
+        one is planned on it; a failure reported later drops it) and return its Future; rank 0
+        hands the parts to its committer thread."""
+        future = _VersionFuture()
+        self._waiting[plan.version] = future
+        if own is not None:  # this rank's part failed: its own error is the version's, for this rank
+            self._own_errors[plan.version] = own
+            self._drop()
+        else:
+            self._held = (plan.version, plan.attempt)
+            self._layout = layout
+            if not plan.has_base:  # the caller may change its tensors once this returns
+                self._reference = {n: t.detach().to("cpu", copy=True) for n, t in mine.items()}
+        if self.rank == COORDINATOR:
+            assert parts is not None
+            self._hand_over(plan, layout, parts, reports, meta, step, deadline)
+        return future
+
+    def _hand_over(self, plan: _Plan, layout: Layout, parts: list[Any], reports: Sequence[_Report],
+                   meta: dict[str, Any], step: int | None, deadline: float) -> None:
+        """Rank 0: queue the version's commit (at most COMMITS_IN_FLIGHT at once), or record
+        its failure when a part failed, for the next call to report."""
+        bad = [(r, p[1]) for r, p in enumerate(parts) if p[0] != "ok"]
+        if bad:
+            why = f"part {bad[0][0]} of version {plan.version} failed ({bad[0][1][0]}: {bad[0][1][1]}); nothing was committed"
+            self._broken = True  # nothing is planned on it
+            self._pending.append((plan.version, _done(("error", ("PartFailedError", why)))))
+            return
+        good = [p[1] for p in parts]
+        try:
+            forecast = self._forecast_after(plan, layout, good)
+        except Exception as e:  # noqa: BLE001 - reading HEAD's tip failed: the version's outcome
+            self._broken = True
+            self._pending.append((plan.version, _done(("error", _error_of(e)))))
+            return
+        while sum(not f.done() for _, f in self._pending) >= COMMITS_IN_FLIGHT:
+            wait([next(f for _, f in self._pending if not f.done())])
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-commit")
+        self._forecast = forecast
+        self._pending.append((plan.version, self._committer.submit(
+            self._commit_later, plan, layout, good, reports, meta, step, deadline)))
+
+    def _forecast_after(self, plan: _Plan, layout: Layout, parts: Sequence[Any]) -> _Forecast:
+        """Rank 0: the store once ``plan`` commits. A plan made ahead builds on the forecast it
+        was planned on; any other was planned with the committer idle, so HEAD's tip is read."""
+        pub = self._coordinator
+        assert pub is not None
+        if plan.ahead:
+            assert self._forecast is not None
+            tip: _Tip | None = self._forecast.tip
+            anchor_version = self._forecast.anchor_version
+        else:
+            tip, anchor_version = pub._current_tip(), pub._anchor_version
+        delta = sum(p[3].delta_bytes or 0 for p in parts)
+        full = sum(p[3].full_bytes or 0 for p in parts)
+        return _Forecast(version=plan.version, attempt=plan.attempt, lineage=plan.lineage,
+                         tip=_next_tip(tip, plan, layout, delta, full, key=""),
+                         anchor_version=plan.version if plan.kind == "anchor" else anchor_version)
+
+    def _commit_later(self, plan: _Plan, layout: Layout, parts: Sequence[Any], reports: Sequence[_Report],
+                      meta: dict[str, Any], step: int | None, deadline: float) -> tuple[str, Any]:
+        """The committer thread: step 5 of one version (the coordinator's state is this thread's
+        until the main thread has taken every outcome). A version planned on one that failed
+        is not committed: its base is not in the store."""
+        if self._broken:
+            return ("after", ("PartFailedError", f"version {plan.version} was planned on version {plan.version - 1}, "
+                                                 "which was not committed; nothing was committed"))
+        try:
+            return ("ok", self._commit(plan, layout, parts, reports, meta, step, deadline))
+        except Exception as e:  # noqa: BLE001 - the version's outcome, reported by the next call
+            self._broken = True
+            logger.warning("sharded version %d of %s was not committed: %s: %s", plan.version, self.url, type(e).__name__, e)
+            return ("error", _error_of(e))
+
+    def _settle(self, *, block: bool) -> tuple[tuple[int, Any], ...]:
+        """Rank 0: the outcomes of the queued versions, oldest first: those done (``block``:
+        all, waiting for the committer). Once none is queued, a failure no longer taints the
+        next plan (which reads HEAD again)."""
+        out = []
+        while self._pending:
+            version, fut = self._pending[0]
+            if not block and not fut.done():
+                break
+            out.append((version, fut.result()))
+            self._pending.pop(0)
+        if not self._pending:
+            self._broken = False
+        return tuple(out)
+
+    def _apply(self, settled: Sequence[tuple[int, Any]]) -> BaseException | None:
+        """Every rank: resolve the Futures of ``settled`` outcomes; a failure drops the
+        reference copy (it holds rows of a version that is not in the store). Returns the
+        first failure to raise (one planned on a failed version is only its Future's)."""
+        first: BaseException | None = None
+        for version, (status, value) in settled:
+            future = self._waiting.pop(version, None)
+            own = self._own_errors.pop(version, None)
+            if status == "ok":
+                self._known = value.version
+                if future is not None:
+                    future.set_result(value)
+                continue
+            self._drop()
+            exc = own if own is not None else _exception(value)
+            if future is not None:
+                future.set_exception(exc)
+            if status == "error" and first is None:
+                first = exc
+        return first
+
+    def _preplan_ahead(self, *, anchor: bool) -> _Plan | None:
+        """Rank 0, before step 1 while a version is being committed: the plan of the next one
+        on it, from its forecast (the coordinator's state is the committer's meanwhile). None
+        (then step 2 waits for the committer and plans from HEAD) unless every rank will hold
+        the forecast version on its layout and no failure is known."""
+        pub, f = self._coordinator, self._forecast
+        assert pub is not None
+        if f is None or self._broken or self._held != (f.version, f.attempt) or self._layout is None or f.tip.layout != self._layout:
+            return None
+        version = f.version + 1
+        why = pub._anchor_reason(version, f.tip, has_base=True, anchor=anchor, anchor_version=f.anchor_version)
+        return _Plan(version=version, attempt=new_attempt_id(), kind="anchor" if why else "delta", has_base=True,
+                     lineage=f.lineage, layout_ref=f.tip.layout_ref, base=(f.version, f.attempt), ahead=True)
+
     def _drop(self) -> None:
         """Forget the reference copy: encoding advances it in place, so after a failure it
         matches no version (SPEC §5 step 7); the next version is an anchor."""
@@ -767,7 +1066,7 @@ class ShardedPublisher:
             pub._tip = None
             return None
         head = pub._head
-        if self._held is None or self._layout is None or head is None or self._held != (head.version, head.manifest):
+        if self._held is None or self._layout is None or head is None or self._held != (head.version, head.commit_id):
             return None
         tip = pub._current_tip()
         if tip is None or tip.layout_ref is None or tip.layout != self._layout:
@@ -799,7 +1098,7 @@ class ShardedPublisher:
         # A delta needs every rank's reference at HEAD's version and HEAD's layout.
         has_base = (
             head_key is not None and tip is not None and tip.layout == layout
-            and all(r.held == (head.version, head_key) for r in reports)  # type: ignore[union-attr]
+            and all(r.held == (head.version, head.commit_id) for r in reports)  # type: ignore[union-attr]
         )
         pub._specs = pub._reference = None  # only for _anchor_reason's wording of "no base"
         why = pub._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
@@ -872,9 +1171,8 @@ class ShardedPublisher:
         changed = {n for p in parts for n in p[2]}
         delta_bytes = sum(s.delta_bytes or 0 for s in stats_of)
         full_bytes = sum(s.full_bytes or 0 for s in stats_of)
-        restart = not plan.has_base or tip is None or not tip.schema3
-        chain_start = plan.version if restart else tip.chain_start  # type: ignore[union-attr]
-        cum = 0 if restart else tip.cum + delta_bytes  # type: ignore[union-attr]
+        after = _next_tip(tip, plan, layout, delta_bytes, full_bytes, key="")  # the key once the manifest is encoded
+        chain_start, cum = after.chain_start, after.cum
         kind = plan.kind
         total = len(layout.name)
         stats = Stats(
@@ -932,13 +1230,7 @@ class ShardedPublisher:
         pub._remember(mkey, manifest)
         # The next version's tip, from what was just written: reading it back would fetch the
         # manifest and every part manifest again and join them, once per version.
-        pub._tip = _Tip(
-            version=plan.version, key=mkey, schema3=True, chain_start=chain_start, cum=cum, layout=layout,
-            layout_ref=plan.layout_ref, anchor=manifest.anchor,
-            anchor_key=mkey if kind == "anchor" else tip.anchor_key,  # type: ignore[union-attr]
-            anchor_full=full_bytes if kind == "anchor" else tip.anchor_full,  # type: ignore[union-attr]
-            anchor_cum=cum if kind == "anchor" else tip.anchor_cum,  # type: ignore[union-attr]
-        )
+        pub._tip = dataclasses.replace(after, key=mkey, anchor_key=mkey if kind == "anchor" else after.anchor_key)
         if kind == "anchor":
             pub._anchor_version = plan.version
         logger.info("published sharded version %d (%s, %d parts): %d bytes (%d delta, %d full)", plan.version, kind,
@@ -948,13 +1240,41 @@ class ShardedPublisher:
     # --- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release threads and the store (not a collective). Idempotent."""
+        """Release threads and the store (not a collective). Idempotent.
+
+        Rank 0 first waits for the versions its committer holds and resolves its Futures; the
+        other ranks cannot learn those outcomes without a collective, so their unresolved
+        Futures raise PartFailedError saying so (call :meth:`flush` on every rank before
+        closing to learn them everywhere).
+
+        Raises:
+            DeltastoreError: on rank 0, a publish_async failure not yet raised (once).
+        """
+        self._close(raise_errors=True)
+
+    def _close(self, *, raise_errors: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        self._uploader.shutdown(wait=True)
-        self._release()
+        failure: BaseException | None = None
+        try:
+            if self._pending:
+                failure = self._apply(self._settle(block=True))
+            for version, future in self._waiting.items():
+                future.set_exception(PartFailedError(
+                    f"version {version} of {self.url}: its outcome had not reached rank {self.rank} when the publisher "
+                    "closed (flush, a collective, reports it to every rank); HEAD says whether it was committed"))
+            self._waiting.clear()
+        finally:
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+            self._uploader.shutdown(wait=True)
+            self._release()
+        if failure is not None:
+            if raise_errors:
+                raise failure
+            logger.error("sharded publisher of %s closed with a failure not reported: %s", self.url, failure)
 
     def _release(self) -> None:
         self._reference = None
@@ -967,5 +1287,5 @@ class ShardedPublisher:
     def __enter__(self) -> ShardedPublisher:  # noqa: PYI034 - as Publisher
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self._close(raise_errors=exc_type is None)

@@ -410,7 +410,144 @@ def _scenario_collectives(rank: int, world: int, url: str) -> dict[str, Any]:
     return out
 
 
+
+# --- publish_async (design 010 D10) -----------------------------------------------------------
+
+#: Seconds rank 0's commit is held back in the publish_async scenarios, so that the next version
+#: is planned while the last one is still being committed (what a slow store does).
+SLOW_COMMIT_S = 0.4
+
+
+def _slow_commits(pub: Any, fail: int | None = None) -> dict[str, int]:
+    """Rank 0: hold every commit back SLOW_COMMIT_S (and fail version ``fail`` after it); count
+    the plans made ahead of a commit and the plans made from HEAD."""
+    from deltastore.errors import StorageError
+
+    counts = {"ahead": 0, "planned": 0, "failed": 0}
+    commit, ahead, plan = pub._commit, pub._preplan_ahead, pub._plan
+
+    def slow_commit(p: Any, *a: Any, **k: Any) -> Any:
+        time.sleep(SLOW_COMMIT_S)
+        if p.version == fail and not counts["failed"]:  # once: the retry is that version again
+            counts["failed"] = 1
+            raise StorageError(f"injected: the store refused version {p.version}")
+        return commit(p, *a, **k)
+
+    def counted_ahead(**k: Any) -> Any:
+        out = ahead(**k)
+        counts["ahead"] += out is not None
+        return out
+
+    def counted_plan(*a: Any, **k: Any) -> Any:
+        counts["planned"] += 1
+        return plan(*a, **k)
+
+    pub._commit, pub._preplan_ahead, pub._plan = slow_commit, counted_ahead, counted_plan
+    return counts
+
+
+def _scenario_async_versions(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Six versions by publish_async back to back (rank 0's commits slowed), a flush, then a
+    synchronous publish on top."""
+    from concurrent.futures import InvalidStateError
+
+    from deltastore.sharded import ShardedPublisher
+
+    out: dict[str, Any] = {}
+    with ShardedPublisher(url, threads=1, anchor_every=4, storage_options=_OPTIONS) as pub:
+        counts = _slow_commits(pub) if rank == 0 else None
+        futures = []
+        for v in range(1, 7):
+            futures.append(pub.publish_async(rank_state(v, rank, world), step=v, metadata={"v": v}))
+            if v == 1:
+                out["first_done_at_once"] = futures[0].done()
+                try:
+                    futures[0].result()  # would wait forever: resolved by this rank's next call
+                    out["result_before_flush"] = "returned"
+                except InvalidStateError as e:
+                    out["result_before_flush"] = str(e)
+        pub.flush()
+        out["infos"] = [(f.result().version, f.result().kind) for f in futures]
+        out["head_after_flush"] = _head_version(url)
+        info = pub.publish(rank_state(7, rank, world), step=7)
+        out["sync"] = (info.version, info.kind)
+        out["counts"] = counts
+    return out
+
+
+def _scenario_async_failures(rank: int, world: int, url: str) -> dict[str, Any]:
+    """A commit that fails in the background (version 2) and the version planned on it
+    (version 3); then a part that fails (rank 1, version 3 again); each time the retry commits."""
+    from deltastore import sharded
+    from deltastore.errors import DeltastoreError
+
+    out: dict[str, Any] = {}
+    with sharded.ShardedPublisher(url, threads=1) as pub:
+        counts = _slow_commits(pub, fail=2) if rank == 0 else None
+        f1 = pub.publish_async(rank_state(1, rank, world), step=1)
+        f2 = pub.publish_async(rank_state(2, rank, world), step=2)
+        f3 = pub.publish_async(rank_state(3, rank, world), step=3)  # planned on 2, still committing
+        try:
+            pub.flush()
+        except DeltastoreError as e:
+            out["flush"] = (type(e).__name__, str(e))
+        try:  # raised once: a second flush has nothing to say
+            pub.flush()
+            out["second_flush"] = "quiet"
+        except DeltastoreError as e:
+            out["second_flush"] = (type(e).__name__, str(e))
+        out["futures"] = [(f1.result().version, f1.result().kind), (type(f2.exception()).__name__, str(f2.exception())),
+                          (type(f3.exception()).__name__, str(f3.exception()))]
+        out["head_after_failure"] = _head_version(url)
+        f = pub.publish_async(rank_state(2, rank, world), step=2)  # no base: an anchor
+        pub.flush()
+        out["retry"] = (f.result().version, f.result().kind)
+        # rank 1 fails to write its part of the next version: its Future holds its own error,
+        # rank 0's a PartFailedError; the next call raises them, once
+        real = sharded.encode_part
+        if rank == 1:
+            def broken(**kw: Any) -> bytes:
+                raise OSError("disk full (injected)")
+            sharded.encode_part = broken
+        f4 = pub.publish_async(rank_state(3, rank, world), step=3)
+        sharded.encode_part = real
+        try:
+            pub.publish_async(rank_state(3, rank, world), step=3)
+            out["next_call"] = "published"
+        except (DeltastoreError, OSError) as e:
+            out["next_call"] = type(e).__name__
+        out["part_future"] = type(f4.exception(timeout=0)).__name__
+        out["head_after_part"] = _head_version(url)
+        info = pub.publish(rank_state(3, rank, world), step=3)
+        out["part_retry"] = (info.version, info.kind)
+        out["counts"] = counts
+    return out
+
+
+def _scenario_async_close(rank: int, world: int, url: str) -> dict[str, Any]:
+    """close() without a flush: rank 0 waits for its commits; the other ranks' Futures say
+    their outcome did not reach them."""
+    from deltastore.sharded import ShardedPublisher
+
+    pub = ShardedPublisher(url, threads=1)
+    if rank == 0:
+        _slow_commits(pub)
+    f1 = pub.publish_async(rank_state(1, rank, world), step=1)
+    f2 = pub.publish_async(rank_state(2, rank, world), step=2)
+    pub.close()
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 has closed: its commits are done
+    out: dict[str, Any] = {"head": _head_version(url)}
+    for name, f in (("f1", f1), ("f2", f2)):
+        e = f.exception(timeout=0)
+        out[name] = ("ok", f.result().version) if e is None else (type(e).__name__, str(e))
+    return out
+
 SCENARIOS = {
+    "async_versions": _scenario_async_versions,
+    "async_failures": _scenario_async_failures,
+    "async_close": _scenario_async_close,
     "steady": _scenario_steady,
     "claims": _scenario_claims,
     "part_upload_fails": _scenario_part_upload_fails,
@@ -425,7 +562,7 @@ SCENARIOS = {
 
 
 def _head_version(url: str) -> int:
-    store = open_store(url)
+    store = open_store(url, storage_options=dict(_OPTIONS or {}))  # in a rank: the server's keys
     try:
         return json.loads(store.get(HEAD_KEY))["version"]
     finally:
@@ -861,3 +998,67 @@ def test_golden_sharded_store_reads_bit_exact(tmp_path: Path) -> None:
         sub.pull_into(target, 4)
         _assert_equal(target, load_file(str(GOLDEN / "store-sharded-expected" / "v4.safetensors")))
         assert not sub.verify().problems
+
+
+def test_publish_async_pipelines_versions_bit_exact(tmp_path: Path) -> None:
+    """publish_async: each version is planned while the one before is still being committed
+    (design 010 D10), every rank's Futures agree, and every version reads back bit for bit."""
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "async_versions", tmp_path)
+    _ok(results)
+    want = [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "delta"), (5, "anchor"), (6, "delta")]  # anchor_every=4
+    assert all(r["infos"] == want and r["sync"] == (7, "delta") for r in results), results
+    assert all(r["head_after_flush"] == 6 for r in results)
+    assert not any(r["first_done_at_once"] for r in results)  # resolved by the next call, not before
+    assert all("call flush() first" in r["result_before_flush"] for r in results), results
+    # rank 0 planned every version after the first on the one being committed: no plan round
+    assert results[0]["counts"] == {"ahead": 5, "planned": 1, "failed": 0}, results[0]["counts"]
+    with Subscriber(url) as sub:
+        for v in range(1, 8):
+            _assert_equal(sub.pull(v), full_model(v))
+        assert sub.info(3).metadata == {"v": 3} and sub.info(3).step == 3
+
+
+def test_publish_async_over_s3(tmp_path: Path, moto_s3_url: Any) -> None:
+    """publish_async against a real S3 server (moto over HTTP): the committer's conditional
+    writes run beside the next version's uploads."""
+    target = moto_s3_url
+    results = run_ranks(2, target.url, "async_versions", tmp_path, target.storage_options)
+    _ok(results)
+    assert all(r["sync"] == (7, "delta") and r["head_after_flush"] == 6 for r in results), results
+    with Subscriber(target.url, storage_options=target.storage_options) as sub:
+        _assert_equal(sub.pull(6), full_model(6))
+
+
+def test_publish_async_failure_is_raised_once_and_the_retry_commits(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "async_failures", tmp_path)
+    _ok(results)
+    for r in results:
+        assert r["flush"][0] == "StorageError" and "injected" in r["flush"][1], r
+        assert r["second_flush"] == "quiet"
+        assert r["futures"][0] == (1, "anchor")
+        assert r["futures"][1][0] == "StorageError"
+        assert r["futures"][2][0] == "PartFailedError" and "planned on version 2" in r["futures"][2][1]
+        assert r["head_after_failure"] == 1  # neither 2 nor the version planned on it is visible
+        assert r["retry"] == (2, "anchor")  # every rank dropped its reference
+        assert r["head_after_part"] == 2
+        assert r["part_retry"] == (3, "anchor")
+    assert results[0]["counts"]["ahead"] >= 1  # version 3 was planned on version 2 while it committed
+    assert results[0]["next_call"] == "PartFailedError" and results[1]["next_call"] == "OSError"
+    assert results[0]["part_future"] == "PartFailedError" and results[1]["part_future"] == "OSError"
+    with Subscriber(url) as sub:
+        _assert_equal(sub.pull(2), full_model(2))
+        _assert_equal(sub.pull(3), full_model(3))
+        assert [sub.info(v).kind for v in (1, 2, 3)] == ["anchor", "anchor", "anchor"]
+
+
+def test_publish_async_close_without_flush(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "async_close", tmp_path)
+    _ok(results)
+    assert all(r["head"] == 2 for r in results)  # rank 0 committed both before closing
+    assert results[0]["f1"] == ("ok", 1) and results[0]["f2"] == ("ok", 2)
+    assert results[1]["f2"][0] == "PartFailedError" and "had not reached rank 1" in results[1]["f2"][1]
+    with Subscriber(url) as sub:
+        _assert_equal(sub.pull(2), full_model(2))
