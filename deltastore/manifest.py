@@ -12,10 +12,12 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, TypeVar
+from functools import lru_cache
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 import zstandard
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -25,6 +27,7 @@ from pydantic import (
 )
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
+from deltastore.storage._keys import check_key
 
 #: The schema writers write (3: design 005; 2 added ``lineage`` and an optional ``signature``).
 SCHEMA_VERSION = 3
@@ -87,6 +90,25 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+#: Distinct keys whose check is remembered: a manifest names a few dozen objects (its packs,
+#: layout, parent, skip pointers, squashes) and the next manifest names most of them again.
+CHECKED_KEYS_MAX = 4096
+
+
+@lru_cache(maxsize=CHECKED_KEYS_MAX)
+def _store_key(key: str) -> str:
+    """``key`` if a store would look it up (the rules of storage/_keys.check_key), else
+    InvalidKeyError: a ValueError, so pydantic reports it as the field's error and a reader
+    refuses the object that names the key (CorruptObjectError naming that object) before
+    anything is read by it. Checked once per distinct key (a refusal is not remembered)."""
+    return check_key(key)
+
+
+#: A key that the store's content names (a ref's ``key``, a manifest link): refused at parse
+#: time when no store would accept it ('../../etc', '', 'a//b'), not later by the store.
+StoreKey = Annotated[str, AfterValidator(_store_key)]
+
+
 def new_attempt_id() -> str:
     """A fresh commit-attempt id (``commit_id``): 32 lowercase hex digits (design 005 D1)."""
     import secrets
@@ -104,7 +126,7 @@ def object_key(attempt: str, digest: str, suffix: str) -> str:
 class ObjectRef(_Model):
     """A reference to one immutable object by key and SHA-256 of its stored bytes."""
 
-    key: str
+    key: StoreKey
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -113,7 +135,7 @@ class BaseRef(_Model):
     by its manifest key and that manifest's SHA-256, version and lineage (SPEC §14)."""
 
     version: int = Field(ge=1)
-    manifest: str
+    manifest: StoreKey
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     lineage: str = Field(pattern=LINEAGE_PATTERN)
 
@@ -129,7 +151,7 @@ class SquashRef(_Model):
 
     from_: int = Field(ge=1, alias="from")
     to: int = Field(ge=2)
-    key: str
+    key: StoreKey
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     bytes: int = Field(ge=0)
 
@@ -140,7 +162,7 @@ class PartRef(_Model):
     """One part of a sharded version (SPEC §8): its part manifest, by key and SHA-256."""
 
     part: int = Field(ge=0)
-    key: str
+    key: StoreKey
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     writer: str
     bytes: int = Field(ge=0)
@@ -174,7 +196,7 @@ def _check_schema_fields(model: BaseModel, schema: int, lineage: str | None, new
 
 
 class BlobRef(_Model):
-    key: str
+    key: StoreKey
     size: int = Field(ge=0)
     sha256: str
     #: schema 3: ``"f"`` (full segments only) or ``"d"`` (delta segments only); None before.
@@ -226,7 +248,7 @@ class Manifest(_Model):
     schema_: int = Field(SCHEMA_VERSION, alias="schema")
     version: int = Field(ge=1)
     parent: int | None
-    parent_manifest: str | None
+    parent_manifest: StoreKey | None
     kind: Literal["anchor", "delta"]
     anchor: int = Field(ge=1)
     delta_base: int | None = None
@@ -247,9 +269,9 @@ class Manifest(_Model):
     signature: Signature | None = None
     # --- schema 3 (design 005); absent from schema-1/2 documents ---
     #: the anchor's manifest key (None for an anchor, and before schema 3)
-    anchor_manifest: str | None = None
+    anchor_manifest: StoreKey | None = None
     #: manifest keys of versions v−2, v−4, …, v−2^j ≥ 1 (skip pointers, hints)
-    back: tuple[str, ...] = ()
+    back: tuple[StoreKey, ...] = ()
     #: the latest version ≤ this one whose delta_base is null
     chain_start: int | None = None
     #: this version's layout object
@@ -305,7 +327,7 @@ class Head(_Model):
     format: Literal["deltastore.head"] = "deltastore.head"
     schema_: int = Field(SCHEMA_VERSION, alias="schema")
     version: int = Field(ge=0)
-    manifest: str | None
+    manifest: StoreKey | None
     manifest_sha256: str | None
     commit_id: str
     writer: str
@@ -329,7 +351,7 @@ class Pin(_Model):
     """A version kept below the floor, with everything needed to materialize it (SPEC §11)."""
 
     version: int = Field(ge=1)
-    manifest: str
+    manifest: StoreKey
     note: str = ""
     by: str = ""
     at: str = ""
@@ -432,8 +454,8 @@ class SquashManifest(_Model):
     schema_: int = Field(3, alias="schema")
     from_: int = Field(ge=1, alias="from")
     to: int = Field(ge=2)
-    from_manifest: str
-    to_manifest: str
+    from_manifest: StoreKey
+    to_manifest: StoreKey
     commit_id: str
     lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
     layout: ObjectRef | None = None
@@ -577,12 +599,14 @@ def _check_depth(doc: Any, what: str, key: str) -> None:
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
 
 
-def _validate(cls: type[BaseModel], doc: dict[str, Any], what: str, key: str) -> Any:
+def _validate(cls: type[BaseModel], doc: dict[str, Any], what: str, key: str, at: tuple[str | int, ...] = ()) -> Any:
+    """``doc`` as ``cls``, or CorruptObjectError naming the object (``what`` ``key``) and the
+    field (``at``: where ``doc`` lies in that object, for a part of it)."""
     try:
         return cls.model_validate(doc)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = ".".join(str(p) for p in (*at, *first["loc"]))
         raise CorruptObjectError(f"{what} {key!r} is malformed at {where}: {first['msg']}") from None
     except (ValueError, RecursionError) as e:  # a validator that is not pydantic's own
         raise CorruptObjectError(f"{what} {key!r} is malformed: {type(e).__name__}") from None
@@ -655,11 +679,7 @@ def parse_manifest(
         if layout is None:
             raise ValueError(f"manifest {key!r} is schema 3: parse_manifest needs its layout")
         if callable(layout):
-            try:
-                ref = ObjectRef.model_validate(doc.get("layout"))
-            except ValidationError:
-                raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}") from None
-            layout = layout(ref)
+            layout = layout(_layout_ref(doc, key))  # its key checked before it is looked up
         manifest = _manifest_from_doc(doc, layout, key, parts)
     else:
         doc = _load(data, "manifest", key, max_bytes)
@@ -1085,7 +1105,7 @@ def _tables_doc(tensors: Sequence[TensorEntry], blobs: Sequence[BlobRef], layout
 
 
 class _Pack(_Model):
-    key: str
+    key: StoreKey
     size: int = Field(ge=1)  # writers never write an empty pack: segments fill packs unambiguously
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     role: Literal["f", "d"]
@@ -1195,7 +1215,8 @@ def _decode_tables(doc: dict[str, Any], layout: Layout, key: str,
                   f"(schema-{GROUPS_SCHEMA} manifests and layouts go together)")
 
     if tables.parts:
-        refs = [_validate(PartRef, p, "manifest", key) if isinstance(p, dict) else None for p in tables.parts]
+        refs = [_validate(PartRef, p, "manifest", key, ("parts", i)) if isinstance(p, dict) else None
+                for i, p in enumerate(tables.parts)]
         if any(r is None for r in refs):
             raise bad("parts must be objects {part, key, sha256, writer, bytes}")
         rows, packs = _merge_parts(header, tables, [r for r in refs if r is not None], layout, key, parts, bad)
@@ -1244,6 +1265,7 @@ def _merge_parts(header: dict[str, Any], tables: _Tables, refs: list[PartRef], l
             raise pbad(f"fields missing {missing} or unknown {sorted(extra)[:8]}")
         if doc["format"] != PART_FORMAT:
             raise pbad(f"format {doc['format']!r} is not {PART_FORMAT!r}")
+        _validate(ObjectRef, doc["layout"], "part manifest", ref.key, ("layout",))  # a key it names, as every ref's
         for field, want in (("schema", header.get("schema")), ("version", header.get("version")), ("part", ref.part),
                             ("commit_id", commit_id), ("lineage", header.get("lineage")), ("layout", header.get("layout"))):
             if doc[field] != want:
@@ -1560,11 +1582,16 @@ def manifest_layout_ref(data: bytes, key: str, *, max_bytes: int = MAX_MANIFEST_
     _check_digest(data, key, None, "manifest")
     if not key.endswith(MANIFEST_SUFFIX_ZST):
         return None
-    ref = _load3(data, "manifest", key, max_bytes).get("layout")
-    try:
-        return ObjectRef.model_validate(ref)
-    except ValidationError:
-        raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}, not {str(ref)[:100]!r}") from None
+    return _layout_ref(_load3(data, "manifest", key, max_bytes), key)
+
+
+def _layout_ref(doc: dict[str, Any], key: str) -> ObjectRef:
+    """The ``layout`` reference of schema-3 manifest document ``doc`` (read from ``key``),
+    validated (its key too) before anyone fetches the layout through it."""
+    ref = doc.get("layout")
+    if not isinstance(ref, dict):
+        raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}, not {str(ref)[:100]!r}")
+    return _validate(ObjectRef, ref, "manifest", key, ("layout",))
 
 
 def _check_digest(data: bytes, key: str, expected_sha256: str | None, what: str) -> None:
