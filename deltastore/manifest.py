@@ -10,6 +10,7 @@ import bisect
 import hashlib
 import itertools
 import json
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
@@ -1152,7 +1153,9 @@ _PART_KEY = re.compile(r"objects/([0-9a-f]{32})/([0-9]{5,19})-([0-9a-f]{64})\.pa
 #: The header fields of a part manifest besides its tables.
 _PART_FIELDS = ("format", "schema", "version", "part", "commit_id", "lineage", "layout", "stats")
 
-_Row = tuple[int, int, str, dict[str, "SegmentRef"]]
+#: A chunk row: the tensor's position in the layout, then the fields of the row's ChunkEntry in
+#: their order (index, digest, full, delta: the row's segment of each role, or None).
+_Row = tuple[int, int, str, "SegmentRef | None", "SegmentRef | None"]
 
 
 def part_key(attempt: str, part: int, digest: str) -> str:
@@ -1173,21 +1176,31 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str,
     # Entries are built without validation (issue 9: parsing 20,000 entries through pydantic
     # dominated a pull): the columnar checks of _table_rows, the layout's and _check_manifest's
     # (which every caller runs next) cover every field pydantic would check.
-    tensors: list[TensorEntry] = []
-    run: list[ChunkEntry] = []
+    tensors = tuple(
+        _entry(TensorEntry, name=name, dtype=dtype, shape=shape, chunk_rows=chunk_rows,
+               chunks=tuple([_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta)
+                             for _, index, digest, full, delta in run]))
+        for (name, dtype, shape, chunk_rows), run in _row_entries(rows, layout)
+    )
+    return header.model_copy(update={"tensors": tensors}).with_groups(layout)
 
-    def close(ti: int) -> None:
-        tensors.append(_entry(TensorEntry, name=layout.name[ti], dtype=layout.dtype[ti], shape=tuple(layout.shape[ti]),
-                              chunk_rows=layout.chunk_rows[ti], chunks=tuple(run)))
 
-    for r, (ti, ci, digest, roles) in enumerate(rows):
-        if r and ti != rows[r - 1][0]:
-            close(rows[r - 1][0])
-            run = []
-        run.append(_entry(ChunkEntry, index=ci, digest=digest, full=roles.get("f"), delta=roles.get("d")))
-    if rows:
-        close(rows[-1][0])
-    return header.model_copy(update={"tensors": tuple(tensors)}).with_groups(layout)
+#: The fields of a TensorEntry but ``chunks``, in their order.
+_TensorFields = tuple[str, str, tuple[int, ...], int]
+#: A row's tensor position: the key its runs are grouped by.
+_row_tensor = operator.itemgetter(0)
+
+
+def _row_entries(rows: Sequence[_Row], layout: Layout) -> list[tuple[_TensorFields, list[_Row]]]:
+    """The entries chunk rows make: one TensorEntry per run of rows of one layout row, its
+    fields ``(name, dtype, shape, chunk_rows)`` from ``layout``, and one ChunkEntry per row of
+    the run, its fields the row's after the tensor position (:data:`_Row`).
+
+    The one walk from rows to entries: :func:`_manifest_from_doc` builds entries of these
+    fields, :func:`_entries_differ` compares a writer's entries with them."""
+    name, dtype, shape, chunk_rows = layout.name, layout.dtype, layout.shape, layout.chunk_rows
+    return [((name[ti], dtype[ti], tuple(shape[ti]), chunk_rows[ti]), list(run))
+            for ti, run in itertools.groupby(rows, _row_tensor)]
 
 
 def _decode_tables(doc: dict[str, Any], layout: Layout, key: str,
@@ -1274,7 +1287,7 @@ def _merge_parts(header: dict[str, Any], tables: _Tables, refs: list[PartRef], l
         part_tables: _Tables = _validate(_Tables, {**{f: doc[f] for f in table_fields}, "parts": []}, "part manifest", ref.key)
         # the part's pack indices follow the packs of the parts before it
         part_rows, part_packs = _table_rows(part_tables, layout, pbad, first_pack=len(packs))
-        for ti, ci, _, _ in part_rows:
+        for ti, ci, *_ in part_rows:
             owner = piece_part(layout, ti, ci)
             if owner != ref.part:
                 raise pbad(f"lists chunk {layout.name[ti]}[{ci}], which lies in a piece of part {owner}")
@@ -1384,7 +1397,12 @@ def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObj
             pack, offset = pack + 1, 0
     if pack != len(packs) or offset != 0:
         raise bad(f"the segment lengths do not fill the packs exactly (they end in pack {pack} at offset {offset})")
-    return [(ch.tensor[r], ch.chunk[r], digests[r], segs_of.get(r, {})) for r in range(n)], list(packs)
+    none: dict[str, SegmentRef] = {}  # the roles of a row without segments (read, never written)
+    rows = []
+    for r in range(n):
+        roles = segs_of.get(r, none)
+        rows.append((ch.tensor[r], ch.chunk[r], digests[r], roles.get("f"), roles.get("d")))
+    return rows, list(packs)
 
 
 def encode_part(*, schema: int, version: int, part: int, commit_id: str, lineage: str | None, layout_ref: ObjectRef,
@@ -1509,41 +1527,40 @@ def encode_manifest(m: Manifest, layout: Layout | None = None, parts: Mapping[st
 
 def _entries_differ(tensors: Sequence[TensorEntry], rows: Sequence[_Row], layout: Layout) -> str | None:
     """Where the entries :func:`_manifest_from_doc` builds from ``rows`` would differ from
-    ``tensors`` (None: nowhere), compared field by field without building them.
+    ``tensors`` (None: nowhere), compared field by field without building them: both walk the
+    rows by :func:`_row_entries`.
 
-    The decoder makes one TensorEntry per run of rows of one tensor (name, dtype, shape and
-    chunk_rows from ``layout``) with a ChunkEntry per row (index, digest, the row's segment of
-    each role). Values are compared with their types (``True == 1`` but dumps as ``true``), so
-    equal here means equal in canonical JSON too (:func:`dump`), the test the writer's round
-    trip made before (design 006, session 18, task T).
+    Values are compared with their types (``True == 1`` but dumps as ``true``), so equal here
+    means equal in canonical JSON too (:func:`dump`), the test the writer's round trip made
+    before (design 006, session 18, task T).
     """
-    r, n = 0, len(rows)
+    runs = iter(_row_entries(rows, layout))
     for t in tensors:
         if type(t) is not TensorEntry:
             return f"an entry is a {type(t).__name__}, not a TensorEntry"
-        if r == n:
+        run = next(runs, None)
+        if run is None:
             return f"tensor {t.name!r} lists no chunk the table has"
-        ti = rows[r][0]
-        if not (t.name == layout.name[ti] and t.dtype == layout.dtype[ti] and _exact(t.chunk_rows, layout.chunk_rows[ti])
-                and len(t.shape) == len(layout.shape[ti]) and all(map(_exact, t.shape, layout.shape[ti]))):
-            return f"tensor {t.name!r} is not row {ti} of the layout"
-        for c in t.chunks:
-            if r == n or rows[r][0] != ti:
-                return f"tensor {t.name!r} lists chunks the table has not"
-            _, ci, digest, roles = rows[r]
+        (name, dtype, shape, chunk_rows), chunks = run
+        got_shape, got_chunk_rows = t.shape, t.chunk_rows
+        # _exact inline here and below: these loops run per tensor and chunk of every version a writer stores
+        if not (t.name == name and t.dtype == dtype and type(got_chunk_rows) is type(chunk_rows)
+                and got_chunk_rows == chunk_rows and len(got_shape) == len(shape) and all(map(_exact, got_shape, shape))):
+            return f"tensor {t.name!r} is not the table's next tensor, {name!r}"
+        if len(t.chunks) != len(chunks):
+            return f"tensor {t.name!r} lists {len(t.chunks)} chunks, the table's run of its rows {len(chunks)}"
+        for c, (_, index, digest, want_full, want_delta) in zip(t.chunks, chunks):
             if type(c) is not ChunkEntry:
                 return f"a chunk of tensor {t.name!r} is a {type(c).__name__}, not a ChunkEntry"
-            if not (_exact(c.index, ci) and _exact(c.digest, digest)):
-                return f"chunk {t.name}[{c.index}] is not chunk row {r}"
-            full, delta = c.full, c.delta
-            if (full is not None or "f" in roles) and not _same_segment(full, roles.get("f")):
+            got_index, got_digest, full, delta = c.index, c.digest, c.full, c.delta
+            if not (type(got_index) is type(index) and got_index == index and type(got_digest) is type(digest)
+                    and got_digest == digest):
+                return f"chunk {t.name}[{got_index}] is not the table's chunk {t.name}[{index}]"
+            if (full is not None or want_full is not None) and not _same_segment(full, want_full):
                 return f"the full segment of chunk {t.name}[{c.index}] is not where the packs place it"
-            if (delta is not None or "d" in roles) and not _same_segment(delta, roles.get("d")):
+            if (delta is not None or want_delta is not None) and not _same_segment(delta, want_delta):
                 return f"the delta segment of chunk {t.name}[{c.index}] is not where the packs place it"
-            r += 1
-        if not t.chunks or (r < n and rows[r][0] == ti):
-            return f"tensor {t.name!r} is not one run of chunk rows"
-    return None if r == n else f"the table has {n - r} chunk rows no tensor lists"
+    return None if next(runs, None) is None else "the table has chunk rows no tensor lists"
 
 
 def _same_segment(seg: SegmentRef | None, decoded: SegmentRef | None) -> bool:
@@ -1553,7 +1570,7 @@ def _same_segment(seg: SegmentRef | None, decoded: SegmentRef | None) -> bool:
     if type(seg) is not SegmentRef or decoded is None:
         return False
     fields = seg.__dict__
-    return fields == decoded.__dict__ and set(map(type, fields.values())) <= _INT_STR
+    return fields == decoded.__dict__ and _INT_STR.issuperset(map(type, fields.values()))
 
 
 _INT_STR = {int, str}
