@@ -22,7 +22,6 @@ from typing import Any
 from deltastore.errors import (
     BaseElsewhereError,
     CorruptObjectError,
-    InvalidKeyError,
     NotFoundError,
     VersionCollectedError,
     VersionNotFoundError,
@@ -258,16 +257,12 @@ class History:
                 f"part manifest {ref.key!r} (part {ref.part}) is missing from {self.store.url}: the store was damaged "
                 "(a reachable object was deleted)"
             ) from None
-        except InvalidKeyError as e:  # the key came from the store's content: that content is corrupt
-            raise CorruptObjectError(f"part manifest of part {ref.part} is named by an invalid key ({e})") from None
 
     def _object(self, key: str, what: str) -> bytes:
         try:
             return self.store.get(key)
         except NotFoundError:
             raise NotFoundError(f"{what} {key!r} is missing from {self.store.url}") from None
-        except InvalidKeyError as e:  # the key came from the store's content: that content is corrupt
-            raise CorruptObjectError(f"{what} is named by an invalid key in {self.store.url} ({e})") from None
 
     def layout(self, ref: ObjectRef) -> Layout:
         """The layout object ``ref`` names, verified against its SHA-256 (cached, bounded).

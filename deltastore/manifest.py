@@ -10,12 +10,15 @@ import bisect
 import hashlib
 import itertools
 import json
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, TypeVar
+from functools import lru_cache
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 import zstandard
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -25,6 +28,7 @@ from pydantic import (
 )
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
+from deltastore.storage._keys import check_key
 
 #: The schema writers write (3: design 005; 2 added ``lineage`` and an optional ``signature``).
 SCHEMA_VERSION = 3
@@ -87,6 +91,25 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+#: Distinct keys whose check is remembered: a manifest names a few dozen objects (its packs,
+#: layout, parent, skip pointers, squashes) and the next manifest names most of them again.
+CHECKED_KEYS_MAX = 4096
+
+
+@lru_cache(maxsize=CHECKED_KEYS_MAX)
+def _store_key(key: str) -> str:
+    """``key`` if a store would look it up (the rules of storage/_keys.check_key), else
+    InvalidKeyError: a ValueError, so pydantic reports it as the field's error and a reader
+    refuses the object that names the key (CorruptObjectError naming that object) before
+    anything is read by it. Checked once per distinct key (a refusal is not remembered)."""
+    return check_key(key)
+
+
+#: A key that the store's content names (a ref's ``key``, a manifest link): refused at parse
+#: time when no store would accept it ('../../etc', '', 'a//b'), not later by the store.
+StoreKey = Annotated[str, AfterValidator(_store_key)]
+
+
 def new_attempt_id() -> str:
     """A fresh commit-attempt id (``commit_id``): 32 lowercase hex digits (design 005 D1)."""
     import secrets
@@ -104,7 +127,7 @@ def object_key(attempt: str, digest: str, suffix: str) -> str:
 class ObjectRef(_Model):
     """A reference to one immutable object by key and SHA-256 of its stored bytes."""
 
-    key: str
+    key: StoreKey
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -113,7 +136,7 @@ class BaseRef(_Model):
     by its manifest key and that manifest's SHA-256, version and lineage (SPEC §14)."""
 
     version: int = Field(ge=1)
-    manifest: str
+    manifest: StoreKey
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     lineage: str = Field(pattern=LINEAGE_PATTERN)
 
@@ -129,7 +152,7 @@ class SquashRef(_Model):
 
     from_: int = Field(ge=1, alias="from")
     to: int = Field(ge=2)
-    key: str
+    key: StoreKey
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     bytes: int = Field(ge=0)
 
@@ -140,7 +163,7 @@ class PartRef(_Model):
     """One part of a sharded version (SPEC §8): its part manifest, by key and SHA-256."""
 
     part: int = Field(ge=0)
-    key: str
+    key: StoreKey
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     writer: str
     bytes: int = Field(ge=0)
@@ -174,7 +197,7 @@ def _check_schema_fields(model: BaseModel, schema: int, lineage: str | None, new
 
 
 class BlobRef(_Model):
-    key: str
+    key: StoreKey
     size: int = Field(ge=0)
     sha256: str
     #: schema 3: ``"f"`` (full segments only) or ``"d"`` (delta segments only); None before.
@@ -226,7 +249,7 @@ class Manifest(_Model):
     schema_: int = Field(SCHEMA_VERSION, alias="schema")
     version: int = Field(ge=1)
     parent: int | None
-    parent_manifest: str | None
+    parent_manifest: StoreKey | None
     kind: Literal["anchor", "delta"]
     anchor: int = Field(ge=1)
     delta_base: int | None = None
@@ -247,9 +270,9 @@ class Manifest(_Model):
     signature: Signature | None = None
     # --- schema 3 (design 005); absent from schema-1/2 documents ---
     #: the anchor's manifest key (None for an anchor, and before schema 3)
-    anchor_manifest: str | None = None
+    anchor_manifest: StoreKey | None = None
     #: manifest keys of versions v−2, v−4, …, v−2^j ≥ 1 (skip pointers, hints)
-    back: tuple[str, ...] = ()
+    back: tuple[StoreKey, ...] = ()
     #: the latest version ≤ this one whose delta_base is null
     chain_start: int | None = None
     #: this version's layout object
@@ -305,7 +328,7 @@ class Head(_Model):
     format: Literal["deltastore.head"] = "deltastore.head"
     schema_: int = Field(SCHEMA_VERSION, alias="schema")
     version: int = Field(ge=0)
-    manifest: str | None
+    manifest: StoreKey | None
     manifest_sha256: str | None
     commit_id: str
     writer: str
@@ -329,7 +352,7 @@ class Pin(_Model):
     """A version kept below the floor, with everything needed to materialize it (SPEC §11)."""
 
     version: int = Field(ge=1)
-    manifest: str
+    manifest: StoreKey
     note: str = ""
     by: str = ""
     at: str = ""
@@ -432,8 +455,8 @@ class SquashManifest(_Model):
     schema_: int = Field(3, alias="schema")
     from_: int = Field(ge=1, alias="from")
     to: int = Field(ge=2)
-    from_manifest: str
-    to_manifest: str
+    from_manifest: StoreKey
+    to_manifest: StoreKey
     commit_id: str
     lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
     layout: ObjectRef | None = None
@@ -577,12 +600,14 @@ def _check_depth(doc: Any, what: str, key: str) -> None:
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
 
 
-def _validate(cls: type[BaseModel], doc: dict[str, Any], what: str, key: str) -> Any:
+def _validate(cls: type[BaseModel], doc: dict[str, Any], what: str, key: str, at: tuple[str | int, ...] = ()) -> Any:
+    """``doc`` as ``cls``, or CorruptObjectError naming the object (``what`` ``key``) and the
+    field (``at``: where ``doc`` lies in that object, for a part of it)."""
     try:
         return cls.model_validate(doc)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = ".".join(str(p) for p in (*at, *first["loc"]))
         raise CorruptObjectError(f"{what} {key!r} is malformed at {where}: {first['msg']}") from None
     except (ValueError, RecursionError) as e:  # a validator that is not pydantic's own
         raise CorruptObjectError(f"{what} {key!r} is malformed: {type(e).__name__}") from None
@@ -655,11 +680,7 @@ def parse_manifest(
         if layout is None:
             raise ValueError(f"manifest {key!r} is schema 3: parse_manifest needs its layout")
         if callable(layout):
-            try:
-                ref = ObjectRef.model_validate(doc.get("layout"))
-            except ValidationError:
-                raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}") from None
-            layout = layout(ref)
+            layout = layout(_layout_ref(doc, key))  # its key checked before it is looked up
         manifest = _manifest_from_doc(doc, layout, key, parts)
     else:
         doc = _load(data, "manifest", key, max_bytes)
@@ -1085,7 +1106,7 @@ def _tables_doc(tensors: Sequence[TensorEntry], blobs: Sequence[BlobRef], layout
 
 
 class _Pack(_Model):
-    key: str
+    key: StoreKey
     size: int = Field(ge=1)  # writers never write an empty pack: segments fill packs unambiguously
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     role: Literal["f", "d"]
@@ -1132,7 +1153,9 @@ _PART_KEY = re.compile(r"objects/([0-9a-f]{32})/([0-9]{5,19})-([0-9a-f]{64})\.pa
 #: The header fields of a part manifest besides its tables.
 _PART_FIELDS = ("format", "schema", "version", "part", "commit_id", "lineage", "layout", "stats")
 
-_Row = tuple[int, int, str, dict[str, "SegmentRef"]]
+#: A chunk row: the tensor's position in the layout, then the fields of the row's ChunkEntry in
+#: their order (index, digest, full, delta: the row's segment of each role, or None).
+_Row = tuple[int, int, str, "SegmentRef | None", "SegmentRef | None"]
 
 
 def part_key(attempt: str, part: int, digest: str) -> str:
@@ -1153,21 +1176,31 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str,
     # Entries are built without validation (issue 9: parsing 20,000 entries through pydantic
     # dominated a pull): the columnar checks of _table_rows, the layout's and _check_manifest's
     # (which every caller runs next) cover every field pydantic would check.
-    tensors: list[TensorEntry] = []
-    run: list[ChunkEntry] = []
+    tensors = tuple(
+        _entry(TensorEntry, name=name, dtype=dtype, shape=shape, chunk_rows=chunk_rows,
+               chunks=tuple([_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta)
+                             for _, index, digest, full, delta in run]))
+        for (name, dtype, shape, chunk_rows), run in _row_entries(rows, layout)
+    )
+    return header.model_copy(update={"tensors": tensors}).with_groups(layout)
 
-    def close(ti: int) -> None:
-        tensors.append(_entry(TensorEntry, name=layout.name[ti], dtype=layout.dtype[ti], shape=tuple(layout.shape[ti]),
-                              chunk_rows=layout.chunk_rows[ti], chunks=tuple(run)))
 
-    for r, (ti, ci, digest, roles) in enumerate(rows):
-        if r and ti != rows[r - 1][0]:
-            close(rows[r - 1][0])
-            run = []
-        run.append(_entry(ChunkEntry, index=ci, digest=digest, full=roles.get("f"), delta=roles.get("d")))
-    if rows:
-        close(rows[-1][0])
-    return header.model_copy(update={"tensors": tuple(tensors)}).with_groups(layout)
+#: The fields of a TensorEntry but ``chunks``, in their order.
+_TensorFields = tuple[str, str, tuple[int, ...], int]
+#: A row's tensor position: the key its runs are grouped by.
+_row_tensor = operator.itemgetter(0)
+
+
+def _row_entries(rows: Sequence[_Row], layout: Layout) -> list[tuple[_TensorFields, list[_Row]]]:
+    """The entries chunk rows make: one TensorEntry per run of rows of one layout row, its
+    fields ``(name, dtype, shape, chunk_rows)`` from ``layout``, and one ChunkEntry per row of
+    the run, its fields the row's after the tensor position (:data:`_Row`).
+
+    The one walk from rows to entries: :func:`_manifest_from_doc` builds entries of these
+    fields, :func:`_entries_differ` compares a writer's entries with them."""
+    name, dtype, shape, chunk_rows = layout.name, layout.dtype, layout.shape, layout.chunk_rows
+    return [((name[ti], dtype[ti], tuple(shape[ti]), chunk_rows[ti]), list(run))
+            for ti, run in itertools.groupby(rows, _row_tensor)]
 
 
 def _decode_tables(doc: dict[str, Any], layout: Layout, key: str,
@@ -1195,7 +1228,8 @@ def _decode_tables(doc: dict[str, Any], layout: Layout, key: str,
                   f"(schema-{GROUPS_SCHEMA} manifests and layouts go together)")
 
     if tables.parts:
-        refs = [_validate(PartRef, p, "manifest", key) if isinstance(p, dict) else None for p in tables.parts]
+        refs = [_validate(PartRef, p, "manifest", key, ("parts", i)) if isinstance(p, dict) else None
+                for i, p in enumerate(tables.parts)]
         if any(r is None for r in refs):
             raise bad("parts must be objects {part, key, sha256, writer, bytes}")
         rows, packs = _merge_parts(header, tables, [r for r in refs if r is not None], layout, key, parts, bad)
@@ -1244,6 +1278,7 @@ def _merge_parts(header: dict[str, Any], tables: _Tables, refs: list[PartRef], l
             raise pbad(f"fields missing {missing} or unknown {sorted(extra)[:8]}")
         if doc["format"] != PART_FORMAT:
             raise pbad(f"format {doc['format']!r} is not {PART_FORMAT!r}")
+        _validate(ObjectRef, doc["layout"], "part manifest", ref.key, ("layout",))  # a key it names, as every ref's
         for field, want in (("schema", header.get("schema")), ("version", header.get("version")), ("part", ref.part),
                             ("commit_id", commit_id), ("lineage", header.get("lineage")), ("layout", header.get("layout"))):
             if doc[field] != want:
@@ -1252,7 +1287,7 @@ def _merge_parts(header: dict[str, Any], tables: _Tables, refs: list[PartRef], l
         part_tables: _Tables = _validate(_Tables, {**{f: doc[f] for f in table_fields}, "parts": []}, "part manifest", ref.key)
         # the part's pack indices follow the packs of the parts before it
         part_rows, part_packs = _table_rows(part_tables, layout, pbad, first_pack=len(packs))
-        for ti, ci, _, _ in part_rows:
+        for ti, ci, *_ in part_rows:
             owner = piece_part(layout, ti, ci)
             if owner != ref.part:
                 raise pbad(f"lists chunk {layout.name[ti]}[{ci}], which lies in a piece of part {owner}")
@@ -1362,7 +1397,12 @@ def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObj
             pack, offset = pack + 1, 0
     if pack != len(packs) or offset != 0:
         raise bad(f"the segment lengths do not fill the packs exactly (they end in pack {pack} at offset {offset})")
-    return [(ch.tensor[r], ch.chunk[r], digests[r], segs_of.get(r, {})) for r in range(n)], list(packs)
+    none: dict[str, SegmentRef] = {}  # the roles of a row without segments (read, never written)
+    rows = []
+    for r in range(n):
+        roles = segs_of.get(r, none)
+        rows.append((ch.tensor[r], ch.chunk[r], digests[r], roles.get("f"), roles.get("d")))
+    return rows, list(packs)
 
 
 def encode_part(*, schema: int, version: int, part: int, commit_id: str, lineage: str | None, layout_ref: ObjectRef,
@@ -1487,41 +1527,40 @@ def encode_manifest(m: Manifest, layout: Layout | None = None, parts: Mapping[st
 
 def _entries_differ(tensors: Sequence[TensorEntry], rows: Sequence[_Row], layout: Layout) -> str | None:
     """Where the entries :func:`_manifest_from_doc` builds from ``rows`` would differ from
-    ``tensors`` (None: nowhere), compared field by field without building them.
+    ``tensors`` (None: nowhere), compared field by field without building them: both walk the
+    rows by :func:`_row_entries`.
 
-    The decoder makes one TensorEntry per run of rows of one tensor (name, dtype, shape and
-    chunk_rows from ``layout``) with a ChunkEntry per row (index, digest, the row's segment of
-    each role). Values are compared with their types (``True == 1`` but dumps as ``true``), so
-    equal here means equal in canonical JSON too (:func:`dump`), the test the writer's round
-    trip made before (design 006, session 18, task T).
+    Values are compared with their types (``True == 1`` but dumps as ``true``), so equal here
+    means equal in canonical JSON too (:func:`dump`), the test the writer's round trip made
+    before (design 006, session 18, task T).
     """
-    r, n = 0, len(rows)
+    runs = iter(_row_entries(rows, layout))
     for t in tensors:
         if type(t) is not TensorEntry:
             return f"an entry is a {type(t).__name__}, not a TensorEntry"
-        if r == n:
+        run = next(runs, None)
+        if run is None:
             return f"tensor {t.name!r} lists no chunk the table has"
-        ti = rows[r][0]
-        if not (t.name == layout.name[ti] and t.dtype == layout.dtype[ti] and _exact(t.chunk_rows, layout.chunk_rows[ti])
-                and len(t.shape) == len(layout.shape[ti]) and all(map(_exact, t.shape, layout.shape[ti]))):
-            return f"tensor {t.name!r} is not row {ti} of the layout"
-        for c in t.chunks:
-            if r == n or rows[r][0] != ti:
-                return f"tensor {t.name!r} lists chunks the table has not"
-            _, ci, digest, roles = rows[r]
+        (name, dtype, shape, chunk_rows), chunks = run
+        got_shape, got_chunk_rows = t.shape, t.chunk_rows
+        # _exact inline here and below: these loops run per tensor and chunk of every version a writer stores
+        if not (t.name == name and t.dtype == dtype and type(got_chunk_rows) is type(chunk_rows)
+                and got_chunk_rows == chunk_rows and len(got_shape) == len(shape) and all(map(_exact, got_shape, shape))):
+            return f"tensor {t.name!r} is not the table's next tensor, {name!r}"
+        if len(t.chunks) != len(chunks):
+            return f"tensor {t.name!r} lists {len(t.chunks)} chunks, the table's run of its rows {len(chunks)}"
+        for c, (_, index, digest, want_full, want_delta) in zip(t.chunks, chunks):
             if type(c) is not ChunkEntry:
                 return f"a chunk of tensor {t.name!r} is a {type(c).__name__}, not a ChunkEntry"
-            if not (_exact(c.index, ci) and _exact(c.digest, digest)):
-                return f"chunk {t.name}[{c.index}] is not chunk row {r}"
-            full, delta = c.full, c.delta
-            if (full is not None or "f" in roles) and not _same_segment(full, roles.get("f")):
+            got_index, got_digest, full, delta = c.index, c.digest, c.full, c.delta
+            if not (type(got_index) is type(index) and got_index == index and type(got_digest) is type(digest)
+                    and got_digest == digest):
+                return f"chunk {t.name}[{got_index}] is not the table's chunk {t.name}[{index}]"
+            if (full is not None or want_full is not None) and not _same_segment(full, want_full):
                 return f"the full segment of chunk {t.name}[{c.index}] is not where the packs place it"
-            if (delta is not None or "d" in roles) and not _same_segment(delta, roles.get("d")):
+            if (delta is not None or want_delta is not None) and not _same_segment(delta, want_delta):
                 return f"the delta segment of chunk {t.name}[{c.index}] is not where the packs place it"
-            r += 1
-        if not t.chunks or (r < n and rows[r][0] == ti):
-            return f"tensor {t.name!r} is not one run of chunk rows"
-    return None if r == n else f"the table has {n - r} chunk rows no tensor lists"
+    return None if next(runs, None) is None else "the table has chunk rows no tensor lists"
 
 
 def _same_segment(seg: SegmentRef | None, decoded: SegmentRef | None) -> bool:
@@ -1531,7 +1570,7 @@ def _same_segment(seg: SegmentRef | None, decoded: SegmentRef | None) -> bool:
     if type(seg) is not SegmentRef or decoded is None:
         return False
     fields = seg.__dict__
-    return fields == decoded.__dict__ and set(map(type, fields.values())) <= _INT_STR
+    return fields == decoded.__dict__ and _INT_STR.issuperset(map(type, fields.values()))
 
 
 _INT_STR = {int, str}
@@ -1560,11 +1599,16 @@ def manifest_layout_ref(data: bytes, key: str, *, max_bytes: int = MAX_MANIFEST_
     _check_digest(data, key, None, "manifest")
     if not key.endswith(MANIFEST_SUFFIX_ZST):
         return None
-    ref = _load3(data, "manifest", key, max_bytes).get("layout")
-    try:
-        return ObjectRef.model_validate(ref)
-    except ValidationError:
-        raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}, not {str(ref)[:100]!r}") from None
+    return _layout_ref(_load3(data, "manifest", key, max_bytes), key)
+
+
+def _layout_ref(doc: dict[str, Any], key: str) -> ObjectRef:
+    """The ``layout`` reference of schema-3 manifest document ``doc`` (read from ``key``),
+    validated (its key too) before anyone fetches the layout through it."""
+    ref = doc.get("layout")
+    if not isinstance(ref, dict):
+        raise CorruptObjectError(f"manifest {key!r}: a schema-3 manifest needs a layout {{key, sha256}}, not {str(ref)[:100]!r}")
+    return _validate(ObjectRef, ref, "manifest", key, ("layout",))
 
 
 def _check_digest(data: bytes, key: str, expected_sha256: str | None, what: str) -> None:

@@ -35,7 +35,6 @@ from deltastore.errors import (
     FormatError,
     HistoryReplacedError,
     IntegrityError,
-    InvalidKeyError,
     LayoutMismatchError,
     NotFoundError,
     SelectionError,
@@ -603,8 +602,8 @@ class Subscriber:
             if self._relaid(tail, held):
                 raise CorruptObjectError(f"the layout changes after version {ref.to}")
         except (StorageError, FormatError, IntegrityError) as e:
-            if isinstance(e, StorageError) and not isinstance(e, (NotFoundError, InvalidKeyError)):
-                raise  # transient: the caller retries the whole update (an invalid key is the index's content)
+            if isinstance(e, StorageError) and not isinstance(e, NotFoundError):
+                raise  # transient: the caller retries the whole update (a ref's key was checked when it was parsed)
             logger.warning("not using squash %d→%d (%s): %s; planning without it", ref.from_, ref.to, ref.key, e)
             self._bad_squashes.add(ref.key)
             return None

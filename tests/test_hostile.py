@@ -302,3 +302,70 @@ def test_a_manifest_naming_its_layout_by_an_invalid_key_is_corrupt(pristine, bad
         with Subscriber(url, store=store, threads=1, max_model_bytes=CAP) as sub:
             with pytest.raises(CorruptObjectError, match="invalid key"):
                 sub.pull()
+
+
+_GOLDEN3 = __import__("pathlib").Path(__file__).parent / "golden" / "store-schema3"
+
+
+@pytest.mark.parametrize("bad_key", ["../../etc", "", "a//b"])
+@pytest.mark.parametrize("where", ["manifest:layout.key", "manifest:packs.0.key", "manifest:parent_manifest",
+                                   "manifest:anchor_manifest", "manifest:back.0", "HEAD:index.key",
+                                   "index:pins.0.manifest", "index:squashes.0.key", "index:previous.key"])
+def test_a_subscriber_on_a_store_naming_an_invalid_key_raises_only_typed_errors(where: str, bad_key: str) -> None:
+    """Each kind of ref in HEAD, the head manifest and the history index of the golden schema-3
+    store (floor 8, pins 2 and 6, a squash 9→12) set to a key no store accepts, the objects
+    above it re-pointed: every reader call raises only a reader's error (never the store's
+    InvalidKeyError), and the object naming the key is refused as CorruptObjectError."""
+    import zstandard
+
+    objects = {str(f.relative_to(_GOLDEN3)): f.read_bytes() for f in _GOLDEN3.rglob("*") if f.is_file()}
+    head = json.loads(objects[HEAD_KEY])
+    what, path = where.split(":")
+    steps = [int(p) if p.isdigit() else p for p in path.split(".")]
+
+    def mutated(doc: Any) -> Any:
+        node = doc
+        for p in steps[:-1]:
+            node = node[p]
+        node[steps[-1]] = bad_key
+        return doc
+
+    def restore(key: str, doc: Any) -> str:
+        raw = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(json.dumps(doc).encode())
+        new = key.replace(key.rsplit("/", 1)[-1].split(".")[0].rsplit("-", 1)[-1], sha256_hex(raw))
+        objects[new] = raw
+        return new
+
+    if what == "HEAD":
+        head = mutated(head)
+    elif what == "manifest":
+        new = restore(head["manifest"], mutated(_load(head["manifest"], objects[head["manifest"]])))
+        head.update(manifest=new, manifest_sha256=sha256_hex(objects[new]))
+    else:
+        new = restore(head["index"]["key"], mutated(_load(head["index"]["key"], objects[head["index"]["key"]])))
+        head["index"].update(key=new, sha256=sha256_hex(objects[new]))
+    objects[HEAD_KEY] = json.dumps(head).encode()
+    url = f"memory://hostile-keys-{next(_ids)}"
+    refused: list[str] = []
+
+    def call(fn) -> None:
+        try:
+            fn()
+        except CorruptObjectError as e:
+            refused.append(str(e))
+        except READER_ERRORS:
+            pass
+        except BaseException as e:  # noqa: BLE001 - the assertion is the point
+            pytest.fail(f"{type(e).__name__} escaped: {e!r}"[:500])
+
+    with open_store(url) as store:
+        for k, v in objects.items():
+            store.put(k, v, mode="overwrite")
+        with Subscriber(url, store=store, threads=1, max_model_bytes=CAP) as sub:
+            call(sub.latest)
+            call(sub.pull)
+            call(lambda: sub.pull(2))  # pinned versions below the floor (pins.0 is version 2)
+            call(lambda: sub.pull(6))
+            call(lambda: sub.pull(9))
+            call(sub.log)
+    assert any("invalid key" in msg for msg in refused), f"nothing refused the invalid key: {refused}"
