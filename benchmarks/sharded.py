@@ -12,7 +12,13 @@ model to a local file store, once per configuration and repeat, the configuratio
   commit. It is this machine's ceiling for N ranks on this workload: what N processes doing
   the same encoding at once achieve, so ``sharded / independent`` is what the protocol costs
   and ``independent / 1 rank`` what the cores give (two processes on a 2-vCPU VM can each run
-  slower than one alone: shared caches, memory bandwidth, a host's sibling hyperthreads).
+  slower than one alone: shared caches, memory bandwidth, a host's sibling hyperthreads);
+- ``preloaded`` and ``pipelined`` (``--pipelined``, on by default), 1 and N ranks: every step's
+  rows read first, then the deltas back to back by ``publish`` (preloaded) or by
+  ``publish_async`` and one ``flush`` (pipelined: rank 0 commits a version while the ranks
+  encode the next, design 010 D10); their ratio is what overlapping the commit gives, on the
+  same data read the same way (a step read just before its publish, as the other modes do,
+  leaves part of it in cache).
 
 Workloads:
 
@@ -60,6 +66,7 @@ model published, bit for bit. Results: benchmarks/results/sharded.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -303,7 +310,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank}
-    sharded = cfg["mode"] in ("sharded", "pipelined")
+    sharded = cfg["mode"] in ("sharded", "preloaded", "pipelined")
     grouped = world > 1 or sharded  # the independent processes share a process group for the barrier only
     try:
         if grouped:
@@ -316,13 +323,14 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         marks = [("shard built", _rss_bytes() - base_rss, _peak_bytes() - base_rss)]
         times, requests, cpu, main_cpu, step_cpu = [], [], [], [], []
         acc: dict[str, float] = {}
+        options = cfg.get("storage_options")
         if sharded:
-            pub = ShardedPublisher(url, threads=cfg["threads"], anchor_every=1000)
+            pub = ShardedPublisher(url, threads=cfg["threads"], anchor_every=1000, storage_options=options)
         else:
             from deltastore import Publisher
 
             own = f"{url}-r{rank}" if cfg["mode"] == "independent" else url  # a store of its own
-            pub = Publisher(own, threads=cfg["threads"], anchor_every=1000)
+            pub = Publisher(own, threads=cfg["threads"], anchor_every=1000, storage_options=options)
         counts = {"reads": 0, "writes": 0, "collectives": 0}
         if cfg["workload"] == "fixed":
             _count_requests(pub.store, counts)
@@ -337,9 +345,9 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
                     setattr(pub, op, counted)
         if cfg.get("step_cpu") and sharded:
             _time_steps(pub, acc)
-        if cfg["mode"] == "pipelined":
+        if cfg["mode"] in ("preloaded", "pipelined"):
             with pub:
-                _pipelined(pub, source, shard, cfg, result, base_rss, marks)
+                _back_to_back(pub, source, shard, cfg, result, marks, asynchronous=cfg["mode"] == "pipelined")
             result["peak_rss_above_base"] = _peak_bytes() - result["base_rss"]
             return
         with pub:
@@ -436,13 +444,15 @@ def _steps(workload: str, args: argparse.Namespace) -> int:
     return {"synthetic": args.steps, "rl": RL_STEPS, "fixed": args.fixed_versions}[workload]
 
 
-def _pipelined(pub: Any, source: _Source, shard: dict[str, Any], cfg: dict[str, Any], result: dict[str, Any],
-               base_rss: int, marks: list[Any]) -> None:
-    """``pipelined``: every step's rows are read first (other tensors than the ones published
-    before them, as a trainer's next step would write); the anchor is published, then every
-    delta by ``publish_async`` back to back and one ``flush``. Each delta's time is the loop's
-    time over the deltas (publish_async returns before rank 0's commit: only the loop's end,
-    after the flush, says when the versions are in)."""
+def _back_to_back(pub: Any, source: _Source, shard: dict[str, Any], cfg: dict[str, Any], result: dict[str, Any],
+                  marks: list[Any], *, asynchronous: bool) -> None:
+    """``preloaded`` and ``pipelined``: every step's rows are read first (other tensors than
+    the ones published before them, as a trainer's next step would write); the anchor is
+    published, then every delta back to back, by ``publish`` (preloaded) or by
+    ``publish_async`` and one ``flush`` (pipelined). Each delta's time is the loop's time over
+    the deltas (publish_async returns before rank 0's commit: only the loop's end, after the
+    flush, says when the versions are in). The two modes read the same steps the same way, so
+    their ratio is what overlapping the commit gives."""
     import torch.distributed as dist
 
     states = []
@@ -460,12 +470,16 @@ def _pipelined(pub: Any, source: _Source, shard: dict[str, Any], cfg: dict[str, 
     cpu = [time.process_time() - c0]
     dist.barrier()
     t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
-    futures = [pub.publish_async(state, step=i + 2) for i, state in enumerate(states[1:])]
-    pub.flush()
-    n = len(futures)
+    if asynchronous:
+        futures = [pub.publish_async(state, step=i + 2) for i, state in enumerate(states[1:])]
+        pub.flush()
+        infos = [f.result() for f in futures]
+    else:
+        infos = [pub.publish(state, step=i + 2) for i, state in enumerate(states[1:])]
+    n = len(infos)
     wall, proc, main = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n, (time.thread_time() - m0) / n
-    for f in futures:
-        times.append((f.result().kind, wall, f.result().bytes_stored))
+    for i in infos:
+        times.append((i.kind, wall, i.bytes_stored))
         cpu.append(proc)
     marks.append(("closed", _rss_bytes() - base, _peak_bytes() - base))
     result.update(times=times, cpu=cpu, main_cpu=[cpu[0], *[main] * n], step_cpu=[{}] * (n + 1),
@@ -476,12 +490,13 @@ def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, t
                repeat: int = 0) -> dict[str, Any]:
     """One run of one configuration: its ranks' times, requests and memory."""
     name = f"{workload}-{mode}-{world}-{threads}-{repeat}"
-    url = f"file://{tmp}/store-{name}"
+    s3 = getattr(args, "s3", None)  # --rtt-ms: an S3 server behind a shaped link
+    url = f"{s3['base']}/{name}-{os.urandom(4).hex()}" if s3 else f"file://{tmp}/store-{name}"
     out = tmp / f"out-{name}"
     out.mkdir()
     cfg = {"workload": workload, "mode": mode, "rows": args.rows, "cols": args.cols, "tensors": args.tensors,
            "steps": _steps(workload, args), "density": args.density, "threads": threads, "rl_workload": args.rl_workload,
-           "pin": args.pin, "step_cpu": args.step_cpu}
+           "pin": args.pin, "step_cpu": args.step_cpu, "storage_options": s3["storage_options"] if s3 else None}
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, url, cfg, str(out))) for r in range(world)]
@@ -567,7 +582,8 @@ def _check(url: str, workload: str, args: argparse.Namespace, rows_of: tuple[int
 
     from deltastore import Subscriber
 
-    with Subscriber(url) as sub:
+    s3 = getattr(args, "s3", None)
+    with Subscriber(url, storage_options=s3["storage_options"] if s3 else None) as sub:
         got = sub.pull()
     step = _steps(workload, args) + 1
     if workload == "synthetic":
@@ -611,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipelined", action=argparse.BooleanOptionalAction, default=True,
                     help="also run ShardedPublisher.publish_async back to back on preloaded steps (1 rank and N): "
                          "throughput when rank 0 commits a version while the ranks encode the next (design 010 D10)")
+    ap.add_argument("--rtt-ms", type=float, default=0.0,
+                    help="publish to a moto S3 server behind a shaping proxy adding this round-trip time per "
+                         "request (campaigns.shaper) instead of a file store: what the commit's round trips cost "
+                         "each version, and what publish_async hides of them")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
                     help="pin each rank to cores of its own (rank r: cores [r·threads, (r+1)·threads)), as a "
                          "node with cores per rank runs them; without it the ranks share every core")
@@ -632,8 +652,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rows must be a multiple of {4 * BLOCK_ROWS}")
     if 1 not in args.worlds:
         ap.error("--worlds must include 1 (the ratios are to one rank)")
+    with contextlib.ExitStack() as stack:
+        if args.rtt_ms > 0:
+            from campaigns.servers import moto
+            from campaigns.shaper import Link, LinkShaper
+
+            server = stack.enter_context(moto())
+            shaper = stack.enter_context(LinkShaper(server.endpoint_url, Link(rtt_s=args.rtt_ms / 1e3)))
+            args.s3 = {"base": f"s3://{server.bucket}/sharded-bench",
+                       "storage_options": server.storage_options(endpoint_url=shaper.endpoint_url)}
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     load0 = os.getloadavg()[0]
-    out: dict[str, Any] = {"cpus": os.cpu_count(), "repeat": args.repeat, "workloads": {}}
+    out: dict[str, Any] = {"cpus": os.cpu_count(), "repeat": args.repeat, "rtt_ms": args.rtt_ms, "workloads": {}}
     lines: list[str] = []
     for workload in args.workload:
         if workload == "scan":
@@ -647,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.independent and workload != "fixed":
             configs += [("independent", w, 1) for w in args.worlds if w > 1]
         if args.pipelined and workload != "fixed":
-            configs += [("pipelined", w, 1) for w in args.worlds]
+            configs += [(m, w, 1) for m in ("preloaded", "pipelined") for w in args.worlds]
         if args.reference and workload != "fixed":
             configs = [("unsharded", 1, 1), *configs, ("sharded", 1, 2)]
         runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {c: [] for c in configs}
@@ -698,7 +731,8 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
         "fixed": f"fixed cost: {FIXED_TENSORS} × bf16[{FIXED_ROWS}, {FIXED_COLS}] published unchanged {args.fixed_versions} times",
     }[workload]
     pinned = "; each rank pinned to cores of its own (--pin)" if args.pin else ""
-    lines = [f"### {what}; file store; {args.repeat} interleaved runs per configuration{pinned}; every run bit-exact", ""]
+    where = f"moto S3 server behind a link adding {args.rtt_ms:g} ms of round trip per request" if args.rtt_ms else "file store"
+    lines = [f"### {what}; {where}; {args.repeat} interleaved runs per configuration{pinned}; every run bit-exact", ""]
     if workload == "fixed":
         lines += ["| ranks | per version: median s (runs) | per rank: store reads / writes / object collectives per version |",
                   "|---|---|---|"]
@@ -714,7 +748,7 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
     for r in rows:
         mem = ", ".join(f"{p['peak_rss_above_base'] / 2**20:.0f}/{p['shard_bytes'] / 2**20:.0f} MiB" for p in r["per_rank"])
         writer = {"unsharded": "Publisher", "sharded": "ShardedPublisher", "independent": "independent Publishers",
-                  "pipelined": "ShardedPublisher.publish_async"}[r["mode"]]
+                  "preloaded": "ShardedPublisher, back to back", "pipelined": "ShardedPublisher.publish_async, back to back"}[r["mode"]]
         lines.append(f"| {writer} | {r['ranks']} × "
                      f"{r['threads_per_rank']} | {r['anchor_s']} ({r['anchor_vs_1_rank']}×) | {r['delta_median_s']} "
                      f"({', '.join(map(str, r['delta_runs_s']))}) | {r['throughput_mb_s']} | {r['vs_1_rank']}× "
@@ -744,16 +778,20 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
             entry["sharded_over_independent"] = round(two["throughput_mb_s"] / ceiling["throughput_mb_s"], 2)
             lines.append(f"2 independent processes / 1 rank (this machine's ceiling for 2 ranks): {ceiling['vs_1_rank']}×; "
                          f"2 sharded ranks reach {entry['sharded_over_independent']}× of it")
-        pipe = [r for r in rows if r["mode"] == "pipelined"]
-        one_p = next((r for r in pipe if r["ranks"] == 1), None)
-        two_p = next((r for r in pipe if r["ranks"] == 2), None)
-        one = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 1 and r["threads_per_rank"] == 1)
-        if one_p is not None and two_p is not None:
-            entry["pipelined_two_over_one"] = round(two_p["throughput_mb_s"] / one_p["throughput_mb_s"], 2)
+        def of(mode: str, ranks: int) -> dict[str, Any] | None:
+            return next((r for r in rows if r["mode"] == mode and r["ranks"] == ranks), None)
+
+        one_p, two_p, one_b, two_b = of("pipelined", 1), of("pipelined", 2), of("preloaded", 1), of("preloaded", 2)
+        if None not in (one_p, two_p, one_b, two_b):
+            entry["pipelined_two_over_one"] = round(two_p["throughput_mb_s"] / one_p["throughput_mb_s"], 2)  # type: ignore[index]
             entry["pipelined_goal_met"] = entry["pipelined_two_over_one"] >= GOAL_2_OVER_1
-            lines.append(f"publish_async back to back, 2 ranks / 1 rank: {entry['pipelined_two_over_one']}× "
-                         f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if entry['pipelined_goal_met'] else 'not met'} on this machine); "
-                         f"1 rank publish_async / publish: {round(one_p['throughput_mb_s'] / one['throughput_mb_s'], 2)}×")
+            entry["pipelined_over_preloaded"] = [round(p["throughput_mb_s"] / b["throughput_mb_s"], 2)  # type: ignore[index]
+                                                 for p, b in ((one_p, one_b), (two_p, two_b))]
+            lines.append(f"back to back on preloaded steps, 2 ranks / 1 rank: publish_async {entry['pipelined_two_over_one']}× "
+                         f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if entry['pipelined_goal_met'] else 'not met'} on this machine), "
+                         f"publish {round(two_b['throughput_mb_s'] / one_b['throughput_mb_s'], 2)}×; "  # type: ignore[index]
+                         f"publish_async / publish: 1 rank {entry['pipelined_over_preloaded'][0]}×, "
+                         f"2 ranks {entry['pipelined_over_preloaded'][1]}×")
     return [*lines, ""]
 
 

@@ -338,7 +338,8 @@ def test_conditioned_coder_measurement_and_prototype_kernel(tmp_path) -> None:
 
 def test_sharded_benchmark_runs_the_independent_ceiling(tmp_path) -> None:
     """``benchmarks.sharded`` on a tiny synthetic model: one rank, two sharded ranks, two
-    independent publishers (the ceiling) and publish_async with one and two ranks each run;
+    independent publishers (the ceiling), and publish and publish_async back to back on
+    preloaded steps with one and two ranks each run;
     every store it wrote is checked bit for bit inside the run (a mismatch raises), including
     each independent rank's own rows. No timing is asserted."""
     import json
@@ -350,13 +351,14 @@ def test_sharded_benchmark_runs_the_independent_ceiling(tmp_path) -> None:
                  "--cols", "64", "--tensors", "2", "--no-reference", "--tmp", str(tmp_path), "--out", str(out)]) == 0
     entry = json.loads((out / "sharded.json").read_text())["workloads"]["synthetic"]
     modes = {(r["mode"], r["ranks"]) for r in entry["configs"]}
-    assert modes == {("sharded", 1), ("sharded", 2), ("independent", 2), ("pipelined", 1), ("pipelined", 2)}
+    assert modes == {("sharded", 1), ("sharded", 2), ("independent", 2), ("preloaded", 1), ("preloaded", 2),
+                     ("pipelined", 1), ("pipelined", 2)}
     ind = next(r for r in entry["configs"] if r["mode"] == "independent")
     assert [p["shard_bytes"] for p in ind["per_rank"]] == [2 * 512 * 64 * 2] * 2  # each its half of the rows
     assert ind["delta_bytes_median"] > 0 and entry["bit_exact"] is True
     assert entry["two_independent_over_one"] > 0 and entry["sharded_over_independent"] > 0
-    pipe = [r for r in entry["configs"] if r["mode"] == "pipelined"]
+    pipe = [r for r in entry["configs"] if r["mode"] in ("preloaded", "pipelined")]
     assert all(r["deltas"] == 2 and r["delta_bytes_median"] > 0 for r in pipe)  # steps 2 and 3, after the anchor
-    assert entry["pipelined_two_over_one"] > 0
+    assert entry["pipelined_two_over_one"] > 0 and all(x > 0 for x in entry["pipelined_over_preloaded"])
     md = (out / "sharded.md").read_text()
-    assert "independent processes / 1 rank" in md and "publish_async back to back" in md
+    assert "independent processes / 1 rank" in md and "back to back on preloaded steps" in md
