@@ -13,6 +13,9 @@ model to a local file store, once per configuration and repeat, the configuratio
   the same encoding at once achieve, so ``sharded / independent`` is what the protocol costs
   and ``independent / 1 rank`` what the cores give (two processes on a 2-vCPU VM can each run
   slower than one alone: shared caches, memory bandwidth, a host's sibling hyperthreads);
+- ``alone`` (with ``--independent``): the same N independent processes one after another, so
+  each has the machine to itself; their CPU against the independent run's is what the cores
+  lose to each other, and against one rank's what splitting every tensor's rows costs;
 - ``preloaded`` and ``pipelined`` (``--pipelined``, on by default), 1 and N ranks: every step's
   rows read first, then the deltas back to back by ``publish`` (preloaded) or by
   ``publish_async`` and one ``flush`` (pipelined: rank 0 commits a version while the ranks
@@ -311,7 +314,8 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank}
     sharded = cfg["mode"] in ("sharded", "preloaded", "pipelined")
-    grouped = world > 1 or sharded  # the independent processes share a process group for the barrier only
+    # the independent processes share a process group for the barrier only; "alone" runs them one after another
+    grouped = (world > 1 or sharded) and cfg["mode"] != "alone"
     try:
         if grouped:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -329,7 +333,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         else:
             from deltastore import Publisher
 
-            own = f"{url}-r{rank}" if cfg["mode"] == "independent" else url  # a store of its own
+            own = f"{url}-r{rank}" if cfg["mode"] in ("independent", "alone") else url  # a store of its own
             pub = Publisher(own, threads=cfg["threads"], anchor_every=1000, storage_options=options)
         counts = {"reads": 0, "writes": 0, "collectives": 0}
         if cfg["workload"] == "fixed":
@@ -502,13 +506,15 @@ def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, t
     procs = [ctx.Process(target=_rank, args=(r, world, port, url, cfg, str(out))) for r in range(world)]
     for p in procs:
         p.start()
+        if mode == "alone":  # one after another: each process has the machine to itself
+            p.join()
     for p in procs:
         p.join()
     ranks = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     for r in ranks:
         if "error" in r:
             raise RuntimeError(f"{name} rank {r['rank']} failed:\n{r['error']}")
-    if mode == "independent":
+    if mode in ("independent", "alone"):
         for r in range(world):
             _check(f"{url}-r{r}", workload, args, rows_of=(r, world))
             shutil.rmtree(tmp / f"store-{name}-r{r}", ignore_errors=True)
@@ -525,6 +531,8 @@ def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dic
     every rank returns after rank 0's commit, the independent publishers each after their own."""
     def walls(run: dict[str, Any]) -> list[tuple[str, float]]:  # (kind, seconds) per version
         per = zip(*(r["times"] for r in run["ranks"]))
+        if mode == "alone":  # the processes took turns: a version took all of their times
+            return [(v[0][0], sum(t for _, t, _ in v)) for v in per]
         return [(v[0][0], max(t for _, t, _ in v)) for v in per]
 
     run_deltas = [statistics.median(t for kind, t in walls(run) if kind in ("delta", "unchanged")) for run in runs]
@@ -546,7 +554,7 @@ def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dic
         "delta_min_max_s": [round(min(all_deltas), 4), round(max(all_deltas), 4)], "deltas": len(all_deltas),
         "delta_bytes_median": int(statistics.median(sum(bs) for run in runs
                                                     for bs in zip(*([b for _, _, b in r["times"][1:]] for r in run["ranks"])))
-                                  if mode == "independent" else
+                                  if mode in ("independent", "alone") else
                                   statistics.median(b for run in runs for k, _, b in run["ranks"][0]["times"][1:])),
         "throughput_mb_s": round(model_bytes / delta_s / 1e6, 1),
         "delta_cpu_s_busiest_rank": round(busiest_cpu, 4),
@@ -678,7 +686,7 @@ def _main(args: argparse.Namespace) -> int:
         model_bytes = _model_bytes(workload, args)
         configs = [("sharded", w, 1) for w in args.worlds]
         if args.independent and workload != "fixed":
-            configs += [("independent", w, 1) for w in args.worlds if w > 1]
+            configs += [(m, w, 1) for m in ("independent", "alone") for w in args.worlds if w > 1]
         if args.pipelined and workload != "fixed":
             configs += [(m, w, 1) for m in ("preloaded", "pipelined") for w in args.worlds]
         if args.reference and workload != "fixed":
@@ -748,6 +756,7 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
     for r in rows:
         mem = ", ".join(f"{p['peak_rss_above_base'] / 2**20:.0f}/{p['shard_bytes'] / 2**20:.0f} MiB" for p in r["per_rank"])
         writer = {"unsharded": "Publisher", "sharded": "ShardedPublisher", "independent": "independent Publishers",
+                  "alone": "independent Publishers, one at a time",
                   "preloaded": "ShardedPublisher, back to back", "pipelined": "ShardedPublisher.publish_async, back to back"}[r["mode"]]
         lines.append(f"| {writer} | {r['ranks']} × "
                      f"{r['threads_per_rank']} | {r['anchor_s']} ({r['anchor_vs_1_rank']}×) | {r['delta_median_s']} "
@@ -773,11 +782,21 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
                       f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if entry['goal_met'] else 'not met'} on this machine); "
                       f"by the busiest rank's CPU time {two['cpu_vs_1_rank']}×")]
         ceiling = next((r for r in rows if r["mode"] == "independent" and r["ranks"] == 2), None)
+        one = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 1 and r["threads_per_rank"] == 1)
         if ceiling is not None:
             entry["two_independent_over_one"] = ceiling["vs_1_rank"]
             entry["sharded_over_independent"] = round(two["throughput_mb_s"] / ceiling["throughput_mb_s"], 2)
             lines.append(f"2 independent processes / 1 rank (this machine's ceiling for 2 ranks): {ceiling['vs_1_rank']}×; "
                          f"2 sharded ranks reach {entry['sharded_over_independent']}× of it")
+            alone = next((r for r in rows if r["mode"] == "alone" and r["ranks"] == 2), None)
+            if alone is not None:  # CPU per version of a half: two at once against one alone, one alone against half of one rank
+                at_once, by_itself = ceiling["delta_cpu_s_per_rank"], alone["delta_cpu_s_per_rank"]
+                entry["corun_cpu"] = round(sum(at_once) / sum(by_itself), 2)
+                entry["halves_cpu"] = round(sum(by_itself) / one["delta_cpu_s_busiest_rank"], 2)
+                lines.append(f"CPU per version of the two halves: {entry['corun_cpu']}× when the two processes run at once "
+                             f"than one at a time (what the cores lose to each other), and one at a time "
+                             f"{entry['halves_cpu']}× one rank's for the whole model (what twice as many, half-size "
+                             "chunks cost)")
         def of(mode: str, ranks: int) -> dict[str, Any] | None:
             return next((r for r in rows if r["mode"] == mode and r["ranks"] == ranks), None)
 

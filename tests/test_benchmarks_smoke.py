@@ -351,12 +351,13 @@ def test_sharded_benchmark_runs_the_independent_ceiling(tmp_path) -> None:
                  "--cols", "64", "--tensors", "2", "--no-reference", "--tmp", str(tmp_path), "--out", str(out)]) == 0
     entry = json.loads((out / "sharded.json").read_text())["workloads"]["synthetic"]
     modes = {(r["mode"], r["ranks"]) for r in entry["configs"]}
-    assert modes == {("sharded", 1), ("sharded", 2), ("independent", 2), ("preloaded", 1), ("preloaded", 2),
-                     ("pipelined", 1), ("pipelined", 2)}
+    assert modes == {("sharded", 1), ("sharded", 2), ("independent", 2), ("alone", 2), ("preloaded", 1),
+                     ("preloaded", 2), ("pipelined", 1), ("pipelined", 2)}
     ind = next(r for r in entry["configs"] if r["mode"] == "independent")
     assert [p["shard_bytes"] for p in ind["per_rank"]] == [2 * 512 * 64 * 2] * 2  # each its half of the rows
     assert ind["delta_bytes_median"] > 0 and entry["bit_exact"] is True
     assert entry["two_independent_over_one"] > 0 and entry["sharded_over_independent"] > 0
+    assert entry["corun_cpu"] > 0 and entry["halves_cpu"] > 0
     pipe = [r for r in entry["configs"] if r["mode"] in ("preloaded", "pipelined")]
     assert all(r["deltas"] == 2 and r["delta_bytes_median"] > 0 for r in pipe)  # steps 2 and 3, after the anchor
     assert entry["pipelined_two_over_one"] > 0 and all(x > 0 for x in entry["pipelined_over_preloaded"])
