@@ -838,7 +838,11 @@ class ShardedPublisher:
             raise
 
         # --- 4 and 5: rank 0 joins the parts and commits (publish_async: in the background) ---
-        parts = self._gather(result)
+        try:
+            parts = self._gather(result)
+        except BaseException:  # a rank was lost: encoding advanced the reference to rows never committed
+            self._drop()
+            raise
         if asynchronous:
             return self._launch(plan, layout, mine, parts, own, reports, meta, step, deadline)
         outcome: tuple[str, Any] = ("error", ("PartFailedError", "no outcome"))
@@ -854,7 +858,11 @@ class ShardedPublisher:
                 except Exception as e:  # noqa: BLE001
                     outcome = ("error", _error_of(e))
                     own = e
-        outcome = self._broadcast(outcome)
+        try:
+            outcome = self._broadcast(outcome)
+        except BaseException:  # the outcome is unknown here: the reference may hold uncommitted rows
+            self._drop()
+            raise
         if outcome[0] != "ok":
             self._drop()
             if own is not None:

@@ -524,6 +524,33 @@ def _scenario_async_failures(rank: int, world: int, url: str) -> dict[str, Any]:
     return out
 
 
+def _scenario_async_killed(rank: int, world: int, url: str) -> dict[str, Any]:
+    """publish_async: rank 1 is SIGKILLed while it writes its part of version 2, with version 1
+    still being committed on rank 0."""
+    from deltastore import sharded
+
+    out: dict[str, Any] = {}
+    with sharded.ShardedPublisher(url, threads=1) as pub:
+        if rank == 0:
+            _slow_commits(pub)
+        f1 = pub.publish_async(rank_state(1, rank, world), step=1)
+        if rank == 1:
+            def die(**kw: Any) -> bytes:
+                os.kill(os.getpid(), signal.SIGKILL)
+                raise AssertionError("unreachable")
+            sharded.encode_part = die
+        try:
+            pub.publish_async(rank_state(2, rank, world), step=2)
+            out["published"] = True
+        except PartFailedError as e:
+            out["failure"] = str(e)
+        # encoding version 2 advanced rank 0's reference: it must not stay as if it held version 1
+        out["reference_dropped"] = pub._reference is None and pub._held is None
+    out["f1"] = f1.result(timeout=0).version  # rank 0's close waited for version 1's commit
+    out["head"] = _head_version(url)
+    return out
+
+
 def _scenario_async_close(rank: int, world: int, url: str) -> dict[str, Any]:
     """close() without a flush: rank 0 waits for its commits; the other ranks' Futures say
     their outcome did not reach them."""
@@ -548,6 +575,7 @@ SCENARIOS = {
     "async_versions": _scenario_async_versions,
     "async_failures": _scenario_async_failures,
     "async_close": _scenario_async_close,
+    "async_killed": _scenario_async_killed,
     "steady": _scenario_steady,
     "claims": _scenario_claims,
     "part_upload_fails": _scenario_part_upload_fails,
@@ -1062,3 +1090,21 @@ def test_publish_async_close_without_flush(tmp_path: Path) -> None:
     assert results[1]["f2"][0] == "PartFailedError" and "had not reached rank 1" in results[1]["f2"][1]
     with Subscriber(url) as sub:
         _assert_equal(sub.pull(2), full_model(2))
+
+
+def test_publish_async_killed_rank_commits_only_the_complete_version(tmp_path: Path) -> None:
+    """A rank dies while writing its part of version 2 and version 1 is still being committed:
+    version 1 (every part in) becomes visible, version 2 never does, rank 0 forgets its
+    reference (its rows were advanced to version 2), and a new group commits."""
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "async_killed", tmp_path)
+    assert results[1].get("exitcode") == -signal.SIGKILL
+    r0 = results[0]
+    assert "error" not in r0, r0
+    assert "was lost" in r0["failure"] and r0["reference_dropped"] is True, r0
+    assert r0["f1"] == 1 and r0["head"] == 1
+    _ok(run_ranks(2, url, "versions", tmp_path))
+    with Subscriber(url) as sub:
+        assert sub.info(2).kind == "anchor"
+        _assert_equal(sub.pull(1), full_model(1))
+        _assert_equal(sub.pull(), full_model(4))
