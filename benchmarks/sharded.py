@@ -9,10 +9,9 @@ model to a local file store, once per configuration and repeat, the configuratio
   so that N ranks use N cores as an FSDP job's N processes would;
 - ``independent`` (``--independent``, on by default): the same N processes, each an ordinary
   ``Publisher`` of its own rows to a store of its own — no collectives, no join, no shared
-  commit. It is this machine's ceiling for N ranks on this workload: what N processes doing
-  the same encoding at once achieve, so ``sharded / independent`` is what the protocol costs
-  and ``independent / 1 rank`` what the cores give (two processes on a 2-vCPU VM can each run
-  slower than one alone: shared caches, memory bandwidth, a host's sibling hyperthreads);
+  commit. It is the ceiling without the protocol: what N processes publishing these shards at
+  once reach on this machine, so ``sharded / independent`` is what the protocol costs and
+  ``independent / 1 rank`` what is left when only the shards' own work remains;
 - ``alone`` (with ``--independent``): the same N independent processes one after another, so
   each has the machine to itself; their CPU against the independent run's is what the cores
   lose to each other, and against one rank's what splitting every tensor's rows costs;
@@ -631,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the unsharded Publisher and one rank with two threads")
     ap.add_argument("--independent", action=argparse.BooleanOptionalAction, default=True,
                     help="also run N > 1 independent processes (each a Publisher of its own rows to a store of "
-                         "its own): the machine's ceiling for N ranks on this workload")
+                         "its own), at once and one after another: the ceiling without the protocol")
     ap.add_argument("--pipelined", action=argparse.BooleanOptionalAction, default=True,
                     help="also run ShardedPublisher.publish_async back to back on preloaded steps (1 rank and N): "
                          "throughput when rank 0 commits a version while the ranks encode the next (design 010 D10)")
@@ -786,7 +785,7 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
         if ceiling is not None:
             entry["two_independent_over_one"] = ceiling["vs_1_rank"]
             entry["sharded_over_independent"] = round(two["throughput_mb_s"] / ceiling["throughput_mb_s"], 2)
-            lines.append(f"2 independent processes / 1 rank (this machine's ceiling for 2 ranks): {ceiling['vs_1_rank']}×; "
+            lines.append(f"2 independent processes / 1 rank (the ceiling without the protocol): {ceiling['vs_1_rank']}×; "
                          f"2 sharded ranks reach {entry['sharded_over_independent']}× of it")
             alone = next((r for r in rows if r["mode"] == "alone" and r["ranks"] == 2), None)
             if alone is not None:  # CPU per version of a half: two at once against one alone, one alone against half of one rank

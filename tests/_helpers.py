@@ -358,3 +358,13 @@ def resign_segment(store: Store, doc: dict[str, Any], name: str, index: int, whi
     store.put(key, bytes(pack), mode="overwrite")
     blob.update(key=key, sha256=digest, size=len(pack))
     seg["sha256"] = sha256_hex(new)
+
+
+def mutated(doc: Any, path: tuple, value: Any) -> Any:
+    """A deep copy of JSON document ``doc`` with the value at ``path`` (keys and indices) set to ``value``."""
+    doc = json.loads(json.dumps(doc))
+    node = doc
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return doc

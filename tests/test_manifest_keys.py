@@ -33,6 +33,7 @@ from deltastore.manifest import (
     sha256_hex,
 )
 from deltastore.storage import open_store
+from tests._helpers import mutated
 
 GOLDEN = Path(__file__).parent / "golden"
 STORES = ("store-schema1", "store-schema2", "store-mixed", "store-schema3", "store-schema4", "store-sharded",
@@ -99,13 +100,6 @@ def _name(path: tuple) -> str:
     return ".".join("[]" if isinstance(p, int) else p for p in path)
 
 
-def _set(doc: Any, path: tuple, value: Any) -> Any:
-    doc = json.loads(json.dumps(doc))
-    node = doc
-    for p in path[:-1]:
-        node = node[p]
-    node[path[-1]] = value
-    return doc
 
 
 def _objects(store_dir: Path) -> dict[str, bytes]:
@@ -172,7 +166,7 @@ def _refuses(decode, key: str, raw: bytes, named: str) -> None:
 def test_an_invalid_key_is_refused_where_the_content_names_it(store_name: str, key: str, path: tuple, kind: str,
                                                               bad: str) -> None:
     objects = _objects(GOLDEN / store_name)
-    doc = _set(_doc(key, objects[key]), path, bad)
+    doc = mutated(_doc(key, objects[key]), path, bad)
     new_key, raw = _stored(key, doc)
     store, decode = _decoder({**objects, new_key: raw}, f"memory://keys-{store_name}-{sha256_hex(raw)[:16]}")
     with store:

@@ -41,6 +41,7 @@ from deltastore.manifest import (
     parse_manifest,
     sha256_hex,
 )
+from tests._helpers import mutated
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = ("bfloat16", "float32", "float16", "int64", "uint8", "bool")
@@ -285,13 +286,6 @@ def _frame(doc: dict, **kw) -> tuple[bytes, str]:
     return data, manifest_key(doc.get("version", 9) if isinstance(doc.get("version"), int) else 9, sha256_hex(data), schema=3)
 
 
-def _mutated(doc: dict, path: tuple, value) -> dict:
-    doc = json.loads(json.dumps(doc))
-    node = doc
-    for p in path[:-1]:
-        node = node[p]
-    node[path[-1]] = value
-    return doc
 
 
 def test_hostile_base_parses(base) -> None:
@@ -344,7 +338,7 @@ HOSTILE = {
 def test_hostile_schema3_manifest_refused(base, case) -> None:
     _m, layout, doc = base
     path, value = HOSTILE[case](doc)
-    data, key = _frame(_mutated(doc, path, value))
+    data, key = _frame(mutated(doc, path, value))
     with pytest.raises(CorruptObjectError) as e:
         parse_manifest(data, key, layout=layout)
     assert key in str(e.value)
@@ -384,22 +378,22 @@ def test_hostile_frames_refused(base) -> None:
 def test_hostile_schema_mismatches(base) -> None:
     _m, layout, doc = base
     # parts (issue 12) are read, but not with tables of their own nor with an unsharded layout
-    data, key = _frame(_mutated(doc, ("parts",), [{"part": 0}]))
+    data, key = _frame(mutated(doc, ("parts",), [{"part": 0}]))
     with pytest.raises(CorruptObjectError, match="malformed"):
         parse_manifest(data, key, layout=layout)
     ref = {"part": 0, "key": "objects/" + "0" * 32 + "/00000-" + "a" * 64 + ".part.json.zst", "sha256": "a" * 64,
            "writer": "w", "bytes": 1}
-    data, key = _frame(_mutated(doc, ("parts",), [ref]))
+    data, key = _frame(mutated(doc, ("parts",), [ref]))
     with pytest.raises(CorruptObjectError, match="own tables must be empty"):
         parse_manifest(data, key, layout=layout)
-    data, key = _frame(_mutated(doc, ("schema",), 5))
+    data, key = _frame(mutated(doc, ("schema",), 5))
     with pytest.raises(UnsupportedSchemaError):
         parse_manifest(data, key, layout=layout)
     # schema 4 (design 007) is readable, but only with a schema-4 layout
-    data, key = _frame(_mutated(doc, ("schema",), 4))
+    data, key = _frame(mutated(doc, ("schema",), 4))
     with pytest.raises(CorruptObjectError, match="schema-3 layout"):
         parse_manifest(data, key, layout=layout)
-    data, key = _frame(_mutated(doc, ("schema",), 2))
+    data, key = _frame(mutated(doc, ("schema",), 2))
     with pytest.raises(CorruptObjectError, match="schema 2"):
         parse_manifest(data, key, layout=layout)
     # schema 3 as plain JSON under a .json key
@@ -832,8 +826,8 @@ def test_mutated_schema3_manifest_fails_only_with_typed_errors(base, data) -> No
     paths = [p for p in _doc_paths(doc) if p]
     path = data.draw(st.sampled_from(paths))
     value = data.draw(_weird)
-    mutated = _mutated(doc, path, value)
-    raw = json.dumps(mutated, sort_keys=True, separators=(",", ":")).encode()
+    bad = mutated(doc, path, value)
+    raw = json.dumps(bad, sort_keys=True, separators=(",", ":")).encode()
     blob = zstandard.ZstdCompressor(level=3).compress(raw)
     key = manifest_key(9, sha256_hex(blob), schema=3)
     try:
@@ -852,8 +846,8 @@ def test_mutated_layout_fails_only_with_typed_errors(base, data) -> None:
     _m, layout, mdoc = base
     doc = json.loads(dump(layout))
     path = data.draw(st.sampled_from([p for p in _doc_paths(doc) if p]))
-    mutated = _mutated(doc, path, data.draw(_weird))
-    blob = zstandard.ZstdCompressor(level=3).compress(json.dumps(mutated, sort_keys=True, separators=(",", ":")).encode())
+    bad = mutated(doc, path, data.draw(_weird))
+    blob = zstandard.ZstdCompressor(level=3).compress(json.dumps(bad, sort_keys=True, separators=(",", ":")).encode())
     key = object_key("0" * 32, sha256_hex(blob), ".layout.json.zst")
     try:
         bad = decode_object(Layout, blob, key)

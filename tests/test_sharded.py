@@ -178,6 +178,17 @@ def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]
     return out
 
 
+def _die_in_encode_part() -> None:
+    """This rank is SIGKILLed when it builds its next part manifest (after uploading its packs)."""
+    from deltastore import sharded
+
+    def die(**kw: Any) -> bytes:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+    sharded.encode_part = die
+
+
 def _scenario_killed(rank: int, world: int, url: str) -> dict[str, Any]:
     """Rank 1 is SIGKILLed after uploading its packs, before its part manifest."""
     from deltastore import sharded
@@ -186,10 +197,7 @@ def _scenario_killed(rank: int, world: int, url: str) -> dict[str, Any]:
     with sharded.ShardedPublisher(url, threads=1) as pub:
         pub.publish(rank_state(1, rank, world), step=1)
         if rank == 1:
-            def die(**kw: Any) -> bytes:
-                os.kill(os.getpid(), signal.SIGKILL)
-                raise AssertionError("unreachable")
-            sharded.encode_part = die
+            _die_in_encode_part()
         try:
             pub.publish(rank_state(2, rank, world), step=2)
             out["published"] = True
@@ -535,10 +543,7 @@ def _scenario_async_killed(rank: int, world: int, url: str) -> dict[str, Any]:
             _slow_commits(pub)
         f1 = pub.publish_async(rank_state(1, rank, world), step=1)
         if rank == 1:
-            def die(**kw: Any) -> bytes:
-                os.kill(os.getpid(), signal.SIGKILL)
-                raise AssertionError("unreachable")
-            sharded.encode_part = die
+            _die_in_encode_part()
         try:
             pub.publish_async(rank_state(2, rank, world), step=2)
             out["published"] = True
