@@ -97,6 +97,8 @@ FIXED_TENSORS, FIXED_ROWS, FIXED_COLS = 8, 64, 16
 #: Store methods counted per version in ``--workload fixed`` (reads, then writes).
 READ_OPS = ("get", "get_if_changed", "head", "list")
 WRITE_OPS = ("put", "delete")
+#: Configurations whose every process is a Publisher of its own rows to a store of its own.
+OWN_STORES = ("independent", "alone")
 #: Rows generated (and changed) per seed: every rank's rows are whole blocks for 1, 2 and 4
 #: ranks when rows is a multiple of 4 × this.
 BLOCK_ROWS = 256
@@ -332,7 +334,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         else:
             from deltastore import Publisher
 
-            own = f"{url}-r{rank}" if cfg["mode"] in ("independent", "alone") else url  # a store of its own
+            own = f"{url}-r{rank}" if cfg["mode"] in OWN_STORES else url
             pub = Publisher(own, threads=cfg["threads"], anchor_every=1000, storage_options=options)
         counts = {"reads": 0, "writes": 0, "collectives": 0}
         if cfg["workload"] == "fixed":
@@ -464,7 +466,6 @@ def _back_to_back(pub: Any, source: _Source, shard: dict[str, Any], cfg: dict[st
             source.advance(shard, step)
         states.append(source.state({k: t.clone() for k, t in shard.items()}, True))
     result["base_rss"] = base = _rss_bytes()  # the preloaded steps are the trainer's memory, not the publisher's
-    result["shard_bytes"] = sum(t.numel() * t.element_size() for t in shard.values())
     marks.append(("steps read", 0, _peak_bytes() - base))
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -493,7 +494,7 @@ def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, t
                repeat: int = 0) -> dict[str, Any]:
     """One run of one configuration: its ranks' times, requests and memory."""
     name = f"{workload}-{mode}-{world}-{threads}-{repeat}"
-    s3 = getattr(args, "s3", None)  # --rtt-ms: an S3 server behind a shaped link
+    s3 = args.s3  # --rtt-ms: an S3 server behind a shaped link
     url = f"{s3['base']}/{name}-{os.urandom(4).hex()}" if s3 else f"file://{tmp}/store-{name}"
     out = tmp / f"out-{name}"
     out.mkdir()
@@ -513,7 +514,7 @@ def run_config(workload: str, world: int, mode: str, args: argparse.Namespace, t
     for r in ranks:
         if "error" in r:
             raise RuntimeError(f"{name} rank {r['rank']} failed:\n{r['error']}")
-    if mode in ("independent", "alone"):
+    if mode in OWN_STORES:
         for r in range(world):
             _check(f"{url}-r{r}", workload, args, rows_of=(r, world))
             shutil.rmtree(tmp / f"store-{name}-r{r}", ignore_errors=True)
@@ -553,7 +554,7 @@ def summarise(workload: str, world: int, mode: str, threads: int, runs: list[dic
         "delta_min_max_s": [round(min(all_deltas), 4), round(max(all_deltas), 4)], "deltas": len(all_deltas),
         "delta_bytes_median": int(statistics.median(sum(bs) for run in runs
                                                     for bs in zip(*([b for _, _, b in r["times"][1:]] for r in run["ranks"])))
-                                  if mode in ("independent", "alone") else
+                                  if mode in OWN_STORES else
                                   statistics.median(b for run in runs for k, _, b in run["ranks"][0]["times"][1:])),
         "throughput_mb_s": round(model_bytes / delta_s / 1e6, 1),
         "delta_cpu_s_busiest_rank": round(busiest_cpu, 4),
@@ -589,7 +590,7 @@ def _check(url: str, workload: str, args: argparse.Namespace, rows_of: tuple[int
 
     from deltastore import Subscriber
 
-    s3 = getattr(args, "s3", None)
+    s3 = args.s3
     with Subscriber(url, storage_options=s3["storage_options"] if s3 else None) as sub:
         got = sub.pull()
     step = _steps(workload, args) + 1
@@ -659,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rows must be a multiple of {4 * BLOCK_ROWS}")
     if 1 not in args.worlds:
         ap.error("--worlds must include 1 (the ratios are to one rank)")
+    args.s3 = None  # the S3 server and its options, with --rtt-ms
     with contextlib.ExitStack() as stack:
         if args.rtt_ms > 0:
             from campaigns.servers import moto
@@ -685,7 +687,7 @@ def _main(args: argparse.Namespace) -> int:
         model_bytes = _model_bytes(workload, args)
         configs = [("sharded", w, 1) for w in args.worlds]
         if args.independent and workload != "fixed":
-            configs += [(m, w, 1) for m in ("independent", "alone") for w in args.worlds if w > 1]
+            configs += [(m, w, 1) for m in OWN_STORES for w in args.worlds if w > 1]
         if args.pipelined and workload != "fixed":
             configs += [(m, w, 1) for m in ("preloaded", "pipelined") for w in args.worlds]
         if args.reference and workload != "fixed":
@@ -696,7 +698,8 @@ def _main(args: argparse.Namespace) -> int:
                 for mode, world, threads in configs:
                     runs[(mode, world, threads)].append(run_config(workload, world, mode, args, Path(tmp), threads, rep))
         rows = [summarise(workload, w, m, t, runs[(m, w, t)], model_bytes) for m, w, t in configs]
-        one = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 1 and r["threads_per_rank"] == 1)
+        one = _config(rows, "sharded", 1)
+        assert one is not None
         for r in rows:
             r["vs_1_rank"] = round(r["throughput_mb_s"] / one["throughput_mb_s"], 2)
             r["anchor_vs_1_rank"] = round(r["anchor_mb_s"] / one["anchor_mb_s"], 2)
@@ -725,6 +728,11 @@ def _scan_report(nbytes: int, rows: list[dict[str, Any]], worlds: list[int]) -> 
         lines.append(f"| {n} | {m['memcmp_s']:.4f} ({med[1]['memcmp_s'] / m['memcmp_s']:.2f}×) "
                      f"| {m['memmove_s']:.4f} ({med[1]['memmove_s'] / m['memmove_s']:.2f}×) | {m['cpu_over_wall']:.2f} |")
     return [*lines, ""]
+
+
+def _config(rows: list[dict[str, Any]], mode: str, ranks: int, threads: int = 1) -> dict[str, Any] | None:
+    """The summary row of one configuration, None if it did not run."""
+    return next((r for r in rows if (r["mode"], r["ranks"], r["threads_per_rank"]) == (mode, ranks, threads)), None)
 
 
 def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> list[str]:
@@ -773,21 +781,21 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
             for i, st in enumerate(r["step_cpu_ms"]):
                 lines.append(f"| {r['ranks']} × {r['threads_per_rank']} | {i} | {st['main']:.1f} | "
                              f"{' | '.join(f'{st[k]:.1f}' for k in labels)} | {1e3 * r['delta_cpu_s_per_rank'][i]:.1f} |")
-    two = next((r for r in rows if r["mode"] == "sharded" and r["ranks"] == 2), None)
+    two = _config(rows, "sharded", 2)
     if two is not None:
         entry["two_over_one"] = two["vs_1_rank"]
         entry["goal_met"] = two["vs_1_rank"] >= GOAL_2_OVER_1
         lines += ["", (f"2 ranks / 1 rank: delta publish {two['vs_1_rank']}×, anchor {two['anchor_vs_1_rank']}× "
                       f"(goal ≥ {GOAL_2_OVER_1}×: {'met' if entry['goal_met'] else 'not met'} on this machine); "
                       f"by the busiest rank's CPU time {two['cpu_vs_1_rank']}×")]
-        ceiling = next((r for r in rows if r["mode"] == "independent" and r["ranks"] == 2), None)
-        one = next(r for r in rows if r["mode"] == "sharded" and r["ranks"] == 1 and r["threads_per_rank"] == 1)
+        ceiling, one = _config(rows, "independent", 2), _config(rows, "sharded", 1)
+        assert one is not None
         if ceiling is not None:
             entry["two_independent_over_one"] = ceiling["vs_1_rank"]
             entry["sharded_over_independent"] = round(two["throughput_mb_s"] / ceiling["throughput_mb_s"], 2)
             lines.append(f"2 independent processes / 1 rank (the ceiling without the protocol): {ceiling['vs_1_rank']}×; "
                          f"2 sharded ranks reach {entry['sharded_over_independent']}× of it")
-            alone = next((r for r in rows if r["mode"] == "alone" and r["ranks"] == 2), None)
+            alone = _config(rows, "alone", 2)
             if alone is not None:  # CPU per version of a half: two at once against one alone, one alone against half of one rank
                 at_once, by_itself = ceiling["delta_cpu_s_per_rank"], alone["delta_cpu_s_per_rank"]
                 entry["corun_cpu"] = round(sum(at_once) / sum(by_itself), 2)
@@ -796,10 +804,8 @@ def _report(workload: str, args: argparse.Namespace, entry: dict[str, Any]) -> l
                              f"than one at a time (what the cores lose to each other), and one at a time "
                              f"{entry['halves_cpu']}× one rank's for the whole model (what twice as many, half-size "
                              "chunks cost)")
-        def of(mode: str, ranks: int) -> dict[str, Any] | None:
-            return next((r for r in rows if r["mode"] == mode and r["ranks"] == ranks), None)
-
-        one_p, two_p, one_b, two_b = of("pipelined", 1), of("pipelined", 2), of("preloaded", 1), of("preloaded", 2)
+        one_p, two_p = _config(rows, "pipelined", 1), _config(rows, "pipelined", 2)
+        one_b, two_b = _config(rows, "preloaded", 1), _config(rows, "preloaded", 2)
         if None not in (one_p, two_p, one_b, two_b):
             entry["pipelined_two_over_one"] = round(two_p["throughput_mb_s"] / one_p["throughput_mb_s"], 2)  # type: ignore[index]
             entry["pipelined_goal_met"] = entry["pipelined_two_over_one"] >= GOAL_2_OVER_1

@@ -839,10 +839,19 @@ class ShardedPublisher:
 
         # --- 4 and 5: rank 0 joins the parts and commits (publish_async: in the background) ---
         try:
-            parts = self._gather(result)
-        except BaseException:  # a rank was lost: encoding advanced the reference to rows never committed
+            return self._conclude(plan, layout, mine, result, own, reports, meta, step, deadline, asynchronous=asynchronous)
+        except BaseException:
+            # The version failed, or a rank was lost and its outcome is unknown here: encoding
+            # advanced the reference to rows no committed version may hold (SPEC §5 step 7).
             self._drop()
             raise
+
+    def _conclude(self, plan: _Plan, layout: Layout, mine: Mapping[str, torch.Tensor], result: tuple[str, Any],
+                  own: BaseException | None, reports: Sequence[_Report], meta: dict[str, Any], step: int | None,
+                  deadline: float, *, asynchronous: bool) -> VersionInfo | Future[VersionInfo]:
+        """Steps 4 and 5: the parts to rank 0, which commits (publish) or hands them to its
+        committer (publish_async); raises the version's failure on every rank."""
+        parts = self._gather(result)
         if asynchronous:
             return self._launch(plan, layout, mine, parts, own, reports, meta, step, deadline)
         outcome: tuple[str, Any] = ("error", ("PartFailedError", "no outcome"))
@@ -858,13 +867,8 @@ class ShardedPublisher:
                 except Exception as e:  # noqa: BLE001
                     outcome = ("error", _error_of(e))
                     own = e
-        try:
-            outcome = self._broadcast(outcome)
-        except BaseException:  # the outcome is unknown here: the reference may hold uncommitted rows
-            self._drop()
-            raise
+        outcome = self._broadcast(outcome)
         if outcome[0] != "ok":
-            self._drop()
             if own is not None:
                 raise own
             _raise(outcome[1])

@@ -7,6 +7,7 @@ their outcome to files the test reads. Kept small: the CI machine may have two c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -15,6 +16,7 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -162,20 +164,33 @@ def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]
         except (PartFailedError, InvalidStateDictError) as e:
             out["invalid"] = (type(e).__name__, str(e))
         out["head_after_invalid"] = _head_version(url)
-        real = sharded.encode_part
-        if rank == 1:
-            def broken(**kw: Any) -> bytes:
-                raise OSError("disk full (injected)")
-            sharded.encode_part = broken
-        try:
-            pub.publish(rank_state(2, rank, world), step=2)
-        except (PartFailedError, OSError) as e:
-            out["failure"] = type(e).__name__
-        sharded.encode_part = real
+        with _part_fails(rank == 1):
+            try:
+                pub.publish(rank_state(2, rank, world), step=2)
+            except (PartFailedError, OSError) as e:
+                out["failure"] = type(e).__name__
         out["head_after_failure"] = _head_version(url)
         info = pub.publish(rank_state(2, rank, world), step=2)
         out["retry"] = (info.version, info.kind)
     return out
+
+
+@contextlib.contextmanager
+def _part_fails(here: bool) -> Iterator[None]:
+    """Within: this rank's part manifest fails to build (an OSError), when ``here``."""
+    from deltastore import sharded
+
+    real = sharded.encode_part
+
+    def broken(**kw: Any) -> bytes:
+        raise OSError("disk full (injected)")
+
+    if here:
+        sharded.encode_part = broken
+    try:
+        yield
+    finally:
+        sharded.encode_part = real
 
 
 def _die_in_encode_part() -> None:
@@ -512,13 +527,8 @@ def _scenario_async_failures(rank: int, world: int, url: str) -> dict[str, Any]:
         out["retry"] = (f.result().version, f.result().kind)
         # rank 1 fails to write its part of the next version: its Future holds its own error,
         # rank 0's a PartFailedError; the next call raises them, once
-        real = sharded.encode_part
-        if rank == 1:
-            def broken(**kw: Any) -> bytes:
-                raise OSError("disk full (injected)")
-            sharded.encode_part = broken
-        f4 = pub.publish_async(rank_state(3, rank, world), step=3)
-        sharded.encode_part = real
+        with _part_fails(rank == 1):
+            f4 = pub.publish_async(rank_state(3, rank, world), step=3)
         try:
             pub.publish_async(rank_state(3, rank, world), step=3)
             out["next_call"] = "published"
