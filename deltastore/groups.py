@@ -42,9 +42,11 @@ logger = logging.getLogger(__name__)
 #: Tensors of at most this many bytes are grouped: above it, a tensor's own per-chunk costs
 #: (~20-180 µs) are under ~10 % of coding its bytes, and grouping would only coarsen changes.
 GROUP_MEMBER_MAX_BYTES = 256 * 1024
-#: A group closes once it holds this many bytes: per-segment costs are paid per MiB, while a
-#: changed 8 KiB norm costs the delta of one MiB, not of a 16 MiB chunk (design 007 D2).
-GROUP_TARGET_BYTES = 1024 * 1024
+#: A group closes once it holds this many bytes (one chunk of the default 16 MiB target): a
+#: chunk's fixed costs on both sides (~0.1-0.2 ms: segment, entry, plan, hand-off) are then paid
+#: per 4 MiB, while a group touched by one changed norm costs one pass over 4 MiB (~0.5 ms), not
+#: over 16 MiB (design 007, session 20 addendum: 1 MiB groups paid the fixed costs 4x as often).
+GROUP_TARGET_BYTES = 4 * 1024 * 1024
 #: Prefix of the names the publisher gives group rows (more ``#`` until no tensor has it).
 GROUP_NAME_PREFIX = "#group/"
 

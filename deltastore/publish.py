@@ -148,9 +148,9 @@ class Publisher:
             Subscriber holding rows r/N reads about its share instead of whole 16 MiB chunks
             (docs/scale.md §5). It costs more, smaller chunks (per-chunk work, manifest size).
             Default None: chunks of about ``chunk_bytes``. A resumed layout keeps its chunks.
-        group_small_tensors: pack small tensors (≤ 256 KiB) of one dtype into shared ~1 MiB
+        group_small_tensors: pack small tensors (≤ 256 KiB) of one dtype into shared ~4 MiB
             rows of new layouts (design 007): per-segment and per-entry costs are then paid per
-            MiB, not per tensor (20,000 norms publish and pull ~10-40× faster). A store with
+            4 MiB, not per tensor (20,000 norms publish and pull ~10-40× faster). A store with
             groups is schema 4, which releases before it do not read (they refuse it: "upgrade
             deltastore"). ``"auto"`` (default): group only a layout with at least
             :data:`GROUP_AUTO_MIN_TENSORS` small tensors, where it pays; a typical transformer
