@@ -32,6 +32,7 @@ from deltastore.errors import (
     StorageError,
 )
 from deltastore.groups import GROUP_MEMBER_MAX_BYTES, group_specs, tied_names, unit_reference
+from deltastore.heap import release_free_heap
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
 from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
@@ -638,6 +639,7 @@ class Publisher:
         self._specs, self._layout = specs, layout
         if kind == "anchor":
             self._anchor_version = version
+            release_free_heap()  # the encode threads' chunk-sized buffers (deltastore.heap)
         self._remember(mkey, manifest)
         full_bytes = encoded.stats.full_bytes or 0
         self._tip = _Tip(

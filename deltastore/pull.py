@@ -44,6 +44,7 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.groups import allocate_members, member_overlaps
+from deltastore.heap import release_free_heap
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads, grouped
 from deltastore.ledger import HeartbeatWriter
@@ -378,6 +379,7 @@ class Subscriber:
             out = allocate_members(specs, _torch_dtype)  # a group's members share one buffer (design 007)
             self._engine.materialize(plans, specs, out)
         self._set_held(_Held.of(ms))
+        release_free_heap()  # the read threads' chunk-sized buffers of a whole version (deltastore.heap)
         return out
 
     def allocate(self, version: int | None = None) -> dict[str, torch.Tensor]:
