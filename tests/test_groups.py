@@ -322,6 +322,36 @@ def test_a_restarted_publisher_continues_a_grouped_chain_with_deltas(tmp_path: A
             assert_bits_equal(target, states[v])
 
 
+def test_a_chain_grouped_at_the_old_target_keeps_its_groups(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores written while groups closed at 1 MiB (before session 20) are continued as they
+    are: a new publisher resumes their layout with deltas, and only a fresh store gets the
+    current target's (fewer, larger) groups."""
+    gen = torch.Generator().manual_seed(3)
+    state = {f"norm.{i}": torch.randn(32768, generator=gen).to(torch.bfloat16) for i in range(40)}  # 64 KiB each
+    old_url, new_url = str(tmp_path / "old"), str(tmp_path / "new")
+    with monkeypatch.context() as mp:
+        mp.setattr("deltastore.groups.GROUP_TARGET_BYTES", 1024 * 1024)
+        with Publisher(old_url, threads=2, group_small_tensors=True) as pub:
+            pub.publish(state)
+    assert GROUP_TARGET_BYTES >= 2560 * 1024  # the 2.5 MiB of members fit one group now
+    s2 = {n: t.clone() for n, t in state.items()}
+    for t in list(s2.values())[::7]:
+        t.view(torch.int16)[::100] += 1
+    with Publisher(old_url, threads=2, group_small_tensors=True) as pub:
+        assert pub.publish(s2).kind == "delta"
+    with Publisher(new_url, threads=2, group_small_tensors=True) as pub:
+        pub.publish(state)
+    m1, layout1 = _chunk_digests(old_url, None, 1)
+    m2, layout2 = _chunk_digests(old_url, None, 2)
+    assert m2.layout == m1.layout and len(layout1.groups or ()) == 3
+    _, fresh = _chunk_digests(new_url, None, 1)
+    assert len(fresh.groups or ()) == 1
+    with Subscriber(old_url, threads=2) as sub:
+        target = sub.pull(1)
+        sub.pull_into(target, 2)
+        assert_bits_equal(target, s2)
+
+
 @pytest.mark.parametrize("option", [False, "auto"])
 def test_without_the_option_the_writer_writes_schema_3(tmp_path: Any, option: Any) -> None:
     """False never groups; "auto" (the default) leaves a layout with few small tensors alone."""
