@@ -243,7 +243,13 @@ def _scenario_fsdp(rank: int, world: int, url: str) -> dict[str, Any]:
             loss.backward()
             opt.step()
             opt.zero_grad()
-    return {"fulls": fulls if rank == 0 else None}
+    # a restart on the same sharding (torch.chunk rows: [3, 10] splits 2 | 1) resumes: a delta
+    # (anchor_every: the cost policy would anchor anyway, every element changes at this lr)
+    with ShardedPublisher(url, threads=1, dtype=torch.bfloat16, anchor_every=100) as pub:
+        sd = model.state_dict()
+        info = pub.publish(sd, step=3)
+        fulls.append((info.version, {k: v.full_tensor().detach().to(torch.bfloat16).clone() for k, v in sd.items()}))
+    return {"fulls": fulls if rank == 0 else None, "resumed": info.kind}
 
 
 def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
@@ -906,6 +912,7 @@ def test_fsdp2_module_publishes_local_shards(tmp_path: Path) -> None:
         for version, full in results[0]["fulls"]:
             _assert_equal(sub.pull(version), full)
         assert sub.info(2).kind == "delta"
+    assert [r["resumed"] for r in results] == ["delta", "delta"]
 
 
 def test_compaction_and_gc_of_sharded_versions(tmp_path: Path) -> None:
@@ -1260,16 +1267,12 @@ def test_restarted_publisher_resumes_from_its_own_rows(tmp_path: Path) -> None:
         assert read and read <= packs[r["rank"]], (r["rank"], read, packs)
         assert sum(n for _, n in r["reads"]) <= sum(open_store(url).head(k).size for k in packs[r["rank"]])
         assert r["reads_after"] == 0 and r["reads_no_resume"] == 0
-
-
-def test_resume_after_another_world_size_anchors(tmp_path: Path) -> None:
-    url = f"file://{tmp_path}/store"
-    _ok(run_ranks(2, url, "versions", tmp_path))  # versions 1-4, two parts
-    _ok(run_ranks(1, url, "versions", tmp_path))  # one rank: another layout, so an anchor
+    # another world size (one rank now): another layout, so an anchor; then deltas on it
+    _ok(run_ranks(1, url, "versions", tmp_path))
     with Subscriber(url) as sub:
-        assert [sub.info(v).kind for v in range(5, 9)] == ["anchor", "delta", "delta", "anchor"]
-        _assert_equal(sub.pull(5), full_model(1))
-        _assert_equal(sub.pull(8), full_model(4))
+        assert [sub.info(v).kind for v in range(7, 11)] == ["anchor", "delta", "delta", "anchor"]  # anchor_every=3
+        _assert_equal(sub.pull(7), full_model(1))
+        _assert_equal(sub.pull(10), full_model(4))
 
 
 def test_resume_with_a_corrupt_chunk_on_one_rank_anchors_on_every_rank(tmp_path: Path) -> None:
