@@ -697,7 +697,8 @@ class ShardedPublisher:
         own state is then not published) and every rank drops its reference copy, so the next
         version resumes from HEAD's (or is an anchor). A version planned on one that failed
         fails too (it was a delta on a version that is not in the store); its Future says so,
-        and only the first failure is raised. Call :meth:`flush` (a collective) to wait for every outcome.
+        and only the first failure is raised. Call :meth:`flush` (a collective) to wait for
+        every outcome.
 
         Args:
             state_dict, step, metadata, anchor: as for :meth:`publish`.
@@ -856,6 +857,9 @@ class ShardedPublisher:
             _raise(plan.error)
         if plan.resume is not None:  # --- 2b: every rank reads its rows of HEAD's version (D11) ---
             plan = self._resume_from(plan, layout, share)
+            # Nothing of the attempt is written yet (a resume reuses HEAD's layout object), and
+            # reading a large shard back takes a while: the attempt deadline runs from here.
+            deadline = time.monotonic() + self.max_attempt_s
 
         # --- 3: encode and upload this rank's part ---
         result: tuple[str, Any]
@@ -1176,8 +1180,10 @@ class ShardedPublisher:
         if tip is None or not tip.schema3 or tip.layout is None:
             why = "it is not a schema-3 version"
         elif tip.layout != layout:
-            why = ("its layout differs from the one the ranks plan now (other tensors, dtypes, shapes, row split or "
-                   f"chunking: {tip.layout.parts} parts then, {layout.parts} now)")
+            fields = ("parts", "name", "dtype", "shape", "piece_parts", "pieces", "chunk_rows")
+            differ = next((f for f in fields if getattr(tip.layout, f) != getattr(layout, f)), "schema")
+            why = (f"its layout differs from the one the ranks plan now (its {differ}: another world size, tensors, "
+                   "row split or chunk size)")
         else:
             policy = pub._anchor_reason(version, tip, has_base=True, anchor=False, anchor_version=tip.anchor)
             if policy is not None:
