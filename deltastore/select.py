@@ -233,6 +233,39 @@ def resolve(sel: Selection, units: Mapping[str, TensorSpec]) -> Resolved:
     unused = [p for p in sel.names if p not in used]
     if unused:
         raise SelectionError(f"name pattern {unused[0]!r} matches no tensor of the store's layout")
+    return _resolved(units, windows, shapes, rows)
+
+
+def resolve_rows(units: Mapping[str, TensorSpec], rows: Mapping[str, tuple[int, int]]) -> Resolved:
+    """What a reader of exactly ``rows`` (tensor name → rows ``[start, stop)``; a 0-d tensor
+    counts as one row) reads of a version with layout ``units``: the row ranges a caller knows
+    already, such as a sharded writer's own pieces (design 010 D11: FSDP2's ``torch.chunk``
+    rows, which :attr:`Selection.shard`'s ``rank·S//world`` formula does not give). Internal:
+    exact names, no patterns (a rank may own tens of thousands of tensors).
+
+    Raises:
+        SelectionError: a name is not a tensor of ``units`` (or is a group member), or its
+            rows are not within the tensor.
+    """
+    windows: dict[str, list[Window]] = {}
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    for name, (lo, hi) in rows.items():
+        spec = units.get(name)
+        if spec is None or spec.members:
+            raise SelectionError(f"tensor {name!r} is not a tensor of the store's layout")
+        extent = spec.shape[0] if spec.shape else 1
+        if not 0 <= lo <= hi <= extent:
+            raise SelectionError(f"rows [{lo}, {hi}) of tensor {name!r} are not rows of its shape {list(spec.shape)}")
+        windows[name] = [Window(lo * spec.row_elems, hi * spec.row_elems, name)]
+        shapes[name] = (spec.dtype, (hi - lo, *spec.shape[1:]) if spec.shape else ())
+        spans[name] = (lo, hi)
+    return _resolved(units, windows, shapes, spans)
+
+
+def _resolved(units: Mapping[str, TensorSpec], windows: Mapping[str, Sequence[Window]],
+              shapes: dict[str, tuple[str, tuple[int, ...]]], rows: dict[str, tuple[int, int]]) -> Resolved:
+    """The :class:`Resolved` of ``windows``: the chunks overlapping them, and the edges."""
     chunks: set[tuple[str, int]] = set()
     edges: set[tuple[str, int]] = set()
     for uname, ws in windows.items():

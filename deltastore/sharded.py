@@ -41,7 +41,14 @@ A rank that fails raises its own error after telling the others, which raise
 :class:`~deltastore.errors.PartFailedError`; a rank that dies makes the collectives of the
 others fail, which is reported the same way. Either way HEAD has not moved: the packs already
 uploaded sit unreferenced under the attempt and GC collects them after its grace period. The
-next publish is a new attempt (an anchor when any rank lost its reference copy).
+next publish is a new attempt.
+
+A publisher that holds no reference copy (a restarted job, or after any failure) resumes from
+the store (``resume=True``, design 010 D11): when HEAD's version has the layout the ranks plan
+now, step 2 names it, every rank reads back only its own rows of it (the chunks of its pieces,
+each verified against its digest), and the ranks agree in one more all_gather that every rank
+did, so the version is a delta; if any rank failed, every rank drops what it read and the
+version is an anchor.
 """
 
 from __future__ import annotations
@@ -66,12 +73,13 @@ from deltastore import errors as _errors
 from deltastore.commit import now, put_immutable
 from deltastore.encode import UPLOADS_IN_FLIGHT, encode_version
 from deltastore.errors import (
+    CorruptObjectError,
     DeltastoreError,
     InvalidStateDictError,
     PartFailedError,
     ShardMismatchError,
 )
-from deltastore.history import VersionInfo
+from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
 from deltastore.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
@@ -97,6 +105,7 @@ from deltastore.tensors import (
     TensorSpec,
     chunk_rows_for,
     dtype_name,
+    torch_dtype,
     validate_state_dict,
 )
 
@@ -200,6 +209,20 @@ class _Report:
 
 
 @dataclass(frozen=True)
+class _Resume:
+    """Step 2: HEAD's version, which every rank not holding it rebuilds its reference copy
+    from (its own rows only) before encoding a delta on it (design 010 D11). ``commit_id`` is
+    HEAD's (what ``_held`` is compared with: a claim gives HEAD a new one); the manifest is
+    pinned by HEAD's key and SHA-256."""
+
+    version: int
+    commit_id: str
+    manifest: str
+    sha256: str | None
+    lineage: str | None
+
+
+@dataclass(frozen=True)
 class _Plan:
     """Step 2: what rank 0 decided, or the error every rank raises."""
 
@@ -213,6 +236,7 @@ class _Plan:
     base: tuple[int, str] | None = None  # a pre-plan: the (version, attempt) every rank must hold
     ahead: bool = False  # planned on a version still being committed (publish_async, D10)
     settled: tuple[tuple[int, Any], ...] = ()  # outcomes rank 0 waited for before planning (D10)
+    resume: _Resume | None = None  # a delta on HEAD's version once every rank has read its rows (D11)
 
 
 @dataclass(frozen=True)
@@ -411,9 +435,13 @@ class ShardedPublisher:
         threads: encode threads per rank (default: this process's cores).
         chunk_bytes: target chunk size (default 16 MiB); chunk rows also divide every piece
             boundary, so no chunk crosses two ranks' rows.
-
-    A restarted ShardedPublisher holds no reference copy, so its first version is an anchor
-    (there is no resume from the store: that would read every rank's rows back).
+        resume: when the ranks hold no reference copy of HEAD's version (a restarted job, or
+            after a failure) and HEAD's layout is the one they plan now (same tensors, dtypes,
+            shapes, row split and chunking), every rank reads back its own rows of HEAD's
+            version, verified, so that the version is a delta (design 010 D11). Only the chunks
+            of the rank's pieces are fetched (and the chain's manifests); memory: the rank's
+            reference copy and the reader's bounded buffers. If any rank fails to read, every
+            rank drops what it read and the version is an anchor. False: an anchor, as before.
 
     Raises:
         ShardMismatchError: (from publish) the ranks disagree on the layout, step or version.
@@ -447,6 +475,7 @@ class ShardedPublisher:
         allow_unsafe_store: bool = False,
         signing_key: Any = None,
         dtype: torch.dtype | None = None,
+        resume: bool = True,
     ):
         import torch.distributed as dist
 
@@ -463,6 +492,7 @@ class ShardedPublisher:
         self.dtype = dtype
         self.threads = threads or default_threads()
         self.max_attempt_s = max_attempt_s
+        self.resume = resume
         self._coordinator = None
         self._closed = False
         self._reference: dict[str, torch.Tensor] | None = None  # this rank's rows of the held version
@@ -665,9 +695,10 @@ class ShardedPublisher:
         (``publish_async``, :meth:`publish`, :meth:`flush` or :meth:`close`): that call resolves
         the returned Future, and if the version failed it raises the failure (once; the call's
         own state is then not published) and every rank drops its reference copy, so the next
-        version is an anchor. A version planned on one that failed fails too (it was a delta on
-        a version that is not in the store); its Future says so, and only the first failure is
-        raised. Call :meth:`flush` (a collective) to wait for every outcome.
+        version resumes from HEAD's (or is an anchor). A version planned on one that failed
+        fails too (it was a delta on a version that is not in the store); its Future says so,
+        and only the first failure is raised. Call :meth:`flush` (a collective) to wait for
+        every outcome.
 
         Args:
             state_dict, step, metadata, anchor: as for :meth:`publish`.
@@ -824,6 +855,11 @@ class ShardedPublisher:
             if own is not None:
                 raise own
             _raise(plan.error)
+        if plan.resume is not None:  # --- 2b: every rank reads its rows of HEAD's version (D11) ---
+            plan = self._resume_from(plan, layout, share)
+            # Nothing of the attempt is written yet (a resume reuses HEAD's layout object), and
+            # reading a large shard back takes a while: the attempt deadline runs from here.
+            deadline = time.monotonic() + self.max_attempt_s
 
         # --- 3: encode and upload this rank's part ---
         result: tuple[str, Any]
@@ -1058,7 +1094,8 @@ class ShardedPublisher:
 
     def _drop(self) -> None:
         """Forget the reference copy: encoding advances it in place, so after a failure it
-        matches no version (SPEC §5 step 7); the next version is an anchor."""
+        matches no version (SPEC §5 step 7); the next version resumes from HEAD's version
+        (design 010 D11) or is an anchor."""
         self._reference = None
         self._held = None
 
@@ -1113,16 +1150,134 @@ class ShardedPublisher:
             and all(r.held == (head.version, head.commit_id) for r in reports)  # type: ignore[union-attr]
         )
         pub._specs = pub._reference = None  # only for _anchor_reason's wording of "no base"
+        resume = None
+        if not has_base and self.resume and not anchor and head is not None and head_key is not None:
+            resume = self._resume_point(head, tip, layout, version)
+            if resume is not None:
+                has_base = True
+                pub._anchor_version = tip.anchor  # type: ignore[union-attr] - HEAD's anchor: the policy counts from it
         why = pub._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
         attempt = new_attempt_id()
         if tip is not None and tip.layout is not None and tip.layout == layout:
             layout_ref = tip.layout_ref
         else:
             layout_ref = pub._write_layout(attempt, layout)
-        logger.info("sharded version %d of %s: %s over %d parts%s", version, self.url, "anchor" if why else "delta",
-                    self.world, f" ({why})" if why else "")
+        logger.info("sharded version %d of %s: %s over %d parts%s%s", version, self.url, "anchor" if why else "delta",
+                    self.world, f" ({why})" if why else "",
+                    f" on version {resume.version}, resumed from the store" if resume is not None else "")
         return _Plan(version=version, attempt=attempt, kind="anchor" if why else "delta", has_base=has_base,
-                     lineage=pub._commits.lineage_for_commit(), layout_ref=layout_ref)
+                     lineage=pub._commits.lineage_for_commit(), layout_ref=layout_ref, resume=resume)
+
+    # --- resume from the store (design 010 D11) ----------------------------------------------
+
+    def _resume_point(self, head: Head, tip: _Tip | None, layout: Layout, version: int) -> _Resume | None:
+        """Rank 0, planning: HEAD's version, when the ranks may rebuild their reference copies
+        from it (its layout is the one they plan now, and the version would be a delta on it);
+        else None (an anchor), with one line saying why."""
+        pub = self._coordinator
+        assert pub is not None
+        why = None
+        if tip is None or not tip.schema3 or tip.layout is None:
+            why = "it is not a schema-3 version"
+        elif tip.layout != layout:
+            fields = ("parts", "name", "dtype", "shape", "piece_parts", "pieces", "chunk_rows")
+            differ = next((f for f in fields if getattr(tip.layout, f) != getattr(layout, f)), "schema")
+            why = (f"its layout differs from the one the ranks plan now (its {differ}: another world size, tensors, "
+                   "row split or chunk size)")
+        else:
+            policy = pub._anchor_reason(version, tip, has_base=True, anchor=False, anchor_version=tip.anchor)
+            if policy is not None:
+                why = f"version {version} is an anchor anyway ({policy})"
+        if why is not None:
+            logger.info("sharded publisher of %s not resuming from version %d: %s", self.url, head.version, why)
+            return None
+        assert head.manifest is not None
+        return _Resume(version=head.version, commit_id=head.commit_id, manifest=head.manifest,
+                       sha256=head.manifest_sha256, lineage=head.lineage)
+
+    def _resume_from(self, plan: _Plan, layout: Layout, share: _Share) -> _Plan:
+        """Step 2b, every rank: rebuild the reference copy of this rank's rows at the version
+        ``plan.resume`` names (unless held already), then agree: the plan if every rank did, else
+        the same version as an anchor, every rank having dropped what it read. No rank ever holds
+        another version than the others (design 010 D11)."""
+        point = plan.resume
+        assert point is not None
+        reference: dict[str, torch.Tensor] | None = None
+        verdict: tuple[str, tuple[str, str] | None] = ("ok", None)
+        fetched = 0
+        try:
+            if self._held != (point.version, point.commit_id) or self._reference is None:
+                reference, fetched = self._read_rows(point, layout, share)
+        except Exception as e:  # noqa: BLE001 - every rank learns it below: an anchor then
+            verdict = ("failed", _error_of(e))
+        except BaseException as e:  # KeyboardInterrupt & co: the others give the version up, then leave
+            self._drop()
+            self._all_gather(("lost", _error_of(e)))
+            raise
+        verdicts = self._all_gather(verdict)
+        lost = [(rank, v[1]) for rank, v in enumerate(verdicts) if v[0] == "lost"]
+        if lost:  # a rank is leaving: nothing was written, so the version is given up on every rank
+            self._drop()
+            raise PartFailedError(f"rank {lost[0][0]} of the sharded publisher of {self.url} stopped while reading its "
+                                  f"rows back ({lost[0][1][0]}: {lost[0][1][1]}); nothing was written")
+        failed = [(rank, v[1]) for rank, v in enumerate(verdicts) if v[0] == "failed"]
+        if failed:
+            self._drop()
+            rank, (name, message) = failed[0]
+            logger.warning("sharded version %d of %s: an anchor, not a delta on version %d: rank %d could not read its "
+                           "rows back (%s: %s)", plan.version, self.url, point.version, rank, name, message)
+            return dataclasses.replace(plan, kind="anchor", has_base=False, resume=None)
+        if reference is not None:
+            self._reference = reference
+            logger.info("rank %d resumed from version %d of %s: its rows of %d tensors, %d bytes read", self.rank,
+                        point.version, self.url, len(reference), fetched)
+        self._held = (point.version, point.commit_id)
+        self._layout = layout
+        return dataclasses.replace(plan, resume=None)
+
+    def _read_rows(self, point: _Resume, layout: Layout, share: _Share) -> tuple[dict[str, torch.Tensor], int]:
+        """This rank's rows of version ``point`` (its share of ``layout``), as a reader reads a
+        partial pull: the chain from the anchor, only the chunks of these rows, each verified
+        against its digest. Returns the tensors (this rank's local shapes) and the segment bytes
+        fetched.
+
+        Raises:
+            CorruptObjectError: the manifest is not HEAD's version (its SHA-256, version or lineage).
+            IntegrityError, StorageError, ...: as a reader's pull.
+        """
+        # the read path: loaded only when a publisher resumes
+        from deltastore.apply import ReadEngine
+        from deltastore.plan import layout as units_of
+        from deltastore.plan import plan_from_anchor
+        from deltastore.select import resolve_rows, slice_targets
+
+        history = History(self.store)
+        m = history.manifest(point.manifest, point.sha256)
+        if m.version != point.version or (point.lineage is not None and m.lineage != point.lineage):
+            raise CorruptObjectError(f"manifest {point.manifest!r} is version {m.version} of lineage {m.lineage}, not "
+                                     f"HEAD's version {point.version} of lineage {point.lineage}")
+        ms = history.anchor_chain(point.manifest, m)
+        units = units_of(ms[0][1])
+        index = {n: i for i, n in enumerate(layout.name)}
+        rows = {}
+        for name, spec in share.specs.items():
+            start = share.first_chunk[name] * layout.chunk_rows[index[name]]
+            rows[name] = (start, start + (spec.shape[0] if spec.shape else 1))
+        res = resolve_rows(units, rows)
+        for name, spec in share.specs.items():
+            if res.shapes[name] != (spec.dtype, tuple(spec.shape)):
+                raise ShardMismatchError(f"tensor {name!r}: version {point.version} holds {res.shapes[name][0]}"
+                                         f"{list(res.shapes[name][1])} of rows {list(rows[name])}, this rank "
+                                         f"{spec.dtype}{list(spec.shape)}")
+        out = {n: torch.empty(shape, dtype=torch_dtype(dt)) for n, (dt, shape) in res.shapes.items()}
+        plans = [p for p in plan_from_anchor(ms, units) if (p.name, p.index) in res.chunks]
+        engine = ReadEngine(self.store, self.threads)
+        spare: dict[tuple[str, int], Any] = {}  # chunk bits outside the rows: none (pieces are chunk-aligned, D2)
+        try:
+            engine.materialize(plans, units, out, lambda specs, t: slice_targets(specs, res, t, spare))
+            return out, engine.bytes_fetched
+        finally:
+            engine.close()
 
     def _write_part(self, plan: _Plan, layout: Layout, mine: Mapping[str, torch.Tensor],
                     share: _Share) -> tuple[PartRef, bytes, list[str], Stats]:

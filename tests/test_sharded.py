@@ -243,7 +243,13 @@ def _scenario_fsdp(rank: int, world: int, url: str) -> dict[str, Any]:
             loss.backward()
             opt.step()
             opt.zero_grad()
-    return {"fulls": fulls if rank == 0 else None}
+    # a restart on the same sharding (torch.chunk rows: [3, 10] splits 2 | 1) resumes: a delta
+    # (anchor_every: the cost policy would anchor anyway, every element changes at this lr)
+    with ShardedPublisher(url, threads=1, dtype=torch.bfloat16, anchor_every=100) as pub:
+        sd = model.state_dict()
+        info = pub.publish(sd, step=3)
+        fulls.append((info.version, {k: v.full_tensor().detach().to(torch.bfloat16).clone() for k, v in sd.items()}))
+    return {"fulls": fulls if rank == 0 else None, "resumed": info.kind}
 
 
 def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
@@ -522,7 +528,7 @@ def _scenario_async_failures(rank: int, world: int, url: str) -> dict[str, Any]:
         out["futures"] = [(f1.result().version, f1.result().kind), (type(f2.exception()).__name__, str(f2.exception())),
                           (type(f3.exception()).__name__, str(f3.exception()))]
         out["head_after_failure"] = _head_version(url)
-        f = pub.publish_async(rank_state(2, rank, world), step=2)  # no base: an anchor
+        f = pub.publish_async(rank_state(2, rank, world), step=2)  # no reference: resumed from version 1, a delta
         pub.flush()
         out["retry"] = (f.result().version, f.result().kind)
         # rank 1 fails to write its part of the next version: its Future holds its own error,
@@ -586,6 +592,87 @@ def _scenario_async_close(rank: int, world: int, url: str) -> dict[str, Any]:
         out[name] = ("ok", f.result().version) if e is None else (type(e).__name__, str(e))
     return out
 
+def _record_pack_reads(pub: Any) -> list[tuple[str, int]]:
+    """Every pack read through this rank's store from now on: (key, bytes)."""
+    reads: list[tuple[str, int]] = []
+    real = pub.store.get
+
+    def get(key: str, **kw: Any) -> bytes:
+        data = real(key, **kw)
+        if key.endswith(".pack"):
+            reads.append((key, len(data)))
+        return data
+
+    pub.store.get = get
+    return reads
+
+
+def _scenario_resume(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Design 010 D11: a new publisher (a restart) resumes from the store by reading back only
+    this rank's rows; resume=False anchors; another row split anchors."""
+    from deltastore.sharded import Rows, ShardedPublisher
+
+    out: dict[str, Any] = {"infos": []}
+    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+        for v in (1, 2):
+            info = pub.publish(rank_state(v, rank, world), step=v)
+            out["infos"].append((info.version, info.kind, info.bytes_stored))
+    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:  # restarted: no reference copy
+        reads = _record_pack_reads(pub)
+        info = pub.publish(rank_state(3, rank, world), step=3)
+        out["infos"].append((info.version, info.kind, info.bytes_stored))
+        out["reads"] = list(reads)
+        info = pub.publish(rank_state(4, rank, world), step=4)  # steady again: nothing read back
+        out["infos"].append((info.version, info.kind, info.bytes_stored))
+        out["reads_after"] = len(reads) - len(out["reads"])
+    with ShardedPublisher(url, threads=1, anchor_every=100, resume=False) as pub:
+        reads = _record_pack_reads(pub)
+        info = pub.publish(rank_state(5, rank, world), step=5)
+        out["infos"].append((info.version, info.kind, info.bytes_stored))
+        out["reads_no_resume"] = len(reads)
+    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:  # rows of "a" split 6 | 4: another layout
+        state = rank_state(6, rank, world)
+        full = full_model(6)["a"]
+        start, stop = (0, 6) if rank == 0 else (6, 10)
+        state["a"] = Rows(full[start:stop].clone(), start, 10)
+        info = pub.publish(state, step=6)
+        out["infos"].append((info.version, info.kind, info.bytes_stored))
+    return out
+
+
+def _scenario_resume_bad_rows(rank: int, world: int, url: str) -> dict[str, Any]:
+    """A restart whose rank 1 finds a chunk of its rows corrupt (the test damaged its pack):
+    every rank drops what it read, the version is an anchor, the next one a delta on it."""
+    from deltastore.sharded import ShardedPublisher
+
+    out: dict[str, Any] = {"infos": []}
+    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+        real = pub._resume_from
+
+        def resume_from(*a: Any, **k: Any) -> Any:
+            plan = real(*a, **k)
+            out["resumed"] = (plan.kind, plan.has_base, pub._reference is None, pub._held)
+            return plan
+
+        pub._resume_from = resume_from  # type: ignore[method-assign]
+        real_read = pub._read_rows
+
+        def read_rows(*a: Any, **k: Any) -> Any:
+            try:
+                got = real_read(*a, **k)
+            except Exception as e:
+                out["read"] = type(e).__name__
+                raise
+            out["read"] = "ok"
+            return got
+
+        pub._read_rows = read_rows  # type: ignore[method-assign]
+        for v in (3, 4):
+            info = pub.publish(rank_state(v, rank, world), step=v)
+            out["infos"].append((info.version, info.kind))
+    return out
+
+
 SCENARIOS = {
     "async_versions": _scenario_async_versions,
     "async_failures": _scenario_async_failures,
@@ -601,6 +688,8 @@ SCENARIOS = {
     "killed": _scenario_killed,
     "fsdp": _scenario_fsdp,
     "collectives": _scenario_collectives,
+    "resume": _scenario_resume,
+    "resume_bad_rows": _scenario_resume_bad_rows,
 }
 
 
@@ -733,7 +822,9 @@ def test_failed_part_commits_nothing_and_retry_commits(tmp_path: Path) -> None:
     assert all(r["head_after_invalid"] == 1 for r in results)
     assert results[0]["failure"] == "PartFailedError" and results[1]["failure"] == "OSError"
     assert all(r["head_after_failure"] == 1 for r in results)
-    assert results[0]["retry"] == (2, "anchor")  # rank 1 dropped its reference: an anchor
+    # rank 1 dropped its reference (advanced to the failed rows): every rank resumes from version 1
+    # (design 010 D11), a delta, bit-exact below only if no rank kept a stale reference
+    assert results[0]["retry"] == (2, "delta")
     with Subscriber(url) as sub:
         _assert_equal(sub.pull(2), full_model(2))
 
@@ -779,13 +870,15 @@ def test_failed_part_manifest_upload_or_preplan_commits_nothing_and_retry_commit
     _ok(results)
     assert [r["failure"] for r in results] == ["StorageError", "StorageError"]
     assert all(r["head_after_failure"] == 1 for r in results)
-    assert all(r["retry"] == (2, "anchor") and r["next"] == "delta" for r in results), results
+    assert all(r["retry"] == (2, "delta") and r["next"] == "delta" for r in results), results  # resumed (D11)
     assert [r["preplan_failure"] for r in results] == ["StorageError", "StorageError"]
     assert all(r["head_after_preplan_failure"] == 3 for r in results)
-    assert all(r["after"] == (4, "anchor") for r in results), results  # a failed plan drops the references, as before
+    # a failed plan drops the references; version 4 is an anchor by the cost policy (two deltas of
+    # 207 bytes outweigh this tiny model's 373-byte anchor), so nothing is read back for it
+    assert all(r["after"] == (4, "anchor") for r in results), results
     assert [r["join_failure"] for r in results] == ["CorruptObjectError", "CorruptObjectError"]
     assert all(r["head_after_join_failure"] == 4 for r in results)
-    assert all(r["after_join"][:2] == (5, "anchor") for r in results), results
+    assert all(r["after_join"][:2] == (5, "delta") for r in results), results
     # the refused attempt's manifest was stored while the join ran: an unreferenced object
     manifests_5 = [o.key for o in open_store(url).list("manifests/") if o.key.startswith("manifests/000000000005-")]
     assert len(manifests_5) == 2 and results[0]["after_join"][2] in manifests_5, manifests_5
@@ -803,10 +896,11 @@ def test_killed_rank_leaves_nothing_visible_and_a_new_group_commits(tmp_path: Pa
     store = open_store(url)
     orphans = [o.key for o in store.list("objects/") if o.key.endswith(".pack")]
     assert orphans  # rank 1's packs of the lost attempt lie unreferenced (part manifests go up only at the commit)
-    # the restarted job (new processes, no reference copies) commits version 2 as an anchor
+    # the restarted job (new processes, no reference copies) resumes from version 1 (design 010
+    # D11): version 2 is a delta
     _ok(run_ranks(2, url, "versions", tmp_path))
     with Subscriber(url) as sub:
-        assert sub.info(2).kind == "anchor"
+        assert sub.info(2).kind == "delta"
         _assert_equal(sub.pull(), full_model(4))  # "versions" published its versions 1-4 as 2-5
 
 
@@ -818,6 +912,7 @@ def test_fsdp2_module_publishes_local_shards(tmp_path: Path) -> None:
         for version, full in results[0]["fulls"]:
             _assert_equal(sub.pull(version), full)
         assert sub.info(2).kind == "delta"
+    assert [r["resumed"] for r in results] == ["delta", "delta"]
 
 
 def test_compaction_and_gc_of_sharded_versions(tmp_path: Path) -> None:
@@ -1084,16 +1179,16 @@ def test_publish_async_failure_is_raised_once_and_the_retry_commits(tmp_path: Pa
         assert r["futures"][1][0] == "StorageError"
         assert r["futures"][2][0] == "PartFailedError" and "planned on version 2" in r["futures"][2][1]
         assert r["head_after_failure"] == 1  # neither 2 nor the version planned on it is visible
-        assert r["retry"] == (2, "anchor")  # every rank dropped its reference
+        assert r["retry"] == (2, "delta")  # every rank dropped its reference, then resumed from version 1
         assert r["head_after_part"] == 2
-        assert r["part_retry"] == (3, "anchor")
+        assert r["part_retry"] == (3, "delta")
     assert results[0]["counts"]["ahead"] >= 1  # version 3 was planned on version 2 while it committed
     assert results[0]["next_call"] == "PartFailedError" and results[1]["next_call"] == "OSError"
     assert results[0]["part_future"] == "PartFailedError" and results[1]["part_future"] == "OSError"
     with Subscriber(url) as sub:
         _assert_equal(sub.pull(2), full_model(2))
         _assert_equal(sub.pull(3), full_model(3))
-        assert [sub.info(v).kind for v in (1, 2, 3)] == ["anchor", "anchor", "anchor"]
+        assert [sub.info(v).kind for v in (1, 2, 3)] == ["anchor", "delta", "delta"]
 
 
 def test_publish_async_close_without_flush(tmp_path: Path) -> None:
@@ -1120,6 +1215,100 @@ def test_publish_async_killed_rank_commits_only_the_complete_version(tmp_path: P
     assert r0["f1"] == 1 and r0["head"] == 1
     _ok(run_ranks(2, url, "versions", tmp_path))
     with Subscriber(url) as sub:
-        assert sub.info(2).kind == "anchor"
+        assert sub.info(2).kind == "delta"  # resumed from version 1 (design 010 D11)
         _assert_equal(sub.pull(1), full_model(1))
         _assert_equal(sub.pull(), full_model(4))
+
+
+# --- resuming from the store (design 010 D11) -------------------------------------------------
+
+
+def _packs_by_part(sub: Subscriber, versions: range) -> dict[int, set[str]]:
+    """Per part: the packs its chunks' segments lie in, over ``versions``."""
+    from deltastore.manifest import piece_part
+
+    out: dict[int, set[str]] = {}
+    for v in versions:
+        m = sub._history.manifest(sub.info(v).manifest)
+        layout = sub._history.layout(m.layout)
+        index = {n: i for i, n in enumerate(layout.name)}
+        for t in m.tensors:
+            for c in t.chunks:
+                part = piece_part(layout, index[t.name], c.index)
+                for seg in (c.full, c.delta):
+                    if seg is not None:
+                        out.setdefault(part, set()).add(m.blobs[seg.blob].key)
+    return out
+
+
+def test_restarted_publisher_resumes_from_its_own_rows(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "resume", tmp_path)
+    _ok(results)
+    infos = results[0]["infos"]
+    assert all(r["infos"] == infos for r in results)
+    kinds = [(v, k) for v, k, _ in infos]
+    assert kinds == [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "delta"), (5, "anchor"), (6, "anchor")], kinds
+    # the resumed version is delta-sized: as version 2's delta (the same few changes), not an anchor
+    assert infos[2][2] <= 1.5 * infos[1][2] and infos[2][2] < infos[0][2] / 1.5, infos
+    with Subscriber(url) as sub:
+        m3 = sub._history.manifest(sub.info(3).manifest)
+        assert m3.delta_base == 2 and m3.kind == "delta"
+        for v in range(1, 7):
+            _assert_equal(sub.pull(v), full_model(v))
+        target = sub.pull(2)
+        sub.pull_into(target, 4)  # across the resumed version, in place
+        _assert_equal(target, full_model(4))
+        packs = _packs_by_part(sub, range(1, 3))
+    assert packs[0] and packs[1] and not packs[0] & packs[1]
+    for r in results:
+        read = {k for k, _ in r["reads"]}
+        # each rank read its own part's packs of versions 1-2, and nothing of the other's
+        assert read and read <= packs[r["rank"]], (r["rank"], read, packs)
+        assert sum(n for _, n in r["reads"]) <= sum(open_store(url).head(k).size for k in packs[r["rank"]])
+        assert r["reads_after"] == 0 and r["reads_no_resume"] == 0
+    # another world size (one rank now): another layout, so an anchor; then deltas on it
+    _ok(run_ranks(1, url, "versions", tmp_path))
+    with Subscriber(url) as sub:
+        assert [sub.info(v).kind for v in range(7, 11)] == ["anchor", "delta", "delta", "anchor"]  # anchor_every=3
+        _assert_equal(sub.pull(7), full_model(1))
+        _assert_equal(sub.pull(10), full_model(4))
+
+
+def test_resume_with_a_corrupt_chunk_on_one_rank_anchors_on_every_rank(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    _ok(run_ranks(2, url, "versions", tmp_path))  # versions 1-4 (4 an anchor: anchor_every=3)
+    with Subscriber(url) as sub:
+        own = _packs_by_part(sub, range(4, 5))[1] - _packs_by_part(sub, range(4, 5))[0]
+    key = min(own)  # a pack only rank 1's rows lie in
+    path = Path(url.removeprefix("file://")) / key
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    results = run_ranks(2, url, "resume_bad_rows", tmp_path)
+    _ok(results)
+    for r in results:
+        assert r["infos"] == [(5, "anchor"), (6, "delta")], r
+        kind, has_base, dropped, held = r["resumed"]
+        assert (kind, has_base, dropped, held) == ("anchor", False, True, None), r  # rank 0 read fine, and dropped it
+    assert results[0]["read"] == "ok" and results[1]["read"] == "IntegrityError", results
+    with Subscriber(url) as sub:
+        _assert_equal(sub.pull(5), full_model(3))
+        _assert_equal(sub.pull(6), full_model(4))
+
+
+def test_resolve_rows_reads_only_the_chunks_of_the_rows() -> None:
+    from deltastore.errors import SelectionError
+    from deltastore.select import resolve_rows
+    from deltastore.tensors import TensorSpec
+
+    units = {"a": TensorSpec("a", "bfloat16", (10, 6), 5), "s": TensorSpec("s", "float32", (), 1)}
+    res = resolve_rows(units, {"a": (5, 10), "s": (0, 1)})
+    assert res.chunks == {("a", 1), ("s", 0)} and not res.edges
+    assert res.shapes == {"a": ("bfloat16", (5, 6)), "s": ("float32", ())}
+    assert resolve_rows(units, {"a": (3, 7)}).edges == {("a", 0), ("a", 1)}
+    with pytest.raises(SelectionError, match="not rows"):
+        resolve_rows(units, {"a": (5, 11)})
+    with pytest.raises(SelectionError, match="not a tensor"):
+        resolve_rows(units, {"x": (0, 1)})
