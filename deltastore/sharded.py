@@ -79,6 +79,7 @@ from deltastore.errors import (
     PartFailedError,
     ShardMismatchError,
 )
+from deltastore.heap import release_free_heap
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
 from deltastore.manifest import (
@@ -1278,6 +1279,7 @@ class ShardedPublisher:
             return out, engine.bytes_fetched
         finally:
             engine.close()
+            release_free_heap()  # the read threads' chunk-sized buffers (deltastore.heap)
 
     def _write_part(self, plan: _Plan, layout: Layout, mine: Mapping[str, torch.Tensor],
                     share: _Share) -> tuple[PartRef, bytes, list[str], Stats]:
@@ -1291,6 +1293,8 @@ class ShardedPublisher:
         state = {n: t for n, t in mine.items()}
         encoded = encode_version(state, specs, kind=plan.kind, reference=reference, pool=self._pool,  # type: ignore[arg-type]
                                  uploader=self._uploader, store=self.store, threads=self.threads, attempt=plan.attempt)
+        if plan.kind == "anchor":
+            release_free_heap()  # the encode threads' chunk-sized buffers (deltastore.heap)
         tensors: list[Any] = []
         changed = []
         for e in encoded.entries:
