@@ -36,6 +36,7 @@ from typing import Any
 
 from deltastore.errors import (
     AlreadyExistsError,
+    DeltastoreError,
     GCAbortedError,
     GCRefusedError,
     HistoryReplacedError,
@@ -308,20 +309,7 @@ class _Run:
         if committed_head.index is not None:
             kept.add(committed_head.index.key)
         chain.down_to(floor)
-        for key, m in chain.between(floor, head.version):
-            kept.add(key)
-            kept.update(m.references())
-            if m.version >= head.version - SQUASH_RETAIN:
-                for s in m.squashes:
-                    if s.from_ >= floor or s.from_ in pins:
-                        kept.update(self._squash_needs(s))
-        for p in committed.pins:
-            if p.version >= floor:
-                continue
-            kept.update(self._needs_materialize(p.manifest))
-        for s in committed.squashes:
-            if s.from_ >= floor or s.from_ in pins:
-                kept.update(self._squash_needs(s))
+        kept |= self._mark(chain, floor, head.version, committed)
 
         # --- step 4: sweep -----------------------------------------------------------------
         report = GCReport(run_id=self.run_id, now=_iso(now), head_version=head.version, floor_before=floor_before,
@@ -331,7 +319,10 @@ class _Run:
         candidates: dict[str, list[ObjectMeta]] = {p: [] for p in _PHASES}
         listing = self._listing(now)
         listed = {m.key for m in listing}
-        report.missing = sorted(k for k in kept - listed if k != HEAD_KEY)
+        missing = {k for k in kept - listed if k != HEAD_KEY}
+        if missing:
+            missing = self._still_needed(missing, chain, floor, head.version)
+        report.missing = sorted(missing)
         if report.missing:
             logger.warning("gc on %s: %d objects that kept versions need are missing (the store is damaged), first %s",
                            self.store.url, len(report.missing), report.missing[0])
@@ -374,6 +365,54 @@ class _Run:
         logger.info("gc on %s: deleted %d objects (%d bytes), kept %d, floor %d → %d",
                     self.store.url, report.deleted_objects, report.deleted_bytes, report.kept_objects, floor_before, floor)
         return report
+
+    def _mark(self, chain: _Chain, floor: int, top: int, index: Index) -> set[str]:
+        """What versions ``floor``..``top`` of ``chain`` (read down to ``floor``) and ``index``'s
+        pins below the floor and squashes need (SPEC §11's marks)."""
+        pins = pinned(index)
+        kept: set[str] = set()
+        for key, m in chain.between(floor, top):
+            kept.add(key)
+            kept.update(m.references())
+            if m.version >= top - SQUASH_RETAIN:
+                for s in m.squashes:
+                    if s.from_ >= floor or s.from_ in pins:
+                        kept.update(self._squash_needs(s))
+        for p in index.pins:
+            if p.version >= floor:
+                continue
+            kept.update(self._needs_materialize(p.manifest))
+        for s in index.squashes:
+            if s.from_ >= floor or s.from_ in pins:
+                kept.update(self._squash_needs(s))
+        return kept
+
+    def _still_needed(self, missing: set[str], chain: _Chain, floor: int, top: int) -> set[str]:
+        """Of ``missing`` (marked at ``floor``, absent from the listing), those the store's
+        history still needs. Another GC may have raised the floor after this one committed its
+        own and collected below it (two GCs serialize only their index writes): objects of
+        versions below that floor are collected, not lost. Re-read HEAD's index once and mark
+        again at its floor; if anything cannot be read, report them all (a false alarm, never
+        a missed one)."""
+        try:
+            got = self.history.read_head()
+            index = read_index(self.history, got[0]) if got is not None else None
+        except DeltastoreError as e:
+            logger.debug("gc on %s: re-reading the index to check %d missing objects failed: %s",
+                         self.store.url, len(missing), e)
+            return missing
+        if index is None or index.floor <= floor:
+            return missing
+        try:
+            now_needed = self._mark(chain, min(index.floor, top), top, index)
+        except DeltastoreError as e:
+            logger.debug("gc on %s: marking at the new floor %d failed: %s", self.store.url, index.floor, e)
+            return missing
+        gone = missing - now_needed
+        if gone:
+            logger.info("gc on %s: %d objects marked at floor %d were collected since by another GC (floor %d now)",
+                        self.store.url, len(gone), floor, index.floor)
+        return missing & now_needed
 
     def _delete_all(self, metas: list[ObjectMeta], done: int) -> int:
         """Delete ``metas`` a few at a time; the first failure stops the run (the rest are

@@ -11,6 +11,7 @@ import json
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -752,3 +753,41 @@ def test_a_pins_own_layout_is_kept_below_the_floor(aged):
     assert pin_needs <= after and m9.layout.key in after
     assert_bits_equal(pull_from_manifest(aged, _index(aged)[1].pins[0].manifest), states[5])
     assert_versions_intact(aged, states, [9])
+
+
+class _CollectedMidRun(AgedStore):
+    """A store whose first full listing lets ``before_listing`` run first: another GC, racing
+    the one that lists (two GCs serialize only their index writes)."""
+
+    def __init__(self, inner: Store, before_listing: Any):
+        super().__init__(inner)
+        self.before_listing = before_listing
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        if prefix == "" and self.before_listing is not None:
+            hook, self.before_listing = self.before_listing, None
+            hook()
+        return super().list(prefix)
+
+
+def test_objects_another_gc_collected_meanwhile_are_not_reported_missing(aged):
+    """GC A marks at floor 4 and commits it; before A lists, GC B raises the floor to 7 and
+    collects versions 4-6. Their objects are then absent from A's listing: collected, not lost,
+    so A reports none of them; an object a version above B's floor still needs and that is gone
+    is still reported (the race found in session 20's suite on SeaweedFS)."""
+    states = publish(aged, 10)  # anchors 1, 4, 7, 10
+    aged.age_everything(2 * DAY)
+    old = set().union(*(needs_of(aged, v) for v in (4, 5, 6))) - needs_of(aged, 8)
+    lost = min(k for k in needs_of(aged, 9) - needs_of(aged, 8) if k.endswith(".pack"))
+    reports = []
+
+    def other_gc() -> None:
+        reports.append(collect(aged, keep_last=3, grace_s=DAY))  # floor 7
+        aged.inner.delete(lost)  # real damage, after B: B's report cannot have seen it
+
+    racing = _CollectedMidRun(aged.inner, other_gc)
+    racing.offsets = aged.offsets
+    report = collect(racing, keep_last=6, grace_s=DAY)  # marks at floor 4
+    assert reports[0].floor_after == 7 and set(all_deleted(reports[0])) >= old
+    assert report.floor_after == 4 and report.missing == [lost], report.missing
+    assert_versions_intact(aged, states, [7, 8, 10])
