@@ -1,17 +1,31 @@
 """Column grids, design 011 D10 steps 1-2: the geometry of a grid tensor (TensorSpec, the
-manifest helpers, the layout plumbing) against a naive reference written here (explicit
-loops over row and column blocks), never against the functions under test. Readers still refuse grids;
+manifest helpers, the layout plumbing) and deltastore.grid's conversions between natural and
+unit order, each against a naive reference written here (explicit slicing of the tensor
+``W[r0:r1, c0:c1, ...]``), never against the functions under test. Readers still refuse grids;
 writers never write one."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore import CorruptObjectError
+from deltastore import CorruptObjectError, grid
+from deltastore.grid import (
+    GridTarget,
+    block_view,
+    from_unit_order,
+    gather,
+    patch_put,
+    patch_region,
+    patch_take,
+    scatter,
+    to_unit_order,
+)
 from deltastore.manifest import (
     BlobRef,
     ChunkEntry,
@@ -26,7 +40,7 @@ from deltastore.manifest import (
     manifest_key,
 )
 from deltastore.plan import check_entries, layout
-from deltastore.tensors import TensorSpec
+from deltastore.tensors import TensorSpec, bits
 
 
 def _naive_blocks(shape: tuple[int, ...], chunk_rows: int, chunk_cols: int) -> list[tuple[slice, slice]]:
@@ -74,7 +88,7 @@ def test_grid_spans_tile_the_tensor_in_index_order(spec: TensorSpec) -> None:
         assert spec.chunk_block(i) == (rs.start, rs.stop, cs.start * inner, cs.stop * inner)
         if size:
             assert spec.chunk_at(a) == i
-            for p in (a, (a + b) // 2, b - 1):  # the way into a range starting inside a chunk
+            for p in (a, (a + b) // 2, b - 1):  # GridTarget's way into a range starting inside a chunk
                 assert spec.chunk_containing(p) == i
         pos = b
     assert pos == spec.numel
@@ -198,3 +212,194 @@ def test_writers_write_no_grid() -> None:
     with pytest.raises(ValueError, match="writes no column grid"):
         layout_of({"w": TensorSpec("w", "float32", (4, 2), 2, (), 1)})
     assert layout_of({"w": TensorSpec("w", "float32", (4, 2), 2)}).chunk_cols == (0,)
+
+
+# ---------------------------------------------------------------- step 2: grid.py
+
+
+def _natural(spec: TensorSpec, seed: int = 0) -> np.ndarray:
+    """Natural-order bits: an arange (distinct unless uint8 wraps), or random bytes."""
+    return np.arange(spec.numel, dtype=spec.uint_dtype()) if seed == 0 else \
+        np.random.default_rng(seed).integers(0, 2**8, spec.numel).astype(spec.uint_dtype())
+
+
+def _naive_chunk(raw: np.ndarray, spec: TensorSpec, index: int) -> np.ndarray:
+    rs, cs = _naive_blocks(spec.shape, spec.chunk_rows, spec.chunk_cols)[index]
+    return raw.reshape(spec.shape)[rs, cs].reshape(-1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(grid_specs(allow_empty=True))
+def test_gather_matches_naive_slicing_and_scatter_inverts_it(spec: TensorSpec) -> None:
+    raw = _natural(spec)
+    rebuilt = np.zeros_like(raw)
+    for i in range(spec.n_chunks):
+        want = _naive_chunk(raw, spec, i)
+        got = gather(raw, spec, i)
+        np.testing.assert_array_equal(got, want)
+        assert want.size == 0 or np.shares_memory(block_view(raw, spec, i), raw)  # a view, no copy
+        scatter(rebuilt, spec, i, got)
+        # gather into a slot of a larger buffer (the publisher's reference, 011 D3)
+        slot = np.full(got.size + 2, 7, dtype=raw.dtype)
+        gather(raw, spec, i, slot[1:-1])
+        np.testing.assert_array_equal(slot[1:-1], want)
+        assert slot[0] == slot[-1] == 7
+    np.testing.assert_array_equal(rebuilt, raw)  # the chunks cover the tensor, each once
+
+
+@settings(max_examples=200, deadline=None)
+@given(grid_specs(allow_empty=True), st.integers(1, 2**31))
+def test_scatter_then_gather_is_the_identity_and_touches_only_the_block(spec: TensorSpec, seed: int) -> None:
+    raw = _natural(spec)
+    before = raw.copy()
+    rng = np.random.default_rng(seed)
+    i = int(rng.integers(0, spec.n_chunks))
+    a, b = spec.chunk_span(i)
+    new = ~_naive_chunk(before, spec, i)  # every element differs from the old one
+    assert new.size == b - a
+    scatter(raw, spec, i, new)
+    np.testing.assert_array_equal(gather(raw, spec, i), new)
+    expect = before.reshape(spec.shape).copy()
+    rs, cs = _naive_blocks(spec.shape, spec.chunk_rows, spec.chunk_cols)[i]
+    expect[rs, cs] = new.reshape(expect[rs, cs].shape)
+    np.testing.assert_array_equal(raw, expect.reshape(-1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(grid_specs(allow_empty=True))
+def test_unit_order_spans_are_the_gathered_chunks(spec: TensorSpec) -> None:
+    raw = _natural(spec)
+    unit = to_unit_order(raw, spec)
+    assert unit.shape == raw.shape and not np.shares_memory(unit, raw)
+    np.testing.assert_array_equal(np.sort(unit), np.sort(raw))  # a permutation
+    for i in range(spec.n_chunks):
+        a, b = spec.chunk_span(i)
+        np.testing.assert_array_equal(unit[a:b], _naive_chunk(raw, spec, i))
+    np.testing.assert_array_equal(from_unit_order(unit, spec), raw)
+    out = np.zeros_like(raw)
+    assert from_unit_order(unit, spec, out) is out
+    np.testing.assert_array_equal(out, raw)
+
+
+def test_unit_order_without_a_grid_is_a_copy() -> None:
+    spec = TensorSpec("w", "float32", (5, 3, 2), 2)
+    raw = _natural(spec)
+    unit = to_unit_order(raw, spec)
+    np.testing.assert_array_equal(unit, raw)
+    assert not np.shares_memory(unit, raw)
+    np.testing.assert_array_equal(from_unit_order(unit, spec), raw)
+    np.testing.assert_array_equal(gather(raw, spec, 1), raw[12:24])
+
+
+def test_gather_and_scatter_refuse_a_buffer_of_the_wrong_size() -> None:
+    spec = TensorSpec("w", "float32", (70, 100), 16, (), 24)
+    raw = _natural(spec)
+    with pytest.raises(ValueError, match="chunk 4 has 64 elements"):
+        gather(raw, spec, 4, np.empty(65, dtype=raw.dtype))
+    with pytest.raises(ValueError, match="chunk 4 has 64 elements"):
+        scatter(raw, spec, 4, np.empty(63, dtype=raw.dtype))
+
+
+_TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8, "float64": torch.float64}
+
+
+def _tensor(spec: TensorSpec, seed: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 250, spec.shape, generator=g).to(_TORCH[spec.dtype])
+    return t.to(device)
+
+
+def _target_roundtrip(spec: TensorSpec, seed: int, device: str, torch_path: bool = False) -> None:
+    t = _tensor(spec, seed, device)
+    natural = bits(t.cpu()).copy()
+    target = GridTarget(spec, t)
+    if torch_path:  # the device branch (torch block views, contiguous().cpu(), copy_) on a CPU tensor
+        target._bits = None
+    assert target.cpu is False and target.raw is None
+    unit = to_unit_order(natural, spec)
+    rng = np.random.default_rng(seed)
+    for i in range(spec.n_chunks):  # whole chunks, as the read engine reads them
+        a, b = spec.chunk_span(i)
+        np.testing.assert_array_equal(target.read(a, b), unit[a:b])
+    for _ in range(4):  # any unit-order range, across and inside chunks
+        a, b = sorted(rng.integers(0, spec.numel + 1, 2).tolist())
+        np.testing.assert_array_equal(target.read(a, b), unit[a:b])
+        new = rng.integers(0, 2**8, b - a).astype(unit.dtype)
+        target.write(a, b, new)
+        unit[a:b] = new
+        np.testing.assert_array_equal(bits(t.cpu()), from_unit_order(unit, spec))
+
+
+@settings(max_examples=100, deadline=None)
+@given(grid_specs(), st.integers(0, 2**31))
+def test_grid_target_reads_and_writes_unit_order(spec: TensorSpec, seed: int) -> None:
+    _target_roundtrip(spec, seed, "cpu")
+    _target_roundtrip(spec, seed, "cpu", torch_path=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_grid_target_on_a_device() -> None:
+    for shape, rows, cols in (((70, 100), 16, 24), ((12, 10, 3), 5, 4), ((9, 7), 2, 3)):
+        for dtype in ("bfloat16", "float32", "uint8"):
+            _target_roundtrip(TensorSpec("w", dtype, shape, rows, (), cols), 3, "cuda")
+
+
+def test_grid_target_refuses_another_shape() -> None:
+    with pytest.raises(ValueError, match=r"\[4, 2\]"):
+        GridTarget(TensorSpec("w", "float32", (2, 4), 1, (), 2), torch.zeros(4, 2))
+
+
+def _patch_case(spec: TensorSpec, t: torch.Tensor, region_of, seed: int) -> None:
+    """Sparse and dense patches at chunk-relative positions land where naive slicing says."""
+    rng = np.random.default_rng(seed)
+    for i in range(spec.n_chunks):
+        a, b = spec.chunk_span(i)
+        if b == a:
+            continue
+        region = region_of(t, (a, b), spec.chunk_block(i) if spec.chunk_cols else None)
+        natural = bits(t.cpu()).copy()
+        chunk = _naive_chunk(natural, spec, i)
+        np.testing.assert_array_equal(patch_take(region, None), chunk)
+        pos = np.sort(rng.choice(b - a, size=max(1, (b - a) // 3), replace=False)).astype(np.int64)
+        np.testing.assert_array_equal(patch_take(region, pos), chunk[pos])
+        vals = (chunk[pos] + 1).astype(chunk.dtype)
+        patch_put(region, pos, vals)
+        chunk[pos] = vals
+        expect = natural.reshape(spec.shape).copy()
+        rs, cs = _naive_blocks(spec.shape, spec.chunk_rows, spec.chunk_cols)[i]
+        expect[rs, cs] = chunk.reshape(expect[rs, cs].shape)
+        np.testing.assert_array_equal(bits(t.cpu()), expect.reshape(-1))
+        dense = (chunk + 3).astype(chunk.dtype)
+        patch_put(region, None, dense)
+        np.testing.assert_array_equal(patch_take(region, None), dense)
+        expect[rs, cs] = dense.reshape(expect[rs, cs].shape)
+        np.testing.assert_array_equal(bits(t.cpu()), expect.reshape(-1))
+
+
+def _torch_region(t: torch.Tensor, span, block):
+    """patch_region's device branch (torch views and indexing), run on a CPU tensor."""
+    return grid._region(grid._torch_bits(t), t, span, block)
+
+
+@settings(max_examples=60, deadline=None)
+@given(grid_specs(), st.integers(0, 2**31), st.booleans())
+def test_patch_region_puts_and_takes_at_chunk_positions(spec: TensorSpec, seed: int, gridded: bool) -> None:
+    if not gridded:
+        spec = TensorSpec(spec.name, spec.dtype, spec.shape, spec.chunk_rows)
+    _patch_case(spec, _tensor(spec, seed), patch_region, seed)
+    _patch_case(spec, _tensor(spec, seed), _torch_region, seed)
+
+
+def test_patch_region_without_a_block_is_the_flat_span() -> None:
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    region = patch_region(t, (6, 18))
+    assert region.ndim == 1 and np.shares_memory(region, bits(t))
+    np.testing.assert_array_equal(region, bits(t)[6:18])
+    with pytest.raises(ValueError, match="block"):
+        patch_region(t, (0, 5), (0, 2, 0, 3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_patch_region_on_a_device() -> None:
+    spec = TensorSpec("w", "bfloat16", (70, 100), 16, (), 24)
+    _patch_case(spec, _tensor(spec, 5, "cuda"), patch_region, 5)
