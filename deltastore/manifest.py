@@ -289,15 +289,28 @@ class Manifest(_Model):
     #: schema 4: group row name → members, from the layout (design 007 D4). Not a field: the
     #: layout object holds it and ``layout`` (a field, signed) names that object by SHA-256.
     _groups: dict[str, tuple[GroupMember, ...]] = PrivateAttr(default_factory=dict)
+    #: tensor name → its ``chunk_cols`` where > 0 (a column grid, design 011 D1), from the
+    #: layout, for the same reason as ``_groups``; empty for every layout without a grid.
+    _grid: dict[str, int] = PrivateAttr(default_factory=dict)
 
     def members(self, name: str) -> tuple[GroupMember, ...]:
         """The members of group row ``name`` (empty for a tensor)."""
         return self._groups.get(name, ())
 
-    def with_groups(self, layout: Layout | None) -> Manifest:
-        """Attach ``layout``'s groups (in place; returns self)."""
-        self._groups = layout.members() if layout is not None else {}
+    def chunk_cols(self, name: str) -> int:
+        """Tensor ``name``'s ``chunk_cols`` in the layout (0: whole rows, no grid)."""
+        return self._grid.get(name, 0)
+
+    def with_layout(self, layout: Layout | None) -> Manifest:
+        """Attach ``layout``'s groups and column grids (in place; returns self)."""
+        if layout is None:
+            self._groups, self._grid = {}, {}
+        else:
+            self._groups, self._grid = layout.members(), layout.grid()
         return self
+
+    #: the name before column grids (design 011 D1); callers move to :meth:`with_layout`.
+    with_groups = with_layout
 
     @model_validator(mode="after")
     def _schema_fields(self) -> Manifest:
@@ -431,8 +444,11 @@ class Layout(_Model):
     #: group row name → members; derived from ``groups`` once, when the object is built (so
     #: equal layouts stay equal: pydantic compares private attributes too).
     _members: dict[str, tuple[GroupMember, ...]] = PrivateAttr(default_factory=dict)
+    #: tensor name → ``chunk_cols`` where it is not 0 (design 011 D1); derived like ``_members``.
+    _grid: dict[str, int] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, context: Any, /) -> None:
+        self._grid = {n: c for n, c in zip(self.name, self.chunk_cols) if c} if any(self.chunk_cols) else {}
         out: dict[str, tuple[GroupMember, ...]] = {}
         for g in self.groups or ():
             if not 0 <= g.unit < len(self.name) or not len(g.name) == len(g.shape) == len(g.offset):
@@ -444,6 +460,11 @@ class Layout(_Model):
     def members(self) -> dict[str, tuple[GroupMember, ...]]:
         """Group row name → its members (empty for a schema-3 layout)."""
         return self._members
+
+    def grid(self) -> dict[str, int]:
+        """Tensor name → its ``chunk_cols`` for every tensor with a column grid (empty when
+        none has one, as in every layout this release writes)."""
+        return self._grid
 
 
 class SquashManifest(_Model):
@@ -539,22 +560,36 @@ def manifest_key_version(key: str) -> int | None:
     return None if match is None else int(match.group(1))
 
 
-def chunk_count(shape: tuple[int, ...], chunk_rows: int) -> int:
+def chunk_count(shape: tuple[int, ...], chunk_rows: int, chunk_cols: int = 0) -> int:
     """Chunks of a tensor (SPEC §2): ``ceil(shape[0] / chunk_rows)``, at least one (0-d and
-    empty tensors are one chunk)."""
+    empty tensors are one chunk); with a column grid (``chunk_cols`` > 0, design 011 D1) that
+    many row blocks times ``ceil(shape[1] / chunk_cols)`` column blocks (at least one). A grid
+    needs a second dimension (the layout check refuses one without): here it is ignored."""
     if not shape:
         return 1
-    return max(1, -(-shape[0] // chunk_rows))
+    rows = max(1, -(-shape[0] // chunk_rows))
+    if chunk_cols and len(shape) >= 2:
+        return rows * max(1, -(-shape[1] // chunk_cols))
+    return rows
 
 
-def chunk_elements(shape: tuple[int, ...], chunk_rows: int, index: int) -> int:
-    """Elements in chunk ``index`` (the last chunk may be short)."""
+def chunk_elements(shape: tuple[int, ...], chunk_rows: int, index: int, chunk_cols: int = 0) -> int:
+    """Elements in chunk ``index`` (the last chunk may be short); with a column grid, chunk
+    ``index = i·nc + j`` holds row block i × column block j (the last of either may be short)."""
     if not shape:
         return 1
+    if chunk_cols and len(shape) >= 2:
+        nc = max(1, -(-shape[1] // chunk_cols))
+        index, j = divmod(index, nc)
+        inner = 1
+        for d in shape[2:]:
+            inner *= d
+        row_elems = max(0, min(chunk_cols, shape[1] - j * chunk_cols)) * inner
+    else:
+        row_elems = 1
+        for d in shape[1:]:
+            row_elems *= d
     rows = max(0, min(chunk_rows, shape[0] - index * chunk_rows))
-    row_elems = 1
-    for d in shape[1:]:
-        row_elems *= d
     return rows * row_elems
 
 
@@ -734,6 +769,7 @@ def _check_manifest(m: Manifest, key: str) -> None:
     anchor, is_delta = m.kind == "anchor", m.kind == "delta"
     no_delta_base = m.delta_base is None and m.base is None
     n_blobs = len(m.blobs)
+    grid = m._grid  # column grids (design 011 D1): empty unless the layout has one
     for t in m.tensors:
         if t.name in names:
             raise bad(f"tensor {t.name!r} is listed twice")
@@ -749,7 +785,8 @@ def _check_manifest(m: Manifest, key: str) -> None:
             raise bad(f"tensor {t.name!r} of shape {list(t.shape)} has more than 2**63 bytes")
         if t.chunk_rows is not None and not 1 <= t.chunk_rows < INT_LIMIT:
             _check_int(t.chunk_rows, f"tensor {t.name!r} chunk_rows", "manifest", key, low=1)
-        n_chunks = chunk_count(t.shape, t.chunk_rows)
+        cols = grid.get(t.name, 0) if grid else 0
+        n_chunks = chunk_count(t.shape, t.chunk_rows, cols)
         seen: set[int] = set()
         for c in t.chunks:
             # (messages are formatted only on failure: this loop runs per chunk of every parse)
@@ -767,7 +804,7 @@ def _check_manifest(m: Manifest, key: str) -> None:
                     raise bad(f"delta chunk {t.name}[{index}] has no delta segment")
             elif no_delta_base:
                 raise bad(f"chunk {t.name}[{index}] has a delta segment but the manifest has no delta_base")
-            elements = chunk_elements(t.shape, t.chunk_rows, index)
+            elements = chunk_elements(t.shape, t.chunk_rows, index, cols)
             for which, seg in (("full", full), ("delta", delta)):
                 if seg is None:
                     continue
@@ -870,6 +907,9 @@ def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int
     ]
     if schema < GROUPS_SCHEMA and groups:
         raise ValueError(f"a schema-{schema} layout cannot hold groups (schema {GROUPS_SCHEMA} does)")
+    if any(getattr(t, "chunk_cols", 0) for t in items):
+        # readers refuse grids until design 011 D10 step 3; writing 0 instead would be a lie
+        raise ValueError(f"this release writes no column grid (chunk_cols > 0): {GRID_UNSUPPORTED}")
     return Layout(
         schema=schema,
         groups=tuple(groups) if schema >= GROUPS_SCHEMA else None,
@@ -1182,7 +1222,7 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str,
                              for _, index, digest, full, delta in run]))
         for (name, dtype, shape, chunk_rows), run in _row_entries(rows, layout)
     )
-    return header.model_copy(update={"tensors": tensors}).with_groups(layout)
+    return header.model_copy(update={"tensors": tensors}).with_layout(layout)
 
 
 #: The fields of a TensorEntry but ``chunks``, in their order.
@@ -1514,7 +1554,7 @@ def encode_manifest(m: Manifest, layout: Layout | None = None, parts: Mapping[st
             difference = "its header does not survive JSON as it is"
         if difference is None:
             # the manifest a reader builds: the decoded header, entries identical to m's
-            _check_manifest(header.model_copy(update={"tensors": m.tensors}), where)
+            _check_manifest(header.model_copy(update={"tensors": m.tensors}).with_layout(layout), where)
     except CorruptObjectError as e:
         raise ValueError(f"manifest of version {m.version} cannot be encoded: {e}") from None
     if difference is not None:

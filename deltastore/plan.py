@@ -72,7 +72,11 @@ class ChunkPlan:
 def layout(m: Manifest) -> dict[str, TensorSpec]:
     """The layout an anchor manifest defines: its units (tensors, and group rows with their
     members, design 007)."""
-    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows, m.members(t.name)) for t in m.tensors}
+    grid = m._grid  # column grids (design 011 D1), attached from the layout; empty without one
+    if not grid:
+        return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows, m.members(t.name)) for t in m.tensors}
+    return {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape), t.chunk_rows, m.members(t.name), grid.get(t.name, 0))
+            for t in m.tensors}
 
 
 def digests(ms: Manifests) -> dict[tuple[str, int], str]:
@@ -92,9 +96,11 @@ def check_entries(key: str, m: Manifest, specs: dict[str, TensorSpec], anchor: i
     Raises:
         CorruptObjectError: naming the manifest and the tensor.
     """
+    grid = getattr(m, "_grid", None)  # a column grid is part of the layout too (design 011 D1)
     for t in m.tensors:
         spec = specs.get(t.name)
-        if spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows):
+        if (spec is None or (t.dtype, tuple(t.shape), t.chunk_rows) != (spec.dtype, spec.shape, spec.chunk_rows)
+                or spec.chunk_cols != (grid.get(t.name, 0) if grid else 0)):
             against = f"anchor {anchor}" if anchor is not None else "the version it builds on"
             raise CorruptObjectError(f"manifest {key!r}: tensor {t.name!r} does not match the layout of {against}")
 

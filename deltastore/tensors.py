@@ -66,7 +66,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor's layout: what must not change between an anchor and its deltas."""
+    """A tensor's layout: what must not change between an anchor and its deltas.
+
+    With ``chunk_cols`` > 0 (a column grid, design 011 D1; readers refuse it until D10 step 3)
+    chunk ``i·nc + j`` is row block i × column block j of the tensor, and the chunks' spans are
+    in the tensor's *unit order*: its chunks back to back in index order, each in its own C
+    order (:mod:`deltastore.grid` converts). Without a grid, unit order is the natural order.
+    """
 
     name: str
     dtype: str
@@ -74,6 +80,11 @@ class TensorSpec:
     chunk_rows: int
     #: a group row's tensors (design 007), in storage order; empty for a tensor.
     members: tuple[GroupMember, ...] = ()
+    #: columns (of dimension 1) per chunk: 0 for whole rows (every layout written so far).
+    #: Checked where a grid's geometry is first asked (:meth:`n_colblocks`), not here: building
+    #: specs stays as cheap as before grids (a layout builds one per tensor); the layout check
+    #: refuses an impossible grid before any spec is built from it.
+    chunk_cols: int = 0
 
     @property
     def width(self) -> int:
@@ -88,20 +99,87 @@ class TensorSpec:
         return math.prod(self.shape[1:]) if self.shape else 1
 
     @property
+    def n_colblocks(self) -> int:
+        """Column blocks per row block: ``ceil(shape[1] / chunk_cols)`` (at least 1), 1 without a grid."""
+        k = self.chunk_cols
+        if not k:
+            return 1
+        if k < 0 or len(self.shape) < 2 or self.members:
+            raise ValueError(f"tensor {self.name!r} {list(self.shape)}: chunk_cols {k} "
+                             "(a column grid needs a tensor of two or more dimensions and chunk_cols > 0)")
+        return max(1, -(-self.shape[1] // k))
+
+    @property
     def n_chunks(self) -> int:
-        return chunk_count(self.shape, self.chunk_rows)
+        return chunk_count(self.shape, self.chunk_rows, self.chunk_cols)
 
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPE_WIDTHS[self.dtype]
 
     def chunk_span(self, index: int) -> tuple[int, int]:
-        """Element range ``[start, stop)`` of chunk ``index`` in the flattened tensor."""
+        """Element range ``[start, stop)`` of chunk ``index`` in the flattened tensor (for a
+        grid tensor, in its unit order: design 011 D1)."""
         if not self.shape:
             return (0, 1)
+        if self.chunk_cols:
+            return self._grid_span(index)
         r0 = index * self.chunk_rows
         r1 = min(r0 + self.chunk_rows, self.shape[0])
         return (r0 * self.row_elems, r1 * self.row_elems)
+
+    def _grid_span(self, index: int) -> tuple[int, int]:
+        """011 D1's closed form: every chunk before (i, j) in unit order is a full row block
+        (rows before r0) or a full-height column block of row block i (columns before c0)."""
+        r0, r1, e0, e1 = self.chunk_block(index)
+        a = r0 * self.row_elems + (r1 - r0) * e0
+        return (a, a + (r1 - r0) * (e1 - e0))
+
+    def chunk_block(self, index: int) -> tuple[int, int, int, int]:
+        """``(r0, r1, e0, e1)``: chunk ``index`` holds rows ``[r0, r1)`` × element columns
+        ``[e0, e1)`` of the tensor seen as ``(shape[0], row_elems)`` (an element column ``e`` is
+        column ``e // inner`` of dimension 1, ``inner`` the trailing elements). Without a grid
+        that is ``(r0, r1, 0, row_elems)``; a 0-d tensor is one row of one element."""
+        if not self.shape:
+            return (0, 1, 0, 1)
+        k = self.chunk_cols
+        i, j = divmod(index, self.n_colblocks) if k else (index, 0)  # n_colblocks checks the grid
+        r0 = i * self.chunk_rows
+        r1 = min(r0 + self.chunk_rows, self.shape[0])
+        if not k:
+            return (r0, r1, 0, self.row_elems)
+        inner = math.prod(self.shape[2:])
+        c0 = j * k
+        c1 = min(c0 + k, self.shape[1])
+        return (r0, r1, c0 * inner, c1 * inner)
+
+    def chunk_at(self, start: int) -> int:
+        """The index of the chunk whose span starts at element ``start`` (the inverse of
+        :meth:`chunk_span`). Of empty chunks starting there, the first.
+
+        Raises:
+            ValueError: no chunk starts at ``start``.
+        """
+        i = self.chunk_containing(start) if 0 <= start <= self.numel else -1
+        if i < 0 or self.chunk_span(i)[0] != start:
+            raise ValueError(f"no chunk of tensor {self.name!r} starts at element {start}")
+        return i
+
+    def chunk_containing(self, pos: int) -> int:
+        """The index of the chunk whose span holds element ``pos`` (in unit order), by two
+        divisions: the row band, then the column block within it (whose height is the band's).
+        A ``pos`` past the end gives the last chunk; an empty tensor's is chunk 0."""
+        row = self.row_elems
+        if not self.shape or not row or not self.shape[0]:
+            return 0
+        band = self.chunk_rows * row
+        i = min(max(0, pos) // band, -(-self.shape[0] // self.chunk_rows) - 1)
+        if not self.chunk_cols:
+            return i
+        nc = self.n_colblocks
+        h = min(self.chunk_rows, self.shape[0] - i * self.chunk_rows)
+        width = self.chunk_cols * (row // self.shape[1])  # element columns of a full column block
+        return i * nc + min(max(0, pos - i * band) // (h * width), nc - 1)
 
     def chunk_bytes(self, index: int) -> int:
         """Bytes of chunk ``index``."""
