@@ -309,9 +309,6 @@ class Manifest(_Model):
             self._groups, self._grid = layout.members(), layout.grid()
         return self
 
-    #: the name before column grids (design 011 D1); callers move to :meth:`with_layout`.
-    with_groups = with_layout
-
     @model_validator(mode="after")
     def _schema_fields(self) -> Manifest:
         _check_schema_fields(self, self.schema_, self.lineage, ("lineage", "signature"))

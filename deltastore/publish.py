@@ -599,7 +599,7 @@ class Publisher:
                 chain_start=chain_start,
                 layout=layout_ref,
                 max_attempt_s=math.ceil(self.max_attempt_s),
-            ).with_groups(layout)
+            ).with_layout(layout)
             if self._signing_key is not None:
                 from deltastore.signing import sign_manifest
 

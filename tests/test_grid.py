@@ -205,7 +205,7 @@ def test_manifest_carries_the_layouts_grid_to_the_plan() -> None:
     _, m2, _ = _grid_manifest()
     lay0 = lay.model_copy(update={"chunk_cols": (0,)})
     lay0.model_post_init(None)
-    assert lay0.grid() == {} and m2.with_groups(lay0).chunk_cols("w") == 0
+    assert lay0.grid() == {} and m2.with_layout(lay0).chunk_cols("w") == 0
 
 
 def test_writers_write_no_grid() -> None:
