@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import pickle
 import statistics
@@ -41,6 +40,7 @@ from benchmarks.sharded import (
     _rl_path,
     _rss_bytes,
     _Source,
+    rank_context,
 )
 
 #: Versions published before the restart: an anchor and two deltas, so that the resume reads a
@@ -101,7 +101,7 @@ def run(world: int, mode: str, rl_workload: str, tmp: Path) -> dict[str, Any]:
 
     store = Path(tempfile.mkdtemp(dir=tmp))
     url = f"file://{store}/store"
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, url, mode, rl_workload, str(store))) for r in range(world)]
     t0 = time.perf_counter()

@@ -7,6 +7,7 @@ payloads, ``-0.0`` and subnormals count.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -25,6 +26,23 @@ SMALL_CHUNK_BYTES = 512
 
 
 # --- bit-exact comparison ------------------------------------------------------------------
+
+
+#: Modules a test's child processes import before any test code runs (see :func:`mp_context`).
+_PRELOAD = ["torch", "torch.distributed", "numpy", "deltastore", "deltastore.sharded", "deltastore.gc"]
+
+
+def mp_context() -> Any:
+    """The multiprocessing context for tests that start real processes (ranks, racers, killed
+    GCs): a forkserver that imported torch and deltastore once, so each child starts in
+    milliseconds instead of importing torch again (seconds on two cores). Children start as
+    with ``spawn`` otherwise (a fresh process tree, no inherited threads or locks). Falls back
+    to ``spawn`` where there is no forkserver (not POSIX)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def raw(t: torch.Tensor) -> bytes:

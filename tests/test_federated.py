@@ -3,7 +3,6 @@ quorum, fencing, GC of the round's base, a site killed mid-upload."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -33,7 +32,7 @@ from deltastore.history import History
 from deltastore.index import pinned, read_index
 from deltastore.manifest import BaseRef, Manifest
 from deltastore.storage import open_store
-from tests._helpers import assert_bits_equal
+from tests._helpers import assert_bits_equal, mp_context
 
 #: Small chunks, so that results touch some chunks of a tensor and not others.
 CHUNK_BYTES = 4096
@@ -379,7 +378,7 @@ def test_site_killed_mid_upload_is_invisible(moto_s3_url) -> None:
     opts = moto_s3_url.storage_options
     with open_aggregator(global_url, site_urls, opts) as agg:
         agg.start(initial_state())
-        proc = mp.get_context("spawn").Process(target=_site_killed_mid_upload,
+        proc = mp_context().Process(target=_site_killed_mid_upload,
                                                args=(global_url, site_urls["site-2"], opts))
         proc.start()
         proc.join(timeout=120)

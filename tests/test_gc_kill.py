@@ -8,7 +8,6 @@ and pinned version must still pull bit-exactly, and the next run must finish the
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -20,7 +19,7 @@ from deltastore.gc import collect
 from deltastore.history import History
 from deltastore.index import pin, read_index
 from deltastore.storage import open_store
-from tests._helpers import assert_bits_equal, keys
+from tests._helpers import assert_bits_equal, keys, mp_context
 from tests.test_gc import assert_versions_intact, needs_of, publish, pull_from_manifest
 
 #: GC's grace in this test (unsafe_grace_ok): the versions are published, then aged past it.
@@ -53,7 +52,7 @@ def test_gc_killed_by_sigkill_halfway_loses_nothing_kept(seaweedfs_s3_url, after
     time.sleep(GRACE_S + 1.5)  # every object older than the grace (store clock)
     before = keys(store)
 
-    proc = mp.get_context("spawn").Process(target=_collect_then_die, args=(url, options, after))
+    proc = mp_context().Process(target=_collect_then_die, args=(url, options, after))
     proc.start()
     proc.join(timeout=120)
     assert proc.exitcode == -signal.SIGKILL, f"the collector was not killed (exit code {proc.exitcode})"

@@ -25,6 +25,7 @@ from deltastore.history import History
 from deltastore.index import pin, pinned, read_index
 from deltastore.storage import open_store
 from tests._helpers import (
+    mp_context,
     SMALL_CHUNK_BYTES,
     HeadPutHook,
     assert_bits_equal,
@@ -41,7 +42,7 @@ from tests.test_gc import (
 )
 
 #: Versions the racing publisher commits.
-RACE_VERSIONS = 24
+RACE_VERSIONS = 16
 #: Seconds between its versions: versions must age past the grace while the race runs.
 RACE_PAUSE_S = 0.25
 #: The grace of the racing GC (see the module docstring).
@@ -139,7 +140,7 @@ def _pinner(url: str, options: dict, stop: mp.Event, out: mp.Queue) -> None:
 def test_gc_racing_a_publisher_and_pins_on_s3(request, server):
     target = request.getfixturevalue(f"{server}_s3_url")
     url, options = target.url, target.storage_options
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     out, stop = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_publisher, args=(url, options, out)),
              ctx.Process(target=_gc, args=(url, options, stop, out, 2, "gc")),

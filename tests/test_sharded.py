@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -28,6 +27,7 @@ from deltastore import Subscriber
 from deltastore.errors import InvalidStateDictError, PartFailedError, ShardMismatchError
 from deltastore.manifest import HEAD_KEY
 from deltastore.storage import open_store
+from tests._helpers import mp_context
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
@@ -705,7 +705,7 @@ def run_ranks(world: int, url: str, scenario: str, tmp: Path, options: dict[str,
     """Run ``scenario`` on ``world`` spawned ranks; their results (a killed rank: exit code)."""
     out = tmp / f"out-{scenario}-{world}-{os.urandom(4).hex()}"
     out.mkdir()
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, url, scenario, str(out), options)) for r in range(world)]
     for p in procs:
