@@ -1,0 +1,242 @@
+"""Partial pulls of column-grid tensors (design 011 D5, SPEC §8): the block arithmetic of
+deltastore.select, with TensorSpecs that have ``chunk_cols`` and no store.
+
+Every expectation is computed here independently of select.py: the chunks a selection reads
+and its edges by a loop over every chunk of the grid (``chunk_block``, checked against explicit
+slicing in test_grid.py) or by the closed-form prediction of 011 D5; the bits a target holds by
+torch slicing of the natural tensor (``W[:, lo:hi]``, ``W[r0:r1, c0:c1]``). Without a grid the
+chunks, edges and changed spans must be exactly what the pre-grid code computed (kept here as
+the oracle ``_pre_grid``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltastore.plan import ChunkPlan
+from deltastore.pull import _slice_spans
+from deltastore.select import Selection, SliceTarget, SliceView, changed_spans, resolve, slice_targets
+from deltastore.tensors import TensorSpec, bits
+
+
+def _spec(shape: tuple[int, ...], chunk_rows: int, chunk_cols: int, name: str = "w") -> TensorSpec:
+    return TensorSpec(name, "bfloat16", shape, chunk_rows, (), chunk_cols)
+
+
+def _cut(spec: TensorSpec, dim: int, rank: int, world: int) -> tuple[int, int, int, int]:
+    """Rows × element columns ``(r0, r1, e0, e1)`` rank ``rank`` of ``world`` holds (SPEC §8)."""
+    S, C = spec.shape[0], spec.shape[1]
+    inner = math.prod(spec.shape[2:])
+    if dim == 0:
+        return (rank * S // world, (rank + 1) * S // world, 0, C * inner)
+    return (0, S, rank * C // world * inner, (rank + 1) * C // world * inner)
+
+
+def _naive(spec: TensorSpec, rect: tuple[int, int, int, int]) -> tuple[set[int], set[int]]:
+    """The chunks overlapping ``rect`` and those of them not inside it, by a loop over every chunk."""
+    R0, R1, E0, E1 = rect
+    read, edges = set(), set()
+    for i in range(spec.n_chunks):
+        r0, r1, e0, e1 = spec.chunk_block(i)
+        if max(r0, R0) < min(r1, R1) and max(e0, E0) < min(e1, E1):
+            read.add(i)
+            if not (R0 <= r0 and r1 <= R1 and E0 <= e0 and e1 <= E1):
+                edges.add(i)
+    return read, edges
+
+
+def _natural(spec: TensorSpec, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**15, 2**15, spec.shape, generator=g, dtype=torch.int16).view(torch.bfloat16)
+
+
+def _block(t: torch.Tensor, spec: TensorSpec, i: int) -> np.ndarray:
+    """Chunk ``i``'s bits by torch slicing of the natural tensor (its C order)."""
+    r0, r1, e0, e1 = spec.chunk_block(i)
+    return bits(t.reshape(spec.shape[0], -1)[r0:r1, e0:e1].contiguous())
+
+
+# ------------------------------------------------------------ 011 D5: which chunks a cut reads
+
+#: A grid made for TP=8: 40 rows in row blocks of 16 (ragged: 3 blocks), 64 columns in blocks
+#: of 8 (C/8), and a 3-D one with trailing elements (48 columns of 3, blocks of 6).
+GRIDS = [_spec((40, 64), 16, 8), _spec((24, 48, 3), 10, 6)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 3, 16])
+@pytest.mark.parametrize("spec", GRIDS, ids=["2d", "3d"])
+def test_a_column_cut_reads_the_predicted_blocks(spec: TensorSpec, world: int) -> None:
+    """011 D5: a column cut reads its row blocks × the column blocks overlapping its columns;
+    at most two of them per row block straddle it, none when the degree divides the grid's 8,
+    and at 8 the unit is read through a live view (the aligned fast path)."""
+    nr, nc, k, C = -(-spec.shape[0] // spec.chunk_rows), spec.n_colblocks, spec.chunk_cols, spec.shape[1]
+    for rank in range(world):
+        res = resolve(Selection(shard=(1, rank, world)), {"w": spec})
+        lo, hi = rank * C // world, (rank + 1) * C // world
+        blocks = range(lo // k, -(-hi // k))  # the column blocks holding columns lo .. hi-1
+        straddling = [j for j in blocks if j * k < lo or min((j + 1) * k, C) > hi]
+        assert res.chunks == {("w", i * nc + j) for i in range(nr) for j in blocks}
+        assert res.edges == {("w", i * nc + j) for i in range(nr) for j in straddling}
+        read, edges = _naive(spec, _cut(spec, 1, rank, world))
+        assert (res.chunks, res.edges) == ({("w", i) for i in read}, {("w", i) for i in edges})
+        assert len(res.edges) <= 2 * nr
+        if 8 % world == 0:
+            assert not res.edges and len(res.chunks) == nr * (8 // world)
+        # a chunk is a span of the slice only when its columns are the slice's
+        assert res.views == ({"w"} if world == 8 else frozenset())
+        if world == 16:  # one block of twice the share, kept whole
+            assert len(res.chunks) == nr and res.edges == res.chunks
+
+
+def test_a_row_cut_of_a_grid_tensor_reads_its_row_blocks_whole() -> None:
+    spec = GRIDS[0]
+    nc = spec.n_colblocks
+    for rank, world in [(0, 2), (1, 3), (2, 5)]:
+        res = resolve(Selection(shard=(0, rank, world)), {"w": spec})
+        lo, hi = rank * 40 // world, (rank + 1) * 40 // world
+        bands = range(lo // 16, -(-hi // 16))
+        assert res.chunks == {("w", i * nc + j) for i in bands for j in range(nc)}
+        assert res.edges == {("w", i * nc + j) for i in bands if i * 16 < lo or min(i * 16 + 16, 40) > hi
+                             for j in range(nc)}
+        assert not res.views  # a row band of several column blocks is not a span of the slice
+
+
+def test_a_huge_grid_is_resolved_without_visiting_every_chunk(monkeypatch) -> None:
+    """011 D7: ``nr·nc`` may be huge; a selection enumerates only the chunks it overlaps."""
+    spec = _spec((2**20, 2**24), 2**14, 2**8)  # 64 row blocks × 2^16 column blocks
+    monkeypatch.setattr(TensorSpec, "n_chunks", property(lambda s: pytest.fail("visited every chunk")))
+    res = resolve(Selection(shard=(1, 3, 2**16)), {"w": spec})  # 256 columns per rank: one block
+    assert res.chunks == {("w", i * 2**16 + 3) for i in range(64)} and not res.edges and res.views == {"w"}
+    res = resolve(Selection(shard=(1, 1, 2**15 * 3)), {"w": spec})  # columns 170-341: two blocks, both cut
+    assert len(res.chunks) == 64 * 2 and res.edges == res.chunks
+
+
+@st.composite
+def _cases(draw: st.DrawFn, grid: bool = True) -> tuple[TensorSpec, Selection | None]:
+    ndim = draw(st.integers(2, 3))
+    S, C = draw(st.integers(1, 30)), draw(st.integers(1, 24))
+    shape = (S, C, *[draw(st.integers(1, 3)) for _ in range(ndim - 2)])
+    cols = draw(st.integers(1, C)) if grid else 0
+    spec = _spec(shape, draw(st.integers(1, S + 2)), cols)
+    dim = draw(st.sampled_from([None, 0, 1]))
+    if dim is None:
+        return spec, None
+    world = draw(st.integers(1, shape[dim]))
+    return spec, Selection(shard=(dim, draw(st.integers(0, world - 1)), world))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_cases())
+def test_resolve_matches_a_loop_over_every_chunk(case) -> None:
+    spec, sel = case
+    res = resolve(sel or Selection(), {"w": spec})
+    rect = _cut(spec, *sel.shard) if sel else (0, spec.shape[0], 0, spec.row_elems)
+    read, edges = _naive(spec, rect)
+    assert res.chunks == {("w", i) for i in read}
+    assert res.edges == {("w", i) for i in edges}
+    if sel is not None and sel.shard[0] == 1:  # at most two straddling column blocks per row block
+        bands = [i // spec.n_colblocks for i in edges]
+        assert all(bands.count(b) <= 2 for b in bands)
+
+
+def _pre_grid(spec: TensorSpec, res) -> tuple[set, set]:
+    """The chunks and edges as select.py computed them before grids: every chunk's span
+    against every window's ``held``."""
+    chunks, edges = set(), set()
+    for uname, ws in res.windows.items():
+        for i in range(spec.n_chunks):
+            a, b = spec.chunk_span(i)
+            inside = sum(w.held(a, b) for w in ws)
+            if inside:
+                chunks.add((uname, i))
+                if inside < b - a:
+                    edges.add((uname, i))
+    return chunks, edges
+
+
+@settings(max_examples=150, deadline=None)
+@given(_cases(grid=False))
+def test_without_a_grid_the_chunks_edges_and_changed_spans_are_todays(case) -> None:
+    spec, sel = case
+    res = resolve(sel or Selection(), {"w": spec})
+    assert (res.chunks, res.edges) == _pre_grid(spec, res)
+    assert not res.views
+    plans = [ChunkPlan("w", i, spec.chunk_span(i), "") for _, i in sorted(res.chunks)]
+    assert changed_spans(plans, res) == _slice_spans(plans, res)
+
+
+# ------------------------------------------------------------ the targets: bits in, bits out
+
+
+def _expected(t: torch.Tensor, sel: Selection | None) -> torch.Tensor:
+    if sel is None:
+        return t
+    dim, rank, world = sel.shard
+    n = t.shape[dim]
+    return t.narrow(dim, rank * n // world, (rank + 1) * n // world - rank * n // world).contiguous()
+
+
+def _check_targets(spec: TensorSpec, sel: Selection | None, seed: int) -> None:
+    """Writing every chunk read (bits cut from the natural tensor) into a zeroed target gives
+    the user exactly their slice, spare bits for exactly the edges, and reading a chunk back
+    gives its bits; an aligned unit is a live view that keeps nothing."""
+    res = resolve(sel or Selection(), {"w": spec})
+    t = _natural(spec, seed)
+    want = _expected(t, sel)
+    mine = {"w": torch.zeros_like(want)}
+    spare: dict = {}
+    tgt = slice_targets({"w": spec}, res, mine, spare)["w"]
+    assert isinstance(tgt, SliceView if "w" in res.views else SliceTarget)
+    for _, i in sorted(res.chunks):
+        tgt.write(*spec.chunk_span(i), _block(t, spec, i).copy())
+    assert torch.equal(mine["w"].view(torch.int16), want.view(torch.int16))
+    assert set(spare) == res.edges
+    user = bits(mine["w"])
+    for _, i in sorted(res.chunks):
+        got = tgt.read(*spec.chunk_span(i))
+        np.testing.assert_array_equal(got, _block(t, spec, i))
+        assert np.shares_memory(got, user) == ("w" in res.views)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_cases(), st.integers(0, 2**16))
+def test_slice_targets_hold_the_users_slice_and_the_edges(case, seed: int) -> None:
+    _check_targets(*case, seed)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 3, 16])
+def test_targets_of_a_grid_made_for_8(world: int) -> None:
+    for spec in GRIDS:
+        for rank in range(world):
+            _check_targets(spec, Selection(shard=(1, rank, world)), rank)
+
+
+def test_a_live_view_refuses_a_chunk_that_is_not_a_span_of_the_slice() -> None:
+    spec = GRIDS[0]
+    res = resolve(Selection(shard=(1, 1, 8)), {"w": spec})
+    view = slice_targets({"w": spec}, res, {"w": torch.zeros(40, 8, dtype=torch.bfloat16)}, {})["w"]
+    assert isinstance(view, SliceView)
+    with pytest.raises(ValueError, match="not a span of the slice"):
+        view.read(*spec.chunk_span(0))  # column block 0 is rank 0's
+
+
+def test_changed_spans_of_a_grid_are_row_bands_of_the_slice() -> None:
+    """011 D4: a changed grid chunk is reported as its row band, in the slice's coordinates."""
+    spec = GRIDS[0]  # row blocks [0,16) [16,32) [32,40); column blocks of 8
+    nc = spec.n_colblocks
+
+    def plan(i: int, j: int) -> ChunkPlan:
+        return ChunkPlan("w", i * nc + j, spec.chunk_span(i * nc + j), "")
+
+    res = resolve(Selection(shard=(1, 1, 4)), {"w": spec})  # columns 16-32: blocks 2 and 3, width 16
+    assert changed_spans([plan(1, 2)], res) == {"w": [(16 * 16, 32 * 16)]}
+    assert changed_spans([plan(0, 3), plan(2, 2)], res) == {"w": [(0, 16 * 16), (32 * 16, 40 * 16)]}
+    res = resolve(Selection(shard=(0, 1, 2)), {"w": spec})  # rows 20-40, whole rows of 64
+    assert changed_spans([plan(1, 5)], res) == {"w": [(0, 12 * 64)]}
+    assert changed_spans([plan(0, 0)], res) == {}
