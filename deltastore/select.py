@@ -413,6 +413,9 @@ class SliceTarget:
         self.spec = spec
         self.spare = spare
         self.edges = edges
+        self._row = spec.row_elems
+        self._band = spec.chunk_rows * self._row
+        self._height = spec.shape[0] if spec.shape else 1
         # per window: its rectangle of the unit, and the user's bits as that rectangle
         self.windows: list[tuple[tuple[int, int, int, int], np.ndarray]] = []
         for w in windows:
@@ -422,11 +425,19 @@ class SliceTarget:
 
     def _block(self, a: int, b: int) -> tuple[tuple[str, int], tuple[int, int, int, int]]:
         """The key and block of the chunk whose span is ``[a, b)``."""
-        i = self.spec.chunk_at(a)
-        r0, r1, e0, e1 = block = self.spec.chunk_block(i)
-        if (r1 - r0) * (e1 - e0) != b - a:
-            raise ValueError(f"[{a}, {b}) is not the span of a chunk of tensor {self.spec.name!r}")
-        return (self.spec.name, i), block
+        spec = self.spec
+        if spec.chunk_cols:
+            i = spec.chunk_at(a)
+            r0, r1, e0, e1 = block = spec.chunk_block(i)
+        else:  # whole rows: the span is the rows (a group row's rows are elements); no spec calls per chunk
+            row, band = self._row, self._band
+            i, off = divmod(a, band) if band else (0, 0)
+            r0, r1, e0, e1 = block = (a // row, b // row, 0, row) if row else (0, 0, 0, 0)
+            if off or b % max(row, 1) or r1 != min(r0 + spec.chunk_rows, self._height):
+                i = -1
+        if i < 0 or (r1 - r0) * (e1 - e0) != b - a:
+            raise ValueError(f"[{a}, {b}) is not the span of a chunk of tensor {spec.name!r}")
+        return (spec.name, i), block
 
     def _overlaps(self, block: tuple[int, int, int, int]) -> Iterator[tuple[tuple[slice, slice], np.ndarray]]:
         """``(chunk part, user part)`` index pairs of every window overlapping ``block``."""
