@@ -19,8 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltastore.changes import merge_spans
+from deltastore.manifest import GroupMember
 from deltastore.plan import ChunkPlan
-from deltastore.pull import _slice_spans
 from deltastore.select import Selection, SliceTarget, SliceView, changed_spans, resolve, slice_targets
 from deltastore.tensors import TensorSpec, bits
 
@@ -145,6 +146,18 @@ def test_resolve_matches_a_loop_over_every_chunk(case) -> None:
         assert all(bands.count(b) <= 2 for b in bands)
 
 
+def _pre_grid_spans(plans: list[ChunkPlan], res) -> dict[str, list[tuple[int, int]]]:
+    """``last_changed`` of a partial target as pull.py computed it before grids: each plan's
+    span through every window's ``user_span``."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for p in plans:
+        for w in res.windows.get(p.name, ()):
+            span = w.user_span(*p.span)
+            if span is not None:
+                spans.setdefault(w.name, []).append(span)
+    return {n: merge_spans(s) for n, s in spans.items()}
+
+
 def _pre_grid(spec: TensorSpec, res) -> tuple[set, set]:
     """The chunks and edges as select.py computed them before grids: every chunk's span
     against every window's ``held``."""
@@ -168,7 +181,36 @@ def test_without_a_grid_the_chunks_edges_and_changed_spans_are_todays(case) -> N
     assert (res.chunks, res.edges) == _pre_grid(spec, res)
     assert not res.views
     plans = [ChunkPlan("w", i, spec.chunk_span(i), "") for _, i in sorted(res.chunks)]
-    assert changed_spans(plans, res) == _slice_spans(plans, res)
+    assert changed_spans(plans, res) == _pre_grid_spans(plans, res)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(1, 20), st.data())
+def test_group_members_read_as_before_grids(sizes: list[int], chunk_rows: int, data) -> None:
+    """A group row (design 007) is a 1-D unit whose windows are members: the chunks, edges,
+    changed spans and the bits a target holds are what they were before grids."""
+    offsets = np.cumsum([0, *sizes])
+    members = tuple(GroupMember(f"m{k}", "bfloat16", () if n == 1 and k % 2 else (n,), int(offsets[k]))
+                    for k, n in enumerate(sizes))  # 0-d members too
+    row = TensorSpec("#group/0", "bfloat16", (int(offsets[-1]),), chunk_rows, members)
+    picked = data.draw(st.lists(st.sampled_from([m.name for m in members]), min_size=1, unique=True))
+    res = resolve(Selection(names=tuple(picked)), {row.name: row})
+    assert (res.chunks, res.edges) == _pre_grid(row, res) and not res.views
+    plans = [ChunkPlan(row.name, i, row.chunk_span(i), "") for _, i in sorted(res.chunks)]
+    assert changed_spans(plans, res) == _pre_grid_spans(plans, res)
+    whole = np.arange(row.numel, dtype=np.uint16)
+    mine = {m.name: torch.zeros(m.shape, dtype=torch.bfloat16) for m in members if m.name in picked}
+    spare: dict = {}
+    tgt = slice_targets({row.name: row}, res, mine, spare)[row.name]
+    for _, i in sorted(res.chunks):
+        a, b = row.chunk_span(i)
+        tgt.write(a, b, whole[a:b].copy())
+    for m in members:
+        if m.name in picked:
+            assert np.array_equal(bits(mine[m.name]), whole[m.offset:m.offset + m.numel]), m.name
+    assert set(spare) == res.edges
+    for _, i in sorted(res.chunks):
+        assert np.array_equal(tgt.read(*row.chunk_span(i)), whole[slice(*row.chunk_span(i))])
 
 
 # ------------------------------------------------------------ the targets: bits in, bits out
