@@ -41,6 +41,7 @@ from deltastore.errors import (
     StaleStageError,
     StorageError,
     TargetModifiedError,
+    UnsupportedSchemaError,
     VersionNotFoundError,
 )
 from deltastore.groups import allocate_members, member_overlaps
@@ -684,7 +685,16 @@ class Subscriber:
         """The selection against layout ``specs`` (resolved once per layout)."""
         assert self.select is not None
         if self._resolved_for is None or self._resolved_for[0] != specs:
-            self._resolved_for = (specs, resolve(self.select, specs))
+            res = resolve(self.select, specs)
+            # SliceTarget maps spans in natural order: until partial reads learn column grids
+            # (design 011 D10 step 5), a selection that touches a grid tensor is refused
+            gridded = sorted(n for n in res.windows if specs[n].chunk_cols)
+            if gridded:
+                raise UnsupportedSchemaError(
+                    f"the selection reads tensor {gridded[0]!r} of {self.url}, which has a column grid "
+                    f"(chunk_cols {specs[gridded[0]].chunk_cols}): partial pulls of grid tensors are read from a "
+                    "later release (pull the whole version, or select other tensors)")
+            self._resolved_for = (specs, res)
         return self._resolved_for[1]
 
     @staticmethod
@@ -1146,13 +1156,18 @@ def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]]]
 def _plan_spans(plans: list[ChunkPlan], specs: Mapping[str, TensorSpec]) -> dict[str, list[tuple[int, int]]]:
     """Tensor name → the merged spans of the chunks ``plans`` write (what changed). A group
     row's span (design 007) is reported as the spans of the member tensors it overlaps, in
-    each member's own element coordinates: users see tensors, never group rows."""
+    each member's own element coordinates: users see tensors, never group rows. A column-grid
+    chunk (design 011 D4) is reported as its whole row band ``[r0·row, r1·row)``: a superset
+    in natural order, one span per chunk (merged with its neighbours)."""
     spans: dict[str, list[tuple[int, int]]] = {}
     for p in plans:
         spec = specs.get(p.name)
         if spec is not None and spec.members:
             for member, lo, hi in member_overlaps(spec, *p.span):
                 spans.setdefault(member.name, []).append((lo - member.offset, hi - member.offset))
+        elif spec is not None and spec.chunk_cols:
+            r0, r1, _, _ = spec.chunk_block(p.index)
+            spans.setdefault(p.name, []).append((r0 * spec.row_elems, r1 * spec.row_elems))
         else:
             spans.setdefault(p.name, []).append(p.span)
     return {n: merge_spans(s) for n, s in spans.items()}
