@@ -41,7 +41,6 @@ from deltastore.errors import (
     StaleStageError,
     StorageError,
     TargetModifiedError,
-    UnsupportedSchemaError,
     VersionNotFoundError,
 )
 from deltastore.groups import allocate_members, member_overlaps
@@ -73,7 +72,7 @@ from deltastore.plan import (
 )
 from deltastore.plan import digests as _digests
 from deltastore.plan import layout as _layout
-from deltastore.select import Resolved, Selection, check_target, resolve, slice_targets
+from deltastore.select import Resolved, Selection, changed_spans, check_target, resolve, slice_targets
 from deltastore.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -685,16 +684,7 @@ class Subscriber:
         """The selection against layout ``specs`` (resolved once per layout)."""
         assert self.select is not None
         if self._resolved_for is None or self._resolved_for[0] != specs:
-            res = resolve(self.select, specs)
-            # SliceTarget maps spans in natural order: until partial reads learn column grids
-            # (design 011 D10 step 5), a selection that touches a grid tensor is refused
-            gridded = sorted(n for n in res.windows if specs[n].chunk_cols)
-            if gridded:
-                raise UnsupportedSchemaError(
-                    f"the selection reads tensor {gridded[0]!r} of {self.url}, which has a column grid "
-                    f"(chunk_cols {specs[gridded[0]].chunk_cols}): partial pulls of grid tensors are read from a "
-                    "later release (pull the whole version, or select other tensors)")
-            self._resolved_for = (specs, res)
+            self._resolved_for = (specs, resolve(self.select, specs))
         return self._resolved_for[1]
 
     @staticmethod
@@ -727,7 +717,7 @@ class Subscriber:
         upd, _ = self._updated(key, m, tensors, run)
         self._set_held(upd.held)
         res = self._selected(upd.specs)
-        self._last_changed = _slice_spans(self._narrow(upd.plans, res), res)
+        self._last_changed = changed_spans(self._narrow(upd.plans, res), res)
         return VersionInfo.from_manifest(m, key)
 
     def _refuse_partial(self, what: str) -> None:
@@ -1170,19 +1160,6 @@ def _plan_spans(plans: list[ChunkPlan], specs: Mapping[str, TensorSpec]) -> dict
             spans.setdefault(p.name, []).append((r0 * spec.row_elems, r1 * spec.row_elems))
         else:
             spans.setdefault(p.name, []).append(p.span)
-    return {n: merge_spans(s) for n, s in spans.items()}
-
-
-def _slice_spans(plans: list[ChunkPlan], res: Resolved) -> dict[str, list[tuple[int, int]]]:
-    """As :func:`_plan_spans`, in the coordinates of the partial target's tensors (a slice's
-    elements from 0; a group member's own elements)."""
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for p in plans:
-        a, b = p.span
-        for w in res.windows.get(p.name, ()):
-            span = w.user_span(a, b)
-            if span is not None:
-                spans.setdefault(w.name, []).append(span)
     return {n: merge_spans(s) for n, s in spans.items()}
 
 

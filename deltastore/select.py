@@ -121,12 +121,14 @@ CUT_DIMS = (0, 1)
 
 @dataclass(frozen=True)
 class Window:
-    """Elements ``[start, stop)`` of a layout unit, held by the user's tensor ``name`` from
-    its element ``offset`` on.
+    """Elements ``[start, stop)`` of a layout unit in its natural (C) order, whole rows, held by
+    the user's tensor ``name`` from its element ``offset`` on.
 
     With ``cols = (lo, hi)`` (a cut along dimension 1) ``[start, stop)`` are whole rows of
     ``row`` elements and the user's tensor holds only elements ``[lo, hi)`` of each, back to
     back: unit element ``e`` is the user's ``offset + ((e - start) // row)·(hi - lo) + e % row - lo``.
+    Chunks are matched against windows as rectangles (:meth:`rect` and
+    :meth:`TensorSpec.chunk_block`), never by spans: a grid chunk's span is in unit order.
     """
 
     start: int
@@ -145,25 +147,6 @@ class Window:
         if not row:
             return (0, 0, 0, 0)
         return (self.start // row, self.stop // row, 0, row)
-
-    def held(self, a: int, b: int) -> int:
-        """How many elements of ``[a, b)`` (whole rows when ``cols`` is set) the user holds."""
-        x, y = max(a, self.start), min(b, self.stop)
-        if x >= y:
-            return 0
-        if self.cols is None:
-            return y - x
-        return (y - x) // self.row * (self.cols[1] - self.cols[0])
-
-    def user_span(self, a: int, b: int) -> tuple[int, int] | None:
-        """The user's elements covering unit elements ``[a, b)`` (rows, for ``cols``), or None."""
-        x, y = max(a, self.start), min(b, self.stop)
-        if x >= y:
-            return None
-        if self.cols is None:
-            return (self.offset + x - self.start, self.offset + y - self.start)
-        w = self.cols[1] - self.cols[0]
-        return (self.offset + (x - self.start) // self.row * w, self.offset + (y - self.start) // self.row * w)
 
 
 @dataclass(frozen=True)

@@ -418,15 +418,16 @@ def test_a_grid_changes_the_layouts_digest() -> None:
     assert len({sha256_hex(a), sha256_hex(b), sha256_hex(c)}) == 3
 
 
-def test_a_selection_touching_a_grid_tensor_is_refused(store) -> None:
+def test_a_selection_touching_a_grid_tensor_reads_it(store) -> None:
+    """Step 5 lifted step 3's refusal: a column cut of a grid tensor, and a grid tensor
+    selected whole, read bit for bit (tests/test_partial_grid.py has the rest)."""
     url, states = store
-    for sel in (Selection(names=("w",), shard=(1, 0, 2)), Selection(names=("x",))):
+    for sel, want in ((Selection(names=("w",), shard=(1, 1, 2)), lambda s: {"w": s["w"][:, 50:].contiguous()}),
+                      (Selection(names=("x",)), lambda s: {"x": s["x"]})):
         with Subscriber(url, select=sel) as sub:
-            with pytest.raises(UnsupportedSchemaError, match="tensor '[wx]'.*column grid"):
-                sub.pull()
-    with Subscriber(url, select=Selection(names=("p",))) as sub:  # a selection of ungridded tensors reads
-        got = sub.pull()
-        assert torch.equal(got["p"], states[-1]["p"])
+            mine = sub.pull(1)
+            sub.pull_into(mine)
+            _bits_equal(mine, want(states[-1]))
 
 
 def test_a_grid_in_a_federated_base_is_refused(store) -> None:

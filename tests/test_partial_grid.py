@@ -1,5 +1,6 @@
 """Partial pulls of column-grid tensors (design 011 D5, SPEC §8): the block arithmetic of
-deltastore.select, with TensorSpecs that have ``chunk_cols`` and no store.
+deltastore.select with TensorSpecs that have ``chunk_cols`` (no store), then end to end over a
+small grid store (the ranks of several degrees, the aligned fast path, last_changed).
 
 Every expectation is computed here independently of select.py: the chunks a selection reads
 and its edges by a loop over every chunk of the grid (``chunk_block``, checked against explicit
@@ -19,11 +20,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore.changes import merge_spans
+from deltastore import Publisher, Subscriber
+from deltastore.changes import changed_rows, merge_spans
+from deltastore.errors import TargetModifiedError
 from deltastore.manifest import GroupMember
 from deltastore.plan import ChunkPlan
 from deltastore.select import Selection, SliceTarget, SliceView, changed_spans, resolve, slice_targets
 from deltastore.tensors import TensorSpec, bits
+from tests._helpers import assert_bits_equal, snapshot, sparse_edit
+from tests.test_partial import _needed_bytes, _rows
 
 
 def _spec(shape: tuple[int, ...], chunk_rows: int, chunk_cols: int, name: str = "w") -> TensorSpec:
@@ -146,13 +151,35 @@ def test_resolve_matches_a_loop_over_every_chunk(case) -> None:
         assert all(bands.count(b) <= 2 for b in bands)
 
 
+# The pre-grid code: element spans of natural order (Window.held and Window.user_span, and
+# pull._slice_spans over them), before windows and chunks were rectangles.
+
+
+def _held(w, a: int, b: int) -> int:
+    x, y = max(a, w.start), min(b, w.stop)
+    if x >= y:
+        return 0
+    if w.cols is None:
+        return y - x
+    return (y - x) // w.row * (w.cols[1] - w.cols[0])
+
+
+def _user_span(w, a: int, b: int) -> tuple[int, int] | None:
+    x, y = max(a, w.start), min(b, w.stop)
+    if x >= y:
+        return None
+    if w.cols is None:
+        return (w.offset + x - w.start, w.offset + y - w.start)
+    width = w.cols[1] - w.cols[0]
+    return (w.offset + (x - w.start) // w.row * width, w.offset + (y - w.start) // w.row * width)
+
+
 def _pre_grid_spans(plans: list[ChunkPlan], res) -> dict[str, list[tuple[int, int]]]:
-    """``last_changed`` of a partial target as pull.py computed it before grids: each plan's
-    span through every window's ``user_span``."""
+    """``last_changed`` of a partial target as pull.py computed it before grids."""
     spans: dict[str, list[tuple[int, int]]] = {}
     for p in plans:
         for w in res.windows.get(p.name, ()):
-            span = w.user_span(*p.span)
+            span = _user_span(w, *p.span)
             if span is not None:
                 spans.setdefault(w.name, []).append(span)
     return {n: merge_spans(s) for n, s in spans.items()}
@@ -160,12 +187,12 @@ def _pre_grid_spans(plans: list[ChunkPlan], res) -> dict[str, list[tuple[int, in
 
 def _pre_grid(spec: TensorSpec, res) -> tuple[set, set]:
     """The chunks and edges as select.py computed them before grids: every chunk's span
-    against every window's ``held``."""
+    against every window."""
     chunks, edges = set(), set()
     for uname, ws in res.windows.items():
         for i in range(spec.n_chunks):
             a, b = spec.chunk_span(i)
-            inside = sum(w.held(a, b) for w in ws)
+            inside = sum(_held(w, a, b) for w in ws)
             if inside:
                 chunks.add((uname, i))
                 if inside < b - a:
@@ -288,3 +315,113 @@ def test_changed_spans_of_a_grid_are_row_bands_of_the_slice() -> None:
     res = resolve(Selection(shard=(0, 1, 2)), {"w": spec})  # rows 20-40, whole rows of 64
     assert changed_spans([plan(1, 5)], res) == {"w": [(0, 12 * 64)]}
     assert changed_spans([plan(0, 0)], res) == {}
+
+
+# ------------------------------------------------------------ end to end, over a grid store (D9)
+
+#: The grid tensors of the store below, laid out for TP=8 through the writer's test hook
+#: (``Publisher._explicit_specs``, D10 step 3): ``o`` (40, 64) in row blocks of 16 × column
+#: blocks of 8; ``d`` (24, 48, 3) in row blocks of 10 × column blocks of 6 (trailing elements).
+#: ``q`` (cut by rows) and ``n`` (replicated) have no grid.
+STORE_GRIDS = {"o": _spec((40, 64), 16, 8, "o"), "d": _spec((24, 48, 3), 10, 6, "d")}
+
+
+def _publish_grid(url: str, n: int = 5) -> list[dict[str, torch.Tensor]]:
+    """Versions 1..n (an anchor every 3; v3 changes every element of ``o``; v5 only row 35 of
+    ``o``, all its columns), as published."""
+    g = torch.Generator().manual_seed(0)
+    state = {"o": torch.randn(40, 64, generator=g).bfloat16(), "d": torch.randn(24, 48, 3, generator=g).bfloat16(),
+             "q": torch.randn(64, 24, generator=g).bfloat16(), "n": torch.randn(32, generator=g)}
+    rng = np.random.default_rng(5)
+    out = []
+    with Publisher(url, threads=2, chunk_bytes=480, anchor_every=3) as pub:
+        pub._explicit_specs = STORE_GRIDS
+        for v in range(1, n + 1):
+            pub.publish(state)
+            out.append(snapshot(state))
+            state = sparse_edit(state, rng, 0.02) if v != 4 else snapshot(state)
+            if v == 2:
+                state["o"] = state["o"] + 1  # a dense delta of every chunk of o
+            if v == 4:
+                state["o"][35] += 1  # every column block of row block 2 (rows 32-40), nothing else
+    return out
+
+
+def _tp(rank: int, world: int, names: tuple[str, ...] = ("*",)) -> Selection:
+    return Selection(names=names, shard=(0, rank, world), shard_names=("q",), shard_dims={"o": 1, "d": 1})
+
+
+def _rows_of(t: torch.Tensor) -> np.ndarray:
+    """``t``'s bits as rows along dim 0 (a 1-D tensor: one element per row)."""
+    return bits(t.contiguous()).reshape(t.shape[0], -1)
+
+
+@pytest.mark.parametrize("world", [8, 3, 16])
+def test_ranks_of_a_grid_store_together_hold_the_whole_pull(tmp_path, world: int) -> None:
+    """Every rank pulls and fast-forwards its slice bit-exactly, fetching no more than its
+    chunks' segments; the ranks' slices together are the whole pull; an aligned rank keeps no
+    spare bits of the grid tensors; rows outside ``last_changed`` did not change."""
+    url = str(tmp_path / "store")
+    states = _publish_grid(url)
+    last = len(states)
+    slices: dict[int, list[dict[str, torch.Tensor]]] = {1: [], last: []}
+    for rank in range(world):
+        sel = _tp(rank, world)
+        with Subscriber(url, threads=2, select=sel) as sub:
+            mine = sub.pull(1)
+            assert_bits_equal(mine, _rows(states[0], sel), f"rank {rank} v1")
+            assert sub.bytes_fetched <= _needed_bytes(url, sel, 1)
+            slices[1].append(snapshot(mine))
+            for v in range(2, last + 1):
+                before, fetched = snapshot(mine), sub.bytes_fetched
+                sub.pull_into(mine, v)
+                assert sub.bytes_fetched - fetched <= _needed_bytes(url, sel, v, since=v - 1)
+                assert_bits_equal(mine, _rows(states[v - 1], sel), f"rank {rank} v{v}")
+                # rows outside changed_rows did not change (grid chunks are reported as row bands)
+                changed = {name: rows for name, rows, _ in changed_rows(mine, sub.last_changed)}
+                for name, t in mine.items():
+                    keep = np.ones(t.shape[0], dtype=bool)
+                    for a, b in changed.get(name, []):
+                        keep[a:b] = False
+                    assert np.array_equal(_rows_of(t)[keep], _rows_of(before[name])[keep]), (rank, v, name)
+                if v == 5:  # the row band of the changed row, in the slice's coordinates
+                    assert sub.last_changed == {"o": [(32 * mine["o"].shape[1], 40 * mine["o"].shape[1])]}
+            if world == 8:  # the aligned fast path: nothing kept beside the grid tensors' slices
+                assert not [k for k in sub._spare if k[0] in STORE_GRIDS]
+            slices[last].append(mine)
+    with Subscriber(url, threads=2) as whole:
+        for v, parts in slices.items():
+            full = whole.pull(v)
+            for name, dim in (("o", 1), ("d", 1), ("q", 0)):
+                assert_bits_equal({name: torch.cat([p[name] for p in parts], dim=dim)}, {name: full[name]}, f"v{v}")
+            for p in parts:
+                assert_bits_equal({"n": p["n"]}, {"n": full["n"]}, f"v{v}")
+
+
+def test_an_aligned_rank_reads_one_column_block_per_row_block(tmp_path) -> None:
+    """A TP=8 rank of the grid tensors reads exactly its column block of each row block, about
+    an eighth of their bytes, through live views (no spare), and fast-forwards in place."""
+    url = str(tmp_path / "store")
+    states = _publish_grid(url, n=3)
+    sel = Selection(names=("o", "d"), shard=(1, 2, 8))
+    with Subscriber(url, threads=2) as whole_sub:
+        whole_sub.pull(1)
+        whole = whole_sub.bytes_fetched
+    with Subscriber(url, threads=2, select=sel) as sub:
+        mine = sub.pull(1)
+        res = sub._selected(sub.units())
+        assert res.views == {"o", "d"} and not res.edges
+        assert res.chunks == {(n, i * s.n_colblocks + 2) for n, s in STORE_GRIDS.items()
+                              for i in range(-(-s.shape[0] // s.chunk_rows))}
+        assert sub.bytes_fetched <= _needed_bytes(url, sel, 1) and sub.bytes_fetched < whole / 6
+        sub.pull_into(mine, 2)
+        assert not sub._spare
+        assert_bits_equal(mine, _rows(states[1], sel))
+        bits(mine["o"])[-1] ^= 1  # a modified slice is detected, with nothing applied
+        before = snapshot(mine)
+        with pytest.raises(TargetModifiedError):
+            sub.pull_into(mine, 3)
+        assert_bits_equal(mine, before, "nothing applied")
+        bits(mine["o"])[-1] ^= 1
+        sub.pull_into(mine, 3)
+        assert_bits_equal(mine, _rows(states[2], sel))
