@@ -347,8 +347,9 @@ def _publish_grid(url: str, n: int = 5) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _tp(rank: int, world: int, names: tuple[str, ...] = ("*",)) -> Selection:
-    return Selection(names=names, shard=(0, rank, world), shard_names=("q",), shard_dims={"o": 1, "d": 1})
+def _tp(rank: int, world: int, dim: int = 1) -> Selection:
+    """Rank ``rank`` of ``world``: ``q`` cut by rows, the grid tensors along ``dim``, ``n`` whole."""
+    return Selection(shard=(0, rank, world), shard_names=("q",), shard_dims={"o": dim, "d": dim})
 
 
 def _rows_of(t: torch.Tensor) -> np.ndarray:
@@ -356,17 +357,18 @@ def _rows_of(t: torch.Tensor) -> np.ndarray:
     return bits(t.contiguous()).reshape(t.shape[0], -1)
 
 
-@pytest.mark.parametrize("world", [8, 3, 16])
-def test_ranks_of_a_grid_store_together_hold_the_whole_pull(tmp_path, world: int) -> None:
-    """Every rank pulls and fast-forwards its slice bit-exactly, fetching no more than its
-    chunks' segments; the ranks' slices together are the whole pull; an aligned rank keeps no
-    spare bits of the grid tensors; rows outside ``last_changed`` did not change."""
+@pytest.mark.parametrize(("dim", "world"), [(1, 8), (1, 3), (1, 16), (0, 3)])
+def test_ranks_of_a_grid_store_together_hold_the_whole_pull(tmp_path, dim: int, world: int) -> None:
+    """Every rank pulls and fast-forwards its slice bit-exactly (the grid tensors cut by columns,
+    or by rows: whole row blocks), fetching no more than its chunks' segments; the ranks' slices
+    together are the whole pull; an aligned rank keeps no spare bits of the grid tensors; rows
+    outside ``last_changed`` did not change, and a changed grid chunk is its row band."""
     url = str(tmp_path / "store")
     states = _publish_grid(url)
     last = len(states)
     slices: dict[int, list[dict[str, torch.Tensor]]] = {1: [], last: []}
     for rank in range(world):
-        sel = _tp(rank, world)
+        sel = _tp(rank, world, dim)
         with Subscriber(url, threads=2, select=sel) as sub:
             mine = sub.pull(1)
             assert_bits_equal(mine, _rows(states[0], sel), f"rank {rank} v1")
@@ -384,16 +386,18 @@ def test_ranks_of_a_grid_store_together_hold_the_whole_pull(tmp_path, world: int
                     for a, b in changed.get(name, []):
                         keep[a:b] = False
                     assert np.array_equal(_rows_of(t)[keep], _rows_of(before[name])[keep]), (rank, v, name)
-                if v == 5:  # the row band of the changed row, in the slice's coordinates
-                    assert sub.last_changed == {"o": [(32 * mine["o"].shape[1], 40 * mine["o"].shape[1])]}
-            if world == 8:  # the aligned fast path: nothing kept beside the grid tensors' slices
+                if v == 5:  # only row 35 of o changed: its chunks' row band 32-40, as the slice holds it
+                    lo, hi = (rank * 40 // world, (rank + 1) * 40 // world) if dim == 0 else (0, 40)
+                    x0, x1, width = max(32, lo), min(40, hi), mine["o"].shape[1]
+                    assert sub.last_changed == ({"o": [((x0 - lo) * width, (x1 - lo) * width)]} if x0 < x1 else {})
+            if (dim, world) == (1, 8):  # the aligned fast path: nothing kept beside the grid tensors' slices
                 assert not [k for k in sub._spare if k[0] in STORE_GRIDS]
             slices[last].append(mine)
     with Subscriber(url, threads=2) as whole:
         for v, parts in slices.items():
             full = whole.pull(v)
-            for name, dim in (("o", 1), ("d", 1), ("q", 0)):
-                assert_bits_equal({name: torch.cat([p[name] for p in parts], dim=dim)}, {name: full[name]}, f"v{v}")
+            for name, axis in (("o", dim), ("d", dim), ("q", 0)):
+                assert_bits_equal({name: torch.cat([p[name] for p in parts], dim=axis)}, {name: full[name]}, f"v{v}")
             for p in parts:
                 assert_bits_equal({"n": p["n"]}, {"n": full["n"]}, f"v{v}")
 
@@ -425,3 +429,7 @@ def test_an_aligned_rank_reads_one_column_block_per_row_block(tmp_path) -> None:
         bits(mine["o"])[-1] ^= 1
         sub.pull_into(mine, 3)
         assert_bits_equal(mine, _rows(states[2], sel))
+    with Subscriber(url, threads=2, select=sel) as sub:  # a zeroed target fast-forwarded from nothing
+        fresh = sub.allocate()
+        sub.pull_into(fresh, 2)
+        assert_bits_equal(fresh, _rows(states[1], sel))
