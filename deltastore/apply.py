@@ -678,6 +678,10 @@ class ReadEngine:
             batches.close()  # stops the prefetch thread when a chunk failed
         if any(specs[p.name].members for p in patches):  # swaps write tensors (design 007 D4)
             patches = [q for p in patches for q in (split_patch(p, specs[p.name]) if specs[p.name].members else [p])]
+        for p in patches:  # a grid chunk lands in its block of the tensor (design 011 D4)
+            spec = specs.get(p.name)
+            if spec is not None and spec.chunk_cols:
+                p.block, p.row = spec.chunk_block(p.index), spec.row_elems
         return patches, fetch_s, decode_s
 
     def apply_in_place(

@@ -23,6 +23,7 @@ import torch
 
 from deltastore import codec
 from deltastore.codec.delta import encode_delta_advance
+from deltastore import grid
 from deltastore.commit import put_immutable
 from deltastore.groups import (
     MemberTable,
@@ -207,6 +208,7 @@ def encode_version(
     threads: int,
     attempt: str | None = None,
     reference_bits: dict[str, np.ndarray] | None = None,
+    gathered: dict[str, torch.Tensor] | None = None,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -232,6 +234,10 @@ def encode_version(
             reference: the caller keeps it exactly as long as that reference dict and its
             tensors (a view is of a tensor's memory, and holds its storage). None: views
             are made per call.
+        gathered: without a ``reference``, filled with a new 1-D CPU buffer per column-grid
+            unit (design 011 D3): its chunks are gathered straight into their unit-order slots
+            and encoded from there, so the buffer is the unit's reference copy for the next
+            version (``groups.unit_reference`` adopts it) at no extra pass.
 
     Returns:
         The :class:`EncodedVersion`; every pack it lists is stored.
@@ -260,6 +266,8 @@ def encode_version(
     tables: list[dict[str, MemberTable] | None] = []
     viewed: set[str] = set()
 
+    unit_bufs: dict[str, np.ndarray] = {}  # column-grid units without a reference: their new slots
+
     def views(name: str) -> None:
         if name in viewed:
             return
@@ -268,6 +276,11 @@ def encode_version(
             new_bits[name] = bits(state[name])
         if reference is not None and name not in ref_bits:
             ref_bits[name] = bits(reference[name])
+        elif reference is None and specs[name].chunk_cols:
+            buf = torch.empty(specs[name].numel, dtype=torch_dtype(specs[name].dtype))
+            unit_bufs[name] = bits(buf)
+            if gathered is not None:
+                gathered[name] = buf
 
     def table(spec: TensorSpec) -> np.ndarray | None:
         if not tables:  # a race builds the same tables twice, harmlessly
@@ -288,11 +301,27 @@ def encode_version(
             return host_bits(t)[a:b]
         return bits(t.detach().reshape(-1)[a:b].cpu())
 
+    def grid_chunk(spec: TensorSpec, ci: int, out: np.ndarray | None) -> np.ndarray:
+        """Chunk ``ci`` of a column-grid unit in its C order (design 011 D3): one 2-D strided
+        copy out of the natural tensor, into ``out`` (a reference slot) or a fresh buffer."""
+        full = new_bits.get(spec.name)
+        if full is not None:
+            return grid.gather(full, spec, ci, out)
+        r0, r1, e0, e1 = spec.chunk_block(ci)
+        got = bits(state[spec.name].detach().reshape(spec.shape[0], spec.row_elems)[r0:r1, e0:e1].contiguous().cpu())
+        if out is None:
+            return got
+        out[...] = got
+        return out
+
     def job(ti: int, ci: int, name: str) -> _Encoded | None:
         spec = specs[name]
         a, b = spec.chunk_span(ci)
-        # A group row's chunk is gathered from its members into one buffer (design 007 D5).
-        if not spec.members:
+        # A group row's chunk is gathered from its members into one buffer (design 007 D5), a
+        # grid chunk from its block (design 011 D3: into its reference slot for a new anchor).
+        if spec.chunk_cols:
+            new = grid_chunk(spec, ci, unit_bufs[name][a:b] if reference is None else None)
+        elif not spec.members:
             new = new_chunk(name, a, b)
         elif (ptrs := table(spec)) is not None:
             new = np.empty(b - a, dtype=spec.uint_dtype())

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from deltastore import grid
 from deltastore.codec import _kernels
 from deltastore.manifest import DTYPE_WIDTHS, GroupMember
 from deltastore.stage import ChunkPatch
@@ -35,6 +36,7 @@ from deltastore.tensors import (
     bits,
     layout_tables,
     scan_of,
+    torch_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -437,8 +439,9 @@ class GroupTarget:
 
 def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], make: Callable[[Any], _Raw]) -> dict[str, Any]:
     """The read engine's targets per unit: ``make(tensor)`` for a tensor, a :class:`GroupTarget`
-    over its members (``make`` of a device member) for a group row. Tensors of ``tensors`` that
-    no unit names are left out. ``tensors`` are of the layout's shapes and dtypes (checked
+    over its members (``make`` of a device member) for a group row, a
+    :class:`~deltastore.grid.GridTarget` for a column-grid tensor (design 011 D4: gathered and
+    scattered, never a live view). Tensors of ``tensors`` that no unit names are left out. ``tensors`` are of the layout's shapes and dtypes (checked
     before, in this call)."""
 
     def member(t: torch.Tensor) -> _Raw:
@@ -465,8 +468,18 @@ def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], ma
             else:
                 out[name] = GroupTarget(spec, {m.name: member(t) for m, t in zip(spec.members, ts)})
         elif name in tensors:
-            out[name] = make(tensors[name])
+            out[name] = grid.GridTarget(spec, tensors[name]) if spec.chunk_cols else make(tensors[name])
     return out
+
+
+def unit_order(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A new 1-D CPU tensor holding column-grid tensor ``t``'s bits in its unit order (design
+    011 D1): the publisher's reference copy of a grid unit."""
+    buf = torch.empty(spec.numel, dtype=torch_dtype(spec.dtype))
+    src = t.detach() if t.device.type == "cpu" else t.detach().to("cpu")
+    if spec.numel:
+        grid.to_unit_order(bits(src), spec, bits(buf))
+    return buf
 
 
 def split_patch(patch: ChunkPatch, spec: TensorSpec) -> list[ChunkPatch]:
@@ -485,12 +498,18 @@ def split_patch(patch: ChunkPatch, spec: TensorSpec) -> list[ChunkPatch]:
     return out
 
 
-def unit_reference(state: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *, owned: bool) -> dict[str, torch.Tensor]:
+def unit_reference(state: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *, owned: bool,
+                   gathered: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The publisher's reference copy per unit (design 007 D5): a tensor as it is (``owned``:
     the caller's snapshot, adopted) or copied to the CPU; a group row as one new CPU buffer of
-    its members' bits, gathered."""
+    its members' bits, gathered; a column-grid tensor as one 1-D CPU buffer in its unit order
+    (design 011 D3): ``gathered[name]`` when the anchor's encode filled it, else permuted here."""
     out: dict[str, torch.Tensor] = {}
     for name, spec in specs.items():
+        if spec.chunk_cols:
+            got = gathered.get(name) if gathered is not None else None
+            out[name] = got if got is not None else unit_order(state[name], spec)
+            continue
         if not spec.members:
             t = state[name]
             out[name] = t if owned and t.device.type == "cpu" else t.detach().to("cpu", copy=True)

@@ -419,9 +419,9 @@ class GroupRecord(_Model):
 class Layout(_Model):
     """A schema-3 layout object (SPEC §3): the tensors of a version, as columns.
 
-    Manifests name tensors by their position here. ``chunk_cols``, ``pieces``,
-    ``piece_parts`` and ``parts`` describe sharded layouts (SPEC §8, issue 12); this release
-    writes ``chunk_cols = 0``, ``pieces = piece_parts = None`` and ``parts = 0`` (unsharded).
+    Manifests name tensors by their position here. ``pieces``, ``piece_parts`` and ``parts``
+    describe sharded layouts (SPEC §8, issue 12); ``chunk_cols`` > 0 a column grid (SPEC §2,
+    design 011), which the unsharded writer writes only for tensors it is asked to grid.
     """
 
     format: Literal["deltastore.layout"] = "deltastore.layout"
@@ -460,7 +460,7 @@ class Layout(_Model):
 
     def grid(self) -> dict[str, int]:
         """Tensor name → its ``chunk_cols`` for every tensor with a column grid (empty when
-        none has one, as in every layout this release writes)."""
+        none has one)."""
         return self._grid
 
 
@@ -884,14 +884,16 @@ SHA256_HEX = 64
 _HEX = re.compile(r"[0-9a-f]*")
 #: The message of every refusal of a sharded version (parts, pieces, chunk grid: issue 12).
 SHARDED_UNSUPPORTED = "sharded versions are read from a later release"
-#: Refusals of what this release does not read of sharded layouts (design 010).
-GRID_UNSUPPORTED = "column grids are read from a later release"
+#: Refusals of what this release does not read of sharded layouts (design 010): a column grid
+#: in a sharded layout (design 011 D6, first version).
+GRID_UNSUPPORTED = "a grid in a sharded layout is read from a later release"
 SHARDED_UNALIGNED = "pieces that do not start on a chunk boundary are read from a later release"
 
 
 def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int = 3) -> Layout:
     """The (unsharded) layout of ``tensors``, in their order: TensorEntry objects, or a mapping
-    of name to anything with ``name``, ``dtype``, ``shape`` and ``chunk_rows`` (TensorSpec).
+    of name to anything with ``name``, ``dtype``, ``shape`` and ``chunk_rows`` (TensorSpec),
+    and ``chunk_cols`` where it has a column grid (a TensorSpec, design 011; else 0).
 
     ``schema`` 4 writes the ``groups`` record of every item with ``members`` (a TensorSpec of
     a group row, design 007); schema 3 refuses such items (ValueError)."""
@@ -904,9 +906,6 @@ def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int
     ]
     if schema < GROUPS_SCHEMA and groups:
         raise ValueError(f"a schema-{schema} layout cannot hold groups (schema {GROUPS_SCHEMA} does)")
-    if any(getattr(t, "chunk_cols", 0) for t in items):
-        # readers refuse grids until design 011 D10 step 3; writing 0 instead would be a lie
-        raise ValueError(f"this release writes no column grid (chunk_cols > 0): {GRID_UNSUPPORTED}")
     return Layout(
         schema=schema,
         groups=tuple(groups) if schema >= GROUPS_SCHEMA else None,
@@ -914,7 +913,7 @@ def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int
         dtype=tuple(t.dtype for t in items),
         shape=tuple(tuple(t.shape) for t in items),
         chunk_rows=tuple(t.chunk_rows for t in items),
-        chunk_cols=(0,) * n,
+        chunk_cols=tuple(getattr(t, "chunk_cols", 0) for t in items),
         pieces=(None,) * n,
         piece_parts=(None,) * n,
         parts=0,
@@ -1034,8 +1033,9 @@ def _check_layout_once(layout: Layout, what: str, key: str) -> None:
     columns = (layout.dtype, layout.shape, layout.chunk_rows, layout.chunk_cols, layout.pieces, layout.piece_parts)
     if any(len(c) != n for c in columns):
         raise CorruptObjectError(f"{what} {key!r}: the layout's columns have different lengths")
-    if any(layout.chunk_cols):
-        raise UnsupportedSchemaError(f"{what} {key!r} has a chunk grid (chunk_cols > 0): {GRID_UNSUPPORTED}")
+    if any(layout.chunk_cols) and layout.parts:
+        raise UnsupportedSchemaError(f"{what} {key!r} has a column grid (chunk_cols > 0) in a sharded layout "
+                                     f"({layout.parts} parts): {GRID_UNSUPPORTED}")
     if len(set(layout.name)) != n:
         raise CorruptObjectError(f"{what} {key!r}: the layout lists a tensor name twice")
     for i in range(n):
@@ -1047,8 +1047,24 @@ def _check_layout_once(layout: Layout, what: str, key: str) -> None:
             raise CorruptObjectError(f"{where} has impossible shape {list(shape)[:MAX_NDIM + 1]}")
         if not 1 <= layout.chunk_rows[i] < INT_LIMIT:
             raise CorruptObjectError(f"{where} has chunk_rows {layout.chunk_rows[i]}")
+        if layout.chunk_cols[i]:
+            _check_grid(layout, i, where)
     _check_pieces(layout, what, key)
     _check_groups(layout, what, key)
+
+
+def _check_grid(layout: Layout, i: int, where: str) -> None:
+    """Row ``i``'s column grid (SPEC §3.2, design 011 D7): ``chunk_cols`` in ``[1, shape[1]]``
+    of a tensor with a second dimension, never a group row. Then every chunk index, count and
+    block follows by arithmetic (chunk_count, chunk_elements, TensorSpec.chunk_block)."""
+    k, shape = layout.chunk_cols[i], layout.shape[i]
+    if type(k) is not int or not 0 < k < INT_LIMIT:
+        raise CorruptObjectError(f"{where} has chunk_cols {k!r}")
+    if len(shape) < 2 or any(g.unit == i for g in layout.groups or ()):
+        raise CorruptObjectError(f"{where} {list(shape)[:MAX_NDIM + 1]} has chunk_cols {k}: a grid needs a second "
+                                 "dimension (and a group row has none)")
+    if k > shape[1]:
+        raise CorruptObjectError(f"{where} {list(shape)} has chunk_cols {k}, more than its {shape[1]} columns")
 
 
 def _check_pieces(layout: Layout, what: str, key: str) -> None:

@@ -31,7 +31,8 @@ from deltastore.errors import (
     NotFoundError,
     StorageError,
 )
-from deltastore.groups import GROUP_MEMBER_MAX_BYTES, group_specs, tied_names, unit_reference
+from deltastore import grid
+from deltastore.groups import GROUP_MEMBER_MAX_BYTES, group_specs, tied_names, unit_order, unit_reference
 from deltastore.heap import release_free_heap
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
@@ -60,6 +61,7 @@ from deltastore.storage.probe import require_atomic_writes
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
     TensorSpec,
+    bits,
     check_layout,
     dtype_name,
     spec_for,
@@ -208,6 +210,13 @@ class Publisher:
                 pub.publish_async(model.state_dict(), step=step)  # returns after the snapshot
         # leaving the block published every queued step (or raised the failure)
     """
+
+    #: Internal test hook (design 011 D10 step 3), not an API: tensor name → the TensorSpec a new
+    #: layout uses for it instead of the writer's choice, e.g. a column grid
+    #: (``chunk_cols`` > 0) for tensors the public policy would not grid. Set on an instance
+    #: before its first publish; each spec must have the tensor's dtype and shape. A spec with
+    #: a grid is never grouped. Replaced by ``column_slices`` (D10 step 4).
+    _explicit_specs: Mapping[str, TensorSpec] | None = None
 
     def __init__(
         self,
@@ -537,7 +546,8 @@ class Publisher:
         tip = self._current_tip()
         why = self._anchor_reason(version, tip, has_base=has_base, anchor=anchor)
         kind = "anchor" if why else "delta"
-        if skippable and kind == "anchor" and _identical(state, self._reference) and self._commits.head_is_current():
+        if (skippable and kind == "anchor" and _identical(state, self._reference, self._specs)
+                and self._commits.head_is_current()):
             return self._unchanged()
         assert kind == "anchor" or (tip is not None and tip.schema3)  # a delta continues a schema-3 chain
         specs = self._specs if same_layout else self._new_specs(state)
@@ -550,6 +560,7 @@ class Publisher:
 
         lineage = self._commits.lineage_for_commit()
         attempt = new_attempt_id()  # the commit id: every object of this attempt is under it (D1)
+        gathered: dict[str, torch.Tensor] = {}  # grid units' reference buffers, filled by an anchor's encode
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
             deadline = time.monotonic() + self.max_attempt_s
@@ -557,6 +568,7 @@ class Publisher:
                 state, specs, kind=kind, reference=self._reference if has_base else None,
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=attempt, reference_bits=self._reference_bits if has_base else None,
+                gathered=gathered,
             )
             if (skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0
                     and self._commits.head_is_current()):
@@ -635,7 +647,7 @@ class Publisher:
         if not has_base:  # deltas advanced the reference while encoding
             # A new dict (the queue clears the snapshot's dict once this returns), per unit: a
             # group row is one buffer of its members' bits (design 007 D5).
-            self._reference = unit_reference(state, specs, owned=owned)
+            self._reference = unit_reference(state, specs, owned=owned, gathered=gathered)
         self._specs, self._layout = specs, layout
         if kind == "anchor":
             self._anchor_version = version
@@ -693,13 +705,22 @@ class Publisher:
     def _new_specs(self, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """The units of a new layout: a spec per tensor, small ones grouped if asked (design 007)."""
         specs = {n: spec_for(n, t, self.chunk_bytes, self.slice_align) for n, t in state.items()}
+        gridded: frozenset[str] = frozenset()
+        if self._explicit_specs:  # the internal test hook above
+            for n, sp in self._explicit_specs.items():
+                if n in specs:
+                    if (sp.name, sp.dtype, sp.shape) != (n, specs[n].dtype, specs[n].shape):
+                        raise ValueError(f"_explicit_specs[{n!r}] is {sp.dtype}{list(sp.shape)}, the tensor "
+                                         f"{specs[n].dtype}{list(specs[n].shape)}")
+                    specs[n] = sp
+            gridded = frozenset(n for n, sp in specs.items() if sp.chunk_cols)
         if self.group_small_tensors == "auto":
             small = sum(1 for sp in specs.values() if 0 < sp.nbytes <= GROUP_MEMBER_MAX_BYTES)
             if small < GROUP_AUTO_MIN_TENSORS:
                 return specs
         elif not self.group_small_tensors:
             return specs
-        return group_specs(specs, self.chunk_bytes, exclude=tied_names(state))
+        return group_specs(specs, self.chunk_bytes, exclude=tied_names(state) | gridded)
 
     def _write_layout(self, attempt: str, layout: Layout) -> ObjectRef:
         data = encode_object(layout)
@@ -866,7 +887,10 @@ class Publisher:
             logger.info("not resuming from version %d: its layout differs", self._head.version)
             self._specs, self._layout = specs, None  # so publish() reports the mismatch (or anchors, if asked)
             return
-        self._reference = unit_reference(reference, specs, owned=True)
+        # a grid tensor pulled in natural order is permuted into its unit order (design 011 D3)
+        # and dropped at once: at most one extra tensor alive
+        gathered = {n: unit_order(reference.pop(n), sp) for n, sp in specs.items() if sp.chunk_cols}
+        self._reference = unit_reference(reference, specs, owned=True, gathered=gathered)
         self._specs, self._layout, self._anchor_version = specs, None, anchor
         logger.info("resumed from version %d of %s", self._head.version, self.url)
 
@@ -921,17 +945,35 @@ def _tip_of(key: str, m: Manifest, history: History) -> _Tip:
     )
 
 
-def _identical(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> bool:
-    """True when both hold the same names, dtypes, shapes and bits (NaN payloads and -0.0 included)."""
+def _identical(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
+               specs: Mapping[str, TensorSpec] | None = None) -> bool:
+    """True when both hold the same names, dtypes, shapes and bits (NaN payloads and -0.0
+    included). A column-grid unit of ``specs`` (its reference in unit order, design 011 D3)
+    is compared chunk by chunk: each gathered chunk against its reference span."""
     if state.keys() != reference.keys():
         return False
     for name, t in state.items():
         r = reference[name]
+        spec = specs.get(name) if specs is not None else None
+        if spec is not None and spec.chunk_cols:
+            if t.dtype != r.dtype or tuple(t.shape) != spec.shape or r.numel() != spec.numel:
+                return False
+            new, old = _cpu_bits(t), bits(r)
+            for i in range(spec.n_chunks):
+                a, b = spec.chunk_span(i)
+                if not np.array_equal(grid.gather(new, spec, i), old[a:b]):
+                    return False
+            continue
         if t.dtype != r.dtype or t.shape != r.shape:
             return False
         if not torch.equal(t.detach().to("cpu").reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)):
             return False
     return True
+
+
+def _cpu_bits(t: torch.Tensor) -> np.ndarray:
+    """The natural-order bits of ``t`` on the CPU (a view of a CPU tensor, else a copy)."""
+    return bits(t.detach() if t.device.type == "cpu" else t.detach().to("cpu"))
 def _handed_over(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """``state`` handed over by its caller (publish_async(copy=False)): CPU tensors in the
     served dtype are kept as they are, the others copied as a snapshot would."""

@@ -72,7 +72,7 @@ from deltastore.plan import (
 )
 from deltastore.plan import digests as _digests
 from deltastore.plan import layout as _layout
-from deltastore.select import Resolved, Selection, check_target, resolve, slice_targets
+from deltastore.select import Resolved, Selection, changed_spans, check_target, resolve, slice_targets
 from deltastore.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -717,7 +717,7 @@ class Subscriber:
         upd, _ = self._updated(key, m, tensors, run)
         self._set_held(upd.held)
         res = self._selected(upd.specs)
-        self._last_changed = _slice_spans(self._narrow(upd.plans, res), res)
+        self._last_changed = changed_spans(self._narrow(upd.plans, res), res)
         return VersionInfo.from_manifest(m, key)
 
     def _refuse_partial(self, what: str) -> None:
@@ -1146,28 +1146,20 @@ def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]]]
 def _plan_spans(plans: list[ChunkPlan], specs: Mapping[str, TensorSpec]) -> dict[str, list[tuple[int, int]]]:
     """Tensor name → the merged spans of the chunks ``plans`` write (what changed). A group
     row's span (design 007) is reported as the spans of the member tensors it overlaps, in
-    each member's own element coordinates: users see tensors, never group rows."""
+    each member's own element coordinates: users see tensors, never group rows. A column-grid
+    chunk (design 011 D4) is reported as its whole row band ``[r0·row, r1·row)``: a superset
+    in natural order, one span per chunk (merged with its neighbours)."""
     spans: dict[str, list[tuple[int, int]]] = {}
     for p in plans:
         spec = specs.get(p.name)
         if spec is not None and spec.members:
             for member, lo, hi in member_overlaps(spec, *p.span):
                 spans.setdefault(member.name, []).append((lo - member.offset, hi - member.offset))
+        elif spec is not None and spec.chunk_cols:
+            r0, r1, _, _ = spec.chunk_block(p.index)
+            spans.setdefault(p.name, []).append((r0 * spec.row_elems, r1 * spec.row_elems))
         else:
             spans.setdefault(p.name, []).append(p.span)
-    return {n: merge_spans(s) for n, s in spans.items()}
-
-
-def _slice_spans(plans: list[ChunkPlan], res: Resolved) -> dict[str, list[tuple[int, int]]]:
-    """As :func:`_plan_spans`, in the coordinates of the partial target's tensors (a slice's
-    elements from 0; a group member's own elements)."""
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for p in plans:
-        a, b = p.span
-        for w in res.windows.get(p.name, ()):
-            span = w.user_span(a, b)
-            if span is not None:
-                spans.setdefault(w.name, []).append(span)
     return {n: merge_spans(s) for n, s in spans.items()}
 
 

@@ -8,24 +8,35 @@ partial pull needs: per layout unit (a tensor or a group row, design 007) the el
 the user's tensors hold and the chunks that overlap them. Pure: layouts in, a :class:`Resolved`
 out.
 
-Chunks are whole rows (SPEC §2), so a chunk is the smallest thing a reader can fetch and verify:
-a chunk straddling the edge of a slice is read whole and cut. Its bits outside the slice are
-kept by the subscriber (:class:`SliceTarget`'s ``spare``) so that later deltas, which apply to
-the whole chunk, can be applied and checked against the chunk's digest. A cut along dimension 1
-makes every chunk of the tensor such an edge: the reader fetches and verifies the whole tensor
-and keeps the bits outside its columns; the user's tensor holds only the columns.
+A chunk is the smallest thing a reader can fetch and verify: whole rows (SPEC §2), or with a
+column grid (``chunk_cols`` > 0, design 011) a row block × a column block. A window is a
+rectangle of the unit seen as rows × element columns (whole rows, or the user's columns of
+every row), so :func:`resolve` enumerates the chunks it overlaps by arithmetic over row blocks
+and column blocks (never a loop over every chunk of a grid). A chunk straddling the edge of a
+window is read whole and cut. Its bits outside the window are kept by the subscriber
+(:class:`SliceTarget`'s ``spare``) so that later deltas, which apply to the whole chunk, can be
+applied and checked against the chunk's digest.
+
+A cut along dimension 1 of a tensor without a grid makes every chunk such an edge: the reader
+fetches and verifies the whole tensor and keeps the bits outside its columns; the user's tensor
+holds only the columns. With a grid only the column blocks overlapping the cut are read, and at
+most two of them straddle it per row block (011 D5). When the grid is aligned to the cut (each
+chunk read spans exactly the user's columns) nothing is kept: each chunk is a contiguous span
+of the user's slice, and the read engine applies and hashes it in place (:class:`SliceView`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from deltastore.changes import merge_spans
 from deltastore.errors import SelectionError
+from deltastore.plan import ChunkPlan
 from deltastore.tensors import TensorSpec, bits, dtype_name
 
 
@@ -40,9 +51,11 @@ class Selection:
         shard: ``(dim, rank, world)``: cut the sharded tensors along ``dim`` (0 or 1) and keep
             part ``rank`` of ``world``: along 0 rows ``[rank·S//world, (rank+1)·S//world)``,
             along 1 columns ``[rank·C//world, (rank+1)·C//world)`` of every row (equal parts
-            when ``world`` divides the extent, else parts differing by at most one). Chunks are
-            whole rows (SPEC §2): a cut along 0 reads only its rows' chunks, a cut along 1 reads
-            and verifies the whole tensor and keeps the other columns beside the user's tensor.
+            when ``world`` divides the extent, else parts differing by at most one). A cut along
+            0 reads only its rows' chunks. A cut along 1 reads the chunks overlapping its
+            columns: with whole-row chunks (SPEC §2) that is the whole tensor, verified, with the
+            other columns kept beside the user's tensor; with a column grid (design 011) only the
+            column blocks it overlaps.
         shard_names: fnmatch patterns of the selected tensors to cut (default: every selected
             tensor with at least one dimension); the others are read whole (replicated).
         shard_dims: ``{pattern: dim}``: tensors to cut along another dimension than
@@ -101,19 +114,21 @@ class Selection:
         return None
 
 
-#: Dimensions a selection can cut along: rows (chunks are whole rows) and columns (every row's
-#: span of columns is contiguous, so the reader cuts it out of a chunk without a gather).
+#: Dimensions a selection can cut along: rows and columns (a chunk is rows × a column block, so
+#: either cut is a rectangle of chunks; see :meth:`Window.rect`).
 CUT_DIMS = (0, 1)
 
 
 @dataclass(frozen=True)
 class Window:
-    """Elements ``[start, stop)`` of a layout unit, held by the user's tensor ``name`` from
-    its element ``offset`` on.
+    """Elements ``[start, stop)`` of a layout unit in its natural (C) order, whole rows, held by
+    the user's tensor ``name`` from its element ``offset`` on.
 
     With ``cols = (lo, hi)`` (a cut along dimension 1) ``[start, stop)`` are whole rows of
     ``row`` elements and the user's tensor holds only elements ``[lo, hi)`` of each, back to
     back: unit element ``e`` is the user's ``offset + ((e - start) // row)·(hi - lo) + e % row - lo``.
+    Chunks are matched against windows as rectangles (:meth:`rect` and
+    :meth:`TensorSpec.chunk_block`), never by spans: a grid chunk's span is in unit order.
     """
 
     start: int
@@ -123,24 +138,15 @@ class Window:
     cols: tuple[int, int] | None = None
     row: int = 0
 
-    def held(self, a: int, b: int) -> int:
-        """How many elements of ``[a, b)`` (whole rows when ``cols`` is set) the user holds."""
-        x, y = max(a, self.start), min(b, self.stop)
-        if x >= y:
-            return 0
-        if self.cols is None:
-            return y - x
-        return (y - x) // self.row * (self.cols[1] - self.cols[0])
-
-    def user_span(self, a: int, b: int) -> tuple[int, int] | None:
-        """The user's elements covering unit elements ``[a, b)`` (rows, for ``cols``), or None."""
-        x, y = max(a, self.start), min(b, self.stop)
-        if x >= y:
-            return None
-        if self.cols is None:
-            return (self.offset + x - self.start, self.offset + y - self.start)
-        w = self.cols[1] - self.cols[0]
-        return (self.offset + (x - self.start) // self.row * w, self.offset + (y - self.start) // self.row * w)
+    def rect(self, row: int) -> tuple[int, int, int, int]:
+        """``(r0, r1, e0, e1)``: the rows and element columns the window covers of its unit seen
+        as rows of ``row`` elements (the unit's ``row_elems``; a group row's are single elements).
+        The user holds them in C order from ``offset``: rows of ``e1 − e0`` elements."""
+        if self.cols is not None:
+            return (self.start // self.row, self.stop // self.row, *self.cols)
+        if not row:
+            return (0, 0, 0, 0)
+        return (self.start // row, self.stop // row, 0, row)
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,9 @@ class Resolved:
         edges: the chunks of ``chunks`` not wholly inside windows (read whole and cut).
         shapes: per user tensor, ``(dtype, shape)`` of what the subscriber hands out.
         rows: per sharded tensor, its row range ``[start, stop)``.
+        specs: the layout of every unit in ``windows``.
+        views: the units read through a live view of the user's tensor (:class:`SliceView`):
+            grid units whose chunks read are each exactly the window's columns (design 011 D5).
     """
 
     windows: dict[str, tuple[Window, ...]]
@@ -160,6 +169,8 @@ class Resolved:
     edges: frozenset[tuple[str, int]]
     shapes: dict[str, tuple[str, tuple[int, ...]]]
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    specs: dict[str, TensorSpec] = field(default_factory=dict)
+    views: frozenset[str] = frozenset()
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -265,19 +276,80 @@ def resolve_rows(units: Mapping[str, TensorSpec], rows: Mapping[str, tuple[int, 
 
 def _resolved(units: Mapping[str, TensorSpec], windows: Mapping[str, Sequence[Window]],
               shapes: dict[str, tuple[str, tuple[int, ...]]], rows: dict[str, tuple[int, int]]) -> Resolved:
-    """The :class:`Resolved` of ``windows``: the chunks overlapping them, and the edges."""
+    """The :class:`Resolved` of ``windows``: the chunks overlapping them, the edges, and the
+    grid units aligned to their window (011 D5)."""
     chunks: set[tuple[str, int]] = set()
     edges: set[tuple[str, int]] = set()
+    views: set[str] = set()
     for uname, ws in windows.items():
         spec = units[uname]
-        for i in range(spec.n_chunks):
-            a, b = spec.chunk_span(i)
-            inside = sum(w.held(a, b) for w in ws)
-            if inside:
-                chunks.add((uname, i))
-                if inside < b - a:
-                    edges.add((uname, i))
-    return Resolved({u: tuple(ws) for u, ws in windows.items()}, frozenset(chunks), frozenset(edges), shapes, rows)
+        held = chunks_held(spec, ws)
+        # the aligned fast path is for grid units only: without a grid a pull reads exactly as
+        # it did before grids (SliceTarget)
+        aligned = bool(held) and spec.chunk_cols > 0 and len(ws) == 1
+        cols = ws[0].rect(spec.row_elems)[2:] if aligned else None
+        for i, n in held.items():
+            r0, r1, e0, e1 = spec.chunk_block(i)
+            chunks.add((uname, i))
+            if n < (r1 - r0) * (e1 - e0):
+                edges.add((uname, i))
+                aligned = False
+            elif (e0, e1) != cols:
+                aligned = False
+        if aligned:
+            views.add(uname)
+    return Resolved({u: tuple(ws) for u, ws in windows.items()}, frozenset(chunks), frozenset(edges), shapes, rows,
+                    {u: units[u] for u in windows}, frozenset(views))
+
+
+def chunks_held(spec: TensorSpec, windows: Sequence[Window]) -> dict[int, int]:
+    """Chunk index → how many of its elements ``windows`` hold, for every chunk of ``spec`` they
+    overlap. By arithmetic: a window's rows overlap a range of row blocks and its columns a
+    range of column blocks (one without a grid), so the work is the chunks overlapped, never
+    every chunk of a grid (011 D7: ``nr·nc`` may be huge)."""
+    out: dict[int, int] = {}
+    if not spec.numel:
+        return out
+    height = spec.shape[0] if spec.shape else 1
+    row = spec.row_elems
+    band = spec.chunk_rows
+    nc = spec.n_colblocks
+    # element columns of a full column block (the whole row without a grid)
+    width = spec.chunk_cols * (row // spec.shape[1]) if spec.chunk_cols else row
+    for w in windows:
+        wr0, wr1, we0, we1 = w.rect(row)
+        if wr0 >= wr1 or we0 >= we1:
+            continue
+        for i in range(wr0 // band, -(-wr1 // band)):
+            r0 = i * band
+            h = min(r0 + band, height, wr1) - max(r0, wr0)
+            for j in range(we0 // width, -(-we1 // width)):
+                e0 = j * width
+                n = h * (min(e0 + width, row, we1) - max(e0, we0))
+                k = i * nc + j
+                out[k] = out.get(k, 0) + n
+    return out
+
+
+def changed_spans(plans: Iterable[ChunkPlan], res: Resolved) -> dict[str, list[tuple[int, int]]]:
+    """What ``plans`` wrote, in the coordinates of the partial target's tensors (a slice's
+    elements from 0; a group member's own elements), merged per tensor: for every chunk, the
+    rows of each window it overlaps, as the user holds them. A grid chunk is reported as its
+    row band (design 011 D4), a superset: chunk-granular, as ``last_changed`` promises."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for p in plans:
+        ws = res.windows.get(p.name)
+        if not ws:
+            continue
+        spec = res.specs[p.name]
+        r0, r1, e0, e1 = spec.chunk_block(p.index)
+        for w in ws:
+            wr0, wr1, we0, we1 = w.rect(spec.row_elems)
+            x0, x1 = max(r0, wr0), min(r1, wr1)
+            if x0 < x1 and max(e0, we0) < min(e1, we1):
+                width = we1 - we0
+                spans.setdefault(w.name, []).append((w.offset + (x0 - wr0) * width, w.offset + (x1 - wr0) * width))
+    return {n: merge_spans(s) for n, s in spans.items()}
 
 
 def check_target(res: Resolved, tensors: Mapping[str, torch.Tensor], *, against: str) -> None:
@@ -306,11 +378,14 @@ def check_target(res: Resolved, tensors: Mapping[str, torch.Tensor], *, against:
 
 class SliceTarget:
     """The read engine's access to one layout unit of a partial target (a tensor's slice, or
-    the selected members of a group row) in the unit's element coordinates.
+    the selected members of a group row) in the unit's element coordinates (unit order: a grid
+    chunk's span is its block in C order, design 011 D1).
 
     ``read`` assembles a chunk from the user's tensors and, outside the windows, from
     ``spare`` (the subscriber's copy of each edge chunk's bits); ``write`` scatters into both.
-    Reads are copies (``cpu = False``: the engine writes results back).
+    Each chunk is a block of rows × element columns (:meth:`TensorSpec.chunk_block`) and each
+    window a rectangle of the user's tensor (:meth:`Window.rect`), so both are 2-D copies of
+    their overlap. Reads are copies (``cpu = False``: the engine writes results back).
     """
 
     cpu = False
@@ -319,47 +394,103 @@ class SliceTarget:
     def __init__(self, spec: TensorSpec, windows: Sequence[Window], tensors: Mapping[str, torch.Tensor],
                  spare: dict[tuple[str, int], np.ndarray], edges: frozenset[tuple[str, int]]):
         self.spec = spec
-        self.windows = [(w, bits(tensors[w.name])) for w in windows]
         self.spare = spare
         self.edges = edges
-        self._index = {spec.chunk_span(i)[0]: i for i in range(spec.n_chunks)}
+        self._row = spec.row_elems
+        self._band = spec.chunk_rows * self._row
+        self._height = spec.shape[0] if spec.shape else 1
+        # per window: its rectangle of the unit, and the user's bits as that rectangle
+        self.windows: list[tuple[tuple[int, int, int, int], np.ndarray]] = []
+        for w in windows:
+            r0, r1, e0, e1 = w.rect(spec.row_elems)
+            user = bits(tensors[w.name])[w.offset:w.offset + (r1 - r0) * (e1 - e0)]
+            self.windows.append(((r0, r1, e0, e1), user.reshape(r1 - r0, e1 - e0)))
 
-    def _key(self, a: int) -> tuple[str, int]:
-        return (self.spec.name, self._index[a])
+    def _block(self, a: int, b: int) -> tuple[tuple[str, int], tuple[int, int, int, int]]:
+        """The key and block of the chunk whose span is ``[a, b)``."""
+        spec = self.spec
+        if spec.chunk_cols:
+            i = spec.chunk_at(a)
+            r0, r1, e0, e1 = block = spec.chunk_block(i)
+        else:  # whole rows: the span is the rows (a group row's rows are elements); no spec calls per chunk
+            row, band = self._row, self._band
+            i, off = divmod(a, band) if band else (0, 0)
+            r0, r1, e0, e1 = block = (a // row, b // row, 0, row) if row else (0, 0, 0, 0)
+            if off or b % max(row, 1) or r1 != min(r0 + spec.chunk_rows, self._height):
+                i = -1
+        if i < 0 or (r1 - r0) * (e1 - e0) != b - a:
+            raise ValueError(f"[{a}, {b}) is not the span of a chunk of tensor {spec.name!r}")
+        return (spec.name, i), block
+
+    def _overlaps(self, block: tuple[int, int, int, int]) -> Iterator[tuple[tuple[slice, slice], np.ndarray]]:
+        """``(chunk part, user part)`` index pairs of every window overlapping ``block``."""
+        r0, r1, e0, e1 = block
+        for (wr0, wr1, we0, we1), user in self.windows:
+            x0, x1, y0, y1 = max(r0, wr0), min(r1, wr1), max(e0, we0), min(e1, we1)
+            if x0 < x1 and y0 < y1:
+                yield (slice(x0 - r0, x1 - r0), slice(y0 - e0, y1 - e0)), user[x0 - wr0:x1 - wr0, y0 - we0:y1 - we0]
 
     def read(self, a: int, b: int) -> np.ndarray:
-        key = self._key(a)
+        key, block = self._block(a, b)
         sp = self.spare.get(key) if key in self.edges else None
         out = sp.copy() if sp is not None else np.zeros(b - a, dtype=self.spec.uint_dtype())
-        for w, arr in self.windows:
-            span = w.user_span(a, b)
-            if span is None:
-                continue
-            if w.cols is None:
-                x = max(a, w.start)
-                out[x - a : x - a + span[1] - span[0]] = arr[span[0] : span[1]]
-            else:  # whole rows [a, b): the user's columns of each
-                lo, hi = w.cols
-                out.reshape(-1, w.row)[:, lo:hi] = arr[span[0] : span[1]].reshape(-1, hi - lo)
+        chunk = out.reshape(block[1] - block[0], block[3] - block[2])
+        for part, user in self._overlaps(block):
+            chunk[part] = user
         return out
 
     def write(self, a: int, b: int, raw: np.ndarray) -> None:
-        key = self._key(a)
+        key, block = self._block(a, b)
         if key in self.edges:
             self.spare[key] = np.array(raw, copy=True)
-        for w, arr in self.windows:
-            span = w.user_span(a, b)
-            if span is None:
-                continue
-            if w.cols is None:
-                x = max(a, w.start)
-                arr[span[0] : span[1]] = raw[x - a : x - a + span[1] - span[0]]
-            else:
-                lo, hi = w.cols
-                arr[span[0] : span[1]].reshape(-1, hi - lo)[:] = raw.reshape(-1, w.row)[:, lo:hi]
+        chunk = raw.reshape(block[1] - block[0], block[3] - block[2])
+        for part, user in self._overlaps(block):
+            user[...] = chunk[part]
+
+
+class SliceView:
+    """The aligned fast path of design 011 D5: a grid unit whose every chunk read spans exactly
+    the window's columns (a column cut by a degree the grid was made for). Chunk ``(i, j)`` is
+    then rows ``[r0, r1)`` of the user's slice, a contiguous span of it, so ``read`` returns a
+    live view (``cpu = True``: the engine applies and hashes in place), with no gather and no
+    spare bits kept."""
+
+    cpu = True
+    raw = None
+
+    def __init__(self, spec: TensorSpec, window: Window, tensor: torch.Tensor):
+        self.spec = spec
+        self.rect = window.rect(spec.row_elems)
+        self.offset = window.offset
+        self.user = bits(tensor)  # the view holds the tensor's storage
+
+    def _span(self, a: int, b: int) -> np.ndarray:
+        i = self.spec.chunk_at(a)
+        r0, r1, e0, e1 = self.spec.chunk_block(i)
+        wr0, wr1, we0, we1 = self.rect
+        if (e0, e1) != (we0, we1) or not wr0 <= r0 <= r1 <= wr1 or (r1 - r0) * (e1 - e0) != b - a:
+            raise ValueError(f"chunk {i} of tensor {self.spec.name!r} (rows {r0}-{r1}, element columns {e0}-{e1}) "
+                             f"is not a span of the slice (rows {wr0}-{wr1}, element columns {we0}-{we1})")
+        x = self.offset + (r0 - wr0) * (e1 - e0)
+        return self.user[x:x + b - a]
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        return self._span(a, b)
+
+    def write(self, a: int, b: int, raw: np.ndarray) -> None:
+        view = self._span(a, b)
+        if not np.shares_memory(view, raw):
+            view[...] = raw
 
 
 def slice_targets(units: Mapping[str, TensorSpec], res: Resolved, tensors: Mapping[str, torch.Tensor],
-                  spare: dict[tuple[str, int], np.ndarray]) -> dict[str, SliceTarget]:
-    """One :class:`SliceTarget` per selected unit."""
-    return {u: SliceTarget(units[u], ws, tensors, spare, res.edges) for u, ws in res.windows.items()}
+                  spare: dict[tuple[str, int], np.ndarray]) -> dict[str, SliceTarget | SliceView]:
+    """One target per selected unit: a :class:`SliceView` for an aligned grid unit, else a
+    :class:`SliceTarget`."""
+    out: dict[str, SliceTarget | SliceView] = {}
+    for u, ws in res.windows.items():
+        if u in res.views:
+            out[u] = SliceView(units[u], ws[0], tensors[ws[0].name])
+        else:
+            out[u] = SliceTarget(units[u], ws, tensors, spare, res.edges)
+    return out

@@ -32,8 +32,8 @@ import torch
 
 from deltastore.codec import Changes
 from deltastore.errors import IntegrityError
+from deltastore.grid import patch_put, patch_region, patch_take
 from deltastore.history import VersionInfo
-from deltastore.tensors import bits
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ class ChunkPatch:
 
     ``expected_old`` holds the bits the patch was prepared against at the same positions (for a
     dense patch, the whole chunk's), so the swap can tell that nobody wrote the target since.
+
+    Positions are chunk-relative, in the chunk's C order. ``block`` is None when the chunk is
+    the span ``span`` of the flattened tensor; for a column-grid chunk (design 011 D4) it is
+    ``(r0, r1, e0, e1)`` (:meth:`~deltastore.tensors.TensorSpec.chunk_block`): the chunk is
+    that 2-D block of the tensor seen as ``(shape[0], row)`` rows of ``row`` elements, and
+    ``span`` is its span in the tensor's unit order.
     """
 
     name: str
@@ -56,6 +62,17 @@ class ChunkPatch:
     positions: np.ndarray | None
     values: np.ndarray
     expected_old: np.ndarray
+    block: tuple[int, int, int, int] | None = None
+    #: elements per row of the tensor when ``block`` is set (the row band it reports as changed)
+    row: int = 0
+
+    @property
+    def changed(self) -> tuple[int, int]:
+        """The element span ``[start, stop)`` of the flattened tensor the patch may write: its
+        span, or for a grid chunk its whole row band ``[r0·row, r1·row)`` (a superset)."""
+        if self.block is None:
+            return self.span
+        return (self.block[0] * self.row, self.block[1] * self.row)
 
     @property
     def nbytes(self) -> int:
@@ -120,7 +137,7 @@ class StagedUpdate:
         """Tensor name → element spans ``[start, stop)`` of the chunks this update writes."""
         out: dict[str, list[tuple[int, int]]] = {}
         for p in self.patches:
-            out.setdefault(p.name, []).append(p.span)
+            out.setdefault(p.name, []).append(p.changed)
         return out
 
     def swap(self, tensors: Mapping[str, torch.Tensor]) -> float:
@@ -135,29 +152,15 @@ class StagedUpdate:
         try:
             for p in self.patches:
                 t = tensors[p.name]
-                if t.device.type == "cpu":
-                    raw = bits(t)[p.span[0]:p.span[1]]
-                    old = raw if p.positions is None else raw[p.positions]
-                    if not np.array_equal(old, p.expected_old):
-                        raise IntegrityError(
-                            f"tensor {p.name!r} chunk {p.index} changed between staging and swap: "
-                            f"the target was written by someone else; nothing applied (stage it again)"
-                        )
-                    if p.positions is None:
-                        raw[...] = p.values
-                    else:
-                        raw[p.positions] = p.values
-                    done.append((p, t))
-                else:
-                    flat = t.detach().reshape(-1)[p.span[0]:p.span[1]]
-                    before = _device_bits(flat)
-                    old = before if p.positions is None else before[torch.from_numpy(p.positions.astype(np.int64)).to(flat.device)]
-                    if not np.array_equal(old.cpu().numpy().view(p.expected_old.dtype), p.expected_old):
-                        raise IntegrityError(
-                            f"tensor {p.name!r} chunk {p.index} changed between staging and swap; nothing applied"
-                        )
-                    _device_write(flat, p.positions, p.values)
-                    done.append((p, t))
+                # the chunk's place in ``t``: a 1-D span, or a grid chunk's 2-D block (011 D4)
+                region = patch_region(t, p.span, p.block)
+                if not np.array_equal(patch_take(region, p.positions), p.expected_old):
+                    raise IntegrityError(
+                        f"tensor {p.name!r} chunk {p.index}{_block_words(p)} changed between staging and swap: "
+                        f"the target was written by someone else; nothing applied (stage it again)"
+                    )
+                patch_put(region, p.positions, p.values)
+                done.append((p, t))
         except BaseException:
             for p, t in reversed(done):
                 _restore(t, p)
@@ -182,14 +185,11 @@ class StagedUpdate:
             raise ValueError(f"rebinding needs CPU tensors; {off[0]!r} is on {tensors[off[0]].device}: swap in place")
         out = {n: tensors[n].detach().clone() for n in names}
         for p in self.patches:
-            raw = bits(out[p.name])[p.span[0]:p.span[1]]
-            old = raw if p.positions is None else raw[p.positions]
-            if not np.array_equal(old, p.expected_old):
-                raise IntegrityError(f"tensor {p.name!r} chunk {p.index} changed since it was staged; nothing applied (stage it again)")
-            if p.positions is None:
-                raw[...] = p.values
-            else:
-                raw[p.positions] = p.values
+            region = patch_region(out[p.name], p.span, p.block)
+            if not np.array_equal(patch_take(region, p.positions), p.expected_old):
+                raise IntegrityError(f"tensor {p.name!r} chunk {p.index}{_block_words(p)} changed since it was staged; "
+                                     "nothing applied (stage it again)")
+            patch_put(region, p.positions, p.values)
         self.replacements = out
 
     def rebind(self, owners: Mapping[str, torch.Tensor]) -> float:
@@ -225,29 +225,13 @@ def _point(obj: torch.Tensor, new: torch.Tensor) -> None:
         obj.set_(new)
 
 
-_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _device_bits(flat: torch.Tensor) -> torch.Tensor:
-    return flat.view(_SIGNED[flat.element_size()])
-
-
-def _device_write(flat: torch.Tensor, positions: np.ndarray | None, values: np.ndarray) -> None:
-    view = _device_bits(flat)
-    src = torch.from_numpy(values.view(values.dtype.str.replace("u", "i")) if values.dtype.itemsize > 1 else values)
-    src = src.to(view.device, non_blocking=True)
-    if positions is None:
-        view.copy_(src)
-    else:
-        view[torch.from_numpy(positions.astype(np.int64)).to(view.device)] = src
+def _block_words(p: ChunkPatch) -> str:
+    """`` (rows r0-r1, element columns e0-e1)`` for a grid chunk's patch (design 011 D4), else ''."""
+    if p.block is None:
+        return ""
+    r0, r1, e0, e1 = p.block
+    return f" (rows {r0}-{r1}, element columns {e0}-{e1})"
 
 
 def _restore(t: torch.Tensor, p: ChunkPatch) -> None:
-    if t.device.type == "cpu":
-        raw = bits(t)[p.span[0]:p.span[1]]
-        if p.positions is None:
-            raw[...] = p.expected_old
-        else:
-            raw[p.positions] = p.expected_old
-    else:
-        _device_write(t.detach().reshape(-1)[p.span[0]:p.span[1]], p.positions, p.expected_old)
+    patch_put(patch_region(t, p.span, p.block), p.positions, p.expected_old)

@@ -1,8 +1,8 @@
 """Column grids, design 011 D10 steps 1-2: the geometry of a grid tensor (TensorSpec, the
 manifest helpers, the layout plumbing) and deltastore.grid's conversions between natural and
 unit order, each against a naive reference written here (explicit slicing of the tensor
-``W[r0:r1, c0:c1, ...]``), never against the functions under test. Readers still refuse grids;
-writers never write one."""
+``W[r0:r1, c0:c1, ...]``), never against the functions under test. Stores with a grid
+(step 3) are tested in tests/test_grid_store.py."""
 
 from __future__ import annotations
 
@@ -208,9 +208,9 @@ def test_manifest_carries_the_layouts_grid_to_the_plan() -> None:
     assert lay0.grid() == {} and m2.with_layout(lay0).chunk_cols("w") == 0
 
 
-def test_writers_write_no_grid() -> None:
-    with pytest.raises(ValueError, match="writes no column grid"):
-        layout_of({"w": TensorSpec("w", "float32", (4, 2), 2, (), 1)})
+def test_layout_of_writes_the_specs_grid() -> None:
+    # D10 step 3: a writer given grid specs records chunk_cols; without one it writes 0
+    assert layout_of({"w": TensorSpec("w", "float32", (4, 2), 2, (), 1)}).chunk_cols == (1,)
     assert layout_of({"w": TensorSpec("w", "float32", (4, 2), 2)}).chunk_cols == (0,)
 
 

@@ -246,12 +246,14 @@ def test_objects_are_zstd_frames_and_round_trip() -> None:
 
 
 def test_layouts_this_release_cannot_read_are_refused() -> None:
-    """Sharded layouts are read since issue 12 (tests/test_sharded.py); a column grid is still
+    """Sharded layouts are read since issue 12 (tests/test_sharded.py) and column grids since
+    design 011 D10 step 3 (tests/test_grid_store.py); a grid in a sharded layout is still
     refused, and pieces without parts (or parts without pieces) are corrupt."""
     rng = random.Random(8)
     layout = make_layout(rng, 3)
     cases = (
-        ({"chunk_cols": (0, 4, 0)}, UnsupportedSchemaError, "column grids are read from a later release"),
+        ({"chunk_cols": (1, 0, 0), "parts": 1, "pieces": ((),) * 3, "piece_parts": ((0,),) * 3},
+         UnsupportedSchemaError, "a grid in a sharded layout is read from a later release"),
         ({"parts": 2}, CorruptObjectError, "needs pieces"),
         ({"pieces": (None, (3,), None)}, CorruptObjectError, "unsharded layout"),
     )

@@ -444,7 +444,9 @@ def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
     if layout is not None:
         out.append(f"layout          {m.layout.key} (sha256 {m.layout.sha256}), {len(layout.name)} tensor(s), parts {layout.parts}")
         for i, name in enumerate(layout.name):
-            out.append(f"  [{i}] {name}  {layout.dtype[i]} {list(layout.shape[i])}  chunk_rows {layout.chunk_rows[i]}")
+            cols = layout.chunk_cols[i]  # a column grid (design 011): said only where there is one
+            grid = f"  chunk_cols {cols}" if cols else ""
+            out.append(f"  [{i}] {name}  {layout.dtype[i]} {list(layout.shape[i])}  chunk_rows {layout.chunk_rows[i]}{grid}")
     else:
         out.append("layout          inline (schema 1/2: the tensors below carry it)")
     out.append(f"packs           {len(m.blobs)}")
@@ -455,7 +457,9 @@ def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
     listed = sum(len(t.chunks) for t in m.tensors)
     out.append(f"tensors         {len(m.tensors)} listed, {listed} chunk row(s)")
     for t in m.tensors:
-        out.append(f"  {t.name}  {t.dtype} {list(t.shape)}  chunk_rows {t.chunk_rows}  ({len(t.chunks)} chunk(s) listed)")
+        cols = m.chunk_cols(t.name) if hasattr(m, "chunk_cols") else 0
+        grid = f"  chunk_cols {cols}" if cols else ""
+        out.append(f"  {t.name}  {t.dtype} {list(t.shape)}  chunk_rows {t.chunk_rows}{grid}  ({len(t.chunks)} chunk(s) listed)")
         for c in t.chunks:
             out.append(f"    chunk {c.index}  digest {c.digest}")
             for which, seg in (("delta", c.delta), ("full", c.full)):

@@ -31,6 +31,7 @@ from deltastore.errors import (
     IntegrityError,
     LayoutMismatchError,
     SiteLayoutError,
+    UnsupportedSchemaError,
     WrongBaseError,
 )
 from deltastore.history import History, VersionInfo
@@ -94,6 +95,10 @@ def specs_of(layout: Layout, *, what: str) -> dict[str, TensorSpec]:
     if layout.groups:
         raise SiteLayoutError(f"{what}: its layout groups small tensors (schema-4 groups); federated rounds "
                               "need an ungrouped global store (Publisher(group_small_tensors=False))")
+    gridded = [n for n, c in zip(layout.name, layout.chunk_cols) if c]
+    if gridded:  # design 011 D6: the merge and these specs know no column grid yet
+        raise UnsupportedSchemaError(f"{what}: tensor {gridded[0]!r} has a column grid (chunk_cols > 0); "
+                                     "a grid in a federated store is read from a later release")
     return {n: TensorSpec(n, dt, tuple(sh), rows)
             for n, dt, sh, rows in zip(layout.name, layout.dtype, layout.shape, layout.chunk_rows)}
 

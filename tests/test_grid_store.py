@@ -1,0 +1,438 @@
+"""Stores with a column grid (design 011 D10 step 3): published, read whole, fast-forwarded,
+staged and swapped, bit for bit, with every check of SPEC §7 on the grid's chunks.
+
+Grid stores are made by a publisher given explicit specs (``Publisher._explicit_specs``, an
+internal test hook: the public policy, ``column_slices``, is step 4). Chunk digests are checked
+against an oracle written here by torch slicing (``W[r0:r1, c0:c1].contiguous()``), never
+through deltastore.grid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltastore import (
+    CorruptObjectError,
+    IntegrityError,
+    Publisher,
+    Subscriber,
+    TargetModifiedError,
+    UnsupportedSchemaError,
+)
+from deltastore.codec import _kernels
+from deltastore.manifest import Layout, decode_object, encode_object, object_key, sha256_hex
+from deltastore.select import Selection
+from deltastore.storage import open_store
+from deltastore.tensors import TensorSpec
+
+#: The design's golden-store shapes (011 D7): ragged both ways (5 × 5 chunks of a 70 × 100
+#: bf16), a grid over trailing dims (12 × 10 × 3, 4 columns), and a plain tensor.
+SPECS = {
+    "w": TensorSpec("w", "bfloat16", (70, 100), 16, (), 24),
+    "x": TensorSpec("x", "float32", (12, 10, 3), 5, (), 4),
+}
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(70, 100, generator=g).to(torch.bfloat16),
+        "x": torch.randn(12, 10, 3, generator=g),
+        "p": torch.randn(33, generator=g),
+    }
+
+
+def _next(prev: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """A sparse change inside a few blocks, NaN payloads and -0.0 included; every third step dense."""
+    s = {n: t.clone() for n, t in prev.items()}
+    if step % 3 == 2:
+        s["w"] += torch.tensor(0.5, dtype=torch.bfloat16)
+        return s
+    s["w"][3 + step:20 + step, 5 * step:5 * step + 30] += 1
+    s["x"][step % 12, 7:] = -0.0
+    s["x"].view(torch.int32)[(step + 3) % 12, 2, 1] = 0x7FC00001 + step  # a NaN payload
+    return s
+
+
+def _publish(url: str, states: list[dict[str, torch.Tensor]], specs=SPECS, **kw) -> None:
+    with Publisher(url, group_small_tensors=False, **kw) as pub:
+        pub._explicit_specs = specs
+        for s in states:
+            pub.publish(s)
+
+
+def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    out = [_state(seed)]
+    for k in range(1, n):
+        out.append(_next(out[-1], k))
+    return out
+
+
+def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape, n
+        assert torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)), n
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, torch.Tensor]]]:
+    url = f"file://{tmp_path_factory.mktemp('grid')}"
+    states = _states(5)
+    _publish(url, states)
+    return url, states
+
+
+# --- the format -----------------------------------------------------------------------------
+
+
+def _oracle_blocks(shape: tuple[int, ...], rows: int, cols: int) -> list[tuple[slice, slice]]:
+    """Chunk index → (rows, columns) by SPEC §2's numbering, i·ceil(C/k) + j."""
+    nr, nc = math.ceil(shape[0] / rows), math.ceil(shape[1] / cols)
+    return [(slice(i * rows, min((i + 1) * rows, shape[0])), slice(j * cols, min((j + 1) * cols, shape[1])))
+            for i in range(nr) for j in range(nc)]
+
+
+def test_every_chunk_digest_is_the_hash_of_its_block(store) -> None:
+    url, states = store
+    with Subscriber(url) as sub:
+        for v, state in enumerate(states, 1):
+            key, m = sub._resolve(v)
+            assert m.chunk_cols("w") == 24 and m.chunk_cols("x") == 4 and m.chunk_cols("p") == 0
+            listed = 0
+            for t in m.tensors:
+                if t.name == "p":
+                    continue
+                spec = SPECS[t.name]
+                blocks = _oracle_blocks(spec.shape, spec.chunk_rows, spec.chunk_cols)
+                if m.kind == "anchor":
+                    assert len(t.chunks) == len(blocks)
+                for c in t.chunks:
+                    rs, cs = blocks[c.index]
+                    block = state[t.name][rs, cs].contiguous()
+                    want = xxhash.xxh3_128_hexdigest(block.view(torch.uint8).numpy().tobytes())
+                    assert c.digest == want, (v, t.name, c.index)
+                    listed += 1
+            assert listed
+    assert len(_oracle_blocks((70, 100), 16, 24)) == 25  # 5 × 5, ragged both ways
+
+
+def test_the_layout_records_the_grid_and_inspect_prints_it(store, capsys: pytest.CaptureFixture[str]) -> None:
+    from deltastore.cli import main
+
+    url, _ = store
+    with Subscriber(url) as sub:
+        sub.pull(1)
+        assert sub.units()["w"] == SPECS["w"] and sub.layout()["x"].chunk_cols == 4
+    main(["inspect", url, "--version", "1"])
+    out = capsys.readouterr().out
+    assert "[0] w  bfloat16 [70, 100]  chunk_rows 16  chunk_cols 24" in out
+    assert "chunk_rows 5  chunk_cols 4" in out and "p  float32 [33]  chunk_rows 33  (" in out
+
+
+def test_native_and_numpy_paths_write_identical_packs_and_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """D9: the gather is a numpy copy, so DELTASTORE_NATIVE=0 and =1 write the same bytes."""
+    if not _kernels.NATIVE:
+        pytest.skip("native extension not built")
+    states = _states(4, seed=3)
+
+    def written(url: str) -> list[tuple]:
+        out = []
+        with Subscriber(url) as sub, open_store(url) as st:
+            for v in range(1, len(states) + 1):
+                _, m = sub._resolve(v)
+                packs = [bytes(st.get(b.key)) for b in m.blobs]
+                tables = [(t.name, [(c.index, c.digest, None if c.full is None else c.full.model_dump(),
+                                     None if c.delta is None else c.delta.model_dump()) for c in t.chunks])
+                          for t in m.tensors]
+                out.append((m.kind, [b.sha256 for b in m.blobs], packs, tables, m.stats.model_dump()))
+        return out
+
+    _publish(f"file://{tmp_path / 'native'}", states, threads=2)
+    with monkeypatch.context() as mp:
+        for name in ("encode_add", "xxh3_128_hex", "split_planes", "pair_codes", "byte_histogram", "apply_segment",
+                     "gather_members", "scatter_members", "scan_tensors"):
+            mp.setattr(_kernels, name, None)
+        _publish(f"file://{tmp_path / 'numpy'}", states, threads=2)
+    assert written(f"file://{tmp_path / 'native'}") == written(f"file://{tmp_path / 'numpy'}")
+
+
+# --- round trips ----------------------------------------------------------------------------
+
+
+def test_pull_into_from_every_earlier_version(store) -> None:
+    url, states = store
+    for start in range(1, len(states)):
+        with Subscriber(url) as sub:
+            target = sub.pull(start)
+            for v in range(start + 1, len(states) + 1):
+                assert sub.pull_into(target, v).version == v
+                _bits_equal(target, states[v - 1])
+
+
+def test_last_changed_reports_row_bands(store) -> None:
+    url, states = store
+    with Subscriber(url) as sub:
+        target = sub.pull(1)
+        sub.pull_into(target, 2)  # step 1 changes w rows 4..20, columns 5..35; x rows 1 and 4
+        changed = sub.last_changed
+        assert changed["w"] == [(0, 32 * 100)]  # row blocks 0 and 1, whole rows
+        assert changed["x"] == [(0, 5 * 30)]  # row block 0 (rows 0-5)
+        assert "p" not in changed
+        from deltastore.changes import changed_rows
+
+        rows = {n: r for n, r, _ in changed_rows(target, changed)}
+        assert rows == {"w": [(0, 32)], "x": [(0, 5)]}
+        staged = sub.stage(target, 3)
+        bands = staged.changed["w"]  # step 2 is dense: all 25 chunks, each reported as its row band
+        assert len(bands) == 25 and set(bands) == {(r * 1600, min(r * 1600 + 1600, 7000)) for r in range(5)}
+        sub.swap(staged, target)
+        _bits_equal(target, states[2])
+
+
+def test_stage_and_swap_write_blocks_and_rebind_patches_copies(store) -> None:
+    url, states = store
+    with Subscriber(url) as sub:
+        target = sub.pull(1)
+        staged = sub.stage(target, 2)
+        grid_patches = [p for p in staged.patches if p.name == "w"]
+        assert grid_patches and all(p.block == SPECS["w"].chunk_block(p.index) for p in grid_patches)
+        _bits_equal(target, states[0])  # staging writes nothing
+        sub.swap(staged, target)
+        _bits_equal(target, states[1])
+        for rec in sub.follow(target, interval=0.01, heartbeat=False, max_versions=1, swap_mode="rebind"):
+            assert rec.info.version == len(states)
+        _bits_equal(target, states[-1])
+
+
+def test_resume_keeps_the_grid_and_writes_deltas(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    states = _states(3, seed=5)
+    _publish(url, states[:2])
+    with Publisher(url, group_small_tensors=False) as pub:  # no hook: the store's layout continues
+        info = pub.publish(states[2])
+        assert info.kind == "delta"
+        again = pub.publish(states[2])  # skip_unchanged compares in unit order
+        assert again.version == info.version
+        assert pub.publish(states[2], anchor=True).kind == "anchor"
+    with Subscriber(url) as sub:
+        _bits_equal(sub.pull(3), states[2])
+        assert sub.units()["w"].chunk_cols == 24
+        _bits_equal(sub.pull(), states[2])
+
+
+def test_a_policy_anchor_of_an_unchanged_state_is_skipped(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    s = _state(6)
+    with Publisher(url, group_small_tensors=False, anchor_every=1) as pub:
+        pub._explicit_specs = SPECS
+        assert pub.publish(s).version == 1
+        assert pub.publish(s).version == 1  # _identical, chunk by chunk against the unit-order reference
+        s2 = {n: t.clone() for n, t in s.items()}
+        s2["w"][69, 99] += 1  # the last element of the last (ragged) block
+        assert pub.publish(s2).version == 2
+
+
+def test_relayout_to_and_from_a_grid_is_bridged(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    states = _states(3, seed=7)
+    _publish(url, states[:1])
+    with Subscriber(url) as sub:
+        target = sub.pull()
+        with Publisher(url, group_small_tensors=False, resume=False) as pub:  # another layout: no grid
+            pub.publish(states[1])
+        sub.pull_into(target)
+        _bits_equal(target, states[1])
+        assert sub.units()["w"].chunk_cols == 0
+        _publish(url, states[2:], resume=False)  # the grid again
+        sub.pull_into(target)
+        _bits_equal(target, states[2])
+        assert sub.units()["w"].chunk_cols == 24
+
+
+@st.composite
+def _grid_cases(draw):
+    rows, cols = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    trailing = draw(st.sampled_from([(), (2,), (1, 3)]))
+    spec = TensorSpec("t", "int16", (rows, cols, *trailing), draw(st.integers(1, rows)), (), draw(st.integers(1, cols)))
+    steps = draw(st.lists(st.tuples(st.integers(0, 2**31), st.sampled_from(["sparse", "dense", "none"])),
+                          min_size=1, max_size=3))
+    return spec, draw(st.integers(0, 2**31)), steps
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_grid_cases())
+def test_random_grids_round_trip(tmp_path_factory: pytest.TempPathFactory, case) -> None:
+    """Random shapes, chunk_rows and chunk_cols; each version checked against a numpy model by
+    pull, by pull_into from every earlier version, and by stage + swap."""
+    spec, seed, steps = case
+    rng = np.random.default_rng(seed)
+    model = [rng.integers(-2**15, 2**15, spec.shape, dtype=np.int16)]
+    for s, how in steps:
+        r = np.random.default_rng(s)
+        nxt = model[-1].copy()
+        if how == "dense":
+            nxt += 1
+        elif how == "sparse":
+            flat = nxt.reshape(-1)
+            flat[r.integers(0, flat.size, max(1, flat.size // 10))] ^= 0x5A5A
+        model.append(nxt)
+    states = [{"t": torch.from_numpy(a.copy())} for a in model]
+    url = f"file://{tmp_path_factory.mktemp('hyp')}"
+    _publish(url, states, specs={"t": spec}, skip_unchanged=False)
+    with Subscriber(url) as sub:
+        for v in range(1, len(model) + 1):
+            assert np.array_equal(sub.pull(v)["t"].numpy(), model[v - 1])
+    for start, end in itertools.combinations(range(1, len(model) + 1), 2):
+        with Subscriber(url) as sub:
+            t = sub.pull(start)
+            sub.pull_into(t, end)
+            assert np.array_equal(t["t"].numpy(), model[end - 1])
+        with Subscriber(url) as sub:
+            t = sub.pull(start)
+            staged = sub.stage(t, end)
+            sub.swap(staged, t)
+            assert np.array_equal(t["t"].numpy(), model[end - 1])
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+
+def test_a_target_modified_inside_a_block_is_refused_and_left_as_it_was(store) -> None:
+    url, states = store
+    for where in [(20, 30), (69, 99), (0, 0)]:  # inside block (1, 1), the last ragged one, the first
+        with Subscriber(url) as sub:
+            target = sub.pull(1)
+            target["w"][where] += 1
+            before = {n: t.clone() for n, t in target.items()}
+            with pytest.raises(TargetModifiedError, match="'w'"):
+                sub.pull_into(target, 3)
+            _bits_equal(target, before)
+            with pytest.raises(TargetModifiedError):
+                sub.stage(target, 3)
+
+
+def test_a_write_between_stage_and_swap_is_detected(store) -> None:
+    url, _ = store
+    with Subscriber(url) as sub:
+        target = sub.pull(1)
+        staged = sub.stage(target, 2)
+        p = next(p for p in staged.patches if p.name == "w" and p.positions is not None)
+        r0, _, e0, e1 = p.block
+        pos = int(p.positions[-1])
+        row, col = r0 + pos // (e1 - e0), e0 + pos % (e1 - e0)  # the patched (row, col)
+        target["w"].view(torch.int16)[row, col] ^= 1
+        before = {n: t.clone() for n, t in target.items()}
+        with pytest.raises(TargetModifiedError, match=r"rows \d+-\d+, element columns"):
+            sub.swap(staged, target)
+        _bits_equal(target, before)
+
+
+def test_a_corrupt_segment_mid_apply_rolls_back_bit_exactly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    url = f"file://{tmp_path}"
+    states = _states(3, seed=9)
+    states[2] = {n: t.clone() for n, t in states[1].items()}
+    states[2]["w"] += torch.tensor(1.0, dtype=torch.bfloat16)  # every grid chunk changes
+    _publish(url, states, anchor_every=100)
+    with open_store(url) as st, Subscriber(url) as sub:
+        _, m = sub._resolve(3)
+        w = next(t for t in m.tensors if t.name == "w")
+        seg = w.chunks[len(w.chunks) // 2].delta  # a chunk in the middle of the apply
+        pack = m.blobs[seg.blob]
+        data = bytearray(st.get(pack.key))
+        data[seg.offset + seg.length - 1] ^= 0xFF
+        st.delete(pack.key)
+        st.put(pack.key, bytes(data), mode="create")
+    with Subscriber(url) as sub:
+        target = sub.pull(2)
+        before = {n: t.clone() for n, t in target.items()}
+        with pytest.raises(IntegrityError), caplog.at_level("ERROR", logger="deltastore.apply"):
+            sub.pull_into(target, 3)
+        _bits_equal(target, before)
+    rolled = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+    assert rolled and int(rolled[0].split("rolled back ")[1].split()[0]) >= 2  # grid chunks were written, then undone
+
+
+# --- hostile layouts and refusals ---------------------------------------------------------------
+
+
+def _layout(store) -> tuple[Layout, str]:
+    url, _ = store
+    with Subscriber(url) as sub:
+        _, m = sub._resolve(1)
+        data = open_store(url).get(m.layout.key)
+        return decode_object(Layout, bytes(data), m.layout.key, m.layout.sha256), m.layout.key
+
+
+@pytest.mark.parametrize("cols, match", [
+    ((-1, 4, 0), "chunk_cols -1"),
+    ((2**63, 4, 0), "chunk_cols"),
+    ((101, 4, 0), "more than its 100 columns"),
+    ((24, 4, 3), "a grid needs a second dimension"),
+])
+def test_hostile_grid_layouts_are_corrupt(store, cols, match) -> None:
+    layout, _ = _layout(store)
+    names = list(layout.name)
+    order = [names.index(n) for n in ("w", "x", "p")]
+    col = [0] * len(names)
+    for i, c in zip(order, cols):
+        col[i] = c
+    bad = layout.model_copy(update={"chunk_cols": tuple(col)})
+    data = encode_object(bad)
+    key = object_key("0" * 32, sha256_hex(data), ".layout.json.zst")
+    with pytest.raises(CorruptObjectError, match=match):
+        decode_object(Layout, data, key)
+
+
+def test_a_grid_on_a_group_row_or_an_empty_dimension_is_corrupt() -> None:
+    from deltastore.manifest import GroupRecord
+
+    base = dict(name=("g", "e"), dtype=("float32", "float32"), shape=((6,), (3, 0)), chunk_rows=(6, 1),
+                pieces=(None, None), piece_parts=(None, None))
+    cases = [
+        (Layout(schema=4, chunk_cols=(1, 0), groups=(GroupRecord(unit=0, name=("a", "b"), shape=((3,), (3,)), offset=(0, 3)),),
+                **base), "a grid needs a second dimension"),
+        (Layout(chunk_cols=(0, 1), **base), "more than its 0 columns"),
+    ]
+    for layout, match in cases:
+        data = encode_object(layout)
+        with pytest.raises(CorruptObjectError, match=match):
+            decode_object(Layout, data, object_key("0" * 32, sha256_hex(data), ".layout.json.zst"))
+
+
+def test_a_grid_changes_the_layouts_digest() -> None:
+    from deltastore.manifest import layout_of
+
+    a = encode_object(layout_of({"w": SPECS["w"]}))
+    b = encode_object(layout_of({"w": TensorSpec("w", "bfloat16", (70, 100), 16, (), 25)}))
+    c = encode_object(layout_of({"w": TensorSpec("w", "bfloat16", (70, 100), 16)}))
+    assert len({sha256_hex(a), sha256_hex(b), sha256_hex(c)}) == 3
+
+
+def test_a_selection_touching_a_grid_tensor_reads_it(store) -> None:
+    """Step 5 lifted step 3's refusal: a column cut of a grid tensor, and a grid tensor
+    selected whole, read bit for bit (tests/test_partial_grid.py has the rest)."""
+    url, states = store
+    for sel, want in ((Selection(names=("w",), shard=(1, 1, 2)), lambda s: {"w": s["w"][:, 50:].contiguous()}),
+                      (Selection(names=("x",)), lambda s: {"x": s["x"]})):
+        with Subscriber(url, select=sel) as sub:
+            mine = sub.pull(1)
+            sub.pull_into(mine)
+            _bits_equal(mine, want(states[-1]))
+
+
+def test_a_grid_in_a_federated_base_is_refused(store) -> None:
+    from deltastore.federated.based import specs_of
+
+    layout, key = _layout(store)
+    with pytest.raises(UnsupportedSchemaError, match="'w' has a column grid"):
+        specs_of(layout, what=key)
