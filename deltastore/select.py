@@ -27,6 +27,7 @@ import torch
 
 from deltastore.errors import SelectionError
 from deltastore.tensors import TensorSpec, bits, dtype_name
+from deltastore.tensors import ROW_PARALLEL as ROW_PARALLEL  # re-exported here (design 011 D6)
 
 
 @dataclass(frozen=True)
