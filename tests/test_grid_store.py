@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -309,12 +310,14 @@ def test_random_grids_round_trip(tmp_path_factory: pytest.TempPathFactory, case)
 
 def test_a_target_modified_inside_a_block_is_refused_and_left_as_it_was(store) -> None:
     url, states = store
-    for where in [(20, 30), (69, 99), (0, 0)]:  # inside block (1, 1), the last ragged one, the first
+    blocks = {(20, 30): "chunk 6 (rows 16-32, columns 24-48)", (69, 99): "chunk 24 (rows 64-70, columns 96-100)",
+              (0, 0): "chunk 0 (rows 0-16, columns 0-24)"}  # block (1, 1), the last (ragged both ways), the first
+    for where, words in blocks.items():
         with Subscriber(url) as sub:
             target = sub.pull(1)
             target["w"][where] += 1
             before = {n: t.clone() for n, t in target.items()}
-            with pytest.raises(TargetModifiedError, match="'w'"):
+            with pytest.raises(TargetModifiedError, match=rf"tensor 'w' {re.escape(words)}"):
                 sub.pull_into(target, 3)
             _bits_equal(target, before)
             with pytest.raises(TargetModifiedError):
