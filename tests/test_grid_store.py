@@ -550,3 +550,18 @@ def test_a_resumed_publisher_keeps_the_grid_and_resume_false_relays_out(tmp_path
         sub.pull_into(target)  # bridged: the relaid anchor replaces every chunk
         _bits_equal(target, s3)
         assert sub.units()["a.o_proj.weight"].chunk_cols == 0
+
+
+def test_publish_async_snapshots_publish_grids_bit_exact(tmp_path: Path) -> None:
+    """An owned snapshot's anchor adopts the gathered unit-order buffer; the deltas after it
+    advance that buffer in place."""
+    url = f"file://{tmp_path}"
+    states = _states(4, seed=13)
+    with Publisher(url, group_small_tensors=False, max_pending=2) as pub:
+        pub._explicit_specs = SPECS
+        futures = [pub.publish_async(s) for s in states]
+        kinds = [f.result().kind for f in futures]
+    assert kinds == ["anchor", "delta", "delta", "delta"]
+    with Subscriber(url) as sub:
+        for v, s in enumerate(states, 1):
+            _bits_equal(sub.pull(v), s)
