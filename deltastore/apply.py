@@ -70,13 +70,24 @@ _Base = tuple["str | None", "int | None"]
 _MakeTargets = Callable[[Mapping[str, TensorSpec], Mapping[str, torch.Tensor]], dict[str, Any]]
 
 
-def _modified(name: str, index: int, held_version: int | None, members: tuple = ()) -> TargetModifiedError:
+def _modified(name: str, index: int, held_version: int | None, spec: TensorSpec | None = None) -> TargetModifiedError:
+    members = spec.members if spec is not None else ()
     what = f"tensor {name!r}" if not members else (
         f"group {name!r} (tensors {members[0].name!r} … {members[-1].name!r}; one of them)")
     return TargetModifiedError(
-        f"{what} chunk {index} is not what version {held_version} holds there: "
+        f"{what} chunk {index}{_block_words(spec, index)} is not what version {held_version} holds there: "
         "the target was modified since it was pulled (pull() it again)"
     )
+
+
+def _block_words(spec: TensorSpec | None, index: int) -> str:
+    """`` (rows r0-r1, columns c0-c1)`` for a chunk of a column-grid tensor (design 011 D4),
+    else ''."""
+    if spec is None or not spec.chunk_cols:
+        return ""
+    r0, r1, e0, e1 = spec.chunk_block(index)
+    inner = spec.row_elems // spec.shape[1]
+    return f" (rows {r0}-{r1}, columns {e0 // inner}-{e1 // inner})"
 
 
 
@@ -427,7 +438,7 @@ class ReadEngine:
         applied: list[Step] = []
         try:
             if base is not None and not p.deltas and state_digest(raw) != base[0]:
-                raise _modified(p.name, p.index, base[1], spec.members)
+                raise _modified(p.name, p.index, base[1], spec)
             digest = None
             for i, s in enumerate(p.deltas):
                 _, digest = codec.apply_delta_digests(  # validates before writing
@@ -436,18 +447,20 @@ class ReadEngine:
                 applied.append(s)
             if (digest if p.deltas else state_digest(raw)) != p.digest:
                 raise IntegrityError(
-                    f"chunk {p.name}[{p.index}] does not match its digest after applying {len(p.steps())} segment(s)"
+                    f"chunk {p.name}[{p.index}]{_block_words(spec, p.index)} does not match its digest after applying "
+                    f"{len(p.steps())} segment(s)"
                 )
         except BaseException as e:
             if p.full is None:  # undo in place, newest delta first
                 for s in reversed(applied):
                     codec.apply_delta(raw, data[s.where], codec=s.ref.codec, inverse=True)
                 if applied and base is not None and isinstance(e, IntegrityError) and state_digest(raw) != base[0]:
-                    raise _modified(p.name, p.index, base[1], spec.members) from e
+                    raise _modified(p.name, p.index, base[1], spec) from e
             raise
         return raw
 
-    def patch_one(self, p: ChunkPlan, data: dict, current: np.ndarray, base: _Base | None) -> ChunkPatch | None:
+    def patch_one(self, p: ChunkPlan, data: dict, current: np.ndarray, base: _Base | None,
+                  spec: TensorSpec | None = None) -> ChunkPatch | None:
         """Stage a one-delta plan: ``current`` (only read) with the delta applied into a scratch
         buffer and the result hashed in that pass, ``current``'s base checked through the result
         (as :meth:`replay` does in place), and the patch made from the delta's own positions."""
@@ -457,8 +470,9 @@ class ReadEngine:
         if after != p.digest:
             # the result is wrong: from a modified base or a bad segment (SPEC §7.5 (iv))
             if base is not None and state_digest(current) != base[0]:
-                raise _modified(p.name, p.index, base[1])
-            raise IntegrityError(f"chunk {p.name}[{p.index}] does not match its digest after applying 1 segment(s)")
+                raise _modified(p.name, p.index, base[1], spec)
+            raise IntegrityError(f"chunk {p.name}[{p.index}]{_block_words(spec, p.index)} does not match its digest "
+                                 "after applying 1 segment(s)")
         return make_patch(p.name, p.index, p.span, current, scratch, changes)
 
     def _scratch(self, like: np.ndarray) -> np.ndarray:
@@ -570,7 +584,7 @@ class ReadEngine:
         """Raise TargetModifiedError unless every chunk in ``expected`` hashes to its digest."""
         bad = digest_mismatches(self.pool, specs, expected, lambda name, a, b: targets[name].read(a, b))
         if bad:
-            raise _modified(*bad[0], held_version, specs[bad[0][0]].members)
+            raise _modified(*bad[0], held_version, specs[bad[0][0]])
 
     @staticmethod
     def base_checker(
@@ -582,7 +596,7 @@ class ReadEngine:
         def check(p: ChunkPlan) -> None:
             want = deferred.get((p.name, p.index))
             if p.full is None and want is not None and state_digest(targets[p.name].read(*p.span)) != want[0]:
-                raise _modified(p.name, p.index, want[1])
+                raise _modified(p.name, p.index, want[1], getattr(targets[p.name], "spec", None))
 
         return check
 
@@ -646,7 +660,7 @@ class ReadEngine:
             tgt = targets[p.name]
             current = tgt.read(*p.span)
             if p.full is None and len(p.deltas) == 1:  # the common case: one pass, no compare
-                return self.patch_one(p, data, current, deferred.get((p.name, p.index)))
+                return self.patch_one(p, data, current, deferred.get((p.name, p.index)), specs[p.name])
             scratch = None if p.full is not None else current.copy()
             result = self.replay(p, specs[p.name], data, scratch, deferred.get((p.name, p.index)))  # checks both digests
             return make_patch(p.name, p.index, p.span, current, result)
