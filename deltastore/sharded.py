@@ -416,7 +416,8 @@ def _local_shard(name: str, t: Any) -> tuple[torch.Tensor, int, tuple[int, ...]]
         for p in t.placements:
             if not isinstance(p, (Replicate, Shard)) or (isinstance(p, Shard) and p.dim != 0):
                 raise InvalidStateDictError(f"tensor {name!r} is a DTensor placed {t.placements}: deltastore publishes "
-                                            "row shards (Shard(0)) and replicas; column shards need a chunk grid (a later release)")
+                                            "row shards (Shard(0)) and replicas; column shards would need column pieces "
+                                            "(not in the format; column_slices grids rows for column readers)")
         shape = tuple(t.shape)
         local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()
@@ -552,7 +553,8 @@ class ShardedPublisher:
         error: tuple[str, str] | None = None
         try:
             # the same checks as Publisher's, before any rank opens the store
-            if slice_align is not None and (isinstance(slice_align, bool) or not isinstance(slice_align, int) or slice_align < 1):
+            if slice_align is not None and (isinstance(slice_align, bool) or not isinstance(slice_align, int)
+                                            or slice_align < 1):
                 raise ValueError(f"slice_align must be an int ≥ 1 or None, got {slice_align!r}")
             if column_slices is not None:
                 if isinstance(column_slices, str) or not all(isinstance(p, str) for p in column_slices):
@@ -592,9 +594,10 @@ class ShardedPublisher:
         if any(p != policies[0] for p in policies):
             self._release()
             rank = next(r for r, p in enumerate(policies) if p != policies[0])
-            raise ShardMismatchError(f"the ranks disagree on the column grid: rank 0 has column_slices={list(policies[0][0])}, "
-                                     f"slice_align={policies[0][1]}, rank {rank} column_slices={list(policies[rank][0])}, "
-                                     f"slice_align={policies[rank][1]}; every rank must pass the same (nothing was written)")
+            (cols0, align0), (cols, align) = policies[0], policies[rank]
+            raise ShardMismatchError(f"the ranks disagree on the column grid: rank 0 has column_slices={list(cols0)}, "
+                                     f"slice_align={align0}, rank {rank} column_slices={list(cols)}, slice_align={align}; "
+                                     "every rank must pass the same (nothing was written)")
         self.url = self.store.url
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")

@@ -712,15 +712,19 @@ def grid_rank_state(version: int, rank: int, world: int) -> dict[str, Any]:
 
 
 def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
-    """Versions 1-4 of a gridded model (anchor_every=3); a restarted publisher resumes from the
+    """Versions 1-4 of a gridded model (anchor_every=3, publish_async); a restarted publisher resumes from the
     store (its own grid rows, read back) for version 5; then publishers whose ranks disagree on
     ``column_slices`` are refused, committing nothing."""
     from deltastore.sharded import ShardedPublisher
 
     out: dict[str, Any] = {"infos": []}
     with ShardedPublisher(url, **GRID_OPTIONS) as pub:
-        for v in range(1, 5):
-            info = pub.publish(grid_rank_state(v, rank, world), step=v)
+        # publish_async: the first anchor's reference copy (grid units in unit order) is adopted
+        # on its path too, and the deltas after it are planned ahead of their base's commit
+        futures = [pub.publish_async(grid_rank_state(v, rank, world), step=v) for v in range(1, 5)]
+        pub.flush()
+        for f in futures:
+            info = f.result(timeout=0)
             out["infos"].append((info.version, info.kind, info.bytes_stored))
         out["first_chunk"] = pub._share.first_chunk["w"] if "w" in pub._share.first_chunk else None
     with ShardedPublisher(url, **GRID_OPTIONS) as pub:  # restarted: no reference copy
@@ -737,6 +741,48 @@ def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
         out["disagree"] = str(e)
     out["head"] = _head_version(url)
     return out
+
+
+#: The golden sharded grid store (tests/golden/make_golden_sharded_grid.py): three ranks, 4 row
+#: pieces each; ``g`` (12, 8) f32 and ``d`` (9, 8, 3) bf16 gridded for TP=4 (chunk_cols 2).
+GOLDEN_GRID_OPTIONS: dict[str, Any] = {"threads": 1, "anchor_every": 3, "chunk_bytes": 16, "slice_align": 4,
+                                       "column_slices": ("g", "d")}
+
+
+def golden_grid_model(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    state = {"g": torch.randn(12, 8, generator=g), "d": torch.randn(9, 8, 3, generator=g).to(torch.bfloat16),
+             "b": torch.randn(5, generator=g)}
+    for v in range(2, version + 1):
+        g2 = torch.Generator().manual_seed(70 + v)
+        for name in state:
+            flat = state[name].view(-1)
+            idx = torch.randint(0, flat.numel(), (3,), generator=g2)
+            flat[idx] = flat[idx] + 0.25
+    return state
+
+
+def _scenario_grid_golden(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Versions 1-4 of :func:`golden_grid_model` by ``world`` ranks, each holding an equal row
+    range of ``g`` and ``d``. The policy's small-tensor floor is lifted in these processes
+    (tensors this small get no grid otherwise)."""
+    from deltastore import tensors
+    from deltastore.sharded import Rows, ShardedPublisher
+
+    tensors.SLICE_CHUNK_MIN_BYTES = 0
+    infos = []
+    with ShardedPublisher(url, **GOLDEN_GRID_OPTIONS) as pub:
+        for v in range(1, 5):
+            full = golden_grid_model(v)
+            state: dict[str, Any] = {}
+            for name in ("g", "d"):
+                per = full[name].shape[0] // world
+                state[name] = Rows(full[name][rank * per:(rank + 1) * per].clone(), rank * per, full[name].shape[0])
+            if rank == world - 1:
+                state["b"] = full["b"]
+            info = pub.publish(state, step=v)
+            infos.append((info.version, info.kind))
+    return {"infos": infos}
 
 
 SCENARIOS = {
@@ -757,6 +803,7 @@ SCENARIOS = {
     "resume": _scenario_resume,
     "resume_bad_rows": _scenario_resume_bad_rows,
     "grid": _scenario_grid,
+    "grid_golden": _scenario_grid_golden,
 }
 
 
@@ -1203,6 +1250,57 @@ def test_golden_sharded_store_reads_bit_exact(tmp_path: Path) -> None:
         sub.pull_into(target, 4)
         _assert_equal(target, load_file(str(GOLDEN / "store-sharded-expected" / "v4.safetensors")))
         assert not sub.verify().problems
+
+
+def test_golden_sharded_grid_store_reads_bit_exact(tmp_path: Path) -> None:
+    """Column grids in sharded layouts written by the first release that wrote them (design 011
+    D11) are read bit for bit by every later one: whole, by pull_into, and by TP=4 column
+    readers that read only their column block of every row block."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from deltastore.select import Selection
+
+    shutil.copytree(GOLDEN / "store-sharded-grid", tmp_path / "store")
+    url = f"file://{tmp_path / 'store'}"
+    expected = [load_file(str(GOLDEN / "store-sharded-grid-expected" / f"v{v}.safetensors")) for v in range(1, 5)]
+    with Subscriber(url) as sub:
+        m = sub._history.manifest(sub.info(2).manifest)
+        layout = sub._history.layout(m.layout)
+        assert layout.parts == 3 and [p.part for p in m.parts] == [0, 1, 2]
+        g, d = layout.name.index("g"), layout.name.index("d")
+        assert (layout.chunk_cols[g], layout.chunk_rows[g], layout.pieces[g]) == (2, 2, (4, 8))
+        assert (layout.chunk_cols[d], layout.chunk_rows[d], layout.pieces[d]) == (2, 1, (3, 6))
+        assert layout.chunk_cols[layout.name.index("b")] == 0
+        for v in range(1, 5):
+            _assert_equal(sub.pull(v), expected[v - 1])
+        target = sub.pull(1)
+        sub.pull_into(target, 4)
+        _assert_equal(target, expected[3])
+        assert not sub.verify().problems
+    for rank in range(4):
+        with Subscriber(url, select=Selection(names=("g", "d"), shard=(1, rank, 4))) as sub:
+            mine = sub.pull(1)
+            res = sub._selected(sub.units())
+            assert res.chunks == {("g", i * 4 + rank) for i in range(6)} | {("d", i * 4 + rank) for i in range(9)}
+            sub.pull_into(mine, 4)
+            for name in ("g", "d"):
+                want = expected[3][name][:, 2 * rank:2 * rank + 2].contiguous()
+                assert torch.equal(mine[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    # compaction squashes sharded grid deltas (the joined tables); GC keeps what reads need
+    from deltastore.compact import compact
+    from deltastore.gc import collect
+
+    report = compact(url, bases=[1], to=3)
+    assert [(s.from_, s.to) for s in report.squashes] == [(1, 3)]
+    with Subscriber(url) as sub:
+        target = sub.pull(1)
+        sub.pull_into(target, 3)
+        _assert_equal(target, expected[2])
+    collect(url, keep_last=1, grace_s=0, unsafe_grace_ok=True)
+    with Subscriber(url) as sub:
+        _assert_equal(sub.pull(4), expected[3])
 
 
 def test_publish_async_pipelines_versions_bit_exact(tmp_path: Path) -> None:
