@@ -884,9 +884,6 @@ SHA256_HEX = 64
 _HEX = re.compile(r"[0-9a-f]*")
 #: The message of every refusal of a sharded version (parts, pieces, chunk grid: issue 12).
 SHARDED_UNSUPPORTED = "sharded versions are read from a later release"
-#: Refusals of what this release does not read of sharded layouts (design 010): a column grid
-#: in a sharded layout (design 011 D6, first version).
-GRID_UNSUPPORTED = "a grid in a sharded layout is read from a later release"
 SHARDED_UNALIGNED = "pieces that do not start on a chunk boundary are read from a later release"
 
 
@@ -1033,9 +1030,6 @@ def _check_layout_once(layout: Layout, what: str, key: str) -> None:
     columns = (layout.dtype, layout.shape, layout.chunk_rows, layout.chunk_cols, layout.pieces, layout.piece_parts)
     if any(len(c) != n for c in columns):
         raise CorruptObjectError(f"{what} {key!r}: the layout's columns have different lengths")
-    if any(layout.chunk_cols) and layout.parts:
-        raise UnsupportedSchemaError(f"{what} {key!r} has a column grid (chunk_cols > 0) in a sharded layout "
-                                     f"({layout.parts} parts): {GRID_UNSUPPORTED}")
     if len(set(layout.name)) != n:
         raise CorruptObjectError(f"{what} {key!r}: the layout lists a tensor name twice")
     for i in range(n):
@@ -1102,9 +1096,21 @@ def _check_pieces(layout: Layout, what: str, key: str) -> None:
 
 def piece_part(layout: Layout, tensor: int, chunk: int) -> int:
     """The part that writes chunk ``chunk`` of layout row ``tensor`` (a sharded layout:
-    pieces aligned to chunk rows, as :func:`_check_pieces` requires)."""
+    pieces aligned to chunk rows, as :func:`_check_pieces` requires). The chunk's first row is
+    its row block's, ``(chunk // nc) · chunk_rows`` with ``nc`` column blocks (design 011 D11:
+    every column block of a row block lies in the piece holding its rows)."""
     bounds, owners = layout.pieces[tensor] or (), layout.piece_parts[tensor] or (0,)
-    return owners[bisect.bisect_right(bounds, chunk * layout.chunk_rows[tensor])]
+    return owners[bisect.bisect_right(bounds, row_block(layout, tensor, chunk) * layout.chunk_rows[tensor])]
+
+
+def row_block(layout: Layout, tensor: int, chunk: int) -> int:
+    """The row block of chunk ``chunk`` of layout row ``tensor``: ``chunk // nc`` with a column
+    grid of ``nc`` column blocks (SPEC §2: chunk ``(i, j)`` has index ``i·nc + j``), else the
+    chunk itself."""
+    k, shape = layout.chunk_cols[tensor], layout.shape[tensor]
+    if not k or len(shape) < 2:
+        return chunk
+    return chunk // max(1, -(-shape[1] // k))
 
 
 def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:

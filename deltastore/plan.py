@@ -245,14 +245,20 @@ def chain_price(low: Manifest, high: Manifest, between: Callable[[], Manifests])
     return sum(delta_bytes(m) if m.delta_base is not None else full_bytes(m) for _, m in between())
 
 
-def squash_as_manifest(key: str, sq: SquashManifest) -> Manifest:
+def squash_as_manifest(key: str, sq: SquashManifest, specs: Mapping[str, TensorSpec] | None = None) -> Manifest:
     """A squash read as one delta version ``to`` on top of ``from`` (SPEC §12), so that
-    :func:`plan_forward` chooses among its segments like among a delta's."""
-    return Manifest.model_construct(
+    :func:`plan_forward` chooses among its segments like among a delta's. ``specs``: the held
+    layout the squash applies to (checked by :func:`check_squash`); its column grids are the
+    squash's (a squash names no layout of its own in its tables, design 011 D1), so that
+    :func:`check_entries` compares them as for a version's manifest."""
+    m = Manifest.model_construct(
         version=sq.to, parent=sq.from_, parent_manifest=sq.from_manifest, kind="delta", anchor=1,
         delta_base=sq.from_, created=sq.created, writer=sq.writer, epoch=0, commit_id=sq.commit_id,
         blobs=sq.blobs, tensors=sq.tensors, lineage=sq.lineage,
     )  # fmt: skip
+    if specs:
+        m._grid = {n: sp.chunk_cols for n, sp in specs.items() if sp.chunk_cols}
+    return m
 
 
 def check_squash(key: str, sq: SquashManifest, specs: Mapping[str, TensorSpec]) -> None:

@@ -609,7 +609,7 @@ class Subscriber:
             logger.warning("not using squash %d→%d (%s): %s; planning without it", ref.from_, ref.to, ref.key, e)
             self._bad_squashes.add(ref.key)
             return None
-        ms = [(ref.key, squash_as_manifest(ref.key, sq)), *tail]
+        ms = [(ref.key, squash_as_manifest(ref.key, sq, held.specs)), *tail]
         plans = self._plan_forward(ms, held.specs, held.digests)
         logger.info("catching up %d→%d through squash %d→%d (%d bytes)", held.manifest.version, m.version, ref.from_, ref.to, ref.bytes)
         return _Update(plans, held.specs, held.digests, _Held(key, m, held.specs, {**held.digests, **_digests(ms)}), ref)

@@ -54,6 +54,7 @@ version is an anchor.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import logging
 import math
@@ -79,6 +80,7 @@ from deltastore.errors import (
     PartFailedError,
     ShardMismatchError,
 )
+from deltastore.groups import tied_names, unit_order, unit_reference
 from deltastore.heap import release_free_heap
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads
@@ -106,6 +108,7 @@ from deltastore.tensors import (
     TensorSpec,
     chunk_rows_for,
     dtype_name,
+    grid_cols_for,
     torch_dtype,
     validate_state_dict,
 )
@@ -150,6 +153,9 @@ class _Claim:
     shape: tuple[int, ...]
     start: int
     stop: int
+    #: shares memory with another tensor this rank passes (tied weights); only looked for
+    #: when the publisher has ``column_slices``: a tensor tied on any rank gets no grid.
+    tied: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,13 +186,15 @@ class _PartTensor:
 @dataclass(frozen=True)
 class _Share:
     """This rank's share of a layout (:meth:`ShardedPublisher._share_of`): for each tensor it
-    publishes, in layout order, its local spec and the index of its first chunk in the whole
-    tensor; valid for ``layout`` and this rank's ``claims``."""
+    publishes, in layout order, its local spec, the index of its first chunk in the whole
+    tensor (its first row block times the column blocks, design 011 D11) and its first row;
+    valid for ``layout`` and this rank's ``claims``."""
 
     layout: Layout
     claims: tuple[_Claim, ...]
     specs: dict[str, TensorSpec]
     first_chunk: dict[str, int]
+    first_row: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -323,9 +331,15 @@ def _next_tip(tip: _Tip | None, plan: _Plan, layout: Layout, delta_bytes: int, f
     )
 
 
-def plan_layout(reports: Sequence[_Report], world: int, chunk_bytes: int) -> Layout:
+def plan_layout(reports: Sequence[_Report], world: int, chunk_bytes: int, column_slices: Sequence[str] = (),
+                slice_align: int | None = None) -> Layout:
     """The sharded layout every rank computes from the same reports (step 1): tensors in the
     order ranks 0, 1, … list them, each tensor's pieces and the part (rank) of each piece.
+
+    A tensor matching ``column_slices`` gets the column grid an unsharded publisher would give
+    it (:func:`~deltastore.tensors.grid_cols_for`, from its global shape and ``slice_align``),
+    unless a rank reports it tied; its chunk rows then size a grid block, and still divide
+    every piece boundary (design 011 D11).
 
     Rows claimed by several ranks alike (replicated tensors, whole tensors every rank passes)
     are owned by the lowest of them. Raises ShardMismatchError, naming the tensor and ranks,
@@ -336,7 +350,7 @@ def plan_layout(reports: Sequence[_Report], world: int, chunk_bytes: int) -> Lay
     for r in sorted(reports, key=lambda r: r.rank):
         for c in r.claims:
             order.setdefault(c.name, []).append((r.rank, c))
-    names, dtypes, shapes, rows_col, pieces, owners_col = [], [], [], [], [], []
+    names, dtypes, shapes, rows_col, cols_col, pieces, owners_col = [], [], [], [], [], [], []
     for name, claims in order.items():
         rank0, first = claims[0]
         for rank, c in claims[1:]:
@@ -360,16 +374,23 @@ def plan_layout(reports: Sequence[_Report], world: int, chunk_bytes: int) -> Lay
             pos = stop
         if pos != extent or not owners:
             raise ShardMismatchError(f"tensor {name!r} {list(first.shape)}: rows [{pos}, {extent}) are held by no rank")
-        row_bytes = math.prod(first.shape[1:]) * torch.empty((), dtype=getattr(torch, first.dtype)).element_size()
+        width = torch.empty((), dtype=getattr(torch, first.dtype)).element_size()
+        block_bytes = math.prod(first.shape[1:]) * width
+        cols = 0
+        if (column_slices and slice_align is not None and not any(c.tied for _, c in claims)
+                and any(fnmatch.fnmatchcase(name, p) for p in column_slices)):
+            cols = grid_cols_for(first.shape, width, slice_align, chunk_bytes)
+            if cols:
+                block_bytes = cols * math.prod(first.shape[2:]) * width
         names.append(name)
         dtypes.append(first.dtype)
         shapes.append(first.shape)
-        rows_col.append(chunk_rows_for(row_bytes, extent, bounds, chunk_bytes))
+        rows_col.append(chunk_rows_for(block_bytes, extent, bounds, chunk_bytes))
+        cols_col.append(cols)
         pieces.append(tuple(bounds))
         owners_col.append(tuple(owners))
-    n = len(names)
     layout = Layout(schema=3, name=tuple(names), dtype=tuple(dtypes), shape=tuple(shapes), chunk_rows=tuple(rows_col),
-                    chunk_cols=(0,) * n, pieces=tuple(pieces), piece_parts=tuple(owners_col), parts=world)
+                    chunk_cols=tuple(cols_col), pieces=tuple(pieces), piece_parts=tuple(owners_col), parts=world)
     return layout
 
 
@@ -395,7 +416,8 @@ def _local_shard(name: str, t: Any) -> tuple[torch.Tensor, int, tuple[int, ...]]
         for p in t.placements:
             if not isinstance(p, (Replicate, Shard)) or (isinstance(p, Shard) and p.dim != 0):
                 raise InvalidStateDictError(f"tensor {name!r} is a DTensor placed {t.placements}: deltastore publishes "
-                                            "row shards (Shard(0)) and replicas; column shards need a chunk grid (a later release)")
+                                            "row shards (Shard(0)) and replicas; column shards would need column pieces "
+                                            "(not in the format; column_slices grids rows for column readers)")
         shape = tuple(t.shape)
         local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()
@@ -443,6 +465,12 @@ class ShardedPublisher:
             of the rank's pieces are fetched (and the chain's manifests); memory: the rank's
             reference copy and the reader's bounded buffers. If any rank fails to read, every
             rank drops what it read and the version is an anchor. False: an anchor, as before.
+        slice_align, column_slices: as for Publisher, for the column grid only (design 011
+            D11): the tensors matching ``column_slices`` get the grid an unsharded publisher
+            with ``slice_align`` gives them, chosen from their global shapes, so that
+            tensor-parallel readers of a sharded store read only their column blocks. Row
+            alignment stays the pieces' (``slice_align`` does not re-chunk rows here). Every
+            rank must pass the same values (ShardMismatchError at construction otherwise).
 
     Raises:
         ShardMismatchError: (from publish) the ranks disagree on the layout, step or version.
@@ -477,6 +505,8 @@ class ShardedPublisher:
         signing_key: Any = None,
         dtype: torch.dtype | None = None,
         resume: bool = True,
+        slice_align: int | None = None,
+        column_slices: Sequence[str] | None = None,
     ):
         import torch.distributed as dist
 
@@ -495,6 +525,11 @@ class ShardedPublisher:
         self.max_attempt_s = max_attempt_s
         self.resume = resume
         self._coordinator = None
+        self.slice_align = slice_align
+        self.column_slices: tuple[str, ...] = tuple(column_slices or ()) if not isinstance(column_slices, str) else ()
+        # this rank's encode of an anchor without a base: its grid units' unit-order buffers and
+        # specs, adopted as the reference copy once the version is committed (design 011 D3)
+        self._fresh: tuple[Mapping[str, TensorSpec], dict[str, torch.Tensor]] | None = None
         self._closed = False
         self._reference: dict[str, torch.Tensor] | None = None  # this rank's rows of the held version
         self._held: tuple[int, str] | None = None  # (version, attempt) of the reference copy
@@ -517,6 +552,15 @@ class ShardedPublisher:
         self._broken = False
         error: tuple[str, str] | None = None
         try:
+            # the same checks as Publisher's, before any rank opens the store
+            if slice_align is not None and (isinstance(slice_align, bool) or not isinstance(slice_align, int)
+                                            or slice_align < 1):
+                raise ValueError(f"slice_align must be an int ≥ 1 or None, got {slice_align!r}")
+            if column_slices is not None:
+                if isinstance(column_slices, str) or not all(isinstance(p, str) for p in column_slices):
+                    raise ValueError(f"column_slices must be a sequence of fnmatch patterns, got {column_slices!r}")
+                if slice_align is None:
+                    raise ValueError("column_slices needs slice_align: the tensor-parallel degree (e.g. slice_align=8)")
             if self.rank == COORDINATOR:
                 from deltastore.publish import Publisher
 
@@ -537,12 +581,23 @@ class ShardedPublisher:
         else:
             self._open_error = None
         # Every rank opens or none does: a rank left waiting in the first publish would hang.
-        errors = self._all_gather(error)
+        # The grid policy is a layout field every rank must agree on (design 011 D11).
+        policy = (self.column_slices, self.slice_align if self.column_slices else None)
+        opened = self._all_gather((error, policy))
+        errors = [e for e, _ in opened]
         if any(errors):
             self._release()
             if self._open_error is not None:
                 raise self._open_error
             _raise(next(e for e in errors if e is not None))
+        policies = [p for _, p in opened]
+        if any(p != policies[0] for p in policies):
+            self._release()
+            rank = next(r for r, p in enumerate(policies) if p != policies[0])
+            (cols0, align0), (cols, align) = policies[0], policies[rank]
+            raise ShardMismatchError(f"the ranks disagree on the column grid: rank 0 has column_slices={list(cols0)}, "
+                                     f"slice_align={align0}, rank {rank} column_slices={list(cols)}, slice_align={align}; "
+                                     "every rank must pass the same (nothing was written)")
         self.url = self.store.url
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")
@@ -764,14 +819,20 @@ class ShardedPublisher:
             if not isinstance(state, Mapping) or not state:
                 raise InvalidStateDictError("expected a non-empty state dict (name → tensor, Rows or DTensor)")
             names: dict[torch.dtype, str] = {}
+            given: dict[str, torch.Tensor] = {}  # as passed (before a cast): where ties are seen
             for name, value in state.items():
                 t, start, shape = _local_shard(name, value)
+                given[name] = t
                 if self.dtype is not None and t.is_floating_point():
                     t = t.detach().to(self.dtype)
                 dt = t.dtype
                 dname = names.get(dt) or names.setdefault(dt, dtype_name(dt))
                 claims.append(_Claim(name, dname, shape, start, start + (t.shape[0] if t.dim() else 1)))
                 local[name] = (t, start)
+            if self.column_slices:  # a tied tensor gets no grid (design 011 D6), on any rank
+                tied = tied_names(given, max_bytes=None)
+                claims = [dataclasses.replace(c, tied=True) if c.name in tied else c for c in claims]
+            del given
             # One batched check of every local tensor (one scan, design 007's TensorScan), not
             # one call per tensor: 165 calls cost ~2.5 ms per rank per version (design 010 D8).
             validate_state_dict({name: t for name, (t, _) in local.items()})
@@ -814,7 +875,8 @@ class ShardedPublisher:
             if self._planned is not None and self._planned[0] == claimed:
                 layout = self._planned[1]
             else:
-                layout = plan_layout(reports, self.world, self.chunk_bytes)  # the same verdict on every rank
+                layout = plan_layout(reports, self.world, self.chunk_bytes, self.column_slices,  # the same verdict
+                                     self.slice_align)  # on every rank
                 self._planned = (claimed, layout, hashlib.sha256(repr(claimed).encode()).hexdigest())
         steps = {r.step for r in reports}
         if len(steps) > 1:
@@ -914,8 +976,20 @@ class ShardedPublisher:
         self._held = (info.version, plan.attempt)
         self._layout = layout
         if not plan.has_base:  # an anchor without a base: these rows are the reference from now on
-            self._reference = {n: t.detach().to("cpu", copy=True) for n, t in mine.items()}
+            self._reference = self._new_reference(mine)
         return info
+
+    def _new_reference(self, mine: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The reference copy after an anchor without a base: this rank's rows copied to the
+        CPU, a grid unit in its unit order (the buffers its encode gathered into: no extra
+        pass, design 011 D3)."""
+        specs, gathered = self._fresh if self._fresh is not None else ({}, {})
+        self._fresh = None
+        out = unit_reference(mine, specs, owned=False, gathered=gathered) if specs else {}
+        for n, t in mine.items():  # not reached for a part just encoded: its specs name every tensor
+            if n not in out:
+                out[n] = t.detach().to("cpu", copy=True)
+        return out
 
     def _full_claims(self, reports: list[_Report], mine: tuple[_Claim, ...]) -> list[_Report]:
         """``reports`` (in rank order) with every rank's claims: those sent as a digest are the
@@ -950,6 +1024,7 @@ class ShardedPublisher:
             return last
         specs: dict[str, TensorSpec] = {}
         first_chunk: dict[str, int] = {}
+        first_row: dict[str, int] = {}
         for i, name in enumerate(layout.name):
             if name not in local:
                 continue
@@ -958,9 +1033,13 @@ class ShardedPublisher:
             for b, owner in zip(bounds, layout.piece_parts[i] or ()):
                 if owner == self.rank and b == start:
                     rows = layout.chunk_rows[i]
-                    specs[name] = TensorSpec(name, layout.dtype[i], tuple(t.shape), rows)
-                    first_chunk[name] = start // rows
-        self._share = _Share(layout, claims, specs, first_chunk)
+                    spec = TensorSpec(name, layout.dtype[i], tuple(t.shape), rows, (), layout.chunk_cols[i])
+                    specs[name] = spec
+                    # a grid piece's local chunk (i, j) is global (first row block + i, j): the
+                    # shift is whole row blocks of n_colblocks chunks (design 011 D11)
+                    first_chunk[name] = start // rows * spec.n_colblocks
+                    first_row[name] = start
+        self._share = _Share(layout, claims, specs, first_chunk, first_row)
         return self._share
 
     # --- publish_async (design 010 D10) -----------------------------------------------------
@@ -980,7 +1059,7 @@ class ShardedPublisher:
             self._held = (plan.version, plan.attempt)
             self._layout = layout
             if not plan.has_base:  # the caller may change its tensors once this returns
-                self._reference = {n: t.detach().to("cpu", copy=True) for n, t in mine.items()}
+                self._reference = self._new_reference(mine)
         if self.rank == COORDINATOR:
             assert parts is not None
             self._hand_over(plan, layout, parts, reports, meta, step, deadline)
@@ -1099,6 +1178,7 @@ class ShardedPublisher:
         (design 010 D11) or is an anchor."""
         self._reference = None
         self._held = None
+        self._fresh = None
 
     def _preplan(self, *, anchor: bool) -> _Plan | None:
         """Rank 0, before step 1: the plan step 2 would make in the steady state (the next
@@ -1181,7 +1261,7 @@ class ShardedPublisher:
         if tip is None or not tip.schema3 or tip.layout is None:
             why = "it is not a schema-3 version"
         elif tip.layout != layout:
-            fields = ("parts", "name", "dtype", "shape", "piece_parts", "pieces", "chunk_rows")
+            fields = ("parts", "name", "dtype", "shape", "piece_parts", "pieces", "chunk_rows", "chunk_cols")
             differ = next((f for f in fields if getattr(tip.layout, f) != getattr(layout, f)), "schema")
             why = (f"its layout differs from the one the ranks plan now (its {differ}: another world size, tensors, "
                    "row split or chunk size)")
@@ -1259,10 +1339,9 @@ class ShardedPublisher:
                                      f"HEAD's version {point.version} of lineage {point.lineage}")
         ms = history.anchor_chain(point.manifest, m)
         units = units_of(ms[0][1])
-        index = {n: i for i, n in enumerate(layout.name)}
         rows = {}
         for name, spec in share.specs.items():
-            start = share.first_chunk[name] * layout.chunk_rows[index[name]]
+            start = share.first_row[name]
             rows[name] = (start, start + (spec.shape[0] if spec.shape else 1))
         res = resolve_rows(units, rows)
         for name, spec in share.specs.items():
@@ -1276,6 +1355,11 @@ class ShardedPublisher:
         spare: dict[tuple[str, int], Any] = {}  # chunk bits outside the rows: none (pieces are chunk-aligned, D2)
         try:
             engine.materialize(plans, units, out, lambda specs, t: slice_targets(specs, res, t, spare))
+            # a grid piece's reference copy is in its unit order (design 011 D3, D11): each is
+            # permuted and its natural copy dropped at once (one extra piece alive at a time)
+            for name, spec in share.specs.items():
+                if spec.chunk_cols:
+                    out[name] = unit_order(out.pop(name), spec)
             return out, engine.bytes_fetched
         finally:
             engine.close()
@@ -1291,8 +1375,13 @@ class ShardedPublisher:
         if plan.has_base and (reference is None or set(reference) != set(mine)):
             raise ShardMismatchError(f"rank {self.rank} holds no reference copy of its rows for version {plan.version - 1}")
         state = {n: t for n, t in mine.items()}
+        gathered: dict[str, torch.Tensor] = {}  # grid units' reference buffers, filled by an anchor without a base
+        self._fresh = None
         encoded = encode_version(state, specs, kind=plan.kind, reference=reference, pool=self._pool,  # type: ignore[arg-type]
-                                 uploader=self._uploader, store=self.store, threads=self.threads, attempt=plan.attempt)
+                                 uploader=self._uploader, store=self.store, threads=self.threads, attempt=plan.attempt,
+                                 gathered=gathered)
+        if reference is None:
+            self._fresh = (specs, gathered)
         if plan.kind == "anchor":
             release_free_heap()  # the encode threads' chunk-sized buffers (deltastore.heap)
         tensors: list[Any] = []

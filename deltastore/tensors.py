@@ -277,14 +277,21 @@ def grid_spec_for(name: str, t: torch.Tensor, align: int, chunk_target_bytes: in
     column block (``chunk_cols = shape[1]``: whole rows, written as 0). Rows per chunk then
     keep a chunk near the target (no row alignment: nobody cuts these tensors by rows)."""
     shape = tuple(t.shape)
-    if len(shape) < 2 or shape[1] < align or t.numel() * t.element_size() <= align * SLICE_CHUNK_MIN_BYTES:
+    cols = grid_cols_for(shape, t.element_size(), align, chunk_target_bytes)
+    if not cols:
         return None
-    inner = math.prod(shape[2:])
-    cols = slice_chunk_cols(shape[1], inner, t.element_size(), align, chunk_target_bytes)
-    if cols >= shape[1]:
-        return None
-    rows = chunk_rows_for(cols * inner * t.element_size(), shape[0], (), chunk_target_bytes)
+    rows = chunk_rows_for(cols * math.prod(shape[2:]) * t.element_size(), shape[0], (), chunk_target_bytes)
     return TensorSpec(name, dtype_name(t.dtype), shape, rows, (), cols)
+
+
+def grid_cols_for(shape: tuple[int, ...], width: int, align: int, chunk_target_bytes: int = CHUNK_TARGET_BYTES) -> int:
+    """The ``chunk_cols`` :func:`grid_spec_for` gives a tensor of ``shape`` and element
+    ``width`` bytes, or 0 when it gets no grid; from the global shape alone, so that the ranks
+    of a sharded publisher, each holding some rows, choose alike (design 011 D11)."""
+    if len(shape) < 2 or shape[1] < align or math.prod(shape) * width <= align * SLICE_CHUNK_MIN_BYTES:
+        return 0
+    cols = slice_chunk_cols(shape[1], math.prod(shape[2:]), width, align, chunk_target_bytes)
+    return 0 if cols >= shape[1] else cols
 
 
 def spec_for(name: str, t: torch.Tensor, chunk_target_bytes: int = CHUNK_TARGET_BYTES,

@@ -180,6 +180,25 @@ def test_pull_into_from_every_earlier_version(store) -> None:
                 _bits_equal(target, states[v - 1])
 
 
+def test_pull_into_through_a_compacted_squash(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A squash of grid deltas (compaction, SPEC §12) is planned with the held layout's grid:
+    a subscriber catches up through it bit-exactly (it was refused as "does not match the
+    layout" before, failing the pull_into)."""
+    import logging
+
+    from deltastore.compact import compact
+
+    url = f"file://{tmp_path}"
+    states = _states(4)
+    _publish(url, states, anchor_every=10)
+    assert [(s.from_, s.to) for s in compact(url, bases=[1], to=4).squashes] == [(1, 4)]
+    with Subscriber(url) as sub, caplog.at_level(logging.INFO, logger="deltastore.pull"):
+        target = sub.pull(1)
+        sub.pull_into(target, 4)
+        _bits_equal(target, states[3])
+    assert any("through squash 1→4" in r.getMessage() for r in caplog.records), caplog.text
+
+
 def test_last_changed_reports_row_bands(store) -> None:
     url, states = store
     with Subscriber(url) as sub:

@@ -777,7 +777,7 @@ def test_encode_check_agrees_with_the_round_trip(seed, n_tensors, kind, mutation
 
 
 @pytest.mark.parametrize("store_name", ["store-mixed", "store-schema3", "store-schema4", "store-sharded",
-                                        "store-federated/site-a"])
+                                        "store-sharded-grid", "store-federated/site-a"])
 def test_the_writers_check_accepts_exactly_the_entries_the_reader_builds(store_name: str) -> None:
     """Both walk the chunk rows by one function (_row_entries): on every schema-3/4 manifest of
     the golden stores (a sharded version's joined parts too), the entries the reader builds

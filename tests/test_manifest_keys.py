@@ -37,7 +37,7 @@ from tests._helpers import mutated
 
 GOLDEN = Path(__file__).parent / "golden"
 STORES = ("store-schema1", "store-schema2", "store-mixed", "store-schema3", "store-schema4", "store-sharded",
-          "store-federated/global", "store-federated/site-a", "store-federated/site-b")
+          "store-sharded-grid", "store-federated/global", "store-federated/site-a", "store-federated/site-b")
 BAD_KEYS = ("../../etc", "", "a//b")
 #: Fields whose value is a key of the store (besides the items of ``back``); user metadata is not.
 KEY_FIELDS = {"key", "manifest", "parent_manifest", "anchor_manifest", "from_manifest", "to_manifest"}

@@ -246,14 +246,21 @@ def test_objects_are_zstd_frames_and_round_trip() -> None:
 
 
 def test_layouts_this_release_cannot_read_are_refused() -> None:
-    """Sharded layouts are read since issue 12 (tests/test_sharded.py) and column grids since
-    design 011 D10 step 3 (tests/test_grid_store.py); a grid in a sharded layout is still
-    refused, and pieces without parts (or parts without pieces) are corrupt."""
+    """Sharded layouts are read since issue 12 (tests/test_sharded.py), column grids since
+    design 011 D10 step 3 (tests/test_grid_store.py) and grids in sharded layouts since 011 D11
+    (a grid's pieces still start on a row block); pieces without parts (or parts without
+    pieces) are corrupt."""
     rng = random.Random(8)
     layout = make_layout(rng, 3)
+    grid = Layout(schema=3, name=("g",), dtype=("bfloat16",), shape=((8, 6),), chunk_rows=(2,), chunk_cols=(4,),
+                  pieces=((4,),), piece_parts=((1, 0),), parts=2)
+    data = encode_object(grid)
+    assert decode_object(Layout, data, object_key("0" * 32, sha256_hex(data), ".layout.json.zst")) == grid
+    unaligned = grid.model_copy(update={"pieces": ((3,),)})
+    data = encode_object(unaligned)
+    with pytest.raises(UnsupportedSchemaError, match="chunk boundary"):
+        decode_object(Layout, data, object_key("0" * 32, sha256_hex(data), ".layout.json.zst"))
     cases = (
-        ({"chunk_cols": (1, 0, 0), "parts": 1, "pieces": ((),) * 3, "piece_parts": ((0,),) * 3},
-         UnsupportedSchemaError, "a grid in a sharded layout is read from a later release"),
         ({"parts": 2}, CorruptObjectError, "needs pieces"),
         ({"pieces": (None, (3,), None)}, CorruptObjectError, "unsharded layout"),
     )

@@ -673,6 +673,118 @@ def _scenario_resume_bad_rows(rank: int, world: int, url: str) -> dict[str, Any]
     return out
 
 
+# --- column grids in sharded layouts (design 011 D11) ------------------------------------------
+
+#: The gridded tensor ``w`` (120 × 1000 bf16, split 60 | 60 by rows over two ranks): with
+#: ``slice_align=4`` and 16 KiB chunks a grid of 250 columns × 30 rows (30 divides the piece
+#: boundary), 4 row blocks × 4 column blocks; ``o`` matches ``column_slices`` but is too small
+#: for a grid; ``b`` is whole on the last rank.
+GRID_ROWS, GRID_COLS, GRID_CHUNK_ROWS, GRID_CHUNK_COLS = 120, 1000, 30, 250
+GRID_OPTIONS: dict[str, Any] = {"threads": 1, "anchor_every": 3, "chunk_bytes": 16 * 1024, "slice_align": 4,
+                                "column_slices": ("w", "o")}
+
+
+def grid_model(version: int) -> dict[str, torch.Tensor]:
+    """The whole gridded model at ``version``: a few elements of each tensor change per version
+    (scattered over ``w``'s row and column blocks)."""
+    g = torch.Generator().manual_seed(99)
+    state = {"w": torch.randn(GRID_ROWS, GRID_COLS, generator=g).to(torch.bfloat16),
+             "o": torch.randn(8, 16, generator=g), "b": torch.randn(5, generator=g)}
+    for v in range(2, version + 1):
+        g2 = torch.Generator().manual_seed(1000 + v)
+        for name in state:
+            flat = state[name].view(-1)
+            idx = torch.randint(0, flat.numel(), (6,), generator=g2)
+            flat[idx] = flat[idx] + 0.5
+    return state
+
+
+def grid_rank_state(version: int, rank: int, world: int) -> dict[str, Any]:
+    from deltastore.sharded import Rows
+
+    full = grid_model(version)
+    per = -(-GRID_ROWS // world)
+    start, stop = min(rank * per, GRID_ROWS), min((rank + 1) * per, GRID_ROWS)
+    out: dict[str, Any] = {"w": Rows(full["w"][start:stop].clone(), start, GRID_ROWS), "o": full["o"]}
+    if rank == world - 1:
+        out["b"] = full["b"]
+    return out
+
+
+def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Versions 1-4 of a gridded model (anchor_every=3, publish_async); a restarted publisher resumes from the
+    store (its own grid rows, read back) for version 5; then publishers whose ranks disagree on
+    ``column_slices`` are refused, committing nothing."""
+    from deltastore.sharded import ShardedPublisher
+
+    out: dict[str, Any] = {"infos": []}
+    with ShardedPublisher(url, **GRID_OPTIONS) as pub:
+        # publish_async: the first anchor's reference copy (grid units in unit order) is adopted
+        # on its path too, and the deltas after it are planned ahead of their base's commit
+        futures = [pub.publish_async(grid_rank_state(v, rank, world), step=v) for v in range(1, 5)]
+        pub.flush()
+        for f in futures:
+            info = f.result(timeout=0)
+            out["infos"].append((info.version, info.kind, info.bytes_stored))
+        out["first_chunk"] = pub._share.first_chunk["w"] if "w" in pub._share.first_chunk else None
+    with ShardedPublisher(url, **GRID_OPTIONS) as pub:  # restarted: no reference copy
+        reads = _record_pack_reads(pub)
+        info = pub.publish(grid_rank_state(5, rank, world), step=5)
+        out["infos"].append((info.version, info.kind, info.bytes_stored))
+        out["reads"] = list(reads)
+        info = pub.publish(grid_rank_state(6, rank, world), step=6)  # steady: a delta on the resumed rows
+        out["infos"].append((info.version, info.kind, info.bytes_stored))
+    try:
+        ShardedPublisher(url, **{**GRID_OPTIONS, "column_slices": ("w",) if rank == 0 else ("w", "o")})
+        out["disagree"] = None
+    except ShardMismatchError as e:
+        out["disagree"] = str(e)
+    out["head"] = _head_version(url)
+    return out
+
+
+#: The golden sharded grid store (tests/golden/make_golden_sharded_grid.py): three ranks, 4 row
+#: pieces each; ``g`` (12, 8) f32 and ``d`` (9, 8, 3) bf16 gridded for TP=4 (chunk_cols 2).
+GOLDEN_GRID_OPTIONS: dict[str, Any] = {"threads": 1, "anchor_every": 3, "chunk_bytes": 16, "slice_align": 4,
+                                       "column_slices": ("g", "d")}
+
+
+def golden_grid_model(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    state = {"g": torch.randn(12, 8, generator=g), "d": torch.randn(9, 8, 3, generator=g).to(torch.bfloat16),
+             "b": torch.randn(5, generator=g)}
+    for v in range(2, version + 1):
+        g2 = torch.Generator().manual_seed(70 + v)
+        for name in state:
+            flat = state[name].view(-1)
+            idx = torch.randint(0, flat.numel(), (3,), generator=g2)
+            flat[idx] = flat[idx] + 0.25
+    return state
+
+
+def _scenario_grid_golden(rank: int, world: int, url: str) -> dict[str, Any]:
+    """Versions 1-4 of :func:`golden_grid_model` by ``world`` ranks, each holding an equal row
+    range of ``g`` and ``d``. The policy's small-tensor floor is lifted in these processes
+    (tensors this small get no grid otherwise)."""
+    from deltastore import tensors
+    from deltastore.sharded import Rows, ShardedPublisher
+
+    tensors.SLICE_CHUNK_MIN_BYTES = 0
+    infos = []
+    with ShardedPublisher(url, **GOLDEN_GRID_OPTIONS) as pub:
+        for v in range(1, 5):
+            full = golden_grid_model(v)
+            state: dict[str, Any] = {}
+            for name in ("g", "d"):
+                per = full[name].shape[0] // world
+                state[name] = Rows(full[name][rank * per:(rank + 1) * per].clone(), rank * per, full[name].shape[0])
+            if rank == world - 1:
+                state["b"] = full["b"]
+            info = pub.publish(state, step=v)
+            infos.append((info.version, info.kind))
+    return {"infos": infos}
+
+
 SCENARIOS = {
     "async_versions": _scenario_async_versions,
     "async_failures": _scenario_async_failures,
@@ -690,6 +802,8 @@ SCENARIOS = {
     "collectives": _scenario_collectives,
     "resume": _scenario_resume,
     "resume_bad_rows": _scenario_resume_bad_rows,
+    "grid": _scenario_grid,
+    "grid_golden": _scenario_grid_golden,
 }
 
 
@@ -1138,6 +1252,57 @@ def test_golden_sharded_store_reads_bit_exact(tmp_path: Path) -> None:
         assert not sub.verify().problems
 
 
+def test_golden_sharded_grid_store_reads_bit_exact(tmp_path: Path) -> None:
+    """Column grids in sharded layouts written by the first release that wrote them (design 011
+    D11) are read bit for bit by every later one: whole, by pull_into, and by TP=4 column
+    readers that read only their column block of every row block."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from deltastore.select import Selection
+
+    shutil.copytree(GOLDEN / "store-sharded-grid", tmp_path / "store")
+    url = f"file://{tmp_path / 'store'}"
+    expected = [load_file(str(GOLDEN / "store-sharded-grid-expected" / f"v{v}.safetensors")) for v in range(1, 5)]
+    with Subscriber(url) as sub:
+        m = sub._history.manifest(sub.info(2).manifest)
+        layout = sub._history.layout(m.layout)
+        assert layout.parts == 3 and [p.part for p in m.parts] == [0, 1, 2]
+        g, d = layout.name.index("g"), layout.name.index("d")
+        assert (layout.chunk_cols[g], layout.chunk_rows[g], layout.pieces[g]) == (2, 2, (4, 8))
+        assert (layout.chunk_cols[d], layout.chunk_rows[d], layout.pieces[d]) == (2, 1, (3, 6))
+        assert layout.chunk_cols[layout.name.index("b")] == 0
+        for v in range(1, 5):
+            _assert_equal(sub.pull(v), expected[v - 1])
+        target = sub.pull(1)
+        sub.pull_into(target, 4)
+        _assert_equal(target, expected[3])
+        assert not sub.verify().problems
+    for rank in range(4):
+        with Subscriber(url, select=Selection(names=("g", "d"), shard=(1, rank, 4))) as sub:
+            mine = sub.pull(1)
+            res = sub._selected(sub.units())
+            assert res.chunks == {("g", i * 4 + rank) for i in range(6)} | {("d", i * 4 + rank) for i in range(9)}
+            sub.pull_into(mine, 4)
+            for name in ("g", "d"):
+                want = expected[3][name][:, 2 * rank:2 * rank + 2].contiguous()
+                assert torch.equal(mine[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    # compaction squashes sharded grid deltas (the joined tables); GC keeps what reads need
+    from deltastore.compact import compact
+    from deltastore.gc import collect
+
+    report = compact(url, bases=[1], to=3)
+    assert [(s.from_, s.to) for s in report.squashes] == [(1, 3)]
+    with Subscriber(url) as sub:
+        target = sub.pull(1)
+        sub.pull_into(target, 3)
+        _assert_equal(target, expected[2])
+    collect(url, keep_last=1, grace_s=0, unsafe_grace_ok=True)
+    with Subscriber(url) as sub:
+        _assert_equal(sub.pull(4), expected[3])
+
+
 def test_publish_async_pipelines_versions_bit_exact(tmp_path: Path) -> None:
     """publish_async: each version is planned while the one before is still being committed
     (design 010 D10), every rank's Futures agree, and every version reads back bit for bit."""
@@ -1312,3 +1477,175 @@ def test_resolve_rows_reads_only_the_chunks_of_the_rows() -> None:
         resolve_rows(units, {"a": (5, 11)})
     with pytest.raises(SelectionError, match="not a tensor"):
         resolve_rows(units, {"x": (0, 1)})
+
+
+def _grid_packs_by_part(sub: Subscriber, version: int) -> dict[int, set[str]]:
+    """Per part (rank): the packs of ``version`` holding chunks of its rows of ``w`` and of its
+    whole tensors, from the grid's arithmetic (row block = index // column blocks), not from
+    ``manifest.piece_part``."""
+    m = sub._history.manifest(sub.info(version).manifest)
+    nc = -(-GRID_COLS // GRID_CHUNK_COLS)
+    out: dict[int, set[str]] = {}
+    for t in m.tensors:
+        for c in t.chunks:
+            part = (c.index // nc) * GRID_CHUNK_ROWS >= GRID_ROWS // 2 if t.name == "w" else (1 if t.name == "b" else 0)
+            for seg in (c.full, c.delta):
+                if seg is not None:
+                    out.setdefault(int(part), set()).add(m.blobs[seg.blob].key)
+    return out
+
+
+def test_grid_in_a_sharded_layout_reads_whole_by_columns_and_resumes(tmp_path: Path) -> None:
+    """Design 011 D11: two ranks publish a gridded tensor split by rows; an unsharded
+    Subscriber reads every version bit-exactly and fast-forwards in place; column-cut partial
+    subscribers (world 2 and 4) read only their column blocks; a restarted publisher reads its
+    own grid rows back and writes a delta; ranks disagreeing on column_slices commit nothing."""
+    from deltastore.select import Selection
+    from tests.test_partial import _needed_bytes
+
+    url = f"file://{tmp_path}/store"
+    results = run_ranks(2, url, "grid", tmp_path)
+    _ok(results)
+    infos = results[0]["infos"]
+    assert all(r["infos"] == infos for r in results)
+    assert [(v, k) for v, k, _ in infos] == [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "anchor"), (5, "delta"),
+                                             (6, "delta")], infos
+    assert infos[4][2] < infos[3][2] / 4, infos  # the resumed version is delta-sized
+    nc = GRID_COLS // GRID_CHUNK_COLS
+    assert [r["first_chunk"] for r in results] == [0, (GRID_ROWS // 2 // GRID_CHUNK_ROWS) * nc]
+    for r in results:
+        assert r["disagree"] is not None and "column_slices" in r["disagree"], r
+        assert r["head"] == 6  # the refused publishers wrote nothing
+    with Subscriber(url) as sub:
+        m = sub._history.manifest(sub.info(1).manifest)
+        layout = sub._history.layout(m.layout)
+        i = layout.name.index("w")
+        assert (layout.parts, layout.chunk_cols[i], layout.chunk_rows[i]) == (2, GRID_CHUNK_COLS, GRID_CHUNK_ROWS)
+        assert layout.chunk_cols[layout.name.index("o")] == 0  # matched, too small for a grid
+        _assert_equal(sub.pull(1), grid_model(1))
+        whole = sub.bytes_fetched  # of version 1
+        for v in range(2, 7):
+            _assert_equal(sub.pull(v), grid_model(v))
+        target = sub.pull(1)
+        sub.pull_into(target, 3)
+        _assert_equal(target, grid_model(3))
+        sub.pull_into(target)  # across the anchor and the resumed delta
+        _assert_equal(target, grid_model(6))
+        packs = _grid_packs_by_part(sub, 4)
+    assert packs[0] and packs[1] and not packs[0] & packs[1]
+    for r in results:  # each rank read back only its own part's packs of version 4 (the anchor)
+        read = {k for k, _ in r["reads"]}
+        assert read and read <= packs[r["rank"]], (r["rank"], read, packs)
+    for world in (2, 4):
+        for rank in range(world):
+            sel = Selection(names=("w",), shard=(1, rank, world))
+            lo, hi = rank * GRID_COLS // world, (rank + 1) * GRID_COLS // world
+            with Subscriber(url, select=sel) as sub:
+                mine = sub.pull(1)
+                res = sub._selected(sub.units())
+                blocks = range(rank * nc // world, (rank + 1) * nc // world)
+                assert res.chunks == {("w", i * nc + j) for i in range(GRID_ROWS // GRID_CHUNK_ROWS) for j in blocks}
+                assert not res.edges
+                assert torch.equal(mine["w"].view(torch.int16), grid_model(1)["w"][:, lo:hi].contiguous().view(torch.int16))
+                assert sub.bytes_fetched <= _needed_bytes(url, sel, 1)
+                assert sub.bytes_fetched < whole / world * 1.2, (sub.bytes_fetched, whole)  # its blocks of w only
+                fetched = sub.bytes_fetched
+                sub.pull_into(mine, 3)
+                assert sub.bytes_fetched - fetched <= _needed_bytes(url, sel, 3, since=1)
+                fetched = sub.bytes_fetched
+                sub.pull_into(mine, 6)  # across the anchor: its deltas or its full segments, of these blocks only
+                assert sub.bytes_fetched - fetched <= _needed_bytes(url, sel, 6) + _needed_bytes(url, sel, 6, since=3)
+                assert torch.equal(mine["w"].view(torch.int16), grid_model(6)["w"][:, lo:hi].contiguous().view(torch.int16))
+
+
+def _grid_layout(parts: int = 2) -> Any:
+    """``g`` (4, 6) float32 in chunks of 2 rows × 3 columns (2 row blocks × 2 column blocks),
+    rows 0-2 written by part 0 and 2-4 by part 1: chunks 0, 1 are part 0's, 2, 3 part 1's."""
+    from deltastore.manifest import Layout
+
+    return Layout(schema=3, name=("g",), dtype=("float32",), shape=((4, 6),), chunk_rows=(2,), chunk_cols=(3,),
+                  pieces=((2,),), piece_parts=((0, 1),), parts=parts)
+
+
+def _grid_part(part: int, chunks: list[int], **override: Any) -> tuple[Any, bytes]:
+    """Part ``part`` of an anchor of :func:`_grid_layout` listing ``chunks`` (full segments)."""
+    import numpy as np
+
+    from deltastore import codec
+    from deltastore.manifest import (
+        BlobRef,
+        ChunkEntry,
+        ObjectRef,
+        PartRef,
+        SegmentRef,
+        Stats,
+        TensorEntry,
+        encode_part,
+        object_key,
+        part_key,
+        sha256_hex,
+    )
+    from deltastore.tensors import state_digest
+
+    pack = bytearray()
+    entries = []
+    for index in chunks:
+        values = np.arange(6, dtype=np.uint32) + 10 * index  # a block of 2 rows × 3 columns
+        seg = codec.encode_full(values)
+        ref = SegmentRef(blob=0, offset=len(pack), length=len(seg.data), sha256=sha256_hex(seg.data), codec=seg.codec,
+                         n_changed=seg.n_changed)
+        pack += seg.data
+        entries.append(ChunkEntry(index=index, digest=state_digest(values), full=ref))
+    tensors = [TensorEntry(name="g", dtype="float32", shape=(4, 6), chunk_rows=2, chunks=tuple(entries))]
+    digest = sha256_hex(bytes(pack))
+    blob = BlobRef(key=object_key(ATTEMPT, digest, ".pack"), size=len(pack), sha256=digest, role="f")
+    kw = {"schema": 3, "version": 1, "part": part, "commit_id": ATTEMPT, "lineage": LINEAGE,
+          "layout_ref": ObjectRef(key=object_key(ATTEMPT, "e" * 64, ".layout.json.zst"), sha256="e" * 64),
+          "layout": _grid_layout(), "tensors": tensors, "blobs": (blob,), "stats": Stats()}
+    kw.update(override)
+    data = encode_part(**kw)
+    d = sha256_hex(data)
+    return PartRef(part=part, key=part_key(ATTEMPT, part, d), sha256=d, writer=f"w{part}", bytes=len(pack)), data
+
+
+def test_grid_parts_join_by_row_block_and_a_foreign_block_is_refused() -> None:
+    """Design 011 D11: a part lists every column block of its row blocks (chunk (i, j) lies in
+    the piece of row block i = index // nc, not of row index·chunk_rows); a part listing a block
+    of another part's rows is corrupt, and the writer refuses to write one."""
+    from deltastore.errors import CorruptObjectError
+    from deltastore.manifest import join_parts, piece_part
+
+    layout = _grid_layout()
+    assert [piece_part(layout, 0, c) for c in range(4)] == [0, 0, 1, 1]
+    p0, p1 = _grid_part(0, [0, 1]), _grid_part(1, [2, 3])
+    m = join_parts(_header([p0[0], p1[0]]), layout, {p0[0].key: p0[1], p1[0].key: p1[1]})
+    assert [c.index for c in m.tensors[0].chunks] == [0, 1, 2, 3]
+    unsharded = layout.model_copy(update={"parts": 0, "pieces": (None,), "piece_parts": (None,)})
+    for chunks0, chunks1 in (([0], [1, 2, 3]), ([0, 1, 2], [3])):  # a block of the other part's row block
+        q0, q1 = _grid_part(0, chunks0, layout=unsharded), _grid_part(1, chunks1, layout=unsharded)
+        with pytest.raises(CorruptObjectError, match="lies in a piece of part"):
+            join_parts(_header([q0[0], q1[0]]), layout, {q0[0].key: q0[1], q1[0].key: q1[1]})
+    with pytest.raises(ValueError, match="another part's piece"):
+        _grid_part(1, [1, 2, 3])
+
+
+def test_plan_layout_grids_matched_tensors_by_their_global_shape() -> None:
+    """Design 011 D11: the sharded layout's grid is the unsharded writer's choice from the
+    global shape; its chunk rows divide the piece boundaries; a tensor tied on any rank, a
+    tensor too small, and unmatched tensors get none."""
+    from deltastore.sharded import _Claim, _Report, plan_layout
+    from deltastore.tensors import grid_cols_for
+
+    def claims(rank: int, tied: bool = False) -> tuple[Any, ...]:
+        start, stop = (0, 96) if rank == 0 else (96, 200)
+        return (_Claim("w", "bfloat16", (200, 1024), start, stop), _Claim("t", "bfloat16", (200, 1024), start, stop, tied),
+                _Claim("v", "bfloat16", (200, 1024), start, stop), _Claim("o", "float32", (8, 16), 0, 8))
+
+    reports = [_Report(0, claims(0)), _Report(1, claims(1, tied=True))]
+    layout = plan_layout(reports, 2, 16 * 1024, ("w", "t", "o"), 4)
+    cols = dict(zip(layout.name, layout.chunk_cols))
+    rows = dict(zip(layout.name, layout.chunk_rows))
+    assert cols == {"w": grid_cols_for((200, 1024), 2, 4, 16 * 1024), "t": 0, "v": 0, "o": 0} and cols["w"] == 256
+    assert 96 % rows["w"] == 0 and rows["w"] * 256 * 2 <= 16 * 1024 < 2 * rows["w"] * 256 * 2  # 32 rows: 16 KiB blocks
+    assert rows["v"] == 8  # whole rows of 2 KiB, as without a grid
+    assert plan_layout(reports, 2, 16 * 1024).chunk_cols == (0, 0, 0, 0)  # no column_slices: no grid
