@@ -603,14 +603,16 @@ class Subscriber:
                 raise CorruptObjectError(f"squash manifest {ref.key!r} belongs to lineage {sq.lineage}, not {m.lineage}")
             if self._relaid(tail, held):
                 raise CorruptObjectError(f"the layout changes after version {ref.to}")
+            ms = [(ref.key, squash_as_manifest(ref.key, sq, held.specs)), *tail]
+            # planned inside the try: a squash whose tables do not fit is skipped like one that
+            # cannot be read (a fault of the tail is raised again by the plan without it)
+            plans = self._plan_forward(ms, held.specs, held.digests)
         except (StorageError, FormatError, IntegrityError) as e:
             if isinstance(e, StorageError) and not isinstance(e, NotFoundError):
                 raise  # transient: the caller retries the whole update (a ref's key was checked when it was parsed)
             logger.warning("not using squash %d→%d (%s): %s; planning without it", ref.from_, ref.to, ref.key, e)
             self._bad_squashes.add(ref.key)
             return None
-        ms = [(ref.key, squash_as_manifest(ref.key, sq, held.specs)), *tail]
-        plans = self._plan_forward(ms, held.specs, held.digests)
         logger.info("catching up %d→%d through squash %d→%d (%d bytes)", held.manifest.version, m.version, ref.from_, ref.to, ref.bytes)
         return _Update(plans, held.specs, held.digests, _Held(key, m, held.specs, {**held.digests, **_digests(ms)}), ref)
 

@@ -14,7 +14,7 @@ import torch
 
 from deltastore import Publisher, Subscriber
 from deltastore.compact import compact
-from deltastore.errors import NotFoundError, VersionCollectedError, VersionNotFoundError
+from deltastore.errors import CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
 from deltastore.gc import collect as gc_collect
 from deltastore.history import History
 from deltastore.index import add_squashes, update_index
@@ -170,6 +170,32 @@ def test_a_squash_that_is_missing_or_bad_is_planned_around(run10: Any, damage: s
     assert any(sq.key in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     if damage == "manifest deleted":
         assert fetched == chain_bytes
+
+
+def test_a_squash_whose_tables_do_not_plan_is_planned_around(run10: Any, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A squash that reads and checks fine but whose tables the planner refuses (as a squash
+    of grid deltas planned without the held grid was) is skipped like an unreadable one: the
+    pull goes through the chain, bit-exact, and the squash is named in a warning."""
+    url, states = run10
+    (sq,) = compact(url, bases=[2], register=False).squashes
+    set_index(open_store(url), squashes=[sq.ref()])
+    real = Subscriber._plan_forward
+    refused: list[str] = []
+
+    def plan(ms, specs, base):
+        if ms and ms[0][0] == sq.key:
+            refused.append(ms[0][0])
+            raise CorruptObjectError(f"manifest {sq.key!r}: tensor 'x' does not match the layout")
+        return real(ms, specs, base)
+
+    monkeypatch.setattr(Subscriber, "_plan_forward", staticmethod(plan))
+    sub, target = held_at(url, 2)
+    with sub, caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+        catch_up(sub, target)
+        assert_bits_equal(target, states[10])
+    assert refused == [sq.key]
+    assert any(sq.key in r.getMessage() and "planning without it" in r.getMessage() for r in caplog.records)
 
 
 def test_follow_uses_the_squash_and_holds_digests_not_manifests(run10: Any) -> None:
