@@ -111,14 +111,15 @@ def group_specs(specs: Mapping[str, TensorSpec], chunk_target_bytes: int = CHUNK
     return out
 
 
-def tied_names(state: Mapping[str, torch.Tensor]) -> frozenset[str]:
-    """Small tensors that share memory with another tensor of ``state`` (tied weights). They
-    stay ungrouped: the read engine updates a tied tensor once, by its owner, which a group
-    holding one half of a tie cannot do (its other half would be replayed twice)."""
+def tied_names(state: Mapping[str, torch.Tensor], max_bytes: int | None = GROUP_MEMBER_MAX_BYTES) -> frozenset[str]:
+    """Tensors of at most ``max_bytes`` (None: any size) that share memory with another tensor
+    of ``state`` (tied weights). They stay ungrouped (and without a column grid): the read
+    engine updates a tied tensor once, by its owner, which a group holding one half of a tie
+    cannot do (its other half would be replayed twice), nor a grid on one half only."""
     seen: dict[tuple[str, int, int], str] = {}
     tied: set[str] = set()
     for name, t in state.items():
-        if t.numel() * t.element_size() > GROUP_MEMBER_MAX_BYTES:
+        if max_bytes is not None and t.numel() * t.element_size() > max_bytes:
             continue
         k = (t.device.type, t.data_ptr(), t.numel())
         if k in seen and t.numel():

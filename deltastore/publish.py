@@ -6,6 +6,7 @@ the HEAD protocol (claim, compare-and-swap, lost responses, fencing) in :mod:`de
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 import operator
@@ -14,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -60,10 +61,12 @@ from deltastore.storage.base import Store
 from deltastore.storage.probe import require_atomic_writes
 from deltastore.tensors import (
     CHUNK_TARGET_BYTES,
+    SLICE_CHUNK_MIN_BYTES,
     TensorSpec,
     bits,
     check_layout,
     dtype_name,
+    grid_spec_for,
     spec_for,
     validate_state_dict,
 )
@@ -151,6 +154,17 @@ class Publisher:
             Subscriber holding rows r/N reads about its share instead of whole 16 MiB chunks
             (docs/scale.md §5). It costs more, smaller chunks (per-chunk work, manifest size).
             Default None: chunks of about ``chunk_bytes``. A resumed layout keeps its chunks.
+        column_slices: fnmatch patterns of the tensors tensor-parallel readers cut by columns
+            (dimension 1), e.g. :data:`deltastore.select.ROW_PARALLEL`; needs ``slice_align``
+            (the degree N; ValueError without it). Each matched tensor of a new layout gets a
+            column grid (design 011, SPEC §2): chunks of ``C/N`` columns (when N divides C),
+            so a rank reading its columns reads only its own chunks. Not gridded (one INFO
+            line names them): tensors of fewer than 2 dimensions or N columns, of at most
+            N × 32 KiB, tied tensors; gridded tensors are never grouped. A whole reader pays
+            about one extra copy of the gridded tensors per publish and two per ``pull_into``
+            (design 011 D8), so it is opt-in. A layout choice: a resumed publisher keeps the
+            store's grid; open it with ``resume=False`` to switch (an anchor with the new
+            layout). Default None: no grid.
         group_small_tensors: pack small tensors (≤ 256 KiB) of one dtype into shared ~4 MiB
             rows of new layouts (design 007): per-segment and per-entry costs are then paid per
             4 MiB, not per tensor (20,000 norms publish and pull ~10-40× faster). A store with
@@ -242,6 +256,7 @@ class Publisher:
         compact: bool | CompactPolicy = False,
         group_small_tensors: bool | Literal["auto"] = "auto",
         skip_unchanged: bool = True,
+        column_slices: Sequence[str] | None = None,
     ):
         if anchor_policy is None:
             anchor_policy = "every" if anchor_every is not None else "cost"
@@ -291,6 +306,12 @@ class Publisher:
         if slice_align is not None and (isinstance(slice_align, bool) or not isinstance(slice_align, int) or slice_align < 1):
             raise ValueError(f"slice_align must be an int ≥ 1 or None, got {slice_align!r}")
         self.slice_align = slice_align
+        if column_slices is not None:
+            if isinstance(column_slices, str) or not all(isinstance(p, str) for p in column_slices):
+                raise ValueError(f"column_slices must be a sequence of fnmatch patterns, got {column_slices!r}")
+            if slice_align is None:
+                raise ValueError("column_slices needs slice_align: the tensor-parallel degree (e.g. slice_align=8)")
+        self.column_slices: tuple[str, ...] = tuple(column_slices or ())
         if group_small_tensors not in (True, False, "auto"):
             raise ValueError(f'group_small_tensors must be True, False or "auto", got {group_small_tensors!r}')
         self.group_small_tensors = group_small_tensors
@@ -706,6 +727,9 @@ class Publisher:
         """The units of a new layout: a spec per tensor, small ones grouped if asked (design 007)."""
         specs = {n: spec_for(n, t, self.chunk_bytes, self.slice_align) for n, t in state.items()}
         gridded: frozenset[str] = frozenset()
+        if self.column_slices:
+            specs.update(self._grid_specs(state))
+            gridded = frozenset(n for n, sp in specs.items() if sp.chunk_cols)
         if self._explicit_specs:  # the internal test hook above
             for n, sp in self._explicit_specs.items():
                 if n in specs:
@@ -721,6 +745,30 @@ class Publisher:
         elif not self.group_small_tensors:
             return specs
         return group_specs(specs, self.chunk_bytes, exclude=tied_names(state) | gridded)
+
+    def _grid_specs(self, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+        """Column grids of a new layout (design 011 D6): the tensors matching ``column_slices``
+        that can take one (:func:`~deltastore.tensors.grid_spec_for`), except tied tensors (the
+        read engine updates a storage shared by two names once, through its owner, which needs
+        both chunked alike). The matched tensors left ungridded are logged once per layout."""
+        assert self.slice_align is not None
+        matched = [n for n in state if any(fnmatch.fnmatchcase(n, p) for p in self.column_slices)]
+        if not matched:
+            return {}
+        tied = tied_names(state, max_bytes=None)
+        out: dict[str, TensorSpec] = {}
+        left: list[str] = []
+        for n in matched:
+            sp = None if n in tied else grid_spec_for(n, state[n], self.slice_align, self.chunk_bytes)
+            if sp is None:
+                left.append(n)
+            else:
+                out[n] = sp
+        if left:
+            logger.info("column_slices: %d of %d matched tensor(s) get no column grid (fewer than 2 dimensions or "
+                        "%d columns, at most %d bytes, one column block, or tied): %s", len(left), len(matched),
+                        self.slice_align, self.slice_align * SLICE_CHUNK_MIN_BYTES, ", ".join(left[:20]) + (" …" if len(left) > 20 else ""))
+        return out
 
     def _write_layout(self, attempt: str, layout: Layout) -> ObjectRef:
         data = encode_object(layout)

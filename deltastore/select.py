@@ -38,6 +38,7 @@ from deltastore.changes import merge_spans
 from deltastore.errors import SelectionError
 from deltastore.plan import ChunkPlan
 from deltastore.tensors import TensorSpec, bits, dtype_name
+from deltastore.tensors import ROW_PARALLEL as ROW_PARALLEL  # re-exported here (design 011 D6)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,13 @@ SLICE_EDGE_PARTS = 16
 #: into thousands of tiny chunks.
 ALIGN_MAX_SHRINK = 4
 
+#: The row-parallel weights of Llama, Qwen and Mistral models: tensor-parallel serving cuts
+#: them along dimension 1 (columns), so ``Publisher(slice_align=N, column_slices=ROW_PARALLEL)``
+#: gives them a column grid (design 011 D6) and
+#: ``Selection(shard_dims=dict.fromkeys(ROW_PARALLEL, 1))`` cuts them the same way. Re-exported
+#: as ``deltastore.select.ROW_PARALLEL``.
+ROW_PARALLEL: tuple[str, ...] = ("*.o_proj.weight", "*.down_proj.weight")
+
 _UINT_BY_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -232,6 +239,52 @@ def slice_chunk_rows(row_bytes: int, rows: int, chunk_bytes: int = CHUNK_TARGET_
     if aligned * row_bytes >= SLICE_CHUNK_MIN_BYTES and aligned * ALIGN_MAX_SHRINK >= unaligned:
         return aligned
     return unaligned
+
+
+def slice_chunk_cols(cols: int, inner: int, width: int, align: int = SLICE_ALIGN,
+                     chunk_bytes: int = CHUNK_TARGET_BYTES) -> int:
+    """The column-grid writer's ``chunk_cols`` (design 011 D6) for a tensor of ``cols`` columns
+    of ``inner`` elements of ``width`` bytes, cut by columns among ``align`` ranks (mirroring
+    :func:`slice_chunk_rows` over columns): ``cols/align`` when ``align`` divides ``cols`` (a
+    rank's share: row pieces as long as possible); otherwise ``⌈⌊cols/align⌋/SLICE_EDGE_PARTS⌉``,
+    so a rank reads at most 2/16 of its share beyond its columns per row block; in either case
+    reduced to the largest divisor of that choice whose single-row block fits ``chunk_bytes``
+    (only rows wider than ``chunk_bytes × align``). At least 1."""
+    share = cols // max(1, align)
+    k = share if share and cols % align == 0 else -(-share // SLICE_EDGE_PARTS)
+    k = max(1, k)
+    col_bytes = max(1, inner * width)
+    if k * col_bytes > chunk_bytes:
+        fit = max(1, chunk_bytes // col_bytes)
+        k = max(d for d in _divisors(k) if d <= fit)
+    return k
+
+
+def _divisors(n: int) -> list[int]:
+    out = []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            out += [d, n // d]
+        d += 1
+    return out
+
+
+def grid_spec_for(name: str, t: torch.Tensor, align: int, chunk_target_bytes: int = CHUNK_TARGET_BYTES) -> TensorSpec | None:
+    """The column-grid layout of tensor ``t`` cut by columns among ``align`` ranks (design 011
+    D6), or None when it gets no grid: fewer than 2 dimensions, fewer than ``align`` columns,
+    at most ``align × SLICE_CHUNK_MIN_BYTES`` (a rank reads a small tensor whole), or one
+    column block (``chunk_cols = shape[1]``: whole rows, written as 0). Rows per chunk then
+    keep a chunk near the target (no row alignment: nobody cuts these tensors by rows)."""
+    shape = tuple(t.shape)
+    if len(shape) < 2 or shape[1] < align or t.numel() * t.element_size() <= align * SLICE_CHUNK_MIN_BYTES:
+        return None
+    inner = math.prod(shape[2:])
+    cols = slice_chunk_cols(shape[1], inner, t.element_size(), align, chunk_target_bytes)
+    if cols >= shape[1]:
+        return None
+    rows = chunk_rows_for(cols * inner * t.element_size(), shape[0], (), chunk_target_bytes)
+    return TensorSpec(name, dtype_name(t.dtype), shape, rows, (), cols)
 
 
 def spec_for(name: str, t: torch.Tensor, chunk_target_bytes: int = CHUNK_TARGET_BYTES,

@@ -436,3 +436,115 @@ def test_a_grid_in_a_federated_base_is_refused(store) -> None:
     layout, key = _layout(store)
     with pytest.raises(UnsupportedSchemaError, match="'w' has a column grid"):
         specs_of(layout, what=key)
+
+
+# --- the writer's policy (D10 step 4) --------------------------------------------------------
+
+
+def test_slice_chunk_cols() -> None:
+    from deltastore.tensors import slice_chunk_cols
+
+    assert slice_chunk_cols(4096, 1, 2, 8) == 512  # a rank's share when N divides C
+    assert slice_chunk_cols(28672, 1, 2, 8) == 3584
+    assert slice_chunk_cols(12, 3, 4, 4) == 3  # trailing dims count in the block, not in the columns
+    assert slice_chunk_cols(1001, 1, 2, 8) == 8  # ⌈⌊1001/8⌋/16⌉: edges of 1/16 of a share
+    assert slice_chunk_cols(100, 1, 2, 8) == 1
+    # a single row of the share wider than the target: the largest divisor of the share that fits
+    assert slice_chunk_cols(64, 1024, 2, 8, chunk_bytes=8 * 1024) == 4
+    assert slice_chunk_cols(24, 1024, 2, 8, chunk_bytes=5 * 1024) == 1  # 3 columns per share: only 1 fits
+
+
+def test_grid_spec_for_llama_shapes_and_exclusions() -> None:
+    from deltastore.tensors import grid_spec_for
+
+    def meta(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    o = grid_spec_for("o", meta(4096, 4096), 8)  # 8B o_proj: 8 chunks of 4096 × 512 (4 MiB)
+    assert (o.chunk_rows, o.chunk_cols, o.n_chunks, o.chunk_bytes(0)) == (4096, 512, 8, 4 << 20)
+    down = grid_spec_for("d", meta(4096, 14336), 8)  # 8B down_proj: 8 of 4096 × 1792 (14 MiB)
+    assert (down.chunk_rows, down.chunk_cols, down.n_chunks) == (4096, 1792, 8)
+    big = grid_spec_for("d", meta(8192, 28672), 8)  # 70B down_proj: 2340 × 3584, 32 chunks ≤ 16 MiB
+    assert (big.chunk_rows, big.chunk_cols, big.n_chunks) == (2340, 3584, 32)
+    assert max(big.chunk_bytes(i) for i in range(big.n_chunks)) <= 16 << 20
+    assert grid_spec_for("v", meta(1 << 20), 8) is None  # one dimension
+    assert grid_spec_for("n", meta(1 << 16, 4), 8) is None  # fewer columns than ranks
+    assert grid_spec_for("s", meta(128, 128), 8) is None  # 32 KiB ≤ 8 × 32 KiB: read whole
+    assert grid_spec_for("w", meta(4096, 4096), 1) is None  # one column block: whole rows
+
+
+def test_column_slices_needs_slice_align_and_patterns(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="column_slices needs slice_align"):
+        Publisher(f"file://{tmp_path}", column_slices=("*.o_proj.weight",))
+    with pytest.raises(ValueError, match="sequence of fnmatch patterns"):
+        Publisher(f"file://{tmp_path}", slice_align=8, column_slices="*.o_proj.weight")
+
+
+def test_row_parallel_names_llama_row_parallel_weights() -> None:
+    import fnmatch
+
+    from deltastore.select import ROW_PARALLEL
+
+    def hit(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in ROW_PARALLEL)
+
+    assert hit("model.layers.0.self_attn.o_proj.weight") and hit("model.layers.31.mlp.down_proj.weight")
+    assert not any(map(hit, ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                             "model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.o_proj.bias"]))
+
+
+def test_column_slices_grids_what_fits_and_logs_the_rest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randn(64, 512, generator=g)
+    state = {
+        "l0.o_proj.weight": torch.randn(64, 512, generator=g),  # 128 KiB, 2 ranks: chunk_cols 256
+        "l0.down_proj.weight": torch.randn(16, 300, 2, generator=g),  # 37.5 KiB ≤ 2 × 32 KiB: whole
+        "l1.o_proj.weight": torch.randn(70, 1001, generator=g),  # ⌈500/16⌉ = 32 columns per block
+        "l0.o_proj.bias": torch.randn(64, generator=g),  # 1-D
+        "tied.o_proj.weight": shared, "tied_head.weight": shared,  # tied: no grid
+        "l0.q_proj.weight": torch.randn(64, 512, generator=g),  # not matched
+    }
+    url = f"file://{tmp_path}"
+    with caplog.at_level("INFO", logger="deltastore.publish"), \
+            Publisher(url, slice_align=2, column_slices=ROW_PARALLEL_PATTERNS, group_small_tensors=True) as pub:
+        pub.publish(state)
+        nxt = {n: t.clone() for n, t in state.items()}
+        nxt["l0.o_proj.weight"][5, 300] += 1
+        nxt["l1.o_proj.weight"][69, 1000] += 1
+        assert pub.publish(nxt).kind == "delta"
+    with Subscriber(url) as sub:
+        _bits_equal(sub.pull(), nxt)
+        units = sub.units()
+    assert units["l0.o_proj.weight"].chunk_cols == 256 and units["l0.o_proj.weight"].n_chunks == 2
+    assert units["l1.o_proj.weight"].chunk_cols == 32
+    gridded = {n for n, s in units.items() if s.chunk_cols}
+    assert gridded == {"l0.o_proj.weight", "l1.o_proj.weight"}  # and neither is in a group row
+    assert not any(m.name in gridded for s in units.values() for m in s.members)
+    assert any(s.members for s in units.values())  # the small ones were grouped
+    line = next(r.getMessage() for r in caplog.records if "get no column grid" in r.getMessage())
+    assert "3 of 5" in line and all(n in line for n in ("l0.down_proj.weight", "l0.o_proj.bias", "tied.o_proj.weight"))
+
+
+ROW_PARALLEL_PATTERNS = ("*.o_proj.weight", "*.down_proj.weight", "*.o_proj.bias")
+
+
+def test_a_resumed_publisher_keeps_the_grid_and_resume_false_relays_out(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    g = torch.Generator().manual_seed(12)
+    s1 = {"a.o_proj.weight": torch.randn(64, 512, generator=g), "b": torch.randn(8, generator=g)}
+    s2 = {n: t + 1 for n, t in s1.items()}
+    s3 = {n: t + 2 for n, t in s1.items()}
+    with Publisher(url, slice_align=2, column_slices=("*.o_proj.weight",)) as pub:
+        pub.publish(s1)
+    with Subscriber(url) as sub:
+        target = sub.pull()
+        with Publisher(url) as pub:  # resumed: the store's layout, grid included, continues
+            assert pub.publish(s2).kind == "delta"
+        sub.pull_into(target)
+        _bits_equal(target, s2)
+        assert sub.units()["a.o_proj.weight"].chunk_cols == 256
+        with Publisher(url, resume=False) as pub:  # a new layout without the grid: an anchor
+            assert pub.publish(s3).kind == "anchor"
+        sub.pull_into(target)  # bridged: the relaid anchor replaces every chunk
+        _bits_equal(target, s3)
+        assert sub.units()["a.o_proj.weight"].chunk_cols == 0
