@@ -1,6 +1,7 @@
 """Scale out, the read side (issue 12 parts 2-4): partial pulls, a far link, fan-out.
 
-    python -m benchmarks.scale [--steps 4] [--workers 32] [--quick]
+    python -m benchmarks.scale [--steps 4] [--workers 32] [--only SECTION] [--workload W]
+    python -m benchmarks.scale --only grid --workload tf265m-rl-1e-6 --steps 6 --reps 5
 
 Everything runs against a real S3 server (moto or SeaweedFS, deltastore.devserver) on 127.0.0.1, with the
 cached RL workload ``rl-1e-6`` (MiniLM, 22.7M parameters, bf16, real AdamW steps at lr 1e-6;
@@ -13,11 +14,22 @@ benchmarks/workload.py). Four measurements, one run, figures side by side:
     version after it, for the publisher's default chunking (plain 16 MiB chunks),
     ``Publisher(slice_align=8)`` (16 MiB target, edges on the 1/8 row slices), and 12 KiB
     (see CHUNKINGS).
-    Every partial result is checked bit-exact against the full pull's rows.
+    On a Llama-shaped model (``--workload tf265m-rl-1e-6``) also a tensor-parallel rank (rank 3
+    of 8: q, k, v, gate, up and the vocabulary cut by rows, ``ROW_PARALLEL`` (o, down) by
+    columns, norms whole; every rank's figures too, except with the default chunking) and a
+    third chunking, ``slice_align=8`` with a column grid on ``ROW_PARALLEL`` (design 011);
+    the 12 KiB chunking is left out there. Held bytes and spare bytes (edge chunks' bits kept
+    beside the user's tensors) are reported with the bytes read.
+    Every partial result is checked bit-exact against torch's slice of the full state.
 ``chunking``
     What ``slice_align=8`` costs a whole worker against the default chunking (plain 16 MiB
     chunks), interleaved on a local store: chunks, delta and manifest bytes, publish and
     ``pull_into`` time per version.
+``grid`` (only when asked: ``--only grid``, on a Llama-shaped ``--workload``)
+    What the column grid costs a whole worker (design 011 D10 step 6): ``slice_align=8`` with
+    and without ``column_slices=ROW_PARALLEL``, interleaved ``--reps`` times on a tmpfs store,
+    publisher and worker each in a fresh interpreter: delta publish, anchor, ``pull``,
+    ``pull_into`` and chain ``pull`` times with each call's peak RSS rise; grid / none ratios.
 ``far``
     A worker behind campaigns.shaper.LinkShaper (100 Mbit/s, 80 ms RTT, 0.1 % packet loss),
     the publisher next to the bucket, on SeaweedFS where it is installed (it keeps connections
