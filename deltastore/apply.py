@@ -31,7 +31,6 @@ from deltastore.errors import (
     NotFoundError,
     TargetModifiedError,
 )
-from deltastore.grid import GridTarget
 from deltastore.groups import split_patch, unit_targets
 from deltastore.jobs import grouped
 from deltastore.manifest import BlobRef, SegmentRef, sha256_hex
@@ -376,7 +375,7 @@ class ReadEngine:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltastore-decode")
         self.io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
         self.fetcher = _Fetcher(store, self.io)
-        self._local = threading.local()  # per decode thread: the scratch and gathered buffers
+        self._local = threading.local()  # per decode thread: the staging scratch buffer
 
     @property
     def bytes_fetched(self) -> int:
@@ -467,18 +466,10 @@ class ReadEngine:
         allocation is a fresh mapping whose first touch page-faults (~a third of a staged chunk's
         cost); the buffer is only read until the patch is made (make_patch copies what it keeps),
         and there is one per decode thread, of at most one chunk."""
-        return self._buffer(like.size, like.dtype, "scratch")
-
-    def _buffer(self, count: int, dtype: np.dtype, slot: str) -> np.ndarray:
-        """``count`` uninitialised elements of ``dtype`` in this thread's reused buffer ``slot``
-        (``"scratch"``: results; ``"gathered"``: a grid chunk's current bits), grown to the
-        largest chunk the thread has seen."""
-        nbytes = count * np.dtype(dtype).itemsize
-        buf = getattr(self._local, slot, None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(nbytes, np.uint8)
-            setattr(self._local, slot, buf)
-        return buf[:nbytes].view(dtype)
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.nbytes < like.nbytes:
+            buf = self._local.scratch = np.empty(like.nbytes, np.uint8)
+        return buf[: like.nbytes].view(like.dtype)
 
     def fetch_batches(
         self, plans: list[ChunkPlan], *, tolerant: bool = False, check_on_read: bool = False,
@@ -728,15 +719,6 @@ class ReadEngine:
                 b = deferred.get((p.name, p.index))
                 if tgt.cpu:
                     self.replay(p, specs[p.name], data, tgt.read(*p.span), b)
-                elif isinstance(tgt, GridTarget):
-                    # A grid chunk (design 011 D4) is gathered into this thread's reused buffer,
-                    # not a fresh array: a fresh chunk-sized allocation pages in on first touch,
-                    # which cost as much as the gather itself (D10 step 6). Replayed there (an
-                    # error restores it, nothing written), then scattered back.
-                    lo, hi = p.span
-                    raw = tgt.gather_into(p.index, self._buffer(hi - lo, specs[p.name].uint_dtype(), "gathered"))
-                    self.replay(p, specs[p.name], data, raw, b)
-                    tgt.write(lo, hi, raw)
                 else:
                     raw = tgt.read(*p.span)
                     self.replay(p, specs[p.name], data, raw, b)

@@ -13,6 +13,7 @@ elements). Gather and scatter are one numpy 2-D copy each, a C loop of row piece
 have one answer and need no native kernel (011 D3). Without a grid every function here is
 the identity on spans, so a caller may use it for any tensor.
 
+Nothing in the library calls this module yet (011 D10 step 2): readers still refuse grids.
 """
 
 from __future__ import annotations
@@ -163,14 +164,6 @@ class GridTarget:
                 chunk = self._gather(i)
                 chunk[lo - ca:hi - ca] = raw[lo - a:hi - a]
                 self._scatter(i, chunk)
-
-    def gather_into(self, index: int, out: np.ndarray) -> np.ndarray:
-        """Chunk ``index`` in its C order, copied into ``out`` (1-D, the chunk's elements, e.g. a
-        reused buffer: no fresh allocation to page in). Returns ``out``."""
-        if self._bits is not None:
-            return gather(self._bits, self.spec, index, out)
-        np.copyto(out, self._gather(index))
-        return out
 
     def _gather(self, index: int) -> np.ndarray:
         if self._bits is not None:
