@@ -1,6 +1,7 @@
 """Scale out, the read side (issue 12 parts 2-4): partial pulls, a far link, fan-out.
 
-    python -m benchmarks.scale [--steps 4] [--workers 32] [--quick]
+    python -m benchmarks.scale [--steps 4] [--workers 32] [--only SECTION] [--workload W]
+    python -m benchmarks.scale --only grid --workload tf265m-rl-1e-6 --steps 6 --reps 5
 
 Everything runs against a real S3 server (moto or SeaweedFS, deltastore.devserver) on 127.0.0.1, with the
 cached RL workload ``rl-1e-6`` (MiniLM, 22.7M parameters, bf16, real AdamW steps at lr 1e-6;
@@ -13,11 +14,22 @@ benchmarks/workload.py). Four measurements, one run, figures side by side:
     version after it, for the publisher's default chunking (plain 16 MiB chunks),
     ``Publisher(slice_align=8)`` (16 MiB target, edges on the 1/8 row slices), and 12 KiB
     (see CHUNKINGS).
-    Every partial result is checked bit-exact against the full pull's rows.
+    On a Llama-shaped model (``--workload tf265m-rl-1e-6``) also a tensor-parallel rank (rank 3
+    of 8: q, k, v, gate, up and the vocabulary cut by rows, ``ROW_PARALLEL`` (o, down) by
+    columns, norms whole; every rank's figures too, except with the default chunking) and a
+    third chunking, ``slice_align=8`` with a column grid on ``ROW_PARALLEL`` (design 011);
+    the 12 KiB chunking is left out there. Held bytes and spare bytes (edge chunks' bits kept
+    beside the user's tensors) are reported with the bytes read.
+    Every partial result is checked bit-exact against torch's slice of the full state.
 ``chunking``
     What ``slice_align=8`` costs a whole worker against the default chunking (plain 16 MiB
     chunks), interleaved on a local store: chunks, delta and manifest bytes, publish and
     ``pull_into`` time per version.
+``grid`` (only when asked: ``--only grid``, on a Llama-shaped ``--workload``)
+    What the column grid costs a whole worker (design 011 D10 step 6): ``slice_align=8`` with
+    and without ``column_slices=ROW_PARALLEL``, interleaved ``--reps`` times on a tmpfs store,
+    publisher and worker each in a fresh interpreter: delta publish, anchor, ``pull``,
+    ``pull_into`` and chain ``pull`` times with each call's peak RSS rise; grid / none ratios.
 ``far``
     A worker behind campaigns.shaper.LinkShaper (100 Mbit/s, 80 ms RTT, 0.1 % packet loss),
     the publisher next to the bucket, on SeaweedFS where it is installed (it keeps connections
@@ -40,6 +52,7 @@ come from the same run. Results: benchmarks/results/scale.{json,md}.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import io
 import json
@@ -49,6 +62,7 @@ import platform
 import statistics
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +70,7 @@ import numpy as np
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.select import Selection
+from deltastore.select import ROW_PARALLEL, Selection
 from deltastore.storage import open_store
 from deltastore.tensors import bits
 
@@ -64,13 +78,23 @@ RESULTS = Path(__file__).parent / "results"
 WORKLOAD = "rl-1e-6"
 #: The issue's far worker: 100 Mbit/s, 80 ms RTT, 0.1 % loss.
 FAR = {"bytes_per_s": 12.5e6, "rtt_s": 0.08, "loss": 0.001}
-#: Chunkings measured for partial pulls, as ``(label, chunk_bytes, slice_align)``: the
-#: publisher's default (plain 16 MiB chunks: most MiniLM tensors one chunk), ``slice_align=8``
-#: at the same target (chunk edges on the 1/8 row slices where rows allow,
-#: deltastore.tensors.slice_chunk_rows), and 12 KiB (16 rows of the 384-wide matrices, which
-#: divide every 1/8 slice of them; the hand-picked setting the default rule needs).
-CHUNKINGS = (("default (16 MiB)", 16 * 1024 * 1024, None), ("slice_align=8", 16 * 1024 * 1024, 8),
-             ("12 KiB", 12 * 1024, None))
+#: Chunkings measured for partial pulls, as ``(label, chunk_bytes, slice_align, column_slices)``:
+#: the publisher's default (plain 16 MiB chunks: most MiniLM tensors one chunk),
+#: ``slice_align=8`` at the same target (chunk edges on the 1/8 row slices where rows allow,
+#: deltastore.tensors.slice_chunk_rows), ``slice_align=8`` with a column grid on the row-parallel
+#: weights (design 011: only where the model has them, i.e. Llama-shaped), and 12 KiB (16 rows
+#: of the 384-wide matrices, which divide every 1/8 slice of them; the hand-picked setting the
+#: default rule needs; MiniLM only).
+CHUNKINGS = (("default (16 MiB)", 16 * 1024 * 1024, None, None), ("slice_align=8", 16 * 1024 * 1024, 8, None),
+             ("slice_align=8 + grid", 16 * 1024 * 1024, 8, ROW_PARALLEL), ("12 KiB", 12 * 1024, None, None))
+#: Column-parallel weights of a Llama-shaped model (vLLM cuts them by rows, dimension 0, as it
+#: does the vocabulary of the embedding and lm_head); the row-parallel ones are ROW_PARALLEL,
+#: cut by columns. A TP rank of the partial benchmark holds these two sets cut, norms whole.
+COLUMN_PARALLEL = ("*.q_proj.weight", "*.k_proj.weight", "*.v_proj.weight", "*.gate_proj.weight",
+                   "*.up_proj.weight", "*embed_tokens.weight", "lm_head.weight")
+#: The tensor-parallel degree of the partial benchmark's TP row, and the rank shown.
+TP, TP_RANK = 8, 3
+
 #: boto3 TransferManager settings of the full-checkpoint baseline (its defaults: 8 MiB parts,
 #: 10 threads): what ``aws s3 cp`` of one safetensors file does.
 BASELINE_PART_BYTES = 8 * 1024 * 1024
@@ -148,50 +172,110 @@ def _name_block(state: dict[str, torch.Tensor], fraction: float, start: str) -> 
     return tuple(names)
 
 
+def _match(name: str, patterns: tuple[str, ...] | None) -> bool:
+    return patterns is not None and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
 def _cut(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, torch.Tensor]:
+    """What ``sel`` should hold of ``state``, by torch slicing (the oracle of the partial rows):
+    ``shard_dims``' first matching pattern, else ``shard_names`` (default: every tensor with a
+    dimension) cut along ``shard``'s dim; part ``r`` of ``w`` is ``[r·n//w, (r+1)·n//w)``."""
     out = {}
     for n, t in state.items():
-        if n not in sel.names and sel.names != ("*",):
+        if not _match(n, sel.names):
             continue
-        if sel.shard is not None and sel.shard_names is not None and n in sel.shard_names:
-            _, r, w = sel.shard
-            t = t[r * t.shape[0] // w : (r + 1) * t.shape[0] // w]
+        if sel.shard is not None:
+            dim, r, w = sel.shard
+            dims = [d for p, d in sel.shard_dims or () if fnmatch.fnmatchcase(n, p)]
+            if dims:
+                dim = dims[0]
+            elif not (_match(n, sel.shard_names) if sel.shard_names is not None else t.dim() > 0):
+                dim = None
+            if dim is not None:
+                n_ = t.shape[dim]
+                t = t.narrow(dim, r * n_ // w, (r + 1) * n_ // w - r * n_ // w)
         out[n] = t.contiguous()
     return out
 
 
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _llama_shaped(state: dict[str, torch.Tensor]) -> bool:
+    return any(_match(n, ROW_PARALLEL) for n in state) and any(_match(n, COLUMN_PARALLEL) for n in state)
+
+
+def tp_selection(rank: int, world: int = TP) -> Selection:
+    """A tensor-parallel rank of a Llama-shaped model, as vLLM cuts it: column-parallel weights
+    (q, k, v, gate, up, the vocabulary) by rows, row-parallel ones (o, down) by columns, norms
+    replicated."""
+    return Selection(shard=(0, rank, world), shard_names=COLUMN_PARALLEL + ROW_PARALLEL,
+                     shard_dims=dict.fromkeys(ROW_PARALLEL, 1))
+
+
+def _partial_pull(url: str, opts: dict[str, Any], sel: Selection | None,
+                  states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """One subscriber: ``pull(1)``, then ``pull_into`` each later version; bytes read, bytes held,
+    spare bits kept beside the user's tensors (edge chunks, deltastore.select), bit-exactness
+    against the torch slice of the last state."""
+    with Subscriber(url, storage_options=opts, select=sel) as sub:
+        held = sub.pull(1)
+        first = sub.bytes_fetched
+        per = []
+        for v in range(2, len(states) + 1):
+            b = sub.bytes_fetched
+            sub.pull_into(held, v)
+            per.append(sub.bytes_fetched - b)
+        want = states[-1] if sel is None else _cut(states[-1], sel)
+        spare = sum(a.nbytes for a in sub._spare.values())  # noqa: SLF001 - the benchmark reports it
+        return {"first_pull_bytes": first, "per_version_bytes": per, "held_bytes": _nbytes(held),
+                "spare_bytes": spare, "bit_exact": _equal(held, want)}
+
+
 def bench_partial(server: Any, states: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """Bytes a worker holding 1/8 reads, per chunking: by names, by rows, and on a Llama-shaped
+    model a TP rank (rank TP_RANK of TP; every rank's first pull and per-version bytes too,
+    except for the default chunking, where each rank reads nearly the whole model)."""
     s0 = states[0]
-    by_names = Selection(names=_name_block(s0, 1 / 8, "encoder.layer.2."))
+    start = "encoder.layer.2." if any(n.startswith("encoder.layer.2.") for n in s0) else "model.layers.4."
+    by_names = Selection(names=_name_block(s0, 1 / 8, start))
     tall = tuple(n for n, t in s0.items() if t.dim() and t.shape[0] >= 8)
     by_rows = Selection(shard=(0, 3, 8), shard_names=tall)
+    llama = _llama_shaped(s0)
+    sels: list[tuple[str, Selection | None]] = [("whole", None), ("names 1/8", by_names), ("rows 3 of 8", by_rows)]
+    if llama:
+        sels.append((f"TP rank {TP_RANK} of {TP}", tp_selection(TP_RANK)))
     out = []
-    for label_, chunk, align in CHUNKINGS:
+    for label_, chunk, align, cols in CHUNKINGS:
+        if (cols is not None and not llama) or (chunk < 1024 * 1024 and llama):
+            continue  # the grid needs row-parallel weights; 12 KiB chunks of a 531 MB model: ~45,000
         url = server.url(f"scale-partial-{uuid.uuid4().hex[:8]}")
         opts = server.storage_options()
-        with Publisher(url, storage_options=opts, chunk_bytes=chunk, slice_align=align, anchor_every=1000) as pub:
+        with Publisher(url, storage_options=opts, chunk_bytes=chunk, slice_align=align, column_slices=cols,
+                       anchor_every=1000) as pub:
             for s in states:
                 pub.publish(s)
-        row: dict[str, Any] = {"chunking": label_, "chunk_bytes": chunk, "slice_align": align}
-        for label, sel in (("whole", None), ("names 1/8", by_names), ("rows 3 of 8", by_rows)):
-            with Subscriber(url, storage_options=opts, select=sel) as sub:
-                held = sub.pull(1)
-                first = sub.bytes_fetched
-                per = []
-                for v in range(2, len(states) + 1):
-                    b = sub.bytes_fetched
-                    sub.pull_into(held, v)
-                    per.append(sub.bytes_fetched - b)
-                want = states[-1] if sel is None else _cut(states[-1], sel)
-                held_bytes = sum(t.numel() * t.element_size() for t in held.values())
-                row[label] = {"first_pull_bytes": first, "per_version_bytes": per,
-                              "held_bytes": held_bytes, "bit_exact": _equal(held, want)}
+        row: dict[str, Any] = {"chunking": label_, "chunk_bytes": chunk, "slice_align": align,
+                               "column_slices": list(cols) if cols else None}
+        for label, sel in sels:
+            row[label] = _partial_pull(url, opts, sel, states)
         whole = row["whole"]
-        for label in ("names 1/8", "rows 3 of 8"):
+        for label, _ in sels[1:]:
             r = row[label]
             r["first_pull_ratio"] = r["first_pull_bytes"] / whole["first_pull_bytes"]
             r["per_version_ratio"] = sum(r["per_version_bytes"]) / max(1, sum(whole["per_version_bytes"]))
             r["held_ratio"] = r["held_bytes"] / whole["held_bytes"]
+            r["spare_ratio"] = r["spare_bytes"] / whole["held_bytes"]
+        if llama and align is not None:
+            ranks = []
+            for rank in range(TP):
+                r = row[sels[-1][0]] if rank == TP_RANK else _partial_pull(url, opts, tp_selection(rank), states)
+                ranks.append({"rank": rank, "first_pull_ratio": r["first_pull_bytes"] / whole["first_pull_bytes"],
+                              "per_version_ratio": sum(r["per_version_bytes"]) / max(1, sum(whole["per_version_bytes"])),
+                              "held_ratio": r["held_bytes"] / whole["held_bytes"],
+                              "spare_ratio": r["spare_bytes"] / whole["held_bytes"], "bit_exact": r["bit_exact"]})
+            row["tp_ranks"] = ranks
         out.append(row)
     return out
 
@@ -236,6 +320,175 @@ def bench_chunking(states: list[dict[str, torch.Tensor]], reps: int = 3) -> dict
                                 "manifest_bytes": statistics.median(mans), "publish_s": statistics.median(pub_s),
                                 "pull_into_s": statistics.median(pull_s)})
     return {"reps": reps, "medians": {k: {m: statistics.median(r[m] for r in rows) for m in rows[0]} for k, rows in runs.items()}}
+
+
+#: The whole-worker A/B of the column grid (design 011 D10 step 6): both arms ``slice_align=8``,
+#: one with ``column_slices=ROW_PARALLEL``.
+GRID_ARMS = (("slice_align=8", None), ("slice_align=8 + grid", ROW_PARALLEL))
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _timed(fn: Any, model: int) -> tuple[Any, float, float, float]:
+    """``fn()``, its wall time, the rise of peak RSS (VmHWM, restarted from the current RSS
+    through /proc/self/clear_refs) above the RSS before it, in units of ``model`` bytes, and its
+    CPU time (every thread of the process: what other jobs on a shared machine disturb least)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kb("VmRSS")
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    dt, dc = time.perf_counter() - t, time.process_time() - c
+    return out, dt, (_status_kb("VmHWM") - before) * 1024 / model, dc
+
+
+def _grid_publisher(workload: str, steps: int, url: str, cols: tuple[str, ...] | None) -> dict[str, Any]:
+    """The A/B's publisher, in a fresh interpreter: an anchor, then a delta per step."""
+    states = _states(steps, workload)
+    model = _nbytes(states[0])
+    out: dict[str, Any] = {"model_bytes": model}
+    with Publisher(url, anchor_every=1000, slice_align=8, column_slices=cols) as pub:
+        _, out["anchor_s"], out["anchor_peak"], out["anchor_cpu_s"] = _timed(lambda: pub.publish(states[0]), model)
+        pubs = [_timed(lambda s=s: pub.publish(s), model) for s in states[1:]]
+    assert all(i.kind == "delta" for i, *_ in pubs)
+    out.update(publish_s=statistics.median(t for _, t, _, _ in pubs), publish_peak=max(p for _, _, p, _ in pubs),
+               publish_cpu_s=statistics.median(c for *_, c in pubs),
+               delta_bytes=statistics.median(i.bytes_stored for i, *_ in pubs))
+    return out
+
+
+def _grid_worker(workload: str, steps: int, url: str) -> dict[str, Any]:
+    """The A/B's whole worker, in a fresh interpreter: ``pull`` of the anchor, ``pull_into`` of
+    each delta, ``pull`` of the last version (the anchor plus every delta); bit-exact."""
+    states = _states(steps, workload)
+    model = _nbytes(states[0])
+    out: dict[str, Any] = {}
+    with Subscriber(url) as sub:
+        held, out["pull_s"], out["pull_peak"], out["pull_cpu_s"] = _timed(lambda: sub.pull(1), model)
+        out["chunks"] = sum(u.n_chunks for u in sub.units().values())
+        out["gridded"] = sum(u.chunk_cols > 0 for u in sub.units().values())
+        intos = [_timed(lambda v=v: sub.pull_into(held, v), model) for v in range(2, len(states) + 1)]
+        exact = _equal(held, states[-1])
+        held.clear()  # the chain pull below allocates its own model
+        last, out["pull_chain_s"], out["pull_chain_peak"], _ = _timed(lambda: sub.pull(len(states)), model)
+        exact = exact and _equal(last, states[-1])
+    out.update(pull_into_s=statistics.median(t for _, t, _, _ in intos), pull_into_peak=max(p for _, _, p, _ in intos),
+               pull_into_cpu_s=statistics.median(c for *_, c in intos), bit_exact=exact)
+    return out
+
+
+def _grid_ab_arm(workload: str, steps: int, cols: tuple[str, ...] | None) -> dict[str, Any]:
+    """One arm of the A/B: the publisher, then the worker, each in a fresh interpreter (no role
+    inherits another's heap, so peaks compare) on a tmpfs store."""
+    import shutil
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="scale-grid-")
+    url = os.path.join(d, "store")
+    try:
+        with ctx.Pool(1) as pool:
+            out = pool.apply(_grid_publisher, (workload, steps, url, cols))
+        with ctx.Pool(1) as pool:
+            out.update(pool.apply(_grid_worker, (workload, steps, url)))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def _grid_paired(workload: str, steps: int, rounds: int) -> dict[str, Any]:
+    """The A/B's times, paired: both arms in one interpreter, call by call (a publish of each
+    arm per step, a ``pull_into`` of each per version, the order alternating), so that both
+    calls of a pair see the same load on a shared machine; ``rounds`` fresh store pairs. Per
+    figure: every call's wall and CPU seconds per arm, and the per-pair ratios grid / none."""
+    import shutil
+    import tempfile
+
+    states = _states(steps, workload)
+    labels = [label for label, _ in GRID_ARMS]
+    calls: dict[str, dict[str, list[float]]] = {label: {} for label in labels}
+
+    def clock(label: str, figure: str, fn: Any) -> Any:
+        t, c = time.perf_counter(), time.process_time()
+        out = fn()
+        calls[label].setdefault(figure + "_s", []).append(time.perf_counter() - t)
+        calls[label].setdefault(figure + "_cpu_s", []).append(time.process_time() - c)
+        return out
+
+    exact = True
+    for rnd in range(rounds):
+        root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="scale-grid-")
+        urls = {label: os.path.join(root, str(i)) for i, label in enumerate(labels)}
+        order = labels if rnd % 2 == 0 else labels[::-1]
+        try:
+            pubs = {label: Publisher(urls[label], anchor_every=1000, slice_align=8, column_slices=cols)
+                    for label, cols in GRID_ARMS}
+            try:
+                for i, s in enumerate(states):
+                    for label in order if i % 2 == 0 else order[::-1]:
+                        clock(label, "anchor" if i == 0 else "publish", partial(pubs[label].publish, s))
+            finally:
+                for pub in pubs.values():
+                    pub.close()
+            subs = {label: Subscriber(urls[label]) for label in labels}
+            try:
+                held = {label: clock(label, "pull", partial(subs[label].pull, 1)) for label in order}
+                for v in range(2, len(states) + 1):
+                    for label in order if v % 2 == 0 else order[::-1]:
+                        clock(label, "pull_into", partial(subs[label].pull_into, held[label], v))
+                exact = exact and all(_equal(h, states[-1]) for h in held.values())
+            finally:
+                for sub in subs.values():
+                    sub.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    none, grid = labels
+    ratios = {m: [g / n for g, n in zip(calls[grid][m], calls[none][m])] for m in calls[none]}
+    return {"rounds": rounds, "calls": calls, "bit_exact": exact,
+            "medians": {label: {m: statistics.median(v) for m, v in c.items()} for label, c in calls.items()},
+            "ratio": {m: statistics.median(r) for m, r in ratios.items()},
+            "ratio_quartiles": {m: [float(np.percentile(r, 25)), float(np.percentile(r, 75))] for m, r in ratios.items()},
+            "pairs": {m: len(r) for m, r in ratios.items()}}
+
+
+#: The A/B's figures: wall times (``_s``) and CPU times of every thread (``_cpu_s``) are
+#: medians over a role's versions, peaks the largest rise of peak RSS over the role's calls,
+#: in model units.
+GRID_AB_METRICS = ("publish_s", "pull_into_s", "pull_s", "pull_chain_s", "anchor_s",
+                   "publish_cpu_s", "pull_into_cpu_s", "pull_cpu_s", "anchor_cpu_s",
+                   "publish_peak", "pull_into_peak", "pull_peak", "pull_chain_peak", "anchor_peak")
+
+
+def bench_grid_ab(workload: str, steps: int, reps: int = 4, rounds: int = 3) -> dict[str, Any]:
+    """What the column grid costs a whole worker (design 011 D10 step 6): GRID_ARMS interleaved
+    ``reps`` times (the order alternating), each role in a fresh interpreter; per-arm
+    medians of every GRID_AB_METRICS figure and the grid / none ratio of each (per repetition and
+    the median of those); then the times paired call by call in one interpreter
+    (:func:`_grid_paired`, ``rounds`` store pairs), which a shared machine's load disturbs less."""
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k, _ in GRID_ARMS}
+    for rep in range(reps):
+        for label, cols in GRID_ARMS if rep % 2 == 0 else GRID_ARMS[::-1]:
+            r = _grid_ab_arm(workload, steps, cols)
+            r["load_avg"] = os.getloadavg()[0]
+            runs[label].append(r)
+            print(f"grid A/B rep {rep} {label}: " + ", ".join(f"{m} {r[m]:.3f}" for m in GRID_AB_METRICS), flush=True)
+    (none, _), (grid, _) = GRID_ARMS
+    med = {k: {m: statistics.median(r[m] for r in rows) for m in (*GRID_AB_METRICS, "chunks", "gridded", "delta_bytes")}
+           for k, rows in runs.items()}
+    per_rep = {m: [g[m] / n[m] for g, n in zip(runs[grid], runs[none])] for m in GRID_AB_METRICS}
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        paired = pool.apply(_grid_paired, (workload, steps, rounds))
+    print("grid A/B paired: " + ", ".join(f"{m} {r:.3f}" for m, r in paired["ratio"].items()), flush=True)
+    return {"reps": reps, "steps": steps, "runs": runs, "medians": med, "paired": paired,
+            "ratio_per_rep": per_rep, "ratio": {m: statistics.median(v) for m, v in per_rep.items()},
+            "bit_exact": all(r["bit_exact"] for rows in runs.values() for r in rows)}
 
 
 # --- far link ---------------------------------------------------------------------------------
@@ -426,14 +679,53 @@ def _md(res: dict[str, Any]) -> str:
               f"moto on 127.0.0.1; {res['machine']}."), ""]
     if "partial" in res:
         lines += ["## Partial pulls: bytes read by a worker holding 1/8", "",
-                  "| chunking | selection | held / whole | first pull / whole | per version / whole | bit-exact |",
-                  "|---|---|---|---|---|---|"]
+                  ("Shares of a whole subscriber's bytes (same store, same versions). Spare: the bits of edge "
+                   "chunks kept beside the user's tensors. Bit-exact: against torch's slice of the last state."), "",
+                  "| chunking | selection | held / whole | spare / whole | first pull / whole | per version / whole | bit-exact |",
+                  "|---|---|---|---|---|---|---|"]
         for row in res["partial"]:
-            for label in ("names 1/8", "rows 3 of 8"):
-                r = row[label]
-                lines.append(f"| {row.get('chunking', str(row['chunk_bytes'] // 1024) + ' KiB')} | {label} | {r['held_ratio']:.1%} | "
+            for label, r in row.items():
+                if not isinstance(r, dict) or "held_ratio" not in r:
+                    continue
+                lines.append(f"| {row.get('chunking', str(row['chunk_bytes'] // 1024) + ' KiB')} | {label} | "
+                             f"{r['held_ratio']:.1%} | {r.get('spare_ratio', 0):.1%} | "
                              f"{r['first_pull_ratio']:.1%} | {r['per_version_ratio']:.1%} | {r['bit_exact']} |")
+        ranks = [row for row in res["partial"] if row.get("tp_ranks")]
+        if ranks:
+            lines += ["", "Every TP rank (first pull / per version / spare, shares of a whole subscriber's):", ""]
+            for row in ranks:
+                lines.append(f"- {row['chunking']}: " + "; ".join(
+                    f"r{r['rank']} {r['first_pull_ratio']:.1%} / {r['per_version_ratio']:.1%} / {r['spare_ratio']:.1%}"
+                    + ("" if r["bit_exact"] else " NOT EXACT") for r in row["tp_ranks"]))
         lines.append("")
+    if "grid" in res:
+        g = res["grid"]
+        (none, _), (grid, _) = GRID_ARMS
+        lines += ["## What the column grid costs a whole worker (design 011 D10 step 6)", "",
+                  (f"Both arms `slice_align=8`; `{grid}` adds `column_slices=ROW_PARALLEL`. Local store on tmpfs, "
+                   f"the arms interleaved {g['reps']} times (order alternating), publisher and worker each in a fresh interpreter; "
+                   f"{g['steps']} delta versions per arm; bit-exact: {g['bit_exact']}. Times (wall `_s`, CPU of all threads `_cpu_s`): medians over the "
+                   "versions, then over repetitions; peaks: rise of peak RSS above the RSS before the call, "
+                   "in model units. Ratio: grid / none per repetition, median (range)."), "",
+                  f"| figure | {none} | {grid} | ratio |", "|---|---|---|---|"]
+        for m in GRID_AB_METRICS:
+            v = g["ratio_per_rep"][m]
+            lines.append(f"| {m} | {g['medians'][none][m]:.3f} | {g['medians'][grid][m]:.3f} | "
+                         f"{g['ratio'][m]:.2f} ({min(v):.2f}-{max(v):.2f}) |")
+        for m in ("chunks", "gridded", "delta_bytes"):
+            lines.append(f"| {m} | {g['medians'][none][m]:.0f} | {g['medians'][grid][m]:.0f} | |")
+        if "paired" in g:
+            pg = g["paired"]
+            lines += ["", (f"Paired (both arms in one interpreter, call by call, order alternating; {pg['rounds']} "
+                           f"store pairs; bit-exact: {pg['bit_exact']}): medians per arm, and the median (quartiles) "
+                           "of the per-pair ratios grid / none."), "",
+                      f"| figure | pairs | {none} | {grid} | ratio |", "|---|---|---|---|---|"]
+            for m, r in pg["ratio"].items():
+                q = pg["ratio_quartiles"][m]
+                lines.append(f"| {m} | {pg['pairs'][m]} | {pg['medians'][none][m]:.3f} | {pg['medians'][grid][m]:.3f} | "
+                             f"{r:.2f} ({q[0]:.2f}-{q[1]:.2f}) |")
+        loads = [r["load_avg"] for rows in g["runs"].values() for r in rows]
+        lines += ["", f"Load average after each role: {min(loads):.2f}-{max(loads):.2f}.", ""]
     if "chunking" in res:
         c = res["chunking"]
         lines += ["## What slice-aligned chunking costs a whole worker", "",
@@ -489,7 +781,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="versions after the first")
     ap.add_argument("--workers", type=int, default=32)
     ap.add_argument("--gap", type=float, default=3.0, help="seconds between versions in the fan-out")
-    ap.add_argument("--only", choices=("partial", "chunking", "far", "fanout"), action="append")
+    ap.add_argument("--only", choices=("partial", "chunking", "far", "fanout", "grid"), action="append",
+                    help="sections to run (default: every one but grid, the column grid's whole-worker A/B, "
+                         "which needs a Llama-shaped --workload such as tf265m-rl-1e-6)")
+    ap.add_argument("--reps", type=int, default=4, help="repetitions of each arm of the grid A/B")
+    ap.add_argument("--rounds", type=int, default=3, help="store pairs of the grid A/B's paired times")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale")
     ap.add_argument("--workload", default=WORKLOAD, help="e.g. tf265m-rl-1e-6 (531 MB) for the far link")
     ap.add_argument("--far-range-kib", type=int, default=FAR_RANGE_PART_BYTES // 1024,
@@ -501,11 +797,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from deltastore import devserver
 
-    states = _states(args.steps, args.workload)
+    parts = args.only or ["partial", "chunking", "far", "fanout"]
+    states = _states(args.steps, args.workload) if set(parts) - {"grid"} else []
     res: dict[str, Any] = {"workload": args.workload, "steps": args.steps,
                            "machine": f"{platform.machine()}, {os.cpu_count()} cores, load average "
                                       f"{os.getloadavg()[0]:.2f} at the start"}
-    parts = args.only or ["partial", "chunking", "far", "fanout"]
+    if "grid" in parts:  # first, on its own: no moto server running beside it
+        res["grid"] = bench_grid_ab(args.workload, args.steps, args.reps, args.rounds)
     with devserver.moto() as server:
         if "partial" in parts:
             res["partial"] = bench_partial(server, states)

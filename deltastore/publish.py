@@ -162,7 +162,9 @@ class Publisher:
             line names them): tensors of fewer than 2 dimensions or N columns, of at most
             N × 32 KiB, tied tensors; gridded tensors are never grouped. A whole reader pays
             about one extra copy of the gridded tensors per publish and two per ``pull_into``
-            (design 011 D8), so it is opt-in. A layout choice: a resumed publisher keeps the
+            (design 011 D8; measured: +8 % delta publish and +22 % ``pull_into`` on a 531 MB
+            Llama-shaped model, ×3.3 ``pull_into`` of the gridded tensors at 8B shapes), so it
+            is opt-in. A layout choice: a resumed publisher keeps the
             store's grid; open it with ``resume=False`` to switch (an anchor with the new
             layout). Default None: no grid.
         group_small_tensors: pack small tensors (≤ 256 KiB) of one dtype into shared ~4 MiB

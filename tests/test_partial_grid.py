@@ -433,3 +433,54 @@ def test_an_aligned_rank_reads_one_column_block_per_row_block(tmp_path) -> None:
         fresh = sub.allocate()
         sub.pull_into(fresh, 2)
         assert_bits_equal(fresh, _rows(states[1], sel))
+
+
+# ------------------------------------------------ over real S3, the public option (D9, D10 step 6)
+
+
+def test_eight_tp_ranks_of_a_column_sliced_store_over_s3(moto_s3_url) -> None:
+    """A store written with the public policy (``slice_align=8, column_slices=ROW_PARALLEL``)
+    on a moto server over HTTP: 8 tensor-parallel subscribers (the row-parallel weights cut by
+    columns, the rest by rows or whole) each pull and fast-forward to head bit-exactly, read
+    only their column blocks (no spare bits of a gridded tensor), and together hold the whole
+    pull."""
+    from deltastore.select import ROW_PARALLEL
+
+    url, opts = moto_s3_url.url, moto_s3_url.storage_options
+    g = torch.Generator().manual_seed(21)
+    # bf16, > 8 × 32 KiB each so that the policy grids them; 16 KiB chunks: several row blocks
+    state = {"l0.self_attn.o_proj.weight": torch.randn(64, 2304, generator=g).bfloat16(),
+             "l0.mlp.down_proj.weight": torch.randn(70, 2000, generator=g).bfloat16(),  # 250 columns a rank
+             "l0.self_attn.q_proj.weight": torch.randn(64, 96, generator=g).bfloat16(),
+             "l0.norm.weight": torch.randn(96, generator=g)}
+    rng = np.random.default_rng(21)
+    states = []
+    with Publisher(url, storage_options=opts, threads=2, chunk_bytes=16 * 1024, slice_align=8,
+                   column_slices=ROW_PARALLEL) as pub:
+        for _ in range(2):
+            pub.publish(state)
+            states.append(snapshot(state))
+            state = sparse_edit(state, rng, 0.02)
+    world, mine = 8, []
+    for rank in range(world):
+        sel = Selection(shard=(0, rank, world), shard_names=("*.q_proj.weight",), shard_dims=dict.fromkeys(ROW_PARALLEL, 1))
+        with Subscriber(url, storage_options=opts, threads=2, select=sel) as sub:
+            held = sub.pull(1)
+            sub.pull_into(held)
+            assert sub.version == 2
+            assert_bits_equal(held, _rows(states[-1], sel), f"rank {rank}")
+            units = sub.units()
+            assert {n for n, s in units.items() if s.chunk_cols} == {"l0.self_attn.o_proj.weight", "l0.mlp.down_proj.weight"}
+            assert units["l0.self_attn.o_proj.weight"].chunk_cols == 2304 // 8
+            assert units["l0.self_attn.o_proj.weight"].n_chunks > 8  # several row blocks × 8 column blocks
+            assert not [k for k in sub._spare if units[k[0]].chunk_cols]
+            mine.append(held)
+    with Subscriber(url, storage_options=opts, threads=2) as whole_sub:
+        whole = whole_sub.pull()
+    assert_bits_equal(whole, states[-1], "whole pull")
+    for name, t in whole.items():
+        if name.endswith("norm.weight"):
+            assert all(torch.equal(p[name].view(torch.int32), t.view(torch.int32)) for p in mine)
+            continue
+        axis = 1 if "o_proj" in name or "down_proj" in name else 0
+        assert_bits_equal({name: torch.cat([p[name] for p in mine], dim=axis)}, {name: t}, name)
