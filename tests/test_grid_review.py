@@ -255,3 +255,88 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
         assert rec.info.version == 5 and 0 < rec.bytes_fetched < full
         assert_bits_equal(target, states[4])
         assert sub.verify(all_versions=True).ok
+
+
+def test_errors_name_the_block_of_a_grid_chunk_with_a_zero_trailing_dimension() -> None:
+    """A digest mismatch of a grid chunk names its rows and columns (011 D4); for a tensor
+    whose trailing dimension is 0 (every chunk empty, a mismatch only from a bad manifest) the
+    words divided by its 0 trailing elements: a ZeroDivisionError instead of the typed error."""
+    from deltastore.apply import _modified
+
+    z = _spec("z", (4, 8, 0), 2, 3, "float32")
+    assert "chunk 5 (rows 2-4, columns 6-8)" in str(_modified("z", 5, 1, z))
+    w = _spec("w", (70, 100), 16, 24)
+    assert "chunk 24 (rows 64-70, columns 96-100)" in str(_modified("w", 24, 1, w))
+    t = _spec("t", (9, 5, 2), 2, 3, "float32")
+    assert "chunk 3 (rows 2-4, columns 3-5)" in str(_modified("t", 3, 1, t))
+
+
+# --- tied tensors -------------------------------------------------------------------------------
+
+
+def test_tied_tensors_get_no_grid_and_a_tied_target_updates_through_either_owner(tmp_path: Path) -> None:
+    """Publisher side: ``column_slices`` matching both halves of a tie (large enough for a
+    grid) grids neither, and grids the untied tensor beside them. Reader side: a target tying a
+    grid tensor to a row-chunked one (published as equal copies) is updated once, through
+    whichever comes first in the target, with the same bits."""
+    url = f"file://{tmp_path / 'tied'}"
+    g = torch.Generator().manual_seed(4)
+    emb = torch.randn(128, 512, generator=g).bfloat16()
+    s1 = {"embed.weight": emb, "lm_head.weight": emb, "o.weight": torch.randn(128, 512, generator=g).bfloat16()}
+    with Publisher(url, group_small_tensors=False, slice_align=2, column_slices=["*.weight"], threads=2) as pub:
+        pub.publish(s1)
+        emb.view(-1)[::97] += 1
+        s1["o.weight"].view(-1)[::89] += 1
+        pub.publish(s1)
+    with Subscriber(url) as sub:
+        got = sub.pull(2)
+        assert {n: s.chunk_cols for n, s in sub.units().items()} == {"embed.weight": 0, "lm_head.weight": 0,
+                                                                      "o.weight": 256}
+        assert_bits_equal(got, s1)
+
+    url = f"file://{tmp_path / 'copies'}"
+    a1 = torch.randn(16, 24, generator=g).bfloat16()
+    a2 = a1.clone()
+    a2[3:9, 5:20] += 1
+    _publish(url, {"a": _spec("a", (16, 24), 4, 6)}, [{"a": a1, "b": a1.clone()}, {"a": a2, "b": a2.clone()}],
+             anchor_every=10)
+    for first in ("a", "b"):
+        with Subscriber(url) as sub:
+            held = sub.pull(1)
+            shared = held[first]
+            target = {first: shared, ("b" if first == "a" else "a"): shared}
+            sub.pull_into(target, 2)
+            assert_bits_equal({"a": shared}, {"a": a2}, f"through {first}")
+
+
+# --- the numpy paths, and a handed-over snapshot -----------------------------------------------
+
+
+def test_a_grid_store_reads_bit_exact_on_the_numpy_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DELTASTORE_NATIVE=0 on the reader: whole pull, pull_into, stage/swap and an aligned
+    column rank keeping edge bits, with every native kernel off; the store written by
+    ``publish_async(copy=False)`` (the handed-over dicts are the snapshots: a grid unit's
+    reference is the gathered buffer, never the caller's tensor)."""
+    from deltastore.codec import _kernels
+
+    url = f"file://{tmp_path}"
+    states = _cached_states(4)
+    with Publisher(url, group_small_tensors=False, threads=2, max_pending=2, anchor_every=10) as pub:
+        pub._explicit_specs = CACHED
+        futures = [pub.publish_async(snapshot(s), copy=False) for s in states]
+        assert [f.result().kind for f in futures] == ["anchor", "delta", "delta", "delta"]
+    for name in ("encode_add", "xxh3_128_hex", "split_planes", "pair_codes", "byte_histogram", "apply_segment",
+                 "gather_members", "scatter_members", "scan_tensors"):
+        monkeypatch.setattr(_kernels, name, None)
+    with Subscriber(url) as sub:
+        target = sub.pull(1)
+        assert_bits_equal(target, states[0])
+        sub.pull_into(target, 2)
+        assert_bits_equal(target, states[1])
+        sub.swap(sub.stage(target, 4), target)
+        assert_bits_equal(target, states[3])
+    sel = Selection(names=("w",), shard=(1, 1, 2))  # 20 columns by 2: blocks of 6 straddle column 10
+    with Subscriber(url, select=sel) as sub:
+        mine = sub.pull(1)
+        sub.pull_into(mine, 4)
+        assert_bits_equal(mine, _rows(states[3], sel))
