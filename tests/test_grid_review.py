@@ -147,17 +147,20 @@ def test_empty_grid_tensors_round_trip_whole_and_by_columns(tmp_path: Path) -> N
 PARTIAL = {"o": _spec("o", (16, 32), 4, 8), "d": _spec("d", (12, 10), 4, 3)}
 
 
-def _corrupt_delta(url: str, version: int, name: str, index: int) -> None:
-    """Flip the last byte of the delta segment of chunk ``index`` of ``name`` in ``version``."""
+def _corrupt_delta(url: str, version: int, name: str, index: int | None = None) -> int:
+    """Flip the last byte of the delta segment of chunk ``index`` (default: the last listed)
+    of ``name`` in ``version``; returns the chunk's index."""
     with open_store(url) as st, Subscriber(url) as sub:
         _, m = sub._resolve(version)
         t = next(t for t in m.tensors if t.name == name)
-        seg = next(c for c in t.chunks if c.index == index).delta
+        c = next(c for c in t.chunks if c.index == index) if index is not None else t.chunks[-1]
+        seg = c.delta
         pack = m.blobs[seg.blob]
         data = bytearray(st.get(pack.key))
         data[seg.offset + seg.length - 1] ^= 0xFF
         st.delete(pack.key)
         st.put(pack.key, bytes(data), mode="create")
+        return c.index
 
 
 @pytest.mark.parametrize("rank", [0, 3])
@@ -340,3 +343,20 @@ def test_a_grid_store_reads_bit_exact_on_the_numpy_paths(tmp_path: Path, monkeyp
         mine = sub.pull(1)
         sub.pull_into(mine, 4)
         assert_bits_equal(mine, _rows(states[3], sel))
+
+
+def test_deltastore_verify_checks_a_grid_store_and_names_a_bad_grid_chunk(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``deltastore verify --all`` replays every grid chunk in unit order against its digest;
+    a delta segment of one grid chunk corrupted is reported by its index."""
+    from deltastore.cli import main
+
+    url = f"file://{tmp_path}"
+    states = _cached_states(3)
+    _publish(url, CACHED, states, anchor_every=10)
+    assert main(["verify", url, "--all"]) == 0
+    assert capsys.readouterr().out.count("OK version") == 3
+    index = _corrupt_delta(url, 3, "w")
+    assert main(["verify", url, "--all"]) == 1
+    captured = capsys.readouterr()
+    assert f"chunk w[{index}] delta segment" in captured.out + captured.err
