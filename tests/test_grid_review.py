@@ -372,24 +372,31 @@ def _partial_cases(draw: st.DrawFn) -> tuple[TensorSpec, int, int, int]:
     rows = draw(st.integers(1, 13))
     cols = draw(st.integers(1, 11))
     trailing = draw(st.sampled_from([(), (2,), (1, 3)]))
-    spec = _spec("w", (rows, cols, *trailing), draw(st.integers(1, rows)), draw(st.integers(1, cols)))
+    dtype = draw(st.sampled_from(["bfloat16", "float64", "uint8"]))
+    spec = _spec("w", (rows, cols, *trailing), draw(st.integers(1, rows)), draw(st.integers(1, cols)), dtype)
     dim = draw(st.sampled_from([0, 1]))
     world = draw(st.integers(1, spec.shape[dim]))
     return spec, dim, world, draw(st.integers(0, world - 1))
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_partial_cases())
 def test_random_grids_pull_and_fast_forward_a_slice_bit_exact(tmp_path_factory: pytest.TempPathFactory, case) -> None:
-    """Any grid (ragged both ways, trailing dims, one column block), any cut: a rank's pull and
-    pull_into (sparse, then dense) hold exactly the torch slice of each version."""
+    """Any grid (ragged both ways, trailing dims, one column block; 1-, 2- and 8-byte elements),
+    any cut: a rank's pull and pull_into (sparse, then dense) hold exactly the torch slice of
+    each version; a whole subscriber stages, swaps and fast-forwards it."""
     spec, dim, world, rank = case
     url = f"file://{tmp_path_factory.mktemp('rand')}"
     g = torch.Generator().manual_seed(spec.numel)
-    s1 = {"w": torch.randn(*spec.shape, generator=g).bfloat16()}
+    s1 = {"w": (torch.randn(*spec.shape, generator=g) * 50).to(getattr(torch, spec.dtype))}
     s2 = _edit(s1, 1)
     states = [s1, s2, {"w": s2["w"] + 1}]
     _publish(url, {"w": spec}, states, anchor_every=10)
+    with Subscriber(url) as sub:  # whole: stage and swap writes blocks of every width
+        target = sub.pull(1)
+        sub.swap(sub.stage(target, 2), target)
+        sub.pull_into(target, 3)
+        assert_bits_equal(target, states[2], f"{case} whole")
     sel = Selection(shard=(dim, rank, world))
     with Subscriber(url, select=sel) as sub:
         mine = sub.pull(1)
