@@ -85,9 +85,10 @@ def _block_words(spec: TensorSpec | None, index: int) -> str:
     else ''."""
     if spec is None or not spec.chunk_cols:
         return ""
-    r0, r1, e0, e1 = spec.chunk_block(index)
-    inner = spec.row_elems // spec.shape[1]
-    return f" (rows {r0}-{r1}, columns {e0 // inner}-{e1 // inner})"
+    r0, r1, _, _ = spec.chunk_block(index)
+    # columns from the index (not element columns ÷ trailing elements: those may be 0)
+    c0 = index % spec.n_colblocks * spec.chunk_cols
+    return f" (rows {r0}-{r1}, columns {c0}-{min(c0 + spec.chunk_cols, spec.shape[1])})"
 
 
 

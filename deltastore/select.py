@@ -144,7 +144,8 @@ class Window:
         as rows of ``row`` elements (the unit's ``row_elems``; a group row's are single elements).
         The user holds them in C order from ``offset``: rows of ``e1 − e0`` elements."""
         if self.cols is not None:
-            return (self.start // self.row, self.stop // self.row, *self.cols)
+            # rows of no elements (a zero trailing dimension): no rows to hold, as below
+            return (self.start // self.row, self.stop // self.row, *self.cols) if self.row else (0, 0, *self.cols)
         if not row:
             return (0, 0, 0, 0)
         return (self.start // row, self.stop // row, 0, row)
