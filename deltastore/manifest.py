@@ -790,7 +790,7 @@ def _check_manifest(m: Manifest, key: str) -> None:
             index, full, delta = c.index, c.full, c.delta
             if not 0 <= index < n_chunks:
                 raise bad(f"chunk {t.name}[{index}] is out of range: tensor {t.name!r} {list(t.shape)} has {n_chunks} chunk(s) "
-                          f"of {t.chunk_rows} rows")
+                          f"of {t.chunk_rows} rows" + (f" × {cols} columns" if cols else ""))
             if index in seen:
                 raise bad(f"chunk {t.name}[{index}] is listed twice")
             seen.add(index)

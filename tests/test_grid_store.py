@@ -585,3 +585,22 @@ def test_publish_async_snapshots_publish_grids_bit_exact(tmp_path: Path) -> None
     with Subscriber(url) as sub:
         for v, s in enumerate(states, 1):
             _bits_equal(sub.pull(v), s)
+
+
+def test_a_chunk_index_past_the_grid_is_corrupt_and_says_the_grid(store) -> None:
+    """A manifest listing chunk nr·nc of a grid tensor (one past its last block) is refused
+    before any planning; the message gives the grid's chunk count and block shape."""
+    from deltastore.manifest import _check_manifest
+
+    url, _ = store
+    with Subscriber(url) as sub:
+        key, m = sub._resolve(1)
+    spec = SPECS["w"]
+    w = next(t for t in m.tensors if t.name == "w")
+    last = w.chunks[-1]
+    assert last.index == spec.n_chunks - 1 == 5 * 5 - 1  # 70 rows by 16 × 100 columns by 24
+    bad_w = w.model_copy(update={"chunks": (*w.chunks[:-1], last.model_copy(update={"index": spec.n_chunks}))})
+    bad = m.model_copy(update={"tensors": tuple(bad_w if t.name == "w" else t for t in m.tensors)})
+    bad._grid = m._grid  # the layout's grid, as with_layout attaches it
+    with pytest.raises(CorruptObjectError, match=r"w\[25\] is out of range: .* has 25 chunk\(s\) of 16 rows × 24 columns"):
+        _check_manifest(bad, key)
