@@ -263,6 +263,7 @@ def parser(name: str, default_trials: int, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=default_trials)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the tally as JSON here")
+    p.add_argument("--grid", action="store_true", help="publishers write column grids (campaigns.model.GRID_SPECS)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
