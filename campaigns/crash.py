@@ -24,6 +24,7 @@ from campaigns.common import (
     Tally,
     campaign_options,
     fresh_url,
+    grid_tensors,
     main,
     mp_context,
     parser,
@@ -133,6 +134,7 @@ def run(server: Any, args: Any) -> Tally:
             time.sleep(0.3)
             followers.stop(tally)
         final = checker.check(full=True)
+        tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
     on_chain = {l.step: l.version for l in final}
     for step, version in acked.items():
         if on_chain.get(step) != version:

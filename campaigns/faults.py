@@ -33,6 +33,7 @@ from campaigns.common import (
     Tally,
     campaign_options,
     fresh_url,
+    grid_tensors,
     main,
     mp_context,
     parser,
@@ -141,6 +142,7 @@ def run(server: Any, args: Any) -> Tally:
         tally.extra["faults_by_method"] = dict(proxy.by_method)
         tally.extra["requests"] = proxy.requests
         final = checker.check(full=True)
+        tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
         unreadable = verify_versions(store, final, oracle, tally)
     on_chain = {l.step: l.version for l in final}
     for step, version in acked.items():

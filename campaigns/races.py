@@ -36,6 +36,7 @@ from campaigns.common import (
     Tally,
     campaign_options,
     fresh_url,
+    grid_tensors,
     main,
     mp_context,
     parser,
@@ -160,6 +161,7 @@ def run(server: Any, args: Any) -> Tally:
                 time.sleep(0.3)
                 followers.stop(tally)
                 final = checker.check(full=True)
+                tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
                 verify_versions(store, final, oracle, tally)
                 _judge(final, results, takeover, tally)
                 versions_total += len(final)
