@@ -10,6 +10,7 @@ corrupt applies, errors surfaced, wrong errors, invariant violations)::
     python -m campaigns.corruption --backend seaweedfs --trials 100   # damage objects in the bucket
     python -m campaigns.hostile    --backend seaweedfs --trials 200   # crafted HEADs/manifests/segments
     python -m campaigns all --backend seaweedfs --markdown table.md   # several, one Markdown table
+    python -m campaigns all --backend seaweedfs --grid ...             # publishers write column grids
 
 The oracle reads the store directly (never through the proxy) and recomputes the exact bits of
 every version from its step (campaigns.model). docs/reliability.md has the figures.

@@ -231,6 +231,19 @@ def manifest_json(key: str, data: bytes) -> dict[str, Any]:
     return json.loads(data)
 
 
+def grid_tensors(store: Any, link: Link) -> dict[str, int]:
+    """Tensor name → ``chunk_cols`` of each column-grid tensor of version ``link``, read from its
+    layout object directly (schema 3; earlier schemas have no grid): ``--grid`` took effect."""
+    import zstandard
+
+    doc = manifest_json(link.key, store.get(link.key))
+    ref = doc.get("layout")
+    if not isinstance(ref, dict):
+        return {}
+    layout = json.loads(zstandard.ZstdDecompressor().decompress(store.get(ref["key"])))
+    return {n: c for n, c in zip(layout["name"], layout["chunk_cols"]) if c}
+
+
 def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, threads: int = 1) -> set[int]:
     """Pull each version directly and compare with the oracle; returns the versions that failed.
 
@@ -263,6 +276,7 @@ def parser(name: str, default_trials: int, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=default_trials)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the tally as JSON here")
+    p.add_argument("--grid", action="store_true", help="publishers write column grids (campaigns.model.GRID_SPECS)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 

@@ -24,6 +24,7 @@ from campaigns.common import (
     Tally,
     campaign_options,
     fresh_url,
+    grid_tensors,
     main,
     mp_context,
     parser,
@@ -46,20 +47,20 @@ def _log(fd: int, text: str) -> None:
     os.write(fd, f"{time.monotonic():.4f} {text}\n".encode())
 
 
-def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: str) -> None:
+def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: str, grid: bool = False) -> None:
     """Publish successive steps forever (until killed), logging each to ``log_path``."""
     import logging
 
     from deltastore import DeltastoreError, Publisher, Subscriber
-    from campaigns.model import CHUNK_BYTES, Model
+    from campaigns.model import CHUNK_BYTES, Model, with_layout
 
     logging.getLogger("deltastore").setLevel(logging.CRITICAL)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     model = Model(seed)
     while True:
         _log(fd, "open")
-        pub = Publisher(url, storage_options=options, threads=1, chunk_bytes=CHUNK_BYTES,
-                        anchor_every=ANCHOR_EVERY, takeover=True)  # fmt: skip
+        pub = with_layout(Publisher(url, storage_options=options, threads=1, chunk_bytes=CHUNK_BYTES,
+                                    anchor_every=ANCHOR_EVERY, takeover=True), grid)  # fmt: skip
         with Subscriber(url, store=pub.store, threads=1) as sub:
             step = (sub.info(pub.version).step + 1) if pub.version else 0
         _log(fd, f"ready {pub.version} {pub.writer_id}")
@@ -94,7 +95,7 @@ def run(server: Any, args: Any) -> Tally:
         checked = 0
         for trial in range(args.trials):
             log_path = str(work / f"pub-{trial}.log")
-            p = ctx.Process(target=publisher_process, args=(url, options, args.seed, log_path), daemon=True)
+            p = ctx.Process(target=publisher_process, args=(url, options, args.seed, log_path, args.grid), daemon=True)
             p.start()
             if rng.random() < STARTUP_KILL_P and trial > 0:
                 time.sleep(rng.uniform(0.0, 0.3))
@@ -133,6 +134,7 @@ def run(server: Any, args: Any) -> Tally:
             time.sleep(0.3)
             followers.stop(tally)
         final = checker.check(full=True)
+        tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
     on_chain = {l.step: l.version for l in final}
     for step, version in acked.items():
         if on_chain.get(step) != version:

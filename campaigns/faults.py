@@ -33,6 +33,7 @@ from campaigns.common import (
     Tally,
     campaign_options,
     fresh_url,
+    grid_tensors,
     main,
     mp_context,
     parser,
@@ -59,7 +60,7 @@ def _head(store: Any) -> dict[str, Any] | None:
 def run(server: Any, args: Any) -> Tally:
     from deltastore import ConflictError, DeltastoreError, FencedError, PreconditionFailedError, Publisher
     from deltastore.storage import open_store
-    from campaigns.model import CHUNK_BYTES, Model, Oracle
+    from campaigns.model import CHUNK_BYTES, Model, Oracle, with_layout
 
     tally = Tally("faults", server.kind)
     if args.sdk_checksums:
@@ -84,8 +85,8 @@ def run(server: Any, args: Any) -> Tally:
         for step in range(args.trials):
             if pub is None:
                 try:
-                    pub = Publisher(url, storage_options=faulty, threads=1, chunk_bytes=CHUNK_BYTES,
-                                    anchor_every=ANCHOR_EVERY, takeover=True)  # fmt: skip
+                    pub = with_layout(Publisher(url, storage_options=faulty, threads=1, chunk_bytes=CHUNK_BYTES,
+                                                anchor_every=ANCHOR_EVERY, takeover=True), args.grid)  # fmt: skip
                 except DeltastoreError as e:
                     tally.error(f"open {type(e).__name__}")
                     pub = None
@@ -141,6 +142,7 @@ def run(server: Any, args: Any) -> Tally:
         tally.extra["faults_by_method"] = dict(proxy.by_method)
         tally.extra["requests"] = proxy.requests
         final = checker.check(full=True)
+        tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
         unreadable = verify_versions(store, final, oracle, tally)
     on_chain = {l.step: l.version for l in final}
     for step, version in acked.items():

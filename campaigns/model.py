@@ -10,11 +10,12 @@ its manifest alone (:class:`Oracle`), in any process.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
-from deltastore.tensors import bits
+from deltastore.tensors import TensorSpec, bits
 
 #: Name, dtype, shape: every element width, a 0-d tensor, several chunks each at CHUNK_BYTES.
 LAYOUT: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -28,6 +29,15 @@ LAYOUT: tuple[tuple[str, str, tuple[int, ...]], ...] = (
 #: Chunk size handed to Publisher: small, so that these tiny tensors span several chunks (the
 #: unit of change detection, planning and rollback).
 CHUNK_BYTES = 512
+#: The layout of ``--grid`` (design 011): column grids, ragged both ways, chunks of about
+#: CHUNK_BYTES. w.bf16 is 4 row blocks (20, 20, 20, 4) × 3 column blocks (12, 12, 8) of at most
+#: 480 B; w.f32 is 2 row blocks (24, 16) × 4 column blocks (5, 5, 5, 1) of at most 480 B. The
+#: tensors are below the public policy's size floor, so campaigns set the publisher's internal
+#: hook (:func:`with_layout`); the oracle is unchanged (natural-order bits).
+GRID_SPECS: dict[str, TensorSpec] = {
+    "w.bf16": TensorSpec("w.bf16", "bfloat16", (64, 32), 20, (), 12),
+    "w.f32": TensorSpec("w.f32", "float32", (40, 16), 24, (), 5),
+}
 #: Elements given new bits per step in a changed tensor: sparse, as in RL fine-tuning.
 EDIT_FRACTION = 0.02
 #: Probability that a tensor is left unchanged at a step (delta manifests then omit it).
@@ -39,6 +49,13 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
           "int64": torch.int64, "uint8": torch.uint8}  # fmt: skip
 _SIGNED = {np.uint8: None, np.uint16: np.int16, np.uint32: np.int32, np.uint64: np.int64}
+
+
+def with_layout(pub: Any, grid: bool) -> Any:
+    """``pub`` (a new Publisher), writing :data:`GRID_SPECS` when ``grid`` (``--grid``)."""
+    if grid:
+        pub._explicit_specs = GRID_SPECS
+    return pub
 
 
 def _width(dtype: str) -> int:

@@ -36,6 +36,7 @@ from campaigns.common import (
     Tally,
     campaign_options,
     fresh_url,
+    grid_tensors,
     main,
     mp_context,
     parser,
@@ -54,12 +55,12 @@ ROUND_TIMEOUT_S = 120.0
 
 
 def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: bool, attempts: int,
-          start_k: int, writer_id: str, log_path: str, go_path: str) -> None:  # fmt: skip
+          start_k: int, writer_id: str, log_path: str, go_path: str, grid: bool = False) -> None:  # fmt: skip
     """Publish ``attempts`` times (steps ``start_k``…) as trainer ``trainer``; log each outcome."""
     import logging
 
     from deltastore import DeltastoreError, FencedError, Publisher
-    from campaigns.model import CHUNK_BYTES, Model
+    from campaigns.model import CHUNK_BYTES, Model, with_layout
 
     logging.getLogger("deltastore").setLevel(logging.CRITICAL)
     logging.getLogger("urllib3").setLevel(logging.CRITICAL)
@@ -72,8 +73,8 @@ def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: 
     while not os.path.exists(go_path):  # start together: the point is to collide
         time.sleep(0.002)
     try:
-        pub = Publisher(url, storage_options=options, threads=1, chunk_bytes=CHUNK_BYTES, anchor_every=4,
-                        takeover=takeover, writer_id=writer_id)  # fmt: skip
+        pub = with_layout(Publisher(url, storage_options=options, threads=1, chunk_bytes=CHUNK_BYTES, anchor_every=4,
+                                    takeover=takeover, writer_id=writer_id), grid)  # fmt: skip
     except DeltastoreError as e:
         log(f"openerr {type(e).__name__}")
         return
@@ -100,14 +101,14 @@ def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: 
 
 
 def _round(ctx: Any, url: str, options: dict[str, Any], seed: int, n: int, takeover: bool, attempts: int,
-           round_no: int, work: Path, tally: Tally) -> list[tuple[str, list[list[str]]]]:  # fmt: skip
+           round_no: int, work: Path, tally: Tally, grid: bool = False) -> list[tuple[str, list[list[str]]]]:  # fmt: skip
     go = work / f"go-{takeover}-{round_no}"
     procs = []
     for i in range(n):
         trainer = round_no * n + i + 1
         writer = f"racer-{'t' if takeover else 'n'}{round_no}-{i}"
         log_path = work / f"{writer}.log"
-        p = ctx.Process(target=racer, args=(url, options, seed, trainer, takeover, attempts, 0, writer, str(log_path), str(go)), daemon=True)
+        p = ctx.Process(target=racer, args=(url, options, seed, trainer, takeover, attempts, 0, writer, str(log_path), str(go), grid), daemon=True)
         p.start()
         procs.append((p, writer, log_path))
     time.sleep(0.2)  # let every process reach the start line
@@ -152,7 +153,7 @@ def run(server: Any, args: Any) -> Tally:
                 done, r = 0, 0
                 # Rounds until the mode's share of attempts is made (fenced publishers stop early).
                 while done < per_mode and r < MAX_ROUNDS:
-                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally)
+                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally, args.grid)
                     done += sum(1 for _, lines in out for l in lines if l[0] in ("ok", "err", "untyped"))
                     results += out
                     checker.check()
@@ -160,6 +161,7 @@ def run(server: Any, args: Any) -> Tally:
                 time.sleep(0.3)
                 followers.stop(tally)
                 final = checker.check(full=True)
+                tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
                 verify_versions(store, final, oracle, tally)
                 _judge(final, results, takeover, tally)
                 versions_total += len(final)

@@ -51,11 +51,11 @@ def markdown(tallies: list[Tally]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_one(name: str, server: Any, trials: int, seed: int, extra: list[str] | None = None) -> Tally:
+def run_one(name: str, server: Any, trials: int, seed: int, extra: list[str] | None = None, *, grid: bool = False) -> Tally:
     """Run campaign ``name`` on an already started server, with its own defaults."""
     module = importlib.import_module(f"campaigns.{name}")
     p = module.build_parser() if hasattr(module, "build_parser") else module.parser(name, trials, "")
-    argv = ["--backend", server.kind, "--trials", str(trials), "--seed", str(seed), *(extra or [])]
+    argv = ["--backend", server.kind, "--trials", str(trials), "--seed", str(seed), *(["--grid"] if grid else []), *(extra or [])]
     tally = module.run(server, p.parse_args(argv))
     tally.command = f"python -m campaigns.{name} " + " ".join(argv)
     return tally
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--campaigns", default=",".join(CAMPAIGNS), help=f"comma-separated subset of {','.join(CAMPAIGNS)}")
     p.add_argument("--trials", default="", help="NAME=N,... (defaults: " + ",".join(f"{k}={v}" for k, v in DEFAULT_TRIALS.items()) + ")")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grid", action="store_true", help="publishers write column grids (campaigns.model.GRID_SPECS)")
     p.add_argument("--markdown", metavar="OUT", help="write the Markdown table here")
     p.add_argument("--json", metavar="OUT", help="write every tally as JSON here")
     args = p.parse_args(argv)
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.backend.split(","):
         with backend(kind) as server:
             for name in args.campaigns.split(","):
-                tally = run_one(name, server, trials[name], args.seed)
+                tally = run_one(name, server, trials[name], args.seed, grid=args.grid)
                 print(tally.summary(), flush=True)
                 tallies.append(tally)
     table = markdown(tallies)
