@@ -69,28 +69,32 @@ def scatter(raw: np.ndarray, spec: TensorSpec, index: int, chunk: np.ndarray) ->
 def to_unit_order(raw: np.ndarray, spec: TensorSpec, out: np.ndarray | None = None) -> np.ndarray:
     """The whole tensor ``raw`` (natural order) in unit order: every chunk gathered into its
     span ``[a, b)`` of ``out`` (or of a new array). Without a grid, a copy."""
-    if out is None:
-        out = np.empty(raw.size, dtype=raw.dtype)
-    if not spec.chunk_cols:
-        np.copyto(out, raw)
-        return out
-    for i in range(spec.n_chunks):
-        a, b = spec.chunk_span(i)
-        gather(raw, spec, i, out[a:b])
-    return out
+    return _reorder(raw, spec, out, to_unit=True)
 
 
 def from_unit_order(unit: np.ndarray, spec: TensorSpec, out: np.ndarray | None = None) -> np.ndarray:
     """The inverse of :func:`to_unit_order`: the natural-order bits of a tensor held in unit
     order, written into ``out`` (1-D, natural order) or a new array."""
+    return _reorder(unit, spec, out, to_unit=False)
+
+
+def _reorder(src: np.ndarray, spec: TensorSpec, out: np.ndarray | None, *, to_unit: bool) -> np.ndarray:
+    """``src`` copied into ``out`` (or a new array) chunk by chunk, between each chunk's block
+    of the natural order and its span of the unit order, in the direction ``to_unit`` says."""
     if out is None:
-        out = np.empty(unit.size, dtype=unit.dtype)
+        out = np.empty(src.size, dtype=src.dtype)
     if not spec.chunk_cols:
-        np.copyto(out, unit)
+        np.copyto(out, src)
         return out
+    natural, unit = (src, out) if to_unit else (out, src)
     for i in range(spec.n_chunks):
         a, b = spec.chunk_span(i)
-        scatter(out, spec, i, unit[a:b])
+        block = block_view(natural, spec, i)
+        piece = unit[a:b].reshape(block.shape)
+        if to_unit:
+            np.copyto(piece, block)
+        else:
+            np.copyto(block, piece)
     return out
 
 

@@ -1024,6 +1024,8 @@ def _identical(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.
 def _cpu_bits(t: torch.Tensor) -> np.ndarray:
     """The natural-order bits of ``t`` on the CPU (a view of a CPU tensor, else a copy)."""
     return bits(t.detach() if t.device.type == "cpu" else t.detach().to("cpu"))
+
+
 def _handed_over(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """``state`` handed over by its caller (publish_async(copy=False)): CPU tensors in the
     served dtype are kept as they are, the others copied as a snapshot would."""

@@ -1078,10 +1078,11 @@ def _layout(parts: int = 2) -> Any:
                   chunk_cols=(0, 0), pieces=((2,), ()), piece_parts=((0, 1), (1,)), parts=parts)
 
 
-def _part(part: int, chunks: list[tuple[str, int]], **override: Any) -> tuple[Any, bytes]:
-    """Part ``part`` of an anchor (version 1) listing ``chunks`` with full segments."""
-    import numpy as np
-
+def _anchor_part(part: int, of: Any, tensors: list[tuple[str, list[tuple[int, Any]]]],
+                 **override: Any) -> tuple[Any, bytes]:
+    """Part ``part`` of an anchor (version 1) of layout ``of``: per ``(name, [(index, values)])``
+    one float32 tensor entry listing those chunks with full segments of ``values``; ``override``
+    replaces fields of the part (its ``layout`` included)."""
     from deltastore import codec
     from deltastore.manifest import (
         BlobRef,
@@ -1098,27 +1099,36 @@ def _part(part: int, chunks: list[tuple[str, int]], **override: Any) -> tuple[An
     )
     from deltastore.tensors import state_digest
 
-    layout = _layout()
     pack = bytearray()
-    tensors = []
-    for name, index in chunks:
-        values = np.arange(4 if name == "a" else 3, dtype=np.uint32) + index
-        seg = codec.encode_full(values)
-        ref = SegmentRef(blob=0, offset=len(pack), length=len(seg.data), sha256=sha256_hex(seg.data), codec=seg.codec,
-                         n_changed=seg.n_changed)
-        pack += seg.data
-        i = layout.name.index(name)
-        tensors.append(TensorEntry(name=name, dtype="float32", shape=layout.shape[i], chunk_rows=layout.chunk_rows[i],
-                                   chunks=(ChunkEntry(index=index, digest=state_digest(values), full=ref),)))
+    entries = []
+    for name, chunks in tensors:
+        listed = []
+        for index, values in chunks:
+            seg = codec.encode_full(values)
+            ref = SegmentRef(blob=0, offset=len(pack), length=len(seg.data), sha256=sha256_hex(seg.data),
+                             codec=seg.codec, n_changed=seg.n_changed)
+            pack += seg.data
+            listed.append(ChunkEntry(index=index, digest=state_digest(values), full=ref))
+        i = of.name.index(name)
+        entries.append(TensorEntry(name=name, dtype="float32", shape=of.shape[i], chunk_rows=of.chunk_rows[i],
+                                   chunks=tuple(listed)))
     digest = sha256_hex(bytes(pack))
     blob = BlobRef(key=object_key(ATTEMPT, digest, ".pack"), size=len(pack), sha256=digest, role="f")
     kw = {"schema": 3, "version": 1, "part": part, "commit_id": ATTEMPT, "lineage": LINEAGE,
           "layout_ref": ObjectRef(key=object_key(ATTEMPT, "e" * 64, ".layout.json.zst"), sha256="e" * 64),
-          "layout": layout, "tensors": tensors, "blobs": (blob,), "stats": Stats()}
+          "layout": of, "tensors": entries, "blobs": (blob,), "stats": Stats()}
     kw.update(override)
     data = encode_part(**kw)
     d = sha256_hex(data)
     return PartRef(part=part, key=part_key(ATTEMPT, part, d), sha256=d, writer=f"w{part}", bytes=len(pack)), data
+
+
+def _part(part: int, chunks: list[tuple[str, int]], **override: Any) -> tuple[Any, bytes]:
+    """Part ``part`` of an anchor (version 1) listing ``chunks`` with full segments."""
+    import numpy as np
+
+    return _anchor_part(part, _layout(), [(name, [(index, np.arange(4 if name == "a" else 3, dtype=np.uint32) + index)])
+                                          for name, index in chunks], **override)
 
 
 def _header(refs: list[Any]) -> Any:
@@ -1571,41 +1581,9 @@ def _grid_part(part: int, chunks: list[int], **override: Any) -> tuple[Any, byte
     """Part ``part`` of an anchor of :func:`_grid_layout` listing ``chunks`` (full segments)."""
     import numpy as np
 
-    from deltastore import codec
-    from deltastore.manifest import (
-        BlobRef,
-        ChunkEntry,
-        ObjectRef,
-        PartRef,
-        SegmentRef,
-        Stats,
-        TensorEntry,
-        encode_part,
-        object_key,
-        part_key,
-        sha256_hex,
-    )
-    from deltastore.tensors import state_digest
-
-    pack = bytearray()
-    entries = []
-    for index in chunks:
-        values = np.arange(6, dtype=np.uint32) + 10 * index  # a block of 2 rows × 3 columns
-        seg = codec.encode_full(values)
-        ref = SegmentRef(blob=0, offset=len(pack), length=len(seg.data), sha256=sha256_hex(seg.data), codec=seg.codec,
-                         n_changed=seg.n_changed)
-        pack += seg.data
-        entries.append(ChunkEntry(index=index, digest=state_digest(values), full=ref))
-    tensors = [TensorEntry(name="g", dtype="float32", shape=(4, 6), chunk_rows=2, chunks=tuple(entries))]
-    digest = sha256_hex(bytes(pack))
-    blob = BlobRef(key=object_key(ATTEMPT, digest, ".pack"), size=len(pack), sha256=digest, role="f")
-    kw = {"schema": 3, "version": 1, "part": part, "commit_id": ATTEMPT, "lineage": LINEAGE,
-          "layout_ref": ObjectRef(key=object_key(ATTEMPT, "e" * 64, ".layout.json.zst"), sha256="e" * 64),
-          "layout": _grid_layout(), "tensors": tensors, "blobs": (blob,), "stats": Stats()}
-    kw.update(override)
-    data = encode_part(**kw)
-    d = sha256_hex(data)
-    return PartRef(part=part, key=part_key(ATTEMPT, part, d), sha256=d, writer=f"w{part}", bytes=len(pack)), data
+    # each chunk a block of 2 rows × 3 columns
+    return _anchor_part(part, _grid_layout(), [("g", [(i, np.arange(6, dtype=np.uint32) + 10 * i) for i in chunks])],
+                        **override)
 
 
 def test_grid_parts_join_by_row_block_and_a_foreign_block_is_refused() -> None:
