@@ -253,21 +253,8 @@ def slice_chunk_cols(cols: int, inner: int, width: int, align: int = SLICE_ALIGN
     share = cols // max(1, align)
     k = share if share and cols % align == 0 else -(-share // SLICE_EDGE_PARTS)
     k = max(1, k)
-    col_bytes = max(1, inner * width)
-    if k * col_bytes > chunk_bytes:
-        fit = max(1, chunk_bytes // col_bytes)
-        k = max(d for d in _divisors(k) if d <= fit)
-    return k
-
-
-def _divisors(n: int) -> list[int]:
-    out = []
-    d = 1
-    while d * d <= n:
-        if n % d == 0:
-            out += [d, n // d]
-        d += 1
-    return out
+    # the largest divisor of k whose single-row block fits: chunk_rows_for over columns
+    return chunk_rows_for(max(1, inner * width), k, (k,), chunk_bytes)
 
 
 def grid_spec_for(name: str, t: torch.Tensor, align: int, chunk_target_bytes: int = CHUNK_TARGET_BYTES) -> TensorSpec | None:
