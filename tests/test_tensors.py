@@ -231,7 +231,8 @@ def test_tensor_spec_is_the_layout() -> None:
     assert [s.chunk_span(i) for i in range(4)] == [(0, 12), (12, 24), (24, 36), (36, 40)]
 
 
-@pytest.mark.parametrize("step", [1.5, "5", object(), [1], float("nan")], ids=repr)
+@pytest.mark.parametrize("step", [1.5, "5", object(), [1], float("nan")],
+                         ids=["1.5", "'5'", "object()", "[1]", "nan"])
 def test_bad_step_is_refused_before_any_write(step: object) -> None:
     with Publisher(_url(), threads=2) as pub:
         with pytest.raises(InvalidStateDictError, match="step"):
