@@ -1236,9 +1236,9 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str,
     # dominated a pull): the columnar checks of _table_rows, the layout's and _check_manifest's
     # (which every caller runs next) cover every field pydantic would check.
     tensors = tuple(
-        _entry(TensorEntry, name=name, dtype=dtype, shape=shape, chunk_rows=chunk_rows,
-               chunks=tuple([_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta)
-                             for _, index, digest, full, delta in run]))
+        unchecked_entry(TensorEntry, name=name, dtype=dtype, shape=shape, chunk_rows=chunk_rows,
+                        chunks=tuple([unchecked_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta)
+                                      for _, index, digest, full, delta in run]))
         for (name, dtype, shape, chunk_rows), run in _row_entries(rows, layout)
     )
     return header.model_copy(update={"tensors": tensors}).with_layout(layout)
@@ -1388,9 +1388,14 @@ def _construct_is_exact() -> bool:
         return False
 
 
-def _entry(cls: type[_M], **values: Any) -> _M:
-    """An entry of a manifest's chunk table, built without validation (every field given and
-    checked by the caller)."""
+def unchecked_entry(cls: type[_M], **values: Any) -> _M:
+    """An entry of a chunk table (SegmentRef, ChunkEntry, TensorEntry) built without
+    validation: every field given, of its exact type (ints, strs, tuples), by code that vouches
+    for it. Two callers do (issue 9: no pydantic per entry on the hot path): the reader, after
+    the columnar checks of :func:`_table_rows` and before :func:`_check_manifest`; and the
+    encoder, whose entries no reader sees unchecked: :func:`encode_manifest` proves them equal,
+    field by field with their types, to what a reader decodes from the bytes, and checks that
+    manifest as a reader does (a part manifest is checked so when it is joined)."""
     return _fast_construct(cls, values) if _FAST_CONSTRUCT else cls.model_construct(**values)
 
 
@@ -1449,8 +1454,8 @@ def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObj
         if role in roles:
             raise bad(f"chunk row {row} has two segments of role {role!r}")
         # Built without validation: every field was checked above (issue 9: no pydantic per entry).
-        roles[role] = _entry(SegmentRef, blob=first_pack + pack, offset=offset, length=length, sha256=shas[s],
-                             codec=tables.codecs[sg.codec[s]], n_changed=sg.n_changed[s])
+        roles[role] = unchecked_entry(SegmentRef, blob=first_pack + pack, offset=offset, length=length, sha256=shas[s],
+                                      codec=tables.codecs[sg.codec[s]], n_changed=sg.n_changed[s])
         offset += length
         if offset == packs[pack].size:
             pack, offset = pack + 1, 0
