@@ -192,8 +192,9 @@ class _LayoutWork:
 
     #: the layout it was made for: ``tuple(specs.items())``
     key: tuple[tuple[str, TensorSpec], ...]
-    #: :func:`chunk_jobs` of the layout (read only)
-    jobs: list[list[tuple[int, int, str]]]
+    #: :func:`chunk_jobs` of the layout, each chunk with its span: ``(tensor index, chunk
+    #: index, name, start, stop)`` (read only)
+    jobs: list[list[tuple[int, int, str, int, int]]]
     #: name → whether the dtype is floating (codec full/2 puts the exponent in one byte plane)
     floating: dict[str, bool]
     #: name → the tensors the unit holds: a group row counts its members (design 007 D3)
@@ -216,7 +217,7 @@ def _work_for(specs: Mapping[str, TensorSpec]) -> _LayoutWork:
                 return work
     work = _LayoutWork(
         key=key,
-        jobs=chunk_jobs(specs),
+        jobs=[[(ti, ci, name, *specs[name].chunk_span(ci)) for ti, ci, name in group] for group in chunk_jobs(specs)],
         floating={n: torch_dtype(sp.dtype).is_floating_point for n, sp in key},
         tensors_in={n: len(sp.members) or 1 for n, sp in key},
         elements_total=sum(sp.numel for _, sp in key),
@@ -364,9 +365,8 @@ def encode_version(
         out[...] = got
         return out
 
-    def job(ti: int, ci: int, name: str) -> _Encoded | None:
-        spec = specs[name]
-        a, b = spec.chunk_span(ci)
+    def job(ti: int, ci: int, name: str, a: int, b: int) -> _Encoded | None:
+        spec = specs[name]  # chunk ``ci`` is elements [a, b) of it
         # A group row's chunk is gathered from its members into one buffer (design 007 D5), a
         # grid chunk from its block (design 011 D3: into its reference slot for a new anchor).
         if spec.chunk_cols:
