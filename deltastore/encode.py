@@ -190,8 +190,8 @@ class _LayoutWork:
     """What :func:`encode_version` derives from a layout alone: made once per layout, not per
     version (165 tensors: ~1.5 ms of chunk spans, dtype look-ups and sums per publish)."""
 
-    #: the layout it was made for: ``tuple(specs.items())``
-    key: tuple[tuple[str, TensorSpec], ...]
+    #: what it was made of: :data:`ENCODE_JOB_BYTES` and the layout, ``tuple(specs.items())``
+    key: tuple[int, tuple[tuple[str, TensorSpec], ...]]
     #: :func:`chunk_jobs` of the layout, each chunk with its span: ``(tensor index, chunk
     #: index, name, start, stop)`` (read only)
     jobs: list[list[tuple[int, int, str, int, int]]]
@@ -210,7 +210,8 @@ def _work_for(specs: Mapping[str, TensorSpec]) -> _LayoutWork:
     """The :class:`_LayoutWork` of ``specs``, remembered for the last :data:`LAYOUT_WORK_MAX`
     layouts. Found by equality of the specs (frozen values), which costs a pointer comparison
     per tensor when they are the very objects of the last call, as a publisher's are."""
-    key = tuple(specs.items())
+    items = tuple(specs.items())
+    key = (ENCODE_JOB_BYTES, items)
     with _layout_work_lock:
         for work in _layout_work:
             if work.key == key:
@@ -218,9 +219,9 @@ def _work_for(specs: Mapping[str, TensorSpec]) -> _LayoutWork:
     work = _LayoutWork(
         key=key,
         jobs=[[(ti, ci, name, *specs[name].chunk_span(ci)) for ti, ci, name in group] for group in chunk_jobs(specs)],
-        floating={n: torch_dtype(sp.dtype).is_floating_point for n, sp in key},
-        tensors_in={n: len(sp.members) or 1 for n, sp in key},
-        elements_total=sum(sp.numel for _, sp in key),
+        floating={n: torch_dtype(sp.dtype).is_floating_point for n, sp in items},
+        tensors_in={n: len(sp.members) or 1 for n, sp in items},
+        elements_total=sum(sp.numel for _, sp in items),
     )
     with _layout_work_lock:
         _layout_work.append(work)
