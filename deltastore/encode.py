@@ -416,7 +416,7 @@ def encode_version(
             tensors_changed += work.tensors_in[spec.name]
         shape = spec.shape if type(spec.shape) is tuple else tuple(spec.shape)
         entries.append(unchecked_entry(TensorEntry, name=spec.name, dtype=spec.dtype, shape=shape,
-                                       chunk_rows=spec.chunk_rows, chunks=tuple(tensor_chunks)))
+                                       chunk_rows=int(spec.chunk_rows), chunks=tuple(tensor_chunks)))
         tensor_chunks.clear()
 
     def add_chunk(ti: int, index: int, digest: str, full: SegmentRef | None, delta: SegmentRef | None) -> None:
