@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Executor, Future
@@ -44,6 +45,7 @@ from deltastore.manifest import (
     blob_key,
     object_key,
     sha256_hex,
+    unchecked_entry,
 )
 from deltastore.storage.base import Store
 from deltastore.tensors import TensorSpec, bits, state_digest, torch_dtype
@@ -73,6 +75,9 @@ DRAIN_DIVISOR = 2
 #: Packs uploading at once per pack stream: overlaps the network with encoding while holding
 #: at most this many packs (× PACK_TARGET_BYTES) in memory.
 UPLOADS_IN_FLIGHT = 2
+#: Layouts whose per-layout work (:class:`_LayoutWork`) is remembered: a publisher encodes one
+#: layout version after version; a few cover the publishers of one process (ranks, sites, tests).
+LAYOUT_WORK_MAX = 4
 
 
 @dataclass(frozen=True)
@@ -135,16 +140,20 @@ class _PackWriter:
         """Append ``seg`` (whose SHA-256 is ``sha256`` when the caller has it) and return its ref."""
         if len(self._buf) >= PACK_TARGET_BYTES:
             self.flush()
-        ref = SegmentRef(
+        data = seg.data
+        # built without validation (issue 9: no pydantic per chunk); the fields are ints and strs
+        # made here, and encode_manifest's self-check proves them to be what a reader decodes
+        ref = unchecked_entry(
+            SegmentRef,
             blob=len(self.blobs),
             offset=len(self._buf),
-            length=len(seg.data),
-            sha256=sha256 if sha256 is not None else sha256_hex(seg.data),
+            length=len(data),
+            sha256=sha256 if sha256 is not None else sha256_hex(data),
             codec=seg.codec,
-            n_changed=seg.n_changed,
+            n_changed=int(seg.n_changed),
         )
-        self._buf += seg.data
-        self._sha.update(seg.data)
+        self._buf += data
+        self._sha.update(data)
         return ref
 
     def flush(self) -> None:
@@ -174,6 +183,49 @@ def chunk_jobs(specs: Mapping[str, TensorSpec]) -> list[list[tuple[int, int, str
     jobs of about :data:`ENCODE_JOB_BYTES`."""
     chunks = [(ti, ci, name) for ti, (name, spec) in enumerate(specs.items()) for ci in range(spec.n_chunks)]
     return grouped(chunks, lambda c: specs[c[2]].chunk_bytes(c[1]), ENCODE_JOB_BYTES)
+
+
+@dataclass(frozen=True)
+class _LayoutWork:
+    """What :func:`encode_version` derives from a layout alone: made once per layout, not per
+    version (165 tensors: ~1.5 ms of chunk spans, dtype look-ups and sums per publish)."""
+
+    #: what it was made of: :data:`ENCODE_JOB_BYTES` and the layout, ``tuple(specs.items())``
+    key: tuple[int, tuple[tuple[str, TensorSpec], ...]]
+    #: :func:`chunk_jobs` of the layout, each chunk with its span: ``(tensor index, chunk
+    #: index, name, start, stop)`` (read only)
+    jobs: list[list[tuple[int, int, str, int, int]]]
+    #: name → whether the dtype is floating (codec full/2 puts the exponent in one byte plane)
+    floating: dict[str, bool]
+    #: name → the tensors the unit holds: a group row counts its members (design 007 D3)
+    tensors_in: dict[str, int]
+    elements_total: int
+
+
+_layout_work: deque[_LayoutWork] = deque(maxlen=LAYOUT_WORK_MAX)
+_layout_work_lock = threading.Lock()
+
+
+def _work_for(specs: Mapping[str, TensorSpec]) -> _LayoutWork:
+    """The :class:`_LayoutWork` of ``specs``, remembered for the last :data:`LAYOUT_WORK_MAX`
+    layouts. Found by equality of the specs (frozen values), which costs a pointer comparison
+    per tensor when they are the very objects of the last call, as a publisher's are."""
+    items = tuple(specs.items())
+    key = (ENCODE_JOB_BYTES, items)
+    with _layout_work_lock:
+        for work in _layout_work:
+            if work.key == key:
+                return work
+    work = _LayoutWork(
+        key=key,
+        jobs=[[(ti, ci, name, *specs[name].chunk_span(ci)) for ti, ci, name in group] for group in chunk_jobs(specs)],
+        floating={n: torch_dtype(sp.dtype).is_floating_point for n, sp in items},
+        tensors_in={n: len(sp.members) or 1 for n, sp in items},
+        elements_total=sum(sp.numel for _, sp in items),
+    )
+    with _layout_work_lock:
+        _layout_work.append(work)
+    return work
 
 
 def encode_chunk(ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: Kind, floating: bool) -> _Encoded | None:
@@ -248,8 +300,8 @@ def encode_version(
     if kind == "delta" and reference is None:
         raise ValueError("a delta version needs a reference copy")
     names = list(specs)
-    # Float bit patterns code better with the exponent in one byte plane (codec full/2).
-    floating = {n: torch_dtype(sp.dtype).is_floating_point for n, sp in specs.items()}
+    work = _work_for(specs)
+    floating = work.floating
 
     # Bit views made once per tensor, on this thread (per-chunk torch calls on the encode
     # threads would queue for the GIL behind numpy), as the first job that needs them is
@@ -314,9 +366,8 @@ def encode_version(
         out[...] = got
         return out
 
-    def job(ti: int, ci: int, name: str) -> _Encoded | None:
-        spec = specs[name]
-        a, b = spec.chunk_span(ci)
+    def job(ti: int, ci: int, name: str, a: int, b: int) -> _Encoded | None:
+        spec = specs[name]  # chunk ``ci`` is elements [a, b) of it
         # A group row's chunk is gathered from its members into one buffer (design 007 D5), a
         # grid chunk from its block (design 011 D3: into its reference slot for a new anchor).
         if spec.chunk_cols:
@@ -340,17 +391,18 @@ def encode_version(
     window = threads * IN_FLIGHT_PER_THREAD
     pending: deque[Future[list[_Encoded | None]]] = deque()
 
-    def tensors_in(spec: TensorSpec) -> int:  # a group row counts its members (design 007 D3)
-        return len(spec.members) or 1
-
     # The chunk table is built as results arrive, while the threads encode (results come in
     # layout order, chunks by index, so a tensor's entry is complete when the next tensor's
     # first chunk arrives). A delta chunk's entry is final at once; a full segment's pack
     # index moves past the delta packs, whose number is known only at the end, so an anchor's
     # entries are built then.
+    # Entries are built without validation (issue 9: no pydantic per chunk on the hot path):
+    # their fields are the layout's and the pack writers' ints and strs, and encode_manifest
+    # proves them, field by field with their types, to be what a reader decodes.
     entries: list[TensorEntry] = []
     tensor_chunks: list[ChunkEntry] = []  # of tensor ``open_tensor``, not yet in ``entries``
     open_tensor = -1
+    open_changed = False  # a chunk of ``open_tensor`` has a delta segment
     with_full: list[tuple[_Encoded, SegmentRef | None, SegmentRef]] = []
     elements_changed = 0
     tensors_changed = 0
@@ -360,18 +412,21 @@ def encode_version(
         if not tensor_chunks:
             return
         spec = specs[names[open_tensor]]
-        if any(c.delta is not None for c in tensor_chunks):
-            tensors_changed += tensors_in(spec)
-        entries.append(TensorEntry(name=spec.name, dtype=spec.dtype, shape=spec.shape, chunk_rows=spec.chunk_rows,
-                                   chunks=tuple(tensor_chunks)))
+        if open_changed:
+            tensors_changed += work.tensors_in[spec.name]
+        shape = spec.shape if type(spec.shape) is tuple else tuple(spec.shape)
+        entries.append(unchecked_entry(TensorEntry, name=spec.name, dtype=spec.dtype, shape=shape,
+                                       chunk_rows=int(spec.chunk_rows), chunks=tuple(tensor_chunks)))
         tensor_chunks.clear()
 
-    def add_chunk(ti: int, chunk: ChunkEntry) -> None:
-        nonlocal open_tensor
+    def add_chunk(ti: int, index: int, digest: str, full: SegmentRef | None, delta: SegmentRef | None) -> None:
+        nonlocal open_tensor, open_changed
         if ti != open_tensor:
             close_tensor()
-            open_tensor = ti
-        tensor_chunks.append(chunk)
+            open_tensor, open_changed = ti, False
+        if delta is not None:
+            open_changed = True
+        tensor_chunks.append(unchecked_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta))
 
     def drain(limit: int) -> None:
         nonlocal elements_changed
@@ -394,11 +449,11 @@ def encode_version(
                 if d is not None:
                     elements_changed += d.n_changed
                 if f is None:
-                    add_chunk(enc.tensor, ChunkEntry(index=enc.index, digest=enc.digest, full=None, delta=d))
+                    add_chunk(enc.tensor, enc.index, enc.digest, None, d)
                 else:  # every chunk of an anchor has a full segment: one path per version, in order
                     with_full.append((enc, d, f))
 
-    for group in chunk_jobs(specs):
+    for group in work.jobs:
         for j in group:
             views(j[2])
         pending.append(pool.submit(lambda g: [job(*j) for j in g], group))
@@ -408,17 +463,18 @@ def encode_version(
     full_packs.finish()
     offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
     for enc, d, f in with_full:
-        add_chunk(enc.tensor, ChunkEntry(index=enc.index, digest=enc.digest, full=f.model_copy(update={"blob": f.blob + offset}), delta=d))
+        add_chunk(enc.tensor, enc.index, enc.digest, unchecked_entry(SegmentRef, **{**f.__dict__, "blob": f.blob + offset}), d)
     close_tensor()
+    tensors_total = sum(work.tensors_in.values())
     if kind == "anchor" and reference is None:
-        tensors_changed = sum(tensors_in(s) for s in specs.values())
-        elements_changed = sum(s.numel for s in specs.values())
+        tensors_changed = tensors_total
+        elements_changed = work.elements_total
     stats = Stats(
         bytes_stored=delta_packs.bytes_written + full_packs.bytes_written,
         tensors_changed=tensors_changed,
         elements_changed=elements_changed,
-        tensors_total=sum(tensors_in(s) for s in specs.values()),
-        elements_total=sum(s.numel for s in specs.values()),
+        tensors_total=tensors_total,
+        elements_total=work.elements_total,
         delta_bytes=delta_packs.bytes_written if attempt is not None else None,
         full_bytes=full_packs.bytes_written if attempt is not None else None,
     )

@@ -765,7 +765,8 @@ def _check_manifest(m: Manifest, key: str) -> None:
     names: set[str] = set()
     anchor, is_delta = m.kind == "anchor", m.kind == "delta"
     no_delta_base = m.delta_base is None and m.base is None
-    n_blobs = len(m.blobs)
+    blob_roles = [b.role for b in m.blobs]
+    blob_sizes = [b.size for b in m.blobs]
     grid = m._grid  # column grids (design 011 D1): empty unless the layout has one
     for t in m.tensors:
         if t.name in names:
@@ -773,24 +774,27 @@ def _check_manifest(m: Manifest, key: str) -> None:
         names.add(t.name)
         if t.dtype not in DTYPE_WIDTHS:
             raise bad(f"tensor {t.name!r} has dtype {t.dtype!r}, which deltastore does not store")
-        if len(t.shape) > MAX_NDIM or (t.shape and (min(t.shape) < 0 or max(t.shape) >= INT_LIMIT)):
-            raise bad(f"tensor {t.name!r} has impossible shape {list(t.shape)[:MAX_NDIM + 1]}")
-        numel = 1
-        for d in t.shape:
-            numel *= d
-        if numel * DTYPE_WIDTHS[t.dtype] >= INT_LIMIT:
-            raise bad(f"tensor {t.name!r} of shape {list(t.shape)} has more than 2**63 bytes")
-        if t.chunk_rows is not None and not 1 <= t.chunk_rows < INT_LIMIT:
-            _check_int(t.chunk_rows, f"tensor {t.name!r} chunk_rows", "manifest", key, low=1)
+        shape = t.shape
+        if len(shape) > MAX_NDIM or (shape and (min(shape) < 0 or max(shape) >= INT_LIMIT)):
+            raise bad(f"tensor {t.name!r} has impossible shape {list(shape)[:MAX_NDIM + 1]}")
+        rows = shape[0] if shape else 1
+        row_elems = 1
+        for d in shape[1:]:
+            row_elems *= d
+        if rows * row_elems * DTYPE_WIDTHS[t.dtype] >= INT_LIMIT:
+            raise bad(f"tensor {t.name!r} of shape {list(shape)} has more than 2**63 bytes")
+        chunk_rows = t.chunk_rows
+        if chunk_rows is not None and not 1 <= chunk_rows < INT_LIMIT:
+            _check_int(chunk_rows, f"tensor {t.name!r} chunk_rows", "manifest", key, low=1)
         cols = grid.get(t.name, 0) if grid else 0
-        n_chunks = chunk_count(t.shape, t.chunk_rows, cols)
+        n_chunks = chunk_count(shape, chunk_rows, cols)
         seen: set[int] = set()
         for c in t.chunks:
             # (messages are formatted only on failure: this loop runs per chunk of every parse)
             index, full, delta = c.index, c.full, c.delta
             if not 0 <= index < n_chunks:
-                raise bad(f"chunk {t.name}[{index}] is out of range: tensor {t.name!r} {list(t.shape)} has {n_chunks} chunk(s) "
-                          f"of {t.chunk_rows} rows" + (f" × {cols} columns" if cols else ""))
+                raise bad(f"chunk {t.name}[{index}] is out of range: tensor {t.name!r} {list(shape)} has {n_chunks} chunk(s) "
+                          f"of {chunk_rows} rows" + (f" × {cols} columns" if cols else ""))
             if index in seen:
                 raise bad(f"chunk {t.name}[{index}] is listed twice")
             seen.add(index)
@@ -801,22 +805,32 @@ def _check_manifest(m: Manifest, key: str) -> None:
                     raise bad(f"delta chunk {t.name}[{index}] has no delta segment")
             elif no_delta_base:
                 raise bad(f"chunk {t.name}[{index}] has a delta segment but the manifest has no delta_base")
-            elements = chunk_elements(t.shape, t.chunk_rows, index, cols)
-            for which, seg in (("full", full), ("delta", delta)):
-                if seg is None:
-                    continue
-                blob = seg.blob
-                if blob >= n_blobs:
-                    raise bad(f"chunk {t.name}[{index}] {which} names blob {blob} of {n_blobs}")
-                pack = m.blobs[blob]
-                if pack.role is not None and pack.role != which[0]:
-                    raise bad(f"chunk {t.name}[{index}] {which} segment lies in pack {blob} of role {pack.role!r}")
-                if seg.offset + seg.length > pack.size:
-                    raise bad(f"chunk {t.name}[{index}] {which} runs past the end of {pack.key!r}")
-                if seg.n_changed > elements:
-                    raise bad(f"chunk {t.name}[{index}] {which} changes {seg.n_changed} elements of {elements}")
+            if cols or not shape:
+                elements = chunk_elements(shape, chunk_rows, index, cols)
+            else:  # chunk_elements without a grid, inline
+                elements = rows - index * chunk_rows
+                elements = (chunk_rows if elements > chunk_rows else elements if elements > 0 else 0) * row_elems
+            if full is not None:
+                _check_segment(m, full, "full", t.name, index, elements, blob_roles, blob_sizes, bad)
+            if delta is not None:
+                _check_segment(m, delta, "delta", t.name, index, elements, blob_roles, blob_sizes, bad)
         if m.kind == "anchor" and len(seen) != n_chunks:
             raise bad(f"anchor lists {len(seen)} of the {n_chunks} chunks of tensor {t.name!r}")
+
+
+def _check_segment(m: Manifest, seg: SegmentRef, which: str, name: str, index: int, elements: int,
+                   blob_roles: list[str | None], blob_sizes: list[int], bad: Callable[[str], CorruptObjectError]) -> None:
+    """The rules of SPEC §3 for one segment ref of chunk ``name[index]`` (``which``: full or delta)."""
+    blob = seg.blob
+    if blob >= len(blob_sizes):
+        raise bad(f"chunk {name}[{index}] {which} names blob {blob} of {len(blob_sizes)}")
+    role = blob_roles[blob]
+    if role is not None and role != which[0]:
+        raise bad(f"chunk {name}[{index}] {which} segment lies in pack {blob} of role {role!r}")
+    if seg.offset + seg.length > blob_sizes[blob]:
+        raise bad(f"chunk {name}[{index}] {which} runs past the end of {m.blobs[blob].key!r}")
+    if seg.n_changed > elements:
+        raise bad(f"chunk {name}[{index}] {which} changes {seg.n_changed} elements of {elements}")
 
 
 def _check_based(m: Manifest, bad: Callable[[str], CorruptObjectError]) -> None:
@@ -1132,36 +1146,48 @@ def _tables_doc(tensors: Sequence[TensorEntry], blobs: Sequence[BlobRef], layout
     """The columnar ``codecs``, ``packs``, ``chunks`` and ``segments`` of ``tensors`` (a
     manifest's or a part's), naming tensors by their position in ``layout``."""
     index = {name: i for i, name in enumerate(layout.name)}
-    rows: list[tuple[int, int, str]] = []
+    tensor_col: list[int] = []
+    chunk_col: list[int] = []
+    digests: list[str] = []
     segs: list[tuple[int, int, int, str, SegmentRef]] = []
+    l_dtype, l_shape, l_chunk_rows = layout.dtype, layout.shape, layout.chunk_rows
     for t in tensors:
         ti = index.get(t.name)
         if ti is None:
             raise ValueError(f"manifest of version {version}: tensor {t.name!r} is not in its layout")
-        if (layout.dtype[ti], layout.shape[ti], layout.chunk_rows[ti]) != (t.dtype, tuple(t.shape), t.chunk_rows):
+        if l_dtype[ti] != t.dtype or l_shape[ti] != tuple(t.shape) or l_chunk_rows[ti] != t.chunk_rows:
             raise ValueError(f"manifest of version {version}: tensor {t.name!r} differs from its layout")
-        for c in t.chunks:
-            row = len(rows)
-            rows.append((ti, c.index, c.digest))
-            for role, seg in (("d", c.delta), ("f", c.full)):
-                if seg is not None:
-                    segs.append((seg.blob, seg.offset, row, role, seg))
-    segs.sort(key=lambda s: (s[0], s[1]))  # storage order: pack by pack, ascending offset
-    codecs = sorted({s[4].codec for s in segs})
+        for c in t.chunks:  # (this loop runs per chunk of every version written)
+            row = len(digests)
+            tensor_col.append(ti)
+            chunk_col.append(c.index)
+            digests.append(c.digest)
+            delta, full = c.delta, c.full
+            if delta is not None:
+                segs.append((delta.blob, delta.offset, row, "d", delta))
+            if full is not None:
+                segs.append((full.blob, full.offset, row, "f", full))
+    segs.sort(key=_storage_order)  # storage order: pack by pack, ascending offset
+    refs = [s[4] for s in segs]
+    codecs = sorted({r.codec for r in refs})
     codec_index = {c: i for i, c in enumerate(codecs)}
     return {
         "codecs": codecs,
         "packs": [{"key": b.key, "size": b.size, "sha256": b.sha256, "role": b.role} for b in blobs],
-        "chunks": {"tensor": [r[0] for r in rows], "chunk": [r[1] for r in rows], "digest": "".join(r[2] for r in rows)},
+        "chunks": {"tensor": tensor_col, "chunk": chunk_col, "digest": "".join(digests)},
         "segments": {
             "row": [s[2] for s in segs],
-            "role": "".join(s[3] for s in segs),
-            "codec": [codec_index[s[4].codec] for s in segs],
-            "length": [s[4].length for s in segs],
-            "n_changed": [s[4].n_changed for s in segs],
-            "sha256": "".join(s[4].sha256 for s in segs),
+            "role": "".join([s[3] for s in segs]),
+            "codec": [codec_index[r.codec] for r in refs],
+            "length": [r.length for r in refs],
+            "n_changed": [r.n_changed for r in refs],
+            "sha256": "".join([r.sha256 for r in refs]),
         },
     }
+
+
+#: A segment's place in storage order (pack, offset), for sorting ``_tables_doc``'s segments.
+_storage_order = operator.itemgetter(0, 1)
 
 
 class _Pack(_Model):
@@ -1236,9 +1262,9 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str,
     # dominated a pull): the columnar checks of _table_rows, the layout's and _check_manifest's
     # (which every caller runs next) cover every field pydantic would check.
     tensors = tuple(
-        _entry(TensorEntry, name=name, dtype=dtype, shape=shape, chunk_rows=chunk_rows,
-               chunks=tuple([_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta)
-                             for _, index, digest, full, delta in run]))
+        unchecked_entry(TensorEntry, name=name, dtype=dtype, shape=shape, chunk_rows=chunk_rows,
+                        chunks=tuple([unchecked_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta)
+                                      for _, index, digest, full, delta in run]))
         for (name, dtype, shape, chunk_rows), run in _row_entries(rows, layout)
     )
     return header.model_copy(update={"tensors": tensors}).with_layout(layout)
@@ -1388,9 +1414,18 @@ def _construct_is_exact() -> bool:
         return False
 
 
-def _entry(cls: type[_M], **values: Any) -> _M:
-    """An entry of a manifest's chunk table, built without validation (every field given and
-    checked by the caller)."""
+def _model_construct(cls: type[_M], values: dict[str, Any]) -> _M:
+    return cls.model_construct(**values)
+
+
+def unchecked_entry(cls: type[_M], **values: Any) -> _M:
+    """An entry of a chunk table (SegmentRef, ChunkEntry, TensorEntry) built without
+    validation: every field given, of its exact type (ints, strs, tuples), by code that vouches
+    for it. Two callers do (issue 9: no pydantic per entry on the hot path): the reader, after
+    the columnar checks of :func:`_table_rows` and before :func:`_check_manifest`; and the
+    encoder, whose entries no reader sees unchecked: :func:`encode_manifest` proves them equal,
+    field by field with their types, to what a reader decodes from the bytes, and checks that
+    manifest as a reader does (a part manifest is checked so when it is joined)."""
     return _fast_construct(cls, values) if _FAST_CONSTRUCT else cls.model_construct(**values)
 
 
@@ -1409,12 +1444,14 @@ def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObj
     digests = _hex_column(ch.digest, n, DIGEST_HEX, "chunks.digest", bad)
     n_tensors = len(layout.name)
     previous = (-1, -1)
-    for r in range(n):
-        here = (ch.tensor[r], ch.chunk[r])
-        if not 0 <= here[0] < n_tensors:
-            raise bad(f"chunk row {r} names tensor {here[0]}; the layout has {n_tensors}")
-        if not 0 <= here[1] < INT_LIMIT:
-            raise bad(f"chunk row {r} has chunk index {here[1]}")
+    # (the loops below run per chunk and segment of every version read and written: columns are
+    # walked by zip, not indexed, and messages formatted only on failure)
+    for r, here in enumerate(zip(ch.tensor, ch.chunk)):
+        ti, ci = here
+        if not 0 <= ti < n_tensors:
+            raise bad(f"chunk row {r} names tensor {ti}; the layout has {n_tensors}")
+        if not 0 <= ci < INT_LIMIT:
+            raise bad(f"chunk row {r} has chunk index {ci}")
         if here <= previous:
             raise bad(f"chunk rows are not sorted by (tensor, chunk) and unique at row {r}")
         previous = here
@@ -1423,44 +1460,50 @@ def _table_rows(tables: _Tables, layout: Layout, bad: Callable[[str], CorruptObj
     if any(len(c) != k for c in (sg.codec, sg.length, sg.n_changed, sg.role)):
         raise bad("the segment columns have different lengths")
     shas = _hex_column(sg.sha256, k, SHA256_HEX, "segments.sha256", bad)
-    if len(set(tables.codecs)) != len(tables.codecs):
+    codecs = tables.codecs
+    n_codecs = len(codecs)
+    if len(set(codecs)) != n_codecs:
         raise bad("codecs lists a codec twice")
     # segments fill the packs back to back: offsets and pack indices are implicit
     packs = tables.packs
-    segs_of: dict[int, dict[str, SegmentRef]] = {}
+    n_packs = len(packs)
+    sizes = [p.size for p in packs]
+    pack_roles = [p.role for p in packs]
+    of_role: dict[str, dict[int, SegmentRef]] = {"f": {}, "d": {}}  # role → chunk row → its segment
+    construct = _fast_construct if _FAST_CONSTRUCT else _model_construct
     pack, offset = 0, 0
-    for s in range(k):
-        row, role, length = sg.row[s], sg.role[s], sg.length[s]
+    size, pack_role = (sizes[0], pack_roles[0]) if packs else (0, None)
+    for s, (row, role, codec, length, n_changed, sha) in enumerate(zip(sg.row, sg.role, sg.codec, sg.length, sg.n_changed, shas)):
         if not 0 <= row < n:
             raise bad(f"segment {s} names chunk row {row} of {n}")
-        if role not in ("d", "f"):
+        segs = of_role.get(role)
+        if segs is None:
             raise bad(f"segment {s} has role {role!r}, not 'd' or 'f'")
-        if not 0 <= sg.codec[s] < len(tables.codecs):
-            raise bad(f"segment {s} names codec {sg.codec[s]} of {len(tables.codecs)}")
-        if not 0 <= length < INT_LIMIT or not 0 <= sg.n_changed[s] < INT_LIMIT:
-            raise bad(f"segment {s} has length {length} and n_changed {sg.n_changed[s]}")
-        if pack >= len(packs):
+        if not 0 <= codec < n_codecs:
+            raise bad(f"segment {s} names codec {codec} of {n_codecs}")
+        if not 0 <= length < INT_LIMIT or not 0 <= n_changed < INT_LIMIT:
+            raise bad(f"segment {s} has length {length} and n_changed {n_changed}")
+        if pack >= n_packs:
             raise bad(f"segment {s} lies past the last pack: the segment lengths overfill the packs")
-        if offset + length > packs[pack].size:
+        if offset + length > size:
             raise bad(f"segment {s} crosses the end of pack {pack} ({packs[pack].key!r}): the lengths do not fill it exactly")
-        if role != packs[pack].role:
-            raise bad(f"segment {s} has role {role!r} but lies in pack {pack} of role {packs[pack].role!r}")
-        roles = segs_of.setdefault(row, {})
-        if role in roles:
+        if role != pack_role:
+            raise bad(f"segment {s} has role {role!r} but lies in pack {pack} of role {pack_role!r}")
+        if row in segs:
             raise bad(f"chunk row {row} has two segments of role {role!r}")
         # Built without validation: every field was checked above (issue 9: no pydantic per entry).
-        roles[role] = _entry(SegmentRef, blob=first_pack + pack, offset=offset, length=length, sha256=shas[s],
-                             codec=tables.codecs[sg.codec[s]], n_changed=sg.n_changed[s])
+        segs[row] = construct(SegmentRef, {"blob": first_pack + pack, "offset": offset, "length": length, "sha256": sha,
+                                           "codec": codecs[codec], "n_changed": n_changed})
         offset += length
-        if offset == packs[pack].size:
+        if offset == size:
             pack, offset = pack + 1, 0
-    if pack != len(packs) or offset != 0:
+            if pack < n_packs:
+                size, pack_role = sizes[pack], pack_roles[pack]
+    if pack != n_packs or offset != 0:
         raise bad(f"the segment lengths do not fill the packs exactly (they end in pack {pack} at offset {offset})")
-    none: dict[str, SegmentRef] = {}  # the roles of a row without segments (read, never written)
-    rows = []
-    for r in range(n):
-        roles = segs_of.get(r, none)
-        rows.append((ch.tensor[r], ch.chunk[r], digests[r], roles.get("f"), roles.get("d")))
+    full_of, delta_of = of_role["f"].get, of_role["d"].get
+    rows = [(ti, ci, digest, full_of(r), delta_of(r))
+            for r, (ti, ci, digest) in enumerate(zip(ch.tensor, ch.chunk, digests))]
     return rows, list(packs)
 
 
@@ -1602,9 +1645,11 @@ def _entries_differ(tensors: Sequence[TensorEntry], rows: Sequence[_Row], layout
             return f"tensor {t.name!r} lists no chunk the table has"
         (name, dtype, shape, chunk_rows), chunks = run
         got_shape, got_chunk_rows = t.shape, t.chunk_rows
-        # _exact inline here and below: these loops run per tensor and chunk of every version a writer stores
+        # _exact inline here and below (these loops run per tensor and chunk of every version a
+        # writer stores): equal, and of the same types element by element
         if not (t.name == name and t.dtype == dtype and type(got_chunk_rows) is type(chunk_rows)
-                and got_chunk_rows == chunk_rows and len(got_shape) == len(shape) and all(map(_exact, got_shape, shape))):
+                and got_chunk_rows == chunk_rows and len(got_shape) == len(shape) and tuple(got_shape) == shape
+                and list(map(type, got_shape)) == list(map(type, shape))):
             return f"tensor {t.name!r} is not the table's next tensor, {name!r}"
         if len(t.chunks) != len(chunks):
             return f"tensor {t.name!r} lists {len(t.chunks)} chunks, the table's run of its rows {len(chunks)}"
@@ -1615,10 +1660,15 @@ def _entries_differ(tensors: Sequence[TensorEntry], rows: Sequence[_Row], layout
             if not (type(got_index) is type(index) and got_index == index and type(got_digest) is type(digest)
                     and got_digest == digest):
                 return f"chunk {t.name}[{got_index}] is not the table's chunk {t.name}[{index}]"
-            if (full is not None or want_full is not None) and not _same_segment(full, want_full):
-                return f"the full segment of chunk {t.name}[{c.index}] is not where the packs place it"
-            if (delta is not None or want_delta is not None) and not _same_segment(delta, want_delta):
-                return f"the delta segment of chunk {t.name}[{c.index}] is not where the packs place it"
+            # _same_segment inline
+            if full is not None or want_full is not None:
+                if (type(full) is not SegmentRef or want_full is None or full.__dict__ != want_full.__dict__
+                        or not _INT_STR.issuperset(map(type, full.__dict__.values()))):
+                    return f"the full segment of chunk {t.name}[{c.index}] is not where the packs place it"
+            if delta is not None or want_delta is not None:
+                if (type(delta) is not SegmentRef or want_delta is None or delta.__dict__ != want_delta.__dict__
+                        or not _INT_STR.issuperset(map(type, delta.__dict__.values()))):
+                    return f"the delta segment of chunk {t.name}[{c.index}] is not where the packs place it"
     return None if next(runs, None) is None else "the table has chunk rows no tensor lists"
 
 

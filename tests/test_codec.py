@@ -246,6 +246,39 @@ def test_constant_planes_are_stored_as_one_byte():
     assert len(seg.data) == h.header_size + 2
 
 
+@settings(max_examples=60, deadline=None)
+@given(size=st.sampled_from([0, 1, 2, 31, 32, 33, 600, 4095, 4096, 4097, 9000]),
+       shape=st.sampled_from(["const", "ends equal", "one differs", "few values", "uniform"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_plane_is_stored_as_the_smallest_of_const_zstd_raw(size, shape, seed):
+    """Every plane, small (looked at as bytes) or not (numpy reductions), gets the section the
+    rule names: CONST when all bytes are equal, else ZSTD when at least MIN_ZSTD_INPUT bytes
+    compress smaller, else RAW (session 22, task BK: the small-plane path chooses the same)."""
+    from deltastore.codec import planes
+    from deltastore.codec.container import KIND_CONST, KIND_RAW, KIND_ZSTD
+
+    rng = np.random.default_rng(seed)
+    v = int(rng.integers(0, 256))
+    plane = np.full(size, v, dtype=np.uint8)
+    if shape == "ends equal" and size > 2:
+        plane[rng.integers(1, size - 1)] ^= 1  # first == last: only a full look says not CONST
+    elif shape == "one differs" and size:
+        plane[rng.integers(0, size)] ^= 0x80
+    elif shape == "few values":
+        plane = rng.choice(np.array([v, 0, 7], dtype=np.uint8), size=size, p=[0.9, 0.05, 0.05])
+    elif shape == "uniform":
+        plane = rng.integers(0, 256, size=size, dtype=np.uint8)
+    cctx = planes._cctx(None)
+    kind, stored, raw = planes._encode_section(plane, cctx)
+    if size and (plane == plane[0]).all():
+        want = (KIND_CONST, bytes(plane[:1]))
+    elif size >= planes.MIN_ZSTD_INPUT and len(z := cctx.compress(plane)) < size:
+        want = (KIND_ZSTD, z)
+    else:
+        want = (KIND_RAW, plane.tobytes())
+    assert (kind, bytes(stored), raw) == (*want, size)
+
+
 def test_non_native_byte_order_is_accepted():
     x = np.arange(1000, dtype=">u2")
     y = x.copy()

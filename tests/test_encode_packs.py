@@ -163,6 +163,28 @@ def test_chunk_jobs_group_consecutive_chunks_up_to_the_job_size(monkeypatch):
     ]
 
 
+def test_layout_work_is_made_once_per_layout_and_anew_for_another(monkeypatch):
+    """encode_version's per-layout work (jobs with their spans, dtype kinds, totals) is kept
+    across versions of one layout (found by equal specs) and made anew for any other layout
+    or job size (session 22, task BK)."""
+    from deltastore.tensors import TensorSpec
+
+    monkeypatch.setattr(encode, "_layout_work", type(encode._layout_work)(maxlen=encode.LAYOUT_WORK_MAX))
+    a = {"a": TensorSpec("a", "bfloat16", (10, 512), 2), "b": TensorSpec("b", "int32", (3, 7), 1)}
+    work = encode._work_for(a)
+    assert encode._work_for(dict(a)) is work  # same specs: the same work
+    assert encode._work_for({n: TensorSpec(s.name, s.dtype, s.shape, s.chunk_rows) for n, s in a.items()}) is work
+    assert [c for job in work.jobs for c in job] == [
+        (0, ci, "a", ci * 1024, ci * 1024 + 1024) for ci in range(5)] + [(1, ci, "b", ci * 7, ci * 7 + 7) for ci in range(3)]
+    assert work.floating == {"a": True, "b": False} and work.elements_total == 5141
+    # another chunking of one tensor, or another job size: new jobs, as chunk_jobs cuts them
+    b = {**a, "a": TensorSpec("a", "bfloat16", (10, 512), 5)}
+    assert [[c[:3] for c in job] for job in encode._work_for(b).jobs] == encode.chunk_jobs(b)
+    assert [c[3:] for job in encode._work_for(b).jobs for c in job][:2] == [(0, 2560), (2560, 5120)]
+    monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", 1)
+    assert len(encode._work_for(a).jobs) == 8 and len(work.jobs) == 1
+
+
 def test_a_failed_chunk_job_raises_its_own_error_after_the_window_is_drained(tmp_path, monkeypatch):
     real = encode.encode_chunk
     seen: list[tuple[int, int]] = []

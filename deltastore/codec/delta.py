@@ -452,11 +452,11 @@ def _add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: 
     """The add segment from the kernel's raw planes (see encode.c): exactly what
     :func:`encode_changes` writes for the same change set."""
     sym = np.frombuffer(syms, dtype=np.uint8)
-    rest_u32 = np.frombuffer(rest, dtype="<u4")
-    esc_w = np.frombuffer(esc, dtype=UINT[width])
     if k > DENSE_TRY_FRACTION * count:
         # the dense form is tried too: rebuild the change set (rare: > 40 % changed) and let
         # encode_changes choose, as the numpy path does
+        rest_u32 = np.frombuffer(rest, dtype=UINT[4])
+        esc_w = np.frombuffer(esc, dtype=UINT[width])
         gaps = sym.astype(np.int64)
         gaps[sym == ESCAPE] += rest_u32
         gaps += 1
@@ -464,13 +464,19 @@ def _add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: 
         zz = unpack_nibbles(np.frombuffer(codes, dtype=np.uint8), k, ADD.sparse).astype(UINT[width])
         zz[zz == NIBBLE_ESCAPE] = esc_w
         return encode_changes(ADD, count, width, pos, unzigzag(zz), None, level)
-    if rest_u32.size:
+    # (the arrays of empty escape streams are not made: this runs per changed chunk)
+    if rest:
+        rest_u32 = np.frombuffer(rest, dtype=UINT[4])
         gw = _gap_width(max_rest)
         p = _Coded([sym, *split(rest_u32.astype(UINT[gw]))], param=gw, n_escaped=int(rest_u32.size))
     else:
         p = _Coded([sym], param=1)
     packed = np.frombuffer(codes, dtype=np.uint8)
-    v = _Coded([packed, *split(esc_w)], n_escaped=int(esc_w.size)) if esc_w.size else _Coded([packed])
+    if esc:
+        esc_w = np.frombuffer(esc, dtype=UINT[width])
+        v = _Coded([packed, *split(esc_w)], n_escaped=int(esc_w.size))
+    else:
+        v = _Coded([packed])
     return _sparse_segment(ADD, count, width, k, p, v, level)
 
 
