@@ -7,6 +7,7 @@ sees 1-D unsigned-integer numpy views of a tensor's bits.
 from __future__ import annotations
 
 import ctypes
+import functools
 import inspect
 import itertools
 import math
@@ -93,15 +94,18 @@ class TensorSpec:
     #: refuses an impossible grid before any spec is built from it.
     chunk_cols: int = 0
 
-    @property
+    # Cached (in the instance's __dict__, outside the fields that equality, hashing and
+    # dataclasses.replace see): a pull plans and groups by chunk spans and sizes, ~500 calls
+    # per steady tf265m version, each of which recomputed these.
+    @functools.cached_property
     def width(self) -> int:
         return torch_dtype(self.dtype).itemsize
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def row_elems(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 
