@@ -55,6 +55,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from benchmarks.rss import status_kb as _status_kb
+
 logger = logging.getLogger(__name__)
 
 #: Paced versions per run: enough for a median and a max, small enough for 2 cores and 8
@@ -90,18 +92,6 @@ PAUSE_GOAL = 0.10
 
 
 # --- small helpers shared by the roles ----------------------------------------------------
-
-
-def _status_kb(field: str) -> int:
-    """A ``/proc/self/status`` field in kB (VmRSS, VmHWM); 0 where there is no /proc."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _reset_peak() -> None:

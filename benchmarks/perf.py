@@ -54,6 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.rss import status_kb as _status_kb
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_WORKLOAD = "tf265m-rl-1e-6"
@@ -88,14 +90,6 @@ GOALS = {
 
 
 # --- helpers shared by the roles ----------------------------------------------------------
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _reset_peak() -> None:

@@ -22,6 +22,19 @@ def _rss_kb() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def status_kb(field: str) -> int:
+    """A ``/proc/self/status`` field in kB (VmRSS, VmHWM); 0 where there is no /proc. The
+    benchmarks that report peak memory read it through here."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _hwm_kb() -> int:
     """Peak RSS of this process's memory map (VmHWM).
 

@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.rss import status_kb as _status_kb
 from deltastore import Publisher, Subscriber
 from deltastore.select import ROW_PARALLEL, Selection
 from deltastore.storage import open_store
@@ -325,14 +326,6 @@ def bench_chunking(states: list[dict[str, torch.Tensor]], reps: int = 3) -> dict
 #: The whole-worker A/B of the column grid (design 011 D10 step 6): both arms ``slice_align=8``,
 #: one with ``column_slices=ROW_PARALLEL``.
 GRID_ARMS = (("slice_align=8", None), ("slice_align=8 + grid", ROW_PARALLEL))
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _timed(fn: Any, model: int) -> tuple[Any, float, float, float]:
