@@ -110,15 +110,18 @@ def _check_changed(rec: FollowRecord, before: dict[str, torch.Tensor], after: di
 
 def _follow_while_publishing(t: StoreTarget, n: int = 6) -> None:
     states = _states(n)
-    published: dict[int, dict[str, torch.Tensor]] = {}
+    # What each version holds, known before it is published: the follower may apply version v
+    # (HEAD moved) before publish() of v has returned on the writer thread.
+    published = {v: snapshot(s) for v, s in enumerate(states, start=1)}
+    versions: list[int] = []
     with _publisher(t) as pub:
-        published[pub.publish(states[0]).version] = snapshot(states[0])
+        versions.append(pub.publish(states[0]).version)
 
     def publish_rest() -> None:
         with _publisher(t) as pub:
             for s in states[1:]:
                 time.sleep(0.15)
-                published[pub.publish(s).version] = snapshot(s)
+                versions.append(pub.publish(s).version)
 
     target = {k: torch.zeros_like(v) for k, v in states[0].items()}
     pause = WatchedPause(target)
@@ -143,6 +146,7 @@ def _follow_while_publishing(t: StoreTarget, n: int = 6) -> None:
     finally:
         stop.set()
         writer.join()
+    assert versions == list(range(1, n + 1))  # states[i] is version i + 1, as ``published`` says
     assert records[0].full_load and records[0].from_version is None and records[0].info.version >= 1
     assert records[-1].info.version == n
     assert pause.entered == len(records), "the pause is entered once per version applied"
