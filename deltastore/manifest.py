@@ -1660,7 +1660,8 @@ def _entries_differ(tensors: Sequence[TensorEntry], rows: Sequence[_Row], layout
             if not (type(got_index) is type(index) and got_index == index and type(got_digest) is type(digest)
                     and got_digest == digest):
                 return f"chunk {t.name}[{got_index}] is not the table's chunk {t.name}[{index}]"
-            # _same_segment inline
+            # the segment is the one the decoder built, field by field with types: the decoder's
+            # fields are exact ints and strs, and an int never equals a str
             if full is not None or want_full is not None:
                 if (type(full) is not SegmentRef or want_full is None or full.__dict__ != want_full.__dict__
                         or not _INT_STR.issuperset(map(type, full.__dict__.values()))):
@@ -1670,16 +1671,6 @@ def _entries_differ(tensors: Sequence[TensorEntry], rows: Sequence[_Row], layout
                         or not _INT_STR.issuperset(map(type, delta.__dict__.values()))):
                     return f"the delta segment of chunk {t.name}[{c.index}] is not where the packs place it"
     return None if next(runs, None) is None else "the table has chunk rows no tensor lists"
-
-
-def _same_segment(seg: SegmentRef | None, decoded: SegmentRef | None) -> bool:
-    """``seg`` is the SegmentRef the decoder built as ``decoded``, field by field with types:
-    the decoder's fields are exact ints and strs, and an int never equals a str, so equal
-    fields that are all exact ints or strs have the decoder's types."""
-    if type(seg) is not SegmentRef or decoded is None:
-        return False
-    fields = seg.__dict__
-    return fields == decoded.__dict__ and _INT_STR.issuperset(map(type, fields.values()))
 
 
 _INT_STR = {int, str}
