@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from deltastore.errors import UnsupportedURLError
 from deltastore.storage._local import LocalStore
 from deltastore.storage._memory import MemoryStore
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, StreamedPut
 from deltastore.storage.probe import (
     ProbeResult,
     probe_conditional_writes,
@@ -154,6 +154,7 @@ __all__ = [
     "PutMode",
     "S3Store",
     "Store",
+    "StreamedPut",
     "check_url",
     "open_store",
     "probe_conditional_writes",

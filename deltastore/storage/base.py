@@ -65,6 +65,26 @@ def check_if_match(name: str, current: str | None, expected: str) -> None:
         raise PreconditionFailedError(f"{name} changed: ETag is {current!r}, expected {expected!r}; re-read it and retry")
 
 
+class StreamedPut(abc.ABC):
+    """A create-only write in progress (:meth:`Store.begin_put`): bytes in, then a name."""
+
+    @abc.abstractmethod
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data`` (it may be reused once this returns)."""
+
+    @abc.abstractmethod
+    def commit(self, name: str) -> ObjectMeta:
+        """Make the bytes written the object ``directory + name``, create-only, durably.
+
+        Raises:
+            AlreadyExistsError: that key exists (nothing was replaced; the write is dropped).
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Drop the write (idempotent; after a commit it does nothing)."""
+
+
 class Store(abc.ABC):
     """A flat key → bytes store with conditional writes.
 
@@ -151,6 +171,18 @@ class Store(abc.ABC):
                 yield self.head(key)
             except NotFoundError:
                 continue
+
+    def begin_put(self, directory: str) -> StreamedPut | None:
+        """Start a create-only write of an object under ``directory`` (a key prefix ending in
+        ``/``) whose name is known only once its last byte is written (a content-addressed
+        pack, named by the SHA-256 of its bytes), or None where the store takes whole objects
+        only (the default; S3's multipart needs the key up front).
+
+        The writer streams the bytes as they come, so that finishing the object costs the
+        rest of it rather than all of it; nothing is visible under any key before
+        :meth:`StreamedPut.commit`.
+        """
+        return None
 
     def close(self) -> None:
         """Release connections and other resources. The store is unusable afterwards."""

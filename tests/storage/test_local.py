@@ -103,3 +103,65 @@ def test_cas_is_atomic_across_processes(tmp_path: Path) -> None:
         pool.starmap(_increment, [(str(tmp_path), INCREMENTS)] * PROCESSES)
     # A lost update (two processes both "winning" against one ETag) would leave it lower.
     assert int(store.get("counter")) == PROCESSES * INCREMENTS
+
+
+# --- streamed create-only writes (begin_put; session 23) -------------------------------------
+
+
+def _temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.startswith(".deltastore-tmp-")]
+
+
+def test_a_streamed_write_is_invisible_until_committed_then_reads_as_a_put(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "root")
+    pieces = [os.urandom(n) for n in (1, 0, 4096, 70_000)]
+    w = store.begin_put("objects/a/")
+    for p in pieces:
+        w.write(p)
+        assert list(store.list("")) == []  # nothing under any key yet
+    meta = w.commit("x.pack")
+    data = b"".join(pieces)
+    assert meta.key == "objects/a/x.pack" and meta.size == len(data)
+    assert store.get("objects/a/x.pack") == data
+    # the same ETag and metadata a whole put of these bytes gets
+    assert meta.etag == local_etag(data) == store.head("objects/a/x.pack").etag
+    assert store.put("objects/a/y.pack", data, mode="create").etag == meta.etag
+    assert _temp_files(tmp_path / "root") == []
+    with pytest.raises(ValueError, match="committed or aborted"):
+        w.write(b"more")
+
+
+def test_a_streamed_write_is_create_only_and_an_abort_leaves_nothing(tmp_path: Path) -> None:
+    from deltastore.errors import AlreadyExistsError
+
+    store = LocalStore(tmp_path / "root")
+    store.put("objects/a/x.pack", b"first", mode="create")
+    w = store.begin_put("objects/a/")
+    w.write(b"second")
+    with pytest.raises(AlreadyExistsError, match="already exists"):
+        w.commit("x.pack")
+    assert store.get("objects/a/x.pack") == b"first"  # never replaced
+    assert _temp_files(tmp_path / "root") == []
+    w = store.begin_put("objects/b/")
+    w.write(b"dropped")
+    assert len(_temp_files(tmp_path / "root")) == 1
+    w.abort()
+    w.abort()  # idempotent
+    assert _temp_files(tmp_path / "root") == [] and [m.key for m in store.list("")] == ["objects/a/x.pack"]
+    empty = store.begin_put("objects/c/")
+    assert empty.commit("e").size == 0 and store.get("objects/c/e") == b""
+
+
+def test_a_streamed_write_refuses_names_outside_its_directory(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "root")
+    with pytest.raises(ValueError, match="ending in '/'"):
+        store.begin_put("objects/a")
+    w = store.begin_put("objects/a/")
+    w.write(b"x")
+    with pytest.raises(ValueError, match="no '/'"):
+        w.commit("../b")
+    w.abort()
+
+
+def test_stores_that_take_whole_objects_only_do_not_stream() -> None:
+    assert open_store("memory://no-stream").begin_put("objects/a/") is None
