@@ -40,7 +40,7 @@ from deltastore.errors import (
 )
 from deltastore.history import History
 from deltastore.manifest import HEAD_KEY, SCHEMA_VERSION, Head, dump, new_lineage
-from deltastore.storage.base import IfMatch, Store
+from deltastore.storage.base import IfMatch, Store, StreamedPut
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,23 @@ def put_immutable(store: Store, key: str, data: bytes | bytearray, what: str) ->
         return
     except PreconditionFailedError as e:
         error = e
+    _settle_existing(store, key, len(data), what, error)
+
+
+def commit_immutable(store: Store, stream: StreamedPut, directory: str, name: str, size: int, what: str) -> None:
+    """:func:`put_immutable` for bytes streamed through :meth:`Store.begin_put`: commit them
+    as ``directory + name`` (``size`` bytes), an existing object of that size being success."""
+    try:
+        stream.commit(name)
+        return
+    except PreconditionFailedError as e:
+        error = e
+    _settle_existing(store, directory + name, size, what, error)
+
+
+def _settle_existing(store: Store, key: str, size: int, what: str, error: PreconditionFailedError) -> None:
+    """A create-only write of ``size`` bytes under a content-addressed ``key`` met an object
+    there: success when it has our size (it holds our bytes), else a typed error."""
     try:
         meta = store.head(key)
     except NotFoundError:
@@ -84,9 +101,9 @@ def put_immutable(store: Store, key: str, data: bytes | bytearray, what: str) ->
             f"uploading {what} {key!r} to {store.url} failed: the store reported a conflict ({error}) but holds no such object; "
             "nothing was committed, publish again"
         ) from error
-    if meta.size != len(data):
+    if meta.size != size:
         raise IntegrityError(
-            f"{what} {key!r} in {store.url} has {meta.size} bytes, not the {len(data)} its SHA-256 names: "
+            f"{what} {key!r} in {store.url} has {meta.size} bytes, not the {size} its SHA-256 names: "
             "the stored object is corrupt; delete it and publish again"
         )
     logger.debug("%s %s already present (same content): %s", what, key, error)

@@ -25,7 +25,7 @@ import torch
 from deltastore import codec
 from deltastore.codec.delta import encode_delta_advance
 from deltastore import grid
-from deltastore.commit import put_immutable
+from deltastore.commit import commit_immutable, put_immutable
 from deltastore.groups import (
     MemberTable,
     copy_members,
@@ -37,6 +37,7 @@ from deltastore.groups import (
 )
 from deltastore.jobs import grouped
 from deltastore.manifest import (
+    OBJECT_PREFIX,
     BlobRef,
     ChunkEntry,
     SegmentRef,
@@ -47,7 +48,7 @@ from deltastore.manifest import (
     sha256_hex,
     unchecked_entry,
 )
-from deltastore.storage.base import Store
+from deltastore.storage.base import Store, StreamedPut
 from deltastore.tensors import TensorSpec, bits, state_digest, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ DRAIN_DIVISOR = 2
 #: Packs uploading at once per pack stream: overlaps the network with encoding while holding
 #: at most this many packs (× PACK_TARGET_BYTES) in memory.
 UPLOADS_IN_FLIGHT = 2
+#: A pack streamed to the store (:meth:`Store.begin_put`: local directories) is written in
+#: pieces of at least this many bytes as it fills, on the caller's thread between drains.
+STREAM_WRITE_BYTES = 1024 * 1024
 #: Layouts whose per-layout work (:class:`_LayoutWork`) is remembered: a publisher encodes one
 #: layout version after version; a few cover the publishers of one process (ranks, sites, tests).
 LAYOUT_WORK_MAX = 4
@@ -123,6 +127,9 @@ class _PackWriter:
 
     The pack's SHA-256 is taken incrementally as segments are appended (each segment's bytes
     are read while recent in cache), never by re-reading the whole pack when it is flushed.
+    Where the store streams writes (:meth:`Store.begin_put`, schema 3), a pack is written in
+    pieces of :data:`STREAM_WRITE_BYTES` as it fills and only committed under its name when
+    flushed; :meth:`abort` drops a pack left open by a failure.
     """
 
     def __init__(self, store: Store, uploader: Executor, *, attempt: str | None = None, role: Literal["f", "d"] | None = None):
@@ -131,14 +138,22 @@ class _PackWriter:
         self.attempt = attempt
         self.role = role if attempt is not None else None
         self.blobs: list[BlobRef] = []
-        self._buf = bytearray()  # segments appended in place: no second copy to join them
-        self._sha = hashlib.sha256()  # of _buf, updated per segment
+        # A store that streams writes (a local directory) gets each pack as it fills: finishing
+        # the version then writes only the last piece (a 6 MB pack write was most of a steady
+        # tf265m publish's tail: design 006, addendum of session 23). Schema 3 only: the
+        # directory, objects/<attempt>/, is known before the pack's name.
+        self._directory = f"{OBJECT_PREFIX}{attempt}/" if attempt is not None else None
+        self._stream: StreamedPut | None = None
+        self._streams = self._directory is not None  # until the store says it does not
+        self._buf = bytearray()  # segments appended in place (not yet streamed): no second copy to join them
+        self._len = 0  # bytes of the open pack (streamed or in _buf)
+        self._sha = hashlib.sha256()  # of the open pack, updated per segment
         self._uploads: deque[Future[None]] = deque()
         self.bytes_written = 0
 
     def add(self, seg: codec.Segment, sha256: str | None = None) -> SegmentRef:
         """Append ``seg`` (whose SHA-256 is ``sha256`` when the caller has it) and return its ref."""
-        if len(self._buf) >= PACK_TARGET_BYTES:
+        if self._len >= PACK_TARGET_BYTES:
             self.flush()
         data = seg.data
         # built without validation (issue 9: no pydantic per chunk); the fields are ints and strs
@@ -146,30 +161,59 @@ class _PackWriter:
         ref = unchecked_entry(
             SegmentRef,
             blob=len(self.blobs),
-            offset=len(self._buf),
+            offset=self._len,
             length=len(data),
             sha256=sha256 if sha256 is not None else sha256_hex(data),
             codec=seg.codec,
             n_changed=int(seg.n_changed),
         )
         self._buf += data
+        self._len += len(data)
         self._sha.update(data)
+        if self._streams and len(self._buf) >= STREAM_WRITE_BYTES:
+            self._write_out()
         return ref
 
+    def _write_out(self) -> None:
+        """Stream what ``_buf`` holds into the open pack (starting the write at the first)."""
+        if self._stream is None:
+            assert self._directory is not None
+            self._stream = self.store.begin_put(self._directory)
+            if self._stream is None:  # the store takes whole objects: keep buffering
+                self._streams = False
+                return
+        self._stream.write(self._buf)
+        self._buf.clear()
+
     def flush(self) -> None:
-        if not self._buf:
+        if not self._len:
             return
-        data, self._buf = self._buf, bytearray()
+        size, self._len = self._len, 0
         digest, self._sha = self._sha.hexdigest(), hashlib.sha256()
         key = object_key(self.attempt, digest, ".pack") if self.attempt is not None else blob_key(digest)
-        self.blobs.append(BlobRef(key=key, size=len(data), sha256=digest, role=self.role))
-        self.bytes_written += len(data)
+        self.blobs.append(BlobRef(key=key, size=size, sha256=digest, role=self.role))
+        self.bytes_written += size
         while len(self._uploads) >= UPLOADS_IN_FLIGHT:
             self._uploads.popleft().result()
+        if self._stream is not None:
+            if self._buf:
+                self._stream.write(self._buf)
+                self._buf.clear()
+            stream, self._stream = self._stream, None
+            name = key[len(self._directory or ""):]
+            self._uploads.append(self.uploader.submit(commit_immutable, self.store, stream, self._directory, name, size, "pack"))
+            return
+        data, self._buf = self._buf, bytearray()
         self._uploads.append(self.uploader.submit(self._put, key, data))
 
     def _put(self, key: str, data: bytearray) -> None:
         put_immutable(self.store, key, data, "pack")
+
+    def abort(self) -> None:
+        """Drop the pack being streamed, if any (encoding failed: nothing of it is committed)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.abort()
 
     def finish(self) -> None:
         """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
@@ -453,14 +497,21 @@ def encode_version(
                 else:  # every chunk of an anchor has a full segment: one path per version, in order
                     with_full.append((enc, d, f))
 
-    for group in work.jobs:
-        for j in group:
-            views(j[2])
-        pending.append(pool.submit(lambda g: [job(*j) for j in g], group))
-        drain(window)
-    drain(0)
-    delta_packs.finish()
-    full_packs.finish()
+    try:
+        for group in work.jobs:
+            for j in group:
+                views(j[2])
+            pending.append(pool.submit(lambda g: [job(*j) for j in g], group))
+            drain(window)
+        drain(0)
+        delta_packs.finish()
+        full_packs.finish()
+    except BaseException:
+        # a pack being streamed is dropped (its temp file removed); packs already stored are
+        # orphans of this attempt, collected as any failed attempt's (SPEC §11)
+        delta_packs.abort()
+        full_packs.abort()
+        raise
     offset = len(delta_packs.blobs)  # full packs follow the delta packs in the manifest
     for enc, d, f in with_full:
         add_chunk(enc.tensor, enc.index, enc.digest, unchecked_entry(SegmentRef, **{**f.__dict__, "blob": f.blob + offset}), d)

@@ -19,9 +19,12 @@ from tests._helpers import WrappedStore, assert_bits_equal, small_state, sparse_
 from tests._manifest_docs import read_manifest_doc
 
 
+@pytest.mark.parametrize("stream_bytes", [1, 250, 1 << 40], ids=["streamed-per-segment", "streamed-in-pieces", "whole"])
 @pytest.mark.parametrize("given_digest", [True, False])
-def test_pack_and_segment_digests_name_the_stored_bytes(tmp_path, monkeypatch, given_digest):
+def test_pack_and_segment_digests_name_the_stored_bytes(tmp_path, monkeypatch, given_digest, stream_bytes):
     monkeypatch.setattr(encode, "PACK_TARGET_BYTES", 1000)  # several packs, flushed mid-stream
+    # a local store takes packs streamed as they fill: per segment, in pieces, or whole
+    monkeypatch.setattr(encode, "STREAM_WRITE_BYTES", stream_bytes)
     store = open_store(str(tmp_path / "store"))
     segs = [Segment("add-sparse/1", bytes([i % 251]) * (100 + 37 * i), i) for i in range(40)]
     with ThreadPoolExecutor(4) as up:
@@ -37,6 +40,7 @@ def test_pack_and_segment_digests_name_the_stored_bytes(tmp_path, monkeypatch, g
     for s, r in zip(segs, refs):
         stored = packs[r.blob][r.offset : r.offset + r.length]
         assert stored == s.data and r.sha256 == hashlib.sha256(stored).hexdigest()
+    assert not [p for p in (tmp_path / "store").rglob(".deltastore-tmp-*")]
 
 
 class _SlowPacks(WrappedStore):
@@ -200,6 +204,36 @@ def test_a_failed_chunk_job_raises_its_own_error_after_the_window_is_drained(tmp
     with pytest.raises(RuntimeError, match="tensor 5"):
         _encode_steady(tmp_path, "fails", threads=2)
     assert (5, 1) in seen
+
+
+def test_a_failed_version_leaves_no_half_streamed_pack(tmp_path, monkeypatch):
+    """A local store takes packs as they fill (begin_put): a chunk that fails after part of a
+    pack was streamed drops that write; no temp file and no pack of it is left."""
+    real = encode.encode_chunk
+
+    def failing(ti, ci, *args):
+        if (ti, ci) == (30, 0):
+            raise RuntimeError("chunk 0 of tensor 30 (injected)")
+        return real(ti, ci, *args)
+
+    monkeypatch.setattr(encode, "STREAM_WRITE_BYTES", 1)  # every segment streamed at once
+    monkeypatch.setattr(encode, "encode_chunk", failing)
+    monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", 8192)
+    streamed: list[int] = []
+    from deltastore.storage._local import _LocalStreamedPut
+
+    real_write = _LocalStreamedPut.write
+
+    def counted(self, data):
+        streamed.append(len(data))
+        return real_write(self, data)
+
+    monkeypatch.setattr(_LocalStreamedPut, "write", counted)
+    with pytest.raises(RuntimeError, match="tensor 30"):
+        _encode_steady(tmp_path, "fails", threads=2)
+    assert streamed and sum(streamed) > 0  # part of the pack was written before the failure
+    root = tmp_path / "fails"
+    assert not list(root.rglob(".deltastore-tmp-*")) and not list(root.rglob("*.pack"))
 
 
 # --- the reference's bit views, kept with it (session 18, task T) ---------------------------
