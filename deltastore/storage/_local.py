@@ -382,6 +382,12 @@ class _LocalStreamedPut(StreamedPut):
     def commit(self, name: str) -> ObjectMeta:
         if self._done:
             raise ValueError("this streamed write is committed or aborted")
+        try:  # whatever happens, the temp file is gone afterwards (linked, or dropped)
+            return self._commit(name)
+        finally:
+            self.abort()
+
+    def _commit(self, name: str) -> ObjectMeta:
         if "/" in name:
             raise ValueError(f"a streamed write's name has no '/': {name!r}")
         key = self._directory + name
@@ -413,8 +419,6 @@ class _LocalStreamedPut(StreamedPut):
             raise
         except OSError as e:
             raise self._store._translate(key, e) from e
-        finally:
-            self.abort()
         return ObjectMeta(key=key, size=self._size, etag=etag,
                           last_modified=datetime.fromtimestamp(mtime, tz=timezone.utc))
 
