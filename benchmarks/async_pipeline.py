@@ -55,6 +55,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
 
 logger = logging.getLogger(__name__)
@@ -92,12 +93,6 @@ PAUSE_GOAL = 0.10
 
 
 # --- small helpers shared by the roles ----------------------------------------------------
-
-
-def _reset_peak() -> None:
-    """Restart VmHWM from the current RSS (Linux ≥ 4.0), so a phase's peak is its own."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _emit(event: str, **fields: Any) -> None:
@@ -704,7 +699,7 @@ def _machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    mem = _status_kb("MemTotal")
+    mem = 0
     with contextlib.suppress(OSError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):

@@ -54,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
 
 logger = logging.getLogger(__name__)
@@ -90,15 +91,6 @@ GOALS = {
 
 
 # --- helpers shared by the roles ----------------------------------------------------------
-
-
-def _reset_peak() -> None:
-    """Restart VmHWM from the current RSS (Linux ≥ 4.0), so a peak belongs to one call."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:  # pragma: no cover - not Linux: peaks then include earlier work
-        pass
 
 
 def _step_file(src: Path, step: int) -> Path:

@@ -23,13 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+from benchmarks.rss import status_kb as _status_kb
 
 
 def _reset_peak() -> None:
@@ -49,7 +43,7 @@ def _role(role: str, workload: str, url: str, threads: int) -> dict:
 
     torch.set_num_threads(1)  # deltastore's own threads do the work
     steps = WORKLOADS[workload].steps
-    baseline = _rss_kb("VmRSS")
+    baseline = _status_kb("VmRSS")
     first = load_step(workload, 0)
     model = sum(t.numel() * t.element_size() for t in first.values())
     times: list[float] = []
@@ -59,7 +53,7 @@ def _role(role: str, workload: str, url: str, threads: int) -> dict:
         del first
         with Publisher(url, threads=threads) as pub:
             pub.publish(state, step=0)
-            first_peak = _rss_kb("VmHWM")
+            first_peak = _status_kb("VmHWM")
             _reset_peak()
             for s in range(1, steps + 1):
                 with safe_open(str(step_path(workload, s)), framework="pt") as f:
@@ -69,21 +63,21 @@ def _role(role: str, workload: str, url: str, threads: int) -> dict:
                 t0 = time.perf_counter()
                 pub.publish(state, step=s)
                 times.append(time.perf_counter() - t0)
-                peaks.append(_rss_kb("VmHWM"))
+                peaks.append(_status_kb("VmHWM"))
     else:
         del first
         with Subscriber(url, threads=threads) as sub:
             t0 = time.perf_counter()
             target = sub.pull(1)
             first_pull = time.perf_counter() - t0
-            first_peak = _rss_kb("VmHWM")
+            first_peak = _status_kb("VmHWM")
             _reset_peak()
             for v in range(2, steps + 2):
                 _reset_peak()
                 t0 = time.perf_counter()
                 sub.pull_into(target, version=v)
                 times.append(time.perf_counter() - t0)
-                peaks.append(_rss_kb("VmHWM"))
+                peaks.append(_status_kb("VmHWM"))
         times_first = first_pull
     peak = max(peaks)
     out = {

@@ -39,20 +39,16 @@ def _hwm_kb() -> int:
     """Peak RSS of this process's memory map (VmHWM).
 
     Not ``ru_maxrss``: Linux folds the peak of the pre-exec image into it, and a child of a
-    fork() starts with its parent's peak, so it would report the harness's memory, not ours.
+    fork() starts with its parent's peak, so it would report the harness's memory, not ours
+    (it is the fallback only where there is no /proc).
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return status_kb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _reset_peak() -> bool:
-    """Reset the peak-RSS mark so ru_maxrss measures from now (Linux >= 4.0)."""
+def reset_peak() -> bool:
+    """Restart VmHWM from the current RSS (Linux >= 4.0), so that a peak read after it belongs
+    to what ran since; False where the kernel does not offer it (peaks then include earlier
+    work)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -76,7 +72,7 @@ def probe(workload: str, fmt_name: str, step: int) -> dict:
     model_bytes = sum(t.numel() * t.element_size() for t in new.values())
     fmt.encode(prev, new)  # warm-up: imports and first-call allocations are not the format's
     gc.collect()
-    reset = _reset_peak()
+    reset = reset_peak()
     base_kb = _rss_kb() if reset else _hwm_kb()
     blob = fmt.encode(prev, new)
     fmt.decode_apply(target, blob)

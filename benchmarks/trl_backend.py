@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.rss import status_kb as _status_kb
+
 WAYS = ("naive", "bf16+copy", "backend")
 #: glibc raises its mmap threshold after the first large free, so freed tensors of a few MB then
 #: stay in the heap and in RSS: the default allocator shows what a process really holds; a
@@ -32,14 +34,6 @@ WAYS = ("naive", "bf16+copy", "backend")
 ALLOCATORS = (("glibc default", {}), ("MALLOC_MMAP_THRESHOLD_", {"MALLOC_MMAP_THRESHOLD_": "65536"}))
 #: Tensors in the synthetic model: enough that one tensor's transient copy is small next to it.
 N_TENSORS = 32
-
-
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _probe(way: str, params: int, syncs: int, store: str) -> dict:
@@ -64,7 +58,7 @@ def _probe(way: str, params: int, syncs: int, store: str) -> dict:
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    base = _kb("VmRSS")
+    base = _status_kb("VmRSS")
     t0 = time.perf_counter()
     if way == "backend":
         wt = DeltastoreWeightTransfer(store, threads=1)
@@ -85,7 +79,7 @@ def _probe(way: str, params: int, syncs: int, store: str) -> dict:
                     del state
                 step()
     dt = time.perf_counter() - t0
-    peak = _kb("VmHWM")
+    peak = _status_kb("VmHWM")
     return {"way": way, "params": params, "bf16_model_bytes": bf16_bytes, "extra_bytes": (peak - base) * 1024,
             "extra_in_bf16_models": round((peak - base) * 1024 / bf16_bytes, 2), "seconds_per_sync": round(dt / syncs, 3)}
 
