@@ -197,8 +197,7 @@ class _PackWriter:
             self._uploads.popleft().result()
         if self._stream is not None:
             if self._buf:
-                self._stream.write(self._buf)
-                self._buf.clear()
+                self._write_out()
             stream, self._stream = self._stream, None
             name = key[len(self._directory or ""):]
             self._uploads.append(self.uploader.submit(commit_immutable, self.store, stream, self._directory, name, size, "pack"))

@@ -140,19 +140,41 @@ class LocalStore(Store):
         finally:
             os.close(fd)  # closing releases the flock
 
+    @staticmethod
+    def _open_tmp(directory: Path) -> tuple[Path, int]:
+        """A new temp file in ``directory`` (made if missing), open for writing."""
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+
+    @staticmethod
+    def _seal(fd: int, etag: str) -> float:
+        """Set a written temp file's ETag attribute and fsync it; its mtime (the linked object
+        shares this inode)."""
+        if _HAS_XATTR:
+            with contextlib.suppress(OSError):  # no user xattrs here: head() will hash
+                os.setxattr(fd, _ETAG_XATTR, etag.encode())
+        os.fsync(fd)
+        return os.fstat(fd).st_mtime
+
+    def _link_new(self, tmp: Path, final: Path, key: str) -> None:
+        """Link ``tmp`` as ``final``, create-only: AlreadyExistsError when ``key`` exists."""
+        try:
+            os.link(tmp, final)
+        except FileExistsError as e:
+            if final.is_dir():
+                raise self._translate(key, e) from e
+            raise AlreadyExistsError(
+                f"{self._name(key)} already exists; create-only writes never replace an object"
+            ) from e
+
     def _write_tmp(self, final: Path, data: memoryview, etag: str) -> tuple[Path, float]:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        tmp, fd = self._open_tmp(final.parent)
         try:
             view = data
             while view:
                 view = view[os.write(fd, view) :]
-            if _HAS_XATTR:
-                with contextlib.suppress(OSError):  # no user xattrs here: head() will hash
-                    os.setxattr(fd, _ETAG_XATTR, etag.encode())
-            os.fsync(fd)
-            mtime = os.fstat(fd).st_mtime  # the linked object shares this inode
+            mtime = self._seal(fd, etag)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -271,14 +293,7 @@ class LocalStore(Store):
             raise self._translate(key, e) from e
         try:
             if mode == "create":
-                try:
-                    os.link(tmp, final)
-                except FileExistsError as e:
-                    if final.is_dir():
-                        raise self._translate(key, e) from e
-                    raise AlreadyExistsError(
-                        f"{self._name(key)} already exists; create-only writes never replace an object"
-                    ) from e
+                self._link_new(tmp, final, key)
             else:
                 with self._locked(key):
                     if isinstance(mode, IfMatch):
@@ -369,9 +384,7 @@ class _LocalStreamedPut(StreamedPut):
         view = memoryview(data).cast("B")
         try:
             if self._fd < 0:
-                self._dir.mkdir(parents=True, exist_ok=True)
-                self._tmp = self._dir / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-                self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                self._tmp, self._fd = LocalStore._open_tmp(self._dir)
             self._etag.update(view)
             self._size += view.nbytes
             while view:
@@ -398,22 +411,11 @@ class _LocalStreamedPut(StreamedPut):
         assert self._tmp is not None
         try:
             try:
-                if _HAS_XATTR:
-                    with contextlib.suppress(OSError):  # no user xattrs here: head() will hash
-                        os.setxattr(self._fd, _ETAG_XATTR, etag.encode())
-                os.fsync(self._fd)
-                mtime = os.fstat(self._fd).st_mtime
+                mtime = LocalStore._seal(self._fd, etag)
             finally:
                 os.close(self._fd)
                 self._fd = -1
-            try:
-                os.link(self._tmp, final)
-            except FileExistsError as e:
-                if final.is_dir():
-                    raise self._store._translate(key, e) from e
-                raise AlreadyExistsError(
-                    f"{self._store._name(key)} already exists; create-only writes never replace an object"
-                ) from e
+            self._store._link_new(self._tmp, final, key)
             LocalStore._fsync_dir(final.parent)
         except StorageError:
             raise
