@@ -10,6 +10,12 @@ every core, 2 here):
 * **copy**: ``dst.copy_(src)`` of every tensor into preallocated tensors, median of
   ``COPY_REPEATS``, torch on one thread and on ``--threads``, the faster kept, in its own
   process: the denominator of every ratio;
+* **paired copy**: the same copy (one of each thread count, the faster) timed again inside the
+  publisher and the worker next to each delta publish and each delta ``pull_into``, with only
+  the result digest between them (into a model-sized buffer the role holds from its start, so
+  it is in none of the peaks): the "paired" ratios take the median over calls of each call's
+  time over its own copy. This machine's speed drifts by tens of percent between processes and
+  from minute to minute (consecutive copy processes: 29 and 37 ms); a pair shares the drift;
 * **publisher**: the first publish (step 0, an anchor), a delta publish for each of steps
   1..N-1 (median), step N as a forced anchor (``anchor=True``: the steady-state anchor cost,
   reference held), peak RSS of the delta publishes;
@@ -83,7 +89,9 @@ ROLE_TIMEOUT_S = 900
 # The issue's goals, next to the figures (docs/benchmarks.md, issue 9).
 GOALS = {
     "publish_over_copy": 2.0,
+    "publish_over_copy_paired": 2.0,
     "pull_into_over_copy": 1.3,
+    "pull_into_over_copy_paired": 1.3,
     "publisher_peak_over_model": 2.2,  # trainer state 1 + reference 1 + 0.2
     "worker_peak_over_model": 1.2,  # target 1 + 0.2
     "delta_over_h0": 0.85,
@@ -192,6 +200,32 @@ def _time_copy(state: dict, threads: int) -> dict:
             "copy_median_s_by_threads": {nt: float(statistics.median(t)) for nt, t in by_threads.items()}}
 
 
+def _resident_like(src: Path) -> dict:
+    """Zero-filled tensors shaped as step 0's: every page written (resident, in the RSS the
+    peaks are measured above) before the first paired copy writes into them."""
+    import torch
+
+    return {k: torch.zeros_like(v) for k, v in _load(src, 0).items()}
+
+
+def _paired_copy(src: dict, dst: dict, threads: int) -> Dur:
+    """One ``copy_`` of every tensor of ``src`` into ``dst`` (preallocated, faulted in), torch on
+    one thread and on ``threads``, the faster: the denominator timed next to each measured call."""
+    import torch
+
+    best: Dur | None = None
+    for nt in sorted({1, threads}):
+        torch.set_num_threads(nt)
+        t0 = _now()
+        for k, v in src.items():
+            dst[k].copy_(v)
+        d = _since(t0)
+        best = d if best is None or d < best else best
+    torch.set_num_threads(threads)
+    assert best is not None
+    return best
+
+
 def _copy(src: Path, threads: int) -> dict:
     """The denominator, in its own process: the roles' peaks never see its extra model copy."""
     state = _load(src, 0)
@@ -222,12 +256,13 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
     from deltastore import Publisher
 
     torch.set_num_threads(threads)  # the copy and PULSE use the cores deltastore's threads use
+    dst = _resident_like(src)  # the paired copies' destination, resident before the baseline
     baseline = _status_kb("VmRSS")
     state = _load(src, 0)  # the trainer's tensors, updated in place per step
     model = _model_bytes(state)
     out: dict = {"role": "publisher", "model_bytes": model, "tensors": len(state), **native_status()}
     digests = [_digest(state)]  # what the worker must reach, per step
-    delta_s, peaks, stored = [], [], []
+    delta_s, paired_s, peaks, stored = [], [], [], []
     with Publisher(url, threads=threads) as pub:
         _reset_peak()
         t0 = _now()
@@ -236,6 +271,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         out["first_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         for s in range(1, steps):
             _load_into(src, s, state)
+            # the paired copy before the digest: its single-threaded pass lets torch's OpenMP
+            # threads, spinning after the copy, go idle before the publish is timed
+            paired_s.append(_paired_copy(state, dst, threads))
             digests.append(_digest(state))
             _reset_peak()  # the benchmark's own file reads are not the publisher's memory
             t0 = _now()
@@ -253,9 +291,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         out["anchor_s"] = _since(t0)
         out["anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         out["anchor_bytes"] = info.bytes_stored
-    del state
+    del state, dst
     (work / "digests.json").write_text(json.dumps(digests))
-    out.update(delta_s=delta_s, delta_median_s=statistics.median(delta_s), delta_bytes=stored,
+    out.update(delta_s=delta_s, delta_median_s=statistics.median(delta_s), delta_bytes=stored, copy_paired_s=paired_s,
                peak_over_model=(max(peaks) - baseline) * 1024 / model)
     # Baseline encoder and sizes, after the publisher is gone (its memory is measured above).
     # PULSE's encoder is single-threaded Python around torch ops; on two torch threads the ops'
@@ -289,10 +327,11 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
 
     torch.set_num_threads(threads)
     digests = json.loads((work / "digests.json").read_text())  # per step, from the publisher
+    dst = _resident_like(src)  # the paired copies' destination, resident before the baseline
     baseline = _status_kb("VmRSS")
     out: dict = {"role": "worker", **native_status()}
     exact = True
-    into_s, peaks = [], []
+    into_s, paired_s, peaks = [], [], []
     with Subscriber(url, threads=threads) as sub:
         _reset_peak()
         t0 = _now()
@@ -301,6 +340,7 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
         model = _model_bytes(target)
         out["model_bytes"] = model
         out["first_pull_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
+        paired_s.append(_paired_copy(target, dst, threads))  # before the digest (see the publisher)
         exact &= _digest(target) == digests[0]
         for v in range(2, steps + 1):  # version v holds step v - 1; versions 2..steps are deltas
             _reset_peak()
@@ -308,6 +348,8 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
             sub.pull_into(target, version=v)
             into_s.append(_since(t0))
             peaks.append(_status_kb("VmHWM"))
+            if v < steps:  # the next pull_into's paired copy
+                paired_s.append(_paired_copy(target, dst, threads))
             exact &= _digest(target) == digests[v - 1]
         _reset_peak()
         t0 = _now()
@@ -315,7 +357,7 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
         out["pull_into_anchor_s"] = _since(t0)
         out["pull_into_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         exact &= _digest(target) == digests[steps]
-        del target
+        del target  # (dst stays: the peaks below are measured above a baseline that holds it)
         _reset_peak()
         t0 = _now()
         latest = sub.pull(steps)  # the last delta version: the first anchor and every delta
@@ -323,7 +365,8 @@ def _worker(src: Path, url: str, steps: int, threads: int, work: Path) -> dict:
         out["pull_chain_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         exact &= _digest(latest) == digests[steps - 1]
         del latest
-    out.update(pull_into_s=into_s, pull_into_median_s=statistics.median(into_s),
+    del dst
+    out.update(pull_into_s=into_s, pull_into_median_s=statistics.median(into_s), copy_paired_s=paired_s,
                peak_over_model=(max(peaks) - baseline) * 1024 / model)
     torch.set_num_threads(PULSE_THREADS)
     pulse = peers.FORMATS["pulse"]
@@ -443,6 +486,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def _paired(times: list[float], copies: list[float] | None) -> float | None:
+    """The median over calls of each call's time over the copy timed next to it."""
+    if not copies or len(copies) != len(times):
+        return None  # a result written before the paired copies were timed
+    return statistics.median(t / c for t, c in zip(times, copies))
+
+
 def summarize(mode: dict, copy: dict, clock: str = "wall") -> dict:
     """One mode's ratios from its roles' results and the memory copy's, in wall or CPU time."""
     pub, wk, anc = mode["publisher"], mode["worker"], mode["anchor"]
@@ -452,12 +502,14 @@ def summarize(mode: dict, copy: dict, clock: str = "wall") -> dict:
     h0 = pub.get("h0_bytes") or []
     return {
         "publish_over_copy": pub["delta_median_s"] / pc,
+        "publish_over_copy_paired": _paired(pub["delta_s"], pub.get("copy_paired_s")),
         "publish_over_pulse": pub["delta_median_s"] / pub["pulse_encode_median_s"],
         "pulse_encode_over_copy": pub["pulse_encode_median_s"] / pc,
         "first_anchor_over_copy": pub["first_anchor_s"] / pc,
         "anchor_publish_over_copy": pub["anchor_s"] / pc,
         "anchor_over_delta_publish": pub["anchor_s"] / pub["delta_median_s"],
         "pull_into_over_copy": wk["pull_into_median_s"] / wc,
+        "pull_into_over_copy_paired": _paired(wk["pull_into_s"], wk.get("copy_paired_s")),
         "pull_into_over_pulse": wk["pull_into_median_s"] / wk["pulse_apply_median_s"],
         "pulse_apply_over_copy": wk["pulse_apply_median_s"] / wc,
         "pull_into_anchor_over_copy": wk["pull_into_anchor_s"] / wc,
@@ -564,12 +616,14 @@ def _f(x, fmt: str = "{:.2f}") -> str:
 ROWS = [
     # (label, ratio key, goal key or None)
     ("delta publish / copy", "publish_over_copy", "publish_over_copy"),
+    ("delta publish / copy, paired", "publish_over_copy_paired", "publish_over_copy_paired"),
     ("delta publish / PULSE encode", "publish_over_pulse", None),
     ("PULSE encode / copy", "pulse_encode_over_copy", None),
     ("anchor publish (steady) / copy", "anchor_publish_over_copy", None),
     ("anchor publish / delta publish", "anchor_over_delta_publish", None),
     ("first publish (anchor) / copy", "first_anchor_over_copy", None),
     ("pull_into (delta) / copy", "pull_into_over_copy", "pull_into_over_copy"),
+    ("pull_into (delta) / copy, paired", "pull_into_over_copy_paired", "pull_into_over_copy_paired"),
     ("pull_into / PULSE decode+apply", "pull_into_over_pulse", None),
     ("PULSE decode+apply / copy", "pulse_apply_over_copy", None),
     ("pull_into (anchor) / copy", "pull_into_anchor_over_copy", None),

@@ -272,6 +272,9 @@ def test_perf_quick_end_to_end(tmp_path) -> None:
     pub = numpy_mode["publisher"]
     model = pub["model_bytes"]
     assert len(pub["delta_bytes"]) == 2 and all(0 < b < model // 10 for b in pub["delta_bytes"])
+    # a copy was timed next to every timed delta publish and pull_into (the paired ratios)
+    assert len(pub["copy_paired_s"]) == len(pub["delta_s"]) == 2
+    assert len(numpy_mode["worker"]["copy_paired_s"]) == len(numpy_mode["worker"]["pull_into_s"]) == 2
     assert 0.5 < r["delta_over_h0"] < 2.0  # the codec codes close to the order-0 estimate
     assert all(b > d for b, d in zip(pub["pulse_bytes"], pub["delta_bytes"]))
     assert 0.5 * model < pub["anchor_bytes"] < model
