@@ -301,6 +301,29 @@ def test_perf_quick_workload_is_a_sparse_adam_step(tmp_path) -> None:
     assert all(torch.equal(s0[k], s1[k]) for k in s0 if k.endswith("norm.weight"))
 
 
+def test_publish_budget_stages_encode_what_the_publish_stores(tmp_path) -> None:
+    """benchmarks.publish_budget on the quick workload: every stage timed every rep (all of
+    them with the kernels, the numpy path's otherwise), and the staged encode changes the same
+    elements and stores the same bytes as the publish (budget raises otherwise); no timing is
+    asserted."""
+    from safetensors.torch import load_file
+
+    from benchmarks.perf import quick_workload
+    from benchmarks.publish_budget import STAGES, budget, markdown
+
+    src = quick_workload(tmp_path, layers=1, d=64, steps=1)
+    old, new = (load_file(str(src / f"step_{i:04d}.safetensors")) for i in (0, 1))
+    res = budget(old, new, reps=2, threads=2)
+    changed = sum(int((old[k].view(torch.int16) != new[k].view(torch.int16)).sum()) for k in old)
+    assert res["elements_changed"] == changed > 0 and 0 < res["bytes_stored"] < res["model_bytes"] // 10
+    want = STAGES if res["native"] else ("copy", "segment", "publish")
+    assert tuple(res["stages"]) == want
+    for st in res["stages"].values():
+        assert len(st["wall_s"]) == len(st["cpu_s"]) == 2 and st["over_copy"] > 0
+    md = markdown({"workload": "quick", "step": 1, **res})
+    assert all(f"| {stage} |" in md for stage in want)
+
+
 def test_conditioned_coder_measurement_and_prototype_kernel(tmp_path) -> None:
     """benchmarks.conditioned on a synthetic bf16 chunk: the conditioned sizes are positive and
     add up, and the prototype kernel maps ranks back to exactly the changed positions."""
