@@ -14,8 +14,8 @@ import hashlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping
-from concurrent.futures import Executor, Future
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,20 +64,21 @@ PACK_TARGET_BYTES = 64 * 1024 * 1024
 #: publish (589 chunks, 3 interleaved pairs); a 16 MiB chunk stays a job of its own, and the
 #: last job is short enough (~2 ms of scan) not to leave a thread idle at the end.
 ENCODE_JOB_BYTES = 4 * 1024 * 1024
-#: Jobs in flight per encode thread: with many tiny tensors a short window starves the
-#: threads (MiniLM publish: 2 → 93 ms, 8 → 83 ms); memory stays bounded (chunks ≤ 16 MiB).
+#: Jobs submitted and not yet packed, per encode thread: with many tiny tensors a short window
+#: starves the threads (MiniLM publish: 2 → 93 ms, 8 → 83 ms); memory stays bounded (chunks ≤
+#: 16 MiB).
 IN_FLIGHT_PER_THREAD = 8
-#: A full in-flight window of a delta version is drained to 1/this of it (``drain`` in
-#: encode_version): the caller wakes once per half window, not per job, and the threads keep half
-#: a window queued. An anchor drains one job at a time: its results are full segments (~0.7× a
-#: chunk each), and holding half a window of them done at once raised the publisher's peak RSS
-#: after an anchor by ~0.1× the model (tf265m: 2.13 → 2.22 after the first anchor).
+#: With a full window of a delta version, the caller waits until all but 1/this of it is packed:
+#: it wakes once per half window, not per job, and the threads keep half a window queued. An
+#: anchor waits for one job at a time: its results are full segments (~0.7× a chunk each), and
+#: holding half a window of them done at once raised the publisher's peak RSS after an anchor by
+#: ~0.1× the model (tf265m: 2.13 → 2.22 after the first anchor).
 DRAIN_DIVISOR = 2
 #: Packs uploading at once per pack stream: overlaps the network with encoding while holding
 #: at most this many packs (× PACK_TARGET_BYTES) in memory.
 UPLOADS_IN_FLIGHT = 2
 #: A pack streamed to the store (:meth:`Store.begin_put`: local directories) is written in
-#: pieces of at least this many bytes as it fills, on the caller's thread between drains.
+#: pieces of at least this many bytes as it fills, by the encode thread packing the results.
 STREAM_WRITE_BYTES = 1024 * 1024
 #: Layouts whose per-layout work (:class:`_LayoutWork`) is remembered: a publisher encodes one
 #: layout version after version; a few cover the publishers of one process (ranks, sites, tests).
@@ -221,6 +222,69 @@ class _PackWriter:
             self._uploads.popleft().result()
 
 
+class _InOrder:
+    """Job results consumed in job order by the encode threads themselves: the thread that
+    finishes the next job in order consumes it and every later one already done (one consumer
+    at a time), so that the caller does not wake per job to pack results (design 006, session
+    25 addendum: ~5-9 % of a steady tf265m delta publish).
+
+    A job that raises, or a failing consume, stops consumption; :meth:`wait` raises the failure
+    of the lowest job index on the caller's thread."""
+
+    def __init__(self, consume: Callable[[list], None]):
+        self._consume = consume
+        self._cond = threading.Condition(threading.Lock())
+        self._ready: dict[int, list] = {}
+        self.consumed = 0  # jobs consumed, in order
+        self._busy = False  # a thread is consuming
+        self._failed: tuple[int, BaseException] | None = None
+        self._want = 0  # the caller waits until this many are consumed
+
+    def done(self, i: int, results: list) -> None:
+        """Job ``i``'s results (on the thread that ran it)."""
+        with self._cond:
+            if self._failed is not None:
+                return
+            self._ready[i] = results
+            if self._busy:
+                return  # the consuming thread takes it in turn
+            self._busy = True
+        while True:
+            with self._cond:
+                res = self._ready.pop(self.consumed, None)
+                if res is None or self._failed is not None:
+                    self._busy = False
+                    return
+            try:
+                self._consume(res)
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by wait()
+                self.fail(self.consumed, e)
+                with self._cond:
+                    self._busy = False
+                return
+            with self._cond:
+                self.consumed += 1
+                if self.consumed >= self._want:
+                    self._cond.notify_all()
+
+    def fail(self, i: int, e: BaseException) -> None:
+        """Job ``i`` failed with ``e``: nothing more is consumed."""
+        with self._cond:
+            if self._failed is None or i < self._failed[0]:
+                self._failed = (i, e)
+            self._ready.clear()
+            self._cond.notify_all()
+
+    def wait(self, n: int) -> None:
+        """Until ``n`` jobs are consumed; raises the failure of the lowest job index, if any."""
+        with self._cond:
+            self._want = n
+            while self.consumed < n and self._failed is None:
+                self._cond.wait()
+            if self._failed is not None:
+                raise self._failed[1]
+
+
 def chunk_jobs(specs: Mapping[str, TensorSpec]) -> list[list[tuple[int, int, str]]]:
     """``(tensor index, chunk index, name)`` in layout order, consecutive chunks grouped into
     jobs of about :data:`ENCODE_JOB_BYTES`."""
@@ -320,7 +384,8 @@ def encode_version(
             reference matches no version and the caller MUST drop it (SPEC §5 step 7).
         pool: encode threads; ``threads`` is its size (it sets how many chunks are in flight).
         uploader: threads for pack uploads (at least ``2 × UPLOADS_IN_FLIGHT`` to overlap
-            the delta and full pack streams).
+            the delta and full pack streams); not ``pool``: the encode thread packing the
+            results waits on uploads.
         store: where packs are uploaded (create-only, content-addressed).
         attempt: the commit attempt's id (schema 3): packs go under ``objects/<attempt>/``
             with their role; None writes schema-1/2 ``blobs/`` keys.
@@ -432,10 +497,9 @@ def encode_version(
     delta_packs = _PackWriter(store, uploader, attempt=attempt, role="d")
     full_packs = _PackWriter(store, uploader, attempt=attempt, role="f")
     window = threads * IN_FLIGHT_PER_THREAD
-    pending: deque[Future[list[_Encoded | None]]] = deque()
 
-    # The chunk table is built as results arrive, while the threads encode (results come in
-    # layout order, chunks by index, so a tensor's entry is complete when the next tensor's
+    # The chunk table is built as results are packed, while the threads encode (in layout
+    # order, chunks by index, so a tensor's entry is complete when the next tensor's
     # first chunk arrives). A delta chunk's entry is final at once; a full segment's pack
     # index moves past the delta packs, whose number is known only at the end, so an anchor's
     # entries are built then.
@@ -471,43 +535,57 @@ def encode_version(
             open_changed = True
         tensor_chunks.append(unchecked_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta))
 
-    def drain(limit: int) -> None:
+    def consume(results: list[_Encoded | None]) -> None:
         nonlocal elements_changed
-        if len(pending) <= limit:
-            return
-        # Take results down to ``limit // DRAIN_DIVISOR`` jobs in flight (a delta), waiting
-        # first on the newest of them: the threads take jobs in order, so the older ones are
-        # done or nearly (each .result() below still waits for its own), and the caller wakes
-        # about once per half window instead of once per job (each wake-up is a context switch
-        # and a GIL hand-off with the encode threads).
-        take = len(pending) - (limit // DRAIN_DIVISOR if kind == "delta" else limit)
-        pending[take - 1].exception()  # waits; a failure is raised below, in layout order
-        for _ in range(take):
-            for enc in pending.popleft().result():
-                if enc is None:
-                    continue
-                d = delta_packs.add(enc.delta, enc.delta_sha256) if enc.delta is not None else None
-                f = full_packs.add(enc.full, enc.full_sha256) if enc.full is not None else None
-                enc.delta = enc.full = None  # the bytes now live in the pack writers only
-                if d is not None:
-                    elements_changed += d.n_changed
-                if f is None:
-                    add_chunk(enc.tensor, enc.index, enc.digest, None, d)
-                else:  # every chunk of an anchor has a full segment: one path per version, in order
-                    with_full.append((enc, d, f))
+        for enc in results:
+            if enc is None:
+                continue
+            d = delta_packs.add(enc.delta, enc.delta_sha256) if enc.delta is not None else None
+            f = full_packs.add(enc.full, enc.full_sha256) if enc.full is not None else None
+            enc.delta = enc.full = None  # the bytes now live in the pack writers only
+            if d is not None:
+                elements_changed += d.n_changed
+            if f is None:
+                add_chunk(enc.tensor, enc.index, enc.digest, None, d)
+            else:  # every chunk of an anchor has a full segment: one path per version, in order
+                with_full.append((enc, d, f))
 
+    in_order = _InOrder(consume)
+
+    def run_job(i: int, group: list) -> None:
+        try:
+            results = [job(*j) for j in group]
+        except BaseException as e:  # noqa: BLE001 - raised by in_order.wait on the caller's thread
+            in_order.fail(i, e)
+            return
+        in_order.done(i, results)
+
+    # The results are packed in layout order by the encode threads (_InOrder); this thread
+    # submits jobs, keeping at most ``window`` not yet packed (a delta: waits until half of
+    # them are, so that it wakes once per half window, not per job; an anchor: one at a time,
+    # its results being full segments: ~0.7x a chunk each).
+    running: list[Future[None]] = []
     try:
-        for group in work.jobs:
+        n = len(work.jobs)
+        for i, group in enumerate(work.jobs):
             for j in group:
                 views(j[2])
-            pending.append(pool.submit(lambda g: [job(*j) for j in g], group))
-            drain(window)
-        drain(0)
+            running.append(pool.submit(run_job, i, group))
+            if i + 1 - in_order.consumed > window:
+                in_order.wait(i + 1 - (window // DRAIN_DIVISOR if kind == "delta" else window))
+        in_order.wait(n)
+        for f in running:  # (the last consumer leaves the pack writers before its job returns)
+            f.result()
         delta_packs.finish()
         full_packs.finish()
-    except BaseException:
-        # a pack being streamed is dropped (its temp file removed); packs already stored are
-        # orphans of this attempt, collected as any failed attempt's (SPEC §11)
+    except BaseException as e:
+        # No encode thread is left in the pack writers (consumption stopped, every job ended);
+        # then a pack being streamed is dropped (its temp file removed); packs already stored
+        # are orphans of this attempt, collected as any failed attempt's (SPEC §11).
+        in_order.fail(-1, e)
+        for f in running:
+            f.cancel()
+        wait(running)
         delta_packs.abort()
         full_packs.abort()
         raise

@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deltastore import Publisher, StorageError, Subscriber, encode
 from deltastore.codec import Segment
@@ -204,6 +206,78 @@ def test_a_failed_chunk_job_raises_its_own_error_after_the_window_is_drained(tmp
     with pytest.raises(RuntimeError, match="tensor 5"):
         _encode_steady(tmp_path, "fails", threads=2)
     assert (5, 1) in seen
+
+
+# --- results packed in job order by the encode threads (encode._InOrder, session 25) ----------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(list(range(12))))
+def test_in_order_consumes_every_result_in_job_order_whatever_order_jobs_end(order):
+    got: list[int] = []
+    seq = encode._InOrder(lambda res: got.extend(res))
+    for i in order:
+        seq.done(i, [i])
+        assert got == list(range(len(got)))  # never ahead of a job that has not ended
+    seq.wait(12)
+    assert got == list(range(12)) and seq.consumed == 12
+
+
+def test_in_order_one_consumer_at_a_time_across_threads():
+    import random
+    import threading
+
+    n, inside, overlaps, got = 400, [0], [0], []
+    lock = threading.Lock()
+
+    def consume(res):
+        with lock:
+            inside[0] += 1
+            overlaps[0] += inside[0] > 1
+        time.sleep(random.random() * 1e-4)
+        got.extend(res)
+        with lock:
+            inside[0] -= 1
+
+    seq = encode._InOrder(consume)
+
+    def job(i):
+        time.sleep(random.random() * 2e-4)
+        seq.done(i, [i])
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(job, range(n)))
+    seq.wait(n)
+    assert got == list(range(n)) and overlaps[0] == 0
+
+
+def test_in_order_a_failed_job_stops_packing_at_it_and_the_lowest_failure_is_raised():
+    got: list[int] = []
+    seq = encode._InOrder(lambda res: got.extend(res))
+    for i in (0, 1, 3, 4):
+        seq.done(i, [i])
+    seq.fail(5, RuntimeError("job 5"))
+    seq.fail(2, ValueError("job 2"))  # a lower job's failure wins, whichever is seen first
+    seq.done(6, [6])
+    with pytest.raises(ValueError, match="job 2"):
+        seq.wait(7)
+    assert got == [0, 1]  # nothing at or after the failed job was packed
+
+
+def test_in_order_a_failing_consume_is_raised_and_nothing_after_it_is_packed():
+    got: list[int] = []
+
+    def consume(res):
+        if res == [3]:
+            raise OSError("pack write failed (injected)")
+        got.extend(res)
+
+    seq = encode._InOrder(consume)
+    for i in range(6):
+        seq.done(i, [i])
+    with pytest.raises(OSError, match="injected"):
+        seq.wait(6)
+    assert got == [0, 1, 2]
 
 
 def test_a_failed_version_leaves_no_half_streamed_pack(tmp_path, monkeypatch):
