@@ -564,7 +564,8 @@ def encode_version(
     # submits jobs, keeping at most ``window`` not yet packed (a delta: waits until half of
     # them are, so that it wakes once per half window, not per job; an anchor: one at a time,
     # its results being full segments: ~0.7x a chunk each).
-    running: list[Future[None]] = []
+    running: deque[Future[None]] = deque()  # submitted and maybe not ended (ended ones dropped:
+    # a Future is ~11 objects the cyclic collector tracks, design 006 "The cyclic collector")
     try:
         n = len(work.jobs)
         for i, group in enumerate(work.jobs):
@@ -573,6 +574,8 @@ def encode_version(
             running.append(pool.submit(run_job, i, group))
             if i + 1 - in_order.consumed > window:
                 in_order.wait(i + 1 - (window // DRAIN_DIVISOR if kind == "delta" else window))
+                while running and running[0].done():
+                    running.popleft()
         in_order.wait(n)
         for f in running:  # (the last consumer leaves the pack writers before its job returns)
             f.result()
