@@ -226,7 +226,7 @@ class _InOrder:
     """Job results consumed in job order by the encode threads themselves: the thread that
     finishes the next job in order consumes it and every later one already done (one consumer
     at a time), so that the caller does not wake per job to pack results (design 006, session
-    25 addendum: ~5-9 % of a steady tf265m delta publish).
+    25 addendum: ~8-11 % of a steady tf265m delta publish).
 
     A job that raises, or a failing consume, stops consumption; :meth:`wait` raises the failure
     of the lowest job index on the caller's thread."""
