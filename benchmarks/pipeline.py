@@ -23,13 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
-
-
-def _reset_peak() -> None:
-    """Restart VmHWM from the current RSS (Linux ≥ 4.0), to measure the steady state alone."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _role(role: str, workload: str, url: str, threads: int) -> dict:

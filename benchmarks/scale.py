@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
 from deltastore import Publisher, Subscriber
 from deltastore.select import ROW_PARALLEL, Selection
@@ -332,8 +333,7 @@ def _timed(fn: Any, model: int) -> tuple[Any, float, float, float]:
     """``fn()``, its wall time, the rise of peak RSS (VmHWM, restarted from the current RSS
     through /proc/self/clear_refs) above the RSS before it, in units of ``model`` bytes, and its
     CPU time (every thread of the process: what other jobs on a shared machine disturb least)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    _reset_peak()
     before = _status_kb("VmRSS")
     t, c = time.perf_counter(), time.process_time()
     out = fn()

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
 
 WAYS = ("naive", "bf16+copy", "backend")
@@ -56,8 +57,7 @@ def _probe(way: str, params: int, syncs: int, store: str) -> dict:
             for p in model.values():
                 p.add_(torch.randn_like(p), alpha=1e-5)  # an RL-sized update: most bf16 bits stay
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    _reset_peak()
     base = _status_kb("VmRSS")
     t0 = time.perf_counter()
     if way == "backend":
