@@ -271,8 +271,9 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
         out["first_anchor_peak_over_model"] = (_status_kb("VmHWM") - baseline) * 1024 / model
         for s in range(1, steps):
             _load_into(src, s, state)
-            # the paired copy before the digest: its single-threaded pass lets torch's OpenMP
-            # threads, spinning after the copy, go idle before the publish is timed
+            # the paired copy before the digest, not right before the publish: timed just after
+            # a copy, a publish measured 1-10 % slower (two in-process A/B runs); with the digest
+            # between them, not (0.97)
             paired_s.append(_paired_copy(state, dst, threads))
             digests.append(_digest(state))
             _reset_peak()  # the benchmark's own file reads are not the publisher's memory
