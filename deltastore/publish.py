@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from deltastore.commit import CommitProtocol, now, put_immutable
-from deltastore.encode import UPLOADS_IN_FLIGHT, encode_version
+from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     ConflictError,
     InvalidStateDictError,
@@ -335,6 +335,7 @@ class Publisher:
         self._history = History(self.store)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")
+        self._layout_works = LayoutWorks()  # the chunk jobs of the layouts encoded, kept across versions
         # The last committed state as this publisher wrote it (None until its first commit),
         # with the bit views encode_version made of its tensors (see the property below).
         self._reference = None
@@ -591,7 +592,7 @@ class Publisher:
                 state, specs, kind=kind, reference=self._reference if has_base else None,
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=attempt, reference_bits=self._reference_bits if has_base else None,
-                gathered=gathered,
+                gathered=gathered, layouts=self._layout_works,
             )
             if (skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0
                     and self._commits.head_is_current()):

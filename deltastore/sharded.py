@@ -72,7 +72,7 @@ import torch
 
 from deltastore import errors as _errors
 from deltastore.commit import now, put_immutable
-from deltastore.encode import UPLOADS_IN_FLIGHT, encode_version
+from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     CorruptObjectError,
     DeltastoreError,
@@ -601,6 +601,7 @@ class ShardedPublisher:
         self.url = self.store.url
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-upload")
+        self._layout_works = LayoutWorks()  # the chunk jobs of the layouts encoded, kept across versions
 
     # --- collectives ------------------------------------------------------------------------
 
@@ -1379,7 +1380,7 @@ class ShardedPublisher:
         self._fresh = None
         encoded = encode_version(state, specs, kind=plan.kind, reference=reference, pool=self._pool,  # type: ignore[arg-type]
                                  uploader=self._uploader, store=self.store, threads=self.threads, attempt=plan.attempt,
-                                 gathered=gathered)
+                                 gathered=gathered, layouts=self._layout_works)
         if reference is None:
             self._fresh = (specs, gathered)
         if plan.kind == "anchor":

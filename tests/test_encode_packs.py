@@ -170,25 +170,39 @@ def test_chunk_jobs_group_consecutive_chunks_up_to_the_job_size(monkeypatch):
 
 
 def test_layout_work_is_made_once_per_layout_and_anew_for_another(monkeypatch):
-    """encode_version's per-layout work (jobs with their spans, dtype kinds, totals) is kept
-    across versions of one layout (found by equal specs) and made anew for any other layout
-    or job size (session 22, task BK)."""
+    """encode_version's per-layout work (jobs with their spans, dtype kinds, totals) is kept by
+    the encoder's LayoutWorks across versions of one layout (found by equal specs) and made anew
+    for any other layout or job size (session 22, task BK; per encoder since session 25)."""
     from deltastore.tensors import TensorSpec
 
-    monkeypatch.setattr(encode, "_layout_work", type(encode._layout_work)(maxlen=encode.LAYOUT_WORK_MAX))
+    works = encode.LayoutWorks()
     a = {"a": TensorSpec("a", "bfloat16", (10, 512), 2), "b": TensorSpec("b", "int32", (3, 7), 1)}
-    work = encode._work_for(a)
-    assert encode._work_for(dict(a)) is work  # same specs: the same work
-    assert encode._work_for({n: TensorSpec(s.name, s.dtype, s.shape, s.chunk_rows) for n, s in a.items()}) is work
+    work = works(a)
+    assert works(dict(a)) is work  # same specs: the same work
+    assert works({n: TensorSpec(s.name, s.dtype, s.shape, s.chunk_rows) for n, s in a.items()}) is work
+    assert encode.LayoutWorks()(a) is not work  # another encoder's: its own
     assert [c for job in work.jobs for c in job] == [
         (0, ci, "a", ci * 1024, ci * 1024 + 1024) for ci in range(5)] + [(1, ci, "b", ci * 7, ci * 7 + 7) for ci in range(3)]
     assert work.floating == {"a": True, "b": False} and work.elements_total == 5141
     # another chunking of one tensor, or another job size: new jobs, as chunk_jobs cuts them
     b = {**a, "a": TensorSpec("a", "bfloat16", (10, 512), 5)}
-    assert [[c[:3] for c in job] for job in encode._work_for(b).jobs] == encode.chunk_jobs(b)
-    assert [c[3:] for job in encode._work_for(b).jobs for c in job][:2] == [(0, 2560), (2560, 5120)]
+    assert [[c[:3] for c in job] for job in works(b).jobs] == encode.chunk_jobs(b)
+    assert [c[3:] for job in works(b).jobs for c in job][:2] == [(0, 2560), (2560, 5120)]
     monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", 1)
-    assert len(encode._work_for(a).jobs) == 8 and len(work.jobs) == 1
+    assert len(works(a).jobs) == 8 and len(work.jobs) == 1
+
+
+def test_a_publisher_makes_its_layout_work_once(tmp_path, monkeypatch):
+    """A publisher's versions of one layout reuse the jobs of the first (its LayoutWorks)."""
+    made = []
+    real = encode.chunk_jobs
+    monkeypatch.setattr(encode, "chunk_jobs", lambda specs: made.append(1) or real(specs))
+    state = small_state()
+    with Publisher(str(tmp_path / "store"), threads=2) as pub:
+        for step in range(4):
+            pub.publish(state, step=step)
+            state = sparse_edit(state, np.random.default_rng(step))
+    assert len(made) == 1
 
 
 def test_a_failed_chunk_job_raises_its_own_error_after_the_window_is_drained(tmp_path, monkeypatch):

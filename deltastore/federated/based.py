@@ -25,7 +25,7 @@ import torch
 
 from deltastore.apply import ReadEngine
 from deltastore.commit import CommitProtocol, now, put_immutable
-from deltastore.encode import UPLOADS_IN_FLIGHT, encode_version
+from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     DeltastoreError,
     IntegrityError,
@@ -145,6 +145,7 @@ class BasedWriter:
         self._layout: tuple[Layout, ObjectRef] | None = None  # the newest version's layout object
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-site-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-site-upload")
+        self._layout_works = LayoutWorks()  # the chunk jobs of the layouts encoded, kept across rounds
 
     @property
     def version(self) -> int:
@@ -188,6 +189,7 @@ class BasedWriter:
         encoded = encode_version(
             {n: state[n] for n in base.specs}, dict(base.specs), kind="delta", reference=reference,
             pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads, attempt=attempt,
+            layouts=self._layout_works,
         )
         layout_ref = self._layout_ref(attempt, layout, head)
         created = now()
