@@ -184,10 +184,7 @@ def _time_copy(state: dict, threads: int) -> dict:
         torch.set_num_threads(nt)
         times = by_threads[nt] = []
         for _ in range(COPY_REPEATS):
-            t0 = _now()
-            for k, v in state.items():
-                dst[k].copy_(v)
-            times.append(_since(t0))
+            times.append(_copy_into(state, dst))
     del dst
     best = min(by_threads, key=lambda nt: statistics.median(by_threads[nt]))
     t0 = _now()
@@ -208,6 +205,14 @@ def _resident_like(src: Path) -> dict:
     return {k: torch.zeros_like(v) for k, v in _load(src, 0).items()}
 
 
+def _copy_into(src: dict, dst: dict) -> Dur:
+    """The time of one ``copy_`` of every tensor of ``src`` into ``dst``."""
+    t0 = _now()
+    for k, v in src.items():
+        dst[k].copy_(v)
+    return _since(t0)
+
+
 def _paired_copy(src: dict, dst: dict, threads: int) -> Dur:
     """One ``copy_`` of every tensor of ``src`` into ``dst`` (preallocated, faulted in), torch on
     one thread and on ``threads``, the faster: the denominator timed next to each measured call."""
@@ -216,10 +221,7 @@ def _paired_copy(src: dict, dst: dict, threads: int) -> Dur:
     best: Dur | None = None
     for nt in sorted({1, threads}):
         torch.set_num_threads(nt)
-        t0 = _now()
-        for k, v in src.items():
-            dst[k].copy_(v)
-        d = _since(t0)
+        d = _copy_into(src, dst)
         best = d if best is None or d < best else best
     torch.set_num_threads(threads)
     assert best is not None

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -52,37 +51,29 @@ def _tmp_root() -> str | None:
     return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
-    from deltastore.tensors import bits
-
-    return bits(t).reshape(-1)
-
-
 def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: int, threads: int) -> dict:
     """Time every stage ``reps`` times, interleaved; the step ``old`` → ``new``."""
     from deltastore import Publisher
     from deltastore.codec import _kernels
     from deltastore.codec.delta import _DIGEST_IF_CHANGED, _DIGEST_NONE
-    from deltastore.encode import chunk_jobs, encode_chunk
-    from deltastore.tensors import CHUNK_TARGET_BYTES, spec_for, torch_dtype
+    from deltastore.encode import LayoutWorks, encode_chunk
+    from deltastore.tensors import CHUNK_TARGET_BYTES, bits, spec_for
 
     torch.set_num_threads(threads)
     native = _kernels.encode_add is not None
-    root = tempfile.mkdtemp(prefix="ds-budget-", dir=_tmp_root())
-    try:
+    with tempfile.TemporaryDirectory(prefix="ds-budget-", dir=_tmp_root()) as root, \
+            Publisher(str(Path(root) / "store"), threads=threads) as pub, \
+            ThreadPoolExecutor(threads, thread_name_prefix="budget") as pool:
         state = {k: v.clone() for k, v in old.items()}  # the trainer's tensors
         dst = {k: torch.zeros_like(v) for k, v in old.items()}  # the copy's destination
-        pub = Publisher(str(Path(root) / "store"), threads=threads)
         pub.publish(state, step=0)  # the anchor: the publisher's reference is now ``old``
         # The staged encode: the publisher's chunks (an ungrouped layout: spec_for with the
         # publisher's settings, checked below against what the publish stores), its jobs.
-        specs = {n: spec_for(n, t, CHUNK_TARGET_BYTES, pub.slice_align) for n, t in old.items()}
-        floating = {n: torch_dtype(sp.dtype).is_floating_point for n, sp in specs.items()}
-        jobs = [[(ti, ci, name, *specs[name].chunk_span(ci)) for ti, ci, name in group] for group in chunk_jobs(specs)]
-        ref = {k: _bits(v.clone()) for k, v in old.items()}
-        old_bits = {k: _bits(v) for k, v in old.items()}
-        new_bits = {k: _bits(v) for k, v in new.items()}
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="budget")
+        work = LayoutWorks()({n: spec_for(n, t, CHUNK_TARGET_BYTES, pub.slice_align) for n, t in old.items()})
+        floating = work.floating
+        ref = {k: bits(v.clone()) for k, v in old.items()}
+        old_bits = {k: bits(v) for k, v in old.items()}
+        new_bits = {k: bits(v) for k, v in new.items()}
 
         def staged(stage: str) -> tuple[Dur, int, int]:
             for k, r in ref.items():  # the reference back at ``old`` (not timed)
@@ -103,7 +94,7 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
                 return changed, stored
 
             t0 = _now()
-            results = list(pool.map(job, jobs))
+            results = list(pool.map(job, work.jobs))
             return _since(t0), sum(c for c, _ in results), sum(s for _, s in results)
 
         times: dict[str, list[Dur]] = {s: [] for s in STAGES}
@@ -129,10 +120,6 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
                     times["publish"].append(_since(t0))
                     check["changed"].add(info.elements_changed)
                     check["stored"].add(info.bytes_stored)
-        pool.shutdown()
-        pub.close()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     if len(check["changed"]) != 1 or len(check["stored"]) != 1:
         raise AssertionError(f"the staged encode and the publish disagree: elements changed {sorted(check['changed'])}, "
                              f"bytes stored {sorted(check['stored'])}")

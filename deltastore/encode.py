@@ -583,9 +583,7 @@ def encode_version(
                 in_order.wait(i + 1 - (window // DRAIN_DIVISOR if kind == "delta" else window))
                 while running and running[0].done():
                     running.popleft()
-        in_order.wait(n)
-        for f in running:  # (the last consumer leaves the pack writers before its job returns)
-            f.result()
+        in_order.wait(n)  # every result packed: no encode thread is in the pack writers now
         delta_packs.finish()
         full_packs.finish()
     except BaseException as e:
