@@ -253,7 +253,8 @@ def test_constant_planes_are_stored_as_one_byte():
 def test_a_plane_is_stored_as_the_smallest_of_const_zstd_raw(size, shape, seed):
     """Every plane, small (looked at as bytes) or not (numpy reductions), gets the section the
     rule names: CONST when all bytes are equal, else ZSTD when at least MIN_ZSTD_INPUT bytes
-    compress smaller, else RAW (session 22, task BK: the small-plane path chooses the same)."""
+    compress smaller, else RAW (session 22, task BK: the small-plane path chooses the same;
+    session 26: so does the path for planes held as bytes, the native delta encoder's)."""
     from deltastore.codec import planes
     from deltastore.codec.container import KIND_CONST, KIND_RAW, KIND_ZSTD
 
@@ -276,6 +277,8 @@ def test_a_plane_is_stored_as_the_smallest_of_const_zstd_raw(size, shape, seed):
         want = (KIND_ZSTD, z)
     else:
         want = (KIND_RAW, plane.tobytes())
+    assert (kind, bytes(stored), raw) == (*want, size)
+    [(kind, stored, raw)] = planes.encode_byte_sections([plane.tobytes()], None)
     assert (kind, bytes(stored), raw) == (*want, size)
 
 

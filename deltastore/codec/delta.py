@@ -47,6 +47,7 @@ from deltastore.codec.planes import (
     check_dtype,
     check_values,
     decode_sections,
+    encode_byte_sections,
     encode_sections,
     join,
     pack_nibbles,
@@ -464,20 +465,20 @@ def _add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: 
         zz = unpack_nibbles(np.frombuffer(codes, dtype=np.uint8), k, ADD.sparse).astype(UINT[width])
         zz[zz == NIBBLE_ESCAPE] = esc_w
         return encode_changes(ADD, count, width, pos, unzigzag(zz), None, level)
-    # (the arrays of empty escape streams are not made: this runs per changed chunk)
+    # The planes as bytes, no numpy (this runs per changed chunk): byte b of each little-endian
+    # element (the kernels run on little-endian hosts only) is the slice [b::element width].
+    # The same planes as _add_positions / _add_values, so the same sections (tests/test_native.py).
+    planes = [syms]
+    gw = 1
     if rest:
-        rest_u32 = np.frombuffer(rest, dtype=UINT[4])
         gw = _gap_width(max_rest)
-        p = _Coded([sym, *split(rest_u32.astype(UINT[gw]))], param=gw, n_escaped=int(rest_u32.size))
-    else:
-        p = _Coded([sym], param=1)
-    packed = np.frombuffer(codes, dtype=np.uint8)
+        planes += [rest[b::4] for b in range(gw)]  # each rest < 2**(8 gw): its low gw bytes
+    planes.append(codes)
     if esc:
-        esc_w = np.frombuffer(esc, dtype=UINT[width])
-        v = _Coded([packed, *split(esc_w)], n_escaped=int(esc_w.size))
-    else:
-        v = _Coded([packed])
-    return _sparse_segment(ADD, count, width, k, p, v, level)
+        planes += [esc[b::width] for b in range(width)]
+    return Segment(ADD.sparse, pack(ADD.sparse, width=width, count=count, n_changed=k, param=gw,
+                                    aux=len(rest) // 4, n_escaped=len(esc) // width,
+                                    sections=encode_byte_sections(planes, level)), k)
 
 
 def _encode_delta_xor(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL) -> Segment | None:
