@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any, TypeVar
 
@@ -321,12 +321,12 @@ def _coalesce(refs: list[SegmentRef], gap: int = COALESCE_GAP_BYTES, max_run: in
 
 class _Prefetch(Iterator[_T]):
     """An iterator over a prefetching generator that ends the prefetch when closed, also when
-    it was never started (a generator's ``close`` before its first ``next`` skips its body,
-    so its ``with`` block would not wait for the fetch already in flight)."""
+    it was never started: the fetch in flight (``inflight[0]``, which the generator replaces as
+    it submits the next) is cancelled or waited for, so no fetch outlives the iterator."""
 
-    def __init__(self, gen: Iterator[_T], pool: ThreadPoolExecutor):
+    def __init__(self, gen: Iterator[_T], inflight: list[Future[Any]]):
         self._gen = gen
-        self._pool = pool
+        self._inflight = inflight
 
     def __iter__(self) -> Self:
         return self
@@ -336,7 +336,9 @@ class _Prefetch(Iterator[_T]):
 
     def close(self) -> None:
         self._gen.close()  # type: ignore[attr-defined]
-        self._pool.shutdown(wait=True)
+        f = self._inflight[0]
+        f.cancel()
+        wait([f])
 
 
 class _Target:
@@ -390,6 +392,9 @@ class ReadEngine:
     def __init__(self, store: Store, threads: int):
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltastore-decode")
         self.io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
+        # fetch_batches' next batch, fetched while the current one is applied: one thread for
+        # the engine's life (starting threads per pull was ~0.5-0.8 ms of a pull's serial start)
+        self.ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch")
         self.fetcher = _Fetcher(store, self.io)
         self._local = threading.local()  # per decode thread: the staging scratch buffer
 
@@ -400,6 +405,7 @@ class ReadEngine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.ahead.shutdown(wait=True)
         self.io.shutdown(wait=True)
 
     def materialize(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], out: dict[str, torch.Tensor],
@@ -522,19 +528,16 @@ class ReadEngine:
                                       check_on_read=check_on_read)
             return data, errors
 
-        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch")
-        first = ahead.submit(fetch, batches[0])
+        inflight = [self.ahead.submit(fetch, batches[0])]  # the batch being fetched (one at a time)
 
         def run() -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
-            with ahead:
-                nxt = first
-                for i, batch in enumerate(batches):
-                    data, errors = nxt.result()
-                    if i + 1 < len(batches):
-                        nxt = ahead.submit(fetch, batches[i + 1])
-                    yield batch, data, errors
+            for i, batch in enumerate(batches):
+                data, errors = inflight[0].result()
+                if i + 1 < len(batches):
+                    inflight[0] = self.ahead.submit(fetch, batches[i + 1])
+                yield batch, data, errors
 
-        return _Prefetch(run(), ahead)
+        return _Prefetch(run(), inflight)
 
     def check_base(
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],

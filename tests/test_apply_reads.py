@@ -6,6 +6,7 @@ modified target through."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,21 +83,51 @@ def test_the_pack_is_read_while_the_kept_chunks_are_hashed(tmp_path: Path, monke
     assert_bits_equal(target, states[2])
 
 
-def test_a_modified_kept_chunk_stops_the_read_and_writes_nothing(tmp_path: Path) -> None:
+def test_a_modified_kept_chunk_stops_the_read_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kept chunk modified since the pull: TargetModifiedError while the pack is in flight,
-    nothing applied, and no prefetch thread left behind."""
+    nothing applied, and no fetch left running behind the error (the prefetch thread, one per
+    subscriber, ends with it)."""
     url = str(tmp_path / "store")
     states = _history(url)
-    with Subscriber(url, threads=2) as sub:
+    lock = threading.Lock()
+    running = [0, 0]  # pack reads in flight, pack reads started
+    started = threading.Event()
+
+    class Packs(WrappedStore):
+        def get(self, key: str, *, byte_range=None) -> bytes:
+            if not key.endswith(".pack"):
+                return super().get(key, byte_range=byte_range)
+            with lock:
+                running[0] += 1
+                running[1] += 1
+            started.set()
+            try:
+                time.sleep(0.05)  # still in flight when the kept chunk's check fails
+                return super().get(key, byte_range=byte_range)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+    check_kept = ReadEngine.check_kept
+
+    def once_reading(self, *args, **kwargs):  # the check fails while the pack read runs
+        assert started.wait(timeout=10)
+        return check_kept(self, *args, **kwargs)
+
+    with open_store(url) as inner, Subscriber(url, store=Packs(inner), threads=2) as sub:
         target = sub.pull(1)
         kept = "extra.scale"  # 0-d and constant: kept by every delta of this history
         target[kept].add_(1.0)
         before = snapshot(target)
+        reads = running[1]
+        started.clear()
+        monkeypatch.setattr(ReadEngine, "check_kept", once_reading)
         with pytest.raises(TargetModifiedError, match=kept):
             sub.pull_into(target, version=3)
+        assert running[1] > reads and running[0] == 0  # the pack read began, and ended before the raise
         assert_bits_equal(target, before)
         assert sub.version == 1
-        assert not [t for t in threading.enumerate() if t.name.startswith("deltastore-prefetch") and t.is_alive()]
+    assert not [t for t in threading.enumerate() if t.name.startswith("deltastore-prefetch") and t.is_alive()]
     assert states
 
 

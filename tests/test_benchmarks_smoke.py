@@ -318,10 +318,12 @@ def test_publish_budget_stages_encode_what_the_publish_stores(tmp_path) -> None:
     assert res["elements_changed"] == changed > 0 and 0 < res["bytes_stored"] < res["model_bytes"] // 10
     want = STAGES if res["native"] else ("copy", "segment", "publish")
     assert tuple(res["stages"]) == want
-    for st in res["stages"].values():
+    assert tuple(res["writes"]) == ("write_fresh", "write_reused")  # the store-write references
+    for st in (*res["stages"].values(), *res["writes"].values()):
         assert len(st["wall_s"]) == len(st["cpu_s"]) == 2 and st["over_copy"] > 0
     md = markdown({"workload": "quick", "step": 1, **res})
     assert all(f"| {stage} |" in md for stage in want)
+    assert "| into a new file (fresh pages) |" in md and "| over an existing file |" in md
 
 
 def test_conditioned_coder_measurement_and_prototype_kernel(tmp_path) -> None:
