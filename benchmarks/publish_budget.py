@@ -18,6 +18,14 @@ machine's state of the moment):
 * **publish**: ``Publisher.publish`` of the step to a local store on tmpfs: the above plus the
   packs (appended, SHA-256, written as they fill), the chunk table, the manifest and the commit.
 
+Two store writes are timed per rep beside the stages, as references (not stages): the bytes a
+publish stores (``bytes_stored``) written in the pack writer's pieces into a **new** file next
+to the store (fresh page-cache pages, as every pack write takes) and **rewritten** over an
+existing file of that size (pages already there). Their difference is what allocating fresh
+pages costs this machine per publish: on a guest whose hypervisor reclaims freed memory (virtio
+free page reporting) a page not touched for a while costs a fault on the host as well
+(design 006, session 26 addendum).
+
 Each stage's figure is the median over reps of its time over the copy of the same rep (wall
 and CPU time of all threads). The stage before it subtracted gives what that piece costs. The
 staged encode is checked against the publish: the same elements changed and the same bytes
@@ -45,10 +53,26 @@ from benchmarks.perf import Dur, _now, _paired_copy, _since
 DEFAULT_WORKLOAD = "tf265m-rl-1e-6"
 RESULTS = Path(__file__).resolve().parent / "results"
 STAGES = ("copy", "scan", "digest", "segment", "publish")
+WRITES = ("write_fresh", "write_reused")  # references timed beside the stages (module doc)
 
 
 def _tmp_root() -> str | None:
     return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
+def _write(path: Path, payload: bytes, piece: int) -> Dur:
+    """Write ``payload`` to ``path`` (created, or overwritten in place) in ``piece``-byte
+    writes and fsync it, as a local store's streamed pack write does."""
+    t0 = _now()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(payload)
+        for off in range(0, len(view), piece):
+            os.pwrite(fd, view[off:off + piece], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return _since(t0)
 
 
 def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: int, threads: int) -> dict:
@@ -56,7 +80,7 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
     from deltastore import Publisher
     from deltastore.codec import _kernels
     from deltastore.codec.delta import _DIGEST_IF_CHANGED, _DIGEST_NONE
-    from deltastore.encode import LayoutWorks, encode_chunk
+    from deltastore.encode import STREAM_WRITE_BYTES, LayoutWorks, encode_chunk
     from deltastore.tensors import CHUNK_TARGET_BYTES, bits, spec_for
 
     torch.set_num_threads(threads)
@@ -97,10 +121,11 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
             results = list(pool.map(job, work.jobs))
             return _since(t0), sum(c for c, _ in results), sum(s for _, s in results)
 
-        times: dict[str, list[Dur]] = {s: [] for s in STAGES}
+        times: dict[str, list[Dur]] = {s: [] for s in STAGES + WRITES}
         check: dict[str, set] = {"changed": set(), "stored": set()}
         step = 0
-        for _ in range(reps):
+        payload = b""  # bytes_stored bytes, made at the first rep (the writes' references)
+        for rep in range(reps):
             times["copy"].append(_paired_copy(new, dst, threads))
             for stage in ("scan", "digest", "segment") if native else ("segment",):
                 d, changed, stored = staged(stage)
@@ -120,6 +145,11 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
                     times["publish"].append(_since(t0))
                     check["changed"].add(info.elements_changed)
                     check["stored"].add(info.bytes_stored)
+                    if not payload:
+                        payload = os.urandom(info.bytes_stored)
+                        _write(Path(root) / "reused", payload, STREAM_WRITE_BYTES)  # its pages, once
+            times["write_fresh"].append(_write(Path(root) / f"fresh-{rep}", payload, STREAM_WRITE_BYTES))
+            times["write_reused"].append(_write(Path(root) / "reused", payload, STREAM_WRITE_BYTES))
     if len(check["changed"]) != 1 or len(check["stored"]) != 1:
         raise AssertionError(f"the staged encode and the publish disagree: elements changed {sorted(check['changed'])}, "
                              f"bytes stored {sorted(check['stored'])}")
@@ -127,11 +157,12 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
                  "model_bytes": sum(v.numel() * v.element_size() for v in old.values()),
                  "elements_changed": check["changed"].pop(), "bytes_stored": check["stored"].pop(), "stages": {}}
     copy = times["copy"]
-    for stage in STAGES:
+    out["writes"] = {}
+    for stage in STAGES + WRITES:
         ts = times[stage]
         if not ts:
             continue
-        out["stages"][stage] = {
+        out["writes" if stage in WRITES else "stages"][stage] = {
             "wall_s": [float(t) for t in ts], "cpu_s": [t.cpu for t in ts],
             "median_ms": statistics.median(ts) * 1e3, "median_cpu_ms": statistics.median(t.cpu for t in ts) * 1e3,
             "over_copy": statistics.median(t / c for t, c in zip(ts, copy)),
@@ -156,6 +187,14 @@ def markdown(res: dict) -> str:
         lines.append(f"| {stage} | {s['median_ms']:.1f} / {s['median_cpu_ms']:.1f} | {s['over_copy']:.2f} | "
                      f"{s['over_copy_cpu']:.2f} | {added} |")
         prev = s["over_copy"]
+    if res.get("writes"):
+        lines += ["", f"References (not stages): the {res['bytes_stored']:,} stored bytes written to the store's "
+                  "file system, as the pack writes are.", "",
+                  "| write | ms (wall / CPU, median) | / copy (wall) | / copy (CPU) |", "|---|---|---|---|"]
+        for name, label in (("write_fresh", "into a new file (fresh pages)"), ("write_reused", "over an existing file")):
+            w = res["writes"][name]
+            lines.append(f"| {label} | {w['median_ms']:.1f} / {w['median_cpu_ms']:.1f} | {w['over_copy']:.2f} | "
+                         f"{w['over_copy_cpu']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
