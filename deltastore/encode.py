@@ -73,7 +73,7 @@ IN_FLIGHT_PER_THREAD = 8
 #: anchor waits for one job at a time: its results are full segments (~0.7× a chunk each), and
 #: holding half a window of them done at once raised the publisher's peak RSS after an anchor by
 #: ~0.1× the model (tf265m: 2.13 → 2.22 after the first anchor).
-DRAIN_DIVISOR = 2
+WAIT_DIVISOR = 2
 #: Packs uploading at once per pack stream: overlaps the network with encoding while holding
 #: at most this many packs (× PACK_TARGET_BYTES) in memory.
 UPLOADS_IN_FLIGHT = 2
@@ -580,7 +580,7 @@ def encode_version(
                 views(j[2])
             running.append(pool.submit(run_job, i, group))
             if i + 1 - in_order.consumed > window:
-                in_order.wait(i + 1 - (window // DRAIN_DIVISOR if kind == "delta" else window))
+                in_order.wait(i + 1 - (window // WAIT_DIVISOR if kind == "delta" else window))
                 while running and running[0].done():
                     running.popleft()
         in_order.wait(n)  # every result packed: no encode thread is in the pack writers now

@@ -140,16 +140,16 @@ def _comparable(enc):
     return [e.model_dump() for e in enc.entries], enc.stats, [(b.sha256, b.size) for b in enc.blobs]
 
 
-def test_grouped_jobs_and_a_drained_window_write_what_one_job_per_chunk_writes(tmp_path, monkeypatch):
-    # One job per chunk and a window drained job by job (the encoder before this round)...
+def test_grouped_jobs_and_a_window_waited_by_halves_write_what_one_job_per_chunk_writes(tmp_path, monkeypatch):
+    # One job per chunk and a window waited on job by job (the encoder before session 15)...
     monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", 1)
-    monkeypatch.setattr(encode, "DRAIN_DIVISOR", 1)
+    monkeypatch.setattr(encode, "WAIT_DIVISOR", 1)
     monkeypatch.setattr(encode, "IN_FLIGHT_PER_THREAD", 1)
     want, want_packs = _encode_steady(tmp_path, "one-by-one", threads=1)
     assert len(want.entries) == 26 and want.stats.elements_changed > 0
-    # ...against grouped jobs of several chunks, windows of several sizes, drained by halves
+    # ...against grouped jobs of several chunks, windows of several sizes, waited on by halves
     # (or to empty: a window of one job per thread), on 1-3 threads: same entries, same packs.
-    monkeypatch.setattr(encode, "DRAIN_DIVISOR", 2)
+    monkeypatch.setattr(encode, "WAIT_DIVISOR", 2)
     for job_bytes, per_thread, threads in [(16 * 1024, 8, 2), (16 * 1024, 1, 3), (1 << 20, 8, 1), (4096, 3, 2)]:
         monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", job_bytes)
         monkeypatch.setattr(encode, "IN_FLIGHT_PER_THREAD", per_thread)
@@ -205,7 +205,7 @@ def test_a_publisher_makes_its_layout_work_once(tmp_path, monkeypatch):
     assert len(made) == 1
 
 
-def test_a_failed_chunk_job_raises_its_own_error_after_the_window_is_drained(tmp_path, monkeypatch):
+def test_a_failed_chunk_job_raises_its_own_error(tmp_path, monkeypatch):
     real = encode.encode_chunk
     seen: list[tuple[int, int]] = []
 
