@@ -232,7 +232,8 @@ def _bytes_section(raw: bytes, cctx: zstandard.ZstdCompressor) -> tuple[int, byt
 def encode_byte_sections(planes: Sequence[bytes], level: int | None) -> list[tuple[int, bytes, int]]:
     """:func:`encode_sections` of planes held as bytes (the native kernels' output): the same
     sections, at a few microseconds less per plane than numpy arrays cost (issue 9: a steady
-    delta publish encodes ~5 planes in each of ~1,200 changed chunks)."""
+    delta publish encodes 2-7 planes per changed chunk, 134 chunks of a tf265m step at the
+    default chunking and ~1,200 with ``slice_align``)."""
     cctx = _cctx(level)
     return [_bytes_section(p, cctx) for p in planes]
 
