@@ -1387,14 +1387,27 @@ def _merge_parts(header: dict[str, Any], tables: _Tables, refs: list[PartRef], l
 
 _M = TypeVar("_M", bound=BaseModel)
 
+#: Per entry class, the set of all its field names: the fields-set of every entry that
+#: :func:`_fast_construct` builds with all of them (never mutated: see there).
+_ALL_FIELDS: dict[type[BaseModel], set[str]] = {}
+
 
 def _fast_construct(cls: type[_M], values: dict[str, Any]) -> _M:
     """``cls.model_construct(**values)`` when ``values`` names every field, at a third of its cost
     (~10 → ~3 µs: no per-field default walk). A manifest's chunk table builds ~3 entries per
-    chunk on the read path of every version and in the writer's self-check."""
+    chunk on the read path of every version and in the writer's self-check.
+
+    Entries that name every field share one fields-set per class instead of a set each: a set
+    is an object the cyclic collector tracks, and a worker keeps the entries of the manifests
+    it caches (design 006, session 27). Sharing it is safe for these frozen models: pydantic
+    adds to an instance's set only on assignment (refused when frozen), and ``model_copy``
+    copies the set before it adds the updated names."""
     o = object.__new__(cls)
     object.__setattr__(o, "__dict__", values)
-    object.__setattr__(o, "__pydantic_fields_set__", set(values))
+    every = _ALL_FIELDS.get(cls)
+    if every is None:
+        every = _ALL_FIELDS[cls] = set(cls.model_fields)
+    object.__setattr__(o, "__pydantic_fields_set__", every if values.keys() == every else set(values))
     object.__setattr__(o, "__pydantic_extra__", None)
     object.__setattr__(o, "__pydantic_private__", None)
     return o

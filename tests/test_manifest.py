@@ -636,6 +636,33 @@ def test_table_entries_are_built_as_model_construct_builds_them() -> None:
             fast.__setattr__(next(iter(values)), values[next(iter(values))])
 
 
+def test_table_entries_share_one_fields_set_that_nothing_changes() -> None:
+    """Entries naming every field share their class's fields-set (one object for the collector
+    to track, not one per entry): copies, updates and pickling must leave it as it was."""
+    import copy
+    import pickle
+
+    from deltastore import manifest as mf
+
+    seg = dict(blob=1, offset=4096, length=77, sha256="ab" * 32, codec="add-sparse/1", n_changed=5)
+    a, b = mf.unchecked_entry(mf.SegmentRef, **seg), mf.unchecked_entry(mf.SegmentRef, **{**seg, "offset": 0})
+    shared = a.__pydantic_fields_set__
+    assert shared is b.__pydantic_fields_set__ and shared == set(mf.SegmentRef.model_fields)
+    before = set(shared)
+    moved = a.model_copy(update={"offset": 5})
+    assert moved.offset == 5 and a.offset == 4096 and moved.__pydantic_fields_set__ is not shared
+    deep = copy.deepcopy(b)
+    assert deep == b and deep.__pydantic_fields_set__ is not shared
+    back = pickle.loads(pickle.dumps(a))
+    assert back == a and back.__pydantic_fields_set__ is not shared
+    with pytest.raises(pydantic.ValidationError):  # frozen: no assignment adds to the set
+        a.offset = 1
+    assert shared == before and b.model_fields_set == before
+    # not every field named: a set of its own, as model_construct gives
+    part = mf._fast_construct(mf.SegmentRef, {"blob": 1})
+    assert part.__pydantic_fields_set__ == {"blob"} and part.__pydantic_fields_set__ is not shared
+
+
 # --- the writer's self-check (design 006, session 18, task T) ----------------------------------
 
 
