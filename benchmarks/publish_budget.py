@@ -79,7 +79,7 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
     """Time every stage ``reps`` times, interleaved; the step ``old`` → ``new``."""
     from deltastore import Publisher
     from deltastore.codec import _kernels
-    from deltastore.codec.delta import _DIGEST_IF_CHANGED, _DIGEST_NONE
+    from deltastore.codec.delta import DIGEST_IF_CHANGED, DIGEST_NONE
     from deltastore.encode import STREAM_WRITE_BYTES, LayoutWorks, encode_chunk
     from deltastore.tensors import CHUNK_TARGET_BYTES, bits, spec_for
 
@@ -113,7 +113,7 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
                             changed += enc.delta.n_changed
                             stored += len(enc.delta.data)
                     else:
-                        digest = _DIGEST_IF_CHANGED if stage == "digest" else _DIGEST_NONE
+                        digest = DIGEST_IF_CHANGED if stage == "digest" else DIGEST_NONE
                         changed += _kernels.encode_add(o, n, o.itemsize, True, digest)[0]
                 return changed, stored
 

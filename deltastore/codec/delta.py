@@ -388,7 +388,7 @@ def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAUL
     del float_bits  # accepted for compatibility (deltastore/publish.py passes it); ignored
     if _kernels.encode_add is None:
         return _encode(ADD, old, new, level)
-    return _encode_add_native(old, new, level, advance=False, digest=_DIGEST_NONE)[0]
+    return _encode_add_native(old, new, level, advance=False, digest=DIGEST_NONE)[0]
 
 
 def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
@@ -419,7 +419,7 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
     """
     if _kernels.encode_add is not None:
         return _encode_add_native(old, new, level, advance=advance,
-                                  digest=_DIGEST_ALWAYS if always_digest else _DIGEST_IF_CHANGED)
+                                  digest=DIGEST_ALWAYS if always_digest else DIGEST_IF_CHANGED)
     seg = _encode(ADD, old, new, level)
     n = check_values(new, "new")
     digest = xxhash.xxh3_128_hexdigest(memoryview(n).cast("B")) if seg is not None or always_digest else None
@@ -428,8 +428,10 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
     return seg, digest
 
 
-# digest modes of the encode_add kernel
-_DIGEST_NONE, _DIGEST_IF_CHANGED, _DIGEST_ALWAYS = 0, 1, 2
+#: The native encode_add kernel's digest modes (deltastore/_native/encode.c): the chunk's
+#: XXH3-128 never, only when something changed (a delta publish), or always (an anchor).
+#: Public for benchmarks.publish_budget, which times the kernel with and without it.
+DIGEST_NONE, DIGEST_IF_CHANGED, DIGEST_ALWAYS = 0, 1, 2
 
 
 def _encode_add_native(old: np.ndarray, new: np.ndarray, level: int | None, *, advance: bool,
