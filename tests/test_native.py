@@ -473,3 +473,19 @@ def test_packed_size_is_packs_length(codec_id):
     for k in range(len(secs) + 1):
         data = pack(codec_id, width=2, count=90, n_changed=3, sections=secs[:k])
         assert packed_size(codec_id, k, sum(len(s[1]) for s in secs[:k])) == len(data)
+
+
+@native
+def test_untrack_takes_containers_out_of_the_collector_and_ignores_the_rest():
+    import gc
+
+    box, inner = {"a": [1]}, [2]
+    assert gc.is_tracked(box) and gc.is_tracked(inner)
+    _kernels.untrack([box, 7, "s", None, box])  # atoms ignored, twice is once
+    assert not gc.is_tracked(box) and gc.is_tracked(inner) and box == {"a": [1]}
+    _kernels.untrack([])
+    with pytest.raises(TypeError, match="list"):
+        _kernels.untrack((inner,))
+    assert gc.is_tracked(inner)
+    del box
+    gc.collect()  # an untracked object still dies by its reference count

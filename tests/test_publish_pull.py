@@ -434,6 +434,46 @@ def test_bytes_fetched_counts_what_a_pull_into_reads(tmp_path) -> None:
         assert after_anchor - 2 * first.bytes_stored == second.bytes_stored  # only the delta
 
 
+def test_cached_chunk_tables_are_out_of_the_collectors_sight(tmp_path):
+    """A parsed manifest's chunk-table entries (kept in History's cache) are untracked by the
+    cyclic collector when the native extension is there (design 006, session 27), read the
+    same as a fresh parse, and still go away with the cache entry that held them."""
+    import gc
+    import weakref
+
+    from deltastore.codec import _kernels
+    from deltastore.history import History
+    from deltastore.manifest import parse_manifest
+
+    url = str(tmp_path / "untracked")
+    state = small_state(0, n=2, rows=16)
+    with Publisher(url, threads=1) as pub:
+        pub.publish(state)
+        state = {k: v.clone() for k, v in state.items()}
+        next(iter(state.values()))[3, 0] += 1
+        pub.publish(state)
+    store = open_store(url)
+    history = History(store, cache_entries=1)
+    head = history.read_head()[0]
+    m = history.manifest(head.manifest)
+    fresh = parse_manifest(store.get(head.manifest), head.manifest, None, layout=history.layout)
+    assert m == fresh and m.tensors == fresh.tensors
+    entries = [t for t in m.tensors] + [c for t in m.tensors for c in t.chunks]
+    segments = [s for t in m.tensors for c in t.chunks for s in (c.full, c.delta) if s is not None]
+    assert entries and segments
+    tracked = [gc.is_tracked(o) for o in [*entries, *segments]]
+    if _kernels.untrack is None:
+        assert all(tracked)
+    else:
+        assert not any(tracked)
+        assert not any(gc.is_tracked(t.__dict__) or gc.is_tracked(t.chunks) for t in m.tensors)
+    gone = weakref.ref(m.tensors[0].chunks[0])
+    del m, entries, segments
+    history.manifest(fresh.parent_manifest)  # evicts the head's manifest (one entry kept)
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_long_follower_keeps_a_bounded_number_of_parsed_manifests(tmp_path):
     """A Subscriber that follows many versions keeps at most History.cache_entries parsed
     manifests (plus the held chain it needs), and every pull stays bit-exact."""

@@ -27,12 +27,38 @@ int ds_check_width(long width) {
     return -1;
 }
 
+PyDoc_STRVAR(untrack_doc,
+"untrack(objects: list) -> None\n\n"
+"Take each object of the list out of the cyclic collector's sets (PyObject_GC_UnTrack; a\n"
+"non-container or an object already untracked is left as it is). For immutable, acyclic\n"
+"trees of objects that live long (a cached manifest's chunk table): the collector then\n"
+"never walks them. Only objects that can be in no reference cycle may be passed: a cycle\n"
+"through an untracked object is never collected.");
+
+static PyObject *py_untrack(PyObject *self, PyObject *objects) {
+    (void)self;
+    if (!PyList_CheckExact(objects)) {
+        PyErr_SetString(PyExc_TypeError, "untrack takes a list");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objects); i++) {
+        PyObject *o = PyList_GET_ITEM(objects, i);
+        if (PyObject_IS_GC(o)) PyObject_GC_UnTrack(o);  /* a no-op when not tracked */
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ds_module_methods[] = {
+    {"untrack", py_untrack, METH_O, untrack_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef ds_module = {
     PyModuleDef_HEAD_INIT,
     "deltastore._native",
     "Native kernels of deltastore's codec (import them through deltastore.codec._kernels).",
     -1,
-    NULL,
+    ds_module_methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
