@@ -120,11 +120,11 @@ def _untrack_table(m: Manifest) -> None:
     """Take a parsed manifest's chunk table out of the cyclic collector's sets (design 006,
     session 27 addendum). A History caches up to MANIFEST_CACHE_ENTRIES manifests, ~3 objects
     per tensor and per listed chunk each, and every pull parses one that outlives it: the
-    collector moved them into its old generation (~850 objects a steady tf265m pull) and walked
-    the whole cache in every full pass, one every ~60 pulls. The entries are frozen models whose
-    fields are ints, strings, tuples of ints and other entries: a tree, never part of a cycle,
-    which is what an untracked object must be (CPython untracks tuples and dicts of atomic
-    values itself). Without the native extension they stay tracked, as before."""
+    collector moved them into its old generation (~1,270 objects a steady tf265m pull) and
+    walked the whole cache in every full pass, one every ~60 pulls. The entries are frozen
+    models whose fields are ints, strings, tuples of ints and other entries: a tree, never part
+    of a cycle, which is what an untracked object must be (CPython untracks tuples and dicts of
+    atomic values itself). Without the native extension they stay tracked, as before."""
     untrack = _kernels.untrack
     if untrack is None:
         return
@@ -137,6 +137,8 @@ def _untrack_table(m: Manifest) -> None:
             objs += (c.__dict__, c.__pydantic_fields_set__, c)
         objs += (t.chunks, t.__dict__, t.__pydantic_fields_set__, t)
     untrack(objs)
+
+
 #: Layouts kept per History: a store changes layout rarely, and a reader needs the layouts of
 #: the versions it walks (one per anchor span at most).
 LAYOUT_CACHE_ENTRIES = 8

@@ -68,5 +68,5 @@ apply_segment = getattr(_native, "apply_segment", None)
 gather_members = getattr(_native, "gather_members", None)
 scatter_members = getattr(_native, "scatter_members", None)
 scan_tensors = getattr(_native, "scan_tensors", None)
-#: See deltastore/_native/module.c (manifest.untrack_table: cached chunk tables).
+#: See deltastore/_native/module.c (history._untrack_table: cached manifests' chunk tables).
 untrack = getattr(_native, "untrack", None)
