@@ -474,6 +474,29 @@ def test_cached_chunk_tables_are_out_of_the_collectors_sight(tmp_path):
     assert gone() is None
 
 
+def test_chunk_table_entries_can_hold_nothing_that_could_close_a_cycle():
+    """History untracks chunk-table entries on the premise that they form a tree: their fields
+    hold ints, strings, tuples of those, None and other entries, never a mutable container. A
+    field of another kind added to these models must revisit history._untrack_table."""
+    import types
+    import typing
+
+    from deltastore.manifest import ChunkEntry, SegmentRef, TensorEntry
+
+    entries = (TensorEntry, ChunkEntry, SegmentRef)
+
+    def leaves(tp):
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) in (tuple, typing.Union, types.UnionType):
+            return [leaf for a in args if a is not Ellipsis for leaf in leaves(a)]
+        return [tp]
+
+    for cls in entries:
+        for name, field in cls.model_fields.items():
+            for leaf in leaves(field.annotation):
+                assert leaf in (int, str, type(None), *entries), f"{cls.__name__}.{name}: {leaf!r}"
+
+
 def test_a_long_follower_keeps_a_bounded_number_of_parsed_manifests(tmp_path):
     """A Subscriber that follows many versions keeps at most History.cache_entries parsed
     manifests (plus the held chain it needs), and every pull stays bit-exact."""
