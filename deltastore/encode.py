@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -99,6 +99,15 @@ class EncodedVersion:
     entries: tuple[TensorEntry, ...]
     stats: Stats
     blobs: tuple[BlobRef, ...]
+    #: With ``encode_version(wait_stored=False)``: waits until the last packs are stored.
+    pending: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+
+    def wait_stored(self) -> None:
+        """Return once every pack in :attr:`blobs` is stored (at once when ``encode_version``
+        waited); re-raises an upload's failure. Every upload has ended when this returns or
+        raises."""
+        if self.pending is not None:
+            self.pending()
 
 
 @dataclass
@@ -197,11 +206,13 @@ class _PackWriter:
         while len(self._uploads) >= UPLOADS_IN_FLIGHT:
             self._uploads.popleft().result()
         if self._stream is not None:
-            if self._buf:
-                self._write_out()
+            # the last piece is written by the upload job, with the commit: the caller goes on
+            # (the publisher builds its manifest meanwhile) and the piece's fresh pages are
+            # taken off the thread that packs
             stream, self._stream = self._stream, None
+            tail, self._buf = self._buf, bytearray()
             name = key[len(self._directory or ""):]
-            self._uploads.append(self.uploader.submit(commit_immutable, self.store, stream, self._directory, name, size, "pack"))
+            self._uploads.append(self.uploader.submit(_end_stream, self.store, stream, tail, self._directory, name, size))
             return
         data, self._buf = self._buf, bytearray()
         self._uploads.append(self.uploader.submit(self._put, key, data))
@@ -218,8 +229,27 @@ class _PackWriter:
     def finish(self) -> None:
         """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
         self.flush()
-        while self._uploads:
-            self._uploads.popleft().result()
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait until every pack flushed is stored (re-raising the first failure; every upload
+        has ended when this returns or raises)."""
+        try:
+            while self._uploads:
+                self._uploads[0].result()
+                self._uploads.popleft()
+        except BaseException:
+            wait(self._uploads)
+            self._uploads.clear()
+            raise
+
+
+def _end_stream(store: Store, stream: StreamedPut, tail: bytearray, directory: str | None, name: str, size: int) -> None:
+    """An upload job: write a streamed pack's last piece, then commit it under ``name``."""
+    assert directory is not None
+    if tail:
+        stream.write(tail)  # a failed write drops the temp file (StreamedPut.write)
+    commit_immutable(store, stream, directory, name, size, "pack")
 
 
 class _InOrder:
@@ -373,6 +403,7 @@ def encode_version(
     reference_bits: dict[str, np.ndarray] | None = None,
     gathered: dict[str, torch.Tensor] | None = None,
     layouts: LayoutWorks | None = None,
+    wait_stored: bool = True,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -405,9 +436,13 @@ def encode_version(
             version (``groups.unit_reference`` adopts it) at no extra pass.
         layouts: the caller's :class:`LayoutWorks`, kept across its versions (the chunk jobs
             and spans of a layout, made once: ~1.5 ms for 165 tensors); None makes them anew.
+        wait_stored: return once every pack is stored. False: return once the last packs are
+            handed to ``uploader`` (their keys, sizes and digests known), so that the caller
+            can build its manifest while they are stored; it MUST then call
+            :meth:`EncodedVersion.wait_stored` before it writes anything that names them.
 
     Returns:
-        The :class:`EncodedVersion`; every pack it lists is stored.
+        The :class:`EncodedVersion`; every pack it lists is stored (with ``wait_stored``).
 
     Raises:
         StorageError, IntegrityError: a pack upload failed; nothing was committed.
@@ -559,6 +594,12 @@ def encode_version(
 
     in_order = _InOrder(consume)
 
+    def stored() -> None:
+        try:
+            delta_packs.wait()
+        finally:
+            full_packs.wait()
+
     def run_job(i: int, group: list) -> None:
         try:
             results = [job(*j) for j in group]
@@ -584,8 +625,10 @@ def encode_version(
                 while running and running[0].done():
                     running.popleft()
         in_order.wait(n)  # every result packed: no encode thread is in the pack writers now
-        delta_packs.finish()
-        full_packs.finish()
+        delta_packs.flush()
+        full_packs.flush()
+        if wait_stored:
+            stored()
     except BaseException as e:
         # No encode thread is left in the pack writers (consumption stopped, every job ended);
         # then a pack being streamed is dropped (its temp file removed); packs already stored
@@ -614,4 +657,5 @@ def encode_version(
         delta_bytes=delta_packs.bytes_written if attempt is not None else None,
         full_bytes=full_packs.bytes_written if attempt is not None else None,
     )
-    return EncodedVersion(entries=tuple(entries), stats=stats, blobs=tuple(delta_packs.blobs + full_packs.blobs))
+    return EncodedVersion(entries=tuple(entries), stats=stats, blobs=tuple(delta_packs.blobs + full_packs.blobs),
+                          pending=None if wait_stored else stored)

@@ -6,6 +6,7 @@ the HEAD protocol (claim, compare-and-swap, lost responses, fencing) in :mod:`de
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import math
@@ -592,57 +593,66 @@ class Publisher:
                 state, specs, kind=kind, reference=self._reference if has_base else None,
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=attempt, reference_bits=self._reference_bits if has_base else None,
-                gathered=gathered, layouts=self._layout_works,
+                gathered=gathered, layouts=self._layout_works, wait_stored=False,
             )
-            if (skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0
-                    and self._commits.head_is_current()):
-                # Nothing was written (no packs for an unchanged state), and HEAD is still the
-                # version the state equals (read: a publisher fenced or overtaken since must
-                # not report a version that is no longer the head; it commits and learns why).
-                return self._unchanged()
-            if tip is not None and tip.layout is not None and tip.layout == layout:
-                layout_ref = tip.layout_ref
-            else:  # a new layout, or the first schema-3 version of this chain
-                layout_ref = self._write_layout(attempt, layout)
-            assert layout_ref is not None
-            delta_bytes = encoded.stats.delta_bytes or 0
-            # The chain of composable deltas restarts at a version without a base, and at the
-            # first schema-3 version (cum_delta_bytes and back start there: design 005 D10).
-            restart = not has_base or tip is None or not tip.schema3
-            chain_start = version if restart else tip.chain_start
-            cum = 0 if restart else tip.cum + delta_bytes
-            parent_key = self._head.manifest if self._head else None
-            manifest = Manifest(
-                schema=layout.schema_,
-                version=version,
-                parent=self._head.version if self._head and self._head.version else None,
-                parent_manifest=parent_key,
-                kind=kind,
-                anchor=version if kind == "anchor" else tip.anchor,
-                delta_base=self._head.version if has_base and self._head else None,
-                step=step,
-                created=now(),
-                writer=self.writer_id,
-                epoch=self.epoch,
-                commit_id=attempt,
-                metadata=meta,
-                blobs=encoded.blobs,
-                tensors=encoded.entries,
-                stats=encoded.stats.model_copy(update={"cum_delta_bytes": cum}),
-                lineage=lineage,
-                anchor_manifest=None if kind == "anchor" else tip.anchor_key,
-                back=self._back_for(version, parent_key),
-                chain_start=chain_start,
-                layout=layout_ref,
-                max_attempt_s=math.ceil(self.max_attempt_s),
-            ).with_layout(layout)
-            if self._signing_key is not None:
-                from deltastore.signing import sign_manifest
+            # The manifest is built while the last packs are stored (encode_version handed them
+            # to the uploader); nothing that names them is written before they are.
+            try:
+                if (skippable and kind == "delta" and not encoded.blobs and encoded.stats.elements_changed == 0
+                        and self._commits.head_is_current()):
+                    # Nothing was written (no packs for an unchanged state), and HEAD is still the
+                    # version the state equals (read: a publisher fenced or overtaken since must
+                    # not report a version that is no longer the head; it commits and learns why).
+                    encoded.wait_stored()  # no packs: returns at once
+                    return self._unchanged()
+                if tip is not None and tip.layout is not None and tip.layout == layout:
+                    layout_ref = tip.layout_ref
+                else:  # a new layout, or the first schema-3 version of this chain
+                    layout_ref = self._write_layout(attempt, layout)
+                assert layout_ref is not None
+                delta_bytes = encoded.stats.delta_bytes or 0
+                # The chain of composable deltas restarts at a version without a base, and at the
+                # first schema-3 version (cum_delta_bytes and back start there: design 005 D10).
+                restart = not has_base or tip is None or not tip.schema3
+                chain_start = version if restart else tip.chain_start
+                cum = 0 if restart else tip.cum + delta_bytes
+                parent_key = self._head.manifest if self._head else None
+                manifest = Manifest(
+                    schema=layout.schema_,
+                    version=version,
+                    parent=self._head.version if self._head and self._head.version else None,
+                    parent_manifest=parent_key,
+                    kind=kind,
+                    anchor=version if kind == "anchor" else tip.anchor,
+                    delta_base=self._head.version if has_base and self._head else None,
+                    step=step,
+                    created=now(),
+                    writer=self.writer_id,
+                    epoch=self.epoch,
+                    commit_id=attempt,
+                    metadata=meta,
+                    blobs=encoded.blobs,
+                    tensors=encoded.entries,
+                    stats=encoded.stats.model_copy(update={"cum_delta_bytes": cum}),
+                    lineage=lineage,
+                    anchor_manifest=None if kind == "anchor" else tip.anchor_key,
+                    back=self._back_for(version, parent_key),
+                    chain_start=chain_start,
+                    layout=layout_ref,
+                    max_attempt_s=math.ceil(self.max_attempt_s),
+                ).with_layout(layout)
+                if self._signing_key is not None:
+                    from deltastore.signing import sign_manifest
 
-                manifest = sign_manifest(manifest, self._signing_key)
-            data = encode_manifest(manifest, layout)
-            digest = sha256_hex(data)
-            mkey = manifest_key(version, digest)
+                    manifest = sign_manifest(manifest, self._signing_key)
+                data = encode_manifest(manifest, layout)
+                digest = sha256_hex(data)
+                mkey = manifest_key(version, digest)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the first failure is the one reported
+                    encoded.wait_stored()
+                raise
+            encoded.wait_stored()
             put_immutable(self.store, mkey, data, "manifest")
             self._commits.commit(Head(
                 version=version,

@@ -107,6 +107,135 @@ def test_a_pack_upload_that_fails_after_the_scan_commits_nothing():
 
 
 
+# --- a streamed pack's last piece, written by the upload job (session 28) --------------------
+
+
+def _streamed_states():
+    states = [small_state(0, n=8, rows=4096)]  # deltas of 50-100 KB: streamed in 40 KB pieces
+    return states + [sparse_edit(states[-1], np.random.default_rng(i), 0.05) for i in range(1, 4)]
+
+
+def test_a_streamed_pack_is_committed_before_the_manifest_that_names_it(tmp_path, monkeypatch):
+    """The publisher builds its manifest while the upload job writes the last piece of each
+    streamed pack and commits it; the manifest is still written only after every commit."""
+    import threading
+
+    from deltastore.storage._local import LocalStore, _LocalStreamedPut
+
+    monkeypatch.setattr(encode, "STREAM_WRITE_BYTES", 40_000)  # a pack: pieces, then a last one
+    monkeypatch.setattr(encode, "PACK_TARGET_BYTES", 200_000)
+    events: list[tuple[str, str, float]] = []
+    lock = threading.Lock()
+    tails: list[tuple[str, int]] = []
+    real_commit, real_put, real_end = _LocalStreamedPut.commit, LocalStore.put, encode._end_stream
+
+    def slow_commit(self, name):
+        time.sleep(0.15)
+        meta = real_commit(self, name)
+        with lock:
+            events.append(("pack done", meta.key, time.monotonic()))
+        return meta
+
+    def noted_put(self, key, data, *, mode="overwrite"):
+        if key.startswith("manifests/"):
+            with lock:
+                events.append(("manifest start", key, time.monotonic()))
+        return real_put(self, key, data, mode=mode)
+
+    def end_stream(store, stream, tail, *args):
+        tails.append((threading.current_thread().name, len(tail)))
+        return real_end(store, stream, tail, *args)
+
+    monkeypatch.setattr(_LocalStreamedPut, "commit", slow_commit)
+    monkeypatch.setattr(LocalStore, "put", noted_put)
+    monkeypatch.setattr(encode, "_end_stream", end_stream)
+    states = _streamed_states()
+    url = str(tmp_path / "store")
+    with Publisher(url, threads=2) as pub:
+        for s in states:
+            pub.publish(s)
+    # the upload jobs wrote the packs' last pieces (empty where a piece ended with the pack)
+    assert tails and all(n.startswith("deltastore-upload") for n, _ in tails)
+    assert any(size for _, size in tails)
+    manifests = [(k, t) for what, k, t in events if what == "manifest start"]
+    assert len(manifests) == len(states)
+    store = open_store(url)
+    for key, started in manifests:
+        m = read_manifest_doc(store, key)
+        done = [t for what, k, t in events if what == "pack done" and k in {b["key"] for b in m["blobs"]}]
+        assert len(done) == len(m["blobs"]) and max(done) <= started, key
+    with Subscriber(url) as sub:
+        assert_bits_equal(sub.pull(), states[-1])
+
+
+def test_a_last_piece_that_fails_to_write_is_raised_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """_PackWriter: a pack's last piece is written by the upload job; when that write fails
+    (a full disk) the pack is not committed, its temp file is gone, and finish raises."""
+    import errno
+    import threading
+
+    from deltastore.storage._local import _LocalStreamedPut
+
+    monkeypatch.setattr(encode, "STREAM_WRITE_BYTES", 250)
+    real_write = _LocalStreamedPut.write
+    writers: list[str] = []
+
+    def write(self, data):
+        writers.append(threading.current_thread().name)
+        if threading.current_thread().name.startswith("upload"):
+            real_write(self, data[:1])  # part of the piece is in the temp file
+            raise self._fail(OSError(errno.ENOSPC, "No space left on device (injected)"))
+        return real_write(self, data)
+
+    monkeypatch.setattr(_LocalStreamedPut, "write", write)
+    store = open_store(str(tmp_path / "store"))
+    with ThreadPoolExecutor(2, thread_name_prefix="upload") as up:
+        w = encode._PackWriter(store, up, attempt="b" * 32, role="d")
+        for i in range(4):  # 300 bytes streamed by this thread, then 100 left for the upload job
+            w.add(Segment("add-sparse/1", bytes([i]) * 100, 1))
+        with pytest.raises(StorageError, match="injected"):
+            w.finish()
+    assert writers == ["MainThread", "upload_0"]
+    assert not list((tmp_path / "store").rglob(".deltastore-tmp-*")) and not list((tmp_path / "store").rglob("*.pack"))
+
+
+def test_a_deferred_pack_upload_that_fails_commits_nothing(tmp_path, monkeypatch):
+    """The publisher builds its manifest while the last packs are stored; when such an upload
+    fails, the publish raises it, no manifest or HEAD names the version, no temp file is left,
+    and the next publish writes the version."""
+    import threading
+
+    monkeypatch.setattr(encode, "STREAM_WRITE_BYTES", 40_000)
+    fail = threading.Event()
+    real_end = encode._end_stream
+
+    def end_stream(store, stream, tail, *args):
+        if fail.is_set():
+            stream.abort()
+            raise StorageError("pack upload: 503 (injected)")
+        return real_end(store, stream, tail, *args)
+
+    monkeypatch.setattr(encode, "_end_stream", end_stream)
+    states = _streamed_states()
+    url = str(tmp_path / "store")
+    root = tmp_path / "store"
+    with Publisher(url, threads=2) as pub:
+        pub.publish(states[0])
+        pub.publish(states[1])
+        manifests = {p.name for p in root.rglob("manifests/*")}
+        fail.set()
+        with pytest.raises(StorageError, match="injected"):
+            pub.publish(states[2])
+        assert pub.version == 2
+        assert {p.name for p in root.rglob("manifests/*")} == manifests
+        assert not list(root.rglob(".deltastore-tmp-*"))
+        fail.clear()
+        assert pub.publish(states[2]).version == 3
+    with Subscriber(url) as sub:
+        assert sub.latest().version == 3
+        assert_bits_equal(sub.pull(), states[2])
+
+
 # --- jobs and the in-flight window (session 17, task E) -------------------------------------
 
 
