@@ -26,6 +26,7 @@ import torch
 
 from deltastore import grid
 from deltastore.codec import _kernels
+from deltastore.identity import IdentityCache
 from deltastore.manifest import DTYPE_WIDTHS, GroupMember
 from deltastore.stage import ChunkPatch
 from deltastore.tensors import (
@@ -175,24 +176,19 @@ def gather(spec: TensorSpec, member_bits: Callable[[str, int, int], np.ndarray],
     return out
 
 
-#: Member tables kept per group spec (by identity; a publisher or subscriber reuses its specs
-#: for every version of a layout). Bounded: a few layouts' worth of groups.
-_STARTS_CACHE_MAX = 4096
-_starts_cache: dict[int, tuple[TensorSpec, np.ndarray]] = {}
+#: Member offsets kept per group spec while it lives (by identity; a publisher or subscriber
+#: reuses its specs for every version of a layout).
+_starts_cache: IdentityCache[np.ndarray] = IdentityCache()
 
 
 def member_starts(spec: TensorSpec) -> np.ndarray:
     """int64 ``[offset_0, …, offset_{k-1}, n]`` of group ``spec``: member i holds elements
     ``[starts[i], starts[i+1])``. Cached per spec object (the offsets never change for it)."""
-    hit = _starts_cache.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
+    hit = _starts_cache.get(spec)
+    if hit is not None:
+        return hit
     starts = np.fromiter((m.offset for m in spec.members), dtype=np.int64, count=len(spec.members))
-    starts = np.append(starts, np.int64(spec.numel))
-    if len(_starts_cache) >= _STARTS_CACHE_MAX:
-        _starts_cache.clear()
-    _starts_cache[id(spec)] = (spec, starts)
-    return starts
+    return _starts_cache.put(spec, np.append(starts, np.int64(spec.numel)))
 
 
 def member_pointers(spec: TensorSpec, ts: list[torch.Tensor], *, contiguous: bool = False) -> np.ndarray | None:
@@ -228,28 +224,25 @@ class MemberTable:
 
 
 #: Per layout (by its LayoutTables object, which tensors.layout_tables keeps while the layout
-#: is in use): the group rows' entries in the layout's member order, to check every group's
-#: addresses in a few array operations instead of a few per group.
-_group_index: dict[int, tuple[LayoutTables, list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]] = {}
+#: is in use), while it lives: the group rows' entries in the layout's member order, to check
+#: every group's addresses in a few array operations instead of a few per group.
+_group_index: IdentityCache[tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]] = IdentityCache()
 
 
 def _groups_of(specs: Mapping[str, TensorSpec], tables: LayoutTables) -> tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray, np.ndarray]:
     """``(rows, sel, first, byte_offsets)``: each group row's ``(name, lo, hi)`` in the layout
     tables, the tables' indices of all members (row by row), the index in ``sel`` where each
     row starts, and each member's byte offset in its row."""
-    hit = _group_index.get(id(tables))
-    if hit is not None and hit[0] is tables:
-        return hit[1], hit[2], hit[3], hit[4]
+    hit = _group_index.get(tables)
+    if hit is not None:
+        return hit
     rows = [(name, *tables.spans[name]) for name, s in specs.items() if s.members]
     sel = np.concatenate([np.arange(lo, hi, dtype=np.int64) for _, lo, hi in rows]) if rows else np.zeros(0, np.int64)
     first = np.cumsum([0] + [hi - lo for _, lo, hi in rows[:-1]], dtype=np.int64) if rows else np.zeros(0, np.int64)
     byte_offsets = np.concatenate(
         [member_starts(specs[name])[:-1].astype(np.uint64) * np.uint64(DTYPE_WIDTHS[specs[name].dtype]) for name, _, _ in rows]
     ) if rows else np.zeros(0, np.uint64)
-    if len(_group_index) >= _STARTS_CACHE_MAX:
-        _group_index.clear()
-    _group_index[id(tables)] = (tables, rows, sel, first, byte_offsets)
-    return rows, sel, first, byte_offsets
+    return _group_index.put(tables, (rows, sel, first, byte_offsets))
 
 
 def member_tables(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Tensor],

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
+from deltastore.identity import IdentityCache
 from deltastore.storage._keys import check_key
 
 #: The schema writers write (3: design 005; 2 added ``lineage`` and an optional ``signature``).
@@ -1021,22 +1022,19 @@ def _check_groups(layout: Layout, what: str, key: str) -> None:
             raise bad(f"members end at element {pos}, but the group has {total}")
 
 
-#: Layout objects that passed :func:`_check_layout` (by identity; History caches layouts, and
-#: every manifest of an anchor span is parsed against the same object): re-checking 20,000
-#: rows per manifest parse was ~0.2 s (design 007). Bounded: a few layouts are live at once.
-_CHECKED_LAYOUTS: dict[int, Layout] = {}
-_CHECKED_LAYOUTS_MAX = 16
+#: Layout objects that passed :func:`_check_layout`, while they live (by identity; History
+#: caches layouts, and every manifest of an anchor span is parsed against the same object):
+#: re-checking 20,000 rows per manifest parse was ~0.2 s (design 007).
+_CHECKED_LAYOUTS: IdentityCache[bool] = IdentityCache()
 
 
 def _check_layout(layout: Layout, what: str, key: str) -> None:
     """A layout's columns agree, and describe tensors a reader can allocate; sharded layouts
     are refused (UnsupportedSchemaError); schema 4's groups are checked (design 007 D6)."""
-    if _CHECKED_LAYOUTS.get(id(layout)) is layout:  # the same (immutable) object passed before
+    if _CHECKED_LAYOUTS.get(layout):  # the same (immutable) object passed before
         return
     _check_layout_once(layout, what, key)
-    if len(_CHECKED_LAYOUTS) >= _CHECKED_LAYOUTS_MAX:
-        _CHECKED_LAYOUTS.pop(next(iter(_CHECKED_LAYOUTS)))
-    _CHECKED_LAYOUTS[id(layout)] = layout
+    _CHECKED_LAYOUTS.put(layout, True)
 
 
 def _check_layout_once(layout: Layout, what: str, key: str) -> None:

@@ -12,6 +12,7 @@ import inspect
 import itertools
 import math
 import operator
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, Self
@@ -22,6 +23,7 @@ import xxhash
 
 from deltastore.codec import _kernels
 from deltastore.errors import InvalidStateDictError, LayoutMismatchError
+from deltastore.identity import IdentityCache
 from deltastore.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
 
 #: A chunk of about this size is the unit of change detection, encoding, threading and
@@ -610,18 +612,18 @@ class LayoutTables:
     spans: dict[str, tuple[int, int]]
 
 
-#: Tables kept per layout (by the identities of its unit specs, which the cache holds alive):
-#: a publisher or subscriber checks every version against the same few layouts.
-_TABLES_MAX = 8
-_tables: dict[tuple[int, ...], tuple[tuple[TensorSpec, ...], LayoutTables]] = {}
+#: Tables kept per layout, while its unit specs live (by the identity of its first unit; every
+#: unit is checked through a weak reference): a publisher or subscriber checks every version
+#: against the same layout objects.
+_tables: IdentityCache[tuple[tuple[weakref.ref, ...], LayoutTables]] = IdentityCache()
 
 
 def layout_tables(specs: Mapping[str, TensorSpec]) -> LayoutTables:
     """The :class:`LayoutTables` of ``specs`` (cached per layout: O(units) to find)."""
     units = tuple(specs.values())
-    key = tuple(map(id, units))
-    hit = _tables.get(key)
-    if hit is not None and all(map(operator.is_, hit[0], units)) and list(specs) == [s.name for s in units]:
+    hit = _tables.get(units[0]) if units else None
+    if (hit is not None and len(hit[0]) == len(units) and all(r() is u for r, u in zip(hit[0], units))
+            and list(specs) == [s.name for s in units]):
         return hit[1]
     names: list[str] = []
     dtypes: list[torch.dtype | None] = []
@@ -641,9 +643,8 @@ def layout_tables(specs: Mapping[str, TensorSpec]) -> LayoutTables:
             shapes.append(tuple(e.shape))
         spans[key_name] = (lo, len(names))
     tables = LayoutTables(names, dtypes, shapes, shape_code(shapes), spans)
-    if len(_tables) >= _TABLES_MAX:
-        _tables.clear()
-    _tables[key] = (units, tables)
+    if units:
+        _tables.put(units[0], (tuple(weakref.ref(u) for u in units), tables))
     return tables
 
 

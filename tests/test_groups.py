@@ -408,6 +408,43 @@ def test_pull_allocates_a_group_in_one_buffer_and_pull_into_also_works_on_separa
             assert_bits_equal(target, states[3])
 
 
+def test_closed_subscribers_leave_no_layout_behind(tmp_path: Any) -> None:
+    """The layout caches (checked layouts, layout tables, member offsets, group indexes) keep
+    an entry only while its layout lives: subscribers opened, pulled from and closed one after
+    another leave none of their group members behind, however many (design 006, session 28:
+    each one left a layout's 20,000 objects for the collector to walk)."""
+    import gc
+
+    from deltastore import groups, manifest, tensors
+
+    url = str(tmp_path / "s")
+    gen = torch.Generator().manual_seed(3)
+    state = {f"norm.{i}": torch.randn(64, generator=gen).to(torch.bfloat16) for i in range(GROUP_AUTO_MIN_TENSORS)}
+    state2 = {k: v.clone() for k, v in state.items()}
+    state2["norm.3"][5] += 1
+    with Publisher(url, threads=2) as pub:
+        pub.publish(state)
+        pub.publish(state2)
+
+    def live_members() -> int:
+        gc.collect()
+        return sum(type(o) is GroupMember for o in gc.get_objects())
+
+    def caches() -> tuple[int, ...]:
+        return (len(manifest._CHECKED_LAYOUTS), len(tensors._tables), len(groups._starts_cache), len(groups._group_index))
+
+    base, base_caches = live_members(), caches()
+    for _ in range(5):
+        with Subscriber(url, threads=2) as sub:
+            target = snapshot(sub.pull(1))  # version 1, in separate tensors
+            sub.pull_into(target, 2)
+            assert_bits_equal(target, state2)
+            assert live_members() > base  # this subscriber's layout is alive, and cached
+            assert all(n > b for n, b in zip(caches(), base_caches)), (caches(), base_caches)
+        del sub, target
+        assert live_members() == base and caches() == base_caches
+
+
 def test_tied_small_tensors_stay_ungrouped_and_update_once(tmp_path: Any) -> None:
     url = str(tmp_path / "s")
     g = torch.Generator().manual_seed(0)
