@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from deltastore.codec import _kernels
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
 from deltastore.identity import IdentityCache
 from deltastore.storage._keys import check_key
@@ -454,6 +455,13 @@ class Layout(_Model):
             dt = self.dtype[g.unit] if g.unit < len(self.dtype) else ""
             out[self.name[g.unit]] = tuple(GroupMember(n, dt, sh, off) for n, sh, off in zip(g.name, g.shape, g.offset))
         self._members = out
+        if out and _kernels.untrack is not None:
+            # Out of the cyclic collector's sets from the start (as History does with chunk
+            # tables, design 006 session 27): a layout of 20,000 members promoted as many
+            # objects into the old generation at each Subscriber's first pull, and its cached
+            # members were walked by every full pass; CPython never untracks a tuple subclass
+            # itself. A member holds two strings, a tuple of ints and an int: no cycle.
+            _kernels.untrack([m for ms in out.values() for m in ms])
 
     def members(self) -> dict[str, tuple[GroupMember, ...]]:
         """Group row name → its members (empty for a schema-3 layout)."""
