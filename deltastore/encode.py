@@ -229,9 +229,9 @@ class _PackWriter:
     def finish(self) -> None:
         """Upload what is buffered and wait until every pack is stored (re-raising failures)."""
         self.flush()
-        self.wait()
+        self.wait_stored()
 
-    def wait(self) -> None:
+    def wait_stored(self) -> None:
         """Wait until every pack flushed is stored (re-raising the first failure; every upload
         has ended when this returns or raises)."""
         try:
@@ -596,9 +596,9 @@ def encode_version(
 
     def stored() -> None:
         try:
-            delta_packs.wait()
+            delta_packs.wait_stored()
         finally:
-            full_packs.wait()
+            full_packs.wait_stored()
 
     def run_job(i: int, group: list) -> None:
         try:
