@@ -2,6 +2,7 @@
 
     python -m benchmarks.perf                       # tf265m-rl-1e-6 (531 MB bf16), ~5-10 min
     python -m benchmarks.perf --quick               # a small synthetic model, seconds (the smoke test)
+    python -m benchmarks.perf --modes native --rounds 3   # three publisher/worker rounds, calls pooled
 
 On a transformer-shaped model with real AdamW steps (``benchmarks/workload.py``, cached in
 ``benchmarks/.cache``), each role in a fresh subprocess, on ``--threads`` threads (default:
@@ -539,9 +540,45 @@ def _anchor_ratios(anc: dict, key: str) -> dict:
     return {"anchor_encode_time_over_zipnn": a[key] / z[key], "anchor_size_over_zipnn": a["bytes"] / z["bytes"]}
 
 
+# The timed calls a round adds to each role's lists, pooled over rounds (``run(rounds=)``).
+_POOLED = {"publisher": ("delta_s", "copy_paired_s", "pulse_encode_s"),
+           "worker": ("pull_into_s", "copy_paired_s", "pulse_apply_s")}
+
+
+def _pool_rounds(first: dict, more: list[dict], role: str) -> dict:
+    """``first`` (a role's result) with the timed calls of ``more`` rounds of the same role
+    appended, in wall and CPU time, the medians taken again over all of them; peaks are the
+    highest of any round, bit-exactness that of every round. Each round's own paired median is
+    kept in ``rounds_paired`` (the spread between rounds is the machine's drift)."""
+    calls = "delta_s" if role == "publisher" else "pull_into_s"
+    out = {**first, "cpu": dict(first["cpu"]),
+           "rounds_paired": [_paired(r[calls], r.get("copy_paired_s")) for r in (first, *more)]}
+    for key in _POOLED[role]:
+        for d, src in ((out, first), (out["cpu"], first["cpu"])):
+            d[key] = list(src[key])
+        for r in more:
+            out[key] += r[key]
+            out["cpu"][key] += r["cpu"][key]
+        median_key = key[:-2] + "_median_s"
+        for d in (out, out["cpu"]):
+            if median_key in d:
+                d[median_key] = statistics.median(d[key])
+    out["peak_over_model"] = max(r["peak_over_model"] for r in (first, *more))
+    if role == "worker":
+        out["exact"] = all(r["exact"] for r in (first, *more))
+    return out
+
+
 def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: int | None = None,
-        quick: bool = False, out: Path | None = None, modes: tuple[str, ...] = ("numpy", "native")) -> dict:
-    """Run every role in every mode; write ``out`` (.json and .md); return the results."""
+        quick: bool = False, out: Path | None = None, modes: tuple[str, ...] = ("numpy", "native"),
+        rounds: int = 1) -> dict:
+    """Run every role in every mode; write ``out`` (.json and .md); return the results.
+
+    ``rounds``: the publisher and the worker run this many times per mode (fresh processes and
+    stores), their timed calls pooled (:func:`_pool_rounds`): five delta publishes and four
+    ``pull_into`` calls per round make a noisy median on a machine whose speed drifts."""
+    if rounds < 1:
+        raise ValueError("rounds must be ≥ 1")
     threads = threads or len(os.sched_getaffinity(0))
     shm = Path("/dev/shm")
     with tempfile.TemporaryDirectory(prefix="ds-perf-", dir=shm if shm.is_dir() else None) as tmp:
@@ -561,7 +598,7 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
         copy = _run_role("copy", src=src, url="", steps=steps, threads=threads, work=tmp, native=True)
         res: dict = {
             "workload": workload, "steps": steps, "threads": threads, "quick": quick,
-            "store": f"local directory on {'tmpfs (/dev/shm)' if shm.is_dir() else 'the temp dir'}",
+            "store": f"local directory on {'tmpfs (/dev/shm)' if shm.is_dir() else 'the temp dir'}", "rounds": rounds,
             "machine": _machine(), "native_probe": probe, "copy": copy, "modes": {},
         }
         for i, mode in enumerate(modes):
@@ -576,6 +613,15 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
             kw = {"src": src, "url": url, "steps": steps, "threads": threads, "work": work, "native": native}
             pub = _run_role("publisher", entropy=i == 0, **kw)
             wk = _run_role("worker", **kw)
+            if rounds > 1:
+                more_pub, more_wk = [], []
+                for r in range(1, rounds):
+                    shutil.rmtree(url, ignore_errors=True)
+                    kw_r = {**kw, "work": tmp / f"work-{mode}-r{r}"}
+                    kw_r["work"].mkdir()
+                    more_pub.append(_run_role("publisher", **kw_r))
+                    more_wk.append(_run_role("worker", **kw_r))
+                pub, wk = _pool_rounds(pub, more_pub, "publisher"), _pool_rounds(wk, more_wk, "worker")
             anc = _run_role("anchor", **kw)
             m = {"publisher": pub, "worker": wk, "anchor": anc, "wall_s": float(_since(t0))}
             if i:  # sizes and H0 do not depend on the mode (identical bytes): measured once
@@ -654,6 +700,16 @@ def markdown(res: dict) -> str:
         mb = m0["publisher"]["model_bytes"]
         lines.append(f"Model {mb / 1e6:.1f} MB bf16, {m0['publisher']['tensors']} tensors.")
         lines.append("")
+    if res.get("rounds", 1) > 1:
+        per = []
+        for m, mm in res["modes"].items():
+            if "publisher" in mm:
+                per.append(f"{m}: publish {[_f(x) for x in mm['publisher'].get('rounds_paired', [])]}, "
+                           f"pull_into {[_f(x) for x in mm['worker'].get('rounds_paired', [])]}")
+        lines.append(f"Rounds: {res['rounds']} (the publisher and the worker ran {res['rounds']} times per mode, "
+                     "fresh processes and stores; the medians are over every round's calls). Each round's own "
+                     "paired median (wall): " + "; ".join(per) + ".")
+        lines.append("")
     lines.append("Ratios of wall time (what the goals are stated in) and of CPU time (every thread of the "
                  "role's process; steadier when other jobs share the cores). Sizes and memory are the same "
                  "in both.")
@@ -704,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--quick", action="store_true", help="a small synthetic model (smoke test)")
     parser.add_argument("--modes", nargs="+", default=["numpy", "native"], choices=["numpy", "native"])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the publisher and the worker this many times per mode, pooling their calls")
     parser.add_argument("--out", type=Path, default=None,
                         help="results file (.json; .md next to it); default benchmarks/results/perf.json, "
                              "or perf-quick.json with --quick")
@@ -719,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out or RESULTS / ("perf-quick.json" if args.quick else "perf.json")
     res = run(workload=args.workload, steps=args.steps, threads=args.threads, quick=args.quick, out=out,
-              modes=tuple(args.modes))
+              modes=tuple(args.modes), rounds=args.rounds)
     print(markdown(res))
     print(f"written: {out} and {out.with_suffix('.md')}")
     return 0

@@ -286,6 +286,30 @@ def test_perf_quick_end_to_end(tmp_path) -> None:
         assert native["same_bytes_as_numpy"] is True  # identical bytes, kernel or not
 
 
+def test_perf_rounds_pool_every_rounds_calls(tmp_path) -> None:
+    """``--rounds 2``: the publisher and the worker run twice, every timed call of both rounds is
+    in the pooled lists (wall and CPU), the medians are taken over them, each round's paired
+    median is kept, and the report says so; no timing is asserted."""
+    import statistics
+
+    from benchmarks.perf import run
+
+    out = tmp_path / "perf.json"
+    res = run(quick=True, steps=3, out=out, modes=("numpy",), rounds=2)
+    assert res["rounds"] == 2
+    m = res["modes"]["numpy"]
+    pub, wk = m["publisher"], m["worker"]
+    assert len(pub["delta_s"]) == len(pub["copy_paired_s"]) == len(pub["cpu"]["delta_s"]) == 4  # 2 per round
+    assert len(wk["pull_into_s"]) == len(wk["copy_paired_s"]) == len(wk["cpu"]["pull_into_s"]) == 4
+    assert pub["delta_median_s"] == statistics.median(pub["delta_s"])
+    assert wk["cpu"]["pull_into_median_s"] == statistics.median(wk["cpu"]["pull_into_s"])
+    assert len(pub["rounds_paired"]) == len(wk["rounds_paired"]) == 2 and all(x > 0 for x in pub["rounds_paired"])
+    assert m["ratios"]["publish_over_copy_paired"] == statistics.median(
+        t / c for t, c in zip(pub["delta_s"], pub["copy_paired_s"]))
+    assert m["ratios"]["exact"] is True
+    assert "Rounds: 2" in out.with_suffix(".md").read_text()
+
+
 def test_perf_quick_workload_is_a_sparse_adam_step(tmp_path) -> None:
     import torch
     from safetensors.torch import load_file
