@@ -548,8 +548,11 @@ _POOLED = {"publisher": ("delta_s", "copy_paired_s", "pulse_encode_s"),
 def _pool_rounds(first: dict, more: list[dict], role: str) -> dict:
     """``first`` (a role's result) with the timed calls of ``more`` rounds of the same role
     appended, in wall and CPU time, the medians taken again over all of them; peaks are the
-    highest of any round, bit-exactness that of every round. Each round's own paired median is
-    kept in ``rounds_paired`` (the spread between rounds is the machine's drift)."""
+    highest of any round, bit-exactness that of every round, and the publisher says whether
+    every round stored the same delta bytes (``same_bytes_across_rounds``: the encoder is
+    deterministic). The other figures (anchors, whole-version pulls) are the first round's.
+    Each round's own paired median is kept in ``rounds_paired`` (the spread between rounds is
+    the machine's drift)."""
     calls = "delta_s" if role == "publisher" else "pull_into_s"
     out = {**first, "cpu": dict(first["cpu"]),
            "rounds_paired": [_paired(r[calls], r.get("copy_paired_s")) for r in (first, *more)]}
@@ -566,6 +569,8 @@ def _pool_rounds(first: dict, more: list[dict], role: str) -> dict:
     out["peak_over_model"] = max(r["peak_over_model"] for r in (first, *more))
     if role == "worker":
         out["exact"] = all(r["exact"] for r in (first, *more))
+    else:
+        out["same_bytes_across_rounds"] = all(r["delta_bytes"] == first["delta_bytes"] for r in more)
     return out
 
 

@@ -306,7 +306,7 @@ def test_perf_rounds_pool_every_rounds_calls(tmp_path) -> None:
     assert len(pub["rounds_paired"]) == len(wk["rounds_paired"]) == 2 and all(x > 0 for x in pub["rounds_paired"])
     assert m["ratios"]["publish_over_copy_paired"] == statistics.median(
         t / c for t, c in zip(pub["delta_s"], pub["copy_paired_s"]))
-    assert m["ratios"]["exact"] is True
+    assert m["ratios"]["exact"] is True and pub["same_bytes_across_rounds"] is True
     assert "Rounds: 2" in out.with_suffix(".md").read_text()
 
 
