@@ -580,8 +580,8 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
     """Run every role in every mode; write ``out`` (.json and .md); return the results.
 
     ``rounds``: the publisher and the worker run this many times per mode (fresh processes and
-    stores), their timed calls pooled (:func:`_pool_rounds`): five delta publishes and four
-    ``pull_into`` calls per round make a noisy median on a machine whose speed drifts."""
+    stores), their timed calls pooled (:func:`_pool_rounds`): a round's few delta publishes and
+    ``pull_into`` calls (one per delta step) make a noisy median on a machine whose speed drifts."""
     if rounds < 1:
         raise ValueError("rounds must be ≥ 1")
     threads = threads or len(os.sched_getaffinity(0))
