@@ -187,6 +187,30 @@ def test_no_advance_leaves_old_and_big_endian_old_advances():
 @native
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("where", ["first", "second", "middle", "last", "none"])
+@pytest.mark.parametrize("always", [False, True])
+def test_digest_hashed_behind_the_scan(width, isa, where, always, monkeypatch):
+    """encode.c hashes each 16 KiB block of ``new`` while the next one is scanned, in slices, and
+    a delta publish starts hashing at the first changed block (catching up on those before it):
+    the digest is of every byte in order wherever the first change is, for chunk sizes that
+    end inside a block and inside a slice."""
+    block = 16 * 1024 // width  # encode.c HASH_BLOCK, in elements
+    size = 5 * block + 1000 // width + 3
+    old, _ = make_pair(width, size, 0.0, "random", "random", width)
+    new = old.copy()
+    at = {"first": [3], "second": [block + 5], "middle": [2 * block + block // 2, 3 * block],
+          "last": [size - 1], "none": []}[where]
+    new[at] ^= 1
+    want = numpy_path(monkeypatch, encode_delta_advance, old.copy(), new, always_digest=always)
+    with forced_isa(isa):
+        got = encode_delta_advance(old, new, always_digest=always)
+    assert got == want
+    assert got[1] == (xxhash.xxh3_128_hexdigest(new.tobytes()) if at or always else None)
+
+
+@native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("width", WIDTHS)
 def test_large_chunk_same_bytes(width, isa, monkeypatch):
     """A chunk of several hash blocks, with every change pattern at once, on each scan variant."""
     old, new = make_pair(width, (1 << 21) // width + 3, 0.015, "random", "escaping", width)

@@ -521,11 +521,22 @@ static PyObject *py_scan_isa(PyObject *self, PyObject *args) {
 /* What encode_add hashes: nothing, `new` if anything changed, or `new` always. */
 enum { DIGEST_NONE = 0, DIGEST_IF_CHANGED = 1, DIGEST_ALWAYS = 2 };
 
+/* Bytes of `new` hashed at a time between two slices of the next block's scan (below). */
+#ifndef HASH_SLICE
+#define HASH_SLICE (4 * 1024)
+#endif
+
 /* Runs without the GIL. With DIGEST_IF_CHANGED hashing starts at the first changed block,
- * catching up on the (unchanged) blocks before it. */
+ * catching up on the (unchanged) blocks before it.
+ *
+ * A block of `new` is hashed while the next block is scanned, a slice of each in turn, not
+ * after its own scan: hashing a whole block from cache left the memory stream idle for as
+ * long (the scan's prefetches run only a few KiB ahead), and the digest added ~0.17 of a
+ * copy's time to a 2-thread publish scan. The bytes hashed, and their order, are the same. */
 static int encode_add_pass(scan_fn scan, uint8_t *ob, const uint8_t *nb, size_t count, int w, int adv, int digest,
                            enc_out *s, XXH3_state_t *st, int *hashed) {
-    const size_t step = HASH_BLOCK / (size_t)w;
+    const size_t step = HASH_BLOCK / (size_t)w, slice = HASH_SLICE / (size_t)w;
+    size_t lag0 = 0, lag1 = 0; /* elements [lag0, lag1) of `new`: scanned, not yet hashed */
     *hashed = 0;
     if (digest == DIGEST_ALWAYS) {
         XXH3_128bits_reset(st);
@@ -534,17 +545,31 @@ static int encode_add_pass(scan_fn scan, uint8_t *ob, const uint8_t *nb, size_t 
     for (size_t h0 = 0; h0 < count; h0 += step) {
         size_t h1 = count - h0 > step ? h0 + step : count;
         size_t before = s->k;
-        /* scan first (old and new stream from memory together), then hash the block of new
-         * while it is in cache */
-        if (scan(ob, nb, h0, h1, adv, s) < 0) return -1;
-        if (*hashed) {
-            DS_XXH3_128_UPDATE(st, nb + h0 * w, (h1 - h0) * (size_t)w);
-        } else if (digest == DIGEST_IF_CHANGED && s->k != before) {
+        if (lag0 < lag1) {
+            for (size_t a = h0; a < h1; a += slice) {
+                size_t b = h1 - a > slice ? a + slice : h1;
+                if (scan(ob, nb, a, b, adv, s) < 0) return -1;
+                if (lag0 < lag1) {
+                    size_t e = lag1 - lag0 > slice ? lag0 + slice : lag1;
+                    DS_XXH3_128_UPDATE(st, nb + lag0 * w, (e - lag0) * (size_t)w);
+                    lag0 = e;
+                }
+            }
+            if (lag0 < lag1) DS_XXH3_128_UPDATE(st, nb + lag0 * w, (lag1 - lag0) * (size_t)w);
+        } else if (scan(ob, nb, h0, h1, adv, s) < 0) {
+            return -1;
+        }
+        if (!*hashed && digest == DIGEST_IF_CHANGED && s->k != before) {
             XXH3_128bits_reset(st); /* the first change: catch up on the blocks before it */
-            DS_XXH3_128_UPDATE(st, nb, h1 * (size_t)w);
+            if (h0) DS_XXH3_128_UPDATE(st, nb, h0 * (size_t)w);
             *hashed = 1;
         }
+        if (*hashed) {
+            lag0 = h0;
+            lag1 = h1;
+        }
     }
+    if (lag0 < lag1) DS_XXH3_128_UPDATE(st, nb + lag0 * w, (lag1 - lag0) * (size_t)w);
     return 0;
 }
 
