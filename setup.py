@@ -14,6 +14,7 @@ Sanitizer build (see docs/design/006-native-kernels.md)::
 
 import glob
 import os
+import sys
 
 from setuptools import Extension, setup
 
@@ -29,6 +30,9 @@ native = Extension(
     depends=sorted(glob.glob(f"{SRC}/*.h", root_dir=HERE)),
     include_dirs=[SRC],
     extra_compile_args=OPT,
+    # zstd.c loads the system's libzstd at run time (dlopen: in libc since glibc 2.34, in libdl
+    # before; nothing to build against)
+    libraries=["dl"] if sys.platform.startswith("linux") else [],
     optional=True,  # no compiler, or it fails: install anyway, the numpy path runs
 )
 

@@ -70,3 +70,8 @@ scatter_members = getattr(_native, "scatter_members", None)
 scan_tensors = getattr(_native, "scan_tensors", None)
 #: See deltastore/_native/module.c (history._untrack_table: cached manifests' chunk tables).
 untrack = getattr(_native, "untrack", None)
+#: See deltastore/_native/zstd.c: a segment's zstd frames in one call without the GIL, through
+#: the system's libzstd when one loads (None otherwise: python-zstandard decodes, the same bytes).
+zstd_decompress = _native.zstd_decompress if _native is not None and _native.zstd_version() is not None else None
+if _native is not None and zstd_decompress is None:
+    logger.info("no libzstd >= 1.4 to load: zstd frames are decoded by python-zstandard, one call each")

@@ -260,9 +260,14 @@ def encode_sections(planes: Sequence[np.ndarray], level: int | None) -> list[tup
 def decode_sections(data: bytes, h: SegmentHeader) -> list[Plane]:
     """Decode each section to a uint8 array (or an int for a CONST plane). Sizes are trusted
     only because :func:`~deltastore.codec.container.read_header` already checked them against
-    the caller's expectations."""
+    the caller's expectations.
+
+    The zstd sections are decoded by the native ``zstd_decompress`` (all of them in one call
+    without the GIL, through the system's libzstd) when it is loaded, else one python-zstandard
+    call each: the same bytes, and the same checks (:func:`_zstd_one`)."""
     mv = memoryview(data)
     out: list[Plane] = []
+    zstd: list[tuple[int, memoryview]] = []  # (section index, stored frame), in order
     off = h.header_size
     for i, s in enumerate(h.sections):
         buf = mv[off : off + s.stored_size]
@@ -271,28 +276,45 @@ def decode_sections(data: bytes, h: SegmentHeader) -> list[Plane]:
             out.append(buf[0])
         elif s.kind == "raw":
             out.append(np.frombuffer(buf, dtype=np.uint8))
+        elif _kernels.zstd_decompress is None:
+            out.append(np.frombuffer(_zstd_one(buf, s.raw_size, h.codec, i), dtype=np.uint8))
         else:
-            try:
-                declared = zstandard.frame_content_size(buf)
-            except zstandard.ZstdError as e:
-                raise CorruptObjectError(f"{h.codec} section {i}: not a zstd frame ({e})") from None
-            # A frame header's content size is what zstd would allocate, whatever max_output_size
-            # says: check it before decompressing (decompression-bomb guard).
-            if declared not in (-1, s.raw_size):
-                raise CorruptObjectError(
-                    f"{h.codec} section {i}: zstd frame claims {declared} bytes, table says {s.raw_size}"
-                )
-            try:
-                dctx = _dctx() if s.raw_size <= DCTX_REUSE_MAX_BYTES else zstandard.ZstdDecompressor()
-                raw = dctx.decompress(buf, max_output_size=s.raw_size, allow_extra_data=False)
-            except zstandard.ZstdError as e:
-                raise CorruptObjectError(f"{h.codec} section {i}: bad zstd frame ({e})") from None
-            if len(raw) != s.raw_size:
-                raise CorruptObjectError(
-                    f"{h.codec} section {i}: decompressed to {len(raw)} bytes, table says {s.raw_size}"
-                )
-            out.append(np.frombuffer(raw, dtype=np.uint8))
+            zstd.append((i, buf))
+            out.append(None)  # type: ignore[arg-type]  # filled below
+    if zstd:
+        got = _kernels.zstd_decompress([buf for _, buf in zstd], [h.sections[i].raw_size for i, _ in zstd])
+        if type(got) is tuple:
+            j, kind, value, message = got
+            i = zstd[j][0]
+            raise CorruptObjectError({
+                1: f"{h.codec} section {i}: not a zstd frame ({message or 'no frame header'})",
+                2: f"{h.codec} section {i}: zstd frame claims {value} bytes, table says {h.sections[i].raw_size}",
+                3: f"{h.codec} section {i}: bad zstd frame ({message})",
+            }.get(kind, f"{h.codec} section {i}: decompressed to {value} bytes, table says {h.sections[i].raw_size}"))
+        for (i, _), raw in zip(zstd, got):
+            out[i] = np.frombuffer(raw, dtype=np.uint8)
     return out
+
+
+def _zstd_one(buf: memoryview, raw_size: int, codec: str, i: int) -> bytes:
+    """One zstd section through python-zstandard: the frame's declared content size checked
+    before anything is allocated, exactly one frame, exactly ``raw_size`` bytes out."""
+    try:
+        declared = zstandard.frame_content_size(buf)
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(f"{codec} section {i}: not a zstd frame ({e})") from None
+    # A frame header's content size is what zstd would allocate, whatever max_output_size
+    # says: check it before decompressing (decompression-bomb guard).
+    if declared not in (-1, raw_size):
+        raise CorruptObjectError(f"{codec} section {i}: zstd frame claims {declared} bytes, table says {raw_size}")
+    try:
+        dctx = _dctx() if raw_size <= DCTX_REUSE_MAX_BYTES else zstandard.ZstdDecompressor()
+        raw = dctx.decompress(buf, max_output_size=raw_size, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(f"{codec} section {i}: bad zstd frame ({e})") from None
+    if len(raw) != raw_size:
+        raise CorruptObjectError(f"{codec} section {i}: decompressed to {len(raw)} bytes, table says {raw_size}")
+    return raw
 
 
 # --- element transforms -------------------------------------------------------------------

@@ -1,0 +1,208 @@
+/* zstd frames decoded in one call without the GIL, through the system's libzstd (loaded at run
+ * time: nothing to build against, nothing to install).
+ *
+ * A segment's zstd sections were decoded one python-zstandard call each, and each call gave the
+ * GIL up and waited to take it back: on two apply threads, 5-9 ms of a 531 MB model's
+ * `pull_into` went to those waits (design 006, session 30 addendum). `zstd_decompress` decodes
+ * all of a segment's frames in one GIL release. Decoding is fixed by the zstd format (RFC 8878),
+ * so any libzstd gives the bytes python-zstandard's bundled one gives; the checks below are the
+ * ones deltastore.codec.planes.decode_sections makes around python-zstandard (declared content
+ * size, exactly one frame and no trailing bytes, exactly the raw size out), and the output
+ * buffer is the raw size the section table declares: a frame that would write more fails
+ * without writing past it. Without a libzstd (or on Windows) `zstd_version()` is None and the
+ * Python path decodes. */
+#include "ds_native.h"
+
+#if !defined(_WIN32)
+#include <dlfcn.h>
+#include <pthread.h>
+#define DS_HAVE_DLOPEN 1
+#endif
+
+/* The libzstd API used (stable since zstd 1.3.0; 1.4.0 or newer is required below). */
+#define DS_ZSTD_CONTENTSIZE_UNKNOWN (0ULL - 1)
+#define DS_ZSTD_CONTENTSIZE_ERROR (0ULL - 2)
+typedef void *(*create_dctx_fn)(void);
+typedef size_t (*free_dctx_fn)(void *);
+typedef size_t (*decompress_dctx_fn)(void *, void *, size_t, const void *, size_t);
+typedef unsigned long long (*frame_content_size_fn)(const void *, size_t);
+typedef size_t (*find_frame_size_fn)(const void *, size_t);
+typedef unsigned (*is_error_fn)(size_t);
+typedef const char *(*error_name_fn)(size_t);
+typedef unsigned (*version_fn)(void);
+
+static struct {
+    int tried;
+    unsigned version; /* 0: not loaded */
+    create_dctx_fn create_dctx;
+    free_dctx_fn free_dctx;
+    decompress_dctx_fn decompress_dctx;
+    frame_content_size_fn frame_content_size;
+    find_frame_size_fn find_frame_size;
+    is_error_fn is_error;
+    error_name_fn error_name;
+} Z;
+
+#ifdef DS_HAVE_DLOPEN
+static pthread_key_t dctx_key;
+
+static void free_dctx(void *d) {
+    if (d) Z.free_dctx(d);
+}
+
+/* Called with the GIL held (module functions only), so once. */
+static void zstd_load(void) {
+    if (Z.tried) return;
+    Z.tried = 1;
+    static const char *const names[] = {"libzstd.so.1", "libzstd.1.dylib", "libzstd.so", "libzstd.dylib"};
+    void *h = NULL;
+    for (size_t i = 0; i < sizeof names / sizeof *names && !h; i++) h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!h) return;
+    version_fn version = (version_fn)dlsym(h, "ZSTD_versionNumber");
+    Z.create_dctx = (create_dctx_fn)dlsym(h, "ZSTD_createDCtx");
+    Z.free_dctx = (free_dctx_fn)dlsym(h, "ZSTD_freeDCtx");
+    Z.decompress_dctx = (decompress_dctx_fn)dlsym(h, "ZSTD_decompressDCtx");
+    Z.frame_content_size = (frame_content_size_fn)dlsym(h, "ZSTD_getFrameContentSize");
+    Z.find_frame_size = (find_frame_size_fn)dlsym(h, "ZSTD_findFrameCompressedSize");
+    Z.is_error = (is_error_fn)dlsym(h, "ZSTD_isError");
+    Z.error_name = (error_name_fn)dlsym(h, "ZSTD_getErrorName");
+    if (!version || !Z.create_dctx || !Z.free_dctx || !Z.decompress_dctx || !Z.frame_content_size ||
+        !Z.find_frame_size || !Z.is_error || !Z.error_name || version() < 10400 ||
+        pthread_key_create(&dctx_key, free_dctx) != 0) {
+        dlclose(h);
+        return;
+    }
+    Z.version = version(); /* the handle stays open for the process's life */
+}
+
+/* This thread's decompression context (freed when the thread ends), or NULL. */
+static void *thread_dctx(void) {
+    void *d = pthread_getspecific(dctx_key);
+    if (!d && (d = Z.create_dctx()) != NULL && pthread_setspecific(dctx_key, d) != 0) {
+        Z.free_dctx(d);
+        d = NULL;
+    }
+    return d;
+}
+#else
+static void zstd_load(void) { Z.tried = 1; }
+static void *thread_dctx(void) { return NULL; }
+#endif
+
+PyDoc_STRVAR(zstd_version_doc,
+"zstd_version() -> int | None\n\n"
+"The version number of the libzstd zstd_decompress uses (e.g. 10504), or None when none was\n"
+"loaded (no libzstd.so.1 on the library path, older than 1.4.0, or Windows).");
+
+static PyObject *py_zstd_version(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    zstd_load();
+    if (!Z.version) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLong(Z.version);
+}
+
+/* Failure kinds: what deltastore.codec.planes.decode_sections reports for each. */
+enum { ZE_NOT_FRAME = 1, ZE_CLAIMS = 2, ZE_BAD_FRAME = 3, ZE_SIZE = 4 };
+
+PyDoc_STRVAR(zstd_decompress_doc,
+"zstd_decompress(frames: list, sizes: list) -> list[bytes] | tuple[int, int, int, str]\n\n"
+"Decode frames[i] (a bytes-like object holding exactly one zstd frame) into sizes[i] bytes,\n"
+"all without the GIL. Returns the list of outputs, or at the first frame that fails\n"
+"(i, kind, value, message): kind 1, not a zstd frame; 2, its header claims `value` bytes;\n"
+"3, the frame is bad (zstd's message; also bytes after the frame); 4, it decoded to `value`\n"
+"bytes. Nothing is written past an output's size. RuntimeError when no libzstd is loaded.");
+
+static PyObject *py_zstd_decompress(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *frames, *sizes;
+    if (!PyArg_ParseTuple(args, "O!O!:zstd_decompress", &PyList_Type, &frames, &PyList_Type, &sizes)) return NULL;
+    zstd_load();
+    if (!Z.version) {
+        PyErr_SetString(PyExc_RuntimeError, "no libzstd loaded (zstd_version() is None)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(frames);
+    if (PyList_GET_SIZE(sizes) != n) {
+        PyErr_SetString(PyExc_ValueError, "frames and sizes differ in length");
+        return NULL;
+    }
+    Py_buffer *in = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    PyObject *out = PyList_New(n);
+    PyObject *result = NULL;
+    Py_ssize_t got = 0; /* buffers acquired */
+    if (!in || !out) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyList_GET_ITEM(sizes, got));
+        if (size < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "sizes must be non-negative");
+            goto done;
+        }
+        PyObject *b = PyBytes_FromStringAndSize(NULL, size);
+        if (!b) goto done;
+        PyList_SET_ITEM(out, got, b);
+        if (PyObject_GetBuffer(PyList_GET_ITEM(frames, got), &in[got], PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_SetString(PyExc_ValueError, "frames must be C-contiguous buffers");
+            goto done;
+        }
+    }
+    Py_ssize_t bad = -1;
+    int kind = 0;
+    unsigned long long value = 0;
+    const char *message = "";
+    Py_BEGIN_ALLOW_THREADS
+    void *dctx = thread_dctx();
+    if (!dctx && n) {
+        bad = 0;
+        kind = ZE_BAD_FRAME;
+        message = "cannot allocate a zstd decompression context";
+    }
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
+        const void *src = in[i].buf;
+        size_t len = (size_t)in[i].len;
+        char *dst = PyBytes_AS_STRING(PyList_GET_ITEM(out, i));
+        size_t cap = (size_t)PyBytes_GET_SIZE(PyList_GET_ITEM(out, i));
+        unsigned long long declared = Z.frame_content_size(src, len);
+        size_t r;
+        if (declared == DS_ZSTD_CONTENTSIZE_ERROR) {
+            kind = ZE_NOT_FRAME;
+        } else if (declared != DS_ZSTD_CONTENTSIZE_UNKNOWN && declared != cap) {
+            kind = ZE_CLAIMS;
+            value = declared;
+        } else if (Z.is_error(r = Z.find_frame_size(src, len))) {
+            kind = ZE_BAD_FRAME;
+            message = Z.error_name(r);
+        } else if (r != len) {
+            kind = ZE_BAD_FRAME;
+            message = "bytes after the frame";
+        } else if (Z.is_error(r = Z.decompress_dctx(dctx, dst, cap, src, len))) {
+            kind = ZE_BAD_FRAME;
+            message = Z.error_name(r);
+        } else if (r != cap) {
+            kind = ZE_SIZE;
+            value = r;
+        }
+        if (kind) bad = i;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        result = Py_BuildValue("(niKs)", bad, kind, value, message);
+    } else {
+        result = out;
+        out = NULL;
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&in[i]);
+    PyMem_Free(in);
+    Py_XDECREF(out);
+    return result;
+}
+
+PyMethodDef ds_zstd_methods[] = {
+    {"zstd_version", py_zstd_version, METH_NOARGS, zstd_version_doc},
+    {"zstd_decompress", py_zstd_decompress, METH_VARARGS, zstd_decompress_doc},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,159 @@
+"""The native zstd decoder (deltastore/_native/zstd.c: a segment's frames in one call without
+the GIL, through the system's libzstd) against python-zstandard's path in
+``planes.decode_sections``: the same planes for every frame python-zstandard writes, and for
+hostile frames either the same planes or a CorruptObjectError from both.
+
+Skipped where the extension is not built or no libzstd loads (then only the python path runs,
+which the rest of the suite tests).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltastore.codec import _kernels, encode_full
+from deltastore.codec.container import DSG1, peek_header
+from deltastore.codec.planes import ZSTD_PLANE_PARAMS, decode_sections
+from deltastore.errors import CorruptObjectError
+
+pytestmark = pytest.mark.skipif(_kernels.zstd_decompress is None, reason="native zstd decoder not loaded")
+
+PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _both(data: bytes):
+    """decode_sections of ``data`` natively and through python-zstandard: (planes or the
+    exception type) for each."""
+    h = peek_header(data)
+    out = []
+    for native in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            if not native:
+                mp.setattr(_kernels, "zstd_decompress", None)
+            try:
+                planes = decode_sections(data, h)
+            except CorruptObjectError as e:
+                out.append(("error", str(e).split(":")[0]))
+            else:
+                out.append(("ok", [p if isinstance(p, int) else bytes(p) for p in planes]))
+    return out
+
+
+def _segment(planes: list[bytes]) -> bytes:
+    """A full/1 segment of width len(planes) whose planes are ``planes`` (same length), coded
+    by the encoder: zstd where it is smaller, else RAW or CONST."""
+    n = len(planes[0])
+    x = np.frombuffer(b"".join(planes), np.uint8).reshape(len(planes), n).T.copy()
+    return encode_full(x.view(f"<u{len(planes)}").reshape(n)).data
+
+
+def _with_frame(frame: bytes, raw_size: int) -> bytes:
+    """A DSG1 full/1 width-1 segment whose one section is ``frame`` (kind zstd), ``raw_size`` long."""
+    head = DSG1.header.pack(b"DSG1", 1, 1, 1, 0, raw_size, raw_size, 1, b"\x00\x00\x00")
+    return head + DSG1.entry.pack(1, b"\x00\x00\x00", len(frame), raw_size) + frame
+
+
+plane_bytes = st.one_of(
+    st.binary(min_size=1, max_size=3000),
+    st.builds(lambda n, k, seed: np.random.default_rng(seed).integers(0, k, n, dtype=np.uint8).tobytes(),
+              st.integers(1, 200_000), st.integers(1, 256), st.integers(0, 2**32 - 1)),
+)
+
+
+@PROPS
+@given(raw=plane_bytes, level=st.sampled_from([None, 1, 3, 9, 19]), size_flag=st.booleans(), checksum=st.booleans())
+def test_same_planes_as_python_zstandard(raw, level, size_flag, checksum):
+    if level is None:
+        c = zstandard.ZstdCompressor(compression_params=ZSTD_PLANE_PARAMS)
+    else:
+        c = zstandard.ZstdCompressor(level=level, write_content_size=size_flag, write_checksum=checksum)
+    native, python = _both(_with_frame(c.compress(raw), len(raw)))
+    assert native == python == ("ok", [raw])
+
+
+@PROPS
+@given(raw=plane_bytes, edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=4),
+       cut=st.integers(-8, 8), extra=st.binary(max_size=16), size_delta=st.integers(-2, 2))
+def test_hostile_frames_same_outcome(raw, edits, cut, extra, size_delta):
+    """Flipped bytes, a frame cut short or with bytes after it, a table that says another raw
+    size: both paths decode the same planes or both refuse."""
+    frame = bytearray(zstandard.ZstdCompressor(level=3).compress(raw))
+    for at, x in edits:
+        frame[at % len(frame)] ^= x
+    if cut < 0:
+        frame = frame[:cut]
+    frame = bytes(frame) + extra
+    size = max(0, len(raw) + size_delta)
+    native, python = _both(_with_frame(frame, size))
+    assert native[0] == python[0]
+    if native[0] == "ok":
+        assert native == python
+
+
+def test_every_refusal_kind_names_the_section():
+    raw = bytes(range(256)) * 40
+    frame = zstandard.ZstdCompressor(level=3).compress(raw)
+    two = frame + zstandard.ZstdCompressor(level=3).compress(raw)  # two frames: refused
+    skippable = (0x184D2A50).to_bytes(4, "little") + (4).to_bytes(4, "little") + b"abcd"
+    no_size = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(raw)
+    cases = {
+        "not a zstd frame": _with_frame(b"\x00\x01\x02\x03" + frame[4:], len(raw)),
+        "zstd frame claims": _with_frame(frame, len(raw) + 1),
+        "bad zstd frame": _with_frame(two, len(raw)),
+        "decompressed to": _with_frame(no_size, len(raw) + 7),
+    }
+    for words, data in cases.items():
+        with pytest.raises(CorruptObjectError, match=f"section 0: {words}"):
+            decode_sections(data, peek_header(data))
+    for data in (_with_frame(skippable, len(raw)), _with_frame(frame + skippable, len(raw))):
+        # a skippable frame alone, or after the frame: python-zstandard refuses both
+        assert _both(data)[0] == _both(data)[1] == ("error", "full/1 section 0")
+
+
+def test_a_bomb_is_refused_without_writing_past_the_table_size():
+    cobj = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    frame = b"".join(cobj.compress(bytes(1 << 20)) for _ in range(64)) + cobj.flush()  # 64 MiB of zeros
+    data = _with_frame(frame, 1000)
+    with pytest.raises(CorruptObjectError, match="bad zstd frame"):
+        decode_sections(data, peek_header(data))
+
+
+def test_the_kernel_checks_its_arguments():
+    z = _kernels.zstd_decompress
+    assert z([], []) == []
+    with pytest.raises(ValueError, match="differ"):
+        z([b"x"], [])
+    with pytest.raises(ValueError, match="non-negative"):
+        z([b"x"], [-1])
+    with pytest.raises(TypeError):
+        z((b"x",), [1])
+    with pytest.raises(ValueError, match="buffers"):
+        z([object()], [1])
+
+
+def test_threads_decode_with_their_own_contexts():
+    rng = np.random.default_rng(5)
+    segments = [_segment([rng.integers(0, k, 50_000, dtype=np.uint8).tobytes() for _ in range(2)]) for k in (3, 17, 200)]
+    want = [[bytes(p) for p in decode_sections(s, peek_header(s))] for s in segments]
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(50):
+                for s, w in zip(segments, want):
+                    assert [bytes(p) for p in decode_sections(s, peek_header(s))] == w
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
