@@ -334,6 +334,10 @@ class _Prefetch(Iterator[_T]):
     def __next__(self) -> _T:
         return next(self._gen)
 
+    def ready(self) -> bool:
+        """The next item's fetch has ended (``next`` will not wait for it)."""
+        return self._inflight[0].done()
+
     def close(self) -> None:
         self._gen.close()  # type: ignore[attr-defined]
         f = self._inflight[0]
@@ -379,6 +383,21 @@ def targets_for(specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Ten
     """Raw access per unit of ``specs``: a tensor's :class:`_Target`, or a group row's
     gather/scatter over its members' targets (design 007 D4)."""
     return unit_targets(specs, tensors, _Target)
+
+
+def _views_while_reading(targets: dict[str, Any], batches: Iterator[Any]) -> None:
+    """Make the CPU targets' views (:attr:`_Target.raw`) on this thread until the first batch
+    of segments is read: each costs ~10 µs of torch calls with the GIL held, which an apply
+    thread would otherwise spend at the tensor's first chunk (while the other waits for the
+    GIL), and this thread only waits for the read meanwhile."""
+    ready = getattr(batches, "ready", None)
+    if ready is None:
+        return
+    for t in targets.values():
+        if ready():
+            return
+        if type(t) is _Target:
+            t.raw  # noqa: B018 - made and kept on first use
 
 
 class ReadEngine:
@@ -726,6 +745,7 @@ class ReadEngine:
         except BaseException:
             batches.close()
             raise
+        _views_while_reading(targets, batches)
 
         done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back

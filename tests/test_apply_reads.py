@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deltastore import Subscriber
-from deltastore.apply import CheckedOnRead, ReadEngine
+from deltastore.apply import CheckedOnRead, ReadEngine, _Target, _views_while_reading
 from deltastore.errors import IntegrityError, TargetModifiedError
 from deltastore.manifest import sha256_hex
 from deltastore.storage import open_store
@@ -81,6 +81,31 @@ def test_the_pack_is_read_while_the_kept_chunks_are_hashed(tmp_path: Path, monke
         assert sub.pull_into(target, version=3).version == 3
     assert seen == [True]
     assert_bits_equal(target, states[2])
+
+
+def test_target_views_are_made_while_the_first_batch_is_read() -> None:
+    """apply_in_place's own thread makes the CPU targets' views while the first batch of
+    segments is being read, and stops as soon as the read has ended (an apply thread makes the
+    rest at each tensor's first chunk); a batch iterator that does not prefetch gets none."""
+
+    class Batches:
+        def __init__(self, reads: int):
+            self.polls = 0
+            self.reads = reads
+
+        def ready(self) -> bool:
+            self.polls += 1
+            return self.polls > self.reads
+
+    targets = {f"t{i}": _Target(torch.zeros(4)) for i in range(5)}
+    targets["group"] = object()  # a group row's target: not a tensor's, left alone
+    _views_while_reading(targets, Batches(reads=3))
+    assert [t._raw is not None for k, t in targets.items() if k != "group"] == [True, True, True, False, False]
+    _views_while_reading(targets, Batches(reads=100))
+    assert all(t._raw is not None for k, t in targets.items() if k != "group")
+    fresh = {"t": _Target(torch.zeros(4))}
+    _views_while_reading(fresh, iter(()))
+    assert fresh["t"]._raw is None
 
 
 def test_a_modified_kept_chunk_stops_the_read_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
