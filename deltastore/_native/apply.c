@@ -561,14 +561,36 @@ typedef struct {
     plane_t pl[MAX_PLANES];
     Py_buffer views[MAX_PLANES];
     int has_view[MAX_PLANES];
+    uint8_t *zbuf[MAX_PLANES]; /* a zstd section's plane, decoded here (views[i] is its frame) */
     uint8_t consts[MAX_PLANES];
     int n;
 } sections_t;
 
 static void release_sections(sections_t *ss) {
-    for (int i = 0; i < ss->n; i++)
+    for (int i = 0; i < ss->n; i++) {
         if (ss->has_view[i]) PyBuffer_Release(&ss->views[i]);
+        PyMem_RawFree(ss->zbuf[i]);
+    }
     ss->n = 0;
+}
+
+/* The zstd sections' frames decoded into their planes (without the GIL): 0, or DS_E_ZSTD with
+ * *ea = the section, *eb = the value and *zkind / *zmsg as ds_zstd_decode reports them. */
+#define DS_E_ZSTD 9
+static int decode_frames(sections_t *ss, const uint64_t *len, uint64_t *ea, uint64_t *eb, int *zkind,
+                         const char **zmsg) {
+    for (int i = 0; i < ss->n; i++) {
+        if (!ss->zbuf[i]) continue;
+        unsigned long long value;
+        int k = ds_zstd_decode(ss->views[i].buf, (size_t)ss->views[i].len, ss->zbuf[i], (size_t)len[i], &value, zmsg);
+        if (k) {
+            *ea = (uint64_t)i;
+            *eb = value;
+            *zkind = k;
+            return DS_E_ZSTD;
+        }
+    }
+    return 0;
 }
 
 /* The sections' expected lengths for this segment (the section layout of SPEC/codec-format). */
@@ -633,8 +655,11 @@ PyDoc_STRVAR(apply_segment_doc,
 "With out (a writable buffer of target's size), target is only read: the result is written\n"
 "to out. With positions, old and new (sparse kinds; writable buffers of n_changed int64 and\n"
 "n_changed elements), the changed positions and the bits there before and after are written\n"
-"there. err != 0: the segment is corrupt (see DS_E_* in apply.c) and\n"
-"nothing was written.");
+"there. A zstd section may be passed as (frame,): it is decoded here, without the GIL, into\n"
+"the plane its header implies (zstd.c; a libzstd must be loaded). err != 0: the segment is\n"
+"corrupt (see DS_E_* in apply.c) and nothing was written; err 9 (DS_E_ZSTD): section a's\n"
+"frame failed, b the value, before the failure kind and after zstd's message, as\n"
+"zstd_decompress reports them.");
 
 static PyObject *apply_segment(PyObject *self, PyObject *args) {
     PyObject *target, *sections, *out = Py_None, *positions = Py_None, *oldo = Py_None, *newo = Py_None;
@@ -731,7 +756,24 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     for (int i = 0; i < want_planes; i++) {
         PyObject *o = PyTuple_GET_ITEM(sections, i);
         ss.has_view[i] = 0;
+        ss.zbuf[i] = NULL;
         ss.n = i + 1;
+        if (PyTuple_Check(o)) { /* (frame,): a zstd section, decoded below into len[i] bytes */
+            if (PyTuple_GET_SIZE(o) != 1 || !ds_zstd_ready()) {
+                PyErr_Format(PyExc_ValueError, "section %d: a zstd frame is passed as (frame,), with a libzstd loaded", i);
+                goto done;
+            }
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(o, 0), &ss.views[i], PyBUF_C_CONTIGUOUS) < 0) goto done;
+            ss.has_view[i] = 1;
+            if (len[i] == 0 || !(ss.zbuf[i] = PyMem_RawMalloc((size_t)len[i]))) {
+                if (len[i]) PyErr_NoMemory();
+                else PyErr_Format(PyExc_ValueError, "zstd section %d stands for 0 bytes", i);
+                goto done;
+            }
+            ss.pl[i].p = ss.zbuf[i];
+            ss.pl[i].mask = ~(size_t)0;
+            continue;
+        }
         if (PyLong_Check(o)) {
             long v = PyLong_AsLong(o);
             if (v < 0 || v > 255) {
@@ -777,8 +819,11 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
 
     uint64_t ea = 0, eb = 0;
     int err;
+    int zkind = 0;
+    const char *zmsg = "";
     Py_BEGIN_ALLOW_THREADS
-    err = validate(&s, &ea, &eb);
+    err = decode_frames(&ss, len, &ea, &eb, &zkind, &zmsg);
+    if (!err) err = validate(&s, &ea, &eb);
     if (!err) {
         io_t io = {has_out ? (const uint8_t *)tv.buf : NULL, has_pos ? (int64_t *)pv.buf : NULL,
                    has_pos ? (uint8_t *)oldb.buf : NULL, has_pos ? (uint8_t *)newb.buf : NULL};
@@ -787,10 +832,13 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
 
     PyObject *before = NULL, *after = NULL;
-    if (!err && sb) before = hex_digest(sb);
-    else before = Py_NewRef(Py_None);
-    if (!err && sa) after = hex_digest(sa);
-    else after = Py_NewRef(Py_None);
+    if (err == DS_E_ZSTD) { /* the failure kind and zstd's message in the digests' places */
+        before = PyLong_FromLong(zkind);
+        after = PyUnicode_FromString(zmsg);
+    } else {
+        before = !err && sb ? hex_digest(sb) : Py_NewRef(Py_None);
+        after = !err && sa ? hex_digest(sa) : Py_NewRef(Py_None);
+    }
     XXH3_freeState(sb);
     XXH3_freeState(sa);
     if (before && after) result = Py_BuildValue("(iKKNN)", err, (unsigned long long)ea, (unsigned long long)eb, before, after);

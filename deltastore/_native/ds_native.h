@@ -37,4 +37,12 @@ int ds_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what
 /* Element width (1, 2, 4, 8) from a Python int, or -1 with ValueError set. */
 int ds_check_width(long width);
 
+/* zstd.c: whether a libzstd is loaded (loads it at the first call; call with the GIL held), and
+ * one frame decoded into exactly `cap` bytes at dst (without the GIL; this thread's context):
+ * 0, or the failure kind with *value / *message as zstd_decompress reports them. */
+enum { DS_ZE_NOT_FRAME = 1, DS_ZE_CLAIMS = 2, DS_ZE_BAD_FRAME = 3, DS_ZE_SIZE = 4 };
+int ds_zstd_ready(void);
+int ds_zstd_decode(const void *src, size_t len, void *dst, size_t cap, unsigned long long *value,
+                   const char **message);
+
 #endif

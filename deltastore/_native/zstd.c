@@ -102,8 +102,45 @@ static PyObject *py_zstd_version(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLong(Z.version);
 }
 
-/* Failure kinds: what deltastore.codec.planes.decode_sections reports for each. */
-enum { ZE_NOT_FRAME = 1, ZE_CLAIMS = 2, ZE_BAD_FRAME = 3, ZE_SIZE = 4 };
+int ds_zstd_ready(void) {
+    zstd_load();
+    return Z.version != 0;
+}
+
+int ds_zstd_decode(const void *src, size_t len, void *dst, size_t cap, unsigned long long *value,
+                   const char **message) {
+    void *dctx = thread_dctx();
+    *value = 0;
+    *message = "";
+    if (!dctx) {
+        *message = "cannot allocate a zstd decompression context";
+        return DS_ZE_BAD_FRAME;
+    }
+    unsigned long long declared = Z.frame_content_size(src, len);
+    size_t r;
+    if (declared == DS_ZSTD_CONTENTSIZE_ERROR) return DS_ZE_NOT_FRAME;
+    if (declared != DS_ZSTD_CONTENTSIZE_UNKNOWN && declared != cap) {
+        *value = declared;
+        return DS_ZE_CLAIMS;
+    }
+    if (Z.is_error(r = Z.find_frame_size(src, len))) {
+        *message = Z.error_name(r);
+        return DS_ZE_BAD_FRAME;
+    }
+    if (r != len) {
+        *message = "bytes after the frame";
+        return DS_ZE_BAD_FRAME;
+    }
+    if (Z.is_error(r = Z.decompress_dctx(dctx, dst, cap, src, len))) {
+        *message = Z.error_name(r);
+        return DS_ZE_BAD_FRAME;
+    }
+    if (r != cap) {
+        *value = r;
+        return DS_ZE_SIZE;
+    }
+    return 0;
+}
 
 PyDoc_STRVAR(zstd_decompress_doc,
 "zstd_decompress(frames: list, sizes: list) -> list[bytes] | tuple[int, int, int, str]\n\n"
@@ -117,8 +154,7 @@ static PyObject *py_zstd_decompress(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *frames, *sizes;
     if (!PyArg_ParseTuple(args, "O!O!:zstd_decompress", &PyList_Type, &frames, &PyList_Type, &sizes)) return NULL;
-    zstd_load();
-    if (!Z.version) {
+    if (!ds_zstd_ready()) {
         PyErr_SetString(PyExc_RuntimeError, "no libzstd loaded (zstd_version() is None)");
         return NULL;
     }
@@ -154,37 +190,10 @@ static PyObject *py_zstd_decompress(PyObject *self, PyObject *args) {
     unsigned long long value = 0;
     const char *message = "";
     Py_BEGIN_ALLOW_THREADS
-    void *dctx = thread_dctx();
-    if (!dctx && n) {
-        bad = 0;
-        kind = ZE_BAD_FRAME;
-        message = "cannot allocate a zstd decompression context";
-    }
     for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
-        const void *src = in[i].buf;
-        size_t len = (size_t)in[i].len;
-        char *dst = PyBytes_AS_STRING(PyList_GET_ITEM(out, i));
-        size_t cap = (size_t)PyBytes_GET_SIZE(PyList_GET_ITEM(out, i));
-        unsigned long long declared = Z.frame_content_size(src, len);
-        size_t r;
-        if (declared == DS_ZSTD_CONTENTSIZE_ERROR) {
-            kind = ZE_NOT_FRAME;
-        } else if (declared != DS_ZSTD_CONTENTSIZE_UNKNOWN && declared != cap) {
-            kind = ZE_CLAIMS;
-            value = declared;
-        } else if (Z.is_error(r = Z.find_frame_size(src, len))) {
-            kind = ZE_BAD_FRAME;
-            message = Z.error_name(r);
-        } else if (r != len) {
-            kind = ZE_BAD_FRAME;
-            message = "bytes after the frame";
-        } else if (Z.is_error(r = Z.decompress_dctx(dctx, dst, cap, src, len))) {
-            kind = ZE_BAD_FRAME;
-            message = Z.error_name(r);
-        } else if (r != cap) {
-            kind = ZE_SIZE;
-            value = r;
-        }
+        PyObject *b = PyList_GET_ITEM(out, i);
+        kind = ds_zstd_decode(in[i].buf, (size_t)in[i].len, PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(b), &value,
+                              &message);
         if (kind) bad = i;
     }
     Py_END_ALLOW_THREADS

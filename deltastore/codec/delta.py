@@ -51,10 +51,12 @@ from deltastore.codec.planes import (
     encode_sections,
     join,
     pack_nibbles,
+    section_args,
     split,
     unpack_nibbles,
     unzigzag,
     zigzag,
+    zstd_error,
 )
 from deltastore.errors import CorruptObjectError
 
@@ -644,6 +646,9 @@ def apply_delta_into(source: np.ndarray, out: np.ndarray, data: bytes, *, codec:
     return _apply(out, data, codec, False, (1 if before else 0) | (2 if after else 0), source=source)
 
 
+#: apply.c's DS_E_ZSTD: a zstd section the kernel decoded failed.
+_ZSTD_FAILED = 9
+
 # The kernel's segment kinds (apply.c K_*).
 _KERNEL_KIND = {CODEC_XOR_SPARSE: 0, CODEC_XOR_DENSE: 1, CODEC_ADD_SPARSE: 2, CODEC_ADD_DENSE: 3}
 
@@ -678,24 +683,27 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
     kernel = _kernels.apply_segment
     if kernel is not None and t.dtype.str[0] != ">":  # the kernel works in little-endian
         h = read_header(data, codec, t.itemsize, t.size)
-        secs = decode_sections(data, h)
+        # zstd frames decoded by the kernel in the same call, where it can (planes.section_args)
+        secs = section_args(data, h) if _kernels.zstd_decompress is not None else tuple(decode_sections(data, h))
         ch = None
         if source is not None and sparse:
             ch = Changes(np.empty(h.n_changed, np.int64), np.empty(h.n_changed, t.dtype), np.empty(h.n_changed, t.dtype))
         try:
             if source is None:
                 err, a, b, before, after = kernel(
-                    t, _KERNEL_KIND[codec], h.width, h.gap_width, tuple(secs),
+                    t, _KERNEL_KIND[codec], h.width, h.gap_width, secs,
                     h.n_changed, h.n_gap_escaped, h.n_escaped, inverse, want,
                 )
             else:
                 err, a, b, before, after = kernel(
-                    source, _KERNEL_KIND[codec], h.width, h.gap_width, tuple(secs),
+                    source, _KERNEL_KIND[codec], h.width, h.gap_width, secs,
                     h.n_changed, h.n_gap_escaped, h.n_escaped, inverse, want, t,
                     *((ch.positions, ch.old, ch.new) if ch is not None else ()),
                 )
         except ValueError as e:  # sections disagree with the header: read_header should not allow it
             raise CorruptObjectError(f"{codec} segment: {e}") from None
+        if err == _ZSTD_FAILED:  # a zstd section's frame (zstd.c): its kind and message in before/after
+            raise zstd_error(h, a, before, b, after)
         if err:
             raise _kernel_error(err, a, b, codec, t.size)
         return before, after, ch

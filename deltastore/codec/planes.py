@@ -285,15 +285,37 @@ def decode_sections(data: bytes, h: SegmentHeader) -> list[Plane]:
         got = _kernels.zstd_decompress([buf for _, buf in zstd], [h.sections[i].raw_size for i, _ in zstd])
         if type(got) is tuple:
             j, kind, value, message = got
-            i = zstd[j][0]
-            raise CorruptObjectError({
-                1: f"{h.codec} section {i}: not a zstd frame ({message or 'no frame header'})",
-                2: f"{h.codec} section {i}: zstd frame claims {value} bytes, table says {h.sections[i].raw_size}",
-                3: f"{h.codec} section {i}: bad zstd frame ({message})",
-            }.get(kind, f"{h.codec} section {i}: decompressed to {value} bytes, table says {h.sections[i].raw_size}"))
+            raise zstd_error(h, zstd[j][0], kind, value, message)
         for (i, _), raw in zip(zstd, got):
             out[i] = np.frombuffer(raw, dtype=np.uint8)
     return out
+
+
+def section_args(data: bytes, h: SegmentHeader) -> tuple:
+    """The sections as the native apply kernel takes them: a CONST plane's byte, a RAW plane's
+    bytes, and a zstd section's frame as ``(frame,)``, decoded by the kernel itself in the call
+    that applies it (one release of the GIL per segment: deltastore/_native/zstd.c). Only when
+    the native zstd decoder is loaded; the kernel reports a bad frame as :func:`zstd_error`
+    describes it."""
+    mv = memoryview(data)
+    out: list = []
+    off = h.header_size
+    for s in h.sections:
+        buf = mv[off : off + s.stored_size]
+        off += s.stored_size
+        out.append(buf[0] if s.kind == "const" else buf if s.kind == "raw" else (buf,))
+    return tuple(out)
+
+
+def zstd_error(h: SegmentHeader, i: int, kind: int, value: int, message: str) -> CorruptObjectError:
+    """What a failed zstd section ``i`` of a native decode is (zstd.c's failure kinds), in the
+    words :func:`_zstd_one` uses for the same failure."""
+    raw = h.sections[i].raw_size
+    return CorruptObjectError({
+        1: f"{h.codec} section {i}: not a zstd frame ({message or 'no frame header'})",
+        2: f"{h.codec} section {i}: zstd frame claims {value} bytes, table says {raw}",
+        3: f"{h.codec} section {i}: bad zstd frame ({message})",
+    }.get(kind, f"{h.codec} section {i}: decompressed to {value} bytes, table says {raw}"))
 
 
 def _zstd_one(buf: memoryview, raw_size: int, codec: str, i: int) -> bytes:
