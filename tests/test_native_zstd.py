@@ -17,9 +17,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltastore.codec import _kernels, encode_full
+from deltastore.codec import _kernels, apply_delta_digests, encode_delta, encode_full
 from deltastore.codec.container import DSG1, peek_header
-from deltastore.codec.planes import ZSTD_PLANE_PARAMS, decode_sections
+from deltastore.codec.delta import _KERNEL_KIND
+from deltastore.codec.planes import ZSTD_PLANE_PARAMS, decode_sections, section_args
 from deltastore.errors import CorruptObjectError
 
 pytestmark = pytest.mark.skipif(_kernels.zstd_decompress is None, reason="native zstd decoder not loaded")
@@ -180,8 +181,6 @@ def _apply_both(data: bytes, codec: str, old: np.ndarray):
     """apply_delta_digests with the kernel decoding the frames, and with python-zstandard
     decoding them first: (result bits and digest, or the error's section) for each, and
     whether a refused target was left as it was."""
-    from deltastore.codec import apply_delta_digests
-
     out = []
     for native in (True, False):
         t = old.copy()
@@ -199,8 +198,6 @@ def _apply_both(data: bytes, codec: str, old: np.ndarray):
 
 
 def test_the_apply_kernel_decodes_frames_as_python_zstandard_does():
-    from deltastore.codec import encode_delta
-
     old, new = _delta_pair()
     seg = encode_delta(old, new)
     assert "zstd" in {s.kind for s in peek_header(seg.data).sections}
@@ -216,8 +213,6 @@ def test_the_apply_kernel_refuses_damaged_frames_or_applies_them_whole(edits, se
     test_hostile_frames): the kernel that decodes them either refuses the segment with a
     CorruptObjectError and leaves the target as it was, or applies it whole, as the path
     through python-zstandard does."""
-    from deltastore.codec import encode_delta
-
     old, new = _delta_pair(seed=seed % 7)
     seg = encode_delta(old, new)
     h = peek_header(seg.data)
@@ -235,12 +230,7 @@ def test_the_apply_kernel_refuses_damaged_frames_or_applies_them_whole(edits, se
 
 
 def test_the_apply_kernel_takes_a_frame_only_as_a_one_tuple():
-    from deltastore.codec.delta import _KERNEL_KIND
-    from deltastore.codec.planes import section_args
-
     old, new = _delta_pair()
-    from deltastore.codec import encode_delta
-
     seg = encode_delta(old, new)
     h = peek_header(seg.data)
     secs = section_args(seg.data, h)

@@ -683,8 +683,7 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
     kernel = _kernels.apply_segment
     if kernel is not None and t.dtype.str[0] != ">":  # the kernel works in little-endian
         h = read_header(data, codec, t.itemsize, t.size)
-        # zstd frames decoded by the kernel in the same call, where it can (planes.section_args)
-        secs = section_args(data, h) if _kernels.zstd_decompress is not None else tuple(decode_sections(data, h))
+        secs = section_args(data, h)  # zstd frames decoded by the kernel itself where it can
         ch = None
         if source is not None and sparse:
             ch = Changes(np.empty(h.n_changed, np.int64), np.empty(h.n_changed, t.dtype), np.empty(h.n_changed, t.dtype))

@@ -8,7 +8,7 @@ by one bit, 4-bit code pairs).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Union
 
 import numpy as np
@@ -20,6 +20,7 @@ from deltastore.codec.container import (
     KIND_RAW,
     KIND_ZSTD,
     MAX_COUNT,
+    SectionInfo,
     SegmentHeader,
 )
 from deltastore.errors import CorruptObjectError
@@ -257,6 +258,15 @@ def encode_sections(planes: Sequence[np.ndarray], level: int | None) -> list[tup
     return SectionEncoder(level)(planes)
 
 
+def _stored(data: bytes, h: SegmentHeader) -> Iterator[tuple[int, SectionInfo, memoryview]]:
+    """Each section's index, table entry and stored bytes (a view of ``data``)."""
+    mv = memoryview(data)
+    off = h.header_size
+    for i, s in enumerate(h.sections):
+        yield i, s, mv[off : off + s.stored_size]
+        off += s.stored_size
+
+
 def decode_sections(data: bytes, h: SegmentHeader) -> list[Plane]:
     """Decode each section to a uint8 array (or an int for a CONST plane). Sizes are trusted
     only because :func:`~deltastore.codec.container.read_header` already checked them against
@@ -265,13 +275,9 @@ def decode_sections(data: bytes, h: SegmentHeader) -> list[Plane]:
     The zstd sections are decoded by the native ``zstd_decompress`` (all of them in one call
     without the GIL, through the system's libzstd) when it is loaded, else one python-zstandard
     call each: the same bytes, and the same checks (:func:`_zstd_one`)."""
-    mv = memoryview(data)
     out: list[Plane] = []
     zstd: list[tuple[int, memoryview]] = []  # (section index, stored frame), in order
-    off = h.header_size
-    for i, s in enumerate(h.sections):
-        buf = mv[off : off + s.stored_size]
-        off += s.stored_size
+    for i, s, buf in _stored(data, h):
         if s.kind == "const":
             out.append(buf[0])
         elif s.kind == "raw":
@@ -293,29 +299,30 @@ def decode_sections(data: bytes, h: SegmentHeader) -> list[Plane]:
 
 def section_args(data: bytes, h: SegmentHeader) -> tuple:
     """The sections as the native apply kernel takes them: a CONST plane's byte, a RAW plane's
-    bytes, and a zstd section's frame as ``(frame,)``, decoded by the kernel itself in the call
-    that applies it (one release of the GIL per segment: deltastore/_native/zstd.c). Only when
-    the native zstd decoder is loaded; the kernel reports a bad frame as :func:`zstd_error`
-    describes it."""
-    mv = memoryview(data)
-    out: list = []
-    off = h.header_size
-    for s in h.sections:
-        buf = mv[off : off + s.stored_size]
-        off += s.stored_size
-        out.append(buf[0] if s.kind == "const" else buf if s.kind == "raw" else (buf,))
-    return tuple(out)
+    bytes, and, when the native zstd decoder is loaded, a zstd section's frame as ``(frame,)``,
+    decoded by the kernel itself in the call that applies it (one release of the GIL per
+    segment: deltastore/_native/zstd.c; it reports a bad frame as :func:`zstd_error` describes
+    it). Without the decoder, the planes :func:`decode_sections` returns."""
+    if _kernels.zstd_decompress is None:
+        return tuple(decode_sections(data, h))
+    return tuple(buf[0] if s.kind == "const" else buf if s.kind == "raw" else (buf,) for _, s, buf in _stored(data, h))
+
+
+#: zstd.c's failure kinds (DS_ZE_*), which _zstd_one reports in the same words.
+_NOT_FRAME, _CLAIMS, _BAD_FRAME, _SIZE = 1, 2, 3, 4
 
 
 def zstd_error(h: SegmentHeader, i: int, kind: int, value: int, message: str) -> CorruptObjectError:
-    """What a failed zstd section ``i`` of a native decode is (zstd.c's failure kinds), in the
-    words :func:`_zstd_one` uses for the same failure."""
-    raw = h.sections[i].raw_size
+    """What a failed zstd section ``i`` of a native decode is (zstd.c's failure kinds)."""
+    return _zstd_failure(h.codec, i, h.sections[i].raw_size, kind, value, message)
+
+
+def _zstd_failure(codec: str, i: int, raw: int, kind: int, value: int, message: str) -> CorruptObjectError:
     return CorruptObjectError({
-        1: f"{h.codec} section {i}: not a zstd frame ({message or 'no frame header'})",
-        2: f"{h.codec} section {i}: zstd frame claims {value} bytes, table says {raw}",
-        3: f"{h.codec} section {i}: bad zstd frame ({message})",
-    }.get(kind, f"{h.codec} section {i}: decompressed to {value} bytes, table says {raw}"))
+        _NOT_FRAME: f"{codec} section {i}: not a zstd frame ({message or 'no frame header'})",
+        _CLAIMS: f"{codec} section {i}: zstd frame claims {value} bytes, table says {raw}",
+        _BAD_FRAME: f"{codec} section {i}: bad zstd frame ({message})",
+    }.get(kind, f"{codec} section {i}: decompressed to {value} bytes, table says {raw}"))
 
 
 def _zstd_one(buf: memoryview, raw_size: int, codec: str, i: int) -> bytes:
@@ -324,18 +331,18 @@ def _zstd_one(buf: memoryview, raw_size: int, codec: str, i: int) -> bytes:
     try:
         declared = zstandard.frame_content_size(buf)
     except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"{codec} section {i}: not a zstd frame ({e})") from None
+        raise _zstd_failure(codec, i, raw_size, _NOT_FRAME, 0, str(e)) from None
     # A frame header's content size is what zstd would allocate, whatever max_output_size
     # says: check it before decompressing (decompression-bomb guard).
     if declared not in (-1, raw_size):
-        raise CorruptObjectError(f"{codec} section {i}: zstd frame claims {declared} bytes, table says {raw_size}")
+        raise _zstd_failure(codec, i, raw_size, _CLAIMS, declared, "")
     try:
         dctx = _dctx() if raw_size <= DCTX_REUSE_MAX_BYTES else zstandard.ZstdDecompressor()
         raw = dctx.decompress(buf, max_output_size=raw_size, allow_extra_data=False)
     except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"{codec} section {i}: bad zstd frame ({e})") from None
+        raise _zstd_failure(codec, i, raw_size, _BAD_FRAME, 0, str(e)) from None
     if len(raw) != raw_size:
-        raise CorruptObjectError(f"{codec} section {i}: decompressed to {len(raw)} bytes, table says {raw_size}")
+        raise _zstd_failure(codec, i, raw_size, _SIZE, len(raw), "")
     return raw
 
 
