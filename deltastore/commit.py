@@ -23,6 +23,7 @@ settles it before anything else is written.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import uuid
 from datetime import datetime, timezone
@@ -56,6 +57,37 @@ READBACK_BACKOFF_S = 0.2
 #: commit: those writers change HEAD a few times per GC run or compaction round, so 8 in a row
 #: means something is rewriting HEAD in a loop; the commit then fails as a conflict.
 REBASE_ATTEMPTS = 8
+
+
+def _suspend_counting_clock() -> int | None:
+    """The clock id that keeps counting while the machine is suspended, where there is one:
+    Linux's ``CLOCK_BOOTTIME``; macOS's ``CLOCK_MONOTONIC`` (its ``time.monotonic`` stops
+    during sleep). None elsewhere (Windows' ``time.monotonic`` already counts sleep)."""
+    for name in ("CLOCK_BOOTTIME", "CLOCK_MONOTONIC" if sys.platform == "darwin" else ""):
+        clock = getattr(time, name, None) if name else None
+        if clock is not None:
+            try:
+                time.clock_gettime(clock)
+            except OSError:  # a kernel without it (containers on very old hosts)
+                continue
+            return clock
+    return None
+
+
+_ATTEMPT_CLOCK = _suspend_counting_clock()
+
+
+def attempt_clock() -> float:
+    """Seconds on the clock that commit-attempt deadlines run on (SPEC §5 step 3a).
+
+    It must count time the machine spends suspended: GC's grace period runs on the store's
+    wall clock, so a publisher suspended for hours and then resumed must see its attempt as
+    that old, or it could commit a HEAD naming packs GC has collected meanwhile.
+    ``time.monotonic`` stops during suspend on Linux and macOS; this does not.
+    """
+    if _ATTEMPT_CLOCK is None:
+        return time.monotonic()
+    return time.clock_gettime(_ATTEMPT_CLOCK)
 
 
 def now() -> str:
@@ -267,7 +299,7 @@ class CommitProtocol:
 
         Args:
             head: the new HEAD (its ``index`` is the base HEAD's).
-            deadline: ``time.monotonic()`` value after which no HEAD write may be sent (the
+            deadline: :func:`attempt_clock` value after which no HEAD write may be sent (the
                 attempt's ``max_attempt_s`` after its first write, design 005 D3); None: none.
 
         Returns only when the version is committed (also when our write landed but its
@@ -295,7 +327,7 @@ class CommitProtocol:
     def _check_deadline(self, head: Head, deadline: float | None) -> None:
         if deadline is None:
             return
-        late = time.monotonic() - deadline
+        late = attempt_clock() - deadline
         if late > 0:
             raise CommitAbandonedError(
                 f"the commit attempt {head.commit_id} of version {head.version} to {self.url} ran {late:.1f} s past its "

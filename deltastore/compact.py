@@ -36,7 +36,7 @@ import numpy as np
 from deltastore import codec
 from deltastore.apply import ReadEngine, _batched
 from deltastore.codec import compose_deltas
-from deltastore.commit import put_immutable
+from deltastore.commit import attempt_clock, put_immutable
 from deltastore.encode import PACK_TARGET_BYTES
 from deltastore.errors import CorruptObjectError, IntegrityError, VersionNotFoundError
 from deltastore.history import History
@@ -293,14 +293,14 @@ def compact(
                 composed = []
         for h, why in skipped:
             logger.warning("no squash %d→%d for %s: %s", h, to, store.url, why)
-        attempt, first_write = new_attempt_id(), time.monotonic()
+        attempt, first_write = new_attempt_id(), attempt_clock()
         written = [_write(store, c, to_key, to_m, writer, attempt) for c in composed]
         registered = False
         if written and register:
             # SPEC §5 step 3a: the attempt's HEAD write must come within max_attempt_s of its
             # first write, or GC may already have judged its objects abandoned.
             limit = min(DEFAULT_MAX_ATTEMPT_S, to_m.max_attempt_s or DEFAULT_MAX_ATTEMPT_S)  # the publisher's
-            left = limit - (time.monotonic() - first_write)
+            left = limit - (attempt_clock() - first_write)
             if left <= 0:
                 logger.warning("not registering the squashes of attempt %s: its deadline passed; they are garbage", attempt)
             else:

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from deltastore.commit import now, put_immutable
+from deltastore.commit import attempt_clock, now, put_immutable
 from deltastore.errors import (
     ConflictError,
     HistoryReplacedError,
@@ -124,7 +124,7 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
     every field but ``index`` and ``updated``. A lost CAS re-reads HEAD and calls ``mutate``
     again on the new state; an unclear CAS outcome (timeout, 5xx, 409) is settled by reading
     HEAD back: it succeeded iff HEAD names our index. An attempt older than ``max_attempt_s``
-    (monotonic) is abandoned before its CAS (SPEC §5 step 3a) and the next try starts afresh.
+    (:func:`~deltastore.commit.attempt_clock`, counting suspended time) is abandoned before its CAS (SPEC §5 step 3a) and the next try starts afresh.
 
     Args:
         upgrade: accept a schema-1/2 HEAD and rewrite it as schema 3 (SPEC §13); without it
@@ -164,7 +164,7 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
         if head.schema_ >= INDEX_SCHEMA and _same_content(proposed, old):
             assert old is not None
             return head, old
-        started = time.monotonic()
+        started = attempt_clock()
         new = proposed.model_copy(update={
             "lineage": lineage,
             "generation": (old.generation + 1) if old is not None else 1,
@@ -178,7 +178,7 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
         key = object_key(new_attempt_id(), digest, INDEX_SUFFIX)
         put_immutable(store, key, data, "history index")
         limit = min(max_attempt_s, history.attempt_deadline(head))  # never longer than the publisher's
-        if time.monotonic() - started > limit:
+        if attempt_clock() - started > limit:
             logger.warning("index write %s took over %ss; abandoning the attempt", key, limit)
             continue
         ref = ObjectRef(key=key, sha256=digest)

@@ -14,7 +14,6 @@ import operator
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from deltastore.commit import CommitProtocol, now, put_immutable
+from deltastore.commit import CommitProtocol, attempt_clock, now, put_immutable
 from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     ConflictError,
@@ -141,7 +140,8 @@ class Publisher:
         anchor_every: under ``"every"``, the cadence (default 20); under ``"cost"``, an optional
             cap: an anchor at the latest after this many versions (default None: no cap).
         max_attempt_s: the attempt deadline (design 005 D3): a commit attempt whose HEAD write
-            would be sent more than this many seconds (monotonic clock) after its first upload
+            would be sent more than this many seconds after its first upload (on a clock that counts
+            suspended time, :func:`deltastore.commit.attempt_clock`)
             is abandoned with CommitAbandonedError, since GC may have collected its objects.
             At most 6 h (the GC grace period must exceed it; default 6 h).
         takeover: claim the store on open, fencing any older publisher (default True); an
@@ -588,7 +588,7 @@ class Publisher:
         gathered: dict[str, torch.Tensor] = {}  # grid units' reference buffers, filled by an anchor's encode
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
-            deadline = time.monotonic() + self.max_attempt_s
+            deadline = attempt_clock() + self.max_attempt_s
             encoded = encode_version(
                 state, specs, kind=kind, reference=self._reference if has_base else None,
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,

@@ -61,7 +61,6 @@ import math
 import os
 import pickle
 import socket
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, wait
@@ -71,7 +70,7 @@ from typing import Any
 import torch
 
 from deltastore import errors as _errors
-from deltastore.commit import now, put_immutable
+from deltastore.commit import attempt_clock, now, put_immutable
 from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     CorruptObjectError,
@@ -795,7 +794,7 @@ class ShardedPublisher:
             raise _errors.StorageError(f"sharded publisher for {self.url} is closed")
         # The attempt deadline runs from before its first write (on rank 0: the layout object,
         # or its pre-plan, which writes nothing, made before step 1).
-        deadline = time.monotonic() + self.max_attempt_s
+        deadline = attempt_clock() + self.max_attempt_s
         # --- 0: rank 0 collects the outcomes of earlier publish_async versions (D10) ---
         known = self._known  # what every rank reports: the outcomes below are applied after
         settled: tuple[tuple[int, Any], ...] = ()
@@ -923,7 +922,7 @@ class ShardedPublisher:
             plan = self._resume_from(plan, layout, share)
             # Nothing of the attempt is written yet (a resume reuses HEAD's layout object), and
             # reading a large shard back takes a while: the attempt deadline runs from here.
-            deadline = time.monotonic() + self.max_attempt_s
+            deadline = attempt_clock() + self.max_attempt_s
 
         # --- 3: encode and upload this rank's part ---
         result: tuple[str, Any]

@@ -15,7 +15,7 @@ import pytest
 
 from deltastore import Publisher
 from deltastore.compact import compact
-from deltastore.errors import ConflictError
+from deltastore.errors import CommitAbandonedError, ConflictError
 from deltastore.history import History
 from deltastore.index import pin
 from deltastore.manifest import DEFAULT_MAX_ATTEMPT_S
@@ -72,3 +72,45 @@ def test_an_index_write_slower_than_the_publishers_deadline_is_abandoned(tmp_pat
     with pytest.raises(ConflictError):
         pin(store, 2)
     assert History(open_store(url)).read_head()[0].index is None
+
+
+class _Suspended:
+    """A machine suspended for ``seconds`` in the middle of a commit attempt: the clock that
+    counts suspended time jumps, ``time.monotonic`` (which stops during a suspend) does not."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.offset = 0.0
+        real = time.clock_gettime
+
+        def clock_gettime(clock: int) -> float:
+            return real(clock) + (self.offset if clock == time.CLOCK_BOOTTIME else 0.0)
+
+        monkeypatch.setattr(time, "clock_gettime", clock_gettime)
+
+
+class SuspendBeforeManifest(WrappedStore):
+    """Suspends the machine just before the attempt's manifest upload (its packs are written)."""
+
+    def __init__(self, inner, suspended: _Suspended, seconds: float) -> None:
+        super().__init__(inner)
+        self.suspended, self.seconds = suspended, seconds
+
+    def put(self, key, data, *, mode="overwrite"):
+        if key.startswith("manifests/"):
+            self.suspended.offset += self.seconds
+        return super().put(key, data, mode=mode)
+
+
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="needs Linux's CLOCK_BOOTTIME")
+def test_an_attempt_suspended_past_its_deadline_is_abandoned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher suspended mid-attempt for longer than max_attempt_s must not commit on
+    resume: GC, running on the store's clock meanwhile, may have collected its packs."""
+    url = str(tmp_path / "store")
+    _run(url, 1, max_attempt_s=60)
+    store = SuspendBeforeManifest(open_store(url), _Suspended(monkeypatch), seconds=120)
+    before = History(open_store(url)).read_head()[0]
+    with Publisher(url, store=store, threads=1, chunk_bytes=SMALL_CHUNK_BYTES, max_attempt_s=60) as pub:
+        with pytest.raises(CommitAbandonedError, match="past its deadline"):
+            pub.publish(TinyTrainer(0).step(), anchor=True)
+    after = History(open_store(url)).read_head()[0]
+    assert (after.version, after.manifest) == (before.version, before.manifest)  # nothing committed

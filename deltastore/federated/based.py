@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import socket
-import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from deltastore.apply import ReadEngine
-from deltastore.commit import CommitProtocol, now, put_immutable
+from deltastore.commit import CommitProtocol, attempt_clock, now, put_immutable
 from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     DeltastoreError,
@@ -183,7 +182,7 @@ class BasedWriter:
         layout = layout_of(dict(base.specs), schema=BASE_SCHEMA)
         lineage = self._commits.lineage_for_commit()
         attempt = new_attempt_id()
-        deadline = time.monotonic() + self.max_attempt_s
+        deadline = attempt_clock() + self.max_attempt_s
         # encode_version advances its reference in place: give it a copy of the base's bits.
         reference = {n: t.detach().to("cpu", copy=True) for n, t in base_state.items()}
         encoded = encode_version(
