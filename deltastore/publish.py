@@ -186,7 +186,7 @@ class Publisher:
         store: an already opened :class:`~deltastore.storage.Store` to use instead of ``url``
             (the caller keeps ownership: it is not closed by :meth:`close`).
         signing_key: an Ed25519 private key (a ``cryptography`` key object, PEM bytes or a
-            PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore[signing]``).
+            PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore-weights[signing]``).
         dtype: the served dtype of floating tensors (e.g. ``torch.bfloat16`` from fp32
             masters), for :meth:`publish` and :meth:`publish_async` alike; None (default)
             keeps each tensor's dtype. Integer and bool tensors always keep theirs.

@@ -215,7 +215,7 @@ class Subscriber:
         threads: decode threads (default: all cores).
         trusted_keys: Ed25519 public keys (key objects, PEM bytes or PEM file paths); when
             given, every manifest used must be signed by one of them, else SignatureError
-            (SPEC §3.1). Needs ``cryptography`` (``deltastore[signing]``).
+            (SPEC §3.1). Needs ``cryptography`` (``deltastore-weights[signing]``).
         max_model_bytes: refuse to materialize a version whose tensors declare more bytes than
             this (default: this machine's physical memory), checked before allocating: a few KB
             of hostile metadata must not become gigabytes resident.

@@ -47,7 +47,7 @@ def _callback_base() -> type:
         from transformers import TrainerCallback
     except ImportError as e:
         raise ImportError(
-            f"deltastore.integrations.transformers needs transformers ({e}): pip install 'deltastore[transformers]'"
+            f"deltastore.integrations.transformers needs transformers ({e}): pip install 'deltastore-weights[transformers]'"
         ) from e
     return TrainerCallback
 
