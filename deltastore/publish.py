@@ -70,6 +70,7 @@ from deltastore.tensors import (
     spec_for,
     validate_state_dict,
 )
+from deltastore.tied import TIED_WEIGHTS_KEY, module_state
 
 if TYPE_CHECKING:
     from deltastore.compact import BackgroundCompactor, CompactPolicy
@@ -186,7 +187,7 @@ class Publisher:
         store: an already opened :class:`~deltastore.storage.Store` to use instead of ``url``
             (the caller keeps ownership: it is not closed by :meth:`close`).
         signing_key: an Ed25519 private key (a ``cryptography`` key object, PEM bytes or a
-            PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore[signing]``).
+            PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore-weights[signing]``).
         dtype: the served dtype of floating tensors (e.g. ``torch.bfloat16`` from fp32
             masters), for :meth:`publish` and :meth:`publish_async` alike; None (default)
             keeps each tensor's dtype. Integer and bool tensors always keep theirs.
@@ -413,7 +414,10 @@ class Publisher:
         calls are committed first (this call waits for them), so versions keep call order.
 
         Args:
-            state_dict: name → tensor (or an ``nn.Module``), dense and contiguous.
+            state_dict: name → tensor, dense and contiguous; or an ``nn.Module``: its
+                ``state_dict()`` with each tied memory once (``lm_head.weight`` tied to the
+                embeddings is left out), the aliases recorded as ``metadata["tied_weights"]``
+                (alias → published name), as the integrations publish a model.
             step: the trainer's step, recorded in the manifest.
             metadata: JSON-serializable user metadata.
             anchor: write a full snapshot; also the way to change the layout.
@@ -909,7 +913,12 @@ class Publisher:
     def _checked(self, state_dict: Any, metadata: Any, step: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], int | None]:
         """The caller's input validated before anything is queued or written."""
         self._check_open()
-        return validate_state_dict(state_dict), _json_metadata(metadata), _int_step(step)
+        meta = _json_metadata(metadata)
+        if isinstance(state_dict, torch.nn.Module):  # each tied memory once, its aliases recorded (deltastore.tied)
+            state_dict, tied = module_state(state_dict)
+            if tied:
+                meta[TIED_WEIGHTS_KEY] = tied
+        return validate_state_dict(state_dict), meta, _int_step(step)
 
     def _served(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` with floating tensors cast to the served dtype (others as they are)."""

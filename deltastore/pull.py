@@ -77,6 +77,7 @@ from deltastore.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from deltastore.tensors import DTYPE_WIDTHS, TensorSpec, check_layout, member_specs
+from deltastore.tied import ModuleTensors, alias_hint, recorded_aliases
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ class Subscriber:
         threads: decode threads (default: all cores).
         trusted_keys: Ed25519 public keys (key objects, PEM bytes or PEM file paths); when
             given, every manifest used must be signed by one of them, else SignatureError
-            (SPEC §3.1). Needs ``cryptography`` (``deltastore[signing]``).
+            (SPEC §3.1). Needs ``cryptography`` (``deltastore-weights[signing]``).
         max_model_bytes: refuse to materialize a version whose tensors declare more bytes than
             this (default: this machine's physical memory), checked before allocating: a few KB
             of hostile metadata must not become gigabytes resident.
@@ -402,6 +403,10 @@ class Subscriber:
         ``target`` must hold the version this subscriber last pulled (or, before any pull,
         tensors of the right layout, which are then overwritten). Only the chunks that changed
         are fetched, and per chunk the cheaper of the deltas and the latest snapshot is used.
+        ``target`` is a dict of the version's tensors, exactly, or an ``nn.Module``: a name of
+        the module that the version leaves out but that shares memory with one of its tensors
+        (a tied alias, e.g. ``lm_head.weight`` published once as ``model.embed_tokens.weight``)
+        is updated through that tensor (``stage``, ``swap`` and ``follow`` alike).
 
         Returns:
             The new version's info, or None when ``target`` is already current.
@@ -484,9 +489,11 @@ class Subscriber:
         if self._version is None or held is None:
             ms = self._history.anchor_chain(key, m)
             specs = _layout(ms[0][1])
-            self._check_target(specs, tensors, against=f"version {m.version} of {self.url}")
+            self._check_target(specs, tensors, against=f"version {m.version} of {self.url}",
+                               tied=recorded_aliases(m.metadata))
             return _Update(self._plan_from_anchor(ms, specs), specs, {}, _Held.of(ms))
-        self._check_target(held.specs, tensors, against=f"version {self._version} held by this subscriber")
+        self._check_target(held.specs, tensors, against=f"version {self._version} held by this subscriber",
+                           tied=recorded_aliases(held.manifest.metadata))
         h = held.manifest.version
         index = self._index()
         floor = 1 if index is None else index.floor
@@ -566,7 +573,8 @@ class Subscriber:
         ms = self._history.anchor_chain(key, m)
         specs = _layout(ms[0][1])
         if specs != held.specs:  # another layout: everything from the anchor
-            self._check_target(specs, tensors, against=f"version {m.version} of {self.url}")
+            self._check_target(specs, tensors, against=f"version {m.version} of {self.url}",
+                               tied=recorded_aliases(m.metadata))
             return _Update(self._plan_from_anchor(ms, specs), specs, {}, _Held.of(ms))
         return _Update(plan_changed_from_anchor(ms, specs, held.digests), specs, held.digests, _Held.of(ms))
 
@@ -669,7 +677,7 @@ class Subscriber:
         if not self._check_forward(key, m):
             self._last_changed = {}
             return None
-        tensors = _target_tensors(target)
+        tensors = _targets(target)
         if self.select is not None:
             return self._fast_forward_partial(key, m, tensors)
         upd, _ = self._updated(
@@ -698,11 +706,31 @@ class Subscriber:
         """The plans of the chunks the selection reads."""
         return [p for p in plans if (p.name, p.index) in res.chunks]
 
-    def _check_target(self, specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], *, against: str) -> None:
-        if self.select is None:
-            check_layout(specs, tensors, against=against)
-        else:
+    def _check_target(self, specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], *, against: str,
+                      tied: Mapping[str, str] | None = None) -> None:
+        """``tensors`` against the layout ``specs``. A module target first sets aside the tied
+        aliases the version leaves out (:class:`~deltastore.tied.ModuleTensors`); a dict target
+        is checked as it is, and a tied alias that keeps it from fitting is named in the error
+        (``tied``: the aliases the version records)."""
+        if self.select is not None:
             check_target(self._selected(specs), tensors, against=against)
+            return
+        try:
+            check_layout(specs, tensors, against=against)
+            return
+        except LayoutMismatchError as e:
+            error = e
+        names = member_specs(specs).keys()
+        if isinstance(tensors, ModuleTensors) and tensors.fit(names):
+            try:
+                check_layout(specs, tensors, against=against)
+                return
+            except LayoutMismatchError as e:
+                error = e
+        hint = alias_hint(tensors, names, tied or {}, module=isinstance(tensors, ModuleTensors))
+        if not hint:
+            raise error
+        raise LayoutMismatchError(f"{error}{hint}") from None
 
     def _fast_forward_partial(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor]) -> VersionInfo:
         """``pull_into`` of a partial target: the whole-target update, narrowed to the chunks
@@ -729,7 +757,7 @@ class Subscriber:
     def _stage(self, key: str, m: Manifest, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> StagedUpdate | None:
         if not self._check_forward(key, m):
             return None
-        tensors = _target_tensors(target)
+        tensors = _targets(target)
         before = self.bytes_fetched
         upd, (patches, fetch_s, decode_s) = self._updated(
             key, m, tensors, lambda u: self._engine.stage(u.plans, u.specs, tensors, u.base, self._version)
@@ -803,7 +831,7 @@ class Subscriber:
         self._refuse_partial("follow")
         if swap_mode not in ("inplace", "rebind"):
             raise ValueError(f"swap_mode must be 'inplace' or 'rebind', got {swap_mode!r}")
-        tensors = _target_tensors(target)
+        tensors = _targets(target)
         owners = _owners(target) if swap_mode == "rebind" else None
         stop = stop if stop is not None else threading.Event()
         cache = WorkerCache(cache_dir) if cache_dir is not None else None
@@ -950,7 +978,8 @@ class Subscriber:
                            cache.path, self.url, e)
             cache.clear()
             return None
-        check_layout(specs, tensors, against=f"version {m.version} of {self.url}")  # the target's problem
+        self._check_target(specs, tensors, against=f"version {m.version} of {self.url}",  # the target's problem
+                           tied=recorded_aliases(m.metadata))
         plans: list[ChunkPlan] = []
         if collected is not None:
             logger.info("version %d was collected (floor %d); catching up from anchor %d", st.version, collected, m.anchor)
@@ -1163,6 +1192,15 @@ def _plan_spans(plans: list[ChunkPlan], specs: Mapping[str, TensorSpec]) -> dict
         else:
             spans.setdefault(p.name, []).append(p.span)
     return {n: merge_spans(s) for n, s in spans.items()}
+
+
+def _targets(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The target's tensors (``_target_tensors``); a module's as :class:`~deltastore.tied.ModuleTensors`,
+    which fit a version that publishes each tied memory once (kept as they are when passed again)."""
+    if isinstance(target, ModuleTensors):
+        return target
+    tensors = _target_tensors(target)
+    return ModuleTensors(tensors) if isinstance(target, torch.nn.Module) else tensors
 
 
 def _owners(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:

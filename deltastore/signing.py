@@ -2,7 +2,7 @@
 
 A publisher given a private key signs each manifest it writes; a subscriber given trusted
 public keys verifies every manifest it uses. ``cryptography`` is imported only here and only
-when a key is used (``pip install 'deltastore[signing]'``).
+when a key is used (``pip install 'deltastore-weights[signing]'``).
 
 Keys are accepted as key objects, PEM bytes, or a path to a PEM file (PKCS#8 private keys,
 SubjectPublicKeyInfo public keys, as written by ``deltastore keygen`` or ``openssl genpkey
@@ -32,7 +32,7 @@ def _ed25519() -> Any:
     try:
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError("signing manifests needs the 'cryptography' package: pip install 'deltastore[signing]'") from None
+        raise ImportError("signing manifests needs the 'cryptography' package: pip install 'deltastore-weights[signing]'") from None
     return ed25519
 
 

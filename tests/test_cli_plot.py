@@ -54,5 +54,5 @@ def test_log_plot_without_matplotlib(store: str, tmp_path: Path, capsys: pytest.
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert main(["log", store, "--plot", str(tmp_path / "h.png")]) == EXIT_FAILED
     err = capsys.readouterr().err
-    assert err.startswith("deltastore: error: ImportError") and "deltastore[plot]" in err
+    assert err.startswith("deltastore: error: ImportError") and "deltastore-weights[plot]" in err
     assert not (tmp_path / "h.png").exists()

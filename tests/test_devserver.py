@@ -192,7 +192,7 @@ def test_missing_moto_is_one_line_with_the_install_hint(tmp_path) -> None:
                          capture_output=True, text=True, timeout=60, env=env, check=False)
     assert res.returncode == 1
     assert res.stderr.strip() == ('error: moto server is not installed (No module named moto (simulated)): '
-                                  'pip install "deltastore[dev]"')
+                                  'pip install "deltastore-weights[dev]"')
 
 
 def test_moto_with_a_data_directory_is_refused(tmp_path) -> None:

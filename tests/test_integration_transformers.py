@@ -7,7 +7,7 @@ import torch
 
 from deltastore import Subscriber
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'deltastore[transformers]')")
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'deltastore-weights[transformers]')")
 
 from deltastore.integrations.transformers import DeltastoreCallback
 

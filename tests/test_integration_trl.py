@@ -243,7 +243,7 @@ class _StubRolloutWorker:
 
 
 def test_async_grpo_trainer_publishes_every_sync(tmp_path, monkeypatch) -> None:
-    pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore[trl]')")
+    pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore-weights[trl]')")
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -285,7 +285,7 @@ def test_async_grpo_trainer_publishes_every_sync(tmp_path, monkeypatch) -> None:
 
 
 def test_example_trl_grpo_runs(tmp_path) -> None:
-    pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore[trl]')")
+    pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore-weights[trl]')")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--steps", "2",
                           "--store", str(tmp_path / "store")],
@@ -365,7 +365,7 @@ def test_failed_send_keeps_ranks_in_lockstep(tmp_path) -> None:
 def test_backend_matches_trls_protocol_signatures() -> None:
     """Every method of TRL's WeightTransferProtocol exists here with the same parameters (a
     typing.Protocol is not checked at run time: this catches upstream API churn)."""
-    pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore[trl]')")
+    pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore-weights[trl]')")
     import inspect
 
     from trl.experimental.async_grpo.async_grpo_trainer import WeightTransferProtocol

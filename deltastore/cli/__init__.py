@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url")
     json_flag(p, "one JSON object per version, one a line")
     p.add_argument("--plot", metavar="FILE.png",
-                   help="also draw bytes per version by kind, changed fraction and anchors (needs deltastore[plot])")
+                   help="also draw bytes per version by kind, changed fraction and anchors (needs deltastore-weights[plot])")
     p.add_argument(*trusted[0], **trusted[1])
 
     p = add("verify", "re-read a version's chain and check every digest (exit 1 when any is bad)", commands.cmd_verify)

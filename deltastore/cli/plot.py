@@ -4,7 +4,7 @@ Top panel: bytes each version stored (log scale), anchors and deltas in two colo
 registered squash ``from → to`` as a horizontal bar over the versions it replaces. Bottom panel:
 the fraction of elements each version changed. Anchors are marked by dashed lines across both.
 
-matplotlib is an optional extra (``pip install 'deltastore[plot]'``); it is imported only here.
+matplotlib is an optional extra (``pip install 'deltastore-weights[plot]'``); it is imported only here.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _pyplot():
         import matplotlib
     except ImportError as e:
         raise ImportError(
-            "deltastore log --plot needs matplotlib: pip install 'deltastore[plot]' (or pip install matplotlib)"
+            "deltastore log --plot needs matplotlib: pip install 'deltastore-weights[plot]' (or pip install matplotlib)"
         ) from e
     matplotlib.use("Agg")  # files only: never open a window or need a display
     import matplotlib.pyplot as plt

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
 
 import torch
+
+from deltastore.tied import tied_aliases
 
 #: Prefixes that wrappers add to parameter names and that a served checkpoint does not have:
 #: DDP/FSDP1 (``module.``), torch.compile (``_orig_mod.``), FSDP1 and activation checkpointing
@@ -31,27 +32,12 @@ def global_rank() -> int:
 
 
 def tied_weights_of(model: torch.nn.Module) -> dict[str, str]:
-    """Names in ``model.state_dict()`` that alias another entry's storage (tied weights such as
+    """Names in ``model.state_dict()`` that alias another entry's memory (tied weights such as
     ``lm_head.weight`` → ``model.embed_tokens.weight``), mapped to the name that
-    ``named_parameters()`` keeps (the first). Published once under that name; the mapping is
-    recorded in the version's metadata so that a worker can tie them back."""
-    first: dict[tuple[int, int, tuple[int, ...]], str] = {}
-    out: dict[str, str] = {}
-    kept = {clean_name(n) for n, _ in model.named_parameters()}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if t.device.type == "meta" or t.numel() == 0:
-            continue
-        key = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel(), tuple(t.shape))
-        name = clean_name(name)
-        if key in first:
-            owner = first[key]
-            if name in kept and owner not in kept:  # named_parameters keeps this one: it owns the storage
-                out[owner], first[key] = name, name
-            else:
-                out[name] = owner
-        else:
-            first[key] = name
-    return out
+    ``named_parameters()`` keeps, both without wrapper prefixes: the rule of
+    :func:`deltastore.tied.tied_aliases`, which ``Publisher.publish(model)`` applies too.
+    Published once under that name; the mapping is recorded in the version's metadata."""
+    return {clean_name(a): clean_name(s) for a, s in tied_aliases(model).items()}
 
 
 def served_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -63,15 +49,3 @@ def served_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if t.device.type != "cpu" and t.dtype != target:
         t = t.to(dtype=target)
     return t.to(device="cpu", dtype=target, copy=True).contiguous()
-
-
-def aliases(metadata: Mapping[str, object] | None) -> dict[str, str]:
-    """The tied-weight aliases recorded in a version's metadata (``{}`` when none)."""
-    tied = (metadata or {}).get("tied_weights")
-    return dict(tied) if isinstance(tied, Mapping) else {}
-
-
-def untie(names: Iterable[str], tied: Mapping[str, str]) -> dict[str, str]:
-    """Alias → source for the aliases whose source is among ``names``."""
-    have = set(names)
-    return {a: s for a, s in tied.items() if s in have and a not in have}

@@ -13,7 +13,10 @@ failure is raised by the next publish or at train end, once.
 The weights published are ``model.state_dict()`` of the model the trainer passes (unwrapped),
 with tied weights once: an alias such as ``lm_head.weight`` (tied to the input embeddings) is
 left out and recorded in the version's metadata as ``tied_weights`` (alias → published name),
-so a worker loading with ``model.load_state_dict(weights, strict=False)`` keeps the tie. Under
+the layout ``Publisher.publish(model)`` and the TRL backend write for the same model. A worker
+follows it into its own model (``Subscriber.pull_into(model)``, ``follow(model)``: the alias
+shares memory with the tensor it is tied to, so it is updated through it), or loads it with
+``model.load_state_dict(weights, strict=False)``, which keeps the tie. Under
 FSDP or DeepSpeed ZeRO-3 the main process does not hold the full weights: use the TRL backend
 (which drains TRL's gathered stream) or gather them first.
 
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 from deltastore.integrations._common import clean_name, tied_weights_of
+from deltastore.tied import TIED_WEIGHTS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ def _callback_base() -> type:
         from transformers import TrainerCallback
     except ImportError as e:
         raise ImportError(
-            f"deltastore.integrations.transformers needs transformers ({e}): pip install 'deltastore[transformers]'"
+            f"deltastore.integrations.transformers needs transformers ({e}): pip install 'deltastore-weights[transformers]'"
         ) from e
     return TrainerCallback
 
@@ -111,7 +115,7 @@ class DeltastoreCallback(_callback_base()):  # type: ignore[misc]
         weights = {n: t for n, t in weights.items() if n not in self._tied}
         meta = {**self.metadata, "global_step": int(state.global_step), "epoch": state.epoch}
         if self._tied:
-            meta["tied_weights"] = self._tied
+            meta[TIED_WEIGHTS_KEY] = self._tied
         future = self._open().publish_async(weights, step=int(state.global_step), metadata=meta)
         self.futures.append(future)
         self._last_published = int(state.global_step)

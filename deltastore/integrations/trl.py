@@ -17,7 +17,10 @@ any object implementing its ``WeightTransferProtocol``. What TRL does, read from
 - Names come from ``named_parameters()``: tied weights appear once (``lm_head.weight`` tied to
   the embeddings is absent) and wrapper prefixes are stripped. The backend strips the wrapper
   prefixes TRL leaves (torch.compile's ``_orig_mod.``), and records ``tied_weights`` (alias →
-  published name) in each version's metadata when told (``tied_weights=`` or ``model=``).
+  published name) in each version's metadata when told (``tied_weights=`` or ``model=``). That
+  is the layout ``Publisher.publish(model)`` and ``DeltastoreCallback`` write for the same
+  model; a worker follows it into its own model (``Subscriber.follow(model)``), whose tied
+  alias is updated through the tensor it shares memory with, recorded or not.
 - TRL counts ``model_version`` itself (0 before the cold sync at train begin, +1 after each
   sync) and does not pass it: the backend counts sends the same way (or asks
   ``model_version_fn``) and records ``model_version`` in the metadata and as the step, so
@@ -49,6 +52,7 @@ import torch
 
 from deltastore.errors import DeltastoreError
 from deltastore.integrations._common import clean_name, global_rank, served_copy, tied_weights_of
+from deltastore.tied import TIED_WEIGHTS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ class DeltastoreWeightTransfer:
         if model is not None:
             tied = {**tied_weights_of(model), **tied}
         if tied:
-            self.metadata["tied_weights"] = tied
+            self.metadata[TIED_WEIGHTS_KEY] = tied
         self.model_version_fn = model_version_fn
         self.model_version = start_version  # TRL's count after the last sync we saw
         self.publisher_kwargs = publisher_kwargs
