@@ -46,7 +46,7 @@ from deltastore.errors import (
     UploadCorruptedError,
 )
 from deltastore.storage._keys import check_key, check_prefix, check_range, normalize_etag
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage.base import EndpointIdentity, GetResult, IfMatch, ObjectMeta, PutMode, Store
 
 logger = logging.getLogger(__name__)
 
@@ -346,6 +346,8 @@ class S3Store(Store):
         self._bucket_known_to_exist = False
         self._etags_are_md5 = True  # until a read-back shows otherwise (see _stored_other_bytes)
         self._bucket_check_lock = threading.Lock()
+        self._server_header = ""
+        self._client.meta.events.register("after-call.s3", self._note_server)
         logger.debug("opened %r (addressing=%s)", self, addressing)
 
     def __repr__(self) -> str:
@@ -365,6 +367,18 @@ class S3Store(Store):
             host = f"[{host}]"
         netloc = f"{host}:{parts.port}" if parts.port is not None else host
         return urllib.parse.urlunsplit((parts.scheme.lower(), netloc, parts.path.rstrip("/"), "", ""))
+
+    def _note_server(self, http_response: Any, **_: Any) -> None:
+        """Keep the ``Server`` header of successful responses (an ``after-call`` hook). Error
+        responses are skipped: some servers name themselves differently there (moto adds
+        ``amazon.com``)."""
+        if 200 <= http_response.status_code < 300:
+            self._server_header = _one_line(http_response.headers.get("Server", ""))
+
+    def endpoint_identity(self) -> EndpointIdentity:
+        """The endpoint this store's requests go to and the ``Server`` header of its latest
+        successful response (see :class:`~deltastore.storage.base.EndpointIdentity`)."""
+        return EndpointIdentity(endpoint=self._endpoint, server=self._server_header)
 
     # --- error translation (the only place botocore errors are looked at) ------------------
 
@@ -764,6 +778,7 @@ class S3Store(Store):
         quick = self._session.client(
             "s3", endpoint_url=self._endpoint_option, config=self._client.meta.config.merge(Config(retries=retries))
         )
+        quick.meta.events.register("after-call.s3", self._note_server)
         try:
             return quick.list_objects_v2(**kwargs)
         except botocore.exceptions.EndpointConnectionError:
