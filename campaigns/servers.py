@@ -1,9 +1,12 @@
-"""Real S3 servers on 127.0.0.1 for the tests and the campaigns: a moto server and SeaweedFS.
+"""Real S3 servers on 127.0.0.1 for the tests and the campaigns: a moto server, SeaweedFS, s3rver.
 
-The servers themselves are :mod:`deltastore.devserver`'s (the same code users start with
+moto and SeaweedFS are :mod:`deltastore.devserver`'s (the same code users start with
 ``python -m deltastore.devserver``); this module only gives them the tests' settings: the
 bucket ``deltastore-test`` and few retries, so that a broken server fails a test quickly
-instead of being retried for minutes. tests/conftest.py wraps them in its session fixtures.
+instead of being retried for minutes. s3rver (a Node package) is the tests' own: an S3 server
+that ignores ``If-None-Match``/``If-Match``, i.e. one deltastore must refuse for concurrent
+publishers; it is installed with npm into a cache directory on first use.
+tests/conftest.py wraps them in its session fixtures.
 
 Example::
 
@@ -15,15 +18,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from deltastore import devserver
-from deltastore.devserver import S3Server, find_weed, free_ports, log_tail
+from deltastore.devserver import READY_POLL_S, S3Server, find_weed, free_ports, log_tail
 from deltastore.errors import DevServerError
 
-__all__ = ["TEST_BUCKET", "TEST_RETRIES", "S3Server", "ServerStartError", "backend", "find_weed", "free_ports",
-           "log_tail", "moto", "seaweedfs"]
+__all__ = ["S3RVER_VERSION", "TEST_BUCKET", "TEST_RETRIES", "S3Server", "ServerStartError", "backend", "find_weed",
+           "free_ports", "install_s3rver", "log_tail", "moto", "s3rver", "s3rver_cache_dir", "seaweedfs"]
 
 #: Bucket created on each test server.
 TEST_BUCKET = "deltastore-test"
@@ -32,6 +41,17 @@ TEST_RETRIES = 2
 
 #: A test server did not start; the message carries the command and the log tail.
 ServerStartError = DevServerError
+
+#: The s3rver release installed for the tests (its conditional headers are ignored, as measured).
+S3RVER_VERSION = "3.7.1"
+#: s3rver checks signatures against its one built-in identity.
+S3RVER_CREDENTIALS = ("S3RVER", "S3RVER")
+#: Node starts s3rver in about a second; slow CI machines get more.
+S3RVER_START_TIMEOUT_S = 30.0
+#: An npm install of s3rver and its ~100 dependencies, on a slow registry mirror.
+S3RVER_INSTALL_TIMEOUT_S = 300.0
+#: Grace period between SIGTERM and SIGKILL when stopping s3rver (it keeps nothing in memory).
+S3RVER_STOP_TIMEOUT_S = 3.0
 
 
 @contextlib.contextmanager
@@ -55,6 +75,95 @@ def seaweedfs(base: Path | None = None, bucket: str = TEST_BUCKET) -> Iterator[S
         )
     with devserver.seaweedfs(base, bucket, access_key="deltastore-test-key") as server:
         yield dataclasses.replace(server, retries=TEST_RETRIES)
+
+
+def s3rver_cache_dir() -> Path:
+    """Where s3rver is installed: ``$XDG_CACHE_HOME/deltastore-test/s3rver-VERSION`` (default
+    ``~/.cache``), shared by test runs and pytest-xdist workers."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "deltastore-test" / f"s3rver-{S3RVER_VERSION}"
+
+
+def install_s3rver(cache: Path | None = None) -> Path:
+    """The s3rver script in ``cache`` (default :func:`s3rver_cache_dir`), installed with npm
+    first when missing. Installs into a fresh directory renamed into place, so that concurrent
+    installers (xdist workers) never see half an install.
+
+    Raises:
+        ServerStartError: npm is missing or the install failed (with npm's output).
+    """
+    cache = cache or s3rver_cache_dir()
+    script = cache / "node_modules" / "s3rver" / "bin" / "s3rver.js"
+    if script.is_file():
+        return script
+    npm = shutil.which("npm")
+    if npm is None:
+        raise ServerStartError("npm not found: install Node.js (with npm) to run the s3rver tests")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
+    try:
+        command = [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", "--no-progress",
+                   f"s3rver@{S3RVER_VERSION}"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=S3RVER_INSTALL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise ServerStartError(f"{' '.join(command)} did not finish in {S3RVER_INSTALL_TIMEOUT_S:.0f} s") from None
+        if done.returncode != 0:
+            raise ServerStartError(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+        try:
+            staging.rename(cache)
+        except OSError as e:
+            if not script.is_file():  # not another installer's finished copy
+                raise ServerStartError(f"cannot install s3rver into {cache} ({e}); delete that directory") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return script
+
+
+@contextlib.contextmanager
+def s3rver(base: Path, bucket: str = TEST_BUCKET) -> Iterator[S3Server]:
+    """s3rver on 127.0.0.1 only, data in ``base``, ``bucket`` created; an S3 server that
+    accepts conditional PUTs and ignores their conditions.
+
+    Raises:
+        ServerStartError: node or npm is missing, the install failed, or s3rver did not start.
+    """
+    node = shutil.which("node")
+    if node is None:
+        raise ServerStartError("node not found: install Node.js (with npm) to run the s3rver tests")
+    script = install_s3rver()
+    base = Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    log_path = base / "s3rver.log"
+    # Port 0 and the port read from its log: no window in which another process takes it.
+    args = [node, str(script), "--address", "127.0.0.1", "--port", "0", "--directory", str(base / "data"),
+            "--silent", "--configure-bucket", bucket]
+    with contextlib.ExitStack() as cleanup:
+        log = cleanup.enter_context(open(log_path, "ab"))
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=base, start_new_session=True)
+
+        def stop() -> None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=S3RVER_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+        cleanup.callback(stop)
+        deadline = time.monotonic() + S3RVER_START_TIMEOUT_S
+        while True:
+            found = re.search(rb"listening on 127\.0\.0\.1:(\d+)", log_path.read_bytes())
+            if found:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                state = f"exited with status {proc.returncode}" if proc.returncode is not None else "did not listen"
+                raise ServerStartError(
+                    f"s3rver {state}; command: {' '.join(args)}\n--- log tail ---\n{log_tail(log_path)}"
+                )
+            time.sleep(READY_POLL_S)
+        yield S3Server("s3rver", f"http://127.0.0.1:{int(found.group(1))}", bucket, *S3RVER_CREDENTIALS,
+                       retries=TEST_RETRIES)
 
 
 @contextlib.contextmanager

@@ -180,7 +180,8 @@ class Publisher:
             layout change.
         allow_unsafe_store: publish to a store without atomic conditional writes (this
             publisher promises to be the only writer); otherwise an ``s3://`` endpoint is probed
-            once for If-None-Match/If-Match support (cached in ``_deltastore/probe.json``).
+            for If-None-Match/If-Match support (cached in ``_deltastore/probe.json`` for the
+            endpoint that earned it, docs/SPEC.md §1.1).
         resume: when the store already has versions and this publisher holds none (a restart,
             a CLI call, or after a ConflictError), read the head version back once so the next
             publish is a delta against it rather than a full anchor (default True).
@@ -293,7 +294,7 @@ class Publisher:
         self._owns_store = store is None  # a store passed in belongs to the caller
         try:
             # A store that ignores If-None-Match/If-Match (rclone serve s3, old MinIO) would let
-            # two publishers fork history: probe it once (cached in the store) before any write.
+            # two publishers fork history: probe it (the verdict cached in the store) before any write.
             require_atomic_writes(self.store, allow_unsafe_store=allow_unsafe_store)
         except BaseException:
             if self._owns_store:

@@ -26,6 +26,11 @@ Servers (for tests that need the endpoint itself, e.g. bad-credential tests)
 ``endpoint_url``, ``bucket``, ``access_key``, ``secret_key``, ``region`` and
 ``storage_options(**overrides)``.
 
+``s3rver_server`` is one more: s3rver, an S3 server that ignores ``If-None-Match``/``If-Match``
+(what deltastore must refuse for concurrent publishers). It is installed with npm into
+``~/.cache/deltastore-test/`` on first use; tests that use it skip only where Node.js or npm
+is missing.
+
 Example::
 
     def test_publish_then_pull(any_store_target):
@@ -36,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,7 +50,7 @@ from typing import Any
 
 import pytest
 
-from campaigns.servers import TEST_BUCKET, S3Server, ServerStartError, moto, seaweedfs
+from campaigns.servers import TEST_BUCKET, S3Server, ServerStartError, moto, s3rver, s3rver_cache_dir, seaweedfs
 
 __all__ = ["TEST_BUCKET", "S3Server", "StoreTarget"]
 
@@ -104,6 +110,26 @@ def seaweedfs_s3_url(seaweedfs_server: S3Server) -> StoreTarget:
     return StoreTarget(
         "seaweedfs", f"s3://{seaweedfs_server.bucket}/{_unique()}", seaweedfs_server.storage_options()
     )
+
+
+# --- s3rver (ignores conditional writes) -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3rver_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    if shutil.which("node") is None:
+        pytest.skip("node not found: the s3rver tests need Node.js (with npm)")
+    if shutil.which("npm") is None and not (s3rver_cache_dir() / "node_modules").is_dir():
+        pytest.skip(f"npm not found and s3rver not installed in {s3rver_cache_dir()}: the s3rver tests need npm once")
+    try:
+        server_cm = s3rver(tmp_path_factory.mktemp("s3rver"))
+        server = server_cm.__enter__()
+    except ServerStartError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield server
+    finally:
+        server_cm.__exit__(None, None, None)
 
 
 # --- every backend ------------------------------------------------------------------------

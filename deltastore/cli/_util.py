@@ -106,21 +106,23 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 # --- stores -------------------------------------------------------------------------------------
 
 
-def open_store(args: argparse.Namespace, *, write: bool = False) -> Any:
-    """Open ``args.url``: the URL checked first (a typo is never taken for a directory), nothing
-    created unless ``write`` (only ``publish`` creates a local store), and an ``s3://`` endpoint
-    checked to speak S3 (a web or filer port would look like an empty store)."""
+def open_store(args: argparse.Namespace, *, write: bool = False, url: str | None = None) -> Any:
+    """Open ``url`` (default ``args.url``): the URL checked first (a typo is never taken for a
+    directory), nothing created unless ``write`` (only ``publish`` and ``aggregate`` create a
+    local store), and an ``s3://`` endpoint checked to speak S3 (a web or filer port would look
+    like an empty store; one that is down is reported at once)."""
     from deltastore.storage import check_url
     from deltastore.storage import open_store as _open
     from deltastore.storage.probe import check_endpoint
 
-    check_url(args.url)
-    if args.url.startswith("s3://") and not getattr(args, "endpoint_url", None):
+    url = url or args.url
+    check_url(url)
+    if url.startswith("s3://") and not getattr(args, "endpoint_url", None):
         for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
             value = os.environ.get(name)
             if value and not re.match(r"^https?://", value):
                 raise UnsupportedURLError(f"{name}={value!r} has no scheme; set it to http://{value} (or https://)")
-    store = _open(args.url, storage_options=options(args), create=write)
+    store = _open(url, storage_options=options(args), create=write)
     try:
         check_endpoint(store)
     except BaseException:

@@ -8,9 +8,10 @@ the next global version and prints one line per round (``--json``: one JSON obje
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
-from deltastore.cli._util import EXIT_OK, emit_json, options, size
+from deltastore.cli._util import EXIT_OK, emit_json, open_store, options, size
 
 
 def site_arg(text: str) -> tuple[str, str]:
@@ -57,8 +58,14 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     if args.dtype != "keep" and not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float16, keep)")
     opts = options(args)
-    with Aggregator(args.url, sites, dtype=dtype, storage_options=opts, site_storage_options=opts,
-                    poll_interval_s=args.interval) as agg:
+    with contextlib.ExitStack() as stack:
+        # Opened like every command's store: an endpoint that is down or not S3 is reported at
+        # once, not taken for a site that never reports.
+        global_store = stack.enter_context(open_store(args, write=True))
+        site_stores = {name: stack.enter_context(open_store(args, write=True, url=url)) for name, url in sites.items()}
+        agg = stack.enter_context(Aggregator(args.url, sites, dtype=dtype, storage_options=opts,
+                                             site_storage_options=opts, global_store=global_store,
+                                             site_stores=site_stores, poll_interval_s=args.interval))
         initial = None
         if args.init:
             from deltastore.cli._commands import load_state

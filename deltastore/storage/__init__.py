@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 from deltastore.errors import UnsupportedURLError
 from deltastore.storage._local import LocalStore
 from deltastore.storage._memory import MemoryStore
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, StreamedPut
+from deltastore.storage.base import EndpointIdentity, GetResult, IfMatch, ObjectMeta, PutMode, Store, StreamedPut
 from deltastore.storage.probe import (
+    ProbeBinding,
     ProbeResult,
     probe_conditional_writes,
     require_atomic_writes,
@@ -144,12 +145,14 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None, creat
 
 
 __all__ = [
+    "EndpointIdentity",
     "FsspecStore",
     "GetResult",
     "IfMatch",
     "LocalStore",
     "MemoryStore",
     "ObjectMeta",
+    "ProbeBinding",
     "ProbeResult",
     "PutMode",
     "S3Store",

@@ -21,12 +21,14 @@ import random
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import botocore.exceptions
 import botocore.loaders
+import botocore.parsers
 import botocore.session
 import urllib3.exceptions
 from botocore.config import Config
@@ -44,7 +46,7 @@ from deltastore.errors import (
     UploadCorruptedError,
 )
 from deltastore.storage._keys import check_key, check_prefix, check_range, normalize_etag
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage.base import EndpointIdentity, GetResult, IfMatch, ObjectMeta, PutMode, Store
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,10 @@ READ_MAX_ATTEMPTS = 4
 READ_BACKOFF_BASE_S = 0.05
 #: Cap on one read backoff.
 READ_BACKOFF_MAX_S = 1.0
+#: Attempts to connect of the endpoint check (a listing before a command starts) unless
+#: ``retries`` is set: one, so that an endpoint nothing answers at is reported at once instead of
+#: after botocore's backoff; an endpoint that answers gets the store's retries.
+ENDPOINT_CHECK_CONNECT_ATTEMPTS = 1
 
 #: Values of the ``upload_checksum`` storage option. Some S3-compatible servers rejected the
 #: flexible-checksum headers when botocore 1.36 started sending them by default; Content-MD5
@@ -219,6 +225,25 @@ def _backoff(attempt: int, base: float, cap: float) -> float:
     return random.uniform(0.0, min(cap, base * 2 ** (attempt - 1)))
 
 
+def _connect_failure(e: botocore.exceptions.EndpointConnectionError) -> str:
+    """Why a connection failed, in the socket's words ("Connection refused", "Name or service
+    not known"), else "timed out" or botocore's message."""
+    chain: list[BaseException] = []
+    todo: list[BaseException | None] = [e.kwargs.get("error"), e]
+    while todo:
+        cause = todo.pop(0)
+        if cause is not None and all(cause is not c for c in chain):
+            chain.append(cause)
+            todo += [cause.__cause__, cause.__context__]
+    # urllib3's NewConnectionError subclasses its timeout error: look for the socket's own first.
+    for cause in chain:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+    if any(isinstance(c, (TimeoutError, urllib3.exceptions.TimeoutError)) for c in chain):
+        return "timed out"
+    return _one_line(e)
+
+
 def _error_code(e: botocore.exceptions.ClientError) -> tuple[str, str]:
     """The (code, HTTP status) of a ClientError, both as strings."""
     code = str(e.response.get("Error", {}).get("Code", ""))
@@ -297,6 +322,7 @@ class S3Store(Store):
         for name in ("connect_timeout", "read_timeout"):
             if name in options:
                 config_kwargs[name] = options[name]
+        self._retries_given = "retries" in options
         try:
             session = boto3.session.Session(
                 botocore_session=_botocore_session(),
@@ -309,6 +335,8 @@ class S3Store(Store):
             self._client = session.client(
                 "s3", endpoint_url=options.get("endpoint_url"), config=Config(**config_kwargs)
             )
+            self._session = session
+            self._endpoint_option = options.get("endpoint_url")
         except botocore.exceptions.ProfileNotFound as e:
             profile = options.get("profile") or getattr(e, "kwargs", {}).get("profile")  # or AWS_PROFILE's
             raise AccessDeniedError(f"AWS profile {profile!r} for {self.url} not found in ~/.aws/config") from e
@@ -318,6 +346,8 @@ class S3Store(Store):
         self._bucket_known_to_exist = False
         self._etags_are_md5 = True  # until a read-back shows otherwise (see _stored_other_bytes)
         self._bucket_check_lock = threading.Lock()
+        self._server_header = ""
+        self._client.meta.events.register("after-call.s3", self._note_server)
         logger.debug("opened %r (addressing=%s)", self, addressing)
 
     def __repr__(self) -> str:
@@ -326,6 +356,29 @@ class S3Store(Store):
 
     def close(self) -> None:
         self._client.close()
+
+    @property
+    def _endpoint(self) -> str:
+        """The URL requests go to (the configured endpoint, else the AWS one botocore resolved),
+        without any credentials written into it."""
+        parts = urllib.parse.urlsplit(self._client.meta.endpoint_url)
+        host = parts.hostname or ""
+        if ":" in host:  # an IPv6 literal
+            host = f"[{host}]"
+        netloc = f"{host}:{parts.port}" if parts.port is not None else host
+        return urllib.parse.urlunsplit((parts.scheme.lower(), netloc, parts.path.rstrip("/"), "", ""))
+
+    def _note_server(self, http_response: Any, **_: Any) -> None:
+        """Keep the ``Server`` header of successful responses (an ``after-call`` hook). Error
+        responses are skipped: some servers name themselves differently there (moto adds
+        ``amazon.com``)."""
+        if 200 <= http_response.status_code < 300:
+            self._server_header = _one_line(http_response.headers.get("Server", ""))
+
+    def endpoint_identity(self) -> EndpointIdentity:
+        """The endpoint this store's requests go to and the ``Server`` header of its latest
+        successful response (see :class:`~deltastore.storage.base.EndpointIdentity`)."""
+        return EndpointIdentity(endpoint=self._endpoint, server=self._server_header)
 
     # --- error translation (the only place botocore errors are looked at) ------------------
 
@@ -340,7 +393,10 @@ class S3Store(Store):
                 f"or storage_options"
             )
         if isinstance(e, botocore.exceptions.EndpointConnectionError):
-            return StorageError(f"cannot reach the S3 endpoint for {name}: {_one_line(e)}; check endpoint_url")
+            return StorageError(
+                f"cannot reach the S3 endpoint {self._endpoint} for {name} ({_connect_failure(e)}); "
+                f"check endpoint_url"
+            )
         if not isinstance(e, botocore.exceptions.ClientError):
             return StorageError(f"S3 {op} on {name} failed: {_one_line(e)}")
         error = e.response.get("Error", {})
@@ -678,13 +734,17 @@ class S3Store(Store):
         404 (or 200) that botocore reads as "no such key": the store would look empty forever.
         S3 errors carry an XML document with a code, and a listing names its bucket.
 
+        An endpoint that cannot be connected to is reported after ENDPOINT_CHECK_CONNECT_ATTEMPTS
+        attempts (the ``retries`` option's, when given); one that answers gets the store's retries.
+
         Raises:
-            StorageError: the endpoint is not an S3 endpoint (the message says what it answered).
+            StorageError: the endpoint is not an S3 endpoint (the message says what it answered),
+                or cannot be reached (the message names it).
             BucketNotFoundError, AccessDeniedError, StorageError: an S3 error from the listing.
         """
-        where = self.endpoint_url or "the default AWS endpoint"
+        where = self._endpoint
         try:
-            response = self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+            response = self._first_listing()
         except botocore.exceptions.ClientError as e:
             code = str(e.response.get("Error", {}).get("Code", ""))
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
@@ -694,8 +754,11 @@ class S3Store(Store):
                     f"S3 error document; check endpoint_url (the S3 port, not a filer, master or web port)"
                 ) from e
             raise self._translate(e, "ListObjectsV2", None) from e
-        except botocore.exceptions.ResponseParserError as e:
-            raise StorageError(f"{where} is not an S3 endpoint: its answer to a listing of {self.url} is not S3 XML") from e
+        except botocore.parsers.ResponseParserError as e:
+            raise StorageError(
+                f"{where} is not an S3 endpoint: its answer to a listing of {self.url} is not S3 XML; "
+                f"check endpoint_url (the S3 port, not a filer, master or web port)"
+            ) from e
         except botocore.exceptions.BotoCoreError as e:
             raise self._translate(e, "ListObjectsV2", None) from e
         if "Name" not in response and "KeyCount" not in response:
@@ -704,6 +767,27 @@ class S3Store(Store):
                 f"check endpoint_url (the S3 port, not a filer, master or web port)"
             )
         self._bucket_known_to_exist = True
+
+    def _first_listing(self) -> dict[str, Any]:
+        """ListObjectsV2 of at most one key, first without retries on a client of its own: a
+        connection that fails is final; any answer is asked again with the store's retries."""
+        kwargs = {"Bucket": self.bucket, "Prefix": self.prefix, "MaxKeys": 1}
+        if self._retries_given:
+            return self._client.list_objects_v2(**kwargs)
+        retries = {"mode": "standard", "total_max_attempts": ENDPOINT_CHECK_CONNECT_ATTEMPTS}
+        quick = self._session.client(
+            "s3", endpoint_url=self._endpoint_option, config=self._client.meta.config.merge(Config(retries=retries))
+        )
+        quick.meta.events.register("after-call.s3", self._note_server)
+        try:
+            return quick.list_objects_v2(**kwargs)
+        except botocore.exceptions.EndpointConnectionError:
+            raise
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError, botocore.parsers.ResponseParserError):
+            pass  # an answer, perhaps a passing one (5xx, throttling): botocore's retries decide
+        finally:
+            quick.close()
+        return self._client.list_objects_v2(**kwargs)
 
     def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
         check_prefix(prefix)

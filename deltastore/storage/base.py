@@ -51,6 +51,23 @@ class GetResult:
     meta: ObjectMeta
 
 
+@dataclass(frozen=True)
+class EndpointIdentity:
+    """Who answers a store's requests, as the client itself observes it.
+
+    A store with a remote endpoint returns it from ``endpoint_identity()``; the conditional-write
+    probe binds its verdict to it (docs/SPEC.md §1.1).
+
+    Attributes:
+        endpoint: the URL the client sends requests to (without credentials).
+        server: the ``Server`` header of the latest successful response ("" before one, or
+            when the server sends none).
+    """
+
+    endpoint: str
+    server: str = ""
+
+
 def check_if_match(name: str, current: str | None, expected: str) -> None:
     """Raise PreconditionFailedError unless an object's ETag ``current`` is ``expected``.
 

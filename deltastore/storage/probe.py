@@ -1,12 +1,27 @@
-"""Find out whether a store's endpoint really honours conditional writes, once per store.
+"""Find out whether a store's endpoint really honours conditional writes, and remember it.
 
 Every ``s3://`` endpoint claims S3's API, but not all of them implement its conditional writes:
-rclone's ``serve s3`` silently ignores ``If-None-Match``/``If-Match``, older MinIO accepted
-``If-Match`` on a missing key, SeaweedFS is broken on versioned buckets. Two publishers on such an
-endpoint can both "win" a compare-and-swap of HEAD and fork the history. :func:`require_atomic_writes`
-probes the endpoint with a few conditional writes and small races under ``_deltastore/probe/``,
-caches the verdict in ``_deltastore/probe.json`` (docs/SPEC.md §1), and refuses an endpoint that
-failed unless the caller opts in as a single writer.
+rclone's ``serve s3`` and s3rver silently ignore ``If-None-Match``/``If-Match``, older MinIO
+accepted ``If-Match`` on a missing key, SeaweedFS is broken on versioned buckets. Two publishers on
+such an endpoint can both "win" a compare-and-swap of HEAD and fork the history.
+:func:`require_atomic_writes` probes the endpoint with a few conditional writes and small races
+under ``_deltastore/probe/``, caches the verdict in ``_deltastore/probe.json`` (docs/SPEC.md §1.1),
+and refuses an endpoint that failed unless the caller opts in as a single writer.
+
+The verdict is bound to what it measured (:class:`ProbeBinding`: the endpoint URL the requests
+went to, the store URL, the endpoint's ``Server`` header). A publisher reuses a cached verdict
+only when it passed, the binding the publisher computes itself from its own configuration and
+responses is the same, it is younger than PROBE_MAX_AGE_S, and the endpoint still refuses a
+create-only PUT of ``probe.json`` itself; else it probes again. A store copied object by object
+to another server (``aws s3 sync``, rclone) carries a verdict that names the old server; an
+endpoint that ignores ``If-None-Match`` fails the create-only check whatever its file says.
+
+Cost, which decides what is cached: a probe is about 20 small requests (13 PUTs, 4 DELETEs, 2
+GETs, a HEAD), a dozen of them in sequence and two rounds of PROBE_RACERS at once; servers that
+make the losers of a race wait (SeaweedFS holds them about a second) take longer. Reusing a
+verdict costs 2 requests (the GET of ``probe.json`` and the refused create-only PUT), so every
+publisher re-checks what a copied verdict cannot vouch for, and the full probe runs only for a
+new binding, a stale or failed verdict, or an endpoint that takes the create-only PUT.
 
 Example::
 
@@ -24,7 +39,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from deltastore.errors import (
     AlreadyExistsError,
@@ -46,13 +61,39 @@ PROBE_PREFIX = META_PREFIX + "probe/"
 #: The cached verdict, so that later publishers skip the probe.
 PROBE_RESULT_KEY = META_PREFIX + "probe.json"
 #: Format tag and version of PROBE_RESULT_KEY; an unknown one is ignored and the store re-probed.
+#: Schema 2 added the binding (schema 1 named no endpoint).
 PROBE_FORMAT = "deltastore.probe"
-PROBE_SCHEMA = 1
+PROBE_SCHEMA = 2
+#: A cached verdict older than this is earned again: a backend swapped behind an unchanged URL
+#: and Server header (an upgrade, a failover) is noticed within a day, for one probe a day.
+PROBE_MAX_AGE_S = 24 * 3600
+#: How far a verdict's ``probed_at`` may lie in the future (the probing host's clock ran ahead);
+#: beyond it the verdict is treated as stale rather than fresh for longer.
+PROBE_CLOCK_SKEW_S = 300
 #: Threads released together in each race: enough to collide on any server that serialises
-#: nothing, few enough that the probe costs about a dozen small requests.
+#: nothing, few enough that the whole probe stays at about 20 small requests.
 PROBE_RACERS = 4
 #: An ETag no object has (conditional writes against it must be refused).
 _NO_SUCH_ETAG = "0" * 32
+
+
+@dataclass(frozen=True)
+class ProbeBinding:
+    """What a verdict was measured on, as the publisher itself observes it (:func:`observe_binding`).
+
+    A cached verdict is trusted only when the binding it records equals the one the reading
+    publisher computes from its own configuration and responses; the recorded one alone proves
+    nothing (a copied or written-over ``probe.json`` says whatever it says).
+
+    Attributes:
+        endpoint: the URL the store's requests go to ("" for a store without a remote endpoint).
+        store: the store URL (``s3://bucket/prefix``): the bucket and prefix.
+        server: the endpoint's ``Server`` response header ("" when it sends none).
+    """
+
+    endpoint: str
+    store: str
+    server: str
 
 
 @dataclass(frozen=True)
@@ -68,6 +109,7 @@ class ProbeResult:
         detail: what the endpoint did, one clause per check, for messages and logs.
         deltastore_version: the version that ran the probe.
         probed_at: when (ISO 8601, UTC).
+        binding: the endpoint, store and server the checks ran against.
     """
 
     create_only_ok: bool
@@ -78,6 +120,7 @@ class ProbeResult:
     detail: str
     deltastore_version: str
     probed_at: str
+    binding: ProbeBinding
 
     @property
     def ok(self) -> bool:
@@ -104,13 +147,28 @@ class ProbeResult:
             return None
         if not isinstance(body, dict) or body.get("format") != PROBE_FORMAT or body.get("schema") != PROBE_SCHEMA:
             return None
-        values = {}
+        binding = body.get("binding")
+        if not isinstance(binding, dict) or not all(isinstance(binding.get(f.name), str) for f in fields(ProbeBinding)):
+            return None
+        values: dict[str, object] = {"binding": ProbeBinding(**{f.name: binding[f.name] for f in fields(ProbeBinding)})}
         for f in fields(cls):
+            if f.name == "binding":
+                continue
             value = body.get(f.name)
             if not isinstance(value, bool if f.type in (bool, "bool") else str):
                 return None
             values[f.name] = value
-        return cls(**values)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def age_s(self, now: datetime) -> float | None:
+        """Seconds from ``probed_at`` to ``now``; None when ``probed_at`` is not a UTC timestamp."""
+        try:
+            probed = datetime.fromisoformat(self.probed_at)
+        except ValueError:
+            return None
+        if probed.utcoffset() is None:
+            return None
+        return (now - probed).total_seconds()
 
 
 def _race(n: int, fn: Callable[[int], object]) -> list[object]:
@@ -225,9 +283,21 @@ def probe_conditional_writes(store: Store) -> ProbeResult:
         detail="; ".join(clauses),
         deltastore_version=__version__,
         probed_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        binding=observe_binding(store),  # after the checks: the server that answered them
     )
     logger.info("probed conditional writes of %s: %s (%s)", store.url, "ok" if result.ok else "UNSAFE", result.detail)
     return result
+
+
+def observe_binding(store: Store) -> ProbeBinding:
+    """The binding of ``store`` as this process observes it: its own endpoint URL, store URL and
+    the ``Server`` header of the endpoint's latest successful response (so call it after a
+    request). Nothing in it is read from the store's contents."""
+    identify = getattr(store, "endpoint_identity", None)
+    if identify is None:
+        return ProbeBinding(endpoint="", store=store.url, server="")
+    identity = identify()
+    return ProbeBinding(endpoint=identity.endpoint, store=store.url, server=identity.server)
 
 
 def check_endpoint(store: Store) -> None:
@@ -246,15 +316,63 @@ def check_endpoint(store: Store) -> None:
 
 
 def cached_probe(store: Store) -> ProbeResult | None:
-    """The verdict cached in the store, or None when there is none this version can read."""
+    """The verdict cached in the store, or None when there is none this version can read.
+
+    It is only what the file says: :func:`require_atomic_writes` decides whether to trust it.
+    """
     try:
         data = store.get(PROBE_RESULT_KEY)
     except NotFoundError:
         return None
     result = ProbeResult.from_json(data)
     if result is None:
-        logger.warning("ignoring unreadable %s/%s; probing again", store.url, PROBE_RESULT_KEY)
+        try:
+            body = json.loads(data)
+            older = isinstance(body, dict) and body.get("format") == PROBE_FORMAT and body.get("schema") != PROBE_SCHEMA
+        except (ValueError, RecursionError):
+            older = False
+        if older:  # another release's format: expected after an upgrade, not worth a warning
+            logger.info("%s/%s has probe schema %r, not %d; probing again", store.url, PROBE_RESULT_KEY,
+                        body.get("schema"), PROBE_SCHEMA)
+        else:
+            logger.warning("ignoring unreadable %s/%s; probing again", store.url, PROBE_RESULT_KEY)
     return result
+
+
+def _why_not_reusable(result: ProbeResult, binding: ProbeBinding, now: datetime) -> str | None:
+    """Why a cached verdict must be earned again by a publisher that observes ``binding`` at
+    ``now``, or None when it may be reused (it still needs the create-only check, see
+    :func:`require_atomic_writes`)."""
+    if not result.ok:
+        return "the cached verdict failed (the endpoint may have been fixed)"
+    for name in ("endpoint", "store", "server"):
+        cached, seen = getattr(result.binding, name), getattr(binding, name)
+        if cached != seen:
+            return f"the cached verdict was measured with {name} {cached!r}, this publisher sees {seen!r}"
+    age = result.age_s(now)
+    if age is None:
+        return f"the cached verdict's probed_at {result.probed_at!r} is not a UTC timestamp"
+    if age > PROBE_MAX_AGE_S:
+        return f"the cached verdict is {timedelta(seconds=round(age))} old (at most {timedelta(seconds=PROBE_MAX_AGE_S)})"
+    if age < -PROBE_CLOCK_SKEW_S:
+        return f"the cached verdict is dated {result.probed_at}, in the future"
+    return None
+
+
+def _still_refuses_create(store: Store, result: ProbeResult) -> bool:
+    """True when a create-only PUT of PROBE_RESULT_KEY (which exists: it was just read) is
+    refused, as every endpoint that passed the probe must. An endpoint that ignores
+    ``If-None-Match`` (whatever its verdict file says) takes it, rewriting the same verdict."""
+    try:
+        store.put(PROBE_RESULT_KEY, result.to_json(), mode="create")
+    except AlreadyExistsError:
+        return True
+    except StorageError as e:  # nothing concluded (denied, 5xx): the probe will say
+        logger.info("create-only check of %s/%s failed (%s); probing again", store.url, PROBE_RESULT_KEY, e)
+        return False
+    logger.warning("%s accepted a create-only PUT of the existing %s: its cached verdict no longer holds",
+                   store.url, PROBE_RESULT_KEY)
+    return False
 
 
 def require_atomic_writes(store: Store, *, allow_unsafe_store: bool = False) -> ProbeResult | None:
@@ -262,9 +380,11 @@ def require_atomic_writes(store: Store, *, allow_unsafe_store: bool = False) -> 
 
     Local and in-memory stores are atomic by construction and are not probed. A store that
     declares no atomic conditional writes (fsspec URLs) is refused outright. Any other store
-    (``s3://``) is probed once: the verdict is cached in ``_deltastore/probe.json`` and reused by
-    every later call; a cached failure is probed again (the endpoint may have been fixed).
-    Delete that object to force a new probe.
+    (``s3://``) is probed, and the verdict cached in ``_deltastore/probe.json``. A later call
+    reuses a cached verdict only when it passed, its binding equals the one this call observes
+    (:func:`observe_binding`: endpoint URL, store URL, ``Server`` header), it is at most
+    PROBE_MAX_AGE_S old, and a create-only PUT of ``probe.json`` itself is refused; otherwise it
+    probes again. Delete that object to force a new probe.
 
     Args:
         store: the store a publisher is about to write to.
@@ -295,29 +415,37 @@ def require_atomic_writes(store: Store, *, allow_unsafe_store: bool = False) -> 
     if not store.conditional_writes_need_probe:
         return None
     result = cached_probe(store)
-    if result is None or not result.ok:
-        result = probe_conditional_writes(store)
-        try:
-            store.put(PROBE_RESULT_KEY, result.to_json(), mode="overwrite")
-        except StorageError as e:  # a read-only cache is no reason to fail: probe next time
-            logger.warning("could not cache the probe verdict in %s/%s: %s", store.url, PROBE_RESULT_KEY, e)
+    if result is not None:
+        why = _why_not_reusable(result, observe_binding(store), datetime.now(timezone.utc))
+        if why is None and _still_refuses_create(store, result):
+            return result
+        if why is not None:
+            logger.info("probing %s again: %s", store.url, why)
+    result = probe_conditional_writes(store)
+    try:
+        store.put(PROBE_RESULT_KEY, result.to_json(), mode="overwrite")
+    except StorageError as e:  # a read-only cache is no reason to fail: probe next time
+        logger.warning("could not cache the probe verdict in %s/%s: %s", store.url, PROBE_RESULT_KEY, e)
     if not result.ok:
         raise UnsafeStoreError(
             f"{store.url}: the endpoint does not honour S3 conditional writes ({result.detail}), so "
             f"two publishers could both commit and fork the history. Use an endpoint that implements "
             f"If-None-Match/If-Match on PutObject (AWS S3, MinIO, SeaweedFS on an unversioned bucket; "
-            f"not rclone serve s3), or pass allow_unsafe_store=True if only one publisher ever writes "
-            f"to this store"
+            f"not rclone serve s3 or s3rver), or pass allow_unsafe_store=True if only one publisher "
+            f"ever writes to this store"
         )
     return result
 
 
 __all__ = [
     "META_PREFIX",
+    "PROBE_MAX_AGE_S",
     "PROBE_RESULT_KEY",
+    "ProbeBinding",
     "ProbeResult",
     "cached_probe",
     "check_endpoint",
+    "observe_binding",
     "probe_conditional_writes",
     "require_atomic_writes",
 ]
