@@ -23,6 +23,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
     │   ├── CorruptObjectError                    unparseable / truncated object
     │   ├── SignatureError                        manifest unsigned / untrusted / bad signature
+    │   │   └── UnsignedVersionError              an unsigned version on top of signed ones
     │   ├── TargetModifiedError                   the target no longer holds the version pulled
     │   └── WrongBaseError                        a site's result is against another base (federated)
     ├── FormatError (ValueError)                  something this version cannot read
@@ -36,6 +37,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │       └── SelectionError                    a partial pull's selection does not fit the layout
     ├── PartFailedError                           another rank of a sharded publish failed: nothing committed
     ├── QuorumError (TimeoutError)                a federated round missed its quorum by the deadline
+    ├── SigningRequiredError (ValueError)         a publisher without a key on a signed store
     ├── VersionNotFoundError (LookupError)        no such version in the store
     │   └── VersionCollectedError                 below the retention floor and not pinned
     ├── GCAbortedError                            GC stopped before deleting (or partway): see why
@@ -196,6 +198,12 @@ class SignatureError(IntegrityError):
     """
 
 
+class UnsignedVersionError(SignatureError):
+    """An unsigned manifest on a store whose earlier versions of the same history are signed
+    by a trusted key: a publisher without the signing key published to a signed store (one
+    that passed ``allow_unsigned=True``, or a release that did not refuse it)."""
+
+
 class TargetModifiedError(IntegrityError):
     """The target's bits are not those of the version the subscriber holds: someone else wrote
     it since it was pulled (a caller's bug, not the store's: pull() it again)."""
@@ -261,6 +269,13 @@ class QuorumError(DeltastoreError, TimeoutError):
 
 class VersionNotFoundError(DeltastoreError, LookupError):
     """The requested version does not exist in the store (or the store is empty)."""
+
+
+class SigningRequiredError(DeltastoreError, ValueError):
+    """A publisher without a signing key was opened on (or about to publish to) a store whose
+    head version is signed: its versions would be refused by every subscriber that trusts the
+    store's key. Nothing was written. Pass the store's ``signing_key``, or ``allow_unsigned=True``
+    to publish unsigned versions anyway."""
 
 
 class VersionCollectedError(VersionNotFoundError):
@@ -336,11 +351,13 @@ __all__ = [
     "NotFoundError",
     "PreconditionFailedError",
     "SignatureError",
+    "SigningRequiredError",
     "StaleStageError",
     "StorageError",
     "TargetModifiedError",
     "UnknownCodecError",
     "UnsafeStoreError",
+    "UnsignedVersionError",
     "UnsupportedSchemaError",
     "UnsupportedURLError",
     "UploadCorruptedError",

@@ -38,6 +38,7 @@ from deltastore.errors import (
     LayoutMismatchError,
     NotFoundError,
     SelectionError,
+    SignatureError,
     StaleStageError,
     StorageError,
     TargetModifiedError,
@@ -215,7 +216,8 @@ class Subscriber:
         threads: decode threads (default: all cores).
         trusted_keys: Ed25519 public keys (key objects, PEM bytes or PEM file paths); when
             given, every manifest used must be signed by one of them, else SignatureError
-            (SPEC §3.1). Needs ``cryptography`` (``deltastore[signing]``).
+            (UnsignedVersionError for an unsigned version above a signed one of its history,
+            SPEC §3.1). Needs ``cryptography`` (``deltastore[signing]``).
         max_model_bytes: refuse to materialize a version whose tensors declare more bytes than
             this (default: this machine's physical memory), checked before allocating: a few KB
             of hostile metadata must not become gigabytes resident.
@@ -256,10 +258,12 @@ class Subscriber:
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
         check = None
+        self._keys = None
         if trusted_keys is not None:
             from deltastore.signing import TrustedKeys
 
-            check = TrustedKeys(trusted_keys).verify  # keys checked before the store is opened
+            self._keys = TrustedKeys(trusted_keys)  # keys checked before the store is opened
+            check = self._verify
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         self.url = self.store.url
@@ -1059,6 +1063,39 @@ class Subscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _verify(self, key: str, m: Manifest) -> None:
+        """The trusted keys' check of each manifest read; an unsigned one above a signed version
+        of its history is named for what it is (UnsignedVersionError)."""
+        assert self._keys is not None
+        try:
+            self._keys.verify(key, m)
+        except SignatureError:
+            below = self._signed_below(m) if m.signature is None else None
+            if below is None:
+                raise
+            from deltastore.signing import unsigned_version_error
+
+            raise unsigned_version_error(self.url, key, m, *below) from None
+
+    def _signed_below(self, m: Manifest) -> tuple[str, Manifest] | None:
+        """A version below ``m`` in its history that is signed by a trusted key, if one is at
+        hand: the held version, else ``m``'s parent (one read, not cached; None on any error)."""
+        assert self._keys is not None
+        held = self._held
+        if held is not None and held.manifest.signature is not None and held.manifest.lineage == m.lineage \
+                and held.manifest.version < m.version:
+            return held.key, held.manifest  # verified when it was read
+        if m.parent_manifest is None:
+            return None
+        try:
+            p = self._history.unchecked(m.parent_manifest)
+            if p.signature is None or p.version != m.parent or p.lineage != m.lineage:
+                return None
+            self._keys.verify(m.parent_manifest, p)
+        except DeltastoreError:
+            return None
+        return m.parent_manifest, p
 
     def _check_same_history(self, key: str, m: Manifest) -> None:
         """SPEC §7 step 3: the version to reach must be in the held version's history (D7)."""

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchor-every", type=int, default=None, metavar="N",
                    help="a snapshot every N versions (default: once the deltas since the last snapshot reach its size)")
     p.add_argument("--signing-key", metavar="FILE", help="Ed25519 private key (PEM) to sign the manifest with")
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="publish without --signing-key to a store whose head version is signed (default: refused, exit 1)")
     p.add_argument("--allow-empty", action="store_true",
                    help="commit a new version even when the state is identical to the head (default: exit 3, nothing written)")
     p.add_argument("--no-takeover", action="store_true",

@@ -27,6 +27,7 @@ from deltastore.errors import (
     SignatureError,
     StorageError,
     UnsafeStoreError,
+    UnsignedVersionError,
     UnsupportedURLError,
     VersionNotFoundError,
 )
@@ -140,6 +141,8 @@ _PY_TO_CLI = (
     (re.compile(r"\banchor=True\b"), "--anchor"),
     (re.compile(r"\btakeover=False\b"), "--no-takeover"),
     (re.compile(r"\btrusted_keys\b"), "--trusted-key"),
+    (re.compile(r"\ballow_unsigned=True\b"), "--allow-unsigned"),
+    (re.compile(r"\bsigning_key\b"), "--signing-key"),
 )
 
 
@@ -167,6 +170,8 @@ def hint_for(e: BaseException, args: argparse.Namespace | None) -> str | None:
         return "another writer committed first; run the command again"
     if isinstance(e, LayoutMismatchError):
         return "pass --anchor to publish tensors with other names, shapes or dtypes (a full snapshot)"
+    if isinstance(e, UnsignedVersionError):
+        return "the store's publisher must publish with --signing-key FILE; versions written without it stay refused"
     if isinstance(e, SignatureError):
         return "pass the publisher's public key with --trusted-key FILE (see deltastore keygen)"
     if isinstance(e, VersionNotFoundError):
