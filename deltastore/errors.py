@@ -39,7 +39,8 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── QuorumError (TimeoutError)                a federated round missed its quorum by the deadline
     ├── SigningRequiredError (ValueError)         a publisher without a key on a signed store
     ├── VersionNotFoundError (LookupError)        no such version in the store
-    │   └── VersionCollectedError                 below the retention floor and not pinned
+    │   ├── VersionCollectedError                 below the retention floor and not pinned
+    │   └── HeadRolledBackError                   HEAD names a version older than the one held
     ├── GCAbortedError                            GC stopped before deleting (or partway): see why
     ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
@@ -278,6 +279,13 @@ class SigningRequiredError(DeltastoreError, ValueError):
     to publish unsigned versions anyway."""
 
 
+class HeadRolledBackError(VersionNotFoundError):
+    """HEAD names an older version of the held history than the one this subscriber holds
+    (restored from a backup, a lagging mirror, or rolled back by a party with write access).
+    Nothing was applied: a subscriber never goes backwards (``pull(version)`` reads an older
+    version on purpose)."""
+
+
 class VersionCollectedError(VersionNotFoundError):
     """The version was below the store's retention floor and not pinned: GC may have deleted
     it (SPEC §11). Pull the latest version, or a version ≥ ``floor``, or one of ``pins``.
@@ -343,6 +351,7 @@ __all__ = [
     "FormatError",
     "GCAbortedError",
     "GCRefusedError",
+    "HeadRolledBackError",
     "HistoryReplacedError",
     "IntegrityError",
     "InvalidKeyError",

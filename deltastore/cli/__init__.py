@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     json_flag(p, "print the result as JSON (with --follow: one object per version)")
     p.add_argument("--max-versions", type=int, help="with --follow: stop after this many versions")
     p.add_argument("--worker-id", help="with --follow: the id of this worker's heartbeat (default host-pid-random)")
+    p.add_argument("--on-history-replaced", choices=("raise", "reload"),
+                   help="with --follow: when HEAD names another run's history, exit 1 (raise) or load it whole (reload); "
+                        "default raise with --trusted-key, else reload")
     p.add_argument(*trusted[0], **trusted[1])
 
     p = add("log", "list versions", commands.cmd_log)

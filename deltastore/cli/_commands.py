@@ -243,7 +243,8 @@ def _follow(args: argparse.Namespace) -> int:
                     if stop.wait(args.interval):
                         return EXIT_OK
             records = sub.follow(target, interval=args.interval, stop=stop, cache_dir=args.cache,
-                                 worker_id=args.worker_id, max_versions=args.max_versions)
+                                 worker_id=args.worker_id, max_versions=args.max_versions,
+                                 on_history_replaced=args.on_history_replaced)
             for rec in records:
                 t0 = time.perf_counter()
                 tmp = f"{args.out}.partial"

@@ -23,6 +23,7 @@ from deltastore.errors import (
     CommitUnknownError,
     ConflictError,
     FencedError,
+    HistoryReplacedError,
     LayoutMismatchError,
     SignatureError,
     StorageError,
@@ -143,6 +144,7 @@ _PY_TO_CLI = (
     (re.compile(r"\btrusted_keys\b"), "--trusted-key"),
     (re.compile(r"\ballow_unsigned=True\b"), "--allow-unsigned"),
     (re.compile(r"\bsigning_key\b"), "--signing-key"),
+    (re.compile(r"\bfollow with on_history_replaced='reload'"), "pull --follow with --on-history-replaced reload"),
 )
 
 
@@ -164,6 +166,8 @@ def hint_for(e: BaseException, args: argparse.Namespace | None) -> str | None:
     text = str(e)
     if isinstance(e, UnsafeStoreError):
         return "if this is the store's only publisher, pass --allow-unsafe-store"
+    if isinstance(e, HistoryReplacedError):
+        return None  # the message says what happened and what to do
     if isinstance(e, FencedError):
         return "another publisher took the store over while this command ran; run it again to take it back"
     if isinstance(e, ConflictError):
