@@ -23,6 +23,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
     │   ├── CorruptObjectError                    unparseable / truncated object
     │   ├── SignatureError                        manifest unsigned / untrusted / bad signature
+    │   │   └── UnsignedVersionError              an unsigned version on top of signed ones
     │   ├── TargetModifiedError                   the target no longer holds the version pulled
     │   └── WrongBaseError                        a site's result is against another base (federated)
     ├── FormatError (ValueError)                  something this version cannot read
@@ -36,8 +37,10 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │       └── SelectionError                    a partial pull's selection does not fit the layout
     ├── PartFailedError                           another rank of a sharded publish failed: nothing committed
     ├── QuorumError (TimeoutError)                a federated round missed its quorum by the deadline
+    ├── SigningRequiredError (ValueError)         a publisher without a key on a signed store
     ├── VersionNotFoundError (LookupError)        no such version in the store
-    │   └── VersionCollectedError                 below the retention floor and not pinned
+    │   ├── VersionCollectedError                 below the retention floor and not pinned
+    │   └── HeadRolledBackError                   HEAD names a version older than the one held
     ├── GCAbortedError                            GC stopped before deleting (or partway): see why
     ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
@@ -196,6 +199,12 @@ class SignatureError(IntegrityError):
     """
 
 
+class UnsignedVersionError(SignatureError):
+    """An unsigned manifest on a store whose earlier versions of the same history are signed
+    by a trusted key: a publisher without the signing key published to a signed store (one
+    that passed ``allow_unsigned=True``, or a release that did not refuse it)."""
+
+
 class TargetModifiedError(IntegrityError):
     """The target's bits are not those of the version the subscriber holds: someone else wrote
     it since it was pulled (a caller's bug, not the store's: pull() it again)."""
@@ -263,6 +272,20 @@ class VersionNotFoundError(DeltastoreError, LookupError):
     """The requested version does not exist in the store (or the store is empty)."""
 
 
+class SigningRequiredError(DeltastoreError, ValueError):
+    """A publisher without a signing key was opened on (or about to publish to) a store whose
+    head version is signed: its versions would be refused by every subscriber that trusts the
+    store's key. Nothing was written. Pass the store's ``signing_key``, or ``allow_unsigned=True``
+    to publish unsigned versions anyway."""
+
+
+class HeadRolledBackError(VersionNotFoundError):
+    """HEAD names an older version of the held history than the one this subscriber holds
+    (restored from a backup, a lagging mirror, or rolled back by a party with write access).
+    Nothing was applied: a subscriber never goes backwards (``pull(version)`` reads an older
+    version on purpose)."""
+
+
 class VersionCollectedError(VersionNotFoundError):
     """The version was below the store's retention floor and not pinned: GC may have deleted
     it (SPEC §11). Pull the latest version, or a version ≥ ``floor``, or one of ``pins``.
@@ -328,6 +351,7 @@ __all__ = [
     "FormatError",
     "GCAbortedError",
     "GCRefusedError",
+    "HeadRolledBackError",
     "HistoryReplacedError",
     "IntegrityError",
     "InvalidKeyError",
@@ -336,11 +360,13 @@ __all__ = [
     "NotFoundError",
     "PreconditionFailedError",
     "SignatureError",
+    "SigningRequiredError",
     "StaleStageError",
     "StorageError",
     "TargetModifiedError",
     "UnknownCodecError",
     "UnsafeStoreError",
+    "UnsignedVersionError",
     "UnsupportedSchemaError",
     "UnsupportedURLError",
     "UploadCorruptedError",

@@ -274,6 +274,12 @@ class History:
                 self._manifest_bytes -= _parsed_bytes(self._manifests.popitem(last=False)[1])
         return m
 
+    def unchecked(self, key: str) -> Manifest:
+        """Fetch and parse manifest ``key`` without ``check`` and without caching it: to explain
+        why another manifest was refused, never to use what it says."""
+        return parse_manifest(self._object(key, "manifest"), key, None, layout=self.layout,
+                              max_bytes=self.max_manifest_bytes, parts=self._part)
+
     def _part(self, ref: PartRef) -> bytes:
         """A part manifest's bytes (a sharded version, SPEC §8); parse_manifest verifies them.
         Not cached apart: the merged manifest is."""

@@ -30,6 +30,7 @@ from deltastore.errors import (
     InvalidStateDictError,
     LayoutMismatchError,
     NotFoundError,
+    SigningRequiredError,
     StorageError,
 )
 from deltastore import grid
@@ -189,6 +190,10 @@ class Publisher:
             (the caller keeps ownership: it is not closed by :meth:`close`).
         signing_key: an Ed25519 private key (a ``cryptography`` key object, PEM bytes or a
             PEM file path) to sign every manifest with (SPEC §3.1; ``deltastore-weights[signing]``).
+        allow_unsigned: without ``signing_key``, publish onto a store whose head version is
+            signed (default False: SigningRequiredError, checked on open before the claim and
+            before each version, nothing written). Subscribers that trust the store's key
+            refuse the unsigned versions (UnsignedVersionError).
         dtype: the served dtype of floating tensors (e.g. ``torch.bfloat16`` from fp32
             masters), for :meth:`publish` and :meth:`publish_async` alike; None (default)
             keeps each tensor's dtype. Integer and bool tensors always keep theirs.
@@ -216,6 +221,8 @@ class Publisher:
             what it did); pass ``allow_unsafe_store=True`` if this is the only writer.
         FencedError: ``takeover=True`` lost a race with another publisher claiming the store.
         CommitUnknownError: the claim's HEAD write failed and HEAD could not be read back.
+        SigningRequiredError: no ``signing_key`` and the store's head version is signed
+            (``allow_unsigned=True`` publishes anyway); nothing was written.
 
     Example::
 
@@ -252,6 +259,7 @@ class Publisher:
         resume: bool = True,
         store: Store | None = None,
         signing_key: Any = None,
+        allow_unsigned: bool = False,
         dtype: torch.dtype | None = None,
         async_policy: Policy = "block",
         max_pending: int = DEFAULT_MAX_PENDING,
@@ -290,6 +298,7 @@ class Publisher:
             from deltastore.signing import load_private_key
 
             self._signing_key = load_private_key(signing_key)  # a bad key fails before any IO
+        self.allow_unsigned = allow_unsigned
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         try:
@@ -356,7 +365,13 @@ class Publisher:
 
         self._commits = CommitProtocol(self.store, self._history, self.writer_id)
         try:
-            self._commits.open(takeover=takeover)
+            self._commits.open(takeover=False)
+            if self._signing_key is None and not allow_unsigned:
+                # before the claim writes HEAD, so that a refusal writes nothing (the tip read
+                # here is the one the first publish needs: read once)
+                self._require_key_for(self._current_tip())
+            if takeover:
+                self._commits.claim()
         except BaseException:
             self.close()
             raise
@@ -556,6 +571,7 @@ class Publisher:
             # HEAD moved since our last commit (an earlier unknown outcome turned out to have
             # landed, or another writer committed): resume from it (or write an anchor).
             self._reference = None
+        self._require_key_for(self._current_tip())  # HEAD may have moved to a signed version since open
         if self._reference is None and self.resume and not anchor and self._head is not None and self._head.manifest:
             self._resume_from_head(state)
 
@@ -699,6 +715,7 @@ class Publisher:
             anchor_key=mkey if kind == "anchor" else tip.anchor_key,
             anchor_full=full_bytes if kind == "anchor" else tip.anchor_full,
             anchor_cum=cum if kind == "anchor" else tip.anchor_cum,
+            signed_by=None if manifest.signature is None else manifest.signature.key_id,
         )
         if self._commits.superseded:  # committed, but another writer is already on top: resume next time
             self._reference, self._commits.superseded = None, False
@@ -810,6 +827,17 @@ class Publisher:
         self._remember(key, m)
         self._tip = _tip_of(key, m, self._history)
         return self._tip
+
+    def _require_key_for(self, tip: _Tip | None) -> None:
+        """Refuse to build on a signed version ``tip`` without a key (unless ``allow_unsigned``):
+        the unsigned versions would stop every subscriber that trusts the store's key."""
+        if tip is None or tip.signed_by is None or self._signing_key is not None or self.allow_unsigned:
+            return
+        raise SigningRequiredError(
+            f"{self.url} is signed (version {tip.version}, {tip.key!r}, by key {tip.signed_by}) but this publisher has no "
+            "signing_key: subscribers that trust that key would refuse its unsigned versions. Pass signing_key "
+            "(the store's private key), or allow_unsigned=True to publish unsigned versions anyway; nothing was written"
+        )
 
     def _remember(self, key: str, m: Manifest) -> None:
         self._links[key] = _Link(m.version, m.parent_manifest, m.back, m.schema_ >= 3)
@@ -995,12 +1023,14 @@ class _Tip:
     anchor_key: str | None = None
     anchor_full: int = 0
     anchor_cum: int = 0
+    signed_by: str | None = None  # the key id of the version's signature (None: unsigned)
 
 
 def _tip_of(key: str, m: Manifest, history: History) -> _Tip:
     """Read the :class:`_Tip` of manifest ``m`` (its anchor's manifest and its layout)."""
+    signed_by = None if m.signature is None else m.signature.key_id
     if m.schema_ < 3:
-        return _Tip(version=m.version, key=key, schema3=False)
+        return _Tip(version=m.version, key=key, schema3=False, signed_by=signed_by)
     anchor_key = key if m.kind == "anchor" else m.anchor_manifest
     a = m if m.kind == "anchor" else (history.manifest(anchor_key) if anchor_key else None)
     if (a is None or m.chain_start is None or m.layout is None or m.stats.cum_delta_bytes is None
@@ -1008,11 +1038,11 @@ def _tip_of(key: str, m: Manifest, history: History) -> _Tip:
         # Not what this writer writes: start over with an anchor rather than guess.
         logger.warning("manifest %s lacks schema-3 fields (anchor, chain_start, layout or byte counts): "
                        "the next version is an anchor", key)
-        return _Tip(version=m.version, key=key, schema3=False)
+        return _Tip(version=m.version, key=key, schema3=False, signed_by=signed_by)
     return _Tip(
         version=m.version, key=key, schema3=True, chain_start=m.chain_start, cum=m.stats.cum_delta_bytes,
         layout=history.layout(m.layout), layout_ref=m.layout, anchor=a.version, anchor_key=anchor_key,
-        anchor_full=a.stats.full_bytes, anchor_cum=a.stats.cum_delta_bytes,
+        anchor_full=a.stats.full_bytes, anchor_cum=a.stats.cum_delta_bytes, signed_by=signed_by,
     )
 
 

@@ -33,11 +33,13 @@ from deltastore.errors import (
     CorruptObjectError,
     DeltastoreError,
     FormatError,
+    HeadRolledBackError,
     HistoryReplacedError,
     IntegrityError,
     LayoutMismatchError,
     NotFoundError,
     SelectionError,
+    SignatureError,
     StaleStageError,
     StorageError,
     TargetModifiedError,
@@ -216,7 +218,9 @@ class Subscriber:
         threads: decode threads (default: all cores).
         trusted_keys: Ed25519 public keys (key objects, PEM bytes or PEM file paths); when
             given, every manifest used must be signed by one of them, else SignatureError
-            (SPEC §3.1). Needs ``cryptography`` (``deltastore-weights[signing]``).
+            (UnsignedVersionError for an unsigned version above a signed one of its history),
+            and :meth:`follow` does not load another history unless told to (SPEC §3.1).
+            Needs ``cryptography`` (``deltastore-weights[signing]``).
         max_model_bytes: refuse to materialize a version whose tensors declare more bytes than
             this (default: this machine's physical memory), checked before allocating: a few KB
             of hostile metadata must not become gigabytes resident.
@@ -257,10 +261,12 @@ class Subscriber:
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
         check = None
+        self._keys = None
         if trusted_keys is not None:
             from deltastore.signing import TrustedKeys
 
-            check = TrustedKeys(trusted_keys).verify  # keys checked before the store is opened
+            self._keys = TrustedKeys(trusted_keys)  # keys checked before the store is opened
+            check = self._verify
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         self.url = self.store.url
@@ -418,6 +424,8 @@ class Subscriber:
                 Nothing was applied.
             HistoryReplacedError: the store's history is no longer the one the held version
                 belongs to (HEAD deleted and another run published); nothing was applied.
+            HeadRolledBackError: HEAD names an older version than the held one; nothing was
+                applied (a subscriber never goes backwards; ``pull(version)`` reads one).
         """
         key, m = self._resolve(version)
         return self._fast_forward(key, m, target)
@@ -670,6 +678,12 @@ class Subscriber:
         if self._version is not None and m.version == self._version:
             return False
         if self._version is not None and m.version < self._version:
+            if self._head is not None and key == self._head.manifest:
+                raise HeadRolledBackError(
+                    f"HEAD of {self.url} names version {m.version} ({key!r}), older than version {self._version} this "
+                    "subscriber holds (restored from a backup, a lagging mirror, or rolled back by a party with write "
+                    "access): nothing was applied; a subscriber never goes backwards (pull() reads an older version)"
+                )
             raise VersionNotFoundError(f"pull_into cannot go back from version {self._version} to {m.version}; use pull()")
         return True
 
@@ -783,6 +797,7 @@ class Subscriber:
         heartbeat: bool = True,
         max_versions: int | None = None,
         swap_mode: str = "inplace",
+        on_history_replaced: str | None = None,
     ) -> Iterator[FollowRecord]:
         """Keep ``target`` at the latest version, yielding one :class:`FollowRecord` per version.
 
@@ -814,13 +829,24 @@ class Subscriber:
                 not for engines that captured pointers, e.g. CUDA graphs). With ``"rebind"``,
                 pass the ``nn.Module`` or a dict of the very tensors the engine reads, not
                 ``model.state_dict()`` (its tensors are detached aliases); CPU tensors only.
+            on_history_replaced: what to do when HEAD names a version of another history
+                than the held one (another lineage, or a manifest that does not continue the
+                held one; also a worker cache of another lineage): ``"raise"``
+                HistoryReplacedError, the target keeps its version; ``"reload"`` logs it and
+                loads the new history whole (inside the pause, all or nothing). Default:
+                ``"raise"`` with ``trusted_keys`` (a party with write access but no key could
+                otherwise move the worker to any run signed by the same key, older or newer:
+                SPEC §3.1), ``"reload"`` without (whoever writes HEAD is trusted then, and a new
+                run under the same URL is the usual cause).
 
         Raises:
             LayoutMismatchError: the store's layout no longer fits ``target``.
             TargetModifiedError: ``target`` was modified by someone else.
+            HistoryReplacedError: the history was replaced, under ``on_history_replaced="raise"``.
             Storage errors, a corrupt segment or a missing manifest are logged and retried
-            with backoff; the target keeps the last good version. A replaced history is
-            logged and loaded whole (inside the pause, all or nothing).
+            with backoff; the target keeps the last good version. A HEAD older than the held
+            version (HeadRolledBackError) is logged once per HEAD and polled at ``interval``:
+            the target keeps its version and takes the next newer one.
 
         Example::
 
@@ -831,6 +857,10 @@ class Subscriber:
         self._refuse_partial("follow")
         if swap_mode not in ("inplace", "rebind"):
             raise ValueError(f"swap_mode must be 'inplace' or 'rebind', got {swap_mode!r}")
+        if on_history_replaced not in (None, "raise", "reload"):
+            raise ValueError(f"on_history_replaced must be 'raise' or 'reload' (or None), got {on_history_replaced!r}")
+        replaced = on_history_replaced or ("raise" if self._keys is not None else "reload")
+        rolled_back: str | None = None  # the older HEAD manifest last warned about (once per HEAD)
         tensors = _targets(target)
         owners = _owners(target) if swap_mode == "rebind" else None
         stop = stop if stop is not None else threading.Event()
@@ -857,15 +887,30 @@ class Subscriber:
                 try:
                     if try_cache:
                         assert cache is not None
-                        rec = self._adopt_cache(cache, tensors, pause)
+                        rec = self._adopt_cache(cache, tensors, pause, replaced)
                         try_cache = False
                         saved = None if rec is None else rec.info.manifest
                     else:
                         rec = self._follow_once(tensors, pause, owners)
                     failures = 0
                 except HistoryReplacedError as e:
+                    if replaced == "raise":
+                        raise HistoryReplacedError(
+                            f"{e}; or follow with on_history_replaced='reload' to load it whole (with trusted keys, "
+                            "only if a new run is expected: anyone who can write HEAD can point it at any run signed "
+                            "by the same key)"
+                        ) from None
                     logger.warning("following %s: %s; loading the new history whole", self.url, e)
                     self._version = self._held = None
+                    continue
+                except HeadRolledBackError as e:
+                    # Not a failure to back off from: HEAD may stay there (a restored backup) or
+                    # come back; the target keeps its version and takes the next newer one.
+                    head_key = None if self._head is None else self._head.manifest
+                    if head_key != rolled_back:
+                        logger.warning("following %s: %s; keeping version %s", self.url, e, self._version)
+                        rolled_back = head_key
+                    stop.wait(_jittered(interval, jitter))
                     continue
                 except (LayoutMismatchError, TargetModifiedError, StaleStageError):
                     raise
@@ -883,6 +928,7 @@ class Subscriber:
                     beats.beat(self._version, lineage=lineage)  # rate-limits itself on idle polls
                 if rec is not None:
                     applied += 1
+                    rolled_back = None
                     yield rec
                     if max_versions is not None and applied >= max_versions:
                         break
@@ -934,11 +980,13 @@ class Subscriber:
             pause_s, staged.changed, False,
         )
 
-    def _adopt_cache(self, cache: WorkerCache, tensors: dict[str, torch.Tensor], pause: Any) -> FollowRecord | None:
+    def _adopt_cache(self, cache: WorkerCache, tensors: dict[str, torch.Tensor], pause: Any,
+                     replaced: str = "reload") -> FollowRecord | None:
         """Verify a cached state against the store and load it into ``tensors`` (in the pause).
 
         Returns None (the cache cleared, with a log line) when it is not usable; a transient
-        storage error is raised (the cache is kept for the retry).
+        storage error is raised (the cache is kept for the retry), and so is a cache of
+        another lineage under ``replaced="raise"`` (HistoryReplacedError, the cache kept).
         """
         st = cache.load()
         if st is None:
@@ -951,6 +999,13 @@ class Subscriber:
             top = self._history.head_manifest(head)
             assert top is not None
             if top[1].lineage != st.lineage:
+                if replaced == "raise" and top[1].lineage is not None and st.lineage is not None:
+                    # the cache is the held version of a restarted follower: the same rule as follow's
+                    raise HistoryReplacedError(
+                        f"the history of {self.url} was replaced: its lineage is {top[1].lineage}, the worker cache in "
+                        f"{cache.path} holds version {st.version} of lineage {st.lineage}; nothing was loaded and the "
+                        "cache is kept. Delete the cache directory to start over"
+                    )
                 raise _Unusable(f"the store's lineage is {top[1].lineage}, the cache's {st.lineage}")
             index = self._index(head)
             if index is not None and st.version < index.floor:
@@ -958,6 +1013,17 @@ class Subscriber:
                 # against head's digests and fetch only the chunks that differ (from its anchor).
                 collected = index.floor
                 key, m = top
+            elif self._keys is not None and st.version > top[1].version:
+                # HEAD is older than the cached version of the same lineage (rolled back): a
+                # trusted follower keeps its version across a restart too, checked against its
+                # own signed manifest; the loop then meets the older HEAD (HeadRolledBackError).
+                key = st.manifest
+                try:
+                    m = self._history.manifest(key)
+                except NotFoundError:
+                    raise _Unusable(f"its manifest {key!r} is gone") from None
+                if m.version != st.version or m.lineage != st.lineage:
+                    raise _Unusable(f"{key!r} is version {m.version} of lineage {m.lineage}")
             else:
                 key, m = self._history.find(st.version, head)
                 if key != st.manifest:
@@ -971,7 +1037,7 @@ class Subscriber:
                 raise _Unusable(f"tensor {bad[0][0]!r} chunk {bad[0][1]} does not match its digest")
         except NotFoundError:
             raise  # maybe transient (HEAD briefly ahead of its manifest): keep the cache, retry
-        except StorageError:
+        except (StorageError, HistoryReplacedError):
             raise
         except (_Unusable, DeltastoreError, KeyError) as e:
             logger.warning("the worker cache in %s is not usable for %s (%s): clearing it and loading in full",
@@ -1088,6 +1154,39 @@ class Subscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _verify(self, key: str, m: Manifest) -> None:
+        """The trusted keys' check of each manifest read; an unsigned one above a signed version
+        of its history is named for what it is (UnsignedVersionError)."""
+        assert self._keys is not None
+        try:
+            self._keys.verify(key, m)
+        except SignatureError:
+            below = self._signed_below(m) if m.signature is None else None
+            if below is None:
+                raise
+            from deltastore.signing import unsigned_version_error
+
+            raise unsigned_version_error(self.url, key, m, *below) from None
+
+    def _signed_below(self, m: Manifest) -> tuple[str, Manifest] | None:
+        """A version below ``m`` in its history that is signed by a trusted key, if one is at
+        hand: the held version, else ``m``'s parent (one read, not cached; None on any error)."""
+        assert self._keys is not None
+        held = self._held
+        if held is not None and held.manifest.signature is not None and held.manifest.lineage == m.lineage \
+                and held.manifest.version < m.version:
+            return held.key, held.manifest  # verified when it was read
+        if m.parent_manifest is None:
+            return None
+        try:
+            p = self._history.unchecked(m.parent_manifest)
+            if p.signature is None or p.version != m.parent or p.lineage != m.lineage:
+                return None
+            self._keys.verify(m.parent_manifest, p)
+        except DeltastoreError:
+            return None
+        return m.parent_manifest, p
 
     def _check_same_history(self, key: str, m: Manifest) -> None:
         """SPEC §7 step 3: the version to reach must be in the held version's history (D7)."""

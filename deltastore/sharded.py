@@ -451,8 +451,9 @@ class ShardedPublisher:
             collectives over it carry a few small Python objects per publish.
         storage_options: passed to the storage backend.
         anchor_every, anchor_policy, anchor_cost_ratio, max_attempt_s, takeover,
-            allow_unsafe_store, signing_key, dtype: as for Publisher (rank 0 decides anchors,
-            claims the store and signs; ``dtype`` casts floating tensors on every rank).
+            allow_unsafe_store, signing_key, allow_unsigned, dtype: as for Publisher (rank 0
+            decides anchors, claims the store and signs, or refuses a signed store without a
+            key on every rank; ``dtype`` casts floating tensors on every rank).
         writer_id: this rank's id (default ``host-pid-random``); recorded in its part.
         threads: encode threads per rank (default: this process's cores).
         chunk_bytes: target chunk size (default 16 MiB); chunk rows also divide every piece
@@ -502,6 +503,7 @@ class ShardedPublisher:
         chunk_bytes: int = CHUNK_TARGET_BYTES,
         allow_unsafe_store: bool = False,
         signing_key: Any = None,
+        allow_unsigned: bool = False,
         dtype: torch.dtype | None = None,
         resume: bool = True,
         slice_align: int | None = None,
@@ -569,7 +571,7 @@ class ShardedPublisher:
                     url, storage_options=storage_options, anchor_every=anchor_every, anchor_policy=anchor_policy,
                     anchor_cost_ratio=anchor_cost_ratio, max_attempt_s=max_attempt_s, takeover=takeover,
                     writer_id=self.writer_id, threads=1, chunk_bytes=chunk_bytes, allow_unsafe_store=allow_unsafe_store,
-                    resume=False, signing_key=signing_key, skip_unchanged=False,
+                    resume=False, signing_key=signing_key, allow_unsigned=allow_unsigned, skip_unchanged=False,
                 )
                 self.store = self._coordinator.store
             else:
@@ -1224,6 +1226,7 @@ class ShardedPublisher:
         head = pub._head
         head_key = head.manifest if head is not None else None
         tip = pub._current_tip()
+        pub._require_key_for(tip)  # HEAD may have moved to a signed version since open; before any write
         version = pub.version + 1
         # A delta needs every rank's reference at HEAD's version and HEAD's layout.
         has_base = (
@@ -1490,7 +1493,8 @@ class ShardedPublisher:
         pub._remember(mkey, manifest)
         # The next version's tip, from what was just written: reading it back would fetch the
         # manifest and every part manifest again and join them, once per version.
-        pub._tip = dataclasses.replace(after, key=mkey, anchor_key=mkey if kind == "anchor" else after.anchor_key)
+        pub._tip = dataclasses.replace(after, key=mkey, anchor_key=mkey if kind == "anchor" else after.anchor_key,
+                                       signed_by=None if manifest.signature is None else manifest.signature.key_id)
         if kind == "anchor":
             pub._anchor_version = plan.version
         logger.info("published sharded version %d (%s, %d parts): %d bytes (%d delta, %d full)", plan.version, kind,

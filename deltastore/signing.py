@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from deltastore.errors import SignatureError
+from deltastore.errors import SignatureError, UnsignedVersionError
 from deltastore.manifest import Manifest, Signature, dump
 
 #: Hex digits of SHA-256(raw public key) in ``key_id``: 64 bits tell keys apart without
@@ -168,3 +168,15 @@ class TrustedKeys:
             pub.verify(base64.b64decode(sig.value, validate=True), signed_bytes(m))
         except (InvalidSignature, ValueError):
             raise SignatureError(f"manifest {key!r} has an invalid signature for key {sig.key_id}: it was altered after signing") from None
+
+
+def unsigned_version_error(url: str, key: str, m: Manifest, below_key: str, below: Manifest) -> UnsignedVersionError:
+    """The error for unsigned manifest ``m`` (at ``key``) when ``below``, an earlier version of
+    the same history, is signed by a trusted key: the cause is a publisher without the key."""
+    kid = below.signature.key_id if below.signature is not None else "?"
+    return UnsignedVersionError(
+        f"manifest {key!r} (version {m.version}) of {url} is not signed, but version {below.version} of the same "
+        f"history ({below_key!r}) is signed by trusted key {kid}: a publisher without the signing key published to "
+        "this signed store. Nothing was applied; publish to it with its signing_key (a publisher without one refuses "
+        "a signed store unless allow_unsigned=True)"
+    )

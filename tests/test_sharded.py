@@ -253,14 +253,32 @@ def _scenario_fsdp(rank: int, world: int, url: str) -> dict[str, Any]:
 
 
 def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
-    """Rank 0 signs the joined form of each sharded version (SPEC §3.1, §8)."""
+    """Rank 0 signs the joined form of each sharded version (SPEC §3.1, §8); a publisher
+    without the key is then refused on every rank before anything is written, unless it
+    passes allow_unsigned."""
+    from deltastore.errors import SigningRequiredError
     from deltastore.sharded import ShardedPublisher
 
     key = Path(url.removeprefix("file://")).parent / "key.pem"
     with ShardedPublisher(url, threads=1, signing_key=key) as pub:
         for v in (1, 2):
             pub.publish(rank_state(v, rank, world), step=v)
-    return {}
+    signed = None
+    if rank == 0:
+        with Subscriber(url, trusted_keys=[key.with_suffix(".pub")]) as sub:
+            signed = sub.pull(2)
+    store = open_store(url)
+    head = store.get(HEAD_KEY)
+    refused = None
+    try:
+        ShardedPublisher(url, threads=1).close()
+    except SigningRequiredError as e:
+        refused = str(e)
+    unchanged = store.get(HEAD_KEY) == head
+    store.close()
+    with ShardedPublisher(url, threads=1, allow_unsigned=True) as pub:
+        unsigned = pub.publish(rank_state(3, rank, world), step=3).version
+    return {"signed": signed, "refused": refused, "unchanged": unchanged, "unsigned": unsigned}
 
 
 def _scenario_steady(rank: int, world: int, url: str) -> dict[str, Any]:
@@ -1051,15 +1069,21 @@ def test_compaction_and_gc_of_sharded_versions(tmp_path: Path) -> None:
         _assert_equal(sub.pull(4), full_model(4))
 
 
-def test_signed_sharded_versions_verify(tmp_path: Path) -> None:
-    from deltastore.errors import SignatureError
+def test_signed_sharded_versions_verify_and_a_publisher_without_the_key_is_refused(tmp_path: Path) -> None:
+    from deltastore.errors import SignatureError, UnsignedVersionError
     from deltastore.signing import generate_key_files
 
     _, public = generate_key_files(tmp_path / "key.pem")
     url = f"file://{tmp_path}/store"
-    _ok(run_ranks(2, url, "signed", tmp_path))
+    results = run_ranks(2, url, "signed", tmp_path)
+    _ok(results)
+    _assert_equal(results[0]["signed"], full_model(2))
+    for r in results:
+        assert r["refused"] is not None and url in r["refused"] and "allow_unsigned" in r["refused"], r
+        assert r["unchanged"] and r["unsigned"] == 3, r
     with Subscriber(url, trusted_keys=[public]) as sub:
-        _assert_equal(sub.pull(2), full_model(2))
+        with pytest.raises(UnsignedVersionError, match="publisher without the signing key"):
+            sub.pull()
     _, other = generate_key_files(tmp_path / "other.pem")
     with Subscriber(url, trusted_keys=[other]) as sub, pytest.raises(SignatureError):
         sub.pull(2)

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchor-every", type=int, default=None, metavar="N",
                    help="a snapshot every N versions (default: once the deltas since the last snapshot reach its size)")
     p.add_argument("--signing-key", metavar="FILE", help="Ed25519 private key (PEM) to sign the manifest with")
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="publish without --signing-key to a store whose head version is signed (default: refused, exit 1)")
     p.add_argument("--allow-empty", action="store_true",
                    help="commit a new version even when the state is identical to the head (default: exit 3, nothing written)")
     p.add_argument("--no-takeover", action="store_true",
@@ -116,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     json_flag(p, "print the result as JSON (with --follow: one object per version)")
     p.add_argument("--max-versions", type=int, help="with --follow: stop after this many versions")
     p.add_argument("--worker-id", help="with --follow: the id of this worker's heartbeat (default host-pid-random)")
+    p.add_argument("--on-history-replaced", choices=("raise", "reload"),
+                   help="with --follow: when HEAD names another run's history, exit 1 (raise) or load it whole (reload); "
+                        "default raise with --trusted-key, else reload")
     p.add_argument(*trusted[0], **trusted[1])
 
     p = add("log", "list versions", commands.cmd_log)

@@ -154,7 +154,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         writer = f"{CLI_WRITER_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         with byte_progress("publish", quiet=args.quiet_total > 0) as add:
             with Publisher(args.url, store=counting_store(store, add), anchor_every=args.anchor_every,
-                           signing_key=args.signing_key, takeover=not args.no_takeover, writer_id=writer,
+                           signing_key=args.signing_key, allow_unsigned=args.allow_unsigned,
+                           takeover=not args.no_takeover, writer_id=writer,
                            allow_unsafe_store=args.allow_unsafe_store, skip_unchanged=not args.allow_empty) as pub:
                 before = pub.version
                 info = pub.publish(state, step=args.step, metadata=args.metadata, anchor=args.anchor)
@@ -242,7 +243,8 @@ def _follow(args: argparse.Namespace) -> int:
                     if stop.wait(args.interval):
                         return EXIT_OK
             records = sub.follow(target, interval=args.interval, stop=stop, cache_dir=args.cache,
-                                 worker_id=args.worker_id, max_versions=args.max_versions)
+                                 worker_id=args.worker_id, max_versions=args.max_versions,
+                                 on_history_replaced=args.on_history_replaced)
             for rec in records:
                 t0 = time.perf_counter()
                 tmp = f"{args.out}.partial"

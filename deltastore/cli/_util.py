@@ -23,10 +23,12 @@ from deltastore.errors import (
     CommitUnknownError,
     ConflictError,
     FencedError,
+    HistoryReplacedError,
     LayoutMismatchError,
     SignatureError,
     StorageError,
     UnsafeStoreError,
+    UnsignedVersionError,
     UnsupportedURLError,
     VersionNotFoundError,
 )
@@ -142,6 +144,9 @@ _PY_TO_CLI = (
     (re.compile(r"\banchor=True\b"), "--anchor"),
     (re.compile(r"\btakeover=False\b"), "--no-takeover"),
     (re.compile(r"\btrusted_keys\b"), "--trusted-key"),
+    (re.compile(r"\ballow_unsigned=True\b"), "--allow-unsigned"),
+    (re.compile(r"\bsigning_key\b"), "--signing-key"),
+    (re.compile(r"\bfollow with on_history_replaced='reload'"), "pull --follow with --on-history-replaced reload"),
 )
 
 
@@ -163,12 +168,16 @@ def hint_for(e: BaseException, args: argparse.Namespace | None) -> str | None:
     text = str(e)
     if isinstance(e, UnsafeStoreError):
         return "if this is the store's only publisher, pass --allow-unsafe-store"
+    if isinstance(e, HistoryReplacedError):
+        return None  # the message says what happened and what to do
     if isinstance(e, FencedError):
         return "another publisher took the store over while this command ran; run it again to take it back"
     if isinstance(e, ConflictError):
         return "another writer committed first; run the command again"
     if isinstance(e, LayoutMismatchError):
         return "pass --anchor to publish tensors with other names, shapes or dtypes (a full snapshot)"
+    if isinstance(e, UnsignedVersionError):
+        return "the store's publisher must publish with --signing-key FILE; versions written without it stay refused"
     if isinstance(e, SignatureError):
         return "pass the publisher's public key with --trusted-key FILE (see deltastore keygen)"
     if isinstance(e, VersionNotFoundError):
