@@ -97,6 +97,53 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _integer(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer ({what})") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: must be {what}")
+    return value
+
+
+def version_number(text: str) -> int:
+    """``--version V``, ``--base V``, ``pin URL V``: versions are numbered from 1."""
+    return _integer(text, 1, "a version number, ≥ 1")
+
+
+def positive_int(text: str) -> int:
+    """``--keep-last N``, ``--anchor-every N``, ``--max-versions N``, ``--quorum K``: ≥ 1."""
+    return _integer(text, 1, "≥ 1")
+
+
+def nonnegative_int(text: str) -> int:
+    """``--rounds N``: ≥ 0 (0: no limit)."""
+    return _integer(text, 0, "≥ 0; 0 runs until Ctrl-C")
+
+
+def step_number(text: str) -> int:
+    """``--step N``: the trainer's step, a signed 64-bit integer as manifests store it."""
+    value = _integer(text, -(2**63), "a signed 64-bit integer")
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: must be a signed 64-bit integer")
+    return value
+
+
+def poll_interval(text: str) -> float:
+    """``--interval S``: seconds between polls, > 0 (0 would poll in a busy loop) and at most
+    what a thread's wait accepts."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 2 or 0.5)") from None
+    if not 0 < value <= threading.TIMEOUT_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is out of range: must be a number of seconds > 0 and ≤ {threading.TIMEOUT_MAX:.0f}"
+        )
+    return value
+
+
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """The backend options of a command line: ``--storage-option`` pairs and ``--endpoint-url``."""
     opts: dict[str, Any] = dict(getattr(args, "storage_option", None) or [])
