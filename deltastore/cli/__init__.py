@@ -16,8 +16,8 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from deltastore.cli import _commands as commands
 from deltastore.cli._util import (
@@ -46,7 +46,22 @@ __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_NOTHING_TO_DO", "EXIT_OK", "
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with errors in deltastore's one-line form (exit 2)."""
+    """argparse with errors in deltastore's one-line form (exit 2), and ``checks``: functions
+    of the parsed arguments that raise ``argparse.ArgumentTypeError`` for a combination no
+    single flag's type can refuse (``--quorum`` above the number of ``--site``s)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list[Callable[[argparse.Namespace], None]] = []
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            try:
+                check(parsed)
+            except argparse.ArgumentTypeError as e:
+                self.error(str(e))
+        return parsed, rest
 
     def error(self, message: str) -> NoReturn:
         print(f"deltastore: error: {message}", file=sys.stderr)

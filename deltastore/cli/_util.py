@@ -227,6 +227,8 @@ def hint_for(e: BaseException, args: argparse.Namespace | None) -> str | None:
         return "the store's publisher must publish with --signing-key FILE; versions written without it stay refused"
     if isinstance(e, SignatureError):
         return "pass the publisher's public key with --trusted-key FILE (see deltastore keygen)"
+    if isinstance(e, VersionNotFoundError) and getattr(args, "command", None) == "aggregate":
+        return "pass --init FILE.safetensors: it is published as global version 1"
     if isinstance(e, VersionNotFoundError):
         return f"deltastore log {url} lists the versions the store has"
     if isinstance(e, CommitUnknownError):
