@@ -335,6 +335,23 @@ def test_out_of_range_numbers_are_usage_errors_and_write_nothing(argv: list[str]
     assert _tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("command", ["log", "status", "inspect"])
+def test_commands_that_read_versions_name_an_unsigned_version_above_a_signed_one(
+        command: str, tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """They read through a History, not a Subscriber (no torch), and name the cause as it does."""
+    key = tmp_path / "k.pem"
+    assert main(["keygen", str(key)]) == EXIT_OK
+    store = str(tmp_path / "store")
+    assert main(["publish", store, str(ckpt), "--signing-key", str(key)]) == EXIT_OK
+    save_file(_state(1), str(ckpt))
+    assert main(["publish", store, str(ckpt), "--allow-unsigned"]) == EXIT_OK
+    capsys.readouterr()
+    assert main([command, store, "--trusted-key", str(tmp_path / "k.pub")]) == EXIT_FAILED
+    line, hint = _error(capsys)
+    assert "UnsignedVersionError" in line and "publisher without the signing key" in line, line
+    assert hint is not None and "--signing-key" in hint and "--trusted-key" not in hint, hint
+
+
 def test_storage_option_values_are_typed() -> None:
     assert storage_option("retries=2") == ("retries", 2)
     assert storage_option("read_timeout=2.5") == ("read_timeout", 2.5)

@@ -262,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = _Logging(args.verbose_total, args.quiet_total)
     debug = os.environ.get("DELTASTORE_DEBUG", "") not in ("", "0")
     try:
+        if getattr(args, "url", None) is not None:
+            from deltastore.storage import check_url
+
+            check_url(args.url)  # a malformed URL is a usage error, found before any command imports torch
         return args.func(args)
     except (DeltastoreError, OSError, ValueError, ImportError) as e:
         if debug:

@@ -180,6 +180,39 @@ def open_store(args: argparse.Namespace, *, write: bool = False, url: str | None
     return store
 
 
+def trusted_keys(args: argparse.Namespace) -> Any:
+    """The ``--trusted-key`` files, loaded (before any IO: a bad key fails first), or None."""
+    if not getattr(args, "trusted_key", None):
+        return None
+    from deltastore.signing import TrustedKeys
+
+    return TrustedKeys(args.trusted_key)
+
+
+def read_history(store: Any, keys: Any) -> Any:
+    """A :class:`~deltastore.history.History` of ``store`` for the commands that read versions
+    but move no tensors (a Subscriber imports torch). With ``keys`` every manifest read must be
+    signed by one of them, and an unsigned one above a signed parent is named for what it is
+    (UnsignedVersionError), as a Subscriber names it."""
+    from deltastore.history import History
+
+    if keys is None:
+        return History(store)
+    from deltastore.signing import signed_parent, unsigned_version_error
+
+    def check(key: str, m: Any) -> None:
+        try:
+            keys.verify(key, m)
+        except SignatureError:
+            below = signed_parent(keys, history, m) if m.signature is None else None
+            if below is None:
+                raise
+            raise unsigned_version_error(store.url, key, m, *below) from None
+
+    history = History(store, check)
+    return history
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 #: Python spellings in library messages → the flags a CLI user types.
