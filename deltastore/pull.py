@@ -335,11 +335,7 @@ class Subscriber:
 
     def latest(self) -> VersionInfo | None:
         """The newest committed version (None for an empty store), via a conditional GET."""
-        head = self._history.poll_head()
-        if head is None:
-            return None
-        top = self._history.head_manifest(head)
-        return None if top is None else VersionInfo.from_manifest(top[1], top[0])
+        return self._history.latest()
 
     def info(self, version: int) -> VersionInfo:
         """The :class:`VersionInfo` of ``version``; raises VersionNotFoundError."""
@@ -353,9 +349,6 @@ class Subscriber:
         if head is None:
             return []
         self._head = head
-        index = self._index(head)
-        if index is not None:  # versions below the floor were collected: the log starts there
-            since = max(since, index.floor)
         return self._history.log(head, since=since)
 
     def pull(self, version: int | None = None) -> dict[str, torch.Tensor]:
@@ -1177,16 +1170,9 @@ class Subscriber:
         if held is not None and held.manifest.signature is not None and held.manifest.lineage == m.lineage \
                 and held.manifest.version < m.version:
             return held.key, held.manifest  # verified when it was read
-        if m.parent_manifest is None:
-            return None
-        try:
-            p = self._history.unchecked(m.parent_manifest)
-            if p.signature is None or p.version != m.parent or p.lineage != m.lineage:
-                return None
-            self._keys.verify(m.parent_manifest, p)
-        except DeltastoreError:
-            return None
-        return m.parent_manifest, p
+        from deltastore.signing import signed_parent
+
+        return signed_parent(self._keys, self._history, m)
 
     def _check_same_history(self, key: str, m: Manifest) -> None:
         """SPEC §7 step 3: the version to reach must be in the held version's history (D7)."""

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from deltastore.errors import SignatureError, UnsignedVersionError
+from deltastore.errors import DeltastoreError, SignatureError, UnsignedVersionError
 from deltastore.manifest import Manifest, Signature, dump
 
 #: Hex digits of SHA-256(raw public key) in ``key_id``: 64 bits tell keys apart without
@@ -168,6 +168,22 @@ class TrustedKeys:
             pub.verify(base64.b64decode(sig.value, validate=True), signed_bytes(m))
         except (InvalidSignature, ValueError):
             raise SignatureError(f"manifest {key!r} has an invalid signature for key {sig.key_id}: it was altered after signing") from None
+
+
+def signed_parent(keys: TrustedKeys, history: Any, m: Manifest) -> tuple[str, Manifest] | None:
+    """``m``'s parent when it is the version and history ``m`` names and is signed by one of
+    ``keys``: read through ``history.unchecked`` (one read, not cached); None on any error.
+    What tells an unsigned ``m`` from a publisher without the key (:func:`unsigned_version_error`)."""
+    if m.parent_manifest is None:
+        return None
+    try:
+        p = history.unchecked(m.parent_manifest)
+        if p.signature is None or p.version != m.parent or p.lineage != m.lineage:
+            return None
+        keys.verify(m.parent_manifest, p)
+    except DeltastoreError:
+        return None
+    return m.parent_manifest, p
 
 
 def unsigned_version_error(url: str, key: str, m: Manifest, below_key: str, below: Manifest) -> UnsignedVersionError:

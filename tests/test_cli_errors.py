@@ -291,6 +291,67 @@ def test_bad_flags_are_usage_errors(flags: list[str], words: str, tmp_path: Path
     assert not (tmp_path / "store").exists()
 
 
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` with its size and mtime: what a command that writes nothing leaves as it was."""
+    return {str(f.relative_to(root)): (f.stat().st_size, f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file()}
+
+
+#: Out-of-range values of every numeric argument, and the flag each error names.
+OUT_OF_RANGE = [
+    (["compact", "{store}", "--base", "-5"], "--base"),
+    (["compact", "{store}", "--base", "0"], "--base"),
+    (["compact", "{store}", "--follow", "--interval", "0"], "--interval"),
+    (["gc", "{store}", "--keep-last", "0"], "--keep-last"),
+    (["gc", "{store}", "--keep-version", "-3", "--dry-run"], "--keep-version"),
+    (["gc", "{store}", "--grace=-1h"], "--grace"),
+    (["pin", "{store}", "0"], "version"),
+    (["unpin", "{store}", "-2"], "version"),
+    (["inspect", "{store}", "--version", "-1"], "--version"),
+    (["verify", "{store}", "--version", "0"], "--version"),
+    (["pull", "{store}", "{out}", "--version", "-1"], "--version"),
+    (["pull", "{store}", "{out}", "--follow", "--interval", "-1"], "--interval"),
+    (["pull", "{store}", "{out}", "--follow", "--interval", "nan"], "--interval"),
+    (["pull", "{store}", "{out}", "--follow", "--max-versions", "0"], "--max-versions"),
+    (["publish", "{store}", "{ckpt}", "--anchor-every", "0"], "--anchor-every"),
+    (["publish", "{store}", "{ckpt}", "--step", str(2**63)], "--step"),
+]
+
+
+@pytest.mark.parametrize("argv, flag", OUT_OF_RANGE,
+                         ids=[" ".join(a for a in argv if not a.startswith("{")) for argv, _ in OUT_OF_RANGE])
+def test_out_of_range_numbers_are_usage_errors_and_write_nothing(argv: list[str], flag: str, tmp_path: Path,
+                                                                 ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "store"
+    assert main(["publish", str(store), str(ckpt)]) == EXIT_OK
+    save_file(_state(1), str(ckpt))
+    assert main(["publish", str(store), str(ckpt)]) == EXIT_OK
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    args = [a.format(store=store, ckpt=ckpt, out=tmp_path / "out.safetensors") for a in argv]
+    assert main(args) == EXIT_USAGE
+    line, hint = _error(capsys)
+    assert f"argument {flag}:" in line and ("out of range" in line or "negative" in line), line
+    assert hint is not None and f"deltastore {argv[0]} --help" in hint
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["log", "status", "inspect"])
+def test_commands_that_read_versions_name_an_unsigned_version_above_a_signed_one(
+        command: str, tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """They read through a History, not a Subscriber (no torch), and name the cause as it does."""
+    key = tmp_path / "k.pem"
+    assert main(["keygen", str(key)]) == EXIT_OK
+    store = str(tmp_path / "store")
+    assert main(["publish", store, str(ckpt), "--signing-key", str(key)]) == EXIT_OK
+    save_file(_state(1), str(ckpt))
+    assert main(["publish", store, str(ckpt), "--allow-unsigned"]) == EXIT_OK
+    capsys.readouterr()
+    assert main([command, store, "--trusted-key", str(tmp_path / "k.pub")]) == EXIT_FAILED
+    line, hint = _error(capsys)
+    assert "UnsignedVersionError" in line and "publisher without the signing key" in line, line
+    assert hint is not None and "--signing-key" in hint and "--trusted-key" not in hint, hint
+
+
 def test_storage_option_values_are_typed() -> None:
     assert storage_option("retries=2") == ("retries", 2)
     assert storage_option("read_timeout=2.5") == ("read_timeout", 2.5)

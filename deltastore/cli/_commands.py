@@ -25,7 +25,9 @@ from deltastore.cli._util import (
     emit_json,
     one_line,
     open_store,
+    read_history,
     size,
+    trusted_keys,
 )
 from deltastore.errors import ConflictError, DeltastoreError, InvalidStateDictError
 
@@ -272,23 +274,20 @@ def _follow(args: argparse.Namespace) -> int:
 
 
 def cmd_log(args: argparse.Namespace) -> int:
-    from deltastore.pull import Subscriber
-
     if args.plot:
         from deltastore.cli.plot import _pyplot
 
         _pyplot()  # a missing matplotlib fails before any IO
+    keys = trusted_keys(args)
     store = open_store(args)
     try:
-        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
-            infos = sub.log()
-            if args.plot:
-                from deltastore.cli.plot import plot_history, points_of_store
-                from deltastore.signing import TrustedKeys
+        history = read_history(store, keys)
+        infos = history.log()
+        if args.plot:
+            from deltastore.cli.plot import plot_history, points_of_history
 
-                check = TrustedKeys(args.trusted_key).verify if args.trusted_key else None
-                since = infos[0].version if infos else 1
-                plot_history(*points_of_store(store, check, since=since), args.plot, title=args.url)
+            since = infos[0].version if infos else 1
+            plot_history(*points_of_history(history, since=since), args.plot, title=args.url)
     finally:
         store.close()
     for info in infos:
@@ -354,17 +353,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         parse_time,
         read_ledger,
     )
-    from deltastore.pull import Subscriber
-
+    keys = trusted_keys(args)
     store = open_store(args)
     try:
-        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
-            head = sub.latest()
-            beats = read_ledger(sub.store)
-            # Only the versions a lagging worker lacks first are needed (their commit times), not
-            # the whole history: walk the chain down to the oldest of them, no further.
-            behind = [b.version + 1 for b in beats if head is not None and b.version < head.version]
-            infos = {i.version: i for i in sub.log(since=min(behind))} if behind else {}
+        history = read_history(store, keys)  # versions and their times only: no Subscriber, no torch
+        head = history.latest()
+        beats = read_ledger(store)
+        # Only the versions a lagging worker lacks first are needed (their commit times), not
+        # the whole history: walk the chain down to the oldest of them, no further.
+        behind = [b.version + 1 for b in beats if head is not None and b.version < head.version]
+        infos = {i.version: i for i in history.log(since=min(behind))} if behind else {}
     finally:
         store.close()
     head_version = head.version if head else 0
@@ -399,14 +397,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from deltastore.errors import VersionNotFoundError
-    from deltastore.history import History
     from deltastore.manifest import dump
-    from deltastore.signing import TrustedKeys
 
-    check = TrustedKeys(args.trusted_key).verify if args.trusted_key else None
+    keys = trusted_keys(args)
     store = open_store(args)
     try:
-        history = History(store, check)
+        history = read_history(store, keys)
         got = history.read_head()
         if got is None or got[0].manifest is None:
             raise VersionNotFoundError(f"{args.url}: no versions")

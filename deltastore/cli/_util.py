@@ -97,6 +97,53 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _integer(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer ({what})") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: must be {what}")
+    return value
+
+
+def version_number(text: str) -> int:
+    """``--version V``, ``--base V``, ``pin URL V``: versions are numbered from 1."""
+    return _integer(text, 1, "a version number, ≥ 1")
+
+
+def positive_int(text: str) -> int:
+    """``--keep-last N``, ``--anchor-every N``, ``--max-versions N``, ``--quorum K``: ≥ 1."""
+    return _integer(text, 1, "≥ 1")
+
+
+def nonnegative_int(text: str) -> int:
+    """``--rounds N``: ≥ 0 (0: no limit)."""
+    return _integer(text, 0, "≥ 0; 0 runs until Ctrl-C")
+
+
+def step_number(text: str) -> int:
+    """``--step N``: the trainer's step, a signed 64-bit integer as manifests store it."""
+    value = _integer(text, -(2**63), "a signed 64-bit integer")
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: must be a signed 64-bit integer")
+    return value
+
+
+def poll_interval(text: str) -> float:
+    """``--interval S``: seconds between polls, > 0 (0 would poll in a busy loop) and at most
+    what a thread's wait accepts."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 2 or 0.5)") from None
+    if not 0 < value <= threading.TIMEOUT_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is out of range: must be a number of seconds > 0 and ≤ {threading.TIMEOUT_MAX:.0f}"
+        )
+    return value
+
+
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """The backend options of a command line: ``--storage-option`` pairs and ``--endpoint-url``."""
     opts: dict[str, Any] = dict(getattr(args, "storage_option", None) or [])
@@ -131,6 +178,39 @@ def open_store(args: argparse.Namespace, *, write: bool = False, url: str | None
         store.close()
         raise
     return store
+
+
+def trusted_keys(args: argparse.Namespace) -> Any:
+    """The ``--trusted-key`` files, loaded (before any IO: a bad key fails first), or None."""
+    if not getattr(args, "trusted_key", None):
+        return None
+    from deltastore.signing import TrustedKeys
+
+    return TrustedKeys(args.trusted_key)
+
+
+def read_history(store: Any, keys: Any) -> Any:
+    """A :class:`~deltastore.history.History` of ``store`` for the commands that read versions
+    but move no tensors (a Subscriber imports torch). With ``keys`` every manifest read must be
+    signed by one of them, and an unsigned one above a signed parent is named for what it is
+    (UnsignedVersionError), as a Subscriber names it."""
+    from deltastore.history import History
+
+    if keys is None:
+        return History(store)
+    from deltastore.signing import signed_parent, unsigned_version_error
+
+    def check(key: str, m: Any) -> None:
+        try:
+            keys.verify(key, m)
+        except SignatureError:
+            below = signed_parent(keys, history, m) if m.signature is None else None
+            if below is None:
+                raise
+            raise unsigned_version_error(store.url, key, m, *below) from None
+
+    history = History(store, check)
+    return history
 
 
 # --- errors ------------------------------------------------------------------------------------
@@ -180,6 +260,8 @@ def hint_for(e: BaseException, args: argparse.Namespace | None) -> str | None:
         return "the store's publisher must publish with --signing-key FILE; versions written without it stay refused"
     if isinstance(e, SignatureError):
         return "pass the publisher's public key with --trusted-key FILE (see deltastore keygen)"
+    if isinstance(e, VersionNotFoundError) and getattr(args, "command", None) == "aggregate":
+        return "pass --init FILE.safetensors: it is published as global version 1"
     if isinstance(e, VersionNotFoundError):
         return f"deltastore log {url} lists the versions the store has"
     if isinstance(e, CommitUnknownError):

@@ -3,6 +3,12 @@
 Each round waits for the sites' based versions (all of them, or ``--quorum K`` by
 ``--deadline``), verifies and merges them (weighted average in fp32 of the changes), publishes
 the next global version and prints one line per round (``--json``: one JSON object a line).
+
+Everything that can be refused is refused before the global store is opened for writing: the
+flags when they are parsed, the ``--init`` file, and an empty global store without ``--init``
+(read without creating anything). Then the stores are opened, which creates missing local
+directories, and the Aggregator takes the global store over: a run that fails later leaves
+those behind.
 """
 
 from __future__ import annotations
@@ -11,16 +17,23 @@ import argparse
 import contextlib
 from typing import Any
 
-from deltastore.cli._util import EXIT_OK, emit_json, open_store, options, size
+from deltastore.cli._util import EXIT_OK, emit_json, nonnegative_int, open_store, options, poll_interval, positive_int, size
 
 
 def site_arg(text: str) -> tuple[str, str]:
-    """``NAME=URL`` (a bare URL is named by its position later)."""
+    """``--site NAME=URL``: a site's name (recorded in every global version) and its store."""
     name, sep, url = text.partition("=")
-    if not sep or "://" in name:
-        return "", text
-    if not name or not url:
-        raise argparse.ArgumentTypeError(f"--site wants NAME=URL or URL, got {text!r}")
+    if not sep or not name or not url or "://" in name or "/" in name:
+        raise argparse.ArgumentTypeError(
+            f"wants NAME=URL, got {text!r} (e.g. --site a=s3://bucket/run/sites/a)"
+        )
+    from deltastore.errors import UnsupportedURLError
+    from deltastore.storage import check_url
+
+    try:
+        check_url(url)
+    except UnsupportedURLError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return name, url
 
 
@@ -30,34 +43,81 @@ def seconds(text: str) -> float:
     return parse_duration(text)
 
 
+def served_dtype(text: str) -> str:
+    """``--dtype``: ``keep`` or a floating dtype deltastore stores, checked by name (no torch import)."""
+    from deltastore.manifest import DTYPE_WIDTHS
+
+    floats = [n for n in DTYPE_WIDTHS if n.startswith(("float", "bfloat"))]
+    if text != "keep" and text not in floats:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a floating dtype deltastore stores: keep, {', '.join(floats)}")
+    return text
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What no single flag can refuse: a site named twice, a quorum above the number of sites."""
+    names = [name for name, _ in args.site]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"--site names must be unique; {', '.join(twice)} given more than once")
+    if args.quorum is not None and args.quorum > len(names):
+        raise argparse.ArgumentTypeError(f"--quorum {args.quorum} is more than the {len(names)} site(s) given")
+
+
 def add_parser(add: Any, json_flag: Any) -> None:
     """Register ``aggregate`` through the CLI's ``add(name, help, func)`` and ``json_flag``."""
     p = add("aggregate", "run federated rounds: merge the sites' results into the next global version", cmd_aggregate)
     p.add_argument("url", help="the global store (this aggregator is its only publisher)")
     p.add_argument("--site", type=site_arg, action="append", required=True, metavar="NAME=URL",
-                   help="a site store (repeatable; NAME defaults to site-<i>)")
+                   help="a site store and its name (repeatable; names unique)")
     p.add_argument("--init", metavar="FILE.safetensors", help="publish this state as version 1 when the global store is empty")
-    p.add_argument("--rounds", type=int, default=1, help="rounds to run (default 1; 0: until Ctrl-C/SIGTERM)")
-    p.add_argument("--quorum", type=int, help="sites needed (default: all)")
+    p.add_argument("--rounds", type=nonnegative_int, default=1, help="rounds to run (default 1; 0: until Ctrl-C/SIGTERM)")
+    p.add_argument("--quorum", type=positive_int, help="sites needed (default: all)")
     p.add_argument("--deadline", type=seconds, metavar="DURATION",
                    help="wait this long per round for every site (e.g. 10m); then --quorum must be met")
-    p.add_argument("--dtype", default="bfloat16", help="served dtype of floating tensors (default bfloat16; 'keep' keeps each)")
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between polls of the site stores (default 2)")
+    p.add_argument("--dtype", type=served_dtype, default="bfloat16",
+                   help="served dtype of floating tensors (default bfloat16; 'keep' keeps each)")
+    p.add_argument("--interval", type=poll_interval, default=2.0,
+                   help="seconds between polls of the site stores (default 2)")
     json_flag(p, "one JSON object per round, one a line")
+    p.checks.append(check_args)
+
+
+def _global_is_empty(args: argparse.Namespace) -> bool:
+    """Whether the global store has no version yet, read without writing or creating anything
+    (a local directory that does not exist is an empty store)."""
+    from deltastore.errors import BucketNotFoundError
+    from deltastore.history import History
+
+    try:
+        store = open_store(args)
+    except BucketNotFoundError:
+        if "://" in args.url and not args.url.startswith("file://"):
+            raise  # a missing bucket is not an empty store
+        return True
+    try:
+        got = History(store).read_head()
+    finally:
+        store.close()
+    return got is None or not got[0].manifest
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
-    import torch
+    from deltastore.errors import VersionNotFoundError
+
+    initial = None
+    if args.init:
+        from deltastore.cli._commands import load_state
+
+        initial = load_state(args.init)  # a bad file fails before any store is opened
+    if initial is None and _global_is_empty(args):
+        raise VersionNotFoundError(f"{args.url} has no version yet: the first round needs a global version 1")
 
     from deltastore.federated import Aggregator
+    from deltastore.tensors import torch_dtype
 
-    sites = {name or f"site-{i}": url for i, (name, url) in enumerate(args.site)}
-    if len(sites) != len(args.site):
-        raise ValueError("--site names must be unique")
-    dtype = None if args.dtype == "keep" else getattr(torch, args.dtype, None)
-    if args.dtype != "keep" and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float16, keep)")
+    dtype = None if args.dtype == "keep" else torch_dtype(args.dtype)
     opts = options(args)
+    sites = dict(args.site)
     with contextlib.ExitStack() as stack:
         # Opened like every command's store: an endpoint that is down or not S3 is reported at
         # once, not taken for a site that never reports.
@@ -66,11 +126,6 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
         agg = stack.enter_context(Aggregator(args.url, sites, dtype=dtype, storage_options=opts,
                                              site_storage_options=opts, global_store=global_store,
                                              site_stores=site_stores, poll_interval_s=args.interval))
-        initial = None
-        if args.init:
-            from deltastore.cli._commands import load_state
-
-            initial = load_state(args.init)
         agg.start(initial)
         n = 0
         while args.rounds == 0 or n < args.rounds:

@@ -121,7 +121,11 @@ def points_of_store(store, check=None, *, since: int = 1) -> tuple[list[VersionP
     """The versions ``since`` … head of ``store`` (oldest first) and its registered squashes."""
     from deltastore.history import History
 
-    history = History(store, check)
+    return points_of_history(History(store, check), since=since)
+
+
+def points_of_history(history, *, since: int = 1) -> tuple[list[VersionPoint], list[SquashPoint]]:
+    """:func:`points_of_store` through a History already open (its checks and cached manifests)."""
     got = history.read_head()
     if got is None or got[0].manifest is None:
         return [], []

@@ -93,41 +93,77 @@ Example::
     True
 """
 
-from deltastore.codec.compose import compose_deltas
-from deltastore.codec.container import (
-    ADD_CODECS,
-    CODEC_ADD_DENSE,
-    CODEC_ADD_SPARSE,
-    CODEC_FULL,
-    CODEC_FULL2,
-    CODEC_XOR_DENSE,
-    CODEC_XOR_SPARSE,
-    DELTA_CODECS,
-    FULL_CODECS,
-    KNOWN_CODECS,
-    MAX_COUNT,
-    XOR_CODECS,
-    SectionInfo,
-    Segment,
-    SegmentHeader,
-    peek_header,
-)
-from deltastore.codec.delta import (
-    DENSE_TRY_FRACTION,
-    ESCAPE,
-    NIBBLE_ESCAPE,
-    Changes,
-    DenseDelta,
-    SparseDelta,
-    _encode_delta_xor,  # noqa: F401 - the v1 writer, kept for golden tests
-    apply_delta,
-    apply_delta_digests,
-    apply_delta_into,
-    decode_delta,
-    encode_delta,
-)
-from deltastore.codec.full import MIN_PAIR_COUNT, PAIR_SAMPLE_STRIDE, _encode_full_v1, decode_full, encode_full  # noqa: F401 - _encode_full_v1: the v1 writer, kept for golden tests
-from deltastore.codec.planes import DEFAULT_LEVEL, MIN_ZSTD_INPUT, ZSTD_PLANE_PARAMS
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltastore.codec.compose import compose_deltas
+    from deltastore.codec.container import (
+        ADD_CODECS,
+        CODEC_ADD_DENSE,
+        CODEC_ADD_SPARSE,
+        CODEC_FULL,
+        CODEC_FULL2,
+        CODEC_XOR_DENSE,
+        CODEC_XOR_SPARSE,
+        DELTA_CODECS,
+        FULL_CODECS,
+        KNOWN_CODECS,
+        MAX_COUNT,
+        XOR_CODECS,
+        SectionInfo,
+        Segment,
+        SegmentHeader,
+        peek_header,
+    )
+    from deltastore.codec.delta import (
+        DENSE_TRY_FRACTION,
+        ESCAPE,
+        NIBBLE_ESCAPE,
+        Changes,
+        DenseDelta,
+        SparseDelta,
+        _encode_delta_xor,
+        apply_delta,
+        apply_delta_digests,
+        apply_delta_into,
+        decode_delta,
+        encode_delta,
+    )
+    from deltastore.codec.full import MIN_PAIR_COUNT, PAIR_SAMPLE_STRIDE, _encode_full_v1, decode_full, encode_full
+    from deltastore.codec.planes import DEFAULT_LEVEL, MIN_ZSTD_INPUT, ZSTD_PLANE_PARAMS
+
+#: Each public name's module, imported on first access (PEP 562): the metadata path (manifests,
+#: HEAD, ``deltastore log``) imports ``deltastore.codec._kernels`` only, and numpy (~0.1 s) is
+#: loaded by the first caller that encodes or decodes a segment.
+_LAZY = {
+    **dict.fromkeys(("compose_deltas",), "deltastore.codec.compose"),
+    **dict.fromkeys(("ADD_CODECS", "CODEC_ADD_DENSE", "CODEC_ADD_SPARSE", "CODEC_FULL", "CODEC_FULL2",
+                     "CODEC_XOR_DENSE", "CODEC_XOR_SPARSE", "DELTA_CODECS", "FULL_CODECS", "KNOWN_CODECS",
+                     "MAX_COUNT", "XOR_CODECS", "SectionInfo", "Segment", "SegmentHeader", "peek_header"),
+                    "deltastore.codec.container"),
+    **dict.fromkeys(("DENSE_TRY_FRACTION", "ESCAPE", "NIBBLE_ESCAPE", "Changes", "DenseDelta", "SparseDelta",
+                     "_encode_delta_xor", "apply_delta", "apply_delta_digests", "apply_delta_into", "decode_delta",
+                     "encode_delta"), "deltastore.codec.delta"),
+    **dict.fromkeys(("MIN_PAIR_COUNT", "PAIR_SAMPLE_STRIDE", "_encode_full_v1", "decode_full", "encode_full"),
+                    "deltastore.codec.full"),
+    **dict.fromkeys(("DEFAULT_LEVEL", "MIN_ZSTD_INPUT", "ZSTD_PLANE_PARAMS"), "deltastore.codec.planes"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ADD_CODECS",

@@ -1,0 +1,5 @@
+import sys
+
+from deltastore.cli import main
+
+sys.exit(main())
