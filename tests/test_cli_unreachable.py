@@ -29,7 +29,7 @@ COMMANDS = {
     "gc": [],
     "pin": ["1"],
     "unpin": ["1"],
-    "aggregate": ["--site", "s3://bucket/site"],
+    "aggregate": ["--site", "a=s3://bucket/site"],
 }
 #: Commands that open no store.
 STORELESS = {"keygen"}
