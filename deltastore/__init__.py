@@ -42,6 +42,7 @@ from deltastore.errors import (
     UploadCorruptedError,
     VersionNotFoundError,
     VersionSkippedError,
+    WorkerCacheError,
 )
 
 if TYPE_CHECKING:
@@ -126,5 +127,6 @@ __all__ = [
     "VersionInfo",
     "VersionNotFoundError",
     "VersionSkippedError",
+    "WorkerCacheError",
     "collect",
 ]

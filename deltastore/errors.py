@@ -44,6 +44,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── GCAbortedError                            GC stopped before deleting (or partway): see why
     ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
+    ├── WorkerCacheError (OSError)                a worker cache directory unusable, or a save failed
     ├── VersionSkippedError                       an async publish replaced by a newer one
     └── DevServerError (RuntimeError)             a local S3 server (deltastore.devserver) did not start
 """
@@ -332,6 +333,12 @@ class StaleStageError(DeltastoreError, ValueError):
     swapping it would mix versions. Stage again."""
 
 
+class WorkerCacheError(DeltastoreError, OSError):
+    """A worker cache directory (:class:`deltastore.cache.WorkerCache`) cannot be used (a file,
+    not writable), or a state could not be saved in it (disk full). Saving removes its partial
+    files first and keeps the previous cached version; a follower logs it and goes on."""
+
+
 class DevServerError(DeltastoreError, RuntimeError):
     """A local S3 server of :mod:`deltastore.devserver` did not start; the message names the
     command and carries the tail of its log."""
@@ -373,4 +380,5 @@ __all__ = [
     "VersionCollectedError",
     "VersionNotFoundError",
     "VersionSkippedError",
+    "WorkerCacheError",
 ]

@@ -809,7 +809,10 @@ class Subscriber:
             cache_dir: a local :class:`deltastore.cache.WorkerCache`: on start, a cached
                 version is verified against the store (chain, lineage, every chunk digest) and
                 adopted without fetching it; anything wrong with it is logged and the cache is
-                rebuilt. The held version is saved every ``cache_every_s`` and at the end.
+                rebuilt. The held version is saved every ``cache_every_s`` and at the end; a
+                save that fails (a full disk) is logged and the loop goes on (the previous
+                cached version is kept). A ``cache_dir`` that is not a directory raises
+                WorkerCacheError before anything is fetched.
             worker_id, heartbeat: write heartbeats to the store's ledger (SPEC §10) as this
                 worker; read-only credentials are tolerated.
             max_versions: return after applying this many versions.
@@ -871,9 +874,10 @@ class Subscriber:
             key, m = self._held.key, self._held.manifest
             try:
                 cache.save(tensors, url=self.url, version=m.version, manifest=key, lineage=m.lineage)
-                saved, last_save = key, time.monotonic()
-            except OSError as e:
-                logger.warning("could not write the worker cache in %s: %s", cache.path, e)
+                saved = key
+            except Exception as e:  # noqa: BLE001 - the cache is a hint: failing to write it never stops serving
+                logger.warning("following %s without updating the worker cache: %s: %s", self.url, type(e).__name__, e)
+            last_save = time.monotonic()  # a failed save is retried after cache_every_s, not at every poll
 
         try:
             while not stop.is_set():

@@ -391,6 +391,88 @@ def test_an_unusable_cache_is_rebuilt_with_a_log_line(damage: str, tmp_path: Pat
     assert_bits_equal(held.tensors, published_b[2])
 
 
+def _follow_publishing(t: StoreTarget, states: list[dict[str, torch.Tensor]], **kw: Any) -> list[FollowRecord]:
+    """Follow while publishing ``states`` one at a time: each yielded version brings the next."""
+    _publish_all(t, states[:1])
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    recs: list[FollowRecord] = []
+    with _subscriber(t) as sub:
+        for rec in sub.follow(target, interval=0.01, heartbeat=False, **kw):
+            recs.append(rec)
+            if len(recs) == len(states):
+                break
+            with _publisher(t) as pub:
+                pub.publish(states[len(recs)])
+    assert_bits_equal(target, states[-1])
+    return recs
+
+
+@pytest.mark.parametrize("error", ["SafetensorError", "ENOSPC"])
+def test_a_cache_that_cannot_be_saved_is_a_warning_and_the_follower_goes_on(
+    error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real = safetensors.torch.save_file
+
+    def disk_full_after_the_first(tensors: Any, filename: str, metadata: Any = None) -> None:
+        if not list(Path(filename).parent.glob("state-*.safetensors")):
+            return real(tensors, filename, metadata=metadata)
+        Path(filename).write_bytes(b"\0" * 100)  # half a file, then the disk is full
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)") \
+            if error == "SafetensorError" else OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full_after_the_first)
+    t = StoreTarget("file", str(tmp_path / "store"))
+    states = _states(4)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+        recs = _follow_publishing(t, states, cache_dir=cache, cache_every_s=0.0)
+    assert [r.info.version for r in recs] == [1, 2, 3, 4]
+    assert not list(cache.glob("*partial*")) and len(list(cache.glob("state-*"))) == 1
+    assert caplog.text.count("without updating the worker cache") >= 3, caplog.text
+    held = WorkerCache(cache).load()
+    assert held is not None and held.version == 1  # the last good save, adopted as what it is
+    assert_bits_equal(held.tensors, states[0])
+
+
+def test_a_cache_on_a_full_tmpfs_is_a_warning_and_the_follower_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "tmpfs"
+    cache.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(cache)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        t = StoreTarget("file", str(tmp_path / "store"))
+        states = [{"w": torch.full((128, 256), float(i))} for i in range(3)]  # 128 KiB: never fits
+        with caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+            recs = _follow_publishing(t, states, cache_dir=cache, cache_every_s=0.0)
+        assert [r.info.version for r in recs] == [1, 2, 3]
+        assert "No space left on device" in caplog.text, caplog.text
+        assert sorted(p.name for p in cache.iterdir()) == []  # nothing half-written left on it
+    finally:
+        subprocess.run(["umount", str(cache)], check=True)
+
+
+def test_follow_refuses_a_cache_path_that_is_a_file_before_fetching(tmp_path: Path) -> None:
+    from deltastore.errors import WorkerCacheError
+
+    t = StoreTarget("file", str(tmp_path / "store"))
+    states = _states(1)
+    _publish_all(t, states)
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("")
+    store = WrappedStore(open_store(t.url))
+    with Subscriber(t.url, store=store, threads=2) as sub:
+        target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+        with pytest.raises(WorkerCacheError, match=f"worker cache path {not_a_dir} is not a directory"):
+            next(sub.follow(target, cache_dir=not_a_dir, worker_id="w-1"))
+    assert store.calls == []  # nothing read, no heartbeat written
+
+
+
 # --- kills: the pause, the cache write -----------------------------------------------------------
 
 _WORKER = r"""
