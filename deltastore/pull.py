@@ -49,7 +49,7 @@ from deltastore.groups import allocate_members, member_overlaps
 from deltastore.heap import release_free_heap
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads, grouped
-from deltastore.ledger import HeartbeatWriter
+from deltastore.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter
 from deltastore.manifest import (
     MAX_MANIFEST_BYTES,
     Head,
@@ -285,6 +285,8 @@ class Subscriber:
         self._use_squashes = trusted_keys is None
         self._last_changed: dict[str, list[tuple[int, int]]] | Callable[[], dict[str, list[tuple[int, int]]]] = {}
         self._closed = False
+        self._beats: HeartbeatWriter | None = None  # the fleet ledger's writer (heartbeat())
+        self._worker_id: str | None = None  # the id it used, kept by the next one
         self.select = select
         # A partial subscriber's bits of edge chunks outside its slices (deltastore.select).
         self._spare: dict[tuple[str, int], np.ndarray] = {}
@@ -336,6 +338,50 @@ class Subscriber:
     def latest(self) -> VersionInfo | None:
         """The newest committed version (None for an empty store), via a conditional GET."""
         return self._history.latest()
+
+    def heartbeat(self, worker_id: str | None = None, *, interval_s: float = HEARTBEAT_INTERVAL_S) -> HeartbeatWriter:
+        """Announce this worker in the store's fleet ledger (SPEC §10) while it runs.
+
+        Starts a thread that writes ``workers/<worker_id>.json`` with the version this
+        subscriber holds: at once, whenever it changes (:meth:`pull`, :meth:`pull_into`,
+        :meth:`swap`, :meth:`follow`; never inside the caller's pause) and every
+        ``interval_s``. :meth:`follow` starts one by itself; a worker that updates with
+        :meth:`stage` / :meth:`swap` or :meth:`pull_into` calls this once. Closing the writer
+        (or this subscriber) writes a last heartbeat marked stopped, which ``deltastore status``
+        shows as such. Read-only credentials are tolerated (one log line, no heartbeats).
+
+        Args:
+            worker_id: the worker's id in the ledger (default: the id this subscriber used
+                before, else ``host-pid-random``).
+            interval_s: the longest time between two heartbeats of an unchanged version.
+
+        Returns:
+            The running :class:`~deltastore.ledger.HeartbeatWriter` (a context manager); the
+            same one while it runs.
+
+        Raises:
+            ValueError: a malformed worker id, or another id than the running writer's.
+
+        Example::
+
+            with sub.heartbeat("serve-1"):
+                while serving:
+                    staged = sub.stage(model)
+                    ...
+        """
+        running = self._beats
+        if running is not None and not running.closed:
+            if worker_id is not None and worker_id != running.worker_id:
+                raise ValueError(f"this subscriber already writes heartbeats as {running.worker_id!r}; "
+                                 "close that writer first")
+            return running
+        beats = HeartbeatWriter(self.store, worker_id if worker_id is not None else self._worker_id, interval_s=interval_s)
+        self._beats, self._worker_id = beats, beats.worker_id
+        return beats.start(self._held_for_ledger)
+
+    def _held_for_ledger(self) -> tuple[int, str | None] | None:
+        held = self._held
+        return None if held is None else (held.manifest.version, held.manifest.lineage)
 
     def info(self, version: int) -> VersionInfo:
         """The :class:`VersionInfo` of ``version``; raises VersionNotFoundError."""
@@ -814,7 +860,8 @@ class Subscriber:
                 cached version is kept). A ``cache_dir`` that is not a directory raises
                 WorkerCacheError before anything is fetched.
             worker_id, heartbeat: write heartbeats to the store's ledger (SPEC §10) as this
-                worker; read-only credentials are tolerated.
+                worker (:meth:`heartbeat`; one already running is used as it is), and a last
+                one marked stopped when the loop ends; read-only credentials are tolerated.
             max_versions: return after applying this many versions.
             swap_mode: ``"inplace"`` (default) writes the changed elements into ``target``'s
                 memory in the pause: on a CPU target that touches most cache lines at RL change
@@ -861,7 +908,6 @@ class Subscriber:
         owners = _owners(target) if swap_mode == "rebind" else None
         stop = stop if stop is not None else threading.Event()
         cache = WorkerCache(cache_dir) if cache_dir is not None else None
-        beats = HeartbeatWriter(self.store, worker_id) if heartbeat else None
         try_cache = cache is not None and self._version is None
         saved: str | None = None  # manifest key of the version last written to the cache
         last_save = time.monotonic()
@@ -879,6 +925,9 @@ class Subscriber:
                 logger.warning("following %s without updating the worker cache: %s: %s", self.url, type(e).__name__, e)
             last_save = time.monotonic()  # a failed save is retried after cache_every_s, not at every poll
 
+        # Started last before the loop, so that the finally below always closes it (marks it stopped).
+        own_beats = heartbeat and (self._beats is None or self._beats.closed)
+        beats = self.heartbeat(worker_id) if heartbeat else None
         try:
             while not stop.is_set():
                 try:
@@ -920,9 +969,6 @@ class Subscriber:
                     )
                     stop.wait(delay)
                     continue
-                lineage = None if self._held is None else self._held.manifest.lineage
-                if beats is not None and self._version is not None:
-                    beats.beat(self._version, lineage=lineage)  # rate-limits itself on idle polls
                 if rec is not None:
                     applied += 1
                     rolled_back = None
@@ -936,7 +982,11 @@ class Subscriber:
         except GeneratorExit:  # the caller stopped iterating: a normal end too
             save()
             raise
-        save()
+        else:
+            save()
+        finally:
+            if own_beats and beats is not None:
+                beats.close()  # a worker that stops following says so in the ledger
 
     def _follow_once(self, tensors: dict[str, torch.Tensor], pause: Any,
                      owners: dict[str, torch.Tensor] | None = None) -> FollowRecord | None:
@@ -1142,6 +1192,8 @@ class Subscriber:
         if self._closed:
             return
         self._closed = True
+        if self._beats is not None:
+            self._beats.close()  # marks the worker stopped: a write, so before the store goes
         self._engine.close()
         if self._owns_store:
             self.store.close()
@@ -1233,6 +1285,8 @@ class Subscriber:
         if self._held is None or held.key != self._held.key:
             self._bad_squashes.clear()  # squash hints are per held version
         self._version, self._held = held.manifest.version, held
+        if self._beats is not None:
+            self._beats.notify()  # written by its thread: never inside the caller's pause
 
     # Planning is pure (deltastore.plan); pull_into calls it under these names.
     _plan_from_anchor = staticmethod(plan_from_anchor)

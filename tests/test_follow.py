@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -582,6 +583,59 @@ def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: 
             recs = list(sub.follow(target, interval=0.01, worker_id="w-2", max_versions=1))
     assert recs[0].info.version == 2
     assert caplog.text.count("read-only") == 1
+
+
+def test_a_follower_that_ends_is_marked_stopped_with_its_last_version(tmp_path: Path) -> None:
+    from deltastore.ledger import read_ledger
+
+    t = StoreTarget("file", str(tmp_path / "store"))
+    _publish_all(t, _states(2))
+    target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
+    seen = []
+    with _subscriber(t) as sub:
+        for rec in sub.follow(target, interval=0.01, worker_id="w-1"):
+            _wait(lambda: [(b.worker, b.version, b.live()) for b in read_ledger(open_store(t.url))] == [("w-1", 2, True)])
+            seen.append(rec.info.version)
+            break  # the caller stops iterating: the generator is closed
+    (beat,) = read_ledger(open_store(t.url))
+    assert seen == [2] and (beat.worker, beat.version, beat.stopped, beat.live()) == ("w-1", 2, True, False)
+
+
+def test_a_stage_and_swap_worker_appears_in_the_ledger_and_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deltastore.cli import main
+    from deltastore.ledger import read_ledger
+
+    t = StoreTarget("file", str(tmp_path / "store"))
+    states = _states(3)
+    _publish_all(t, states[:1])
+    ledger = open_store(t.url)
+
+    def beats() -> list[tuple[str, int, bool]]:
+        return [(b.worker, b.version, b.live()) for b in read_ledger(ledger)]
+
+    with _subscriber(t) as sub:
+        with sub.heartbeat("serve-1") as writer:  # what examples/serve.py does
+            assert sub.heartbeat() is writer  # one writer per subscriber while it runs
+            with pytest.raises(ValueError, match="already writes heartbeats as 'serve-1'"):
+                sub.heartbeat("serve-2")
+            target = sub.pull()
+            _wait(lambda: beats() == [("serve-1", 1, True)])
+            _publish_all(t, states[1:])
+            lock = threading.Lock()
+            staged = sub.stage(target)
+            assert staged is not None
+            with lock:  # the pause: the heartbeat is written by its own thread, not in here
+                sub.swap(staged, target)
+            _wait(lambda: beats() == [("serve-1", 3, True)])
+            assert main(["status", t.url, "--json"]) == 0
+            (w,) = json.loads(capsys.readouterr().out)["workers"]
+            assert (w["worker"], w["version"], w["state"], w["live"]) == ("serve-1", 3, "live", True)
+        assert beats() == [("serve-1", 3, False)] and read_ledger(ledger)[0].stopped
+        sub.heartbeat("serve-1")  # a new writer after close (the subscriber's close() ends it)
+        _wait(lambda: beats() == [("serve-1", 3, True)])
+    assert beats() == [("serve-1", 3, False)]
+    assert main(["status", t.url]) == 0
+    assert re.search(r"serve-1 +v3 +current +seen \d+s ago +stopped ", capsys.readouterr().out)
 
 
 def test_follow_loads_a_replaced_history_whole(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

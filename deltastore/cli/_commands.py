@@ -348,6 +348,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from deltastore.ledger import (
+        LIVE_TTL_S,
         fleet_status,
         oldest_live_version,
         parse_time,
@@ -366,32 +367,37 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         store.close()
     head_version = head.version if head else 0
-    workers = fleet_status(beats, head_version, lambda v: parse_time(infos[v].created) if v in infos else None)
+    workers = fleet_status(beats, head_version, lambda v: parse_time(infos[v].created) if v in infos else None,
+                           ttl_s=LIVE_TTL_S)
     head_age = None
     if head is not None and (t := parse_time(head.created)) is not None:
         from datetime import datetime, timezone
 
         head_age = (datetime.now(timezone.utc) - t).total_seconds()
-    oldest = oldest_live_version(beats)
+    oldest = oldest_live_version(beats, ttl_s=LIVE_TTL_S)
     if args.json:
         emit_json({
             "url": args.url, "head_version": head_version, "head_age_s": head_age,
-            "oldest_live_version": oldest,
+            "oldest_live_version": oldest, "live_ttl_s": LIVE_TTL_S,
             "workers": [{"worker": w.worker, "host": w.host, "version": w.version, "lag_versions": w.lag_versions,
-                         "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live} for w in workers],
+                         "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live, "state": w.state}
+                        for w in workers],
         })
         return EXIT_OK
     if head is None:
         print(f"{args.url}: no versions")
     else:
         age = "" if head_age is None else f", {duration(head_age)} old"
-        print(f"{args.url}: head version {head_version}{age}; {len(workers)} worker(s), "
-              f"{sum(w.live for w in workers)} live, oldest live version {oldest if oldest is not None else '-'}")
+        print(f"{args.url}: head version {head_version}{age}")
+    if workers:
+        stopped = sum(w.state == "stopped" for w in workers)
+        print(f"{len(workers)} worker(s): {sum(w.live for w in workers)} live, {stopped} stopped, "
+              f"{len(workers) - stopped - sum(w.live for w in workers)} gone; oldest live version "
+              f"{oldest if oldest is not None else '-'} (live = following, heartbeat within {duration(LIVE_TTL_S)})")
     for w in workers:
         lag = "current" if w.lag_versions == 0 else f"{w.lag_versions} behind" + (
             "" if w.lag_s is None else f" ({duration(w.lag_s)})")
-        state = "live" if w.live else "gone"
-        print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {duration(w.last_seen_s)} ago  {state}  {w.host}")
+        print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {duration(w.last_seen_s)} ago  {w.state:<7}  {w.host}")
     return EXIT_OK
 
 
