@@ -42,6 +42,7 @@ from deltastore.errors import (
     UploadCorruptedError,
     VersionNotFoundError,
     VersionSkippedError,
+    WaitTimeoutError,
     WorkerCacheError,
 )
 
@@ -127,6 +128,7 @@ __all__ = [
     "VersionInfo",
     "VersionNotFoundError",
     "VersionSkippedError",
+    "WaitTimeoutError",
     "WorkerCacheError",
     "collect",
 ]

@@ -41,6 +41,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── VersionNotFoundError (LookupError)        no such version in the store
     │   ├── VersionCollectedError                 below the retention floor and not pinned
     │   └── HeadRolledBackError                   HEAD names a version older than the one held
+    ├── WaitTimeoutError (TimeoutError)           no version (≥ the one asked for) appeared in time
     ├── GCAbortedError                            GC stopped before deleting (or partway): see why
     ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
@@ -287,6 +288,11 @@ class HeadRolledBackError(VersionNotFoundError):
     version on purpose)."""
 
 
+class WaitTimeoutError(DeltastoreError, TimeoutError):
+    """:meth:`Subscriber.wait_for_version <deltastore.Subscriber.wait_for_version>` waited its
+    whole timeout and the store has no committed version (or none as new as asked for)."""
+
+
 class VersionCollectedError(VersionNotFoundError):
     """The version was below the store's retention floor and not pinned: GC may have deleted
     it (SPEC §11). Pull the latest version, or a version ≥ ``floor``, or one of ``pins``.
@@ -380,5 +386,6 @@ __all__ = [
     "VersionCollectedError",
     "VersionNotFoundError",
     "VersionSkippedError",
+    "WaitTimeoutError",
     "WorkerCacheError",
 ]

@@ -30,6 +30,8 @@ from deltastore.apply import (
 from deltastore.cache import WorkerCache
 from deltastore.changes import changed_rows, changed_tensors, merge_spans
 from deltastore.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
     CorruptObjectError,
     DeltastoreError,
     FormatError,
@@ -43,7 +45,9 @@ from deltastore.errors import (
     StaleStageError,
     StorageError,
     TargetModifiedError,
+    UnsupportedURLError,
     VersionNotFoundError,
+    WaitTimeoutError,
 )
 from deltastore.groups import allocate_members, member_overlaps
 from deltastore.heap import release_free_heap
@@ -120,6 +124,8 @@ class _Update:
 #: Plans tried for one update: a squash that turns out bad, then a held version collected
 #: meanwhile, each cost one more plan; more than this means the store keeps changing under us.
 MAX_REPLANS = 4
+#: Seconds between looks at HEAD while waiting for a version (a conditional GET each).
+WAIT_INTERVAL_S = 2.0
 #: A partial subscriber reads adjacent segments as one GET but never the bytes between: they
 #: are other ranks' segments, and what it reads is what its link carries.
 PARTIAL_COALESCE_GAP_BYTES = 0
@@ -287,6 +293,7 @@ class Subscriber:
         self._closed = False
         self._beats: HeartbeatWriter | None = None  # the fleet ledger's writer (heartbeat())
         self._worker_id: str | None = None  # the id it used, kept by the next one
+        self._said_waiting = False  # "waiting for the first version" logged by follow
         self.select = select
         # A partial subscriber's bits of edge chunks outside its slices (deltastore.select).
         self._spare: dict[tuple[str, int], np.ndarray] = {}
@@ -338,6 +345,71 @@ class Subscriber:
     def latest(self) -> VersionInfo | None:
         """The newest committed version (None for an empty store), via a conditional GET."""
         return self._history.latest()
+
+    def wait_for_version(self, version: int | None = None, *, timeout: float | None = None,
+                         interval: float = WAIT_INTERVAL_S, stop: threading.Event | None = None) -> VersionInfo | None:
+        """Wait until the store has a committed version (at least ``version`` when given).
+
+        For workers started before the trainer: an empty store (or one behind ``version``) is
+        polled every ``interval`` seconds by conditional GET, with one log line "waiting for the
+        first version of URL", not one per poll. A storage error meanwhile is logged and
+        retried at the next poll; a missing bucket or refused credentials are raised.
+
+        Args:
+            version: the version to wait for (default: any).
+            timeout: give up after this many seconds (default: wait for ever).
+            interval: seconds between polls of HEAD.
+            stop: a ``threading.Event`` that ends the wait early (then None is returned).
+
+        Returns:
+            The latest version's :class:`VersionInfo` (its version ≥ ``version``); None only
+            when ``stop`` was set.
+
+        Raises:
+            WaitTimeoutError: ``timeout`` passed first (a ``TimeoutError``).
+            BucketNotFoundError, AccessDeniedError: the store cannot be read at all.
+
+        Example::
+
+            sub = Subscriber("s3://bucket/run1")
+            sub.wait_for_version(timeout=3600)   # the trainer may start after its workers
+            weights = sub.allocate()
+        """
+        if version is not None and version < 1:
+            raise ValueError(f"version must be 1 or more, got {version}")
+        if interval <= 0 or (timeout is not None and timeout < 0):
+            raise ValueError(f"interval must be positive and timeout not negative, got {interval} and {timeout}")
+        what = "the first version" if version is None else f"version {version}"
+        start = time.monotonic()
+        stop = stop if stop is not None else threading.Event()
+        latest: int | None = None
+        said = False
+        while True:
+            try:
+                info = self.latest()
+            except (BucketNotFoundError, AccessDeniedError, UnsupportedURLError):
+                raise
+            except StorageError as e:
+                logger.warning("waiting for %s of %s: %s: %s; looking again in %.1f s",
+                               what, self.url, type(e).__name__, e, interval)
+                info = None
+            if info is not None:
+                if version is None or info.version >= version:
+                    return info
+                latest = info.version
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
+                has = "no version" if latest is None else f"version {latest}"
+                raise WaitTimeoutError(
+                    f"waited {waited:.1f} s for {what} of {self.url}, which has {has}: is the trainer publishing "
+                    "there? (wait longer with a larger timeout)"
+                )
+            if not said:  # said only when it does wait (not by a timeout=0 look)
+                logger.info("waiting for %s of %s", what, self.url)
+                said = True
+            pause = interval if timeout is None else min(interval, timeout - waited)
+            if stop.wait(pause):
+                return None
 
     def heartbeat(self, worker_id: str | None = None, *, interval_s: float = HEARTBEAT_INTERVAL_S) -> HeartbeatWriter:
         """Announce this worker in the store's fleet ledger (SPEC §10) while it runs.
@@ -432,6 +504,7 @@ class Subscriber:
         """Zeroed CPU tensors in the layout of ``version`` (default: the latest), to follow into.
 
         Fetches manifests only; the model size is checked against ``max_model_bytes`` first.
+        Raises VersionNotFoundError on an empty store: :meth:`wait_for_version` waits for one.
         """
         key, m = self._resolve(version)
         specs = _layout(self._history.anchor_chain(key, m)[0][1])
@@ -993,6 +1066,9 @@ class Subscriber:
         """One poll: None when HEAD has not moved, else the record of the version applied."""
         head = self._history.poll_head()  # a conditional GET: no body when unchanged
         if head is None or head.manifest is None:
+            if self._version is None and not self._said_waiting:
+                logger.info("waiting for the first version of %s", self.url)
+                self._said_waiting = True
             return None
         self._head = head
         if self._held is not None and head.manifest == self._held.key:
