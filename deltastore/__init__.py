@@ -42,6 +42,8 @@ from deltastore.errors import (
     UploadCorruptedError,
     VersionNotFoundError,
     VersionSkippedError,
+    WaitTimeoutError,
+    WorkerCacheError,
 )
 
 if TYPE_CHECKING:
@@ -126,5 +128,7 @@ __all__ = [
     "VersionInfo",
     "VersionNotFoundError",
     "VersionSkippedError",
+    "WaitTimeoutError",
+    "WorkerCacheError",
     "collect",
 ]

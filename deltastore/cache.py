@@ -8,7 +8,9 @@ Layout of a cache directory::
 
 Writes are atomic: the tensors go to a new file (written, fsynced, renamed), then ``held.json``
 is replaced to point at it, then older state files are removed. A worker killed at any point
-leaves either the previous complete pair or the new one.
+leaves either the previous complete pair or the new one. A save that fails (a full disk) removes
+what it wrote and raises :class:`~deltastore.errors.WorkerCacheError`: ``held.json`` still names
+the previous complete state, which is adopted as the version it is, never as a newer one.
 
 The cache is a hint, never trusted: :meth:`WorkerCache.load` only parses it. The subscriber
 that adopts it re-reads the version's manifests from the store and checks every chunk of the
@@ -28,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from deltastore.errors import WorkerCacheError
 
 logger = logging.getLogger(__name__)
 
@@ -73,33 +77,58 @@ class WorkerCache:
     """
 
     def __init__(self, path: str | os.PathLike[str]):
+        """Raises WorkerCacheError when ``path`` is not a directory and cannot be made one."""
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            what = "is not a directory" if self.path.exists() else f"cannot be created as a directory ({e.strerror or e})"
+            raise WorkerCacheError(f"worker cache path {self.path} {what}; pass a directory for the cache") from e
 
     def save(self, tensors: Mapping[str, torch.Tensor], *, url: str, version: int, manifest: str,
              lineage: str | None) -> Path:
-        """Write ``tensors`` as the cached state of ``version`` atomically; return the file."""
+        """Write ``tensors`` as the cached state of ``version`` atomically; return the file.
+
+        Raises:
+            WorkerCacheError: the state could not be written (a full disk, an I/O error); what
+                this save wrote is removed and the previous cached state, if any, is kept.
+        """
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
+        self._remove_partials()  # a killed save's leftovers would keep a full disk full
         name = f"state-{version:012d}-{uuid.uuid4().hex[:8]}.safetensors"
         final = self.path / name
         partial = self.path / f"{name}.partial"
-        cpu = {k: (v.detach().cpu() if v.device.type != "cpu" else v.detach()).contiguous() for k, v in tensors.items()}
-        save_file(cpu, str(partial))
-        with open(partial, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(partial, final)
-        doc = {
-            "format": CACHE_FORMAT, "schema": CACHE_SCHEMA, "url": url, "version": int(version),
-            "manifest": manifest, "lineage": lineage, "file": name,
-            "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
         tmp = self.path / f"{HELD_FILE}.{uuid.uuid4().hex[:8]}.partial"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / HELD_FILE)
+        cpu = {k: (v.detach().cpu() if v.device.type != "cpu" else v.detach()).contiguous() for k, v in tensors.items()}
+        try:
+            save_file(cpu, str(partial))
+            with open(partial, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(partial, final)
+            doc = {
+                "format": CACHE_FORMAT, "schema": CACHE_SCHEMA, "url": url, "version": int(version),
+                "manifest": manifest, "lineage": lineage, "file": name,
+                "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+            with open(tmp, "w") as f:
+                json.dump(doc, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path / HELD_FILE)
+        except BaseException as e:
+            for p in (partial, final, tmp):  # held.json still names the previous complete state
+                try:
+                    p.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            if isinstance(e, (OSError, SafetensorError)):
+                raise WorkerCacheError(
+                    f"could not save version {version} of {url} in the worker cache {self.path}: {e}; "
+                    "the previous cached version, if any, is kept (free space there, or pass another cache directory)"
+                ) from e
+            raise
         _fsync_dir(self.path)
         self._remove_stale(keep=name)
         logger.info("cached version %d of %s in %s", version, url, self.path)
@@ -146,7 +175,10 @@ class WorkerCache:
                     p.unlink()
                 except OSError:
                     pass
-        for p in self.path.glob(f"{HELD_FILE}.*.partial"):
+        self._remove_partials()
+
+    def _remove_partials(self) -> None:
+        for p in [*self.path.glob("state-*.partial"), *self.path.glob(f"{HELD_FILE}.*.partial")]:
             try:
                 p.unlink()
             except OSError:

@@ -41,9 +41,11 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── VersionNotFoundError (LookupError)        no such version in the store
     │   ├── VersionCollectedError                 below the retention floor and not pinned
     │   └── HeadRolledBackError                   HEAD names a version older than the one held
+    ├── WaitTimeoutError (TimeoutError)           no version (≥ the one asked for) appeared in time
     ├── GCAbortedError                            GC stopped before deleting (or partway): see why
     ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
+    ├── WorkerCacheError (OSError)                a worker cache directory unusable, or a save failed
     ├── VersionSkippedError                       an async publish replaced by a newer one
     └── DevServerError (RuntimeError)             a local S3 server (deltastore.devserver) did not start
 """
@@ -286,6 +288,11 @@ class HeadRolledBackError(VersionNotFoundError):
     version on purpose)."""
 
 
+class WaitTimeoutError(DeltastoreError, TimeoutError):
+    """:meth:`Subscriber.wait_for_version <deltastore.Subscriber.wait_for_version>` waited its
+    whole timeout and the store has no committed version (or none as new as asked for)."""
+
+
 class VersionCollectedError(VersionNotFoundError):
     """The version was below the store's retention floor and not pinned: GC may have deleted
     it (SPEC §11). Pull the latest version, or a version ≥ ``floor``, or one of ``pins``.
@@ -332,6 +339,12 @@ class StaleStageError(DeltastoreError, ValueError):
     swapping it would mix versions. Stage again."""
 
 
+class WorkerCacheError(DeltastoreError, OSError):
+    """A worker cache directory (:class:`deltastore.cache.WorkerCache`) cannot be used (a file,
+    not writable), or a state could not be saved in it (disk full). Saving removes its partial
+    files first and keeps the previous cached version; a follower logs it and goes on."""
+
+
 class DevServerError(DeltastoreError, RuntimeError):
     """A local S3 server of :mod:`deltastore.devserver` did not start; the message names the
     command and carries the tail of its log."""
@@ -373,4 +386,6 @@ __all__ = [
     "VersionCollectedError",
     "VersionNotFoundError",
     "VersionSkippedError",
+    "WaitTimeoutError",
+    "WorkerCacheError",
 ]

@@ -4,11 +4,21 @@ Each worker that follows a store may write ``workers/<worker-id>.json`` saying w
 holds. The ledger is advisory: it is never used for integrity (a reader assumes nothing of it
 beyond "this worker said so at about this time"), a worker with read-only credentials simply
 runs without it, and a malformed heartbeat is skipped with a log line. It is what lets
-``deltastore status`` show the fleet's lag and lets a trainer (and, later, GC) see the oldest
-version a live worker still holds.
+``deltastore status`` show the fleet's lag and lets a trainer, the compactor and GC see the
+oldest version a live worker still holds.
 
 Liveness is judged on the store's clock (the object's ``last_modified``), not the worker's, so
-skewed worker clocks do not make a worker look dead or alive.
+skewed worker clocks do not make a worker look dead or alive. A worker that stops cleanly writes
+a last heartbeat marked ``"state": "stopped"`` (with the version it held): it is never live,
+whatever its age; one that dies without a word stops being live once its heartbeat is older than
+:data:`LIVE_TTL_S`.
+
+Example (a worker that updates with ``stage``/``swap`` rather than ``follow``)::
+
+    with sub.heartbeat("serve-1"):          # a HeartbeatWriter beating from a thread
+        while serving:
+            staged = sub.stage(model)       # each version swapped in is announced
+            ...
 """
 
 from __future__ import annotations
@@ -36,8 +46,14 @@ HEARTBEAT_SCHEMA = 1
 #: A heartbeat is rewritten at least this often while the version does not change: slow enough
 #: that 1,000 workers cost ~1,000 small PUTs a minute, fast enough for a "last seen" column.
 HEARTBEAT_INTERVAL_S = 60.0
-#: A worker not heard from for this long is not live (several missed heartbeats, not one).
-LIVE_TTL_S = 5 * HEARTBEAT_INTERVAL_S
+#: A worker not heard from for this long is not live: two missed heartbeats, not one (they are
+#: written from a thread of their own, so a long update does not delay them).
+LIVE_TTL_S = 3 * HEARTBEAT_INTERVAL_S
+#: What a heartbeat says the worker is doing; an absent or unknown state reads as following.
+STATE_FOLLOWING = "following"
+STATE_STOPPED = "stopped"
+#: How long closing a writer waits for its thread's heartbeat in flight before marking it stopped.
+CLOSE_WAIT_S = 10.0
 #: Heartbeats are tiny; anything larger is not one of ours and is not read.
 MAX_HEARTBEAT_BYTES = 4096
 _WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -72,16 +88,25 @@ class Heartbeat:
     host: str
     time: datetime  # when the store received it (last_modified), else the worker's clock
     lineage: str | None = None
+    state: str = STATE_FOLLOWING
+
+    @property
+    def stopped(self) -> bool:
+        """The worker said it stopped following (a clean exit)."""
+        return self.state == STATE_STOPPED
 
     def age_s(self, now: datetime | None = None) -> float:
         return ((now or _now()) - self.time).total_seconds()
 
     def live(self, now: datetime | None = None, ttl_s: float = LIVE_TTL_S) -> bool:
-        return self.age_s(now) <= ttl_s
+        """Following, and heard from within ``ttl_s`` (store clock)."""
+        return not self.stopped and self.age_s(now) <= ttl_s
 
 
 def encode_heartbeat(worker: str, version: int, *, host: str | None = None, lineage: str | None = None,
-                     when: datetime | None = None) -> bytes:
+                     when: datetime | None = None, state: str = STATE_FOLLOWING) -> bytes:
+    if state not in (STATE_FOLLOWING, STATE_STOPPED):
+        raise ValueError(f"heartbeat state must be {STATE_FOLLOWING!r} or {STATE_STOPPED!r}, not {state!r}")
     doc = {
         "format": HEARTBEAT_FORMAT,
         "schema": HEARTBEAT_SCHEMA,
@@ -90,6 +115,7 @@ def encode_heartbeat(worker: str, version: int, *, host: str | None = None, line
         "host": host or socket.gethostname(),
         "time": (when or _now()).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "lineage": lineage,
+        "state": state,
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -109,12 +135,18 @@ def parse_heartbeat(data: bytes, key: str, last_modified: datetime | None = None
     lineage = doc.get("lineage")
     if lineage is not None and not isinstance(lineage, str):
         raise ValueError(f"{key} has lineage {lineage!r}")
+    state = doc.get("state", STATE_FOLLOWING)
+    if not isinstance(state, str):
+        raise ValueError(f"{key} has state {state!r}")
+    # A state this release does not know reads as following: counted as live, so a collector
+    # keeps what that worker holds (the safe side).
+    state = STATE_STOPPED if state == STATE_STOPPED else STATE_FOLLOWING
     when = last_modified
     if when is None:
         when = datetime.fromisoformat(str(doc.get("time")).replace("Z", "+00:00"))
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return Heartbeat(worker=worker, version=version, host=str(host), time=when, lineage=lineage)
+    return Heartbeat(worker=worker, version=version, host=str(host), time=when, lineage=lineage, state=state)
 
 
 def read_ledger(store: Store) -> list[Heartbeat]:
@@ -138,7 +170,7 @@ def read_ledger(store: Store) -> list[Heartbeat]:
 
 def oldest_live_version(beats: Iterable[Heartbeat], *, now: datetime | None = None,
                         ttl_s: float = LIVE_TTL_S) -> int | None:
-    """The lowest version held by a live worker (None when no worker is live)."""
+    """The lowest version held by a live worker (None when no worker is live; a stopped one never is)."""
     live = [b.version for b in beats if b.live(now, ttl_s)]
     return min(live) if live else None
 
@@ -154,7 +186,9 @@ class WorkerStatus:
         lag_s: how long the oldest version it lacks has existed (0 when current; None when
             that version's time is unknown).
         last_seen_s: seconds since its heartbeat reached the store.
-        live: heard from within the TTL.
+        live: following, and heard from within the TTL.
+        state: ``"live"``, ``"stopped"`` (it said so when it exited) or ``"gone"`` (not heard
+            from within the TTL).
     """
 
     worker: str
@@ -164,6 +198,7 @@ class WorkerStatus:
     lag_s: float | None
     last_seen_s: float
     live: bool
+    state: str = "live"
 
 
 def fleet_status(beats: Iterable[Heartbeat], head_version: int, created: Callable[[int], datetime | None], *,
@@ -177,7 +212,9 @@ def fleet_status(beats: Iterable[Heartbeat], head_version: int, created: Callabl
         if lag:
             first_missing = created(b.version + 1)
             lag_s = None if first_missing is None else max(0.0, (now - first_missing).total_seconds())
-        out.append(WorkerStatus(b.worker, b.host, b.version, lag, lag_s, b.age_s(now), b.live(now, ttl_s)))
+        live = b.live(now, ttl_s)
+        state = "live" if live else STATE_STOPPED if b.stopped else "gone"
+        out.append(WorkerStatus(b.worker, b.host, b.version, lag, lag_s, b.age_s(now), live, state))
     return out
 
 
@@ -193,6 +230,11 @@ def parse_time(text: str) -> datetime | None:
 class HeartbeatWriter:
     """Writes one worker's heartbeat: on each new version, and otherwise every ``interval_s``.
 
+    Call :meth:`beat` from the worker's own loop, or :meth:`start` a thread that beats for
+    whatever version a callable says is held (what :meth:`deltastore.Subscriber.heartbeat`
+    does). :meth:`close` writes a last heartbeat marked stopped, so that ``deltastore status``
+    shows a worker that exited as stopped rather than live; it is a context manager.
+
     A store that refuses the write (read-only credentials) switches the writer off after one
     log line; any other storage error is logged and retried on the next beat. Never raises
     for a storage failure: the ledger must not stop a worker from serving.
@@ -203,38 +245,114 @@ class HeartbeatWriter:
         self.worker_id = default_worker_id() if worker_id is None else check_worker_id(worker_id)
         self.interval_s = interval_s
         self.enabled = True
-        self._last: tuple[int, float] | None = None  # (version, monotonic time) of the last write
+        self._last: tuple[int, str | None, float] | None = None  # (version, lineage, monotonic time) written last
+        self._tried = 0.0  # monotonic time of the last write attempted, written or not
         self._lock = threading.Lock()
+        self._closed = False
+        self._held: Callable[[], tuple[int, str | None] | None] | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def key(self) -> str:
         return f"{LEDGER_PREFIX}{self.worker_id}.json"
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def beat(self, version: int, *, lineage: str | None = None, force: bool = False) -> bool:
         """Write the heartbeat if the version changed or the interval passed; True if written."""
         with self._lock:
-            if not self.enabled:
+            if not self.enabled or self._closed:
                 return False
             now = time.monotonic()
-            if not force and self._last is not None and self._last[0] == version and now - self._last[1] < self.interval_s:
+            if not force and self._last is not None and self._last[:2] == (version, lineage) \
+                    and now - self._last[2] < self.interval_s:
                 return False
-            try:
-                self.store.put(self.key, encode_heartbeat(self.worker_id, version, lineage=lineage), mode="overwrite")
-            except AccessDeniedError:
-                self.enabled = False
-                logger.info("not writing heartbeats to %s: the credentials are read-only (that is fine)", self.store.url)
-                return False
-            except (StorageError, DeltastoreError) as e:
-                logger.warning("heartbeat to %s failed (will retry): %s", self.store.url, e)
-                return False
-            self._last = (version, now)
-            return True
+            if self._put(version, lineage, STATE_FOLLOWING):
+                self._last = (version, lineage, now)
+                return True
+            return False
+
+    def start(self, held: Callable[[], tuple[int, str | None] | None]) -> HeartbeatWriter:
+        """Beat from a daemon thread for ``held()`` (``(version, lineage)``, or None while nothing
+        is held): at once, after each :meth:`notify`, and every ``interval_s``. Returns self."""
+        with self._lock:
+            if self._thread is not None or self._closed:
+                raise ValueError(f"heartbeat writer {self.worker_id!r} was already started or closed")
+            self._held = held
+            self._thread = threading.Thread(target=self._run, name=f"deltastore-heartbeat-{self.worker_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def notify(self) -> None:
+        """The held version changed: the thread writes it now (without blocking the caller)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stop the thread and write a last heartbeat marked stopped (the version last held).
+        Nothing is written for a worker that never held a version. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True  # the thread's next beat is refused; one in flight finishes first
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT_S)
+        with self._lock:
+            current = self._current()
+            if current is None and self._last is not None:
+                current = self._last[:2]
+            if current is not None and self.enabled:
+                self._put(*current, STATE_STOPPED)
+
+    def __enter__(self) -> HeartbeatWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _current(self) -> tuple[int, str | None] | None:
+        if self._held is None:
+            return None
+        try:
+            return self._held()
+        except Exception:  # noqa: BLE001 - a heartbeat must never take the worker down
+            logger.debug("heartbeat source of %s failed", self.worker_id, exc_info=True)
+            return None
+
+    def _put(self, version: int, lineage: str | None, state: str) -> bool:
+        """One write (under ``_lock``); False when it failed (logged)."""
+        self._tried = time.monotonic()
+        try:
+            self.store.put(self.key, encode_heartbeat(self.worker_id, version, lineage=lineage, state=state),
+                           mode="overwrite")
+        except AccessDeniedError:
+            self.enabled = False
+            logger.info("not writing heartbeats to %s: the credentials are read-only (that is fine)", self.store.url)
+            return False
+        except (StorageError, DeltastoreError) as e:
+            logger.warning("heartbeat to %s failed (will retry): %s", self.store.url, e)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self._closed and self.enabled:
+            self._wake.clear()
+            current = self._current()
+            if current is not None:
+                self.beat(current[0], lineage=current[1])
+            # The next beat is due an interval after the last write attempted (a failed one too:
+            # no tight loop against a failing store).
+            self._wake.wait(max(0.0, self.interval_s - (time.monotonic() - self._tried)) if self._tried else self.interval_s)
 
 
 __all__ = [
     "HEARTBEAT_INTERVAL_S",
     "LEDGER_PREFIX",
     "LIVE_TTL_S",
+    "STATE_FOLLOWING",
+    "STATE_STOPPED",
     "Heartbeat",
     "HeartbeatWriter",
     "WorkerStatus",

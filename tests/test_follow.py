@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -391,6 +392,88 @@ def test_an_unusable_cache_is_rebuilt_with_a_log_line(damage: str, tmp_path: Pat
     assert_bits_equal(held.tensors, published_b[2])
 
 
+def _follow_publishing(t: StoreTarget, states: list[dict[str, torch.Tensor]], **kw: Any) -> list[FollowRecord]:
+    """Follow while publishing ``states`` one at a time: each yielded version brings the next."""
+    _publish_all(t, states[:1])
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    recs: list[FollowRecord] = []
+    with _subscriber(t) as sub:
+        for rec in sub.follow(target, interval=0.01, heartbeat=False, **kw):
+            recs.append(rec)
+            if len(recs) == len(states):
+                break
+            with _publisher(t) as pub:
+                pub.publish(states[len(recs)])
+    assert_bits_equal(target, states[-1])
+    return recs
+
+
+@pytest.mark.parametrize("error", ["SafetensorError", "ENOSPC"])
+def test_a_cache_that_cannot_be_saved_is_a_warning_and_the_follower_goes_on(
+    error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real = safetensors.torch.save_file
+
+    def disk_full_after_the_first(tensors: Any, filename: str, metadata: Any = None) -> None:
+        if not list(Path(filename).parent.glob("state-*.safetensors")):
+            return real(tensors, filename, metadata=metadata)
+        Path(filename).write_bytes(b"\0" * 100)  # half a file, then the disk is full
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)") \
+            if error == "SafetensorError" else OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full_after_the_first)
+    t = StoreTarget("file", str(tmp_path / "store"))
+    states = _states(4)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+        recs = _follow_publishing(t, states, cache_dir=cache, cache_every_s=0.0)
+    assert [r.info.version for r in recs] == [1, 2, 3, 4]
+    assert not list(cache.glob("*partial*")) and len(list(cache.glob("state-*"))) == 1
+    assert caplog.text.count("without updating the worker cache") >= 3, caplog.text
+    held = WorkerCache(cache).load()
+    assert held is not None and held.version == 1  # the last good save, adopted as what it is
+    assert_bits_equal(held.tensors, states[0])
+
+
+def test_a_cache_on_a_full_tmpfs_is_a_warning_and_the_follower_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "tmpfs"
+    cache.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(cache)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        t = StoreTarget("file", str(tmp_path / "store"))
+        states = [{"w": torch.full((128, 256), float(i))} for i in range(3)]  # 128 KiB: never fits
+        with caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+            recs = _follow_publishing(t, states, cache_dir=cache, cache_every_s=0.0)
+        assert [r.info.version for r in recs] == [1, 2, 3]
+        assert "No space left on device" in caplog.text, caplog.text
+        assert sorted(p.name for p in cache.iterdir()) == []  # nothing half-written left on it
+    finally:
+        subprocess.run(["umount", str(cache)], check=True)
+
+
+def test_follow_refuses_a_cache_path_that_is_a_file_before_fetching(tmp_path: Path) -> None:
+    from deltastore.errors import WorkerCacheError
+
+    t = StoreTarget("file", str(tmp_path / "store"))
+    states = _states(1)
+    _publish_all(t, states)
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("")
+    store = WrappedStore(open_store(t.url))
+    with Subscriber(t.url, store=store, threads=2) as sub:
+        target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+        with pytest.raises(WorkerCacheError, match=f"worker cache path {not_a_dir} is not a directory"):
+            next(sub.follow(target, cache_dir=not_a_dir, worker_id="w-1"))
+    assert store.calls == []  # nothing read, no heartbeat written
+
+
+
 # --- kills: the pause, the cache write -----------------------------------------------------------
 
 _WORKER = r"""
@@ -500,6 +583,59 @@ def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: 
             recs = list(sub.follow(target, interval=0.01, worker_id="w-2", max_versions=1))
     assert recs[0].info.version == 2
     assert caplog.text.count("read-only") == 1
+
+
+def test_a_follower_that_ends_is_marked_stopped_with_its_last_version(tmp_path: Path) -> None:
+    from deltastore.ledger import read_ledger
+
+    t = StoreTarget("file", str(tmp_path / "store"))
+    _publish_all(t, _states(2))
+    target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
+    seen = []
+    with _subscriber(t) as sub:
+        for rec in sub.follow(target, interval=0.01, worker_id="w-1"):
+            _wait(lambda: [(b.worker, b.version, b.live()) for b in read_ledger(open_store(t.url))] == [("w-1", 2, True)])
+            seen.append(rec.info.version)
+            break  # the caller stops iterating: the generator is closed
+    (beat,) = read_ledger(open_store(t.url))
+    assert seen == [2] and (beat.worker, beat.version, beat.stopped, beat.live()) == ("w-1", 2, True, False)
+
+
+def test_a_stage_and_swap_worker_appears_in_the_ledger_and_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deltastore.cli import main
+    from deltastore.ledger import read_ledger
+
+    t = StoreTarget("file", str(tmp_path / "store"))
+    states = _states(3)
+    _publish_all(t, states[:1])
+    ledger = open_store(t.url)
+
+    def beats() -> list[tuple[str, int, bool]]:
+        return [(b.worker, b.version, b.live()) for b in read_ledger(ledger)]
+
+    with _subscriber(t) as sub:
+        with sub.heartbeat("serve-1") as writer:  # what examples/serve.py does
+            assert sub.heartbeat() is writer  # one writer per subscriber while it runs
+            with pytest.raises(ValueError, match="already writes heartbeats as 'serve-1'"):
+                sub.heartbeat("serve-2")
+            target = sub.pull()
+            _wait(lambda: beats() == [("serve-1", 1, True)])
+            _publish_all(t, states[1:])
+            lock = threading.Lock()
+            staged = sub.stage(target)
+            assert staged is not None
+            with lock:  # the pause: the heartbeat is written by its own thread, not in here
+                sub.swap(staged, target)
+            _wait(lambda: beats() == [("serve-1", 3, True)])
+            assert main(["status", t.url, "--json"]) == 0
+            (w,) = json.loads(capsys.readouterr().out)["workers"]
+            assert (w["worker"], w["version"], w["state"], w["live"]) == ("serve-1", 3, "live", True)
+        assert beats() == [("serve-1", 3, False)] and read_ledger(ledger)[0].stopped
+        sub.heartbeat("serve-1")  # a new writer after close (the subscriber's close() ends it)
+        _wait(lambda: beats() == [("serve-1", 3, True)])
+    assert beats() == [("serve-1", 3, False)]
+    assert main(["status", t.url]) == 0
+    assert re.search(r"serve-1 +v3 +current +seen \d+s ago +stopped ", capsys.readouterr().out)
 
 
 def test_follow_loads_a_replaced_history_whole(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

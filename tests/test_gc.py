@@ -227,8 +227,10 @@ def test_live_workers_hold_the_floor(aged):
     report = collect(aged, keep_last=1, grace_s=DAY, dry_run=True)
     assert report.floor_after == 10
     aged.offsets.pop("workers/live.json")  # this one beat just now
+    aged.inner.put("workers/done.json", encode_heartbeat("done", 2, lineage=head.lineage, state="stopped"),
+                   mode="overwrite")  # exited cleanly just now: its cache is checked against the store on restart
     report = collect(aged, keep_last=1, grace_s=DAY)
-    assert report.floor_after == 4  # anchor(5); the other lineage's and the stale worker do not count
+    assert report.floor_after == 4  # anchor(5); the other lineage's, the stale and the stopped worker do not count
     assert needs_of(aged, 5) <= keys(aged)
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from deltastore.errors import AccessDeniedError, StorageError
 from deltastore.ledger import (
     LEDGER_PREFIX,
+    LIVE_TTL_S,
     Heartbeat,
     HeartbeatWriter,
     encode_heartbeat,
@@ -141,3 +145,93 @@ def test_status_on_an_empty_store(tmp_path, capsys):
     assert main(["status", url, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["head_version"] == 0 and doc["workers"] == []
+
+
+def test_a_stopped_worker_is_never_live_and_an_unknown_state_counts_as_following():
+    now = datetime.now(timezone.utc)
+    stopped = parse_heartbeat(encode_heartbeat("w", 3, state="stopped"), f"{LEDGER_PREFIX}w.json", last_modified=now)
+    assert stopped.stopped and not stopped.live(now) and oldest_live_version([stopped], now=now) is None
+    doc = json.loads(encode_heartbeat("w", 3))
+    assert doc["state"] == "following"
+    for state in (None, "draining"):  # an older writer (no state), a newer one (a state unknown here)
+        doc["state"] = state
+        if state is None:
+            del doc["state"]
+        hb = parse_heartbeat(json.dumps(doc).encode(), f"{LEDGER_PREFIX}w.json", last_modified=now)
+        assert not hb.stopped and hb.live(now)
+    doc["state"] = 7
+    with pytest.raises(ValueError, match="state"):
+        parse_heartbeat(json.dumps(doc).encode(), f"{LEDGER_PREFIX}w.json")
+
+
+def test_close_writes_a_last_heartbeat_marked_stopped(store):
+    with HeartbeatWriter(store, "w-1") as w:
+        assert w.beat(4)
+    (hb,) = read_ledger(store)
+    assert (hb.worker, hb.version, hb.stopped, hb.live()) == ("w-1", 4, True, False)
+    assert w.beat(5) is False and read_ledger(store)[0].version == 4  # closed: writes nothing more
+    HeartbeatWriter(store, "w-2").close()  # never held a version: nothing to say
+    assert [b.worker for b in read_ledger(store)] == ["w-1"]
+
+
+def test_the_thread_beats_at_once_on_each_change_and_every_interval(store):
+    calls = []
+
+    class Counting(WrappedStore):
+        def put(self, key, data, *, mode="overwrite"):
+            calls.append(json.loads(data)["version"])
+            return super().put(key, data, mode=mode)
+
+    held = [None]
+    w = HeartbeatWriter(Counting(store), "w-t", interval_s=0.2).start(lambda: held[0])
+    try:
+        time.sleep(0.3)
+        assert calls == []  # nothing held yet: no heartbeat
+        held[0] = (1, "L")
+        w.notify()
+        _until(lambda: calls == [1])
+        held[0] = (2, "L")
+        w.notify()
+        _until(lambda: calls[-1] == 2)
+        _until(lambda: len(calls) >= 4)  # then again every interval, unchanged
+        assert set(calls[2:]) == {2}
+    finally:
+        w.close()
+    (hb,) = read_ledger(store)
+    assert (hb.version, hb.lineage, hb.stopped) == (2, "L", True)
+    assert not w._thread.is_alive()
+
+
+def _until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_status_shows_live_stopped_and_silent_workers_and_its_liveness_window(tmp_path, capsys):
+    from deltastore import Publisher
+    from deltastore.cli import main
+    from tests._helpers import small_state
+
+    url = str(tmp_path / "run")
+    with Publisher(url) as pub:
+        pub.publish(small_state())
+        HeartbeatWriter(pub.store, "a-live").beat(1)
+        with HeartbeatWriter(pub.store, "b-stopped") as w:  # exited cleanly a moment ago
+            w.beat(1)
+        HeartbeatWriter(pub.store, "c-silent").beat(1)
+    silent = tmp_path / "run" / "workers" / "c-silent.json"
+    four_min_ago = time.time() - 4 * 60  # four heartbeats missed: it died without a word
+    os.utime(silent, (four_min_ago, four_min_ago))
+    assert main(["status", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["live_ttl_s"] == LIVE_TTL_S
+    assert [(w["worker"], w["state"], w["live"]) for w in doc["workers"]] == [
+        ("a-live", "live", True), ("b-stopped", "stopped", False), ("c-silent", "gone", False)]
+    assert doc["workers"][2]["last_seen_s"] >= 4 * 60
+    assert main(["status", url]) == 0
+    text = capsys.readouterr().out
+    assert "3 worker(s): 1 live, 1 stopped, 1 gone" in text
+    assert f"(live = following, heartbeat within {LIVE_TTL_S / 60:.0f}m)" in text
+    assert re.search(r"c-silent +v1 +current +seen 4m ago +gone ", text), text

@@ -130,9 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("pull", "write a version to a .safetensors file", commands.cmd_pull)
     p.add_argument("url")
     p.add_argument("out", help="output .safetensors path (its directory must exist)")
-    p.add_argument("--version", type=version_number, help="default: the latest")
-    p.add_argument("--follow", action="store_true", help="keep OUT at the latest version (one line per version) until Ctrl-C/SIGTERM")
-    p.add_argument("--interval", type=poll_interval, default=2.0, help="with --follow: seconds between polls of HEAD (default 2)")
+    p.add_argument("--version", type=version_number, help="default: the latest (not with --follow)")
+    p.add_argument("--follow", action="store_true",
+                   help="keep OUT at the latest version (one line per version) until Ctrl-C/SIGTERM; "
+                        "waits for a first version (or a local store directory) that is not there yet")
+    p.add_argument("--interval", type=poll_interval, help="with --follow: seconds between polls of HEAD (default 2)")
     p.add_argument("--cache", metavar="DIR", help="with --follow: worker cache directory, to restart without refetching")
     json_flag(p, "print the result as JSON (with --follow: one object per version)")
     p.add_argument("--max-versions", type=positive_int, help="with --follow: stop after this many versions")

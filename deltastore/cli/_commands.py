@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import uuid
 from typing import Any
 
@@ -19,6 +20,7 @@ from deltastore.cli._util import (
     EXIT_FAILED,
     EXIT_NOTHING_TO_DO,
     EXIT_OK,
+    EXIT_USAGE,
     byte_progress,
     counting_store,
     duration,
@@ -42,6 +44,8 @@ LIVE_WRITER_S = 300.0
 CLI_WRITER_PREFIX = "cli-"
 #: File suffixes of PyTorch pickles, which deltastore does not load (unsafe, and not a state dict format).
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
+#: ``pull --follow``'s default seconds between polls of HEAD.
+FOLLOW_INTERVAL_S = 2.0
 #: Reads of a checkpoint that is replaced while being read (a trainer's atomic save of its next
 #: step) before giving up: a save takes far longer than a read, so a second read gets a whole file.
 LOAD_ATTEMPTS = 3
@@ -189,7 +193,31 @@ def _check_out(path: str) -> None:
         raise PermissionError(f"output directory {parent} is not writable")
 
 
+def _pull_usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``pull``'s flags together (None: nothing), before any IO."""
+    if args.follow:
+        if args.version is not None:
+            return "--version pulls one version and --follow keeps OUT at the latest one: pass one of them"
+        if args.worker_id is not None:
+            from deltastore.ledger import check_worker_id
+
+            try:
+                check_worker_id(args.worker_id)
+            except ValueError as e:
+                return f"--worker-id: {e}"
+        return None
+    for flag, value in (("--interval", args.interval), ("--cache", args.cache), ("--max-versions", args.max_versions),
+                        ("--worker-id", args.worker_id), ("--on-history-replaced", args.on_history_replaced)):
+        if value is not None:
+            return f"{flag} is for --follow; a pull without --follow writes one version and exits"
+    return None
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
+    problem = _pull_usage(args)
+    if problem is not None:
+        print(f"deltastore: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     from safetensors.torch import save_file
 
     from deltastore.pull import Subscriber
@@ -216,17 +244,31 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _missing_local_store(url: str) -> bool:
+    """A local store URL whose directory does not exist (yet): nothing at that path at all."""
+    if "://" in url and not url.startswith("file://"):
+        return False
+    return not os.path.lexists(os.path.expanduser(url.removeprefix("file://")))
+
+
 def _follow(args: argparse.Namespace) -> int:
-    """``pull --follow``: keep OUT at the latest version until SIGINT/SIGTERM (then exit 0)."""
+    """``pull --follow``: keep OUT at the latest version until SIGINT/SIGTERM (then exit 0).
+
+    Started before the trainer, it waits (one stderr line) for the first version, and for a
+    local store directory that does not exist yet, as for an empty prefix."""
     import signal
     import threading
     import time
 
     from safetensors.torch import save_file
 
-    from deltastore.errors import VersionNotFoundError
+    from deltastore.cache import WorkerCache
+    from deltastore.errors import BucketNotFoundError, WaitTimeoutError
     from deltastore.pull import Subscriber
 
+    interval = args.interval if args.interval is not None else FOLLOW_INTERVAL_S
+    if args.cache is not None:
+        WorkerCache(args.cache)  # a cache path that cannot be a directory fails now, not after the wait
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:  # finish the current version, then end
@@ -234,17 +276,33 @@ def _follow(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    store = open_store(args)  # a non-S3 endpoint fails here instead of looking empty forever
+    said: list[bool] = []
+
+    def waiting() -> None:  # once, however long the wait
+        if not said and not args.quiet_total:
+            print(f"deltastore: waiting for the first version of {args.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+        said.append(True)
+
+    while True:
+        try:
+            store = open_store(args)  # a non-S3 endpoint fails here instead of looking empty forever
+            break
+        except BucketNotFoundError:
+            if not _missing_local_store(args.url):
+                raise  # a bucket is made by whoever runs the store, never by a trainer; a file is no store
+            waiting()  # a local store's directory appears with the trainer's first publish
+            if stop.wait(interval):
+                return EXIT_OK
     try:
         with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
-            while True:  # wait for a first version: the layout to follow into
-                try:
-                    target = sub.allocate()
-                    break
-                except VersionNotFoundError:
-                    if stop.wait(args.interval):
-                        return EXIT_OK
-            records = sub.follow(target, interval=args.interval, stop=stop, cache_dir=args.cache,
+            try:
+                sub.wait_for_version(interval=interval, timeout=0)
+            except WaitTimeoutError:  # nothing published yet: say so once, then wait without a word
+                waiting()
+                if sub.wait_for_version(interval=interval, stop=stop) is None:
+                    return EXIT_OK
+            target = sub.allocate()  # the layout to follow into
+            records = sub.follow(target, interval=interval, stop=stop, cache_dir=args.cache,
                                  worker_id=args.worker_id, max_versions=args.max_versions,
                                  on_history_replaced=args.on_history_replaced)
             for rec in records:
@@ -348,6 +406,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from deltastore.ledger import (
+        LIVE_TTL_S,
         fleet_status,
         oldest_live_version,
         parse_time,
@@ -366,32 +425,37 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         store.close()
     head_version = head.version if head else 0
-    workers = fleet_status(beats, head_version, lambda v: parse_time(infos[v].created) if v in infos else None)
+    workers = fleet_status(beats, head_version, lambda v: parse_time(infos[v].created) if v in infos else None,
+                           ttl_s=LIVE_TTL_S)
     head_age = None
     if head is not None and (t := parse_time(head.created)) is not None:
         from datetime import datetime, timezone
 
         head_age = (datetime.now(timezone.utc) - t).total_seconds()
-    oldest = oldest_live_version(beats)
+    oldest = oldest_live_version(beats, ttl_s=LIVE_TTL_S)
     if args.json:
         emit_json({
             "url": args.url, "head_version": head_version, "head_age_s": head_age,
-            "oldest_live_version": oldest,
+            "oldest_live_version": oldest, "live_ttl_s": LIVE_TTL_S,
             "workers": [{"worker": w.worker, "host": w.host, "version": w.version, "lag_versions": w.lag_versions,
-                         "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live} for w in workers],
+                         "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live, "state": w.state}
+                        for w in workers],
         })
         return EXIT_OK
     if head is None:
         print(f"{args.url}: no versions")
     else:
         age = "" if head_age is None else f", {duration(head_age)} old"
-        print(f"{args.url}: head version {head_version}{age}; {len(workers)} worker(s), "
-              f"{sum(w.live for w in workers)} live, oldest live version {oldest if oldest is not None else '-'}")
+        print(f"{args.url}: head version {head_version}{age}")
+    if workers:
+        stopped = sum(w.state == "stopped" for w in workers)
+        print(f"{len(workers)} worker(s): {sum(w.live for w in workers)} live, {stopped} stopped, "
+              f"{len(workers) - stopped - sum(w.live for w in workers)} gone; oldest live version "
+              f"{oldest if oldest is not None else '-'} (live = following, heartbeat within {duration(LIVE_TTL_S)})")
     for w in workers:
         lag = "current" if w.lag_versions == 0 else f"{w.lag_versions} behind" + (
             "" if w.lag_s is None else f" ({duration(w.lag_s)})")
-        state = "live" if w.live else "gone"
-        print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {duration(w.last_seen_s)} ago  {state}  {w.host}")
+        print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {duration(w.last_seen_s)} ago  {w.state:<7}  {w.host}")
     return EXIT_OK
 
 

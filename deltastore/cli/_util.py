@@ -269,7 +269,7 @@ def hint_for(e: BaseException, args: argparse.Namespace | None) -> str | None:
     if isinstance(e, BucketNotFoundError):
         if url.startswith("s3://"):
             return "create the bucket first (e.g. aws s3 mb s3://BUCKET --endpoint-url ...) or fix the URL"
-        return "nothing was ever published there: check the path (publish creates a local store)"
+        return "check the path (publish creates a local store; pull --follow waits for one)"
     if isinstance(e, AccessDeniedError):
         if "profile" in text:
             return "list the profiles with: aws configure list-profiles; pass one with --storage-option profile=NAME or AWS_PROFILE"

@@ -96,7 +96,8 @@ class LocalStore(Store):
         self.url = self.root.as_uri()
         if not self.root.is_dir():
             missing = BucketNotFoundError(
-                f"local store root {self.root} does not exist or is not a directory; create it first"
+                f"local store root {self.root} is not a directory" if self.root.exists()
+                else f"local store root {self.root} does not exist: nothing was published there"
             )
             if not create:
                 raise missing
