@@ -126,7 +126,7 @@ from deltastore.codec.delta import (
     decode_delta,
     encode_delta,
 )
-from deltastore.codec.full import MIN_PAIR_COUNT, PAIR_SAMPLE_STRIDE, _encode_full_v1, decode_full, encode_full  # noqa: F401 - _encode_full_v1: the v1 writer, kept for golden tests
+from deltastore.codec.full import MIN_PAIR_COUNT, PAIR_SAMPLE_STRIDE, _encode_full_v1, decode_full, decode_full_into, encode_full  # noqa: F401 - _encode_full_v1: the v1 writer, kept for golden tests
 from deltastore.codec.planes import DEFAULT_LEVEL, MIN_ZSTD_INPUT, ZSTD_PLANE_PARAMS
 
 __all__ = [
@@ -162,6 +162,7 @@ __all__ = [
     "compose_deltas",
     "decode_delta",
     "decode_full",
+    "decode_full_into",
     "encode_delta",
     "encode_full",
     "peek_header",
