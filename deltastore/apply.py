@@ -57,6 +57,11 @@ FETCH_BATCH_BYTES = 64 * 1024 * 1024
 #: Byte ranges of one pack closer than this are fetched as one GET: a request costs more than
 #: a few hundred KiB of transfer.
 COALESCE_GAP_BYTES = 256 * 1024
+#: What a decode thread holds at most besides the tensors it writes (SPEC §7 step 8), whatever a
+#: chunk's size: the largest segment the codec decodes whole (codec.delta.WHOLE_MAX_BYTES;
+#: full segments go straight into their tensor), or a piece's working set and the windows of the
+#: zstd sections it streams. A target that is not a live view adds one chunk (see replay).
+DECODE_MEMORY_BYTES = 64 << 20
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -441,17 +446,22 @@ class ReadEngine:
             self.build(p, specs, data, targets[p.name])
 
     def build(self, p: ChunkPlan, specs: dict[str, TensorSpec], data: dict, target: _Target) -> None:
-        """Decode a plan that starts from a full segment, verify it, write it to ``target``."""
-        raw = self.replay(p, specs[p.name], data, None)
-        target.write(*p.span, raw)
+        """Decode a plan that starts from a full segment, verify it, write it to ``target``: in
+        place where the target is a live view (the new tensors ``pull`` allocated), so that no
+        chunk-sized buffer is held besides them (SPEC §7 step 8)."""
+        if target.cpu:
+            self.replay(p, specs[p.name], data, target.read(*p.span))
+            return
+        target.write(*p.span, self.replay(p, specs[p.name], data, None))
 
     @staticmethod
     def replay(
         p: ChunkPlan, spec: TensorSpec, data: dict, raw: np.ndarray | None, base: _Base | None = None,
     ) -> np.ndarray:
-        """Run plan ``p`` on ``raw`` (its bits at the plan's start; None when it starts from a
-        full segment) in place and check the result against the chunk's digest; on any failure
-        ``raw`` is restored (every applied delta undone) and the error raised.
+        """Run plan ``p`` on ``raw`` (its bits at the plan's start; for a plan that starts from a
+        full segment, where to decode it, or None for a new array) in place and check the result
+        against the chunk's digest; on any failure ``raw`` is restored (every applied delta
+        undone; a decoded full segment leaves unspecified bits) and the error raised.
 
         With ``base`` (a delta plan's expected digest of ``raw`` at the start, and the held
         version), ``raw``'s start is checked through the result (SPEC §7.5 (iv)): deltas are
@@ -461,21 +471,24 @@ class ReadEngine:
         hashed to tell a modified target (TargetModifiedError) from a bad segment (IntegrityError).
         """
         a, b = p.span
+        digest = None
         if p.full is not None:
-            raw = codec.decode_full(data[p.full.where], codec=p.full.ref.codec, dtype=spec.uint_dtype(), count=b - a)
+            if raw is None:
+                raw = np.empty(b - a, dtype=spec.uint_dtype())
+            # the full segment's digest in its decode pass, unless deltas follow
+            digest = codec.decode_full_into(data[p.full.where], raw, codec=p.full.ref.codec, digest=not p.deltas)
             base = None  # the plan does not read the target's bits
         assert raw is not None
         applied: list[Step] = []
         try:
             if base is not None and not p.deltas and state_digest(raw) != base[0]:
                 raise _modified(p.name, p.index, base[1], spec)
-            digest = None
             for i, s in enumerate(p.deltas):
                 _, digest = codec.apply_delta_digests(  # validates before writing
                     raw, data[s.where], codec=s.ref.codec, after=i == len(p.deltas) - 1,
                 )
                 applied.append(s)
-            if (digest if p.deltas else state_digest(raw)) != p.digest:
+            if (digest if p.deltas or p.full is not None else state_digest(raw)) != p.digest:
                 raise IntegrityError(
                     f"chunk {p.name}[{p.index}]{_block_words(spec, p.index)} does not match its digest after applying "
                     f"{len(p.steps())} segment(s)"
@@ -766,6 +779,15 @@ class ReadEngine:
                     self.replay(p, specs[p.name], data, raw, b)
                     tgt.write(*p.span, raw)
                 return p, None, data
+            if tgt.cpu:  # decoded in place (SPEC §7 step 8), the bits it replaces saved for a rollback
+                view = tgt.read(*p.span)
+                saved = view.copy()
+                try:
+                    self.replay(p, specs[p.name], data, view)
+                except BaseException:
+                    view[...] = saved  # a failed attempt leaves the target as it was
+                    raise
+                return p, saved, data
             new = self.replay(p, specs[p.name], data, None)
             saved = tgt.read(*p.span).copy()
             tgt.write(*p.span, new)

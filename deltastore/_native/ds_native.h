@@ -25,6 +25,7 @@ extern PyMethodDef ds_ctx_methods[];    /* ctx.c */
 extern PyMethodDef ds_planes_methods[]; /* planes.c */
 extern PyMethodDef ds_groups_methods[]; /* groups.c */
 extern PyMethodDef ds_zstd_methods[];   /* zstd.c */
+extern PyMethodDef ds_full_methods[];   /* full.c */
 
 /* The 32 lowercase hex digits of an XXH3-128 digest (high 64 bits first, as
  * xxhash.xxh3_128_hexdigest writes them) as a new str. */
@@ -44,5 +45,17 @@ enum { DS_ZE_NOT_FRAME = 1, DS_ZE_CLAIMS = 2, DS_ZE_BAD_FRAME = 3, DS_ZE_SIZE = 
 int ds_zstd_ready(void);
 int ds_zstd_decode(const void *src, size_t len, void *dst, size_t cap, unsigned long long *value,
                    const char **message);
+
+/* zstd.c: one frame decoded a piece at a time (without the GIL, after ds_zstd_ready), in a context
+ * of its own whose window is at most 2**window_log_max bytes. open makes ds_zstd_decode's checks
+ * before decoding anything; read decodes exactly the next n bytes; end checks that the frame ends
+ * there (its last block and checksum, nothing more); each returns 0 or a failure kind (as
+ * ds_zstd_decode). free releases the stream (NULL is ignored). */
+typedef struct ds_zstream ds_zstream;
+int ds_zstream_open(ds_zstream **out, const void *src, size_t len, size_t cap, int window_log_max,
+                    unsigned long long *value, const char **message);
+int ds_zstream_read(ds_zstream *s, void *dst, size_t n, unsigned long long *value, const char **message);
+int ds_zstream_end(ds_zstream *s, unsigned long long *value, const char **message);
+void ds_zstream_free(ds_zstream *s);
 
 #endif

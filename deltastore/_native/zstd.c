@@ -30,6 +30,10 @@ typedef size_t (*find_frame_size_fn)(const void *, size_t);
 typedef unsigned (*is_error_fn)(size_t);
 typedef const char *(*error_name_fn)(size_t);
 typedef unsigned (*version_fn)(void);
+typedef struct { const void *src; size_t size; size_t pos; } ds_in_t;  /* ZSTD_inBuffer */
+typedef struct { void *dst; size_t size; size_t pos; } ds_out_t;       /* ZSTD_outBuffer */
+typedef size_t (*decompress_stream_fn)(void *, ds_out_t *, ds_in_t *);
+typedef size_t (*set_parameter_fn)(void *, int, int);
 
 static struct {
     int tried;
@@ -41,7 +45,12 @@ static struct {
     find_frame_size_fn find_frame_size;
     is_error_fn is_error;
     error_name_fn error_name;
+    decompress_stream_fn decompress_stream;
+    set_parameter_fn set_parameter;
 } Z;
+
+/* ZSTD_d_windowLogMax (stable since zstd 1.4.0). */
+#define DS_ZSTD_D_WINDOWLOGMAX 100
 
 #ifdef DS_HAVE_DLOPEN
 static pthread_key_t dctx_key;
@@ -66,8 +75,11 @@ static void zstd_load(void) {
     Z.find_frame_size = (find_frame_size_fn)dlsym(h, "ZSTD_findFrameCompressedSize");
     Z.is_error = (is_error_fn)dlsym(h, "ZSTD_isError");
     Z.error_name = (error_name_fn)dlsym(h, "ZSTD_getErrorName");
+    Z.decompress_stream = (decompress_stream_fn)dlsym(h, "ZSTD_decompressStream");
+    Z.set_parameter = (set_parameter_fn)dlsym(h, "ZSTD_DCtx_setParameter");
     if (!version || !Z.create_dctx || !Z.free_dctx || !Z.decompress_dctx || !Z.frame_content_size ||
-        !Z.find_frame_size || !Z.is_error || !Z.error_name || version() < 10400 ||
+        !Z.find_frame_size || !Z.is_error || !Z.error_name || !Z.decompress_stream || !Z.set_parameter ||
+        version() < 10400 ||
         pthread_key_create(&dctx_key, free_dctx) != 0) {
         dlclose(h);
         return;
@@ -107,15 +119,9 @@ int ds_zstd_ready(void) {
     return Z.version != 0;
 }
 
-int ds_zstd_decode(const void *src, size_t len, void *dst, size_t cap, unsigned long long *value,
-                   const char **message) {
-    void *dctx = thread_dctx();
-    *value = 0;
-    *message = "";
-    if (!dctx) {
-        *message = "cannot allocate a zstd decompression context";
-        return DS_ZE_BAD_FRAME;
-    }
+/* A frame's checks before any byte is decoded, shared by the one-call and the streamed decoder:
+ * a frame header whose content size, when declared, is `cap`, and exactly one frame in `len`. */
+static int check_frame(const void *src, size_t len, size_t cap, unsigned long long *value, const char **message) {
     unsigned long long declared = Z.frame_content_size(src, len);
     size_t r;
     if (declared == DS_ZSTD_CONTENTSIZE_ERROR) return DS_ZE_NOT_FRAME;
@@ -131,6 +137,21 @@ int ds_zstd_decode(const void *src, size_t len, void *dst, size_t cap, unsigned 
         *message = "bytes after the frame";
         return DS_ZE_BAD_FRAME;
     }
+    return 0;
+}
+
+int ds_zstd_decode(const void *src, size_t len, void *dst, size_t cap, unsigned long long *value,
+                   const char **message) {
+    void *dctx = thread_dctx();
+    *value = 0;
+    *message = "";
+    if (!dctx) {
+        *message = "cannot allocate a zstd decompression context";
+        return DS_ZE_BAD_FRAME;
+    }
+    int k = check_frame(src, len, cap, value, message);
+    size_t r;
+    if (k) return k;
     if (Z.is_error(r = Z.decompress_dctx(dctx, dst, cap, src, len))) {
         *message = Z.error_name(r);
         return DS_ZE_BAD_FRAME;
@@ -140,6 +161,92 @@ int ds_zstd_decode(const void *src, size_t len, void *dst, size_t cap, unsigned 
         return DS_ZE_SIZE;
     }
     return 0;
+}
+
+struct ds_zstream {
+    void *dctx;
+    ds_in_t in;
+    size_t done;  /* bytes decoded so far */
+    int finished; /* the frame ended (its checksum checked) */
+};
+
+int ds_zstream_open(ds_zstream **out, const void *src, size_t len, size_t cap, int window_log_max,
+                    unsigned long long *value, const char **message) {
+    *out = NULL;
+    *value = 0;
+    *message = "";
+    int k = check_frame(src, len, cap, value, message);
+    if (k) return k;
+    ds_zstream *s = (ds_zstream *)calloc(1, sizeof *s);
+    if (!s || !(s->dctx = Z.create_dctx())) {
+        free(s);
+        *message = "cannot allocate a zstd decompression context";
+        return DS_ZE_BAD_FRAME;
+    }
+    size_t r = Z.set_parameter(s->dctx, DS_ZSTD_D_WINDOWLOGMAX, window_log_max);
+    if (Z.is_error(r)) {
+        Z.free_dctx(s->dctx);
+        free(s);
+        *message = Z.error_name(r);
+        return DS_ZE_BAD_FRAME;
+    }
+    s->in.src = src;
+    s->in.size = len;
+    *out = s;
+    return 0;
+}
+
+int ds_zstream_read(ds_zstream *s, void *dst, size_t n, unsigned long long *value, const char **message) {
+    ds_out_t o = {dst, n, 0};
+    *value = 0;
+    *message = "";
+    while (o.pos < o.size) {
+        size_t in0 = s->in.pos, out0 = o.pos;
+        size_t r = s->finished ? 0 : Z.decompress_stream(s->dctx, &o, &s->in);
+        if (Z.is_error(r)) {
+            *message = Z.error_name(r);
+            return DS_ZE_BAD_FRAME;
+        }
+        s->finished = r == 0;
+        /* the frame ended early, or its input did (no progress: a frame cut short) */
+        if ((r == 0 && o.pos < o.size) || (s->in.pos == in0 && o.pos == out0)) {
+            *value = s->done + o.pos;
+            return DS_ZE_SIZE;
+        }
+    }
+    s->done += n;
+    return 0;
+}
+
+int ds_zstream_end(ds_zstream *s, unsigned long long *value, const char **message) {
+    uint8_t extra;
+    *value = 0;
+    *message = "";
+    while (!s->finished) { /* the frame's last block and checksum, and nothing more */
+        ds_out_t o = {&extra, 1, 0};
+        size_t in0 = s->in.pos;
+        size_t r = Z.decompress_stream(s->dctx, &o, &s->in);
+        if (Z.is_error(r)) {
+            *message = Z.error_name(r);
+            return DS_ZE_BAD_FRAME;
+        }
+        if (o.pos) {
+            *message = "Destination buffer is too small";
+            return DS_ZE_BAD_FRAME;
+        }
+        s->finished = r == 0;
+        if (!s->finished && s->in.pos == in0) {
+            *value = s->done;
+            return DS_ZE_SIZE;
+        }
+    }
+    return 0;
+}
+
+void ds_zstream_free(ds_zstream *s) {
+    if (!s) return;
+    Z.free_dctx(s->dctx);
+    free(s);
 }
 
 PyDoc_STRVAR(zstd_decompress_doc,

@@ -129,7 +129,14 @@ if TYPE_CHECKING:
         decode_delta,
         encode_delta,
     )
-    from deltastore.codec.full import MIN_PAIR_COUNT, PAIR_SAMPLE_STRIDE, _encode_full_v1, decode_full, encode_full
+    from deltastore.codec.full import (
+        MIN_PAIR_COUNT,
+        PAIR_SAMPLE_STRIDE,
+        _encode_full_v1,
+        decode_full,
+        decode_full_into,
+        encode_full,
+    )
     from deltastore.codec.planes import DEFAULT_LEVEL, MIN_ZSTD_INPUT, ZSTD_PLANE_PARAMS
 
 #: Each public name's module, imported on first access (PEP 562): the metadata path (manifests,
@@ -144,7 +151,8 @@ _LAZY = {
     **dict.fromkeys(("DENSE_TRY_FRACTION", "ESCAPE", "NIBBLE_ESCAPE", "Changes", "DenseDelta", "SparseDelta",
                      "_encode_delta_xor", "apply_delta", "apply_delta_digests", "apply_delta_into", "decode_delta",
                      "encode_delta"), "deltastore.codec.delta"),
-    **dict.fromkeys(("MIN_PAIR_COUNT", "PAIR_SAMPLE_STRIDE", "_encode_full_v1", "decode_full", "encode_full"),
+    **dict.fromkeys(("MIN_PAIR_COUNT", "PAIR_SAMPLE_STRIDE", "_encode_full_v1", "decode_full", "decode_full_into",
+                     "encode_full"),
                     "deltastore.codec.full"),
     **dict.fromkeys(("DEFAULT_LEVEL", "MIN_ZSTD_INPUT", "ZSTD_PLANE_PARAMS"), "deltastore.codec.planes"),
 }
@@ -198,6 +206,7 @@ __all__ = [
     "compose_deltas",
     "decode_delta",
     "decode_full",
+    "decode_full_into",
     "encode_delta",
     "encode_full",
     "peek_header",

@@ -64,6 +64,8 @@ pair_codes = getattr(_native, "pair_codes", None)
 byte_histogram = getattr(_native, "byte_histogram", None)
 #: See the docstring in deltastore/_native/apply.c.
 apply_segment = getattr(_native, "apply_segment", None)
+#: See the docstring in deltastore/_native/full.c (full segments into the caller's array).
+decode_full = getattr(_native, "decode_full", None)
 #: See deltastore/_native/groups.c (tensor groups, design 007).
 gather_members = getattr(_native, "gather_members", None)
 scatter_members = getattr(_native, "scatter_members", None)

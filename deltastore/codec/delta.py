@@ -18,7 +18,7 @@ when enough elements changed; the smaller wins. Decoders return a :class:`Sparse
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,8 +44,10 @@ from deltastore.codec.planes import (
     DEFAULT_LEVEL,
     UINT,
     Plane,
+    SectionPieces,
     check_dtype,
     check_values,
+    check_windows,
     decode_sections,
     encode_byte_sections,
     encode_sections,
@@ -53,6 +55,7 @@ from deltastore.codec.planes import (
     pack_nibbles,
     section_args,
     split,
+    state_digest,
     unpack_nibbles,
     unzigzag,
     zigzag,
@@ -525,8 +528,12 @@ def decode_delta(data: bytes, *, codec: str, dtype, count: int) -> Decoded:
 
 def _decode(data: bytes, codec: str, width: int, count: int) -> Decoded:
     """:func:`decode_delta` for a codec already checked to be a delta codec."""
+    return _decode_sections(data, read_header(data, codec, width, count))
+
+
+def _decode_sections(data: bytes, h: SegmentHeader) -> Decoded:
+    codec, count = h.codec, h.count
     op = OPERATION[codec]
-    h = read_header(data, codec, width, count)
     secs = decode_sections(data, h)
     if codec not in SPARSE_CODECS:
         values = op.read_values(secs, h, count)
@@ -681,8 +688,11 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
     t = _check_target(target)
     sparse = codec in SPARSE_CODECS
     kernel = _kernels.apply_segment
-    if kernel is not None and t.dtype.str[0] != ">":  # the kernel works in little-endian
-        h = read_header(data, codec, t.itemsize, t.size)
+    native = kernel is not None and t.dtype.str[0] != ">"  # the kernel works in little-endian
+    h = read_header(data, codec, t.itemsize, t.size)
+    if _working_bytes(h, native) > WHOLE_MAX_BYTES:
+        return _apply_pieces(t, data, h, inverse, want, source)
+    if native:
         secs = section_args(data, h)  # zstd frames decoded by the kernel itself where it can
         ch = None
         if source is not None and sparse:
@@ -706,7 +716,7 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
         if err:
             raise _kernel_error(err, a, b, codec, t.size)
         return before, after, ch
-    d = _decode(data, codec, t.itemsize, t.size)
+    d = _decode_sections(data, h)
     if source is not None:
         before = _digest(source) if want & 1 else None
         np.copyto(t, source)
@@ -726,3 +736,222 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
     if source is not None and isinstance(d, SparseDelta):
         ch = Changes(d.positions, source[d.positions], t[d.positions])
     return before, (_digest(t) if want & 2 else None), ch
+
+
+# --- large segments, a piece at a time ----------------------------------------------------
+
+#: A delta segment whose decoding would hold more than this at once (the native kernel's
+#: decoded sections; on the numpy path also the positions and values it builds, see
+#: :func:`_working_bytes`) is applied a piece at a time (:func:`_apply_pieces`), so that what a
+#: decoder holds is bounded whatever the chunk's size (SPEC §7 step 8). The deltas of this release's
+#: 16 MiB chunks stay below it on the native path; on the numpy path those of training steps
+#: (a few % changed, ~1 % of values escaped) do.
+WHOLE_MAX_BYTES = 48 << 20
+
+#: Changes (sparse codecs) or elements (dense codecs) per piece: a piece's planes, positions and
+#: values are a few MiB.
+PIECE_ELEMENTS = 1 << 18
+
+
+def _working_bytes(h: SegmentHeader, native: bool) -> int:
+    """What applying ``h``'s segment whole holds at its peak, at most: the kernel's decoded
+    sections (a CONST one is a byte); the numpy decoder's sections and the arrays it builds
+    from them (per change: an int64 position, its gap, the value and masks; per escape: its
+    index, planes and widened value)."""
+    if native:
+        return sum(s.raw_size for s in h.sections if s.kind != "const")
+    escapes = h.n_escaped * (16 + 4 * h.width) + h.n_gap_escaped * 24
+    if h.codec in SPARSE_CODECS:
+        return h.raw_size + h.n_changed * (16 + h.width) + escapes
+    return h.raw_size + h.count * (2 + h.width) + escapes
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Part of a decoded delta: ``values`` for elements ``start …`` (dense), or at
+    ``positions`` (sparse, absolute)."""
+
+    start: int
+    positions: np.ndarray | None
+    values: np.ndarray
+
+
+class _PieceReader:
+    """A segment's sections read a piece at a time, in step (one :class:`SectionPieces` each)."""
+
+    def __init__(self, data: bytes, h: SegmentHeader, piece: int):
+        self.h = h
+        self.src = [SectionPieces(data, h, i, piece + 1) for i in range(len(h.sections))]
+
+    def planes(self, first: int, k: int, n: int) -> list[Plane]:
+        """The next ``n`` bytes of sections ``first … first + k - 1``."""
+        return [self.src[i].take(n) for i in range(first, first + k)]
+
+    def end(self, skip: tuple[int, ...] = ()) -> None:
+        for i, s in enumerate(self.src):
+            if i not in skip:
+                s.end()
+
+
+def _as_array(p: Plane, n: int) -> np.ndarray:
+    return np.full(n, p, np.uint8) if isinstance(p, int) else p
+
+
+class _Escapes:
+    """Escaped entries of ``width`` bytes (the byte planes of sections ``first …``), taken in
+    order as the codes that stand for them are met; codes beyond the declared count are only
+    counted (the count is checked once the whole segment is read)."""
+
+    def __init__(self, reader: _PieceReader, first: int, width: int, declared: int):
+        self.reader, self.first, self.width, self.declared = reader, first, width, declared
+        self.used = self.held = 0
+
+    def take(self, k: int) -> np.ndarray | None:
+        """The next ``k`` entries (uint64), or None once more are met than were declared."""
+        self.held += k
+        t = min(k, self.declared - self.used)
+        if t == 0:
+            return None if k else np.empty(0, np.uint64)
+        got = join([_as_array(p, t) for p in self.reader.planes(self.first, self.width, t)], t).astype(np.uint64)
+        self.used += t
+        return got if t == k else None
+
+    @property
+    def exact(self) -> bool:
+        return self.held == self.declared
+
+    def partly_read(self) -> tuple[int, ...]:
+        """The sections left partly read when the count is wrong (not checked for their end)."""
+        return () if self.used == self.declared else tuple(range(self.first, self.first + self.width))
+
+
+def _delta_pieces(data: bytes, h: SegmentHeader) -> Iterator[_Piece]:
+    """The segment's delta a piece of :data:`PIECE_ELEMENTS` at a time, with every check of
+    :func:`_decode`: a piece's zstd sections as they are read, the rest once the segment is
+    read whole (each counted over all of it), reported in :func:`_decode`'s order. A caller
+    that must not write before the segment is known good reads it through once first."""
+    op = OPERATION[h.codec]
+    codec, w, count, piece = h.codec, h.width, h.count, max(2, PIECE_ELEMENTS // 2 * 2)
+    r = _PieceReader(data, h, piece)
+    add = op is ADD
+    found = {"padding": False, "small": False}
+
+    def add_values(first: int, m: int, last: bool, esc: _Escapes) -> np.ndarray | None:
+        """Differences of ``m`` paired codes; None when the escapes ran out."""
+        packed = _as_array(r.planes(first, 1, (m + 1) // 2)[0], (m + 1) // 2)
+        if last and m % 2 and packed[-1] >> np.uint8(4):
+            found["padding"] = True
+        lut = _code_lut(w)
+        view = _PAIR_VIEW.get(w)
+        if view is not None:
+            diffs = lut.view(view).reshape(256)[packed].view(UINT[w])[:m]
+        else:
+            diffs = np.take(lut, packed, axis=0).reshape(-1)[:m]
+        at = (diffs == _ESC_DIFF[w]).nonzero()[0]
+        got = esc.take(int(at.size))
+        if got is None:
+            return None
+        if got.size:
+            found["small"] |= not bool((got >= NIBBLE_ESCAPE).all())
+            diffs[at] = unzigzag(got.astype(UINT[w]))
+        return diffs
+
+    def value_errors(esc: _Escapes) -> list[str]:
+        """_read_add_values' checks, in its order."""
+        return [msg for bad, msg in [
+            (found["padding"], f"{codec} segment's padding code is not 0"),
+            (not esc.exact, f"{codec} segment declares {h.n_escaped} escaped values, its codes hold {esc.held}"),
+            (found["small"], f"{codec} segment escapes a value below {NIBBLE_ESCAPE}"),
+        ] if bad]
+
+    if codec not in SPARSE_CODECS:
+        esc = _Escapes(r, 1, w, h.n_escaped)
+        nz = 0
+        for start in range(0, count, piece):
+            m = min(piece, count - start)
+            values = add_values(0, m, start + m == count, esc) if add else join(
+                [_as_array(p, m) for p in r.planes(0, w, m)], m)
+            if values is None:
+                continue
+            nz += int(np.count_nonzero(values))  # add: escaped values are >= 15, never 0
+            yield _Piece(start, None, values)
+        r.end(esc.partly_read() if add else ())
+        errors = value_errors(esc) if add else []
+        if nz != h.n_changed:
+            errors.append(f"{codec} segment declares {h.n_changed} changed elements, holds {nz}")
+        if errors:
+            raise CorruptObjectError(errors[0])
+        return
+
+    n = h.n_changed
+    n_pos = op.n_position_sections(h)
+    gesc = _Escapes(r, 1, h.gap_width, h.n_gap_escaped)
+    vesc = _Escapes(r, n_pos + 1, w, h.n_escaped)
+    last = -1  # the last position so far
+    zero = False
+    for start in range(0, n, piece):
+        m = min(piece, n - start)
+        if add:
+            sym = _as_array(r.planes(0, 1, m)[0], m)
+            gaps = sym.astype(np.uint64)
+            at = (sym == ESCAPE).nonzero()[0]
+            rest = gesc.take(int(at.size))
+            values = add_values(n_pos, m, start + m == n, vesc)
+            if rest is None or values is None:
+                continue
+            gaps[at] += rest
+        else:
+            gaps = join([_as_array(p, m) for p in r.planes(0, h.gap_width, m)], m).astype(np.uint64)
+            values = join([_as_array(p, m) for p in r.planes(n_pos, w, m)], m)
+        zero = zero or not values.all()
+        # each position is the last one + 1 + its gap: a gap is < 2**32 + 255, so a piece adds
+        # < 2**51 and the positions stay far from wrapping (they are checked against count at
+        # the end, as _decode checks its last one)
+        gaps += np.uint64(1)
+        pos = np.cumsum(gaps, out=gaps)  # >= 1
+        pos += np.uint64(last + 1)
+        pos -= np.uint64(1)
+        last = int(pos[-1])
+        yield _Piece(0, pos.view(np.int64), values)
+    r.end((gesc.partly_read() + vesc.partly_read()) if add else ())
+    errors = value_errors(vesc) if add else []
+    if zero:
+        errors.append(f"{codec} segment holds a zero {op.value_name} (an unchanged element)")
+    if add and not gesc.exact:
+        errors.append(f"{codec} segment declares {h.n_gap_escaped} escaped gaps, its symbols hold {gesc.held}")
+    if last >= count:
+        errors.append(f"{codec} segment has position {last}, beyond its {count} elements")
+    if errors:
+        raise CorruptObjectError(errors[0])
+
+
+def _apply_pieces(t: np.ndarray, data: bytes, h: SegmentHeader, inverse: bool, want: int,
+                  source: np.ndarray | None) -> tuple[str | None, str | None, Changes | None]:
+    """:func:`_apply` for a segment above :data:`WHOLE_MAX_BYTES`: read through once to check
+    it (nothing written: a refused segment leaves ``t`` as it was), then again to apply it,
+    a piece at a time; the digests in passes of their own."""
+    check_windows(data, h)
+    for _ in _delta_pieces(data, h):
+        pass
+    src = t if source is None else source
+    before = state_digest(src) if want & 1 else None
+    if source is not None:
+        np.copyto(t, source)
+    op = OPERATION[h.codec]
+    ufunc = op.undo if inverse else op.combine
+    record = source is not None and h.codec in SPARSE_CODECS
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for p in _delta_pieces(data, h):
+        values = p.values.astype(t.dtype, copy=False)
+        if p.positions is None:
+            part = t[p.start : p.start + values.size]
+            ufunc(part, values, out=part)
+        else:
+            ufunc.at(t, p.positions, values)
+            if record:
+                found.append((p.positions.copy(), source[p.positions], t[p.positions]))
+    ch = None
+    if record:
+        ch = Changes(*(np.concatenate([f[i] for f in found]) for i in range(3))) if found else Changes(
+            np.empty(0, np.int64), np.empty(0, t.dtype), np.empty(0, t.dtype))
+    return before, (state_digest(t) if want & 2 else None), ch

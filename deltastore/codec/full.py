@@ -8,8 +8,10 @@ that plane as pairs of 4-bit codes in a window of 15 exponents (transform 2).
 from __future__ import annotations
 
 import numpy as np
+import xxhash
 
 from deltastore.codec import _kernels
+from deltastore.codec import planes as _sections
 from deltastore.codec.container import (
     CODEC_FULL,
     CODEC_FULL2,
@@ -19,6 +21,7 @@ from deltastore.codec.container import (
     TRANSFORM_PAIRS,
     TRANSFORM_ROTL1,
     Segment,
+    SegmentHeader,
     expect_codec,
     pack,
     packed_size,
@@ -27,17 +30,25 @@ from deltastore.codec.container import (
 from deltastore.codec.planes import (
     DEFAULT_LEVEL,
     SectionEncoder,
+    SectionPieces,
     byte_counts,
     check_dtype,
+    check_out,
     check_values,
+    check_windows,
     decode_sections,
     encode_sections,
     join,
+    join_into,
+    nibbles,
     pack_nibbles,
     rotl1,
-    rotr1,
+    rotr1_inplace,
     split,
+    state_digest,
+    stream_args,
     unpack_nibbles,
+    zstd_error,
 )
 from deltastore.errors import CorruptObjectError
 
@@ -148,8 +159,23 @@ def _encode_full_v1(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL) ->
     return Segment(CODEC_FULL, data, n)
 
 
+#: The numpy decoder decodes a chunk of up to this many bytes whole (its planes, and one
+#: temporary of the chunk's size for the rotation); a larger one a piece of
+#: :data:`PIECE_BYTES` at a time. Whole is what the numpy path has always done for this
+#: release's chunks (16 MiB at most by default), bounded by this size (SPEC §7 step 8).
+WHOLE_MAX_BYTES = 16 << 20
+
+#: Bytes of the chunk the numpy decoder builds per piece: large enough that the per-piece numpy
+#: calls cost nothing next to the work, small enough that a piece's planes stay in cache.
+PIECE_BYTES = 4 << 20
+
+#: Bytes of the chunk the native kernel builds per step: a step's planes and output (and the
+#: streams' pieces) stay in L2 while they are joined and hashed.
+KERNEL_PIECE_BYTES = 128 << 10
+
+
 def decode_full(data: bytes, *, codec: str, dtype: np.dtype, count: int) -> np.ndarray:
-    """Decode a ``full/1`` or ``full/2`` segment.
+    """Decode a ``full/1`` or ``full/2`` segment into a new array (:func:`decode_full_into`).
 
     Args:
         data: the segment bytes.
@@ -168,17 +194,156 @@ def decode_full(data: bytes, *, codec: str, dtype: np.dtype, count: int) -> np.n
     """
     expect_codec(codec, FULL_CODECS, "decode_full")
     dt = check_dtype(dtype)
-    h = read_header(data, codec, dt.itemsize, int(count))
+    h = read_header(data, codec, dt.itemsize, int(count))  # before allocating
+    out = np.empty(h.count, dtype=dt)
+    _decode_into(data, h, out, False)
+    return out
+
+
+def decode_full_into(data: bytes, out: np.ndarray, *, codec: str, digest: bool = False) -> str | None:
+    """Decode a ``full/1`` or ``full/2`` segment into ``out``, holding at most a bounded amount
+    of memory besides it, whatever the chunk's size (SPEC §7 step 8).
+
+    The native kernel builds ``out`` :data:`KERNEL_PIECE_BYTES` at a time from each section's
+    next piece (large zstd sections streamed, :data:`~deltastore.codec.planes.STREAM_MIN_BYTES`)
+    and hashes each piece as it is written; the numpy path decodes chunks up to
+    :data:`WHOLE_MAX_BYTES` whole and larger ones :data:`PIECE_BYTES` at a time. Both write
+    the same bits and raise the same errors.
+
+    Args:
+        data: the segment bytes.
+        out: a writable 1-D contiguous unsigned array of the chunk's element count and width.
+        codec: the codec the manifest recorded (``full/1`` or ``full/2``).
+        digest: also return the XXH3-128 hex of the result (SPEC §2's state digest), taken in
+            the pass that writes it.
+
+    Returns:
+        the digest, or None when not asked.
+
+    Raises:
+        UnknownCodecError, CorruptObjectError: as :func:`decode_full`; ``out`` then holds
+            unspecified bits.
+        TypeError, ValueError: ``out`` is not a writable 1-D contiguous unsigned array.
+
+    Example::
+
+        >>> x = np.arange(5, dtype=np.uint32); out = np.empty_like(x)
+        >>> d = decode_full_into(encode_full(x).data, out, codec="full/2", digest=True)
+        >>> out.tolist(), d == xxhash.xxh3_128_hexdigest(x.tobytes())
+        ([0, 1, 2, 3, 4], True)
+    """
+    expect_codec(codec, FULL_CODECS, "decode_full")
+    o = check_out(out)
+    return _decode_into(data, read_header(data, codec, o.itemsize, o.size), o, digest)
+
+
+def _decode_into(data: bytes, h: SegmentHeader, o: np.ndarray, digest: bool) -> str | None:
+    check_windows(data, h)
+    if o.dtype.byteorder == ">":  # the codec works in little-endian: decode, then swap in place
+        le = o.view(o.dtype.newbyteorder("<"))
+        hexdigest = _decode_numpy(data, h, le, digest)
+        le.byteswap(inplace=True)
+        return hexdigest
+    if _kernels.decode_full is None or _kernels.zstd_decompress is None:
+        return _decode_numpy(data, h, o, digest)
+    err, a, b, c, d = _kernels.decode_full(
+        o, h.width, h.transform, h.exp_low, h.n_escaped, stream_args(data, h), digest,
+        _sections.STREAM_MIN_BYTES, max(2, KERNEL_PIECE_BYTES // h.width // 2 * 2), _sections.MAX_WINDOW_LOG,
+    )
+    if err == _ZSTD_FAILED:
+        raise zstd_error(h, a, c, b, d)
+    if err:
+        raise _full_error(err, a, b, h.codec)
+    return c
+
+
+#: decode_full's error codes (deltastore/_native/full.c: F_*).
+_PADDING, _ESC_COUNT, _ESC_WINDOW, _ZSTD_FAILED = 1, 2, 3, 9
+
+
+def _full_error(err: int, declared: int, held: int, codec: str) -> CorruptObjectError:
+    """The words of a failed paired-exponent check, on every path (the kernel's code ``err``)."""
+    return CorruptObjectError({
+        _PADDING: f"{codec} segment's padding code is not 0",
+        _ESC_COUNT: f"{codec} segment declares {declared} escaped exponents, its codes hold {held}",
+        _ESC_WINDOW: f"{codec} segment escapes an exponent inside its window",
+    }[err])
+
+
+def _decode_numpy(data: bytes, h: SegmentHeader, out: np.ndarray, digest: bool) -> str | None:
+    """:func:`decode_full_into` on the numpy path (``out`` little-endian)."""
+    if h.count * h.width <= WHOLE_MAX_BYTES:
+        _decode_whole(data, h, out)
+        return state_digest(out) if digest else None
+    return _decode_pieces(data, h, out, digest)
+
+
+def _decode_whole(data: bytes, h: SegmentHeader, out: np.ndarray) -> None:
+    join_into(_whole_planes(data, h), out)
+    # the planes are freed before the rotation's temporary is made: the two never coexist (and
+    # the heap the read threads keep after a pull is smaller by about a chunk each)
+    if h.transform in (TRANSFORM_ROTL1, TRANSFORM_PAIRS):
+        rotr1_inplace(out)
+
+
+def _whole_planes(data: bytes, h: SegmentHeader) -> list:
     secs = decode_sections(data, h)
     if h.transform == TRANSFORM_PAIRS:
         w = h.width
         packed = join(secs[w - 1 : w], (h.count + 1) // 2)
         esc = join(secs[w:], h.n_escaped) if h.n_escaped else None
         secs = secs[: w - 1] + [_unpair_exponents(packed, esc, h.exp_low, h.count, h.n_escaped)]
-    out = join(secs, h.count)
-    if h.transform in (TRANSFORM_ROTL1, TRANSFORM_PAIRS):
-        out = rotr1(out)
-    return out.astype(dt, copy=False)
+    return secs
+
+
+def _decode_pieces(data: bytes, h: SegmentHeader, out: np.ndarray, digest: bool) -> str | None:
+    """The numpy path a piece at a time, with the checks of the native kernel in its order:
+    zstd failures at once; the padding, the escape count and escapes inside the window at the
+    end (each counted over the whole chunk)."""
+    w, n = h.width, h.count
+    piece = max(2, PIECE_BYTES // w // 2 * 2)
+    src = [SectionPieces(data, h, i, piece + 1) for i in range(len(h.sections))]
+    pairs = h.transform == TRANSFORM_PAIRS
+    n_planes = w - 1 if pairs else w
+    hasher = xxhash.xxh3_128() if digest else None
+    low = np.uint8(h.exp_low)
+    padding = inside = False
+    used = held = 0
+    for at in range(0, n, piece):
+        m = min(piece, n - at)
+        secs: list = [s.take(m) for s in src[:n_planes]]
+        if pairs:
+            packed = src[n_planes].take((m + 1) // 2)
+            codes = np.full(m + 1, packed, np.uint8) if isinstance(packed, int) else nibbles(packed)
+            padding |= bool(m % 2 and codes[m] != 0)
+            codes = codes[:m]
+            where = np.flatnonzero(codes == EXP_ESCAPE)
+            top = codes + low
+            take = min(int(where.size), h.n_escaped - used)
+            if take:
+                esc = src[n_planes + 1].take(take)
+                esc = np.full(take, esc, np.uint8) if isinstance(esc, int) else esc
+                inside |= bool(np.any((esc - low) < EXP_WINDOW))
+                top[where[:take]] = esc
+            used += take
+            held += int(where.size)
+            secs.append(top)
+        part = out[at : at + m]
+        join_into(secs, part)
+        if h.transform != TRANSFORM_NONE:
+            rotr1_inplace(part)
+        if hasher is not None:
+            hasher.update(memoryview(part).cast("B"))
+    for i, s in enumerate(src):
+        if not (pairs and i == n_planes + 1 and used != h.n_escaped):
+            s.end()
+    if padding:
+        raise _full_error(_PADDING, 0, 0, h.codec)
+    if pairs and held != h.n_escaped:
+        raise _full_error(_ESC_COUNT, h.n_escaped, held, h.codec)
+    if inside:
+        raise _full_error(_ESC_WINDOW, 0, 0, h.codec)
+    return hasher.hexdigest() if hasher is not None else None
 
 
 def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, float]:
@@ -208,12 +373,10 @@ def _unpair_exponents(packed: np.ndarray, esc: np.ndarray | None, low: int, coun
     codes = unpack_nibbles(packed, count, "full/2")
     at = np.flatnonzero(codes == EXP_ESCAPE)
     if at.size != n_escaped:
-        raise CorruptObjectError(
-            f"full/2 segment declares {n_escaped} escaped exponents, its codes hold {at.size}"
-        )
+        raise _full_error(_ESC_COUNT, n_escaped, int(at.size), CODEC_FULL2)
     top = codes + np.uint8(low)  # low <= 241: codes < 15 do not wrap
     if n_escaped:
         if np.any((esc - np.uint8(low)) < EXP_WINDOW):
-            raise CorruptObjectError("full/2 segment escapes an exponent inside its window")
+            raise _full_error(_ESC_WINDOW, 0, 0, CODEC_FULL2)
         top[at] = esc
     return top

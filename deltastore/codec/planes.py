@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Union
 
 import numpy as np
+import xxhash
 import zstandard
 
 from deltastore.codec import _kernels
@@ -99,6 +100,26 @@ def check_dtype(dtype) -> np.dtype:
     return dt
 
 
+def check_out(out: np.ndarray) -> np.ndarray:
+    """Validate a caller's output array: 1-D, contiguous, writable, of an unsigned dtype."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.ndim != 1 or not out.flags.c_contiguous or out.dtype.kind != "u":
+        raise ValueError(f"out must be a 1-D contiguous unsigned array, got {out.dtype} {out.shape}")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    return out
+
+
+def state_digest(a: np.ndarray) -> str:
+    """XXH3-128 hex of a contiguous array's bytes (SPEC §2's state digest); the native one
+    releases the GIL."""
+    buf = memoryview(a).cast("B")
+    if _kernels.xxh3_128_hex is not None:
+        return _kernels.xxh3_128_hex(buf)
+    return xxhash.xxh3_128_hexdigest(buf)
+
+
 # --- planes -------------------------------------------------------------------------------
 
 
@@ -120,10 +141,16 @@ def join(planes: Sequence[Plane], n: int) -> np.ndarray:
         if isinstance(p, int):
             return np.full(n, p, dtype=np.uint8)
         return p.copy()
-    u8 = np.empty((n, w), dtype=np.uint8)
+    out = np.empty(n, dtype=UINT[w])
+    join_into(planes, out)
+    return out
+
+
+def join_into(planes: Sequence[Plane], out: np.ndarray) -> None:
+    """:func:`join` into ``out`` (little-endian, of the planes' width and length)."""
+    u8 = out.view(np.uint8).reshape(out.size, len(planes))
     for k, p in enumerate(planes):
         u8[:, k] = p
-    return u8.view(UINT[w]).reshape(n)
 
 
 # --- sections -----------------------------------------------------------------------------
@@ -346,6 +373,158 @@ def _zstd_one(buf: memoryview, raw_size: int, codec: str, i: int) -> bytes:
     return raw
 
 
+# --- sections a piece at a time -------------------------------------------------------------
+
+#: A zstd section of more bytes than this is decoded a piece at a time, through a streaming
+#: context whose window is its memory, instead of in one call into a plane of its whole size:
+#: what a decoder holds per section is then bounded whatever the chunk's size (SPEC §7 step 8).
+#: Smaller sections are decoded in one call, which needs no window buffer.
+STREAM_MIN_BYTES = 1 << 20
+
+#: A streamed zstd frame's window is at most 2**MAX_WINDOW_LOG bytes (2 MiB): the window is what
+#: a streaming decoder allocates, per section. Every release wrote within it: this one 128 KiB
+#: (ZSTD_PLANE_PARAMS), earlier ones zstd level 3 (2 MiB at most). RFC 8878 leaves the limit to
+#: the decoder (recommending that encoders stay within 8 MiB).
+MAX_WINDOW_LOG = 21
+
+
+def check_windows(data: bytes, h: SegmentHeader) -> None:
+    """Refuse a zstd section that would be streamed (:data:`STREAM_MIN_BYTES`) with a window
+    above 2**:data:`MAX_WINDOW_LOG` bytes, before anything is decoded (a frame header that does
+    not parse is left to the decoder, which names it)."""
+    for i, s, buf in _stored(data, h):
+        if s.kind != "zstd" or s.raw_size <= STREAM_MIN_BYTES:
+            continue
+        try:
+            window = zstandard.get_frame_parameters(buf).window_size
+        except zstandard.ZstdError:
+            continue
+        if window > 1 << MAX_WINDOW_LOG:
+            raise CorruptObjectError(
+                f"{h.codec} section {i}: zstd frame needs a {window}-byte window, more than the "
+                f"{1 << MAX_WINDOW_LOG} bytes a reader decodes a large section in (write it with a smaller window)"
+            )
+
+
+def stream_args(data: bytes, h: SegmentHeader) -> tuple:
+    """The sections as the native decode_full kernel takes them: a CONST section's byte, a RAW
+    section's bytes, a zstd section's frame as ``(frame,)`` (the kernel decodes it, in one call
+    or streamed, :data:`STREAM_MIN_BYTES`). Needs the native zstd decoder."""
+    return tuple(buf[0] if s.kind == "const" else buf if s.kind == "raw" else (buf,) for _, s, buf in _stored(data, h))
+
+
+class SectionPieces:
+    """One section of a segment read a piece at a time, in order (the numpy path's counterpart
+    of the native kernels' streamed sections): :meth:`take` returns the next ``n`` bytes, a
+    CONST section's byte as an int; :meth:`end` checks that a zstd frame ends where the section
+    does. A zstd section above :data:`STREAM_MIN_BYTES` is streamed (its window checked by
+    :func:`check_windows` first), a smaller one decoded whole. The same checks, and the same
+    words, as the one-call decoders (:func:`_zstd_one`, deltastore/_native/zstd.c)."""
+
+    def __init__(self, data: bytes, h: SegmentHeader, i: int, piece_bytes: int):
+        s = h.sections[i]
+        self._buf = next(buf for j, _, buf in _stored(data, h) if j == i)
+        self._codec, self._i, self._raw = h.codec, i, s.raw_size
+        self._pos = 0
+        self._const: int | None = self._buf[0] if s.kind == "const" else None
+        self._plane: np.ndarray | None = None
+        self._reader = None
+        if s.kind == "raw":
+            self._plane = np.frombuffer(self._buf, dtype=np.uint8)
+        elif s.kind == "zstd" and s.raw_size <= STREAM_MIN_BYTES:
+            self._plane = np.frombuffer(_zstd_whole(self._buf, h, i), dtype=np.uint8)
+        elif s.kind == "zstd":
+            self._open(piece_bytes)
+
+    def _fail(self, kind: int, value: int, message: str) -> CorruptObjectError:
+        return _zstd_failure(self._codec, self._i, self._raw, kind, value, message)
+
+    def _open(self, piece_bytes: int) -> None:
+        try:
+            declared = zstandard.frame_content_size(self._buf)
+            end = _frame_end(self._buf)
+        except zstandard.ZstdError as e:
+            raise self._fail(_NOT_FRAME, 0, str(e)) from None
+        if declared not in (-1, self._raw):
+            raise self._fail(_CLAIMS, declared, "")
+        if end != len(self._buf):
+            raise self._fail(_BAD_FRAME, 0, "bytes after the frame" if end < len(self._buf) else "Src size is incorrect")
+        dctx = zstandard.ZstdDecompressor(max_window_size=1 << MAX_WINDOW_LOG)
+        self._reader = dctx.stream_reader(self._buf, read_across_frames=False)
+        self._piece = bytearray(piece_bytes)
+
+    def take(self, n: int) -> np.ndarray | int:
+        """The section's next ``n`` bytes (an int: every one is that byte)."""
+        if self._const is not None:
+            return self._const
+        at = self._pos
+        self._pos += n
+        if self._plane is not None:
+            return self._plane[at : at + n]
+        if n > len(self._piece):
+            self._piece = bytearray(n)
+        view = memoryview(self._piece)[:n]
+        got = 0
+        try:
+            while got < n:
+                k = self._reader.readinto(view[got:])
+                if k == 0:
+                    raise self._fail(_SIZE, at + got, "")
+                got += k
+        except zstandard.ZstdError as e:
+            raise self._fail(_BAD_FRAME, 0, _zstd_words(e)) from None
+        return np.frombuffer(self._piece, dtype=np.uint8, count=n)
+
+    def end(self) -> None:
+        """Check that a streamed frame holds nothing after the bytes taken (its checksum, when
+        it has one, is checked on the way)."""
+        if self._reader is None:
+            return
+        try:
+            extra = self._reader.read(1)
+        except zstandard.ZstdError as e:
+            raise self._fail(_BAD_FRAME, 0, _zstd_words(e)) from None
+        if extra:
+            raise self._fail(_BAD_FRAME, 0, "Destination buffer is too small")
+
+
+def _zstd_whole(buf: memoryview, h: SegmentHeader, i: int) -> bytes:
+    """Zstd section ``i`` decoded in one call, as :func:`decode_sections` decodes it."""
+    raw = h.sections[i].raw_size
+    if _kernels.zstd_decompress is None:
+        return _zstd_one(buf, raw, h.codec, i)
+    got = _kernels.zstd_decompress([buf], [raw])
+    if type(got) is tuple:
+        _, kind, value, message = got
+        raise zstd_error(h, i, kind, value, message)
+    return got[0]
+
+
+def _zstd_words(e: zstandard.ZstdError) -> str:
+    """zstd's own message (ZSTD_getErrorName's words, as the native decoders report them),
+    without the prefix python-zstandard's stream reader adds."""
+    return str(e).removeprefix("zstd decompress error: ")
+
+
+def _frame_end(buf: memoryview) -> int:
+    """Where the zstd frame at the start of ``buf`` ends, its blocks walked (RFC 8878 §3.1.1):
+    what libzstd's ZSTD_findFrameCompressedSize says, so that bytes after the frame are refused
+    on both paths. Raises ZstdError when the header does not parse."""
+    at = zstandard.frame_header_size(buf)
+    checksum = zstandard.get_frame_parameters(buf).has_checksum
+    n = len(buf)
+    while True:
+        if at + 3 > n:
+            return n + 1  # runs past the section: cut short
+        head = buf[at] | buf[at + 1] << 8 | buf[at + 2] << 16
+        last, kind, size = head & 1, (head >> 1) & 3, head >> 3
+        if kind == 3:
+            raise zstandard.ZstdError("Corrupted block detected")
+        at += 3 + (1 if kind == 1 else size)
+        if last:
+            return at + (4 if checksum else 0)
+
+
 # --- element transforms -------------------------------------------------------------------
 
 
@@ -361,12 +540,18 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
 
 def unpack_nibbles(packed: np.ndarray, n: int, what: str) -> np.ndarray:
     """Inverse of :func:`pack_nibbles`, checking that the padding code is 0."""
-    codes = np.empty(2 * packed.size, dtype=np.uint8)
-    codes[0::2] = packed & np.uint8(15)
-    codes[1::2] = packed >> np.uint8(4)
+    codes = nibbles(packed)
     if n % 2 and codes[n] != 0:
         raise CorruptObjectError(f"{what} segment's padding code is not 0")
     return codes[:n]
+
+
+def nibbles(packed: np.ndarray) -> np.ndarray:
+    """Each byte's two 4-bit codes, low nibble first (padding included)."""
+    codes = np.empty(2 * packed.size, dtype=np.uint8)
+    codes[0::2] = packed & np.uint8(15)
+    codes[1::2] = packed >> np.uint8(4)
+    return codes
 
 
 def rotl1(v: np.ndarray) -> np.ndarray:
@@ -375,10 +560,12 @@ def rotl1(v: np.ndarray) -> np.ndarray:
     return (v << v.dtype.type(1)) | (v >> v.dtype.type(bits - 1))
 
 
-def rotr1(v: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`rotl1`."""
+def rotr1_inplace(v: np.ndarray) -> None:
+    """Inverse of :func:`rotl1`, in place (one temporary of ``v``'s size, not three)."""
     bits = 8 * v.itemsize
-    return (v >> v.dtype.type(1)) | (v << v.dtype.type(bits - 1))
+    low = v >> v.dtype.type(1)
+    v <<= v.dtype.type(bits - 1)
+    v |= low
 
 
 def zigzag(d: np.ndarray) -> np.ndarray:
