@@ -3,7 +3,7 @@ pyproject.toml.
 
 The extension is ``optional``: on a machine without a working C compiler ``pip install`` still
 succeeds and deltastore runs its numpy path (same bytes, slower; one WARNING says so, see
-deltastore/codec/_kernels.py). The sources need only Python's headers (buffers come in through
+deltastore/_util/kernels.py). The sources need only Python's headers (buffers come in through
 the buffer protocol, so numpy is not a build dependency).
 
 Sanitizer build (see docs/design/006-native-kernels.md)::

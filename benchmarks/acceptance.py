@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from benchmarks.workload import WORKLOADS, load_workload
 from deltastore import Publisher, Subscriber
-from deltastore.tensors import bits
+from deltastore.layout.tensors import bits
 
 logger = logging.getLogger(__name__)
 

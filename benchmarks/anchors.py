@@ -35,7 +35,7 @@ POLICIES: tuple[tuple[str, dict[str, Any]], ...] = (
 
 def measure(name: str, steps: int) -> list[dict[str, Any]]:
     from deltastore import Publisher
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     states = [s for s in workload_states(name, steps)]
     rows = []

@@ -33,7 +33,7 @@ from benchmarks.workload import load_step
 from deltastore.codec import _encode_delta_xor, encode_delta
 from deltastore.codec.container import read_header
 from deltastore.codec.planes import decode_sections
-from deltastore.tensors import spec_for
+from deltastore.layout.tensors import spec_for
 
 WORKLOAD = "tf265m-rl-1e-6"
 KIND = {"add-sparse/1": 2, "xor-sparse/1": 0, "add-dense/1": 3, "xor-dense/1": 1}  # apply.c K_*

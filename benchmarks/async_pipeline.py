@@ -198,7 +198,7 @@ def _role_probe(args: argparse.Namespace) -> None:
     ``snapshot()`` does on every call) against a copy into buffers allocated once."""
     import torch
 
-    from deltastore.publish_queue import snapshot
+    from deltastore.write.queue import snapshot
 
     masters = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.masters]
     state = _load_step(args.workload, 0, masters)

@@ -43,7 +43,7 @@ from deltastore.codec.delta import _add_positions, _add_values
 from deltastore.codec.planes import encode_sections
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# Chunks as the publisher cuts them (deltastore.tensors.CHUNK_TARGET_BYTES): 16 MiB of bf16.
+# Chunks as the publisher cuts them (deltastore.layout.tensors.CHUNK_TARGET_BYTES): 16 MiB of bf16.
 CHUNK_ELEMENTS = 8 * 1024 * 1024
 # DSG2 framing (docs/codec-format.md): 25-byte header, 5 bytes per section table entry.
 SEGMENT_HEADER = 25

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.select import ROW_PARALLEL
-from deltastore.tensors import bits
+from deltastore.layout.select import ROW_PARALLEL
+from deltastore.layout.tensors import bits
 
 RESULTS = Path(__file__).parent / "results"
 #: (label, chunk target, column_slices) of each arm; all with slice_align=8.

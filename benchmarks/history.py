@@ -11,7 +11,7 @@ versions behind: the cached steps are regenerated when fewer exist, about a minu
    right after it was published, so its manifest cache is what a real worker's would be) fast-
    forward to head through a store wrapper that counts every GET (HEAD, manifests, index,
    layouts, squash manifests, packs) and its bytes. Compared with the size of ONE squashed
-   delta from the worker's version to head: the compactor's when ``deltastore.compact`` exists
+   delta from the worker's version to head: the compactor's when ``deltastore.lifecycle.compact`` exists
    (``compact(store, bases=[...], register=True)``; then a second set of workers catches up
    with the squashes registered), otherwise composed offline from the chain's stored delta
    segments with ``codec.compose_deltas`` per chunk (segments only, no squash manifest;
@@ -22,8 +22,8 @@ versions behind: the cached steps are regenerated when fewer exist, about a minu
    ``/ H0`` reference of docs/benchmarks.md).
 3. **Retention.** 1,000 versions of a tiny Llama-shaped decoder (``benchmarks.models``, d_model
    64, trained by AdamW at lr 1e-6 on next-token prediction over the workloads' corpus) with
-   ``deltastore.gc.collect(store, keep_last=..., grace_s=0)`` every 50 versions when
-   ``deltastore.gc`` exists (otherwise the store grows without GC, and the results say so);
+   ``deltastore.lifecycle.gc.collect(store, keep_last=..., grace_s=0)`` every 50 versions when
+   ``deltastore.lifecycle.gc`` exists (otherwise the store grows without GC, and the results say so);
    the store's size (sum of listed object sizes) after every version, a worker lagging 30
    versions (heartbeating its version to the ledger) and a worker holding an early version
    that GC collected, resumed (same Subscriber) and restarted (fresh Subscriber): each must end
@@ -32,7 +32,7 @@ versions behind: the cached steps are regenerated when fewer exist, about a minu
 ``--quick`` replaces the MiniLM workloads with a tiny MLP trained by AdamW on a synthetic
 regression task (no transformers needed) and runs 200 retention versions: about 15 s.
 
-Every feature of issue 8 (``deltastore.compact``, ``deltastore.gc``, ``deltastore.index``) is
+Every feature of issue 8 (``deltastore.lifecycle.compact``, ``deltastore.lifecycle.gc``, ``deltastore.lifecycle.index``) is
 imported lazily and detected, so the script runs on the code before and after issue 8.
 """
 
@@ -326,7 +326,7 @@ def workload_states(name: str, steps: int) -> Iterator[StateDict]:
 
 
 def _history(store: Store) -> Any:
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     return History(store)
 
@@ -339,7 +339,7 @@ def _head(history: Any) -> Any:
 
 
 def _unsigned(dtype_name: str) -> np.dtype:
-    from deltastore.tensors import DTYPE_WIDTHS
+    from deltastore.layout.tensors import DTYPE_WIDTHS
 
     return np.dtype(f"u{DTYPE_WIDTHS[dtype_name]}")
 
@@ -366,7 +366,7 @@ def offline_squash(store: Store, from_version: int, to_version: int, old: StateD
     ``direct=True`` encodes every chunk that way (a cross-check of the composition).
     """
     from deltastore.codec import compose_deltas, encode_delta
-    from deltastore.manifest import chunk_elements
+    from deltastore.format.manifest import chunk_elements
 
     history = _history(store)
     head = _head(history)
@@ -444,7 +444,7 @@ def store_size(store: Store) -> tuple[int, int]:
 
 def _squash_from_index(store: Store, frm: int, to: int) -> dict[str, Any] | None:
     """The registered squash ``frm → to``: packs + squash manifest bytes, or None."""
-    index_mod = optional("index")
+    index_mod = optional("lifecycle.index")
     history = _history(store)
     head = _head(history)
     idx = None
@@ -464,7 +464,7 @@ def _squash_from_index(store: Store, frm: int, to: int) -> dict[str, Any] | None
         if hasattr(history, "squash"):
             sq = history.squash(ref)
         else:
-            from deltastore.manifest import SquashManifest, decode_object
+            from deltastore.format.manifest import SquashManifest, decode_object
 
             sq = decode_object(SquashManifest, store.get(ref.key), ref.key, ref.sha256)
         packs = sum(b.size for b in sq.blobs)
@@ -486,7 +486,7 @@ def catchup(name: str, states: Iterable[StateDict], n: int, ks: Sequence[int], w
     from deltastore.storage import open_store
 
     ks = [k for k in ks if n - k >= 1]
-    compact_mod = optional("compact")
+    compact_mod = optional("lifecycle.compact")
     raw = open_store(str(workdir / f"store-{name}"))
     holders = {k: n - k for k in ks}
     sets = ["chain"] + (["compacted"] if compact_mod is not None else [])
@@ -647,10 +647,10 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
               csv_path: Path | None = None) -> dict[str, Any]:
     """Publish ``versions`` states with GC every ``gc_every``; track store size and two workers."""
     from deltastore import Publisher, Subscriber
-    from deltastore.ledger import HeartbeatWriter
+    from deltastore.lifecycle.ledger import HeartbeatWriter
     from deltastore.storage import open_store
 
-    gc_mod = optional("gc")
+    gc_mod = optional("lifecycle.gc")
     store = open_store(f"memory://history-bench-{uuid.uuid4().hex[:8]}")
     pub = Publisher(store.url, store=store, threads=THREADS)
     lag_cs, restart_cs = CountingStore(store), CountingStore(store)
@@ -766,7 +766,7 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
         "bytes_at": {str(v): sizes[v - 1] for v in sorted({gc_every, 2 * gc_every, head // 2, head}) if 1 <= v <= head},
         "gc_runs": gc_runs, "workers": [lag_result, resumed, restarted],
         "sizes": sizes,
-        "note": None if gc_mod is not None else "deltastore.gc not available in this revision: growth without GC",
+        "note": None if gc_mod is not None else "deltastore.lifecycle.gc not available in this revision: growth without GC",
         "aborted": aborted,
     }
 
@@ -892,7 +892,7 @@ def _catchup_tables(res: dict[str, Any], out: list[str]) -> None:
 def _retention_tables(ret: dict[str, Any], out: list[str]) -> None:
     out.append("")
     gc = (f"GC every {ret['gc_every']} (keep_last={ret['keep_last']}, grace 0)" if ret["gc_available"]
-          else "**no GC** (deltastore.gc absent in this revision)")
+          else "**no GC** (deltastore.lifecycle.gc absent in this revision)")
     out.append(f"Retention: {ret['versions']} versions of a {_mb(ret['model_bytes'])} model, {gc}, "
                f"{ret['seconds']:.0f} s.")
     if ret.get("aborted"):
@@ -933,7 +933,7 @@ def run(*, quick: bool, out: Path, ks: Sequence[int] = CATCHUP_KS, workloads: Se
     matplotlib, else ``.svg``) beside it."""
     torch.set_num_threads(1)  # deltastore's own threads do the work
     steps = max(ks)
-    features = {m: optional(m) is not None for m in ("compact", "gc", "index")}
+    features = {m: optional(f"lifecycle.{m}") is not None for m in ("compact", "gc", "index")}
     res: dict[str, Any] = {"revision": _revision(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                            "quick": quick, "features": features, "python": platform.python_version(),
                            "torch": torch.__version__, "catchup": []}

@@ -145,13 +145,13 @@ def bench_pulse(state0: dict[str, torch.Tensor], steps: list[dict[str, torch.Ten
 
 
 def bench_scan_ab(state0: dict[str, torch.Tensor], steps: list[dict[str, torch.Tensor]], rounds: int) -> dict[str, Any]:
-    """The grouped case with ``_kernels.scan_tensors`` on and off, alternating step by step in
+    """The grouped case with ``kernels.scan_tensors`` on and off, alternating step by step in
     one process (the same store, publisher and target): medians of wall and caller-thread CPU
     seconds per operation and mode."""
     from deltastore import Publisher, Subscriber
-    from deltastore.codec import _kernels
+    from deltastore._util import kernels
 
-    kernel = _kernels.scan_tensors
+    kernel = kernels.scan_tensors
     rows: dict[str, dict[str, list[float]]] = {m: {k: [] for k in ("publish", "publish_cpu", "pull_into", "pull_into_cpu")}
                                                for m in ("native", "python")}
     url = f"memory://scan-ab-{uuid.uuid4().hex[:8]}"
@@ -162,7 +162,7 @@ def bench_scan_ab(state0: dict[str, torch.Tensor], steps: list[dict[str, torch.T
                 target = sub.pull()
                 for i in range(2 * rounds + 2):  # the first two steps warm both modes up
                     mode = "native" if i % 2 == 0 else "python"
-                    _kernels.scan_tensors = kernel if mode == "native" else None
+                    kernels.scan_tensors = kernel if mode == "native" else None
                     ops = (("publish", functools.partial(pub.publish, steps[i % len(steps)])),
                            ("pull_into", functools.partial(sub.pull_into, target)))
                     for op, fn in ops:
@@ -172,7 +172,7 @@ def bench_scan_ab(state0: dict[str, torch.Tensor], steps: list[dict[str, torch.T
                             rows[mode][op].append(time.perf_counter() - t0)
                             rows[mode][op + "_cpu"].append(time.thread_time() - c0)
     finally:
-        _kernels.scan_tensors = kernel
+        kernels.scan_tensors = kernel
     return {m: {k: statistics.median(v) for k, v in r.items()} for m, r in rows.items()}
 
 

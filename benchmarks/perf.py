@@ -32,7 +32,7 @@ every core, 2 here):
 * **sizes**: pack bytes each delta version stored against the order-0 entropy estimate
   (``peers.entropy_bytes``).
 
-The publisher and worker run twice, with the native kernels (``deltastore.codec._kernels``) and
+The publisher and worker run twice, with the native kernels (``deltastore._util.kernels``) and
 with ``DELTASTORE_NATIVE=0`` (the numpy path), against separate stores, so both columns come
 from one run on the same machine state. Where the kernels are not built (or not in this
 revision) the native column says so and only the numpy path runs. The store is a local
@@ -238,14 +238,14 @@ def _copy(src: Path, threads: int) -> dict:
 def native_status() -> dict:
     """Whether this process loaded the native kernels, and why not."""
     try:
-        from deltastore.codec import _kernels
+        from deltastore._util import kernels
     except ImportError as e:
-        return {"native": False, "why": f"no deltastore.codec._kernels in this revision ({e})"}
+        return {"native": False, "why": f"no deltastore._util.kernels in this revision ({e})"}
     if os.environ.get("DELTASTORE_NATIVE") == "0":
-        return {"native": bool(_kernels.NATIVE), "why": "DELTASTORE_NATIVE=0"}
-    if not _kernels.NATIVE:
+        return {"native": bool(kernels.NATIVE), "why": "DELTASTORE_NATIVE=0"}
+    if not kernels.NATIVE:
         return {"native": False, "why": "extension not built or not loadable"}
-    isa = getattr(_kernels._native, "scan_isa", None)  # the encode scan's instruction set
+    isa = getattr(kernels._native, "scan_isa", None)  # the encode scan's instruction set
     return {"native": True, "why": "", **({"scan_isa": isa()} if isa is not None else {})}
 
 

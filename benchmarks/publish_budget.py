@@ -78,13 +78,13 @@ def _write(path: Path, payload: bytes, piece: int) -> Dur:
 def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: int, threads: int) -> dict:
     """Time every stage ``reps`` times, interleaved; the step ``old`` → ``new``."""
     from deltastore import Publisher
-    from deltastore.codec import _kernels
+    from deltastore._util import kernels
     from deltastore.codec.delta import DIGEST_IF_CHANGED, DIGEST_NONE
-    from deltastore.encode import STREAM_WRITE_BYTES, LayoutWorks, encode_chunk
-    from deltastore.tensors import CHUNK_TARGET_BYTES, bits, spec_for
+    from deltastore.write.encode import STREAM_WRITE_BYTES, LayoutWorks, encode_chunk
+    from deltastore.layout.tensors import CHUNK_TARGET_BYTES, bits, spec_for
 
     torch.set_num_threads(threads)
-    native = _kernels.encode_add is not None
+    native = kernels.encode_add is not None
     with tempfile.TemporaryDirectory(prefix="ds-budget-", dir=_tmp_root()) as root, \
             Publisher(str(Path(root) / "store"), threads=threads) as pub, \
             ThreadPoolExecutor(threads, thread_name_prefix="budget") as pool:
@@ -114,7 +114,7 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
                             stored += len(enc.delta.data)
                     else:
                         digest = DIGEST_IF_CHANGED if stage == "digest" else DIGEST_NONE
-                        changed += _kernels.encode_add(o, n, o.itemsize, True, digest)[0]
+                        changed += kernels.encode_add(o, n, o.itemsize, True, digest)[0]
                 return changed, stored
 
             t0 = _now()

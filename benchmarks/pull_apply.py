@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.workload import load_step
 from deltastore import Publisher, Subscriber
-from deltastore.codec import _kernels
+from deltastore._util import kernels
 
 WORKLOAD = "tf265m-rl-1e-6"
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         with Publisher(args.store, threads=args.threads) as pub:
             for k in range(args.steps + 1):
                 pub.publish(load_step(WORKLOAD, k))
-    kernel = _kernels.apply_segment
+    kernel = kernels.apply_segment
     paths = ["native", "numpy"] if kernel is not None else ["numpy"]
     if kernel is None:
         print("deltastore._native is not built: the numpy path only")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         rows["copy"].append(min((_timed(copy) for _ in range(2)), key=lambda x: x[0]))
         line = [f"v{v}: copy {rows['copy'][-1][0]:.3f}s"]
         for p in paths:
-            _kernels.apply_segment = kernel if p == "native" else None
+            kernels.apply_segment = kernel if p == "native" else None
             try:
                 sub, tgt = subs[(p, "pull_into")], targets[(p, "pull_into")]
                 rows.setdefault(f"pull_into {p}", []).append(_timed(lambda: sub.pull_into(tgt, version=v)))
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.setdefault(f"stage {p}", []).append(_timed(lambda: staged.append(sub.stage(tgt, version=v))))
                 sub.swap(staged[0], tgt)
             finally:
-                _kernels.apply_segment = kernel
+                kernels.apply_segment = kernel
             line += [f"{k} {rows[k][-1][0]:.3f}s" for k in (f"pull_into {p}", f"stage {p}")]
         print(", ".join(line), flush=True)
 

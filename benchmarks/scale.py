@@ -72,9 +72,9 @@ import torch
 from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
 from deltastore import Publisher, Subscriber
-from deltastore.select import ROW_PARALLEL, Selection
+from deltastore.layout.select import ROW_PARALLEL, Selection
 from deltastore.storage import open_store
-from deltastore.tensors import bits
+from deltastore.layout.tensors import bits
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOAD = "rl-1e-6"
@@ -83,7 +83,7 @@ FAR = {"bytes_per_s": 12.5e6, "rtt_s": 0.08, "loss": 0.001}
 #: Chunkings measured for partial pulls, as ``(label, chunk_bytes, slice_align, column_slices)``:
 #: the publisher's default (plain 16 MiB chunks: most MiniLM tensors one chunk),
 #: ``slice_align=8`` at the same target (chunk edges on the 1/8 row slices where rows allow,
-#: deltastore.tensors.slice_chunk_rows), ``slice_align=8`` with a column grid on the row-parallel
+#: deltastore.layout.tensors.slice_chunk_rows), ``slice_align=8`` with a column grid on the row-parallel
 #: weights (design 011: only where the model has them, i.e. Llama-shaped), and 12 KiB (16 rows
 #: of the 384-wide matrices, which divide every 1/8 slice of them; the hand-picked setting the
 #: default rule needs; MiniLM only).
@@ -219,7 +219,7 @@ def tp_selection(rank: int, world: int = TP) -> Selection:
 def _partial_pull(url: str, opts: dict[str, Any], sel: Selection | None,
                   states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """One subscriber: ``pull(1)``, then ``pull_into`` each later version; bytes read, bytes held,
-    spare bits kept beside the user's tensors (edge chunks, deltastore.select), bit-exactness
+    spare bits kept beside the user's tensors (edge chunks, deltastore.layout.select), bit-exactness
     against the torch slice of the last state."""
     with Subscriber(url, storage_options=opts, select=sel) as sub:
         held = sub.pull(1)

@@ -221,7 +221,7 @@ class _Source:
             self._read(_rl_path(cfg["rl_workload"], step - 1), shard)
 
     def state(self, shard: dict[str, Any], sharded: bool) -> dict[str, Any]:
-        from deltastore.sharded import Rows
+        from deltastore.write.sharded import Rows
 
         if not sharded:
             return shard
@@ -273,7 +273,7 @@ def _pin(rank: int, threads: int) -> list[int]:
 
 
 #: The steps of a sharded publish timed by ``--step-cpu`` (main-thread CPU): ShardedPublisher
-#: methods and, nested in them, deltastore.sharded functions (label, owner, attribute).
+#: methods and, nested in them, deltastore.write.sharded functions (label, owner, attribute).
 STEP_TIMERS = (
     ("collectives", "pub", "_all_gather"), ("collectives", "pub", "_broadcast"), ("collectives", "pub", "_gather"),
     ("part", "pub", "_write_part"), ("encode_version", "module", "encode_version"),
@@ -286,7 +286,7 @@ def _time_steps(pub: Any, acc: dict[str, float]) -> None:
     ``acc``: where a rank's own thread spends a version beyond the encode threads (design 010
     D8). Nested labels overlap: ``part`` holds ``encode_version`` and ``encode_part``,
     ``commit`` holds ``join``."""
-    from deltastore import sharded
+    from deltastore.write import sharded
 
     def timed(fn: Any, label: str) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
@@ -310,7 +310,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
     import torch
     import torch.distributed as dist
 
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank}
@@ -448,7 +448,7 @@ def rank_context() -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "deltastore", "deltastore.sharded"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "deltastore", "deltastore.write.sharded"])
     return ctx
 
 

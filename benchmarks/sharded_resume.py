@@ -51,7 +51,7 @@ VERSIONS_BEFORE = 3
 def _rank(rank: int, world: int, port: int, url: str, mode: str, rl_workload: str, out: str) -> None:
     import torch.distributed as dist
 
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))

@@ -41,7 +41,7 @@ def _probe(way: str, params: int, syncs: int, store: str) -> dict:
     import torch
 
     from deltastore.integrations.trl import DeltastoreWeightTransfer
-    from deltastore.publish import Publisher
+    from deltastore.write.publisher import Publisher
 
     torch.manual_seed(0)
     per = params // N_TENSORS

@@ -244,7 +244,7 @@ def crafted() -> list[tuple[str, Callable[[Hostile], None]]]:
         import numpy as np
 
         from deltastore import codec
-        from deltastore.tensors import state_digest
+        from deltastore.layout.tensors import state_digest
 
         doc = h.top()
         t = _first_multi_chunk(doc)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltastore.tensors import TensorSpec, bits
+from deltastore.layout.tensors import TensorSpec, bits
 
 #: Name, dtype, shape: every element width, a 0-d tensor, several chunks each at CHUNK_BYTES.
 LAYOUT: tuple[tuple[str, str, tuple[int, ...]], ...] = (

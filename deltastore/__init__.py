@@ -47,27 +47,27 @@ from deltastore.errors import (
 )
 
 if TYPE_CHECKING:
-    from deltastore.gc import GCReport, collect
-    from deltastore.history import VersionInfo
-    from deltastore.publish import Publisher
-    from deltastore.pull import FollowRecord, Subscriber
-    from deltastore.sharded import Rows, ShardedPublisher
-    from deltastore.stage import StagedUpdate
+    from deltastore.lifecycle.gc import GCReport, collect
+    from deltastore.format.history import VersionInfo
+    from deltastore.write.publisher import Publisher
+    from deltastore.read.subscriber import FollowRecord, Subscriber
+    from deltastore.write.sharded import Rows, ShardedPublisher
+    from deltastore.read.stage import StagedUpdate
 
 __version__ = "0.1.0"
 
 #: Public names whose modules import torch (~1.4 s), boto3 and pydantic: loaded on first
 #: attribute access (PEP 562), so ``import deltastore`` and ``deltastore --help`` stay fast.
 _LAZY = {
-    "GCReport": "deltastore.gc",
-    "collect": "deltastore.gc",
-    "VersionInfo": "deltastore.history",
-    "Publisher": "deltastore.publish",
-    "FollowRecord": "deltastore.pull",
-    "Subscriber": "deltastore.pull",
-    "StagedUpdate": "deltastore.stage",
-    "ShardedPublisher": "deltastore.sharded",
-    "Rows": "deltastore.sharded",
+    "GCReport": "deltastore.lifecycle.gc",
+    "collect": "deltastore.lifecycle.gc",
+    "VersionInfo": "deltastore.format.history",
+    "Publisher": "deltastore.write.publisher",
+    "FollowRecord": "deltastore.read.subscriber",
+    "Subscriber": "deltastore.read.subscriber",
+    "StagedUpdate": "deltastore.read.stage",
+    "ShardedPublisher": "deltastore.write.sharded",
+    "Rows": "deltastore.write.sharded",
 }
 
 

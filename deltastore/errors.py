@@ -252,7 +252,7 @@ class PartFailedError(DeltastoreError):
 
 
 class SelectionError(LayoutMismatchError):
-    """A partial pull's selection (deltastore.select) does not fit the store's layout, or the
+    """A partial pull's selection (deltastore.layout.select) does not fit the store's layout, or the
     target does not hold what it selects."""
 
 
@@ -340,7 +340,7 @@ class StaleStageError(DeltastoreError, ValueError):
 
 
 class WorkerCacheError(DeltastoreError, OSError):
-    """A worker cache directory (:class:`deltastore.cache.WorkerCache`) cannot be used (a file,
+    """A worker cache directory (:class:`deltastore.read.cache.WorkerCache`) cannot be used (a file,
     not writable), or a state could not be saved in it (disk full). Saving removes its partial
     files first and keeps the previous cached version; a follower logs it and goes on."""
 

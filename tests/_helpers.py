@@ -1,6 +1,6 @@
 """Shared test helpers: bit-exact comparison, a tiny trainer, store wrappers and corruptors.
 
-Everything compares raw bit patterns (``deltastore.tensors.bits``), never float values, so NaN
+Everything compares raw bit patterns (``deltastore.layout.tensors.bits``), never float values, so NaN
 payloads, ``-0.0`` and subnormals count.
 """
 
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.manifest import HEAD_KEY, parse_head, parse_manifest, sha256_hex
+from deltastore.format.manifest import HEAD_KEY, parse_head, parse_manifest, sha256_hex
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store
-from deltastore.tensors import bits
+from deltastore.layout.tensors import bits
 
 #: A small chunk size so that tiny test tensors still span several chunks (the unit of change
 #: detection, planning and rollback), without large tensors.
@@ -29,7 +29,7 @@ SMALL_CHUNK_BYTES = 512
 
 
 #: Modules a test's child processes import before any test code runs (see :func:`mp_context`).
-_PRELOAD = ["torch", "torch.distributed", "numpy", "deltastore", "deltastore.sharded", "deltastore.gc"]
+_PRELOAD = ["torch", "torch.distributed", "numpy", "deltastore", "deltastore.write.sharded", "deltastore.lifecycle.gc"]
 
 
 def mp_context() -> Any:

@@ -30,7 +30,7 @@ from typing import Any
 
 import zstandard
 
-from deltastore.manifest import (
+from deltastore.format.manifest import (
     Layout,
     decode_object,
     dump,

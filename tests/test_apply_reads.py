@@ -1,4 +1,4 @@
-"""How the read engine (deltastore.apply) orders a pull_into's reads (design 006, "Addendum
+"""How the read engine (deltastore.read.engine) orders a pull_into's reads (design 006, "Addendum
 (session 16): pull_into"): the pack is read while the kept chunks are hashed, each segment's
 SHA-256 is checked by the thread that decodes it, and neither change lets a bad segment or a
 modified target through."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from deltastore import Subscriber
-from deltastore.apply import CheckedOnRead, ReadEngine, _Target, _views_while_reading
+from deltastore.read.engine import CheckedOnRead, ReadEngine, _Target, _views_while_reading
 from deltastore.errors import IntegrityError, TargetModifiedError
-from deltastore.manifest import sha256_hex
+from deltastore.format.manifest import sha256_hex
 from deltastore.storage import open_store
 from tests._helpers import (
     TinyTrainer,
@@ -199,9 +199,9 @@ def test_one_run_is_read_on_the_calling_thread(tmp_path: Path) -> None:
 def test_groups_are_applied_largest_first() -> None:
     """The decode threads share one queue: the biggest groups go first, so the last group
     taken is a small one (and the order within a group is kept)."""
-    from deltastore.apply import _largest_first
-    from deltastore.plan import ChunkPlan
-    from deltastore.tensors import TensorSpec
+    from deltastore.read.engine import _largest_first
+    from deltastore.read.plan import ChunkPlan
+    from deltastore.layout.tensors import TensorSpec
 
     specs = {n: TensorSpec(n, "bfloat16", (rows, 64), 1 << 20) for n, rows in (("a", 4), ("b", 4096), ("c", 64))}
     plan = {n: ChunkPlan(n, 0, specs[n].chunk_span(0), "0" * 32) for n in specs}

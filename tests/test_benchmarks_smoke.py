@@ -228,8 +228,8 @@ def test_history_benchmark_uses_gc_and_compact_when_present(tmp_path, monkeypatc
         calls["compact"].append((sorted(bases), register))
         return Report()
 
-    monkeypatch.setitem(sys.modules, "deltastore.gc", types.SimpleNamespace(collect=collect))
-    monkeypatch.setitem(sys.modules, "deltastore.compact", types.SimpleNamespace(compact=compact))
+    monkeypatch.setitem(sys.modules, "deltastore.lifecycle.gc", types.SimpleNamespace(collect=collect))
+    monkeypatch.setitem(sys.modules, "deltastore.lifecycle.compact", types.SimpleNamespace(compact=compact))
     res = run(quick=True, out=tmp_path / "h.json", ks=(1, 3), retention_versions=20, gc_every=10,
               keep_last=4, lag=5, restart_from=2)
     assert calls["compact"] == [([1, 3], True)]

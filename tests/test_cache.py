@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from deltastore.cache import HELD_FILE, WorkerCache
+from deltastore.read.cache import HELD_FILE, WorkerCache
 from deltastore.errors import DeltastoreError, WorkerCacheError
 from tests._helpers import raw, small_state
 

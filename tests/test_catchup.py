@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.compact import compact
+from deltastore.lifecycle.compact import compact
 from deltastore.errors import CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
-from deltastore.gc import collect as gc_collect
-from deltastore.history import History
-from deltastore.index import add_squashes, update_index
-from deltastore.manifest import HEAD_KEY, Index, SquashRef, parse_head
+from deltastore.lifecycle.gc import collect as gc_collect
+from deltastore.format.history import History
+from deltastore.lifecycle.index import add_squashes, update_index
+from deltastore.format.manifest import HEAD_KEY, Index, SquashRef, parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from tests._helpers import (
@@ -53,7 +53,7 @@ def chain_keys(store: Store) -> dict[int, str]:
 
 
 def collect(store: Store, floor: int, *, pins: Iterable[int] = ()) -> None:
-    """Run GC (deltastore.gc.collect, no grace) so that the floor becomes ``floor``: it raises the
+    """Run GC (deltastore.lifecycle.gc.collect, no grace) so that the floor becomes ``floor``: it raises the
     floor in the index, then deletes every manifest and pack that versions ≥ floor and the pins'
     anchor chains do not need."""
     head = parse_head(store.get(HEAD_KEY))
@@ -164,7 +164,7 @@ def test_a_squash_that_is_missing_or_bad_is_planned_around(run10: Any, damage: s
         data[len(data) // 2] ^= 0xFF
         store.put(pack, bytes(data), mode="overwrite")
     sub, target = held_at(url, 2)
-    with sub, caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+    with sub, caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
         fetched = catch_up(sub, target)
         assert_bits_equal(target, states[10], damage)
     assert any(sq.key in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
@@ -191,7 +191,7 @@ def test_a_squash_whose_tables_do_not_plan_is_planned_around(run10: Any, monkeyp
 
     monkeypatch.setattr(Subscriber, "_plan_forward", staticmethod(plan))
     sub, target = held_at(url, 2)
-    with sub, caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+    with sub, caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
         catch_up(sub, target)
         assert_bits_equal(target, states[10])
     assert refused == [sq.key]
@@ -223,13 +223,13 @@ def spans(tmp_path: Path) -> tuple[str, dict[int, dict[str, torch.Tensor]]]:
 def test_a_worker_holding_a_collected_version_catches_up_from_the_anchor(spans: Any, caplog: pytest.LogCaptureFixture,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     url, states = spans
-    monkeypatch.setattr("deltastore.apply.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
+    monkeypatch.setattr("deltastore.read.engine.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
     sub, target = held_at(url, 2)
     store = open_store(url)
     anchor = History(store).manifest(chain_keys(store)[9])
     assert anchor.kind == "anchor"
     collect(store, floor=9)
-    with sub, caplog.at_level(logging.INFO, logger="deltastore.pull"):
+    with sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
         fetched = catch_up(sub, target)
         assert_bits_equal(target, states[12])
     lines = [r.getMessage() for r in caplog.records if "was collected" in r.getMessage()]
@@ -279,7 +279,7 @@ def test_a_pack_collected_while_catching_up_makes_the_worker_replan(spans: Any, 
     with Subscriber(url, threads=2, store=store) as sub:
         target = sub.pull(2)
         store.done = False  # the next pack read (the catch-up's) triggers the collection
-        with caplog.at_level(logging.INFO, logger="deltastore.pull"):
+        with caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
             sub.pull_into(target)
         assert_bits_equal(target, states[12])
         assert 3 not in chain_keys(store.inner)  # the collection did happen
@@ -290,10 +290,10 @@ def test_a_worker_cache_holding_a_collected_version_fetches_only_the_chunks_that
         spans: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Design 005 D2: the cached chunks are hashed against head's digests; only those that
     differ are fetched, from head's anchor."""
-    from deltastore.cache import WorkerCache
+    from deltastore.read.cache import WorkerCache
 
     url, states = spans
-    monkeypatch.setattr("deltastore.apply.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
+    monkeypatch.setattr("deltastore.read.engine.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
     cache = tmp_path / "cache"
     with Subscriber(url, threads=2) as sub:
         target = sub.pull(2)
@@ -302,7 +302,7 @@ def test_a_worker_cache_holding_a_collected_version_fetches_only_the_chunks_that
     with Subscriber(url, threads=2) as fresh:
         fresh.pull()
         full = fresh.bytes_fetched
-    with Subscriber(url, threads=2) as sub, caplog.at_level(logging.INFO, logger="deltastore.pull"):
+    with Subscriber(url, threads=2) as sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
         target = sub.allocate()
         (rec,) = list(sub.follow(target, interval=0.01, max_versions=1, cache_dir=cache, heartbeat=False))
         assert rec.full_load and rec.info.version == 12 and sub.version == 12

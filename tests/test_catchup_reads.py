@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.compact import compact
+from deltastore.lifecycle.compact import compact
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, WrappedStore, assert_bits_equal, snapshot

@@ -1,4 +1,4 @@
-"""The unsharded writer's chunking (SPEC §2, deltastore.tensors.slice_chunk_rows).
+"""The unsharded writer's chunking (SPEC §2, deltastore.layout.tensors.slice_chunk_rows).
 
 - chunk edges fall on the row boundaries of tensor-parallel degrees 1, 2, 4 and 8 when the
   rows divide, with chunks within the size target and above the floor;
@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from deltastore import Publisher, Subscriber
-from deltastore.select import Selection, resolve
-from deltastore.tensors import (
+from deltastore.layout.select import Selection, resolve
+from deltastore.layout.tensors import (
     CHUNK_TARGET_BYTES,
     SLICE_ALIGN,
     SLICE_CHUNK_MIN_BYTES,
@@ -105,7 +105,7 @@ def test_the_rule_keeps_its_promises(rows: int, row_bytes: int, target: int) -> 
 
 
 def test_chunk_rows_for_is_the_sharded_writers_rule() -> None:
-    from deltastore import sharded
+    from deltastore.write import sharded
 
     assert sharded.chunk_rows_for is chunk_rows_for
     assert chunk_rows_for(768, 30522, (15261,), CHUNK_TARGET_BYTES) == 15261

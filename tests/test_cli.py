@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltastore.cli import main
-from deltastore.tensors import bits
+from deltastore.layout.tensors import bits
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

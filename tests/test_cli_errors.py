@@ -413,7 +413,7 @@ def test_version_and_verbosity_anywhere(tmp_path: Path, ckpt: Path, capsys: pyte
     store = str(tmp_path / "store")
     assert main(["publish", store, str(ckpt), "-v"]) == EXIT_OK
     err = capsys.readouterr().err
-    assert "deltastore.publish" in err and "published version 1" in err  # deltastore's own lines
+    assert "deltastore.write.publisher" in err and "published version 1" in err  # deltastore's own lines
     assert main(["-v", "log", store]) == EXIT_OK
     assert main(["log", store, "-q"]) == EXIT_OK and main(["-q", "log", store]) == EXIT_OK
     assert capsys.readouterr().err == ""
@@ -475,7 +475,7 @@ def test_progress_bar_on_request_and_off_with_q(tmp_path: Path, ckpt: Path, caps
 
 def test_no_takeover_refuses_a_live_publisher(tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from deltastore.errors import FencedError
-    from deltastore.publish import Publisher
+    from deltastore.write.publisher import Publisher
 
     store = str(tmp_path / "store")
     changed = tmp_path / "changed.safetensors"
@@ -610,7 +610,7 @@ def test_library_subscriber_on_non_s3_endpoint_fails_fast(html_endpoint: str, fa
     cannot be told from a missing bucket by a HEAD request: BucketNotFoundError; an HTML 200:
     not an S3 endpoint), instead of reading as an empty store."""
     from deltastore.errors import BucketNotFoundError, StorageError
-    from deltastore.pull import Subscriber
+    from deltastore.read.subscriber import Subscriber
 
     opts = {"endpoint_url": html_endpoint, "retries": 1}
     with Subscriber("s3://bucket/run", storage_options=opts) as sub:

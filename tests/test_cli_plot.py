@@ -11,8 +11,8 @@ import torch
 
 from deltastore.cli import EXIT_FAILED, EXIT_OK, main
 from deltastore.cli.plot import points_of_store
-from deltastore.compact import compact
-from deltastore.publish import Publisher
+from deltastore.lifecycle.compact import compact
+from deltastore.write.publisher import Publisher
 from deltastore.storage import open_store
 
 

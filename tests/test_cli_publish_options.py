@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from deltastore.publish import Publisher
-from deltastore.pull import Subscriber
+from deltastore.write.publisher import Publisher
+from deltastore.read.subscriber import Subscriber
 
 
 def _state() -> dict[str, torch.Tensor]:

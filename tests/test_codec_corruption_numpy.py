@@ -1,7 +1,7 @@
 """The corruption suite (tests/test_codec_corruption.py) again, on the numpy decoder.
 
 Where deltastore._native is built, test_codec_corruption.py runs the native kernel and this
-module the numpy path (``_kernels.apply_segment`` set to None, as ``DELTASTORE_NATIVE=0``
+module the numpy path (``kernels.apply_segment`` set to None, as ``DELTASTORE_NATIVE=0``
 does); where it is not, both run the numpy path.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from deltastore.codec import _kernels
+from deltastore._util import kernels
 from tests.test_codec_corruption import *  # noqa: F403 - every test of the suite, collected here too
 
 
 @pytest.fixture(autouse=True)
 def _numpy_decoder(monkeypatch):
-    monkeypatch.setattr(_kernels, "apply_segment", None)
+    monkeypatch.setattr(kernels, "apply_segment", None)

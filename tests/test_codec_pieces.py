@@ -21,11 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore import codec
-from deltastore.codec import _kernels, delta, full, planes
+from deltastore._util import kernels
+from deltastore.codec import delta, full, planes
 from deltastore.codec.container import CODEC_FULL2, KIND_RAW, KIND_ZSTD, TRANSFORM_PAIRS, pack, peek_header
 from deltastore.errors import CorruptObjectError
 
-native = pytest.mark.skipif(_kernels.decode_full is None or _kernels.zstd_decompress is None,
+native = pytest.mark.skipif(kernels.decode_full is None or kernels.zstd_decompress is None,
                             reason="native decoder or libzstd not loaded")
 
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -53,7 +54,7 @@ def full_mode(mode: str, monkeypatch: pytest.MonkeyPatch, width: int) -> None:
         monkeypatch.setattr(planes, "STREAM_MIN_BYTES", 0)
         monkeypatch.setattr(full, "KERNEL_PIECE_BYTES", 14 * width)
     elif mode.startswith("numpy"):
-        monkeypatch.setattr(_kernels, "decode_full", None)
+        monkeypatch.setattr(kernels, "decode_full", None)
         if mode == "numpy-pieces":
             monkeypatch.setattr(full, "WHOLE_MAX_BYTES", 0)
             monkeypatch.setattr(full, "PIECE_BYTES", 10 * width)
@@ -94,7 +95,7 @@ def test_numpy_pieces_of_any_size_give_the_bits(n: int, width: int, seed: int, p
     x = weights(n, width, seed)
     seg = codec.encode_full(x, float_bits=True)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_kernels, "decode_full", None)
+        m.setattr(kernels, "decode_full", None)
         m.setattr(full, "WHOLE_MAX_BYTES", 0)
         m.setattr(full, "PIECE_BYTES", 2 * piece * width)
         m.setattr(planes, "STREAM_MIN_BYTES", 0)
@@ -182,7 +183,7 @@ def test_a_delta_section_with_a_wide_window_is_refused_when_streamed() -> None:
                                             sections=[(KIND_ZSTD, frame, len(codes))]), 3000)
     base = np.full(3000, 5, np.uint8)
     for mode in DELTA_MODES:
-        if mode.startswith("native") and _kernels.apply_segment is None:
+        if mode.startswith("native") and kernels.apply_segment is None:
             continue
         got = outcomes(seg, base, mode)
         if mode.endswith("pieces"):
@@ -210,7 +211,7 @@ def test_a_streamed_frame_is_checked_as_a_whole_one(damage, match: str) -> None:
 
 def delta_mode(mode: str, m: pytest.MonkeyPatch) -> None:
     if mode.startswith("numpy"):
-        m.setattr(_kernels, "apply_segment", None)
+        m.setattr(kernels, "apply_segment", None)
     if mode.endswith("pieces"):
         m.setattr(delta, "WHOLE_MAX_BYTES", -1)
         m.setattr(delta, "PIECE_ELEMENTS", 6)
@@ -264,7 +265,7 @@ def test_deltas_in_pieces_give_what_whole_ones_give(width: int, n: int, frac: fl
     want = outcomes(seg, old, "numpy")
     assert want[0][1] == new.tobytes()
     for mode in DELTA_MODES:
-        if mode.startswith("native") and _kernels.apply_segment is None:
+        if mode.startswith("native") and kernels.apply_segment is None:
             continue
         assert outcomes(seg, old, mode) == want, mode
 
@@ -306,7 +307,7 @@ def test_a_delta_refused_in_its_last_piece_writes_nothing(tweak, match: str) -> 
     new[::3] += np.uint16(2)
     seg = sparse_add(old, new, tweak=tweak)
     got = {mode: outcomes(seg, old, mode) for mode in DELTA_MODES
-           if not (mode.startswith("native") and _kernels.apply_segment is None)}
+           if not (mode.startswith("native") and kernels.apply_segment is None)}
     for mode, g in got.items():
         assert g[0][0] == "refused" and match in g[0][1], (mode, g)
     assert len({g[0][1] for g in got.values()}) == 1, got

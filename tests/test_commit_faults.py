@@ -23,9 +23,9 @@ from deltastore import (
     StorageError,
     Subscriber,
 )
-from deltastore import commit as commit_mod
+from deltastore.write import commit as commit_mod
 from deltastore.errors import CommitUnknownError
-from deltastore.manifest import HEAD_KEY, parse_head
+from deltastore.format.manifest import HEAD_KEY, parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import GetResult, IfMatch
 from tests._helpers import (

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.encode
+import deltastore.write.encode
 from deltastore import Publisher, Subscriber, codec
 from deltastore.cli import main
-from deltastore.compact import compact, merge_squashes
+from deltastore.lifecycle.compact import compact, merge_squashes
 from deltastore.errors import IntegrityError
-from deltastore.history import History
-from deltastore.manifest import Index, SquashManifest, SquashRef, decode_object
-from deltastore.index import read_index
+from deltastore.format.history import History
+from deltastore.format.manifest import Index, SquashManifest, SquashRef, decode_object
+from deltastore.lifecycle.index import read_index
 from deltastore.storage import open_store
-from deltastore.tensors import bits, state_digest
+from deltastore.layout.tensors import bits, state_digest
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, keys, snapshot
 from tests.test_catchup import publish_run, set_index
 
@@ -79,7 +79,7 @@ def test_a_corrupted_composition_is_refused_and_nothing_is_written(run22: Any, m
         new[0] ^= 1  # one bit off
         return codec.encode_delta(base, new)
 
-    monkeypatch.setattr("deltastore.compact.compose_deltas", flip)
+    monkeypatch.setattr("deltastore.lifecycle.compact.compose_deltas", flip)
     store = open_store(url)
     before = keys(store)
     with pytest.raises(IntegrityError, match=rf"squash 14→{HEAD_VERSION}: chunk \S+\[\d+\].*nothing was written"):
@@ -106,7 +106,7 @@ def test_a_squash_never_spans_a_chain_break(tmp_path: Path) -> None:
 
 def test_bases_below_two_versions_are_skipped_and_default_bases_come_from_the_ledger(run22: Any) -> None:
     url, _ = run22
-    from deltastore.ledger import HeartbeatWriter
+    from deltastore.lifecycle.ledger import HeartbeatWriter
 
     store = open_store(url)
     lineage = History(store).read_head()[0].lineage
@@ -122,18 +122,18 @@ def test_bases_below_two_versions_are_skipped_and_default_bases_come_from_the_le
 
 
 def test_squashes_are_registered_in_the_index(run22: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Registration is one deltastore.index.update_index call (the real one, watched)."""
-    import deltastore.index
+    """Registration is one deltastore.lifecycle.index.update_index call (the real one, watched)."""
+    import deltastore.lifecycle.index
 
     url, states = run22
     calls = []
-    real = deltastore.index.update_index
+    real = deltastore.lifecycle.index.update_index
 
     def update_index(store: Any, history: History, mutate: Any, *, writer: str, **kw: Any) -> Any:
         calls.append(writer)
         return real(store, history, mutate, writer=writer, **kw)
 
-    monkeypatch.setattr(deltastore.index, "update_index", update_index)
+    monkeypatch.setattr(deltastore.lifecycle.index, "update_index", update_index)
     report = compact(url, bases=[HEAD_VERSION - 8], writer="c1")
     assert report.registered and calls == ["c1"]
     store = open_store(url)
@@ -189,7 +189,7 @@ def test_a_chain_mixing_xor_and_add_deltas_is_composed_from_the_base(tmp_path: P
         state = trainer.export()
         for v in range(1, 9):
             if v <= 4:  # versions 2..4: xor deltas, as a v1 publisher wrote them
-                monkeypatch.setattr(deltastore.encode, "encode_delta_advance", _xor_delta_advance)
+                monkeypatch.setattr(deltastore.write.encode, "encode_delta_advance", _xor_delta_advance)
             else:
                 monkeypatch.undo()
             states[pub.publish(state).version] = snapshot(state)
@@ -230,8 +230,8 @@ def test_a_squash_spilled_to_disk_and_split_into_packs_applies_bit_exactly(run22
     from tests._helpers import assert_bits_equal
 
     url, states = run22
-    monkeypatch.setattr("deltastore.compact.SPILL_MEMORY_BYTES", 1)  # every composed segment on local disk
-    monkeypatch.setattr("deltastore.compact.PACK_TARGET_BYTES", 300)  # several packs
+    monkeypatch.setattr("deltastore.lifecycle.compact.SPILL_MEMORY_BYTES", 1)  # every composed segment on local disk
+    monkeypatch.setattr("deltastore.lifecycle.compact.PACK_TARGET_BYTES", 300)  # several packs
     (sq,) = compact(url, bases=[HEAD_VERSION - 8], register=False).squashes
     doc = decode_object(SquashManifest, open_store(url).get(sq.key), sq.key)
     assert len(doc.blobs) > 1

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.compact import BackgroundCompactor, CompactPolicy, CompactReport
-from deltastore.history import History
-from deltastore.ledger import HeartbeatWriter
-from deltastore.manifest import SquashRef
+from deltastore.lifecycle.compact import BackgroundCompactor, CompactPolicy, CompactReport
+from deltastore.format.history import History
+from deltastore.lifecycle.ledger import HeartbeatWriter
+from deltastore.format.manifest import SquashRef
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, assert_bits_equal, keys, snapshot
@@ -81,7 +81,7 @@ def test_background_compaction_serves_a_live_worker_behind(tmp_path: Path, caplo
     squashes = _index_squashes(url)
     assert (3, 8) in squashes, squashes  # the live worker's version, to the newest head
     assert any(f == 1 for f, _ in squashes), squashes  # the anchor squash
-    with caplog.at_level(logging.INFO, logger="deltastore.pull"):
+    with caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
         before = sub.bytes_fetched
         assert sub.pull_into(target).version == 8
     assert_bits_equal(target, states[8], "caught up through the background squash")
@@ -114,7 +114,7 @@ def test_background_compaction_is_off_by_default(tmp_path: Path) -> None:
 def test_a_failed_background_compaction_is_logged_and_publishing_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import deltastore.compact as compact_mod
+    import deltastore.lifecycle.compact as compact_mod
 
     real = compact_mod.compact
     calls = []
@@ -128,7 +128,7 @@ def test_a_failed_background_compaction_is_logged_and_publishing_goes_on(
     monkeypatch.setattr(compact_mod, "compact", flaky)
     url = f"file://{tmp_path / 'store'}"
     trainer = TinyTrainer(7)
-    with caplog.at_level(logging.WARNING, logger="deltastore.compact"), _publisher(url, compact=True) as pub:
+    with caplog.at_level(logging.WARNING, logger="deltastore.lifecycle.compact"), _publisher(url, compact=True) as pub:
         assert pub._compactor is not None
         pub.publish(trainer.export())
         assert pub._compactor.wait_idle(IDLE_TIMEOUT_S)
@@ -165,7 +165,7 @@ class _Gate:
 
 def test_heads_landing_during_a_run_are_coalesced_into_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = _Gate()
-    monkeypatch.setattr("deltastore.compact.compact", gate)
+    monkeypatch.setattr("deltastore.lifecycle.compact.compact", gate)
     store = open_store("memory://coalesce")
     bg = BackgroundCompactor(store, CompactPolicy())
     try:
@@ -184,7 +184,7 @@ def test_heads_landing_during_a_run_are_coalesced_into_one_run(monkeypatch: pyte
 
 def test_close_waits_for_the_running_compaction_then_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = _Gate()
-    monkeypatch.setattr("deltastore.compact.compact", gate)
+    monkeypatch.setattr("deltastore.lifecycle.compact.compact", gate)
     store = open_store("memory://close")
     bg = BackgroundCompactor(store, CompactPolicy(close_timeout_s=0.3))
     bg.submit(1)
@@ -221,7 +221,7 @@ def test_publisher_close_is_clean_with_compaction_on(tmp_path: Path) -> None:
 def test_the_anchor_squash_is_rewritten_every_anchor_squash_every_versions(tmp_path: Path) -> None:
     """With the cadence (--follow, background), S(anchor, head) is written when none exists,
     then again once the indexed one ends ANCHOR_SQUASH_EVERY versions before head."""
-    from deltastore.compact import ANCHOR_SQUASH_EVERY, compact
+    from deltastore.lifecycle.compact import ANCHOR_SQUASH_EVERY, compact
 
     url = f"file://{tmp_path / 'store'}"
     trainer = TinyTrainer(9)
@@ -240,7 +240,7 @@ def test_the_anchor_squash_is_rewritten_every_anchor_squash_every_versions(tmp_p
 
 def test_default_bases_already_squashed_to_head_are_not_written_again(tmp_path: Path) -> None:
     """A second compactor (or round) on the same head writes nothing: the index has them."""
-    from deltastore.compact import compact
+    from deltastore.lifecycle.compact import compact
 
     url = f"file://{tmp_path / 'store'}"
     trainer = TinyTrainer(11)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from deltastore import Publisher
-from deltastore.compact import compact
+from deltastore.lifecycle.compact import compact
 from deltastore.errors import CommitAbandonedError, ConflictError
-from deltastore.history import History
-from deltastore.index import pin
-from deltastore.manifest import DEFAULT_MAX_ATTEMPT_S
+from deltastore.format.history import History
+from deltastore.lifecycle.index import pin
+from deltastore.format.manifest import DEFAULT_MAX_ATTEMPT_S
 from deltastore.storage import open_store
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, WrappedStore
 
@@ -58,7 +58,7 @@ def test_a_compactor_slower_than_the_publishers_deadline_registers_nothing(tmp_p
     url = str(tmp_path / "store")
     _run(url, 6, max_attempt_s=DEADLINE_S)
     store = SlowSquashes(open_store(url))
-    with caplog.at_level(logging.WARNING, logger="deltastore.compact"):
+    with caplog.at_level(logging.WARNING, logger="deltastore.lifecycle.compact"):
         rep = compact(store, bases=[2])
     assert rep.squashes and not rep.registered
     assert "deadline passed" in caplog.text

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore import Publisher, StorageError, Subscriber, encode
+from deltastore import Publisher, StorageError, Subscriber
+from deltastore.write import encode
 from deltastore.codec import Segment
 from deltastore.storage import open_store
 from tests._helpers import WrappedStore, assert_bits_equal, small_state, sparse_edit
@@ -244,8 +245,8 @@ def _encode_steady(tmp_path, name: str, threads: int):
     threads; returns what encode_version returned and every pack's bytes."""
     import torch
 
-    from deltastore.manifest import new_attempt_id
-    from deltastore.tensors import spec_for
+    from deltastore.format.manifest import new_attempt_id
+    from deltastore.layout.tensors import spec_for
 
     g = torch.Generator().manual_seed(7)
     old = {f"t{i}": torch.randint(-2000, 2000, (9 + i, 512), generator=g, dtype=torch.int16) for i in range(40)}
@@ -288,7 +289,7 @@ def test_grouped_jobs_and_a_window_waited_by_halves_write_what_one_job_per_chunk
 
 
 def test_chunk_jobs_group_consecutive_chunks_up_to_the_job_size(monkeypatch):
-    from deltastore.tensors import TensorSpec
+    from deltastore.layout.tensors import TensorSpec
 
     specs = {"a": TensorSpec("a", "int16", (10, 512), 1), "b": TensorSpec("b", "int16", (3, 2048), 1)}
     monkeypatch.setattr(encode, "ENCODE_JOB_BYTES", 3 * 1024)  # a's chunks are 1 KiB, b's 4 KiB
@@ -302,7 +303,7 @@ def test_layout_work_is_made_once_per_layout_and_anew_for_another(monkeypatch):
     """encode_version's per-layout work (jobs with their spans, dtype kinds, totals) is kept by
     the encoder's LayoutWorks across versions of one layout (found by equal specs) and made anew
     for any other layout or job size (session 22, task BK; per encoder since session 25)."""
-    from deltastore.tensors import TensorSpec
+    from deltastore.layout.tensors import TensorSpec
 
     works = encode.LayoutWorks()
     a = {"a": TensorSpec("a", "bfloat16", (10, 512), 2), "b": TensorSpec("b", "int32", (3, 7), 1)}
@@ -476,7 +477,7 @@ def test_reference_views_are_made_once_per_reference_and_write_the_same_packs(mo
     reference tensor is viewed once while that reference lives (the state's tensors every
     publish), a new reference (an anchor without a base, a failed publish) gets new views,
     and the packs are those a publisher that views per publish writes."""
-    from deltastore import publish as publish_mod
+    from deltastore.write import publisher as publish_mod
 
     rng = np.random.default_rng(3)
     states = [small_state(0, n=6, rows=64)]
@@ -515,7 +516,7 @@ def test_reference_views_are_made_once_per_reference_and_write_the_same_packs(mo
             monkeypatch.undo()
             head = pub._head
         for v in range(1, head.version + 1):
-            from deltastore.history import History
+            from deltastore.format.history import History
 
             _, m = History(store.inner).resolve(v, head)
             shas.append([(b.sha256, b.size) for b in m.blobs])

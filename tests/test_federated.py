@@ -27,10 +27,10 @@ from deltastore.federated import (
     Site,
     weighted_average,
 )
-from deltastore.gc import collect
-from deltastore.history import History
-from deltastore.index import pinned, read_index
-from deltastore.manifest import BaseRef, Manifest
+from deltastore.lifecycle.gc import collect
+from deltastore.format.history import History
+from deltastore.lifecycle.index import pinned, read_index
+from deltastore.format.manifest import BaseRef, Manifest
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal, mp_context
 
@@ -198,7 +198,7 @@ def test_wrong_base_and_other_layout_refused_round_goes_on(memory_target) -> Non
             w.close()
             # site-2: another layout (one more row in "b"), against the right base
             other = dict(base.specs)
-            from deltastore.tensors import TensorSpec
+            from deltastore.layout.tensors import TensorSpec
 
             other["b"] = TensorSpec("b", "bfloat16", (65,), 65)
             st2 = open_store(site_urls["site-2"])
@@ -412,11 +412,11 @@ def test_base_field_only_in_schema_4() -> None:
 
 
 def test_based_manifest_rules_checked_on_read() -> None:
-    from deltastore.manifest import _check_manifest
+    from deltastore.format.manifest import _check_manifest
 
     ref = BaseRef(version=2, manifest="manifests/000000000002-" + "a" * 64 + ".json.zst", sha256="a" * 64,
                   lineage="b" * 32)
-    from deltastore.manifest import ObjectRef
+    from deltastore.format.manifest import ObjectRef
 
     common = dict(schema_=4, version=3, parent=2, parent_manifest="manifests/000000000002-" + "e" * 64 + ".json.zst",
                   kind="delta", created="x", writer="w", epoch=1, commit_id="c" * 32, lineage="d" * 32,

@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from deltastore import Subscriber
-from deltastore.apply import ReadEngine
+from deltastore.read.engine import ReadEngine
 from deltastore.errors import BaseElsewhereError
 from deltastore.federated import RoundBase, read_based
 from deltastore.federated.aggregator import _site_tensor
 from deltastore.federated.based import specs_of
-from deltastore.history import History
+from deltastore.format.history import History
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal
 

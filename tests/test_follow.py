@@ -26,10 +26,10 @@ from deltastore import (
     Subscriber,
     TargetModifiedError,
 )
-from deltastore.cache import HELD_FILE, WorkerCache
-from deltastore.manifest import HEAD_KEY
+from deltastore.read.cache import HELD_FILE, WorkerCache
+from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
-from deltastore.tensors import bits
+from deltastore.layout.tensors import bits
 from tests._helpers import (
     HeadPutHook,
     WrappedStore,
@@ -294,7 +294,7 @@ def test_head_pointing_to_a_missing_manifest_keeps_the_last_good_version_and_rec
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    with caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+    with caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
         th = threading.Thread(target=run)
         th.start()
         _wait(lambda: got == [2])
@@ -381,7 +381,7 @@ def test_an_unusable_cache_is_rebuilt_with_a_log_line(damage: str, tmp_path: Pat
         f.write_bytes(bytes(data))
     store = WrappedStore(open_store(b.url))
     target = {k: torch.zeros_like(v) for k, v in states_b[0].items()}
-    with caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+    with caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
         with Subscriber(b.url, store=store, threads=2) as sub:
             recs = list(sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1))
     assert "worker cache" in caplog.text and "not usable" in caplog.text, caplog.text
@@ -430,7 +430,7 @@ def test_a_cache_that_cannot_be_saved_is_a_warning_and_the_follower_goes_on(
     t = StoreTarget("file", str(tmp_path / "store"))
     states = _states(4)
     cache = tmp_path / "cache"
-    with caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+    with caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
         recs = _follow_publishing(t, states, cache_dir=cache, cache_every_s=0.0)
     assert [r.info.version for r in recs] == [1, 2, 3, 4]
     assert not list(cache.glob("*partial*")) and len(list(cache.glob("state-*"))) == 1
@@ -448,7 +448,7 @@ def test_a_cache_on_a_full_tmpfs_is_a_warning_and_the_follower_goes_on(tmp_path:
     try:
         t = StoreTarget("file", str(tmp_path / "store"))
         states = [{"w": torch.full((128, 256), float(i))} for i in range(3)]  # 128 KiB: never fits
-        with caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+        with caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
             recs = _follow_publishing(t, states, cache_dir=cache, cache_every_s=0.0)
         assert [r.info.version for r in recs] == [1, 2, 3]
         assert "No space left on device" in caplog.text, caplog.text
@@ -478,7 +478,7 @@ def test_follow_refuses_a_cache_path_that_is_a_file_before_fetching(tmp_path: Pa
 
 _WORKER = r"""
 import os, sys, time, threading
-import deltastore.cache
+import deltastore.read.cache
 from deltastore import Subscriber
 url, cache, marker, where = sys.argv[1:5]
 
@@ -489,7 +489,7 @@ if where == "cache":
         if os.path.exists(marker + ".armed"):
             open(marker, "w").close()
             time.sleep(60)   # killed here, in the middle of WorkerCache.save
-    deltastore.cache.os.fsync = slow_fsync
+    deltastore.read.cache.os.fsync = slow_fsync
 
 class Pause:
     def __enter__(self):
@@ -566,7 +566,7 @@ class ReadOnlyLedger(WrappedStore):
 
 
 def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from deltastore.ledger import read_ledger
+    from deltastore.lifecycle.ledger import read_ledger
 
     t = StoreTarget("file", str(tmp_path / "store"))
     _publish_all(t, _states(2))
@@ -578,7 +578,7 @@ def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: 
 
     store = ReadOnlyLedger(open_store(t.url))
     target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
-    with caplog.at_level(logging.INFO, logger="deltastore.ledger"):
+    with caplog.at_level(logging.INFO, logger="deltastore.lifecycle.ledger"):
         with Subscriber(t.url, store=store, threads=2) as sub:
             recs = list(sub.follow(target, interval=0.01, worker_id="w-2", max_versions=1))
     assert recs[0].info.version == 2
@@ -586,7 +586,7 @@ def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: 
 
 
 def test_a_follower_that_ends_is_marked_stopped_with_its_last_version(tmp_path: Path) -> None:
-    from deltastore.ledger import read_ledger
+    from deltastore.lifecycle.ledger import read_ledger
 
     t = StoreTarget("file", str(tmp_path / "store"))
     _publish_all(t, _states(2))
@@ -603,7 +603,7 @@ def test_a_follower_that_ends_is_marked_stopped_with_its_last_version(tmp_path: 
 
 def test_a_stage_and_swap_worker_appears_in_the_ledger_and_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from deltastore.cli import main
-    from deltastore.ledger import read_ledger
+    from deltastore.lifecycle.ledger import read_ledger
 
     t = StoreTarget("file", str(tmp_path / "store"))
     states = _states(3)
@@ -644,7 +644,7 @@ def test_follow_loads_a_replaced_history_whole(tmp_path: Path, caplog: pytest.Lo
     target = {k: torch.zeros_like(v) for k, v in old[1].items()}
     got: list[FollowRecord] = []
     stop = threading.Event()
-    with _subscriber(t) as sub, caplog.at_level(logging.WARNING, logger="deltastore.pull"):
+    with _subscriber(t) as sub, caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
         def run() -> None:
             for rec in sub.follow(target, interval=0.05, stop=stop, heartbeat=False):
                 got.append(rec)
@@ -711,7 +711,7 @@ def test_stage_falls_back_to_the_anchor_full_segment(tmp_path: Path, how: str, c
     name, index = _corrupt_anchor_delta(url, how)
     with Subscriber(url, threads=2) as sub:
         target = sub.pull(3)
-        with caplog.at_level("WARNING", logger="deltastore.apply"):
+        with caplog.at_level("WARNING", logger="deltastore.read.engine"):
             staged = sub.stage(target)
         assert staged is not None and staged.info.version == 4
         assert_bits_equal(target, states[2], "stage wrote nothing")

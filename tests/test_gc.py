@@ -26,11 +26,11 @@ from deltastore.errors import (
     UnsupportedSchemaError,
     VersionCollectedError,
 )
-from deltastore.gc import CLOCK_MARGIN_S, collect
-from deltastore.history import History
-from deltastore.index import pin, pinned, read_index
-from deltastore.ledger import encode_heartbeat
-from deltastore.manifest import DEFAULT_MAX_ATTEMPT_S, HEAD_KEY
+from deltastore.lifecycle.gc import CLOCK_MARGIN_S, collect
+from deltastore.format.history import History
+from deltastore.lifecycle.index import pin, pinned, read_index
+from deltastore.lifecycle.ledger import encode_heartbeat
+from deltastore.format.manifest import DEFAULT_MAX_ATTEMPT_S, HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.storage.base import ObjectMeta, Store
 from tests._helpers import (
@@ -614,7 +614,7 @@ def test_a_layout_written_by_an_older_attempt_is_kept(aged):
 
 def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
     """M is the largest max_attempt_s among manifests ≥ floor (none recorded: 6 h)."""
-    from deltastore.manifest import encode_manifest, manifest_key, sha256_hex
+    from deltastore.format.manifest import encode_manifest, manifest_key, sha256_hex
 
     publish(aged, 10)  # anchors 1, 4, 7, 10
     head = json.loads(aged.get(HEAD_KEY))
@@ -639,7 +639,7 @@ def _rewrite_as_schema_1(store: Store) -> None:
     """Rewrite the store's chain and HEAD as schema 1 wrote them (no lineage, no schema-2/3
     fields, packs at their content addresses ``blobs/<xx>/<sha256>``, copied from the
     publisher's attempt-scoped packs: SPEC §13, old stores are upgraded in place)."""
-    from deltastore.manifest import (
+    from deltastore.format.manifest import (
         SCHEMA3_MANIFEST_FIELDS,
         blob_key,
         manifest_key,
@@ -702,7 +702,7 @@ def test_registered_squashes_are_kept_with_their_packs_and_layout(aged):
     """SPEC §11: the squashes the index lists whose ``from`` is ≥ floor or a pin are kept with
     their packs and layout; one from below the floor (not pinned) is dropped from the index
     on the floor raise and collected with its packs."""
-    from deltastore.compact import compact
+    from deltastore.lifecycle.compact import compact
 
     publish(aged, 14, anchor_every=5)  # anchors 1, 6, 11
     report = compact(aged, bases=[7, 8, 11], to=14)

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from deltastore.gc import collect
-from deltastore.history import History
-from deltastore.index import pin, read_index
+from deltastore.lifecycle.gc import collect
+from deltastore.format.history import History
+from deltastore.lifecycle.index import pin, read_index
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal, keys, mp_context
 from tests.test_gc import assert_versions_intact, needs_of, publish, pull_from_manifest

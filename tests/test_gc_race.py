@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.compact import compact
+from deltastore.lifecycle.compact import compact
 from deltastore.errors import CommitAbandonedError, ConflictError, DeltastoreError, GCAbortedError, VersionCollectedError
-from deltastore.gc import collect
-from deltastore.history import History
-from deltastore.index import pin, pinned, read_index
+from deltastore.lifecycle.gc import collect
+from deltastore.format.history import History
+from deltastore.lifecycle.index import pin, pinned, read_index
 from deltastore.storage import open_store
 from tests._helpers import (
     mp_context,

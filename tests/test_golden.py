@@ -260,7 +260,7 @@ def test_golden_schema2_store_signed_versions(store2_url):
     """v6 and v7 were signed: a subscriber trusting the key reads them, and refuses v5
     (unsigned); a subscriber trusting another key refuses v7."""
     from deltastore.errors import SignatureError
-    from deltastore.signing import generate_key_files
+    from deltastore.format.signing import generate_key_files
 
     with Subscriber(store2_url, threads=1, trusted_keys=[SIGNING_PUB2.read_bytes()]) as sub:
         for v in (6, 7):
@@ -425,7 +425,7 @@ def test_golden_schema3_store_pull_into_from_collected(store3_url, monkeypatch, 
         target = _pull_before_gc(sub, held, monkeypatch)
         _assert_bit_equal(target, _load(EXPECTED3, held), f"pull({held}) before the GC")
         assert sub.version == held
-        with caplog.at_level(logging.INFO, logger="deltastore.pull"):
+        with caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
             info = sub.pull_into(target)
         assert info is not None and info.version == N_VERSIONS3
         _assert_bit_equal(target, expected, f"pull_into {held} (collected) -> latest")
@@ -488,11 +488,11 @@ def test_golden_schema3_inspect_pinned_version(store3_url, capsys):
 @pytest.mark.parametrize("url_fixture", ["store3_url", "mixed_url"])
 def test_golden_schema3_refused_by_a_schema2_reader(url_fixture, request, monkeypatch):
     """A reader of schemas 1 and 2 refuses the schema-3 HEAD cleanly (design 005 D10)."""
-    import deltastore.manifest
+    import deltastore.format.manifest
     from deltastore.errors import UnsupportedSchemaError
 
     url = request.getfixturevalue(url_fixture)
-    monkeypatch.setattr(deltastore.manifest, "READABLE_SCHEMAS", (1, 2))
+    monkeypatch.setattr(deltastore.format.manifest, "READABLE_SCHEMAS", (1, 2))
     with Subscriber(url, threads=1) as sub, pytest.raises(UnsupportedSchemaError, match="schema 3"):
         sub.pull()
 
@@ -509,8 +509,8 @@ def test_golden_schema3_encoding_reproduces_stored_bytes(golden, tmp_path):
     canonical JSON back exactly, and — with the libzstd that wrote them — the stored bytes."""
     import zstandard
 
-    from deltastore.history import History
-    from deltastore.manifest import (
+    from deltastore.format.history import History
+    from deltastore.format.manifest import (
         Index,
         Layout,
         SquashManifest,
@@ -595,8 +595,8 @@ def test_golden_mixed_store_signed_versions_still_verify(mixed_url):
     (a subscriber trusting that key refuses the unsigned schema-3 HEAD, so they are checked
     directly)."""
     from deltastore.errors import SignatureError
-    from deltastore.history import History
-    from deltastore.signing import TrustedKeys
+    from deltastore.format.history import History
+    from deltastore.format.signing import TrustedKeys
     from deltastore.storage import open_store
 
     keys = TrustedKeys([SIGNING_PUB2.read_bytes()])

@@ -17,9 +17,9 @@ import xxhash
 from safetensors.torch import load_file
 
 from deltastore import Subscriber
-from deltastore.history import History
-from deltastore.plan import layout
-from deltastore.select import Selection
+from deltastore.format.history import History
+from deltastore.read.plan import layout
+from deltastore.layout.select import Selection
 from deltastore.storage import open_store
 
 GOLDEN = Path(__file__).parent / "golden"

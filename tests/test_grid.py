@@ -1,5 +1,5 @@
 """Column grids, design 011 D10 steps 1-2: the geometry of a grid tensor (TensorSpec, the
-manifest helpers, the layout plumbing) and deltastore.grid's conversions between natural and
+manifest helpers, the layout plumbing) and deltastore.layout.grid's conversions between natural and
 unit order, each against a naive reference written here (explicit slicing of the tensor
 ``W[r0:r1, c0:c1, ...]``), never against the functions under test. Stores with a grid
 (step 3) are tested in tests/test_grid_store.py."""
@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore import CorruptObjectError, grid
-from deltastore.grid import (
+from deltastore import CorruptObjectError
+from deltastore.layout import grid
+from deltastore.layout.grid import (
     GridTarget,
     block_view,
     from_unit_order,
@@ -26,7 +27,7 @@ from deltastore.grid import (
     scatter,
     to_unit_order,
 )
-from deltastore.manifest import (
+from deltastore.format.manifest import (
     BlobRef,
     ChunkEntry,
     Layout,
@@ -39,8 +40,8 @@ from deltastore.manifest import (
     layout_of,
     manifest_key,
 )
-from deltastore.plan import check_entries, layout
-from deltastore.tensors import TensorSpec, bits
+from deltastore.read.plan import check_entries, layout
+from deltastore.layout.tensors import TensorSpec, bits
 
 
 def _naive_blocks(shape: tuple[int, ...], chunk_rows: int, chunk_cols: int) -> list[tuple[slice, slice]]:

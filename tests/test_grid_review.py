@@ -6,7 +6,7 @@ edge-keeping SliceTarget roll back bit-exactly), the worker cache and ``verify``
 store.
 
 Expectations come from torch slicing of the states as published (tests/test_partial.py's
-``_rows``), never from deltastore.grid.
+``_rows``), never from deltastore.layout.grid.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 import torch
 
 from deltastore import IntegrityError, Publisher, Subscriber
-from deltastore.select import Selection
+from deltastore.layout.select import Selection
 from deltastore.storage import open_store
-from deltastore.tensors import TensorSpec
+from deltastore.layout.tensors import TensorSpec
 from tests._helpers import assert_bits_equal, snapshot
 from tests.test_partial import _rows
 
@@ -188,7 +188,7 @@ def test_a_partial_pull_into_failing_mid_apply_rolls_back_views_and_edges(tmp_pa
         assert res.views == {"o"} and any(n == "d" for n, _ in res.edges)
         spare = {k: v.copy() for k, v in sub._spare.items()}
         before = snapshot(mine)
-        with pytest.raises(IntegrityError), caplog.at_level("ERROR", logger="deltastore.apply"):
+        with pytest.raises(IntegrityError), caplog.at_level("ERROR", logger="deltastore.read.engine"):
             sub.pull_into(mine, 3)
         rolled = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
         assert rolled and int(rolled[0].split("rolled back ")[1].split()[0]) >= 3  # o's and d's chunks undone
@@ -218,8 +218,8 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
     order): a clean cache is adopted without fetching, one element flipped inside one block of
     ``w`` is refused; after GC collected the cached version, only the chunks that differ from
     HEAD are fetched (from its anchor) and land in their blocks."""
-    from deltastore.cache import WorkerCache
-    from deltastore.gc import collect
+    from deltastore.read.cache import WorkerCache
+    from deltastore.lifecycle.gc import collect
 
     url = f"file://{tmp_path / 'store'}"
     states = _cached_states(5)
@@ -240,7 +240,7 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
     bad["w"] = bad["w"].clone()
     bad["w"].view(torch.int16)[5, 13] ^= 1  # row block 1, column block 2: chunk 1·4 + 2
     WorkerCache(cache).save(bad, url=held.url, version=2, manifest=held.manifest, lineage=held.lineage)
-    with Subscriber(url) as sub, caplog.at_level("WARNING", logger="deltastore.pull"):
+    with Subscriber(url) as sub, caplog.at_level("WARNING", logger="deltastore.read.subscriber"):
         target = sub.allocate()
         (rec,) = sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1)
         assert rec.full_load and rec.bytes_fetched > 0
@@ -253,7 +253,7 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
     with Subscriber(url) as fresh:
         fresh.pull()
         full = fresh.bytes_fetched
-    with Subscriber(url) as sub, caplog.at_level("INFO", logger="deltastore.pull"):
+    with Subscriber(url) as sub, caplog.at_level("INFO", logger="deltastore.read.subscriber"):
         target = sub.allocate()
         (rec,) = sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1)
         assert "version 2 was collected (floor 4)" in caplog.text
@@ -266,7 +266,7 @@ def test_errors_name_the_block_of_a_grid_chunk_with_a_zero_trailing_dimension() 
     """A digest mismatch of a grid chunk names its rows and columns (011 D4); for a tensor
     whose trailing dimension is 0 (every chunk empty, a mismatch only from a bad manifest) the
     words divided by its 0 trailing elements: a ZeroDivisionError instead of the typed error."""
-    from deltastore.apply import _modified
+    from deltastore.read.engine import _modified
 
     z = _spec("z", (4, 8, 0), 2, 3, "float32")
     assert "chunk 5 (rows 2-4, columns 6-8)" in str(_modified("z", 5, 1, z))
@@ -322,7 +322,7 @@ def test_a_grid_store_reads_bit_exact_on_the_numpy_paths(tmp_path: Path, monkeyp
     column rank keeping edge bits, with every native kernel off; the store written by
     ``publish_async(copy=False)`` (the handed-over dicts are the snapshots: a grid unit's
     reference is the gathered buffer, never the caller's tensor)."""
-    from deltastore.codec import _kernels
+    from deltastore._util import kernels
 
     url = f"file://{tmp_path}"
     states = _cached_states(4)
@@ -332,7 +332,7 @@ def test_a_grid_store_reads_bit_exact_on_the_numpy_paths(tmp_path: Path, monkeyp
         assert [f.result().kind for f in futures] == ["anchor", "delta", "delta", "delta"]
     for name in ("encode_add", "xxh3_128_hex", "split_planes", "pair_codes", "byte_histogram", "apply_segment",
                  "gather_members", "scatter_members", "scan_tensors"):
-        monkeypatch.setattr(_kernels, name, None)
+        monkeypatch.setattr(kernels, name, None)
     with Subscriber(url) as sub:
         target = sub.pull(1)
         assert_bits_equal(target, states[0])

@@ -4,7 +4,7 @@ staged and swapped, bit for bit, with every check of SPEC §7 on the grid's chun
 Grid stores are made by a publisher given explicit specs (``Publisher._explicit_specs``, an
 internal test hook: the public policy, ``column_slices``, is step 4). Chunk digests are checked
 against an oracle written here by torch slicing (``W[r0:r1, c0:c1].contiguous()``), never
-through deltastore.grid.
+through deltastore.layout.grid.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from deltastore import (
     TargetModifiedError,
     UnsupportedSchemaError,
 )
-from deltastore.codec import _kernels
-from deltastore.manifest import Layout, decode_object, encode_object, object_key, sha256_hex
-from deltastore.select import Selection
+from deltastore._util import kernels
+from deltastore.format.manifest import Layout, decode_object, encode_object, object_key, sha256_hex
+from deltastore.layout.select import Selection
 from deltastore.storage import open_store
-from deltastore.tensors import TensorSpec
+from deltastore.layout.tensors import TensorSpec
 
 #: The design's golden-store shapes (011 D7): ragged both ways (5 × 5 chunks of a 70 × 100
 #: bf16), a grid over trailing dims (12 × 10 × 3, 4 columns), and a plain tensor.
@@ -142,7 +142,7 @@ def test_the_layout_records_the_grid_and_inspect_prints_it(store, capsys: pytest
 
 def test_native_and_numpy_paths_write_identical_packs_and_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """D9: the gather is a numpy copy, so DELTASTORE_NATIVE=0 and =1 write the same bytes."""
-    if not _kernels.NATIVE:
+    if not kernels.NATIVE:
         pytest.skip("native extension not built")
     states = _states(4, seed=3)
 
@@ -162,7 +162,7 @@ def test_native_and_numpy_paths_write_identical_packs_and_tables(tmp_path: Path,
     with monkeypatch.context() as mp:
         for name in ("encode_add", "xxh3_128_hex", "split_planes", "pair_codes", "byte_histogram", "apply_segment",
                      "gather_members", "scatter_members", "scan_tensors"):
-            mp.setattr(_kernels, name, None)
+            mp.setattr(kernels, name, None)
         _publish(f"file://{tmp_path / 'numpy'}", states, threads=2)
     assert written(f"file://{tmp_path / 'native'}") == written(f"file://{tmp_path / 'numpy'}")
 
@@ -186,13 +186,13 @@ def test_pull_into_through_a_compacted_squash(tmp_path: Path, caplog: pytest.Log
     layout" before, failing the pull_into)."""
     import logging
 
-    from deltastore.compact import compact
+    from deltastore.lifecycle.compact import compact
 
     url = f"file://{tmp_path}"
     states = _states(4)
     _publish(url, states, anchor_every=10)
     assert [(s.from_, s.to) for s in compact(url, bases=[1], to=4).squashes] == [(1, 4)]
-    with Subscriber(url) as sub, caplog.at_level(logging.INFO, logger="deltastore.pull"):
+    with Subscriber(url) as sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
         target = sub.pull(1)
         sub.pull_into(target, 4)
         _bits_equal(target, states[3])
@@ -208,7 +208,7 @@ def test_last_changed_reports_row_bands(store) -> None:
         assert changed["w"] == [(0, 32 * 100)]  # row blocks 0 and 1, whole rows
         assert changed["x"] == [(0, 5 * 30)]  # row block 0 (rows 0-5)
         assert "p" not in changed
-        from deltastore.changes import changed_rows
+        from deltastore.read.changes import changed_rows
 
         rows = {n: r for n, r, _ in changed_rows(target, changed)}
         assert rows == {"w": [(0, 32)], "x": [(0, 5)]}
@@ -377,7 +377,7 @@ def test_a_corrupt_segment_mid_apply_rolls_back_bit_exactly(tmp_path: Path, capl
     with Subscriber(url) as sub:
         target = sub.pull(2)
         before = {n: t.clone() for n, t in target.items()}
-        with pytest.raises(IntegrityError), caplog.at_level("ERROR", logger="deltastore.apply"):
+        with pytest.raises(IntegrityError), caplog.at_level("ERROR", logger="deltastore.read.engine"):
             sub.pull_into(target, 3)
         _bits_equal(target, before)
     rolled = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
@@ -416,7 +416,7 @@ def test_hostile_grid_layouts_are_corrupt(store, cols, match) -> None:
 
 
 def test_a_grid_on_a_group_row_or_an_empty_dimension_is_corrupt() -> None:
-    from deltastore.manifest import GroupRecord
+    from deltastore.format.manifest import GroupRecord
 
     base = dict(name=("g", "e"), dtype=("float32", "float32"), shape=((6,), (3, 0)), chunk_rows=(6, 1),
                 pieces=(None, None), piece_parts=(None, None))
@@ -432,7 +432,7 @@ def test_a_grid_on_a_group_row_or_an_empty_dimension_is_corrupt() -> None:
 
 
 def test_a_grid_changes_the_layouts_digest() -> None:
-    from deltastore.manifest import layout_of
+    from deltastore.format.manifest import layout_of
 
     a = encode_object(layout_of({"w": SPECS["w"]}))
     b = encode_object(layout_of({"w": TensorSpec("w", "bfloat16", (70, 100), 16, (), 25)}))
@@ -464,7 +464,7 @@ def test_a_grid_in_a_federated_base_is_refused(store) -> None:
 
 
 def test_slice_chunk_cols() -> None:
-    from deltastore.tensors import slice_chunk_cols
+    from deltastore.layout.tensors import slice_chunk_cols
 
     assert slice_chunk_cols(4096, 1, 2, 8) == 512  # a rank's share when N divides C
     assert slice_chunk_cols(28672, 1, 2, 8) == 3584
@@ -477,7 +477,7 @@ def test_slice_chunk_cols() -> None:
 
 
 def test_grid_spec_for_llama_shapes_and_exclusions() -> None:
-    from deltastore.tensors import grid_spec_for
+    from deltastore.layout.tensors import grid_spec_for
 
     def meta(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="meta")
@@ -505,7 +505,7 @@ def test_column_slices_needs_slice_align_and_patterns(tmp_path: Path) -> None:
 def test_row_parallel_names_llama_row_parallel_weights() -> None:
     import fnmatch
 
-    from deltastore.select import ROW_PARALLEL
+    from deltastore.layout.select import ROW_PARALLEL
 
     def hit(name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in ROW_PARALLEL)
@@ -527,7 +527,7 @@ def test_column_slices_grids_what_fits_and_logs_the_rest(tmp_path: Path, caplog:
         "l0.q_proj.weight": torch.randn(64, 512, generator=g),  # not matched
     }
     url = f"file://{tmp_path}"
-    with caplog.at_level("INFO", logger="deltastore.publish"), \
+    with caplog.at_level("INFO", logger="deltastore.write.publisher"), \
             Publisher(url, slice_align=2, column_slices=ROW_PARALLEL_PATTERNS, group_small_tensors=True) as pub:
         pub.publish(state)
         nxt = {n: t.clone() for n, t in state.items()}
@@ -590,7 +590,7 @@ def test_publish_async_snapshots_publish_grids_bit_exact(tmp_path: Path) -> None
 def test_a_chunk_index_past_the_grid_is_corrupt_and_says_the_grid(store) -> None:
     """A manifest listing chunk nr·nc of a grid tensor (one past its last block) is refused
     before any planning; the message gives the grid's chunk count and block shape."""
-    from deltastore.manifest import _check_manifest
+    from deltastore.format.manifest import _check_manifest
 
     url, _ = store
     with Subscriber(url) as sub:

@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore import Publisher, Subscriber
-from deltastore.codec import _kernels
-from deltastore.compact import compact
+from deltastore._util import kernels
+from deltastore.lifecycle.compact import compact
 from deltastore.errors import (
     CorruptObjectError,
     InvalidStateDictError,
@@ -33,8 +33,8 @@ from deltastore.errors import (
     TargetModifiedError,
     UnsupportedSchemaError,
 )
-from deltastore.gc import collect
-from deltastore.groups import (
+from deltastore.lifecycle.gc import collect
+from deltastore.layout.groups import (
     GROUP_MEMBER_MAX_BYTES,
     GROUP_TARGET_BYTES,
     copy_members,
@@ -43,8 +43,8 @@ from deltastore.groups import (
     member_starts,
     split_patch,
 )
-from deltastore.history import History
-from deltastore.manifest import (
+from deltastore.format.history import History
+from deltastore.format.manifest import (
     GroupMember,
     Layout,
     decode_object,
@@ -53,10 +53,10 @@ from deltastore.manifest import (
     object_key,
     sha256_hex,
 )
-from deltastore.publish import GROUP_AUTO_MIN_TENSORS
-from deltastore.stage import make_patch
+from deltastore.write.publisher import GROUP_AUTO_MIN_TENSORS
+from deltastore.read.stage import make_patch
 from deltastore.storage import open_store
-from deltastore.tensors import (
+from deltastore.layout.tensors import (
     TensorDict,
     TensorSpec,
     bits,
@@ -330,7 +330,7 @@ def test_a_chain_grouped_at_the_old_target_keeps_its_groups(tmp_path: Any, monke
     state = {f"norm.{i}": torch.randn(32768, generator=gen).to(torch.bfloat16) for i in range(40)}  # 64 KiB each
     old_url, new_url = str(tmp_path / "old"), str(tmp_path / "new")
     with monkeypatch.context() as mp:
-        mp.setattr("deltastore.groups.GROUP_TARGET_BYTES", 1024 * 1024)
+        mp.setattr("deltastore.layout.groups.GROUP_TARGET_BYTES", 1024 * 1024)
         with Publisher(old_url, threads=2, group_small_tensors=True) as pub:
             pub.publish(state)
     assert GROUP_TARGET_BYTES >= 2560 * 1024  # the 2.5 MiB of members fit one group now
@@ -415,7 +415,9 @@ def test_closed_subscribers_leave_no_layout_behind(tmp_path: Any) -> None:
     each one left a layout's 20,000 objects for the collector to walk)."""
     import gc
 
-    from deltastore import groups, manifest, tensors
+    from deltastore.layout import groups
+    from deltastore.format import manifest
+    from deltastore.layout import tensors
 
     url = str(tmp_path / "s")
     gen = torch.Generator().manual_seed(3)
@@ -468,11 +470,11 @@ def test_a_layouts_group_members_are_out_of_the_collectors_sight(tmp_path: Any, 
         return [g for ms in layout.members().values() for g in ms]
 
     native = decode_object(Layout, data, m.layout.key)
-    monkeypatch.setattr(_kernels, "untrack", None)
+    monkeypatch.setattr(kernels, "untrack", None)
     fallback = decode_object(Layout, data, m.layout.key)
     assert members(native) == members(fallback) and len(members(native)) == GROUP_AUTO_MIN_TENSORS
     assert all(gc.is_tracked(g) for g in members(fallback))
-    assert not any(gc.is_tracked(g) for g in members(native)) or _kernels.NATIVE is False
+    assert not any(gc.is_tracked(g) for g in members(native)) or kernels.NATIVE is False
     for name, tp in typing.get_type_hints(GroupMember).items():
         assert tp in (str, int, tuple[int, ...]), f"GroupMember.{name}: {tp!r}"
     with Subscriber(url) as sub:
@@ -525,13 +527,13 @@ def _both(fn: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     """``fn()`` with the native kernels, then with the numpy fallback."""
     native = fn()
     with monkeypatch.context() as m:
-        m.setattr(_kernels, "gather_members", None)
-        m.setattr(_kernels, "scatter_members", None)
+        m.setattr(kernels, "gather_members", None)
+        m.setattr(kernels, "scatter_members", None)
         fallback = fn()
     return native, fallback
 
 
-@pytest.mark.skipif(not _kernels.NATIVE, reason="native kernels not built")
+@pytest.mark.skipif(not kernels.NATIVE, reason="native kernels not built")
 @settings(max_examples=60, deadline=None)
 @given(counts=st.lists(st.integers(1, 40), min_size=1, max_size=12), width=st.sampled_from([1, 2, 4, 8]),
        cut=st.tuples(st.floats(0, 1), st.floats(0, 1)))
@@ -564,7 +566,7 @@ def test_copy_members_native_equals_fallback(counts: list[int], width: int, cut:
             t.view(torch.uint8).numpy()[:] = part.view(np.uint8)  # back to the original bytes
         with mp.context() as m:
             if not kernels_on:
-                m.setattr(_kernels, "scatter_members", None)
+                m.setattr(kernels, "scatter_members", None)
             copy_members(src, ptrs, starts, a, to_row=False)
         results.append(np.concatenate([t.view(torch.uint8).numpy() for t in ts]).tobytes())
     assert results[0] == results[1] == expected.tobytes()
@@ -574,10 +576,10 @@ def test_copy_members_native_equals_fallback(counts: list[int], width: int, cut:
 def test_copy_members_refuses_bad_tables(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A range outside the group, or (natively) a table that does not start at 0, decreases,
     or does not match the pointers, is a ValueError before any byte is copied."""
-    if native and _kernels.gather_members is None:  # not built, or built before groups.c
+    if native and kernels.gather_members is None:  # not built, or built before groups.c
         pytest.skip("native kernels not built")
     if not native:
-        monkeypatch.setattr(_kernels, "gather_members", None)
+        monkeypatch.setattr(kernels, "gather_members", None)
     spec, ts = _group_of([3, 5, 2], 2)
     starts, ptrs = member_starts(spec), member_pointers(spec, ts)
     assert ptrs is not None
@@ -763,8 +765,8 @@ def test_member_tables_agree_with_the_per_group_checks() -> None:
     """groups.member_tables checks every group's members at once; it must find what the
     per-group checks (member_pointers, _span) find, row by row: a row of back-to-back views,
     of separate tensors, of views in the wrong order, with a non-contiguous or a meta member."""
-    from deltastore.groups import _span, member_tables
-    from deltastore.tensors import check_layout
+    from deltastore.layout.groups import _span, member_tables
+    from deltastore.layout.tensors import check_layout
 
     state: dict[str, torch.Tensor] = {}
     for row in range(5):
@@ -811,7 +813,7 @@ def _scan_zoo() -> list[torch.Tensor]:
 
 
 def _scan_fields(sc: Any, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
-    from deltastore.tensors import shape_code
+    from deltastore.layout.tensors import shape_code
 
     strided = sc.strided.tolist()
     return {
@@ -821,13 +823,13 @@ def _scan_fields(sc: Any, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.skipif(_kernels.scan_tensors is None, reason="native kernels not built")
+@pytest.mark.skipif(kernels.scan_tensors is None, reason="native kernels not built")
 @pytest.mark.parametrize("shapes_change", [None, 0, 1, 3, 9])
 def test_native_tensor_scan_equals_the_python_scan(shapes_change: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The native one-pass scan reads what the per-attribute Python scan reads, for every kind
     of tensor; and the shape comparison by codes fails wherever one shape differs (in rank or
     in a size), as the tuple comparison does."""
-    from deltastore.tensors import TensorScan
+    from deltastore.layout.tensors import TensorScan
 
     ts = _scan_zoo()
     dense = [t.layout == torch.strided for t in ts]
@@ -839,7 +841,7 @@ def test_native_tensor_scan_equals_the_python_scan(shapes_change: int | None, mo
     got = _scan_fields(native, shapes)
     assert native._native is True
     ptrs = native.ptrs.tolist()
-    monkeypatch.setattr(_kernels, "scan_tensors", None)
+    monkeypatch.setattr(kernels, "scan_tensors", None)
     python = TensorScan(list(ts))
     want = _scan_fields(python, shapes)
     assert python._native is False
@@ -848,12 +850,12 @@ def test_native_tensor_scan_equals_the_python_scan(shapes_change: int | None, mo
     assert [p for p, d in zip(ptrs, dense) if d] == [t.data_ptr() for t, d in zip(ts, dense) if d]
 
 
-@pytest.mark.skipif(_kernels.scan_tensors is None, reason="native kernels not built")
+@pytest.mark.skipif(kernels.scan_tensors is None, reason="native kernels not built")
 def test_native_tensor_scan_declines_what_it_cannot_read_as_getattr_would() -> None:
     """The kernel reads only exact torch.Tensor / Parameter objects (a subclass may override
     an attribute in Python), says None when a getter raises, and refuses descriptors that are
     not torch's getters; the scan then reads in Python and finds the same values."""
-    from deltastore.tensors import _SCAN_ARGS, TensorScan
+    from deltastore.layout.tensors import _SCAN_ARGS, TensorScan
 
     assert _SCAN_ARGS is not None
     types, strided, descrs = _SCAN_ARGS
@@ -864,27 +866,27 @@ def test_native_tensor_scan_declines_what_it_cannot_read_as_getattr_would() -> N
             return torch.float64
 
     odd = torch.zeros(3).as_subclass(Odd)
-    assert _kernels.scan_tensors([torch.zeros(2), odd], types, strided, descrs) is None
+    assert kernels.scan_tensors([torch.zeros(2), odd], types, strided, descrs) is None
     sc = TensorScan([torch.zeros(2), odd])
     assert sc.dtypes == [torch.float32, torch.float64] and sc._native is False
-    assert _kernels.scan_tensors([torch.zeros(2), "not a tensor"], types, strided, descrs) is None
+    assert kernels.scan_tensors([torch.zeros(2), "not a tensor"], types, strided, descrs) is None
     with pytest.warns(UserWarning):
         nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
-    assert _kernels.scan_tensors([nested], types, strided, descrs) is None  # its shape raises
+    assert kernels.scan_tensors([nested], types, strided, descrs) is None  # its shape raises
     with pytest.raises(TypeError):
-        _kernels.scan_tensors([torch.zeros(2)], types, strided, (len,) * 7)
+        kernels.scan_tensors([torch.zeros(2)], types, strided, (len,) * 7)
     with pytest.raises(TypeError):
-        _kernels.scan_tensors([torch.zeros(2)], (dict,), strided, descrs)
+        kernels.scan_tensors([torch.zeros(2)], (dict,), strided, descrs)
     with pytest.raises(ValueError):
-        _kernels.scan_tensors([torch.zeros(2)], types, strided, descrs[:6])
-    assert _kernels.scan_tensors([], types, strided, descrs)[1] == b""
+        kernels.scan_tensors([torch.zeros(2)], types, strided, descrs[:6])
+    assert kernels.scan_tensors([], types, strided, descrs)[1] == b""
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_validate_and_check_layout_name_the_bad_tensor_with_either_scan(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every typed error of the per-member checks, with the native scan and without it."""
     if not native:
-        monkeypatch.setattr(_kernels, "scan_tensors", None)
+        monkeypatch.setattr(kernels, "scan_tensors", None)
     good = {f"m{i}": torch.zeros(4, 4, dtype=torch.bfloat16) for i in range(50)}
     specs = {n: TensorSpec(n, "bfloat16", (4, 4), 4) for n in good}
     check_layout(specs, validate_state_dict(good), against="v1")

@@ -1,4 +1,4 @@
-"""Freed heap memory returned after whole-model work (deltastore.heap)."""
+"""Freed heap memory returned after whole-model work (deltastore._util.heap)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import deltastore.heap as heap
-import deltastore.publish as publish_mod
-import deltastore.pull as pull_mod
+import deltastore._util.heap as heap
+import deltastore.write.publisher as publish_mod
+import deltastore.read.subscriber as pull_mod
 from deltastore import Publisher, Subscriber
 
 

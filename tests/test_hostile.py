@@ -30,7 +30,7 @@ from deltastore import (
     Subscriber,
     VersionNotFoundError,
 )
-from deltastore.manifest import HEAD_KEY, manifest_key, parse_head, parse_manifest, sha256_hex
+from deltastore.format.manifest import HEAD_KEY, manifest_key, parse_head, parse_manifest, sha256_hex
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal, small_state, snapshot, sparse_edit
 
@@ -206,7 +206,7 @@ def test_parsers_raise_only_typed_errors(pristine, data, depth: int) -> None:
 
 def _layout_of_objects(objects: dict[str, bytes]):
     """parse_manifest's ``layout`` for a schema-3 manifest of ``objects`` (None before)."""
-    from deltastore.manifest import Layout, decode_object
+    from deltastore.format.manifest import Layout, decode_object
 
     if not any(k.endswith(".layout.json.zst") for k in objects):
         return None

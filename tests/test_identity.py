@@ -1,4 +1,4 @@
-"""deltastore.identity.IdentityCache: an entry per live object, by identity, gone with it."""
+"""deltastore._util.identity.IdentityCache: an entry per live object, by identity, gone with it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 import threading
 from dataclasses import dataclass
 
-from deltastore.identity import IdentityCache
+from deltastore._util.identity import IdentityCache
 
 
 @dataclass(frozen=True)

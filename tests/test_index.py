@@ -15,8 +15,8 @@ from deltastore.errors import (
     VersionCollectedError,
     VersionNotFoundError,
 )
-from deltastore.history import History
-from deltastore.index import (
+from deltastore.format.history import History
+from deltastore.lifecycle.index import (
     INDEX_SUFFIX,
     add_pins,
     add_squashes,
@@ -27,7 +27,7 @@ from deltastore.index import (
     unpin,
     update_index,
 )
-from deltastore.manifest import HEAD_KEY, Index, SquashRef, new_lineage, parse_head
+from deltastore.format.manifest import HEAD_KEY, Index, SquashRef, new_lineage, parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import IfMatch
 from tests._helpers import SMALL_CHUNK_BYTES, HeadPutHook, TinyTrainer, read_head

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.changes import changed_rows, changed_tensors, merge_spans, row_ranges
+from deltastore.read.changes import changed_rows, changed_tensors, merge_spans, row_ranges
 
 #: Small chunks: a (64, 16) fp32 tensor is 4 KiB, so 256-byte chunks are 4 rows each and an
 #: edit to one row changes one chunk of it.

@@ -114,7 +114,7 @@ def test_import_deltastore_imports_no_framework() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    code = ("import sys, deltastore, deltastore.changes; "
+    code = ("import sys, deltastore, deltastore.read.changes; "
             "print(sorted(m for m in ('trl', 'transformers', 'vllm', 'accelerate', 'deltastore.integrations') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)

@@ -25,7 +25,7 @@ from deltastore import Publisher, Subscriber
 from deltastore.errors import FencedError
 from deltastore.integrations._common import clean_name, tied_weights_of
 from deltastore.integrations.trl import DeltastoreWeightTransfer
-from deltastore.publish import _handed_over
+from deltastore.write.publisher import _handed_over
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.apply
+import deltastore.read.engine
 from deltastore import (
     CorruptObjectError,
     DeltastoreError,
@@ -25,9 +25,9 @@ from deltastore import (
     UnsupportedSchemaError,
 )
 from deltastore.cli import main
-from deltastore.manifest import HEAD_KEY, SCHEMA_VERSION, manifest_key, sha256_hex
+from deltastore.format.manifest import HEAD_KEY, SCHEMA_VERSION, manifest_key, sha256_hex
 from deltastore.storage import open_store
-from deltastore.tensors import bits
+from deltastore.layout.tensors import bits
 from tests._helpers import (
     SMALL_CHUNK_BYTES,
     assert_bits_equal,
@@ -252,14 +252,14 @@ class _CountApplies:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.n = 0
-        real = deltastore.apply.codec.apply_delta
+        real = deltastore.read.engine.codec.apply_delta
 
         def counting(*a, **kw):
             out = real(*a, **kw)
             self.n += 1
             return out
 
-        monkeypatch.setattr(deltastore.apply.codec, "apply_delta", counting)
+        monkeypatch.setattr(deltastore.read.engine.codec, "apply_delta", counting)
 
 
 def _last_changed_chunk(doc: dict) -> tuple[str, int]:
@@ -271,7 +271,7 @@ def _last_changed_chunk(doc: dict) -> tuple[str, int]:
 @pytest.mark.parametrize("how", ["digest", "segment-bits", "segment-codec", "segment-sha"])
 def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, batch_bytes, monkeypatch) -> None:
     if batch_bytes:  # fetch and apply chunk by chunk: the failure comes in a later batch
-        monkeypatch.setattr(deltastore.apply, "FETCH_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(deltastore.read.engine, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=4)
     with open_store(url) as store:
         _, doc = head_manifest(store)
@@ -306,7 +306,7 @@ def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, batch_by
         with open_store(url) as store:
             good = next(k for k in keys(store, "manifests/") if k.startswith("manifests/000000000004-") and k != sub.latest().manifest)
             h = read_head(store)
-            from deltastore.manifest import sha256_hex
+            from deltastore.format.manifest import sha256_hex
 
             h.update(manifest=good, manifest_sha256=sha256_hex(store.get(good)))
             store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
@@ -319,7 +319,7 @@ def test_pull_into_rolls_back_chunks_replaced_from_a_snapshot(url: str, batch_by
     """Across a restart anchor (no deltas), chunks are replaced from full segments; a later bad
     chunk must restore them from the saved copies."""
     if batch_bytes:
-        monkeypatch.setattr(deltastore.apply, "FETCH_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(deltastore.read.engine, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=2)
     more = [sparse_edit(states[-1], np.random.default_rng(10 + i), 0.02) for i in range(2)]
     with Publisher(url, resume=False, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:  # a restart, no read-back
@@ -476,7 +476,7 @@ def test_manifest_size_cap_is_checked_before_parsing(url: str) -> None:
 
 
 def test_head_over_the_cap_is_refused_before_reading_it(url: str) -> None:
-    from deltastore.manifest import MAX_HEAD_BYTES
+    from deltastore.format.manifest import MAX_HEAD_BYTES
     from tests._helpers import WrappedStore
 
     _history(url, n=1)
@@ -637,7 +637,7 @@ def test_pull_into_falls_back_to_the_anchor_full_segment(url: str, how: str, cap
     name, index = _corrupt_anchor_delta(url, how)
     with Subscriber(url, threads=2) as sub:
         target = sub.pull(3)
-        with caplog.at_level("WARNING", logger="deltastore.apply"):
+        with caplog.at_level("WARNING", logger="deltastore.read.engine"):
             assert sub.pull_into(target).version == 4
         assert_bits_equal(target, states[3])
         assert any(f"{name}[{index}]" in r.getMessage() for r in caplog.records), caplog.text

@@ -19,7 +19,7 @@ from deltastore import (
     Publisher,
     UnsupportedSchemaError,
 )
-from deltastore.manifest import (
+from deltastore.format.manifest import (
     HEAD_KEY,
     BlobRef,
     ChunkEntry,
@@ -53,7 +53,7 @@ def _store_copy_as_schema2(store) -> dict[str, bytes | str]:
     the publisher wrote schema 2, else the same version re-expressed as schema 2 (inline
     tensors, ``blobs/`` keys, no schema-3 fields), so that these JSON tests do not depend on the
     schema the publisher writes."""
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     history = History(store)
     head = history.read_head()[0]
@@ -355,7 +355,7 @@ def test_other_schemas_are_unsupported(real, schema) -> None:
 
 
 def test_writers_write_their_schema_with_one_lineage(real) -> None:
-    from deltastore.manifest import SCHEMA_VERSION
+    from deltastore.format.manifest import SCHEMA_VERSION
 
     assert real["written_schema"] == real["written_head_schema"] == SCHEMA_VERSION
     doc, head = _doc(real), json.loads(real["head"])
@@ -446,7 +446,7 @@ def test_delta_manifest_lists_only_what_changed() -> None:
 
 def _in_memory_doc(store, key: str) -> dict:
     """A manifest of any schema as its in-memory JSON document (schema 3: tensors rebuilt)."""
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     return json.loads(dump(History(store).manifest(key)))
 
@@ -591,7 +591,7 @@ def test_head_numbers_are_bounded(real, field: str, value: int) -> None:
 
 
 def test_head_over_the_size_cap_is_corrupt(real) -> None:
-    from deltastore.manifest import MAX_HEAD_BYTES
+    from deltastore.format.manifest import MAX_HEAD_BYTES
 
     doc = json.loads(real["head"])
     doc["writer"] = "w" * MAX_HEAD_BYTES
@@ -618,7 +618,7 @@ def test_table_entries_are_built_as_model_construct_builds_them() -> None:
     """The read path builds chunk-table entries without pydantic's per-call field walk; with
     this pydantic that shortcut must build exactly what ``model_construct`` builds (else the
     import-time check turns it off, and this test says so)."""
-    from deltastore import manifest as mf
+    from deltastore.format import manifest as mf
 
     assert mf._FAST_CONSTRUCT, "the fast entry constructor was turned off for this pydantic"
     seg = dict(blob=1, offset=4096, length=77, sha256="ab" * 32, codec="add-sparse/1", n_changed=5)
@@ -642,7 +642,7 @@ def test_table_entries_share_one_fields_set_that_nothing_changes() -> None:
     import copy
     import pickle
 
-    from deltastore import manifest as mf
+    from deltastore.format import manifest as mf
 
     seg = dict(blob=1, offset=4096, length=77, sha256="ab" * 32, codec="add-sparse/1", n_changed=5)
     a, b = mf.unchecked_entry(mf.SegmentRef, **seg), mf.unchecked_entry(mf.SegmentRef, **{**seg, "offset": 0})
@@ -669,7 +669,7 @@ def test_table_entries_share_one_fields_set_that_nothing_changes() -> None:
 def _round_trip_returns(m: Manifest, layout) -> bool:
     """The check encode_manifest made before session 18, kept here as the reference: decode the
     document, check it as a reader does, and compare canonical JSON."""
-    import deltastore.manifest as mf
+    import deltastore.format.manifest as mf
 
     raw = json.dumps(mf._manifest_doc(m, layout), sort_keys=True, separators=(",", ":")).encode()
     try:
@@ -811,7 +811,7 @@ def test_the_writers_check_accepts_exactly_the_entries_the_reader_builds(store_n
     pass the writer's check, and any one of them changed does not."""
     from pathlib import Path
 
-    import deltastore.manifest as mf
+    import deltastore.format.manifest as mf
     from deltastore.storage import open_store
 
     root = Path(__file__).parent / "golden" / store_name

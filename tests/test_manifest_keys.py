@@ -20,7 +20,7 @@ import pytest
 import zstandard
 
 from deltastore import CorruptObjectError
-from deltastore.manifest import (
+from deltastore.format.manifest import (
     HEAD_KEY,
     Index,
     Layout,

@@ -33,14 +33,14 @@ def test_many_tensors_benchmark_can_skip_the_ungrouped_case(monkeypatch: pytest.
 
 def test_many_tensors_benchmark_times_the_tensor_scan_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
     """--scan-ab: both modes measured, the kernel restored afterwards, the table reported."""
-    from deltastore.codec import _kernels
+    from deltastore._util import kernels
 
-    kernel = _kernels.scan_tensors
+    kernel = kernels.scan_tensors
     monkeypatch.setattr(many_tensors, "MANY", (300, 64))
     monkeypatch.setattr(many_tensors, "FEW", (3, 6400))
     r = many_tensors.run(scale=1.0, repeats=2, ungrouped=False, scan_ab=True)
     ab = r["cases"]["many"]["scan_ab"]
     assert set(ab) == {"native", "python"}
     assert all(v > 0 for m in ab.values() for v in m.values())
-    assert _kernels.scan_tensors is kernel
+    assert kernels.scan_tensors is kernel
     assert "tensor scan" in many_tensors.markdown(r)

@@ -22,14 +22,15 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltastore.codec import MIN_PAIR_COUNT, _kernels, apply_delta, decode_full, encode_full
+from deltastore._util import kernels
+from deltastore.codec import MIN_PAIR_COUNT, apply_delta, decode_full, encode_full
 from deltastore.codec.delta import ESCAPE, NIBBLE_ESCAPE, encode_delta, encode_delta_advance
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTHS = (1, 2, 4, 8)
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-native = pytest.mark.skipif(not _kernels.NATIVE, reason="native extension not built")
+native = pytest.mark.skipif(not kernels.NATIVE, reason="native extension not built")
 
 # bf16 / fp32 bit patterns a float-typed path would break: ±0, ±inf, NaN payloads, subnormals
 SPECIALS = {
@@ -92,16 +93,16 @@ pairs = st.builds(
 
 def _isas() -> list[str]:
     """The scan variants of encode_add this machine runs (deltastore._native.scan_isa)."""
-    if not _kernels.NATIVE:
+    if not kernels.NATIVE:
         return ["baseline"]
     out = []
     for name in ("baseline", "avx2", "avx512bw", "avx512vbmi2"):
         try:
-            _kernels._native.scan_isa(name)
+            kernels._native.scan_isa(name)
         except ValueError:
             continue
         out.append(name)
-    _kernels._native.scan_isa("auto")
+    kernels._native.scan_isa("auto")
     return out
 
 
@@ -115,17 +116,17 @@ class forced_isa:
         self.name = name
 
     def __enter__(self):
-        assert _kernels._native.scan_isa(self.name) == self.name
+        assert kernels._native.scan_isa(self.name) == self.name
 
     def __exit__(self, *exc):
-        _kernels._native.scan_isa("auto")
+        kernels._native.scan_isa("auto")
 
 
 def numpy_path(monkeypatch: pytest.MonkeyPatch, fn, *args, **kw):
     """Call ``fn`` with the kernels switched off (the loader's None)."""
     with monkeypatch.context() as m:
         for name in ("encode_add", "xxh3_128_hex", "split_planes", "pair_codes"):
-            m.setattr(_kernels, name, None)
+            m.setattr(kernels, name, None)
         return fn(*args, **kw)
 
 
@@ -258,9 +259,9 @@ def test_constants_match_the_codec():
 @given(data=st.binary(max_size=5000))
 @settings(max_examples=200, deadline=None)
 def test_state_digest_kernel(data):
-    from deltastore.tensors import state_digest
+    from deltastore.layout.tensors import state_digest
 
-    assert _kernels.xxh3_128_hex(data) == xxhash.xxh3_128_hexdigest(data)
+    assert kernels.xxh3_128_hex(data) == xxhash.xxh3_128_hexdigest(data)
     arr = np.frombuffer(data[: len(data) // 2 * 2], dtype=np.uint16)
     assert state_digest(arr) == xxhash.xxh3_128_hexdigest(arr.tobytes())
 
@@ -309,7 +310,7 @@ def test_split_planes_kernel(width, rotate):
 
     v = make_full(width, 1001, "random", width)
     out = np.empty((width, v.size), dtype=np.uint8)
-    _kernels.split_planes(v, out, width, rotate)
+    kernels.split_planes(v, out, width, rotate)
     want = split(rotl1(v) if rotate else v)
     assert all(np.array_equal(a, b) for a, b in zip(out, want))
 
@@ -322,7 +323,7 @@ def test_pair_codes_kernel(top, low):
 
     t = np.frombuffer(top, dtype=np.uint8)
     out = np.empty((t.size + 1) // 2, dtype=np.uint8)
-    esc = np.frombuffer(_kernels.pair_codes(t, low, 15, out), dtype=np.uint8)
+    esc = np.frombuffer(kernels.pair_codes(t, low, 15, out), dtype=np.uint8)
     codes = t - np.uint8(low)
     assert np.array_equal(esc, t[codes >= 15])
     assert np.array_equal(out, pack_nibbles(np.minimum(codes, 15)))
@@ -336,35 +337,35 @@ def test_kernel_rejects_bad_buffers():
     a = np.zeros(16, np.uint16)
     b = np.ones(16, np.uint16)
     with pytest.raises(ValueError, match="width"):
-        _kernels.encode_add(a, b, 3, False, 0)
+        kernels.encode_add(a, b, 3, False, 0)
     with pytest.raises(ValueError, match="length"):
-        _kernels.encode_add(a, b[:8], 2, False, 0)
+        kernels.encode_add(a, b[:8], 2, False, 0)
     with pytest.raises(ValueError, match="multiple"):
-        _kernels.encode_add(a.view(np.uint8)[:31], b.view(np.uint8)[:31], 2, False, 0)
+        kernels.encode_add(a.view(np.uint8)[:31], b.view(np.uint8)[:31], 2, False, 0)
     with pytest.raises(ValueError, match="contiguous"):
-        _kernels.encode_add(a[::2], b[::2], 2, False, 0)
+        kernels.encode_add(a[::2], b[::2], 2, False, 0)
     ro = a.copy()
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="writable"):
-        _kernels.encode_add(ro, b, 2, True, 0)
+        kernels.encode_add(ro, b, 2, True, 0)
     with pytest.raises(ValueError, match="overlap"):
         buf = np.zeros(32, np.uint16)
-        _kernels.encode_add(buf[:16], buf[8:24], 2, True, 0)
+        kernels.encode_add(buf[:16], buf[8:24], 2, True, 0)
     with pytest.raises(ValueError, match="digest"):
-        _kernels.encode_add(a, b, 2, False, 3)
+        kernels.encode_add(a, b, 2, False, 3)
     assert not ro.any() and not a.any()  # nothing written by a rejected call
     with pytest.raises(ValueError, match="contiguous"):
-        _kernels.xxh3_128_hex(np.zeros(8)[::2])
+        kernels.xxh3_128_hex(np.zeros(8)[::2])
     with pytest.raises(ValueError, match="length"):
-        _kernels.split_planes(a, np.empty(8, np.uint16), 2, True)
+        kernels.split_planes(a, np.empty(8, np.uint16), 2, True)
     with pytest.raises(ValueError, match="overlap"):
-        _kernels.split_planes(a, a, 2, True)
+        kernels.split_planes(a, a, 2, True)
     with pytest.raises(ValueError, match="writable"):
-        _kernels.split_planes(b, ro, 2, True)
+        kernels.split_planes(b, ro, 2, True)
     with pytest.raises(ValueError, match="hold"):
-        _kernels.pair_codes(np.zeros(9, np.uint8), 0, 15, np.empty(4, np.uint8))
+        kernels.pair_codes(np.zeros(9, np.uint8), 0, 15, np.empty(4, np.uint8))
     with pytest.raises(ValueError, match="low"):
-        _kernels.pair_codes(np.zeros(9, np.uint8), 256, 15, np.empty(5, np.uint8))
+        kernels.pair_codes(np.zeros(9, np.uint8), 256, 15, np.empty(5, np.uint8))
     assert not ro.any() and not a.any()
     # the codec's own checks come first, with the numpy path's messages
     with pytest.raises(ValueError, match="differ in layout"):
@@ -386,10 +387,11 @@ PROBE = (
     "{pre}\n"
     "import numpy as np\n"
     "import deltastore\n"
-    "from deltastore.codec import _kernels, encode_delta\n"
-    "import deltastore.codec._kernels\n"
+    "from deltastore._util import kernels\n"
+    "from deltastore.codec import encode_delta\n"
+    "import deltastore._util.kernels\n"
     "o = np.zeros(9, np.uint16); n = o.copy(); n[3] = 1\n"
-    "print(_kernels.NATIVE, _kernels.encode_add is None, encode_delta(o, n).data.hex())\n"
+    "print(kernels.NATIVE, kernels.encode_add is None, encode_delta(o, n).data.hex())\n"
 )
 
 
@@ -409,7 +411,7 @@ def test_failed_load_warns_once():
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[:2] == ["False", "True"]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("WARNING:deltastore.codec._kernels:"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("WARNING:deltastore._util.kernels:"), r.stderr
     assert "numpy path" in lines[0]
 
 
@@ -480,10 +482,10 @@ def test_kernels_release_the_gil(kernel):
     old = rng.integers(0, 2**32 - 1, n, dtype=np.uint32)
     new = old + np.uint32(1)  # every element changes: a long call (~30-500 ms)
     if kernel == "encode_add":
-        call = lambda: _kernels.encode_add(old, new, 4, False, 2)
+        call = lambda: kernels.encode_add(old, new, 4, False, 2)
     else:
         big = np.concatenate([old, new] * 2)  # 128 MiB: ~10-50 ms
-        call = lambda: _kernels.xxh3_128_hex(big)
+        call = lambda: kernels.xxh3_128_hex(big)
     count, duration = _runs_python_meanwhile(call)
     assert count >= 3, f"Python ran {count} times during a {duration * 1e3:.0f} ms kernel call"
 
@@ -511,11 +513,11 @@ def test_untrack_takes_containers_out_of_the_collector_and_ignores_the_rest():
     box, inner = Box(), [2]
     box.items = (1, "a")
     assert gc.is_tracked(box) and gc.is_tracked(inner)
-    _kernels.untrack([box, 7, "s", None, box])  # atoms ignored, twice is once
+    kernels.untrack([box, 7, "s", None, box])  # atoms ignored, twice is once
     assert not gc.is_tracked(box) and gc.is_tracked(inner) and box.items == (1, "a")
-    _kernels.untrack([])
+    kernels.untrack([])
     with pytest.raises(TypeError, match="list"):
-        _kernels.untrack((inner,))
+        kernels.untrack((inner,))
     assert gc.is_tracked(inner)
     gone = weakref.ref(box)
     del box

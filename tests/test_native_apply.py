@@ -26,18 +26,18 @@ from deltastore.codec import (
     CODEC_XOR_DENSE,
     CODEC_XOR_SPARSE,
     _encode_delta_xor,
-    _kernels,
     apply_delta,
     apply_delta_digests,
     apply_delta_into,
     encode_delta,
 )
+from deltastore._util import kernels
 from deltastore.codec.container import KIND_CONST, KIND_RAW, pack
 from deltastore.codec.delta import ADD, XOR
 from deltastore.codec.planes import encode_sections
 from deltastore.errors import CorruptObjectError, DeltastoreError, IntegrityError
 
-NATIVE = _kernels.apply_segment is not None
+NATIVE = kernels.apply_segment is not None
 needs_native = pytest.mark.skipif(not NATIVE, reason="deltastore._native is not built (numpy path only)")
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -45,12 +45,12 @@ UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 @contextlib.contextmanager
 def numpy_path():
     """Run the numpy decoder even where the kernel is loaded."""
-    saved = _kernels.apply_segment
-    _kernels.apply_segment = None
+    saved = kernels.apply_segment
+    kernels.apply_segment = None
     try:
         yield
     finally:
-        _kernels.apply_segment = saved
+        kernels.apply_segment = saved
 
 
 def digest(a: np.ndarray) -> str:
@@ -433,9 +433,9 @@ def test_kernel_refuses_bad_targets(bad):
         apply_delta(ro, seg.data, codec=seg.codec)
     raw = (CODEC_ADD_SPARSE, 2, 2, 1, (b"\x00",), 1, 0, 0, False, 0)
     with pytest.raises(ValueError, match="sections"):  # the kernel checks sizes on its own too
-        _kernels.apply_segment(old.copy(), *raw[1:])
+        kernels.apply_segment(old.copy(), *raw[1:])
     with pytest.raises(ValueError, match="section 1 has 2 bytes"):
-        _kernels.apply_segment(old.copy(), 2, 2, 1, (b"\x03", b"\x01\x00"), 1, 0, 0, False, 0)
+        kernels.apply_segment(old.copy(), 2, 2, 1, (b"\x03", b"\x01\x00"), 1, 0, 0, False, 0)
 
 
 # --- pull_into with the one-pass verification, kernel on and off -------------------------
@@ -496,7 +496,7 @@ def test_modified_target_is_refused_and_left_as_it_was(tmp_path, path, where, mo
     name = "w2" if where == "patched" else "w3"
     target[name].view(-1)[-1] += 1
     edited = _bits(target)
-    import deltastore.apply as apply_mod
+    import deltastore.read.engine as apply_mod
 
     hashed_up_front: list[tuple[str, int]] = []
     real = apply_mod.digest_mismatches
@@ -573,7 +573,7 @@ def test_stage_refuses_a_modified_patched_chunk(tmp_path, path):
 def test_fetched_bytes_are_sha256_checked_once(tmp_path, monkeypatch):
     # A delta version's pack is read whole and its segments tile it (SPEC §3): every byte is
     # checked by its segment's SHA-256, and the pack's own hash would only hash it again.
-    import deltastore.apply as apply_mod
+    import deltastore.read.engine as apply_mod
 
     url, a, b = _store(tmp_path)
     sub = Subscriber(url)

@@ -13,14 +13,15 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore.codec import _kernels, decode_full, encode_full, peek_header
+from deltastore._util import kernels
+from deltastore.codec import decode_full, encode_full, peek_header
 from deltastore.codec import full as full_mod
 from deltastore.codec import planes as planes_mod
 from deltastore.codec.container import TRANSFORM_PAIRS, TRANSFORM_ROTL1
 from deltastore.codec.full import PAIRS_ONLY_COUNT
 from deltastore.codec.planes import MIN_JUDGED_PLANE, SAMPLE_STRIDE, ZSTD_PLANE_PARAMS
 
-native = pytest.mark.skipif(not _kernels.NATIVE, reason="native extension not built")
+native = pytest.mark.skipif(not kernels.NATIVE, reason="native extension not built")
 
 KERNELS = ("encode_add", "xxh3_128_hex", "split_planes", "pair_codes", "byte_histogram")
 
@@ -29,7 +30,7 @@ def numpy_path(fn, *args, **kw):
     """Call ``fn`` with every kernel switched off (the loader's None)."""
     with pytest.MonkeyPatch.context() as m:
         for name in KERNELS:
-            m.setattr(_kernels, name, None)
+            m.setattr(kernels, name, None)
         return fn(*args, **kw)
 
 
@@ -57,7 +58,7 @@ def roundtrip(seg, v: np.ndarray) -> None:
 def test_byte_histogram_kernel_matches_bincount(data, stride):
     a = np.frombuffer(data, dtype=np.uint8)
     out = np.full(256, -1, dtype=np.int64)
-    _kernels.byte_histogram(a, stride, out)
+    kernels.byte_histogram(a, stride, out)
     assert np.array_equal(out, np.bincount(a[::stride], minlength=256))
 
 
@@ -65,15 +66,15 @@ def test_byte_histogram_kernel_matches_bincount(data, stride):
 def test_byte_histogram_kernel_rejects_bad_arguments():
     a = np.arange(100, dtype=np.uint8)
     with pytest.raises(ValueError, match="stride"):
-        _kernels.byte_histogram(a, 0, np.empty(256, np.int64))
+        kernels.byte_histogram(a, 0, np.empty(256, np.int64))
     with pytest.raises(ValueError, match="256"):
-        _kernels.byte_histogram(a, 1, np.empty(255, np.int64))
+        kernels.byte_histogram(a, 1, np.empty(255, np.int64))
     with pytest.raises(ValueError, match="writable"):
         ro = np.empty(256, np.int64)
         ro.flags.writeable = False
-        _kernels.byte_histogram(a, 1, ro)
+        kernels.byte_histogram(a, 1, ro)
     with pytest.raises(ValueError, match="contiguous"):
-        _kernels.byte_histogram(np.arange(200, dtype=np.uint8)[::2], 1, np.empty(256, np.int64))
+        kernels.byte_histogram(np.arange(200, dtype=np.uint8)[::2], 1, np.empty(256, np.int64))
 
 
 # --- identical bytes on judged (big) chunks ------------------------------------------------------

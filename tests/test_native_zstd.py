@@ -17,13 +17,14 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltastore.codec import _kernels, apply_delta_digests, encode_delta, encode_full
+from deltastore._util import kernels
+from deltastore.codec import apply_delta_digests, encode_delta, encode_full
 from deltastore.codec.container import DSG1, peek_header
 from deltastore.codec.delta import _KERNEL_KIND
 from deltastore.codec.planes import ZSTD_PLANE_PARAMS, decode_sections, section_args
 from deltastore.errors import CorruptObjectError
 
-pytestmark = pytest.mark.skipif(_kernels.zstd_decompress is None, reason="native zstd decoder not loaded")
+pytestmark = pytest.mark.skipif(kernels.zstd_decompress is None, reason="native zstd decoder not loaded")
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -36,7 +37,7 @@ def _both(data: bytes):
     for native in (True, False):
         with pytest.MonkeyPatch.context() as mp:
             if not native:
-                mp.setattr(_kernels, "zstd_decompress", None)
+                mp.setattr(kernels, "zstd_decompress", None)
             try:
                 planes = decode_sections(data, h)
             except CorruptObjectError as e:
@@ -131,7 +132,7 @@ def test_a_bomb_is_refused_without_writing_past_the_table_size():
 
 
 def test_the_kernel_checks_its_arguments():
-    z = _kernels.zstd_decompress
+    z = kernels.zstd_decompress
     assert z([], []) == []
     with pytest.raises(ValueError, match="differ"):
         z([b"x"], [])
@@ -186,7 +187,7 @@ def _apply_both(data: bytes, codec: str, old: np.ndarray):
         t = old.copy()
         with pytest.MonkeyPatch.context() as mp:
             if not native:
-                mp.setattr(_kernels, "zstd_decompress", None)
+                mp.setattr(kernels, "zstd_decompress", None)
             try:
                 _, after = apply_delta_digests(t, data, codec=codec, after=True)
             except CorruptObjectError as e:
@@ -236,5 +237,5 @@ def test_the_apply_kernel_takes_a_frame_only_as_a_one_tuple():
     secs = section_args(seg.data, h)
     bad = tuple((x[0], x[0]) if type(x) is tuple else x for x in secs)
     with pytest.raises(ValueError, match=r"\(frame,\)"):
-        _kernels.apply_segment(old.copy(), _KERNEL_KIND[seg.codec], h.width, h.gap_width, bad,
+        kernels.apply_segment(old.copy(), _KERNEL_KIND[seg.codec], h.width, h.gap_width, bad,
                                h.n_changed, h.n_gap_escaped, h.n_escaped, False, 2)

@@ -57,7 +57,7 @@ def test_every_install_hint_names_this_distribution_and_one_of_its_extras() -> N
     assert not unknown, f"install hints with an extra pyproject.toml does not declare: {unknown}"
     # the hints users meet at run time are among those checked
     files = {h[0] for h in hints}
-    for where in ("deltastore/signing.py", "deltastore/devserver.py", "deltastore/cli/plot.py",
+    for where in ("deltastore/format/signing.py", "deltastore/devserver.py", "deltastore/cli/plot.py",
                   "deltastore/integrations/transformers.py", "README.md", "docs/integrations.md"):
         assert where in files, where
 

@@ -1,4 +1,4 @@
-"""Partial pulls (SPEC §8 "Partial pulls", deltastore.select).
+"""Partial pulls (SPEC §8 "Partial pulls", deltastore.layout.select).
 
 - a rank's rows (and a name selection) pulled and fast-forwarded are bit-exact against the full
   pull's rows at every version, across anchors, with chunks straddling the slices' edges;
@@ -23,11 +23,11 @@ from deltastore.errors import (
     SelectionError,
     TargetModifiedError,
 )
-from deltastore.history import History
-from deltastore.plan import layout, plan_forward, plan_from_anchor
-from deltastore.select import Selection, resolve
+from deltastore.format.history import History
+from deltastore.read.plan import layout, plan_forward, plan_from_anchor
+from deltastore.layout.select import Selection, resolve
 from deltastore.storage import open_store
-from deltastore.tensors import bits
+from deltastore.layout.tensors import bits
 from tests._helpers import (
     assert_bits_equal,
     head_manifest,

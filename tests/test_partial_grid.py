@@ -1,5 +1,5 @@
 """Partial pulls of column-grid tensors (design 011 D5, SPEC §8): the block arithmetic of
-deltastore.select with TensorSpecs that have ``chunk_cols`` (no store), then end to end over a
+deltastore.layout.select with TensorSpecs that have ``chunk_cols`` (no store), then end to end over a
 small grid store (the ranks of several degrees, the aligned fast path, last_changed).
 
 Every expectation is computed here independently of select.py: the chunks a selection reads
@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore import Publisher, Subscriber
-from deltastore.changes import changed_rows, merge_spans
+from deltastore.read.changes import changed_rows, merge_spans
 from deltastore.errors import TargetModifiedError
-from deltastore.manifest import GroupMember
-from deltastore.plan import ChunkPlan
-from deltastore.select import Selection, SliceTarget, SliceView, changed_spans, resolve, slice_targets
-from deltastore.tensors import TensorSpec, bits
+from deltastore.format.manifest import GroupMember
+from deltastore.read.plan import ChunkPlan
+from deltastore.layout.select import Selection, SliceTarget, SliceView, changed_spans, resolve, slice_targets
+from deltastore.layout.tensors import TensorSpec, bits
 from tests._helpers import assert_bits_equal, snapshot, sparse_edit
 from tests.test_partial import _needed_bytes, _rows
 
@@ -444,7 +444,7 @@ def test_eight_tp_ranks_of_a_column_sliced_store_over_s3(moto_s3_url) -> None:
     columns, the rest by rows or whole) each pull and fast-forward to head bit-exactly, read
     only their column blocks (no spare bits of a gridded tensor), and together hold the whole
     pull."""
-    from deltastore.select import ROW_PARALLEL
+    from deltastore.layout.select import ROW_PARALLEL
 
     url, opts = moto_s3_url.url, moto_s3_url.storage_options
     g = torch.Generator().manual_seed(21)

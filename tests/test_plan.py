@@ -1,4 +1,4 @@
-"""deltastore.plan: which segments a pull needs, from manifests alone (no store, no tensors)."""
+"""deltastore.read.plan: which segments a pull needs, from manifests alone (no store, no tensors)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from deltastore import CorruptObjectError
-from deltastore.manifest import BlobRef, ChunkEntry, Manifest, SegmentRef, TensorEntry, blob_key, manifest_key
-from deltastore.plan import ChunkPlan, check_entries, digests, layout, plan_forward, plan_from_anchor
+from deltastore.format.manifest import BlobRef, ChunkEntry, Manifest, SegmentRef, TensorEntry, blob_key, manifest_key
+from deltastore.read.plan import ChunkPlan, check_entries, digests, layout, plan_forward, plan_from_anchor
 
 SHAPE, ROWS = (4, 2), 2  # "w": float32, two chunks of 2 rows (4 elements each)
 
@@ -130,7 +130,7 @@ def test_plan_forward_does_not_trust_an_unchanged_claim_that_contradicts_the_dig
     ms = [_manifest(5, "delta", {0: (None, 5)}, anchor=4), _manifest(6, "anchor", {0: (100, 6), 1: (101, None)})]
     held = {("w", 0): "4-0", ("w", 1): "4-1"}  # chunk 1 at 4 is "4-1"; the anchor says "6-1"
     assert [p.index for p in plan_forward(ms, specs)] == [0]  # without digests: the claim is trusted
-    with caplog.at_level("WARNING", logger="deltastore.plan"):
+    with caplog.at_level("WARNING", logger="deltastore.read.plan"):
         plans = {p.index: p for p in plan_forward(ms, specs, held)}
     assert _sizes(plans[1]) == (101, ()) and plans[1].digest == "6-1"
     assert "lists chunk w[1] as unchanged" in caplog.text
@@ -142,8 +142,8 @@ def test_plan_forward_does_not_trust_an_unchanged_claim_that_contradicts_the_dig
 
 
 def test_chain_price_uses_cumulative_bytes_only_within_one_chain() -> None:
-    from deltastore.manifest import Stats
-    from deltastore.plan import chain_price
+    from deltastore.format.manifest import Stats
+    from deltastore.read.plan import chain_price
 
     ms = [
         _manifest(1, "anchor", {0: (100, None), 1: (101, None)}, delta_base=None),
@@ -168,7 +168,7 @@ def test_chain_price_uses_cumulative_bytes_only_within_one_chain() -> None:
 
 
 def test_plan_changed_from_anchor_skips_chunks_already_at_their_target_digest() -> None:
-    from deltastore.plan import plan_changed_from_anchor
+    from deltastore.read.plan import plan_changed_from_anchor
 
     ms = [
         _manifest(1, "anchor", {0: (100, None), 1: (101, None)}, delta_base=None),
@@ -179,8 +179,8 @@ def test_plan_changed_from_anchor_skips_chunks_already_at_their_target_digest() 
 
 
 def test_check_squash_refuses_chunks_outside_the_layout_or_their_packs() -> None:
-    from deltastore.manifest import SquashManifest
-    from deltastore.plan import check_squash
+    from deltastore.format.manifest import SquashManifest
+    from deltastore.read.plan import check_squash
 
     _, a = _manifest(1, "anchor", {0: (100, None), 1: (101, None)}, delta_base=None)
     specs = layout(a)

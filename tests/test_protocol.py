@@ -20,8 +20,8 @@ from deltastore import (
     StorageError,
     Subscriber,
 )
-from deltastore.history import History
-from deltastore.manifest import HEAD_KEY
+from deltastore.format.history import History
+from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
     HeadPutHook,
@@ -522,7 +522,7 @@ def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url
     forwards across the switch."""
     import json
 
-    from deltastore.manifest import manifest_key, sha256_hex
+    from deltastore.format.manifest import manifest_key, sha256_hex
 
     states = [small_state(0, rows=64)]
     for i in range(1, 4):

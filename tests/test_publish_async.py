@@ -16,9 +16,9 @@ import weakref
 import pytest
 import torch
 
-import deltastore.publish as publish_module
+import deltastore.write.publisher as publish_module
 from deltastore import Publisher, Subscriber
-from deltastore import commit as commit_module
+from deltastore.write import commit as commit_module
 from deltastore.errors import (
     CommitUnknownError,
     FencedError,
@@ -27,8 +27,8 @@ from deltastore.errors import (
     StorageError,
     VersionSkippedError,
 )
-from deltastore.ledger import HeartbeatWriter
-from deltastore.manifest import HEAD_KEY
+from deltastore.lifecycle.ledger import HeartbeatWriter
+from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.storage.base import ObjectMeta, PutMode
 from tests._helpers import SMALL_CHUNK_BYTES, WrappedStore, assert_bits_equal, check_invariants
@@ -358,12 +358,12 @@ def test_close_raises_an_unreported_failure_but_never_masks_the_callers_exceptio
         pub.close()
 
     pub = Publisher(url, store=store, threads=2)
-    caplog.set_level(logging.ERROR, logger="deltastore.publish")
+    caplog.set_level(logging.ERROR, logger="deltastore.write.publisher")
     with pytest.raises(RuntimeError, match="trainer crashed"):
         with pub:
             pub.publish_async(make_state(7))
             raise RuntimeError("trainer crashed")
-    assert any("injected" in r.getMessage() for r in caplog.records if r.name == "deltastore.publish")
+    assert any("injected" in r.getMessage() for r in caplog.records if r.name == "deltastore.write.publisher")
 
 
 # --- slow stores: policies and memory ---------------------------------------------------------------

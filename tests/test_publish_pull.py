@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deltastore import InvalidStateDictError, Publisher, Subscriber, VersionInfo, VersionNotFoundError
-from deltastore.manifest import HEAD_KEY
+from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
     SMALL_CHUNK_BYTES,
@@ -441,9 +441,9 @@ def test_cached_chunk_tables_are_out_of_the_collectors_sight(tmp_path):
     import gc
     import weakref
 
-    from deltastore.codec import _kernels
-    from deltastore.history import History
-    from deltastore.manifest import parse_manifest
+    from deltastore._util import kernels
+    from deltastore.format.history import History
+    from deltastore.format.manifest import parse_manifest
 
     url = str(tmp_path / "untracked")
     state = small_state(0, n=2, rows=16)
@@ -462,7 +462,7 @@ def test_cached_chunk_tables_are_out_of_the_collectors_sight(tmp_path):
     segments = [s for t in m.tensors for c in t.chunks for s in (c.full, c.delta) if s is not None]
     assert entries and segments
     tracked = [gc.is_tracked(o) for o in [*entries, *segments]]
-    if _kernels.untrack is None:
+    if kernels.untrack is None:
         assert all(tracked)
     else:
         assert not any(tracked)
@@ -481,7 +481,7 @@ def test_chunk_table_entries_can_hold_nothing_that_could_close_a_cycle():
     import types
     import typing
 
-    from deltastore.manifest import ChunkEntry, SegmentRef, TensorEntry
+    from deltastore.format.manifest import ChunkEntry, SegmentRef, TensorEntry
 
     entries = (TensorEntry, ChunkEntry, SegmentRef)
 
@@ -500,7 +500,7 @@ def test_chunk_table_entries_can_hold_nothing_that_could_close_a_cycle():
 def test_a_long_follower_keeps_a_bounded_number_of_parsed_manifests(tmp_path):
     """A Subscriber that follows many versions keeps at most History.cache_entries parsed
     manifests (plus the held chain it needs), and every pull stays bit-exact."""
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     url = str(tmp_path / "long")
     state = small_state(0, n=2, rows=16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltastore.errors import ConflictError, StorageError, VersionSkippedError
-from deltastore.publish_queue import PublishQueue, snapshot
+from deltastore.write.queue import PublishQueue, snapshot
 
 
 class Recorder:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deltastore import Publisher
-from deltastore.apply import DECODE_MEMORY_BYTES
+from deltastore.read.engine import DECODE_MEMORY_BYTES
 from deltastore.codec import delta
 
 MIB = 1 << 20

@@ -17,7 +17,7 @@ from deltastore.errors import (
     SignatureError,
     UnsupportedSchemaError,
 )
-from deltastore.manifest import (
+from deltastore.format.manifest import (
     BlobRef,
     ChunkEntry,
     Index,
@@ -207,7 +207,7 @@ def test_schema2_still_plain_json() -> None:
 
 
 def test_schema3_signature_survives_encoding(tmp_path) -> None:
-    from deltastore.signing import (
+    from deltastore.format.signing import (
         TrustedKeys,
         generate_key_files,
         load_private_key,
@@ -488,7 +488,7 @@ class _CountingStore:
 def _write_chain(n: int, *, anchor_every: int = 0, with_back: bool = True, name: str = "chain"):
     """Versions 1..n of schema 3 in a store (an anchor at 1 and every anchor_every), as a
     writer lays them out; returns (store, head, keys, layout)."""
-    from deltastore.manifest import Head
+    from deltastore.format.manifest import Head
 
     store = _CountingStore(name)
     rng = random.Random(n)
@@ -520,7 +520,7 @@ def _write_chain(n: int, *, anchor_every: int = 0, with_back: bool = True, name:
 
 
 def test_history_reads_schema3_with_its_layout() -> None:
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     store, head, keys, layout = _write_chain(5)
     h = History(store)
@@ -535,7 +535,7 @@ def test_history_reads_schema3_with_its_layout() -> None:
 
 
 def test_history_find_uses_skip_pointers() -> None:
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     store, head, keys, _ = _write_chain(200, name="find")
     h = History(store)
@@ -556,7 +556,7 @@ def test_history_find_uses_skip_pointers() -> None:
 
 
 def test_history_chain_with_skip_pointers_is_complete_and_checked() -> None:
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     store, head, keys, _ = _write_chain(70, anchor_every=32, name="chain")
     h = History(store, cache_entries=4)  # a small cache: the chain must not depend on it
@@ -574,7 +574,7 @@ def test_history_refuses_a_skip_pointer_to_the_wrong_version() -> None:
     """Keys carry versions, so a back entry naming the wrong version is refused when the
     manifest is encoded or parsed; a manifest reached through back must also be the version its
     position names, and share the anchor of the manifest it was reached from when in its span."""
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     store, _head, keys, layout = _write_chain(9, name="badback")
     m9 = parse_manifest(store.inner.get(keys[9]), keys[9], layout=layout)
@@ -592,8 +592,8 @@ def test_history_refuses_a_skip_pointer_to_the_wrong_version() -> None:
 
 
 def test_history_index_and_squash() -> None:
-    from deltastore.history import History
-    from deltastore.manifest import Head, SquashManifest, SquashRef
+    from deltastore.format.history import History
+    from deltastore.format.manifest import Head, SquashManifest, SquashRef
 
     store, head, keys, _layout = _write_chain(4, name="index")
     h = History(store)
@@ -626,7 +626,7 @@ def test_history_index_and_squash() -> None:
 
 def test_history_tolerates_missing_skip_targets() -> None:
     """Skip pointers are hints: with their targets gone, find and chain walk parent links."""
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     store, head, keys, _ = _write_chain(20, name="missing")
     for v in (18, 16, 12, 4):
@@ -646,7 +646,7 @@ def test_history_tolerates_missing_skip_targets() -> None:
 
 def test_inspect_schema3(capsys) -> None:
     from deltastore.cli import main
-    from deltastore.manifest import HEAD_KEY
+    from deltastore.format.manifest import HEAD_KEY
 
     store, head, keys, layout = _write_chain(6, name="inspect")
     store.inner.put(HEAD_KEY, dump(head))
@@ -772,7 +772,7 @@ def test_real_publisher_delta_size(tmp_path, capsys) -> None:
                 changed += 1
         info = pub.publish(sd, step=1)
     # read through History: the publisher writes schema 2 before issue 8's writer lands, 3 after
-    from deltastore.history import History
+    from deltastore.format.history import History
     from deltastore.storage import open_store
 
     history = History(open_store(url))
@@ -871,7 +871,7 @@ def test_mutated_layout_fails_only_with_typed_errors(base, data) -> None:
 
 
 def test_history_manifest_cache_is_bounded_by_bytes() -> None:
-    from deltastore.history import PARSED_CHUNK_BYTES, History
+    from deltastore.format.history import PARSED_CHUNK_BYTES, History
 
     store, head, keys, _ = _write_chain(30, name="cachebytes")
     h = History(store, cache_bytes=40 * PARSED_CHUNK_BYTES)

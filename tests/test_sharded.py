@@ -25,7 +25,7 @@ import torch
 
 from deltastore import Subscriber
 from deltastore.errors import InvalidStateDictError, PartFailedError, ShardMismatchError
-from deltastore.manifest import HEAD_KEY
+from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import mp_context
 
@@ -62,7 +62,7 @@ def full_model(version: int) -> dict[str, torch.Tensor]:
 
 def rank_state(version: int, rank: int, world: int) -> dict[str, Any]:
     """What rank ``rank`` holds of version ``version``: FSDP-like row shards of ``a``."""
-    from deltastore.sharded import Rows
+    from deltastore.write.sharded import Rows
 
     full = full_model(version)
     per = -(-10 // world)  # ceil, as FSDP2's torch.chunk
@@ -101,7 +101,7 @@ def _rank_main(rank: int, world: int, port: int, url: str, scenario: str, out: s
 
 
 def _publish_versions(rank: int, world: int, url: str, versions: range) -> dict[str, Any]:
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     infos = []
     with ShardedPublisher(url, threads=1, anchor_every=3, storage_options=_OPTIONS) as pub:
@@ -116,7 +116,7 @@ def _scenario_versions(rank: int, world: int, url: str) -> dict[str, Any]:
 
 
 def _scenario_disagree(rank: int, world: int, url: str) -> dict[str, Any]:
-    from deltastore.sharded import Rows, ShardedPublisher
+    from deltastore.write.sharded import Rows, ShardedPublisher
 
     out: dict[str, Any] = {}
     with ShardedPublisher(url, threads=1) as pub:
@@ -146,7 +146,7 @@ def _scenario_disagree(rank: int, world: int, url: str) -> dict[str, Any]:
 
 def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]:
     """Rank 1 fails while writing its part of version 2; nothing is committed; the retry does."""
-    from deltastore import sharded
+    from deltastore.write import sharded
 
     out: dict[str, Any] = {}
     with sharded.ShardedPublisher(url, threads=1) as pub:
@@ -178,7 +178,7 @@ def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]
 @contextlib.contextmanager
 def _part_fails(here: bool) -> Iterator[None]:
     """Within: this rank's part manifest fails to build (an OSError), when ``here``."""
-    from deltastore import sharded
+    from deltastore.write import sharded
 
     real = sharded.encode_part
 
@@ -195,7 +195,7 @@ def _part_fails(here: bool) -> Iterator[None]:
 
 def _die_in_encode_part() -> None:
     """This rank is SIGKILLed when it builds its next part manifest (after uploading its packs)."""
-    from deltastore import sharded
+    from deltastore.write import sharded
 
     def die(**kw: Any) -> bytes:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -206,7 +206,7 @@ def _die_in_encode_part() -> None:
 
 def _scenario_killed(rank: int, world: int, url: str) -> dict[str, Any]:
     """Rank 1 is SIGKILLed after uploading its packs, before its part manifest."""
-    from deltastore import sharded
+    from deltastore.write import sharded
 
     out: dict[str, Any] = {}
     with sharded.ShardedPublisher(url, threads=1) as pub:
@@ -225,7 +225,7 @@ def _scenario_fsdp(rank: int, world: int, url: str) -> dict[str, Any]:
     """A real FSDP2 module (fully_shard on CPU): its DTensor local shards are published."""
     from torch.distributed.fsdp import fully_shard
 
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
@@ -257,7 +257,7 @@ def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
     without the key is then refused on every rank before anything is written, unless it
     passes allow_unsigned."""
     from deltastore.errors import SigningRequiredError
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     key = Path(url.removeprefix("file://")).parent / "key.pem"
     with ShardedPublisher(url, threads=1, signing_key=key) as pub:
@@ -284,7 +284,7 @@ def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
 def _scenario_steady(rank: int, world: int, url: str) -> dict[str, Any]:
     """Per version: the rounds of collectives and rank 0's reads of the store. Rank 1 asks
     for an anchor at version 3, which rank 0's pre-plan (a delta) did not foresee."""
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     out: dict[str, Any] = {"broadcasts": [], "reads": [], "infos": []}
     with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
@@ -315,7 +315,7 @@ def _scenario_steady(rank: int, world: int, url: str) -> dict[str, Any]:
 def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, Any]:
     """Rank 0's upload of rank 1's part manifest of version 2 fails: nothing is committed (on
     any rank the same error class), and the retry commits."""
-    from deltastore import sharded
+    from deltastore.write import sharded
     from deltastore.errors import StorageError
 
     out: dict[str, Any] = {}
@@ -375,7 +375,7 @@ def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, An
 def _scenario_claims(rank: int, world: int, url: str) -> dict[str, Any]:
     """Design 010 D7: claims go as a digest once every rank planned them; a rank that lost its
     plan makes every rank send its claims in one more round; a new row split is a new layout."""
-    from deltastore.sharded import Rows, ShardedPublisher
+    from deltastore.write.sharded import Rows, ShardedPublisher
 
     out: dict[str, Any] = {"rounds": [], "sent": [], "infos": [], "share_kept": []}
     with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
@@ -414,7 +414,7 @@ def _scenario_collectives(rank: int, world: int, url: str) -> dict[str, Any]:
     operations each lean call made."""
     import torch.distributed as dist
 
-    from deltastore.sharded import INLINE_BYTES, ShardedPublisher
+    from deltastore.write.sharded import INLINE_BYTES, ShardedPublisher
 
     sizes = (0, 100, INLINE_BYTES - 200, INLINE_BYTES + 1, 3 * INLINE_BYTES + 5)  # pickles under and over the inline bytes
 
@@ -498,7 +498,7 @@ def _scenario_async_versions(rank: int, world: int, url: str) -> dict[str, Any]:
     synchronous publish on top."""
     from concurrent.futures import InvalidStateError
 
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     out: dict[str, Any] = {}
     with ShardedPublisher(url, threads=1, anchor_every=4, storage_options=_OPTIONS) as pub:
@@ -525,7 +525,7 @@ def _scenario_async_versions(rank: int, world: int, url: str) -> dict[str, Any]:
 def _scenario_async_failures(rank: int, world: int, url: str) -> dict[str, Any]:
     """A commit that fails in the background (version 2) and the version planned on it
     (version 3); then a part that fails (rank 1, version 3 again); each time the retry commits."""
-    from deltastore import sharded
+    from deltastore.write import sharded
     from deltastore.errors import DeltastoreError
 
     out: dict[str, Any] = {}
@@ -569,7 +569,7 @@ def _scenario_async_failures(rank: int, world: int, url: str) -> dict[str, Any]:
 def _scenario_async_killed(rank: int, world: int, url: str) -> dict[str, Any]:
     """publish_async: rank 1 is SIGKILLed while it writes its part of version 2, with version 1
     still being committed on rank 0."""
-    from deltastore import sharded
+    from deltastore.write import sharded
 
     out: dict[str, Any] = {}
     with sharded.ShardedPublisher(url, threads=1) as pub:
@@ -593,7 +593,7 @@ def _scenario_async_killed(rank: int, world: int, url: str) -> dict[str, Any]:
 def _scenario_async_close(rank: int, world: int, url: str) -> dict[str, Any]:
     """close() without a flush: rank 0 waits for its commits; the other ranks' Futures say
     their outcome did not reach them."""
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     pub = ShardedPublisher(url, threads=1)
     if rank == 0:
@@ -628,7 +628,7 @@ def _record_pack_reads(pub: Any) -> list[tuple[str, int]]:
 def _scenario_resume(rank: int, world: int, url: str) -> dict[str, Any]:
     """Design 010 D11: a new publisher (a restart) resumes from the store by reading back only
     this rank's rows; resume=False anchors; another row split anchors."""
-    from deltastore.sharded import Rows, ShardedPublisher
+    from deltastore.write.sharded import Rows, ShardedPublisher
 
     out: dict[str, Any] = {"infos": []}
     with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
@@ -661,7 +661,7 @@ def _scenario_resume(rank: int, world: int, url: str) -> dict[str, Any]:
 def _scenario_resume_bad_rows(rank: int, world: int, url: str) -> dict[str, Any]:
     """A restart whose rank 1 finds a chunk of its rows corrupt (the test damaged its pack):
     every rank drops what it read, the version is an anchor, the next one a delta on it."""
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     out: dict[str, Any] = {"infos": []}
     with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
@@ -718,7 +718,7 @@ def grid_model(version: int) -> dict[str, torch.Tensor]:
 
 
 def grid_rank_state(version: int, rank: int, world: int) -> dict[str, Any]:
-    from deltastore.sharded import Rows
+    from deltastore.write.sharded import Rows
 
     full = grid_model(version)
     per = -(-GRID_ROWS // world)
@@ -733,7 +733,7 @@ def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
     """Versions 1-4 of a gridded model (anchor_every=3, publish_async); a restarted publisher resumes from the
     store (its own grid rows, read back) for version 5; then publishers whose ranks disagree on
     ``column_slices`` are refused, committing nothing."""
-    from deltastore.sharded import ShardedPublisher
+    from deltastore.write.sharded import ShardedPublisher
 
     out: dict[str, Any] = {"infos": []}
     with ShardedPublisher(url, **GRID_OPTIONS) as pub:
@@ -784,8 +784,8 @@ def _scenario_grid_golden(rank: int, world: int, url: str) -> dict[str, Any]:
     """Versions 1-4 of :func:`golden_grid_model` by ``world`` ranks, each holding an equal row
     range of ``g`` and ``d``. The policy's small-tensor floor is lifted in these processes
     (tensors this small get no grid otherwise)."""
-    from deltastore import tensors
-    from deltastore.sharded import Rows, ShardedPublisher
+    from deltastore.layout import tensors
+    from deltastore.write.sharded import Rows, ShardedPublisher
 
     tensors.SLICE_CHUNK_MIN_BYTES = 0
     infos = []
@@ -913,7 +913,7 @@ def test_lean_collectives_carry_what_torchs_do(tmp_path: Path, world: int) -> No
     """Design 010 D9: on gloo, the publisher's all_gather, broadcast and gather carry every
     object as torch's object collectives do, small or larger than INLINE_BYTES; a small one is
     one gloo operation (all_gather, broadcast) or two (gather: lengths, then bytes)."""
-    from deltastore.sharded import INLINE_BYTES
+    from deltastore.write.sharded import INLINE_BYTES
 
     results = run_ranks(world, f"file://{tmp_path}/store", "collectives", tmp_path)
     _ok(results)
@@ -1050,8 +1050,8 @@ def test_fsdp2_module_publishes_local_shards(tmp_path: Path) -> None:
 def test_compaction_and_gc_of_sharded_versions(tmp_path: Path) -> None:
     """Compaction and GC read sharded versions through the history module: a squash over
     sharded deltas is written and applies; GC keeps the kept versions' part manifests."""
-    from deltastore.compact import compact
-    from deltastore.gc import collect
+    from deltastore.lifecycle.compact import compact
+    from deltastore.lifecycle.gc import collect
 
     url = f"file://{tmp_path}/store"
     _ok(run_ranks(2, url, "versions", tmp_path))
@@ -1071,7 +1071,7 @@ def test_compaction_and_gc_of_sharded_versions(tmp_path: Path) -> None:
 
 def test_signed_sharded_versions_verify_and_a_publisher_without_the_key_is_refused(tmp_path: Path) -> None:
     from deltastore.errors import SignatureError, UnsignedVersionError
-    from deltastore.signing import generate_key_files
+    from deltastore.format.signing import generate_key_files
 
     _, public = generate_key_files(tmp_path / "key.pem")
     url = f"file://{tmp_path}/store"
@@ -1096,7 +1096,7 @@ LINEAGE = "cd" * 16
 
 
 def _layout(parts: int = 2) -> Any:
-    from deltastore.manifest import Layout
+    from deltastore.format.manifest import Layout
 
     return Layout(schema=3, name=("a", "b"), dtype=("float32", "float32"), shape=((4, 2), (3,)), chunk_rows=(2, 3),
                   chunk_cols=(0, 0), pieces=((2,), ()), piece_parts=((0, 1), (1,)), parts=parts)
@@ -1108,7 +1108,7 @@ def _anchor_part(part: int, of: Any, tensors: list[tuple[str, list[tuple[int, An
     one float32 tensor entry listing those chunks with full segments of ``values``; ``override``
     replaces fields of the part (its ``layout`` included)."""
     from deltastore import codec
-    from deltastore.manifest import (
+    from deltastore.format.manifest import (
         BlobRef,
         ChunkEntry,
         ObjectRef,
@@ -1121,7 +1121,7 @@ def _anchor_part(part: int, of: Any, tensors: list[tuple[str, list[tuple[int, An
         part_key,
         sha256_hex,
     )
-    from deltastore.tensors import state_digest
+    from deltastore.layout.tensors import state_digest
 
     pack = bytearray()
     entries = []
@@ -1156,7 +1156,7 @@ def _part(part: int, chunks: list[tuple[str, int]], **override: Any) -> tuple[An
 
 
 def _header(refs: list[Any]) -> Any:
-    from deltastore.manifest import Manifest, ObjectRef, object_key
+    from deltastore.format.manifest import Manifest, ObjectRef, object_key
 
     return Manifest(schema=3, version=1, parent=None, parent_manifest=None, kind="anchor", anchor=1, created="t",
                     writer="w0", epoch=1, commit_id=ATTEMPT, lineage=LINEAGE, parts=tuple(refs), chain_start=1,
@@ -1166,7 +1166,7 @@ def _header(refs: list[Any]) -> Any:
 
 def _two_parts_joined() -> tuple[dict[str, bytes], Any]:
     """Part 0 with a[0], part 1 with a[1] and b[0]: their bytes by key, and join_parts' result."""
-    from deltastore.manifest import join_parts
+    from deltastore.format.manifest import join_parts
 
     p0, p1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
     parts = {p0[0].key: p0[1], p1[0].key: p1[1]}
@@ -1174,7 +1174,7 @@ def _two_parts_joined() -> tuple[dict[str, bytes], Any]:
 
 
 def test_parts_join_into_one_manifest_and_round_trip() -> None:
-    from deltastore.manifest import encode_manifest, manifest_key, parse_manifest, sha256_hex
+    from deltastore.format.manifest import encode_manifest, manifest_key, parse_manifest, sha256_hex
 
     parts, m = _two_parts_joined()
     assert [t.name for t in m.tensors] == ["a", "b"] and [c.index for c in m.tensors[0].chunks] == [0, 1]
@@ -1191,8 +1191,8 @@ def test_parts_join_into_one_manifest_and_round_trip() -> None:
 def test_joined_version_encodes_without_a_second_join(tmp_path: Path) -> None:
     """encode_joined (rank 0's commit, design 010 D7) stores the same bytes as encode_manifest,
     signed or not, and refuses a manifest that is not the one join_parts returned."""
-    from deltastore.manifest import encode_joined, encode_manifest, manifest_key, parse_manifest, sha256_hex
-    from deltastore.signing import generate_key_files, load_private_key, sign_manifest
+    from deltastore.format.manifest import encode_joined, encode_manifest, manifest_key, parse_manifest, sha256_hex
+    from deltastore.format.signing import generate_key_files, load_private_key, sign_manifest
 
     parts, joined = _two_parts_joined()
     private, _ = generate_key_files(tmp_path / "k.pem")
@@ -1227,7 +1227,7 @@ def test_joined_version_encodes_without_a_second_join(tmp_path: Path) -> None:
 )
 def test_bad_parts_are_refused(case: str, match: str) -> None:
     from deltastore.errors import CorruptObjectError, IntegrityError
-    from deltastore.manifest import ObjectRef, join_parts, object_key
+    from deltastore.format.manifest import ObjectRef, join_parts, object_key
 
     unsharded = _layout().model_copy(update={"parts": 0, "pieces": (None, None), "piece_parts": (None, None)})
     good0, good1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
@@ -1294,7 +1294,7 @@ def test_golden_sharded_grid_store_reads_bit_exact(tmp_path: Path) -> None:
 
     from safetensors.torch import load_file
 
-    from deltastore.select import Selection
+    from deltastore.layout.select import Selection
 
     shutil.copytree(GOLDEN / "store-sharded-grid", tmp_path / "store")
     url = f"file://{tmp_path / 'store'}"
@@ -1323,8 +1323,8 @@ def test_golden_sharded_grid_store_reads_bit_exact(tmp_path: Path) -> None:
                 want = expected[3][name][:, 2 * rank:2 * rank + 2].contiguous()
                 assert torch.equal(mine[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
     # compaction squashes sharded grid deltas (the joined tables); GC keeps what reads need
-    from deltastore.compact import compact
-    from deltastore.gc import collect
+    from deltastore.lifecycle.compact import compact
+    from deltastore.lifecycle.gc import collect
 
     report = compact(url, bases=[1], to=3)
     assert [(s.from_, s.to) for s in report.squashes] == [(1, 3)]
@@ -1424,7 +1424,7 @@ def test_publish_async_killed_rank_commits_only_the_complete_version(tmp_path: P
 
 def _packs_by_part(sub: Subscriber, versions: range) -> dict[int, set[str]]:
     """Per part: the packs its chunks' segments lie in, over ``versions``."""
-    from deltastore.manifest import piece_part
+    from deltastore.format.manifest import piece_part
 
     out: dict[int, set[str]] = {}
     for v in versions:
@@ -1499,8 +1499,8 @@ def test_resume_with_a_corrupt_chunk_on_one_rank_anchors_on_every_rank(tmp_path:
 
 def test_resolve_rows_reads_only_the_chunks_of_the_rows() -> None:
     from deltastore.errors import SelectionError
-    from deltastore.select import resolve_rows
-    from deltastore.tensors import TensorSpec
+    from deltastore.layout.select import resolve_rows
+    from deltastore.layout.tensors import TensorSpec
 
     units = {"a": TensorSpec("a", "bfloat16", (10, 6), 5), "s": TensorSpec("s", "float32", (), 1)}
     res = resolve_rows(units, {"a": (5, 10), "s": (0, 1)})
@@ -1534,7 +1534,7 @@ def test_grid_in_a_sharded_layout_reads_whole_by_columns_and_resumes(tmp_path: P
     Subscriber reads every version bit-exactly and fast-forwards in place; column-cut partial
     subscribers (world 2 and 4) read only their column blocks; a restarted publisher reads its
     own grid rows back and writes a delta; ranks disagreeing on column_slices commit nothing."""
-    from deltastore.select import Selection
+    from deltastore.layout.select import Selection
     from tests.test_partial import _needed_bytes
 
     url = f"file://{tmp_path}/store"
@@ -1595,7 +1595,7 @@ def test_grid_in_a_sharded_layout_reads_whole_by_columns_and_resumes(tmp_path: P
 def _grid_layout(parts: int = 2) -> Any:
     """``g`` (4, 6) float32 in chunks of 2 rows × 3 columns (2 row blocks × 2 column blocks),
     rows 0-2 written by part 0 and 2-4 by part 1: chunks 0, 1 are part 0's, 2, 3 part 1's."""
-    from deltastore.manifest import Layout
+    from deltastore.format.manifest import Layout
 
     return Layout(schema=3, name=("g",), dtype=("float32",), shape=((4, 6),), chunk_rows=(2,), chunk_cols=(3,),
                   pieces=((2,),), piece_parts=((0, 1),), parts=parts)
@@ -1615,7 +1615,7 @@ def test_grid_parts_join_by_row_block_and_a_foreign_block_is_refused() -> None:
     the piece of row block i = index // nc, not of row index·chunk_rows); a part listing a block
     of another part's rows is corrupt, and the writer refuses to write one."""
     from deltastore.errors import CorruptObjectError
-    from deltastore.manifest import join_parts, piece_part
+    from deltastore.format.manifest import join_parts, piece_part
 
     layout = _grid_layout()
     assert [piece_part(layout, 0, c) for c in range(4)] == [0, 0, 1, 1]
@@ -1635,8 +1635,8 @@ def test_plan_layout_grids_matched_tensors_by_their_global_shape() -> None:
     """Design 011 D11: the sharded layout's grid is the unsharded writer's choice from the
     global shape; its chunk rows divide the piece boundaries; a tensor tied on any rank, a
     tensor too small, and unmatched tensors get none."""
-    from deltastore.sharded import _Claim, _Report, plan_layout
-    from deltastore.tensors import grid_cols_for
+    from deltastore.write.sharded import _Claim, _Report, plan_layout
+    from deltastore.layout.tensors import grid_cols_for
 
     def claims(rank: int, tied: bool = False) -> tuple[Any, ...]:
         start, stop = (0, 96) if rank == 0 else (96, 200)

@@ -26,8 +26,8 @@ from deltastore import (
     Subscriber,
     VersionNotFoundError,
 )
-from deltastore.cache import WorkerCache
-from deltastore.manifest import HEAD_KEY
+from deltastore.read.cache import WorkerCache
+from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
     WrappedStore,
@@ -224,7 +224,7 @@ def test_a_signed_follower_keeps_its_version_when_head_is_rolled_back(tmp_path: 
             for rec in sub.follow(target, interval=0.01, max_interval=0.02, stop=stop, heartbeat=False):
                 got.append(rec.info.version)
 
-        with caplog.at_level(logging.INFO, logger="deltastore.pull"):
+        with caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
             th = threading.Thread(target=run)
             th.start()
             try:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from deltastore.errors import IntegrityError
-from deltastore.history import VersionInfo
-from deltastore.stage import DENSE_PATCH_FRACTION, StagedUpdate, make_patch
-from deltastore.tensors import bits
+from deltastore.format.history import VersionInfo
+from deltastore.read.stage import DENSE_PATCH_FRACTION, StagedUpdate, make_patch
+from deltastore.layout.tensors import bits
 from tests._helpers import raw
 
 

@@ -43,8 +43,8 @@ def test_cli_help_loads_no_heavy_module(argv: list[str]) -> None:
 
 def test_lazy_names_resolve_to_the_real_classes() -> None:
     import deltastore
-    from deltastore.publish import Publisher
-    from deltastore.pull import Subscriber
+    from deltastore.write.publisher import Publisher
+    from deltastore.read.subscriber import Subscriber
 
     assert deltastore.Publisher is Publisher and deltastore.Subscriber is Subscriber
     assert set(deltastore.__all__) <= set(dir(deltastore))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from deltastore import FencedError, LayoutMismatchError, Publisher, Subscriber
-from deltastore.tensors import bits
+from deltastore.layout.tensors import bits
 from tests._helpers import assert_bits_equal, check_invariants, snapshot
 
 ANCHOR_EVERY = 4

@@ -1,4 +1,4 @@
-"""Torch glue (deltastore.tensors) and what ``publish`` accepts: every dtype bit-exact, bad input
+"""Torch glue (deltastore.layout.tensors) and what ``publish`` accepts: every dtype bit-exact, bad input
 refused with the tensor's name before anything is written."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore import InvalidStateDictError, LayoutMismatchError, Publisher, Subscriber
-from deltastore.tensors import (
+from deltastore.layout.tensors import (
     TensorSpec,
     bits,
     check_layout,

@@ -1,4 +1,4 @@
-"""Tied weights (deltastore.tied): the three writers publish a tied model in one layout, and a
+"""Tied weights (deltastore.layout.tied): the three writers publish a tied model in one layout, and a
 module target follows it whatever the writer left out, with the tie intact."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from deltastore import Publisher, Subscriber
 from deltastore.errors import LayoutMismatchError
-from deltastore.tied import ModuleTensors, recorded_aliases, tied_aliases
+from deltastore.layout.tied import ModuleTensors, recorded_aliases, tied_aliases
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the test extra's bench/trl installs)")
 

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.publish as publish_mod
+import deltastore.write.publisher as publish_mod
 from deltastore import CommitAbandonedError, ConflictError, Publisher, Subscriber
-from deltastore.commit import REBASE_ATTEMPTS, new_commit_id, now
-from deltastore.encode import encode_version
-from deltastore.history import History
-from deltastore.manifest import (
+from deltastore.write.commit import REBASE_ATTEMPTS, new_commit_id, now
+from deltastore.write.encode import encode_version
+from deltastore.format.history import History
+from deltastore.format.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     HEAD_KEY,
     Head,
@@ -40,7 +40,7 @@ from deltastore.manifest import (
 )
 from deltastore.storage import open_store
 from deltastore.storage.base import IfMatch, ObjectMeta, PutMode
-from deltastore.tensors import bits, spec_for
+from deltastore.layout.tensors import bits, spec_for
 from tests._helpers import (
     SMALL_CHUNK_BYTES,
     HeadPutHook,

@@ -127,8 +127,8 @@ def _live_writer(store: Any) -> tuple[Any, float] | None:
     """HEAD and its age when a publisher other than a CLI call wrote it within LIVE_WRITER_S."""
     from datetime import datetime, timezone
 
-    from deltastore.history import History
-    from deltastore.ledger import parse_time
+    from deltastore.format.history import History
+    from deltastore.lifecycle.ledger import parse_time
 
     got = History(store).read_head()
     if got is None:
@@ -142,7 +142,7 @@ def _live_writer(store: Any) -> tuple[Any, float] | None:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from deltastore.publish import Publisher
+    from deltastore.write.publisher import Publisher
 
     state = load_state(args.file)  # a bad file fails before the store is touched
     store = open_store(args, write=True)
@@ -199,7 +199,7 @@ def _pull_usage(args: argparse.Namespace) -> str | None:
         if args.version is not None:
             return "--version pulls one version and --follow keeps OUT at the latest one: pass one of them"
         if args.worker_id is not None:
-            from deltastore.ledger import check_worker_id
+            from deltastore.lifecycle.ledger import check_worker_id
 
             try:
                 check_worker_id(args.worker_id)
@@ -220,7 +220,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from safetensors.torch import save_file
 
-    from deltastore.pull import Subscriber
+    from deltastore.read.subscriber import Subscriber
 
     _check_out(args.out)
     if args.follow:
@@ -262,9 +262,9 @@ def _follow(args: argparse.Namespace) -> int:
 
     from safetensors.torch import save_file
 
-    from deltastore.cache import WorkerCache
+    from deltastore.read.cache import WorkerCache
     from deltastore.errors import BucketNotFoundError, WaitTimeoutError
-    from deltastore.pull import Subscriber
+    from deltastore.read.subscriber import Subscriber
 
     interval = args.interval if args.interval is not None else FOLLOW_INTERVAL_S
     if args.cache is not None:
@@ -363,7 +363,7 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from deltastore.pull import Subscriber
+    from deltastore.read.subscriber import Subscriber
 
     store = open_store(args)
     try:
@@ -405,7 +405,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from deltastore.ledger import (
+    from deltastore.lifecycle.ledger import (
         LIVE_TTL_S,
         fleet_status,
         oldest_live_version,
@@ -461,7 +461,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from deltastore.errors import VersionNotFoundError
-    from deltastore.manifest import dump
+    from deltastore.format.manifest import dump
 
     keys = trusted_keys(args)
     store = open_store(args)
@@ -535,7 +535,7 @@ def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    from deltastore.compact import compact
+    from deltastore.lifecycle.compact import compact
 
     if args.follow:
         return _compact_follow(args)
@@ -563,8 +563,8 @@ def _compact_follow(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from deltastore.compact import ANCHOR_SQUASH_EVERY, compact
-    from deltastore.history import History
+    from deltastore.lifecycle.compact import ANCHOR_SQUASH_EVERY, compact
+    from deltastore.format.history import History
 
     stop = threading.Event()
 
@@ -604,7 +604,7 @@ def _compact_follow(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from deltastore.signing import generate_key_files, key_id, load_public_key
+    from deltastore.format.signing import generate_key_files, key_id, load_public_key
 
     priv, pub = generate_key_files(args.private_key)
     kid = key_id(load_public_key(pub))
@@ -632,7 +632,7 @@ def parse_duration(text: str) -> float:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from deltastore.gc import collect
+    from deltastore.lifecycle.gc import collect
 
     store = open_store(args)
     try:
@@ -669,7 +669,7 @@ def _pins_json(args: argparse.Namespace, index: Any) -> dict[str, Any]:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    from deltastore.index import pin
+    from deltastore.lifecycle.index import pin
 
     store = open_store(args)
     try:
@@ -685,7 +685,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
-    from deltastore.index import unpin
+    from deltastore.lifecycle.index import unpin
 
     store = open_store(args)
     try:

@@ -184,21 +184,21 @@ def trusted_keys(args: argparse.Namespace) -> Any:
     """The ``--trusted-key`` files, loaded (before any IO: a bad key fails first), or None."""
     if not getattr(args, "trusted_key", None):
         return None
-    from deltastore.signing import TrustedKeys
+    from deltastore.format.signing import TrustedKeys
 
     return TrustedKeys(args.trusted_key)
 
 
 def read_history(store: Any, keys: Any) -> Any:
-    """A :class:`~deltastore.history.History` of ``store`` for the commands that read versions
+    """A :class:`~deltastore.format.history.History` of ``store`` for the commands that read versions
     but move no tensors (a Subscriber imports torch). With ``keys`` every manifest read must be
     signed by one of them, and an unsigned one above a signed parent is named for what it is
     (UnsignedVersionError), as a Subscriber names it."""
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     if keys is None:
         return History(store)
-    from deltastore.signing import signed_parent, unsigned_version_error
+    from deltastore.format.signing import signed_parent, unsigned_version_error
 
     def check(key: str, m: Any) -> None:
         try:

@@ -45,7 +45,7 @@ def seconds(text: str) -> float:
 
 def served_dtype(text: str) -> str:
     """``--dtype``: ``keep`` or a floating dtype deltastore stores, checked by name (no torch import)."""
-    from deltastore.manifest import DTYPE_WIDTHS
+    from deltastore.format.manifest import DTYPE_WIDTHS
 
     floats = [n for n in DTYPE_WIDTHS if n.startswith(("float", "bfloat"))]
     if text != "keep" and text not in floats:
@@ -86,7 +86,7 @@ def _global_is_empty(args: argparse.Namespace) -> bool:
     """Whether the global store has no version yet, read without writing or creating anything
     (a local directory that does not exist is an empty store)."""
     from deltastore.errors import BucketNotFoundError
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     try:
         store = open_store(args)
@@ -113,7 +113,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
         raise VersionNotFoundError(f"{args.url} has no version yet: the first round needs a global version 1")
 
     from deltastore.federated import Aggregator
-    from deltastore.tensors import torch_dtype
+    from deltastore.layout.tensors import torch_dtype
 
     dtype = None if args.dtype == "keep" else torch_dtype(args.dtype)
     opts = options(args)

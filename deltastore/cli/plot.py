@@ -119,7 +119,7 @@ def plot_history(points: Sequence[VersionPoint], squashes: Sequence[SquashPoint]
 
 def points_of_store(store, check=None, *, since: int = 1) -> tuple[list[VersionPoint], list[SquashPoint]]:
     """The versions ``since`` … head of ``store`` (oldest first) and its registered squashes."""
-    from deltastore.history import History
+    from deltastore.format.history import History
 
     return points_of_history(History(store, check), since=since)
 

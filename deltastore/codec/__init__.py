@@ -140,7 +140,7 @@ if TYPE_CHECKING:
     from deltastore.codec.planes import DEFAULT_LEVEL, MIN_ZSTD_INPUT, ZSTD_PLANE_PARAMS
 
 #: Each public name's module, imported on first access (PEP 562): the metadata path (manifests,
-#: HEAD, ``deltastore log``) imports ``deltastore.codec._kernels`` only, and numpy (~0.1 s) is
+#: HEAD, ``deltastore log``) imports ``deltastore._util.kernels`` only, and numpy (~0.1 s) is
 #: loaded by the first caller that encodes or decodes a segment.
 _LAZY = {
     **dict.fromkeys(("compose_deltas",), "deltastore.codec.compose"),

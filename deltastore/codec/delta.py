@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from deltastore.codec import _kernels
+from deltastore._util import kernels
 from deltastore.codec.container import (
     CODEC_ADD_DENSE,
     CODEC_ADD_SPARSE,
@@ -390,8 +390,8 @@ def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAUL
         >>> encode_delta(old, old) is None, encode_delta(old, new).n_changed
         (True, 1)
     """
-    del float_bits  # accepted for compatibility (deltastore/publish.py passes it); ignored
-    if _kernels.encode_add is None:
+    del float_bits  # accepted for compatibility (deltastore/write/publisher.py passes it); ignored
+    if kernels.encode_add is None:
         return _encode(ADD, old, new, level)
     return _encode_add_native(old, new, level, advance=False, digest=DIGEST_NONE)[0]
 
@@ -400,7 +400,7 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
                          advance: bool = True, always_digest: bool = True) -> tuple[Segment | None, str | None]:
     """:func:`encode_delta`, the reference advance and the chunk's state digest in one pass.
 
-    With the native kernels loaded (:mod:`deltastore.codec._kernels`) each element of ``old``
+    With the native kernels loaded (:mod:`deltastore._util.kernels`) each element of ``old``
     and ``new`` is read once; otherwise the numpy path runs. Both write the same bytes.
 
     Args:
@@ -422,7 +422,7 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
         >>> seg.n_changed, old.tolist() == new.tolist(), len(digest)
         (1, True, 32)
     """
-    if _kernels.encode_add is not None:
+    if kernels.encode_add is not None:
         return _encode_add_native(old, new, level, advance=advance,
                                   digest=DIGEST_ALWAYS if always_digest else DIGEST_IF_CHANGED)
     seg = _encode(ADD, old, new, level)
@@ -446,7 +446,7 @@ def _encode_add_native(old: np.ndarray, new: np.ndarray, level: int | None, *, a
     if o.dtype != n.dtype or o.size != n.size:
         raise ValueError(f"old ({o.dtype}, {o.size}) and new ({n.dtype}, {n.size}) differ in layout")
     # o is old unless old is big-endian (then o is a little-endian copy): advance old afterwards
-    k, syms, rest, max_rest, codes, esc, hexdigest = _kernels.encode_add(o, n, o.itemsize, advance and o is old, digest)
+    k, syms, rest, max_rest, codes, esc, hexdigest = kernels.encode_add(o, n, o.itemsize, advance and o is old, digest)
     if k == 0:
         return None, hexdigest
     if advance and o is not old:
@@ -687,7 +687,7 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
     expect_codec(codec, DELTA_CODECS, "apply_delta")
     t = _check_target(target)
     sparse = codec in SPARSE_CODECS
-    kernel = _kernels.apply_segment
+    kernel = kernels.apply_segment
     native = kernel is not None and t.dtype.str[0] != ">"  # the kernel works in little-endian
     h = read_header(data, codec, t.itemsize, t.size)
     if _working_bytes(h, native) > WHOLE_MAX_BYTES:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from deltastore.codec import _kernels
+from deltastore._util import kernels
 from deltastore.codec import planes as _sections
 from deltastore.codec.container import (
     CODEC_FULL,
@@ -144,10 +144,10 @@ def _size(sections) -> int:
 def _planes(v: np.ndarray, *, rotate: bool) -> list[np.ndarray]:
     """The byte planes of ``v`` (rotated left by one bit first when ``rotate``): one pass in the
     native kernel, else numpy's rotate and strided copies."""
-    if _kernels.split_planes is None or v.itemsize == 1:
+    if kernels.split_planes is None or v.itemsize == 1:
         return split(rotl1(v) if rotate else v)
     out = np.empty((v.itemsize, v.size), dtype=np.uint8)
-    _kernels.split_planes(v, out, v.itemsize, rotate)
+    kernels.split_planes(v, out, v.itemsize, rotate)
     return list(out)
 
 
@@ -244,9 +244,9 @@ def _decode_into(data: bytes, h: SegmentHeader, o: np.ndarray, digest: bool) -> 
         hexdigest = _decode_numpy(data, h, le, digest)
         le.byteswap(inplace=True)
         return hexdigest
-    if _kernels.decode_full is None or _kernels.zstd_decompress is None:
+    if kernels.decode_full is None or kernels.zstd_decompress is None:
         return _decode_numpy(data, h, o, digest)
-    err, a, b, c, d = _kernels.decode_full(
+    err, a, b, c, d = kernels.decode_full(
         o, h.width, h.transform, h.exp_low, h.n_escaped, stream_args(data, h), digest,
         _sections.STREAM_MIN_BYTES, max(2, KERNEL_PIECE_BYTES // h.width // 2 * 2), _sections.MAX_WINDOW_LOG,
     )
@@ -357,9 +357,9 @@ def _pair_exponents(top: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, float
     in_window = csum[EXP_WINDOW:] - csum[:-EXP_WINDOW]
     low = int(np.argmax(in_window))
     escaped_share = 1.0 - int(in_window[low]) / max(int(csum[-1]), 1)
-    if _kernels.pair_codes is not None:
+    if kernels.pair_codes is not None:
         packed = np.empty((top.size + 1) // 2, dtype=np.uint8)
-        esc = _kernels.pair_codes(top, low, EXP_ESCAPE, packed)
+        esc = kernels.pair_codes(top, low, EXP_ESCAPE, packed)
         return low, packed, np.frombuffer(esc, dtype=np.uint8), escaped_share
     codes = top - np.uint8(low)  # wraps: in the window iff < 15
     out = codes >= EXP_WINDOW

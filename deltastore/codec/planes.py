@@ -15,7 +15,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from deltastore.codec import _kernels
+from deltastore._util import kernels
 from deltastore.codec.container import (
     KIND_CONST,
     KIND_RAW,
@@ -115,8 +115,8 @@ def state_digest(a: np.ndarray) -> str:
     """XXH3-128 hex of a contiguous array's bytes (SPEC §2's state digest); the native one
     releases the GIL."""
     buf = memoryview(a).cast("B")
-    if _kernels.xxh3_128_hex is not None:
-        return _kernels.xxh3_128_hex(buf)
+    if kernels.xxh3_128_hex is not None:
+        return kernels.xxh3_128_hex(buf)
     return xxhash.xxh3_128_hexdigest(buf)
 
 
@@ -196,9 +196,9 @@ def _cctx(level: int | None) -> zstandard.ZstdCompressor:
 def byte_counts(plane: np.ndarray, stride: int) -> np.ndarray:
     """Counts of each byte value in ``plane[::stride]`` (256 int64): the native kernel, else
     numpy's bincount (which widens the sample to intp first)."""
-    if _kernels.byte_histogram is not None and plane.dtype == np.uint8 and plane.flags.c_contiguous:
+    if kernels.byte_histogram is not None and plane.dtype == np.uint8 and plane.flags.c_contiguous:
         out = np.empty(256, dtype=np.int64)
-        _kernels.byte_histogram(plane, stride, out)
+        kernels.byte_histogram(plane, stride, out)
         return out
     return np.bincount(plane[::stride], minlength=256).astype(np.int64, copy=False)
 
@@ -309,13 +309,13 @@ def decode_sections(data: bytes, h: SegmentHeader) -> list[Plane]:
             out.append(buf[0])
         elif s.kind == "raw":
             out.append(np.frombuffer(buf, dtype=np.uint8))
-        elif _kernels.zstd_decompress is None:
+        elif kernels.zstd_decompress is None:
             out.append(np.frombuffer(_zstd_one(buf, s.raw_size, h.codec, i), dtype=np.uint8))
         else:
             zstd.append((i, buf))
             out.append(None)  # type: ignore[arg-type]  # filled below
     if zstd:
-        got = _kernels.zstd_decompress([buf for _, buf in zstd], [h.sections[i].raw_size for i, _ in zstd])
+        got = kernels.zstd_decompress([buf for _, buf in zstd], [h.sections[i].raw_size for i, _ in zstd])
         if type(got) is tuple:
             j, kind, value, message = got
             raise zstd_error(h, zstd[j][0], kind, value, message)
@@ -330,7 +330,7 @@ def section_args(data: bytes, h: SegmentHeader) -> tuple:
     decoded by the kernel itself in the call that applies it (one release of the GIL per
     segment: deltastore/_native/zstd.c; it reports a bad frame as :func:`zstd_error` describes
     it). Without the decoder, the planes :func:`decode_sections` returns."""
-    if _kernels.zstd_decompress is None:
+    if kernels.zstd_decompress is None:
         return tuple(decode_sections(data, h))
     return tuple(buf[0] if s.kind == "const" else buf if s.kind == "raw" else (buf,) for _, s, buf in _stored(data, h))
 
@@ -491,9 +491,9 @@ class SectionPieces:
 def _zstd_whole(buf: memoryview, h: SegmentHeader, i: int) -> bytes:
     """Zstd section ``i`` decoded in one call, as :func:`decode_sections` decodes it."""
     raw = h.sections[i].raw_size
-    if _kernels.zstd_decompress is None:
+    if kernels.zstd_decompress is None:
         return _zstd_one(buf, raw, h.codec, i)
-    got = _kernels.zstd_decompress([buf], [raw])
+    got = kernels.zstd_decompress([buf], [raw])
     if type(got) is tuple:
         _, kind, value, message = got
         raise zstd_error(h, i, kind, value, message)

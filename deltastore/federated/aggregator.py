@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from deltastore.apply import ReadEngine
+from deltastore.read.engine import ReadEngine
 from deltastore.errors import (
     DeltastoreError,
     FormatError,
@@ -28,13 +28,13 @@ from deltastore.errors import (
 )
 from deltastore.federated.based import BasedResult, RoundBase, read_based
 from deltastore.federated.merge import MergeFn, weighted_average
-from deltastore.history import History, VersionInfo
-from deltastore.index import pin, unpin
-from deltastore.jobs import default_threads
-from deltastore.publish import Publisher
+from deltastore.format.history import History, VersionInfo
+from deltastore.lifecycle.index import pin, unpin
+from deltastore._util.jobs import default_threads
+from deltastore.write.publisher import Publisher
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import TensorSpec, bits
+from deltastore.layout.tensors import TensorSpec, bits
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class Aggregator:
         return self._state_version
 
     def _load(self, version: int) -> None:
-        from deltastore.pull import Subscriber
+        from deltastore.read.subscriber import Subscriber
 
         with Subscriber(self.publisher.url, store=self.publisher.store, threads=self.threads) as sub:
             self._state = sub.pull(version)

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltastore.apply import ReadEngine
-from deltastore.commit import CommitProtocol, attempt_clock, now, put_immutable
-from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
+from deltastore.read.engine import ReadEngine
+from deltastore.write.commit import CommitProtocol, attempt_clock, now, put_immutable
+from deltastore.write.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     DeltastoreError,
     IntegrityError,
@@ -33,9 +33,9 @@ from deltastore.errors import (
     UnsupportedSchemaError,
     WrongBaseError,
 )
-from deltastore.history import History, VersionInfo
-from deltastore.jobs import default_threads
-from deltastore.manifest import (
+from deltastore.format.history import History, VersionInfo
+from deltastore._util.jobs import default_threads
+from deltastore.format.manifest import (
     BASE_SCHEMA,
     DEFAULT_MAX_ATTEMPT_S,
     BaseRef,
@@ -51,10 +51,10 @@ from deltastore.manifest import (
     object_key,
     sha256_hex,
 )
-from deltastore.plan import ChunkPlan, Step
+from deltastore.read.plan import ChunkPlan, Step
 from deltastore.storage.base import Store
 from deltastore.storage.probe import require_atomic_writes
-from deltastore.tensors import TensorSpec, bits, check_layout, validate_state_dict
+from deltastore.layout.tensors import TensorSpec, bits, check_layout, validate_state_dict
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import torch
 
 from deltastore.errors import VersionNotFoundError
 from deltastore.federated.based import BasedWriter, RoundBase
-from deltastore.history import History, VersionInfo
-from deltastore.pull import Subscriber
+from deltastore.format.history import History, VersionInfo
+from deltastore.read.subscriber import Subscriber
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from deltastore.tied import tied_aliases
+from deltastore.layout.tied import tied_aliases
 
 #: Prefixes that wrappers add to parameter names and that a served checkpoint does not have:
 #: DDP/FSDP1 (``module.``), torch.compile (``_orig_mod.``), FSDP1 and activation checkpointing
@@ -35,7 +35,7 @@ def tied_weights_of(model: torch.nn.Module) -> dict[str, str]:
     """Names in ``model.state_dict()`` that alias another entry's memory (tied weights such as
     ``lm_head.weight`` → ``model.embed_tokens.weight``), mapped to the name that
     ``named_parameters()`` keeps, both without wrapper prefixes: the rule of
-    :func:`deltastore.tied.tied_aliases`, which ``Publisher.publish(model)`` applies too.
+    :func:`deltastore.layout.tied.tied_aliases`, which ``Publisher.publish(model)`` applies too.
     Published once under that name; the mapping is recorded in the version's metadata."""
     return {clean_name(a): clean_name(s) for a, s in tied_aliases(model).items()}
 

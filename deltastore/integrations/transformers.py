@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from deltastore.integrations._common import clean_name, tied_weights_of
-from deltastore.tied import TIED_WEIGHTS_KEY
+from deltastore.layout.tied import TIED_WEIGHTS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class DeltastoreCallback(_callback_base()):  # type: ignore[misc]
 
     def _open(self) -> Any:
         if self.publisher is None:
-            from deltastore.publish import Publisher  # the write path, loaded when first used
+            from deltastore.write.publisher import Publisher  # the write path, loaded when first used
 
             self.publisher = Publisher(self.url, storage_options=self.storage_options, dtype=self.dtype, **self.publisher_kwargs)
         return self.publisher

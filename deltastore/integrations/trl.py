@@ -52,7 +52,7 @@ import torch
 
 from deltastore.errors import DeltastoreError
 from deltastore.integrations._common import clean_name, global_rank, served_copy, tied_weights_of
-from deltastore.tied import TIED_WEIGHTS_KEY
+from deltastore.layout.tied import TIED_WEIGHTS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class DeltastoreWeightTransfer:
         """Open the store and claim it as its writer (rank 0 only; other ranks hold nothing)."""
         if self.publisher is not None or global_rank() != 0:
             return
-        from deltastore.publish import Publisher  # the write path, loaded only on the trainer
+        from deltastore.write.publisher import Publisher  # the write path, loaded only on the trainer
 
         self.publisher = Publisher(self.url, storage_options=self.storage_options, dtype=self.dtype, **self.publisher_kwargs)
         logger.info("publishing TRL weight syncs to %s (served dtype %s)", self.url, self.dtype)

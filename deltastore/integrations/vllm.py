@@ -56,7 +56,7 @@ class _Follower:
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None, interval: float,
                  cache_dir: str | None, worker_id: str | None, trusted_keys: Iterable[Any] | None, threads: int | None):
-        from deltastore.pull import Subscriber
+        from deltastore.read.subscriber import Subscriber
 
         self.url = url  # as passed to deltastore_start
         self.sub = Subscriber(url, storage_options=storage_options, trusted_keys=trusted_keys, threads=threads)
@@ -225,6 +225,6 @@ class DeltastoreWorkerExtension:
 def _updates(weights: Mapping[str, torch.Tensor], names: list[str]) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs for ``load_weights``: the host copy's own tensors (the engine
     copies them to the device), read under the follower's lock."""
-    from deltastore.changes import changed_tensors
+    from deltastore.read.changes import changed_tensors
 
     return list(changed_tensors(weights, {n: [] for n in names}))

@@ -55,7 +55,7 @@ COLUMN_WORLDS = (2, 4)
 
 
 def _specs(grid3d_cols: int) -> dict:
-    from deltastore.tensors import TensorSpec
+    from deltastore.layout.tensors import TensorSpec
 
     return {"grid2d": TensorSpec("grid2d", "bfloat16", (70, 100), 16, (), 24),
             "grid3d": TensorSpec("grid3d", "float32", (12, 10, 3), 5, (), grid3d_cols)}
@@ -64,9 +64,9 @@ def _specs(grid3d_cols: int) -> dict:
 def column_reads(url: str, version: int) -> dict[str, dict[str, object]]:
     """Per ``"world/rank"``: the chunks (``"name:index"``) and segment bytes a pull of
     ``version`` reads with the grid tensors cut along dimension 1 (from the plan)."""
-    from deltastore.history import History
-    from deltastore.plan import layout, plan_from_anchor
-    from deltastore.select import Selection, resolve
+    from deltastore.format.history import History
+    from deltastore.read.plan import layout, plan_from_anchor
+    from deltastore.layout.select import Selection, resolve
     from deltastore.storage import open_store
 
     h = History(open_store(url))
@@ -91,8 +91,8 @@ def write_grid(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
     from safetensors.torch import save_file
 
     import deltastore
-    from deltastore.compact import compact
-    from deltastore.history import History
+    from deltastore.lifecycle.compact import compact
+    from deltastore.format.history import History
     from deltastore.storage import open_store
 
     g = torch.Generator().manual_seed(SEED)

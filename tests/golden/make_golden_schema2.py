@@ -53,7 +53,7 @@ def write_store(store_dir: Path, expected_dir: Path, pub_path: Path) -> None:
     from safetensors.torch import save_file
 
     import deltastore
-    from deltastore.manifest import SCHEMA_VERSION
+    from deltastore.format.manifest import SCHEMA_VERSION
 
     assert SCHEMA_VERSION == 2, "the schema-2 golden store must be written by a schema-2 writer"
     g = torch.Generator().manual_seed(SEED)

@@ -49,9 +49,9 @@ def write_schema4(store_dir: Path, expected_dir: Path, facts_path: Path) -> None
     from safetensors.torch import save_file
 
     import deltastore
-    import deltastore.groups as groups
-    from deltastore.compact import compact
-    from deltastore.history import History
+    import deltastore.layout.groups as groups
+    from deltastore.lifecycle.compact import compact
+    from deltastore.format.history import History
     from deltastore.storage import open_store
 
     groups.GROUP_MEMBER_MAX_BYTES = 512

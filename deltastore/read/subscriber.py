@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from typing_extensions import Self
 
-from deltastore.apply import (
+from deltastore.read.engine import (
     ReadEngine,
     _batched,
     _target_tensors,
@@ -27,8 +27,8 @@ from deltastore.apply import (
     digest_mismatches,
     targets_for,
 )
-from deltastore.cache import WorkerCache
-from deltastore.changes import changed_rows, changed_tensors, merge_spans
+from deltastore.read.cache import WorkerCache
+from deltastore.read.changes import changed_rows, changed_tensors, merge_spans
 from deltastore.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -49,12 +49,12 @@ from deltastore.errors import (
     VersionNotFoundError,
     WaitTimeoutError,
 )
-from deltastore.groups import allocate_members, member_overlaps
-from deltastore.heap import release_free_heap
-from deltastore.history import History, VersionInfo
-from deltastore.jobs import default_threads, grouped
-from deltastore.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter
-from deltastore.manifest import (
+from deltastore.layout.groups import allocate_members, member_overlaps
+from deltastore._util.heap import release_free_heap
+from deltastore.format.history import History, VersionInfo
+from deltastore._util.jobs import default_threads, grouped
+from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter
+from deltastore.format.manifest import (
     MAX_MANIFEST_BYTES,
     Head,
     Index,
@@ -63,7 +63,7 @@ from deltastore.manifest import (
     SquashRef,
     decode_object,
 )
-from deltastore.plan import (
+from deltastore.read.plan import (
     ChunkPlan,
     Manifests,
     Step,
@@ -76,14 +76,14 @@ from deltastore.plan import (
     plan_from_anchor,
     squash_as_manifest,
 )
-from deltastore.plan import digests as _digests
-from deltastore.plan import layout as _layout
-from deltastore.select import Resolved, Selection, changed_spans, check_target, resolve, slice_targets
-from deltastore.stage import StagedUpdate
+from deltastore.read.plan import digests as _digests
+from deltastore.read.plan import layout as _layout
+from deltastore.layout.select import Resolved, Selection, changed_spans, check_target, resolve, slice_targets
+from deltastore.read.stage import StagedUpdate
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import DTYPE_WIDTHS, TensorSpec, check_layout, member_specs
-from deltastore.tied import ModuleTensors, alias_hint, recorded_aliases
+from deltastore.layout.tensors import DTYPE_WIDTHS, TensorSpec, check_layout, member_specs
+from deltastore.layout.tied import ModuleTensors, alias_hint, recorded_aliases
 
 logger = logging.getLogger(__name__)
 
@@ -206,12 +206,12 @@ class FollowRecord:
     def updates(self, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every tensor this version changed, taken from ``target`` (the
         one followed), whole: what ``model.load_weights`` takes. Computed from the plan, no pass
-        over the weights (:func:`deltastore.changes.changed_tensors`)."""
+        over the weights (:func:`deltastore.read.changes.changed_tensors`)."""
         return changed_tensors(target, self.changed)
 
     def rows(self, target: Mapping[str, torch.Tensor] | torch.nn.Module) -> Iterator[tuple[str, list[tuple[int, int]], torch.Tensor]]:
         """``(name, rows, tensor)``: as :meth:`updates`, with the row ranges along dim 0 that
-        changed (:func:`deltastore.changes.changed_rows`)."""
+        changed (:func:`deltastore.read.changes.changed_rows`)."""
         return changed_rows(target, self.changed)
 
 
@@ -231,7 +231,7 @@ class Subscriber:
             this (default: this machine's physical memory), checked before allocating: a few KB
             of hostile metadata must not become gigabytes resident.
         max_manifest_bytes: refuse a manifest larger than this before parsing it.
-        select: a partial subscriber (:class:`deltastore.select.Selection`, SPEC §8 "Partial
+        select: a partial subscriber (:class:`deltastore.layout.select.Selection`, SPEC §8 "Partial
             pulls"): :meth:`pull`, :meth:`allocate` and :meth:`pull_into` then handle only the
             selected tensors, sharded ones as their slice, and fetch only the chunks that
             overlap them (a chunk straddling a slice's edge is read whole and cut; its bits
@@ -269,7 +269,7 @@ class Subscriber:
         check = None
         self._keys = None
         if trusted_keys is not None:
-            from deltastore.signing import TrustedKeys
+            from deltastore.format.signing import TrustedKeys
 
             self._keys = TrustedKeys(trusted_keys)  # keys checked before the store is opened
             check = self._verify
@@ -295,7 +295,7 @@ class Subscriber:
         self._worker_id: str | None = None  # the id it used, kept by the next one
         self._said_waiting = False  # "waiting for the first version" logged by follow
         self.select = select
-        # A partial subscriber's bits of edge chunks outside its slices (deltastore.select).
+        # A partial subscriber's bits of edge chunks outside its slices (deltastore.layout.select).
         self._spare: dict[tuple[str, int], np.ndarray] = {}
         self._resolved_for: tuple[dict[str, TensorSpec], Resolved] | None = None
         if select is not None:
@@ -316,7 +316,7 @@ class Subscriber:
         name → merged element spans ``[start, stop)`` of the flattened tensor (chunk-granular,
         from the plan; a full load lists every tensor whole). Empty before any and after a
         call that found the target current. Feed it to
-        :func:`deltastore.changes.changed_tensors` or ``changed_rows`` to reload only those::
+        :func:`deltastore.read.changes.changed_tensors` or ``changed_rows`` to reload only those::
 
             if sub.pull_into(weights):
                 engine.load_weights(changed_tensors(weights, sub.last_changed))
@@ -428,7 +428,7 @@ class Subscriber:
             interval_s: the longest time between two heartbeats of an unchanged version.
 
         Returns:
-            The running :class:`~deltastore.ledger.HeartbeatWriter` (a context manager); the
+            The running :class:`~deltastore.lifecycle.ledger.HeartbeatWriter` (a context manager); the
             same one while it runs.
 
         Raises:
@@ -497,7 +497,7 @@ class Subscriber:
             out = allocate_members(specs, _torch_dtype)  # a group's members share one buffer (design 007)
             self._engine.materialize(plans, specs, out)
         self._set_held(_Held.of(ms))
-        release_free_heap()  # the read threads' chunk-sized buffers of a whole version (deltastore.heap)
+        release_free_heap()  # the read threads' chunk-sized buffers of a whole version (deltastore._util.heap)
         return out
 
     def allocate(self, version: int | None = None) -> dict[str, torch.Tensor]:
@@ -814,7 +814,7 @@ class Subscriber:
         self._last_changed = functools.partial(_plan_spans, upd.plans, upd.specs)
         return VersionInfo.from_manifest(m, key)
 
-    # --- partial pulls (SPEC §8 "Partial pulls", deltastore.select) ----------------------------
+    # --- partial pulls (SPEC §8 "Partial pulls", deltastore.layout.select) ----------------------------
 
     def _selected(self, specs: dict[str, TensorSpec]) -> Resolved:
         """The selection against layout ``specs`` (resolved once per layout)."""
@@ -835,7 +835,7 @@ class Subscriber:
     def _check_target(self, specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor], *, against: str,
                       tied: Mapping[str, str] | None = None) -> None:
         """``tensors`` against the layout ``specs``. A module target first sets aside the tied
-        aliases the version leaves out (:class:`~deltastore.tied.ModuleTensors`); a dict target
+        aliases the version leaves out (:class:`~deltastore.layout.tied.ModuleTensors`); a dict target
         is checked as it is, and a tied alias that keeps it from fitting is named in the error
         (``tied``: the aliases the version records)."""
         if self.select is not None:
@@ -925,7 +925,7 @@ class Subscriber:
                 the longest wait of the exponential backoff after errors.
             pause: the critical section in which ``target`` is written.
             stop: a ``threading.Event``; the loop returns soon after it is set.
-            cache_dir: a local :class:`deltastore.cache.WorkerCache`: on start, a cached
+            cache_dir: a local :class:`deltastore.read.cache.WorkerCache`: on start, a cached
                 version is verified against the store (chain, lineage, every chunk digest) and
                 adopted without fetching it; anything wrong with it is logged and the cache is
                 rebuilt. The held version is saved every ``cache_every_s`` and at the end; a
@@ -1290,7 +1290,7 @@ class Subscriber:
             below = self._signed_below(m) if m.signature is None else None
             if below is None:
                 raise
-            from deltastore.signing import unsigned_version_error
+            from deltastore.format.signing import unsigned_version_error
 
             raise unsigned_version_error(self.url, key, m, *below) from None
 
@@ -1302,7 +1302,7 @@ class Subscriber:
         if held is not None and held.manifest.signature is not None and held.manifest.lineage == m.lineage \
                 and held.manifest.version < m.version:
             return held.key, held.manifest  # verified when it was read
-        from deltastore.signing import signed_parent
+        from deltastore.format.signing import signed_parent
 
         return signed_parent(self._keys, self._history, m)
 
@@ -1364,7 +1364,7 @@ class Subscriber:
         if self._beats is not None:
             self._beats.notify()  # written by its thread: never inside the caller's pause
 
-    # Planning is pure (deltastore.plan); pull_into calls it under these names.
+    # Planning is pure (deltastore.read.plan); pull_into calls it under these names.
     _plan_from_anchor = staticmethod(plan_from_anchor)
     _plan_forward = staticmethod(plan_forward)
 
@@ -1414,7 +1414,7 @@ def _plan_spans(plans: list[ChunkPlan], specs: Mapping[str, TensorSpec]) -> dict
 
 
 def _targets(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The target's tensors (``_target_tensors``); a module's as :class:`~deltastore.tied.ModuleTensors`,
+    """The target's tensors (``_target_tensors``); a module's as :class:`~deltastore.layout.tied.ModuleTensors`,
     which fit a version that publishes each tied memory once (kept as they are when passed again)."""
     if isinstance(target, ModuleTensors):
         return target

@@ -1,7 +1,7 @@
 """The commit path (SPEC §5): validate, choose anchor or delta, encode, write the manifest, CAS HEAD.
 
-The :class:`Publisher` is thin: encoding a state into packs lives in :mod:`deltastore.encode`,
-the HEAD protocol (claim, compare-and-swap, lost responses, fencing) in :mod:`deltastore.commit`.
+The :class:`Publisher` is thin: encoding a state into packs lives in :mod:`deltastore.write.encode`,
+the HEAD protocol (claim, compare-and-swap, lost responses, fencing) in :mod:`deltastore.write.commit`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from deltastore.commit import CommitProtocol, attempt_clock, now, put_immutable
-from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
+from deltastore.write.commit import CommitProtocol, attempt_clock, now, put_immutable
+from deltastore.write.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     ConflictError,
     InvalidStateDictError,
@@ -33,13 +33,13 @@ from deltastore.errors import (
     SigningRequiredError,
     StorageError,
 )
-from deltastore import grid
-from deltastore.groups import GROUP_MEMBER_MAX_BYTES, group_specs, tied_names, unit_order, unit_reference
-from deltastore.heap import release_free_heap
-from deltastore.history import History, VersionInfo
-from deltastore.jobs import default_threads
-from deltastore.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
-from deltastore.manifest import (
+from deltastore.layout import grid
+from deltastore.layout.groups import GROUP_MEMBER_MAX_BYTES, group_specs, tied_names, unit_order, unit_reference
+from deltastore._util.heap import release_free_heap
+from deltastore.format.history import History, VersionInfo
+from deltastore._util.jobs import default_threads
+from deltastore.lifecycle.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
+from deltastore.format.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     DTYPE_WIDTHS,
     GROUPS_SCHEMA,
@@ -56,11 +56,11 @@ from deltastore.manifest import (
     object_key,
     sha256_hex,
 )
-from deltastore.publish_queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
+from deltastore.write.queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from deltastore.storage.probe import require_atomic_writes
-from deltastore.tensors import (
+from deltastore.layout.tensors import (
     CHUNK_TARGET_BYTES,
     SLICE_CHUNK_MIN_BYTES,
     TensorSpec,
@@ -71,10 +71,10 @@ from deltastore.tensors import (
     spec_for,
     validate_state_dict,
 )
-from deltastore.tied import TIED_WEIGHTS_KEY, module_state
+from deltastore.layout.tied import TIED_WEIGHTS_KEY, module_state
 
 if TYPE_CHECKING:
-    from deltastore.compact import BackgroundCompactor, CompactPolicy
+    from deltastore.lifecycle.compact import BackgroundCompactor, CompactPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Publisher:
             cap: an anchor at the latest after this many versions (default None: no cap).
         max_attempt_s: the attempt deadline (design 005 D3): a commit attempt whose HEAD write
             would be sent more than this many seconds after its first upload (on a clock that counts
-            suspended time, :func:`deltastore.commit.attempt_clock`)
+            suspended time, :func:`deltastore.write.commit.attempt_clock`)
             is abandoned with CommitAbandonedError, since GC may have collected its objects.
             At most 6 h (the GC grace period must exceed it; default 6 h).
         takeover: claim the store on open, fencing any older publisher (default True); an
@@ -152,13 +152,13 @@ class Publisher:
         threads: encode threads (default: all cores).
         chunk_bytes: target chunk size for new layouts (default 16 MiB).
         slice_align: lay new layouts out for tensor-parallel readers of degree N dividing this
-            (e.g. :data:`deltastore.tensors.SLICE_ALIGN` = 8 for N = 1, 2, 4, 8): chunk edges
+            (e.g. :data:`deltastore.layout.tensors.SLICE_ALIGN` = 8 for N = 1, 2, 4, 8): chunk edges
             fall on every 1/slice_align of a tensor's rows where they fit, so a partial
             Subscriber holding rows r/N reads about its share instead of whole 16 MiB chunks
             (docs/scale.md §5). It costs more, smaller chunks (per-chunk work, manifest size).
             Default None: chunks of about ``chunk_bytes``. A resumed layout keeps its chunks.
         column_slices: fnmatch patterns of the tensors tensor-parallel readers cut by columns
-            (dimension 1), e.g. :data:`deltastore.select.ROW_PARALLEL`; needs ``slice_align``
+            (dimension 1), e.g. :data:`deltastore.layout.select.ROW_PARALLEL`; needs ``slice_align``
             (the degree N; ValueError without it). Each matched tensor of a new layout gets a
             column grid (design 011, SPEC §2): chunks of ``C/N`` columns (when N divides C),
             so a rank reading its columns reads only its own chunks. Not gridded (one INFO
@@ -202,10 +202,10 @@ class Publisher:
         max_pending: snapshots that may wait behind the one being published (≥ 1; default 1:
             encoding step n overlaps training step n+1 with two snapshots alive).
         compact: after each commit, write squashes to the new head in a background thread
-            (:class:`~deltastore.compact.BackgroundCompactor`: the versions live workers hold,
+            (:class:`~deltastore.lifecycle.compact.BackgroundCompactor`: the versions live workers hold,
             and the anchor every ``ANCHOR_SQUASH_EVERY`` versions; one run at a time, heads
             that land meanwhile coalesced into one run to the newest). ``True`` or a
-            :class:`~deltastore.compact.CompactPolicy`; default False (off). A failed
+            :class:`~deltastore.lifecycle.compact.CompactPolicy`; default False (off). A failed
             compaction is logged and never fails a publish; :meth:`close` waits for the
             running one (bounded).
         skip_unchanged: a state bit-identical to the head version this publisher holds is not
@@ -295,7 +295,7 @@ class Publisher:
             raise ValueError(f"max_pending must be ≥ 1, got {max_pending}")
         self._signing_key = None
         if signing_key is not None:
-            from deltastore.signing import load_private_key
+            from deltastore.format.signing import load_private_key
 
             self._signing_key = load_private_key(signing_key)  # a bad key fails before any IO
         self.allow_unsigned = allow_unsigned
@@ -376,7 +376,7 @@ class Publisher:
             self.close()
             raise
         if compact is not False:
-            from deltastore.compact import BackgroundCompactor, CompactPolicy
+            from deltastore.lifecycle.compact import BackgroundCompactor, CompactPolicy
 
             policy = CompactPolicy() if compact is True else compact
             if not isinstance(policy, CompactPolicy):
@@ -663,7 +663,7 @@ class Publisher:
                     max_attempt_s=math.ceil(self.max_attempt_s),
                 ).with_layout(layout)
                 if self._signing_key is not None:
-                    from deltastore.signing import sign_manifest
+                    from deltastore.format.signing import sign_manifest
 
                     manifest = sign_manifest(manifest, self._signing_key)
                 data = encode_manifest(manifest, layout)
@@ -706,7 +706,7 @@ class Publisher:
         self._specs, self._layout = specs, layout
         if kind == "anchor":
             self._anchor_version = version
-            release_free_heap()  # the encode threads' chunk-sized buffers (deltastore.heap)
+            release_free_heap()  # the encode threads' chunk-sized buffers (deltastore._util.heap)
         self._remember(mkey, manifest)
         full_bytes = encoded.stats.full_bytes or 0
         self._tip = _Tip(
@@ -783,7 +783,7 @@ class Publisher:
 
     def _grid_specs(self, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """Column grids of a new layout (design 011 D6): the tensors matching ``column_slices``
-        that can take one (:func:`~deltastore.tensors.grid_spec_for`), except tied tensors (the
+        that can take one (:func:`~deltastore.layout.tensors.grid_spec_for`), except tied tensors (the
         read engine updates a storage shared by two names once, through its owner, which needs
         both chunked alike). The matched tensors left ungridded are logged once per layout."""
         assert self.slice_align is not None
@@ -943,7 +943,7 @@ class Publisher:
         """The caller's input validated before anything is queued or written."""
         self._check_open()
         meta = _json_metadata(metadata)
-        if isinstance(state_dict, torch.nn.Module):  # each tied memory once, its aliases recorded (deltastore.tied)
+        if isinstance(state_dict, torch.nn.Module):  # each tied memory once, its aliases recorded (deltastore.layout.tied)
             state_dict, tied = module_state(state_dict)
             if tied:
                 meta[TIED_WEIGHTS_KEY] = tied
@@ -973,7 +973,7 @@ class Publisher:
 
     def _resume_from_head(self, state: dict[str, torch.Tensor]) -> None:
         """Rebuild the reference copy by pulling the head version, if its layout matches."""
-        from deltastore.pull import Subscriber  # the read path: loaded only when a publisher resumes
+        from deltastore.read.subscriber import Subscriber  # the read path: loaded only when a publisher resumes
 
         assert self._head is not None
         with Subscriber(self.url, store=self.store, threads=self.threads) as sub:

@@ -10,7 +10,7 @@ group rows, each chunked like a tensor. This module is the only one that knows b
 - :func:`split_patch` turns a staged patch of a group chunk into its members' patches (stage);
 - :func:`unit_reference` builds the publisher's reference copy, one buffer per group.
 
-``deltastore.tensors.member_specs`` is the inverse view (units → the tensors users see).
+``deltastore.layout.tensors.member_specs`` is the inverse view (units → the tensors users see).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from deltastore import grid
-from deltastore.codec import _kernels
-from deltastore.identity import IdentityCache
-from deltastore.manifest import DTYPE_WIDTHS, GroupMember
-from deltastore.stage import ChunkPatch
-from deltastore.tensors import (
+from deltastore.layout import grid
+from deltastore._util import kernels
+from deltastore._util.identity import IdentityCache
+from deltastore.format.manifest import DTYPE_WIDTHS, GroupMember
+from deltastore.read.stage import ChunkPatch
+from deltastore.layout.tensors import (
     CHUNK_TARGET_BYTES,
     LayoutTables,
     TensorScan,
@@ -250,7 +250,7 @@ def member_tables(specs: Mapping[str, TensorSpec], state: Mapping[str, torch.Ten
     """A :class:`MemberTable` per group row of ``specs``, of ``state``'s tensors; None when
     ``state`` lacks a tensor of the layout.
 
-    One pass over all members (a :class:`~deltastore.tensors.TensorScan` in layout order:
+    One pass over all members (a :class:`~deltastore.layout.tensors.TensorScan` in layout order:
     ``scan``, or the one ``state`` carries, or a new one), not one per group. The caller has
     checked the tensors' shapes and dtypes against the layout (check_layout) in this call, and
     holds the tensors while the addresses are used."""
@@ -285,7 +285,7 @@ def copy_members(row: np.ndarray, ptrs: np.ndarray, starts: np.ndarray, a: int, 
     ``row`` into the members. One native call per range; the numpy fallback copies the same
     bytes member by member (tests/test_groups.py compares them)."""
     width = row.dtype.itemsize
-    kernel = _kernels.gather_members if to_row else _kernels.scatter_members
+    kernel = kernels.gather_members if to_row else kernels.scatter_members
     if kernel is not None:
         kernel(row, ptrs, starts, width, a)
         return
@@ -434,7 +434,7 @@ class GroupTarget:
 def unit_targets(specs: Mapping[str, TensorSpec], tensors: Mapping[str, Any], make: Callable[[Any], _Raw]) -> dict[str, Any]:
     """The read engine's targets per unit: ``make(tensor)`` for a tensor, a :class:`GroupTarget`
     over its members (``make`` of a device member) for a group row, a
-    :class:`~deltastore.grid.GridTarget` for a column-grid tensor (design 011 D4: gathered and
+    :class:`~deltastore.layout.grid.GridTarget` for a column-grid tensor (design 011 D4: gathered and
     scattered, never a live view). Tensors of ``tensors`` that no unit names are left out. ``tensors`` are of the layout's shapes and dtypes (checked
     before, in this call)."""
 

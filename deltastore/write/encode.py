@@ -4,7 +4,7 @@
 pool (a delta against the publisher's reference copy, a full segment for an anchor),
 concatenates the segments into content-addressed packs uploaded as they fill, and returns the
 manifest's parts (:class:`EncodedVersion`): tensor entries, stats and the pack list. It knows
-nothing of HEAD, manifests or the commit protocol; the :class:`~deltastore.publish.Publisher`
+nothing of HEAD, manifests or the commit protocol; the :class:`~deltastore.write.publisher.Publisher`
 assembles and commits what it returns.
 """
 
@@ -24,9 +24,9 @@ import torch
 
 from deltastore import codec
 from deltastore.codec.delta import encode_delta_advance
-from deltastore import grid
-from deltastore.commit import commit_immutable, put_immutable
-from deltastore.groups import (
+from deltastore.layout import grid
+from deltastore.write.commit import commit_immutable, put_immutable
+from deltastore.layout.groups import (
     MemberTable,
     copy_members,
     gather,
@@ -35,8 +35,8 @@ from deltastore.groups import (
     member_starts,
     member_tables,
 )
-from deltastore.jobs import grouped
-from deltastore.manifest import (
+from deltastore._util.jobs import grouped
+from deltastore.format.manifest import (
     OBJECT_PREFIX,
     BlobRef,
     ChunkEntry,
@@ -49,7 +49,7 @@ from deltastore.manifest import (
     unchecked_entry,
 )
 from deltastore.storage.base import Store, StreamedPut
-from deltastore.tensors import TensorSpec, bits, state_digest, torch_dtype
+from deltastore.layout.tensors import TensorSpec, bits, state_digest, torch_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A tensor with ``chunk_cols`` > 0 is cut into row blocks × column blocks (SPEC �
 grid*). Its chunk spans (:meth:`TensorSpec.chunk_span`) are in its *unit order*: the chunks
 back to back in index order, each in its own C order (011 D1). Users hold the tensor in its
 natural order. This module converts between the two: pure numpy over 1-D unsigned views of a
-tensor's bits (:func:`deltastore.tensors.bits`), plus :class:`GridTarget` (the read engine's
+tensor's bits (:func:`deltastore.layout.tensors.bits`), plus :class:`GridTarget` (the read engine's
 target of a grid tensor, 011 D4) and :func:`patch_region` (where a staged patch lands).
 
 A chunk of the natural tensor is a 2-D strided block: ``r1 − r0`` rows of ``e1 − e0``
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltastore.tensors import TensorSpec, bits
+from deltastore.layout.tensors import TensorSpec, bits
 
 __all__ = ["GridTarget", "block_view", "from_unit_order", "gather", "patch_put", "patch_region", "patch_take",
            "scatter", "to_unit_order"]
@@ -123,7 +123,7 @@ class GridTarget:
     """A grid tensor of a pull target, seen in unit order (011 D4): ``read(a, b)`` gathers a
     copy of a unit-order range, ``write(a, b, raw)`` scatters one. Never a live view (``cpu``
     is False), so the read engine applies on the copy and writes back what it changed, as it
-    does for a device tensor or a :class:`~deltastore.groups.GroupTarget`. On a device, a chunk
+    does for a device tensor or a :class:`~deltastore.layout.groups.GroupTarget`. On a device, a chunk
     moves as one ``contiguous().cpu()`` of its block (read) or one ``copy_`` into it (write)."""
 
     cpu = False

@@ -1,6 +1,6 @@
 """Which segments a pull needs (SPEC §7.4–7.5): manifests in, plan out.
 
-Pure: no IO, no clock, no threads. :mod:`deltastore.pull` fetches and applies what a plan
+Pure: no IO, no clock, no threads. :mod:`deltastore.read.subscriber` fetches and applies what a plan
 names. A plan is per chunk: optionally a ``full`` segment, then the ``delta`` segments to apply
 on top, in version order, and the state digest the chunk must have afterwards.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltastore.errors import CorruptObjectError
-from deltastore.manifest import BlobRef, Manifest, SegmentRef, SquashManifest
-from deltastore.tensors import TensorSpec
+from deltastore.format.manifest import BlobRef, Manifest, SegmentRef, SquashManifest
+from deltastore.layout.tensors import TensorSpec
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import xxhash
 
-from deltastore.codec import _kernels
+from deltastore._util import kernels
 from deltastore.errors import InvalidStateDictError, LayoutMismatchError
-from deltastore.identity import IdentityCache
-from deltastore.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
+from deltastore._util.identity import IdentityCache
+from deltastore.format.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
 
 #: A chunk of about this size is the unit of change detection, encoding, threading and
 #: partial reads: big enough that per-chunk overhead vanishes, small enough that a few chunks
@@ -53,7 +53,7 @@ ALIGN_MAX_SHRINK = 4
 #: them along dimension 1 (columns), so ``Publisher(slice_align=N, column_slices=ROW_PARALLEL)``
 #: gives them a column grid (design 011 D6) and
 #: ``Selection(shard_dims=dict.fromkeys(ROW_PARALLEL, 1))`` cuts them the same way. Re-exported
-#: as ``deltastore.select.ROW_PARALLEL``.
+#: as ``deltastore.layout.select.ROW_PARALLEL``.
 ROW_PARALLEL: tuple[str, ...] = ("*.o_proj.weight", "*.down_proj.weight")
 
 _UINT_BY_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -81,7 +81,7 @@ class TensorSpec:
     With ``chunk_cols`` > 0 (a column grid, design 011 D1; readers refuse it until D10 step 3)
     chunk ``i·nc + j`` is row block i × column block j of the tensor, and the chunks' spans are
     in the tensor's *unit order*: its chunks back to back in index order, each in its own C
-    order (:mod:`deltastore.grid` converts). Without a grid, unit order is the natural order.
+    order (:mod:`deltastore.layout.grid` converts). Without a grid, unit order is the natural order.
     """
 
     name: str
@@ -339,7 +339,7 @@ class TensorScan:
         absent or declined (a tensor of another type, a getter that raised)."""
         if self._native is None:
             self._native = False
-            kernel = _kernels.scan_tensors
+            kernel = kernels.scan_tensors
             if kernel is not None and _SCAN_ARGS is not None and type(self.tensors) is list:
                 got = kernel(self.tensors, *_SCAN_ARGS)
                 if got is not None:
@@ -736,8 +736,8 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 def state_digest(raw: np.ndarray) -> str:
     """XXH3-128 hex of an array's raw bytes (SPEC §2, state digests)."""
     buf = memoryview(np.ascontiguousarray(raw)).cast("B")
-    if _kernels.xxh3_128_hex is not None:  # same digest, without holding the GIL
-        return _kernels.xxh3_128_hex(buf)
+    if kernels.xxh3_128_hex is not None:  # same digest, without holding the GIL
+        return kernels.xxh3_128_hex(buf)
     return xxhash.xxh3_128_hexdigest(buf)
 
 

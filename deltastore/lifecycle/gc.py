@@ -45,8 +45,8 @@ from deltastore.errors import (
     UnsupportedSchemaError,
     VersionCollectedError,
 )
-from deltastore.history import History
-from deltastore.index import (
+from deltastore.format.history import History
+from deltastore.lifecycle.index import (
     INDEX_SUFFIX,
     _content,
     _normalize,
@@ -57,8 +57,8 @@ from deltastore.index import (
     read_index,
     update_index,
 )
-from deltastore.ledger import LIVE_TTL_S, read_ledger
-from deltastore.manifest import (
+from deltastore.lifecycle.ledger import LIVE_TTL_S, read_ledger
+from deltastore.format.manifest import (
     BLOB_PREFIX,
     DEFAULT_MAX_ATTEMPT_S,
     HEAD_KEY,
@@ -197,7 +197,7 @@ def collect(store_or_url: Store | str, *, keep_last: int = 10, keep_versions: It
 class _Run:
     def __init__(self, store: Store, *, keep_last: int, keep: list[int], grace_s: float, dry_run: bool,
                  writer: str | None, upgrade: bool, unsafe_grace_ok: bool, ttl_s: float):
-        from deltastore.index import _default_writer
+        from deltastore.lifecycle.index import _default_writer
 
         self.store = store
         self.history = History(store)
@@ -213,7 +213,7 @@ class _Run:
     def _probe(self) -> datetime:
         """Write the run record and take its last-modified time as "now" (store clock)."""
         doc = {
-            "format": "deltastore.gc-run", "run_id": self.run_id, "writer": self.writer,
+            "format": "deltastore.lifecycle.gc-run", "run_id": self.run_id, "writer": self.writer,
             "keep_last": self.keep_last, "keep_versions": self.keep, "grace_s": self.grace_s,
             "dry_run": self.dry_run, "upgrade": self.upgrade,
             "started_local": _iso(datetime.now(timezone.utc)),  # informative only: never compared

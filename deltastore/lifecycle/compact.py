@@ -34,15 +34,15 @@ from typing import Any
 import numpy as np
 
 from deltastore import codec
-from deltastore.apply import ReadEngine, _batched
+from deltastore.read.engine import ReadEngine, _batched
 from deltastore.codec import compose_deltas
-from deltastore.commit import attempt_clock, put_immutable
-from deltastore.encode import PACK_TARGET_BYTES
+from deltastore.write.commit import attempt_clock, put_immutable
+from deltastore.write.encode import PACK_TARGET_BYTES
 from deltastore.errors import CorruptObjectError, IntegrityError, VersionNotFoundError
-from deltastore.history import History
-from deltastore.jobs import default_threads, grouped
-from deltastore.ledger import read_ledger
-from deltastore.manifest import (
+from deltastore.format.history import History
+from deltastore._util.jobs import default_threads, grouped
+from deltastore.lifecycle.ledger import read_ledger
+from deltastore.format.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     BlobRef,
     ChunkEntry,
@@ -58,10 +58,10 @@ from deltastore.manifest import (
     object_key,
     sha256_hex,
 )
-from deltastore.plan import Step, check_entries, digests, layout, plan_from_anchor
+from deltastore.read.plan import Step, check_entries, digests, layout, plan_from_anchor
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.tensors import TensorSpec, state_digest
+from deltastore.layout.tensors import TensorSpec, state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -493,7 +493,7 @@ def _write(store: Store, c: _Composed, to_key: str, to_m: Manifest, writer: str,
 
 def _register(store: Store, history: History, written: list[SquashWritten], writer: str, max_attempt_s: float) -> bool:
     """Add the squashes to the history index (one HEAD CAS changing only ``index``)."""
-    from deltastore.index import update_index  # the index writer (HEAD CAS of D4)
+    from deltastore.lifecycle.index import update_index  # the index writer (HEAD CAS of D4)
 
     refs = [s.ref() for s in written]
 

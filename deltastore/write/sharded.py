@@ -70,8 +70,8 @@ from typing import Any
 import torch
 
 from deltastore import errors as _errors
-from deltastore.commit import attempt_clock, now, put_immutable
-from deltastore.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
+from deltastore.write.commit import attempt_clock, now, put_immutable
+from deltastore.write.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.errors import (
     CorruptObjectError,
     DeltastoreError,
@@ -79,11 +79,11 @@ from deltastore.errors import (
     PartFailedError,
     ShardMismatchError,
 )
-from deltastore.groups import tied_names, unit_order, unit_reference
-from deltastore.heap import release_free_heap
-from deltastore.history import History, VersionInfo
-from deltastore.jobs import default_threads
-from deltastore.manifest import (
+from deltastore.layout.groups import tied_names, unit_order, unit_reference
+from deltastore._util.heap import release_free_heap
+from deltastore.format.history import History, VersionInfo
+from deltastore._util.jobs import default_threads
+from deltastore.format.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     Head,
     Layout,
@@ -100,9 +100,9 @@ from deltastore.manifest import (
     part_key,
     sha256_hex,
 )
-from deltastore.publish import _Tip
+from deltastore.write.publisher import _Tip
 from deltastore.storage import open_store
-from deltastore.tensors import (
+from deltastore.layout.tensors import (
     CHUNK_TARGET_BYTES,
     TensorSpec,
     chunk_rows_for,
@@ -160,7 +160,7 @@ class _Claim:
 @dataclass(frozen=True, slots=True)
 class _PartChunk:
     """A chunk of this rank's part, its index shifted to the whole tensor's: what
-    :func:`~deltastore.manifest.encode_part` reads of a ChunkEntry. Not a pydantic model: the
+    :func:`~deltastore.format.manifest.encode_part` reads of a ChunkEntry. Not a pydantic model: the
     part's table is built once per version and discarded (its bytes are what rank 0 joins and
     checks), and a validated copy per chunk cost ~9 µs × 169 chunks per rank (design 010 D8)."""
 
@@ -336,7 +336,7 @@ def plan_layout(reports: Sequence[_Report], world: int, chunk_bytes: int, column
     order ranks 0, 1, … list them, each tensor's pieces and the part (rank) of each piece.
 
     A tensor matching ``column_slices`` gets the column grid an unsharded publisher would give
-    it (:func:`~deltastore.tensors.grid_cols_for`, from its global shape and ``slice_align``),
+    it (:func:`~deltastore.layout.tensors.grid_cols_for`, from its global shape and ``slice_align``),
     unless a rank reports it tied; its chunk rows then size a grid block, and still divide
     every piece boundary (design 011 D11).
 
@@ -441,12 +441,12 @@ class ShardedPublisher:
 
     The version becomes visible by one HEAD compare-and-swap on rank 0, after every rank's part
     is stored; until then nothing is visible, whatever fails. Readers need nothing special: a
-    :class:`~deltastore.pull.Subscriber` reads a sharded version whole, bit-exactly.
+    :class:`~deltastore.read.subscriber.Subscriber` reads a sharded version whole, bit-exactly.
     :meth:`publish_async` returns once the rank's part is stored and lets rank 0 commit while
     the ranks encode the next version (design 010 D10).
 
     Args:
-        url: the store URL (as for :class:`~deltastore.publish.Publisher`).
+        url: the store URL (as for :class:`~deltastore.write.publisher.Publisher`).
         group: the ``torch.distributed`` process group (default: the world). Object
             collectives over it carry a few small Python objects per publish.
         storage_options: passed to the storage backend.
@@ -563,7 +563,7 @@ class ShardedPublisher:
                 if slice_align is None:
                     raise ValueError("column_slices needs slice_align: the tensor-parallel degree (e.g. slice_align=8)")
             if self.rank == COORDINATOR:
-                from deltastore.publish import Publisher
+                from deltastore.write.publisher import Publisher
 
                 # Rank 0's HEAD side is an ordinary publisher's (claim, fencing, anchors, back,
                 # lost responses); it never encodes a state itself.
@@ -812,7 +812,7 @@ class ShardedPublisher:
         pre: _Plan | None = None
         own_plan_error: BaseException | None = None
         try:
-            from deltastore.publish import _int_step, _json_metadata
+            from deltastore.write.publisher import _int_step, _json_metadata
 
             step = _int_step(step)
             meta = _json_metadata(metadata) if self.rank == COORDINATOR else {}
@@ -1330,10 +1330,10 @@ class ShardedPublisher:
             IntegrityError, StorageError, ...: as a reader's pull.
         """
         # the read path: loaded only when a publisher resumes
-        from deltastore.apply import ReadEngine
-        from deltastore.plan import layout as units_of
-        from deltastore.plan import plan_from_anchor
-        from deltastore.select import resolve_rows, slice_targets
+        from deltastore.read.engine import ReadEngine
+        from deltastore.read.plan import layout as units_of
+        from deltastore.read.plan import plan_from_anchor
+        from deltastore.layout.select import resolve_rows, slice_targets
 
         history = History(self.store)
         m = history.manifest(point.manifest, point.sha256)
@@ -1366,7 +1366,7 @@ class ShardedPublisher:
             return out, engine.bytes_fetched
         finally:
             engine.close()
-            release_free_heap()  # the read threads' chunk-sized buffers (deltastore.heap)
+            release_free_heap()  # the read threads' chunk-sized buffers (deltastore._util.heap)
 
     def _write_part(self, plan: _Plan, layout: Layout, mine: Mapping[str, torch.Tensor],
                     share: _Share) -> tuple[PartRef, bytes, list[str], Stats]:
@@ -1386,7 +1386,7 @@ class ShardedPublisher:
         if reference is None:
             self._fresh = (specs, gathered)
         if plan.kind == "anchor":
-            release_free_heap()  # the encode threads' chunk-sized buffers (deltastore.heap)
+            release_free_heap()  # the encode threads' chunk-sized buffers (deltastore._util.heap)
         tensors: list[Any] = []
         changed = []
         for e in encoded.entries:
@@ -1470,7 +1470,7 @@ class ShardedPublisher:
         joined = join_parts(header, layout, datas)  # the reader's checks, before anything is visible
         manifest = joined
         if pub._signing_key is not None:
-            from deltastore.signing import sign_manifest
+            from deltastore.format.signing import sign_manifest
 
             manifest = sign_manifest(joined, pub._signing_key)
         # Not encode_manifest: it would join every part again to check what join_parts checked.

@@ -32,8 +32,8 @@ import torch
 
 from deltastore.codec import Changes
 from deltastore.errors import IntegrityError
-from deltastore.grid import patch_put, patch_region, patch_take
-from deltastore.history import VersionInfo
+from deltastore.layout.grid import patch_put, patch_region, patch_take
+from deltastore.format.history import VersionInfo
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ChunkPatch:
 
     Positions are chunk-relative, in the chunk's C order. ``block`` is None when the chunk is
     the span ``span`` of the flattened tensor; for a column-grid chunk (design 011 D4) it is
-    ``(r0, r1, e0, e1)`` (:meth:`~deltastore.tensors.TensorSpec.chunk_block`): the chunk is
+    ``(r0, r1, e0, e1)`` (:meth:`~deltastore.layout.tensors.TensorSpec.chunk_block`): the chunk is
     that 2-D block of the tensor seen as ``(shape[0], row)`` rows of ``row`` elements, and
     ``span`` is its span in the tensor's unit order.
     """

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltastore.codec import _kernels
+from deltastore._util import kernels
 from deltastore.errors import (
     BaseElsewhereError,
     CorruptObjectError,
@@ -27,7 +27,7 @@ from deltastore.errors import (
     VersionCollectedError,
     VersionNotFoundError,
 )
-from deltastore.manifest import (
+from deltastore.format.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     HEAD_KEY,
     MAX_HEAD_BYTES,
@@ -125,7 +125,7 @@ def _untrack_table(m: Manifest) -> None:
     models whose fields are ints, strings, tuples of ints and other entries: a tree, never part
     of a cycle, which is what an untracked object must be (CPython untracks tuples and dicts of
     atomic values itself). Without the native extension they stay tracked, as before."""
-    untrack = _kernels.untrack
+    untrack = kernels.untrack
     if untrack is None:
         return
     objs: list[Any] = []

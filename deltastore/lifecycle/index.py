@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from deltastore.commit import attempt_clock, now, put_immutable
+from deltastore.write.commit import attempt_clock, now, put_immutable
 from deltastore.errors import (
     ConflictError,
     HistoryReplacedError,
@@ -30,8 +30,8 @@ from deltastore.errors import (
     VersionCollectedError,
     VersionNotFoundError,
 )
-from deltastore.history import History
-from deltastore.manifest import (
+from deltastore.format.history import History
+from deltastore.format.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
     HEAD_KEY,
     Head,
@@ -124,7 +124,7 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
     every field but ``index`` and ``updated``. A lost CAS re-reads HEAD and calls ``mutate``
     again on the new state; an unclear CAS outcome (timeout, 5xx, 409) is settled by reading
     HEAD back: it succeeded iff HEAD names our index. An attempt older than ``max_attempt_s``
-    (:func:`~deltastore.commit.attempt_clock`, counting suspended time) is abandoned before its CAS (SPEC §5 step 3a) and the next try starts afresh.
+    (:func:`~deltastore.write.commit.attempt_clock`, counting suspended time) is abandoned before its CAS (SPEC §5 step 3a) and the next try starts afresh.
 
     Args:
         upgrade: accept a schema-1/2 HEAD and rewrite it as schema 3 (SPEC §13); without it
@@ -312,7 +312,7 @@ def unpin(store: Store | str, version: int, *, writer: str | None = None,
 
 
 def _default_writer() -> str:
-    from deltastore.ledger import default_worker_id
+    from deltastore.lifecycle.ledger import default_worker_id
 
     return default_worker_id()
 

@@ -27,9 +27,9 @@ from pydantic import (
     model_validator,
 )
 
-from deltastore.codec import _kernels
+from deltastore._util import kernels
 from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSchemaError
-from deltastore.identity import IdentityCache
+from deltastore._util.identity import IdentityCache
 from deltastore.storage._keys import check_key
 
 #: The schema writers write (3: design 005; 2 added ``lineage`` and an optional ``signature``).
@@ -181,7 +181,7 @@ def new_lineage() -> str:
 
 
 class Signature(_Model):
-    """An Ed25519 signature of a manifest (SPEC §3.1); see :mod:`deltastore.signing`."""
+    """An Ed25519 signature of a manifest (SPEC §3.1); see :mod:`deltastore.format.signing`."""
 
     alg: Literal["ed25519"]
     key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
@@ -455,13 +455,13 @@ class Layout(_Model):
             dt = self.dtype[g.unit] if g.unit < len(self.dtype) else ""
             out[self.name[g.unit]] = tuple(GroupMember(n, dt, sh, off) for n, sh, off in zip(g.name, g.shape, g.offset))
         self._members = out
-        if out and _kernels.untrack is not None:
+        if out and kernels.untrack is not None:
             # Out of the cyclic collector's sets from the start (as History does with chunk
             # tables, design 006 session 27): a layout of 20,000 members promoted as many
             # objects into the old generation at each Subscriber's first pull, and its cached
             # members were walked by every full pass; CPython never untracks a tuple subclass
             # itself. A member holds two strings, a tuple of ints and an int: no cycle.
-            _kernels.untrack([m for ms in out.values() for m in ms])
+            kernels.untrack([m for ms in out.values() for m in ms])
 
     def members(self) -> dict[str, tuple[GroupMember, ...]]:
         """Group row name → its members (empty for a schema-3 layout)."""

@@ -1,10 +1,10 @@
 """The read engine (SPEC §7 steps 4-7): fetch and verify segments, replay them, apply with rollback.
 
-:class:`deltastore.pull.Subscriber` decides *what* to read (HEAD, versions, the held state, the
+:class:`deltastore.read.subscriber.Subscriber` decides *what* to read (HEAD, versions, the held state, the
 plan); this module does the reading: parallel coalesced range GETs with a SHA-256 check of
 every segment, decoding a chunk's segments and checking its digest, writing targets on any
 device, and applying a whole plan in place with rollback (or staging it, see
-:mod:`deltastore.stage`). It holds no version state of its own.
+:mod:`deltastore.read.stage`). It holds no version state of its own.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from deltastore.errors import (
     NotFoundError,
     TargetModifiedError,
 )
-from deltastore.groups import split_patch, unit_targets
-from deltastore.jobs import grouped
-from deltastore.manifest import BlobRef, SegmentRef, sha256_hex
-from deltastore.plan import ChunkPlan, Step
-from deltastore.stage import ChunkPatch, make_patch
+from deltastore.layout.groups import split_patch, unit_targets
+from deltastore._util.jobs import grouped
+from deltastore.format.manifest import BlobRef, SegmentRef, sha256_hex
+from deltastore.read.plan import ChunkPlan, Step
+from deltastore.read.stage import ChunkPatch, make_patch
 from deltastore.storage.base import Store
-from deltastore.tensors import (
+from deltastore.layout.tensors import (
     TensorDict,
     TensorScan,
     TensorSpec,
@@ -435,7 +435,7 @@ class ReadEngine:
     def materialize(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], out: dict[str, torch.Tensor],
                     make_targets: _MakeTargets | None = None) -> None:
         """Build every plan (each starts from a full segment) into the new tensors ``out``
-        (through ``make_targets(specs, out)`` when given: a partial target, deltastore.select)."""
+        (through ``make_targets(specs, out)`` when given: a partial target, deltastore.layout.select)."""
         targets = (make_targets or targets_for)(specs, out)
         for batch, data, _ in self.fetch_batches(plans):
             groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))

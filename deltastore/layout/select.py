@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deltastore.changes import merge_spans
+from deltastore.read.changes import merge_spans
 from deltastore.errors import SelectionError
-from deltastore.plan import ChunkPlan
-from deltastore.tensors import TensorSpec, bits, dtype_name
-from deltastore.tensors import ROW_PARALLEL as ROW_PARALLEL  # re-exported here (design 011 D6)
+from deltastore.read.plan import ChunkPlan
+from deltastore.layout.tensors import TensorSpec, bits, dtype_name
+from deltastore.layout.tensors import ROW_PARALLEL as ROW_PARALLEL  # re-exported here (design 011 D6)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from deltastore.tensors import TensorDict
+from deltastore.layout.tensors import TensorDict
 
 #: The metadata key under which writers record tied aliases (alias → published name).
 TIED_WEIGHTS_KEY = "tied_weights"

@@ -39,8 +39,8 @@ from deltastore.errors import (
     PreconditionFailedError,
     StorageError,
 )
-from deltastore.history import History
-from deltastore.manifest import HEAD_KEY, SCHEMA_VERSION, Head, dump, new_lineage
+from deltastore.format.history import History
+from deltastore.format.manifest import HEAD_KEY, SCHEMA_VERSION, Head, dump, new_lineage
 from deltastore.storage.base import IfMatch, Store, StreamedPut
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""Small helpers shared by the layers (thread sizing, heap release, identity caches, the native kernels' loader)."""
