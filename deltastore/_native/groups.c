@@ -7,8 +7,8 @@
  * more than the members: member i holds elements [starts[i], starts[i+1]) of the row). The
  * table is checked on every call (starts from 0, never decreasing, the range inside the row),
  * so a wrong table raises ValueError instead of reading out of range; the addresses themselves
- * are the caller's contract (deltastore.groups builds them from tensors whose shapes the layout
- * check matched to the members). The numpy fallback in deltastore.groups copies the same bytes
+ * are the caller's contract (deltastore.layout.groups builds them from tensors whose shapes the layout
+ * check matched to the members). The numpy fallback in deltastore.layout.groups copies the same bytes
  * (tests/test_groups_native.py). */
 #include "ds_native.h"
 #include <string.h>

@@ -56,7 +56,7 @@ static PyMethodDef ds_module_methods[] = {
 static struct PyModuleDef ds_module = {
     PyModuleDef_HEAD_INIT,
     "deltastore._native",
-    "Native kernels of deltastore's codec (import them through deltastore.codec._kernels).",
+    "Native kernels of deltastore's codec (import them through deltastore._util.kernels).",
     -1,
     ds_module_methods,
 };
