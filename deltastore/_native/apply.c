@@ -308,7 +308,7 @@ typedef struct {
  * decoded and applied against 31 with plain branches (callgrind, real bf16 segments; the
  * addendum). validate() proved that the symbols and codes hold exactly n_gap_escaped and
  * n_escaped escapes, so the cursors stay inside their planes. The words are read in host
- * order: the kernels run on little-endian hosts only (codec/_kernels.py). */
+ * order: the kernels run on little-endian hosts only (_util/kernels.py). */
 DS_INLINE unsigned decode_add(decoder_t *d, const seg_t *s, uint64_t *pos, uint64_t *val) {
     uint64_t i = d->i, left = s->n - i;
     unsigned m = left < BATCH ? (unsigned)left : BATCH;

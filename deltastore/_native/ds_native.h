@@ -10,7 +10,7 @@
 #include <Python.h>
 #include <stdint.h>
 
-/* Bumped when a kernel's Python-visible signature changes; codec/_kernels.py checks it, so a
+/* Bumped when a kernel's Python-visible signature changes; _util/kernels.py checks it, so a
  * stale build in the source tree is refused (numpy path) rather than called wrongly. */
 #define DS_NATIVE_ABI 1
 
