@@ -308,7 +308,7 @@ def _role_follower(args: argparse.Namespace) -> None:
     """Pulls once, times a full load, then follows until "stop" on stdin."""
     import torch
 
-    from deltastore import Subscriber
+    from deltastore import HeartbeatPolicy, PollPolicy, Subscriber
 
     rss_start_kb = _status_kb("VmRSS")  # the interpreter and torch, before any weights
     sub = Subscriber(args.url, storage_options=_storage_options_from_env())
@@ -341,8 +341,8 @@ def _role_follower(args: argparse.Namespace) -> None:
 
     threading.Thread(target=watch_stdin, daemon=True).start()
     engine = threading.Lock()  # what an inference engine would hold while generating
-    for rec in sub.follow(target, interval=args.interval, pause=engine, stop=stop,
-                          worker_id=args.worker_id, heartbeat=True, swap_mode=args.swap_mode):
+    for rec in sub.follow(target, poll=PollPolicy(args.interval), pause=engine, stop=stop,
+                          heartbeat=HeartbeatPolicy(args.worker_id), swap_mode=args.swap_mode):
         _emit("applied", worker=args.worker_id, version=rec.info.version, t=time.time(),
               from_version=rec.from_version, bytes_fetched=rec.bytes_fetched, fetch_s=rec.fetch_s,
               decode_s=rec.decode_s, pause_s=rec.pause_s, full_load=rec.full_load)
@@ -552,7 +552,7 @@ def _digest_run(events: _Events, workload: str, n: int, versions: dict[int, int]
 
 def _idle_poll(server: Any, url: str, interval: float) -> dict:
     """Follow an up-to-date store for IDLE_WATCH_S and count what goes over the wire."""
-    from deltastore import Subscriber
+    from deltastore import PollPolicy, Subscriber
     from deltastore.storage import open_store
 
     store = open_store(url, storage_options=server.storage_options())
@@ -581,7 +581,7 @@ def _idle_poll(server: Any, url: str, interval: float) -> dict:
     target = sub.pull()
 
     def run() -> None:
-        for _ in sub.follow(target, interval=interval, stop=stop, heartbeat=False):
+        for _ in sub.follow(target, poll=PollPolicy(interval), stop=stop, heartbeat=None):
             first.set()
 
     # The subscriber holds the head version: every poll from here on finds nothing new.

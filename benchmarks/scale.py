@@ -71,7 +71,7 @@ import torch
 
 from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
-from deltastore import Publisher, Subscriber
+from deltastore import PollPolicy, Publisher, Subscriber
 from deltastore.layout.select import ROW_PARALLEL, Selection
 from deltastore.storage import open_store
 from deltastore.layout.tensors import bits
@@ -230,7 +230,8 @@ def _partial_pull(url: str, opts: dict[str, Any], sel: Selection | None,
             sub.pull_into(held, v)
             per.append(sub.bytes_fetched - b)
         want = states[-1] if sel is None else _cut(states[-1], sel)
-        spare = sum(a.nbytes for a in sub._spare.values())  # noqa: SLF001 - the benchmark reports it
+        partial = sub._reader.partial  # noqa: SLF001 - the benchmark reports the spare bits it keeps
+        spare = 0 if partial is None else sum(a.nbytes for a in partial.spare.values())
         return {"first_pull_bytes": first, "per_version_bytes": per, "held_bytes": _nbytes(held),
                 "spare_bytes": spare, "bit_exact": _equal(held, want)}
 
@@ -601,7 +602,7 @@ def _worker(url: str, opts: dict[str, Any], last: int, out: Any, ready: Any, wid
         weights = sub.allocate(1)
         before = (store.requests, store.bytes, store.idle_polls)
         cpu = time.process_time()
-        for rec in sub.follow(weights, interval=POLL_S, jitter=0.2, heartbeat=False):
+        for rec in sub.follow(weights, poll=PollPolicy(POLL_S, jitter=0.2), heartbeat=None):
             now = time.time()
             recs.append({"version": rec.info.version, "applied_at": now, "requests": store.requests - before[0],
                          "idle_polls": store.idle_polls - before[2], "bytes": store.bytes - before[1],

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from deltastore.lifecycle.gc import GCReport, collect
     from deltastore.format.history import VersionInfo
     from deltastore.write.publisher import Publisher
-    from deltastore.read.subscriber import FollowRecord, Subscriber
+    from deltastore.read.follow import CachePolicy, FollowRecord, HeartbeatPolicy, PollPolicy
+    from deltastore.read.subscriber import Subscriber
     from deltastore.write.sharded import Rows, ShardedPublisher
     from deltastore.read.stage import StagedUpdate
 
@@ -63,7 +64,10 @@ _LAZY = {
     "collect": "deltastore.lifecycle.gc",
     "VersionInfo": "deltastore.format.history",
     "Publisher": "deltastore.write.publisher",
-    "FollowRecord": "deltastore.read.subscriber",
+    "FollowRecord": "deltastore.read.follow",
+    "PollPolicy": "deltastore.read.follow",
+    "CachePolicy": "deltastore.read.follow",
+    "HeartbeatPolicy": "deltastore.read.follow",
     "Subscriber": "deltastore.read.subscriber",
     "StagedUpdate": "deltastore.read.stage",
     "ShardedPublisher": "deltastore.write.sharded",
@@ -89,6 +93,7 @@ __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
     "BucketNotFoundError",
+    "CachePolicy",
     "CommitAbandonedError",
     "CommitUnknownError",
     "ConcurrentWriteError",
@@ -100,6 +105,7 @@ __all__ = [
     "FormatError",
     "GCReport",
     "HeadRolledBackError",
+    "HeartbeatPolicy",
     "HistoryReplacedError",
     "IntegrityError",
     "InvalidKeyError",
@@ -107,6 +113,7 @@ __all__ = [
     "LayoutMismatchError",
     "NotFoundError",
     "PartFailedError",
+    "PollPolicy",
     "PreconditionFailedError",
     "Publisher",
     "Rows",

@@ -149,7 +149,9 @@ class DeltastoreRolloutWorker:
             first.set()
 
     def _follow(self, first: threading.Event) -> None:
-        for rec in self.sub.follow(self.weights, interval=0.05, pause=self.lock, stop=self._stop, heartbeat=False):
+        from deltastore import PollPolicy
+
+        for rec in self.sub.follow(self.weights, poll=PollPolicy(0.05), pause=self.lock, stop=self._stop, heartbeat=None):
             self.served_version = int(rec.info.metadata.get("model_version", rec.info.version))
             self.versions_applied.append(self.served_version)
             first.set()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from deltastore import FollowRecord, Subscriber, VersionInfo, VersionNotFoundError
+from deltastore import CachePolicy, FollowRecord, PollPolicy, Subscriber, VersionInfo, VersionNotFoundError
 
 logger = logging.getLogger("deltastore.examples.worker")
 
@@ -94,7 +94,8 @@ def follow(
                 except VersionNotFoundError:
                     if stop.wait(poll_s):
                         return None
-            for rec in sub.follow(weights, interval=poll_s, stop=stop, cache_dir=cache_dir):
+            cache = CachePolicy(cache_dir) if cache_dir is not None else None
+            for rec in sub.follow(weights, poll=PollPolicy(poll_s), stop=stop, cache=cache):
                 if on_version is not None:
                     on_version(rec)
                 if is_final(rec.info, run_id):

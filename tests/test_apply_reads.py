@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deltastore import Subscriber
-from deltastore.read.engine import CheckedOnRead, ReadEngine, _Target, _views_while_reading
+from deltastore.read.engine import ReadEngine, _Target, _views_while_reading
+from deltastore.read.fetch import CheckedOnRead
 from deltastore.errors import IntegrityError, TargetModifiedError
 from deltastore.format.manifest import sha256_hex
 from deltastore.storage import open_store

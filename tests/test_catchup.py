@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from deltastore import Publisher, Subscriber
+from deltastore import CachePolicy, PollPolicy, Publisher, Subscriber
 from deltastore.lifecycle.compact import compact
 from deltastore.errors import CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
 from deltastore.lifecycle.gc import collect as gc_collect
 from deltastore.format.history import History
 from deltastore.lifecycle.index import add_squashes, update_index
 from deltastore.format.manifest import HEAD_KEY, Index, SquashRef, parse_head
+from deltastore.read import catchup
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from tests._helpers import (
@@ -164,7 +165,7 @@ def test_a_squash_that_is_missing_or_bad_is_planned_around(run10: Any, damage: s
         data[len(data) // 2] ^= 0xFF
         store.put(pack, bytes(data), mode="overwrite")
     sub, target = held_at(url, 2)
-    with sub, caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
+    with sub, caplog.at_level(logging.WARNING, logger="deltastore.read"):
         fetched = catch_up(sub, target)
         assert_bits_equal(target, states[10], damage)
     assert any(sq.key in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
@@ -180,7 +181,7 @@ def test_a_squash_whose_tables_do_not_plan_is_planned_around(run10: Any, monkeyp
     url, states = run10
     (sq,) = compact(url, bases=[2], register=False).squashes
     set_index(open_store(url), squashes=[sq.ref()])
-    real = Subscriber._plan_forward
+    real = catchup.plan_forward
     refused: list[str] = []
 
     def plan(ms, specs, base):
@@ -189,9 +190,9 @@ def test_a_squash_whose_tables_do_not_plan_is_planned_around(run10: Any, monkeyp
             raise CorruptObjectError(f"manifest {sq.key!r}: tensor 'x' does not match the layout")
         return real(ms, specs, base)
 
-    monkeypatch.setattr(Subscriber, "_plan_forward", staticmethod(plan))
+    monkeypatch.setattr(catchup, "plan_forward", plan)
     sub, target = held_at(url, 2)
-    with sub, caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
+    with sub, caplog.at_level(logging.WARNING, logger="deltastore.read"):
         catch_up(sub, target)
         assert_bits_equal(target, states[10])
     assert refused == [sq.key]
@@ -204,10 +205,10 @@ def test_follow_uses_the_squash_and_holds_digests_not_manifests(run10: Any) -> N
     set_index(open_store(url), squashes=[sq.ref()])
     sub, target = held_at(url, 2)
     with sub:
-        (rec,) = list(sub.follow(target, interval=0.01, max_versions=1, heartbeat=False))
+        (rec,) = list(sub.follow(target, poll=PollPolicy(0.01), max_versions=1, heartbeat=None))
         assert rec.info.version == 10 and rec.bytes_fetched == sq.bytes
         assert_bits_equal(target, states[10])
-        held = sub._held
+        held = sub._reader.held
         assert held is not None and held.manifest.version == 10
         # one digest per chunk of the layout, whatever the versions followed
         assert len(held.digests) == sum(s.n_chunks for s in held.specs.values())
@@ -223,13 +224,13 @@ def spans(tmp_path: Path) -> tuple[str, dict[int, dict[str, torch.Tensor]]]:
 def test_a_worker_holding_a_collected_version_catches_up_from_the_anchor(spans: Any, caplog: pytest.LogCaptureFixture,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     url, states = spans
-    monkeypatch.setattr("deltastore.read.engine.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
+    monkeypatch.setattr("deltastore.read.fetch.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
     sub, target = held_at(url, 2)
     store = open_store(url)
     anchor = History(store).manifest(chain_keys(store)[9])
     assert anchor.kind == "anchor"
     collect(store, floor=9)
-    with sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+    with sub, caplog.at_level(logging.INFO, logger="deltastore.read"):
         fetched = catch_up(sub, target)
         assert_bits_equal(target, states[12])
     lines = [r.getMessage() for r in caplog.records if "was collected" in r.getMessage()]
@@ -279,7 +280,7 @@ def test_a_pack_collected_while_catching_up_makes_the_worker_replan(spans: Any, 
     with Subscriber(url, threads=2, store=store) as sub:
         target = sub.pull(2)
         store.done = False  # the next pack read (the catch-up's) triggers the collection
-        with caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+        with caplog.at_level(logging.INFO, logger="deltastore.read"):
             sub.pull_into(target)
         assert_bits_equal(target, states[12])
         assert 3 not in chain_keys(store.inner)  # the collection did happen
@@ -293,18 +294,18 @@ def test_a_worker_cache_holding_a_collected_version_fetches_only_the_chunks_that
     from deltastore.read.cache import WorkerCache
 
     url, states = spans
-    monkeypatch.setattr("deltastore.read.engine.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
+    monkeypatch.setattr("deltastore.read.fetch.COALESCE_GAP_BYTES", 0)  # bytes fetched = segments read
     cache = tmp_path / "cache"
     with Subscriber(url, threads=2) as sub:
         target = sub.pull(2)
-        WorkerCache(cache).save(target, url=sub.url, version=2, manifest=sub._held.key, lineage=sub._held.manifest.lineage)
+        WorkerCache(cache).save(target, url=sub.url, version=2, manifest=sub._reader.held.key, lineage=sub._reader.held.manifest.lineage)
     collect(open_store(url), floor=9)
     with Subscriber(url, threads=2) as fresh:
         fresh.pull()
         full = fresh.bytes_fetched
-    with Subscriber(url, threads=2) as sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+    with Subscriber(url, threads=2) as sub, caplog.at_level(logging.INFO, logger="deltastore.read"):
         target = sub.allocate()
-        (rec,) = list(sub.follow(target, interval=0.01, max_versions=1, cache_dir=cache, heartbeat=False))
+        (rec,) = list(sub.follow(target, poll=PollPolicy(0.01), max_versions=1, cache=CachePolicy(cache), heartbeat=None))
         assert rec.full_load and rec.info.version == 12 and sub.version == 12
         assert_bits_equal(target, states[12])
         assert 0 < rec.bytes_fetched < full
@@ -341,6 +342,6 @@ def test_a_staged_update_through_a_corrupt_squash_falls_back_to_the_chain(run10:
     store.put(pack, bytes(data), mode="overwrite")
     sub, target = held_at(url, 2)
     with sub:
-        (rec,) = list(sub.follow(target, interval=0.01, max_versions=1, heartbeat=False))
+        (rec,) = list(sub.follow(target, poll=PollPolicy(0.01), max_versions=1, heartbeat=None))
         assert rec.info.version == 10 and rec.bytes_fetched > sq.bytes  # the squash's pack, then the chain
         assert_bits_equal(target, states[10])

@@ -81,7 +81,7 @@ def test_background_compaction_serves_a_live_worker_behind(tmp_path: Path, caplo
     squashes = _index_squashes(url)
     assert (3, 8) in squashes, squashes  # the live worker's version, to the newest head
     assert any(f == 1 for f, _ in squashes), squashes  # the anchor squash
-    with caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+    with caplog.at_level(logging.INFO, logger="deltastore.read"):
         before = sub.bytes_fetched
         assert sub.pull_into(target).version == 8
     assert_bits_equal(target, states[8], "caught up through the background squash")

@@ -20,7 +20,10 @@ import pytest
 import torch
 
 from deltastore import (
+    CachePolicy,
     FollowRecord,
+    HeartbeatPolicy,
+    PollPolicy,
     Publisher,
     StaleStageError,
     Subscriber,
@@ -134,7 +137,7 @@ def _follow_while_publishing(t: StoreTarget, n: int = 6) -> None:
     try:
         with _subscriber(t) as sub:
             before = snapshot(target)
-            for rec in sub.follow(target, interval=0.05, pause=pause, stop=stop, heartbeat=False):
+            for rec in sub.follow(target, poll=PollPolicy(0.05), pause=pause, stop=stop, heartbeat=None):
                 records.append(rec)
                 assert_bits_equal(target, published[rec.info.version], f"version {rec.info.version}")
                 if not rec.full_load:
@@ -181,7 +184,7 @@ def test_follow_accepts_a_lock_or_a_callable_as_the_pause(tmp_path: Path) -> Non
     for pause in (lock, Hook):
         target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
         with _subscriber(t) as sub:
-            recs = list(sub.follow(target, interval=0.01, pause=pause, heartbeat=False, max_versions=1))
+            recs = list(sub.follow(target, poll=PollPolicy(0.01), pause=pause, heartbeat=None, max_versions=1))
         assert recs[0].info.version == 2 and recs[0].full_load
     assert not lock.locked() and entered == [1]
 
@@ -257,7 +260,7 @@ def test_an_idle_poll_is_one_conditional_get_without_a_body(tmp_path: Path) -> N
     seen: list[int] = []
     with Subscriber(t.url, store=store, threads=2) as sub:
         def run() -> None:
-            for rec in sub.follow(target, interval=0.05, jitter=0.0, stop=stop, heartbeat=False):
+            for rec in sub.follow(target, poll=PollPolicy(0.05, jitter=0.0), stop=stop, heartbeat=None):
                 seen.append(rec.info.version)
                 with store._lock:
                     store.calls.clear()
@@ -289,12 +292,12 @@ def test_head_pointing_to_a_missing_manifest_keeps_the_last_good_version_and_rec
     def run() -> None:
         try:
             with _subscriber(t) as sub:
-                for rec in sub.follow(target, interval=0.05, max_interval=0.2, stop=stop, heartbeat=False):
+                for rec in sub.follow(target, poll=PollPolicy(0.05, max_interval=0.2), stop=stop, heartbeat=None):
                     got.append(rec.info.version)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    with caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
+    with caplog.at_level(logging.WARNING, logger="deltastore.read"):
         th = threading.Thread(target=run)
         th.start()
         _wait(lambda: got == [2])
@@ -344,19 +347,19 @@ def test_a_restarted_worker_resumes_from_its_cache_without_fetching_that_version
     cache = tmp_path / "cache"
     target = {k: torch.zeros_like(v) for k, v in states[0].items()}
     with _subscriber(t) as sub:
-        assert [r.info.version for r in sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1)] == [2]
+        assert [r.info.version for r in sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1)] == [2]
     assert (cache / HELD_FILE).exists()
 
     store = WrappedStore(open_store(t.url))
     target = {k: torch.zeros_like(v) for k, v in states[0].items()}
     with Subscriber(t.url, store=store, threads=2) as sub:
-        recs = list(sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1))
+        recs = list(sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1))
         assert recs[0].info.version == 2 and recs[0].bytes_fetched == 0 and recs[0].full_load
         assert not [k for v, k in store.calls if v == "get" and k.startswith("packs/")], store.calls
         assert_bits_equal(target, published[2])
         with _publisher(t) as pub:
             pub.publish(states[2])
-        recs = list(sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1))
+        recs = list(sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1))
         assert recs[0].info.version == 3 and recs[0].from_version == 2 and not recs[0].full_load
     assert_bits_equal(target, states[2])
     assert WorkerCache(cache).load().version == 3  # saved when the loop ended
@@ -373,7 +376,7 @@ def test_an_unusable_cache_is_rebuilt_with_a_log_line(damage: str, tmp_path: Pat
     source = a if damage == "another store" else b
     target = {k: torch.zeros_like(v) for k, v in states_a[0].items()}
     with _subscriber(source) as sub:
-        list(sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1))
+        list(sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1))
     if damage == "a flipped byte":
         f = next(cache.glob("state-*.safetensors"))
         data = bytearray(f.read_bytes())
@@ -381,9 +384,9 @@ def test_an_unusable_cache_is_rebuilt_with_a_log_line(damage: str, tmp_path: Pat
         f.write_bytes(bytes(data))
     store = WrappedStore(open_store(b.url))
     target = {k: torch.zeros_like(v) for k, v in states_b[0].items()}
-    with caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
+    with caplog.at_level(logging.WARNING, logger="deltastore.read"):
         with Subscriber(b.url, store=store, threads=2) as sub:
-            recs = list(sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1))
+            recs = list(sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1))
     assert "worker cache" in caplog.text and "not usable" in caplog.text, caplog.text
     assert recs[0].full_load and recs[0].bytes_fetched > 0
     assert_bits_equal(target, published_b[2])
@@ -398,7 +401,7 @@ def _follow_publishing(t: StoreTarget, states: list[dict[str, torch.Tensor]], **
     target = {k: torch.zeros_like(v) for k, v in states[0].items()}
     recs: list[FollowRecord] = []
     with _subscriber(t) as sub:
-        for rec in sub.follow(target, interval=0.01, heartbeat=False, **kw):
+        for rec in sub.follow(target, poll=PollPolicy(0.01), heartbeat=None, **kw):
             recs.append(rec)
             if len(recs) == len(states):
                 break
@@ -430,8 +433,8 @@ def test_a_cache_that_cannot_be_saved_is_a_warning_and_the_follower_goes_on(
     t = StoreTarget("file", str(tmp_path / "store"))
     states = _states(4)
     cache = tmp_path / "cache"
-    with caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
-        recs = _follow_publishing(t, states, cache_dir=cache, cache_every_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="deltastore.read"):
+        recs = _follow_publishing(t, states, cache=CachePolicy(cache, every_s=0.0))
     assert [r.info.version for r in recs] == [1, 2, 3, 4]
     assert not list(cache.glob("*partial*")) and len(list(cache.glob("state-*"))) == 1
     assert caplog.text.count("without updating the worker cache") >= 3, caplog.text
@@ -448,8 +451,8 @@ def test_a_cache_on_a_full_tmpfs_is_a_warning_and_the_follower_goes_on(tmp_path:
     try:
         t = StoreTarget("file", str(tmp_path / "store"))
         states = [{"w": torch.full((128, 256), float(i))} for i in range(3)]  # 128 KiB: never fits
-        with caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
-            recs = _follow_publishing(t, states, cache_dir=cache, cache_every_s=0.0)
+        with caplog.at_level(logging.WARNING, logger="deltastore.read"):
+            recs = _follow_publishing(t, states, cache=CachePolicy(cache, every_s=0.0))
         assert [r.info.version for r in recs] == [1, 2, 3]
         assert "No space left on device" in caplog.text, caplog.text
         assert sorted(p.name for p in cache.iterdir()) == []  # nothing half-written left on it
@@ -469,7 +472,7 @@ def test_follow_refuses_a_cache_path_that_is_a_file_before_fetching(tmp_path: Pa
     with Subscriber(t.url, store=store, threads=2) as sub:
         target = {k: torch.zeros_like(v) for k, v in states[0].items()}
         with pytest.raises(WorkerCacheError, match=f"worker cache path {not_a_dir} is not a directory"):
-            next(sub.follow(target, cache_dir=not_a_dir, worker_id="w-1"))
+            next(sub.follow(target, cache=CachePolicy(not_a_dir), heartbeat=HeartbeatPolicy("w-1")))
     assert store.calls == []  # nothing read, no heartbeat written
 
 
@@ -479,7 +482,7 @@ def test_follow_refuses_a_cache_path_that_is_a_file_before_fetching(tmp_path: Pa
 _WORKER = r"""
 import os, sys, time, threading
 import deltastore.read.cache
-from deltastore import Subscriber
+from deltastore import CachePolicy, PollPolicy, Subscriber
 url, cache, marker, where = sys.argv[1:5]
 
 if where == "cache":
@@ -505,7 +508,7 @@ class Pause:
 import torch
 sub = Subscriber(url, threads=2)
 target = sub.allocate(1)
-for rec in sub.follow(target, interval=0.05, pause=Pause(), cache_dir=cache, cache_every_s=0.0, heartbeat=False):
+for rec in sub.follow(target, poll=PollPolicy(0.05), pause=Pause(), cache=CachePolicy(cache, every_s=0.0), heartbeat=None):
     print(rec.info.version, flush=True)
 """
 
@@ -544,7 +547,7 @@ def test_a_worker_killed_in_the_pause_or_the_cache_write_never_serves_a_mixed_st
     target = {k: torch.zeros_like(v) for k, v in states[0].items()}
     with _subscriber(t) as sub:
         recs = []
-        for rec in sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False):
+        for rec in sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None):
             recs.append(rec)
             assert_bits_equal(target, published[rec.info.version], f"version {rec.info.version} after restart")
             if rec.info.version == 4:
@@ -572,7 +575,7 @@ def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: 
     _publish_all(t, _states(2))
     target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
     with _subscriber(t) as sub:
-        list(sub.follow(target, interval=0.01, worker_id="w-1", max_versions=1))
+        list(sub.follow(target, poll=PollPolicy(0.01), heartbeat=HeartbeatPolicy("w-1"), max_versions=1))
     beats = read_ledger(open_store(t.url))
     assert [(b.worker, b.version) for b in beats] == [("w-1", 2)]
 
@@ -580,7 +583,7 @@ def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: 
     target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
     with caplog.at_level(logging.INFO, logger="deltastore.lifecycle.ledger"):
         with Subscriber(t.url, store=store, threads=2) as sub:
-            recs = list(sub.follow(target, interval=0.01, worker_id="w-2", max_versions=1))
+            recs = list(sub.follow(target, poll=PollPolicy(0.01), heartbeat=HeartbeatPolicy("w-2"), max_versions=1))
     assert recs[0].info.version == 2
     assert caplog.text.count("read-only") == 1
 
@@ -593,7 +596,7 @@ def test_a_follower_that_ends_is_marked_stopped_with_its_last_version(tmp_path: 
     target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
     seen = []
     with _subscriber(t) as sub:
-        for rec in sub.follow(target, interval=0.01, worker_id="w-1"):
+        for rec in sub.follow(target, poll=PollPolicy(0.01), heartbeat=HeartbeatPolicy("w-1")):
             _wait(lambda: [(b.worker, b.version, b.live()) for b in read_ledger(open_store(t.url))] == [("w-1", 2, True)])
             seen.append(rec.info.version)
             break  # the caller stops iterating: the generator is closed
@@ -644,9 +647,9 @@ def test_follow_loads_a_replaced_history_whole(tmp_path: Path, caplog: pytest.Lo
     target = {k: torch.zeros_like(v) for k, v in old[1].items()}
     got: list[FollowRecord] = []
     stop = threading.Event()
-    with _subscriber(t) as sub, caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
+    with _subscriber(t) as sub, caplog.at_level(logging.WARNING, logger="deltastore.read"):
         def run() -> None:
-            for rec in sub.follow(target, interval=0.05, stop=stop, heartbeat=False):
+            for rec in sub.follow(target, poll=PollPolicy(0.05), stop=stop, heartbeat=None):
                 got.append(rec)
 
         th = threading.Thread(target=run)
@@ -673,7 +676,7 @@ def test_a_corrupt_segment_while_following_is_logged_and_retried_and_the_target_
     published = _publish_all(t, states[:2])
     target = {k: torch.zeros_like(v) for k, v in states[0].items()}
     with _subscriber(t) as sub:
-        assert [r.info.version for r in sub.follow(target, interval=0.01, heartbeat=False, max_versions=1)] == [2]
+        assert [r.info.version for r in sub.follow(target, poll=PollPolicy(0.01), heartbeat=None, max_versions=1)] == [2]
         with _publisher(t) as pub:
             published[pub.publish(states[2]).version] = snapshot(states[2])
         store = open_store(t.url)
@@ -686,7 +689,7 @@ def test_a_corrupt_segment_while_following_is_logged_and_retried_and_the_target_
         got: list[int] = []
         with caplog.at_level(logging.WARNING):
             def run() -> None:
-                for rec in sub.follow(target, interval=0.05, max_interval=0.1, stop=stop, heartbeat=False):
+                for rec in sub.follow(target, poll=PollPolicy(0.05, max_interval=0.1), stop=stop, heartbeat=None):
                     got.append(rec.info.version)
 
             th = threading.Thread(target=run)
@@ -746,16 +749,81 @@ def test_follow_swap_by_rebinding_repoints_the_tensors_the_engine_reads(tmp_path
     target: Any = model if as_module else {k: torch.zeros_like(v) for k, v in states[0].items()}
     engine_view = dict(model.named_parameters()) if as_module else target  # the objects an engine reads
     with _subscriber(t) as sub:
-        first = list(sub.follow(target, interval=0.01, heartbeat=False, max_versions=1))
+        first = list(sub.follow(target, poll=PollPolicy(0.01), heartbeat=None, max_versions=1))
         assert first[0].info.version == 4 and first[0].full_load
     with _subscriber(t) as sub:
         sub.pull_into(target, 1)  # hold version 1, then follow 2..4 by rebinding
         ptrs = {k: v.data_ptr() for k, v in engine_view.items()}
         recs = []
-        for rec in sub.follow(target, interval=0.01, heartbeat=False, max_versions=1, swap_mode="rebind"):
+        for rec in sub.follow(target, poll=PollPolicy(0.01), heartbeat=None, max_versions=1, swap_mode="rebind"):
             recs.append(rec)
         assert recs[0].info.version == 4 and not recs[0].full_load and recs[0].pause_s < 0.05
         assert_bits_equal({k: v.detach() for k, v in engine_view.items()}, published[4])
         assert any(engine_view[k].data_ptr() != ptrs[k] for k in recs[0].changed), "touched tensors were repointed"
     with _subscriber(t) as sub, pytest.raises(ValueError, match="swap_mode"):
         next(sub.follow(target, swap_mode="teleport"))
+
+
+# --- the loop's settings: small validated values ------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda: PollPolicy(0.0),
+    lambda: PollPolicy(-1.0),
+    lambda: PollPolicy(float("nan")),
+    lambda: PollPolicy(float("inf")),
+    lambda: PollPolicy(1.0, jitter=-0.1),
+    lambda: PollPolicy(1.0, jitter=1.5),
+    lambda: PollPolicy(2.0, max_interval=1.0),
+    lambda: CachePolicy("/tmp/cache", every_s=-1.0),
+    lambda: CachePolicy("/tmp/cache", every_s=float("nan")),
+    lambda: HeartbeatPolicy(interval_s=0.0),
+], ids=["zero interval", "negative interval", "nan interval", "endless interval", "negative jitter",
+        "jitter over 1", "backoff cap under the interval", "negative cache period", "nan cache period",
+        "zero heartbeat period"])
+def test_follow_settings_refuse_a_value_out_of_range_when_made(make: Any) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        make()
+
+
+def test_follow_settings_default_to_the_documented_cadence() -> None:
+    from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S
+
+    assert (PollPolicy().interval, PollPolicy().jitter, PollPolicy().max_interval) == (2.0, 0.1, 60.0)
+    assert CachePolicy("/tmp/cache").every_s == 300.0
+    assert (HeartbeatPolicy().worker_id, HeartbeatPolicy().interval_s) == (None, HEARTBEAT_INTERVAL_S)
+    steady = PollPolicy(0.5, jitter=0.0, max_interval=3.0)
+    assert steady.wait_s() == 0.5
+    assert [steady.backoff_s(n) for n in (1, 2, 3, 10)] == [1.0, 2.0, 3.0, 3.0]  # doubled, capped
+    spread = PollPolicy(1.0, jitter=0.2)
+    assert all(0.8 <= spread.wait_s() <= 1.2 for _ in range(100))
+
+
+def test_follow_takes_its_settings_as_values_only(tmp_path: Path) -> None:
+    """A clean break: the loop's old keywords are unknown, and a setting of the wrong type is
+    refused before anything is read."""
+    t = StoreTarget("file", str(tmp_path / "store"))
+    _publish_all(t, _states(1))
+    store = WrappedStore(open_store(t.url))
+    target = {k: torch.zeros_like(v) for k, v in _states(1)[0].items()}
+    with Subscriber(t.url, store=store, threads=1) as sub:
+        for old in ("interval", "jitter", "max_interval", "cache_dir", "cache_every_s", "worker_id"):
+            with pytest.raises(TypeError, match=old):
+                sub.follow(target, **{old: 1.0})
+        for kw, name in ((dict(poll=2.0), "PollPolicy"), (dict(poll=None), "PollPolicy"),
+                         (dict(cache=str(tmp_path / "cache")), "CachePolicy"), (dict(heartbeat=True), "HeartbeatPolicy")):
+            with pytest.raises(TypeError, match=name):
+                next(sub.follow(target, **kw))
+    assert store.calls == []
+
+
+def test_follow_writes_heartbeats_at_the_policy_s_period(tmp_path: Path) -> None:
+    t = StoreTarget("file", str(tmp_path / "store"))
+    _publish_all(t, _states(1))
+    target = {k: torch.zeros_like(v) for k, v in _states(1)[0].items()}
+    with _subscriber(t) as sub:
+        for _ in sub.follow(target, poll=PollPolicy(0.01), heartbeat=HeartbeatPolicy("w-7", interval_s=7.5)):
+            running = sub.heartbeat()  # the loop's writer, as it is
+            assert (running.worker_id, running.interval_s, running.closed) == ("w-7", 7.5, False)
+            break
+        assert running.closed  # the loop started it: it ends with the loop

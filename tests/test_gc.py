@@ -126,8 +126,8 @@ def pull_from_manifest(store: Store, key: str) -> dict:
     """Materialize the version whose manifest is ``key`` (a pin below the floor is not on the
     chain from HEAD any more; the read side finds it through the index's pin record)."""
     with Subscriber(store.url, store=store) as sub:
-        m = sub._history.manifest(key)
-        sub._resolve = lambda version: (key, m)
+        m = sub._reader.history.manifest(key)
+        sub._reader.resolve = lambda version: (key, m)
         return sub.pull(m.version)
 
 

@@ -409,7 +409,7 @@ def _pull_before_gc(sub: Subscriber, version: int, monkeypatch) -> dict[str, tor
     name = next(p.name for p in (STORE3 / "manifests").iterdir() if int(p.name[:12]) == version)
     key = f"manifests/{name}"
     with monkeypatch.context() as mp:
-        mp.setattr(sub, "_resolve", lambda v: (key, sub._history.manifest(key)))
+        mp.setattr(sub._reader, "resolve", lambda v: (key, sub._reader.history.manifest(key)))
         return sub.pull(version)
 
 
@@ -425,7 +425,7 @@ def test_golden_schema3_store_pull_into_from_collected(store3_url, monkeypatch, 
         target = _pull_before_gc(sub, held, monkeypatch)
         _assert_bit_equal(target, _load(EXPECTED3, held), f"pull({held}) before the GC")
         assert sub.version == held
-        with caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+        with caplog.at_level(logging.INFO, logger="deltastore.read"):
             info = sub.pull_into(target)
         assert info is not None and info.version == N_VERSIONS3
         _assert_bit_equal(target, expected, f"pull_into {held} (collected) -> latest")
@@ -447,7 +447,7 @@ def test_golden_schema3_store_squash_used_at_its_base(store3_url):
     # the same catch-up without squashes (a subscriber that trusts signatures does not use
     # them, SPEC §12, but this store is unsigned): read the chain instead
     with Subscriber(store3_url, threads=1) as sub:
-        sub._use_squashes = False
+        sub._reader.catchup.use_squashes = False
         target = sub.pull(sq["from"])
         before = sub.bytes_fetched
         sub.pull_into(target, sq["to"])

@@ -123,8 +123,8 @@ def test_column_slices_read_the_recorded_chunks(url: str, world: int) -> None:
             mine = None
             for v in range(1, N + 1):
                 rec = FACTS["per_version"][f"v{v}"]["column_reads"][f"{world}/{rank}"]
-                _, m = sub._resolve(v)
-                res = sub._selected(layout(m))
+                _, m = sub._reader.resolve(v)
+                res = sub._reader.partial.resolved(layout(m))
                 assert sorted(f"{n}:{i}" for n, i in res.chunks) == rec["chunks"], (v, rank)
                 assert sorted(f"{n}:{i}" for n, i in res.edges) == rec["edges"], (v, rank)
                 if mine is None or v in FACTS["anchors"]:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import torch
 
-from deltastore import IntegrityError, Publisher, Subscriber
+from deltastore import CachePolicy, IntegrityError, PollPolicy, Publisher, Subscriber
 from deltastore.layout.select import Selection
 from deltastore.storage import open_store
 from deltastore.layout.tensors import TensorSpec
@@ -103,11 +103,11 @@ def test_a_row_cut_on_row_blocks_of_a_one_block_grid_is_a_live_view(tmp_path: Pa
     sel = Selection(shard=(0, 1, 2))
     with Subscriber(url, select=sel) as sub:
         mine = sub.pull(1)
-        assert sub._selected(sub.units()).views == {"w"}
+        assert sub._reader.partial.resolved(sub.units()).views == {"w"}
         for v in (2, 3):
             sub.pull_into(mine, v)
             assert_bits_equal(mine, _rows(states[v - 1], sel), f"v{v}")
-        assert not sub._spare
+        assert not sub._reader.partial.spare
 
 
 # --- empty grid tensors -------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def _corrupt_delta(url: str, version: int, name: str, index: int | None = None) 
     """Flip the last byte of the delta segment of chunk ``index`` (default: the last listed)
     of ``name`` in ``version``; returns the chunk's index."""
     with open_store(url) as st, Subscriber(url) as sub:
-        _, m = sub._resolve(version)
+        _, m = sub._reader.resolve(version)
         t = next(t for t in m.tensors if t.name == name)
         c = next(c for c in t.chunks if c.index == index) if index is not None else t.chunks[-1]
         seg = c.delta
@@ -184,17 +184,17 @@ def test_a_partial_pull_into_failing_mid_apply_rolls_back_views_and_edges(tmp_pa
     sel = Selection(shard=(1, rank, 4))
     with Subscriber(url, threads=1, select=sel) as sub:
         mine = sub.pull(2)
-        res = sub._selected(sub.units())
+        res = sub._reader.partial.resolved(sub.units())
         assert res.views == {"o"} and any(n == "d" for n, _ in res.edges)
-        spare = {k: v.copy() for k, v in sub._spare.items()}
+        spare = {k: v.copy() for k, v in sub._reader.partial.spare.items()}
         before = snapshot(mine)
         with pytest.raises(IntegrityError), caplog.at_level("ERROR", logger="deltastore.read.engine"):
             sub.pull_into(mine, 3)
         rolled = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
         assert rolled and int(rolled[0].split("rolled back ")[1].split()[0]) >= 3  # o's and d's chunks undone
         assert_bits_equal(mine, before, "rolled back")
-        assert sub._spare.keys() == spare.keys()
-        assert all(np.array_equal(sub._spare[k], v) for k, v in spare.items())
+        assert sub._reader.partial.spare.keys() == spare.keys()
+        assert all(np.array_equal(sub._reader.partial.spare[k], v) for k, v in spare.items())
         assert sub.version == 2
         with pytest.raises(IntegrityError):  # still v2's bits: the same failure, not TargetModifiedError
             sub.pull_into(mine, 3)
@@ -227,11 +227,10 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
     cache = tmp_path / "cache"
     with Subscriber(url) as sub:
         target = sub.allocate()
-        assert [r.info.version for r in sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False,
-                                                   max_versions=1)] == [2]
+        assert [r.info.version for r in sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1)] == [2]
     with Subscriber(url) as sub:
         target = sub.allocate()
-        (rec,) = sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1)
+        (rec,) = sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1)
         assert rec.info.version == 2 and rec.bytes_fetched == 0
         assert_bits_equal(target, states[1])
 
@@ -240,9 +239,9 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
     bad["w"] = bad["w"].clone()
     bad["w"].view(torch.int16)[5, 13] ^= 1  # row block 1, column block 2: chunk 1·4 + 2
     WorkerCache(cache).save(bad, url=held.url, version=2, manifest=held.manifest, lineage=held.lineage)
-    with Subscriber(url) as sub, caplog.at_level("WARNING", logger="deltastore.read.subscriber"):
+    with Subscriber(url) as sub, caplog.at_level("WARNING", logger="deltastore.read"):
         target = sub.allocate()
-        (rec,) = sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1)
+        (rec,) = sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1)
         assert rec.full_load and rec.bytes_fetched > 0
         assert_bits_equal(target, states[1])
     assert "tensor 'w' chunk 6 does not match its digest" in caplog.text
@@ -253,9 +252,9 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
     with Subscriber(url) as fresh:
         fresh.pull()
         full = fresh.bytes_fetched
-    with Subscriber(url) as sub, caplog.at_level("INFO", logger="deltastore.read.subscriber"):
+    with Subscriber(url) as sub, caplog.at_level("INFO", logger="deltastore.read"):
         target = sub.allocate()
-        (rec,) = sub.follow(target, interval=0.01, cache_dir=cache, heartbeat=False, max_versions=1)
+        (rec,) = sub.follow(target, poll=PollPolicy(0.01), cache=CachePolicy(cache), heartbeat=None, max_versions=1)
         assert "version 2 was collected (floor 4)" in caplog.text
         assert rec.info.version == 5 and 0 < rec.bytes_fetched < full
         assert_bits_equal(target, states[4])
@@ -421,9 +420,9 @@ def test_a_column_rank_crosses_relayouts_to_and_from_a_grid(tmp_path: Path) -> N
     sel = Selection(names=("w", "t"), shard=(1, 1, 3))
     with Subscriber(url, select=sel) as sub:
         mine = sub.pull(1)
-        assert sub.units()["w"].chunk_cols == 0 and sub._spare
+        assert sub.units()["w"].chunk_cols == 0 and sub._reader.partial.spare
         for v, cols in ((2, 6), (3, 6), (4, 0), (5, 0)):
             sub.pull_into(mine, v)
             assert sub.units()["w"].chunk_cols == cols
             assert_bits_equal(mine, _rows(states[v - 1], sel), f"v{v}")
-            assert all(k in sub._selected(sub.units()).edges for k in sub._spare)
+            assert all(k in sub._reader.partial.resolved(sub.units()).edges for k in sub._reader.partial.spare)

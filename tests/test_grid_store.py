@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from deltastore import (
     CorruptObjectError,
     IntegrityError,
+    PollPolicy,
     Publisher,
     Subscriber,
     TargetModifiedError,
@@ -107,7 +108,7 @@ def test_every_chunk_digest_is_the_hash_of_its_block(store) -> None:
     url, states = store
     with Subscriber(url) as sub:
         for v, state in enumerate(states, 1):
-            key, m = sub._resolve(v)
+            key, m = sub._reader.resolve(v)
             assert m.chunk_cols("w") == 24 and m.chunk_cols("x") == 4 and m.chunk_cols("p") == 0
             listed = 0
             for t in m.tensors:
@@ -150,7 +151,7 @@ def test_native_and_numpy_paths_write_identical_packs_and_tables(tmp_path: Path,
         out = []
         with Subscriber(url) as sub, open_store(url) as st:
             for v in range(1, len(states) + 1):
-                _, m = sub._resolve(v)
+                _, m = sub._reader.resolve(v)
                 packs = [bytes(st.get(b.key)) for b in m.blobs]
                 tables = [(t.name, [(c.index, c.digest, None if c.full is None else c.full.model_dump(),
                                      None if c.delta is None else c.delta.model_dump()) for c in t.chunks])
@@ -192,7 +193,7 @@ def test_pull_into_through_a_compacted_squash(tmp_path: Path, caplog: pytest.Log
     states = _states(4)
     _publish(url, states, anchor_every=10)
     assert [(s.from_, s.to) for s in compact(url, bases=[1], to=4).squashes] == [(1, 4)]
-    with Subscriber(url) as sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+    with Subscriber(url) as sub, caplog.at_level(logging.INFO, logger="deltastore.read"):
         target = sub.pull(1)
         sub.pull_into(target, 4)
         _bits_equal(target, states[3])
@@ -229,7 +230,7 @@ def test_stage_and_swap_write_blocks_and_rebind_patches_copies(store) -> None:
         _bits_equal(target, states[0])  # staging writes nothing
         sub.swap(staged, target)
         _bits_equal(target, states[1])
-        for rec in sub.follow(target, interval=0.01, heartbeat=False, max_versions=1, swap_mode="rebind"):
+        for rec in sub.follow(target, poll=PollPolicy(0.01), heartbeat=None, max_versions=1, swap_mode="rebind"):
             assert rec.info.version == len(states)
         _bits_equal(target, states[-1])
 
@@ -366,7 +367,7 @@ def test_a_corrupt_segment_mid_apply_rolls_back_bit_exactly(tmp_path: Path, capl
     states[2]["w"] += torch.tensor(1.0, dtype=torch.bfloat16)  # every grid chunk changes
     _publish(url, states, anchor_every=100)
     with open_store(url) as st, Subscriber(url) as sub:
-        _, m = sub._resolve(3)
+        _, m = sub._reader.resolve(3)
         w = next(t for t in m.tensors if t.name == "w")
         seg = w.chunks[len(w.chunks) // 2].delta  # a chunk in the middle of the apply
         pack = m.blobs[seg.blob]
@@ -390,7 +391,7 @@ def test_a_corrupt_segment_mid_apply_rolls_back_bit_exactly(tmp_path: Path, capl
 def _layout(store) -> tuple[Layout, str]:
     url, _ = store
     with Subscriber(url) as sub:
-        _, m = sub._resolve(1)
+        _, m = sub._reader.resolve(1)
         data = open_store(url).get(m.layout.key)
         return decode_object(Layout, bytes(data), m.layout.key, m.layout.sha256), m.layout.key
 
@@ -594,7 +595,7 @@ def test_a_chunk_index_past_the_grid_is_corrupt_and_says_the_grid(store) -> None
 
     url, _ = store
     with Subscriber(url) as sub:
-        key, m = sub._resolve(1)
+        key, m = sub._reader.resolve(1)
     spec = SPECS["w"]
     w = next(t for t in m.tensors if t.name == "w")
     last = w.chunks[-1]

@@ -41,7 +41,6 @@ from deltastore.layout.groups import (
     group_specs,
     member_pointers,
     member_starts,
-    split_patch,
 )
 from deltastore.format.history import History
 from deltastore.format.manifest import (
@@ -54,7 +53,7 @@ from deltastore.format.manifest import (
     sha256_hex,
 )
 from deltastore.write.publisher import GROUP_AUTO_MIN_TENSORS
-from deltastore.read.stage import make_patch
+from deltastore.read.stage import make_patch, split_patch
 from deltastore.storage import open_store
 from deltastore.layout.tensors import (
     TensorDict,

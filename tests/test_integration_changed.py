@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from deltastore import Publisher, Subscriber
+from deltastore import PollPolicy, Publisher, Subscriber
 from deltastore.read.changes import changed_rows, changed_tensors, merge_spans, row_ranges
 
 #: Small chunks: a (64, 16) fp32 tensor is 4 KiB, so 256-byte chunks are 4 rows each and an
@@ -90,7 +90,7 @@ def test_follow_record_updates_feed_load_weights(tmp_path) -> None:
                 loaded.append(names)
 
             stop = threading.Event()
-            for rec in sub.follow(weights, interval=0.05, stop=stop, heartbeat=False):
+            for rec in sub.follow(weights, poll=PollPolicy(0.05), stop=stop, heartbeat=None):
                 load_weights(rec.updates(weights))
                 if rec.full_load:
                     assert set(rec.changed) == set(weights)
@@ -108,7 +108,7 @@ def test_follow_reports_each_version_changes(tmp_path) -> None:
         pub.publish(base)
         weights = sub.allocate()
         model = {n: torch.zeros_like(t) for n, t in weights.items()}
-        it = sub.follow(weights, interval=0.02, heartbeat=False)
+        it = sub.follow(weights, poll=PollPolicy(0.02), heartbeat=None)
         rec = next(it)
         for n, t in rec.updates(weights):
             model[n].copy_(t)

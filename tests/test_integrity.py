@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import deltastore.read.engine
+import deltastore.read.fetch
 from deltastore import (
     CorruptObjectError,
     DeltastoreError,
@@ -271,7 +272,7 @@ def _last_changed_chunk(doc: dict) -> tuple[str, int]:
 @pytest.mark.parametrize("how", ["digest", "segment-bits", "segment-codec", "segment-sha"])
 def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, batch_bytes, monkeypatch) -> None:
     if batch_bytes:  # fetch and apply chunk by chunk: the failure comes in a later batch
-        monkeypatch.setattr(deltastore.read.engine, "FETCH_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(deltastore.read.fetch, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=4)
     with open_store(url) as store:
         _, doc = head_manifest(store)
@@ -319,7 +320,7 @@ def test_pull_into_rolls_back_chunks_replaced_from_a_snapshot(url: str, batch_by
     """Across a restart anchor (no deltas), chunks are replaced from full segments; a later bad
     chunk must restore them from the saved copies."""
     if batch_bytes:
-        monkeypatch.setattr(deltastore.read.engine, "FETCH_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(deltastore.read.fetch, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=2)
     more = [sparse_edit(states[-1], np.random.default_rng(10 + i), 0.02) for i in range(2)]
     with Publisher(url, resume=False, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:  # a restart, no read-back

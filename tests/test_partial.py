@@ -246,7 +246,7 @@ def test_a_column_cut_reads_and_verifies_the_whole_tensor_and_holds_only_its_col
         b[5] ^= 1
         sub.pull_into(mine, 3)
         assert_bits_equal(mine, _rows(states[2], sel))
-        kept = next(iter(sub._spare.values()))
+        kept = next(iter(sub._reader.partial.spare.values()))
         kept[0] ^= 1  # the kept remainder (another rank's columns)
         before = snapshot(mine)
         with pytest.raises(TargetModifiedError):

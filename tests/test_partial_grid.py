@@ -25,7 +25,8 @@ from deltastore.read.changes import changed_rows, merge_spans
 from deltastore.errors import TargetModifiedError
 from deltastore.format.manifest import GroupMember
 from deltastore.read.plan import ChunkPlan
-from deltastore.layout.select import Selection, SliceTarget, SliceView, changed_spans, resolve, slice_targets
+from deltastore.layout.select import Selection, SliceTarget, SliceView, resolve, slice_targets
+from deltastore.read.partial import changed_spans
 from deltastore.layout.tensors import TensorSpec, bits
 from tests._helpers import assert_bits_equal, snapshot, sparse_edit
 from tests.test_partial import _needed_bytes, _rows
@@ -391,7 +392,7 @@ def test_ranks_of_a_grid_store_together_hold_the_whole_pull(tmp_path, dim: int, 
                     x0, x1, width = max(32, lo), min(40, hi), mine["o"].shape[1]
                     assert sub.last_changed == ({"o": [((x0 - lo) * width, (x1 - lo) * width)]} if x0 < x1 else {})
             if (dim, world) == (1, 8):  # the aligned fast path: nothing kept beside the grid tensors' slices
-                assert not [k for k in sub._spare if k[0] in STORE_GRIDS]
+                assert not [k for k in sub._reader.partial.spare if k[0] in STORE_GRIDS]
             slices[last].append(mine)
     with Subscriber(url, threads=2) as whole:
         for v, parts in slices.items():
@@ -413,13 +414,13 @@ def test_an_aligned_rank_reads_one_column_block_per_row_block(tmp_path) -> None:
         whole = whole_sub.bytes_fetched
     with Subscriber(url, threads=2, select=sel) as sub:
         mine = sub.pull(1)
-        res = sub._selected(sub.units())
+        res = sub._reader.partial.resolved(sub.units())
         assert res.views == {"o", "d"} and not res.edges
         assert res.chunks == {(n, i * s.n_colblocks + 2) for n, s in STORE_GRIDS.items()
                               for i in range(-(-s.shape[0] // s.chunk_rows))}
         assert sub.bytes_fetched <= _needed_bytes(url, sel, 1) and sub.bytes_fetched < whole / 6
         sub.pull_into(mine, 2)
-        assert not sub._spare
+        assert not sub._reader.partial.spare
         assert_bits_equal(mine, _rows(states[1], sel))
         bits(mine["o"])[-1] ^= 1  # a modified slice is detected, with nothing applied
         before = snapshot(mine)
@@ -473,7 +474,7 @@ def test_eight_tp_ranks_of_a_column_sliced_store_over_s3(moto_s3_url) -> None:
             assert {n for n, s in units.items() if s.chunk_cols} == {"l0.self_attn.o_proj.weight", "l0.mlp.down_proj.weight"}
             assert units["l0.self_attn.o_proj.weight"].chunk_cols == 2304 // 8
             assert units["l0.self_attn.o_proj.weight"].n_chunks > 8  # several row blocks × 8 column blocks
-            assert not [k for k in sub._spare if units[k[0]].chunk_cols]
+            assert not [k for k in sub._reader.partial.spare if units[k[0]].chunk_cols]
             mine.append(held)
     with Subscriber(url, storage_options=opts, threads=2) as whole_sub:
         whole = whole_sub.pull()

@@ -500,8 +500,6 @@ def test_chunk_table_entries_can_hold_nothing_that_could_close_a_cycle():
 def test_a_long_follower_keeps_a_bounded_number_of_parsed_manifests(tmp_path):
     """A Subscriber that follows many versions keeps at most History.cache_entries parsed
     manifests (plus the held chain it needs), and every pull stays bit-exact."""
-    from deltastore.format.history import History
-
     url = str(tmp_path / "long")
     state = small_state(0, n=2, rows=16)
     states = []
@@ -512,11 +510,12 @@ def test_a_long_follower_keeps_a_bounded_number_of_parsed_manifests(tmp_path):
             pub.publish(state)
             states.append(snapshot(state))
     with Subscriber(url, threads=1) as sub:
-        sub._history = History(sub.store, cache_entries=4)
+        history = sub._reader.history
+        history.cache_entries = 4
         target = sub.pull(1)
         for v in range(2, 31):
             assert sub.pull_into(target, v).version == v
-            assert len(sub._history._manifests) <= 4
+            assert len(history._manifests) <= 4
         assert_bits_equal(target, states[-1])
         assert [i.version for i in sub.log()] == list(range(1, 31))
-        assert len(sub._history._manifests) <= 4
+        assert len(history._manifests) <= 4

@@ -882,7 +882,7 @@ def test_ranks_publish_rows_and_whole_tensors(tmp_path: Path, world: int) -> Non
     with Subscriber(url) as sub:
         for v in range(1, 5):
             _assert_equal(sub.pull(v), full_model(v))
-            m = sub._history.manifest(sub.info(v).manifest)
+            m = sub._reader.history.manifest(sub.info(v).manifest)
             assert len(m.parts) == world and not any(p is None for p in m.parts)
         # an unsharded subscriber fast-forwards in place across sharded deltas and an anchor
         target = sub.pull(1)
@@ -1274,8 +1274,8 @@ def test_golden_sharded_store_reads_bit_exact(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN / "store-sharded", tmp_path / "store")
     url = f"file://{tmp_path / 'store'}"
     with Subscriber(url) as sub:
-        m = sub._history.manifest(sub.info(2).manifest)
-        layout = sub._history.layout(m.layout)
+        m = sub._reader.history.manifest(sub.info(2).manifest)
+        layout = sub._reader.history.layout(m.layout)
         assert layout.parts == 3 and [p.part for p in m.parts] == [0, 1, 2]
         assert layout.pieces[layout.name.index("a")] == (4, 8) and layout.piece_parts[layout.name.index("a")] == (0, 1, 2)
         for v in range(1, 5):
@@ -1300,8 +1300,8 @@ def test_golden_sharded_grid_store_reads_bit_exact(tmp_path: Path) -> None:
     url = f"file://{tmp_path / 'store'}"
     expected = [load_file(str(GOLDEN / "store-sharded-grid-expected" / f"v{v}.safetensors")) for v in range(1, 5)]
     with Subscriber(url) as sub:
-        m = sub._history.manifest(sub.info(2).manifest)
-        layout = sub._history.layout(m.layout)
+        m = sub._reader.history.manifest(sub.info(2).manifest)
+        layout = sub._reader.history.layout(m.layout)
         assert layout.parts == 3 and [p.part for p in m.parts] == [0, 1, 2]
         g, d = layout.name.index("g"), layout.name.index("d")
         assert (layout.chunk_cols[g], layout.chunk_rows[g], layout.pieces[g]) == (2, 2, (4, 8))
@@ -1316,7 +1316,7 @@ def test_golden_sharded_grid_store_reads_bit_exact(tmp_path: Path) -> None:
     for rank in range(4):
         with Subscriber(url, select=Selection(names=("g", "d"), shard=(1, rank, 4))) as sub:
             mine = sub.pull(1)
-            res = sub._selected(sub.units())
+            res = sub._reader.partial.resolved(sub.units())
             assert res.chunks == {("g", i * 4 + rank) for i in range(6)} | {("d", i * 4 + rank) for i in range(9)}
             sub.pull_into(mine, 4)
             for name in ("g", "d"):
@@ -1428,8 +1428,8 @@ def _packs_by_part(sub: Subscriber, versions: range) -> dict[int, set[str]]:
 
     out: dict[int, set[str]] = {}
     for v in versions:
-        m = sub._history.manifest(sub.info(v).manifest)
-        layout = sub._history.layout(m.layout)
+        m = sub._reader.history.manifest(sub.info(v).manifest)
+        layout = sub._reader.history.layout(m.layout)
         index = {n: i for i, n in enumerate(layout.name)}
         for t in m.tensors:
             for c in t.chunks:
@@ -1451,7 +1451,7 @@ def test_restarted_publisher_resumes_from_its_own_rows(tmp_path: Path) -> None:
     # the resumed version is delta-sized: as version 2's delta (the same few changes), not an anchor
     assert infos[2][2] <= 1.5 * infos[1][2] and infos[2][2] < infos[0][2] / 1.5, infos
     with Subscriber(url) as sub:
-        m3 = sub._history.manifest(sub.info(3).manifest)
+        m3 = sub._reader.history.manifest(sub.info(3).manifest)
         assert m3.delta_base == 2 and m3.kind == "delta"
         for v in range(1, 7):
             _assert_equal(sub.pull(v), full_model(v))
@@ -1517,7 +1517,7 @@ def _grid_packs_by_part(sub: Subscriber, version: int) -> dict[int, set[str]]:
     """Per part (rank): the packs of ``version`` holding chunks of its rows of ``w`` and of its
     whole tensors, from the grid's arithmetic (row block = index // column blocks), not from
     ``manifest.piece_part``."""
-    m = sub._history.manifest(sub.info(version).manifest)
+    m = sub._reader.history.manifest(sub.info(version).manifest)
     nc = -(-GRID_COLS // GRID_CHUNK_COLS)
     out: dict[int, set[str]] = {}
     for t in m.tensors:
@@ -1551,8 +1551,8 @@ def test_grid_in_a_sharded_layout_reads_whole_by_columns_and_resumes(tmp_path: P
         assert r["disagree"] is not None and "column_slices" in r["disagree"], r
         assert r["head"] == 6  # the refused publishers wrote nothing
     with Subscriber(url) as sub:
-        m = sub._history.manifest(sub.info(1).manifest)
-        layout = sub._history.layout(m.layout)
+        m = sub._reader.history.manifest(sub.info(1).manifest)
+        layout = sub._reader.history.layout(m.layout)
         i = layout.name.index("w")
         assert (layout.parts, layout.chunk_cols[i], layout.chunk_rows[i]) == (2, GRID_CHUNK_COLS, GRID_CHUNK_ROWS)
         assert layout.chunk_cols[layout.name.index("o")] == 0  # matched, too small for a grid
@@ -1576,7 +1576,7 @@ def test_grid_in_a_sharded_layout_reads_whole_by_columns_and_resumes(tmp_path: P
             lo, hi = rank * GRID_COLS // world, (rank + 1) * GRID_COLS // world
             with Subscriber(url, select=sel) as sub:
                 mine = sub.pull(1)
-                res = sub._selected(sub.units())
+                res = sub._reader.partial.resolved(sub.units())
                 blocks = range(rank * nc // world, (rank + 1) * nc // world)
                 assert res.chunks == {("w", i * nc + j) for i in range(GRID_ROWS // GRID_CHUNK_ROWS) for j in blocks}
                 assert not res.edges

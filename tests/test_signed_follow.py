@@ -20,8 +20,10 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from deltastore import (
+    CachePolicy,
     HeadRolledBackError,
     HistoryReplacedError,
+    PollPolicy,
     Publisher,
     Subscriber,
     VersionNotFoundError,
@@ -109,7 +111,7 @@ def _wait(cond: Any, what: str) -> None:
 
 def _first(sub: Subscriber, target: dict[str, torch.Tensor], **kw: Any) -> Any:
     """The first record of a follow (the caller expects one, or an error)."""
-    return next(sub.follow(target, interval=0.01, heartbeat=False, max_versions=1, **kw))
+    return next(sub.follow(target, poll=PollPolicy(0.01), heartbeat=None, max_versions=1, **kw))
 
 
 # --- another run's signed objects under HEAD ---------------------------------------------------
@@ -183,14 +185,14 @@ def test_a_restarted_signed_follower_refuses_another_history_over_its_cache(tmp_
     _run(b, 4, seed=2, key=key)
     with _subscriber(a, key) as sub:
         target = sub.allocate()
-        assert _first(sub, target, cache_dir=cache).info.version == 3
+        assert _first(sub, target, cache=CachePolicy(cache)).info.version == 3
     assert WorkerCache(cache).load().version == 3
     _copy_objects(b, a)
     _point_head(a, b, 4)
     fresh = {n: torch.zeros_like(t) for n, t in target.items()}
     with _subscriber(a, key) as sub:
         with pytest.raises(HistoryReplacedError, match="lineage"):
-            _first(sub, fresh, cache_dir=cache)
+            _first(sub, fresh, cache=CachePolicy(cache))
         assert sub.version is None
     assert all(not t.any() for t in fresh.values()), "nothing was loaded"
     assert WorkerCache(cache).load().version == 3, "the cache of the held history is kept"
@@ -221,10 +223,10 @@ def test_a_signed_follower_keeps_its_version_when_head_is_rolled_back(tmp_path: 
         stop = threading.Event()
 
         def run() -> None:
-            for rec in sub.follow(target, interval=0.01, max_interval=0.02, stop=stop, heartbeat=False):
+            for rec in sub.follow(target, poll=PollPolicy(0.01, max_interval=0.02), stop=stop, heartbeat=None):
                 got.append(rec.info.version)
 
-        with caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+        with caplog.at_level(logging.INFO, logger="deltastore.read"):
             th = threading.Thread(target=run)
             th.start()
             try:
@@ -254,11 +256,11 @@ def test_a_restarted_signed_follower_keeps_its_cached_version_when_head_is_rolle
     run_a = _run(a, 4, seed=1, key=key)
     with _subscriber(a, key) as sub:
         target = sub.allocate()
-        assert _first(sub, target, cache_dir=cache).info.version == 4
+        assert _first(sub, target, cache=CachePolicy(cache)).info.version == 4
     _point_head(a, a, 2)
     fresh = {n: torch.zeros_like(t) for n, t in target.items()}
     with _subscriber(a, key) as sub:
-        rec = _first(sub, fresh, cache_dir=cache)
+        rec = _first(sub, fresh, cache=CachePolicy(cache))
         assert rec.info.version == 4 and rec.bytes_fetched == 0
         assert_bits_equal(fresh, run_a[4])
         with pytest.raises(HeadRolledBackError):

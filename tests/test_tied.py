@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltastore import Publisher, Subscriber
+from deltastore import CachePolicy, PollPolicy, Publisher, Subscriber
 from deltastore.errors import LayoutMismatchError
 from deltastore.layout.tied import ModuleTensors, recorded_aliases, tied_aliases
 
@@ -123,12 +123,12 @@ def test_follow_into_a_module(published, swap_mode) -> None:
     _, url, want = published
     fresh, held = _fresh(), _fresh()
     with Subscriber(url, threads=1) as sub:  # nothing held: the latest version loaded whole
-        [rec] = sub.follow(fresh, interval=0.01, max_versions=1, heartbeat=False, swap_mode=swap_mode)
+        [rec] = sub.follow(fresh, poll=PollPolicy(0.01), max_versions=1, heartbeat=None, swap_mode=swap_mode)
         assert rec.info.version == 2 and rec.full_load
         _assert_holds(fresh, want[2])
     with Subscriber(url, threads=1) as sub:  # from a held version: staged, then swapped
         sub.pull_into(held, version=1)
-        [rec] = sub.follow(held, interval=0.01, max_versions=1, heartbeat=False, swap_mode=swap_mode)
+        [rec] = sub.follow(held, poll=PollPolicy(0.01), max_versions=1, heartbeat=None, swap_mode=swap_mode)
         assert (rec.from_version, rec.info.version) == (1, 2) and not rec.full_load
         _assert_holds(held, want[2])
 
@@ -137,10 +137,10 @@ def test_follow_with_a_worker_cache_keeps_the_alias_out_of_it(tmp_path) -> None:
     url, cache = str(tmp_path / "store"), tmp_path / "cache"
     want = _publish_two("callback", url)
     with Subscriber(url, threads=1) as sub:
-        list(sub.follow(_fresh(), interval=0.01, max_versions=1, heartbeat=False, cache_dir=cache))
+        list(sub.follow(_fresh(), poll=PollPolicy(0.01), max_versions=1, heartbeat=None, cache=CachePolicy(cache)))
     model = _fresh()
     with Subscriber(url, threads=1) as sub:  # adopted from the cache: verified, nothing fetched
-        [rec] = sub.follow(model, interval=0.01, max_versions=1, heartbeat=False, cache_dir=cache)
+        [rec] = sub.follow(model, poll=PollPolicy(0.01), max_versions=1, heartbeat=None, cache=CachePolicy(cache))
         assert rec.info.version == 2 and rec.bytes_fetched == 0
     _assert_holds(model, want[2])
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deltastore import DeltastoreError, Publisher, Subscriber, WaitTimeoutError
+from deltastore import DeltastoreError, PollPolicy, Publisher, Subscriber, WaitTimeoutError
 from deltastore.cli import main
 from deltastore.errors import StorageError
 from deltastore.storage import open_store
@@ -46,7 +46,7 @@ def _waiting_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_wait_for_version_times_out_with_the_url_and_how_long(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     url = str(tmp_path / "run")
-    with Subscriber(url, threads=1) as sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+    with Subscriber(url, threads=1) as sub, caplog.at_level(logging.INFO, logger="deltastore.read"):
         t0 = time.monotonic()
         with pytest.raises(WaitTimeoutError, match=r"waited 0\.\d s for the first version of file://.*/run, which has no version") as got:
             sub.wait_for_version(timeout=0.2, interval=POLL_S)
@@ -57,7 +57,7 @@ def test_wait_for_version_times_out_with_the_url_and_how_long(tmp_path: Path, ca
 
 def test_wait_for_version_returns_once_the_trainer_has_published(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     url = str(tmp_path / "run")
-    with Subscriber(url, threads=1) as sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+    with Subscriber(url, threads=1) as sub, caplog.at_level(logging.INFO, logger="deltastore.read"):
         writer = _publish_later(url)
         info = sub.wait_for_version(timeout=DEADLINE_S, interval=POLL_S)
         writer.join()
@@ -68,7 +68,7 @@ def test_wait_for_version_returns_once_the_trainer_has_published(tmp_path: Path,
 
 
 def test_a_look_without_waiting_says_nothing_of_waiting(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with Subscriber(str(tmp_path / "run"), threads=1) as sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+    with Subscriber(str(tmp_path / "run"), threads=1) as sub, caplog.at_level(logging.INFO, logger="deltastore.read"):
         with pytest.raises(WaitTimeoutError, match="waited 0.0 s"):
             sub.wait_for_version(timeout=0)
     assert _waiting_lines(caplog) == []
@@ -110,7 +110,7 @@ def test_wait_for_version_rides_out_a_storage_error(tmp_path: Path, caplog: pyte
     with Publisher(url) as pub:
         pub.publish(small_state(0))
     store = Flaky(open_store(url))
-    with Subscriber(url, store=store, threads=1) as sub, caplog.at_level(logging.WARNING, logger="deltastore.read.subscriber"):
+    with Subscriber(url, store=store, threads=1) as sub, caplog.at_level(logging.WARNING, logger="deltastore.read"):
         info = sub.wait_for_version(timeout=DEADLINE_S, interval=POLL_S)
     assert info is not None and info.version == 1 and store.failures == 0
     assert caplog.text.count("503 Slow Down") == 2
@@ -119,9 +119,9 @@ def test_wait_for_version_rides_out_a_storage_error(tmp_path: Path, caplog: pyte
 def test_follow_on_an_empty_store_says_it_waits_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     url = str(tmp_path / "run")
     target = {k: torch.zeros_like(v) for k, v in small_state(0).items()}
-    with Subscriber(url, threads=1) as sub, caplog.at_level(logging.INFO, logger="deltastore.read.subscriber"):
+    with Subscriber(url, threads=1) as sub, caplog.at_level(logging.INFO, logger="deltastore.read"):
         writer = _publish_later(url, delay=0.3)
-        recs = list(sub.follow(target, interval=POLL_S, heartbeat=False, max_versions=1))
+        recs = list(sub.follow(target, poll=PollPolicy(POLL_S), heartbeat=None, max_versions=1))
         writer.join()
     assert [r.info.version for r in recs] == [1]
     assert _waiting_lines(caplog) == [f"waiting for the first version of {sub.url}"]

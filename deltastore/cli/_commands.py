@@ -264,6 +264,7 @@ def _follow(args: argparse.Namespace) -> int:
 
     from deltastore.read.cache import WorkerCache
     from deltastore.errors import BucketNotFoundError, WaitTimeoutError
+    from deltastore.read.follow import CachePolicy, HeartbeatPolicy, PollPolicy
     from deltastore.read.subscriber import Subscriber
 
     interval = args.interval if args.interval is not None else FOLLOW_INTERVAL_S
@@ -302,8 +303,9 @@ def _follow(args: argparse.Namespace) -> int:
                 if sub.wait_for_version(interval=interval, stop=stop) is None:
                     return EXIT_OK
             target = sub.allocate()  # the layout to follow into
-            records = sub.follow(target, interval=interval, stop=stop, cache_dir=args.cache,
-                                 worker_id=args.worker_id, max_versions=args.max_versions,
+            records = sub.follow(target, poll=PollPolicy(interval), stop=stop,
+                                 cache=CachePolicy(args.cache) if args.cache is not None else None,
+                                 heartbeat=HeartbeatPolicy(args.worker_id), max_versions=args.max_versions,
                                  on_history_replaced=args.on_history_replaced)
             for rec in records:
                 t0 = time.perf_counter()

@@ -321,7 +321,7 @@ def read_based(site: str, history: History, engine: ReadEngine, key: str, m: Man
     before = engine.bytes_fetched
     chunks: dict[tuple[str, int], np.ndarray] = {}
     try:
-        for batch, data, _ in engine.fetch_batches(plans):
+        for batch, data, _ in engine.fetcher.batches(plans):
             for p in batch:
                 a, b = p.span
                 raw = bits(base_state[p.name].contiguous())[a:b].copy()

@@ -74,6 +74,7 @@ class _Follower:
 
     def _run(self, interval: float, cache_dir: str | None, worker_id: str | None) -> None:
         from deltastore.errors import StorageError, VersionNotFoundError
+        from deltastore.read.follow import CachePolicy, HeartbeatPolicy, PollPolicy
 
         try:
             while not self.stop.is_set():  # an empty store (the trainer not started yet): wait
@@ -85,8 +86,9 @@ class _Follower:
                     self.stop.wait(interval)
             if self.stop.is_set():
                 return
-            for rec in self.sub.follow(self.weights, interval=interval, pause=self.lock, stop=self.stop,
-                                       cache_dir=cache_dir, worker_id=worker_id):
+            cache = CachePolicy(cache_dir) if cache_dir is not None else None
+            for rec in self.sub.follow(self.weights, poll=PollPolicy(interval), pause=self.lock, stop=self.stop,
+                                       cache=cache, heartbeat=HeartbeatPolicy(worker_id)):
                 with self.lock:
                     self.pending.update(dict.fromkeys(rec.changed))
                     self.staged = rec.info

@@ -12,8 +12,6 @@ contiguous elements (``e`` counts element columns: a column of dimension 1 times
 elements). Gather and scatter are one numpy 2-D copy each, a C loop of row pieces, so they
 have one answer and need no native kernel (011 D3). Without a grid every function here is
 the identity on spans, so a caller may use it for any tensor.
-
-Nothing in the library calls this module yet (011 D10 step 2): readers still refuse grids.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ import torch
 
 from deltastore.layout.tensors import TensorSpec, bits
 
-__all__ = ["GridTarget", "block_view", "from_unit_order", "gather", "patch_put", "patch_region", "patch_take",
-           "scatter", "to_unit_order"]
+__all__ = ["GridTarget", "block_view", "gather", "patch_put", "patch_region", "patch_take", "scatter", "to_unit_order"]
 
 
 def _as_2d(raw: Any, spec: TensorSpec) -> Any:
@@ -69,32 +66,15 @@ def scatter(raw: np.ndarray, spec: TensorSpec, index: int, chunk: np.ndarray) ->
 def to_unit_order(raw: np.ndarray, spec: TensorSpec, out: np.ndarray | None = None) -> np.ndarray:
     """The whole tensor ``raw`` (natural order) in unit order: every chunk gathered into its
     span ``[a, b)`` of ``out`` (or of a new array). Without a grid, a copy."""
-    return _reorder(raw, spec, out, to_unit=True)
-
-
-def from_unit_order(unit: np.ndarray, spec: TensorSpec, out: np.ndarray | None = None) -> np.ndarray:
-    """The inverse of :func:`to_unit_order`: the natural-order bits of a tensor held in unit
-    order, written into ``out`` (1-D, natural order) or a new array."""
-    return _reorder(unit, spec, out, to_unit=False)
-
-
-def _reorder(src: np.ndarray, spec: TensorSpec, out: np.ndarray | None, *, to_unit: bool) -> np.ndarray:
-    """``src`` copied into ``out`` (or a new array) chunk by chunk, between each chunk's block
-    of the natural order and its span of the unit order, in the direction ``to_unit`` says."""
     if out is None:
-        out = np.empty(src.size, dtype=src.dtype)
+        out = np.empty(raw.size, dtype=raw.dtype)
     if not spec.chunk_cols:
-        np.copyto(out, src)
+        np.copyto(out, raw)
         return out
-    natural, unit = (src, out) if to_unit else (out, src)
     for i in range(spec.n_chunks):
         a, b = spec.chunk_span(i)
-        block = block_view(natural, spec, i)
-        piece = unit[a:b].reshape(block.shape)
-        if to_unit:
-            np.copyto(piece, block)
-        else:
-            np.copyto(block, piece)
+        block = block_view(raw, spec, i)
+        np.copyto(out[a:b].reshape(block.shape), block)
     return out
 
 

@@ -7,7 +7,8 @@ group rows, each chunked like a tensor. This module is the only one that knows b
 - :func:`gather` reads a group chunk's elements out of its members (publish);
 - :class:`GroupTarget` reads and writes a group's element ranges over the member tensors of a
   pull target, with the read engine's ``read``/``write`` interface (pull);
-- :func:`split_patch` turns a staged patch of a group chunk into its members' patches (stage);
+- :func:`member_overlaps` names the members a span of a group row covers (what a pull changed,
+  and a staged patch split into its members' patches: ``deltastore.read.stage.split_patch``);
 - :func:`unit_reference` builds the publisher's reference copy, one buffer per group.
 
 ``deltastore.layout.tensors.member_specs`` is the inverse view (units → the tensors users see).
@@ -24,11 +25,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from deltastore.layout import grid
 from deltastore._util import kernels
 from deltastore._util.identity import IdentityCache
 from deltastore.format.manifest import DTYPE_WIDTHS, GroupMember
-from deltastore.read.stage import ChunkPatch
+from deltastore.layout import grid
 from deltastore.layout.tensors import (
     CHUNK_TARGET_BYTES,
     LayoutTables,
@@ -42,13 +42,13 @@ from deltastore.layout.tensors import (
 
 logger = logging.getLogger(__name__)
 
-#: Tensors of at most this many bytes are grouped: above it, a tensor's own per-chunk costs
-#: (~20-180 µs) are under ~10 % of coding its bytes, and grouping would only coarsen changes.
+#: Tensors of at most this many bytes are grouped: above it, a tensor's own per-chunk costs are
+#: a small part of coding its bytes, and grouping would only coarsen changes (design 007).
 GROUP_MEMBER_MAX_BYTES = 256 * 1024
 #: A group closes once it holds this many bytes (one chunk of the default 16 MiB target): a
-#: chunk's fixed costs on both sides (~0.1-0.2 ms: segment, entry, plan, hand-off) are then paid
-#: per 4 MiB, while a group touched by one changed norm costs one pass over 4 MiB (~0.5 ms), not
-#: over 16 MiB (design 007, session 20 addendum: 1 MiB groups paid the fixed costs 4x as often).
+#: chunk's fixed costs on both sides (segment, entry, plan, hand-off) are then paid per 4 MiB,
+#: while a group touched by one changed norm costs one pass over 4 MiB, not over 16 MiB; smaller
+#: groups pay the fixed costs more often (design 007).
 GROUP_TARGET_BYTES = 4 * 1024 * 1024
 #: Prefix of the names the publisher gives group rows (more ``#`` until no tensor has it).
 GROUP_NAME_PREFIX = "#group/"
@@ -306,12 +306,12 @@ def copy_members(row: np.ndarray, ptrs: np.ndarray, starts: np.ndarray, a: int, 
 
 
 def host_bits(t: torch.Tensor) -> np.ndarray:
-    """A 1-D unsigned view of a contiguous CPU tensor's bits, like ``tensors.bits`` but ~7×
-    cheaper per call (4 µs, not 30, on the reference machine): a group has thousands of members.
+    """A 1-D unsigned view of a contiguous CPU tensor's bits, like ``tensors.bits`` but several
+    times cheaper per call: a group has thousands of members.
 
     The array does not keep ``t`` alive: the caller MUST hold ``t`` while it uses the array
     (every caller here keeps the tensor next to the view). Falls back to ``bits`` for anything
-    else (a device tensor: ``bits`` raises, as it always did).
+    else (a device tensor: ``bits`` raises).
     """
     n = t.numel()
     if t.device.type != "cpu" or not t.is_contiguous() or n == 0:
@@ -474,22 +474,6 @@ def unit_order(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     if spec.numel:
         grid.to_unit_order(bits(src), spec, bits(buf))
     return buf
-
-
-def split_patch(patch: ChunkPatch, spec: TensorSpec) -> list[ChunkPatch]:
-    """The patches of ``spec``'s members that together make ``patch`` (of a group chunk)."""
-    a, b = patch.span
-    out = []
-    for m, lo, hi in _overlapping(spec, _starts(spec), a, b):
-        span = (lo - m.offset, hi - m.offset)
-        if patch.positions is None:
-            out.append(ChunkPatch(m.name, 0, span, None, patch.values[lo - a:hi - a], patch.expected_old[lo - a:hi - a]))
-            continue
-        i, j = np.searchsorted(patch.positions, [lo - a, hi - a])
-        if i == j:
-            continue
-        out.append(ChunkPatch(m.name, 0, span, patch.positions[i:j] - (lo - a), patch.values[i:j], patch.expected_old[i:j]))
-    return out
 
 
 def unit_reference(state: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *, owned: bool,

@@ -28,17 +28,15 @@ of the user's slice, and the read engine applies and hashes it in place (:class:
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from deltastore.read.changes import merge_spans
 from deltastore.errors import SelectionError
-from deltastore.read.plan import ChunkPlan
-from deltastore.layout.tensors import TensorSpec, bits, dtype_name
 from deltastore.layout.tensors import ROW_PARALLEL as ROW_PARALLEL  # re-exported here (design 011 D6)
+from deltastore.layout.tensors import TensorSpec, bits, dtype_name
 
 
 @dataclass(frozen=True)
@@ -286,8 +284,8 @@ def _resolved(units: Mapping[str, TensorSpec], windows: Mapping[str, Sequence[Wi
     for uname, ws in windows.items():
         spec = units[uname]
         held = chunks_held(spec, ws)
-        # the aligned fast path is for grid units only: without a grid a pull reads exactly as
-        # it did before grids (SliceTarget)
+        # the aligned fast path is for grid units only: without a grid a pull reads through a
+        # SliceTarget (design 011 D5)
         aligned = bool(held) and spec.chunk_cols > 0 and len(ws) == 1
         cols = ws[0].rect(spec.row_elems)[2:] if aligned else None
         for i, n in held.items():
@@ -331,27 +329,6 @@ def chunks_held(spec: TensorSpec, windows: Sequence[Window]) -> dict[int, int]:
                 k = i * nc + j
                 out[k] = out.get(k, 0) + n
     return out
-
-
-def changed_spans(plans: Iterable[ChunkPlan], res: Resolved) -> dict[str, list[tuple[int, int]]]:
-    """What ``plans`` wrote, in the coordinates of the partial target's tensors (a slice's
-    elements from 0; a group member's own elements), merged per tensor: for every chunk, the
-    rows of each window it overlaps, as the user holds them. A grid chunk is reported as its
-    row band (design 011 D4), a superset: chunk-granular, as ``last_changed`` promises."""
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for p in plans:
-        ws = res.windows.get(p.name)
-        if not ws:
-            continue
-        spec = res.specs[p.name]
-        r0, r1, e0, e1 = spec.chunk_block(p.index)
-        for w in ws:
-            wr0, wr1, we0, we1 = w.rect(spec.row_elems)
-            x0, x1 = max(r0, wr0), min(r1, wr1)
-            if x0 < x1 and max(e0, we0) < min(e1, we1):
-                width = we1 - we0
-                spans.setdefault(w.name, []).append((w.offset + (x0 - wr0) * width, w.offset + (x1 - wr0) * width))
-    return {n: merge_spans(s) for n, s in spans.items()}
 
 
 def check_target(res: Resolved, tensors: Mapping[str, torch.Tensor], *, against: str) -> None:

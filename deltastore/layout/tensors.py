@@ -22,8 +22,8 @@ import torch
 import xxhash
 
 from deltastore._util import kernels
-from deltastore.errors import InvalidStateDictError, LayoutMismatchError
 from deltastore._util.identity import IdentityCache
+from deltastore.errors import InvalidStateDictError, LayoutMismatchError
 from deltastore.format.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
 
 #: A chunk of about this size is the unit of change detection, encoding, threading and
@@ -33,8 +33,8 @@ CHUNK_TARGET_BYTES = 16 * 1024 * 1024
 #: The tensor-parallel degree to align chunk edges for when a publisher asks for it
 #: (``Publisher(slice_align=SLICE_ALIGN)``): degrees 1, 2, 4 and 8 (rank r of N holds rows
 #: [r·S//N, (r+1)·S//N), SPEC §8) then read only their own rows, since a chunk is the unit a
-#: partial pull reads. Not the default: it multiplies the chunks of mid-sized tensors (a 531 MB
-#: model: 171 → 1,301), and per-chunk costs with them (docs/scale.md §5).
+#: partial pull reads. Not the default: it multiplies the chunks of mid-sized tensors, several
+#: times over for a whole model, and per-chunk costs with them (docs/scale.md §5).
 SLICE_ALIGN = 8
 #: Aligned chunks are never cut smaller than this: below it, per-chunk costs (a manifest entry
 #: and digest, a segment header, a task) outweigh the bytes saved, and tiny tensors stay one
@@ -78,7 +78,7 @@ def torch_dtype(name: str) -> torch.dtype:
 class TensorSpec:
     """A tensor's layout: what must not change between an anchor and its deltas.
 
-    With ``chunk_cols`` > 0 (a column grid, design 011 D1; readers refuse it until D10 step 3)
+    With ``chunk_cols`` > 0 (a column grid, design 011 D1)
     chunk ``i·nc + j`` is row block i × column block j of the tensor, and the chunks' spans are
     in the tensor's *unit order*: its chunks back to back in index order, each in its own C
     order (:mod:`deltastore.layout.grid` converts). Without a grid, unit order is the natural order.
@@ -90,15 +90,15 @@ class TensorSpec:
     chunk_rows: int
     #: a group row's tensors (design 007), in storage order; empty for a tensor.
     members: tuple[GroupMember, ...] = ()
-    #: columns (of dimension 1) per chunk: 0 for whole rows (every layout written so far).
+    #: columns (of dimension 1) per chunk: 0 for whole rows.
     #: Checked where a grid's geometry is first asked (:meth:`n_colblocks`), not here: building
-    #: specs stays as cheap as before grids (a layout builds one per tensor); the layout check
-    #: refuses an impossible grid before any spec is built from it.
+    #: specs stays cheap (a layout builds one per tensor); the layout check refuses an
+    #: impossible grid before any spec is built from it.
     chunk_cols: int = 0
 
     # Cached (in the instance's __dict__, outside the fields that equality, hashing and
-    # dataclasses.replace see): a pull plans and groups by chunk spans and sizes, ~500 calls
-    # per steady tf265m version, each of which recomputed these.
+    # dataclasses.replace see): a pull plans and groups by chunk spans and sizes, hundreds of
+    # calls per version, each of which would recompute these.
     @functools.cached_property
     def width(self) -> int:
         return torch_dtype(self.dtype).itemsize
@@ -306,8 +306,8 @@ def spec_for(name: str, t: torch.Tensor, chunk_target_bytes: int = CHUNK_TARGET_
 class TensorScan:
     """Metadata of a list of tensors, read for all of them in one pass when first asked.
 
-    Why: at 20,000 group members a Python loop reading an attribute per tensor costs ~0.2 µs
-    per attribute in bytecode and dict lookups besides torch's own getter; validate,
+    Why: with thousands of group members, a Python loop reading an attribute per tensor costs
+    bytecode and dict lookups per attribute besides torch's own getter; validate,
     check_layout and the member tables each read the same few attributes, so sharing one scan
     (see :class:`TensorDict`) reads each once per call. With the native kernels, one C pass
     reads every attribute of a tensor at once (``_native.scan_tensors``, through torch's own
@@ -366,9 +366,9 @@ class TensorScan:
     def shapes_equal(self, shapes: list[tuple[int, ...]], code: ShapeCode | None = None) -> bool:
         """Whether the tensors' shapes are ``shapes``, in order (``code``: the same shapes as
         :func:`shape_code` encodes them, compared as two arrays with the native scan). Each
-        ``torch.Size`` is compared and freed at once: a list of 20,000 of them, held, made the
-        cyclic collector run (and promote them) several times per call, ~4× the cost of
-        reading them."""
+        ``torch.Size`` is compared and freed at once: a list of thousands of them, held, makes
+        the cyclic collector run (and promote them) several times per call (design 006, "The
+        cyclic collector")."""
         if len(shapes) != len(self.tensors):
             return False
         if code is not None and self._read_native():
@@ -464,7 +464,7 @@ _SCAN_ARGS = _scan_args()
 
 
 class TensorDict(dict):
-    """The dict :func:`validate_state_dict` (and ``apply._target_tensors``) return: a plain
+    """The dict :func:`validate_state_dict` (and :func:`deltastore.read.targets.target_tensors`) return: a plain
     ``dict[str, Tensor]`` that also carries the :class:`TensorScan` of its values made for the
     checks, so that check_layout and the member tables of the same call reuse it. Any change
     to the dict drops the scan (it then no longer describes the values)."""
@@ -550,7 +550,7 @@ def validate_state_dict(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
         sc = TensorScan(values)
         if (sc.strided.all() and all(map(_dtype_ok, set(sc.dtypes)))
                 and sc.contiguous.all() and (sc.cpu.all() or not sc.meta.any())):
-            # a dict is copied whole (~10× faster than pairs from zip at 20,000 entries)
+            # a dict is copied whole (much faster than pairs from zip)
             return TensorDict(state if type(state) is dict else zip(names, values), (names, sc))
     out = _validate_each(state)
     return TensorDict(out, None)
@@ -592,7 +592,7 @@ def _validate_each(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
             dtypes_ok.add(t.dtype)
         if not t.is_contiguous():
             raise InvalidStateDictError(f"tensor {name!r} is not contiguous; pass .contiguous() (deltastore never copies silently)")
-        if t.is_meta:  # not t.device.type: a device object per tensor costs ~1.5 µs
+        if t.is_meta:  # not t.device.type: that makes a device object per tensor
             raise InvalidStateDictError(f"tensor {name!r} is on the meta device and has no data")
         out[name] = t
     return out
@@ -710,10 +710,10 @@ def bits(t: torch.Tensor) -> np.ndarray:
     """A 1-D unsigned-integer numpy view of a contiguous CPU tensor's bits (no copy).
 
     The view keeps ``t``'s storage alive. A plain dense CPU tensor is viewed through its address
-    (a ctypes array that holds the storage): ~6 µs instead of ~16 for four torch calls and ``numpy()``,
-    and no short-lived tensors for the collector (the publisher views every unit's reference
-    on each call). Anything else (a subclass, a conjugate or negative view, another device,
-    no elements) goes through torch, which copies a non-contiguous tensor or raises as it did.
+    (a ctypes array that holds the storage), cheaper than four torch calls and ``numpy()``, with
+    no short-lived tensors for the collector (the publisher views every unit's reference on
+    each call). Anything else (a subclass, a conjugate or negative view, another device, no
+    elements) goes through torch, which copies a non-contiguous tensor or raises.
     """
     w = t.element_size()
     n = t.numel()
@@ -739,12 +739,6 @@ def state_digest(raw: np.ndarray) -> str:
     if kernels.xxh3_128_hex is not None:  # same digest, without holding the GIL
         return kernels.xxh3_128_hex(buf)
     return xxhash.xxh3_128_hexdigest(buf)
-
-
-def from_bits(raw: np.ndarray, spec: TensorSpec) -> torch.Tensor:
-    """A tensor of ``spec``'s dtype and shape over the bits in ``raw`` (takes ownership)."""
-    signed = torch.from_numpy(raw.view(np.dtype(_UINT_BY_WIDTH[spec.width]).str.replace("u", "i")))
-    return signed.view(torch_dtype(spec.dtype)).reshape(spec.shape)
 
 
 def member_specs(specs: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:

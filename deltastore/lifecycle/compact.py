@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from deltastore import codec
-from deltastore.read.engine import ReadEngine, _batched
+from deltastore.read.engine import ReadEngine
+from deltastore.read.fetch import batched
 from deltastore.codec import compose_deltas
 from deltastore.write.commit import attempt_clock, put_immutable
 from deltastore.write.encode import PACK_TARGET_BYTES
@@ -416,7 +417,7 @@ def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[s
         return at_h0[k].cost + sum(s.ref.length for _, s in changed[k])
 
     try:
-        for batch in _batched(todo, cost):
+        for batch in batched(todo, cost):
             if stop is not None and stop.is_set():
                 raise _Stopped
             steps = [s for k in batch for s in at_h0[k].steps() + [st for _, st in changed[k]]]

@@ -1,10 +1,9 @@
-"""The read engine (SPEC §7 steps 4-7): fetch and verify segments, replay them, apply with rollback.
+"""The read engine (SPEC §7 steps 5-8): replay planned chunks, verify them, apply with rollback.
 
-:class:`deltastore.read.subscriber.Subscriber` decides *what* to read (HEAD, versions, the held state, the
-plan); this module does the reading: parallel coalesced range GETs with a SHA-256 check of
-every segment, decoding a chunk's segments and checking its digest, writing targets on any
-device, and applying a whole plan in place with rollback (or staging it, see
-:mod:`deltastore.read.stage`). It holds no version state of its own.
+:class:`deltastore.read.subscriber.Subscriber` decides *what* to read (HEAD, versions, the held
+state, the plan); :mod:`deltastore.read.fetch` reads the segments; this module decodes a chunk's
+segments and checks its digest, writes targets on any device, and applies a whole plan in place
+with rollback (or stages it, see :mod:`deltastore.read.stage`). It holds no version state.
 """
 
 from __future__ import annotations
@@ -13,50 +12,26 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from typing_extensions import Self
 
 from deltastore import codec
-from deltastore.errors import (
-    DeltastoreError,
-    FormatError,
-    IntegrityError,
-    InvalidStateDictError,
-    NotFoundError,
-    TargetModifiedError,
-)
-from deltastore.layout.groups import split_patch, unit_targets
 from deltastore._util.jobs import grouped
-from deltastore.format.manifest import BlobRef, SegmentRef, sha256_hex
+from deltastore.errors import DeltastoreError, FormatError, IntegrityError, NotFoundError, TargetModifiedError
+from deltastore.layout.groups import unit_targets
+from deltastore.layout.tensors import TensorSpec, bits, state_digest
+from deltastore.read.fetch import IO_THREADS, Fetcher, SegmentErrors, Segments
 from deltastore.read.plan import ChunkPlan, Step
-from deltastore.read.stage import ChunkPatch, make_patch
+from deltastore.read.stage import ChunkPatch, make_patch, split_patch
 from deltastore.storage.base import Store
-from deltastore.layout.tensors import (
-    TensorDict,
-    TensorScan,
-    TensorSpec,
-    bits,
-    state_digest,
-    torch_dtype,
-)
 
 logger = logging.getLogger(__name__)
 
-
-#: Concurrent GETs: object stores reward parallel requests far beyond the core count.
-IO_THREADS = 16
-#: Segment bytes fetched per batch: a pull holds at most two batches (one being applied, one
-#: being fetched) of compressed data, whatever the model size.
-FETCH_BATCH_BYTES = 64 * 1024 * 1024
-#: Byte ranges of one pack closer than this are fetched as one GET: a request costs more than
-#: a few hundred KiB of transfer.
-COALESCE_GAP_BYTES = 256 * 1024
 #: What a decode thread holds at most besides the tensors it writes (SPEC §7 step 8), whatever a
 #: chunk's size: the largest segment the codec decodes whole (codec.delta.WHOLE_MAX_BYTES;
 #: full segments go straight into their tensor), or a piece's working set and the windows of the
@@ -65,8 +40,6 @@ DECODE_MEMORY_BYTES = 64 << 20
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_Segs = dict[tuple[str, int], memoryview]
-_Errs = dict[tuple[str, int], DeltastoreError]
 #: What a bad segment or chunk raises: a fallback path may succeed where one of these failed.
 _BAD_DATA = (IntegrityError, FormatError, NotFoundError)
 #: A chunk's expected digest at the held version, and that version (for the error message).
@@ -96,22 +69,19 @@ def _block_words(spec: TensorSpec | None, index: int) -> str:
     return f" (rows {r0}-{r1}, columns {c0}-{min(c0 + spec.chunk_cols, spec.shape[1])})"
 
 
-
 def spread(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], items: list[_T],
            stop: Callable[[], bool] | None = None) -> list[_R | None]:
     """``[fn(item) for item in items]`` on ``pool``, on as many jobs as it has threads, each
     taking the next item from a shared queue: one Future per thread, not per item.
 
-    A Future with its Condition, lock and work item is ~11 objects the cyclic garbage collector
-    tracks; one per chunk (~100 a pull of a 531 MB model) kept the collector running several
-    times a pull, and promoting what a pull holds to the old generation, whose collection walks
-    the whole heap (design 006, "The cyclic collector"). Results are in ``items`` order; once
+    A Future with its Condition, lock and work item is about eleven objects the cyclic garbage
+    collector tracks; one per chunk keeps the collector running several times a pull, promoting
+    what a pull holds to the old generation, whose collection walks the whole heap (design 006,
+    "The cyclic collector"). Results are in ``items`` order; once
     ``stop()`` is true, or ``fn`` raised, no further item is started (its result is None);
     the first exception is raised once every job has finished.
     """
     if len(items) == 1:  # on this thread, which would only wait: no hand-off, no wake-up
-        # (the 37 kept chunks of a steady tf265m pull_into, ~0.1 MB, hashed in 1.1-2.9 ms on
-        # the pool, the other thread idle; 0.6-1.2 ms here)
         return [None] if stop is not None and stop() else [fn(items[0])]
     queue = deque(enumerate(items))  # popleft is atomic: the jobs share it without a lock
     out: list[_R | None] = [None] * len(items)
@@ -138,216 +108,13 @@ def spread(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], items: list[_T],
 
 def _largest_first(groups: list[list[ChunkPlan]], specs: Mapping[str, TensorSpec]) -> list[list[ChunkPlan]]:
     """Groups of plans, the most bytes first: the threads take them from one queue, so the
-    last one to finish runs at most the smallest group past the others (in file order, a
-    16 MiB chunk taken last kept one thread busy alone for its whole apply)."""
+    last one to finish runs at most the smallest group past the others (in file order, a large
+    chunk taken last keeps one thread busy alone for its whole apply)."""
     return sorted(groups, key=lambda g: -sum(specs[p.name].chunk_bytes(p.index) for p in g))
-
-
-def _run_here(fn: Callable[..., _R], *args: Any) -> Future[_R]:
-    """``fn(*args)`` called now, on this thread, as a finished Future (an inline ``submit``)."""
-    done: Future[_R] = Future()
-    try:
-        done.set_result(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - re-raised by result(), as a pool's Future would
-        done.set_exception(e)
-    return done
 
 
 def _pool_threads(pool: ThreadPoolExecutor) -> int:
     return max(1, getattr(pool, "_max_workers", 1))  # not public, but stable since Python 3.2
-
-
-def _bad_segment(blob_key: str, offset: int) -> IntegrityError:
-    return IntegrityError(f"segment at {offset} of pack {blob_key!r} does not match its SHA-256: the object is corrupt")
-
-
-class CheckedOnRead(dict):
-    """Fetched segments keyed by ``(pack key, offset)``, each checked against its SHA-256 the
-    first time it is read (``[]``, ``get``): by the decode thread that is about to decode it.
-
-    A steady pull_into reads one pack of ~100 segments; hashing them on the fetch thread before
-    the first chunk could be applied was ~20 % of the call's wall time, on one core, with the
-    decode threads idle (design 006, "Addendum (session 16): pull_into"). Read here, each
-    segment is hashed by the thread that decodes it next, from cache, while the other thread
-    applies. The rule of SPEC §7.6 is unchanged: no segment is decoded before its SHA-256
-    matched; a mismatch raises the IntegrityError the eager check raised.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._pending: dict[tuple[str, int], str] = {}  # where → expected SHA-256, not yet checked
-
-    def defer(self, where: tuple[str, int], view: memoryview, sha256: str) -> None:
-        dict.__setitem__(self, where, view)
-        self._pending[where] = sha256
-
-    def absorb(self, other: CheckedOnRead) -> None:
-        """Take ``other``'s segments as they are: those not yet checked stay unchecked."""
-        dict.update(self, dict.items(other))
-        self._pending.update(other._pending)
-
-    def __getitem__(self, where: tuple[str, int]) -> memoryview:
-        view = dict.__getitem__(self, where)
-        want = self._pending.get(where)
-        if want is not None:  # two threads may both hash one segment: harmless, never skipped
-            if sha256_hex(view) != want:
-                raise _bad_segment(*where)
-            self._pending.pop(where, None)
-        return view
-
-    def get(self, where: tuple[str, int], default: Any = None) -> Any:  # type: ignore[override]
-        try:
-            return self[where]
-        except KeyError:
-            return default
-
-    def values(self) -> Any:  # pragma: no cover - no caller; checked reads only
-        raise TypeError("CheckedOnRead: read segments by key")
-
-    items = values
-
-
-class _Fetcher:
-    """Fetches segments with parallel (coalesced) range GETs and verifies every one."""
-
-    def __init__(self, store: Store, pool: ThreadPoolExecutor):
-        self.store = store
-        self.pool = pool
-        self.bytes_fetched = 0  # segment bytes read from the store, cumulative
-        self._lock = threading.Lock()
-        #: Byte ranges closer than this are read as one GET (a partial subscriber sets 0).
-        self.gap = COALESCE_GAP_BYTES
-        #: Longest run read by one GET (None: no cap): on a far, lossy link one TCP connection
-        #: carries little, so a pack is better read as parallel ranges (Subscriber(range_part_bytes)).
-        self.max_run: int | None = None
-
-    def fetch(
-        self, steps: Iterable[Step], errors: dict[tuple[str, int], DeltastoreError] | None = None,
-        *, check_on_read: bool = False,
-    ) -> dict[tuple[str, int], memoryview]:
-        """Fetch and verify every step's segment, keyed by ``(pack key, offset)``.
-
-        With ``errors``, a segment that is missing, truncated or fails its SHA-256 is recorded
-        there (with the error naming it) instead of raising, so a caller can take another path.
-        With ``check_on_read``, segments are returned in a :class:`CheckedOnRead` that checks
-        each one's SHA-256 when it is first read (a mismatch raises there, not here); a pack
-        whose segments do not tile it is still checked here, whole and per segment.
-        """
-        by_blob: dict[str, tuple[BlobRef, dict[int, SegmentRef]]] = {}
-        for s in steps:
-            by_blob.setdefault(s.blob.key, (s.blob, {}))[1][s.ref.offset] = s.ref
-        runs = [(blob, run) for blob, refs in by_blob.values()
-                for run in _coalesce(sorted(refs.values(), key=lambda r: r.offset), self.gap, self.max_run)]
-        # One GET (a steady version: one pack) runs on this thread: a hand-off to an IO thread
-        # and back costs two wake-ups, milliseconds on a busy machine, before anything applies.
-        submit = _run_here if len(runs) == 1 else self.pool.submit
-        jobs = [(blob, run, submit(self._get_run, blob, run, errors is not None, check_on_read)) for blob, run in runs]
-        out: dict[tuple[str, int], memoryview] = CheckedOnRead() if check_on_read else {}
-        for blob, run, j in jobs:
-            try:
-                got, bad = j.result()
-            except (IntegrityError, NotFoundError) as e:
-                if errors is None:
-                    raise
-                errors.update(((blob.key, r.offset), e) for r in run)
-                continue
-            if isinstance(got, CheckedOnRead):
-                assert isinstance(out, CheckedOnRead)
-                out.absorb(got)
-            else:
-                out.update(got)
-            if errors is not None:
-                errors.update(bad)
-        return out
-
-    def _get_run(
-        self, blob: BlobRef, run: list[SegmentRef], tolerant: bool = False, check_on_read: bool = False,
-    ) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
-        start, stop = run[0].offset, run[-1].offset + run[-1].length
-        whole = start == 0 and stop == blob.size
-        try:
-            data = self.store.get(blob.key) if whole else self.store.get(blob.key, byte_range=(start, stop))
-        except NotFoundError:
-            raise NotFoundError(f"pack {blob.key!r} is missing from {self.store.url}: the store was damaged") from None
-        with self._lock:
-            self.bytes_fetched += len(data)
-        if len(data) != stop - start:
-            raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
-        # A whole pack's own SHA-256 adds nothing when the run's segments tile it (every
-        # schema-3 pack read whole: segments fill packs back to back, SPEC §3): each byte is
-        # then checked by its segment's SHA-256 below, so it is hashed once, not twice.
-        pack_bad = whole and not _tiles(run, blob.size) and sha256_hex(data) != blob.sha256
-        if pack_bad and not tolerant:
-            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
-        view = memoryview(data)
-        bad: dict[tuple[str, int], DeltastoreError] = {}
-        if check_on_read and not (whole and not _tiles(run, blob.size)):
-            lazy = CheckedOnRead()
-            for r in run:  # no copy: codec reads views
-                lazy.defer((blob.key, r.offset), view[r.offset - start : r.offset - start + r.length], r.sha256)
-            return lazy, bad
-        out = {}
-        for r in run:
-            seg = view[r.offset - start : r.offset - start + r.length]  # no copy: codec reads views
-            if sha256_hex(seg) != r.sha256:  # also for whole packs: SPEC §7.6, every segment
-                e = _bad_segment(blob.key, r.offset)
-                if not tolerant:
-                    raise e
-                bad[(blob.key, r.offset)] = e
-                continue
-            out[(blob.key, r.offset)] = seg
-        if pack_bad and not bad:  # every segment hashes right, so the damage is between them: say so
-            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256 (its segments do): the object is corrupt")
-        return out, bad
-
-
-def _tiles(run: list[SegmentRef], size: int) -> bool:
-    """The segments (sorted by offset) cover ``[0, size)`` back to back, with no gap."""
-    at = 0
-    for r in run:
-        if r.offset != at:
-            return False
-        at += r.length
-    return at == size
-
-
-def _coalesce(refs: list[SegmentRef], gap: int = COALESCE_GAP_BYTES, max_run: int | None = None) -> list[list[SegmentRef]]:
-    """Segments (sorted by offset) grouped into runs read by one GET each: neighbours closer
-    than ``gap``, up to ``max_run`` bytes a run (None: no cap; a segment is never split)."""
-    runs: list[list[SegmentRef]] = []
-    for r in refs:
-        if (runs and r.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= gap
-                and (max_run is None or r.offset + r.length - runs[-1][0].offset <= max_run)):
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return runs
-
-
-class _Prefetch(Iterator[_T]):
-    """An iterator over a prefetching generator that ends the prefetch when closed, also when
-    it was never started: the fetch in flight (``inflight[0]``, which the generator replaces as
-    it submits the next) is cancelled or waited for, so no fetch outlives the iterator."""
-
-    def __init__(self, gen: Iterator[_T], inflight: list[Future[Any]]):
-        self._gen = gen
-        self._inflight = inflight
-
-    def __iter__(self) -> Self:
-        return self
-
-    def __next__(self) -> _T:
-        return next(self._gen)
-
-    def ready(self) -> bool:
-        """The next item's fetch has ended (``next`` will not wait for it)."""
-        return self._inflight[0].done()
-
-    def close(self) -> None:
-        self._gen.close()  # type: ignore[attr-defined]
-        f = self._inflight[0]
-        f.cancel()
-        wait([f])
 
 
 class _Target:
@@ -362,8 +129,8 @@ class _Target:
     def raw(self) -> np.ndarray | None:
         """The CPU tensor's bits as a numpy view (None on a device), made on first use and kept:
         per-chunk torch calls on worker threads queue for the GIL behind numpy, and making all
-        of them up front (~165 tensors) held up the start of every pull_into on one thread
-        while most are needed by one decode thread only (two threads racing make equal views)."""
+        of them up front holds up the start of every pull_into on one thread while most are
+        needed by one decode thread only (two threads racing make equal views)."""
         if self._raw is None and self.cpu:
             self._raw = bits(self.t)
         return self._raw
@@ -392,9 +159,9 @@ def targets_for(specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Ten
 
 def _views_while_reading(targets: dict[str, Any], batches: Iterator[Any]) -> None:
     """Make the CPU targets' views (:attr:`_Target.raw`) on this thread until the first batch
-    of segments is read: each costs ~10 µs of torch calls with the GIL held, which an apply
-    thread would otherwise spend at the tensor's first chunk (while the other waits for the
-    GIL), and this thread only waits for the read meanwhile."""
+    of segments is read: each costs torch calls with the GIL held, which an apply thread would
+    otherwise spend at the tensor's first chunk (while the others wait for the GIL), and this
+    thread only waits for the read meanwhile."""
     ready = getattr(batches, "ready", None)
     if ready is None:
         return
@@ -416,10 +183,10 @@ class ReadEngine:
     def __init__(self, store: Store, threads: int):
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltastore-decode")
         self.io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="deltastore-io")
-        # fetch_batches' next batch, fetched while the current one is applied: one thread for
-        # the engine's life (starting threads per pull was ~0.5-0.8 ms of a pull's serial start)
+        # the next batch of Fetcher.batches, fetched while the current one is applied: one
+        # thread for the engine's life, not one started per pull (design 006, "The pull_into path")
         self.ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltastore-prefetch")
-        self.fetcher = _Fetcher(store, self.io)
+        self.fetcher = Fetcher(store, self.io, self.ahead)
         self._local = threading.local()  # per decode thread: the staging scratch buffer
 
     @property
@@ -437,7 +204,7 @@ class ReadEngine:
         """Build every plan (each starts from a full segment) into the new tensors ``out``
         (through ``make_targets(specs, out)`` when given: a partial target, deltastore.layout.select)."""
         targets = (make_targets or targets_for)(specs, out)
-        for batch, data, _ in self.fetch_batches(plans):
+        for batch, data, _ in self.fetcher.batches(plans):
             groups = grouped(batch, lambda p: specs[p.name].chunk_bytes(p.index))
             spread(self.pool, partial(self._build_group, specs, data, targets), groups)
 
@@ -528,49 +295,6 @@ class ReadEngine:
             buf = self._local.scratch = np.empty(like.nbytes, np.uint8)
         return buf[: like.nbytes].view(like.dtype)
 
-    def fetch_batches(
-        self, plans: list[ChunkPlan], *, tolerant: bool = False, check_on_read: bool = False,
-    ) -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
-        """Yield plans in batches of about FETCH_BATCH_BYTES with their verified segments,
-        fetching the next batch while the caller applies the current one.
-
-        The first batch's fetch starts when this is called, not at the first ``next``: a caller
-        that has other work before it applies (apply_in_place hashes the chunks it keeps) does
-        it while the segments arrive. Close the iterator (or exhaust it) to end the prefetch.
-
-        With ``tolerant``, segments that are missing or fail their SHA-256 come back as errors
-        (the third item) instead of raising, so the caller can take another path for them. With
-        ``check_on_read``, each segment's SHA-256 is checked when the caller first reads it
-        (:class:`CheckedOnRead`), on the caller's thread."""
-        batches: list[list[ChunkPlan]] = [[]]
-        size = 0
-        for p in plans:
-            cost = sum(st.ref.length for st in p.steps())
-            if batches[-1] and size + cost > FETCH_BATCH_BYTES:
-                batches.append([])
-                size = 0
-            batches[-1].append(p)
-            size += cost
-        if not batches[0]:
-            return (item for item in ())  # closeable, like the prefetching iterator
-
-        def fetch(batch: list[ChunkPlan]) -> tuple[dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]:
-            errors: dict[tuple[str, int], DeltastoreError] = {}
-            data = self.fetcher.fetch((st for p in batch for st in p.steps()), errors if tolerant else None,
-                                      check_on_read=check_on_read)
-            return data, errors
-
-        inflight = [self.ahead.submit(fetch, batches[0])]  # the batch being fetched (one at a time)
-
-        def run() -> Iterator[tuple[list[ChunkPlan], dict[tuple[str, int], memoryview], dict[tuple[str, int], DeltastoreError]]]:
-            for i, batch in enumerate(batches):
-                data, errors = inflight[0].result()
-                if i + 1 < len(batches):
-                    inflight[0] = self.ahead.submit(fetch, batches[i + 1])
-                yield batch, data, errors
-
-        return _Prefetch(run(), inflight)
-
     def check_base(
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
         base: dict[tuple[str, int], str], held_version: int | None, make_targets: _MakeTargets | None = None,
@@ -641,7 +365,7 @@ class ReadEngine:
         return check
 
     def with_fallbacks(
-        self, p: ChunkPlan, data: _Segs, errors: _Errs, attempt: Callable[[ChunkPlan, _Segs, _Errs], _R],
+        self, p: ChunkPlan, data: Segments, errors: SegmentErrors, attempt: Callable[[ChunkPlan, Segments, SegmentErrors], _R],
         check_base: Callable[[ChunkPlan], None] | None = None,
     ) -> _R:
         """``attempt(p)``, else ``attempt`` of each full-segment fallback (a failed attempt
@@ -664,7 +388,7 @@ class ReadEngine:
                 p.name, p.index, error, alt.full.ref.offset, alt.full.blob.key,
             )
             try:
-                alt_errors: _Errs = {}
+                alt_errors: SegmentErrors = {}
                 return attempt(alt, self.fetcher.fetch(alt.steps(), alt_errors), alt_errors)
             except _BAD_DATA as e:
                 error = e
@@ -693,7 +417,7 @@ class ReadEngine:
         decode_s = time.perf_counter() - t0
         fetch_s = 0.0
 
-        def attempt(p: ChunkPlan, data: _Segs, errors: _Errs) -> ChunkPatch | None:
+        def attempt(p: ChunkPlan, data: Segments, errors: SegmentErrors) -> ChunkPatch | None:
             for st in p.steps():
                 if st.where in errors:
                     raise errors[st.where]
@@ -705,7 +429,7 @@ class ReadEngine:
             result = self.replay(p, specs[p.name], data, scratch, deferred.get((p.name, p.index)))  # checks both digests
             return make_patch(p.name, p.index, p.span, current, result)
 
-        def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> list[ChunkPatch]:
+        def run_group(group: list[ChunkPlan], data: Segments, errors: SegmentErrors) -> list[ChunkPatch]:
             out = []
             for p in group:
                 patch = self.with_fallbacks(p, data, errors, attempt, check)
@@ -714,7 +438,7 @@ class ReadEngine:
             return out
 
         patches: list[ChunkPatch] = []
-        batches = self.fetch_batches(plans, tolerant=True)
+        batches = self.fetcher.batches(plans, tolerant=True)
         try:
             while True:
                 t = time.perf_counter()
@@ -752,7 +476,7 @@ class ReadEngine:
         check = self.base_checker(targets, deferred)
         # The segments are read (and each checked as it is decoded, CheckedOnRead) while the
         # kept chunks are hashed: nothing is written before check_kept passed (SPEC §7.5).
-        batches = self.fetch_batches(plans, tolerant=True, check_on_read=True)
+        batches = self.fetcher.batches(plans, tolerant=True, check_on_read=True)
         try:
             self.check_kept(specs, targets, expected, held_version)
         except BaseException:
@@ -762,9 +486,9 @@ class ReadEngine:
 
         done: list[tuple[ChunkPlan, np.ndarray | None]] = []  # (plan, saved old bits if replaced)
         undo: dict[tuple[str, int], bytes] = {}  # delta segments of applied chunks, to roll back
-        _Done = tuple[ChunkPlan, "np.ndarray | None", _Segs]
+        _Done = tuple[ChunkPlan, "np.ndarray | None", Segments]
 
-        def attempt(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
+        def attempt(p: ChunkPlan, data: Segments, errors: SegmentErrors) -> _Done:
             for st in p.steps():
                 if st.where in errors:
                     raise errors[st.where]
@@ -793,12 +517,12 @@ class ReadEngine:
             tgt.write(*p.span, new)
             return p, saved, data
 
-        def run(p: ChunkPlan, data: _Segs, errors: _Errs) -> _Done:
+        def run(p: ChunkPlan, data: Segments, errors: SegmentErrors) -> _Done:
             return self.with_fallbacks(p, data, errors, attempt, check)
 
         failures: list[BaseException] = []  # a failed group stops the others of its batch early
 
-        def run_group(group: list[ChunkPlan], data: _Segs, errors: _Errs) -> tuple[list[_Done], BaseException | None]:
+        def run_group(group: list[ChunkPlan], data: Segments, errors: SegmentErrors) -> tuple[list[_Done], BaseException | None]:
             applied = []
             for p in group:
                 try:
@@ -843,73 +567,6 @@ class ReadEngine:
         raise error
 
 
-
-def _verify_chunk(
-    name: str,
-    c: Any,
-    spec: TensorSpec,
-    base: np.ndarray | None,
-    steps: dict[tuple[str, int, str], Step],
-    data: dict[tuple[str, int], memoryview],
-    errors: dict[tuple[str, int], DeltastoreError],
-) -> tuple[tuple[str, int], np.ndarray | None, list[str]]:
-    """Check both segments of one chunk entry: ``(key, verified bits or None, problems)``.
-
-    A delta segment is applied to ``base`` (the verified bits at the parent) and checked
-    against the digest; with no verified base it is still decoded (onto zeros), which checks
-    its structure but not its values.
-    """
-    a, b = spec.chunk_span(c.index)
-    problems: list[str] = []
-    result: np.ndarray | None = None
-    for which in ("delta", "full"):
-        st = steps.get((name, c.index, which))
-        if st is None:
-            continue
-        what = f"chunk {name}[{c.index}] {which} segment ({st.ref.codec}) at {st.ref.offset} of pack {st.blob.key!r}"
-        if st.where in errors:
-            problems.append(f"{what}: {errors[st.where]}")
-            continue
-        try:
-            if which == "full":
-                raw = codec.decode_full(data[st.where], codec=st.ref.codec, dtype=spec.uint_dtype(), count=b - a)
-                digest = state_digest(raw)
-            else:
-                raw = base.copy() if base is not None else np.zeros(b - a, dtype=spec.uint_dtype())
-                _, digest = codec.apply_delta_digests(raw, data[st.where], codec=st.ref.codec, after=base is not None)
-        except (DeltastoreError, ValueError) as e:
-            problems.append(f"{what} does not decode: {type(e).__name__}: {e}")
-            continue
-        if which == "delta" and base is None:
-            continue  # structure checked; values unknowable without a verified parent
-        if digest != c.digest:
-            problems.append(f"{what} does not reproduce the chunk's digest {c.digest}")
-            continue
-        result = raw
-    return (name, c.index), result, problems
-
-
-def _batched(items: list[_T], nbytes: Callable[[_T], int]) -> list[list[_T]]:
-    """Consecutive items in batches of about FETCH_BATCH_BYTES (the memory a fetch may hold)."""
-    batches: list[list[_T]] = [[]]
-    size = 0
-    for item in items:
-        if batches[-1] and size + nbytes(item) > FETCH_BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(item)
-        size += nbytes(item)
-    return batches if batches[0] else []
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a (validated) manifest's dtype name."""
-    try:
-        return torch_dtype(name)
-    except InvalidStateDictError as e:  # a name deltastore stores, but this torch is too old
-        raise FormatError(f"{e}: upgrade torch to read this store") from None
-
-
 def digest_mismatches(
     pool: ThreadPoolExecutor, specs: Mapping[str, TensorSpec], expected: Mapping[tuple[str, int], str | None],
     read: Callable[[str, int, int], np.ndarray],
@@ -922,27 +579,3 @@ def digest_mismatches(
 
     groups = grouped(sorted(expected), lambda k: specs[k[0]].chunk_bytes(k[1]))
     return [k for found in spread(pool, bad, groups) for k in found or ()]
-
-
-def _target_tensors(target: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The target's tensors, checked to be tensors and contiguous (a :class:`TensorDict`:
-    plain tensors are checked all at once and the scan is kept for this call's other checks)."""
-    if isinstance(target, torch.nn.Module):
-        target = target.state_dict(keep_vars=True)
-    if not isinstance(target, Mapping):
-        raise InvalidStateDictError(f"pull_into needs a state dict or nn.Module, got {type(target).__name__}")
-    values = list(target.values())
-    if set(map(type, values)) <= {torch.Tensor}:  # no Parameter to unwrap, no stranger
-        sc = TensorScan(values)
-        if sc.contiguous.all():
-            names = list(target)
-            return TensorDict(target if type(target) is dict else zip(names, values), (names, sc))
-    out = {}
-    for n, t in target.items():
-        if not isinstance(t, torch.Tensor):
-            raise InvalidStateDictError(f"target {n!r} is a {type(t).__name__}, not a torch.Tensor")
-        if not t.is_contiguous():
-            raise InvalidStateDictError(f"target tensor {n!r} is not contiguous; it cannot be updated in place")
-        # type() first: Parameter's isinstance check costs ~4 µs (20,000-tensor models)
-        out[n] = t if type(t) is torch.Tensor else t.data if isinstance(t, torch.nn.Parameter) else t
-    return TensorDict(out)

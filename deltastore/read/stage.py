@@ -32,8 +32,10 @@ import torch
 
 from deltastore.codec import Changes
 from deltastore.errors import IntegrityError
-from deltastore.layout.grid import patch_put, patch_region, patch_take
 from deltastore.format.history import VersionInfo
+from deltastore.layout.grid import patch_put, patch_region, patch_take
+from deltastore.layout.groups import member_overlaps
+from deltastore.layout.tensors import TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,23 @@ def make_patch(name: str, index: int, span: tuple[int, int], current: np.ndarray
     if changes is not None:
         return ChunkPatch(name, index, span, changed, changes.new, changes.old)
     return ChunkPatch(name, index, span, changed, result[changed], current[changed])
+
+
+def split_patch(patch: ChunkPatch, spec: TensorSpec) -> list[ChunkPatch]:
+    """The patches of ``spec``'s members that together make ``patch`` (of a group chunk): a
+    swap writes tensors, never group rows (design 007 D4)."""
+    a, b = patch.span
+    out = []
+    for m, lo, hi in member_overlaps(spec, a, b):
+        span = (lo - m.offset, hi - m.offset)
+        if patch.positions is None:
+            out.append(ChunkPatch(m.name, 0, span, None, patch.values[lo - a:hi - a], patch.expected_old[lo - a:hi - a]))
+            continue
+        i, j = np.searchsorted(patch.positions, [lo - a, hi - a])
+        if i == j:
+            continue
+        out.append(ChunkPatch(m.name, 0, span, patch.positions[i:j] - (lo - a), patch.values[i:j], patch.expected_old[i:j]))
+    return out
 
 
 @dataclass
