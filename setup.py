@@ -1,5 +1,5 @@
-"""Build of the optional native kernels (``deltastore._native``); everything else is in
-pyproject.toml.
+"""Build of the optional native kernels (``deltastore._native``) and of the bundled
+documentation; everything else is in pyproject.toml.
 
 The extension is ``optional``: on a machine without a working C compiler ``pip install`` still
 succeeds and deltastore runs its numpy path (same bytes, slower; one WARNING says so, see
@@ -17,6 +17,7 @@ import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = "deltastore/_native"
@@ -36,4 +37,18 @@ native = Extension(
     optional=True,  # no compiler, or it fails: install anyway, the numpy path runs
 )
 
-setup(ext_modules=[native])
+
+class BuildWithDocs(build_py):
+    """Copy the user documentation (docs/*.md, docs/design/*.md) into the package as
+    ``deltastore/_docs/``, so that ``deltastore docs`` and the ``--help`` pointers work where
+    only the wheel is installed (an editable install reads the checkout's docs/ instead)."""
+
+    def run(self) -> None:
+        super().run()
+        for src in sorted(glob.glob("docs/*.md", root_dir=HERE) + glob.glob("docs/design/*.md", root_dir=HERE)):
+            dst = os.path.join(self.build_lib, "deltastore", "_docs", os.path.relpath(src, "docs"))
+            self.mkpath(os.path.dirname(dst))
+            self.copy_file(os.path.join(HERE, src), dst)
+
+
+setup(ext_modules=[native], cmdclass={"build_py": BuildWithDocs})

@@ -32,7 +32,7 @@ COMMANDS = {
     "aggregate": ["--site", "a=s3://bucket/site"],
 }
 #: Commands that open no store.
-STORELESS = {"keygen"}
+STORELESS = {"keygen", "docs"}
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """The ``deltastore`` command line: publish, pull, log, verify, status, inspect, gc, pin, unpin,
-compact, keygen, aggregate (docs/cli.md).
+compact, keygen, aggregate, docs (``deltastore docs cli`` prints the reference).
 
 Errors print as one line ``deltastore: error: <what>`` (naming the object), then a ``hint:``
 line in CLI terms where there is one; set ``DELTASTORE_DEBUG=1`` for the full traceback. Exit
@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="deltastore", parents=[_verbosity(False)],
                      description="Publish and pull model weights as verified deltas through object storage.",
                      epilog="Exit codes: 0 ok, 1 failed, 2 bad usage, 3 nothing to do, 130 interrupted. "
-                            "Docs: docs/cli.md. DELTASTORE_DEBUG=1 shows tracebacks.")
+                            "Documentation: deltastore docs (this command line: deltastore docs cli). "
+                            "DELTASTORE_DEBUG=1 shows tracebacks.")
     parser.add_argument("--version", action="version", version=f"deltastore {__version__}")
     verbosity = _verbosity(True)
     common = argparse.ArgumentParser(add_help=False, parents=[verbosity])
@@ -185,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("private_key", metavar="PRIVATE.pem", help="private key path (0600); the public key goes beside it as .pub")
     json_flag(p)
 
+    p = add("docs", "print a document of the reference (cli, api, SPEC, gc, integrations, design/NNN, ...)",
+            commands.cmd_docs, parents=())
+    p.add_argument("name", nargs="?", help="the document; without one, the list")
+
     p = add("gc", "delete history the retention rules no longer need (SPEC §11)", commands.cmd_gc)
     p.add_argument("url")
     p.add_argument("--keep-last", type=positive_int, default=10, metavar="N", help="keep the last N versions readable (default 10)")
@@ -269,6 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             check_url(args.url)  # a malformed URL is a usage error, found before any command imports torch
         return args.func(args)
+    except BrokenPipeError:
+        # the reader of our output went away (`deltastore log URL | head`): not a failure; stdout
+        # goes to devnull so that the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except (DeltastoreError, OSError, ValueError, ImportError) as e:
         if debug:
             raise

@@ -617,6 +617,24 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_docs(args: argparse.Namespace) -> int:
+    from deltastore._util import docs
+
+    if args.name is None:
+        names = docs.names()
+        if not names:
+            raise FileNotFoundError("this installation of deltastore carries no documentation (reinstall the package)")
+        print("documents (deltastore docs NAME):")
+        for n in names:
+            print(f"  {n}")
+        return EXIT_OK
+    path = docs.find(args.name)
+    if path is None:
+        raise FileNotFoundError(f"no document named {args.name!r}; deltastore docs lists them")
+    sys.stdout.write(path.read_text(encoding="utf-8"))
+    return EXIT_OK
+
+
 def parse_duration(text: str) -> float:
     """``90s``, ``30m``, ``24h``, ``7d`` or plain seconds, as seconds."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
