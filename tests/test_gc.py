@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from deltastore.errors import (
     GCAbortedError,
     GCRefusedError,
@@ -78,7 +79,8 @@ def publish(store: Store, n: int, *, anchor_every: int = 3, trainer: TinyTrainer
     """Publish ``n`` versions; returns {version: state}. Anchors at 1, 1+k, 1+2k, ..."""
     trainer = trainer or TinyTrainer()
     states = {} if states is None else states
-    with Publisher(store.url, store=store, anchor_every=anchor_every, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(store.url, store=store, anchor_policy=AnchorPolicy(every=anchor_every),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for _ in range(n):
             s = trainer.step()
             states[pub.publish(s).version] = s
@@ -496,7 +498,8 @@ def test_orphan_reuse_cannot_resurrect_a_collected_object(tmp_path):
 
     crashing = CrashOnManifest(inner)
     crashing.offsets = store.offsets
-    with Publisher(inner.url, store=crashing, anchor_every=100, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(inner.url, store=crashing, anchor_policy=AnchorPolicy(every=100),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         with pytest.raises(StorageError):
             pub.publish(nxt)
         orphans = keys(inner) - {k for v in states for k in needs_of(inner, v)} - {"HEAD"}
@@ -673,7 +676,8 @@ def test_a_pins_own_layout_is_kept_below_the_floor(aged):
     so their layout is a new object; version 5's layout is needed by the pin alone."""
     trainer = TinyTrainer()
     states = publish(aged, 5, trainer=trainer)  # anchors 1, 4
-    with Publisher(aged.url, store=aged, anchor_every=3, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(aged.url, store=aged, anchor_policy=AnchorPolicy(every=3),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for i in range(4):  # versions 6–9: 6 an anchor (the layout changes), 9 an anchor
             s = dict(trainer.step())
             s["extra.added"] = torch.arange(12, dtype=torch.float32)

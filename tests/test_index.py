@@ -8,6 +8,7 @@ import pytest
 
 import deltastore.write.commit as commit_mod
 from deltastore import Publisher
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from deltastore.errors import (
     ConflictError,
     HistoryReplacedError,
@@ -40,7 +41,8 @@ COPIED = ("version", "manifest", "manifest_sha256", "commit_id", "writer", "epoc
 def _store_with_versions(tmp_path, n=5, anchor_every=3):
     url = str(tmp_path / "store")
     trainer = TinyTrainer()
-    with Publisher(url, anchor_every=anchor_every, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, anchor_policy=AnchorPolicy(every=anchor_every),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for _ in range(n):
             pub.publish(trainer.step())
     return open_store(url)
@@ -284,7 +286,7 @@ def test_publisher_keeps_the_index_across_commits(tmp_path):
     """HEAD writes by the publisher carry the index along (a commit must not drop the floor)."""
     url = str(tmp_path / "store")
     trainer = TinyTrainer()
-    with Publisher(url, anchor_every=3, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, anchor_policy=AnchorPolicy(every=3), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for _ in range(3):
             pub.publish(trainer.step())
         idx = pin(url, 2)
