@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from benchmarks.workload import WORKLOADS, load_workload
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy
 from deltastore.layout.tensors import bits
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         t0 = time.perf_counter()
-        with Publisher(url, anchor_every=args.anchor_every) as pub:
+        with Publisher(url, anchor_policy=AnchorPolicy(every=args.anchor_every)) as pub:
             for step, sd in enumerate(states):
                 info = pub.publish(sd, step=step)
                 print(f"published v{info.version} {info.kind:<6} {info.bytes_stored:>10} B "

@@ -22,14 +22,15 @@ from typing import Any
 import torch
 
 from benchmarks.history import RESULTS_DIR, THREADS, workload_states
+from deltastore.write.policy import AnchorPolicy, WriterPolicy
 
 WORKLOADS = ("rl-1e-6", "rl-3e-6")
-#: (label, Publisher keywords)
-POLICIES: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("every 20 (before)", {"anchor_policy": "every", "anchor_every": 20}),
-    ("cost, β = 0.5", {"anchor_policy": "cost", "anchor_cost_ratio": 0.5}),
-    ("cost, β = 1 (default)", {"anchor_policy": "cost", "anchor_cost_ratio": 1.0}),
-    ("cost, β = 2", {"anchor_policy": "cost", "anchor_cost_ratio": 2.0}),
+#: (label, anchor policy)
+POLICIES: tuple[tuple[str, AnchorPolicy], ...] = (
+    ("every 20 (before)", AnchorPolicy("every", every=20)),
+    ("cost, β = 0.5", AnchorPolicy("cost", cost_ratio=0.5)),
+    ("cost, β = 1 (default)", AnchorPolicy("cost", cost_ratio=1.0)),
+    ("cost, β = 2", AnchorPolicy("cost", cost_ratio=2.0)),
 )
 
 
@@ -39,9 +40,10 @@ def measure(name: str, steps: int) -> list[dict[str, Any]]:
 
     states = [s for s in workload_states(name, steps)]
     rows = []
-    for label, kw in POLICIES:
+    for label, policy in POLICIES:
         written, fresh, anchors = [], [], 0
-        with Publisher(f"memory://anchors-{name}-{len(rows)}", threads=THREADS, **kw) as pub:
+        with Publisher(f"memory://anchors-{name}-{len(rows)}", writer_policy=WriterPolicy(threads=THREADS),
+                       anchor_policy=policy) as pub:
             since_anchor = 0
             for i, state in enumerate(states):
                 info = pub.publish(state, step=i)

@@ -227,13 +227,14 @@ def _role_trainer(args: argparse.Namespace) -> None:
     import torch
 
     from deltastore import Publisher
+    from deltastore.write.policy import AsyncPolicy
 
     masters = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.masters]
     state = _load_step(args.workload, 0, masters)
     model_bytes = sum(t.numel() * 2 for t in state.values())  # served in bf16
     rss_state_kb = _status_kb("VmRSS")
     pub = Publisher(args.url, storage_options=_storage_options_from_env(), dtype=torch.bfloat16,
-                    async_policy="block", max_pending=MAX_PENDING)
+                    async_policy=AsyncPolicy("block", max_pending=MAX_PENDING))
 
     def on_done(step: int) -> Any:
         def done(fut: Any) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from deltastore.layout.select import ROW_PARALLEL
 from deltastore.layout.tensors import bits
 
@@ -77,8 +78,8 @@ def run(rounds: int = 4, versions: int = 7) -> dict[str, Any]:
         root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="grid-chunks-")
         order = labels[rnd % len(labels):] + labels[:rnd % len(labels)]
         try:
-            pubs = {a: Publisher(os.path.join(root, str(i)), anchor_every=1000, slice_align=8, column_slices=cols,
-                                 chunk_bytes=target) for i, (a, target, cols) in enumerate(ARMS)}
+            pubs = {a: Publisher(os.path.join(root, str(i)), anchor_policy=AnchorPolicy(every=1000),
+                                 layout_policy=LayoutPolicy(slice_align=8, column_slices=cols, chunk_bytes=target)) for i, (a, target, cols) in enumerate(ARMS)}
             try:
                 for v, s in enumerate(states):
                     for a in order if v % 2 == 0 else order[::-1]:

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from deltastore.storage.base import GetResult, ObjectMeta, Store
+from deltastore.write.policy import WriterPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -501,7 +502,7 @@ def catchup(name: str, states: Iterable[StateDict], n: int, ks: Sequence[int], w
     follow_target: StateDict | None = None
     per_version: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    pub = Publisher(raw.url, store=raw, threads=THREADS)
+    pub = Publisher(raw.url, store=raw, writer_policy=WriterPolicy(threads=THREADS))
     history = _history(raw)
     kept: dict[int, StateDict] = {}
     prev: StateDict | None = None
@@ -609,8 +610,7 @@ def catchup(name: str, states: Iterable[StateDict], n: int, ks: Sequence[int], w
     per_version_summary["all_versions_incl_anchors"] = _bytes_summary(deltas)
     return {
         "workload": name, "versions": n, "model_bytes": model_bytes,
-        "publisher": {"anchor_every": getattr(pub, "anchor_every", None),
-                      "anchor_policy": getattr(pub, "anchor_policy", None)},
+        "publisher": {"anchor_every": pub.anchor_policy.every, "anchor_policy": pub.anchor_policy.rule},
         "anchors": [r["version"] for r in per_version if r["kind"] == "anchor"],
         "publish_s": publish_s, "catchup": results, "squash_offline": {str(k): v for k, v in squash_offline.items()},
         "compact": compact_info, "bytes_per_version": per_version_summary,
@@ -652,7 +652,7 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
 
     gc_mod = optional("lifecycle.gc")
     store = open_store(f"memory://history-bench-{uuid.uuid4().hex[:8]}")
-    pub = Publisher(store.url, store=store, threads=THREADS)
+    pub = Publisher(store.url, store=store, writer_policy=WriterPolicy(threads=THREADS))
     lag_cs, restart_cs = CountingStore(store), CountingStore(store)
     lagger = Subscriber(store.url, store=lag_cs, threads=THREADS)
     beats = HeartbeatWriter(store, "lagging-worker")

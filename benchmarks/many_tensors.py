@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from benchmarks import peers
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 
 RESULTS = Path(__file__).parent / "results"
 #: The issue's shapes: 20,000 × 4,096 vs 20 × 4,096,000 bf16 elements (same bytes).
@@ -108,7 +109,7 @@ def bench_deltastore(state0: dict[str, torch.Tensor], steps: list[dict[str, torc
 
     url = f"memory://many-{uuid.uuid4().hex[:8]}"
     rows: dict[str, list[tuple[float, float]]] = {"publish": [], "pull_into": [], "pull": []}
-    with Publisher(url, anchor_every=10_000, group_small_tensors=groups) as pub:
+    with Publisher(url, anchor_policy=AnchorPolicy(every=10_000), layout_policy=LayoutPolicy(group_small_tensors=groups)) as pub:
         pub.publish(state0)
         with Subscriber(url) as sub:
             target = sub.pull()
@@ -156,7 +157,8 @@ def bench_scan_ab(state0: dict[str, torch.Tensor], steps: list[dict[str, torch.T
                                                for m in ("native", "python")}
     url = f"memory://scan-ab-{uuid.uuid4().hex[:8]}"
     try:
-        with Publisher(url, anchor_every=10_000, group_small_tensors=True) as pub:
+        with Publisher(url, anchor_policy=AnchorPolicy(every=10_000),
+                       layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
             pub.publish(state0)
             with Subscriber(url) as sub:
                 target = sub.pull()

@@ -257,6 +257,7 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
 
     from benchmarks import peers
     from deltastore import Publisher
+    from deltastore.write.policy import WriterPolicy
 
     torch.set_num_threads(threads)  # the copy and PULSE use the cores deltastore's threads use
     dst = _resident_like(src)  # the paired copies' destination, resident before the baseline
@@ -266,7 +267,7 @@ def _publisher(src: Path, url: str, steps: int, threads: int, work: Path, entrop
     out: dict = {"role": "publisher", "model_bytes": model, "tensors": len(state), **native_status()}
     digests = [_digest(state)]  # what the worker must reach, per step
     delta_s, paired_s, peaks, stored = [], [], [], []
-    with Publisher(url, threads=threads) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=threads)) as pub:
         _reset_peak()
         t0 = _now()
         pub.publish(state, step=0)

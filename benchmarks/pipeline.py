@@ -25,6 +25,7 @@ from pathlib import Path
 
 from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
+from deltastore.write.policy import WriterPolicy
 
 
 def _role(role: str, workload: str, url: str, threads: int) -> dict:
@@ -46,7 +47,7 @@ def _role(role: str, workload: str, url: str, threads: int) -> dict:
     if role == "publisher":
         state = {k: v.clone() for k, v in first.items()}  # the trainer's tensors, updated in place
         del first
-        with Publisher(url, threads=threads) as pub:
+        with Publisher(url, writer_policy=WriterPolicy(threads=threads)) as pub:
             pub.publish(state, step=0)
             first_peak = _status_kb("VmHWM")
             _reset_peak()
@@ -116,7 +117,7 @@ def scaling(matrices: int = 6, dim: int = 4096, steps: int = 4) -> None:
     for threads in (1, len(os.sched_getaffinity(0))):
         state = {k: v.clone() for k, v in states[0].items()}
         url = f"memory://scaling-{threads}"
-        with Publisher(url, threads=threads) as pub, Subscriber(url, threads=threads) as sub:
+        with Publisher(url, writer_policy=WriterPolicy(threads=threads)) as pub, Subscriber(url, threads=threads) as sub:
             pub.publish(state)
             target = sub.pull()
             pub_t, sub_t = [], []

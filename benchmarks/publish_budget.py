@@ -78,6 +78,7 @@ def _write(path: Path, payload: bytes, piece: int) -> Dur:
 def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: int, threads: int) -> dict:
     """Time every stage ``reps`` times, interleaved; the step ``old`` → ``new``."""
     from deltastore import Publisher
+    from deltastore.write.policy import WriterPolicy
     from deltastore._util import kernels
     from deltastore.codec.delta import DIGEST_IF_CHANGED, DIGEST_NONE
     from deltastore.write.encode import STREAM_WRITE_BYTES, LayoutWorks, encode_chunk
@@ -86,14 +87,14 @@ def budget(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: 
     torch.set_num_threads(threads)
     native = kernels.encode_add is not None
     with tempfile.TemporaryDirectory(prefix="ds-budget-", dir=_tmp_root()) as root, \
-            Publisher(str(Path(root) / "store"), threads=threads) as pub, \
+            Publisher(str(Path(root) / "store"), writer_policy=WriterPolicy(threads=threads)) as pub, \
             ThreadPoolExecutor(threads, thread_name_prefix="budget") as pool:
         state = {k: v.clone() for k, v in old.items()}  # the trainer's tensors
         dst = {k: torch.zeros_like(v) for k, v in old.items()}  # the copy's destination
         pub.publish(state, step=0)  # the anchor: the publisher's reference is now ``old``
         # The staged encode: the publisher's chunks (an ungrouped layout: spec_for with the
         # publisher's settings, checked below against what the publish stores), its jobs.
-        work = LayoutWorks()({n: spec_for(n, t, CHUNK_TARGET_BYTES, pub.slice_align) for n, t in old.items()})
+        work = LayoutWorks()({n: spec_for(n, t, CHUNK_TARGET_BYTES, pub.layout_policy.slice_align) for n, t in old.items()})
         floating = work.floating
         ref = {k: bits(v.clone()) for k, v in old.items()}
         old_bits = {k: bits(v) for k, v in old.items()}

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.workload import load_step
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import WriterPolicy
 from deltastore._util import kernels
 
 WORKLOAD = "tf265m-rl-1e-6"
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         tmp = tempfile.TemporaryDirectory(prefix="ds-pull-apply-")
         args.store = str(Path(tmp.name) / "store")
     if not Path(args.store).exists():
-        with Publisher(args.store, threads=args.threads) as pub:
+        with Publisher(args.store, writer_policy=WriterPolicy(threads=args.threads)) as pub:
             for k in range(args.steps + 1):
                 pub.publish(load_step(WORKLOAD, k))
     kernel = kernels.apply_segment

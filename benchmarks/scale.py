@@ -72,6 +72,7 @@ import torch
 from benchmarks.rss import reset_peak as _reset_peak
 from benchmarks.rss import status_kb as _status_kb
 from deltastore import PollPolicy, Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from deltastore.layout.select import ROW_PARALLEL, Selection
 from deltastore.storage import open_store
 from deltastore.layout.tensors import bits
@@ -255,8 +256,8 @@ def bench_partial(server: Any, states: list[dict[str, torch.Tensor]]) -> list[di
             continue  # the grid needs row-parallel weights; 12 KiB chunks of a 531 MB model: ~45,000
         url = server.url(f"scale-partial-{uuid.uuid4().hex[:8]}")
         opts = server.storage_options()
-        with Publisher(url, storage_options=opts, chunk_bytes=chunk, slice_align=align, column_slices=cols,
-                       anchor_every=1000) as pub:
+        with Publisher(url, storage_options=opts, anchor_policy=AnchorPolicy(every=1000),
+                       layout_policy=LayoutPolicy(chunk_bytes=chunk, slice_align=align, column_slices=cols)) as pub:
             for s in states:
                 pub.publish(s)
         row: dict[str, Any] = {"chunking": label_, "chunk_bytes": chunk, "slice_align": align,
@@ -300,7 +301,8 @@ def bench_chunking(states: list[dict[str, torch.Tensor]], reps: int = 3) -> dict
             try:
                 pub_s, sizes, mans = [], [], []
                 align = 8 if label.startswith("slice_align") else None
-                with Publisher(url, anchor_every=1000, slice_align=align) as pub:
+                with Publisher(url, anchor_policy=AnchorPolicy(every=1000),
+                               layout_policy=LayoutPolicy(slice_align=align)) as pub:
                     pub.publish(states[0])
                     for s in states[1:]:
                         t = time.perf_counter()
@@ -347,7 +349,8 @@ def _grid_publisher(workload: str, steps: int, url: str, cols: tuple[str, ...] |
     states = _states(steps, workload)
     model = _nbytes(states[0])
     out: dict[str, Any] = {"model_bytes": model}
-    with Publisher(url, anchor_every=1000, slice_align=8, column_slices=cols) as pub:
+    with Publisher(url, anchor_policy=AnchorPolicy(every=1000),
+                   layout_policy=LayoutPolicy(slice_align=8, column_slices=cols)) as pub:
         _, out["anchor_s"], out["anchor_peak"], out["anchor_cpu_s"] = _timed(lambda: pub.publish(states[0]), model)
         pubs = [_timed(lambda s=s: pub.publish(s), model) for s in states[1:]]
     assert all(i.kind == "delta" for i, *_ in pubs)
@@ -421,7 +424,8 @@ def _grid_paired(workload: str, steps: int, rounds: int) -> dict[str, Any]:
         urls = {label: os.path.join(root, str(i)) for i, label in enumerate(labels)}
         order = labels if rnd % 2 == 0 else labels[::-1]
         try:
-            pubs = {label: Publisher(urls[label], anchor_every=1000, slice_align=8, column_slices=cols)
+            pubs = {label: Publisher(urls[label], anchor_policy=AnchorPolicy(every=1000),
+                                     layout_policy=LayoutPolicy(slice_align=8, column_slices=cols))
                     for label, cols in GRID_ARMS}
             try:
                 for i, s in enumerate(states):

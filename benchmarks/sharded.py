@@ -272,12 +272,14 @@ def _pin(rank: int, threads: int) -> list[int]:
     return mine
 
 
-#: The steps of a sharded publish timed by ``--step-cpu`` (main-thread CPU): ShardedPublisher
-#: methods and, nested in them, deltastore.write.sharded functions (label, owner, attribute).
+#: The steps of a sharded publish timed by ``--step-cpu`` (main-thread CPU): attributes of the
+#: ShardedPublisher, of its collectives and rank 0's coordinator, and, nested in them, functions
+#: of the deltastore.write.sharded modules (label, owner, attribute).
 STEP_TIMERS = (
-    ("collectives", "pub", "_all_gather"), ("collectives", "pub", "_broadcast"), ("collectives", "pub", "_gather"),
-    ("part", "pub", "_write_part"), ("encode_version", "module", "encode_version"),
-    ("encode_part", "module", "encode_part"), ("commit", "pub", "_commit"), ("join", "module", "join_parts"),
+    ("collectives", "collectives", "all_gather"), ("collectives", "collectives", "broadcast"),
+    ("collectives", "collectives", "gather"), ("part", "pub", "_write_part"),
+    ("encode_version", "part module", "encode_version"), ("encode_part", "part module", "encode_part"),
+    ("commit", "coordinator", "commit"), ("join", "coordinator module", "join_parts"),
 )
 
 
@@ -286,7 +288,7 @@ def _time_steps(pub: Any, acc: dict[str, float]) -> None:
     ``acc``: where a rank's own thread spends a version beyond the encode threads (design 010
     D8). Nested labels overlap: ``part`` holds ``encode_version`` and ``encode_part``,
     ``commit`` holds ``join``."""
-    from deltastore.write import sharded
+    from deltastore.write.sharded import coordinator, part
 
     def timed(fn: Any, label: str) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
@@ -298,9 +300,12 @@ def _time_steps(pub: Any, acc: dict[str, float]) -> None:
 
         return wrapper
 
+    owners = {"pub": pub, "collectives": pub.collectives, "coordinator": pub._coordinator, "part module": part,
+              "coordinator module": coordinator}
     for label, owner, attr in STEP_TIMERS:
-        target = pub if owner == "pub" else sharded
-        setattr(target, attr, timed(getattr(target, attr), label))
+        target = owners[owner]
+        if target is not None:  # the coordinator: rank 0 only
+            setattr(target, attr, timed(getattr(target, attr), label))
 
 
 def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: str) -> None:
@@ -311,6 +316,7 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
     import torch.distributed as dist
 
     from deltastore.write.sharded import ShardedPublisher
+    from deltastore.write.policy import AnchorPolicy, WriterPolicy
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank}
@@ -330,12 +336,14 @@ def _rank(rank: int, world: int, port: int, url: str, cfg: dict[str, Any], out: 
         acc: dict[str, float] = {}
         options = cfg.get("storage_options")
         if sharded:
-            pub = ShardedPublisher(url, threads=cfg["threads"], anchor_every=1000, storage_options=options)
+            pub = ShardedPublisher(url, storage_options=options, writer_policy=WriterPolicy(threads=cfg["threads"]),
+                                   anchor_policy=AnchorPolicy(every=1000))
         else:
             from deltastore import Publisher
 
             own = f"{url}-r{rank}" if cfg["mode"] in OWN_STORES else url
-            pub = Publisher(own, threads=cfg["threads"], anchor_every=1000, storage_options=options)
+            pub = Publisher(own, storage_options=options, writer_policy=WriterPolicy(threads=cfg["threads"]),
+                            anchor_policy=AnchorPolicy(every=1000))
         counts = {"reads": 0, "writes": 0, "collectives": 0}
         if cfg["workload"] == "fixed":
             _count_requests(pub.store, counts)

@@ -52,6 +52,7 @@ def _rank(rank: int, world: int, port: int, url: str, mode: str, rl_workload: st
     import torch.distributed as dist
 
     from deltastore.write.sharded import ShardedPublisher
+    from deltastore.write.policy import AnchorPolicy, WriterPolicy
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
@@ -70,11 +71,12 @@ def _rank(rank: int, world: int, port: int, url: str, mode: str, rl_workload: st
         return {"version": info.version, "kind": info.kind, "stored": info.bytes_stored, "wall_s": t1 - t0,
                 "cpu_s": c1 - c0, "done_at": t1}
 
-    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:
         for v in range(1, VERSIONS_BEFORE + 1):
             publish(pub, v)
     rss0 = _rss_bytes()
-    with ShardedPublisher(url, threads=1, anchor_every=100, resume=(mode == "resume")) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1, resume=mode == "resume"),
+                          anchor_policy=AnchorPolicy(every=100)) as pub:
         reads: list[int] = []
         real = pub.store.get
 

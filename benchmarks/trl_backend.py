@@ -42,6 +42,7 @@ def _probe(way: str, params: int, syncs: int, store: str) -> dict:
 
     from deltastore.integrations.trl import DeltastoreWeightTransfer
     from deltastore.write.publisher import Publisher
+    from deltastore.write.policy import WriterPolicy
 
     torch.manual_seed(0)
     per = params // N_TENSORS
@@ -69,7 +70,7 @@ def _probe(way: str, params: int, syncs: int, store: str) -> dict:
             step()
         wt.destroy()
     else:
-        with Publisher(store, dtype=torch.bfloat16, threads=1) as pub:
+        with Publisher(store, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
             for _ in range(syncs):
                 if way == "naive":
                     pub.publish_async(dict(stream())).result()

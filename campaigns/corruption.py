@@ -111,6 +111,7 @@ def read_checked(tally: Tally, oracle: Any, what: str, fn: Any, step_of: Any) ->
 
 def run(server: Any, args: Any) -> Tally:
     from deltastore import DeltastoreError, Publisher, Subscriber
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     from deltastore.storage import open_store
     from campaigns.model import CHUNK_BYTES, Oracle, with_layout
 
@@ -128,7 +129,9 @@ def run(server: Any, args: Any) -> Tally:
         oracle = Oracle(args.seed * 100_003 + trial, forks={NEW_RUN: (0, 0)}, sparse=True)
         with open_store(url, storage_options=options) as store:
             model = oracle.model(0)
-            with with_layout(Publisher(url, store=store, threads=1, chunk_bytes=CHUNK_BYTES, anchor_every=ANCHOR_EVERY), args.grid) as pub:
+            with with_layout(Publisher(url, store=store, writer_policy=WriterPolicy(threads=1),
+                                       anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
+                                       layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), args.grid) as pub:
                 for k in range(VERSIONS):
                     pub.publish(model.state(k), step=model.step_id(k))
             links = ChainChecker(store, tally).check()
@@ -144,7 +147,9 @@ def run(server: Any, args: Any) -> Tally:
                 how = "HEAD deleted,"
                 store.delete("HEAD")
                 other = oracle.model(NEW_RUN)
-                with with_layout(Publisher(url, store=store, threads=1, chunk_bytes=CHUNK_BYTES, anchor_every=50), args.grid) as pub:
+                with with_layout(Publisher(url, store=store, writer_policy=WriterPolicy(threads=1),
+                                           anchor_policy=AnchorPolicy(every=50),
+                                           layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), args.grid) as pub:
                     for k in range(VERSIONS):
                         pub.publish(other.state(k), step=other.step_id(k))
                 new_links = ChainChecker(store, Tally("x", "x")).check()

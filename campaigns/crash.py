@@ -52,6 +52,7 @@ def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: st
     import logging
 
     from deltastore import DeltastoreError, Publisher, Subscriber
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     from campaigns.model import CHUNK_BYTES, Model, with_layout
 
     logging.getLogger("deltastore").setLevel(logging.CRITICAL)
@@ -59,8 +60,9 @@ def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: st
     model = Model(seed)
     while True:
         _log(fd, "open")
-        pub = with_layout(Publisher(url, storage_options=options, threads=1, chunk_bytes=CHUNK_BYTES,
-                                    anchor_every=ANCHOR_EVERY, takeover=True), grid)  # fmt: skip
+        pub = with_layout(Publisher(url, storage_options=options, writer_policy=WriterPolicy(threads=1, takeover=True),
+                                    anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
+                                    layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), grid)  # fmt: skip
         with Subscriber(url, store=pub.store, threads=1) as sub:
             step = (sub.info(pub.version).step + 1) if pub.version else 0
         _log(fd, f"ready {pub.version} {pub.writer_id}")

@@ -59,6 +59,7 @@ def _head(store: Any) -> dict[str, Any] | None:
 
 def run(server: Any, args: Any) -> Tally:
     from deltastore import ConflictError, DeltastoreError, FencedError, PreconditionFailedError, Publisher
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     from deltastore.storage import open_store
     from campaigns.model import CHUNK_BYTES, Model, Oracle, with_layout
 
@@ -85,8 +86,10 @@ def run(server: Any, args: Any) -> Tally:
         for step in range(args.trials):
             if pub is None:
                 try:
-                    pub = with_layout(Publisher(url, storage_options=faulty, threads=1, chunk_bytes=CHUNK_BYTES,
-                                                anchor_every=ANCHOR_EVERY, takeover=True), args.grid)  # fmt: skip
+                    pub = with_layout(Publisher(url, storage_options=faulty,
+                                                writer_policy=WriterPolicy(threads=1, takeover=True),
+                                                anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
+                                                layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), args.grid)  # fmt: skip
                 except DeltastoreError as e:
                     tally.error(f"open {type(e).__name__}")
                     pub = None

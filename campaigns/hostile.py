@@ -377,6 +377,7 @@ def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]
 
 def run(server: Any, args: Any) -> Tally:
     from deltastore import DeltastoreError, Publisher, Subscriber
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     from deltastore.storage import open_store
     from campaigns.model import CHUNK_BYTES, Oracle, with_layout
     from tests._manifest_docs import read_manifest_doc
@@ -388,7 +389,9 @@ def run(server: Any, args: Any) -> Tally:
     t0 = time.monotonic()
     template = fresh_url(server, "hostile-template")
     with open_store(template, storage_options=options) as tstore:
-        with with_layout(Publisher(template, store=tstore, threads=1, chunk_bytes=CHUNK_BYTES, anchor_every=ANCHOR_EVERY), args.grid) as pub:
+        with with_layout(Publisher(template, store=tstore, writer_policy=WriterPolicy(threads=1),
+                                   anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
+                                   layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), args.grid) as pub:
             for k in range(VERSIONS):
                 pub.publish(model.state(k), step=k)
         objects = {m.key: tstore.get(m.key) for m in tstore.list()}

@@ -60,6 +60,7 @@ def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: 
     import logging
 
     from deltastore import DeltastoreError, FencedError, Publisher
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     from campaigns.model import CHUNK_BYTES, Model, with_layout
 
     logging.getLogger("deltastore").setLevel(logging.CRITICAL)
@@ -73,8 +74,10 @@ def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: 
     while not os.path.exists(go_path):  # start together: the point is to collide
         time.sleep(0.002)
     try:
-        pub = with_layout(Publisher(url, storage_options=options, threads=1, chunk_bytes=CHUNK_BYTES, anchor_every=4,
-                                    takeover=takeover, writer_id=writer_id), grid)  # fmt: skip
+        pub = with_layout(Publisher(url, storage_options=options,
+                                    writer_policy=WriterPolicy(threads=1, takeover=takeover, writer_id=writer_id),
+                                    anchor_policy=AnchorPolicy(every=4),
+                                    layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), grid)  # fmt: skip
     except DeltastoreError as e:
         log(f"openerr {type(e).__name__}")
         return

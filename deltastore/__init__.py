@@ -49,6 +49,7 @@ from deltastore.errors import (
 if TYPE_CHECKING:
     from deltastore.lifecycle.gc import GCReport, collect
     from deltastore.format.history import VersionInfo
+    from deltastore.write.policy import AnchorPolicy, AsyncPolicy, LayoutPolicy, WriterPolicy
     from deltastore.write.publisher import Publisher
     from deltastore.read.follow import CachePolicy, FollowRecord, HeartbeatPolicy, PollPolicy
     from deltastore.read.subscriber import Subscriber
@@ -64,6 +65,10 @@ _LAZY = {
     "collect": "deltastore.lifecycle.gc",
     "VersionInfo": "deltastore.format.history",
     "Publisher": "deltastore.write.publisher",
+    "AnchorPolicy": "deltastore.write.policy",
+    "AsyncPolicy": "deltastore.write.policy",
+    "LayoutPolicy": "deltastore.write.policy",
+    "WriterPolicy": "deltastore.write.policy",
     "FollowRecord": "deltastore.read.follow",
     "PollPolicy": "deltastore.read.follow",
     "CachePolicy": "deltastore.read.follow",
@@ -92,6 +97,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
+    "AnchorPolicy",
+    "AsyncPolicy",
     "BucketNotFoundError",
     "CachePolicy",
     "CommitAbandonedError",
@@ -111,6 +118,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidStateDictError",
     "LayoutMismatchError",
+    "LayoutPolicy",
     "NotFoundError",
     "PartFailedError",
     "PollPolicy",
@@ -137,5 +145,6 @@ __all__ = [
     "VersionSkippedError",
     "WaitTimeoutError",
     "WorkerCacheError",
+    "WriterPolicy",
     "collect",
 ]

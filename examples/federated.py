@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from deltastore import WriterPolicy
 from demo import (
     MAX_LEN,
     PAIRS,
@@ -132,7 +134,7 @@ def site_main(index: int, n_sites: int, global_url: str, site_url: str, options:
         site_store = open_store(site_url, storage_options=options)
         down, up = count_bytes(global_store), count_bytes(site_store)
         site = Site(global_url, site_url, dtype=torch.bfloat16, global_store=global_store, site_store=site_store,
-                    threads=1, writer_id=f"site-{index}")
+                    writer_policy=WriterPolicy(threads=1, writer_id=f"site-{index}"))
         full_client = s3_client(options)
         answers.put({"site": index, "event": "ready"})
 
@@ -339,7 +341,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bit_exact = True
         try:
             with Aggregator(global_url, site_urls, dtype=torch.bfloat16, global_store=global_store,
-                            site_storage_options=agg_options, poll_interval_s=0.2, writer_id="aggregator") as agg:
+                            site_storage_options=agg_options, poll_interval_s=0.2,
+                            writer_policy=WriterPolicy(writer_id="aggregator")) as agg:
                 agg.start(initial)
                 digests = {agg.version: tensor_digests(agg.state())}
                 print(f"global version {agg.version}: {human_bytes(model_bytes)} model (bf16) published; "

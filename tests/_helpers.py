@@ -19,6 +19,7 @@ from deltastore import Publisher, Subscriber
 from deltastore.format.manifest import HEAD_KEY, parse_head, parse_manifest, sha256_hex
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store
 from deltastore.layout.tensors import bits
+from deltastore.write.policy import WriterPolicy
 
 #: A small chunk size so that tiny test tensors still span several chunks (the unit of change
 #: detection, planning and rollback), without large tensors.
@@ -349,7 +350,7 @@ def pull_fresh(url: str, version: int | None = None, **kw: Any) -> dict[str, tor
 
 
 def publisher(url: str, **kw: Any) -> Publisher:
-    kw.setdefault("threads", 2)
+    kw.setdefault("writer_policy", WriterPolicy(threads=2))
     return Publisher(url, **kw)
 
 

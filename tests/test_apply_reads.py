@@ -26,6 +26,7 @@ from tests._helpers import (
     publisher,
     snapshot,
 )
+from deltastore.write.policy import AnchorPolicy
 
 
 def test_checked_on_read_hashes_each_segment_before_handing_it_out() -> None:
@@ -47,7 +48,7 @@ def test_checked_on_read_hashes_each_segment_before_handing_it_out() -> None:
 def _history(url: str, n: int = 3) -> list[dict[str, torch.Tensor]]:
     trainer = TinyTrainer(seed=3)
     states = []
-    with publisher(url, anchor_every=100) as pub:
+    with publisher(url, anchor_policy=AnchorPolicy(every=100)) as pub:
         for step in range(n):
             state = trainer.export() if step == 0 else trainer.step()
             pub.publish(state, step=step)

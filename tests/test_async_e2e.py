@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from deltastore import Publisher
+from deltastore.write.policy import AsyncPolicy, LayoutPolicy
 from tests._helpers import TinyTrainer, bits_differ, snapshot
 
 pytestmark = pytest.mark.integration
@@ -249,8 +250,8 @@ def test_publish_async_trainer_and_three_follow_workers_stay_bit_exact(seaweedfs
         _scribble(state)  # the caller owns its tensors again as soon as the call returns
         return fut, at_call
 
-    with Publisher(url, storage_options=server.storage_options(), chunk_bytes=CHUNK_BYTES,
-                   async_policy="block", max_pending=1) as pub:
+    with Publisher(url, storage_options=server.storage_options(), layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES),
+                   async_policy=AsyncPolicy("block", max_pending=1)) as pub:
         fut, at_call = publish(pub, trainer.export(), 0)
         first = fut.result(timeout=VERSION_TIMEOUT_S)
         expected[first.version] = at_call

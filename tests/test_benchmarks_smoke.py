@@ -150,11 +150,12 @@ def test_history_offline_squash_composition_matches_direct_encoding(tmp_path) ->
     """Composing the stored deltas gives the bytes of encoding old → new directly."""
     from benchmarks.history import mlp_states, offline_squash
     from deltastore import Publisher
+    from deltastore.write.policy import WriterPolicy
     from deltastore.storage import open_store
 
     states = list(mlp_states(6))
     store = open_store(str(tmp_path / "store"))
-    with Publisher(store.url, store=store, threads=1) as pub:
+    with Publisher(store.url, store=store, writer_policy=WriterPolicy(threads=1)) as pub:
         for i, sd in enumerate(states):
             pub.publish(sd, step=i)
     composed = offline_squash(store, 2, 7, states[1], states[6])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deltastore import CachePolicy, PollPolicy, Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.lifecycle.compact import compact
 from deltastore.errors import CorruptObjectError, NotFoundError, VersionCollectedError, VersionNotFoundError
 from deltastore.lifecycle.gc import collect as gc_collect
@@ -78,7 +79,8 @@ def publish_run(url: str, versions: int, *, anchor_every: int = 1000, seed: int 
     """Publish ``versions`` exports of a tiny AdamW fine-tune; their states by version."""
     trainer = TinyTrainer(seed)
     out = {}
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, anchor_every=anchor_every) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=anchor_every),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         state = trainer.export()
         for _ in range(versions):
             out[pub.publish(state).version] = snapshot(state)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.lifecycle.compact import compact
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -84,7 +85,8 @@ def run_with_workers(root: Path) -> tuple[str, dict[int, Worker], dict[int, dict
     trainer = TinyTrainer(3)
     states: dict[int, dict[str, torch.Tensor]] = {}
     workers: dict[int, Worker] = {}
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, anchor_every=1000) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=1000),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         state = trainer.export()
         for v in range(1, HEAD_VERSION + 1):
             assert pub.publish(state, anchor=v == ANCHOR_AT).version == v

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.layout.select import Selection, resolve
 from deltastore.layout.tensors import (
     CHUNK_TARGET_BYTES,
@@ -105,9 +106,9 @@ def test_the_rule_keeps_its_promises(rows: int, row_bytes: int, target: int) -> 
 
 
 def test_chunk_rows_for_is_the_sharded_writers_rule() -> None:
-    from deltastore.write import sharded
+    from deltastore.write.sharded import planning
 
-    assert sharded.chunk_rows_for is chunk_rows_for
+    assert planning.chunk_rows_for is chunk_rows_for
     assert chunk_rows_for(768, 30522, (15261,), CHUNK_TARGET_BYTES) == 15261
     assert chunk_rows_for(768, 30522, (7630, 15261), CHUNK_TARGET_BYTES) == 1
 
@@ -134,7 +135,8 @@ def test_a_worker_holding_rows_r_of_8_reads_its_share_with_slice_aligned_chunkin
     rng = np.random.default_rng(3)
     state = _minilm_shaped()
     states = []
-    with Publisher(url, threads=2, anchor_every=1000, slice_align=SLICE_ALIGN) as pub:  # 16 MiB target
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=1000),
+                   layout_policy=LayoutPolicy(slice_align=SLICE_ALIGN)) as pub:  # 16 MiB target
         for _ in range(3):
             pub.publish(state)
             states.append(snapshot(state))
@@ -166,7 +168,7 @@ def _resume_and_continue(url: str, state: dict[str, torch.Tensor], old_rows: dic
     with Subscriber(url) as follower:
         held = follower.pull()
         v = follower.version
-        with Publisher(url, threads=2, slice_align=SLICE_ALIGN) as pub:  # would chunk a new layout otherwise
+        with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(slice_align=SLICE_ALIGN)) as pub:  # would chunk a new layout otherwise
             info = pub.publish(state)
         assert info.version == v + 1 and info.kind == "delta", "resuming must continue the chain, not anchor"
         assert follower.pull_into(held) is not None
@@ -192,7 +194,7 @@ def test_a_publisher_resuming_the_schema3_golden_store_keeps_its_chunk_rows(tmp_
 def test_a_publisher_resuming_a_store_of_the_default_chunking_keeps_it(tmp_path) -> None:
     url = str(tmp_path / "store")
     state = _minilm_shaped(1)
-    with Publisher(url, threads=2) as pub:  # the default chunking: about 16 MiB per chunk
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:  # the default chunking: about 16 MiB per chunk
         pub.publish(state)
     with Subscriber(url) as sub:
         sub.pull()

@@ -13,6 +13,7 @@ from deltastore.cli import EXIT_FAILED, EXIT_OK, main
 from deltastore.cli.plot import points_of_store
 from deltastore.lifecycle.compact import compact
 from deltastore.write.publisher import Publisher
+from deltastore.write.policy import AnchorPolicy
 from deltastore.storage import open_store
 
 
@@ -21,7 +22,7 @@ def store(tmp_path: Path) -> str:
     url = str(tmp_path / "store")
     g = torch.Generator().manual_seed(0)
     sd = {"w": torch.randn(128, 64, generator=g).bfloat16()}
-    with Publisher(url, anchor_every=4) as pub:
+    with Publisher(url, anchor_policy=AnchorPolicy(every=4)) as pub:
         for i in range(9):
             sd = {"w": sd["w"].clone()}
             sd["w"].view(-1)[: 10 * (i + 1)] += 0.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltastore.write.publisher import Publisher
+from deltastore.write.policy import WriterPolicy
 from deltastore.read.subscriber import Subscriber
 
 
@@ -31,7 +32,7 @@ def test_identical_state_is_not_committed_by_default() -> None:
 
 def test_skip_unchanged_false_commits_an_empty_delta() -> None:
     url = "memory://e1-noskip"
-    with Publisher(url, skip_unchanged=False) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(skip_unchanged=False)) as pub:
         pub.publish(_state())
         info = pub.publish(_state())
         assert (info.version, info.kind, info.elements_changed) == (2, "delta", 0)

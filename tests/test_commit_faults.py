@@ -23,6 +23,7 @@ from deltastore import (
     StorageError,
     Subscriber,
 )
+from deltastore.write.policy import WriterPolicy
 from deltastore.write import commit as commit_mod
 from deltastore.errors import CommitUnknownError
 from deltastore.format.manifest import HEAD_KEY, parse_head
@@ -143,7 +144,8 @@ def test_manifest_upload_whose_retry_sees_itself_is_success(local_url: str, erro
             raise error(f"{key} already exists (injected: the SDK retry saw our own upload)")
         return meta
 
-    pub = Publisher(local_url, store=FaultyStore(inner, manifest_hook=manifest_hook), takeover=False, threads=2)
+    pub = Publisher(local_url, store=FaultyStore(inner, manifest_hook=manifest_hook),
+                    writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     lost[0] = 1
     info = pub.publish(states[1])
@@ -168,7 +170,8 @@ def test_manifest_conflict_without_the_object_fails_cleanly(local_url: str) -> N
             raise PreconditionFailedError(f"{key}: 409 ConditionalRequestConflict (injected)")
         return real_put()
 
-    pub = Publisher(local_url, store=FaultyStore(inner, manifest_hook=manifest_hook), takeover=False, threads=2)
+    pub = Publisher(local_url, store=FaultyStore(inner, manifest_hook=manifest_hook),
+                    writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     head = inner.get(HEAD_KEY)
     fail[0] = 1
@@ -190,7 +193,7 @@ def test_head_write_landed_then_5xx_is_success(local_url: str, fail_reads: int, 
     inner = open_store(local_url)
     times = [0]
     store = FaultyStore(inner, _land_then(_Boom("HEAD: 500 InternalError after the write (injected)"), times))
-    pub = Publisher(local_url, store=store, takeover=False, threads=2)
+    pub = Publisher(local_url, store=store, writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     times[0] = 1
     store.fail_reads = fail_reads  # the read-back itself fails a few times before it succeeds
@@ -212,7 +215,7 @@ def test_head_write_outcome_unknown_is_typed_and_resolved_by_the_next_publish(lo
     inner = open_store(local_url)
     times = [0]
     store = FaultyStore(inner, _land_then(_Boom("HEAD: connection reset (injected)"), times))
-    pub = Publisher(local_url, store=store, takeover=False, threads=2)
+    pub = Publisher(local_url, store=store, writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     times[0] = 1
     store.fail_reads = 10**6  # HEAD cannot be read back at all
@@ -247,7 +250,7 @@ def test_unknown_outcome_that_did_not_land_is_not_counted(local_url: str) -> Non
         return real_put()
 
     store = FaultyStore(inner, hook)
-    pub = Publisher(local_url, store=store, takeover=False, threads=2)
+    pub = Publisher(local_url, store=store, writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     head = inner.get(HEAD_KEY)
     fail[0] = 1
@@ -277,7 +280,7 @@ def test_spurious_precondition_failure_on_head_is_not_a_conflict_naming_ourselve
             raise PreconditionFailedError(f"{key}: 409 ConditionalRequestConflict (injected, did not land)")
         return real_put()
 
-    pub = Publisher(local_url, store=FaultyStore(inner, hook), takeover=False, threads=2)
+    pub = Publisher(local_url, store=FaultyStore(inner, hook), writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     head = inner.get(HEAD_KEY)
     fail[0] = 1
@@ -302,11 +305,12 @@ def test_lost_head_response_during_a_takeover_is_success_then_fenced(any_store_t
 
     def land_then_takeover_then_lose(key, data, mode, real_put):
         real_put()
-        newcomers.append(Publisher(t.url, storage_options=t.storage_options, takeover=True, threads=2))  # claims on top
+        newcomers.append(Publisher(t.url, storage_options=t.storage_options,
+                                   writer_policy=WriterPolicy(takeover=True, threads=2)))  # claims on top
         raise PreconditionFailedError(f"{key}: precondition failed (injected lost response)")
 
     store = FaultyStore(inner)
-    pub = Publisher(t.url, store=store, takeover=False, threads=2)
+    pub = Publisher(t.url, store=store, writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     store.hook = land_then_takeover_then_lose
     info = pub.publish(states[1])  # our version committed: not a FencedError
@@ -329,7 +333,7 @@ def test_lost_head_response_during_a_takeover_is_success_then_fenced(any_store_t
 
 
 def test_takeover_claims_an_empty_store(local_url: str) -> None:
-    with Publisher(local_url, takeover=True, threads=2) as pub:
+    with Publisher(local_url, writer_policy=WriterPolicy(takeover=True, threads=2)) as pub:
         with open_store(local_url) as store:
             head = parse_head(store.get(HEAD_KEY))
         assert (head.version, head.manifest, head.epoch, head.writer) == (0, None, 1, pub.writer_id)
@@ -338,15 +342,15 @@ def test_takeover_claims_an_empty_store(local_url: str) -> None:
     # The first publish onto the claimed store is a CAS on the claim, not a create.
     inner = open_store(local_url)
     store = FaultyStore(inner)
-    with Publisher(local_url, store=store, takeover=True, threads=2) as pub:
+    with Publisher(local_url, store=store, writer_policy=WriterPolicy(takeover=True, threads=2)) as pub:
         assert pub.publish(small_state(0)).version == 1
     assert [type(m).__name__ for m in store.head_modes] == ["IfMatch", "IfMatch"]
     assert isinstance(store.head_modes[-1], IfMatch)
 
 
 def test_two_publishers_opened_on_an_empty_store_the_later_fences_the_earlier(local_url: str) -> None:
-    a = Publisher(local_url, takeover=True, threads=2)
-    b = Publisher(local_url, takeover=True, threads=2)
+    a = Publisher(local_url, writer_policy=WriterPolicy(takeover=True, threads=2))
+    b = Publisher(local_url, writer_policy=WriterPolicy(takeover=True, threads=2))
     assert b.epoch > a.epoch >= 1
     with pytest.raises(FencedError):
         a.publish(small_state(0))
@@ -369,7 +373,8 @@ def test_racing_trainers_on_an_empty_store_never_interleave(any_store_target) ->
     def trainer(i: int) -> None:
         barrier.wait()
         try:
-            pub = Publisher(any_store_target.url, storage_options=any_store_target.storage_options, threads=1)
+            pub = Publisher(any_store_target.url, storage_options=any_store_target.storage_options,
+                            writer_policy=WriterPolicy(threads=1))
         except FencedError as e:
             results[i].append(e)
             return
@@ -421,7 +426,8 @@ def test_lost_responses_on_manifest_and_head_on_a_real_server(any_store_target) 
     store = FaultyStore(inner, _land_then(_Boom("HEAD: 503 after the write (injected)"), times), manifest_hook)
     # skip_unchanged=False: states[3] is published again after its unknown outcome, and must
     # make version 5 even though version 4 (the same state) turned out to have landed.
-    pub = Publisher(any_store_target.url, store=store, takeover=True, threads=2, skip_unchanged=False)
+    pub = Publisher(any_store_target.url, store=store,
+                    writer_policy=WriterPolicy(takeover=True, threads=2, skip_unchanged=False))
     pub.publish(states[0])
     lost_manifest[0] = 1
     assert pub.publish(states[1]).version == 2  # D2
@@ -446,12 +452,12 @@ def test_lost_responses_on_manifest_and_head_on_a_real_server(any_store_target) 
 @pytest.mark.parametrize("empty", [True, False])
 def test_claim_whose_response_was_lost_is_a_claim_not_a_fence(local_url: str, error: Exception, empty: bool) -> None:
     if not empty:
-        with Publisher(local_url, takeover=False, threads=2) as seed:
+        with Publisher(local_url, writer_policy=WriterPolicy(takeover=False, threads=2)) as seed:
             seed.publish(small_state(0))
     inner = open_store(local_url)
     times = [1]
     store = FaultyStore(inner, _land_then(error, times))
-    with Publisher(local_url, store=store, takeover=True, threads=2) as pub:
+    with Publisher(local_url, store=store, writer_policy=WriterPolicy(takeover=True, threads=2)) as pub:
         assert pub.epoch == (1 if empty else 1)
         info = pub.publish(small_state(1))  # not FencedError: the claim that landed is ours
         assert info.version == (1 if empty else 2)
@@ -473,7 +479,7 @@ def test_unknown_outcome_settled_after_the_store_moved_on(local_url: str, meanwh
         return real_put()
 
     store = FaultyStore(inner, hook)
-    pub = Publisher(local_url, store=store, takeover=False, threads=2)
+    pub = Publisher(local_url, store=store, writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     fail[0] = 1
     store.fail_reads = 10**6
@@ -481,7 +487,7 @@ def test_unknown_outcome_settled_after_the_store_moved_on(local_url: str, meanwh
         pub.publish(states[1])
     store.fail_reads = 0
     if meanwhile == "rival commits":
-        with Publisher(local_url, takeover=False, threads=2) as rival:
+        with Publisher(local_url, writer_policy=WriterPolicy(takeover=False, threads=2)) as rival:
             rival.publish(small_state(50, rows=32))
         info = pub.publish(states[2])
         assert (info.version, info.parent) == (3, 2)

@@ -13,6 +13,7 @@ import torch
 
 import deltastore.write.encode
 from deltastore import Publisher, Subscriber, codec
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.cli import main
 from deltastore.lifecycle.compact import compact, merge_squashes
 from deltastore.errors import IntegrityError
@@ -90,10 +91,11 @@ def test_a_corrupted_composition_is_refused_and_nothing_is_written(run22: Any, m
 def test_a_squash_never_spans_a_chain_break(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     trainer = TinyTrainer(1)
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for _ in range(4):
             pub.publish(trainer.step())
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, resume=False) as pub:  # no reference: v5 restarts the chain
+    with Publisher(url, writer_policy=WriterPolicy(threads=2, resume=False),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:  # no reference: v5 restarts the chain
         for _ in range(3):
             pub.publish(trainer.step())
     store = open_store(url)
@@ -185,7 +187,7 @@ def test_a_chain_mixing_xor_and_add_deltas_is_composed_from_the_base(tmp_path: P
     url = str(tmp_path / "store")
     trainer = TinyTrainer(2)
     states = {}
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         state = trainer.export()
         for v in range(1, 9):
             if v <= 4:  # versions 2..4: xor deltas, as a v1 publisher wrote them
@@ -210,7 +212,8 @@ def test_compact_and_catch_up_over_s3(moto_s3_url: Any) -> None:
     t = moto_s3_url
     trainer = TinyTrainer(3)
     states = {}
-    with Publisher(t.url, storage_options=t.storage_options, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(t.url, storage_options=t.storage_options, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         state = trainer.export()
         for _ in range(6):
             states[pub.publish(state).version] = snapshot(state)

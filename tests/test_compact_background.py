@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.lifecycle.compact import BackgroundCompactor, CompactPolicy, CompactReport
 from deltastore.format.history import History
 from deltastore.lifecycle.ledger import HeartbeatWriter
@@ -32,7 +33,8 @@ IDLE_TIMEOUT_S = 60.0
 
 
 def _publisher(url: str, **kw: Any) -> Publisher:
-    return Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, anchor_every=1000, **kw)
+    return Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=1000),
+                     layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES), **kw)
 
 
 def _index_refs(url: str) -> list[SquashRef]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from deltastore import Publisher
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.lifecycle.compact import compact
 from deltastore.errors import CommitAbandonedError, ConflictError
 from deltastore.format.history import History
@@ -34,9 +36,10 @@ class SlowSquashes(WrappedStore):
         return super().put(key, data, mode=mode)
 
 
-def _run(url: str, versions: int, **kw) -> None:
+def _run(url: str, versions: int, **writer: Any) -> None:
     trainer = TinyTrainer(0)
-    with Publisher(url, threads=1, chunk_bytes=SMALL_CHUNK_BYTES, **kw) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1, **writer),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         state = trainer.export()
         for _ in range(versions):
             pub.publish(state)
@@ -109,7 +112,8 @@ def test_an_attempt_suspended_past_its_deadline_is_abandoned(tmp_path: Path, mon
     _run(url, 1, max_attempt_s=60)
     store = SuspendBeforeManifest(open_store(url), _Suspended(monkeypatch), seconds=120)
     before = History(open_store(url)).read_head()[0]
-    with Publisher(url, store=store, threads=1, chunk_bytes=SMALL_CHUNK_BYTES, max_attempt_s=60) as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=1, max_attempt_s=60),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         with pytest.raises(CommitAbandonedError, match="past its deadline"):
             pub.publish(TinyTrainer(0).step(), anchor=True)
     after = History(open_store(url)).read_head()[0]

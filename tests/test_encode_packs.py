@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore import Publisher, StorageError, Subscriber
+from deltastore.write.policy import AnchorPolicy, WriterPolicy
 from deltastore.write import encode
 from deltastore.codec import Segment
 from deltastore.storage import open_store
@@ -77,7 +78,7 @@ def test_manifest_is_written_only_after_every_pack_it_names_is_stored():
     store = _SlowPacks(open_store(f"memory://packs-{uuid.uuid4().hex}"), delay=0.2)
     states = [small_state(0, rows=64)]
     states += [sparse_edit(states[-1], np.random.default_rng(i)) for i in range(1, 3)]
-    with Publisher("unused", store=store, threads=2) as pub:
+    with Publisher("unused", store=store, writer_policy=WriterPolicy(threads=2)) as pub:
         for s in states:
             pub.publish(s)
     manifests = [(k, t) for what, k, t in store.events if what == "manifest start"]
@@ -93,7 +94,7 @@ def test_a_pack_upload_that_fails_after_the_scan_commits_nothing():
     store = _SlowPacks(open_store(f"memory://packs-{uuid.uuid4().hex}"), delay=0.05)
     s0 = small_state(0, rows=64)
     s1 = sparse_edit(s0, np.random.default_rng(1))
-    with Publisher("unused", store=store, threads=2) as pub:
+    with Publisher("unused", store=store, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(s0)
         store.fail = True
         with pytest.raises(StorageError, match="injected"):
@@ -152,7 +153,7 @@ def test_a_streamed_pack_is_committed_before_the_manifest_that_names_it(tmp_path
     monkeypatch.setattr(encode, "_end_stream", end_stream)
     states = _streamed_states()
     url = str(tmp_path / "store")
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         for s in states:
             pub.publish(s)
     # the upload jobs wrote the packs' last pieces (empty where a piece ended with the pack)
@@ -220,7 +221,7 @@ def test_a_deferred_pack_upload_that_fails_commits_nothing(tmp_path, monkeypatch
     states = _streamed_states()
     url = str(tmp_path / "store")
     root = tmp_path / "store"
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(states[0])
         pub.publish(states[1])
         manifests = {p.name for p in root.rglob("manifests/*")}
@@ -328,7 +329,7 @@ def test_a_publisher_makes_its_layout_work_once(tmp_path, monkeypatch):
     real = encode.chunk_jobs
     monkeypatch.setattr(encode, "chunk_jobs", lambda specs: made.append(1) or real(specs))
     state = small_state()
-    with Publisher(str(tmp_path / "store"), threads=2) as pub:
+    with Publisher(str(tmp_path / "store"), writer_policy=WriterPolicy(threads=2)) as pub:
         for step in range(4):
             pub.publish(state, step=step)
             state = sparse_edit(state, np.random.default_rng(step))
@@ -487,7 +488,8 @@ def test_reference_views_are_made_once_per_reference_and_write_the_same_packs(mo
     def run(name: str, cache: bool):
         store = _SlowPacks(open_store(f"memory://refviews-{name}-{uuid.uuid4().hex}"), delay=0)
         shas = []
-        with Publisher("unused", store=store, threads=2, anchor_policy="every", anchor_every=1000) as pub:
+        with Publisher("unused", store=store, writer_policy=WriterPolicy(threads=2),
+                       anchor_policy=AnchorPolicy("every", every=1000)) as pub:
             if not cache:
                 real = publish_mod.encode_version
                 monkeypatch.setattr(publish_mod, "encode_version", lambda *a, **k: real(*a, **{**k, "reference_bits": None}))

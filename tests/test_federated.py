@@ -27,6 +27,7 @@ from deltastore.federated import (
     Site,
     weighted_average,
 )
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.lifecycle.gc import collect
 from deltastore.format.history import History
 from deltastore.lifecycle.index import pinned, read_index
@@ -100,11 +101,13 @@ def memory_target():
 
 def open_aggregator(global_url, sites, options=None, **kw) -> Aggregator:
     return Aggregator(global_url, sites, dtype=torch.bfloat16, storage_options=options, site_storage_options=options,
-                      chunk_bytes=CHUNK_BYTES, poll_interval_s=0.05, threads=2, **kw)
+                      poll_interval_s=0.05, writer_policy=WriterPolicy(threads=2),
+                      layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES), **kw)
 
 
 def open_sites(global_url, sites, options=None) -> list[Site]:
-    return [Site(global_url, u, dtype=torch.bfloat16, storage_options=options, site_storage_options=options, threads=2)
+    return [Site(global_url, u, dtype=torch.bfloat16, storage_options=options, site_storage_options=options,
+                 writer_policy=WriterPolicy(threads=2))
             for u in sites.values()]
 
 

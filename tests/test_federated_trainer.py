@@ -12,6 +12,7 @@ pytest.importorskip("accelerate")
 
 from deltastore import Subscriber
 from deltastore.federated import Aggregator, Site
+from deltastore.write.policy import WriterPolicy
 from tests._helpers import assert_bits_equal
 from tests.test_federated import reference_merge, served
 
@@ -41,7 +42,7 @@ def test_sites_train_with_transformers_trainer(tmp_path) -> None:
     g = str(tmp_path / "global")
     sites = {f"s{i}": str(tmp_path / f"site{i}") for i in range(2)}
     init = served(tiny_model(0).state_dict())
-    with Aggregator(g, sites, dtype=torch.bfloat16, poll_interval_s=0.05, threads=2) as agg:
+    with Aggregator(g, sites, dtype=torch.bfloat16, poll_interval_s=0.05, writer_policy=WriterPolicy(threads=2)) as agg:
         agg.start(init)
         results = []
         for i, url in enumerate(sites.values()):

@@ -29,6 +29,7 @@ from deltastore import (
     Subscriber,
     TargetModifiedError,
 )
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.read.cache import HELD_FILE, WorkerCache
 from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
@@ -53,8 +54,8 @@ DEADLINE_S = 60.0
 
 
 def _publisher(t: StoreTarget, **kw: Any) -> Publisher:
-    kw.setdefault("threads", 2)
-    return Publisher(t.url, storage_options=t.storage_options, chunk_bytes=CHUNK_BYTES, **kw)
+    kw.setdefault("writer_policy", WriterPolicy(threads=2))
+    return Publisher(t.url, storage_options=t.storage_options, layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES), **kw)
 
 
 def _subscriber(t: StoreTarget, **kw: Any) -> Subscriber:

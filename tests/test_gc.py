@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from deltastore.errors import (
-    AlreadyExistsError,
     GCAbortedError,
     GCRefusedError,
     NotFoundError,
@@ -79,7 +79,8 @@ def publish(store: Store, n: int, *, anchor_every: int = 3, trainer: TinyTrainer
     """Publish ``n`` versions; returns {version: state}. Anchors at 1, 1+k, 1+2k, ..."""
     trainer = trainer or TinyTrainer()
     states = {} if states is None else states
-    with Publisher(store.url, store=store, anchor_every=anchor_every, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(store.url, store=store, anchor_policy=AnchorPolicy(every=anchor_every),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for _ in range(n):
             s = trainer.step()
             states[pub.publish(s).version] = s
@@ -423,7 +424,7 @@ def test_old_indexes_and_run_records_are_collected(aged):
     assert _index(aged)[0].index.key in keys(aged)
 
 
-def test_schema2_store_is_refused_unless_upgrade(aged):
+def test_schema2_store_is_refused(aged):
     states = publish(aged, 4)
     doc = json.loads(aged.get(HEAD_KEY))
     doc["schema"] = 2
@@ -434,9 +435,9 @@ def test_schema2_store_is_refused_unless_upgrade(aged):
     with pytest.raises(UnsupportedSchemaError, match="--upgrade"):
         collect(aged, keep_last=1, grace_s=DAY)
     assert before <= keys(aged)
-    report = collect(aged, keep_last=1, grace_s=DAY, upgrade=True)
-    assert report.upgraded and json.loads(aged.get(HEAD_KEY))["schema"] == 3
-    assert_versions_intact(aged, states, [4])
+    with pytest.raises(UnsupportedSchemaError, match="schema-3 HEAD"):  # the history index is never written on it
+        collect(aged, keep_last=1, grace_s=DAY, upgrade=True)
+    assert before <= keys(aged) and json.loads(aged.get(HEAD_KEY))["schema"] == 2
 
 
 class NoClock(WrappedStore):
@@ -497,7 +498,8 @@ def test_orphan_reuse_cannot_resurrect_a_collected_object(tmp_path):
 
     crashing = CrashOnManifest(inner)
     crashing.offsets = store.offsets
-    with Publisher(inner.url, store=crashing, anchor_every=100, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(inner.url, store=crashing, anchor_policy=AnchorPolicy(every=100),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         with pytest.raises(StorageError):
             pub.publish(nxt)
         orphans = keys(inner) - {k for v in states for k in needs_of(inner, v)} - {"HEAD"}
@@ -635,69 +637,6 @@ def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
     assert report.floor_after == 10
 
 
-def _rewrite_as_schema_1(store: Store) -> None:
-    """Rewrite the store's chain and HEAD as schema 1 wrote them (no lineage, no schema-2/3
-    fields, packs at their content addresses ``blobs/<xx>/<sha256>``, copied from the
-    publisher's attempt-scoped packs: SPEC §13, old stores are upgraded in place)."""
-    from deltastore.format.manifest import (
-        SCHEMA3_MANIFEST_FIELDS,
-        blob_key,
-        manifest_key,
-        sha256_hex,
-    )
-    from tests._manifest_docs import read_manifest_doc
-
-    head = json.loads(store.get(HEAD_KEY))
-    chain, key = [], head["manifest"]
-    while key is not None:
-        doc = read_manifest_doc(store, key)  # any schema, in its in-memory (schema-2) shape
-        chain.append(doc)
-        key = doc["parent_manifest"]
-    parent_key = None
-    for doc in reversed(chain):
-        doc.update(schema=1, parent_manifest=parent_key)
-        for f in ("lineage", "signature", *SCHEMA3_MANIFEST_FIELDS):
-            doc.pop(f, None)
-        for b in doc["blobs"]:
-            b.pop("role", None)
-            if b["key"] != blob_key(b["sha256"]):
-                try:
-                    store.put(blob_key(b["sha256"]), store.get(b["key"]), mode="create")
-                except AlreadyExistsError:
-                    pass  # the same bytes, named by an earlier version
-                b["key"] = blob_key(b["sha256"])
-        for f in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
-            doc["stats"].pop(f, None)
-        data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        parent_key = manifest_key(doc["version"], sha256_hex(data), schema=1)
-        store.put(parent_key, data, mode="create")
-    head.update(schema=1, manifest=parent_key, manifest_sha256=sha256_hex(data))
-    for f in ("lineage", "index"):
-        head.pop(f, None)
-    store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
-
-
-def test_schema1_store_is_upgraded_in_place(aged):
-    """A schema-1 store (no lineage): GC refuses it, --upgrade writes a schema-3 HEAD with a
-    fresh lineage and the first index, collects the old chain (the schema-3 manifests of the
-    rewrite are unreachable orphans here), and every kept version still pulls bit-exact."""
-    states = publish(aged, 7)  # anchors 1, 4, 7
-    _rewrite_as_schema_1(aged)
-    aged.age_everything(2 * DAY)
-    with pytest.raises(UnsupportedSchemaError):
-        collect(aged, keep_last=2, grace_s=DAY)
-    report = collect(aged, keep_last=2, grace_s=DAY, upgrade=True)
-    head = json.loads(aged.get(HEAD_KEY))
-    assert head["schema"] == 3 and head["lineage"] and head["index"] is not None
-    assert report.upgraded and report.floor_after == 4
-    _, idx = _index(aged)
-    assert idx.lineage == head["lineage"]
-    assert_versions_intact(aged, states, [4, 5, 6, 7])
-    # Readers and a new publisher continue the upgraded store.
-    publish(aged, 1, states=states)
-    assert json.loads(aged.get(HEAD_KEY))["index"] == head["index"]
-
-
 def test_registered_squashes_are_kept_with_their_packs_and_layout(aged):
     """SPEC §11: the squashes the index lists whose ``from`` is ≥ floor or a pin are kept with
     their packs and layout; one from below the floor (not pinned) is dropped from the index
@@ -737,7 +676,8 @@ def test_a_pins_own_layout_is_kept_below_the_floor(aged):
     so their layout is a new object; version 5's layout is needed by the pin alone."""
     trainer = TinyTrainer()
     states = publish(aged, 5, trainer=trainer)  # anchors 1, 4
-    with Publisher(aged.url, store=aged, anchor_every=3, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(aged.url, store=aged, anchor_policy=AnchorPolicy(every=3),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for i in range(4):  # versions 6–9: 6 an anchor (the layout changes), 9 an anchor
             s = dict(trainer.step())
             s["extra.added"] = torch.arange(12, dtype=torch.float32)

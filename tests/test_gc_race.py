@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.lifecycle.compact import compact
 from deltastore.errors import CommitAbandonedError, ConflictError, DeltastoreError, GCAbortedError, VersionCollectedError
 from deltastore.lifecycle.gc import collect
@@ -64,8 +65,8 @@ def state_for(i: int) -> dict[str, torch.Tensor]:
 
 def _publisher(url: str, options: dict, out: mp.Queue) -> None:
     conflicts = 0
-    with Publisher(url, storage_options=options, anchor_every=5, chunk_bytes=SMALL_CHUNK_BYTES,
-                   max_attempt_s=RACE_ATTEMPT_S) as pub:
+    with Publisher(url, storage_options=options, writer_policy=WriterPolicy(max_attempt_s=RACE_ATTEMPT_S),
+                   anchor_policy=AnchorPolicy(every=5), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for i in range(1, RACE_VERSIONS + 1):
             state = state_for(i)
             for _ in range(50):

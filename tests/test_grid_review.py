@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import torch
 
 from deltastore import CachePolicy, IntegrityError, PollPolicy, Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, AsyncPolicy, LayoutPolicy, WriterPolicy
 from deltastore.layout.select import Selection
 from deltastore.storage import open_store
 from deltastore.layout.tensors import TensorSpec
@@ -32,7 +33,8 @@ def _spec(name: str, shape: tuple[int, ...], rows: int, cols: int, dtype: str = 
 
 
 def _publish(url: str, specs: dict[str, TensorSpec], states: list[dict[str, torch.Tensor]], **kw) -> None:
-    with Publisher(url, group_small_tensors=False, threads=2, **kw) as pub:
+    kw.setdefault("writer_policy", WriterPolicy(threads=2))
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=False), **kw) as pub:
         pub._explicit_specs = specs
         for s in states:
             pub.publish(s)
@@ -73,7 +75,7 @@ def test_one_column_block_and_ragged_3d_grids_read_whole_and_sliced(tmp_path: Pa
     one-block grid is an aligned live view for a row cut: its chunks span the whole row)."""
     url = f"file://{tmp_path}"
     states = _one_block_states(4)
-    _publish(url, ONE_BLOCK, states, anchor_every=10)
+    _publish(url, ONE_BLOCK, states, anchor_policy=AnchorPolicy(every=10))
     with Subscriber(url) as sub:
         target = sub.pull(1)
         assert {n: s.chunk_cols for n, s in sub.units().items()} == {"w": 6, "t": 3}
@@ -99,7 +101,7 @@ def test_a_row_cut_on_row_blocks_of_a_one_block_grid_is_a_live_view(tmp_path: Pa
     url = f"file://{tmp_path}"
     g = torch.Generator().manual_seed(3)
     states = _chain({"w": torch.randn(20, 6, generator=g).bfloat16()}, 3)
-    _publish(url, {"w": _spec("w", (20, 6), 5, 6)}, states, anchor_every=10)
+    _publish(url, {"w": _spec("w", (20, 6), 5, 6)}, states, anchor_policy=AnchorPolicy(every=10))
     sel = Selection(shard=(0, 1, 2))
     with Subscriber(url, select=sel) as sub:
         mine = sub.pull(1)
@@ -123,7 +125,7 @@ def test_empty_grid_tensors_round_trip_whole_and_by_columns(tmp_path: Path) -> N
     g = torch.Generator().manual_seed(5)
     states = _chain({"e": torch.empty(0, 8).bfloat16(), "z": torch.empty(4, 8, 0), "y": torch.empty(4, 8, 0),
                      "w": torch.randn(6, 8, generator=g).bfloat16()}, 3)
-    _publish(url, EMPTY, states, anchor_every=10)
+    _publish(url, EMPTY, states, anchor_policy=AnchorPolicy(every=10))
     with Subscriber(url) as sub:
         target = sub.pull(1)
         assert {n: s.chunk_cols for n, s in sub.units().items()} == {"e": 4, "z": 3, "y": 0, "w": 4}
@@ -178,7 +180,7 @@ def test_a_partial_pull_into_failing_mid_apply_rolls_back_views_and_edges(tmp_pa
     s1 = {"o": torch.randn(16, 32, generator=g).bfloat16(), "d": torch.randn(12, 10, generator=g).bfloat16()}
     s2 = _edit(s1, 1)
     s3 = {n: t + 1 for n, t in s2.items()}  # dense: every chunk's delta is applied
-    _publish(url, PARTIAL, [s1, s2, s3], anchor_every=10)
+    _publish(url, PARTIAL, [s1, s2, s3], anchor_policy=AnchorPolicy(every=10))
     hi = (rank + 1) * 10 // 4  # the rank's columns end there
     _corrupt_delta(url, 3, "d", 2 * 4 + (hi - 1) // 3)  # last row block, the rank's last column block
     sel = Selection(shard=(1, rank, 4))
@@ -223,7 +225,7 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
 
     url = f"file://{tmp_path / 'store'}"
     states = _cached_states(5)
-    _publish(url, CACHED, states[:2], anchor_every=3)
+    _publish(url, CACHED, states[:2], anchor_policy=AnchorPolicy(every=3))
     cache = tmp_path / "cache"
     with Subscriber(url) as sub:
         target = sub.allocate()
@@ -246,7 +248,7 @@ def test_a_worker_cache_of_a_grid_store_is_adopted_checked_and_caught_up_after_g
         assert_bits_equal(target, states[1])
     assert "tensor 'w' chunk 6 does not match its digest" in caplog.text
 
-    _publish(url, CACHED, states[2:], anchor_every=3)  # resumed: version 4 is an anchor
+    _publish(url, CACHED, states[2:], anchor_policy=AnchorPolicy(every=3))  # resumed: version 4 is an anchor
     report = collect(url, keep_last=1, grace_s=0.0, unsafe_grace_ok=True)
     assert report.floor_after == 4  # version 2 (cached) is collected
     with Subscriber(url) as fresh:
@@ -287,7 +289,8 @@ def test_tied_tensors_get_no_grid_and_a_tied_target_updates_through_either_owner
     g = torch.Generator().manual_seed(4)
     emb = torch.randn(128, 512, generator=g).bfloat16()
     s1 = {"embed.weight": emb, "lm_head.weight": emb, "o.weight": torch.randn(128, 512, generator=g).bfloat16()}
-    with Publisher(url, group_small_tensors=False, slice_align=2, column_slices=["*.weight"], threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(group_small_tensors=False, slice_align=2, column_slices=["*.weight"])) as pub:
         pub.publish(s1)
         emb.view(-1)[::97] += 1
         s1["o.weight"].view(-1)[::89] += 1
@@ -303,7 +306,7 @@ def test_tied_tensors_get_no_grid_and_a_tied_target_updates_through_either_owner
     a2 = a1.clone()
     a2[3:9, 5:20] += 1
     _publish(url, {"a": _spec("a", (16, 24), 4, 6)}, [{"a": a1, "b": a1.clone()}, {"a": a2, "b": a2.clone()}],
-             anchor_every=10)
+             anchor_policy=AnchorPolicy(every=10))
     for first in ("a", "b"):
         with Subscriber(url) as sub:
             held = sub.pull(1)
@@ -325,7 +328,9 @@ def test_a_grid_store_reads_bit_exact_on_the_numpy_paths(tmp_path: Path, monkeyp
 
     url = f"file://{tmp_path}"
     states = _cached_states(4)
-    with Publisher(url, group_small_tensors=False, threads=2, max_pending=2, anchor_every=10) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(group_small_tensors=False),
+                   anchor_policy=AnchorPolicy(every=10),
+                   async_policy=AsyncPolicy(max_pending=2)) as pub:
         pub._explicit_specs = CACHED
         futures = [pub.publish_async(snapshot(s), copy=False) for s in states]
         assert [f.result().kind for f in futures] == ["anchor", "delta", "delta", "delta"]
@@ -354,7 +359,7 @@ def test_deltastore_verify_checks_a_grid_store_and_names_a_bad_grid_chunk(
 
     url = f"file://{tmp_path}"
     states = _cached_states(3)
-    _publish(url, CACHED, states, anchor_every=10)
+    _publish(url, CACHED, states, anchor_policy=AnchorPolicy(every=10))
     assert main(["verify", url, "--all"]) == 0
     assert capsys.readouterr().out.count("OK version") == 3
     index = _corrupt_delta(url, 3, "w")
@@ -390,7 +395,7 @@ def test_random_grids_pull_and_fast_forward_a_slice_bit_exact(tmp_path_factory: 
     s1 = {"w": (torch.randn(*spec.shape, generator=g) * 50).to(getattr(torch, spec.dtype))}
     s2 = _edit(s1, 1)
     states = [s1, s2, {"w": s2["w"] + 1}]
-    _publish(url, {"w": spec}, states, anchor_every=10)
+    _publish(url, {"w": spec}, states, anchor_policy=AnchorPolicy(every=10))
     with Subscriber(url) as sub:  # whole: stage and swap writes blocks of every width
         target = sub.pull(1)
         sub.swap(sub.stage(target, 2), target)
@@ -411,10 +416,11 @@ def test_a_column_rank_crosses_relayouts_to_and_from_a_grid(tmp_path: Path) -> N
     kept), a delta in it, and a relayout back."""
     url = f"file://{tmp_path}"
     states = _cached_states(5)
-    with Publisher(url, group_small_tensors=False, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(group_small_tensors=False)) as pub:
         pub.publish(states[0])
-    _publish(url, CACHED, states[1:3], resume=False)
-    with Publisher(url, group_small_tensors=False, threads=2, resume=False) as pub:
+    _publish(url, CACHED, states[1:3], writer_policy=WriterPolicy(resume=False))
+    with Publisher(url, writer_policy=WriterPolicy(threads=2, resume=False),
+                   layout_policy=LayoutPolicy(group_small_tensors=False)) as pub:
         for s in states[3:]:
             pub.publish(s)
     sel = Selection(names=("w", "t"), shard=(1, 1, 3))

@@ -30,6 +30,7 @@ from deltastore import (
     TargetModifiedError,
     UnsupportedSchemaError,
 )
+from deltastore.write.policy import AnchorPolicy, AsyncPolicy, LayoutPolicy, WriterPolicy
 from deltastore._util import kernels
 from deltastore.format.manifest import Layout, decode_object, encode_object, object_key, sha256_hex
 from deltastore.layout.select import Selection
@@ -66,7 +67,7 @@ def _next(prev: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
 
 
 def _publish(url: str, states: list[dict[str, torch.Tensor]], specs=SPECS, **kw) -> None:
-    with Publisher(url, group_small_tensors=False, **kw) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=False), **kw) as pub:
         pub._explicit_specs = specs
         for s in states:
             pub.publish(s)
@@ -159,12 +160,12 @@ def test_native_and_numpy_paths_write_identical_packs_and_tables(tmp_path: Path,
                 out.append((m.kind, [b.sha256 for b in m.blobs], packs, tables, m.stats.model_dump()))
         return out
 
-    _publish(f"file://{tmp_path / 'native'}", states, threads=2)
+    _publish(f"file://{tmp_path / 'native'}", states, writer_policy=WriterPolicy(threads=2))
     with monkeypatch.context() as mp:
         for name in ("encode_add", "xxh3_128_hex", "split_planes", "pair_codes", "byte_histogram", "apply_segment",
                      "gather_members", "scatter_members", "scan_tensors"):
             mp.setattr(kernels, name, None)
-        _publish(f"file://{tmp_path / 'numpy'}", states, threads=2)
+        _publish(f"file://{tmp_path / 'numpy'}", states, writer_policy=WriterPolicy(threads=2))
     assert written(f"file://{tmp_path / 'native'}") == written(f"file://{tmp_path / 'numpy'}")
 
 
@@ -191,7 +192,7 @@ def test_pull_into_through_a_compacted_squash(tmp_path: Path, caplog: pytest.Log
 
     url = f"file://{tmp_path}"
     states = _states(4)
-    _publish(url, states, anchor_every=10)
+    _publish(url, states, anchor_policy=AnchorPolicy(every=10))
     assert [(s.from_, s.to) for s in compact(url, bases=[1], to=4).squashes] == [(1, 4)]
     with Subscriber(url) as sub, caplog.at_level(logging.INFO, logger="deltastore.read"):
         target = sub.pull(1)
@@ -239,7 +240,7 @@ def test_resume_keeps_the_grid_and_writes_deltas(tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     states = _states(3, seed=5)
     _publish(url, states[:2])
-    with Publisher(url, group_small_tensors=False) as pub:  # no hook: the store's layout continues
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=False)) as pub:  # no hook: the store's layout continues
         info = pub.publish(states[2])
         assert info.kind == "delta"
         again = pub.publish(states[2])  # skip_unchanged compares in unit order
@@ -254,7 +255,8 @@ def test_resume_keeps_the_grid_and_writes_deltas(tmp_path: Path) -> None:
 def test_a_policy_anchor_of_an_unchanged_state_is_skipped(tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     s = _state(6)
-    with Publisher(url, group_small_tensors=False, anchor_every=1) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=False),
+                   anchor_policy=AnchorPolicy(every=1)) as pub:
         pub._explicit_specs = SPECS
         assert pub.publish(s).version == 1
         assert pub.publish(s).version == 1  # _identical, chunk by chunk against the unit-order reference
@@ -269,12 +271,13 @@ def test_relayout_to_and_from_a_grid_is_bridged(tmp_path: Path) -> None:
     _publish(url, states[:1])
     with Subscriber(url) as sub:
         target = sub.pull()
-        with Publisher(url, group_small_tensors=False, resume=False) as pub:  # another layout: no grid
+        with Publisher(url, writer_policy=WriterPolicy(resume=False),
+                       layout_policy=LayoutPolicy(group_small_tensors=False)) as pub:  # another layout: no grid
             pub.publish(states[1])
         sub.pull_into(target)
         _bits_equal(target, states[1])
         assert sub.units()["w"].chunk_cols == 0
-        _publish(url, states[2:], resume=False)  # the grid again
+        _publish(url, states[2:], writer_policy=WriterPolicy(resume=False))  # the grid again
         sub.pull_into(target)
         _bits_equal(target, states[2])
         assert sub.units()["w"].chunk_cols == 24
@@ -309,7 +312,7 @@ def test_random_grids_round_trip(tmp_path_factory: pytest.TempPathFactory, case)
         model.append(nxt)
     states = [{"t": torch.from_numpy(a.copy())} for a in model]
     url = f"file://{tmp_path_factory.mktemp('hyp')}"
-    _publish(url, states, specs={"t": spec}, skip_unchanged=False)
+    _publish(url, states, specs={"t": spec}, writer_policy=WriterPolicy(skip_unchanged=False))
     with Subscriber(url) as sub:
         for v in range(1, len(model) + 1):
             assert np.array_equal(sub.pull(v)["t"].numpy(), model[v - 1])
@@ -365,7 +368,7 @@ def test_a_corrupt_segment_mid_apply_rolls_back_bit_exactly(tmp_path: Path, capl
     states = _states(3, seed=9)
     states[2] = {n: t.clone() for n, t in states[1].items()}
     states[2]["w"] += torch.tensor(1.0, dtype=torch.bfloat16)  # every grid chunk changes
-    _publish(url, states, anchor_every=100)
+    _publish(url, states, anchor_policy=AnchorPolicy(every=100))
     with open_store(url) as st, Subscriber(url) as sub:
         _, m = sub._reader.resolve(3)
         w = next(t for t in m.tensors if t.name == "w")
@@ -498,9 +501,9 @@ def test_grid_spec_for_llama_shapes_and_exclusions() -> None:
 
 def test_column_slices_needs_slice_align_and_patterns(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="column_slices needs slice_align"):
-        Publisher(f"file://{tmp_path}", column_slices=("*.o_proj.weight",))
+        Publisher(f"file://{tmp_path}", layout_policy=LayoutPolicy(column_slices=("*.o_proj.weight",)))
     with pytest.raises(ValueError, match="sequence of fnmatch patterns"):
-        Publisher(f"file://{tmp_path}", slice_align=8, column_slices="*.o_proj.weight")
+        Publisher(f"file://{tmp_path}", layout_policy=LayoutPolicy(slice_align=8, column_slices="*.o_proj.weight"))
 
 
 def test_row_parallel_names_llama_row_parallel_weights() -> None:
@@ -528,8 +531,9 @@ def test_column_slices_grids_what_fits_and_logs_the_rest(tmp_path: Path, caplog:
         "l0.q_proj.weight": torch.randn(64, 512, generator=g),  # not matched
     }
     url = f"file://{tmp_path}"
-    with caplog.at_level("INFO", logger="deltastore.write.publisher"), \
-            Publisher(url, slice_align=2, column_slices=ROW_PARALLEL_PATTERNS, group_small_tensors=True) as pub:
+    with caplog.at_level("INFO", logger="deltastore.write.policy"), \
+            Publisher(url,
+                      layout_policy=LayoutPolicy(slice_align=2, column_slices=ROW_PARALLEL_PATTERNS, group_small_tensors=True)) as pub:
         pub.publish(state)
         nxt = {n: t.clone() for n, t in state.items()}
         nxt["l0.o_proj.weight"][5, 300] += 1
@@ -557,7 +561,7 @@ def test_a_resumed_publisher_keeps_the_grid_and_resume_false_relays_out(tmp_path
     s1 = {"a.o_proj.weight": torch.randn(64, 512, generator=g), "b": torch.randn(8, generator=g)}
     s2 = {n: t + 1 for n, t in s1.items()}
     s3 = {n: t + 2 for n, t in s1.items()}
-    with Publisher(url, slice_align=2, column_slices=("*.o_proj.weight",)) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(slice_align=2, column_slices=("*.o_proj.weight",))) as pub:
         pub.publish(s1)
     with Subscriber(url) as sub:
         target = sub.pull()
@@ -566,7 +570,7 @@ def test_a_resumed_publisher_keeps_the_grid_and_resume_false_relays_out(tmp_path
         sub.pull_into(target)
         _bits_equal(target, s2)
         assert sub.units()["a.o_proj.weight"].chunk_cols == 256
-        with Publisher(url, resume=False) as pub:  # a new layout without the grid: an anchor
+        with Publisher(url, writer_policy=WriterPolicy(resume=False)) as pub:  # a new layout without the grid: an anchor
             assert pub.publish(s3).kind == "anchor"
         sub.pull_into(target)  # bridged: the relaid anchor replaces every chunk
         _bits_equal(target, s3)
@@ -578,7 +582,8 @@ def test_publish_async_snapshots_publish_grids_bit_exact(tmp_path: Path) -> None
     advance that buffer in place."""
     url = f"file://{tmp_path}"
     states = _states(4, seed=13)
-    with Publisher(url, group_small_tensors=False, max_pending=2) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=False),
+                   async_policy=AsyncPolicy(max_pending=2)) as pub:
         pub._explicit_specs = SPECS
         futures = [pub.publish_async(s) for s in states]
         kinds = [f.result().kind for f in futures]

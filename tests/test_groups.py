@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore._util import kernels
 from deltastore.lifecycle.compact import compact
 from deltastore.errors import (
@@ -52,7 +53,7 @@ from deltastore.format.manifest import (
     object_key,
     sha256_hex,
 )
-from deltastore.write.publisher import GROUP_AUTO_MIN_TENSORS
+from deltastore.write.policy import GROUP_AUTO_MIN_TENSORS
 from deltastore.read.stage import make_patch, split_patch
 from deltastore.storage import open_store
 from deltastore.layout.tensors import (
@@ -226,8 +227,9 @@ def test_grouped_store_is_bit_exact_over_s3_through_pull_pull_into_stage_squash_
     opts = t.storage_options
     trainer = TinyTrainer(4)
     states: dict[int, dict[str, torch.Tensor]] = {}
-    with Publisher(t.url, storage_options=opts, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, anchor_every=5,
-                   group_small_tensors=True) as pub:
+    with Publisher(t.url, storage_options=opts, writer_policy=WriterPolicy(threads=2),
+                   anchor_policy=AnchorPolicy(every=5),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES, group_small_tensors=True)) as pub:
         state = trainer.export()
         for _ in range(8):
             states[pub.publish(state).version] = snapshot(state)
@@ -285,7 +287,7 @@ def test_grouped_store_is_bit_exact_over_s3_through_pull_pull_into_stage_squash_
 def test_a_modified_member_is_refused_before_anything_is_applied(tmp_path: Any) -> None:
     url = str(tmp_path / "s")
     trainer = TinyTrainer(5)
-    with Publisher(url, threads=2, group_small_tensors=True) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         v1 = snapshot(trainer.export())
         pub.publish(v1)
         with Subscriber(url, threads=2) as sub:
@@ -306,10 +308,12 @@ def test_a_restarted_publisher_continues_a_grouped_chain_with_deltas(tmp_path: A
     url = str(tmp_path / "s")
     trainer = TinyTrainer(6)
     states = {}
-    with Publisher(url, threads=2, group_small_tensors=True, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(group_small_tensors=True, chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         states[pub.publish(trainer.export()).version] = snapshot(trainer.export())
     for _ in range(2):  # the option is what a resumed publisher does not need: the chain decides
-        with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+        with Publisher(url, writer_policy=WriterPolicy(threads=2),
+                       layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
             s = trainer.step()
             info = pub.publish(s)
             states[info.version] = snapshot(s)
@@ -330,15 +334,16 @@ def test_a_chain_grouped_at_the_old_target_keeps_its_groups(tmp_path: Any, monke
     old_url, new_url = str(tmp_path / "old"), str(tmp_path / "new")
     with monkeypatch.context() as mp:
         mp.setattr("deltastore.layout.groups.GROUP_TARGET_BYTES", 1024 * 1024)
-        with Publisher(old_url, threads=2, group_small_tensors=True) as pub:
+        with Publisher(old_url, writer_policy=WriterPolicy(threads=2),
+                       layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
             pub.publish(state)
     assert GROUP_TARGET_BYTES >= 2560 * 1024  # the 2.5 MiB of members fit one group now
     s2 = {n: t.clone() for n, t in state.items()}
     for t in list(s2.values())[::7]:
         t.view(torch.int16)[::100] += 1
-    with Publisher(old_url, threads=2, group_small_tensors=True) as pub:
+    with Publisher(old_url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         assert pub.publish(s2).kind == "delta"
-    with Publisher(new_url, threads=2, group_small_tensors=True) as pub:
+    with Publisher(new_url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         pub.publish(state)
     m1, layout1 = _chunk_digests(old_url, None, 1)
     m2, layout2 = _chunk_digests(old_url, None, 2)
@@ -355,7 +360,7 @@ def test_a_chain_grouped_at_the_old_target_keeps_its_groups(tmp_path: Any, monke
 def test_without_the_option_the_writer_writes_schema_3(tmp_path: Any, option: Any) -> None:
     """False never groups; "auto" (the default) leaves a layout with few small tensors alone."""
     url = str(tmp_path / "s")
-    with Publisher(url, threads=2, group_small_tensors=option) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(group_small_tensors=option)) as pub:
         pub.publish(TinyTrainer(7).export())
     m, layout = _chunk_digests(url, None, 1)
     assert m.schema_ == 3 and layout.schema_ == 3 and layout.groups is None
@@ -370,7 +375,7 @@ def test_auto_grouping_starts_at_its_tensor_count(tmp_path: Any, n: int) -> None
     gen = torch.Generator().manual_seed(n)
     state = {f"norm.{i}": torch.randn(64, generator=gen).to(torch.bfloat16) for i in range(n)}
     state["big"] = torch.randn(512, 1024, generator=gen).to(torch.bfloat16)  # 1 MiB: never grouped
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(state)
     m, layout = _chunk_digests(url, None, 1)
     grouped = n >= GROUP_AUTO_MIN_TENSORS
@@ -388,7 +393,8 @@ def test_pull_allocates_a_group_in_one_buffer_and_pull_into_also_works_on_separa
     url = str(tmp_path / "s")
     trainer = TinyTrainer(8)
     states = {}
-    with Publisher(url, threads=2, group_small_tensors=True, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(group_small_tensors=True, chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for _ in range(3):
             s = trainer.export() if not states else trainer.step()
             states[pub.publish(s).version] = snapshot(s)
@@ -423,7 +429,7 @@ def test_closed_subscribers_leave_no_layout_behind(tmp_path: Any) -> None:
     state = {f"norm.{i}": torch.randn(64, generator=gen).to(torch.bfloat16) for i in range(GROUP_AUTO_MIN_TENSORS)}
     state2 = {k: v.clone() for k, v in state.items()}
     state2["norm.3"][5] += 1
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(state)
         pub.publish(state2)
 
@@ -457,7 +463,7 @@ def test_a_layouts_group_members_are_out_of_the_collectors_sight(tmp_path: Any, 
     url = str(tmp_path / "s")
     gen = torch.Generator().manual_seed(4)
     state = {f"norm.{i}": torch.randn(3, 8, generator=gen).to(torch.bfloat16) for i in range(GROUP_AUTO_MIN_TENSORS)}
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(state)
     store = open_store(url)
     head = History(store).read_head()[0]
@@ -487,7 +493,7 @@ def test_tied_small_tensors_stay_ungrouped_and_update_once(tmp_path: Any) -> Non
     state = {f"n{i}": torch.randn(32, generator=g).to(torch.bfloat16) for i in range(6)}
     state["tied.a"] = norm
     state["tied.b"] = norm  # the same tensor under two names
-    with Publisher(url, threads=2, group_small_tensors=True) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         pub.publish(state)
         with Subscriber(url, threads=2) as sub:
             target = sub.pull()
@@ -607,7 +613,7 @@ def test_pull_into_separate_member_tensors_scatters_natively() -> None:
     is updated through the member table, bit-exact, and a modified member is still refused."""
     state = {f"n{i}": (torch.randn(300 + i) * 0.02).to(torch.bfloat16) for i in range(40)}
     url = "memory://groups-separate"
-    with Publisher(url, group_small_tensors=True) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         pub.publish(state)
         with Subscriber(url) as sub:
             target = {n: t.clone() for n, t in sub.pull().items()}  # separate storages
@@ -644,7 +650,7 @@ def _bumped(state: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
 def test_pull_into_sees_a_member_changed_since_its_last_call(change: str) -> None:
     state = _square_members()
     url = f"memory://groups-changed-{change}"
-    with Publisher(url, group_small_tensors=True) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         pub.publish(state)
         with Subscriber(url) as sub:
             target = sub.pull()
@@ -682,7 +688,7 @@ def test_pull_into_writes_a_member_moved_to_new_memory_since_its_last_call() -> 
     pull_into must update the new memory, not the address it had before."""
     state = _square_members()
     url = "memory://groups-moved"
-    with Publisher(url, group_small_tensors=True) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         pub.publish(state)
         with Subscriber(url) as sub:
             target = sub.pull()
@@ -704,7 +710,7 @@ def test_pull_into_writes_a_member_moved_to_new_memory_since_its_last_call() -> 
 def test_publish_sees_a_member_changed_since_its_last_call(change: str) -> None:
     state = _square_members()
     url = f"memory://groups-pub-changed-{change}"
-    with Publisher(url, group_small_tensors=True) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         pub.publish(state)
         live = {n: t.clone() for n, t in state.items()}  # one dict, published again and again
         pub.publish(live)

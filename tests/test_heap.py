@@ -12,6 +12,7 @@ import deltastore._util.heap as heap
 import deltastore.write.publisher as publish_mod
 import deltastore.read.subscriber as pull_mod
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -45,7 +46,7 @@ def test_trimmed_after_an_anchor_and_a_whole_pull_not_after_a_delta(tmp_path: Pa
     monkeypatch.setattr(publish_mod, "release_free_heap", lambda: calls.append("publish") or True)
     monkeypatch.setattr(pull_mod, "release_free_heap", lambda: calls.append("pull") or True)
     url = str(tmp_path / "store")
-    with Publisher(url, anchor_every=1000) as pub:
+    with Publisher(url, anchor_policy=AnchorPolicy(every=1000)) as pub:
         pub.publish(_state(0), step=0)  # the first version: an anchor
         assert calls == ["publish"]
         s1 = _state(0)

@@ -30,6 +30,7 @@ from deltastore import (
     Subscriber,
     VersionNotFoundError,
 )
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.format.manifest import HEAD_KEY, manifest_key, parse_head, parse_manifest, sha256_hex
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal, small_state, snapshot, sparse_edit
@@ -51,7 +52,7 @@ def pristine() -> dict[str, Any]:
     states = [small_state(0, n=3, rows=32)]
     for i in range(2):
         states.append(sparse_edit(states[-1], np.random.default_rng(i), 0.05))
-    with Publisher(url, threads=1, chunk_bytes=256) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1), layout_policy=LayoutPolicy(chunk_bytes=256)) as pub:
         for s in states:
             pub.publish(s, metadata={"note": "fuzz", "n": [1, 2]})
         objects = {m.key: pub.store.get(m.key) for m in pub.store.list()}

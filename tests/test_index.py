@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+import deltastore.write.commit as commit_mod
 from deltastore import Publisher
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from deltastore.errors import (
     ConflictError,
     HistoryReplacedError,
@@ -39,7 +41,8 @@ COPIED = ("version", "manifest", "manifest_sha256", "commit_id", "writer", "epoc
 def _store_with_versions(tmp_path, n=5, anchor_every=3):
     url = str(tmp_path / "store")
     trainer = TinyTrainer()
-    with Publisher(url, anchor_every=anchor_every, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, anchor_policy=AnchorPolicy(every=anchor_every),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for _ in range(n):
             pub.publish(trainer.step())
     return open_store(url)
@@ -153,6 +156,42 @@ def test_lost_response_is_settled_by_reading_head(tmp_path):
     assert len([m for m in inner.list("objects/") if m.key.endswith(INDEX_SUFFIX)]) == 1
 
 
+class _UnreadableHeadAfterPut(HeadPutHook):
+    """The HEAD write lands but its response is lost; then the next ``unreadable`` reads of HEAD
+    fail (an outage while the writer reads HEAD back)."""
+
+    def __init__(self, inner, unreadable: int):
+        def lost(key, data, mode, real_put):
+            real_put()
+            self.failing = unreadable
+            raise StorageError("connection reset after the body was sent")
+
+        super().__init__(inner, lost)
+        self.failing = 0
+
+    def get_with_meta(self, key):
+        if key == HEAD_KEY and self.failing:
+            self.failing -= 1
+            raise StorageError("503 Slow Down (injected)")
+        return super().get_with_meta(key)
+
+
+def test_index_writes_settle_with_the_commit_protocols_read_back(tmp_path, monkeypatch):
+    """Every HEAD writer reads HEAD back alike (write/commit.py): an index write whose response
+    was lost rides out as many unreadable HEAD reads as a publisher's commit does, and only
+    beyond that reports HEAD unreadable (nothing it wrote is lost: HEAD names its index)."""
+    monkeypatch.setattr(commit_mod, "READBACK_BACKOFF_S", 0.0)
+    tries = commit_mod.READBACK_ATTEMPTS
+    inner = _store_with_versions(tmp_path)
+    store = _UnreadableHeadAfterPut(inner, unreadable=tries - 1)
+    head, idx = update_index(store, History(store), _set(floor=4), writer="g")
+    assert idx.floor == 4 and read_head(inner)["index"] == head.index.model_dump()
+    store = _UnreadableHeadAfterPut(inner, unreadable=tries)
+    with pytest.raises(StorageError, match="could not be read back"):
+        update_index(store, History(store), _set(floor=5), writer="g")
+    assert read_index(History(inner), History(inner).read_head()[0]).floor == 5  # it had landed
+
+
 def test_a_cas_that_keeps_losing_gives_up(tmp_path):
     inner = _store_with_versions(tmp_path)
     n = []
@@ -188,17 +227,15 @@ def _downgrade_head(store):
     store.put(HEAD_KEY, json.dumps(doc).encode(), mode="overwrite")
 
 
-def test_schema2_head_refused_unless_upgrade(tmp_path):
+def test_schema2_head_is_refused(tmp_path):
     store = _store_with_versions(tmp_path)
     _downgrade_head(store)
     before = store.get(HEAD_KEY)
-    with pytest.raises(UnsupportedSchemaError):
+    with pytest.raises(UnsupportedSchemaError, match="schema-3 HEAD"):
         update_index(store, History(store), _set(floor=4), writer="g")
     with pytest.raises(UnsupportedSchemaError):
         pin(store, 3)
     assert store.get(HEAD_KEY) == before
-    head, idx = update_index(store, History(store), _set(floor=1), writer="g", upgrade=True)
-    assert head.schema_ == 3 and read_head(store)["schema"] == 3 and idx.floor == 1
 
 
 def test_pin_and_unpin(tmp_path):
@@ -249,7 +286,7 @@ def test_publisher_keeps_the_index_across_commits(tmp_path):
     """HEAD writes by the publisher carry the index along (a commit must not drop the floor)."""
     url = str(tmp_path / "store")
     trainer = TinyTrainer()
-    with Publisher(url, anchor_every=3, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, anchor_policy=AnchorPolicy(every=3), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for _ in range(3):
             pub.publish(trainer.step())
         idx = pin(url, 2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltastore import PollPolicy, Publisher, Subscriber
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.read.changes import changed_rows, changed_tensors, merge_spans, row_ranges
 
 #: Small chunks: a (64, 16) fp32 tensor is 4 KiB, so 256-byte chunks are 4 rows each and an
@@ -42,7 +43,7 @@ def test_pull_into_reports_only_changed_tensors_and_rows(tmp_path) -> None:
     v2 = {n: t.clone() for n, t in v1.items()}
     v2["layer.0.weight"][37, 5] += 1.0  # one element in row 37: its 4-row chunk is rows 36..39
     v2["head.weight"][0] *= 2.0  # the whole row 0
-    with Publisher(url, chunk_bytes=CHUNK_BYTES, threads=1) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1), layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)) as pub:
         pub.publish(v1)
         pub.publish(v2)
         with Subscriber(url, threads=1) as sub:
@@ -75,7 +76,7 @@ def test_follow_record_updates_feed_load_weights(tmp_path) -> None:
         s["embed.weight"][10 * k + 3] += 0.5
         states.append(s)
     loaded: list[list[str]] = []
-    with Publisher(url, chunk_bytes=CHUNK_BYTES, threads=1) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1), layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)) as pub:
         for s in states:
             pub.publish(s)
         with Subscriber(url, threads=1) as sub:
@@ -104,7 +105,7 @@ def test_follow_record_updates_feed_load_weights(tmp_path) -> None:
 def test_follow_reports_each_version_changes(tmp_path) -> None:
     url = str(tmp_path / "store")
     base = _state(1)
-    with Publisher(url, chunk_bytes=CHUNK_BYTES, threads=1) as pub, Subscriber(url, threads=1) as sub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1), layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)) as pub, Subscriber(url, threads=1) as sub:
         pub.publish(base)
         weights = sub.allocate()
         model = {n: torch.zeros_like(t) for n, t in weights.items()}
@@ -136,7 +137,7 @@ def test_pull_into_on_a_grouped_store_names_member_tensors(tmp_path) -> None:
     url = str(tmp_path / "s")
     gen = torch.Generator().manual_seed(3)
     state = {f"norm.{i}": torch.randn(256, generator=gen).to(torch.bfloat16) for i in range(40)}
-    with Publisher(url, threads=2, group_small_tensors=True) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
         pub.publish(state)
         sub = Subscriber(url)
         weights = sub.pull()

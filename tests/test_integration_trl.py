@@ -25,7 +25,7 @@ from deltastore import Publisher, Subscriber
 from deltastore.errors import FencedError
 from deltastore.integrations._common import clean_name, tied_weights_of
 from deltastore.integrations.trl import DeltastoreWeightTransfer
-from deltastore.write.publisher import _handed_over
+from deltastore.write.publisher import handed_over
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,7 +167,7 @@ def test_handed_over_keeps_ready_tensors_and_copies_others() -> None:
     ready = torch.zeros(4, dtype=torch.bfloat16)
     fp32 = torch.ones(4)
     ints = torch.arange(3)
-    out = _handed_over({"a": ready, "b": fp32, "c": ints}, torch.bfloat16)
+    out = handed_over({"a": ready, "b": fp32, "c": ints}, torch.bfloat16)
     assert list(out) == ["a", "b", "c"]
     assert out["a"].data_ptr() == ready.data_ptr() and out["c"].data_ptr() == ints.data_ptr()
     assert out["b"].dtype == torch.bfloat16 and out["b"].data_ptr() != fp32.data_ptr()

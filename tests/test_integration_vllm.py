@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deltastore import Publisher
+from deltastore.write.policy import WriterPolicy
 from deltastore.integrations.vllm import DeltastoreWorkerExtension
 
 #: A test never waits longer than this for the follow thread.
@@ -74,7 +75,7 @@ def test_worker_follows_and_reloads_only_changed_tensors(tmp_path) -> None:
     w = _Worker(model)
     with pytest.raises(RuntimeError, match="deltastore_start"):
         w.deltastore_sync()
-    with Publisher(url, dtype=torch.bfloat16, threads=1) as pub:
+    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(v1, step=10, metadata={"model_version": 1})
         w.deltastore_start(url, interval=0.02, threads=1, wait_s=DEADLINE_S)
         assert w.deltastore_start(url)["staged"]["version"] == 1  # idempotent
@@ -124,7 +125,7 @@ def test_follow_failure_is_reported_by_the_next_rpc(tmp_path) -> None:
     v1 = _state(0)
     model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
     w = _Worker(model)
-    with Publisher(url, threads=1) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(v1)
         w.deltastore_start(url, interval=0.02, threads=1, wait_s=DEADLINE_S)
         w.deltastore_sync()
@@ -146,7 +147,7 @@ def test_start_on_an_empty_store_waits_and_sync_never_blocks_the_engine(tmp_path
     v1 = _state(3)
     model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
     w = _Worker(model)
-    with Publisher(url, threads=1) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(v1)  # creates the store; the worker starts before the version it follows
         v2 = {n: t.clone() for n, t in v1.items()}
         v2["model.norm.weight"][0] = 9.0
@@ -170,7 +171,7 @@ def test_start_before_the_first_version(tmp_path) -> None:
     v1 = _state(4)
     model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
     w = _Worker(model)
-    with Publisher(str(store), threads=1) as pub:  # an empty store: HEAD at version 0
+    with Publisher(str(store), writer_policy=WriterPolicy(threads=1)) as pub:  # an empty store: HEAD at version 0
         w.deltastore_start(str(store), interval=0.02, threads=1)
         time.sleep(0.2)
         st = w.deltastore_status()

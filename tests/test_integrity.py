@@ -25,6 +25,7 @@ from deltastore import (
     UnknownCodecError,
     UnsupportedSchemaError,
 )
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.cli import main
 from deltastore.format.manifest import HEAD_KEY, SCHEMA_VERSION, manifest_key, sha256_hex
 from deltastore.storage import open_store
@@ -57,8 +58,8 @@ def _history(url: str, n: int = 4, **kw) -> list[dict[str, torch.Tensor]]:
     states = [small_state(0, n=4, rows=64)]
     for i in range(1, n):
         states.append(sparse_edit(states[-1], np.random.default_rng(i), 0.02))
-    kw.setdefault("chunk_bytes", SMALL_CHUNK_BYTES)
-    with Publisher(url, threads=2, **kw) as pub:
+    kw.setdefault("layout_policy", LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES))
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), **kw) as pub:
         for s in states:
             pub.publish(s)
     return [snapshot(s) for s in states]
@@ -190,7 +191,7 @@ def test_unknown_schema_in_head_is_refused_by_readers_and_writers(url: str) -> N
     with pytest.raises(UnsupportedSchemaError):
         Publisher(url)
     with pytest.raises(UnsupportedSchemaError):
-        Publisher(url, takeover=False)
+        Publisher(url, writer_policy=WriterPolicy(takeover=False))
     with open_store(url) as store:
         assert store.get(HEAD_KEY) == future
 
@@ -323,7 +324,8 @@ def test_pull_into_rolls_back_chunks_replaced_from_a_snapshot(url: str, batch_by
         monkeypatch.setattr(deltastore.read.fetch, "FETCH_BATCH_BYTES", batch_bytes)
     states = _history(url, n=2)
     more = [sparse_edit(states[-1], np.random.default_rng(10 + i), 0.02) for i in range(2)]
-    with Publisher(url, resume=False, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:  # a restart, no read-back
+    with Publisher(url, writer_policy=WriterPolicy(resume=False, threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:  # a restart, no read-back
         assert pub.publish(more[0]).kind == "anchor"
         assert pub.publish(more[1]).kind == "delta"
     with open_store(url) as store:
@@ -365,7 +367,7 @@ def test_pull_into_a_target_modified_where_nothing_changes_is_refused(url: str) 
     """SPEC §7.5: the target's chunks are checked against their digests at the held version, so
     a local edit in a tensor the update does not touch is not silently kept."""
     states = [small_state(0, n=4, rows=64)]
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         pub.publish(states[0])
         nxt = snapshot(states[0])
         nxt["t0"][0, 0] += 1  # only t0 changes
@@ -588,7 +590,7 @@ def test_delta_whose_anchor_is_not_an_anchor(url: str) -> None:
 
 def _anchor_with_deltas(url: str) -> list[dict[str, torch.Tensor]]:
     """Versions 1 (anchor), 2, 3 (deltas), 4 (an anchor that also carries delta segments)."""
-    states = _history(url, n=4, anchor_every=3)
+    states = _history(url, n=4, anchor_policy=AnchorPolicy(every=3))
     with open_store(url) as store:
         _, d4 = head_manifest(store)
     assert d4["kind"] == "anchor" and d4["delta_base"] == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import uuid
@@ -19,6 +20,7 @@ from deltastore import (
     Publisher,
     UnsupportedSchemaError,
 )
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.format.manifest import (
     HEAD_KEY,
     BlobRef,
@@ -221,7 +223,7 @@ def real() -> dict[str, bytes | str]:
     s0 = small_state(0)
     s1 = snapshot(s0)
     s1["t0"][0, 0] += 1
-    with Publisher(url, threads=2, chunk_bytes=256) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=256)) as pub:
         pub.publish(s0, metadata={"a": [1, 2]})
         pub.publish(s1, step=5)
         return _store_copy_as_schema2(pub.store)
@@ -413,7 +415,8 @@ def test_delta_manifest_lists_only_what_changed() -> None:
     url = f"memory://manifest-size-{uuid.uuid4().hex}"
     state = {f"layer{i:04d}.weight": torch.full((4, 4), float(i), dtype=torch.bfloat16) for i in range(2000)}
     state["big"] = torch.zeros(4096, 8, dtype=torch.bfloat16)
-    with Publisher(url, threads=2, chunk_bytes=1024, skip_unchanged=False, group_small_tensors=False) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2, skip_unchanged=False),
+                   layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=False)) as pub:
         a = pub.publish(state)
         store = pub.store
         anchor_size = len(json.dumps(_in_memory_doc(store, a.manifest)))  # the anchor lists all 2001 tensors
@@ -438,7 +441,7 @@ def test_delta_manifest_lists_only_what_changed() -> None:
         e = pub.publish(nxt)
         assert _in_memory_doc(store, e.manifest)["tensors"] == [] and len(store.get(e.manifest)) < 1000
         # skip_unchanged (the default): the same state again commits nothing and writes no object.
-        pub.skip_unchanged = True
+        pub.writer_policy = dataclasses.replace(pub.writer_policy, skip_unchanged=True)
         before = {o.key for o in store.list("")}
         again = pub.publish(nxt)
         assert again.version == e.version and {o.key for o in store.list("")} == before
@@ -475,7 +478,7 @@ def anchor_doc() -> dict:
         "scalar": torch.tensor(3, dtype=torch.int64),
         "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
     }
-    with Publisher(url, threads=2, chunk_bytes=512) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=512)) as pub:
         pub.publish(state)
         doc = json.loads(_store_copy_as_schema2(pub.store)["manifest"])
     w = next(t for t in doc["tensors"] if t["name"] == "w")

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltastore import Publisher, Subscriber, TargetModifiedError
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.codec import (
     CODEC_ADD_DENSE,
     CODEC_ADD_SPARSE,
@@ -472,7 +473,7 @@ def path(request):
 def _store(tmp_path, chunk_bytes=8192):
     a, b = _states()
     url = str(tmp_path / "store")
-    with Publisher(url, threads=1, chunk_bytes=chunk_bytes) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1), layout_policy=LayoutPolicy(chunk_bytes=chunk_bytes)) as pub:
         pub.publish(a)
         pub.publish(b)
     return url, a, b

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.errors import (
     CorruptObjectError,
     LayoutMismatchError,
@@ -57,7 +58,8 @@ def _publish_chain(url: str, n: int = 6, **kw) -> list[dict[str, torch.Tensor]]:
     rng = np.random.default_rng(1)
     state = _model()
     out = []
-    with Publisher(url, threads=2, chunk_bytes=CHUNK, anchor_every=3, **kw) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=3),
+                   layout_policy=LayoutPolicy(chunk_bytes=CHUNK), **kw) as pub:
         for _ in range(n):
             pub.publish(state)
             out.append(snapshot(state))
@@ -157,7 +159,8 @@ def test_groups_are_selected_by_member_name(tmp_path) -> None:
     state["big"] = torch.randn(2048, 160, generator=g).bfloat16()  # > 256 KiB: not grouped
     rng = np.random.default_rng(2)
     states = []
-    with Publisher(url, threads=2, chunk_bytes=64, group_small_tensors=True) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=64, group_small_tensors=True)) as pub:
         for _ in range(3):
             pub.publish(state)
             states.append(snapshot(state))

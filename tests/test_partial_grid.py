@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.read.changes import changed_rows, merge_spans
 from deltastore.errors import TargetModifiedError
 from deltastore.format.manifest import GroupMember
@@ -335,7 +336,8 @@ def _publish_grid(url: str, n: int = 5) -> list[dict[str, torch.Tensor]]:
              "q": torch.randn(64, 24, generator=g).bfloat16(), "n": torch.randn(32, generator=g)}
     rng = np.random.default_rng(5)
     out = []
-    with Publisher(url, threads=2, chunk_bytes=480, anchor_every=3) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=3),
+                   layout_policy=LayoutPolicy(chunk_bytes=480)) as pub:
         pub._explicit_specs = STORE_GRIDS
         for v in range(1, n + 1):
             pub.publish(state)
@@ -456,8 +458,8 @@ def test_eight_tp_ranks_of_a_column_sliced_store_over_s3(moto_s3_url) -> None:
              "l0.norm.weight": torch.randn(96, generator=g)}
     rng = np.random.default_rng(21)
     states = []
-    with Publisher(url, storage_options=opts, threads=2, chunk_bytes=16 * 1024, slice_align=8,
-                   column_slices=ROW_PARALLEL) as pub:
+    with Publisher(url, storage_options=opts, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=16 * 1024, slice_align=8, column_slices=ROW_PARALLEL)) as pub:
         for _ in range(2):
             pub.publish(state)
             states.append(snapshot(state))

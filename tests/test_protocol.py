@@ -20,6 +20,7 @@ from deltastore import (
     StorageError,
     Subscriber,
 )
+from deltastore.write.policy import AnchorPolicy, WriterPolicy
 from deltastore.format.history import History
 from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
@@ -48,7 +49,7 @@ def local_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def _pub(target, **kw) -> Publisher:
-    return Publisher(target.url, storage_options=target.storage_options, threads=2, **kw)
+    return Publisher(target.url, storage_options=target.storage_options, writer_policy=WriterPolicy(threads=2), **kw)
 
 
 def _sub(target) -> Subscriber:
@@ -73,7 +74,9 @@ def test_racing_publishers_never_fork_history(any_store_target) -> None:
 
     stores = [HeadPutHook(any_store_target.open(), meet_at_head) for _ in range(2)]
     # skip_unchanged=False: every round must race to HEAD, even when an edit happens to change nothing
-    pubs = [Publisher(any_store_target.url, store=st, takeover=False, anchor_every=1000, threads=2, skip_unchanged=False)
+    pubs = [Publisher(any_store_target.url, store=st,
+                      writer_policy=WriterPolicy(takeover=False, threads=2, skip_unchanged=False),
+                      anchor_policy=AnchorPolicy(every=1000))
             for st in stores]
     rng = np.random.default_rng(0)
     base = small_state(0, n=3, rows=16)
@@ -183,7 +186,7 @@ def test_takeover_fences_a_publisher_that_never_published(local_url: str) -> Non
 
 def test_takeover_claims_even_while_the_old_publisher_commits(local_url: str) -> None:
     """A new publisher must be able to take over from a live one that just committed."""
-    old = Publisher(local_url, threads=2)
+    old = Publisher(local_url, writer_policy=WriterPolicy(threads=2))
     old.publish(small_state(0))
     fired = []
 
@@ -193,7 +196,7 @@ def test_takeover_claims_even_while_the_old_publisher_commits(local_url: str) ->
         return real_put()
 
     store = HeadPutHook(open_store(local_url), old_commits_first)
-    new = Publisher(local_url, store=store, threads=2)
+    new = Publisher(local_url, store=store, writer_policy=WriterPolicy(threads=2))
     assert fired and fired[0].version == 2
     with pytest.raises(FencedError):
         old.publish(small_state(2))
@@ -211,7 +214,7 @@ def test_racing_takeovers_leave_exactly_one_unfenced_publisher(local_url: str) -
     def open_pub(_):
         barrier.wait()
         try:
-            return Publisher(local_url, threads=1)
+            return Publisher(local_url, writer_policy=WriterPolicy(threads=1))
         except FencedError as e:
             return e
 
@@ -249,7 +252,8 @@ def _lost_response_hook(error: type[PreconditionFailedError], hits: list[str]):
 def test_lost_response_is_success_committed_once(local_url: str, error) -> None:
     hits: list[str] = []
     inner = open_store(local_url)
-    pub = Publisher(local_url, store=HeadPutHook(inner, _lost_response_hook(error, hits)), takeover=False, threads=2)
+    pub = Publisher(local_url, store=HeadPutHook(inner, _lost_response_hook(error, hits)),
+                    writer_policy=WriterPolicy(takeover=False, threads=2))
     states = [small_state(0)]
     for i in range(1, 4):
         states.append(sparse_edit(states[-1], np.random.default_rng(i)))
@@ -271,9 +275,9 @@ def test_lost_response_is_success_committed_once(local_url: str, error) -> None:
 
 
 def test_genuine_conflict_during_head_write_is_a_conflict(local_url: str) -> None:
-    with Publisher(local_url, takeover=False) as seed:
+    with Publisher(local_url, writer_policy=WriterPolicy(takeover=False)) as seed:
         seed.publish(small_state(0))
-    rival = Publisher(local_url, takeover=False, threads=2)
+    rival = Publisher(local_url, writer_policy=WriterPolicy(takeover=False, threads=2))
     rival_states = []
 
     def rival_commits_first(key, data, mode, real_put):
@@ -282,7 +286,8 @@ def test_genuine_conflict_during_head_write_is_a_conflict(local_url: str) -> Non
         return real_put()  # now fails its If-Match for real
 
     inner = open_store(local_url)
-    pub = Publisher(local_url, store=HeadPutHook(inner, rival_commits_first), takeover=False, threads=2)
+    pub = Publisher(local_url, store=HeadPutHook(inner, rival_commits_first),
+                    writer_policy=WriterPolicy(takeover=False, threads=2))
     with pytest.raises(ConflictError) as exc:
         pub.publish(small_state(1))
     assert type(exc.value) is ConflictError
@@ -302,10 +307,10 @@ def test_genuine_conflict_during_head_write_is_a_conflict(local_url: str) -> Non
 
 @pytest.mark.parametrize("resume", [True, False])
 def test_after_a_conflict_the_next_publish_builds_on_the_winner(local_url: str, resume: bool) -> None:
-    a = Publisher(local_url, takeover=False, resume=resume, threads=2)
+    a = Publisher(local_url, writer_policy=WriterPolicy(takeover=False, resume=resume, threads=2))
     base = small_state(0, rows=64)
     a.publish(base)
-    b = Publisher(local_url, takeover=False, resume=resume, threads=2)
+    b = Publisher(local_url, writer_policy=WriterPolicy(takeover=False, resume=resume, threads=2))
     mine = sparse_edit(base, np.random.default_rng(1))
     theirs = sparse_edit(base, np.random.default_rng(2))
     assert b.publish(theirs).kind == ("delta" if resume else "anchor")
@@ -345,7 +350,7 @@ def test_failed_commit_leaves_head_and_readers_untouched(local_url: str, fail_on
                 raise _Boom(f"injected failure writing {key}")
             return self.inner.put(key, data, mode=mode)
 
-    pub = Publisher(local_url, store=Crashy(inner), takeover=False, threads=2)
+    pub = Publisher(local_url, store=Crashy(inner), writer_policy=WriterPolicy(takeover=False, threads=2))
     failing[0] = False
     pub.publish(states[0])
     sub = Subscriber(local_url, threads=2)
@@ -390,7 +395,7 @@ def test_head_write_that_landed_but_raised_keeps_history_linear(local_url: str) 
             raise _Boom("connection reset after the request was sent (injected)")
         return meta
 
-    pub = Publisher(local_url, store=HeadPutHook(inner, hook), takeover=False, threads=2)
+    pub = Publisher(local_url, store=HeadPutHook(inner, hook), writer_policy=WriterPolicy(takeover=False, threads=2))
     pub.publish(states[0])
     mode["raise_after"] = True
     assert pub.publish(states[1]).version == 2  # it did land
@@ -404,7 +409,7 @@ def test_head_write_that_landed_but_raised_keeps_history_linear(local_url: str) 
 
 
 def test_orphans_from_a_crashed_writer_do_not_confuse_readers(local_url: str) -> None:
-    with Publisher(local_url, takeover=False) as pub:
+    with Publisher(local_url, writer_policy=WriterPolicy(takeover=False)) as pub:
         s0 = small_state(0)
         pub.publish(s0)
     # A writer that uploaded packs and manifests for versions 2 and 3, then died before HEAD.
@@ -421,7 +426,7 @@ def test_orphans_from_a_crashed_writer_do_not_confuse_readers(local_url: str) ->
         assert [i.version for i in sub.log()] == [1]
         assert sub.latest().version == 1
         assert_bits_equal(sub.pull(), s0)
-    with Publisher(local_url, takeover=False) as pub:
+    with Publisher(local_url, writer_policy=WriterPolicy(takeover=False)) as pub:
         s1 = snapshot(small_state(1))
         assert pub.publish(s1).version == 2
     assert_bits_equal(pull_fresh(local_url), s1)
@@ -430,18 +435,19 @@ def test_orphans_from_a_crashed_writer_do_not_confuse_readers(local_url: str) ->
 
 def test_lost_response_then_a_rival_commit_on_top_is_still_our_success(local_url: str) -> None:
     """Our HEAD write lands, its response is lost, and a rival commits on top before we look."""
-    with Publisher(local_url, takeover=False) as seed:
+    with Publisher(local_url, writer_policy=WriterPolicy(takeover=False)) as seed:
         seed.publish(small_state(0))
     rivals: list[Publisher] = []
 
     def land_then_rival_then_lose(key, data, mode, real_put):
         real_put()
-        rivals.append(Publisher(local_url, takeover=False, threads=2))
+        rivals.append(Publisher(local_url, writer_policy=WriterPolicy(takeover=False, threads=2)))
         rivals[0].publish(small_state(20))  # resumes from our version 2, commits 3
         raise PreconditionFailedError(f"{key}: precondition failed (injected lost response)")
 
     inner = open_store(local_url)
-    pub = Publisher(local_url, store=HeadPutHook(inner, land_then_rival_then_lose), takeover=False, threads=2)
+    pub = Publisher(local_url, store=HeadPutHook(inner, land_then_rival_then_lose),
+                    writer_policy=WriterPolicy(takeover=False, threads=2))
     mine = small_state(1)
     info = pub.publish(mine)  # a success, not a ConflictError
     assert info.version == 2
@@ -527,7 +533,7 @@ def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url
     states = [small_state(0, rows=64)]
     for i in range(1, 4):
         states.append(sparse_edit(states[-1], np.random.default_rng(i)))
-    with Publisher(local_url, takeover=False, threads=2) as pub:
+    with Publisher(local_url, writer_policy=WriterPolicy(takeover=False, threads=2)) as pub:
         for s in states[:3]:
             pub.publish(s)
     # Rewrite the store as schema 1 wrote it: no lineage, no signature, schema 1, plain JSON.
@@ -562,7 +568,7 @@ def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url
     target = sub.pull(3)
     assert_bits_equal(target, states[2])
     assert [i.version for i in sub.log()] == [1, 2, 3]
-    with Publisher(local_url, threads=2) as pub:  # claims: HEAD becomes schema 3
+    with Publisher(local_url, writer_policy=WriterPolicy(threads=2)) as pub:  # claims: HEAD becomes schema 3
         info = pub.publish(states[3])
     assert (info.version, info.kind) == (4, "anchor")  # the first schema-3 version (design 005 D10)
     with open_store(local_url) as store:

@@ -18,6 +18,7 @@ import torch
 
 import deltastore.write.publisher as publish_module
 from deltastore import Publisher, Subscriber
+from deltastore.write.policy import AsyncPolicy, LayoutPolicy, WriterPolicy
 from deltastore.write import commit as commit_module
 from deltastore.errors import (
     CommitUnknownError,
@@ -109,7 +110,8 @@ def test_each_version_is_the_state_at_its_call_while_the_caller_modifies_its_ten
     store = SlowPuts(any_store_target.open(), delay_s=0.05)  # the background lags behind the caller
     state = make_state()
     expected, futures = [], []
-    with Publisher(any_store_target.url, store=store, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(any_store_target.url, store=store, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for step in range(5):
             expected.append(copy_state(state))
             futures.append(pub.publish_async(state, step=step))
@@ -134,7 +136,8 @@ def test_served_dtype_from_fp32_masters_is_the_cast_of_the_state_at_each_call(dt
     g = torch.Generator().manual_seed(1)
     masters = {"w": torch.randn(64, 16, generator=g) * 0.02, "b": torch.randn(64, generator=g), "n": torch.arange(7)}
     expected, futures = [], []
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, dtype=dtype) as pub:
+    with Publisher(url, dtype=dtype, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for step in range(4):
             expected.append(served(masters, dtype))
             futures.append(pub.publish_async(masters, step=step))
@@ -155,7 +158,8 @@ def test_cuda_masters_snapshot_before_the_next_kernel_touches_them() -> None:
     g = torch.Generator(device="cuda").manual_seed(2)
     masters = {"w": torch.randn(1024, 256, device="cuda", generator=g), "n": torch.arange(9, device="cuda")}
     expected, futures = [], []
-    with Publisher(url, threads=2, dtype=torch.bfloat16, max_pending=2) as pub:
+    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=2),
+                   async_policy=AsyncPolicy(max_pending=2)) as pub:
         for step in range(4):
             expected.append({n: served({n: t}, torch.bfloat16)[n].cpu() for n, t in masters.items()})
             futures.append(pub.publish_async(masters, step=step))
@@ -171,7 +175,8 @@ def test_publish_after_publish_async_keeps_call_order() -> None:
     store = GatedPuts(open_store(url))
     state = make_state(2)
     expected = []
-    with Publisher(url, store=store, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, max_pending=4) as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES), async_policy=AsyncPolicy(max_pending=4)) as pub:
         store.gate.clear()
         futures = []
         for step in range(3):
@@ -191,7 +196,8 @@ def test_close_drains_every_queued_publish_and_refuses_more() -> None:
     url = "memory://async-close-drains"
     store = SlowPuts(open_store(url), delay_s=0.05)
     state = make_state(3)
-    pub = Publisher(url, store=store, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, max_pending=8)
+    pub = Publisher(url, store=store, writer_policy=WriterPolicy(threads=2),
+                    layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES), async_policy=AsyncPolicy(max_pending=8))
     futures = []
     for step in range(4):
         futures.append(pub.publish_async(state, step=step))
@@ -210,7 +216,8 @@ def test_close_drains_every_queued_publish_and_refuses_more() -> None:
 def test_bad_input_raises_at_once_and_queues_nothing() -> None:
     url = "memory://async-bad-input"
     state = make_state(4)
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, skip_unchanged=False) as pub:  # republishes `bigger`
+    with Publisher(url, writer_policy=WriterPolicy(threads=2, skip_unchanged=False),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:  # republishes `bigger`
         pub.publish_async(state, step=0).result(WAIT_S)
         with pytest.raises(InvalidStateDictError, match="'oops'"):
             pub.publish_async({**state, "oops": [1, 2]})
@@ -234,10 +241,12 @@ def test_bad_constructor_arguments_fail_before_any_io(tmp_path) -> None:
     missing = str(tmp_path / "nope")  # opening it would raise BucketNotFoundError
     with pytest.raises(ValueError, match="dtype"):
         Publisher(missing, dtype=torch.int32)
-    with pytest.raises(ValueError, match="async_policy"):
-        Publisher(missing, async_policy="newest")
+    with pytest.raises(ValueError, match="async mode"):
+        AsyncPolicy("newest")
     with pytest.raises(ValueError, match="max_pending"):
-        Publisher(missing, max_pending=0)
+        AsyncPolicy(max_pending=0)
+    with pytest.raises(TypeError, match="async_policy"):
+        Publisher(missing, async_policy="latest")  # a string, not a policy: refused before the store opens
 
 
 # --- failures in the background ------------------------------------------------------------------
@@ -246,9 +255,10 @@ def test_bad_constructor_arguments_fail_before_any_io(tmp_path) -> None:
 def test_fencing_in_the_background_resolves_the_future_and_is_raised_once(any_store_target) -> None:
     url, opts = any_store_target.url, any_store_target.storage_options
     state = make_state(5)
-    pub = Publisher(url, storage_options=opts, threads=2, chunk_bytes=SMALL_CHUNK_BYTES)
+    pub = Publisher(url, storage_options=opts, writer_policy=WriterPolicy(threads=2),
+                    layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES))
     assert pub.publish_async(state, step=0).result(WAIT_S).version == 1
-    Publisher(url, storage_options=opts, threads=1).close()  # a newer publisher takes the store over
+    Publisher(url, storage_options=opts, writer_policy=WriterPolicy(threads=1)).close()  # a newer publisher takes the store over
     modify_in_place(state)
     failed = pub.publish_async(state, step=1)
     assert isinstance(failed.exception(WAIT_S), FencedError)
@@ -269,7 +279,8 @@ def test_a_failing_store_resolves_the_future_is_raised_once_and_the_next_publish
     store = GatedPuts(open_store(url))
     state = make_state(6)
     expected = {}
-    with Publisher(url, store=store, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         expected[1] = copy_state(state)
         pub.publish_async(state, step=0)
         pub.flush()
@@ -328,7 +339,8 @@ def test_an_unknown_commit_outcome_in_the_background_is_surfaced_then_settled(mo
     store = HeadLandsUnreadable(open_store(url))
     state = make_state(11)
     expected = {}
-    with Publisher(url, store=store, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         expected[1] = copy_state(state)
         pub.publish_async(state, step=0).result(WAIT_S)
         modify_in_place(state)
@@ -352,12 +364,12 @@ def test_close_raises_an_unreported_failure_but_never_masks_the_callers_exceptio
     url = "memory://async-close-failure"
     store = GatedPuts(open_store(url))
     store.fail = True
-    pub = Publisher(url, store=store, threads=2)
+    pub = Publisher(url, store=store, writer_policy=WriterPolicy(threads=2))
     pub.publish_async(make_state(7))
     with pytest.raises(StorageError, match="injected"):
         pub.close()
 
-    pub = Publisher(url, store=store, threads=2)
+    pub = Publisher(url, store=store, writer_policy=WriterPolicy(threads=2))
     caplog.set_level(logging.ERROR, logger="deltastore.write.publisher")
     with pytest.raises(RuntimeError, match="trainer crashed"):
         with pub:
@@ -373,7 +385,8 @@ def test_latest_policy_skips_waiting_snapshots_and_their_futures_say_so() -> Non
     url = "memory://async-latest"
     store = GatedPuts(open_store(url))
     state = make_state(8)
-    with Publisher(url, store=store, threads=2, chunk_bytes=SMALL_CHUNK_BYTES, async_policy="latest") as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES), async_policy=AsyncPolicy("latest")) as pub:
         store.gate.clear()
         first = pub.publish_async(state, step=0)
         assert store.entered.wait(WAIT_S)  # step 0 is uploading (held)
@@ -415,8 +428,9 @@ def test_at_most_max_pending_plus_one_snapshots_are_alive(monkeypatch, policy: s
     store = GatedPuts(open_store(url))
     state = make_state(9)
     n_calls = max_pending + 4
-    with Publisher(url, store=store, threads=2, chunk_bytes=SMALL_CHUNK_BYTES,
-                   async_policy=policy, max_pending=max_pending) as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES),
+                   async_policy=AsyncPolicy(policy, max_pending=max_pending)) as pub:
         pub.publish(state, step=0)  # the reference copy is the publisher's own, not a snapshot
         store.entered.clear()
         store.gate.clear()
@@ -453,7 +467,7 @@ def test_publish_async_returns_quickly_compared_to_publish() -> None:
     url = "memory://async-return-time"
     store = SlowPuts(open_store(url), delay_s=0.3)
     state = make_state(10, rows=512)
-    with Publisher(url, store=store, threads=2) as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(state, step=0)
         modify_in_place(state)
         t0 = time.perf_counter()
@@ -473,7 +487,7 @@ def test_publish_async_returns_quickly_compared_to_publish() -> None:
 def test_oldest_live_version_reads_the_ledger(tmp_path) -> None:
     (tmp_path / "s").mkdir()
     url = str(tmp_path / "s")
-    with Publisher(url, threads=1) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         assert pub.oldest_live_version() is None
         HeartbeatWriter(pub.store, "worker-a").beat(5)
         HeartbeatWriter(pub.store, "worker-b").beat(3)

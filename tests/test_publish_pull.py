@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deltastore import InvalidStateDictError, Publisher, Subscriber, VersionInfo, VersionNotFoundError
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
@@ -33,7 +34,11 @@ def _is_pack(key: str) -> bool:
 
 
 def _open(target, cls, **kw):
-    return cls(target.url, storage_options=target.storage_options, threads=2, **kw)
+    if cls is Publisher:
+        kw.setdefault("writer_policy", WriterPolicy(threads=2))
+    else:
+        kw.setdefault("threads", 2)
+    return cls(target.url, storage_options=target.storage_options, **kw)
 
 
 def test_training_run_roundtrips_on_every_backend(any_store_target) -> None:
@@ -42,7 +47,8 @@ def test_training_run_roundtrips_on_every_backend(any_store_target) -> None:
     infos: list[VersionInfo] = []
     follower = _open(any_store_target, Subscriber)
     followed: dict[str, torch.Tensor] | None = None
-    with _open(any_store_target, Publisher, anchor_every=ANCHOR_EVERY, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with _open(any_store_target, Publisher, anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
+               layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         assert follower.latest() is None
         state = trainer.export()
         for i in range(N_VERSIONS):
@@ -127,7 +133,7 @@ def test_pull_into_module_updates_parameters_in_place() -> None:
     module = TinyMLP().to(torch.bfloat16)
     ptrs = {n: p.data_ptr() for n, p in module.named_parameters()}
     params = dict(module.named_parameters())
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub, Subscriber(url, threads=2) as sub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub, Subscriber(url, threads=2) as sub:
         # the parameter names of the trained model; extras live elsewhere
         names = set(module.state_dict())
         for i in range(4):
@@ -153,7 +159,7 @@ def test_tied_weights_stay_tied_and_exact() -> None:
     src = _Tied().to(torch.bfloat16)
     dst = _Tied().to(torch.bfloat16)
     assert src.state_dict()["head.weight"].data_ptr() == src.state_dict()["embed.weight"].data_ptr()
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub, Subscriber(url, threads=2) as sub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub, Subscriber(url, threads=2) as sub:
         for v in range(1, 5):
             with torch.no_grad():
                 src.embed.weight.view(-1)[v * 7 : v * 7 + 3] += 1.0
@@ -174,7 +180,7 @@ def test_subscriber_one_version_behind_skips_the_snapshot_of_an_anchor() -> None
     """An anchor with a parent carries deltas, so a follower does not download the full model."""
     url = "memory://e2e-anchor-deltas"
     state = small_state(3, n=6, rows=256)
-    with Publisher(url, threads=2, anchor_every=1) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=1)) as pub:
         pub.publish(state)
         store = WrappedStore(open_store(url))
         sub = Subscriber(url, store=store, threads=2)
@@ -231,7 +237,7 @@ def test_pull_into_before_any_pull_overwrites_a_same_layout_target() -> None:
 def test_unchanged_publish_is_an_empty_delta() -> None:
     url = "memory://e2e-noop"
     state = small_state(0)
-    with Publisher(url, skip_unchanged=False) as pub, Subscriber(url) as sub:  # the empty delta on purpose
+    with Publisher(url, writer_policy=WriterPolicy(skip_unchanged=False)) as pub, Subscriber(url) as sub:  # the empty delta on purpose
         pub.publish(state)
         target = sub.pull()
         info = pub.publish(state)
@@ -245,7 +251,7 @@ def test_publishing_a_module_updated_in_place_keeps_old_versions_intact() -> Non
     url = "memory://e2e-in-place"
     model = TinyMLP().to(torch.bfloat16)
     published = []
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for i in range(4):
             with torch.no_grad():
                 model.fc1.weight.view(-1)[i * 11] += 1.0
@@ -291,7 +297,7 @@ def test_layout_change_is_refused_without_anchor(change, name: str) -> None:
 
     url = f"memory://e2e-layout-{name}-{change.__name__}"
     old = small_state(0)
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(old)
         before = keys(pub.store)
         with pytest.raises(LayoutMismatchError, match=name):
@@ -299,7 +305,7 @@ def test_layout_change_is_refused_without_anchor(change, name: str) -> None:
         assert keys(pub.store) == before and pub.version == 1
         assert pub.publish(small_state(1)).kind == "delta"
     # a new publisher (reading the head version back) refuses it the same way
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         with pytest.raises(LayoutMismatchError, match=name):
             pub.publish(change(small_state(2)))
         assert pub.version == 2
@@ -314,7 +320,7 @@ def test_layout_change_with_anchor(change, name: str) -> None:
     newer = {n: t.clone() for n, t in new.items()}
     bits_view = next(iter(newer.values()))
     bits_view.view(-1)[0] = bits_view.view(-1)[1]
-    with Publisher(url, threads=2) as pub, Subscriber(url, threads=2) as sub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub, Subscriber(url, threads=2) as sub:
         pub.publish(old)
         target = sub.pull()
         before = snapshot(target)
@@ -342,7 +348,7 @@ def test_pull_into_far_behind_fetches_the_snapshot_when_deltas_cost_more() -> No
     g = torch.Generator().manual_seed(0)
     n = 96 * 1024  # 384 KiB of incompressible float32: larger than the range-coalescing gap
     states = [{"dense": torch.randn(n, generator=g), "sparse": torch.zeros(1024, dtype=torch.bfloat16)}]
-    with Publisher(url, threads=2, anchor_every=5) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=5)) as pub:
         infos = [pub.publish(states[0])]
         for i in range(1, 7):  # the dense tensor is rewritten every version; anchor at 6
             s = {"dense": torch.randn(n, generator=g), "sparse": states[-1]["sparse"].clone()}
@@ -374,7 +380,7 @@ def test_cuda_state_and_cuda_target() -> None:
     names = set(module.state_dict())
     ptrs = {n: p.data_ptr() for n, p in module.named_parameters()}
     published = []
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub, Subscriber(url, threads=2) as sub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub, Subscriber(url, threads=2) as sub:
         for i in range(4):
             state = {n: t.cuda() for n, t in (trainer.export() if i == 0 else trainer.step()).items() if n in names}
             pub.publish(state)
@@ -399,12 +405,12 @@ def test_pull_into_across_a_restart_with_other_chunking(tmp_path) -> None:
     url = str(tmp_path / "store")
     states = [small_state(0, rows=64)]
     states.append(sparse_edit(states[-1], np.random.default_rng(1)))
-    with Publisher(url, chunk_bytes=1024) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(chunk_bytes=1024)) as pub:
         pub.publish(states[0])
     sub = Subscriber(url)
     target = sub.pull()
     ptrs = {k: t.data_ptr() for k, t in target.items()}
-    with Publisher(url, chunk_bytes=4096, resume=False) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(resume=False), layout_policy=LayoutPolicy(chunk_bytes=4096)) as pub:
         assert pub.publish(states[1]).kind == "anchor"
     assert sub.pull_into(target) is not None
     assert_bits_equal(target, states[1])
@@ -447,7 +453,7 @@ def test_cached_chunk_tables_are_out_of_the_collectors_sight(tmp_path):
 
     url = str(tmp_path / "untracked")
     state = small_state(0, n=2, rows=16)
-    with Publisher(url, threads=1) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(state)
         state = {k: v.clone() for k, v in state.items()}
         next(iter(state.values()))[3, 0] += 1
@@ -503,7 +509,7 @@ def test_a_long_follower_keeps_a_bounded_number_of_parsed_manifests(tmp_path):
     url = str(tmp_path / "long")
     state = small_state(0, n=2, rows=16)
     states = []
-    with Publisher(url, anchor_every=5, threads=1) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=5)) as pub:
         for i in range(30):
             state = {k: v.clone() for k, v in state.items()}
             next(iter(state.values()))[i % 16, 0] += 1

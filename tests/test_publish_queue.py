@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltastore.errors import ConflictError, StorageError, VersionSkippedError
+from deltastore.write.policy import AsyncPolicy
 from deltastore.write.queue import PublishQueue, snapshot
 
 
@@ -47,7 +48,7 @@ def test_snapshot_is_a_copy_in_the_served_dtype():
 
 def test_publishes_in_order_and_results_arrive():
     rec = Recorder()
-    q = PublishQueue(rec, max_pending=8)
+    q = PublishQueue(rec, AsyncPolicy(max_pending=8))
     futures = [q.submit({"x": torch.full((2,), float(i))}, step=i) for i in range(6)]
     q.flush()
     assert [f.result() for f in futures] == list(range(6))
@@ -59,7 +60,7 @@ def test_publishes_in_order_and_results_arrive():
 def test_block_policy_bounds_waiting_snapshots():
     rec = Recorder()
     rec.gate.clear()
-    q = PublishQueue(rec, policy="block", max_pending=1)
+    q = PublishQueue(rec, AsyncPolicy("block", max_pending=1))
     q.submit({"x": torch.zeros(1)}, step=0)
     assert rec.started.wait(5)  # step 0 is being published (held)
     q.submit({"x": torch.zeros(1)}, step=1)  # waits in the queue
@@ -84,7 +85,7 @@ def test_block_policy_bounds_waiting_snapshots():
 def test_latest_policy_skips_the_replaced_snapshot_and_says_so():
     rec = Recorder()
     rec.gate.clear()
-    q = PublishQueue(rec, policy="latest", max_pending=1)
+    q = PublishQueue(rec, AsyncPolicy("latest", max_pending=1))
     f0 = q.submit({"x": torch.zeros(1)}, step=0)
     assert rec.started.wait(5)
     f1 = q.submit({"x": torch.zeros(1)}, step=1)
@@ -101,7 +102,7 @@ def test_latest_policy_skips_the_replaced_snapshot_and_says_so():
 def test_a_background_failure_resolves_its_future_and_is_raised_once_by_the_next_call():
     rec = Recorder()
     rec.fail_on = {1}
-    q = PublishQueue(rec, max_pending=4)
+    q = PublishQueue(rec, AsyncPolicy(max_pending=4))
     f0 = q.submit({"x": torch.zeros(1)}, step=0)
     f1 = q.submit({"x": torch.zeros(1)}, step=1)
     with pytest.raises(ConflictError):
@@ -118,7 +119,7 @@ def test_a_background_failure_resolves_its_future_and_is_raised_once_by_the_next
 def test_close_drains_and_raises_an_unreported_failure():
     rec = Recorder()
     rec.fail_on = {2}
-    q = PublishQueue(rec, max_pending=4)
+    q = PublishQueue(rec, AsyncPolicy(max_pending=4))
     for i in range(3):
         q.submit({"x": torch.zeros(1)}, step=i)
     with pytest.raises(ConflictError):
@@ -141,7 +142,8 @@ def test_flush_raises_the_failure():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="policy"):
-        PublishQueue(Recorder(), policy="newest")
-    with pytest.raises(ValueError, match="max_pending"):
-        PublishQueue(Recorder(), max_pending=0)
+    with pytest.raises(ValueError, match="async mode"):
+        AsyncPolicy("newest")
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="max_pending"):
+            AsyncPolicy(max_pending=bad)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from deltastore import Publisher
+from deltastore.write.policy import LayoutPolicy
 from deltastore.read.engine import DECODE_MEMORY_BYTES
 from deltastore.codec import delta
 
@@ -62,7 +63,7 @@ def test_a_huge_chunk_costs_the_tensor_and_a_constant(tmp_path: Path) -> None:
     w = torch.zeros(ELEMENTS)
     w[::4093] = 1.5  # compressible planes, not all CONST: zstd sections, streamed
     w[7::65521] = -3.0
-    with Publisher(url, chunk_bytes=ELEMENTS * 4) as pub:
+    with Publisher(url, layout_policy=LayoutPolicy(chunk_bytes=ELEMENTS * 4)) as pub:
         pub.publish({"w": w})
         w[1::3] += 0.5  # a third changed: an add-sparse delta too large to decode whole
         info = pub.publish({"w": w})

@@ -747,6 +747,7 @@ def test_real_publisher_delta_size(tmp_path, capsys) -> None:
     import torch
 
     import deltastore
+    from deltastore.write.policy import LayoutPolicy, WriterPolicy
 
     g = torch.Generator().manual_seed(0)
     names = _minilm_names()
@@ -763,7 +764,8 @@ def test_real_publisher_delta_size(tmp_path, capsys) -> None:
         else:
             sd[n] = torch.randn(384, 384, generator=g).bfloat16()
     url = str(tmp_path / "store")
-    with deltastore.Publisher(url, writer_id="size", threads=1, chunk_bytes=64 * 1024) as pub:
+    with deltastore.Publisher(url, writer_policy=WriterPolicy(writer_id="size", threads=1),
+                              layout_policy=LayoutPolicy(chunk_bytes=64 * 1024)) as pub:
         pub.publish(sd, step=0)
         changed = 0
         for n in names:  # touch ~90 chunks: one element in one chunk of most tensors

@@ -139,6 +139,7 @@ def test_deltastore_through_a_lossy_resetting_link_stays_bit_exact(moto_s3_url) 
     import torch
 
     from deltastore import Publisher, Subscriber
+    from deltastore.write.policy import WriterPolicy
     from tests._helpers import assert_bits_equal, small_state, snapshot
 
     url, near = moto_s3_url.url, dict(moto_s3_url.storage_options)
@@ -146,7 +147,7 @@ def test_deltastore_through_a_lossy_resetting_link_stays_bit_exact(moto_s3_url) 
     with LinkShaper(near["endpoint_url"], link) as shaper:
         far = {**near, "endpoint_url": shaper.endpoint_url, "retries": 8}
         state = small_state(rows=64)
-        with Publisher(url, storage_options=near, threads=2) as pub, Subscriber(url, storage_options=far, threads=2) as sub:
+        with Publisher(url, storage_options=near, writer_policy=WriterPolicy(threads=2)) as pub, Subscriber(url, storage_options=far, threads=2) as sub:
             pub.publish(state)
             held = sub.pull()
             for i in range(3):

@@ -8,6 +8,7 @@ their outcome to files the test reads. Kept small: the CI machine may have two c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -27,6 +28,7 @@ from deltastore import Subscriber
 from deltastore.errors import InvalidStateDictError, PartFailedError, ShardMismatchError
 from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from tests._helpers import mp_context
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
@@ -104,7 +106,8 @@ def _publish_versions(rank: int, world: int, url: str, versions: range) -> dict[
     from deltastore.write.sharded import ShardedPublisher
 
     infos = []
-    with ShardedPublisher(url, threads=1, anchor_every=3, storage_options=_OPTIONS) as pub:
+    with ShardedPublisher(url, storage_options=_OPTIONS, writer_policy=WriterPolicy(threads=1),
+                          anchor_policy=AnchorPolicy(every=3)) as pub:
         for v in versions:
             info = pub.publish(rank_state(v, rank, world), step=v, metadata={"v": v})
             infos.append((info.version, info.kind))
@@ -119,7 +122,7 @@ def _scenario_disagree(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write.sharded import Rows, ShardedPublisher
 
     out: dict[str, Any] = {}
-    with ShardedPublisher(url, threads=1) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         t = torch.zeros(4, 3 if rank == 0 else 2)
         for what, state, step in (
             ("shape", {"x": t}, 1),  # rank 0: [4,3] and rank 1: [4,2] under one name, both whole
@@ -149,7 +152,7 @@ def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]
     from deltastore.write import sharded
 
     out: dict[str, Any] = {}
-    with sharded.ShardedPublisher(url, threads=1) as pub:
+    with sharded.ShardedPublisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(rank_state(1, rank, world), step=1)
         # A bad tensor on one rank (its rows of "a" not contiguous), found by the one batched
         # check of the rank's tensors (design 010 D8): named on every rank, nothing written.
@@ -178,30 +181,30 @@ def _scenario_fail_then_retry(rank: int, world: int, url: str) -> dict[str, Any]
 @contextlib.contextmanager
 def _part_fails(here: bool) -> Iterator[None]:
     """Within: this rank's part manifest fails to build (an OSError), when ``here``."""
-    from deltastore.write import sharded
+    from deltastore.write.sharded import part
 
-    real = sharded.encode_part
+    real = part.encode_part
 
     def broken(**kw: Any) -> bytes:
         raise OSError("disk full (injected)")
 
     if here:
-        sharded.encode_part = broken
+        part.encode_part = broken
     try:
         yield
     finally:
-        sharded.encode_part = real
+        part.encode_part = real
 
 
 def _die_in_encode_part() -> None:
     """This rank is SIGKILLed when it builds its next part manifest (after uploading its packs)."""
-    from deltastore.write import sharded
+    from deltastore.write.sharded import part
 
     def die(**kw: Any) -> bytes:
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("unreachable")
 
-    sharded.encode_part = die
+    part.encode_part = die
 
 
 def _scenario_killed(rank: int, world: int, url: str) -> dict[str, Any]:
@@ -209,7 +212,7 @@ def _scenario_killed(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write import sharded
 
     out: dict[str, Any] = {}
-    with sharded.ShardedPublisher(url, threads=1) as pub:
+    with sharded.ShardedPublisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(rank_state(1, rank, world), step=1)
         if rank == 1:
             _die_in_encode_part()
@@ -232,7 +235,7 @@ def _scenario_fsdp(rank: int, world: int, url: str) -> dict[str, Any]:
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fulls = []
-    with ShardedPublisher(url, threads=1, dtype=torch.bfloat16) as pub:
+    with ShardedPublisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
         for step in range(3):
             sd = model.state_dict()
             assert any(type(v).__name__ == "DTensor" for v in sd.values())
@@ -245,7 +248,8 @@ def _scenario_fsdp(rank: int, world: int, url: str) -> dict[str, Any]:
             opt.zero_grad()
     # a restart on the same sharding (torch.chunk rows: [3, 10] splits 2 | 1) resumes: a delta
     # (anchor_every: the cost policy would anchor anyway, every element changes at this lr)
-    with ShardedPublisher(url, threads=1, dtype=torch.bfloat16, anchor_every=100) as pub:
+    with ShardedPublisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1),
+                          anchor_policy=AnchorPolicy(every=100)) as pub:
         sd = model.state_dict()
         info = pub.publish(sd, step=3)
         fulls.append((info.version, {k: v.full_tensor().detach().to(torch.bfloat16).clone() for k, v in sd.items()}))
@@ -260,7 +264,7 @@ def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write.sharded import ShardedPublisher
 
     key = Path(url.removeprefix("file://")).parent / "key.pem"
-    with ShardedPublisher(url, threads=1, signing_key=key) as pub:
+    with ShardedPublisher(url, signing_key=key, writer_policy=WriterPolicy(threads=1)) as pub:
         for v in (1, 2):
             pub.publish(rank_state(v, rank, world), step=v)
     signed = None
@@ -271,12 +275,12 @@ def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
     head = store.get(HEAD_KEY)
     refused = None
     try:
-        ShardedPublisher(url, threads=1).close()
+        ShardedPublisher(url, writer_policy=WriterPolicy(threads=1)).close()
     except SigningRequiredError as e:
         refused = str(e)
     unchanged = store.get(HEAD_KEY) == head
     store.close()
-    with ShardedPublisher(url, threads=1, allow_unsigned=True) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1, allow_unsigned=True)) as pub:
         unsigned = pub.publish(rank_state(3, rank, world), step=3).version
     return {"signed": signed, "refused": refused, "unchanged": unchanged, "unsigned": unsigned}
 
@@ -287,15 +291,15 @@ def _scenario_steady(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write.sharded import ShardedPublisher
 
     out: dict[str, Any] = {"broadcasts": [], "reads": [], "infos": []}
-    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:
         calls = {"broadcast": 0, "read": 0}
-        real_broadcast = pub._broadcast
+        real_broadcast = pub.collectives.broadcast
 
         def broadcast(obj: Any) -> Any:
             calls["broadcast"] += 1
             return real_broadcast(obj)
 
-        pub._broadcast = broadcast  # type: ignore[method-assign]
+        pub.collectives.broadcast = broadcast  # type: ignore[method-assign]
         for op in ("get", "get_if_changed", "get_range", "head", "list"):
             real = getattr(pub.store, op, None)
             if real is not None:
@@ -315,24 +319,24 @@ def _scenario_steady(rank: int, world: int, url: str) -> dict[str, Any]:
 def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, Any]:
     """Rank 0's upload of rank 1's part manifest of version 2 fails: nothing is committed (on
     any rank the same error class), and the retry commits."""
-    from deltastore.write import sharded
     from deltastore.errors import StorageError
+    from deltastore.write.sharded import ShardedPublisher, coordinator
 
     out: dict[str, Any] = {}
-    with sharded.ShardedPublisher(url, threads=1) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(rank_state(1, rank, world), step=1)
-        real = sharded.put_immutable
+        real = coordinator.put_immutable
         if rank == 0:
             def broken(store: Any, key: str, data: bytes, what: str) -> None:
                 if what == "part manifest 1":
                     raise StorageError(f"uploading {key} failed (injected)")
                 real(store, key, data, what)
-            sharded.put_immutable = broken
+            coordinator.put_immutable = broken
         try:
             pub.publish(rank_state(2, rank, world), step=2)
         except StorageError as e:
             out["failure"] = type(e).__name__
-        sharded.put_immutable = real
+        coordinator.put_immutable = real
         out["head_after_failure"] = _head_version(url)
         info = pub.publish(rank_state(2, rank, world), step=2)
         out["retry"] = (info.version, info.kind)
@@ -342,30 +346,30 @@ def _scenario_part_upload_fails(rank: int, world: int, url: str) -> dict[str, An
         if rank == 0:
             def no_preplan(**kw: Any) -> None:
                 raise StorageError("HEAD unreadable (injected)")
-            pub._preplan = no_preplan  # type: ignore[method-assign]
+            pub._coordinator.preplan = no_preplan  # type: ignore[method-assign]
         try:
             pub.publish(rank_state(4, rank, world), step=4)
         except StorageError as e:
             out["preplan_failure"] = type(e).__name__
         if rank == 0:
-            del pub._preplan
+            del pub._coordinator.preplan
         out["head_after_preplan_failure"] = _head_version(url)
         info = pub.publish(rank_state(4, rank, world), step=4)
         out["after"] = (info.version, info.kind)
         # rank 0's join refuses the parts of version 5 after the version manifest's upload began
         # (design 010 D9): every rank raises its class, HEAD stays, the retry commits
-        real_join = sharded.join_parts
+        real_join = coordinator.join_parts
         if rank == 0:
             def refuse(*a: Any, **k: Any) -> Any:
                 from deltastore.errors import CorruptObjectError
                 time.sleep(0.5)  # a join that takes a while: the uploads begun before it run meanwhile
                 raise CorruptObjectError("part manifest refused (injected)")
-            sharded.join_parts = refuse
+            coordinator.join_parts = refuse
         try:
             pub.publish(rank_state(5, rank, world), step=5)
         except Exception as e:  # noqa: BLE001 - its class is the result
             out["join_failure"] = type(e).__name__
-        sharded.join_parts = real_join
+        coordinator.join_parts = real_join
         out["head_after_join_failure"] = _head_version(url)
         info = pub.publish(rank_state(5, rank, world), step=5)
         out["after_join"] = (info.version, info.kind, info.manifest)
@@ -378,15 +382,15 @@ def _scenario_claims(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write.sharded import Rows, ShardedPublisher
 
     out: dict[str, Any] = {"rounds": [], "sent": [], "infos": [], "share_kept": []}
-    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:
         calls: list[Any] = []
-        real = pub._all_gather
+        real = pub.collectives.all_gather
 
         def all_gather(obj: Any) -> Any:
             calls.append(obj)
             return real(obj)
 
-        pub._all_gather = all_gather  # type: ignore[method-assign]
+        pub.collectives.all_gather = all_gather  # type: ignore[method-assign]
         for v in range(1, 8):
             state = rank_state(v, rank, world)
             if v == 4 and rank == 1:
@@ -433,27 +437,28 @@ def _scenario_collectives(rank: int, world: int, url: str) -> dict[str, Any]:
             return op
 
     out: dict[str, Any] = {"lean": [], "torch": [], "ops": [], "expected": []}
-    with ShardedPublisher(url, threads=1) as pub:
-        assert pub._lean
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
+        net = pub.collectives
+        assert net.lean
         counting = Counting()
         for size in sizes:
             for big in range(world):  # the rank whose object is ``size`` bytes; the others' are small
                 mine = _collective_object(rank, big, size)
                 root = ("root", bytes(range(256)) * (size // 256) + b"x")
                 for lean in (True, False):
-                    pub._lean = lean
-                    pub._dist = counting if lean else dist
+                    net.lean = lean
+                    net.dist = counting if lean else dist
                     counting.ops = 0
-                    got = (pub._all_gather(mine), counting.ops)
+                    got = (net.all_gather(mine), counting.ops)
                     counting.ops = 0
-                    got += (pub._broadcast(root if rank == 0 else None), counting.ops)
+                    got += (net.broadcast(root if rank == 0 else None), counting.ops)
                     counting.ops = 0
-                    got += (pub._gather(mine), counting.ops)
+                    got += (net.gather(mine), counting.ops)
                     out["lean" if lean else "torch"].append(got[0::2])
                     if lean:
                         out["ops"].append((size, got[1::2]))
                 out["expected"].append(([_collective_object(r, big, size) for r in range(world)], root))
-        pub._dist, pub._lean = dist, True
+        net.dist, net.lean = dist, True
     return out
 
 
@@ -471,7 +476,8 @@ def _slow_commits(pub: Any, fail: int | None = None) -> dict[str, int]:
     from deltastore.errors import StorageError
 
     counts = {"ahead": 0, "planned": 0, "failed": 0}
-    commit, ahead, plan = pub._commit, pub._preplan_ahead, pub._plan
+    coord = pub._coordinator
+    commit, ahead, plan = coord.commit, coord.preplan_ahead, coord.plan
 
     def slow_commit(p: Any, *a: Any, **k: Any) -> Any:
         time.sleep(SLOW_COMMIT_S)
@@ -489,7 +495,7 @@ def _slow_commits(pub: Any, fail: int | None = None) -> dict[str, int]:
         counts["planned"] += 1
         return plan(*a, **k)
 
-    pub._commit, pub._preplan_ahead, pub._plan = slow_commit, counted_ahead, counted_plan
+    coord.commit, coord.preplan_ahead, coord.plan = slow_commit, counted_ahead, counted_plan
     return counts
 
 
@@ -501,7 +507,8 @@ def _scenario_async_versions(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write.sharded import ShardedPublisher
 
     out: dict[str, Any] = {}
-    with ShardedPublisher(url, threads=1, anchor_every=4, storage_options=_OPTIONS) as pub:
+    with ShardedPublisher(url, storage_options=_OPTIONS, writer_policy=WriterPolicy(threads=1),
+                          anchor_policy=AnchorPolicy(every=4)) as pub:
         counts = _slow_commits(pub) if rank == 0 else None
         futures = []
         for v in range(1, 7):
@@ -529,7 +536,7 @@ def _scenario_async_failures(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.errors import DeltastoreError
 
     out: dict[str, Any] = {}
-    with sharded.ShardedPublisher(url, threads=1) as pub:
+    with sharded.ShardedPublisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         counts = _slow_commits(pub, fail=2) if rank == 0 else None
         f1 = pub.publish_async(rank_state(1, rank, world), step=1)
         f2 = pub.publish_async(rank_state(2, rank, world), step=2)
@@ -572,7 +579,7 @@ def _scenario_async_killed(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write import sharded
 
     out: dict[str, Any] = {}
-    with sharded.ShardedPublisher(url, threads=1) as pub:
+    with sharded.ShardedPublisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         if rank == 0:
             _slow_commits(pub)
         f1 = pub.publish_async(rank_state(1, rank, world), step=1)
@@ -595,7 +602,7 @@ def _scenario_async_close(rank: int, world: int, url: str) -> dict[str, Any]:
     their outcome did not reach them."""
     from deltastore.write.sharded import ShardedPublisher
 
-    pub = ShardedPublisher(url, threads=1)
+    pub = ShardedPublisher(url, writer_policy=WriterPolicy(threads=1))
     if rank == 0:
         _slow_commits(pub)
     f1 = pub.publish_async(rank_state(1, rank, world), step=1)
@@ -631,11 +638,11 @@ def _scenario_resume(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write.sharded import Rows, ShardedPublisher
 
     out: dict[str, Any] = {"infos": []}
-    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:
         for v in (1, 2):
             info = pub.publish(rank_state(v, rank, world), step=v)
             out["infos"].append((info.version, info.kind, info.bytes_stored))
-    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:  # restarted: no reference copy
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:  # restarted: no reference copy
         reads = _record_pack_reads(pub)
         info = pub.publish(rank_state(3, rank, world), step=3)
         out["infos"].append((info.version, info.kind, info.bytes_stored))
@@ -643,12 +650,13 @@ def _scenario_resume(rank: int, world: int, url: str) -> dict[str, Any]:
         info = pub.publish(rank_state(4, rank, world), step=4)  # steady again: nothing read back
         out["infos"].append((info.version, info.kind, info.bytes_stored))
         out["reads_after"] = len(reads) - len(out["reads"])
-    with ShardedPublisher(url, threads=1, anchor_every=100, resume=False) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1, resume=False),
+                          anchor_policy=AnchorPolicy(every=100)) as pub:
         reads = _record_pack_reads(pub)
         info = pub.publish(rank_state(5, rank, world), step=5)
         out["infos"].append((info.version, info.kind, info.bytes_stored))
         out["reads_no_resume"] = len(reads)
-    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:  # rows of "a" split 6 | 4: another layout
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:  # rows of "a" split 6 | 4: another layout
         state = rank_state(6, rank, world)
         full = full_model(6)["a"]
         start, stop = (0, 6) if rank == 0 else (6, 10)
@@ -664,7 +672,7 @@ def _scenario_resume_bad_rows(rank: int, world: int, url: str) -> dict[str, Any]
     from deltastore.write.sharded import ShardedPublisher
 
     out: dict[str, Any] = {"infos": []}
-    with ShardedPublisher(url, threads=1, anchor_every=100) as pub:
+    with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:
         real = pub._resume_from
 
         def resume_from(*a: Any, **k: Any) -> Any:
@@ -673,7 +681,7 @@ def _scenario_resume_bad_rows(rank: int, world: int, url: str) -> dict[str, Any]
             return plan
 
         pub._resume_from = resume_from  # type: ignore[method-assign]
-        real_read = pub._read_rows
+        real_read = pub._part.read_rows
 
         def read_rows(*a: Any, **k: Any) -> Any:
             try:
@@ -684,7 +692,7 @@ def _scenario_resume_bad_rows(rank: int, world: int, url: str) -> dict[str, Any]
             out["read"] = "ok"
             return got
 
-        pub._read_rows = read_rows  # type: ignore[method-assign]
+        pub._part.read_rows = read_rows  # type: ignore[method-assign]
         for v in (3, 4):
             info = pub.publish(rank_state(v, rank, world), step=v)
             out["infos"].append((info.version, info.kind))
@@ -698,8 +706,9 @@ def _scenario_resume_bad_rows(rank: int, world: int, url: str) -> dict[str, Any]
 #: boundary), 4 row blocks × 4 column blocks; ``o`` matches ``column_slices`` but is too small
 #: for a grid; ``b`` is whole on the last rank.
 GRID_ROWS, GRID_COLS, GRID_CHUNK_ROWS, GRID_CHUNK_COLS = 120, 1000, 30, 250
-GRID_OPTIONS: dict[str, Any] = {"threads": 1, "anchor_every": 3, "chunk_bytes": 16 * 1024, "slice_align": 4,
-                                "column_slices": ("w", "o")}
+GRID_LAYOUT = LayoutPolicy(chunk_bytes=16 * 1024, slice_align=4, column_slices=("w", "o"))
+GRID_OPTIONS: dict[str, Any] = {"writer_policy": WriterPolicy(threads=1), "anchor_policy": AnchorPolicy(every=3),
+                                "layout_policy": GRID_LAYOUT}
 
 
 def grid_model(version: int) -> dict[str, torch.Tensor]:
@@ -753,7 +762,8 @@ def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
         info = pub.publish(grid_rank_state(6, rank, world), step=6)  # steady: a delta on the resumed rows
         out["infos"].append((info.version, info.kind, info.bytes_stored))
     try:
-        ShardedPublisher(url, **{**GRID_OPTIONS, "column_slices": ("w",) if rank == 0 else ("w", "o")})
+        cols = ("w",) if rank == 0 else ("w", "o")
+        ShardedPublisher(url, **{**GRID_OPTIONS, "layout_policy": dataclasses.replace(GRID_LAYOUT, column_slices=cols)})
         out["disagree"] = None
     except ShardMismatchError as e:
         out["disagree"] = str(e)
@@ -763,8 +773,10 @@ def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
 
 #: The golden sharded grid store (tests/golden/make_golden_sharded_grid.py): three ranks, 4 row
 #: pieces each; ``g`` (12, 8) f32 and ``d`` (9, 8, 3) bf16 gridded for TP=4 (chunk_cols 2).
-GOLDEN_GRID_OPTIONS: dict[str, Any] = {"threads": 1, "anchor_every": 3, "chunk_bytes": 16, "slice_align": 4,
-                                       "column_slices": ("g", "d")}
+GOLDEN_GRID_OPTIONS: dict[str, Any] = {
+    "writer_policy": WriterPolicy(threads=1), "anchor_policy": AnchorPolicy(every=3),
+    "layout_policy": LayoutPolicy(chunk_bytes=16, slice_align=4, column_slices=("g", "d")),
+}
 
 
 def golden_grid_model(version: int) -> dict[str, torch.Tensor]:
@@ -1635,15 +1647,15 @@ def test_plan_layout_grids_matched_tensors_by_their_global_shape() -> None:
     """Design 011 D11: the sharded layout's grid is the unsharded writer's choice from the
     global shape; its chunk rows divide the piece boundaries; a tensor tied on any rank, a
     tensor too small, and unmatched tensors get none."""
-    from deltastore.write.sharded import _Claim, _Report, plan_layout
+    from deltastore.write.sharded.planning import Claim, Report, plan_layout
     from deltastore.layout.tensors import grid_cols_for
 
     def claims(rank: int, tied: bool = False) -> tuple[Any, ...]:
         start, stop = (0, 96) if rank == 0 else (96, 200)
-        return (_Claim("w", "bfloat16", (200, 1024), start, stop), _Claim("t", "bfloat16", (200, 1024), start, stop, tied),
-                _Claim("v", "bfloat16", (200, 1024), start, stop), _Claim("o", "float32", (8, 16), 0, 8))
+        return (Claim("w", "bfloat16", (200, 1024), start, stop), Claim("t", "bfloat16", (200, 1024), start, stop, tied),
+                Claim("v", "bfloat16", (200, 1024), start, stop), Claim("o", "float32", (8, 16), 0, 8))
 
-    reports = [_Report(0, claims(0)), _Report(1, claims(1, tied=True))]
+    reports = [Report(0, claims(0)), Report(1, claims(1, tied=True))]
     layout = plan_layout(reports, 2, 16 * 1024, ("w", "t", "o"), 4)
     cols = dict(zip(layout.name, layout.chunk_cols))
     rows = dict(zip(layout.name, layout.chunk_rows))

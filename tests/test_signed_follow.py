@@ -28,6 +28,7 @@ from deltastore import (
     Subscriber,
     VersionNotFoundError,
 )
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.read.cache import WorkerCache
 from deltastore.format.manifest import HEAD_KEY
 from deltastore.storage import open_store
@@ -61,7 +62,8 @@ def _run(t: StoreTarget, n: int, seed: int, key: Ed25519PrivateKey | None) -> di
     rng = np.random.default_rng(seed)
     state = small_state(seed, n=4, rows=32)
     out = {}
-    with Publisher(t.url, storage_options=t.storage_options, threads=2, chunk_bytes=CHUNK_BYTES, signing_key=key) as pub:
+    with Publisher(t.url, storage_options=t.storage_options, signing_key=key, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)) as pub:
         for _ in range(n):
             out[pub.publish(state).version] = snapshot(state)
             state = sparse_edit(state, rng, fraction=0.05)
@@ -241,7 +243,8 @@ def test_a_signed_follower_keeps_its_version_when_head_is_rolled_back(tmp_path: 
                 with open_store(a.url) as s:
                     s.put(HEAD_KEY, real_head, mode="overwrite")
                 state = sparse_edit(run_a[6], np.random.default_rng(9), fraction=0.05)
-                with Publisher(a.url, threads=2, chunk_bytes=CHUNK_BYTES, signing_key=key) as pub:
+                with Publisher(a.url, signing_key=key, writer_policy=WriterPolicy(threads=2),
+                               layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)) as pub:
                     assert pub.publish(state).version == 7
                 _wait(lambda: got == [7], "version 7")
             finally:

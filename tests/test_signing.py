@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import load_file, save_file
 
 from deltastore import IntegrityError, Publisher, SignatureError, Subscriber
+from deltastore.write.policy import AnchorPolicy, WriterPolicy
 from deltastore.cli import main
 from deltastore.format.manifest import HEAD_KEY
 from deltastore.format.signing import KEY_ID_HEX, key_id, load_private_key, load_public_key
@@ -36,7 +37,7 @@ def _states(n: int) -> list[dict]:
 
 
 def _publish(url: str, states: list[dict], key=None, **kw) -> None:
-    with Publisher(url, threads=2, signing_key=key, **kw) as pub:
+    with Publisher(url, signing_key=key, writer_policy=WriterPolicy(threads=2), **kw) as pub:
         for s in states:
             pub.publish(s)
 
@@ -44,7 +45,7 @@ def _publish(url: str, states: list[dict], key=None, **kw) -> None:
 def test_signed_store_verifies_for_trusted_subscribers(url: str) -> None:
     key = Ed25519PrivateKey.generate()
     states = _states(4)
-    _publish(url, states, key, anchor_every=3)
+    _publish(url, states, key, anchor_policy=AnchorPolicy(every=3))
     with open_store(url) as store:
         _, doc = head_manifest(store)
     sig = doc["signature"]
@@ -178,7 +179,7 @@ def test_fetched_bytes_never_reach_pickle_or_torch_load(tmp_path: Path, monkeypa
     monkeypatch.setattr(pickle, "Unpickler", NoUnpickler)
     monkeypatch.setattr(torch, "load", refuse("torch.load"))
     _publish(url, states[:2])
-    with Publisher(url, threads=2) as pub:  # resume reads the head back through the read path
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:  # resume reads the head back through the read path
         pub.publish(states[2])
     with Subscriber(url, threads=2) as sub:
         target = sub.pull(1)

@@ -20,6 +20,7 @@ from deltastore import (
     Subscriber,
     UnsignedVersionError,
 )
+from deltastore.write.policy import WriterPolicy
 from deltastore.cli import main
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -50,31 +51,31 @@ def _objects(store: Store) -> dict[str, bytes]:
 
 def test_a_publisher_without_a_key_refuses_a_signed_store_and_writes_nothing(url: str, key) -> None:
     states = _states(3)
-    with Publisher(url, threads=2, signing_key=key) as pub:
+    with Publisher(url, signing_key=key, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(states[0])
         pub.publish(states[1])
     with open_store(url) as store:
         before = _objects(store)
         for takeover in (True, False):  # the refusal comes before the claim's HEAD write
             with pytest.raises(SigningRequiredError) as exc:
-                Publisher(url, threads=2, takeover=takeover)
+                Publisher(url, writer_policy=WriterPolicy(threads=2, takeover=takeover))
             msg = str(exc.value)
             assert url in msg and "version 2" in msg and "signing_key" in msg and "allow_unsigned=True" in msg, msg
             assert "\n" not in msg
             assert _objects(store) == before
-    with Publisher(url, threads=2, signing_key=key) as pub:  # the key holder goes on
+    with Publisher(url, signing_key=key, writer_policy=WriterPolicy(threads=2)) as pub:  # the key holder goes on
         assert pub.publish(states[2]).version == 3
 
 
 def test_an_unsigned_version_on_a_signed_store_is_named_for_its_cause(url: str, key) -> None:
     states = _states(4)
-    with Publisher(url, threads=2, signing_key=key) as pub:
+    with Publisher(url, signing_key=key, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(states[0])
         pub.publish(states[1])
     trusted = [key.public_key()]
     with Subscriber(url, threads=2, trusted_keys=trusted) as follower:
         target = follower.pull()  # holds signed version 2
-        with Publisher(url, threads=2, allow_unsigned=True) as pub:
+        with Publisher(url, writer_policy=WriterPolicy(threads=2, allow_unsigned=True)) as pub:
             assert pub.publish(states[2]).version == 3
             # version 3's parent, version 2, is signed
             with Subscriber(url, threads=2, trusted_keys=trusted) as fresh, pytest.raises(UnsignedVersionError) as exc:
@@ -95,9 +96,9 @@ def test_an_unsigned_version_on_a_signed_store_is_named_for_its_cause(url: str, 
 
 def test_a_publisher_without_a_key_refuses_a_signed_version_committed_after_it_opened(url: str, key) -> None:
     states = _states(2)
-    keyless = Publisher(url, threads=2, takeover=False)  # an empty store: nothing to refuse yet
+    keyless = Publisher(url, writer_policy=WriterPolicy(threads=2, takeover=False))  # an empty store: nothing to refuse yet
     try:
-        with Publisher(url, threads=2, takeover=False, signing_key=key) as signed:
+        with Publisher(url, signing_key=key, writer_policy=WriterPolicy(threads=2, takeover=False)) as signed:
             signed.publish(states[0])
         with pytest.raises(ConflictError):
             keyless.publish(states[0])  # HEAD was created by the signed publisher meanwhile

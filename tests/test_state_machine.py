@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from deltastore import FencedError, LayoutMismatchError, Publisher, Subscriber
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.layout.tensors import bits
 from tests._helpers import assert_bits_equal, check_invariants, snapshot
 
@@ -42,7 +43,9 @@ class PublishSubscribe(RuleBasedStateMachine):
         self.committed: list[dict[str, torch.Tensor]] = []
         self.layout_gen: list[int] = []  # per version: bumps when the layout changed
         self.kinds: list[str] = []
-        self.pub = Publisher(self.url, threads=1, anchor_every=ANCHOR_EVERY, chunk_bytes=CHUNK_BYTES)
+        self.pub = Publisher(self.url, writer_policy=WriterPolicy(threads=1),
+                             anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
+                             layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES))
         self.fenced: list[Publisher] = []
         self.subs = [Subscriber(self.url, threads=1) for _ in range(N_SUBSCRIBERS)]
         self.targets: list[dict[str, torch.Tensor] | None] = [None] * N_SUBSCRIBERS
@@ -112,7 +115,9 @@ class PublishSubscribe(RuleBasedStateMachine):
     @rule()
     def takeover(self) -> None:
         old = self.pub
-        self.pub = Publisher(self.url, threads=1, anchor_every=ANCHOR_EVERY, chunk_bytes=CHUNK_BYTES)
+        self.pub = Publisher(self.url, writer_policy=WriterPolicy(threads=1),
+                             anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
+                             layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES))
         assert self.pub.version == len(self.committed)
         self.fenced.append(old)
 

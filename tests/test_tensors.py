@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore import InvalidStateDictError, LayoutMismatchError, Publisher, Subscriber
+from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.layout.tensors import (
     TensorSpec,
     bits,
@@ -134,7 +135,7 @@ def test_every_dtype_and_odd_shape_round_trips_bit_exactly() -> None:
             if b.size and rng.random() < 0.6:
                 b[rng.integers(0, b.size)] ^= 1
         versions.append(nxt)
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         for v in versions:
             pub.publish(v)
     with Subscriber(url, threads=2) as sub:
@@ -184,7 +185,7 @@ def _make_bad_inputs() -> list[tuple[str, object, str]]:
 @pytest.mark.parametrize("what, state, name", _bad_inputs(), ids=[c[0] for c in _bad_inputs()])
 def test_bad_state_dict_is_refused_before_any_write(what: str, state: object, name: str) -> None:
     url = _url()
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(small_state(0))
         before = keys(pub.store)
         with pytest.raises(InvalidStateDictError) as exc:
@@ -194,7 +195,7 @@ def test_bad_state_dict_is_refused_before_any_write(what: str, state: object, na
         assert pub.version == 1
         assert pub.publish(small_state(1)).version == 2
     # also as the very first publish of a store
-    with Publisher(_url(), threads=2) as pub:
+    with Publisher(_url(), writer_policy=WriterPolicy(threads=2)) as pub:
         with pytest.raises(InvalidStateDictError):
             pub.publish(state)  # type: ignore[arg-type]
         assert keys(pub.store) <= {"HEAD"}, "nothing but the takeover's claim (HEAD at version 0, SPEC §5)"
@@ -205,7 +206,7 @@ def test_bad_state_dict_is_refused_before_any_write(what: str, state: object, na
     [{"x": object()}, {"x": torch.zeros(1)}, {1j: 1}, ["not", "a", "mapping"], {"s": {1, 2}}],
 )
 def test_metadata_must_be_json(metadata: object) -> None:
-    with Publisher(_url(), threads=2) as pub:
+    with Publisher(_url(), writer_policy=WriterPolicy(threads=2)) as pub:
         with pytest.raises(InvalidStateDictError, match="metadata"):
             pub.publish(small_state(0), metadata=metadata)  # type: ignore[arg-type]
         assert keys(pub.store) <= {"HEAD"}, "nothing but the takeover's claim"
@@ -217,7 +218,7 @@ def test_validate_accepts_modules_and_returns_tensors() -> None:
     out = validate_state_dict(m)  # type: ignore[arg-type]
     assert set(out) == {"weight", "bias"}
     assert all(isinstance(t, torch.Tensor) for t in out.values())
-    with Publisher(_url(), threads=2) as pub:
+    with Publisher(_url(), writer_policy=WriterPolicy(threads=2)) as pub:
         assert pub.publish(m).version == 1
 
 
@@ -230,7 +231,7 @@ def test_tensor_spec_is_the_layout() -> None:
 @pytest.mark.parametrize("step", [1.5, "5", object(), [1], float("nan")],
                          ids=["1.5", "'5'", "object()", "[1]", "nan"])
 def test_bad_step_is_refused_before_any_write(step: object) -> None:
-    with Publisher(_url(), threads=2) as pub:
+    with Publisher(_url(), writer_policy=WriterPolicy(threads=2)) as pub:
         with pytest.raises(InvalidStateDictError, match="step"):
             pub.publish(small_state(0), step=step)  # type: ignore[arg-type]
         assert keys(pub.store) <= {"HEAD"}, "nothing but the takeover's claim"
@@ -239,7 +240,7 @@ def test_bad_step_is_refused_before_any_write(step: object) -> None:
 @pytest.mark.parametrize("step, stored", [(np.int64(5), 5), (torch.tensor(7), 7), (2**62, 2**62), (-3, -3), (None, None)], ids=repr)
 def test_integer_like_steps_are_recorded(step: object, stored: int | None) -> None:
     url = _url()
-    with Publisher(url, threads=2) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2)) as pub:
         assert pub.publish(small_state(0), step=step).step == stored  # type: ignore[arg-type]
     with Subscriber(url) as sub:
         assert sub.latest().step == stored

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.write.publisher as publish_mod
+import deltastore.write.chain as chain_mod
 from deltastore import CommitAbandonedError, ConflictError, Publisher, Subscriber
+from deltastore.write.policy import DEFAULT_ANCHOR_EVERY, AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.write.commit import REBASE_ATTEMPTS, new_commit_id, now
 from deltastore.write.encode import encode_version
 from deltastore.format.history import History
@@ -114,7 +115,7 @@ def _check_schema3_fields(store, *, ratio: float | None = None, layout_changes: 
         assert m.stats.delta_bytes == sum(b.size for b in m.blobs if b.role == "d"), where
         assert m.stats.full_bytes == sum(b.size for b in m.blobs if b.role == "f"), where
         assert (m.kind == "anchor") == (m.stats.full_bytes > 0), where
-        # D6: skip pointers, exact (a prefix on an upgraded chain: see _back_for)
+        # D6: skip pointers, exact (a prefix where a manifest is gone: see VersionChain.back_for)
         full_back = tuple(key[v - 2**j] for j in range(1, 64) if v - 2**j >= 1)
         if upgraded_at == 1:
             assert m.back == full_back, (where, m.back)
@@ -156,17 +157,19 @@ def _check_schema3_fields(store, *, ratio: float | None = None, layout_changes: 
 
 
 def test_every_schema3_field_over_70_versions_with_a_restart_and_a_layout_change(monkeypatch) -> None:
-    monkeypatch.setattr(publish_mod, "LINK_CACHE_ENTRIES", 3)  # older skip pointers are read back from the store
+    monkeypatch.setattr(chain_mod, "LINK_CACHE_ENTRIES", 3)  # older skip pointers are read back from the store
     url = "memory://writer-70"
     rng = np.random.default_rng(1)
     state = _state()
     expected = {}
-    pub = Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES)
+    pub = Publisher(url, writer_policy=WriterPolicy(threads=2),
+                    layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES))
     try:
         for v in range(1, 71):
             if v == 35:  # a restart: the next publisher derives everything from the store
                 pub.close()
-                pub = Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES)
+                pub = Publisher(url, writer_policy=WriterPolicy(threads=2),
+                                layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES))
             if v == 50:  # a layout change: a new tensor
                 state = {**state, "new": torch.ones(16, 4)}
             state = _step(state, rng)
@@ -189,8 +192,9 @@ def test_every_schema3_field_over_70_versions_with_a_restart_and_a_layout_change
 def test_schema3_fields_on_every_backend(any_store_target) -> None:
     rng = np.random.default_rng(2)
     state = _state(3)
-    with Publisher(any_store_target.url, storage_options=any_store_target.storage_options, threads=2,
-                   chunk_bytes=SMALL_CHUNK_BYTES, anchor_cost_ratio=0.3) as pub:
+    with Publisher(any_store_target.url, storage_options=any_store_target.storage_options,
+                   writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES),
+                   anchor_policy=AnchorPolicy(cost_ratio=0.3)) as pub:
         for _ in range(9):
             state = _step(state, rng)
             pub.publish(state)
@@ -204,35 +208,41 @@ def test_cost_ratio_sets_how_often_anchors_come_and_anchor_every_caps_it() -> No
         rng = np.random.default_rng(3)
         state = _state()
         url = f"memory://writer-ratio-{tag}"
-        with Publisher(url, threads=1, chunk_bytes=SMALL_CHUNK_BYTES, **kw) as pub:
+        with Publisher(url, writer_policy=WriterPolicy(threads=1),
+                       layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES), **kw) as pub:
             kinds = []
             for _ in range(16):
                 state = _step(state, rng)
                 kinds.append(pub.publish(state).kind)
-        _check_schema3_fields(open_store(url), ratio=kw.get("anchor_cost_ratio", 1.0) if "anchor_every" not in kw else None)
+        policy = kw.get("anchor_policy", AnchorPolicy())
+        _check_schema3_fields(open_store(url), ratio=policy.cost_ratio if policy.every is None else None)
         return kinds
 
-    never = run("never", anchor_cost_ratio=1e9)
+    never = run("never", anchor_policy=AnchorPolicy(cost_ratio=1e9))
     assert never == ["anchor"] + ["delta"] * 15
-    often = run("often", anchor_cost_ratio=0.05)
+    often = run("often", anchor_policy=AnchorPolicy(cost_ratio=0.05))
     assert often.count("anchor") > 4
-    capped = run("capped", anchor_policy="cost", anchor_cost_ratio=1e9, anchor_every=5)
+    capped = run("capped", anchor_policy=AnchorPolicy("cost", cost_ratio=1e9, every=5))
     assert [i + 1 for i, k in enumerate(capped) if k == "anchor"] == [1, 6, 11, 16]
-    every = run("every", anchor_every=4)  # anchor_every alone: the fixed cadence of old
+    every = run("every", anchor_policy=AnchorPolicy(every=4))  # ``every`` alone: the fixed cadence
     assert [i + 1 for i, k in enumerate(every) if k == "anchor"] == [1, 5, 9, 13]
 
 
-def test_publisher_arguments_are_checked() -> None:
-    for kw in ({"max_attempt_s": DEFAULT_MAX_ATTEMPT_S + 1}, {"max_attempt_s": 0}, {"anchor_cost_ratio": 0},
-               {"anchor_cost_ratio": float("nan")}, {"anchor_policy": "sometimes"}, {"anchor_every": 0}):
-        with pytest.raises(ValueError):
-            Publisher("memory://writer-args", **kw)
-    with Publisher("memory://writer-args-ok", anchor_every=7) as pub:
-        assert (pub.anchor_policy, pub.anchor_every) == ("every", 7)
+def test_anchor_and_writer_policies_are_checked() -> None:
+    for bad in ({"max_attempt_s": DEFAULT_MAX_ATTEMPT_S + 1}, {"max_attempt_s": 0}, {"threads": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            WriterPolicy(**bad)
+    for bad in ({"cost_ratio": 0}, {"cost_ratio": float("nan")}, {"rule": "sometimes"}, {"every": 0}):
+        with pytest.raises(ValueError, match="anchor"):
+            AnchorPolicy(**bad)
+    with pytest.raises(TypeError, match=r"anchor_policy must be AnchorPolicy\(...\), got 'every'"):
+        Publisher("memory://writer-args", anchor_policy="every")  # the keyword of old, refused before any IO
+    with Publisher("memory://writer-args-ok", anchor_policy=AnchorPolicy(every=7)) as pub:
+        assert (pub.anchor_policy.rule, pub.anchor_policy.every) == ("every", 7)
     with Publisher("memory://writer-args-ok2") as pub:
-        assert (pub.anchor_policy, pub.anchor_every) == ("cost", None)
-    with Publisher("memory://writer-args-ok3", anchor_policy="every") as pub:
-        assert pub.anchor_every == publish_mod.DEFAULT_ANCHOR_EVERY
+        assert (pub.anchor_policy.rule, pub.anchor_policy.every) == ("cost", None)
+    assert AnchorPolicy("every").every == DEFAULT_ANCHOR_EVERY
+    assert AnchorPolicy("cost", every=5) == AnchorPolicy(rule="cost", every=5)  # a cap on the cost rule
 
 
 # --- HEAD's index: kept across commits, rebased over ---------------------------------------------
@@ -255,7 +265,8 @@ def _index_only_write(store, *, generation: int) -> ObjectRef:
 def test_head_keeps_the_index_across_commits(any_store_target) -> None:
     rng = np.random.default_rng(4)
     state = _state()
-    with Publisher(any_store_target.url, storage_options=any_store_target.storage_options, threads=2) as pub:
+    with Publisher(any_store_target.url, storage_options=any_store_target.storage_options,
+                   writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(state)
         with any_store_target.open() as store:
             ref = _index_only_write(store, generation=1)
@@ -284,7 +295,7 @@ def test_commit_rebases_over_an_index_only_head_change() -> None:
 
     store = HeadPutHook(inner, race)
     state = _state()
-    with Publisher(url, store=store, threads=2) as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(state)
         state = _step(state, np.random.default_rng(5))
         info = pub.publish(state)
@@ -309,7 +320,7 @@ def test_commit_gives_up_when_the_index_keeps_changing() -> None:
         return real_put()
 
     state = _state()
-    with Publisher(url, store=HeadPutHook(inner, race), threads=2) as pub:
+    with Publisher(url, store=HeadPutHook(inner, race), writer_policy=WriterPolicy(threads=2)) as pub:
         pub.publish(state)
         with pytest.raises(ConflictError, match="index"):
             pub.publish(_step(state, np.random.default_rng(7)))
@@ -336,7 +347,7 @@ def test_an_attempt_past_its_deadline_is_abandoned_and_the_next_publish_is_a_new
     url = "memory://writer-deadline"
     store = _SlowPacks(open_store(url), delay_s=0.0)
     state = _state()
-    with Publisher(url, store=store, threads=1, max_attempt_s=0.5) as pub:
+    with Publisher(url, store=store, writer_policy=WriterPolicy(threads=1, max_attempt_s=0.5)) as pub:
         pub.publish(state)
         head_before = parse_head(store.get(HEAD_KEY))
         store.delay_s = 0.6  # the uploads outlast the deadline
@@ -389,12 +400,13 @@ def test_the_first_schema3_version_on_a_schema2_store_is_an_anchor(restart: bool
     for _ in range(4):
         states.append(_step(states[-1], rng))
     _write_schema2_history(url, states[:3])
-    with Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
         info = pub.publish(states[3])  # resumes from version 3 (schema 2)
         assert (info.version, info.kind) == (4, "anchor")
         if restart:
             pub.close()
-            pub = Publisher(url, threads=2, chunk_bytes=SMALL_CHUNK_BYTES)
+            pub = Publisher(url, writer_policy=WriterPolicy(threads=2),
+                            layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES))
         assert pub.publish(states[4]).kind == "delta"
         more = states[4]
         for _ in range(4):
@@ -419,11 +431,11 @@ def test_the_first_schema3_version_on_a_schema2_store_is_an_anchor(restart: bool
 def test_collected_old_manifests_shorten_back_but_never_stop_a_publish(monkeypatch) -> None:
     """Skip pointers are hints: once GC deleted the manifests below its floor (an anchor), a
     publisher that would have to read one to derive ``back`` writes a prefix and commits."""
-    monkeypatch.setattr(publish_mod, "LINK_CACHE_ENTRIES", 2)
+    monkeypatch.setattr(chain_mod, "LINK_CACHE_ENTRIES", 2)
     url = "memory://writer-collected"
     rng = np.random.default_rng(10)
     state = _state()
-    with Publisher(url, threads=1, anchor_cost_ratio=1e9) as pub:
+    with Publisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(cost_ratio=1e9)) as pub:
         for v in range(1, 12):
             state = _step(state, rng)
             pub.publish(state, anchor=v == 9)
@@ -431,7 +443,7 @@ def test_collected_old_manifests_shorten_back_but_never_stop_a_publish(monkeypat
     chain = _chain(store)
     for v in range(1, 9):  # what GC deletes below a floor of 9
         store.delete(chain[v][0])
-    with Publisher(url, threads=1, anchor_cost_ratio=1e9) as pub:  # a restart: nothing cached
+    with Publisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(cost_ratio=1e9)) as pub:  # a restart: nothing cached
         state = _step(state, rng)
         assert pub.publish(state).version == 12
     m12 = History(store).manifest(parse_head(store.get(HEAD_KEY)).manifest)

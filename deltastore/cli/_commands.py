@@ -142,6 +142,7 @@ def _live_writer(store: Any) -> tuple[Any, float] | None:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from deltastore.write.policy import AnchorPolicy, WriterPolicy
     from deltastore.write.publisher import Publisher
 
     state = load_state(args.file)  # a bad file fails before the store is touched
@@ -159,10 +160,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
                            "Use --no-takeover to refuse instead", what)
         writer = f"{CLI_WRITER_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         with byte_progress("publish", quiet=args.quiet_total > 0) as add:
-            with Publisher(args.url, store=counting_store(store, add), anchor_every=args.anchor_every,
-                           signing_key=args.signing_key, allow_unsigned=args.allow_unsigned,
-                           takeover=not args.no_takeover, writer_id=writer,
-                           allow_unsafe_store=args.allow_unsafe_store, skip_unchanged=not args.allow_empty) as pub:
+            policy = WriterPolicy(writer_id=writer, takeover=not args.no_takeover, skip_unchanged=not args.allow_empty,
+                                  allow_unsafe_store=args.allow_unsafe_store, allow_unsigned=args.allow_unsigned)
+            with Publisher(args.url, store=counting_store(store, add), signing_key=args.signing_key, writer_policy=policy,
+                           anchor_policy=AnchorPolicy(every=args.anchor_every)) as pub:
                 before = pub.version
                 info = pub.publish(state, step=args.step, metadata=args.metadata, anchor=args.anchor)
     finally:

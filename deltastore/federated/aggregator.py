@@ -8,6 +8,7 @@ delta, unpin.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ from deltastore.federated.merge import MergeFn, weighted_average
 from deltastore.format.history import History, VersionInfo
 from deltastore.lifecycle.index import pin, unpin
 from deltastore._util.jobs import default_threads
+from deltastore.write.policy import LayoutPolicy, WriterPolicy, check_policy
 from deltastore.write.publisher import Publisher
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -124,8 +126,16 @@ class Aggregator:
         storage_options / site_storage_options: for the global store / every site store.
         global_store / site_stores: already opened stores to use (not closed by us).
         poll_interval_s: seconds between polls of the site stores while a round waits.
-        threads: read and encode threads.
-        publisher_options: more :class:`~deltastore.Publisher` keyword arguments.
+        publisher_options: more :class:`~deltastore.Publisher` keyword arguments
+            (``writer_policy``, ``anchor_policy``, ``layout_policy``, ``signing_key``, ...).
+            ``writer_policy.threads`` are also the read threads. Every round commits a new
+            global version (``skip_unchanged`` is always False here) and the global store
+            stays ungrouped (``group_small_tensors`` False; True is refused): the merge works
+            per tensor (design 009).
+
+    Raises:
+        ValueError: no site, or ``group_small_tensors=True``.
+        Everything :class:`~deltastore.Publisher` raises when it opens the global store.
 
     Example::
 
@@ -141,25 +151,28 @@ class Aggregator:
                  merge: MergeFn = weighted_average, storage_options: Mapping[str, Any] | None = None,
                  site_storage_options: Mapping[str, Any] | None = None, global_store: Store | None = None,
                  site_stores: Mapping[str, Store] | None = None, poll_interval_s: float = POLL_INTERVAL_S,
-                 threads: int | None = None, writer_id: str | None = None, allow_unsafe_store: bool = False,
                  **publisher_options: Any):
         named = dict(sites) if isinstance(sites, Mapping) else {f"site-{i}": u for i, u in enumerate(sites)}
         given = dict(site_stores or {})
         if not named and not given:
             raise ValueError("an aggregator needs at least one site")
-        self.threads = threads or default_threads()
+        writer = publisher_options.pop("writer_policy", WriterPolicy())
+        layout = publisher_options.pop("layout_policy", LayoutPolicy())
+        check_policy(writer, WriterPolicy, "writer_policy")
+        check_policy(layout, LayoutPolicy, "layout_policy")
+        if layout.group_small_tensors is True:
+            raise ValueError("an aggregator's global store is not grouped (the merge works per tensor, design 009): "
+                             "pass LayoutPolicy(group_small_tensors=False)")
+        self.threads = writer.threads or default_threads()
         self.merge_fn = merge
         self.poll_interval_s = poll_interval_s
         # Every round must make a new global version (even one where no element moved): the
         # round's identity is its base version, and a repeated base would accept last round's
-        # results again.
-        publisher_options.setdefault("skip_unchanged", False)
-        # The merge works per tensor (design 009): the global store stays ungrouped, whatever
-        # its tensor count (Publisher's default groups layouts of >= 1,000 small tensors).
-        publisher_options.setdefault("group_small_tensors", False)
+        # results again. The global store stays ungrouped, whatever its tensor count.
+        writer = dataclasses.replace(writer, threads=self.threads, skip_unchanged=False)
+        layout = dataclasses.replace(layout, group_small_tensors=False)
         self.publisher = Publisher(global_url, storage_options=storage_options, dtype=dtype, store=global_store,
-                                   threads=self.threads, writer_id=writer_id, allow_unsafe_store=allow_unsafe_store,
-                                   **publisher_options)
+                                   writer_policy=writer, layout_policy=layout, **publisher_options)
         self.writer_id = self.publisher.writer_id
         self._global = History(self.publisher.store)
         self._sites: dict[str, _SiteReader] = {}

@@ -10,7 +10,6 @@ changed chunks, each rebuilt on the base's bits and checked against its digest.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import uuid
@@ -23,8 +22,10 @@ import numpy as np
 import torch
 
 from deltastore.read.engine import ReadEngine
-from deltastore.write.commit import CommitProtocol, attempt_clock, now, put_immutable
+from deltastore.write.chain import VersionChain
+from deltastore.write.commit import attempt_clock
 from deltastore.write.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
+from deltastore.write.policy import AnchorPolicy, WriterPolicy, check_policy
 from deltastore.errors import (
     DeltastoreError,
     IntegrityError,
@@ -37,19 +38,12 @@ from deltastore.format.history import History, VersionInfo
 from deltastore._util.jobs import default_threads
 from deltastore.format.manifest import (
     BASE_SCHEMA,
-    DEFAULT_MAX_ATTEMPT_S,
     BaseRef,
     Head,
     Layout,
     Manifest,
-    ObjectRef,
     encode_manifest,
-    encode_object,
     layout_of,
-    manifest_key,
-    new_attempt_id,
-    object_key,
-    sha256_hex,
 )
 from deltastore.read.plan import ChunkPlan, Step
 from deltastore.storage.base import Store
@@ -93,7 +87,7 @@ def specs_of(layout: Layout, *, what: str) -> dict[str, TensorSpec]:
     federated round works per tensor (design 009, "Not done")."""
     if layout.groups:
         raise SiteLayoutError(f"{what}: its layout groups small tensors (schema-4 groups); federated rounds "
-                              "need an ungrouped global store (Publisher(group_small_tensors=False))")
+                              "need an ungrouped global store (LayoutPolicy(group_small_tensors=False))")
     gridded = [n for n, c in zip(layout.name, layout.chunk_cols) if c]
     if gridded:  # design 011 D6: the merge and these specs know no column grid yet
         raise UnsupportedSchemaError(f"{what}: tensor {gridded[0]!r} has a column grid (chunk_cols > 0); "
@@ -118,30 +112,35 @@ class BasedWriter:
 
     The store keeps its own history: HEAD by compare-and-swap, a fencing claim on open (a
     restarted site fences its zombie), its lineage, a ``parent_manifest`` chain round after
-    round. Each version holds only delta packs against its base, and its layout object is
-    written once and reused while the layout holds.
+    round, each version its own chain's start (design 009). Each version holds only delta packs
+    against its base, and its layout object is written once and reused while the layout holds.
+    Versions are added through the same :class:`~deltastore.write.chain.VersionChain` as a
+    Publisher's.
 
     Args:
         store: the site store (opened by the caller, who closes it).
-        writer_id: recorded in manifests and HEAD.
-        takeover: claim the store on open (default True).
-        allow_unsafe_store: see :class:`~deltastore.Publisher`.
-        threads: encode threads.
-        max_attempt_s: the attempt deadline (SPEC §5 step 3a).
+        writer_policy: ``writer_id`` (recorded in manifests and HEAD; default
+            ``site-host-pid-random``), ``threads`` (encode threads), ``takeover`` (claim the
+            store on open, default True), ``allow_unsafe_store`` and ``max_attempt_s`` (the
+            attempt deadline, SPEC §5 step 3a), as for :class:`~deltastore.Publisher`; the other
+            fields do not apply (a based version is never skipped nor resumed).
+
+    Raises:
+        UnsafeStoreError: the store lacks atomic conditional writes.
+        FencedError, CommitUnknownError: from the claim.
     """
 
-    def __init__(self, store: Store, *, writer_id: str | None = None, takeover: bool = True,
-                 allow_unsafe_store: bool = False, threads: int | None = None,
-                 max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S):
-        require_atomic_writes(store, allow_unsafe_store=allow_unsafe_store)
+    def __init__(self, store: Store, *, writer_policy: WriterPolicy = WriterPolicy()):
+        check_policy(writer_policy, WriterPolicy, "writer_policy")
+        require_atomic_writes(store, allow_unsafe_store=writer_policy.allow_unsafe_store)
         self.store = store
-        self.writer_id = writer_id or f"site-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.threads = threads or default_threads()
-        self.max_attempt_s = max_attempt_s
-        self._history = History(store)
-        self._commits = CommitProtocol(store, self._history, self.writer_id)
-        self._commits.open(takeover=takeover)
-        self._layout: tuple[Layout, ObjectRef] | None = None  # the newest version's layout object
+        self.writer_policy = writer_policy
+        self.writer_id = writer_policy.writer_id or f"site-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.threads = writer_policy.threads or default_threads()
+        # site stores are unsigned (design 009): no key, and no refusal of a signed head
+        self._chain = VersionChain(store, self.writer_id, anchors=AnchorPolicy(), max_attempt_s=writer_policy.max_attempt_s,
+                                   allow_unsigned=True)
+        self._chain.open(takeover=writer_policy.takeover)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-site-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-site-upload")
         self._layout_works = LayoutWorks()  # the chunk jobs of the layouts encoded, kept across rounds
@@ -149,7 +148,7 @@ class BasedWriter:
     @property
     def version(self) -> int:
         """The site store's latest committed version (0 when empty)."""
-        return self._commits.version
+        return self._chain.version
 
     def publish(self, state: Mapping[str, torch.Tensor], base: RoundBase, base_state: Mapping[str, torch.Tensor], *,
                 step: int | None = None, metadata: Mapping[str, Any] | None = None) -> VersionInfo:
@@ -175,75 +174,28 @@ class BasedWriter:
             check_layout(base.specs, state, against=f"the round's base (global version {base.version})")
         except LayoutMismatchError as e:
             raise SiteLayoutError(f"site result for {self.store.url}: {e}") from None
-        self._commits.prepare()
-        self._commits.check_can_commit()
-        head = self._commits.head
-        version = self.version + 1
+        chain = self._chain
+        chain.prepare()
+        chain.commits.check_can_commit()
         layout = layout_of(dict(base.specs), schema=BASE_SCHEMA)
-        lineage = self._commits.lineage_for_commit()
-        attempt = new_attempt_id()
-        deadline = attempt_clock() + self.max_attempt_s
+        draft = chain.draft(chain.version + 1, "delta", has_base=False, tip=None, base=base.ref())
+        deadline = attempt_clock() + self.writer_policy.max_attempt_s
         # encode_version advances its reference in place: give it a copy of the base's bits.
         reference = {n: t.detach().to("cpu", copy=True) for n, t in base_state.items()}
         encoded = encode_version(
             {n: state[n] for n in base.specs}, dict(base.specs), kind="delta", reference=reference,
-            pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads, attempt=attempt,
+            pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads, attempt=draft.attempt,
             layouts=self._layout_works,
         )
-        layout_ref = self._layout_ref(attempt, layout, head)
-        created = now()
-        manifest = Manifest(
-            schema_=BASE_SCHEMA,
-            version=version,
-            parent=head.version if head and head.version else None,
-            parent_manifest=head.manifest if head and head.version else None,
-            kind="delta",
-            anchor=version,
-            delta_base=None,
-            step=step,
-            created=created,
-            writer=self.writer_id,
-            epoch=self._commits.epoch,
-            commit_id=attempt,
-            metadata=dict(metadata or {}),
-            blobs=encoded.blobs,
-            tensors=encoded.entries,
-            stats=encoded.stats.model_copy(update={"cum_delta_bytes": 0}),
-            lineage=lineage,
-            anchor_manifest=None,
-            back=(),  # every based version starts its own chain: nothing to skip to (design 009)
-            chain_start=version,
-            layout=layout_ref,
-            max_attempt_s=math.ceil(self.max_attempt_s),
-            base=base.ref(),
-        )
-        data = encode_manifest(manifest, layout)
-        digest = sha256_hex(data)
-        mkey = manifest_key(version, digest)
-        put_immutable(self.store, mkey, data, "manifest")
-        self._commits.commit(Head(
-            version=version, manifest=mkey, manifest_sha256=digest, commit_id=attempt, writer=self.writer_id,
-            epoch=self._commits.epoch, updated=created, lineage=lineage, index=head.index if head else None,
-        ), deadline=deadline)
-        self._layout = (layout, layout_ref)
+        # the previous version's layout object when equal (SPEC §1), else a new one
+        layout_ref = chain.layout_ref(draft.attempt, layout, chain.tip())
+        manifest = chain.header(draft, layout, layout_ref, step=step, metadata=dict(metadata or {}), stats=encoded.stats,
+                                blobs=encoded.blobs, tensors=encoded.entries)
+        sealed = chain.seal(manifest, encode_manifest(manifest, layout))
+        chain.commit(draft, sealed, layout, deadline=deadline)
         logger.info("site %s: version %d based on global version %d: %d bytes, %d elements changed",
-                    self.store.url, version, base.version, encoded.stats.bytes_stored, encoded.stats.elements_changed)
-        return VersionInfo.from_manifest(manifest, mkey)
-
-    def _layout_ref(self, attempt: str, layout: Layout, head: Head | None) -> ObjectRef:
-        """The layout object of the new version: the previous version's when equal (it is
-        needed by the manifest this write builds on, SPEC §1), else a new one."""
-        if self._layout is None and head is not None and head.manifest:
-            prev = self._history.head_manifest(head)
-            if prev is not None and prev[1].layout is not None and prev[1].schema_ == BASE_SCHEMA:
-                self._layout = (self._history.layout(prev[1].layout), prev[1].layout)
-        if self._layout is not None and self._layout[0] == layout:
-            return self._layout[1]
-        data = encode_object(layout)
-        digest = sha256_hex(data)
-        key = object_key(attempt, digest, ".layout.json.zst")
-        put_immutable(self.store, key, data, "layout")
-        return ObjectRef(key=key, sha256=digest)
+                    self.store.url, draft.version, base.version, encoded.stats.bytes_stored, encoded.stats.elements_changed)
+        return VersionInfo.from_manifest(manifest, sealed.key)
 
     def close(self) -> None:
         """Stop the threads (the store belongs to the caller)."""

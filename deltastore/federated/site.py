@@ -16,6 +16,7 @@ from deltastore.format.history import History, VersionInfo
 from deltastore.read.subscriber import Subscriber
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
+from deltastore.write.policy import WriterPolicy, check_policy
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ class Site:
         dtype: the served dtype results are cast to (the global store's; default: as trained).
         storage_options / site_storage_options: for each store.
         global_store / site_store: already opened stores to use (not closed by us).
-        threads: read and encode threads.
-        writer_id, allow_unsafe_store, takeover: for the site store (see BasedWriter).
+        writer_policy: for the site store (see :class:`~deltastore.federated.BasedWriter`:
+            ``writer_id``, ``takeover``, ``allow_unsafe_store``, ``max_attempt_s``); its
+            ``threads`` are the read and encode threads.
 
     Example (a transformers Trainer)::
 
@@ -67,15 +69,15 @@ class Site:
 
     def __init__(self, global_url: str, site_url: str, *, dtype: torch.dtype | None = None,
                  storage_options: Mapping[str, Any] | None = None, site_storage_options: Mapping[str, Any] | None = None,
-                 global_store: Store | None = None, site_store: Store | None = None, threads: int | None = None,
-                 writer_id: str | None = None, allow_unsafe_store: bool = False, takeover: bool = True):
+                 global_store: Store | None = None, site_store: Store | None = None,
+                 writer_policy: WriterPolicy = WriterPolicy()):
+        check_policy(writer_policy, WriterPolicy, "writer_policy")
         self.dtype = dtype
-        self._sub = Subscriber(global_url, storage_options=storage_options, store=global_store, threads=threads)
+        self._sub = Subscriber(global_url, storage_options=storage_options, store=global_store, threads=writer_policy.threads)
         self._site_store = site_store if site_store is not None else open_store(site_url, storage_options=dict(site_storage_options or {}))
         self._owns_site_store = site_store is None
         try:
-            self._writer = BasedWriter(self._site_store, writer_id=writer_id, takeover=takeover,
-                                       allow_unsafe_store=allow_unsafe_store, threads=threads)
+            self._writer = BasedWriter(self._site_store, writer_policy=writer_policy)
         except BaseException:
             self._sub.close()
             if self._owns_site_store:

@@ -75,7 +75,7 @@ class DeltastoreWeightTransfer:
             default: count the syncs of this backend from ``start_version``.
         start_version: TRL's ``model_version`` before the first sync (default 0).
         publisher_kwargs: further :class:`deltastore.Publisher` arguments (``async_policy``,
-            ``max_pending``, ``anchor_policy``, ``signing_key``, ``compact``, ...).
+            ``anchor_policy``, ``writer_policy``, ``signing_key``, ``compact``, ...).
 
     Attributes:
         futures: one Future of :class:`deltastore.VersionInfo` per version sent, in order.

@@ -48,11 +48,11 @@ from deltastore.errors import (
 from deltastore.format.history import History
 from deltastore.lifecycle.index import (
     INDEX_SUFFIX,
-    _content,
-    _normalize,
-    _opened,
     add_pins,
     effective_floor,
+    index_content,
+    normalize_index,
+    opened_store,
     pinned,
     read_index,
     update_index,
@@ -189,7 +189,7 @@ def collect(store_or_url: Store | str, *, keep_last: int = 10, keep_versions: It
     if not grace_s >= 0:
         raise ValueError(f"grace_s must be ≥ 0, got {grace_s}")
     keep = sorted({int(v) for v in keep_versions})
-    with _opened(store_or_url, dict(storage_options or {})) as store:
+    with opened_store(store_or_url, dict(storage_options or {})) as store:
         return _Run(store, keep_last=keep_last, keep=keep, grace_s=float(grace_s), dry_run=dry_run,
                     writer=writer, upgrade=upgrade, unsafe_grace_ok=unsafe_grace_ok, ttl_s=ledger_ttl_s).run()
 
@@ -197,13 +197,13 @@ def collect(store_or_url: Store | str, *, keep_last: int = 10, keep_versions: It
 class _Run:
     def __init__(self, store: Store, *, keep_last: int, keep: list[int], grace_s: float, dry_run: bool,
                  writer: str | None, upgrade: bool, unsafe_grace_ok: bool, ttl_s: float):
-        from deltastore.lifecycle.index import _default_writer
+        from deltastore.lifecycle.index import default_writer
 
         self.store = store
         self.history = History(store)
         self.keep_last, self.keep, self.grace_s = keep_last, keep, grace_s
         self.dry_run, self.upgrade, self.unsafe_grace_ok, self.ttl_s = dry_run, upgrade, unsafe_grace_ok, ttl_s
-        self.writer = writer or _default_writer()
+        self.writer = writer or default_writer()
         self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(4)
         self.probe_key = f"{GC_PREFIX}{self.run_id}.json"
         self.report_key = f"{GC_PREFIX}{self.run_id}-report.json"
@@ -284,16 +284,15 @@ class _Run:
                 raise HistoryReplacedError(
                     f"HEAD of {self.store.url} now has lineage {h.lineage}, not {head.lineage}: another history; nothing was deleted"
                 )
-            pinned_idx = add_pins(self.keep, history=self.history, by=self.writer)(h, idx) if self.keep else _content(idx, h)
-            return _normalize(pinned_idx.model_copy(update={"floor": max(floor, effective_floor(idx))}), idx)
+            pinned_idx = add_pins(self.keep, history=self.history, by=self.writer)(h, idx) if self.keep else index_content(idx, h)
+            return normalize_index(pinned_idx.model_copy(update={"floor": max(floor, effective_floor(idx))}), idx)
 
         upgraded = head.schema_ < 3
         if self.dry_run:
             committed = mutate(head, index)
             committed_head = head
         else:
-            committed_head, committed = update_index(self.store, self.history, mutate, writer=self.writer,
-                                                     upgrade=self.upgrade)
+            committed_head, committed = update_index(self.store, self.history, mutate, writer=self.writer)
         floor = committed.floor  # another GC may have raised it further
         pins = sorted(pinned(committed))
         if committed_head.manifest != head.manifest:

@@ -16,15 +16,12 @@ pin) are dropped.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 
-from deltastore.write.commit import attempt_clock, now, put_immutable
+from deltastore.write.commit import attempt_clock, cas_head, now, put_immutable
 from deltastore.errors import (
     ConflictError,
     HistoryReplacedError,
-    IntegrityError,
-    PreconditionFailedError,
     StorageError,
     UnsupportedSchemaError,
     VersionCollectedError,
@@ -33,20 +30,18 @@ from deltastore.errors import (
 from deltastore.format.history import History
 from deltastore.format.manifest import (
     DEFAULT_MAX_ATTEMPT_S,
-    HEAD_KEY,
     Head,
     Index,
     ObjectRef,
     Pin,
     SquashRef,
-    dump,
     encode_object,
     new_attempt_id,
     new_lineage,
     object_key,
     sha256_hex,
 )
-from deltastore.storage.base import IfMatch, Store
+from deltastore.storage.base import Store
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +52,6 @@ INDEX_SUFFIX = ".index.json.zst"
 #: CAS tries of one index write: each loses only to another HEAD write landing during one
 #: round trip, and index writes are rare (one per GC run, compaction round or pin).
 INDEX_CAS_ATTEMPTS = 8
-#: Reads of HEAD to settle an unclear HEAD write (the client already retried each request).
-READBACK_ATTEMPTS = 5
-#: First pause between those reads, doubled after each (≈ 3 s in all).
-READBACK_BACKOFF_S = 0.2
 
 Mutate = Callable[[Head, "Index | None"], Index]
 
@@ -88,7 +79,7 @@ def pinned(index: Index | None) -> set[int]:
     return set() if index is None else {p.version for p in index.pins}
 
 
-def _normalize(new: Index, old: Index | None) -> Index:
+def normalize_index(new: Index, old: Index | None) -> Index:
     """Enforce what no index writer may change: the floor never goes down, pins are unique
     (sorted), and squashes whose ``from`` is below the floor and not pinned are dropped."""
     floor = max(new.floor, effective_floor(old))
@@ -112,7 +103,7 @@ def _same_content(a: Index, b: Index | None) -> bool:
 
 
 def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
-                 max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S, upgrade: bool = False) -> tuple[Head, Index]:
+                 max_attempt_s: float = DEFAULT_MAX_ATTEMPT_S) -> tuple[Head, Index]:
     """Replace HEAD's index by ``mutate(head, index)`` with an index-only HEAD write (SPEC §4, §11).
 
     ``mutate`` gets the current HEAD and its index (None when it has none) and returns the
@@ -121,14 +112,12 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
     below the floor). When it returns the current content unchanged, nothing is written.
 
     Each try writes the index create-only under a fresh attempt id, then CASes HEAD copying
-    every field but ``index`` and ``updated``. A lost CAS re-reads HEAD and calls ``mutate``
-    again on the new state; an unclear CAS outcome (timeout, 5xx, 409) is settled by reading
-    HEAD back: it succeeded iff HEAD names our index. An attempt older than ``max_attempt_s``
-    (:func:`~deltastore.write.commit.attempt_clock`, counting suspended time) is abandoned before its CAS (SPEC §5 step 3a) and the next try starts afresh.
-
-    Args:
-        upgrade: accept a schema-1/2 HEAD and rewrite it as schema 3 (SPEC §13); without it
-            such a HEAD is refused.
+    every field but ``index`` and ``updated`` (:func:`~deltastore.write.commit.cas_head`, the
+    one HEAD write of every writer). A failed CAS reads HEAD back: the write succeeded iff HEAD
+    names our index (an unclear outcome: timeout, 5xx, 409); otherwise ``mutate`` runs again
+    on the HEAD read back. An attempt older than ``max_attempt_s``
+    (:func:`~deltastore.write.commit.attempt_clock`, counting suspended time) is abandoned
+    before its CAS (SPEC §5 step 3a) and the next try starts afresh.
 
     Returns:
         ``(head, index)`` as committed (or as found, when nothing needed writing).
@@ -136,37 +125,36 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
     Raises:
         VersionNotFoundError: the store has no HEAD.
         HistoryReplacedError: HEAD's lineage changed between tries (another history).
-        UnsupportedSchemaError: HEAD is schema 1/2 and ``upgrade`` is False.
+        UnsupportedSchemaError: HEAD is of a schema without an index (before schema 3).
         ConflictError: every try lost its CAS (or was abandoned at its deadline); HEAD's index
             is unchanged.
         StorageError: the index object could not be written, or HEAD could not be read back.
     """
     lineage0: str | None = None
+    current = history.read_head()
     for attempt in range(INDEX_CAS_ATTEMPTS):
-        current = history.read_head()
         if current is None:
             raise VersionNotFoundError(f"{store.url} has no HEAD: nothing to index")
         head, etag = current
-        if head.schema_ < INDEX_SCHEMA and not upgrade:
+        if head.schema_ < INDEX_SCHEMA or head.lineage is None:
             raise UnsupportedSchemaError(
-                f"HEAD of {store.url} is schema {head.schema_}; the history index needs schema {INDEX_SCHEMA}: "
-                "upgrade the store first (deltastore gc --upgrade); schema-1/2 publishers then stop with UnsupportedSchemaError"
+                f"HEAD of {store.url} is schema {head.schema_}; the history index needs a schema-{INDEX_SCHEMA} HEAD "
+                "with a lineage, which this deltastore's publishers write"
             )
-        lineage = head.lineage if head.lineage is not None else (lineage0 or new_lineage())  # schema 1 has none
         if lineage0 is None:
-            lineage0 = lineage
-        elif lineage != lineage0:
+            lineage0 = head.lineage
+        elif head.lineage != lineage0:
             raise HistoryReplacedError(
-                f"HEAD of {store.url} changed lineage ({lineage0} → {lineage}) during an index write: another history"
+                f"HEAD of {store.url} changed lineage ({lineage0} → {head.lineage}) during an index write: another history"
             )
         old = read_index(history, head)
-        proposed = _normalize(mutate(head, old), old)
-        if head.schema_ >= INDEX_SCHEMA and _same_content(proposed, old):
+        proposed = normalize_index(mutate(head, old), old)
+        if _same_content(proposed, old):
             assert old is not None
             return head, old
         started = attempt_clock()
         new = proposed.model_copy(update={
-            "lineage": lineage,
+            "lineage": head.lineage,
             "generation": (old.generation + 1) if old is not None else 1,
             "previous": head.index,
             "writer": writer,
@@ -180,47 +168,32 @@ def update_index(store: Store, history: History, mutate: Mutate, *, writer: str,
         limit = min(max_attempt_s, history.attempt_deadline(head))  # never longer than the publisher's
         if attempt_clock() - started > limit:
             logger.warning("index write %s took over %ss; abandoning the attempt", key, limit)
+            current = history.read_head()
             continue
         ref = ObjectRef(key=key, sha256=digest)
-        doc = head.model_dump(by_alias=True)
-        doc.update({"schema": INDEX_SCHEMA, "index": ref.model_dump(), "updated": now(), "lineage": lineage})
-        new_head = Head.model_validate(doc)
-        try:
-            store.put(HEAD_KEY, dump(new_head), mode=IfMatch(etag))
-        except PreconditionFailedError:
-            logger.info("index write lost its CAS (try %d of %d); rebuilding on the new HEAD", attempt + 1, INDEX_CAS_ATTEMPTS)
-            continue
-        except Exception as e:  # noqa: BLE001 - timeout, 5xx, 409, reset: the outcome is unclear
-            back = _read_back(history, e)
-            if back is not None and back[0].index == ref:
-                logger.warning("index write to %s failed (%s) but had landed", store.url, e)
-                return back[0], new
-            logger.info("index write to %s did not land (%s); retrying", store.url, e)
-            continue
-        logger.info("history index of %s is now generation %d (floor %d, %d pins, %d squashes)",
-                    store.url, new.generation, new.floor, len(new.pins), len(new.squashes))
-        return new_head, new
+        new_head = head.model_copy(update={"index": ref, "updated": now()})
+        write = cas_head(store, history, new_head, etag, lambda error, last: _unreadable(store, error, last))
+        if write.written:
+            logger.info("history index of %s is now generation %d (floor %d, %d pins, %d squashes)",
+                        store.url, new.generation, new.floor, len(new.pins), len(new.squashes))
+            return new_head, new
+        current = write.current
+        if current is not None and current[0].index == ref:
+            logger.warning("index write to %s failed (%s) but had landed", store.url, write.error)
+            return current[0], new
+        logger.info("index write to %s did not land (%s; try %d of %d); rebuilding on the HEAD read back",
+                    store.url, write.error, attempt + 1, INDEX_CAS_ATTEMPTS)
     raise ConflictError(
         f"the history index of {store.url} could not be written in {INDEX_CAS_ATTEMPTS} tries (each lost its HEAD "
         "compare-and-swap to another writer, or outlived max_attempt_s); nothing was changed, try again"
     )
 
 
-def _read_back(history: History, error: Exception) -> tuple[Head, str] | None:
-    delay = READBACK_BACKOFF_S
-    last: Exception = error
-    for attempt in range(READBACK_ATTEMPTS):
-        if attempt:
-            time.sleep(delay)
-            delay *= 2
-        try:
-            return history.read_head()
-        except (StorageError, IntegrityError) as e:
-            last = e
-    raise StorageError(
-        f"an index write to {history.store.url} failed ({error}) and HEAD could not be read back ({last}); "
+def _unreadable(store: Store, error: Exception, last: Exception | None) -> StorageError:
+    return StorageError(
+        f"an index write to {store.url} failed ({error}) and HEAD could not be read back ({last}); "
         "run again (an index write is idempotent in effect)"
-    ) from last
+    )
 
 
 # --- pins -------------------------------------------------------------------------------------
@@ -251,7 +224,7 @@ def add_pins(versions: Iterable[int], *, history: History, note: str = "", by: s
                 )
             key, _ = history.find(v, head)
             new.append(Pin(version=v, manifest=key, note=note, by=by, at=now()))
-        return _content(index, head, pins=tuple(new))
+        return index_content(index, head, pins=tuple(new))
 
     return mutate
 
@@ -264,12 +237,12 @@ def add_squashes(refs: Iterable[SquashRef]) -> Mutate:
     def mutate(head: Head, index: Index | None) -> Index:
         have = tuple(index.squashes) if index is not None else ()
         known = {s.key for s in have}
-        return _content(index, head, squashes=have + tuple(s for s in new if s.key not in known))
+        return index_content(index, head, squashes=have + tuple(s for s in new if s.key not in known))
 
     return mutate
 
 
-def _content(index: Index | None, head: Head, **changes: object) -> Index:
+def index_content(index: Index | None, head: Head, **changes: object) -> Index:
     """``index`` with ``changes`` (a placeholder provenance: update_index fills it in)."""
     base = index if index is not None else Index(
         lineage=head.lineage or new_lineage(), generation=1, floor=1, writer="", created="",
@@ -278,46 +251,46 @@ def _content(index: Index | None, head: Head, **changes: object) -> Index:
 
 
 def pin(store: Store | str, version: int, *, note: str = "", writer: str | None = None,
-        storage_options: dict | None = None, upgrade: bool = False) -> Index:
+        storage_options: dict | None = None) -> Index:
     """Pin ``version``: GC keeps it (and what materializing it needs) below the floor.
 
     Raises:
         VersionCollectedError: ``version`` is below the floor (it may already be gone).
         VersionNotFoundError: ``version`` is not committed.
     """
-    with _opened(store, storage_options) as st:
+    with opened_store(store, storage_options) as st:
         history = History(st)
-        by = writer or _default_writer()
+        by = writer or default_writer()
         return update_index(st, history, add_pins([version], history=history, note=note, by=by),
-                            writer=by, upgrade=upgrade)[1]
+                            writer=by)[1]
 
 
 def unpin(store: Store | str, version: int, *, writer: str | None = None,
           storage_options: dict | None = None) -> Index | None:
     """Remove ``version``'s pin (nothing happens when it is not pinned). Returns the index."""
-    with _opened(store, storage_options) as st:
+    with opened_store(store, storage_options) as st:
         history = History(st)
 
         def mutate(head: Head, index: Index | None) -> Index:
             if index is None:
-                return _content(None, head)
-            return _content(index, head, pins=tuple(p for p in index.pins if p.version != version))
+                return index_content(None, head)
+            return index_content(index, head, pins=tuple(p for p in index.pins if p.version != version))
 
         head = history.read_head()
         if head is None:
             raise VersionNotFoundError(f"{st.url} has no HEAD")
         if version not in pinned(read_index(history, head[0])):
             return read_index(history, head[0])
-        return update_index(st, history, mutate, writer=writer or _default_writer())[1]
+        return update_index(st, history, mutate, writer=writer or default_writer())[1]
 
 
-def _default_writer() -> str:
+def default_writer() -> str:
     from deltastore.lifecycle.ledger import default_worker_id
 
     return default_worker_id()
 
 
-class _opened:
+class opened_store:
     """A store given, or opened from a URL (and then closed on exit)."""
 
     def __init__(self, store: Store | str, storage_options: dict | None):
@@ -343,7 +316,11 @@ __all__ = [
     "INDEX_SUFFIX",
     "add_pins",
     "add_squashes",
+    "default_writer",
     "effective_floor",
+    "index_content",
+    "normalize_index",
+    "opened_store",
     "pin",
     "pinned",
     "read_index",

@@ -18,6 +18,11 @@ did not never leaves HEAD moved. Any HEAD write that fails other than cleanly is
 reading HEAD back (with retries) and looking for our commit id or our manifest; when HEAD cannot
 be read, :class:`CommitUnknownError` says so and the next :meth:`CommitProtocol.prepare`
 settles it before anything else is written.
+
+Every HEAD write of every writer goes through :func:`cas_head` (one conditional PUT, and on any
+failure one bounded read-back, :func:`read_head_back`): the publishers' commits and claims
+here, and the index-only writes of :func:`deltastore.lifecycle.index.update_index`, which
+decide the outcome by their own rule (success iff HEAD names their index).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from deltastore.errors import (
@@ -146,6 +153,84 @@ def new_commit_id() -> str:
     return uuid.uuid4().hex
 
 
+def read_head_back(history: History, unreadable: Callable[[Exception | None], DeltastoreError]) -> tuple[Head, str] | None:
+    """HEAD as stored now (None: there is none), read with bounded retries after a HEAD write
+    whose outcome is unclear (SPEC §5 step 6).
+
+    Args:
+        history: the store's history (its HEAD is read uncached).
+        unreadable: builds the error raised when HEAD stays unreadable, from the last read's
+            error; each writer words it (a commit's outcome is unknown, an index write is to be
+            run again).
+
+    Raises:
+        What ``unreadable`` returns, after :data:`READBACK_ATTEMPTS` failed reads.
+    """
+    delay = READBACK_BACKOFF_S
+    last: Exception | None = None
+    for attempt in range(READBACK_ATTEMPTS):
+        if attempt:
+            time.sleep(delay)
+            delay *= 2
+        try:
+            return history.read_head()
+        except (StorageError, IntegrityError) as e:  # 5xx, timeouts, truncated bodies
+            last = e
+            logger.info("reading HEAD back (try %d of %d) failed: %s", attempt + 1, READBACK_ATTEMPTS, e)
+    raise unreadable(last) from last
+
+
+@dataclass(frozen=True)
+class HeadWrite:
+    """The outcome of one conditional HEAD write (:func:`cas_head`).
+
+    Attributes:
+        etag: the new HEAD's ETag when the write was answered with success (the other fields
+            are then unset).
+        error: why the write failed: a precondition failure (``precondition``) or an unclear
+            failure (5xx, timeout, reset: it may have landed).
+        current: HEAD as read back after the failure (None: no HEAD), to settle the outcome.
+    """
+
+    etag: str | None = None
+    error: Exception | None = None
+    precondition: bool = False
+    current: tuple[Head, str] | None = None
+
+    @property
+    def written(self) -> bool:
+        return self.error is None
+
+
+def cas_head(store: Store, history: History, new: Head, etag: str | None,
+             unreadable: Callable[[Exception, Exception | None], DeltastoreError]) -> HeadWrite:
+    """Write ``new`` as HEAD if HEAD's ETag is still ``etag`` (None: if there is no HEAD).
+
+    Any failure is followed by reading HEAD back (:func:`read_head_back`), since even a
+    precondition failure may be the storage client's retry of a write of ours that landed; the
+    caller decides from :attr:`HeadWrite.current` whether it did.
+
+    Args:
+        unreadable: builds the error raised when HEAD cannot be read back, from the write's
+            error and the last read's.
+
+    Raises:
+        What ``unreadable`` returns: the write failed and HEAD stayed unreadable.
+    """
+    mode = IfMatch(etag) if etag is not None else "create"
+    try:
+        meta = store.put(HEAD_KEY, dump(new), mode=mode)
+    except PreconditionFailedError as e:
+        error: Exception = e
+        precondition = True
+    except Exception as e:  # noqa: BLE001 - 5xx, timeout, reset, truncated read: unclear
+        error, precondition = e, False
+    else:
+        return HeadWrite(etag=meta.etag)
+    current = read_head_back(history, lambda last: unreadable(error, last))
+    return HeadWrite(error=error, precondition=precondition, current=current)
+
+
 class CommitProtocol:
     """One publisher's side of the HEAD protocol of one store.
 
@@ -244,7 +329,7 @@ class CommitProtocol:
         if self._pending is None:
             return False
         pending = self._pending
-        current = self._read_back(pending, None)  # raises CommitUnknownError while unreadable
+        current = read_head_back(self.history, lambda last: self._unknown(pending, None, last))  # raises while unreadable
         self._pending = None
         if self._landed(current, pending, is_commit=True):
             logger.warning("the commit of version %d (%s), reported unknown, had landed", pending.version, pending.commit_id)
@@ -269,7 +354,7 @@ class CommitProtocol:
                 )
             else:
                 claimed = self.head.model_copy(update={
-                    "schema_": SCHEMA_VERSION,  # a schema-1 HEAD is upgraded by its first claim
+                    "schema_": SCHEMA_VERSION,  # HEAD is written in this release's schema
                     "epoch": self.head.epoch + 1,
                     "writer": self.writer_id,
                     "commit_id": new_commit_id(),
@@ -344,25 +429,23 @@ class CommitProtocol:
 
         Returns None once settled, or (with ``rebase``) ``new`` carrying the index of a HEAD
         that changed only its index, to be written next against :attr:`head_etag`."""
-        mode = IfMatch(self.head_etag) if self.head_etag is not None else "create"
         try:
-            meta = self.store.put(HEAD_KEY, dump(new), mode=mode)
-        except PreconditionFailedError as e:
-            return self._settle(new, e, is_commit=is_commit, precondition=True, rebase=rebase)
-        except Exception as e:  # noqa: BLE001 - 5xx, timeout, reset, truncated read: unclear
-            return self._settle(new, e, is_commit=is_commit, precondition=False, rebase=rebase)
-        self.head, self.head_etag = new, meta.etag
-        return None
-
-    def _settle(self, new: Head, error: Exception, *, is_commit: bool, precondition: bool, rebase: bool = False) -> Head | None:
-        """Decide an unclear HEAD write by reading HEAD back (SPEC §5 step 6); returns a head
-        to retry with when only HEAD's index changed (design 005 D4, step 6a)."""
-        try:
-            current = self._read_back(new, error)
+            write = cas_head(self.store, self.history, new, self.head_etag,
+                             lambda error, last: self._unknown(new, error, last))
         except CommitUnknownError:
             if is_commit:
-                self._pending = new
+                self._pending = new  # settled first by the next prepare()
             raise
+        if write.written:
+            self.head, self.head_etag = new, write.etag
+            return None
+        assert write.error is not None
+        return self._settle(new, write, is_commit=is_commit, rebase=rebase)
+
+    def _settle(self, new: Head, write: HeadWrite, *, is_commit: bool, rebase: bool = False) -> Head | None:
+        """Decide a failed HEAD write from HEAD as read back (SPEC §5 step 6); returns a head
+        to retry with when only HEAD's index changed (design 005 D4, step 6a)."""
+        current, error = write.current, write.error
         if self._landed(current, new, is_commit=is_commit):
             assert current is not None
             logger.warning("HEAD write for commit %s failed (%s) but had landed; treating as success", new.commit_id, error)
@@ -382,35 +465,25 @@ class CommitProtocol:
             ) from error
         if self._unchanged(current):
             # Nothing landed and nobody else wrote: the store is as it was.
-            if precondition:
+            if write.precondition:
                 raise StorageError(
                     f"{self.url} refused the HEAD write of version {new.version} as a conflict ({error}), "
                     "but HEAD is unchanged (an HTTP 409 or a misbehaving endpoint); nothing was committed, publish again"
                 ) from error
+            assert error is not None
             raise error
         self._on_conflict(current[0] if current else None, current[1] if current else None)
 
-    def _read_back(self, new: Head, error: Exception | None) -> tuple[Head, str] | None:
-        """HEAD as stored now, with bounded retries; CommitUnknownError if it stays unreadable."""
-        delay = READBACK_BACKOFF_S
-        last: Exception | None = None
-        for attempt in range(READBACK_ATTEMPTS):
-            if attempt:
-                time.sleep(delay)
-                delay *= 2
-            try:
-                return self.history.read_head()
-            except (StorageError, IntegrityError) as e:  # 5xx, timeouts, truncated bodies
-                last = e
-                logger.info("reading HEAD back (try %d of %d) failed: %s", attempt + 1, READBACK_ATTEMPTS, e)
+    def _unknown(self, new: Head, error: Exception | None, last: Exception | None) -> CommitUnknownError:
+        """The error of a HEAD write whose outcome cannot be settled: HEAD is unreadable."""
         cause = f" after: {error}" if error is not None else ""
-        raise CommitUnknownError(
+        return CommitUnknownError(
             f"the outcome of the HEAD write of version {new.version} (commit {new.commit_id}) to {self.url} is unknown{cause}; "
             f"HEAD could not be read back ({last}). It may or may not be committed: the next publish by this "
             "publisher settles it first; a new publisher or reader sees one or the other, never a mix",
             version=new.version,
             commit_id=new.commit_id,
-        ) from last
+        )
 
     def _landed(self, current: tuple[Head, str] | None, new: Head, *, is_commit: bool) -> bool:
         """True when ``new`` is in HEAD's history: HEAD is it, names its manifest (a takeover

@@ -59,20 +59,18 @@ Kind = Literal["anchor", "delta"]
 #: per request and each costs a round trip) while a pack still uploads in a few seconds.
 PACK_TARGET_BYTES = 64 * 1024 * 1024
 #: Consecutive chunks are encoded as one thread job of about this size: each job costs a Future,
-#: a hand-off and a wake-up of the caller. In 1 MiB chunks (sharded ranks and slice-aligned
-#: layouts cut many), 4 MiB jobs cut the caller's CPU in encode_version by ~14 ms per tf265m
-#: publish (589 chunks, 3 interleaved pairs); a 16 MiB chunk stays a job of its own, and the
-#: last job is short enough (~2 ms of scan) not to leave a thread idle at the end.
+#: a hand-off and a wake-up of the caller, which small chunks (sharded ranks and slice-aligned
+#: layouts cut many) would pay per chunk; a 16 MiB chunk stays a job of its own, and the last
+#: job is short enough not to leave a thread idle at the end (design 006).
 ENCODE_JOB_BYTES = 4 * 1024 * 1024
 #: Jobs submitted and not yet packed, per encode thread: with many tiny tensors a short window
-#: starves the threads (MiniLM publish: 2 → 93 ms, 8 → 83 ms); memory stays bounded (chunks ≤
-#: 16 MiB).
+#: starves the threads; memory stays bounded (chunks ≤ 16 MiB).
 IN_FLIGHT_PER_THREAD = 8
 #: With a full window of a delta version, the caller waits until all but 1/this of it is packed:
 #: it wakes once per half window, not per job, and the threads keep half a window queued. An
 #: anchor waits for one job at a time: its results are full segments (~0.7× a chunk each), and
-#: holding half a window of them done at once raised the publisher's peak RSS after an anchor by
-#: ~0.1× the model (tf265m: 2.13 → 2.22 after the first anchor).
+#: holding half a window of them done at once would raise the publisher's peak memory after an
+#: anchor by about a tenth of the model.
 WAIT_DIVISOR = 2
 #: Packs uploading at once per pack stream: overlaps the network with encoding while holding
 #: at most this many packs (× PACK_TARGET_BYTES) in memory.
@@ -149,9 +147,9 @@ class _PackWriter:
         self.role = role if attempt is not None else None
         self.blobs: list[BlobRef] = []
         # A store that streams writes (a local directory) gets each pack as it fills: finishing
-        # the version then writes only the last piece (a 6 MB pack write was most of a steady
-        # tf265m publish's tail: design 006, addendum of session 23). Schema 3 only: the
-        # directory, objects/<attempt>/, is known before the pack's name.
+        # the version then writes only the last piece, not a whole pack on the publish's tail
+        # (design 006). Schema 3 only: the directory, objects/<attempt>/, is known before the
+        # pack's name.
         self._directory = f"{OBJECT_PREFIX}{attempt}/" if attempt is not None else None
         self._stream: StreamedPut | None = None
         self._streams = self._directory is not None  # until the store says it does not
@@ -166,7 +164,7 @@ class _PackWriter:
         if self._len >= PACK_TARGET_BYTES:
             self.flush()
         data = seg.data
-        # built without validation (issue 9: no pydantic per chunk); the fields are ints and strs
+        # built without validation (no pydantic per chunk); the fields are ints and strs
         # made here, and encode_manifest's self-check proves them to be what a reader decodes
         ref = unchecked_entry(
             SegmentRef,
@@ -255,8 +253,7 @@ def _end_stream(store: Store, stream: StreamedPut, tail: bytearray, directory: s
 class _InOrder:
     """Job results consumed in job order by the encode threads themselves: the thread that
     finishes the next job in order consumes it and every later one already done (one consumer
-    at a time), so that the caller does not wake per job to pack results (design 006, session
-    25 addendum: ~8-11 % of a steady tf265m delta publish).
+    at a time), so that the caller does not wake per job to pack results (design 006).
 
     A job that raises, or a failing consume, stops consumption; :meth:`wait` raises the failure
     of the lowest job index on the caller's thread."""
@@ -325,7 +322,7 @@ def chunk_jobs(specs: Mapping[str, TensorSpec]) -> list[list[tuple[int, int, str
 @dataclass(frozen=True)
 class _LayoutWork:
     """What :func:`encode_version` derives from a layout alone: made once per layout, not per
-    version (165 tensors: ~1.5 ms of chunk spans, dtype look-ups and sums per publish)."""
+    version (chunk spans, dtype look-ups and sums add up per publish on models of many tensors)."""
 
     #: what it was made of: :data:`ENCODE_JOB_BYTES` and the layout, ``tuple(specs.items())``
     key: tuple[int, tuple[tuple[str, TensorSpec], ...]]
@@ -435,7 +432,7 @@ def encode_version(
             and encoded from there, so the buffer is the unit's reference copy for the next
             version (``groups.unit_reference`` adopts it) at no extra pass.
         layouts: the caller's :class:`LayoutWorks`, kept across its versions (the chunk jobs
-            and spans of a layout, made once: ~1.5 ms for 165 tensors); None makes them anew.
+            and spans of a layout, made once); None makes them anew.
         wait_stored: return once every pack is stored. False: return once the last packs are
             handed to ``uploader`` (their keys, sizes and digests known), so that the caller
             can build its manifest while they are stored; it MUST then call
@@ -456,7 +453,7 @@ def encode_version(
     # Bit views made once per tensor, on this thread (per-chunk torch calls on the encode
     # threads would queue for the GIL behind numpy), as the first job that needs them is
     # submitted: the first chunk is encoding after two views rather than after all of them
-    # (~10 µs each: the 165 tensors of tf265m and their references cost ~4 ms of serial start).
+    # (a serial start that grows with the tensor count).
     # A device tensor is copied to the host chunk by chunk instead. Group members (design
     # 007) are read when their group's chunk is gathered: through a table of the members'
     # addresses (one native copy per chunk), or member by member when one is not a contiguous
@@ -545,7 +542,7 @@ def encode_version(
     # first chunk arrives). A delta chunk's entry is final at once; a full segment's pack
     # index moves past the delta packs, whose number is known only at the end, so an anchor's
     # entries are built then.
-    # Entries are built without validation (issue 9: no pydantic per chunk on the hot path):
+    # Entries are built without validation (no pydantic per chunk on the hot path):
     # their fields are the layout's and the pack writers' ints and strs, and encode_manifest
     # proves them, field by field with their types, to be what a reader decodes.
     entries: list[TensorEntry] = []

@@ -26,19 +26,14 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from deltastore.errors import DeltastoreError, StorageError, VersionSkippedError
+from deltastore.write.policy import AsyncPolicy
 
 logger = logging.getLogger(__name__)
-
-Policy = Literal["block", "latest"]
-POLICIES: tuple[str, ...] = ("block", "latest")
-#: Snapshots waiting behind the one being published, by default: one lets encoding of step
-#: n overlap training of step n+1 while holding at most two snapshots (+ the reference copy).
-DEFAULT_MAX_PENDING = 1
 
 
 def snapshot(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -87,24 +82,20 @@ class PublishQueue:
     Args:
         publish_fn: the synchronous commit, called as ``publish_fn(state, **kwargs)``; returns
             the committed version's info.
-        policy: ``"block"`` or ``"latest"`` (see the module docstring).
-        max_pending: snapshots that may wait behind the one being published (≥ 1).
+        policy: the :class:`~deltastore.write.policy.AsyncPolicy`: ``"block"`` or ``"latest"``
+            (see the module docstring) and ``max_pending``, the snapshots that may wait behind
+            the one being published.
         name: used in the thread's name and in messages (e.g. the store URL).
         sticky: keyword arguments that a snapshot inherits from the waiting one it replaces
             under ``"latest"`` when that one's value is true (the Publisher passes
             ``("anchor",)``, so a requested anchor or layout change survives coalescing).
     """
 
-    def __init__(self, publish_fn: Callable[..., Any], *, policy: Policy = "block",
-                 max_pending: int = DEFAULT_MAX_PENDING, name: str = "deltastore",
-                 sticky: tuple[str, ...] = ()):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be ≥ 1, got {max_pending}")
+    def __init__(self, publish_fn: Callable[..., Any], policy: AsyncPolicy = AsyncPolicy(), *,
+                 name: str = "deltastore", sticky: tuple[str, ...] = ()):
         self._publish = publish_fn
-        self.policy = policy
-        self.max_pending = max_pending
+        self.policy = policy.mode
+        self.max_pending = policy.max_pending
         self.name = name
         self.sticky = sticky
         self._reserved = 0  # places taken by callers still copying their snapshot

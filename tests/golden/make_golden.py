@@ -253,6 +253,7 @@ def write_store(store_dir: Path, expected_dir: Path) -> None:
     from safetensors.torch import save_file
 
     import deltastore
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 
     g = torch.Generator().manual_seed(SEED)
 
@@ -273,8 +274,8 @@ def write_store(store_dir: Path, expected_dir: Path) -> None:
     tmp = Path(tempfile.mkdtemp())
     try:
         # small chunks so that tensors span several chunks (and chunks of every codec appear)
-        with deltastore.Publisher(str(tmp / "store"), writer_id="golden", threads=1,
-                                  chunk_bytes=2048, anchor_every=4) as pub:
+        with deltastore.Publisher(str(tmp / "store"), writer_policy=WriterPolicy(writer_id="golden", threads=1),
+                                  anchor_policy=AnchorPolicy(every=4), layout_policy=LayoutPolicy(chunk_bytes=2048)) as pub:
 
             def publish(step_, **kw):
                 info = pub.publish(sd, step=step_, metadata={"golden": True}, **kw)

@@ -65,16 +65,19 @@ def main() -> int:
         shutil.rmtree(p, ignore_errors=True)
     sys.path.insert(0, str(ROOT))
     from deltastore.federated import Aggregator, Site
+    from deltastore.write.policy import LayoutPolicy, WriterPolicy
 
     g = store / "global"
     sites = {"a": store / "site-a", "b": store / "site-b"}
     for p in (g, *sites.values(), expected):
         p.mkdir(parents=True)
-    with Aggregator(str(g), {k: str(v) for k, v in sites.items()}, dtype=torch.bfloat16, chunk_bytes=512,
-                    poll_interval_s=0.05, threads=1, writer_id="golden-aggregator") as agg:
+    with Aggregator(str(g), {k: str(v) for k, v in sites.items()}, dtype=torch.bfloat16, poll_interval_s=0.05,
+                    writer_policy=WriterPolicy(threads=1, writer_id="golden-aggregator"),
+                    layout_policy=LayoutPolicy(chunk_bytes=512)) as agg:
         agg.start(state0())
         save_file(agg.state(), str(expected / "global-v1.safetensors"))
-        ss = {k: Site(str(g), str(v), dtype=torch.bfloat16, threads=1, writer_id=f"golden-site-{k}") for k, v in sites.items()}
+        ss = {k: Site(str(g), str(v), dtype=torch.bfloat16,
+                      writer_policy=WriterPolicy(threads=1, writer_id=f"golden-site-{k}")) for k, v in sites.items()}
         for rnd in range(2):
             for i, (k, s) in enumerate(ss.items()):
                 r = s.run_round(lambda w, i=i, rnd=rnd: trained(w, i, rnd), num_examples=1 + i)

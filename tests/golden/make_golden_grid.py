@@ -91,6 +91,7 @@ def write_grid(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
     from safetensors.torch import save_file
 
     import deltastore
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     from deltastore.lifecycle.compact import compact
     from deltastore.format.history import History
     from deltastore.storage import open_store
@@ -124,9 +125,11 @@ def write_grid(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
     expected_dir.mkdir(parents=True)
     tmp = Path(tempfile.mkdtemp())
     url = str(tmp / "store")
-    common = dict(writer_id="golden-grid", threads=1, chunk_bytes=1024, anchor_policy="every", anchor_every=100)
+    writer, resumed = WriterPolicy(writer_id="golden-grid", threads=1), WriterPolicy(writer_id="golden-grid", threads=1, resume=False)
+    anchors = AnchorPolicy("every", every=100)
     try:
-        with deltastore.Publisher(url, group_small_tensors=False, **common) as pub:
+        with deltastore.Publisher(url, writer_policy=writer, anchor_policy=anchors,
+                                  layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=False)) as pub:
             pub._explicit_specs = _specs(4)
             for v in range(1, SQUASH_TO + 1):
                 if v > 1:
@@ -135,12 +138,14 @@ def write_grid(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
         rep = compact(url, bases=[SQUASH_BASE], writer="golden-grid-compactor", threads=1)
         assert rep.registered and [(s.from_, s.to) for s in rep.squashes] == [(SQUASH_BASE, SQUASH_TO)], rep
         sq = rep.squashes[0]
-        with deltastore.Publisher(url, group_small_tensors=False, resume=False, **common) as pub:
+        with deltastore.Publisher(url, writer_policy=resumed, anchor_policy=anchors,
+                                  layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=False)) as pub:
             pub._explicit_specs = _specs(3)
             for v in (5, 6):
                 nudge()
                 publish(pub, v, "anchor" if v == 5 else "delta")
-        with deltastore.Publisher(url, group_small_tensors=True, resume=False, **common) as pub:
+        with deltastore.Publisher(url, writer_policy=resumed, anchor_policy=anchors,
+                                  layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=True)) as pub:
             pub._explicit_specs = _specs(3)
             for v in (7, 8):
                 nudge()

@@ -53,6 +53,7 @@ def write_store(store_dir: Path, expected_dir: Path, pub_path: Path) -> None:
     from safetensors.torch import save_file
 
     import deltastore
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     from deltastore.format.manifest import SCHEMA_VERSION
 
     assert SCHEMA_VERSION == 2, "the schema-2 golden store must be written by a schema-2 writer"
@@ -88,7 +89,8 @@ def write_store(store_dir: Path, expected_dir: Path, pub_path: Path) -> None:
 
     try:
         # small chunks so that tensors span several chunks
-        with deltastore.Publisher(url, writer_id="golden2", threads=1, chunk_bytes=1024, anchor_every=100) as pub:
+        with deltastore.Publisher(url, writer_policy=WriterPolicy(writer_id="golden2", threads=1),
+                                  anchor_policy=AnchorPolicy(every=100), layout_policy=LayoutPolicy(chunk_bytes=1024)) as pub:
             publish(pub, 0)  # v1 anchor
             nudge("embed.weight", "layer.0.weight")
             sd["steps"] += 1
@@ -109,8 +111,9 @@ def write_store(store_dir: Path, expected_dir: Path, pub_path: Path) -> None:
             sd["steps"] += 1
             publish(pub, 4)  # v5 delta
         key = signing_key()
-        with deltastore.Publisher(url, writer_id="golden2-signed", threads=1, chunk_bytes=1024,
-                                  anchor_every=100, signing_key=key) as pub:
+        with deltastore.Publisher(url, signing_key=key,
+                                  writer_policy=WriterPolicy(writer_id="golden2-signed", threads=1),
+                                  anchor_policy=AnchorPolicy(every=100), layout_policy=LayoutPolicy(chunk_bytes=1024)) as pub:
             sd["steps"] += 1
             publish(pub, 5, anchor=True)  # v6 signed anchor
             nudge("layer.0.weight", "layer.1.weight")

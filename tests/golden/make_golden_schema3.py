@@ -47,6 +47,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
@@ -137,8 +138,9 @@ def write_schema3(store_dir: Path, expected_dir: Path, facts_path: Path) -> None
         return info
 
     try:
-        with deltastore.Publisher(url, writer_id="golden3", threads=1, chunk_bytes=1024,
-                                  anchor_policy="every", anchor_every=100) as pub:
+        with deltastore.Publisher(url, writer_policy=WriterPolicy(writer_id="golden3", threads=1),
+                                  anchor_policy=AnchorPolicy("every", every=100),
+                                  layout_policy=LayoutPolicy(chunk_bytes=1024)) as pub:
             publish(pub, 0)  # v1 anchor
             for s in (1, 2):  # v2-v3 deltas
                 nudge("embed.weight", "layer.0.weight")
@@ -206,8 +208,9 @@ def write_mixed(store_dir: Path, expected_dir: Path) -> None:
             idx = torch.randperm(t.numel(), generator=g)[: max(1, t.numel() // 40)]
             t[idx] += torch.randint(1, 3, (idx.numel(),), generator=g, dtype=torch.int16)
 
-        with deltastore.Publisher(str(url), writer_id="golden-mixed", threads=1, chunk_bytes=1024,
-                                  anchor_policy="every", anchor_every=100) as pub:
+        with deltastore.Publisher(str(url), writer_policy=WriterPolicy(writer_id="golden-mixed", threads=1),
+                                  anchor_policy=AnchorPolicy("every", every=100),
+                                  layout_policy=LayoutPolicy(chunk_bytes=1024)) as pub:
             for s in (7, 8, 9):  # v8 the upgrade anchor (its parent is schema 2), v9-v10 deltas
                 nudge("layer.0.weight")
                 nudge("embed.weight")

@@ -49,6 +49,7 @@ def write_schema4(store_dir: Path, expected_dir: Path, facts_path: Path) -> None
     from safetensors.torch import save_file
 
     import deltastore
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     import deltastore.layout.groups as groups
     from deltastore.lifecycle.compact import compact
     from deltastore.format.history import History
@@ -89,8 +90,9 @@ def write_schema4(store_dir: Path, expected_dir: Path, facts_path: Path) -> None
     tmp = Path(tempfile.mkdtemp())
     url = str(tmp / "store")
     try:
-        with deltastore.Publisher(url, writer_id="golden4", threads=1, chunk_bytes=1024, anchor_policy="every",
-                                  anchor_every=4, group_small_tensors=True) as pub:
+        with deltastore.Publisher(url, writer_policy=WriterPolicy(writer_id="golden4", threads=1),
+                                  anchor_policy=AnchorPolicy("every", every=4),
+                                  layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=True)) as pub:
             for s in range(VERSIONS):
                 if s:
                     nudge()

@@ -26,6 +26,7 @@ from deltastore.storage.probe import (
     require_atomic_writes,
 )
 from tests.storage.faultproxy import FaultProxy
+from deltastore.write.policy import WriterPolicy
 
 
 def _count_puts(monkeypatch: pytest.MonkeyPatch, store: Store) -> list[str]:
@@ -382,7 +383,7 @@ def test_store_copied_to_a_server_without_conditional_writes_is_refused(seaweedf
     opened, refused = [], []
     for _ in range(2):
         try:
-            opened.append(Publisher(url, storage_options=opts, takeover=False))
+            opened.append(Publisher(url, storage_options=opts, writer_policy=WriterPolicy(takeover=False)))
         except UnsafeStoreError as e:
             refused.append(str(e))
     published = []
@@ -405,5 +406,5 @@ def test_publisher_refuses_an_endpoint_that_ignores_conditional_writes(moto_serv
         opts = moto_server.storage_options(endpoint_url=proxy.url)
         with pytest.raises(UnsafeStoreError, match="allow_unsafe_store"):
             Publisher(url, storage_options=opts)
-        with Publisher(url, storage_options=opts, allow_unsafe_store=True) as pub:
+        with Publisher(url, storage_options=opts, writer_policy=WriterPolicy(allow_unsafe_store=True)) as pub:
             assert pub.publish({"w": torch.ones(4)}).version == 1
