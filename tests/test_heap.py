@@ -10,7 +10,7 @@ import torch
 
 import deltastore._util.heap as heap
 import deltastore.write.publisher as publish_mod
-import deltastore.read.subscriber as pull_mod
+import deltastore.read.reader as pull_mod
 from deltastore import Publisher, Subscriber
 from deltastore.write.policy import AnchorPolicy
 

@@ -574,7 +574,7 @@ def test_stage_refuses_a_modified_patched_chunk(tmp_path, path):
 def test_fetched_bytes_are_sha256_checked_once(tmp_path, monkeypatch):
     # A delta version's pack is read whole and its segments tile it (SPEC §3): every byte is
     # checked by its segment's SHA-256, and the pack's own hash would only hash it again.
-    import deltastore.read.engine as apply_mod
+    import deltastore.read.fetch as apply_mod
 
     url, a, b = _store(tmp_path)
     sub = Subscriber(url)
