@@ -336,9 +336,9 @@ def _follow(args: argparse.Namespace) -> int:
 
 def cmd_log(args: argparse.Namespace) -> int:
     if args.plot:
-        from deltastore.cli.plot import _pyplot
+        from deltastore.cli.plot import pyplot
 
-        _pyplot()  # a missing matplotlib fails before any IO
+        pyplot()  # a missing matplotlib fails before any IO
     keys = trusted_keys(args)
     store = open_store(args)
     try:

@@ -41,7 +41,7 @@ class SquashPoint:
     bytes: int
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError as e:
@@ -70,7 +70,7 @@ def plot_history(points: Sequence[VersionPoint], squashes: Sequence[SquashPoint]
         ImportError: matplotlib is not installed (the message says how to install it).
         OSError: ``path`` cannot be written.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter
 
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=FIGURE_SIZE, dpi=FIGURE_DPI,

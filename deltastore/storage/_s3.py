@@ -17,7 +17,6 @@ import hashlib
 import http.client
 import logging
 import os
-import random
 import re
 import threading
 import time
@@ -27,9 +26,7 @@ from typing import Any
 
 import boto3
 import botocore.exceptions
-import botocore.loaders
 import botocore.parsers
-import botocore.session
 import urllib3.exceptions
 from botocore.config import Config
 
@@ -44,6 +41,15 @@ from deltastore.errors import (
     StorageError,
     UnsupportedURLError,
     UploadCorruptedError,
+)
+from deltastore.storage._botocore import (
+    backoff,
+    botocore_session,
+    connect_failure,
+    error_code,
+    one_line,
+    quote,
+    redact_sdk_logs,
 )
 from deltastore.storage._keys import check_key, check_prefix, check_range, normalize_etag
 from deltastore.storage.base import EndpointIdentity, GetResult, IfMatch, ObjectMeta, PutMode, Store
@@ -137,118 +143,8 @@ _NOT_MODIFIED = {"304", "NotModified"}
 _INVALID_RANGE = {"InvalidRange", "416"}
 
 
-_LOADER: botocore.loaders.Loader | None = None
-_LOADER_LOCK = threading.Lock()
-
-
-#: botocore logs every request's headers and canonical request at DEBUG, session token
-#: (``X-Amz-Security-Token``) included; this matches the token in a header, canonical-request
-#: line or query string so that it can be replaced.
-_TOKEN_IN_LOG = re.compile(r"(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,&}]+", re.IGNORECASE)
-_REDACTED = "<redacted>"
-
-
-class _RedactCredentials(logging.Filter):
-    """Rewrites SDK log records that carry a session token or a known secret (never drops one).
-
-    Attached to botocore's and urllib3's loggers, it runs only for records that are emitted
-    (DEBUG is off by default), so it costs nothing in normal operation.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("deltastore-redact")
-        self._secrets: frozenset[str] = frozenset()
-        self._lock = threading.Lock()
-
-    def add(self, *secrets: str | None) -> None:
-        with self._lock:
-            self._secrets = self._secrets | {s for s in secrets if s}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record is the logging module's business, not ours
-            return True
-        redacted = _TOKEN_IN_LOG.sub(lambda m: m.group(1) + _REDACTED, message)
-        for secret in self._secrets:
-            redacted = redacted.replace(secret, _REDACTED)
-        if redacted != message:
-            record.msg, record.args = redacted, None
-        return True
-
-
-_REDACT = _RedactCredentials()
-
-
-def _redact_sdk_logs(*secrets: str | None) -> None:
-    """Make sure no SDK logger can emit ``secrets`` or a session token (see _RedactCredentials).
-
-    A filter applies only to records created on its own logger, so it goes on every botocore,
-    boto3 and urllib3 logger that exists; they are all created when their modules are imported,
-    which has happened once a client exists.
-    """
-    _REDACT.add(*secrets)
-    names = [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] in ("botocore", "boto3", "urllib3")]
-    for name in ("botocore", "boto3", "urllib3", *names):
-        log = logging.getLogger(name)
-        if _REDACT not in log.filters:
-            log.addFilter(_REDACT)
-
-
-def _botocore_session() -> botocore.session.Session:
-    """A fresh botocore session (credentials are per store) sharing one model loader: parsing
-    the S3 service model takes ~0.5 s, which every store would otherwise pay again."""
-    global _LOADER
-    with _LOADER_LOCK:
-        if _LOADER is None:
-            _LOADER = botocore.loaders.create_loader()
-        loader = _LOADER
-    session = botocore.session.Session()
-    session.register_component("data_loader", loader)
-    return session
-
-
-def _quote(etag: str) -> str:
-    return f'"{normalize_etag(etag)}"'
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
 class _ShortRange(Exception):
     """A ranged GET answered other bytes than asked for (internal; retried, then translated)."""
-
-
-def _backoff(attempt: int, base: float, cap: float) -> float:
-    """Full-jitter exponential backoff before retry number ``attempt`` (1-based)."""
-    return random.uniform(0.0, min(cap, base * 2 ** (attempt - 1)))
-
-
-def _connect_failure(e: botocore.exceptions.EndpointConnectionError) -> str:
-    """Why a connection failed, in the socket's words ("Connection refused", "Name or service
-    not known"), else "timed out" or botocore's message."""
-    chain: list[BaseException] = []
-    todo: list[BaseException | None] = [e.kwargs.get("error"), e]
-    while todo:
-        cause = todo.pop(0)
-        if cause is not None and all(cause is not c for c in chain):
-            chain.append(cause)
-            todo += [cause.__cause__, cause.__context__]
-    # urllib3's NewConnectionError subclasses its timeout error: look for the socket's own first.
-    for cause in chain:
-        if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror
-    if any(isinstance(c, (TimeoutError, urllib3.exceptions.TimeoutError)) for c in chain):
-        return "timed out"
-    return _one_line(e)
-
-
-def _error_code(e: botocore.exceptions.ClientError) -> tuple[str, str]:
-    """The (code, HTTP status) of a ClientError, both as strings."""
-    code = str(e.response.get("Error", {}).get("Code", ""))
-    status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-    return code, status
 
 
 class S3Store(Store):
@@ -325,7 +221,7 @@ class S3Store(Store):
         self._retries_given = "retries" in options
         try:
             session = boto3.session.Session(
-                botocore_session=_botocore_session(),
+                botocore_session=botocore_session(),
                 aws_access_key_id=options.get("aws_access_key_id"),
                 aws_secret_access_key=options.get("aws_secret_access_key"),
                 aws_session_token=options.get("aws_session_token"),
@@ -341,8 +237,8 @@ class S3Store(Store):
             profile = options.get("profile") or getattr(e, "kwargs", {}).get("profile")  # or AWS_PROFILE's
             raise AccessDeniedError(f"AWS profile {profile!r} for {self.url} not found in ~/.aws/config") from e
         except botocore.exceptions.BotoCoreError as e:
-            raise StorageError(f"cannot configure an S3 client for {self.url}: {_one_line(e)}") from e
-        _redact_sdk_logs(options.get("aws_secret_access_key"), options.get("aws_session_token"))
+            raise StorageError(f"cannot configure an S3 client for {self.url}: {one_line(e)}") from e
+        redact_sdk_logs(options.get("aws_secret_access_key"), options.get("aws_session_token"))
         self._bucket_known_to_exist = False
         self._etags_are_md5 = True  # until a read-back shows otherwise (see _stored_other_bytes)
         self._bucket_check_lock = threading.Lock()
@@ -373,7 +269,7 @@ class S3Store(Store):
         responses are skipped: some servers name themselves differently there (moto adds
         ``amazon.com``)."""
         if 200 <= http_response.status_code < 300:
-            self._server_header = _one_line(http_response.headers.get("Server", ""))
+            self._server_header = one_line(http_response.headers.get("Server", ""))
 
     def endpoint_identity(self) -> EndpointIdentity:
         """The endpoint this store's requests go to and the ``Server`` header of its latest
@@ -394,15 +290,15 @@ class S3Store(Store):
             )
         if isinstance(e, botocore.exceptions.EndpointConnectionError):
             return StorageError(
-                f"cannot reach the S3 endpoint {self._endpoint} for {name} ({_connect_failure(e)}); "
+                f"cannot reach the S3 endpoint {self._endpoint} for {name} ({connect_failure(e)}); "
                 f"check endpoint_url"
             )
         if not isinstance(e, botocore.exceptions.ClientError):
-            return StorageError(f"S3 {op} on {name} failed: {_one_line(e)}")
+            return StorageError(f"S3 {op} on {name} failed: {one_line(e)}")
         error = e.response.get("Error", {})
         code = str(error.get("Code", ""))
         status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-        message = _one_line(error.get("Message", "")) or code
+        message = one_line(error.get("Message", "")) or code
         if op == "GetObject" and status == "404" and not code:
             # S3 answers a GET with an XML error document (NoSuchKey, NoSuchBucket); a body
             # botocore cannot read as one is a web server or a SeaweedFS filer/master port. Read
@@ -507,7 +403,7 @@ class S3Store(Store):
         last: Exception | None = None
         for attempt in range(1, READ_MAX_ATTEMPTS + 1):
             if attempt > 1:
-                time.sleep(_backoff(attempt - 1, READ_BACKOFF_BASE_S, READ_BACKOFF_MAX_S))
+                time.sleep(backoff(attempt - 1, READ_BACKOFF_BASE_S, READ_BACKOFF_MAX_S))
             response = self._client.get_object(Bucket=self.bucket, Key=full, **op_kwargs)
             body = response["Body"]
             try:
@@ -524,15 +420,15 @@ class S3Store(Store):
             finally:
                 body.close()
             logger.warning(
-                "GetObject %s attempt %d/%d: %s", self._name(key), attempt, READ_MAX_ATTEMPTS, _one_line(last)
+                "GetObject %s attempt %d/%d: %s", self._name(key), attempt, READ_MAX_ATTEMPTS, one_line(last)
             )
         if isinstance(last, botocore.exceptions.FlexibleChecksumError):
             raise IntegrityError(
                 f"{self._name(key)} failed its checksum on each of {READ_MAX_ATTEMPTS} reads "
-                f"({_one_line(last)}): the stored object or the network path is corrupt"
+                f"({one_line(last)}): the stored object or the network path is corrupt"
             ) from last
         raise StorageError(
-            f"reading {self._name(key)} was cut short on each of {READ_MAX_ATTEMPTS} attempts: {_one_line(last)}"
+            f"reading {self._name(key)} was cut short on each of {READ_MAX_ATTEMPTS} attempts: {one_line(last)}"
         ) from last
 
     @staticmethod
@@ -580,11 +476,11 @@ class S3Store(Store):
         check_key(key)
         kwargs: dict[str, Any] = {}
         if etag is not None:
-            kwargs["IfNoneMatch"] = _quote(etag)
+            kwargs["IfNoneMatch"] = quote(etag)
         try:
             response, data = self._read_object(key, kwargs)
         except botocore.exceptions.ClientError as e:
-            code, status = _error_code(e)
+            code, status = error_code(e)
             if etag is not None and (code in _NOT_MODIFIED or status == "304"):
                 return None
             raise self._translate(e, "GetObject", key) from e
@@ -633,17 +529,17 @@ class S3Store(Store):
             if current == "create":
                 condition["IfNoneMatch"] = "*"
             elif isinstance(current, IfMatch):
-                condition["IfMatch"] = _quote(current.etag)
+                condition["IfMatch"] = quote(current.etag)
             try:
                 response = self._client.put_object(
                     Bucket=self.bucket, Key=full, Body=data, **condition, **checksums
                 )
             except botocore.exceptions.ClientError as e:
-                code, status = _error_code(e)
+                code, status = error_code(e)
                 if status == "409" or code in _CONFLICT:
                     conflicts += 1
                     if conflicts < CONFLICT_MAX_ATTEMPTS:
-                        delay = _backoff(conflicts, CONFLICT_BACKOFF_BASE_S, CONFLICT_BACKOFF_MAX_S)
+                        delay = backoff(conflicts, CONFLICT_BACKOFF_BASE_S, CONFLICT_BACKOFF_MAX_S)
                         logger.info("PutObject %s: %s, retrying in %.2f s", self._name(key), code or status, delay)
                         time.sleep(delay)
                         continue
@@ -698,11 +594,11 @@ class S3Store(Store):
         if not self._etags_are_md5 or etag == md5_hex or not _MD5_HEX.fullmatch(etag):
             return False
         try:
-            _, stored = self._read_object(key, {"IfMatch": _quote(etag)})
+            _, stored = self._read_object(key, {"IfMatch": quote(etag)})
         except IntegrityError:
             return True  # the server's stored checksum (ours) disagrees with its stored bytes
         except botocore.exceptions.ClientError as e:
-            code, status = _error_code(e)
+            code, status = error_code(e)
             if status == "412" or code in _PRECONDITION or code in _NOT_FOUND:
                 return False  # already replaced or deleted by someone else: not ours to judge
             raise self._translate(e, "GetObject", key) from e
