@@ -3,8 +3,8 @@ tests/golden/make_golden.py at commit 9a91ec2) are read by this one, bit for bit
 
 - every golden segment decodes to exactly the recorded bits (``decode_full``; ``apply_delta``
   forward and inverse), for every codec id and width;
-- today's writers (``full/2``, ``add-sparse/1``, ``add-dense/1``, and the private v1 encoders
-  kept for tests) re-encode the golden inputs to byte-identical segments, and composing golden
+- today's writers (``full/2``, ``add-sparse/1``, ``add-dense/1``) re-encode the golden inputs
+  to byte-identical segments, and composing golden
   deltas gives the golden result: a change to the writers that alters bytes must be deliberate
   (new golden files and a note in docs/codec-format.md), never silent;
 - the golden store (schema 1) is readable by Subscriber: ``pull`` of every version equals the
@@ -87,12 +87,8 @@ def test_golden_segment_decodes(case, seg):
 
 def _reencode(seg: dict, old: np.ndarray | None, new: np.ndarray) -> codec.Segment | None:
     kw = {"level": seg["level"]} if "level" in seg else {}
-    if seg["fn"] == "full1":
-        return codec._encode_full_v1(new, **kw)
     if seg["fn"] == "full2":
         return codec.encode_full(new, float_bits=seg["float_bits"], **kw)
-    if seg["fn"] == "xor":
-        return codec._encode_delta_xor(old, new, **kw)
     assert seg["fn"] == "add", seg
     return codec.encode_delta(old, new, **kw)
 
@@ -114,7 +110,7 @@ def test_golden_compose(comp):
     a, b, c = (_array(comp["arrays"][k]) for k in ("a", "b", "c"))
     sa, sb, want = (_seg(comp[k]["file"]) for k in ("a", "b", "result"))
     r = codec.compose_deltas(sa, sb, codec_a=comp["a"]["codec"], codec_b=comp["b"]["codec"],
-                             dtype=a.dtype, count=comp["count"], base=a)
+                             dtype=a.dtype, count=comp["count"])
     assert r is not None
     assert (r.codec, r.n_changed, r.data) == (comp["result"]["codec"], comp["result"]["n_changed"], want)
     t = a.copy()

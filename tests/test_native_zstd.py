@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from deltastore._util import kernels
 from deltastore.codec import apply_delta_digests, encode_delta, encode_full
-from deltastore.codec.container import DSG1, peek_header
+from deltastore.codec.container import ENTRY, HEADER, peek_header
 from deltastore.codec.delta import _KERNEL_KIND
 from deltastore.codec.planes import ZSTD_PLANE_PARAMS, decode_sections, section_args
 from deltastore.errors import CorruptObjectError
@@ -48,7 +48,7 @@ def _both(data: bytes):
 
 
 def _segment(planes: list[bytes]) -> bytes:
-    """A full/1 segment of width len(planes) whose planes are ``planes`` (same length), coded
+    """A full/2 segment of width len(planes) whose planes are ``planes`` (same length), coded
     by the encoder: zstd where it is smaller, else RAW or CONST."""
     n = len(planes[0])
     x = np.frombuffer(b"".join(planes), np.uint8).reshape(len(planes), n).T.copy()
@@ -56,9 +56,8 @@ def _segment(planes: list[bytes]) -> bytes:
 
 
 def _with_frame(frame: bytes, raw_size: int) -> bytes:
-    """A DSG1 full/1 width-1 segment whose one section is ``frame`` (kind zstd), ``raw_size`` long."""
-    head = DSG1.header.pack(b"DSG1", 1, 1, 1, 0, raw_size, raw_size, 1, b"\x00\x00\x00")
-    return head + DSG1.entry.pack(1, b"\x00\x00\x00", len(frame), raw_size) + frame
+    """A full/2 width-1 segment whose one section is ``frame`` (kind zstd), ``raw_size`` long."""
+    return HEADER.pack(b"DSG2", 1, 2, 1, 0, raw_size, raw_size, 0, 0, 1) + ENTRY.pack(1, len(frame)) + frame
 
 
 plane_bytes = st.one_of(
@@ -100,7 +99,7 @@ def test_hostile_frames(raw, edits, cut, extra, size_delta, checksum):
     frame = bytes(frame) + extra
     size = max(0, len(raw) + size_delta)
     for outcome in _both(_with_frame(frame, size)):
-        assert outcome == ("error", "full/1 section 0") or [len(p) for p in outcome[1]] == [size]
+        assert outcome == ("error", "full/2 section 0") or [len(p) for p in outcome[1]] == [size]
 
 
 def test_every_refusal_kind_names_the_section():
@@ -120,7 +119,7 @@ def test_every_refusal_kind_names_the_section():
             decode_sections(data, peek_header(data))
     for data in (_with_frame(skippable, len(raw)), _with_frame(frame + skippable, len(raw))):
         # a skippable frame alone, or after the frame: python-zstandard refuses both
-        assert _both(data)[0] == _both(data)[1] == ("error", "full/1 section 0")
+        assert _both(data)[0] == _both(data)[1] == ("error", "full/2 section 0")
 
 
 def test_a_bomb_is_refused_without_writing_past_the_table_size():

@@ -25,12 +25,10 @@
  * changed elements are then visited by counting trailing zeros, never one element at a time. */
 #define SCAN_BLOCK 64
 
-/* Bytes ahead of the compared block that the scan prefetches in both streams, into L2. The
+/* Bytes ahead of the compared block that the scan prefetches in both streams, into L2: the
  * hardware prefetchers alone left the loads waiting whenever a block had changes to emit (the
- * emit work and the memory stream did not overlap: on tf265m steps the kernel took ~1.7x a
- * plain read of the same bytes). Measured one thread over a whole version (design 006,
- * session 18 addendum): 1-2 KiB into L1 gained 15-30 %, 4-64 KiB into L2 another ~10 %
- * (alike within noise), a non-temporal prefetch doubled the time. A prefetch never faults. */
+ * emit work and the memory stream did not overlap). A few KiB into L2 beat a short prefetch into
+ * L1 and a non-temporal one (docs/design/006-native-kernels.md). A prefetch never faults. */
 #define SCAN_PREFETCH 4096
 /* __builtin_prefetch's locality: 1 is prefetcht2 (L2 and outward on current x86 cores) */
 #define SCAN_PREFETCH_LOCALITY 1

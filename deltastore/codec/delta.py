@@ -1,15 +1,12 @@
-"""Delta segments: the change from one version of a chunk to the next.
+"""Delta segments (``add-sparse/1``, ``add-dense/1``): the change from one version of a chunk
+to the next.
 
-A delta is a set of changed positions with one value each, combined with the old value by an
-*operation*: XOR (``xor-sparse/1``, ``xor-dense/1``, v1; its own inverse) or addition modulo
-2**bits (``add-sparse/1``, ``add-dense/1``, v2; undone by subtraction). Both families share one
-encoder and one decoder, parameterised by an :class:`_Operation` that says how the operation
-combines values and how its positions and values are coded into sections:
+A delta is a set of changed positions with one value each: the difference ``new - old`` modulo
+2**bits, applied by addition and undone by subtraction. It is coded into sections as:
 
-- positions (sparse forms): as gaps ``p_0, p_i - p_{i-1} - 1``; XOR stores the gaps' byte
-  planes, add stores one-byte gap symbols with long gaps escaped;
-- values: XOR stores the byte planes of ``old ^ new``; add stores the zigzag of
-  ``new - old`` as paired 4-bit codes with large values escaped.
+- positions (sparse form): gaps ``p_0, p_i - p_{i-1} - 1`` as one-byte gap symbols, long gaps
+  escaped;
+- values: the zigzag of ``new - old`` as paired 4-bit codes, large values escaped.
 
 Each delta is written in the sparse form, and also in the dense form (every element's value)
 when enough elements changed; the smaller wins. Decoders return a :class:`SparseDelta` or a
@@ -18,8 +15,8 @@ when enough elements changed; the smaller wins. Decoders return a :class:`Sparse
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -28,11 +25,8 @@ from deltastore._util import kernels
 from deltastore.codec.container import (
     CODEC_ADD_DENSE,
     CODEC_ADD_SPARSE,
-    CODEC_XOR_DENSE,
-    CODEC_XOR_SPARSE,
     DELTA_CODECS,
     GAP_WIDTHS,
-    SPARSE_CODECS,
     WIDTHS,
     Segment,
     SegmentHeader,
@@ -65,7 +59,7 @@ from deltastore.errors import CorruptObjectError
 
 # Only above this changed fraction is the dense form also encoded. On bf16 Adam-step deltas the
 # dense form first wins at ~55 % changed (Huffman spends >= 1 bit on every unchanged element's
-# zero byte); at 40 % it is still 9 % larger, and on random XORs sparse wins even at 50 %. Below
+# zero byte); at 40 % it is still 9 % larger. Below
 # this line, trying dense would double the encoding work for nothing.
 DENSE_TRY_FRACTION = 0.40
 
@@ -80,7 +74,7 @@ ESCAPE = 255
 # Adam steps move bf16 weights by 1-2 ulp, so codes 1..4 dominate and Huffman over single bytes
 # pays ~0.3 bit per symbol of redundancy; pairs halve it. MiniLM lr 1e-6: 0.293 -> 0.249 B per
 # changed element (one-byte symbols vs pairs; order-0 entropy of the zigzag values 0.225,
-# of v1's XOR values 0.341); ~1 % of changed elements escape.
+# of the XOR of old and new 0.341); ~1 % of changed elements escape.
 NIBBLE_ESCAPE = 15
 
 
@@ -93,7 +87,7 @@ class SparseDelta:
 
     Attributes:
         positions: int64, strictly increasing, each below the chunk's element count.
-        values: the operation's values (XOR or difference), non-zero, little-endian unsigned.
+        values: the differences ``new - old`` (mod 2**bits), non-zero, little-endian unsigned.
     """
 
     positions: np.ndarray
@@ -124,7 +118,7 @@ class Changes:
     new: np.ndarray
 
 
-# --- what the two operations code differently ---------------------------------------------
+# --- coding positions and values ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -134,29 +128,6 @@ class _Coded:
     planes: list[np.ndarray]
     param: int = 0  # gap width of the position planes
     n_escaped: int = 0
-
-
-@dataclass(frozen=True)
-class _Operation:
-    """How one family of delta codecs combines values and codes them (see the module doc)."""
-
-    name: str
-    sparse: str  # codec id of the sparse form
-    dense: str  # codec id of the dense form
-    value_name: str  # what one value is called in error messages
-    diff: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (old, new) -> values
-    combine: np.ufunc  # apply (and compose) values
-    undo: np.ufunc  # inverse of combine
-    code_positions: Callable[[np.ndarray], _Coded]
-    code_values: Callable[[np.ndarray], _Coded]
-    # decoders: (sections, header, n) -> values; (sections, header, count) -> positions
-    read_values: Callable[[Sequence[Plane], SegmentHeader, int], np.ndarray]
-    read_positions: Callable[[Sequence[Plane], SegmentHeader, int], np.ndarray]
-    n_position_sections: Callable[[SegmentHeader], int]
-    codecs: tuple[str, str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "codecs", (self.sparse, self.dense))
 
 
 def _gaps(pos: np.ndarray) -> np.ndarray:
@@ -186,28 +157,6 @@ def _positions(gaps: np.ndarray, count: int, codec: str) -> np.ndarray:
         raise CorruptObjectError(f"{codec} segment has position {int(pos[-1])}, beyond its {count} elements")
     return pos.view(np.int64)  # < count < 2**32: the same numbers
 
-
-# XOR (v1): byte planes of gaps and of old ^ new
-
-def _xor_positions(pos: np.ndarray) -> _Coded:
-    gaps = _gaps(pos)
-    gw = _gap_width(int(gaps.max()))
-    return _Coded(split(gaps.astype(UINT[gw])), param=gw)
-
-
-def _xor_values(x: np.ndarray) -> _Coded:
-    return _Coded(split(x))
-
-
-def _read_xor_values(secs: Sequence[Plane], h: SegmentHeader, n: int) -> np.ndarray:
-    return join(secs, n)
-
-
-def _read_xor_positions(secs: Sequence[Plane], h: SegmentHeader, count: int) -> np.ndarray:
-    return _positions(join(secs, h.n_changed).astype(np.uint64), count, h.codec)
-
-
-# add (v2): escaped one-byte gap symbols, paired 4-bit codes of zigzag(new - old)
 
 def _add_positions(pos: np.ndarray) -> _Coded:
     """One-byte gap symbols (``ESCAPE`` for gaps >= ``ESCAPE``), then the byte planes of
@@ -297,55 +246,42 @@ def _read_add_positions(secs: Sequence[Plane], h: SegmentHeader, count: int) -> 
     return _positions(gaps, count, h.codec)
 
 
-XOR = _Operation(
-    name="xor", sparse=CODEC_XOR_SPARSE, dense=CODEC_XOR_DENSE, value_name="XOR value",
-    diff=lambda old, new: old ^ new, combine=np.bitwise_xor, undo=np.bitwise_xor,
-    code_positions=_xor_positions, code_values=_xor_values,
-    read_values=_read_xor_values, read_positions=_read_xor_positions,
-    n_position_sections=lambda h: h.gap_width,
-)
-# unsigned arithmetic wraps modulo 2**bits: new = old + d, old = new - d
-ADD = _Operation(
-    name="add", sparse=CODEC_ADD_SPARSE, dense=CODEC_ADD_DENSE, value_name="difference",
-    diff=lambda old, new: new - old, combine=np.add, undo=np.subtract,
-    code_positions=_add_positions, code_values=_add_values,
-    read_values=_read_add_values, read_positions=_read_add_positions,
-    n_position_sections=lambda h: 1 + (h.gap_width if h.n_gap_escaped else 0),
-)
-OPERATION = {codec: op for op in (XOR, ADD) for codec in op.codecs}
+def _n_position_sections(h: SegmentHeader) -> int:
+    """Sections of an add-sparse segment that hold positions: the gap symbols, then the gap
+    escapes' byte planes when a gap was escaped."""
+    return 1 + (h.gap_width if h.n_gap_escaped else 0)
 
 
 # --- encoding -----------------------------------------------------------------------------
 
 
-def encode_changes(op: _Operation, count: int, width: int, pos: np.ndarray, vals: np.ndarray,
+def encode_changes(count: int, width: int, pos: np.ndarray, vals: np.ndarray,
                    dense: np.ndarray | None, level: int | None) -> Segment | None:
-    """Encode the change set {pos: vals} (vals non-zero; ``dense``: every element's value, if
-    the caller has it) as the smaller of ``op``'s sparse and dense forms; None if empty."""
+    """Encode the change set {pos: vals} (differences, non-zero; ``dense``: every element's
+    difference, if the caller has it) as the smaller of add-sparse and add-dense; None if empty."""
     n = int(pos.size)
     if n == 0:
         return None
-    best = _sparse_segment(op, count, width, n, op.code_positions(pos), op.code_values(vals), level)
+    best = _sparse_segment(count, width, n, _add_positions(pos), _add_values(vals), level)
     if n > DENSE_TRY_FRACTION * count:
         if dense is None:
             dense = np.zeros(count, dtype=UINT[width])
             dense[pos] = vals
-        v = op.code_values(dense)
-        data = pack(op.dense, width=width, count=count, n_changed=n, n_escaped=v.n_escaped,
+        v = _add_values(dense)
+        data = pack(CODEC_ADD_DENSE, width=width, count=count, n_changed=n, n_escaped=v.n_escaped,
                     sections=encode_sections(v.planes, level))
         if len(data) < len(best.data):
-            best = Segment(op.dense, data, n)
+            best = Segment(CODEC_ADD_DENSE, data, n)
     return best
 
 
-def _sparse_segment(op: _Operation, count: int, width: int, n: int, p: _Coded, v: _Coded,
-                    level: int | None) -> Segment:
-    data = pack(op.sparse, width=width, count=count, n_changed=n, param=p.param, aux=p.n_escaped,
+def _sparse_segment(count: int, width: int, n: int, p: _Coded, v: _Coded, level: int | None) -> Segment:
+    data = pack(CODEC_ADD_SPARSE, width=width, count=count, n_changed=n, param=p.param, aux=p.n_escaped,
                 n_escaped=v.n_escaped, sections=encode_sections(p.planes + v.planes, level))
-    return Segment(op.sparse, data, n)
+    return Segment(CODEC_ADD_SPARSE, data, n)
 
 
-def _encode(op: _Operation, old: np.ndarray, new: np.ndarray, level: int | None) -> Segment | None:
+def _encode(old: np.ndarray, new: np.ndarray, level: int | None) -> Segment | None:
     o = check_values(old, "old")
     n = check_values(new, "new")
     if o.dtype != n.dtype or o.size != n.size:
@@ -355,11 +291,11 @@ def _encode(op: _Operation, old: np.ndarray, new: np.ndarray, level: int | None)
         return None
     dense = None
     if pos.size > DENSE_TRY_FRACTION * o.size:
-        dense = op.diff(o, n)
+        dense = n - o  # unsigned: wraps modulo 2**bits
         vals = dense[pos]
     else:
-        vals = op.diff(o[pos], n[pos])
-    return encode_changes(op, int(o.size), o.itemsize, pos, vals, dense, level)
+        vals = n[pos] - o[pos]
+    return encode_changes(int(o.size), o.itemsize, pos, vals, dense, level)
 
 
 def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
@@ -367,8 +303,8 @@ def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAUL
     """Encode the change from ``old`` to ``new`` as the smaller of add-sparse and add-dense.
 
     Values are stored as zigzag(new - old mod 2**bits): an Adam step moves a bf16 weight by a
-    few units in the last place, so the difference is a small signed integer (XOR, as in v1,
-    spreads a carry over several bits).
+    few units in the last place, so the difference is a small signed integer (an XOR would
+    spread a carry over several bits).
 
     Args:
         old, new: 1-D contiguous arrays of the same unsigned dtype and length (raw bits).
@@ -392,7 +328,7 @@ def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAUL
     """
     del float_bits  # accepted for compatibility (deltastore/write/publisher.py passes it); ignored
     if kernels.encode_add is None:
-        return _encode(ADD, old, new, level)
+        return _encode(old, new, level)
     return _encode_add_native(old, new, level, advance=False, digest=DIGEST_NONE)[0]
 
 
@@ -425,7 +361,7 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
     if kernels.encode_add is not None:
         return _encode_add_native(old, new, level, advance=advance,
                                   digest=DIGEST_ALWAYS if always_digest else DIGEST_IF_CHANGED)
-    seg = _encode(ADD, old, new, level)
+    seg = _encode(old, new, level)
     n = check_values(new, "new")
     digest = xxhash.xxh3_128_hexdigest(memoryview(n).cast("B")) if seg is not None or always_digest else None
     if advance and seg is not None:
@@ -469,9 +405,9 @@ def _add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: 
         gaps[sym == ESCAPE] += rest_u32
         gaps += 1
         pos = np.cumsum(gaps) - 1
-        zz = unpack_nibbles(np.frombuffer(codes, dtype=np.uint8), k, ADD.sparse).astype(UINT[width])
+        zz = unpack_nibbles(np.frombuffer(codes, dtype=np.uint8), k, CODEC_ADD_SPARSE).astype(UINT[width])
         zz[zz == NIBBLE_ESCAPE] = esc_w
-        return encode_changes(ADD, count, width, pos, unzigzag(zz), None, level)
+        return encode_changes(count, width, pos, unzigzag(zz), None, level)
     # The planes as bytes, no numpy (this runs per changed chunk): byte b of each little-endian
     # element (the kernels run on little-endian hosts only) is the slice [b::element width].
     # The same planes as _add_positions / _add_values, so the same sections (tests/test_native.py).
@@ -483,14 +419,9 @@ def _add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: 
     planes.append(codes)
     if esc:
         planes += [esc[b::width] for b in range(width)]
-    return Segment(ADD.sparse, pack(ADD.sparse, width=width, count=count, n_changed=k, param=gw,
+    return Segment(CODEC_ADD_SPARSE, pack(CODEC_ADD_SPARSE, width=width, count=count, n_changed=k, param=gw,
                                     aux=len(rest) // 4, n_escaped=len(esc) // width,
                                     sections=encode_byte_sections(planes, level)), k)
-
-
-def _encode_delta_xor(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL) -> Segment | None:
-    """The v1 encoder (xor-sparse/1, xor-dense/1): kept for tests and comparisons."""
-    return _encode(XOR, old, new, level)
 
 
 # --- decoding and applying ----------------------------------------------------------------
@@ -507,8 +438,8 @@ def decode_delta(data: bytes, *, codec: str, dtype, count: int) -> Decoded:
 
     Returns:
         :class:`SparseDelta` (positions and the operation's values of the changed elements) or
-        :class:`DenseDelta` (every element's value); the values are XORs for ``xor-*`` codecs
-        and differences ``new - old`` modulo 2**bits for ``add-*`` codecs.
+        :class:`DenseDelta` (every element's value); the values are the differences
+        ``new - old`` modulo 2**bits.
 
     Raises:
         UnknownCodecError, CorruptObjectError: as for :func:`apply_delta`.
@@ -533,19 +464,18 @@ def _decode(data: bytes, codec: str, width: int, count: int) -> Decoded:
 
 def _decode_sections(data: bytes, h: SegmentHeader) -> Decoded:
     codec, count = h.codec, h.count
-    op = OPERATION[codec]
     secs = decode_sections(data, h)
-    if codec not in SPARSE_CODECS:
-        values = op.read_values(secs, h, count)
-        nz = int(np.count_nonzero(values))  # add: escaped values are >= 15, never 0
+    if codec != CODEC_ADD_SPARSE:
+        values = _read_add_values(secs, h, count)
+        nz = int(np.count_nonzero(values))  # escaped values are >= 15, never 0
         if nz != h.n_changed:
             raise CorruptObjectError(f"{codec} segment declares {h.n_changed} changed elements, holds {nz}")
         return DenseDelta(values)
-    k = op.n_position_sections(h)
-    values = op.read_values(secs[k:], h, h.n_changed)
+    k = _n_position_sections(h)
+    values = _read_add_values(secs[k:], h, h.n_changed)
     if not values.all():
-        raise CorruptObjectError(f"{codec} segment holds a zero {op.value_name} (an unchanged element)")
-    return SparseDelta(op.read_positions(secs[:k], h, count), values)
+        raise CorruptObjectError(f"{codec} segment holds a zero difference (an unchanged element)")
+    return SparseDelta(_read_add_positions(secs[:k], h, count), values)
 
 
 def _check_target(target: np.ndarray) -> np.ndarray:
@@ -563,8 +493,7 @@ def _check_target(target: np.ndarray) -> np.ndarray:
 def apply_delta(target: np.ndarray, data: bytes, *, codec: str, inverse: bool = False) -> None:
     """Apply a delta segment to ``target`` in place (or, with ``inverse``, undo it).
 
-    ``xor-*`` deltas are XOR-ed in (their own inverse); ``add-*`` deltas add their differences
-    modulo 2**bits (``inverse`` subtracts them). Everything is decoded and validated first
+    The delta's differences are added modulo 2**bits (``inverse`` subtracts them). Everything is decoded and validated first
     (header, codec matches ``codec``, width and count match ``target``, positions strictly
     increasing and in range, value counts match), and ``target`` is written only after all
     checks pass: a bad segment leaves it untouched.
@@ -657,17 +586,16 @@ def apply_delta_into(source: np.ndarray, out: np.ndarray, data: bytes, *, codec:
 _ZSTD_FAILED = 9
 
 # The kernel's segment kinds (apply.c K_*).
-_KERNEL_KIND = {CODEC_XOR_SPARSE: 0, CODEC_XOR_DENSE: 1, CODEC_ADD_SPARSE: 2, CODEC_ADD_DENSE: 3}
+_KERNEL_KIND = {CODEC_ADD_SPARSE: 0, CODEC_ADD_DENSE: 1}
 
 
 def _kernel_error(err: int, a: int, b: int, codec: str, count: int) -> CorruptObjectError:
     """The numpy decoder's message for the kernel's error code (apply.c DS_E_*)."""
-    value_name = OPERATION[codec].value_name
     message = {
         1: f"{codec} segment's padding code is not 0",
         2: f"{codec} segment declares {a} escaped values, its codes hold {b}",
         3: f"{codec} segment escapes a value below {NIBBLE_ESCAPE}",
-        4: f"{codec} segment holds a zero {value_name} (an unchanged element)",
+        4: f"{codec} segment holds a zero difference (an unchanged element)",
         5: f"{codec} segment declares {a} escaped gaps, its symbols hold {b}",
         6: f"{codec} segment has position {a} or beyond, beyond its {count} elements",
         7: f"{codec} segment has position {a}, beyond its {count} elements",
@@ -686,7 +614,7 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
     ``source``, :func:`apply_delta_into` (``target`` is ``out``, ``before`` hashes ``source``)."""
     expect_codec(codec, DELTA_CODECS, "apply_delta")
     t = _check_target(target)
-    sparse = codec in SPARSE_CODECS
+    sparse = codec == CODEC_ADD_SPARSE
     kernel = kernels.apply_segment
     native = kernel is not None and t.dtype.str[0] != ">"  # the kernel works in little-endian
     h = read_header(data, codec, t.itemsize, t.size)
@@ -722,8 +650,7 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
         np.copyto(t, source)
     else:
         before = _digest(t) if want & 1 else None
-    op = OPERATION[codec]
-    ufunc = op.undo if inverse else op.combine
+    ufunc = np.subtract if inverse else np.add  # modulo 2**bits: unsigned arithmetic wraps
     # astype: the codec works in little-endian; the target may be in native (big) order
     values = d.values.astype(t.dtype, copy=False)
     if isinstance(d, DenseDelta):
@@ -761,7 +688,7 @@ def _working_bytes(h: SegmentHeader, native: bool) -> int:
     if native:
         return sum(s.raw_size for s in h.sections if s.kind != "const")
     escapes = h.n_escaped * (16 + 4 * h.width) + h.n_gap_escaped * 24
-    if h.codec in SPARSE_CODECS:
+    if h.codec == CODEC_ADD_SPARSE:
         return h.raw_size + h.n_changed * (16 + h.width) + escapes
     return h.raw_size + h.count * (2 + h.width) + escapes
 
@@ -830,10 +757,8 @@ def _delta_pieces(data: bytes, h: SegmentHeader) -> Iterator[_Piece]:
     :func:`_decode`: a piece's zstd sections as they are read, the rest once the segment is
     read whole (each counted over all of it), reported in :func:`_decode`'s order. A caller
     that must not write before the segment is known good reads it through once first."""
-    op = OPERATION[h.codec]
     codec, w, count, piece = h.codec, h.width, h.count, max(2, PIECE_ELEMENTS // 2 * 2)
     r = _PieceReader(data, h, piece)
-    add = op is ADD
     found = {"padding": False, "small": False}
 
     def add_values(first: int, m: int, last: bool, esc: _Escapes) -> np.ndarray | None:
@@ -864,19 +789,18 @@ def _delta_pieces(data: bytes, h: SegmentHeader) -> Iterator[_Piece]:
             (found["small"], f"{codec} segment escapes a value below {NIBBLE_ESCAPE}"),
         ] if bad]
 
-    if codec not in SPARSE_CODECS:
+    if codec != CODEC_ADD_SPARSE:
         esc = _Escapes(r, 1, w, h.n_escaped)
         nz = 0
         for start in range(0, count, piece):
             m = min(piece, count - start)
-            values = add_values(0, m, start + m == count, esc) if add else join(
-                [_as_array(p, m) for p in r.planes(0, w, m)], m)
+            values = add_values(0, m, start + m == count, esc)
             if values is None:
                 continue
-            nz += int(np.count_nonzero(values))  # add: escaped values are >= 15, never 0
+            nz += int(np.count_nonzero(values))  # escaped values are >= 15, never 0
             yield _Piece(start, None, values)
-        r.end(esc.partly_read() if add else ())
-        errors = value_errors(esc) if add else []
+        r.end(esc.partly_read())
+        errors = value_errors(esc)
         if nz != h.n_changed:
             errors.append(f"{codec} segment declares {h.n_changed} changed elements, holds {nz}")
         if errors:
@@ -884,25 +808,21 @@ def _delta_pieces(data: bytes, h: SegmentHeader) -> Iterator[_Piece]:
         return
 
     n = h.n_changed
-    n_pos = op.n_position_sections(h)
+    n_pos = _n_position_sections(h)
     gesc = _Escapes(r, 1, h.gap_width, h.n_gap_escaped)
     vesc = _Escapes(r, n_pos + 1, w, h.n_escaped)
     last = -1  # the last position so far
     zero = False
     for start in range(0, n, piece):
         m = min(piece, n - start)
-        if add:
-            sym = _as_array(r.planes(0, 1, m)[0], m)
-            gaps = sym.astype(np.uint64)
-            at = (sym == ESCAPE).nonzero()[0]
-            rest = gesc.take(int(at.size))
-            values = add_values(n_pos, m, start + m == n, vesc)
-            if rest is None or values is None:
-                continue
-            gaps[at] += rest
-        else:
-            gaps = join([_as_array(p, m) for p in r.planes(0, h.gap_width, m)], m).astype(np.uint64)
-            values = join([_as_array(p, m) for p in r.planes(n_pos, w, m)], m)
+        sym = _as_array(r.planes(0, 1, m)[0], m)
+        gaps = sym.astype(np.uint64)
+        at = (sym == ESCAPE).nonzero()[0]
+        rest = gesc.take(int(at.size))
+        values = add_values(n_pos, m, start + m == n, vesc)
+        if rest is None or values is None:
+            continue
+        gaps[at] += rest
         zero = zero or not values.all()
         # each position is the last one + 1 + its gap: a gap is < 2**32 + 255, so a piece adds
         # < 2**51 and the positions stay far from wrapping (they are checked against count at
@@ -913,11 +833,11 @@ def _delta_pieces(data: bytes, h: SegmentHeader) -> Iterator[_Piece]:
         pos -= np.uint64(1)
         last = int(pos[-1])
         yield _Piece(0, pos.view(np.int64), values)
-    r.end((gesc.partly_read() + vesc.partly_read()) if add else ())
-    errors = value_errors(vesc) if add else []
+    r.end(gesc.partly_read() + vesc.partly_read())
+    errors = value_errors(vesc)
     if zero:
-        errors.append(f"{codec} segment holds a zero {op.value_name} (an unchanged element)")
-    if add and not gesc.exact:
+        errors.append(f"{codec} segment holds a zero difference (an unchanged element)")
+    if not gesc.exact:
         errors.append(f"{codec} segment declares {h.n_gap_escaped} escaped gaps, its symbols hold {gesc.held}")
     if last >= count:
         errors.append(f"{codec} segment has position {last}, beyond its {count} elements")
@@ -937,9 +857,8 @@ def _apply_pieces(t: np.ndarray, data: bytes, h: SegmentHeader, inverse: bool, w
     before = state_digest(src) if want & 1 else None
     if source is not None:
         np.copyto(t, source)
-    op = OPERATION[h.codec]
-    ufunc = op.undo if inverse else op.combine
-    record = source is not None and h.codec in SPARSE_CODECS
+    ufunc = np.subtract if inverse else np.add
+    record = source is not None and h.codec == CODEC_ADD_SPARSE
     found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for p in _delta_pieces(data, h):
         values = p.values.astype(t.dtype, copy=False)

@@ -396,7 +396,7 @@ def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[s
                 parts.append(acc)
             if not parts:
                 continue  # unchanged in (bases[j], to]: not listed in that squash
-            acc = _fold(parts, states[j], spec.uint_dtype(), b - a)
+            acc = _fold(parts, spec.uint_dtype(), b - a)
             want = at_to.get(k)
             result = states[j].copy()
             if acc is not None:
@@ -434,16 +434,14 @@ def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[s
     return outs
 
 
-def _fold(parts: list[codec.Segment], base: np.ndarray, dtype: Any, count: int) -> codec.Segment | None:
-    """The one delta equivalent to ``parts`` applied in order to ``base`` (None: they cancel)."""
+def _fold(parts: list[codec.Segment], dtype: Any, count: int) -> codec.Segment | None:
+    """The one delta equivalent to ``parts`` applied in order (None: they cancel)."""
     acc: codec.Segment | None = None
     for p in parts:
         if acc is None:  # nothing yet, or what came before cancelled out
             acc = p
             continue
-        # ``base`` is what ``acc`` applies to: needed only when the two deltas' families differ
-        # (an xor delta of a v1 store followed by an add delta).
-        acc = compose_deltas(acc.data, p.data, codec_a=acc.codec, codec_b=p.codec, dtype=dtype, count=count, base=base)
+        acc = compose_deltas(acc.data, p.data, codec_a=acc.codec, codec_b=p.codec, dtype=dtype, count=count)
     return acc
 
 

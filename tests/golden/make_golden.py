@@ -155,14 +155,12 @@ def encoders(name: str, family: str):
     floating = FAMILIES[family][1]
     level3 = family in ("bf16", "uint8")  # an int level next to the tuned default, on two widths
     if not name.endswith(NO_FULL):
-        yield "full1", lambda o, n: codec._encode_full_v1(n), {"fn": "full1"}
         yield "full2", lambda o, n: codec.encode_full(n), {"fn": "full2", "float_bits": False}
         if floating:
             yield "full2-float", lambda o, n: codec.encode_full(n, float_bits=True), {"fn": "full2", "float_bits": True}
         if level3:
             yield ("full2-level3", lambda o, n: codec.encode_full(n, level=3),
                    {"fn": "full2", "float_bits": False, "level": 3})
-    yield "xor", lambda o, n: codec._encode_delta_xor(o, n), {"fn": "xor"}
     yield "add", lambda o, n: codec.encode_delta(o, n), {"fn": "add"}
     if level3:
         yield "add-level3", lambda o, n: codec.encode_delta(o, n, level=3), {"fn": "add", "level": 3}
@@ -201,7 +199,7 @@ def write_segments(out: Path) -> dict:
         if old is not None:
             entry["old"] = arrays.save(old, f"{name}.old")
         for label, fn, desc in encoders(name, fam):
-            if desc["fn"] in ("xor", "add") and old is None:
+            if desc["fn"] == "add" and old is None:
                 continue
             seg = fn(old, new)
             if seg is None:
@@ -223,12 +221,10 @@ def write_segments(out: Path) -> dict:
         c = step(fam, b, np.sort(rng.choice(n, 60, replace=False)), rng)
         c[:10] = a[:10]  # some changes cancel
         files = {k: arrays.save(v, f"compose-{fam}.{k}") for k, v in (("a", a), ("b", b), ("c", c))}
-        deltas = {"xor": (codec._encode_delta_xor(a, b), codec._encode_delta_xor(b, c)),
-                  "add": (codec.encode_delta(a, b), codec.encode_delta(b, c))}
-        for fa, fb in (("xor", "xor"), ("add", "add"), ("xor", "add"), ("add", "xor")):
+        deltas = {"add": (codec.encode_delta(a, b), codec.encode_delta(b, c))}
+        for fa, fb in (("add", "add"),):
             sa, sb = deltas[fa][0], deltas[fb][1]
-            r = codec.compose_deltas(sa.data, sb.data, codec_a=sa.codec, codec_b=sb.codec,
-                                     dtype=a.dtype, count=n, base=a)
+            r = codec.compose_deltas(sa.data, sb.data, codec_a=sa.codec, codec_b=sb.codec, dtype=a.dtype, count=n)
             names = {}
             for k, s in (("a", sa), ("b", sb), ("result", r)):
                 names[k] = f"compose-{fam}.{fa}-{fb}.{k}.seg"
