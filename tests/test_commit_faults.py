@@ -121,7 +121,7 @@ def _manifest_epochs(store) -> list[tuple[int, int, str]]:
     out = []
     key = h.manifest
     while key is not None:
-        doc = read_manifest_doc(store, key)  # any schema
+        doc = read_manifest_doc(store, key)
         out.append((doc["version"], doc["epoch"], doc["writer"]))
         key = doc["parent_manifest"]
     return out[::-1]

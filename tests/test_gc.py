@@ -18,7 +18,6 @@ import torch
 
 from deltastore import Publisher, Subscriber
 from deltastore.errors import (
-    AlreadyExistsError,
     GCAbortedError,
     GCRefusedError,
     NotFoundError,
@@ -42,7 +41,7 @@ from tests._helpers import (
 )
 
 DAY = 86400.0
-#: A grace the deadline check accepts for schema-1/2-style manifests (6 h + 10 min).
+#: A grace the deadline check accepts for manifests of the default attempt deadline (6 h + 10 min).
 SAFE_GRACE = DEFAULT_MAX_ATTEMPT_S + CLOCK_MARGIN_S
 
 
@@ -107,7 +106,7 @@ def _chain_needs(h: History, key: str, m) -> set[str]:
 
 def pin_needs_of(store: Store, version: int) -> tuple[set[str], set[str]]:
     """SPEC §11 ``needs_materialize(version)``: the manifests anchor(v) … v with their layouts,
-    the anchor's full packs (role ``f``, or unmarked before schema 3) and every pack of the
+    the anchor's full packs (role ``f``) and every pack of the
     deltas after it. Also returns the anchor's delta packs (role ``d``): materializing v does
     not need them, so a pin alone does not keep them (design 005 D3)."""
     h = History(store)
@@ -154,9 +153,11 @@ def aged(tmp_path) -> AgedStore:
 
 def test_keeps_what_kept_versions_need_and_deletes_old_unreachable(aged):
     states = publish(aged, 10)  # anchors 1, 4, 7, 10
-    orphan = "blobs/ab/" + "ab" * 32
+    orphan = f"objects/{'ef' * 16}/{'ab' * 32}.pack"
     aged.inner.put(orphan, b"left by a crashed publish", mode="create")
     aged.inner.put("manifests/000000000011-" + "cd" * 32 + ".json", b"{}", mode="create")
+    stray = "blobs/ab/" + "ab" * 32  # the pack prefix of an earlier format: not GC's to delete
+    aged.inner.put(stray, b"not ours", mode="create")
     aged.inner.put("workers/w1.json", b"not even a heartbeat", mode="overwrite")
     aged.inner.put("elsewhere/file", b"not ours", mode="create")
     aged.age_everything(2 * DAY)
@@ -172,11 +173,11 @@ def test_keeps_what_kept_versions_need_and_deletes_old_unreachable(aged):
     assert orphan not in after and "manifests/000000000011-" + "cd" * 32 + ".json" not in after
     for v in range(1, 7):
         assert not any(k.startswith(f"manifests/{v:012d}-") for k in after)
-    assert {"HEAD", "workers/w1.json", "elsewhere/file"} <= after
+    assert {"HEAD", "workers/w1.json", "elsewhere/file", stray} <= after
     gone = before - after
     assert gone == set(all_deleted(report))
     assert report.deleted_objects == len(gone) and report.deleted_bytes > 0
-    assert all(k.startswith(("manifests/", "objects/", "blobs/", "gc/")) for k in gone)
+    assert all(k.startswith(("manifests/", "objects/", "gc/")) for k in gone)
     # The floor is committed in the index HEAD names; the run's records are in gc/.
     _head, idx = _index(aged)
     assert idx.floor == 7
@@ -423,20 +424,18 @@ def test_old_indexes_and_run_records_are_collected(aged):
     assert _index(aged)[0].index.key in keys(aged)
 
 
-def test_schema2_store_is_refused_unless_upgrade(aged):
-    states = publish(aged, 4)
+def test_a_store_of_an_earlier_format_is_refused(aged):
+    """A schema-2 HEAD is refused (UnsupportedSchemaError naming it); nothing is deleted."""
+    publish(aged, 4)
     doc = json.loads(aged.get(HEAD_KEY))
     doc["schema"] = 2
     doc.pop("index")
     aged.inner.put(HEAD_KEY, json.dumps(doc).encode(), mode="overwrite")
     aged.age_everything(2 * DAY)
     before = keys(aged)
-    with pytest.raises(UnsupportedSchemaError, match="--upgrade"):
+    with pytest.raises(UnsupportedSchemaError, match="HEAD.*earlier format"):
         collect(aged, keep_last=1, grace_s=DAY)
     assert before <= keys(aged)
-    report = collect(aged, keep_last=1, grace_s=DAY, upgrade=True)
-    assert report.upgraded and json.loads(aged.get(HEAD_KEY))["schema"] == 3
-    assert_versions_intact(aged, states, [4])
 
 
 class NoClock(WrappedStore):
@@ -461,7 +460,7 @@ def test_fsspec_store_gives_no_clock_and_is_refused(tmp_path):
     from deltastore.storage._fsspec import FsspecStore
 
     store = FsspecStore(fsspec.filesystem("memory"), f"/gc-{tmp_path.name}")
-    store.put("blobs/00/" + "0" * 64, b"x", mode="create")
+    store.put(f"objects/{'0' * 32}/{'0' * 64}.pack", b"x", mode="create")
     before = keys(store)
     with pytest.raises(GCRefusedError, match="last-modified"):
         collect(store, keep_last=1, grace_s=DAY)
@@ -471,10 +470,10 @@ def test_fsspec_store_gives_no_clock_and_is_refused(tmp_path):
 def test_orphan_reuse_cannot_resurrect_a_collected_object(tmp_path):
     """Design 005 D3 #1: a publish crashes after uploading its packs; much later the retry
     produces identical bytes; GC runs between the retry's uploads and its HEAD write and
-    deletes the crashed attempt's (old, unreferenced) packs. With content-addressed ``blobs/``
-    keys (schemas 1/2) the retry met the old orphan (AlreadyExists = success) and HEAD then
-    named a deleted pack. With attempt-scoped keys (D1) the retry's packs are new, young
-    objects under its own attempt, and every committed version is complete."""
+    deletes the crashed attempt's (old, unreferenced) packs. Were packs named by their content
+    alone, the retry would meet the old orphan (AlreadyExists = success) and HEAD then name a
+    deleted pack. With attempt-scoped keys (D1) the retry's packs are new, young objects under
+    its own attempt, and every committed version is complete."""
     inner = open_store(str(tmp_path / "store"))
     store = AgedStore(inner)
     trainer = TinyTrainer()
@@ -501,7 +500,7 @@ def test_orphan_reuse_cannot_resurrect_a_collected_object(tmp_path):
         with pytest.raises(StorageError):
             pub.publish(nxt)
         orphans = keys(inner) - {k for v in states for k in needs_of(inner, v)} - {"HEAD"}
-        orphans = {k for k in orphans if k.startswith(("objects/", "blobs/")) and not k.endswith(".index.json.zst")}
+        orphans = {k for k in orphans if k.startswith("objects/") and not k.endswith(".index.json.zst")}
         assert orphans and all(k.endswith(".pack") for k in orphans)  # the crashed attempt's packs
         crashing.age_everything(2 * DAY)  # ... days pass
         crashing.crash = False
@@ -633,69 +632,6 @@ def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
         collect(aged, keep_last=2, grace_s=100 + CLOCK_MARGIN_S)
     report = collect(aged, keep_last=1, grace_s=100 + CLOCK_MARGIN_S)
     assert report.floor_after == 10
-
-
-def _rewrite_as_schema_1(store: Store) -> None:
-    """Rewrite the store's chain and HEAD as schema 1 wrote them (no lineage, no schema-2/3
-    fields, packs at their content addresses ``blobs/<xx>/<sha256>``, copied from the
-    publisher's attempt-scoped packs: SPEC §13, old stores are upgraded in place)."""
-    from deltastore.format.manifest import (
-        SCHEMA3_MANIFEST_FIELDS,
-        blob_key,
-        manifest_key,
-        sha256_hex,
-    )
-    from tests._manifest_docs import read_manifest_doc
-
-    head = json.loads(store.get(HEAD_KEY))
-    chain, key = [], head["manifest"]
-    while key is not None:
-        doc = read_manifest_doc(store, key)  # any schema, in its in-memory (schema-2) shape
-        chain.append(doc)
-        key = doc["parent_manifest"]
-    parent_key = None
-    for doc in reversed(chain):
-        doc.update(schema=1, parent_manifest=parent_key)
-        for f in ("lineage", "signature", *SCHEMA3_MANIFEST_FIELDS):
-            doc.pop(f, None)
-        for b in doc["blobs"]:
-            b.pop("role", None)
-            if b["key"] != blob_key(b["sha256"]):
-                try:
-                    store.put(blob_key(b["sha256"]), store.get(b["key"]), mode="create")
-                except AlreadyExistsError:
-                    pass  # the same bytes, named by an earlier version
-                b["key"] = blob_key(b["sha256"])
-        for f in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
-            doc["stats"].pop(f, None)
-        data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        parent_key = manifest_key(doc["version"], sha256_hex(data), schema=1)
-        store.put(parent_key, data, mode="create")
-    head.update(schema=1, manifest=parent_key, manifest_sha256=sha256_hex(data))
-    for f in ("lineage", "index"):
-        head.pop(f, None)
-    store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
-
-
-def test_schema1_store_is_upgraded_in_place(aged):
-    """A schema-1 store (no lineage): GC refuses it, --upgrade writes a schema-3 HEAD with a
-    fresh lineage and the first index, collects the old chain (the schema-3 manifests of the
-    rewrite are unreachable orphans here), and every kept version still pulls bit-exact."""
-    states = publish(aged, 7)  # anchors 1, 4, 7
-    _rewrite_as_schema_1(aged)
-    aged.age_everything(2 * DAY)
-    with pytest.raises(UnsupportedSchemaError):
-        collect(aged, keep_last=2, grace_s=DAY)
-    report = collect(aged, keep_last=2, grace_s=DAY, upgrade=True)
-    head = json.loads(aged.get(HEAD_KEY))
-    assert head["schema"] == 3 and head["lineage"] and head["index"] is not None
-    assert report.upgraded and report.floor_after == 4
-    _, idx = _index(aged)
-    assert idx.lineage == head["lineage"]
-    assert_versions_intact(aged, states, [4, 5, 6, 7])
-    # Readers and a new publisher continue the upgraded store.
-    publish(aged, 1, states=states)
-    assert json.loads(aged.get(HEAD_KEY))["index"] == head["index"]
 
 
 def test_registered_squashes_are_kept_with_their_packs_and_layout(aged):

@@ -144,7 +144,8 @@ def test_head_manifest_digest_mismatch(url: str) -> None:
         (b"", CorruptObjectError),
         (b"{not json", CorruptObjectError),
         (b"[1, 2]", CorruptObjectError),
-        (b'{"format": "deltastore.head", "schema": 1}', CorruptObjectError),
+        (b'{"format": "deltastore.head", "schema": 3}', CorruptObjectError),
+        (b'{"format": "deltastore.head", "schema": 1}', UnsupportedSchemaError),
         (b"\xff\xfe", CorruptObjectError),
     ],
 )

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from deltastore import CorruptObjectError
-from deltastore.format.manifest import BlobRef, ChunkEntry, Manifest, SegmentRef, TensorEntry, blob_key, manifest_key
+from deltastore.format.manifest import BlobRef, ChunkEntry, Manifest, SegmentRef, TensorEntry, manifest_key, object_key
 from deltastore.read.plan import ChunkPlan, check_entries, digests, layout, plan_forward, plan_from_anchor
 
 SHAPE, ROWS = (4, 2), 2  # "w": float32, two chunks of 2 rows (4 elements each)
@@ -36,7 +36,7 @@ def _manifest(version: int, kind: str, chunks: dict[int, tuple[int | None, int |
         version=version, parent=parent, parent_manifest=manifest_key(parent, "0" * 64) if parent else None,
         kind=kind, anchor=anchor or version, delta_base=parent if delta_base == "parent" else delta_base,
         created="t", writer="w", epoch=0, commit_id="c", lineage="0" * 32,
-        blobs=(BlobRef(key=blob_key(h), size=offset, sha256=h),),
+        blobs=(BlobRef(key=object_key("0" * 32, h, ".pack"), size=offset, sha256=h, role="f"),),
         tensors=(TensorEntry(name="w", dtype="float32", shape=shape, chunk_rows=ROWS, chunks=tuple(entries)),),
     )  # fmt: skip
     return manifest_key(version, h), m

@@ -28,8 +28,8 @@ ANCHOR_EVERY = 3
 
 
 def _is_pack(key: str) -> bool:
-    """A pack's key: schema 3 (``objects/<attempt>/<sha>.pack``) or schema 1/2 (``blobs/``)."""
-    return key.endswith(".pack") or key.startswith("blobs/")
+    """A pack's key: ``objects/<attempt>/<sha>.pack``."""
+    return key.endswith(".pack")
 
 
 def _open(target, cls, **kw):

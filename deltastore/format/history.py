@@ -242,10 +242,10 @@ class History:
     # --- manifests ----------------------------------------------------------------------
 
     def manifest(self, key: str, expected_sha256: str | None = None) -> Manifest:
-        """Fetch, verify and parse one manifest of any schema (cached, bounded).
+        """Fetch, verify and parse one manifest (cached, bounded).
 
-        A schema-3 manifest is returned with its tensors rebuilt from its layout object
-        (fetched through :meth:`layout`), in the shape a schema-2 manifest of that version has.
+        The manifest is returned with its tensors rebuilt from its layout object (fetched
+        through :meth:`layout`): in memory, ``tensors`` and ``blobs`` as Manifest models them.
         """
         with self._lock:
             cached = self._manifests.get(key)

@@ -32,32 +32,26 @@ from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSch
 from deltastore._util.identity import IdentityCache
 from deltastore.storage._keys import check_key
 
-#: The schema writers write (3: design 005; 2 added ``lineage`` and an optional ``signature``).
+#: The schema of the objects writers write (SPEC §13): schema 3, or 4 (:data:`GROUPS_SCHEMA`,
+#: :data:`BASE_SCHEMA`) for a layout with group rows, a manifest that uses one, and a based version.
 SCHEMA_VERSION = 3
-#: Schemas readers accept: every store written by an earlier release stays readable.
-#: Schema 3 (design 005, issue 8): compact zstd manifests, layout objects, attempt-scoped keys,
-#: skip pointers, the history index (retention), squashes, and `parts`.
-#: Schema 4 (design 007, issue 9): layout objects may group small tensors into one row; a
-#: manifest whose layout is schema 4 says schema 4 and is otherwise a schema-3 manifest.
-READABLE_SCHEMAS = (1, 2, 3, 4)
+#: Schemas readers accept (SPEC §13); any other is refused with UnsupportedSchemaError.
+READABLE_SCHEMAS = (3, 4)
 #: The schema of a grouped layout and of the manifests that use it (design 007 D3).
 GROUPS_SCHEMA = 4
-#: Schemas of the zstd-compressed objects, by kind: layouts and manifests gained groups in
-#: schema 4; the history index and squash manifests did not change (design 007 D3).
+#: Schemas of the objects, by kind: layouts and manifests gained groups in schema 4; the
+#: history index and squash manifests did not change (design 007 D3).
 _ZST_SCHEMAS = {"manifest": (3, 4), "layout": (3, 4), "part manifest": (3, 4)}
-#: Fields that exist only in schema 3 (a schema-1/2 document is written without them).
-SCHEMA3_MANIFEST_FIELDS = ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes")
-#: Immutable objects written by schema 3 live under ``objects/<attempt>/`` (design 005 D1).
+#: Immutable objects live under ``objects/<attempt>/`` (design 005 D1).
 OBJECT_PREFIX = "objects/"
 #: Default attempt deadline (design 005 D3): a writer abandons a commit attempt older than this.
 DEFAULT_MAX_ATTEMPT_S = 6 * 3600
 #: ``lineage``: 32 lowercase hex digits (128 random bits), docs/SPEC.md §5.
 LINEAGE_PATTERN = r"^[0-9a-f]{32}$"
 HEAD_KEY = "HEAD"
-#: The newest HEAD schema (design 007 D3: schema 4 left HEAD as schema 3 wrote it).
+#: The HEAD schema (design 007 D3: schema 4 left HEAD as schema 3 wrote it).
 HEAD_SCHEMA = 3
 MANIFEST_PREFIX = "manifests/"
-BLOB_PREFIX = "blobs/"
 STATE_DIGEST = "xxh3-128"
 
 
@@ -66,20 +60,13 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def blob_key(digest: str) -> str:
-    """``blobs/<first two hex digits>/<digest>``: the fan-out keeps directory listings small."""
-    return f"{BLOB_PREFIX}{digest[:2]}/{digest}"
+#: Suffix of a manifest: one zstd frame of canonical JSON.
+MANIFEST_SUFFIX = ".json.zst"
 
 
-#: Suffix of a schema-3 manifest (one zstd frame of canonical JSON); schemas 1 and 2 use ``.json``.
-MANIFEST_SUFFIX_ZST = ".json.zst"
-
-
-def manifest_key(version: int, digest: str, schema: int = SCHEMA_VERSION) -> str:
-    """``manifests/<version:012d>-<digest>.json`` (schema 1/2) or ``….json.zst`` (schema 3):
-    sortable by version, unique by content."""
-    suffix = MANIFEST_SUFFIX_ZST if schema >= 3 else ".json"
-    return f"{MANIFEST_PREFIX}{version:012d}-{digest}{suffix}"
+def manifest_key(version: int, digest: str) -> str:
+    """``manifests/<version:012d>-<digest>.json.zst``: sortable by version, unique by content."""
+    return f"{MANIFEST_PREFIX}{version:012d}-{digest}{MANIFEST_SUFFIX}"
 
 
 def digest_from_key(key: str) -> str:
@@ -188,22 +175,12 @@ class Signature(_Model):
     value: str = Field(pattern=r"^[A-Za-z0-9+/]{86}==$")  # base64 of 64 bytes
 
 
-def _check_schema_fields(model: BaseModel, schema: int, lineage: str | None, new_fields: tuple[str, ...]) -> None:
-    """Schema 1 has no ``lineage``/``signature`` (not even null); schema 2 requires ``lineage``."""
-    if schema == 1:
-        present = [k for k in new_fields if k in model.model_fields_set]
-        if present:
-            raise ValueError(f"schema 1 has no {', '.join(present)} (those are schema 2 fields)")
-    elif lineage is None:
-        raise ValueError(f"schema {schema} requires lineage")
-
-
 class BlobRef(_Model):
     key: StoreKey
     size: int = Field(ge=0)
     sha256: str
-    #: schema 3: ``"f"`` (full segments only) or ``"d"`` (delta segments only); None before.
-    role: Literal["f", "d"] | None = None
+    #: ``"f"`` (full segments only) or ``"d"`` (delta segments only).
+    role: Literal["f", "d"]
 
 
 class SegmentRef(_Model):
@@ -236,9 +213,8 @@ class Stats(_Model):
     elements_changed: int = 0
     tensors_total: int = 0
     elements_total: int = 0
-    #: schema 3 (None before): bytes of role-d / role-f segments this version wrote, and the
-    #: role-d bytes of versions (chain_start, version] (design 005 D6: a reader prices the
-    #: chain h → t as cum(t) − cum(h)).
+    #: bytes of role-d / role-f segments this version wrote, and the role-d bytes of versions
+    #: (chain_start, version] (design 005 D6: a reader prices the chain h → t as cum(t) − cum(h)).
     delta_bytes: int | None = None
     full_bytes: int | None = None
     cum_delta_bytes: int | None = None
@@ -265,13 +241,12 @@ class Manifest(_Model):
     blobs: tuple[BlobRef, ...] = ()
     tensors: tuple[TensorEntry, ...] = ()
     stats: Stats = Stats()
-    #: schema 3/4: the parts of a sharded version (SPEC §8). In memory a sharded version also
-    #: has its parts' packs (in part order) as ``blobs`` and their chunks as ``tensors``.
+    #: the parts of a sharded version (SPEC §8). In memory a sharded version also has its parts'
+    #: packs (in part order) as ``blobs`` and their chunks as ``tensors``.
     parts: tuple[PartRef, ...] = ()
-    lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
+    lineage: str = Field(pattern=LINEAGE_PATTERN)
     signature: Signature | None = None
-    # --- schema 3 (design 005); absent from schema-1/2 documents ---
-    #: the anchor's manifest key (None for an anchor, and before schema 3)
+    #: the anchor's manifest key (None for an anchor)
     anchor_manifest: StoreKey | None = None
     #: manifest keys of versions v−2, v−4, …, v−2^j ≥ 1 (skip pointers, hints)
     back: tuple[StoreKey, ...] = ()
@@ -313,15 +288,8 @@ class Manifest(_Model):
 
     @model_validator(mode="after")
     def _schema_fields(self) -> Manifest:
-        _check_schema_fields(self, self.schema_, self.lineage, ("lineage", "signature"))
-        if self.schema_ < 3:
-            present = [k for k in SCHEMA3_MANIFEST_FIELDS if k in self.model_fields_set]
-            if present:
-                raise ValueError(f"schema {self.schema_} has no {', '.join(present)} (schema 3 fields)")
         if self.base is not None and self.schema_ < BASE_SCHEMA:
             raise ValueError(f"schema {self.schema_} has no base (a schema-{BASE_SCHEMA} field)")
-        if self.parts and self.schema_ < 3:
-            raise ValueError(f"schema {self.schema_} has no parts (sharded versions are schema 3 or 4)")
         return self
 
     def references(self) -> list[str]:
@@ -346,18 +314,11 @@ class Head(_Model):
     writer: str
     epoch: int = Field(ge=0)
     updated: str
-    lineage: str | None = Field(None, pattern=LINEAGE_PATTERN)
-    #: schema 3: the current history index (SPEC §11), or None (floor 1, no pins, no squashes)
+    lineage: str = Field(pattern=LINEAGE_PATTERN)
+    #: the current history index (SPEC §11), or None (floor 1, no pins, no squashes)
     index: ObjectRef | None = None
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
-
-    @model_validator(mode="after")
-    def _schema_fields(self) -> Head:
-        _check_schema_fields(self, self.schema_, self.lineage, ("lineage",))
-        if self.schema_ < 3 and "index" in self.model_fields_set:
-            raise ValueError(f"schema {self.schema_} has no index (a schema 3 field)")
-        return self
 
 
 class Pin(_Model):
@@ -500,33 +461,12 @@ class SquashManifest(_Model):
 
 
 def dump(model: BaseModel) -> bytes:
-    """Canonical JSON bytes (sorted keys, no whitespace) so equal documents hash equally.
-
-    A schema-1 document is written without the schema-2 fields, byte for byte as schema 1
-    wrote it.
-    """
+    """Canonical JSON bytes (sorted keys, no whitespace) so equal documents hash equally."""
     doc = model.model_dump(mode="json", by_alias=True)
-    schema = doc.get("schema")
-    if "groups" in doc and doc["groups"] is None:  # a schema-3 layout, byte for byte as before
+    if "groups" in doc and doc["groups"] is None:  # a schema-3 layout has no groups field
         doc.pop("groups")
     if "base" in doc and doc["base"] is None:  # only based versions carry it (design 009)
         doc.pop("base")
-    if schema == 1:
-        for field in ("lineage", "signature"):
-            if doc.get(field) is None:
-                doc.pop(field, None)
-    if isinstance(schema, int) and schema < 3:
-        for field in (*SCHEMA3_MANIFEST_FIELDS, "index"):
-            if field in doc and doc[field] in (None, [], ()):
-                doc.pop(field)
-        for blob in doc.get("blobs", ()):
-            if blob.get("role") is None:
-                blob.pop("role", None)
-        stats = doc.get("stats")
-        if isinstance(stats, dict):
-            for field in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
-                if stats.get(field) is None:
-                    stats.pop(field, None)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -554,14 +494,17 @@ DTYPE_WIDTHS: dict[str, int] = {
     "int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
 }  # fmt: skip
 
-_MANIFEST_KEY = re.compile(r"manifests/([0-9]{12,19})-([0-9a-f]{64})\.json(?:\.zst)?")
-#: A schema-3 pack key: ``objects/<attempt>/<sha256>.pack``.
+_MANIFEST_KEY = re.compile(r"manifests/([0-9]{12,19})-([0-9a-f]{64})\.json\.zst")
+#: The key of a plain-JSON manifest of schema 1 or 2: recognised only to be refused as an
+#: earlier format (UnsupportedSchemaError), not as a damaged key.
+_EARLIER_MANIFEST_KEY = re.compile(r"manifests/[0-9]{12,19}-[0-9a-f]{64}\.json")
+#: A pack key: ``objects/<attempt>/<sha256>.pack``.
 _PACK_KEY = re.compile(r"objects/[0-9a-f]{32}/([0-9a-f]{64})\.pack")
 
 
 def manifest_key_version(key: str) -> int | None:
-    """The version a manifest key names (``manifests/<version:012d>-<sha256>.json`` or
-    ``….json.zst``), or None when ``key`` is not a manifest key."""
+    """The version a manifest key names (``manifests/<version:012d>-<sha256>.json.zst``), or
+    None when ``key`` is not a manifest key."""
     match = _MANIFEST_KEY.fullmatch(key)
     return None if match is None else int(match.group(1))
 
@@ -600,6 +543,7 @@ def chunk_elements(shape: tuple[int, ...], chunk_rows: int, index: int, chunk_co
 
 
 def _load(data: bytes, what: str, key: str, max_bytes: int) -> dict[str, Any]:
+    """A plain-JSON object's document (HEAD), size, schema and depth checked."""
     if len(data) > max_bytes:
         raise CorruptObjectError(
             f"{what} {key!r} is {len(data)} bytes, over the {max_bytes}-byte limit: not a deltastore {what}"
@@ -622,10 +566,20 @@ def _json_document(data: bytes, what: str, key: str) -> dict[str, Any]:
         raise CorruptObjectError(f"{what} {key!r} is not a JSON object")
     schema = doc.get("schema")
     if type(schema) is not int or schema not in READABLE_SCHEMAS:
-        raise UnsupportedSchemaError(
-            f"{what} {key!r} has schema {schema!r}; this deltastore reads schemas {', '.join(map(str, READABLE_SCHEMAS))}: upgrade deltastore"
-        )
+        raise unsupported_schema(what, key, schema, READABLE_SCHEMAS)
     return doc
+
+
+def unsupported_schema(what: str, key: str, schema: Any, readable: Sequence[int]) -> UnsupportedSchemaError:
+    """The refusal of an object of a schema this deltastore does not read (SPEC §13): a newer
+    one needs a newer deltastore; an older one (schemas 1 and 2) is an earlier format that this
+    format's readers do not read."""
+    reads = ", ".join(map(str, readable))
+    if type(schema) is int and schema < min(readable):
+        return UnsupportedSchemaError(f"{what} {key!r} has schema {schema}, an earlier format this deltastore does not "
+                                      f"read (it reads schema {reads}): publish the model to a new store")
+    return UnsupportedSchemaError(f"{what} {key!r} has schema {schema!r}; this deltastore reads schema {reads}: "
+                                  "upgrade deltastore")
 
 
 def _check_depth(doc: Any, what: str, key: str) -> None:
@@ -662,8 +616,8 @@ def _check_int(value: int | None, field: str, what: str, key: str, *, low: int =
 def parse_head(data: bytes, key: str = HEAD_KEY) -> Head:
     """Parse HEAD bytes. Raises CorruptObjectError / UnsupportedSchemaError."""
     doc = _load(data, "HEAD", key, MAX_HEAD_BYTES)
-    if doc["schema"] > HEAD_SCHEMA:  # schema 4 changed layouts and manifests, not HEAD
-        raise UnsupportedSchemaError(f"HEAD {key!r} has schema {doc['schema']}; this deltastore reads HEAD schemas 1-{HEAD_SCHEMA}: upgrade deltastore")
+    if doc["schema"] != HEAD_SCHEMA:  # schema 4 changed layouts and manifests, not HEAD
+        raise unsupported_schema("HEAD", key, doc["schema"], (HEAD_SCHEMA,))
     head: Head = _validate(Head, doc, "HEAD", key)
     _check_int(head.version, "version", "HEAD", key)
     _check_int(head.epoch, "epoch", "HEAD", key)
@@ -693,13 +647,11 @@ def parse_manifest(
 
     Args:
         data: the manifest's bytes.
-        key: the key it was read from (``manifests/<version:012d>-<sha256>.json``, or
-            ``.json.zst`` for schema 3).
+        key: the key it was read from (``manifests/<version:012d>-<sha256>.json.zst``).
         expected_sha256: the digest HEAD recorded for it, if read through HEAD.
-        layout: schema 3 only (required there): the manifest's layout object, or a function
-            that fetches it given the manifest's ``layout`` reference (the caller verifies the
-            layout's bytes against that reference). The returned Manifest has its tensors
-            rebuilt from it.
+        layout: the manifest's layout object, or a function that fetches it given the
+            manifest's ``layout`` reference (the caller verifies the layout's bytes against
+            that reference). The returned Manifest has its tensors rebuilt from it.
         max_bytes: refuse a larger object (stored or decompressed) before parsing it.
         parts: a sharded version only (required there): returns a part manifest's bytes,
             which are verified here against the version's reference (SPEC §8).
@@ -708,26 +660,24 @@ def parse_manifest(
         IntegrityError: the bytes do not hash to the key's digest or to ``expected_sha256``.
         CorruptObjectError: not a well-formed manifest, inconsistent with itself (SPEC §3), or
             filed under another version's key.
-        UnsupportedSchemaError: written by a newer schema, or a sharded layout this release
-            does not read (a column grid, pieces off chunk boundaries).
-        ValueError: a schema-3 manifest without ``layout`` (a sharded one without ``parts``).
+        UnsupportedSchemaError: a schema this deltastore does not read (a newer one, or the
+            plain-JSON manifests of schemas 1 and 2), or a sharded layout it does not read
+            (pieces off chunk boundaries).
+        ValueError: no ``layout`` (a sharded version without ``parts``).
     """
     _check_digest(data, key, expected_sha256, "manifest")
     key_version = manifest_key_version(key)
     if key_version is None:
-        raise CorruptObjectError(f"{key!r} is not a manifest key (manifests/<version:012d>-<sha256>.json[.zst])")
-    if key.endswith(MANIFEST_SUFFIX_ZST):
-        doc = _load3(data, "manifest", key, max_bytes)
-        if layout is None:
-            raise ValueError(f"manifest {key!r} is schema 3: parse_manifest needs its layout")
-        if callable(layout):
-            layout = layout(_layout_ref(doc, key))  # its key checked before it is looked up
-        manifest = _manifest_from_doc(doc, layout, key, parts)
-    else:
-        doc = _load(data, "manifest", key, max_bytes)
-        if doc["schema"] >= 3:
-            raise CorruptObjectError(f"manifest {key!r} is schema {doc['schema']} stored as plain JSON: schema-3 manifests are .json.zst")
-        manifest = _validate(Manifest, doc, "manifest", key)
+        if _EARLIER_MANIFEST_KEY.fullmatch(key):
+            raise UnsupportedSchemaError(f"manifest {key!r} is a plain-JSON manifest of schema 1 or 2, an earlier format "
+                                         "this deltastore does not read: publish the model to a new store")
+        raise CorruptObjectError(f"{key!r} is not a manifest key (manifests/<version:012d>-<sha256>.json.zst)")
+    doc = _load3(data, "manifest", key, max_bytes)
+    if layout is None:
+        raise ValueError(f"manifest {key!r}: parse_manifest needs its layout")
+    if callable(layout):
+        layout = layout(_layout_ref(doc, key))  # its key checked before it is looked up
+    manifest = _manifest_from_doc(doc, layout, key, parts)
     _check_manifest(manifest, key)
     if manifest.version != key_version:
         raise CorruptObjectError(f"manifest {key!r} holds version {manifest.version}, not the version its key names")
@@ -751,8 +701,8 @@ def _check_manifest(m: Manifest, key: str) -> None:
         raise bad("parent and parent_manifest must both be set or both be null")
     if m.parent is not None and m.parent != m.version - 1:
         raise bad(f"version {m.version} has parent {m.parent}; versions must be consecutive")
-    if m.parent_manifest is not None and manifest_key_version(m.parent_manifest) != m.parent:
-        raise bad(f"parent_manifest {m.parent_manifest!r} is not the manifest key of version {m.parent}")
+    if m.parent_manifest is not None and m.parent is not None:
+        _check_link(m.parent_manifest, m.parent, "parent_manifest", key, bad)
     if m.kind == "anchor" and m.anchor != m.version:
         raise bad("an anchor's 'anchor' must be its own version")
     if m.base is not None:
@@ -763,14 +713,10 @@ def _check_manifest(m: Manifest, key: str) -> None:
         raise bad("delta_base must be the parent version or null")
     for i, b in enumerate(m.blobs):
         _check_int(b.size, f"blobs[{i}].size", "manifest", key)
-        if m.schema_ >= 3:
-            match = _PACK_KEY.fullmatch(b.key)
-            if match is None or match.group(1) != b.sha256 or b.role is None:
-                raise bad(f"pack {i} has key {b.key!r} and role {b.role!r}: not objects/<attempt>/{b.sha256}.pack with a role")
-        elif b.key != blob_key(b.sha256) or len(b.sha256) != 64:
-            raise bad(f"blob {i} has key {b.key!r}, not the content address of its sha256 {b.sha256!r}")
-    if m.schema_ >= 3:
-        _check_schema3_links(m, bad)
+        match = _PACK_KEY.fullmatch(b.key)
+        if match is None or match.group(1) != b.sha256 or b.role not in ("f", "d"):
+            raise bad(f"pack {i} has key {b.key!r} and role {b.role!r}: not objects/<attempt>/{b.sha256}.pack with a role")
+    _check_links(m, key, bad)
     names: set[str] = set()
     anchor, is_delta = m.kind == "anchor", m.kind == "delta"
     no_delta_base = m.delta_base is None and m.base is None
@@ -867,21 +813,31 @@ def _check_based(m: Manifest, bad: Callable[[str], CorruptObjectError]) -> None:
 MAX_BACK = 62
 
 
-def _check_schema3_links(m: Manifest, bad: Callable[[str], CorruptObjectError]) -> None:
-    """Schema-3 header fields that name other versions say which version they name (SPEC §3)."""
+def _check_link(link: str, version: int, field: str, key: str, bad: Callable[[str], CorruptObjectError]) -> None:
+    """``link`` (field ``field`` of manifest ``key``) is the manifest key of ``version``; the
+    key of a plain-JSON manifest (schemas 1 and 2) is refused as an earlier format."""
+    if manifest_key_version(link) == version:
+        return
+    if _EARLIER_MANIFEST_KEY.fullmatch(link):
+        raise UnsupportedSchemaError(f"manifest {key!r}: {field} {link!r} names a plain-JSON manifest of schema 1 or 2, "
+                                     "an earlier format this deltastore does not read: publish the model to a new store")
+    raise bad(f"{field} {link!r} is not the manifest key of version {version}")
+
+
+def _check_links(m: Manifest, key: str, bad: Callable[[str], CorruptObjectError]) -> None:
+    """Header fields that name other versions say which version they name (SPEC §3)."""
     if m.layout is None:
-        raise bad("a schema-3 manifest needs a layout")
+        raise bad("a manifest needs a layout")
     if m.kind == "anchor" and m.anchor_manifest is not None:
         raise bad("an anchor has no anchor_manifest")
-    if m.kind == "delta" and m.base is None and (
-        m.anchor_manifest is None or manifest_key_version(m.anchor_manifest) != m.anchor
-    ):
-        raise bad(f"anchor_manifest {m.anchor_manifest!r} is not the manifest key of version {m.anchor}")
+    if m.kind == "delta" and m.base is None:
+        if m.anchor_manifest is None:
+            raise bad(f"a delta needs anchor_manifest, the manifest key of version {m.anchor}")
+        _check_link(m.anchor_manifest, m.anchor, "anchor_manifest", key, bad)
     if len(m.back) > MAX_BACK:
         raise bad(f"back lists {len(m.back)} keys, more than {MAX_BACK}")
     for j, k in enumerate(m.back, start=1):
-        if manifest_key_version(k) != m.version - 2**j:
-            raise bad(f"back[{j - 1}] = {k!r} is not the manifest key of version {m.version} − 2^{j}")
+        _check_link(k, m.version - 2**j, f"back[{j - 1}]", key, bad)
     if m.chain_start is not None and (
         not 1 <= m.chain_start <= m.version or (m.delta_base is None and m.chain_start != m.version)
     ):
@@ -968,15 +924,11 @@ def _unzstd(data: bytes, what: str, key: str, max_bytes: int) -> bytes:
 
 
 def _load3(data: bytes, what: str, key: str, max_bytes: int) -> dict[str, Any]:
-    """A schema-3/4 object's JSON document (decompressed, parsed, schema and depth checked)."""
+    """An object's JSON document (decompressed, parsed, schema and depth checked)."""
     doc = _json_document(_unzstd(data, what, key, max_bytes), what, key)
-    schema = doc["schema"]
     allowed = _ZST_SCHEMAS.get(what, (3,))
-    if schema not in allowed:
-        if schema > max(allowed):
-            raise UnsupportedSchemaError(f"{what} {key!r} has schema {schema}; this deltastore reads {what}s of schema "
-                                         f"{', '.join(map(str, allowed))}: upgrade deltastore")
-        raise CorruptObjectError(f"{what} {key!r} is zstd-compressed but has schema {schema}: only schema-3 objects are")
+    if doc["schema"] not in allowed:
+        raise unsupported_schema(what, key, doc["schema"], allowed)
     _check_depth(doc, what, key)
     return doc
 
@@ -1580,7 +1532,7 @@ def encode_joined(m: Manifest, layout: Layout, joined: Manifest) -> bytes:
     Raises:
         ValueError: ``m`` is not sharded or differs from ``joined`` beyond its signature.
     """
-    if not m.parts or m.schema_ < 3:
+    if not m.parts:
         raise ValueError(f"manifest of version {m.version}: encode_joined stores a sharded version (use encode_manifest)")
     doc = _manifest_doc(m, layout)
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -1594,9 +1546,9 @@ def encode_joined(m: Manifest, layout: Layout, joined: Manifest) -> bytes:
 
 
 def encode_manifest(m: Manifest, layout: Layout | None = None, parts: Mapping[str, bytes] | None = None) -> bytes:
-    """The stored bytes of a manifest. Schema 1/2: canonical JSON (:func:`dump`). Schema 3: one
-    zstd frame of the columnar document of design 005 D8, whose chunk table names tensors by
-    their position in ``layout`` (the object ``m.layout`` refers to).
+    """The stored bytes of a manifest: one zstd frame of the columnar document of design 005 D8,
+    whose chunk table names tensors by their position in ``layout`` (the object ``m.layout``
+    refers to).
 
     A sharded version (``m.parts``; in memory, ``m`` holds the union of its parts' tables) is
     stored as its header and part list; ``parts`` maps each part manifest's key to its bytes,
@@ -1614,14 +1566,12 @@ def encode_manifest(m: Manifest, layout: Layout | None = None, parts: Mapping[st
     segment placed in the packs by the fill rule, the header validated); the decoded header
     must dump as ``m``'s, the entries the decoder would build from those rows must equal ``m``'s
     field by field, values with their types (:func:`_entries_differ`), and the reader's
-    invariants (:func:`_check_manifest`) must hold for that manifest: the round trip this
-    replaced (build every entry, dump both manifests, compare) proved the same at about twice
-    the cost (design 006, session 18, task T).
+    invariants (:func:`_check_manifest`) must hold for that manifest: it proves what a full
+    round trip (build every entry, dump both manifests, compare) proves, at about half the cost
+    (docs/design/006-native-kernels.md).
     """
-    if m.schema_ < 3:
-        return dump(m)
     if layout is None:
-        raise ValueError(f"manifest of version {m.version}: a schema-3 manifest is encoded against its layout")
+        raise ValueError(f"manifest of version {m.version}: a manifest is encoded against its layout")
     doc = _manifest_doc(m, layout)
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     where = f"<version {m.version} being encoded>"
@@ -1700,24 +1650,13 @@ def _exact(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def manifest_document(data: bytes, key: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> dict[str, Any]:
-    """The decompressed JSON document of a schema-3 manifest (``inspect`` prints it), or of a
-    schema-1/2 one; not checked beyond its schema."""
-    if key.endswith(MANIFEST_SUFFIX_ZST):
-        return _load3(data, "manifest", key, max_bytes)
-    return _load(data, "manifest", key, max_bytes)
-
-
-def manifest_layout_ref(data: bytes, key: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ObjectRef | None:
-    """The layout a schema-3 manifest is read with (its ``layout`` field), read without the
-    layout; None for a schema-1/2 manifest (its tensors are inline).
+def manifest_layout_ref(data: bytes, key: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ObjectRef:
+    """The layout a manifest is read with (its ``layout`` field), read without the layout.
 
     Raises:
         IntegrityError / CorruptObjectError / UnsupportedSchemaError: as :func:`parse_manifest`.
     """
     _check_digest(data, key, None, "manifest")
-    if not key.endswith(MANIFEST_SUFFIX_ZST):
-        return None
     return _layout_ref(_load3(data, "manifest", key, max_bytes), key)
 
 

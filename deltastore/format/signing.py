@@ -104,9 +104,7 @@ def signed_bytes(m: Manifest) -> bytes:
 
 
 def sign_manifest(m: Manifest, private_key: Any) -> Manifest:
-    """``m`` with an Ed25519 ``signature`` by ``private_key`` (a schema-2 manifest)."""
-    if m.schema_ < 2:
-        raise ValueError("only schema-2 manifests carry signatures")
+    """``m`` with an Ed25519 ``signature`` by ``private_key``."""
     value = private_key.sign(signed_bytes(m))
     sig = Signature(alg="ed25519", key_id=key_id(private_key.public_key()), value=base64.b64encode(value).decode())
     return m.model_copy(update={"signature": sig})
