@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.format.manifest import HEAD_KEY, parse_head, parse_manifest, sha256_hex
+from deltastore.format.keys import HEAD_KEY, sha256_hex
+from deltastore.format.manifest import parse_manifest
+from deltastore.format.parse import parse_head
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store
 from deltastore.layout.tensors import bits
 

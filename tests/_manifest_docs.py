@@ -29,15 +29,10 @@ from typing import Any
 
 import zstandard
 
-from deltastore.format.manifest import (
-    Layout,
-    decode_object,
-    dump,
-    manifest_key,
-    object_key,
-    parse_manifest,
-    sha256_hex,
-)
+from deltastore.format.keys import manifest_key, object_key, sha256_hex
+from deltastore.format.manifest import parse_manifest
+from deltastore.format.models import Layout, dump
+from deltastore.format.objects import decode_object
 from deltastore.storage.base import Store
 
 _ATTEMPT = re.compile(r"[0-9a-f]{32}")

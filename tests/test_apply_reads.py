@@ -15,7 +15,7 @@ import torch
 from deltastore import Subscriber
 from deltastore.read.engine import CheckedOnRead, ReadEngine, _Target, _views_while_reading
 from deltastore.errors import IntegrityError, TargetModifiedError
-from deltastore.format.manifest import sha256_hex
+from deltastore.format.keys import sha256_hex
 from deltastore.storage import open_store
 from tests._helpers import (
     TinyTrainer,

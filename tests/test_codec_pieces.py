@@ -2,7 +2,7 @@
 
 ``decode_full_into`` builds a full segment in the caller's array: the native kernel a step at a
 time from each section's next piece (large zstd sections streamed), the numpy path whole up to
-``full.WHOLE_MAX_BYTES`` and in pieces beyond. A delta segment above ``delta.WHOLE_MAX_BYTES``
+``full.WHOLE_MAX_BYTES`` and in pieces beyond. A delta segment above ``apply.WHOLE_MAX_BYTES``
 is read through once to check it, then again to apply it, a piece at a time. Every way must
 give the same bits, digests and change records as the whole decoders, refuse the same segments
 with the same words, and never write a delta's target before the whole segment passed.
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from deltastore import codec
 from deltastore._util import kernels
-from deltastore.codec import delta, full, planes
+from deltastore.codec import apply, delta, full, planes
 from deltastore.codec.container import CODEC_FULL2, KIND_RAW, KIND_ZSTD, TRANSFORM_PAIRS, pack, peek_header
 from deltastore.errors import CorruptObjectError
 
@@ -212,8 +212,8 @@ def delta_mode(mode: str, m: pytest.MonkeyPatch) -> None:
     if mode.startswith("numpy"):
         m.setattr(kernels, "apply_segment", None)
     if mode.endswith("pieces"):
-        m.setattr(delta, "WHOLE_MAX_BYTES", -1)
-        m.setattr(delta, "PIECE_ELEMENTS", 6)
+        m.setattr(apply, "WHOLE_MAX_BYTES", -1)
+        m.setattr(apply, "PIECE_ELEMENTS", 6)
         m.setattr(planes, "STREAM_MIN_BYTES", 0)
 
 
@@ -318,5 +318,5 @@ def test_the_numpy_estimate_covers_this_releases_steady_deltas() -> None:
     n = count // 50
     h = peek_header(pack("add-sparse/1", width=2, count=count, n_changed=n, param=1, n_escaped=n // 100,
                          sections=[(2, b"\x01", n), (2, b"\x11", (n + 1) // 2), (2, b"\x10", n // 100), (2, b"\x00", n // 100)]))
-    assert delta._working_bytes(h, native=False) <= delta.WHOLE_MAX_BYTES
-    assert delta._working_bytes(h, native=True) <= delta.WHOLE_MAX_BYTES
+    assert apply._working_bytes(h, native=False) <= apply.WHOLE_MAX_BYTES
+    assert apply._working_bytes(h, native=True) <= apply.WHOLE_MAX_BYTES

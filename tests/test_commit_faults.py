@@ -25,7 +25,8 @@ from deltastore import (
 )
 from deltastore.write import commit as commit_mod
 from deltastore.errors import CommitUnknownError
-from deltastore.format.manifest import HEAD_KEY, parse_head
+from deltastore.format.keys import HEAD_KEY
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import GetResult, IfMatch
 from tests._helpers import (

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.write.encode
 from deltastore import Publisher, Subscriber, codec
 from deltastore.cli import main
 from deltastore.lifecycle.compact import compact, merge_squashes
 from deltastore.errors import IntegrityError
 from deltastore.format.history import History
-from deltastore.format.manifest import Index, SquashManifest, SquashRef, decode_object
+from deltastore.format.models import Index, SquashManifest, SquashRef
+from deltastore.format.objects import decode_object
 from deltastore.lifecycle.index import read_index
 from deltastore.storage import open_store
 from deltastore.layout.tensors import bits, state_digest

@@ -245,7 +245,7 @@ def _encode_steady(tmp_path, name: str, threads: int):
     threads; returns what encode_version returned and every pack's bytes."""
     import torch
 
-    from deltastore.format.manifest import new_attempt_id
+    from deltastore.format.keys import new_attempt_id
     from deltastore.layout.tensors import spec_for
 
     g = torch.Generator().manual_seed(7)

@@ -27,7 +27,7 @@ from deltastore import (
     TargetModifiedError,
 )
 from deltastore.read.cache import HELD_FILE, WorkerCache
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.layout.tensors import bits
 from tests._helpers import (

@@ -29,7 +29,8 @@ from deltastore.lifecycle.gc import CLOCK_MARGIN_S, collect
 from deltastore.format.history import History
 from deltastore.lifecycle.index import pin, pinned, read_index
 from deltastore.lifecycle.ledger import encode_heartbeat
-from deltastore.format.manifest import DEFAULT_MAX_ATTEMPT_S, HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S
 from deltastore.storage import open_store
 from deltastore.storage.base import ObjectMeta, Store
 from tests._helpers import (
@@ -613,7 +614,8 @@ def test_a_layout_written_by_an_older_attempt_is_kept(aged):
 
 def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
     """M is the largest max_attempt_s among manifests ≥ floor (none recorded: 6 h)."""
-    from deltastore.format.manifest import encode_manifest, manifest_key, sha256_hex
+    from deltastore.format.keys import manifest_key, sha256_hex
+    from deltastore.format.manifest import encode_manifest
 
     publish(aged, 10)  # anchors 1, 4, 7, 10
     head = json.loads(aged.get(HEAD_KEY))

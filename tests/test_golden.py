@@ -359,18 +359,10 @@ def test_golden_objects_are_written_byte_for_byte(name, tmp_path):
     import zstandard
 
     from deltastore.format.history import History
-    from deltastore.format.manifest import (
-        Index,
-        Layout,
-        ObjectRef,
-        SquashManifest,
-        Stats,
-        decode_object,
-        encode_manifest,
-        encode_object,
-        encode_part,
-        piece_part,
-    )
+    from deltastore.format.manifest import encode_manifest
+    from deltastore.format.models import Index, Layout, ObjectRef, SquashManifest, Stats, piece_part
+    from deltastore.format.objects import decode_object, encode_object
+    from deltastore.format.parts import encode_part
     from deltastore.storage import open_store
 
     same_zstd = ".".join(map(str, zstandard.ZSTD_VERSION)) == FACTS3["zstd"]["libzstd"]

@@ -101,6 +101,6 @@ def test_the_squash_is_used_at_its_base(url: str) -> None:
 
 
 def test_a_schema3_reader_refuses_it_cleanly(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("deltastore.format.manifest.READABLE_SCHEMAS", (3,))
+    monkeypatch.setattr("deltastore.format.parse.READABLE_SCHEMAS", (3,))
     with Subscriber(url, threads=1) as sub, pytest.raises(UnsupportedSchemaError, match="schema 4"):
         sub.pull()

@@ -27,7 +27,8 @@ from deltastore.layout.grid import (
     scatter,
     to_unit_order,
 )
-from deltastore.format.manifest import (
+from deltastore.format.keys import manifest_key, object_key
+from deltastore.format.models import (
     BlobRef,
     ChunkEntry,
     Layout,
@@ -37,8 +38,6 @@ from deltastore.format.manifest import (
     chunk_count,
     chunk_elements,
     layout_of,
-    manifest_key,
-    object_key,
 )
 from deltastore.read.plan import check_entries, layout
 from deltastore.layout.tensors import TensorSpec, bits

@@ -30,7 +30,9 @@ from deltastore import (
     Subscriber,
     VersionNotFoundError,
 )
-from deltastore.format.manifest import HEAD_KEY, manifest_key, parse_head, parse_manifest, sha256_hex
+from deltastore.format.keys import HEAD_KEY, manifest_key, sha256_hex
+from deltastore.format.manifest import parse_manifest
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal, small_state, snapshot, sparse_edit
 
@@ -203,7 +205,8 @@ def test_parsers_raise_only_typed_errors(pristine, data, depth: int) -> None:
 
 def _layout_of_objects(objects: dict[str, bytes]):
     """parse_manifest's ``layout`` for a manifest of ``objects``."""
-    from deltastore.format.manifest import Layout, decode_object
+    from deltastore.format.models import Layout
+    from deltastore.format.objects import decode_object
 
     def layout(ref):
         if ref.key not in objects:  # as a store answers a key it does not hold (not a bare KeyError)

@@ -27,7 +27,9 @@ from deltastore.lifecycle.index import (
     unpin,
     update_index,
 )
-from deltastore.format.manifest import HEAD_KEY, Index, SquashRef, new_lineage, parse_head
+from deltastore.format.keys import HEAD_KEY, new_lineage
+from deltastore.format.models import Index, SquashRef
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import IfMatch
 from tests._helpers import SMALL_CHUNK_BYTES, HeadPutHook, TinyTrainer, read_head

@@ -20,18 +20,10 @@ from deltastore import (
     Publisher,
     UnsupportedSchemaError,
 )
-from deltastore.format.manifest import (
-    HEAD_KEY,
-    Head,
-    Manifest,
-    ObjectRef,
-    dump,
-    encode_manifest,
-    manifest_key,
-    parse_head,
-    parse_manifest,
-    sha256_hex,
-)
+from deltastore.format.keys import HEAD_KEY, manifest_key, sha256_hex
+from deltastore.format.manifest import encode_manifest, parse_manifest
+from deltastore.format.models import Head, Manifest, ObjectRef, dump
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from tests._helpers import small_state, snapshot
 from tests._manifest_docs import encode_manifest_doc, layout_fetcher, read_manifest_doc
@@ -217,7 +209,7 @@ def test_other_schemas_are_unsupported(real, schema) -> None:
 
 
 def test_writers_write_their_schema_with_one_lineage(real) -> None:
-    from deltastore.format.manifest import HEAD_SCHEMA, SCHEMA_VERSION
+    from deltastore.format.models import HEAD_SCHEMA, SCHEMA_VERSION
 
     doc, head = _columnar(real), json.loads(real["head"])
     assert doc["schema"] == SCHEMA_VERSION and head["schema"] == HEAD_SCHEMA
@@ -425,7 +417,7 @@ def test_head_numbers_are_bounded(real, field: str, value: int) -> None:
 
 
 def test_head_over_the_size_cap_is_corrupt(real) -> None:
-    from deltastore.format.manifest import MAX_HEAD_BYTES
+    from deltastore.format.parse import MAX_HEAD_BYTES
 
     doc = json.loads(real["head"])
     doc["writer"] = "w" * MAX_HEAD_BYTES
@@ -453,16 +445,17 @@ def test_table_entries_are_built_as_model_construct_builds_them() -> None:
     """The read path builds chunk-table entries without pydantic's per-call field walk; with
     this pydantic that shortcut must build exactly what ``model_construct`` builds (else the
     import-time check turns it off, and this test says so)."""
-    from deltastore.format import manifest as mf
+    from deltastore.format import models as mf
+    from deltastore.format import tables
 
-    assert mf._FAST_CONSTRUCT, "the fast entry constructor was turned off for this pydantic"
+    assert tables._FAST_CONSTRUCT, "the fast entry constructor was turned off for this pydantic"
     seg = dict(blob=1, offset=4096, length=77, sha256="ab" * 32, codec="add-sparse/1", n_changed=5)
     for cls, values in [
         (mf.SegmentRef, seg),
         (mf.ChunkEntry, dict(index=3, digest="cd" * 16, full=None, delta=mf.SegmentRef.model_construct(**seg))),
         (mf.TensorEntry, dict(name="w", dtype="bfloat16", shape=(4, 8), chunk_rows=2, chunks=())),
     ]:
-        fast, slow = mf.unchecked_entry(cls, **values), cls.model_construct(**values)
+        fast, slow = tables.unchecked_entry(cls, **values), cls.model_construct(**values)
         assert type(fast) is cls
         assert fast == slow and hash(fast) == hash(slow)
         assert fast.model_dump() == slow.model_dump() and fast.model_dump_json() == slow.model_dump_json()
@@ -477,10 +470,11 @@ def test_table_entries_share_one_fields_set_that_nothing_changes() -> None:
     import copy
     import pickle
 
-    from deltastore.format import manifest as mf
+    from deltastore.format import models as mf
+    from deltastore.format import tables
 
     seg = dict(blob=1, offset=4096, length=77, sha256="ab" * 32, codec="add-sparse/1", n_changed=5)
-    a, b = mf.unchecked_entry(mf.SegmentRef, **seg), mf.unchecked_entry(mf.SegmentRef, **{**seg, "offset": 0})
+    a, b = tables.unchecked_entry(mf.SegmentRef, **seg), tables.unchecked_entry(mf.SegmentRef, **{**seg, "offset": 0})
     shared = a.__pydantic_fields_set__
     assert shared is b.__pydantic_fields_set__ and shared == set(mf.SegmentRef.model_fields)
     before = set(shared)
@@ -494,7 +488,7 @@ def test_table_entries_share_one_fields_set_that_nothing_changes() -> None:
         a.offset = 1
     assert shared == before and b.model_fields_set == before
     # not every field named: a set of its own, as model_construct gives
-    part = mf._fast_construct(mf.SegmentRef, {"blob": 1})
+    part = tables._fast_construct(mf.SegmentRef, {"blob": 1})
     assert part.__pydantic_fields_set__ == {"blob"} and part.__pydantic_fields_set__ is not shared
 
 
@@ -505,11 +499,12 @@ def _round_trip_returns(m: Manifest, layout) -> bool:
     """The reference for encode_manifest's check: decode the document, check it as a reader
     does, and compare canonical JSON."""
     import deltastore.format.manifest as mf
+    from deltastore.format.checks import check_manifest
 
     raw = json.dumps(mf._manifest_doc(m, layout), sort_keys=True, separators=(",", ":")).encode()
     try:
         back = mf._manifest_from_doc(json.loads(raw), layout, "<reference>")
-        mf._check_manifest(back, "<reference>")
+        check_manifest(back, "<reference>")
     except CorruptObjectError:
         return False
     return dump(back) == dump(m)
@@ -647,6 +642,8 @@ def test_the_writers_check_accepts_exactly_the_entries_the_reader_builds(store_n
     from pathlib import Path
 
     import deltastore.format.manifest as mf
+    from deltastore.format.models import Layout
+    from deltastore.format.objects import decode_object
     from deltastore.storage import open_store
 
     root = Path(__file__).parent / "golden" / store_name
@@ -656,7 +653,7 @@ def test_the_writers_check_accepts_exactly_the_entries_the_reader_builds(store_n
     for key in keys:
         doc = json.loads(zstandard.ZstdDecompressor().decompress(store.get(key)))
         lref = doc["layout"]
-        layout = mf.decode_object(mf.Layout, store.get(lref["key"]), lref["key"], lref["sha256"])
+        layout = decode_object(Layout, store.get(lref["key"]), lref["key"], lref["sha256"])
         def fetch(ref, store=store):
             return store.get(ref.key)
 

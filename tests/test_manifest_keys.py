@@ -20,18 +20,11 @@ import pytest
 import zstandard
 
 from deltastore import CorruptObjectError
-from deltastore.format.manifest import (
-    HEAD_KEY,
-    Index,
-    Layout,
-    SquashManifest,
-    decode_object,
-    digest_from_key,
-    manifest_layout_ref,
-    parse_head,
-    parse_manifest,
-    sha256_hex,
-)
+from deltastore.format.keys import HEAD_KEY, digest_from_key, sha256_hex
+from deltastore.format.manifest import manifest_layout_ref, parse_manifest
+from deltastore.format.models import Index, Layout, SquashManifest
+from deltastore.format.objects import decode_object
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from tests._helpers import mutated
 

@@ -29,7 +29,7 @@ from deltastore.codec import (
     encode_delta,
 )
 from deltastore._util import kernels
-from deltastore.codec import delta
+from deltastore.codec import apply, delta
 from deltastore.codec.container import KIND_CONST, KIND_RAW, pack
 from deltastore.codec.planes import encode_sections
 from deltastore.errors import CorruptObjectError, DeltastoreError, IntegrityError
@@ -79,7 +79,7 @@ def dense_segment(old: np.ndarray, new: np.ndarray) -> tuple[str, bytes] | None:
     n = int(np.count_nonzero(dense))
     if n == 0:
         return None
-    v = delta._add_values(dense)
+    v = delta.code_values(dense)
     return CODEC_ADD_DENSE, pack(CODEC_ADD_DENSE, width=old.itemsize, count=old.size, n_changed=n,
                                  n_escaped=v.n_escaped, sections=encode_sections(v.planes, None))
 
@@ -314,12 +314,12 @@ def hostile_segments(draw):
     vals = rng.integers(1, spread, n).astype(UINT[width]) * UINT[width](draw(st.sampled_from([1, 255])))
     vals[vals == 0] = 1
     if codec == CODEC_ADD_SPARSE:
-        p, v = delta._add_positions(pos), delta._add_values(vals)
+        p, v = delta.code_positions(pos), delta.code_values(vals)
         planes, param, aux, n_esc = p.planes + v.planes, p.param, p.n_escaped, v.n_escaped
     else:
         dense = np.zeros(count, UINT[width])
         dense[pos] = vals
-        v = delta._add_values(dense)
+        v = delta.code_values(dense)
         planes, param, aux, n_esc = v.planes, 0, 0, v.n_escaped
     const = draw(st.booleans())
     secs = [_section(np.ascontiguousarray(pl).tobytes(), const) for pl in planes]
@@ -369,10 +369,10 @@ def _raw_segment(codec: str, old: np.ndarray, new: np.ndarray, damage=None) -> b
     diff = new - old
     if codec == CODEC_ADD_SPARSE:
         pos = np.flatnonzero(diff)
-        p, v = delta._add_positions(pos), delta._add_values(diff[pos])
+        p, v = delta.code_positions(pos), delta.code_values(diff[pos])
         planes, param, aux, n = p.planes + v.planes, p.param, p.n_escaped, pos.size
     else:
-        v = delta._add_values(diff)
+        v = delta.code_values(diff)
         planes, param, aux, n = v.planes, 0, 0, int(np.count_nonzero(diff))
     planes = [bytearray(np.ascontiguousarray(pl).tobytes()) for pl in planes]
     if damage is not None:
@@ -426,13 +426,13 @@ def test_kernel_refuses_bad_targets(bad):
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         apply_delta(ro, seg.data, codec=seg.codec)
-    sparse = delta._KERNEL_KIND[CODEC_ADD_SPARSE]
+    sparse = apply._KERNEL_KIND[CODEC_ADD_SPARSE]
     with pytest.raises(ValueError, match="sections"):  # the kernel checks sizes on its own too
         kernels.apply_segment(old.copy(), sparse, 2, 1, (b"\x00",), 1, 0, 0, False, 0)
     with pytest.raises(ValueError, match="section 1 has 2 bytes"):
         kernels.apply_segment(old.copy(), sparse, 2, 1, (b"\x03", b"\x01\x00"), 1, 0, 0, False, 0)
     with pytest.raises(ValueError, match="unknown kind"):  # the kinds are add-sparse and add-dense only
-        kernels.apply_segment(old.copy(), max(delta._KERNEL_KIND.values()) + 1, 2, 1, (b"\x03", b"\x01"), 1, 0, 0, False, 0)
+        kernels.apply_segment(old.copy(), max(apply._KERNEL_KIND.values()) + 1, 2, 1, (b"\x03", b"\x01"), 1, 0, 0, False, 0)
 
 
 # --- pull_into with the one-pass verification, kernel on and off -------------------------

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from deltastore._util import kernels
 from deltastore.codec import apply_delta_digests, encode_delta, encode_full
 from deltastore.codec.container import ENTRY, HEADER, peek_header
-from deltastore.codec.delta import _KERNEL_KIND
+from deltastore.codec import apply
 from deltastore.codec.planes import ZSTD_PLANE_PARAMS, decode_sections, section_args
 from deltastore.errors import CorruptObjectError
 
@@ -236,5 +236,5 @@ def test_the_apply_kernel_takes_a_frame_only_as_a_one_tuple():
     secs = section_args(seg.data, h)
     bad = tuple((x[0], x[0]) if type(x) is tuple else x for x in secs)
     with pytest.raises(ValueError, match=r"\(frame,\)"):
-        kernels.apply_segment(old.copy(), _KERNEL_KIND[seg.codec], h.width, h.gap_width, bad,
+        kernels.apply_segment(old.copy(), apply._KERNEL_KIND[seg.codec], h.width, h.gap_width, bad,
                                h.n_changed, h.n_gap_escaped, h.n_escaped, False, 2)

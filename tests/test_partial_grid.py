@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from deltastore import Publisher, Subscriber
 from deltastore.read.changes import changed_rows, merge_spans
 from deltastore.errors import TargetModifiedError
-from deltastore.format.manifest import GroupMember
+from deltastore.format.models import GroupMember
 from deltastore.read.plan import ChunkPlan
 from deltastore.layout.select import Selection, SliceTarget, SliceView, changed_spans, resolve, slice_targets
 from deltastore.layout.tensors import TensorSpec, bits

@@ -21,8 +21,7 @@ from deltastore import (
     Subscriber,
     UnsupportedSchemaError,
 )
-from deltastore.format.history import History
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
     HeadPutHook,

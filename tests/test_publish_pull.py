@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deltastore import InvalidStateDictError, Publisher, Subscriber, VersionInfo, VersionNotFoundError
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
     SMALL_CHUNK_BYTES,
@@ -481,7 +481,7 @@ def test_chunk_table_entries_can_hold_nothing_that_could_close_a_cycle():
     import types
     import typing
 
-    from deltastore.format.manifest import ChunkEntry, SegmentRef, TensorEntry
+    from deltastore.format.models import ChunkEntry, SegmentRef, TensorEntry
 
     entries = (TensorEntry, ChunkEntry, SegmentRef)
 

@@ -17,7 +17,9 @@ from deltastore.errors import (
     SignatureError,
     UnsupportedSchemaError,
 )
-from deltastore.format.manifest import (
+from deltastore.format.keys import manifest_key, manifest_key_version, object_key, sha256_hex
+from deltastore.format.manifest import encode_manifest, manifest_layout_ref, parse_manifest
+from deltastore.format.models import (
     BlobRef,
     ChunkEntry,
     Index,
@@ -28,18 +30,10 @@ from deltastore.format.manifest import (
     Stats,
     TensorEntry,
     chunk_count,
-    decode_object,
     dump,
-    encode_manifest,
-    encode_object,
     layout_of,
-    manifest_key,
-    manifest_key_version,
-    manifest_layout_ref,
-    object_key,
-    parse_manifest,
-    sha256_hex,
 )
+from deltastore.format.objects import decode_object, encode_object
 from tests._helpers import mutated
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -466,7 +460,7 @@ class _CountingStore:
 def _write_chain(n: int, *, anchor_every: int = 0, with_back: bool = True, name: str = "chain"):
     """Versions 1..n of schema 3 in a store (an anchor at 1 and every anchor_every), as a
     writer lays them out; returns (store, head, keys, layout)."""
-    from deltastore.format.manifest import Head
+    from deltastore.format.models import Head
 
     store = _CountingStore(name)
     rng = random.Random(n)
@@ -571,7 +565,7 @@ def test_history_refuses_a_skip_pointer_to_the_wrong_version() -> None:
 
 def test_history_index_and_squash() -> None:
     from deltastore.format.history import History
-    from deltastore.format.manifest import Head, SquashManifest, SquashRef
+    from deltastore.format.models import Head, SquashManifest, SquashRef
 
     store, head, keys, _layout = _write_chain(4, name="index")
     h = History(store)
@@ -624,7 +618,7 @@ def test_history_tolerates_missing_skip_targets() -> None:
 
 def test_inspect_schema3(capsys) -> None:
     from deltastore.cli import main
-    from deltastore.format.manifest import HEAD_KEY
+    from deltastore.format.keys import HEAD_KEY
 
     store, head, keys, layout = _write_chain(6, name="inspect")
     store.inner.put(HEAD_KEY, dump(head))

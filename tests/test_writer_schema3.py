@@ -19,20 +19,10 @@ import deltastore.write.publisher as publish_mod
 from deltastore import CommitAbandonedError, ConflictError, Publisher, Subscriber
 from deltastore.write.commit import REBASE_ATTEMPTS, new_commit_id, now
 from deltastore.format.history import History
-from deltastore.format.manifest import (
-    DEFAULT_MAX_ATTEMPT_S,
-    HEAD_KEY,
-    Index,
-    Layout,
-    Manifest,
-    ObjectRef,
-    decode_object,
-    dump,
-    encode_object,
-    object_key,
-    parse_head,
-    sha256_hex,
-)
+from deltastore.format.keys import HEAD_KEY, object_key, sha256_hex
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Index, Layout, Manifest, ObjectRef, dump
+from deltastore.format.objects import decode_object, encode_object
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import IfMatch, ObjectMeta, PutMode
 from deltastore.layout.tensors import bits

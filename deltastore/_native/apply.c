@@ -1,6 +1,6 @@
 /* Decode-and-apply of delta segments in one pass, with the chunk's XXH3-128 before and/or after.
  *
- * The Python side (deltastore/codec/delta.py) parses the segment header and decompresses its
+ * The Python side (deltastore/codec/apply.py) parses the segment header and decompresses its
  * sections (python-zstandard releases the GIL); this kernel takes those sections and:
  *
  *   1. validates everything first -- plane sizes, padding, escape counts, escaped values, zero
@@ -60,7 +60,7 @@
 enum { K_ADD_SPARSE = 0, K_ADD_DENSE = 1 };
 enum { OP_ADD = 0, OP_SUB = 1 };
 
-/* Error codes, mirrored by deltastore.codec.delta._KERNEL_ERRORS. */
+/* Error codes, mirrored by deltastore.codec.apply._kernel_error. */
 enum {
     DS_E_OK = 0,
     DS_E_PADDING = 1,        /* odd count, high nibble of the last code byte is not 0 */

@@ -461,7 +461,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from deltastore.errors import VersionNotFoundError
-    from deltastore.format.manifest import dump
+    from deltastore.format.models import dump
 
     keys = trusted_keys(args)
     store = open_store(args)

@@ -55,8 +55,9 @@ bare ``IndexError`` or ``zstd.ZstdError``. :func:`decode_delta` returns a valida
 
 The package follows the format: :mod:`~deltastore.codec.container` (codec ids, the header,
 the section table), :mod:`~deltastore.codec.planes` (byte planes, sections and their entropy
-coding), :mod:`~deltastore.codec.full` (``full/2``), :mod:`~deltastore.codec.delta`
-(``add-sparse/1``, ``add-dense/1``) and :mod:`~deltastore.codec.compose`.
+coding), :mod:`~deltastore.codec.full` (``full/2``), :mod:`~deltastore.codec.delta` (encoding
+``add-sparse/1`` and ``add-dense/1``), :mod:`~deltastore.codec.apply` (decoding and applying
+them) and :mod:`~deltastore.codec.compose`.
 
 Example::
 
@@ -88,10 +89,7 @@ if TYPE_CHECKING:
         SegmentHeader,
         peek_header,
     )
-    from deltastore.codec.delta import (
-        DENSE_TRY_FRACTION,
-        ESCAPE,
-        NIBBLE_ESCAPE,
+    from deltastore.codec.apply import (
         Changes,
         DenseDelta,
         SparseDelta,
@@ -99,8 +97,8 @@ if TYPE_CHECKING:
         apply_delta_digests,
         apply_delta_into,
         decode_delta,
-        encode_delta,
     )
+    from deltastore.codec.delta import DENSE_TRY_FRACTION, ESCAPE, NIBBLE_ESCAPE, encode_delta
     from deltastore.codec.full import (
         MIN_PAIR_COUNT,
         PAIR_SAMPLE_STRIDE,
@@ -118,9 +116,9 @@ _LAZY = {
     **dict.fromkeys(("CODEC_ADD_DENSE", "CODEC_ADD_SPARSE", "CODEC_FULL2", "DELTA_CODECS", "FULL_CODECS",
                      "KNOWN_CODECS", "MAX_COUNT", "SectionInfo", "Segment", "SegmentHeader", "peek_header"),
                     "deltastore.codec.container"),
-    **dict.fromkeys(("DENSE_TRY_FRACTION", "ESCAPE", "NIBBLE_ESCAPE", "Changes", "DenseDelta", "SparseDelta",
-                     "apply_delta", "apply_delta_digests", "apply_delta_into", "decode_delta",
-                     "encode_delta"), "deltastore.codec.delta"),
+    **dict.fromkeys(("Changes", "DenseDelta", "SparseDelta", "apply_delta", "apply_delta_digests", "apply_delta_into",
+                     "decode_delta"), "deltastore.codec.apply"),
+    **dict.fromkeys(("DENSE_TRY_FRACTION", "ESCAPE", "NIBBLE_ESCAPE", "encode_delta"), "deltastore.codec.delta"),
     **dict.fromkeys(("MIN_PAIR_COUNT", "PAIR_SAMPLE_STRIDE", "decode_full", "decode_full_into", "encode_full"),
                     "deltastore.codec.full"),
     **dict.fromkeys(("DEFAULT_LEVEL", "MIN_ZSTD_INPUT", "ZSTD_PLANE_PARAMS"), "deltastore.codec.planes"),

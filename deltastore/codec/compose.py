@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from deltastore.codec.container import DELTA_CODECS, Segment, expect_codec
-from deltastore.codec.delta import DenseDelta, SparseDelta, _decode, encode_changes
+from deltastore.codec.apply import DenseDelta, SparseDelta, decode
+from deltastore.codec.delta import encode_changes
 from deltastore.codec.planes import DEFAULT_LEVEL, check_dtype
 
 
@@ -70,6 +71,6 @@ def compose_deltas(a: bytes, b: bytes, *, codec_a: str, codec_b: str, dtype, cou
     expect_codec(codec_b, DELTA_CODECS, "compose_deltas")
     dt = check_dtype(dtype)
     width, count = dt.itemsize, int(count)
-    fa = _decode(a, codec_a, width, count)
-    fb = _decode(b, codec_b, width, count)
+    fa = decode(a, codec_a, width, count)
+    fb = decode(b, codec_b, width, count)
     return _compose(fa, fb, count, width, level)

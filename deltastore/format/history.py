@@ -27,11 +27,10 @@ from deltastore.errors import (
     VersionCollectedError,
     VersionNotFoundError,
 )
-from deltastore.format.manifest import (
+from deltastore.format.keys import HEAD_KEY, manifest_key_version
+from deltastore.format.manifest import parse_manifest
+from deltastore.format.models import (
     DEFAULT_MAX_ATTEMPT_S,
-    HEAD_KEY,
-    MAX_HEAD_BYTES,
-    MAX_MANIFEST_BYTES,
     Head,
     Index,
     Layout,
@@ -40,11 +39,9 @@ from deltastore.format.manifest import (
     PartRef,
     SquashManifest,
     SquashRef,
-    decode_object,
-    manifest_key_version,
-    parse_head,
-    parse_manifest,
 )
+from deltastore.format.objects import decode_object
+from deltastore.format.parse import MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, parse_head
 from deltastore.storage.base import Store
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deltastore.errors import DeltastoreError, SignatureError, UnsignedVersionError
-from deltastore.format.manifest import Manifest, Signature, dump
+from deltastore.format.models import Manifest, Signature, dump
 
 #: Hex digits of SHA-256(raw public key) in ``key_id``: 64 bits tell keys apart without
 #: making manifests longer than needed (the id selects a key; trust comes from the key).

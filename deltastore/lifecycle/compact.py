@@ -42,7 +42,8 @@ from deltastore.errors import CorruptObjectError, IntegrityError, VersionNotFoun
 from deltastore.format.history import History
 from deltastore._util.jobs import default_threads, grouped
 from deltastore.lifecycle.ledger import read_ledger
-from deltastore.format.manifest import (
+from deltastore.format.keys import new_attempt_id, object_key, sha256_hex
+from deltastore.format.models import (
     DEFAULT_MAX_ATTEMPT_S,
     BlobRef,
     ChunkEntry,
@@ -53,11 +54,8 @@ from deltastore.format.manifest import (
     SquashManifest,
     SquashRef,
     TensorEntry,
-    encode_object,
-    new_attempt_id,
-    object_key,
-    sha256_hex,
 )
+from deltastore.format.objects import encode_object
 from deltastore.read.plan import Step, check_entries, digests, layout, plan_from_anchor
 from deltastore.storage import open_store
 from deltastore.storage.base import Store

@@ -57,17 +57,8 @@ from deltastore.lifecycle.index import (
     update_index,
 )
 from deltastore.lifecycle.ledger import LIVE_TTL_S, read_ledger
-from deltastore.format.manifest import (
-    DEFAULT_MAX_ATTEMPT_S,
-    HEAD_KEY,
-    MANIFEST_PREFIX,
-    OBJECT_PREFIX,
-    Head,
-    Index,
-    Manifest,
-    SquashManifest,
-    SquashRef,
-)
+from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, OBJECT_PREFIX
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Head, Index, Manifest, SquashManifest, SquashRef
 from deltastore.storage.base import ObjectMeta, Store
 
 logger = logging.getLogger(__name__)

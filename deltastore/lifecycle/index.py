@@ -31,21 +31,9 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.history import History
-from deltastore.format.manifest import (
-    DEFAULT_MAX_ATTEMPT_S,
-    HEAD_KEY,
-    Head,
-    Index,
-    ObjectRef,
-    Pin,
-    SquashRef,
-    dump,
-    encode_object,
-    new_attempt_id,
-    new_lineage,
-    object_key,
-    sha256_hex,
-)
+from deltastore.format.keys import HEAD_KEY, new_attempt_id, new_lineage, object_key, sha256_hex
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Head, Index, ObjectRef, Pin, SquashRef, dump
+from deltastore.format.objects import encode_object
 from deltastore.storage.base import IfMatch, Store
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,8 @@ from deltastore.errors import (
 )
 from deltastore.layout.groups import split_patch, unit_targets
 from deltastore._util.jobs import grouped
-from deltastore.format.manifest import BlobRef, SegmentRef, sha256_hex
+from deltastore.format.keys import sha256_hex
+from deltastore.format.models import BlobRef, SegmentRef
 from deltastore.read.plan import ChunkPlan, Step
 from deltastore.read.stage import ChunkPatch, make_patch
 from deltastore.storage.base import Store
@@ -58,7 +59,7 @@ FETCH_BATCH_BYTES = 64 * 1024 * 1024
 #: a few hundred KiB of transfer.
 COALESCE_GAP_BYTES = 256 * 1024
 #: What a decode thread holds at most besides the tensors it writes (SPEC §7 step 8), whatever a
-#: chunk's size: the largest segment the codec decodes whole (codec.delta.WHOLE_MAX_BYTES;
+#: chunk's size: the largest segment the codec decodes whole (codec.apply.WHOLE_MAX_BYTES;
 #: full segments go straight into their tensor), or a piece's working set and the windows of the
 #: zstd sections it streams. A target that is not a live view adds one chunk (see replay).
 DECODE_MEMORY_BYTES = 64 << 20

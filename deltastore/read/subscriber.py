@@ -54,15 +54,9 @@ from deltastore._util.heap import release_free_heap
 from deltastore.format.history import History, VersionInfo
 from deltastore._util.jobs import default_threads, grouped
 from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter
-from deltastore.format.manifest import (
-    MAX_MANIFEST_BYTES,
-    Head,
-    Index,
-    Manifest,
-    SquashManifest,
-    SquashRef,
-    decode_object,
-)
+from deltastore.format.models import Head, Index, Manifest, SquashManifest, SquashRef
+from deltastore.format.objects import decode_object
+from deltastore.format.parse import MAX_MANIFEST_BYTES
 from deltastore.read.plan import (
     ChunkPlan,
     Manifests,

@@ -36,17 +36,9 @@ from deltastore.layout.groups import (
     member_tables,
 )
 from deltastore._util.jobs import grouped
-from deltastore.format.manifest import (
-    OBJECT_PREFIX,
-    BlobRef,
-    ChunkEntry,
-    SegmentRef,
-    Stats,
-    TensorEntry,
-    object_key,
-    sha256_hex,
-    unchecked_entry,
-)
+from deltastore.format.keys import OBJECT_PREFIX, object_key, sha256_hex
+from deltastore.format.models import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry
+from deltastore.format.tables import unchecked_entry
 from deltastore.storage.base import Store, StreamedPut
 from deltastore.layout.tensors import TensorSpec, bits, state_digest, torch_dtype
 

@@ -39,7 +39,9 @@ from deltastore._util.heap import release_free_heap
 from deltastore.format.history import History, VersionInfo
 from deltastore._util.jobs import default_threads
 from deltastore.lifecycle.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
-from deltastore.format.manifest import (
+from deltastore.format.keys import manifest_key, manifest_key_version, new_attempt_id, object_key, sha256_hex
+from deltastore.format.manifest import encode_manifest
+from deltastore.format.models import (
     DEFAULT_MAX_ATTEMPT_S,
     DTYPE_WIDTHS,
     GROUPS_SCHEMA,
@@ -47,15 +49,9 @@ from deltastore.format.manifest import (
     Layout,
     Manifest,
     ObjectRef,
-    encode_manifest,
-    encode_object,
     layout_of,
-    manifest_key,
-    manifest_key_version,
-    new_attempt_id,
-    object_key,
-    sha256_hex,
 )
+from deltastore.format.objects import encode_object
 from deltastore.write.queue import DEFAULT_MAX_PENDING, POLICIES, Policy, PublishQueue, snapshot
 from deltastore.storage import open_store
 from deltastore.storage.base import Store

@@ -83,7 +83,9 @@ from deltastore.layout.groups import tied_names, unit_order, unit_reference
 from deltastore._util.heap import release_free_heap
 from deltastore.format.history import History, VersionInfo
 from deltastore._util.jobs import default_threads
-from deltastore.format.manifest import (
+from deltastore.format.keys import manifest_key, new_attempt_id, part_key, sha256_hex
+from deltastore.format.manifest import encode_joined, join_parts
+from deltastore.format.models import (
     DEFAULT_MAX_ATTEMPT_S,
     Head,
     Layout,
@@ -92,14 +94,8 @@ from deltastore.format.manifest import (
     PartRef,
     SegmentRef,
     Stats,
-    encode_joined,
-    encode_part,
-    join_parts,
-    manifest_key,
-    new_attempt_id,
-    part_key,
-    sha256_hex,
 )
+from deltastore.format.parts import encode_part
 from deltastore.write.publisher import _Tip
 from deltastore.storage import open_store
 from deltastore.layout.tensors import (
@@ -160,7 +156,7 @@ class _Claim:
 @dataclass(frozen=True, slots=True)
 class _PartChunk:
     """A chunk of this rank's part, its index shifted to the whole tensor's: what
-    :func:`~deltastore.format.manifest.encode_part` reads of a ChunkEntry. Not a pydantic model: the
+    :func:`~deltastore.format.parts.encode_part` reads of a ChunkEntry. Not a pydantic model: the
     part's table is built once per version and discarded (its bytes are what rank 0 joins and
     checks), and a validated copy per chunk cost ~9 µs × 169 chunks per rank (design 010 D8)."""
 

@@ -97,7 +97,7 @@ def write_schema3(store_dir: Path, expected_dir: Path, facts_path: Path) -> None
     import deltastore
     from deltastore.lifecycle.compact import compact
     from deltastore.lifecycle.gc import collect
-    from deltastore.format.manifest import SCHEMA_VERSION
+    from deltastore.format.models import SCHEMA_VERSION
 
     assert SCHEMA_VERSION == 3, "the schema-3 golden store must be written by a schema-3 writer"
     g = torch.Generator().manual_seed(SEED)
