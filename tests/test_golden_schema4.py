@@ -1,5 +1,5 @@
 """Format stability of schema 4 (design 007): the golden store written by the first schema-4
-writer (tests/golden/make_golden_schema4.py, branch i9-many) is read bit for bit by this release
+writer (tests/golden/make_golden.py schema4) is read bit for bit by this release
 and every later one. The golden files are never rewritten: the store is copied first."""
 
 from __future__ import annotations

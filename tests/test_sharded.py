@@ -761,7 +761,7 @@ def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
     return out
 
 
-#: The golden sharded grid store (tests/golden/make_golden_sharded_grid.py): three ranks, 4 row
+#: The golden sharded grid store (tests/golden/make_golden.py sharded-grid): three ranks, 4 row
 #: pieces each; ``g`` (12, 8) f32 and ``d`` (9, 8, 3) bf16 gridded for TP=4 (chunk_cols 2).
 GOLDEN_GRID_OPTIONS: dict[str, Any] = {"threads": 1, "anchor_every": 3, "chunk_bytes": 16, "slice_align": 4,
                                        "column_slices": ("g", "d")}
@@ -1253,7 +1253,7 @@ def test_writer_refuses_a_chunk_of_another_part() -> None:
         _part(0, [("a", 1)])
 
 
-# --- the golden sharded store (tests/golden/make_golden_sharded.py, written once at issue 12) ---
+# --- the golden sharded stores (tests/golden/make_golden.py sharded, sharded-grid) ---------------
 
 GOLDEN = Path(__file__).parent / "golden"
 
