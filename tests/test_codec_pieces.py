@@ -311,9 +311,9 @@ def test_a_delta_refused_in_its_last_piece_writes_nothing(tweak, match: str) -> 
     assert len({g[0][1] for g in got.values()}) == 1, got
 
 
-def test_the_numpy_estimate_covers_this_releases_steady_deltas() -> None:
+def test_the_numpy_estimate_covers_steady_deltas_of_default_chunks() -> None:
     """A training step's delta of a 16 MiB chunk (2 % changed, 1 % of values escaped) is applied
-    whole on both paths: the pieces are for chunks far beyond what this release writes."""
+    whole on both paths: the pieces are for chunks far beyond the default chunk size."""
     count = (16 << 20) // 2
     n = count // 50
     h = peek_header(pack("add-sparse/1", width=2, count=count, n_changed=n, param=1, n_escaped=n // 100,

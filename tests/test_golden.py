@@ -1,5 +1,5 @@
 """Format stability: golden files of the current format (tests/golden/, written by
-tests/golden/make_golden.py) are read by this release bit for bit, and written byte for byte.
+tests/golden/make_golden.py) are read bit for bit, and written byte for byte.
 
 - every golden segment decodes to exactly the recorded bits (``decode_full``; ``apply_delta``
   forward and inverse), for every codec id and width;

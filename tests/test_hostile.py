@@ -1,5 +1,5 @@
-"""Hostile HEADs and manifests, fuzzed (issue 6, D8/D11/D12): whatever a damaged or malicious
-store holds, readers raise only deltastore's typed errors, apply nothing halfway, and allocate
+"""Hostile HEADs and manifests, fuzzed (defects D8, D11, D12 of docs/reliability.md): whatever a
+damaged or malicious store holds, readers raise only deltastore's typed errors, apply nothing halfway, and allocate
 nothing beyond the caps.
 
 Mutations of real documents: type swaps, huge/negative/5,000-digit integers, deep nesting, long

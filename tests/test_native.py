@@ -1,4 +1,4 @@
-"""The native kernels (deltastore._native, issue 9) against the numpy path: identical segment
+"""The native kernels (deltastore._native) against the numpy path: identical segment
 bytes and digests for every width and edit pattern, the reference advance, bad buffers, the
 loader's fallback, and the GIL released while a kernel runs.
 

@@ -231,11 +231,11 @@ def test_objects_are_zstd_frames_and_round_trip() -> None:
         decode_object(Index, data, object_key("0" * 32, "f" * 64, ".index.json.zst"))
 
 
-def test_layouts_this_release_cannot_read_are_refused() -> None:
-    """Sharded layouts are read since issue 12 (tests/test_sharded.py), column grids since
-    design 011 D10 step 3 (tests/test_grid_store.py) and grids in sharded layouts since 011 D11
-    (a grid's pieces still start on a row block); pieces without parts (or parts without
-    pieces) are corrupt."""
+def test_layouts_a_reader_cannot_read_are_refused() -> None:
+    """Sharded layouts (tests/test_sharded.py), column grids (tests/test_grid_store.py) and
+    grids in sharded layouts are read, as long as a grid's pieces start on a row block; pieces
+    off chunk boundaries are refused, pieces without parts (or parts without pieces) are
+    corrupt."""
     rng = random.Random(8)
     layout = make_layout(rng, 3)
     grid = Layout(schema=3, name=("g",), dtype=("bfloat16",), shape=((8, 6),), chunk_rows=(2,), chunk_cols=(4,),
@@ -372,7 +372,7 @@ def test_hostile_frames_refused(base) -> None:
 
 def test_hostile_schema_mismatches(base) -> None:
     _m, layout, doc = base
-    # parts (issue 12) are read, but not with tables of their own nor with an unsharded layout
+    # parts (SPEC §8) are read, but not with tables of their own nor with an unsharded layout
     data, key = _frame(mutated(doc, ("parts",), [{"part": 0}]))
     with pytest.raises(CorruptObjectError, match="malformed"):
         parse_manifest(data, key, layout=layout)

@@ -1,4 +1,4 @@
-/* Encode kernels (issue 9, N1): the add-sparse/1 delta in one pass, the full codec's byte
+/* Encode kernels: the add-sparse/1 delta in one pass, the full codec's byte
  * planes, and XXH3-128 state digests. Output bytes equal the numpy path's exactly
  * (deltastore/codec/delta.py, full.py); tests/test_native.py proves it. */
 #include "ds_native.h"
@@ -268,7 +268,7 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
  * would otherwise make the compiler reload every field of `s` after each one).
  * NAME/MASK/ATTR: one variant per instruction set, identical output. (Flattening a region's
  * masks to a position list first, to pay the loop's mispredicted exit per region instead of
- * per block, measured slower: 71 against 48 ms per 265 M in-cache bf16 elements.) */
+ * per block, measured slower.) */
 #define DEFINE_SCAN(T, W, NAME, MASK, ATTR)                                                          \
     static ATTR int NAME(uint8_t *ob, const uint8_t *nb, size_t lo, size_t hi, int adv, enc_out *s) { \
         size_t k = s->k, next = s->next;                                                             \

@@ -405,9 +405,9 @@ def _apply(target: np.ndarray, data: bytes, codec: str, inverse: bool, want: int
 #: A delta segment whose decoding would hold more than this at once (the native kernel's
 #: decoded sections; on the numpy path also the positions and values it builds, see
 #: :func:`_working_bytes`) is applied a piece at a time (:func:`_apply_pieces`), so that what a
-#: decoder holds is bounded whatever the chunk's size (SPEC §7 step 8). The deltas of this release's
-#: 16 MiB chunks stay below it on the native path; on the numpy path those of training steps
-#: (a few % changed, ~1 % of values escaped) do.
+#: decoder holds is bounded whatever the chunk's size (SPEC §7 step 8). The deltas of the
+#: default 16 MiB chunks stay below it on the native path; on the numpy path those of training
+#: steps (a few % changed, ~1 % of values escaped) do.
 WHOLE_MAX_BYTES = 48 << 20
 
 #: Changes (sparse codecs) or elements (dense codecs) per piece: a piece's planes, positions and

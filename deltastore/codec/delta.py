@@ -50,9 +50,8 @@ ESCAPE = 255
 # Value codes of the add codecs are 4 bits, two per byte: zigzag(new - old) below this value is
 # the code itself, anything else is this code plus the full-width value in the escape sections.
 # Adam steps move bf16 weights by 1-2 ulp, so codes 1..4 dominate and Huffman over single bytes
-# pays ~0.3 bit per symbol of redundancy; pairs halve it. MiniLM lr 1e-6: 0.293 -> 0.249 B per
-# changed element (one-byte symbols vs pairs; order-0 entropy of the zigzag values 0.225,
-# of the XOR of old and new 0.341); ~1 % of changed elements escape.
+# pays ~0.3 bit per symbol of redundancy; pairs halve it (design 003: 0.293 -> 0.249 B per
+# changed element on a small model's steps); ~1 % of changed elements escape.
 NIBBLE_ESCAPE = 15
 
 

@@ -58,19 +58,17 @@ MIN_PAIR_COUNT = 4096
 PAIR_SAMPLE_STRIDE = 16
 
 # Exponent codes of the paired form: 0..14 are exponents low..low+14, 15 escapes. Two codes per
-# byte halve Huffman's per-symbol redundancy on the skewed exponent distribution: on MiniLM's
-# 39 large bf16 tensors the exponent plane drops from 7,487,646 to 7,468,312 bytes (entropy
-# 7,411,197), enough to come in under ZipNN; 0.03 % of exponents fall outside the window.
+# byte halve Huffman's per-symbol redundancy on the skewed exponent distribution of weights,
+# where a few hundredths of a percent of exponents fall outside the window (design 003).
 EXP_ESCAPE = 15
 assert EXP_ESCAPE == EXP_WINDOW  # the window's codes are 0..14: code 15 escapes (pair_codes)
 
 # From this many elements on, the paired form is written without also compressing the plain
-# exponent plane to compare (that second zstd pass was 0.54 s of a 1.42 s tf265m anchor) when the
-# sample says few exponents escape the window. Both forms then code the same information, and
-# pairs halve Huffman's per-symbol redundancy: paired won on every tf265m tensor (0.3239 against
-# 0.3257 bytes per element) and on MiniLM's large ones but two, which it lost by 24 and 1 bytes;
-# at 4,096-8,192 elements the plain form often wins (its Huffman table is smaller), hence the
-# exact comparison below this size.
+# exponent plane to compare (a second zstd pass over the plane, a large share of an anchor's
+# encode) when the sample says few exponents escape the window. Both forms then code the same
+# information and pairs halve Huffman's per-symbol redundancy, so on large weight tensors the
+# paired form wins (design 006, "Anchor encode"); at 4,096-8,192 elements the plain form often
+# wins (its Huffman table is smaller), hence the exact comparison below this size.
 PAIRS_ONLY_COUNT = 1 << 17
 
 # Largest share of sampled exponents outside the window for which PAIRS_ONLY_COUNT applies: each

@@ -114,14 +114,13 @@ def _parsed_bytes(m: Manifest) -> int:
 
 
 def _untrack_table(m: Manifest) -> None:
-    """Take a parsed manifest's chunk table out of the cyclic collector's sets (design 006,
-    session 27 addendum). A History caches up to MANIFEST_CACHE_ENTRIES manifests, ~3 objects
-    per tensor and per listed chunk each, and every pull parses one that outlives it: the
-    collector moved them into its old generation (~1,270 objects a steady tf265m pull) and
-    walked the whole cache in every full pass, one every ~60 pulls. The entries are frozen
-    models whose fields are ints, strings, tuples of ints and other entries: a tree, never part
-    of a cycle, which is what an untracked object must be (CPython untracks tuples and dicts of
-    atomic values itself). Without the native extension they stay tracked, as before."""
+    """Take a parsed manifest's chunk table out of the cyclic collector's sets
+    (docs/design/006-native-kernels.md). A History caches up to MANIFEST_CACHE_ENTRIES
+    manifests, ~3 objects per tensor and per listed chunk each, which the collector would
+    otherwise promote into its old generation and walk in every full pass. The entries are
+    frozen models whose fields are ints, strings, tuples of ints and other entries: a tree,
+    never part of a cycle, which is what an untracked object must be (CPython untracks tuples
+    and dicts of atomic values itself). Without the native extension they stay tracked."""
     untrack = kernels.untrack
     if untrack is None:
         return

@@ -107,9 +107,9 @@ def _manifest_from_doc(doc: dict[str, Any], layout: Layout, key: str,
     manifest's bytes: its ``blobs`` are every part's packs in part order, its ``tensors`` the
     union of their chunk tables (SPEC §8)."""
     header, rows = _decode_tables(doc, layout, key, parts)
-    # Entries are built without validation (issue 9: parsing 20,000 entries through pydantic
-    # dominated a pull): the columnar checks of table_rows, the layout's and check_manifest's
-    # (which every caller runs next) cover every field pydantic would check.
+    # Entries are built without validation (validating each through pydantic would dominate a
+    # pull of many tensors): the columnar checks of table_rows, the layout's and
+    # check_manifest's (which every caller runs next) cover every field pydantic would check.
     tensors = tuple(
         unchecked_entry(TensorEntry, name=name, dtype=dtype, shape=shape, chunk_rows=chunk_rows,
                         chunks=tuple([unchecked_entry(ChunkEntry, index=index, digest=digest, full=full, delta=delta)
@@ -261,8 +261,8 @@ def _entries_differ(tensors: Sequence[TensorEntry], rows: Sequence[Row], layout:
     rows by :func:`row_entries`.
 
     Values are compared with their types (``True == 1`` but dumps as ``true``), so equal here
-    means equal in canonical JSON too (:func:`dump`), the test the writer's round trip made
-    before (design 006, session 18, task T).
+    means equal in canonical JSON too (:func:`dump`), which is what a full round trip would
+    compare.
     """
     runs = iter(row_entries(rows, layout))
     for t in tensors:

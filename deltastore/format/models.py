@@ -306,10 +306,10 @@ class GroupRecord(_Model):
 
 
 class Layout(_Model):
-    """A schema-3 layout object (SPEC §3): the tensors of a version, as columns.
+    """A layout object (SPEC §3.2): the tensors of a version, as columns.
 
     Manifests name tensors by their position here. ``pieces``, ``piece_parts`` and ``parts``
-    describe sharded layouts (SPEC §8, issue 12); ``chunk_cols`` > 0 a column grid (SPEC §2,
+    describe sharded layouts (SPEC §8, design 010); ``chunk_cols`` > 0 a column grid (SPEC §2,
     design 011), which the unsharded writer writes only for tensors it is asked to grid.
     """
 

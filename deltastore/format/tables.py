@@ -158,7 +158,7 @@ def _fast_construct(cls: type[_M], values: dict[str, Any]) -> _M:
 
     Entries that name every field share one fields-set per class instead of a set each: a set
     is an object the cyclic collector tracks, and a worker keeps the entries of the manifests
-    it caches (design 006, session 27). Sharing it is safe for these frozen models: pydantic
+    it caches (docs/design/006-native-kernels.md). Sharing it is safe for these frozen models: pydantic
     adds to an instance's set only on assignment (refused when frozen), and ``model_copy``
     copies the set before it adds the updated names."""
     o = object.__new__(cls)
@@ -193,7 +193,7 @@ def _model_construct(cls: type[_M], values: dict[str, Any]) -> _M:
 def unchecked_entry(cls: type[_M], **values: Any) -> _M:
     """An entry of a chunk table (SegmentRef, ChunkEntry, TensorEntry) built without
     validation: every field given, of its exact type (ints, strs, tuples), by code that vouches
-    for it. Two callers do (issue 9: no pydantic per entry on the hot path): the reader, after
+    for it (no pydantic per entry on the hot path). Two callers do: the reader, after
     the columnar checks of :func:`table_rows` and before :func:`check_manifest`; and the
     encoder, whose entries no reader sees unchecked: :func:`encode_manifest` proves them equal,
     field by field with their types, to what a reader decodes from the bytes, and checks that
@@ -263,7 +263,7 @@ def table_rows(tables: Tables, layout: Layout, bad: Callable[[str], CorruptObjec
             raise bad(f"segment {s} has role {role!r} but lies in pack {pack} of role {pack_role!r}")
         if row in segs:
             raise bad(f"chunk row {row} has two segments of role {role!r}")
-        # Built without validation: every field was checked above (issue 9: no pydantic per entry).
+        # Built without validation: every field was checked above (no pydantic per entry).
         segs[row] = construct(SegmentRef, {"blob": first_pack + pack, "offset": offset, "length": length, "sha256": sha,
                                            "codec": codecs[codec], "n_changed": n_changed})
         offset += length
