@@ -30,13 +30,13 @@ import torch
 import xxhash
 
 from benchmarks.workload import load_step
-from deltastore.codec import _encode_delta_xor, encode_delta
+from deltastore.codec.delta import encode_delta
 from deltastore.codec.container import read_header
 from deltastore.codec.planes import decode_sections
 from deltastore.layout.tensors import spec_for
 
 WORKLOAD = "tf265m-rl-1e-6"
-KIND = {"add-sparse/1": 2, "xor-sparse/1": 0, "add-dense/1": 3, "xor-dense/1": 1}  # apply.c K_*
+KIND = {"add-sparse/1": 0, "add-dense/1": 1}  # apply.c K_*
 
 
 def load_build(path: str):
@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, nargs=2, default=(3, 4), metavar=("A", "B"))
     ap.add_argument("--reps", type=int, default=11, help="timed passes per build (median reported)")
     ap.add_argument("--want", type=int, default=2, help="digests: 2 after only, 3 before and after, 0 none")
-    ap.add_argument("--form", choices=("add", "xor"), default="add", help="add-sparse/1 (today's writers) or xor-sparse/1")
     args = ap.parse_args(argv)
 
     a, b = (load_step(WORKLOAD, s) for s in args.steps)
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         per = spec.chunk_rows * spec.row_elems
         for s in range(0, old.size, per):
             e = min(s + per, old.size)
-            seg = (encode_delta if args.form == "add" else _encode_delta_xor)(old[s:e], new[s:e])
+            seg = encode_delta(old[s:e], new[s:e])
             if seg is None:
                 continue
             h = read_header(seg.data, seg.codec, 2, e - s)
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                          tuple(decode_sections(seg.data, h)), h.n_changed, h.n_gap_escaped, h.n_escaped))
         off += old.size
     del a, b
-    print(f"{WORKLOAD} steps {args.steps[0]}->{args.steps[1]}: {len(jobs)} segments ({args.form}), "
+    print(f"{WORKLOAD} steps {args.steps[0]}->{args.steps[1]}: {len(jobs)} segments, "
           f"{changes} changes in {target.size} elements, want={args.want}")
 
     def one_pass(module, inverse: bool) -> float:

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deltastore.codec import encode_delta
-from deltastore.codec.delta import _add_positions, _add_values
+from deltastore.codec.delta import encode_delta
+from deltastore.codec.delta import code_positions, code_values
 from deltastore.codec.planes import encode_sections
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,8 +95,8 @@ def conditioned_chunk(old: np.ndarray, new: np.ndarray, k: int) -> dict:
     n_cross = int(cross.sum())
     out["crosser_n"] = n_cross
     if n_cross:
-        out["crossers"] = (_stream_bytes(_add_positions(pos[cross]).planes)
-                           + _stream_bytes(_add_values(d[cross]).planes) + CLASS_HEADER)
+        out["crossers"] = (_stream_bytes(code_positions(pos[cross]).planes)
+                           + _stream_bytes(code_values(d[cross]).planes) + CLASS_HEADER)
     keep = ~cross
     for c in range(k):
         members = cls == c
@@ -108,8 +108,8 @@ def conditioned_chunk(old: np.ndarray, new: np.ndarray, k: int) -> dict:
             continue
         rank = np.cumsum(members, dtype=np.int64) - 1
         r = rank[pos[sel]]
-        out["positions"] += _stream_bytes(_add_positions(r).planes)
-        out["values"] += _stream_bytes(_add_values(d[sel]).planes)
+        out["positions"] += _stream_bytes(code_positions(r).planes)
+        out["values"] += _stream_bytes(code_values(d[sel]).planes)
         out["ideal_positions_bits"] += n_c * _h(k_c / n_c)
     out["headers"] += SEGMENT_HEADER + 1
     return out
@@ -186,7 +186,7 @@ def kernel_speed(workload: str, step: int, k: int, repeats: int = 5, max_chunks:
 
     from benchmarks.peers import u16
     from benchmarks.workload import load_step
-    from deltastore.codec import apply_delta
+    from deltastore.codec.apply import apply_delta
 
     def best(fn) -> float:
         # CPU time of this thread, not wall time: on a shared machine a 30 ms call is preempted

@@ -366,8 +366,9 @@ def offline_squash(store: Store, from_version: int, to_version: int, old: StateD
     two states (the same delta by construction). Segment bytes only: no squash manifest.
     ``direct=True`` encodes every chunk that way (a cross-check of the composition).
     """
-    from deltastore.codec import compose_deltas, encode_delta
-    from deltastore.format.manifest import chunk_elements
+    from deltastore.codec.compose import compose_deltas
+    from deltastore.codec.delta import encode_delta
+    from deltastore.format.models import chunk_elements
 
     history = _history(store)
     head = _head(history)
@@ -465,7 +466,8 @@ def _squash_from_index(store: Store, frm: int, to: int) -> dict[str, Any] | None
         if hasattr(history, "squash"):
             sq = history.squash(ref)
         else:
-            from deltastore.format.manifest import SquashManifest, decode_object
+            from deltastore.format.models import SquashManifest
+            from deltastore.format.objects import decode_object
 
             sq = decode_object(SquashManifest, store.get(ref.key), ref.key, ref.sha256)
         packs = sum(b.size for b in sq.blobs)

@@ -222,18 +222,16 @@ class ChainChecker:
 
 
 def manifest_json(key: str, data: bytes) -> dict[str, Any]:
-    """A stored manifest's JSON document: schema 1/2 plain JSON, schema 3 (``.json.zst``) the
-    decompressed columnar document (its packs are under ``packs``, each with a ``role``)."""
-    if key.endswith(".json.zst"):
-        import zstandard
+    """A stored manifest's JSON document: the decompressed columnar document (its packs are
+    under ``packs``, each with a ``role``)."""
+    import zstandard
 
-        data = zstandard.ZstdDecompressor().decompress(data)
-    return json.loads(data)
+    return json.loads(zstandard.ZstdDecompressor().decompress(data))
 
 
 def grid_tensors(store: Any, link: Link) -> dict[str, int]:
     """Tensor name → ``chunk_cols`` of each column-grid tensor of version ``link``, read from its
-    layout object directly (schema 3; earlier schemas have no grid): ``--grid`` took effect."""
+    layout object directly: ``--grid`` took effect."""
     import zstandard
 
     doc = manifest_json(link.key, store.get(link.key))

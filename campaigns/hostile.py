@@ -46,11 +46,8 @@ def _sha(b: bytes) -> str:
 
 
 def _pack_ref(doc: dict[str, Any], pack: bytes, role: str) -> dict[str, Any]:
-    """A blob/pack entry for ``pack`` in ``doc``: ``blobs/`` for schema 1/2, else under the
-    manifest's attempt with a role (schema 3)."""
-    if isinstance(doc.get("layout"), dict):
-        return {"key": f"objects/{doc['commit_id']}/{_sha(pack)}.pack", "size": len(pack), "sha256": _sha(pack), "role": role}
-    return {"key": f"blobs/{_sha(pack)[:2]}/{_sha(pack)}", "size": len(pack), "sha256": _sha(pack)}
+    """A pack entry for ``pack`` in ``doc``: under the manifest's attempt, with a role."""
+    return {"key": f"objects/{doc['commit_id']}/{_sha(pack)}.pack", "size": len(pack), "sha256": _sha(pack), "role": role}
 
 
 class Hostile:
@@ -62,7 +59,11 @@ class Hostile:
         self.manifests = manifests  # version -> (key, doc)
 
     def put_manifest_raw(self, version: int, raw: bytes, *, point_head: bool = True) -> str:
-        key = f"manifests/{version:012d}-{_sha(raw)}.json"
+        """Store ``raw`` (JSON text, not checked) as a manifest is stored: one zstd frame."""
+        import zstandard
+
+        raw = zstandard.ZstdCompressor(level=3).compress(raw)
+        key = f"manifests/{version:012d}-{_sha(raw)}.json.zst"
         self.store.put(key, raw, mode="overwrite")
         if point_head:
             h = dict(self.head, manifest=key, manifest_sha256=_sha(raw))
@@ -70,8 +71,8 @@ class Hostile:
         return key
 
     def put_manifest(self, doc: dict[str, Any], *, point_head: bool = True) -> str:
-        """Store an in-memory manifest document as its schema stores it (schema 3: columnar
-        zstd, a new layout object if its tensors changed; see tests/_manifest_docs.py)."""
+        """Store an in-memory manifest document as a writer stores it (columnar zstd, a new
+        layout object if its tensors changed; see tests/_manifest_docs.py)."""
         from tests._manifest_docs import encode_manifest_doc
 
         raw, key = encode_manifest_doc(self.store, doc)
@@ -86,6 +87,12 @@ class Hostile:
 
     def top(self) -> dict[str, Any]:
         return json.loads(json.dumps(self.manifests[VERSIONS][1]))
+
+    def top_stored(self) -> dict[str, Any]:
+        """The head manifest's stored document (columnar), as JSON."""
+        import zstandard
+
+        return json.loads(zstandard.ZstdDecompressor().decompress(self.store.get(self.manifests[VERSIONS][0])))
 
     def resign_segment(self, doc: dict[str, Any], mutate: Callable[[bytes], bytes], which: str = "full") -> None:
         """Replace one segment's bytes in a copy of its pack; fix every SHA-256 in ``doc``."""
@@ -186,7 +193,7 @@ def crafted() -> list[tuple[str, Callable[[Hostile], None]]]:
         h.put_manifest(doc)
 
     def deep_metadata(h: Hostile) -> None:  # D11: RecursionError
-        raw = json.dumps(h.top(), sort_keys=True, separators=(",", ":"))
+        raw = json.dumps(h.top_stored(), sort_keys=True, separators=(",", ":"))
         raw = raw.replace('"metadata":{}', '"metadata":{"x":' + "[" * _DEEP + "]" * _DEEP + "}", 1)
         h.put_manifest_raw(VERSIONS, raw.encode())
 
@@ -199,7 +206,7 @@ def crafted() -> list[tuple[str, Callable[[Hostile], None]]]:
         h.store.put("HEAD", raw.encode(), mode="overwrite")
 
     def huge_int_manifest(h: Hostile) -> None:  # D11
-        raw = json.dumps(h.top(), sort_keys=True, separators=(",", ":"))
+        raw = json.dumps(h.top_stored(), sort_keys=True, separators=(",", ":"))
         raw = raw.replace('"metadata":{}', '"metadata":{"n":' + "7" * 5000 + "}", 1)
         h.put_manifest_raw(VERSIONS, raw.encode())
 
@@ -358,7 +365,7 @@ def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]
     @given(which=st.sampled_from(["HEAD", "manifest", "manifest"]), pick=st.integers(0, 10**9), value=values, delete=st.booleans())
     def collect(which: str, pick: int, value: Any, delete: bool) -> None:
         def write(h: Hostile, which=which, pick=pick, value=value, delete=delete) -> None:
-            doc = json.loads(json.dumps(h.head)) if which == "HEAD" else h.top()
+            doc = json.loads(json.dumps(h.head)) if which == "HEAD" else h.top_stored()
             paths = [p for p in _paths(doc) if p]
             path = paths[pick % len(paths)]
             doc = _set(doc, path, value, delete and isinstance(path[-1], str))

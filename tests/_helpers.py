@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.format.manifest import HEAD_KEY, parse_head, parse_manifest, sha256_hex
+from deltastore.format.keys import HEAD_KEY, sha256_hex
+from deltastore.format.manifest import parse_manifest
+from deltastore.format.parse import parse_head
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store
 from deltastore.layout.tensors import bits
 from deltastore.write.policy import WriterPolicy
@@ -279,7 +281,7 @@ def read_head(store: Store) -> dict[str, Any]:
 
 
 def head_manifest(store: Store) -> tuple[str, dict[str, Any]]:
-    """(key, JSON document) of the manifest HEAD points to (schema 3: its in-memory shape)."""
+    """(key, JSON document) of the manifest HEAD points to (its in-memory shape)."""
     from tests._manifest_docs import read_manifest_doc
 
     h = read_head(store)
@@ -292,7 +294,7 @@ def resign_manifest(store: Store, doc: dict[str, Any], *, point_head: bool = Tru
     This models a manifest written by a buggy or newer writer: every SHA-256 matches, so only
     the reader's semantic checks can catch what is wrong inside.
     """
-    from tests._manifest_docs import encode_manifest_doc  # schema 3: columnar zstd, layout as needed
+    from tests._manifest_docs import encode_manifest_doc  # columnar zstd, layout as needed
 
     data, key = encode_manifest_doc(store, doc)
     digest = sha256_hex(data)
@@ -372,8 +374,7 @@ def resign_segment(store: Store, doc: dict[str, Any], name: str, index: int, whi
     assert len(new) == b - a, "resign_segment keeps the segment's length"
     pack[a:b] = new
     digest = sha256_hex(bytes(pack))
-    old = blob["key"]  # schema 3: objects/<attempt>/<sha>.pack; schema 1/2: blobs/<aa>/<sha>
-    key = f"{old.rsplit('/', 1)[0]}/{digest}.pack" if old.startswith("objects/") else f"blobs/{digest[:2]}/{digest}"
+    key = f"{blob['key'].rsplit('/', 1)[0]}/{digest}.pack"  # objects/<attempt>/<sha>.pack
     store.put(key, bytes(pack), mode="overwrite")
     blob.update(key=key, sha256=digest, size=len(pack))
     seg["sha256"] = sha256_hex(new)

@@ -1,18 +1,17 @@
-"""Tests' view of stored manifests as JSON documents, for every schema.
+"""Tests' view of stored manifests as JSON documents.
 
 Tests that model a buggy or hostile writer read a manifest as a JSON document, change it, and
-store it again under a correct content address. Schema-1/2 manifests are plain JSON; a schema-3
-manifest is a zstd frame of a columnar document whose tensors live in a layout object (SPEC §3).
-These helpers let such tests keep working on the in-memory shape (``tensors``, ``blobs``, as in
-schema 2) whatever the publisher writes:
+store it again under a correct content address. A manifest is a zstd frame of a columnar
+document whose tensors live in a layout object (SPEC §3). These helpers let such tests work on
+the in-memory shape (``tensors`` and ``blobs``, as Manifest models them):
 
-- :func:`read_manifest_doc` gives the in-memory document (schema 3: tensors rebuilt from the
-  layout, as ``json.loads(dump(manifest))``);
+- :func:`read_manifest_doc` gives the in-memory document (tensors rebuilt from the layout, as
+  ``json.loads(dump(manifest))``);
 - :func:`write_manifest_doc` stores a (possibly inconsistent) in-memory document back without
-  validating it: plain JSON for schema 1/2, else the columnar zstd document, writing a new
-  layout object when the document's tensors disagree with the layout it names.
+  validating it: the columnar zstd document, writing a new layout object when the document's
+  tensors disagree with the layout it names.
 
-Offsets are implicit in schema 3 (segments fill their packs back to back). A document whose
+Offsets are implicit (segments fill their packs back to back). A document whose
 segments leave gaps in a pack (chunks dropped, a segment moved to another pack) is stored with
 that pack rewritten to hold exactly its listed segments (a new pack object under the manifest's
 attempt, or, for a pack that does not exist, just its size corrected), which is what a writer
@@ -30,15 +29,10 @@ from typing import Any
 
 import zstandard
 
-from deltastore.format.manifest import (
-    Layout,
-    decode_object,
-    dump,
-    manifest_key,
-    object_key,
-    parse_manifest,
-    sha256_hex,
-)
+from deltastore.format.keys import manifest_key, object_key, sha256_hex
+from deltastore.format.manifest import parse_manifest
+from deltastore.format.models import Layout, dump
+from deltastore.format.objects import decode_object
 from deltastore.storage.base import Store
 
 _ATTEMPT = re.compile(r"[0-9a-f]{32}")
@@ -46,7 +40,7 @@ _LAYOUT_COLUMNS = ("name", "dtype", "shape", "chunk_rows", "chunk_cols", "pieces
 
 
 class NotExpressible(ValueError):
-    """The document says something the schema-3 encoding has no way to say."""
+    """The document says something the stored encoding has no way to say."""
 
 
 def layout_fetcher(store: Store):
@@ -54,16 +48,9 @@ def layout_fetcher(store: Store):
     return lambda ref: decode_object(Layout, store.get(ref.key), ref.key, ref.sha256)
 
 
-def is_schema3_key(key: str) -> bool:
-    return key.endswith(".json.zst")
-
-
 def read_manifest_doc(store: Store, key: str) -> dict[str, Any]:
     """The manifest stored under ``key`` as its in-memory JSON document."""
-    data = store.get(key)
-    if not is_schema3_key(key):
-        return json.loads(data)
-    return json.loads(dump(parse_manifest(data, key, layout=layout_fetcher(store))))
+    return json.loads(dump(parse_manifest(store.get(key), key, layout=layout_fetcher(store))))
 
 
 def _zstd_json(doc: Any) -> bytes:
@@ -71,13 +58,12 @@ def _zstd_json(doc: Any) -> bytes:
 
 
 def encode_manifest_doc(store: Store, doc: dict[str, Any]) -> tuple[bytes, str]:
-    """The stored bytes and key of in-memory document ``doc`` (not validated). Schema-3
-    documents (those naming a ``layout``) become columnar zstd documents; a new layout object
-    is written to ``store`` when ``doc``'s tensors differ from the layout it names."""
+    """The stored bytes and key of in-memory document ``doc`` (not validated): a columnar zstd
+    document; a new layout object is written to ``store`` when ``doc``'s tensors differ from
+    the layout it names."""
     version = doc.get("version") if isinstance(doc.get("version"), int) else 0
     if not isinstance(doc.get("layout"), dict):
-        data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        return data, manifest_key(version, sha256_hex(data), schema=2)
+        raise NotExpressible(f"layout {doc.get('layout')!r}: the chunk table is stored against a layout object")
     doc = copy.deepcopy(doc)
     ref = doc["layout"]
     layout = json.loads(zstandard.ZstdDecompressor().decompress(store.get(ref["key"])))
@@ -120,11 +106,11 @@ def encode_manifest_doc(store: Store, doc: dict[str, Any]) -> tuple[bytes, str]:
     except TypeError:
         pass  # hostile numbers: keep the document's order
     _repack(store, doc, blobs, segs)
-    # offsets and pack indices are implicit in schema 3: refuse a document that states others
+    # offsets and pack indices are implicit: refuse a document that states others
     pack, offset = 0, 0
     for blob, off, _, _, s in segs:
         if (blob, off) != (pack, offset):
-            raise NotExpressible(f"segment at pack {blob} offset {off}: schema 3 places it at pack {pack} offset {offset}")
+            raise NotExpressible(f"segment at pack {blob} offset {off}: the fill rule places it at pack {pack} offset {offset}")
         offset += s.get("length") if isinstance(s.get("length"), int) else 0
         if pack < len(blobs) and isinstance(blobs[pack].get("size"), int) and offset >= blobs[pack]["size"]:
             pack, offset = pack + 1, 0
@@ -144,7 +130,7 @@ def encode_manifest_doc(store: Store, doc: dict[str, Any]) -> tuple[bytes, str]:
         },
     )
     data = _zstd_json(doc)
-    return data, manifest_key(version, sha256_hex(data), schema=3)
+    return data, manifest_key(version, sha256_hex(data))
 
 
 def _repack(store: Store, doc: dict[str, Any], blobs: list[dict[str, Any]], segs: list) -> None:

@@ -16,7 +16,7 @@ from deltastore import Subscriber
 from deltastore.read.engine import ReadEngine, _Target, _views_while_reading
 from deltastore.read.fetch import CheckedOnRead
 from deltastore.errors import IntegrityError, TargetModifiedError
-from deltastore.format.manifest import sha256_hex
+from deltastore.format.keys import sha256_hex
 from deltastore.storage import open_store
 from tests._helpers import (
     TinyTrainer,

@@ -19,7 +19,9 @@ from deltastore.errors import CorruptObjectError, NotFoundError, VersionCollecte
 from deltastore.lifecycle.gc import collect as gc_collect
 from deltastore.format.history import History
 from deltastore.lifecycle.index import add_squashes, update_index
-from deltastore.format.manifest import HEAD_KEY, Index, SquashRef, parse_head
+from deltastore.format.keys import HEAD_KEY
+from deltastore.format.models import Index, SquashRef
+from deltastore.format.parse import parse_head
 from deltastore.read import catchup
 from deltastore.storage import open_store
 from deltastore.storage.base import Store

@@ -1,6 +1,5 @@
 """Round-trip properties of deltastore.codec: full, delta, compose, inverse; bit-exact for every
-width and every codec id (v1 ids are still written here through the private v1 encoders, since
-stores written by v1 must stay readable)."""
+width and every codec id."""
 
 from __future__ import annotations
 
@@ -11,36 +10,26 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltastore import codec
-from deltastore.codec import (
+from deltastore.codec.container import (
     CODEC_ADD_DENSE,
     CODEC_ADD_SPARSE,
-    CODEC_FULL,
     CODEC_FULL2,
-    CODEC_XOR_DENSE,
-    CODEC_XOR_SPARSE,
     KNOWN_CODECS,
     Segment,
-    apply_delta,
-    compose_deltas,
-    decode_full,
-    encode_delta,
-    encode_full,
     peek_header,
 )
+from deltastore.codec.apply import apply_delta
+from deltastore.codec.compose import compose_deltas
+from deltastore.codec.full import decode_full, encode_full
+from deltastore.codec.delta import encode_delta
 
 WIDTHS = (1, 2, 4, 8)
 SIZES = (0, 1, 2, 7, 100, 1000, 5000)
 EDITS = ("none", "one", "few", "pct1", "half", "all", "dense-random", "ulp")
 
-# delta encoders: the current one (add-*) and v1's (xor-*), with the codecs each may produce
-DELTA_ENCODERS = {
-    "v2": (encode_delta, (CODEC_ADD_SPARSE, CODEC_ADD_DENSE)),
-    "v1": (codec._encode_delta_xor, (CODEC_XOR_SPARSE, CODEC_XOR_DENSE)),
-}
 FULL_ENCODERS = {
-    "v2": (encode_full, CODEC_FULL2),
-    "v2-float": (lambda x, **kw: encode_full(x, float_bits=True, **kw), CODEC_FULL2),
-    "v1": (codec._encode_full_v1, CODEC_FULL),
+    "plain": lambda x, **kw: encode_full(x, **kw),
+    "float": lambda x, **kw: encode_full(x, float_bits=True, **kw),
 }
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -93,14 +82,13 @@ def edit(rng: np.random.Generator, old: np.ndarray, kind: str) -> np.ndarray:
     return new
 
 
-def check_delta(old: np.ndarray, new: np.ndarray, enc: str = "v2") -> Segment | None:
-    encoder, codecs = DELTA_ENCODERS[enc]
-    seg = encoder(old, new)
+def check_delta(old: np.ndarray, new: np.ndarray) -> Segment | None:
+    seg = encode_delta(old, new)
     identical = bool(np.array_equal(old, new))
     assert (seg is None) == identical
     if seg is None:
         return None
-    assert seg.codec in codecs
+    assert seg.codec in (CODEC_ADD_SPARSE, CODEC_ADD_DENSE)
     assert seg.n_changed == int(np.count_nonzero(old != new))
     h = peek_header(seg.data)
     assert (h.codec, h.width, h.count, h.n_changed, h.total_size) == (
@@ -116,20 +104,19 @@ def check_delta(old: np.ndarray, new: np.ndarray, enc: str = "v2") -> Segment | 
 
 @PROPS
 @given(width=st.sampled_from(WIDTHS), size=st.sampled_from(SIZES), kind=st.sampled_from(EDITS),
-       seed=st.integers(0, 2**32 - 1), enc=st.sampled_from(sorted(DELTA_ENCODERS)))
-def test_delta_roundtrip(width, size, kind, seed, enc):
+       seed=st.integers(0, 2**32 - 1))
+def test_delta_roundtrip(width, size, kind, seed):
     rng = np.random.default_rng(seed)
     old = random_values(rng, width, size)
-    check_delta(old, edit(rng, old, kind), enc)
+    check_delta(old, edit(rng, old, kind))
 
 
 @PROPS
-@given(size=st.sampled_from(SIZES), kind=st.sampled_from(EDITS), seed=st.integers(0, 2**32 - 1),
-       enc=st.sampled_from(sorted(DELTA_ENCODERS)))
-def test_delta_roundtrip_bf16_bits(size, kind, seed, enc):
+@given(size=st.sampled_from(SIZES), kind=st.sampled_from(EDITS), seed=st.integers(0, 2**32 - 1))
+def test_delta_roundtrip_bf16_bits(size, kind, seed):
     rng = np.random.default_rng(seed)
     old = bf16_bits(rng, size)
-    check_delta(old, edit(rng, old, kind), enc)
+    check_delta(old, edit(rng, old, kind))
 
 
 @PROPS
@@ -140,10 +127,9 @@ def test_full_roundtrip(width, size, seed, const, enc):
     x = random_values(rng, width, size)
     if const:  # every plane constant: CONST sections
         x[:] = x[0] if size else 0
-    encoder, cid = FULL_ENCODERS[enc]
-    seg = encoder(x)
-    assert seg.codec == cid and seg.n_changed == size
-    y = decode_full(seg.data, codec=cid, dtype=x.dtype, count=size)
+    seg = FULL_ENCODERS[enc](x)
+    assert seg.codec == CODEC_FULL2 and seg.n_changed == size
+    y = decode_full(seg.data, codec=CODEC_FULL2, dtype=x.dtype, count=size)
     assert y.dtype == x.dtype and y.flags.writeable and y.flags.c_contiguous
     assert np.array_equal(x, y)
 
@@ -152,7 +138,7 @@ def test_full_roundtrip(width, size, seed, const, enc):
 @given(size=st.sampled_from(SIZES), seed=st.integers(0, 2**32 - 1), enc=st.sampled_from(sorted(FULL_ENCODERS)))
 def test_full_roundtrip_bf16_bits(size, seed, enc):
     x = bf16_bits(np.random.default_rng(seed), size)
-    seg = FULL_ENCODERS[enc][0](x)
+    seg = FULL_ENCODERS[enc](x)
     assert np.array_equal(decode_full(seg.data, codec=seg.codec, dtype=np.uint16, count=size), x)
 
 
@@ -160,18 +146,16 @@ def test_float_rotation_puts_the_exponent_in_one_plane():
     """full/2 with float_bits: bf16 weights shrink well below the unrotated planes (the exponent
     byte compresses to ~its entropy) and the segment records the transform."""
     x = bf16_bits(np.random.default_rng(5), 200_000)
-    rot, plain, v1 = encode_full(x, float_bits=True), encode_full(x), codec._encode_full_v1(x)
+    rot, plain = encode_full(x, float_bits=True), encode_full(x)
     assert peek_header(rot.data).transform == 2 and peek_header(plain.data).transform == 0
     assert len(rot.data) < len(plain.data)
-    assert len(plain.data) < len(v1.data)  # smaller header, same planes
 
 
 @PROPS
 @given(width=st.sampled_from(WIDTHS), size=st.sampled_from(SIZES[1:]),
        kind_a=st.sampled_from(EDITS[1:]), kind_b=st.sampled_from(EDITS[1:] + ("undo", "undo-part")),
-       seed=st.integers(0, 2**32 - 1), enc_a=st.sampled_from(sorted(DELTA_ENCODERS)),
-       enc_b=st.sampled_from(sorted(DELTA_ENCODERS)))
-def test_compose_equals_sequential_apply(width, size, kind_a, kind_b, seed, enc_a, enc_b):
+       seed=st.integers(0, 2**32 - 1))
+def test_compose_equals_sequential_apply(width, size, kind_a, kind_b, seed):
     rng = np.random.default_rng(seed)
     x0 = random_values(rng, width, size)
     x1 = edit(rng, x0, kind_a)
@@ -183,15 +167,10 @@ def test_compose_equals_sequential_apply(width, size, kind_a, kind_b, seed, enc_
         x2[back] = x0[back]
     else:
         x2 = edit(rng, x1, kind_b)
-    a, b = DELTA_ENCODERS[enc_a][0](x0, x1), DELTA_ENCODERS[enc_b][0](x1, x2)
+    a, b = encode_delta(x0, x1), encode_delta(x1, x2)
     if a is None or b is None:
         return  # nothing to compose
-    kw = {}
-    if enc_a != enc_b:  # xor and add deltas compose only through the values
-        with pytest.raises(ValueError, match="base="):
-            compose_deltas(a.data, b.data, codec_a=a.codec, codec_b=b.codec, dtype=x0.dtype, count=size)
-        kw = {"base": x0}
-    c = compose_deltas(a.data, b.data, codec_a=a.codec, codec_b=b.codec, dtype=x0.dtype, count=size, **kw)
+    c = compose_deltas(a.data, b.data, codec_a=a.codec, codec_b=b.codec, dtype=x0.dtype, count=size)
     if np.array_equal(x0, x2):
         assert c is None
         return
@@ -213,8 +192,6 @@ def test_realistic_bf16_step_is_sparse_and_small(lr):
     seg = check_delta(before, after)
     assert seg is not None and seg.codec == CODEC_ADD_SPARSE
     assert len(seg.data) < 3 * seg.n_changed
-    v1 = check_delta(before, after, "v1")
-    assert len(seg.data) < len(v1.data)  # zigzag differences beat XOR on float steps
 
 
 def test_codec_choice_follows_density():
@@ -223,10 +200,8 @@ def test_codec_choice_follows_density():
     one = old.copy()
     one[1234] ^= 1
     assert check_delta(old, one).codec == CODEC_ADD_SPARSE
-    assert check_delta(old, one, "v1").codec == CODEC_XOR_SPARSE
     # every element changed: the gap planes are pure overhead, so dense must win
     assert check_delta(old, old + np.uint16(1)).codec == CODEC_ADD_DENSE
-    assert check_delta(old, old ^ np.uint16(1), "v1").codec == CODEC_XOR_DENSE
 
 
 def test_full_uses_byte_planes_on_bf16():
@@ -253,8 +228,8 @@ def test_constant_planes_are_stored_as_one_byte():
 def test_a_plane_is_stored_as_the_smallest_of_const_zstd_raw(size, shape, seed):
     """Every plane, small (looked at as bytes) or not (numpy reductions), gets the section the
     rule names: CONST when all bytes are equal, else ZSTD when at least MIN_ZSTD_INPUT bytes
-    compress smaller, else RAW (session 22, task BK: the small-plane path chooses the same;
-    session 26: so does the path for planes held as bytes, the native delta encoder's)."""
+    compress smaller, else RAW; the small-plane path and the path for planes held as bytes (the
+    native delta encoder's) choose the same."""
     from deltastore.codec import planes
     from deltastore.codec.container import KIND_CONST, KIND_RAW, KIND_ZSTD
 
@@ -293,13 +268,12 @@ def test_non_native_byte_order_is_accepted():
     f = encode_full(x)
     assert f.data == encode_full(x.astype("<u2")).data  # the format is little-endian, always
     assert np.array_equal(decode_full(f.data, codec=f.codec, dtype=">u2", count=1000), x)
-    for enc in ("v1", "v2"):
-        seg = check_delta(x.astype("<u2"), y.astype("<u2"), enc)
-        t = x.copy()
-        apply_delta(t, seg.data, codec=seg.codec)
-        assert np.array_equal(t, y)
-        apply_delta(t, seg.data, codec=seg.codec, inverse=True)
-        assert np.array_equal(t, x)
+    seg = check_delta(x.astype("<u2"), y.astype("<u2"))
+    t = x.copy()
+    apply_delta(t, seg.data, codec=seg.codec)
+    assert np.array_equal(t, y)
+    apply_delta(t, seg.data, codec=seg.codec, inverse=True)
+    assert np.array_equal(t, x)
 
 
 def test_input_validation():
@@ -323,8 +297,7 @@ def test_input_validation():
 
 
 def test_known_codecs():
-    assert KNOWN_CODECS == {CODEC_FULL, CODEC_XOR_SPARSE, CODEC_XOR_DENSE,
-                            CODEC_FULL2, CODEC_ADD_SPARSE, CODEC_ADD_DENSE}
+    assert KNOWN_CODECS == {CODEC_FULL2, CODEC_ADD_SPARSE, CODEC_ADD_DENSE}
 
 
 def test_escapes_round_trip():
@@ -369,19 +342,19 @@ def test_segment_bytes_may_be_any_buffer():
 
 @PROPS
 @given(width=st.sampled_from(WIDTHS), size=st.sampled_from(SIZES), kind=st.sampled_from(EDITS),
-       seed=st.integers(0, 2**32 - 1), enc=st.sampled_from(sorted(DELTA_ENCODERS)))
-def test_decode_delta_returns_typed_changes(width, size, kind, seed, enc):
+       seed=st.integers(0, 2**32 - 1))
+def test_decode_delta_returns_typed_changes(width, size, kind, seed):
     """decode_delta gives the change set itself: SparseDelta(positions of the changed elements,
-    their XOR or difference) or DenseDelta(every element's XOR or difference)."""
+    their difference) or DenseDelta(every element's difference)."""
     rng = np.random.default_rng(seed)
     old = random_values(rng, width, size)
     new = edit(rng, old, kind)
-    seg = DELTA_ENCODERS[enc][0](old, new)
+    seg = encode_delta(old, new)
     if seg is None:
         return
     d = codec.decode_delta(seg.data, codec=seg.codec, dtype=old.dtype, count=size)
-    values = (old ^ new) if seg.codec in codec.XOR_CODECS else (new - old)
-    if seg.codec in (CODEC_XOR_SPARSE, CODEC_ADD_SPARSE):
+    values = new - old
+    if seg.codec == CODEC_ADD_SPARSE:
         assert isinstance(d, codec.SparseDelta)
         assert d.positions.dtype == np.int64
         assert np.array_equal(d.positions, np.flatnonzero(old != new))

@@ -1,10 +1,6 @@
 """deltastore.codec against bad bytes: every failure is typed, bounded in memory, and leaves the
-target of apply_delta untouched.
-
-The first part checks the v1 codecs (``DSG1`` segments: full/1, xor-sparse/1, xor-dense/1, which
-stores written by v1 still hold), written here through the private v1 encoders; the second part
-the v2 codecs (``DSG2`` segments: full/2, add-sparse/1, add-dense/1). The generic properties
-(truncation, trailing bytes, header flips, target untouched) run over segments of every codec id."""
+target of apply_delta untouched. The generic properties (truncation, trailing bytes, header
+flips, target untouched) run over segments of every codec id and a few widths."""
 
 from __future__ import annotations
 
@@ -14,30 +10,22 @@ import numpy as np
 import pytest
 import zstandard
 
-from deltastore import codec as _codec
-from deltastore.codec import (
+from deltastore.codec.container import (
     CODEC_ADD_DENSE,
     CODEC_ADD_SPARSE,
-    CODEC_FULL,
     CODEC_FULL2,
-    CODEC_XOR_DENSE,
-    CODEC_XOR_SPARSE,
     FULL_CODECS,
-    apply_delta,
-    compose_deltas,
-    decode_full,
     peek_header,
 )
-from deltastore.codec import encode_delta as encode_delta_v2
-from deltastore.codec import encode_full as encode_full_v2
-
-# the v1 tests below write v1 segments
-encode_delta = _codec._encode_delta_xor
-encode_full = _codec._encode_full_v1
+from deltastore.codec.apply import apply_delta
+from deltastore.codec.compose import compose_deltas
+from deltastore.codec.full import decode_full, encode_full
+from deltastore.codec.delta import encode_delta
 from deltastore.errors import CorruptObjectError, FormatError, IntegrityError, UnknownCodecError
 
-HEADER = struct.Struct("<4sBBBBQQB3s")  # the layout documented in docs/codec-format.md
-ENTRY = struct.Struct("<B3sII")
+HEADER = struct.Struct("<4sBBBBIIIIB")  # the layout documented in docs/codec-format.md
+ENTRY = struct.Struct("<BI")
+NAMES = ("magic", "cid", "cver", "width", "param", "count", "n_changed", "n_gap_esc", "n_esc", "n_sections")
 TYPED = (CorruptObjectError, UnknownCodecError)
 
 
@@ -53,46 +41,20 @@ def segments():
     for width in (1, 2, 8):
         old = _old(300, width)
         dt = old.dtype
-        out.append((f"full-w{width}", encode_full(old).data, CODEC_FULL, dt, 300, None))
-        new = old.copy()
-        new[[0, 5, 77, 299]] ^= dt.type(3)
-        seg = encode_delta(old, new)
-        assert seg.codec == CODEC_XOR_SPARSE
-        out.append((f"sparse-w{width}", seg.data, seg.codec, dt, 300, old))
-        seg = encode_delta(old, old ^ dt.type(1))
-        assert seg.codec == CODEC_XOR_DENSE
-        out.append((f"dense-w{width}", seg.data, seg.codec, dt, 300, old))
-    # a plane big enough to be zstd-compressed
-    old = np.zeros(5000, np.uint16)
-    new = old.copy()
-    new[::7] = 1
-    seg = encode_delta(old, new)
-    assert "zstd" in {s.kind for s in peek_header(seg.data).sections}
-    out.append(("sparse-zstd", seg.data, seg.codec, old.dtype, 5000, old))
-    x = np.arange(5000, dtype=np.uint16)
-    out.append(("full-zstd", encode_full(x).data, CODEC_FULL, x.dtype, 5000, None))
-    return out + segments_v2()
-
-
-def segments_v2():
-    out = []
-    for width in (1, 2, 8):
-        old = _old(300, width)
-        dt = old.dtype
         for fb in (False, True):
-            seg = encode_full_v2(old, float_bits=fb)
+            seg = encode_full(old, float_bits=fb)
             assert seg.codec == CODEC_FULL2
             out.append((f"full2-w{width}-float{int(fb)}", seg.data, CODEC_FULL2, dt, 300, None))
         new = old.copy()
         new[[0, 5, 77, 299]] += dt.type(3)
         new[6:7] += dt.type(128)  # an escaped value (zigzag 255 or 256)
-        seg = encode_delta_v2(old, new)
+        seg = encode_delta(old, new)
         assert seg.codec == CODEC_ADD_SPARSE and peek_header(seg.data).n_escaped == 1
         assert peek_header(seg.data).n_gap_escaped == 0
         out.append((f"add-sparse-w{width}", seg.data, seg.codec, dt, 300, old))
         new = old + dt.type(1)
         new[7:8] += dt.type(127)  # 128 in all: escaped (array arithmetic wraps silently)
-        seg = encode_delta_v2(old, new)
+        seg = encode_delta(old, new)
         assert seg.codec == CODEC_ADD_DENSE and peek_header(seg.data).n_escaped == 1
         out.append((f"add-dense-w{width}", seg.data, seg.codec, dt, 300, old))
     old = np.zeros(5000, np.uint16)  # zstd-compressed planes, escaped gaps
@@ -100,15 +62,15 @@ def segments_v2():
     new[::7] = 1
     new[3500:3900] = 0  # one gap >= 255
     new[[4000, 4999]] = 0x8000
-    seg = encode_delta_v2(old, new)
+    seg = encode_delta(old, new)
     h = peek_header(seg.data)
     assert "zstd" in {s.kind for s in h.sections} and h.n_gap_escaped == 1 and h.n_escaped == 2
     out.append(("add-sparse-zstd", seg.data, seg.codec, old.dtype, 5000, old))
     x = np.arange(5000, dtype=np.uint16)
-    out.append(("full2-zstd", encode_full_v2(x, float_bits=True).data, CODEC_FULL2, x.dtype, 5000, None))
+    out.append(("full2-zstd", encode_full(x, float_bits=True).data, CODEC_FULL2, x.dtype, 5000, None))
     for n in (5001, 5002):  # paired exponents (transform 2), odd and even counts, with escapes
         x = _bf16_weights(n)
-        seg = encode_full_v2(x, float_bits=True)
+        seg = encode_full(x, float_bits=True)
         h = peek_header(seg.data)
         assert h.transform == 2 and h.n_escaped > 0
         out.append((f"full2-pairs-{n}", seg.data, CODEC_FULL2, x.dtype, n, None))
@@ -144,17 +106,16 @@ def decode(data, codec, dtype, count, base, inverse=False):
 
 
 def patch_header(data: bytes, **fields) -> bytes:
-    names = ("magic", "cid", "cver", "width", "gap_width", "count", "n_changed", "n_sections", "reserved")
-    vals = dict(zip(names, HEADER.unpack_from(data)))
+    vals = dict(zip(NAMES, HEADER.unpack_from(data)))
     vals.update(fields)
-    return HEADER.pack(*(vals[n] for n in names)) + data[HEADER.size:]
+    return HEADER.pack(*(vals[n] for n in NAMES)) + data[HEADER.size:]
 
 
 def patch_entry(data: bytes, i: int, **fields) -> bytes:
     off = HEADER.size + i * ENTRY.size
-    vals = dict(zip(("kind", "pad", "stored", "raw"), ENTRY.unpack_from(data, off)))
+    vals = dict(zip(("kind", "stored"), ENTRY.unpack_from(data, off)))
     vals.update(fields)
-    return data[:off] + ENTRY.pack(vals["kind"], vals["pad"], vals["stored"], vals["raw"]) + data[off + ENTRY.size:]
+    return data[:off] + ENTRY.pack(vals["kind"], vals["stored"]) + data[off + ENTRY.size:]
 
 
 def test_error_types_fit_the_tree():
@@ -214,90 +175,6 @@ def test_every_header_byte_flip_is_caught_or_harmless(name, data, codec, dtype, 
     assert caught >= header_size * 5 * 0.9
 
 
-@pytest.mark.parametrize(
-    "fields,error,match",
-    [
-        ({"magic": b"DSG3"}, UnknownCodecError, "magic"),
-        ({"magic": b"PK\x03\x04"}, UnknownCodecError, "magic"),
-        ({"cid": 9}, UnknownCodecError, "unknown codec id 9"),
-        ({"cver": 2}, UnknownCodecError, "version 2"),
-        ({"width": 3}, CorruptObjectError, "width"),
-        ({"width": 4}, CorruptObjectError, "width|sections"),
-        ({"count": 299}, CorruptObjectError, "count 299|299 elements"),
-        ({"count": 2**40}, CorruptObjectError, "elements"),
-        ({"n_changed": 301}, CorruptObjectError, "n_changed"),
-        ({"n_sections": 7}, CorruptObjectError, "sections"),
-        ({"reserved": b"\x00\x01\x00"}, CorruptObjectError, "reserved"),
-        ({"gap_width": 1}, CorruptObjectError, "gap width"),
-    ],
-)
-def test_flipped_header_fields_full(fields, error, match):
-    x = _old(300, 2)
-    data = patch_header(encode_full(x).data, **fields)
-    with pytest.raises(error, match=match):
-        decode_full(data, codec=CODEC_FULL, dtype=np.uint16, count=300)
-
-
-@pytest.mark.parametrize(
-    "fields,match",
-    [
-        ({"n_changed": 3}, "raw bytes"),  # sections still declare 4 values
-        ({"n_changed": 5}, "raw bytes"),
-        ({"gap_width": 4}, "sections"),
-        ({"gap_width": 0}, "gap width"),
-        ({"cid": 3}, "gap width"),  # now claims to be xor-dense
-        ({"count": 301}, "elements"),
-    ],
-)
-def test_flipped_header_fields_sparse_leave_target_alone(fields, match):
-    old = _old(300, 2)
-    new = old.copy()
-    new[[0, 5, 77, 299]] ^= np.uint16(3)
-    seg = encode_delta(old, new)
-    target = old.copy()
-    with pytest.raises(CorruptObjectError, match=match):
-        apply_delta(target, patch_header(seg.data, **fields), codec=seg.codec)
-    assert np.array_equal(target, old)
-
-
-def test_dense_n_changed_is_checked_against_the_payload():
-    old = _old(300, 2)
-    seg = encode_delta(old, old ^ np.uint16(1))
-    target = old.copy()
-    with pytest.raises(CorruptObjectError, match="holds 300"):
-        apply_delta(target, patch_header(seg.data, n_changed=299), codec=seg.codec)
-    assert np.array_equal(target, old)
-
-
-@pytest.mark.parametrize(
-    "entry,match",
-    [
-        ({"kind": 7}, "unknown kind"),
-        ({"pad": b"\x01\x00\x00"}, "reserved"),
-        ({"stored": 10}, "stores|truncated|trailing"),
-        ({"raw": 301}, "raw"),
-        ({"raw": 2**32 - 1}, "raw"),
-    ],
-)
-def test_flipped_section_entries(entry, match):
-    x = _old(300, 2)
-    data = patch_entry(encode_full(x).data, 1, **entry)
-    with pytest.raises(CorruptObjectError, match=match):
-        decode_full(data, codec=CODEC_FULL, dtype=np.uint16, count=300)
-
-
-def test_huge_declared_size_is_rejected_before_allocation():
-    """The table may not declare more than the caller expects, whatever the caller's count."""
-    x = np.zeros(1000, np.uint8)
-    x[::3] = 1
-    data = encode_full(x).data
-    bomb = patch_entry(patch_header(data, count=2**32 - 1, n_changed=2**32 - 1), 0, raw=2**32 - 1)
-    with pytest.raises(CorruptObjectError, match="elements"):
-        decode_full(bomb, codec=CODEC_FULL, dtype=np.uint8, count=1000)
-    with pytest.raises(CorruptObjectError, match="raw bytes"):
-        decode_full(patch_entry(data, 0, raw=2**32 - 1), codec=CODEC_FULL, dtype=np.uint8, count=1000)
-
-
 def _zstd_frame_claiming(content_size: int) -> bytes:
     """A zstd frame header claiming content_size bytes (8-byte FCS, single segment), then one
     RLE block. Decompressing it naively would allocate content_size bytes up front."""
@@ -307,17 +184,21 @@ def _zstd_frame_claiming(content_size: int) -> bytes:
 
 
 def _full_segment_with_plane(plane_stored: bytes, count: int) -> bytes:
-    head = HEADER.pack(b"DSG1", 1, 1, 1, 0, count, count, 1, b"\x00\x00\x00")
-    return head + ENTRY.pack(1, b"\x00\x00\x00", len(plane_stored), count) + plane_stored
+    """A full/2 segment of ``count`` bytes (width 1) whose one section is ``plane_stored`` (zstd)."""
+    return HEADER.pack(b"DSG2", 1, 2, 1, 0, count, count, 0, 0, 1) + ENTRY.pack(1, len(plane_stored)) + plane_stored
 
 
 def test_zstd_frame_lying_about_its_size_is_rejected_without_allocating():
     assert zstandard.frame_content_size(_zstd_frame_claiming(1 << 45)) == 1 << 45
     data = _full_segment_with_plane(_zstd_frame_claiming(1 << 45), 1000)  # 32 TiB
     with pytest.raises(CorruptObjectError, match="claims"):
-        decode_full(data, codec=CODEC_FULL, dtype=np.uint8, count=1000)
+        decode_full(data, codec=CODEC_FULL2, dtype=np.uint8, count=1000)
     ok = _full_segment_with_plane(_zstd_frame_claiming(1000), 1000)  # the crafted frame is valid
-    assert np.array_equal(decode_full(ok, codec=CODEC_FULL, dtype=np.uint8, count=1000), np.zeros(1000, np.uint8))
+    assert np.array_equal(decode_full(ok, codec=CODEC_FULL2, dtype=np.uint8, count=1000), np.zeros(1000, np.uint8))
+    # a huge count is refused by the caller's expectation before any section is read
+    bomb = HEADER.pack(b"DSG2", 1, 2, 1, 0, 2**32 - 1, 2**32 - 1, 0, 0, 1) + data[HEADER.size:]
+    with pytest.raises(CorruptObjectError, match="elements"):
+        decode_full(bomb, codec=CODEC_FULL2, dtype=np.uint8, count=1000)
 
 
 def test_zstd_frame_without_size_that_expands_too_far_is_rejected():
@@ -327,7 +208,7 @@ def test_zstd_frame_without_size_that_expands_too_far_is_rejected():
     assert zstandard.frame_content_size(frame) == -1
     data = _full_segment_with_plane(frame, 1000)
     with pytest.raises(CorruptObjectError, match="zstd"):
-        decode_full(data, codec=CODEC_FULL, dtype=np.uint8, count=1000)
+        decode_full(data, codec=CODEC_FULL2, dtype=np.uint8, count=1000)
 
 
 def test_garbage_zstd_payload_is_corrupt_not_zstderror():
@@ -337,11 +218,11 @@ def test_garbage_zstd_payload_is_corrupt_not_zstderror():
     assert h.sections[0].kind == "zstd"
     data[h.header_size : h.header_size + 4] = b"\x00\x01\x02\x03"  # destroy frame magic
     with pytest.raises(CorruptObjectError, match="zstd"):
-        decode_full(bytes(data), codec=CODEC_FULL, dtype=np.uint16, count=5000)
+        decode_full(bytes(data), codec=CODEC_FULL2, dtype=np.uint16, count=5000)
     data = bytearray(encode_full(x).data)
     data[h.header_size + 20] ^= 0xFF  # inside the compressed stream
     try:
-        out = decode_full(bytes(data), codec=CODEC_FULL, dtype=np.uint16, count=5000)
+        out = decode_full(bytes(data), codec=CODEC_FULL2, dtype=np.uint16, count=5000)
     except CorruptObjectError:
         pass
     else:  # no checksum inside segments (the manifest's digest catches this); but typed or sized
@@ -361,55 +242,78 @@ def test_position_beyond_count_leaves_target_unchanged():
     assert not target.any()
 
 
-def test_zero_xor_value_is_corrupt():
-    old = np.zeros(100, np.uint8)
-    new = old.copy()
-    new[[5, 6, 7, 8]] = [1, 2, 3, 4]
-    seg = encode_delta(old, new)
-    h = peek_header(seg.data)
-    assert [s.kind for s in h.sections] == ["raw", "raw"]  # gaps 5,0,0,0; values 1,2,3,4
-    data = bytearray(seg.data)
-    data[-2] = 0  # third XOR value
-    target = old.copy()
-    with pytest.raises(CorruptObjectError, match="zero XOR"):
-        apply_delta(target, bytes(data), codec=seg.codec)
-    assert not target.any()
-
-
 def test_wrong_codec_argument():
     old = _old(300, 2)
     new = old.copy()
-    new[3] ^= np.uint16(1)
+    new[3] += np.uint16(1)
     sparse = encode_delta(old, new)
     full = encode_full(old)
     t = old.copy()
     with pytest.raises(CorruptObjectError, match="manifest says"):
-        apply_delta(t, sparse.data, codec=CODEC_XOR_DENSE)
+        apply_delta(t, sparse.data, codec=CODEC_ADD_DENSE)
     with pytest.raises(UnknownCodecError):
-        apply_delta(t, sparse.data, codec="xor-sparse/2")
+        apply_delta(t, sparse.data, codec="add-sparse/2")
     with pytest.raises(UnknownCodecError):
         apply_delta(t, sparse.data, codec="lz4")
     with pytest.raises(ValueError, match="decode_full"):
-        apply_delta(t, full.data, codec=CODEC_FULL)
+        apply_delta(t, full.data, codec=CODEC_FULL2)
     with pytest.raises(CorruptObjectError, match="manifest says"):
-        apply_delta(t, full.data, codec=CODEC_XOR_SPARSE)
+        apply_delta(t, full.data, codec=CODEC_ADD_SPARSE)
     assert np.array_equal(t, old)
     with pytest.raises(ValueError):
-        decode_full(sparse.data, codec=CODEC_XOR_SPARSE, dtype=np.uint16, count=300)
+        decode_full(sparse.data, codec=CODEC_ADD_SPARSE, dtype=np.uint16, count=300)
     with pytest.raises(CorruptObjectError, match="manifest says"):
-        decode_full(sparse.data, codec=CODEC_FULL, dtype=np.uint16, count=300)
+        decode_full(sparse.data, codec=CODEC_FULL2, dtype=np.uint16, count=300)
     with pytest.raises(CorruptObjectError, match="width"):
-        decode_full(full.data, codec=CODEC_FULL, dtype=np.uint32, count=300)
+        decode_full(full.data, codec=CODEC_FULL2, dtype=np.uint32, count=300)
     with pytest.raises(CorruptObjectError, match="elements"):
-        decode_full(full.data, codec=CODEC_FULL, dtype=np.uint16, count=301)
+        decode_full(full.data, codec=CODEC_FULL2, dtype=np.uint16, count=301)
     with pytest.raises(CorruptObjectError, match="width"):
         apply_delta(old.astype(np.uint32), sparse.data, codec=sparse.codec)
+
+
+@pytest.mark.parametrize("recorded", ["full/1", "xor-sparse/1", "xor-dense/1"])
+def test_codecs_of_an_earlier_format_are_refused(recorded):
+    """A manifest recording a codec of an earlier format (full/1, xor-*/1) gets UnknownCodecError
+    naming that codec; the target is untouched."""
+    old = _old(300, 2)
+    new = old.copy()
+    new[3] += np.uint16(1)
+    seg = encode_delta(old, new)
+    t = old.copy()
+    with pytest.raises(UnknownCodecError, match=recorded):
+        apply_delta(t, seg.data, codec=recorded)
+    with pytest.raises(UnknownCodecError, match=recorded):
+        decode_full(encode_full(old).data, codec=recorded, dtype=np.uint16, count=300)
+    assert np.array_equal(t, old)
+
+
+def _dsg1_full_segment(values: np.ndarray) -> bytes:
+    """A ``DSG1`` segment as earlier formats wrote it: full/1 of one-byte ``values``, one RAW
+    section (28-byte header, 12-byte table entries)."""
+    head = struct.pack("<4sBBBBQQB3s", b"DSG1", 1, 1, 1, 0, values.size, values.size, 1, bytes(3))
+    return head + struct.pack("<B3sII", 0, bytes(3), values.size, values.size) + values.tobytes()
+
+
+def test_a_dsg1_segment_is_refused():
+    """The container of an earlier format is not read: UnknownCodecError naming its magic,
+    whatever codec the caller expects, before anything is written."""
+    x = np.arange(100, dtype=np.uint8)
+    data = _dsg1_full_segment(x)
+    with pytest.raises(UnknownCodecError, match="DSG1"):
+        peek_header(data)
+    with pytest.raises(UnknownCodecError, match="DSG1"):
+        decode_full(data, codec=CODEC_FULL2, dtype=np.uint8, count=100)
+    t = x.copy()
+    with pytest.raises(UnknownCodecError, match="DSG1"):
+        apply_delta(t, data, codec=CODEC_ADD_DENSE)
+    assert np.array_equal(t, x)
 
 
 def test_compose_validates_both_inputs():
     old = _old(300, 2)
     new = old.copy()
-    new[3] ^= np.uint16(1)
+    new[3] += np.uint16(1)
     seg = encode_delta(old, new)
     with pytest.raises(CorruptObjectError):
         compose_deltas(seg.data, seg.data[:-1], codec_a=seg.codec, codec_b=seg.codec, dtype=np.uint16, count=300)
@@ -417,45 +321,27 @@ def test_compose_validates_both_inputs():
         compose_deltas(seg.data, seg.data, codec_a=seg.codec, codec_b=seg.codec, dtype=np.uint16, count=299)
     with pytest.raises(UnknownCodecError):
         compose_deltas(seg.data, seg.data, codec_a=seg.codec, codec_b="nope/1", dtype=np.uint16, count=300)
-    # a then a cancels
-    assert compose_deltas(seg.data, seg.data, codec_a=seg.codec, codec_b=seg.codec, dtype=np.uint16, count=300) is None
+    # a then its inverse cancels
+    neg = encode_delta(new, old)
+    assert compose_deltas(seg.data, neg.data, codec_a=seg.codec, codec_b=neg.codec, dtype=np.uint16, count=300) is None
 
 
-# --- v2 (DSG2) segments ---------------------------------------------------------------------
-
-HEADER2 = struct.Struct("<4sBBBBIIIIB")  # the layout documented in docs/codec-format.md
-ENTRY2 = struct.Struct("<BI")
-NAMES2 = ("magic", "cid", "cver", "width", "param", "count", "n_changed", "n_gap_esc", "n_esc", "n_sections")
-
-
-def patch_header2(data: bytes, **fields) -> bytes:
-    vals = dict(zip(NAMES2, HEADER2.unpack_from(data)))
-    vals.update(fields)
-    return HEADER2.pack(*(vals[n] for n in NAMES2)) + data[HEADER2.size:]
-
-
-def patch_entry2(data: bytes, i: int, **fields) -> bytes:
-    off = HEADER2.size + i * ENTRY2.size
-    vals = dict(zip(("kind", "stored"), ENTRY2.unpack_from(data, off)))
-    vals.update(fields)
-    return data[:off] + ENTRY2.pack(vals["kind"], vals["stored"]) + data[off + ENTRY2.size:]
-
-
-def _v2_sparse():
+def _sparse():
     old = _old(300, 2)
     new = old.copy()
     new[[0, 5, 77, 299]] += np.uint16(3)
     new[6] += np.uint16(200)
-    return old, encode_delta_v2(old, new)
+    return old, encode_delta(old, new)
 
 
 @pytest.mark.parametrize(
     "fields,error,match",
     [
         ({"magic": b"DSG3"}, UnknownCodecError, "magic"),
-        ({"cid": 9}, UnknownCodecError, "unknown codec id 9"),
-        ({"cver": 1}, UnknownCodecError, "version 1"),  # full/1 exists only in DSG1 segments
-        ({"cid": 2}, UnknownCodecError, "xor-sparse"),  # so does xor-sparse/1
+        ({"cid": 9}, UnknownCodecError, "codec id 9"),
+        ({"magic": b"DSG1"}, UnknownCodecError, "magic"),  # the container of an earlier format
+        ({"cver": 1}, UnknownCodecError, "version 1"),  # full/1: a codec of an earlier format
+        ({"cid": 2}, UnknownCodecError, "codec id 2"),  # xor-sparse/1: likewise
         ({"width": 3}, CorruptObjectError, "width"),
         ({"width": 4}, CorruptObjectError, "width|sections"),
         ({"param": 3}, CorruptObjectError, "transform"),
@@ -467,8 +353,8 @@ def _v2_sparse():
         ({"n_sections": 3}, CorruptObjectError, "sections"),
     ],
 )
-def test_flipped_header_fields_full2(fields, error, match):
-    data = patch_header2(encode_full_v2(_old(300, 2), float_bits=True).data, **fields)
+def test_flipped_header_fields_full(fields, error, match):
+    data = patch_header(encode_full(_old(300, 2), float_bits=True).data, **fields)
     with pytest.raises(error, match=match):
         decode_full(data, codec=CODEC_FULL2, dtype=np.uint16, count=300)
 
@@ -490,21 +376,21 @@ def test_flipped_header_fields_full2(fields, error, match):
     ],
 )
 def test_flipped_header_fields_add_sparse_leave_target_alone(fields, match):
-    old, seg = _v2_sparse()
+    old, seg = _sparse()
     for inverse in (False, True):
         target = old.copy()
         with pytest.raises(CorruptObjectError, match=match):
-            apply_delta(target, patch_header2(seg.data, **fields), codec=seg.codec, inverse=inverse)
+            apply_delta(target, patch_header(seg.data, **fields), codec=seg.codec, inverse=inverse)
         assert np.array_equal(target, old)
 
 
 def test_add_dense_n_changed_is_checked_against_the_payload():
     old = _old(300, 2)
-    seg = encode_delta_v2(old, old + np.uint16(1))
+    seg = encode_delta(old, old + np.uint16(1))
     assert seg.codec == CODEC_ADD_DENSE
     target = old.copy()
     with pytest.raises(CorruptObjectError, match="holds 300"):
-        apply_delta(target, patch_header2(seg.data, n_changed=299), codec=seg.codec)
+        apply_delta(target, patch_header(seg.data, n_changed=299), codec=seg.codec)
     assert np.array_equal(target, old)
 
 
@@ -519,8 +405,8 @@ def _raw_add_sparse(gap_syms, val_codes, esc_vals=(), gap_esc=(), count=100, pad
     if esc_vals:
         v = np.array(esc_vals, dtype="<u2").view(np.uint8).reshape(-1, 2)
         secs += [v[:, 0].tobytes(), v[:, 1].tobytes()]
-    head = HEADER2.pack(b"DSG2", 4, 1, 2, 1, count, n, len(gap_esc), len(esc_vals), len(secs))
-    return head + b"".join(ENTRY2.pack(0, len(s)) for s in secs) + b"".join(secs)
+    head = HEADER.pack(b"DSG2", 4, 1, 2, 1, count, n, len(gap_esc), len(esc_vals), len(secs))
+    return head + b"".join(ENTRY.pack(0, len(s)) for s in secs) + b"".join(secs)
 
 
 def test_hand_built_add_sparse_decodes():
@@ -555,57 +441,20 @@ def test_bad_add_sparse_payload_leaves_target_alone(seg, match):
         assert np.array_equal(target, np.arange(100, dtype=np.uint16))
 
 
-def test_v2_zstd_bomb_is_rejected_without_allocating():
-    frame = _zstd_frame_claiming(1 << 45)
-    head = HEADER2.pack(b"DSG2", 1, 2, 1, 0, 1000, 1000, 0, 0, 1)
-    with pytest.raises(CorruptObjectError, match="claims"):
-        decode_full(head + ENTRY2.pack(1, len(frame)) + frame, codec=CODEC_FULL2, dtype=np.uint8, count=1000)
-    ok = _zstd_frame_claiming(1000)
-    out = decode_full(head + ENTRY2.pack(1, len(ok)) + ok, codec=CODEC_FULL2, dtype=np.uint8, count=1000)
-    assert not out.any()
-    # a huge count is refused by the caller's expectation before any section is read
-    bomb = HEADER2.pack(b"DSG2", 1, 2, 1, 0, 2**32 - 1, 2**32 - 1, 0, 0, 1) + ENTRY2.pack(1, len(frame)) + frame
-    with pytest.raises(CorruptObjectError, match="elements"):
-        decode_full(bomb, codec=CODEC_FULL2, dtype=np.uint8, count=1000)
-
-
 @pytest.mark.parametrize("entry,match", [({"kind": 7}, "unknown kind"), ({"stored": 10}, "stores|truncated|trailing"),
                                          ({"kind": 2}, "const")])
-def test_flipped_section_entries_v2(entry, match):
-    data = patch_entry2(encode_full_v2(_old(300, 2)).data, 1, **entry)
+def test_flipped_section_entries(entry, match):
+    data = patch_entry(encode_full(_old(300, 2)).data, 1, **entry)
     with pytest.raises(CorruptObjectError, match=match):
         decode_full(data, codec=CODEC_FULL2, dtype=np.uint16, count=300)
 
 
-def test_compose_across_families_needs_base():
-    old = _old(300, 2)
-    mid = old.copy()
-    mid[3] += np.uint16(1)
-    new = mid.copy()
-    new[9] ^= np.uint16(4)
-    a, b = encode_delta_v2(old, mid), encode_delta(mid, new)  # add-sparse, then xor-sparse
-    kw = dict(codec_a=a.codec, codec_b=b.codec, dtype=np.uint16, count=300)
-    with pytest.raises(ValueError, match="base="):
-        compose_deltas(a.data, b.data, **kw)
-    with pytest.raises(ValueError, match="base"):
-        compose_deltas(a.data, b.data, base=old[:299].copy(), **kw)
-    with pytest.raises(CorruptObjectError):
-        compose_deltas(a.data, b.data[:-1], base=old, **kw)
-    c = compose_deltas(a.data, b.data, base=old, **kw)
-    t = old.copy()
-    apply_delta(t, c.data, codec=c.codec)
-    assert np.array_equal(t, new)
-    # add deltas compose without the values; a then its inverse cancels
-    neg = encode_delta_v2(mid, old)
-    assert compose_deltas(a.data, neg.data, codec_a=a.codec, codec_b=neg.codec, dtype=np.uint16, count=300) is None
-
-
 def test_paired_exponent_fields_are_checked():
     x = _bf16_weights(5001)
-    seg = encode_full_v2(x, float_bits=True)
+    seg = encode_full(x, float_bits=True)
     h = peek_header(seg.data)
     for fields, match in [({"n_gap_esc": 242}, "window"), ({"n_gap_esc": 0}, "escapes an exponent"),
                           ({"n_esc": h.n_escaped + 1}, "stores|truncated|trailing|escaped"),
                           ({"param": 1}, "escapes")]:
         with pytest.raises(CorruptObjectError, match=match):
-            decode_full(patch_header2(seg.data, **fields), codec=CODEC_FULL2, dtype=np.uint16, count=5001)
+            decode_full(patch_header(seg.data, **fields), codec=CODEC_FULL2, dtype=np.uint16, count=5001)

@@ -2,7 +2,7 @@
 
 ``decode_full_into`` builds a full segment in the caller's array: the native kernel a step at a
 time from each section's next piece (large zstd sections streamed), the numpy path whole up to
-``full.WHOLE_MAX_BYTES`` and in pieces beyond. A delta segment above ``delta.WHOLE_MAX_BYTES``
+``full.WHOLE_MAX_BYTES`` and in pieces beyond. A delta segment above ``apply.WHOLE_MAX_BYTES``
 is read through once to check it, then again to apply it, a piece at a time. Every way must
 give the same bits, digests and change records as the whole decoders, refuse the same segments
 with the same words, and never write a delta's target before the whole segment passed.
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from deltastore import codec
 from deltastore._util import kernels
-from deltastore.codec import delta, full, planes
+from deltastore.codec import apply, delta, full, planes
 from deltastore.codec.container import CODEC_FULL2, KIND_RAW, KIND_ZSTD, TRANSFORM_PAIRS, pack, peek_header
 from deltastore.errors import CorruptObjectError
 
@@ -75,13 +75,12 @@ def decode_in(mode: str, data: bytes, cid: str, dtype, n: int) -> tuple[str, obj
 @native
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [1, 2, 3, 29, 4096, 5001])
-@pytest.mark.parametrize("form", ["full/2", "full/2-float", "full/1", "const"])
+@pytest.mark.parametrize("form", ["full/2", "full/2-float", "const"])
 def test_every_way_decodes_the_same_bits(width: int, n: int, form: str) -> None:
     x = weights(n, width, seed=n * width)
     if form == "const":
         x = np.full(n, 7, UINT[width])
-    seg = (codec._encode_full_v1(x) if form == "full/1"
-           else codec.encode_full(x, float_bits=form != "full/2"))
+    seg = codec.encode_full(x, float_bits=form != "full/2")
     want = xxhash.xxh3_128_hexdigest(x.tobytes())
     for mode in FULL_MODES:
         assert decode_in(mode, seg.data, seg.codec, x.dtype, n) == (want, x.tobytes()), mode
@@ -213,8 +212,8 @@ def delta_mode(mode: str, m: pytest.MonkeyPatch) -> None:
     if mode.startswith("numpy"):
         m.setattr(kernels, "apply_segment", None)
     if mode.endswith("pieces"):
-        m.setattr(delta, "WHOLE_MAX_BYTES", -1)
-        m.setattr(delta, "PIECE_ELEMENTS", 6)
+        m.setattr(apply, "WHOLE_MAX_BYTES", -1)
+        m.setattr(apply, "PIECE_ELEMENTS", 6)
         m.setattr(planes, "STREAM_MIN_BYTES", 0)
 
 
@@ -256,12 +255,11 @@ def changed(old: np.ndarray, frac: float, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [1, 7, 1001])
 @pytest.mark.parametrize("frac", [0.01, 0.3, 1.0])
-@pytest.mark.parametrize("family", ["add", "xor"])
-def test_deltas_in_pieces_give_what_whole_ones_give(width: int, n: int, frac: float, family: str) -> None:
+def test_deltas_in_pieces_give_what_whole_ones_give(width: int, n: int, frac: float) -> None:
     rng = np.random.default_rng(n * width)
     old = rng.integers(0, 1 << min(8 * width, 63), n, dtype=np.uint64).astype(UINT[width])
     new = changed(old, frac, seed=n)
-    seg = codec.encode_delta(old, new) if family == "add" else codec._encode_delta_xor(old, new)
+    seg = codec.encode_delta(old, new)
     want = outcomes(seg, old, "numpy")
     assert want[0][1] == new.tobytes()
     for mode in DELTA_MODES:
@@ -313,12 +311,12 @@ def test_a_delta_refused_in_its_last_piece_writes_nothing(tweak, match: str) -> 
     assert len({g[0][1] for g in got.values()}) == 1, got
 
 
-def test_the_numpy_estimate_covers_this_releases_steady_deltas() -> None:
+def test_the_numpy_estimate_covers_steady_deltas_of_default_chunks() -> None:
     """A training step's delta of a 16 MiB chunk (2 % changed, 1 % of values escaped) is applied
-    whole on both paths: the pieces are for chunks far beyond what this release writes."""
+    whole on both paths: the pieces are for chunks far beyond the default chunk size."""
     count = (16 << 20) // 2
     n = count // 50
     h = peek_header(pack("add-sparse/1", width=2, count=count, n_changed=n, param=1, n_escaped=n // 100,
                          sections=[(2, b"\x01", n), (2, b"\x11", (n + 1) // 2), (2, b"\x10", n // 100), (2, b"\x00", n // 100)]))
-    assert delta._working_bytes(h, native=False) <= delta.WHOLE_MAX_BYTES
-    assert delta._working_bytes(h, native=True) <= delta.WHOLE_MAX_BYTES
+    assert apply._working_bytes(h, native=False) <= apply.WHOLE_MAX_BYTES
+    assert apply._working_bytes(h, native=True) <= apply.WHOLE_MAX_BYTES

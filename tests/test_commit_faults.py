@@ -26,7 +26,8 @@ from deltastore import (
 from deltastore.write.policy import WriterPolicy
 from deltastore.write import commit as commit_mod
 from deltastore.errors import CommitUnknownError
-from deltastore.format.manifest import HEAD_KEY, parse_head
+from deltastore.format.keys import HEAD_KEY
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import GetResult, IfMatch
 from tests._helpers import (
@@ -122,7 +123,7 @@ def _manifest_epochs(store) -> list[tuple[int, int, str]]:
     out = []
     key = h.manifest
     while key is not None:
-        doc = read_manifest_doc(store, key)  # any schema
+        doc = read_manifest_doc(store, key)
         out.append((doc["version"], doc["epoch"], doc["writer"]))
         key = doc["parent_manifest"]
     return out[::-1]

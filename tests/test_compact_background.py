@@ -22,7 +22,7 @@ from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.lifecycle.compact import BackgroundCompactor, CompactPolicy, CompactReport
 from deltastore.format.history import History
 from deltastore.lifecycle.ledger import HeartbeatWriter
-from deltastore.format.manifest import SquashRef
+from deltastore.format.models import SquashRef
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, assert_bits_equal, keys, snapshot

@@ -20,7 +20,7 @@ from deltastore.lifecycle.compact import compact
 from deltastore.errors import CommitAbandonedError, ConflictError
 from deltastore.format.history import History
 from deltastore.lifecycle.index import pin
-from deltastore.format.manifest import DEFAULT_MAX_ATTEMPT_S
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S
 from deltastore.storage import open_store
 from tests._helpers import SMALL_CHUNK_BYTES, TinyTrainer, WrappedStore
 

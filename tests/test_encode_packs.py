@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from deltastore import Publisher, StorageError, Subscriber
 from deltastore.write.policy import AnchorPolicy, WriterPolicy
 from deltastore.write import encode
-from deltastore.codec import Segment
+from deltastore.codec.container import Segment
 from deltastore.storage import open_store
 from tests._helpers import WrappedStore, assert_bits_equal, small_state, sparse_edit
 from tests._manifest_docs import read_manifest_doc
@@ -246,7 +246,7 @@ def _encode_steady(tmp_path, name: str, threads: int):
     threads; returns what encode_version returned and every pack's bytes."""
     import torch
 
-    from deltastore.format.manifest import new_attempt_id
+    from deltastore.format.keys import new_attempt_id
     from deltastore.layout.tensors import spec_for
 
     g = torch.Generator().manual_seed(7)

@@ -31,7 +31,7 @@ from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.lifecycle.gc import collect
 from deltastore.format.history import History
 from deltastore.lifecycle.index import pinned, read_index
-from deltastore.format.manifest import BaseRef, Manifest
+from deltastore.format.models import BaseRef, Manifest
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal, mp_context
 
@@ -415,23 +415,23 @@ def test_base_field_only_in_schema_4() -> None:
 
 
 def test_based_manifest_rules_checked_on_read() -> None:
-    from deltastore.format.manifest import _check_manifest
+    from deltastore.format.checks import check_manifest
 
     ref = BaseRef(version=2, manifest="manifests/000000000002-" + "a" * 64 + ".json.zst", sha256="a" * 64,
                   lineage="b" * 32)
-    from deltastore.format.manifest import ObjectRef
+    from deltastore.format.models import ObjectRef
 
     common = dict(schema_=4, version=3, parent=2, parent_manifest="manifests/000000000002-" + "e" * 64 + ".json.zst",
                   kind="delta", created="x", writer="w", epoch=1, commit_id="c" * 32, lineage="d" * 32,
                   layout=ObjectRef(key="objects/x/" + "f" * 64 + ".layout.json.zst", sha256="f" * 64))
-    _check_manifest(Manifest(anchor=3, chain_start=3, base=ref, **common), "k")
+    check_manifest(Manifest(anchor=3, chain_start=3, base=ref, **common), "k")
     with pytest.raises(CorruptObjectError, match="own chain"):
-        _check_manifest(Manifest(anchor=3, chain_start=2, base=ref, **common), "k")
+        check_manifest(Manifest(anchor=3, chain_start=2, base=ref, **common), "k")
     with pytest.raises(CorruptObjectError, match="delta_base null"):
-        _check_manifest(Manifest(anchor=2, chain_start=3, base=ref, **common), "k")
+        check_manifest(Manifest(anchor=2, chain_start=3, base=ref, **common), "k")
     bad_ref = ref.model_copy(update={"sha256": "9" * 64})
     with pytest.raises(CorruptObjectError, match="base.manifest"):
-        _check_manifest(Manifest(anchor=3, chain_start=3, base=bad_ref, **common), "k")
+        check_manifest(Manifest(anchor=3, chain_start=3, base=bad_ref, **common), "k")
 
 
 def test_weighted_average_keeps_untouched_bits() -> None:

@@ -1,4 +1,4 @@
-"""Golden federated stores (tests/golden/make_golden_federated.py, written once at issue 11):
+"""Golden federated stores (tests/golden/make_golden.py federated, written once):
 based versions written by this release are read bit for bit by every later one."""
 
 from __future__ import annotations

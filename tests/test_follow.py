@@ -31,7 +31,7 @@ from deltastore import (
 )
 from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.read.cache import HELD_FILE, WorkerCache
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.layout.tensors import bits
 from tests._helpers import (
@@ -682,7 +682,7 @@ def test_a_corrupt_segment_while_following_is_logged_and_retried_and_the_target_
             published[pub.publish(states[2]).version] = snapshot(states[2])
         store = open_store(t.url)
         head = json.loads(store.get(HEAD_KEY))
-        m = read_manifest_doc(store, head["manifest"])  # any schema
+        m = read_manifest_doc(store, head["manifest"])
         pack = next(iter(m["blobs"].values()))["key"] if isinstance(m["blobs"], dict) else m["blobs"][0]["key"]
         good = store.get(pack)
         store.put(pack, bytes([good[0] ^ 1]) + good[1:])  # every segment at offset 0 of the pack is bad

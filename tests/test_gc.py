@@ -30,7 +30,8 @@ from deltastore.lifecycle.gc import CLOCK_MARGIN_S, collect
 from deltastore.format.history import History
 from deltastore.lifecycle.index import pin, pinned, read_index
 from deltastore.lifecycle.ledger import encode_heartbeat
-from deltastore.format.manifest import DEFAULT_MAX_ATTEMPT_S, HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S
 from deltastore.storage import open_store
 from deltastore.storage.base import ObjectMeta, Store
 from tests._helpers import (
@@ -42,7 +43,7 @@ from tests._helpers import (
 )
 
 DAY = 86400.0
-#: A grace the deadline check accepts for schema-1/2-style manifests (6 h + 10 min).
+#: A grace the deadline check accepts for manifests of the default attempt deadline (6 h + 10 min).
 SAFE_GRACE = DEFAULT_MAX_ATTEMPT_S + CLOCK_MARGIN_S
 
 
@@ -108,7 +109,7 @@ def _chain_needs(h: History, key: str, m) -> set[str]:
 
 def pin_needs_of(store: Store, version: int) -> tuple[set[str], set[str]]:
     """SPEC §11 ``needs_materialize(version)``: the manifests anchor(v) … v with their layouts,
-    the anchor's full packs (role ``f``, or unmarked before schema 3) and every pack of the
+    the anchor's full packs (role ``f``) and every pack of the
     deltas after it. Also returns the anchor's delta packs (role ``d``): materializing v does
     not need them, so a pin alone does not keep them (design 005 D3)."""
     h = History(store)
@@ -155,9 +156,11 @@ def aged(tmp_path) -> AgedStore:
 
 def test_keeps_what_kept_versions_need_and_deletes_old_unreachable(aged):
     states = publish(aged, 10)  # anchors 1, 4, 7, 10
-    orphan = "blobs/ab/" + "ab" * 32
+    orphan = f"objects/{'ef' * 16}/{'ab' * 32}.pack"
     aged.inner.put(orphan, b"left by a crashed publish", mode="create")
     aged.inner.put("manifests/000000000011-" + "cd" * 32 + ".json", b"{}", mode="create")
+    stray = "blobs/ab/" + "ab" * 32  # the pack prefix of an earlier format: not GC's to delete
+    aged.inner.put(stray, b"not ours", mode="create")
     aged.inner.put("workers/w1.json", b"not even a heartbeat", mode="overwrite")
     aged.inner.put("elsewhere/file", b"not ours", mode="create")
     aged.age_everything(2 * DAY)
@@ -173,11 +176,11 @@ def test_keeps_what_kept_versions_need_and_deletes_old_unreachable(aged):
     assert orphan not in after and "manifests/000000000011-" + "cd" * 32 + ".json" not in after
     for v in range(1, 7):
         assert not any(k.startswith(f"manifests/{v:012d}-") for k in after)
-    assert {"HEAD", "workers/w1.json", "elsewhere/file"} <= after
+    assert {"HEAD", "workers/w1.json", "elsewhere/file", stray} <= after
     gone = before - after
     assert gone == set(all_deleted(report))
     assert report.deleted_objects == len(gone) and report.deleted_bytes > 0
-    assert all(k.startswith(("manifests/", "objects/", "blobs/", "gc/")) for k in gone)
+    assert all(k.startswith(("manifests/", "objects/", "gc/")) for k in gone)
     # The floor is committed in the index HEAD names; the run's records are in gc/.
     _head, idx = _index(aged)
     assert idx.floor == 7
@@ -424,20 +427,18 @@ def test_old_indexes_and_run_records_are_collected(aged):
     assert _index(aged)[0].index.key in keys(aged)
 
 
-def test_schema2_store_is_refused(aged):
-    states = publish(aged, 4)
+def test_a_store_of_an_earlier_format_is_refused(aged):
+    """A schema-2 HEAD is refused (UnsupportedSchemaError naming it); nothing is deleted."""
+    publish(aged, 4)
     doc = json.loads(aged.get(HEAD_KEY))
     doc["schema"] = 2
     doc.pop("index")
     aged.inner.put(HEAD_KEY, json.dumps(doc).encode(), mode="overwrite")
     aged.age_everything(2 * DAY)
     before = keys(aged)
-    with pytest.raises(UnsupportedSchemaError, match="--upgrade"):
+    with pytest.raises(UnsupportedSchemaError, match="HEAD.*earlier format"):
         collect(aged, keep_last=1, grace_s=DAY)
     assert before <= keys(aged)
-    with pytest.raises(UnsupportedSchemaError, match="schema-3 HEAD"):  # the history index is never written on it
-        collect(aged, keep_last=1, grace_s=DAY, upgrade=True)
-    assert before <= keys(aged) and json.loads(aged.get(HEAD_KEY))["schema"] == 2
 
 
 class NoClock(WrappedStore):
@@ -462,7 +463,7 @@ def test_fsspec_store_gives_no_clock_and_is_refused(tmp_path):
     from deltastore.storage._fsspec import FsspecStore
 
     store = FsspecStore(fsspec.filesystem("memory"), f"/gc-{tmp_path.name}")
-    store.put("blobs/00/" + "0" * 64, b"x", mode="create")
+    store.put(f"objects/{'0' * 32}/{'0' * 64}.pack", b"x", mode="create")
     before = keys(store)
     with pytest.raises(GCRefusedError, match="last-modified"):
         collect(store, keep_last=1, grace_s=DAY)
@@ -472,10 +473,10 @@ def test_fsspec_store_gives_no_clock_and_is_refused(tmp_path):
 def test_orphan_reuse_cannot_resurrect_a_collected_object(tmp_path):
     """Design 005 D3 #1: a publish crashes after uploading its packs; much later the retry
     produces identical bytes; GC runs between the retry's uploads and its HEAD write and
-    deletes the crashed attempt's (old, unreferenced) packs. With content-addressed ``blobs/``
-    keys (schemas 1/2) the retry met the old orphan (AlreadyExists = success) and HEAD then
-    named a deleted pack. With attempt-scoped keys (D1) the retry's packs are new, young
-    objects under its own attempt, and every committed version is complete."""
+    deletes the crashed attempt's (old, unreferenced) packs. Were packs named by their content
+    alone, the retry would meet the old orphan (AlreadyExists = success) and HEAD then name a
+    deleted pack. With attempt-scoped keys (D1) the retry's packs are new, young objects under
+    its own attempt, and every committed version is complete."""
     inner = open_store(str(tmp_path / "store"))
     store = AgedStore(inner)
     trainer = TinyTrainer()
@@ -503,7 +504,7 @@ def test_orphan_reuse_cannot_resurrect_a_collected_object(tmp_path):
         with pytest.raises(StorageError):
             pub.publish(nxt)
         orphans = keys(inner) - {k for v in states for k in needs_of(inner, v)} - {"HEAD"}
-        orphans = {k for k in orphans if k.startswith(("objects/", "blobs/")) and not k.endswith(".index.json.zst")}
+        orphans = {k for k in orphans if k.startswith("objects/") and not k.endswith(".index.json.zst")}
         assert orphans and all(k.endswith(".pack") for k in orphans)  # the crashed attempt's packs
         crashing.age_everything(2 * DAY)  # ... days pass
         crashing.crash = False
@@ -616,7 +617,8 @@ def test_a_layout_written_by_an_older_attempt_is_kept(aged):
 
 def test_grace_minimum_follows_the_deadline_the_kept_manifests_record(aged):
     """M is the largest max_attempt_s among manifests ≥ floor (none recorded: 6 h)."""
-    from deltastore.format.manifest import encode_manifest, manifest_key, sha256_hex
+    from deltastore.format.keys import manifest_key, sha256_hex
+    from deltastore.format.manifest import encode_manifest
 
     publish(aged, 10)  # anchors 1, 4, 7, 10
     head = json.loads(aged.get(HEAD_KEY))

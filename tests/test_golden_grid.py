@@ -1,5 +1,5 @@
 """Format stability of column grids (design 011 D7): the golden store written by the first grid
-writer (tests/golden/make_golden_grid.py) is read bit for bit by this release and every later
+writer (tests/golden/make_golden.py grid) is read bit for bit by this release and every later
 one: whole, by column slices, and by ``pull_into`` from every earlier version, with every chunk
 digest checked against slicing of the expected tensors. The golden files are never rewritten:
 the store is copied first."""

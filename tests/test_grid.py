@@ -26,18 +26,17 @@ from deltastore.layout.grid import (
     scatter,
     to_unit_order,
 )
-from deltastore.format.manifest import (
+from deltastore.format.keys import manifest_key, object_key
+from deltastore.format.models import (
     BlobRef,
     ChunkEntry,
     Layout,
     Manifest,
     SegmentRef,
     TensorEntry,
-    blob_key,
     chunk_count,
     chunk_elements,
     layout_of,
-    manifest_key,
 )
 from deltastore.read.plan import check_entries, layout
 from deltastore.layout.tensors import TensorSpec, bits
@@ -178,7 +177,7 @@ def _grid_manifest(chunk_rows: int = 2, chunk_cols: int = 1) -> tuple[str, Manif
     chunks = tuple(ChunkEntry(index=i, digest=f"d{i}", full=seg) for i in range(spec.n_chunks))
     h = "1" * 64
     m = Manifest(version=1, parent=None, parent_manifest=None, delta_base=None, kind="anchor", anchor=1, created="t", writer="w", epoch=0, commit_id="c",
-                 lineage="0" * 32, blobs=(BlobRef(key=blob_key(h), size=1, sha256=h),),
+                 lineage="0" * 32, blobs=(BlobRef(key=object_key("0" * 32, h, ".pack"), size=1, sha256=h, role="f"),),
                  tensors=(TensorEntry(name="w", dtype="float32", shape=(4, 2), chunk_rows=chunk_rows, chunks=chunks),))
     lay = Layout(name=("w",), dtype=("float32",), shape=((4, 2),), chunk_rows=(chunk_rows,),
                  chunk_cols=(chunk_cols,), pieces=(None,), piece_parts=(None,))

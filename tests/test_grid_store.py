@@ -32,7 +32,9 @@ from deltastore import (
 )
 from deltastore.write.policy import AnchorPolicy, AsyncPolicy, LayoutPolicy, WriterPolicy
 from deltastore._util import kernels
-from deltastore.format.manifest import Layout, decode_object, encode_object, object_key, sha256_hex
+from deltastore.format.keys import object_key, sha256_hex
+from deltastore.format.models import Layout
+from deltastore.format.objects import decode_object, encode_object
 from deltastore.layout.select import Selection
 from deltastore.storage import open_store
 from deltastore.layout.tensors import TensorSpec
@@ -420,7 +422,7 @@ def test_hostile_grid_layouts_are_corrupt(store, cols, match) -> None:
 
 
 def test_a_grid_on_a_group_row_or_an_empty_dimension_is_corrupt() -> None:
-    from deltastore.format.manifest import GroupRecord
+    from deltastore.format.models import GroupRecord
 
     base = dict(name=("g", "e"), dtype=("float32", "float32"), shape=((6,), (3, 0)), chunk_rows=(6, 1),
                 pieces=(None, None), piece_parts=(None, None))
@@ -436,7 +438,7 @@ def test_a_grid_on_a_group_row_or_an_empty_dimension_is_corrupt() -> None:
 
 
 def test_a_grid_changes_the_layouts_digest() -> None:
-    from deltastore.format.manifest import layout_of
+    from deltastore.format.models import layout_of
 
     a = encode_object(layout_of({"w": SPECS["w"]}))
     b = encode_object(layout_of({"w": TensorSpec("w", "bfloat16", (70, 100), 16, (), 25)}))
@@ -596,7 +598,7 @@ def test_publish_async_snapshots_publish_grids_bit_exact(tmp_path: Path) -> None
 def test_a_chunk_index_past_the_grid_is_corrupt_and_says_the_grid(store) -> None:
     """A manifest listing chunk nr·nc of a grid tensor (one past its last block) is refused
     before any planning; the message gives the grid's chunk count and block shape."""
-    from deltastore.format.manifest import _check_manifest
+    from deltastore.format.checks import check_manifest
 
     url, _ = store
     with Subscriber(url) as sub:
@@ -609,4 +611,4 @@ def test_a_chunk_index_past_the_grid_is_corrupt_and_says_the_grid(store) -> None
     bad = m.model_copy(update={"tensors": tuple(bad_w if t.name == "w" else t for t in m.tensors)})
     bad._grid = m._grid  # the layout's grid, as with_layout attaches it
     with pytest.raises(CorruptObjectError, match=r"w\[25\] is out of range: .* has 25 chunk\(s\) of 16 rows × 24 columns"):
-        _check_manifest(bad, key)
+        check_manifest(bad, key)

@@ -44,15 +44,9 @@ from deltastore.layout.groups import (
     member_starts,
 )
 from deltastore.format.history import History
-from deltastore.format.manifest import (
-    GroupMember,
-    Layout,
-    decode_object,
-    encode_object,
-    layout_of,
-    object_key,
-    sha256_hex,
-)
+from deltastore.format.models import GroupMember, Layout, layout_of
+from deltastore.format.objects import decode_object, encode_object
+from deltastore.format.keys import object_key, sha256_hex
 from deltastore.write.policy import GROUP_AUTO_MIN_TENSORS
 from deltastore.read.stage import make_patch, split_patch
 from deltastore.storage import open_store
@@ -416,13 +410,12 @@ def test_pull_allocates_a_group_in_one_buffer_and_pull_into_also_works_on_separa
 def test_closed_subscribers_leave_no_layout_behind(tmp_path: Any) -> None:
     """The layout caches (checked layouts, layout tables, member offsets, group indexes) keep
     an entry only while its layout lives: subscribers opened, pulled from and closed one after
-    another leave none of their group members behind, however many (design 006, session 28:
-    each one left a layout's 20,000 objects for the collector to walk)."""
+    another leave none of their group members behind, however many (each would leave a
+    layout's thousands of objects for the collector to walk)."""
     import gc
 
-    from deltastore.layout import groups
-    from deltastore.format import manifest
-    from deltastore.layout import tensors
+    from deltastore.format import checks
+    from deltastore.layout import groups, tensors
 
     url = str(tmp_path / "s")
     gen = torch.Generator().manual_seed(3)
@@ -439,7 +432,7 @@ def test_closed_subscribers_leave_no_layout_behind(tmp_path: Any) -> None:
                    for o in gc.get_objects())
 
     def caches() -> tuple[int, ...]:
-        return (len(manifest._CHECKED_LAYOUTS), len(tensors._tables), len(groups._starts_cache), len(groups._group_index))
+        return (len(checks._CHECKED_LAYOUTS), len(tensors._tables), len(groups._starts_cache), len(groups._group_index))
 
     base, base_caches = live_members(), caches()
     for _ in range(5):

@@ -1,5 +1,5 @@
-"""Hostile HEADs and manifests, fuzzed (issue 6, D8/D11/D12): whatever a damaged or malicious
-store holds, readers raise only deltastore's typed errors, apply nothing halfway, and allocate
+"""Hostile HEADs and manifests, fuzzed (defects D8, D11, D12 of docs/reliability.md): whatever a
+damaged or malicious store holds, readers raise only deltastore's typed errors, apply nothing halfway, and allocate
 nothing beyond the caps.
 
 Mutations of real documents: type swaps, huge/negative/5,000-digit integers, deep nesting, long
@@ -31,7 +31,9 @@ from deltastore import (
     VersionNotFoundError,
 )
 from deltastore.write.policy import LayoutPolicy, WriterPolicy
-from deltastore.format.manifest import HEAD_KEY, manifest_key, parse_head, parse_manifest, sha256_hex
+from deltastore.format.keys import HEAD_KEY, manifest_key, sha256_hex
+from deltastore.format.parse import parse_head
+from deltastore.format.manifest import parse_manifest
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal, small_state, snapshot, sparse_edit
 
@@ -67,7 +69,7 @@ def pristine() -> dict[str, Any]:
 
 
 def _load(key: str, raw: bytes) -> Any:
-    """The JSON document stored under ``key`` (schema 3: the decompressed columnar document)."""
+    """The JSON document stored under ``key`` (a manifest: the decompressed columnar document)."""
     if key.endswith(".json.zst"):
         import zstandard
 
@@ -76,14 +78,11 @@ def _load(key: str, raw: bytes) -> Any:
 
 
 def _store_as(key: str, doc: Any, depth: int, version: int) -> tuple[bytes, str]:
-    """``doc`` stored the way ``key``'s schema stores it, and its content-addressed key."""
-    raw = _encode(doc, depth)
-    if key.endswith(".json.zst"):
-        import zstandard
+    """Manifest ``doc`` stored as a manifest is (one zstd frame), and its content-addressed key."""
+    import zstandard
 
-        raw = zstandard.ZstdCompressor(level=3).compress(raw)
-        return raw, manifest_key(version, sha256_hex(raw), schema=3)
-    return raw, manifest_key(version, sha256_hex(raw), schema=2)
+    raw = zstandard.ZstdCompressor(level=3).compress(_encode(doc, depth))
+    return raw, manifest_key(version, sha256_hex(raw))
 
 
 def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
@@ -206,11 +205,9 @@ def test_parsers_raise_only_typed_errors(pristine, data, depth: int) -> None:
 
 
 def _layout_of_objects(objects: dict[str, bytes]):
-    """parse_manifest's ``layout`` for a schema-3 manifest of ``objects`` (None before)."""
-    from deltastore.format.manifest import Layout, decode_object
-
-    if not any(k.endswith(".layout.json.zst") for k in objects):
-        return None
+    """parse_manifest's ``layout`` for a manifest of ``objects``."""
+    from deltastore.format.models import Layout
+    from deltastore.format.objects import decode_object
 
     def layout(ref):
         if ref.key not in objects:  # as a store answers a key it does not hold (not a bare KeyError)
@@ -289,7 +286,7 @@ def test_a_manifest_naming_its_layout_by_an_invalid_key_is_corrupt(pristine, bad
     objects, chain = pristine["objects"], pristine["chain"]
     key = chain[-1]  # HEAD's manifest
     doc = _load(key, objects[key])
-    assert isinstance(doc.get("layout"), dict), "the pristine store is schema 3"
+    assert isinstance(doc.get("layout"), dict)
     doc["layout"]["key"] = bad_key
     raw, mkey = _store_as(key, doc, 3, doc["version"])
     url = f"memory://hostile-{next(_ids)}"

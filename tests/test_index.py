@@ -29,7 +29,9 @@ from deltastore.lifecycle.index import (
     unpin,
     update_index,
 )
-from deltastore.format.manifest import HEAD_KEY, Index, SquashRef, new_lineage, parse_head
+from deltastore.format.keys import HEAD_KEY, new_lineage
+from deltastore.format.models import Index, SquashRef
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import IfMatch
 from tests._helpers import SMALL_CHUNK_BYTES, HeadPutHook, TinyTrainer, read_head
@@ -227,13 +229,13 @@ def _downgrade_head(store):
     store.put(HEAD_KEY, json.dumps(doc).encode(), mode="overwrite")
 
 
-def test_schema2_head_is_refused(tmp_path):
+def test_a_head_of_an_earlier_format_is_refused(tmp_path):
     store = _store_with_versions(tmp_path)
     _downgrade_head(store)
     before = store.get(HEAD_KEY)
-    with pytest.raises(UnsupportedSchemaError, match="schema-3 HEAD"):
+    with pytest.raises(UnsupportedSchemaError, match="earlier format"):
         update_index(store, History(store), _set(floor=4), writer="g")
-    with pytest.raises(UnsupportedSchemaError):
+    with pytest.raises(UnsupportedSchemaError, match="earlier format"):
         pin(store, 3)
     assert store.get(HEAD_KEY) == before
 

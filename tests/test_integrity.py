@@ -27,7 +27,8 @@ from deltastore import (
 )
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.cli import main
-from deltastore.format.manifest import HEAD_KEY, SCHEMA_VERSION, manifest_key, sha256_hex
+from deltastore.format.keys import HEAD_KEY, manifest_key, sha256_hex
+from deltastore.format.models import SCHEMA_VERSION
 from deltastore.storage import open_store
 from deltastore.layout.tensors import bits
 from tests._helpers import (
@@ -146,7 +147,8 @@ def test_head_manifest_digest_mismatch(url: str) -> None:
         (b"", CorruptObjectError),
         (b"{not json", CorruptObjectError),
         (b"[1, 2]", CorruptObjectError),
-        (b'{"format": "deltastore.head", "schema": 1}', CorruptObjectError),
+        (b'{"format": "deltastore.head", "schema": 3}', CorruptObjectError),
+        (b'{"format": "deltastore.head", "schema": 1}', UnsupportedSchemaError),
         (b"\xff\xfe", CorruptObjectError),
     ],
 )
@@ -308,7 +310,7 @@ def test_pull_into_with_a_bad_delta_changes_nothing(url: str, how: str, batch_by
         with open_store(url) as store:
             good = next(k for k in keys(store, "manifests/") if k.startswith("manifests/000000000004-") and k != sub.latest().manifest)
             h = read_head(store)
-            from deltastore.format.manifest import sha256_hex
+            from deltastore.format.keys import sha256_hex
 
             h.update(manifest=good, manifest_sha256=sha256_hex(store.get(good)))
             store.put(HEAD_KEY, json.dumps(h).encode(), mode="overwrite")
@@ -479,7 +481,7 @@ def test_manifest_size_cap_is_checked_before_parsing(url: str) -> None:
 
 
 def test_head_over_the_cap_is_refused_before_reading_it(url: str) -> None:
-    from deltastore.format.manifest import MAX_HEAD_BYTES
+    from deltastore.format.parse import MAX_HEAD_BYTES
     from tests._helpers import WrappedStore
 
     _history(url, n=1)

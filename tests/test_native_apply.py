@@ -2,7 +2,7 @@
 and pull_into's one-pass verification (SPEC §7.5-6).
 
 Kernel and numpy path must accept and refuse the same segments, with the same message, and
-write bit-identical targets (every width, sparse and dense, XOR and add, inverse); the digests
+write bit-identical targets (every width, sparse and dense, inverse); the digests
 the kernel takes in its pass must be the chunk's XXH3-128. The corruption suite itself runs on
 the numpy path in tests/test_codec_corruption_numpy.py.
 """
@@ -21,20 +21,12 @@ from hypothesis import strategies as st
 
 from deltastore import Publisher, Subscriber, TargetModifiedError
 from deltastore.write.policy import LayoutPolicy, WriterPolicy
-from deltastore.codec import (
-    CODEC_ADD_DENSE,
-    CODEC_ADD_SPARSE,
-    CODEC_XOR_DENSE,
-    CODEC_XOR_SPARSE,
-    _encode_delta_xor,
-    apply_delta,
-    apply_delta_digests,
-    apply_delta_into,
-    encode_delta,
-)
+from deltastore.codec.container import CODEC_ADD_DENSE, CODEC_ADD_SPARSE
+from deltastore.codec.apply import apply_delta, apply_delta_digests, apply_delta_into
+from deltastore.codec.delta import encode_delta
 from deltastore._util import kernels
+from deltastore.codec import apply, delta
 from deltastore.codec.container import KIND_CONST, KIND_RAW, pack
-from deltastore.codec.delta import ADD, XOR
 from deltastore.codec.planes import encode_sections
 from deltastore.errors import CorruptObjectError, DeltastoreError, IntegrityError
 
@@ -77,22 +69,22 @@ def both(base: np.ndarray, data: bytes, codec: str, inverse: bool = False):
     return native
 
 
-def dense_segment(op, old: np.ndarray, new: np.ndarray) -> tuple[str, bytes] | None:
-    """``op``'s dense form ``(codec, data)``, whatever the encoder would choose."""
-    dense = op.diff(old, new)
+def dense_segment(old: np.ndarray, new: np.ndarray) -> tuple[str, bytes] | None:
+    """The dense form ``(codec, data)``, whatever the encoder would choose."""
+    dense = new - old
     n = int(np.count_nonzero(dense))
     if n == 0:
         return None
-    v = op.code_values(dense)
-    return op.dense, pack(op.dense, width=old.itemsize, count=old.size, n_changed=n, n_escaped=v.n_escaped,
-                          sections=encode_sections(v.planes, None))
+    v = delta.code_values(dense)
+    return CODEC_ADD_DENSE, pack(CODEC_ADD_DENSE, width=old.itemsize, count=old.size, n_changed=n,
+                                 n_escaped=v.n_escaped, sections=encode_sections(v.planes, None))
 
 
 def all_forms(old: np.ndarray, new: np.ndarray) -> list[tuple[str, bytes]]:
-    """Every delta codec's segment from old to new (sparse as the encoders write them; dense
-    forced): empty when old == new."""
-    out = [(s.codec, s.data) for s in (encode_delta(old, new), _encode_delta_xor(old, new)) if s is not None]
-    return out + [d for d in (dense_segment(ADD, old, new), dense_segment(XOR, old, new)) if d is not None]
+    """The segment the encoder writes from old to new and the dense form (forced): empty when
+    old == new."""
+    out = [(s.codec, s.data) for s in (encode_delta(old, new),) if s is not None]
+    return out + [d for d in (dense_segment(old, new),) if d is not None]
 
 
 @st.composite
@@ -125,7 +117,7 @@ def chunk_pairs(draw):
 def test_kernel_and_numpy_write_identical_targets(pair):
     old, new = pair
     forms = all_forms(old, new)
-    assert len(forms) == (0 if np.array_equal(old, new) else 4)
+    assert len(forms) == (0 if np.array_equal(old, new) else 2)
     for codec, data in forms:
         after, digests = both(old, data, codec)
         assert after == new.tobytes(), codec
@@ -161,7 +153,7 @@ def test_apply_into_agrees_and_names_the_changed_positions(pair):
             assert into_outcome(old, data, codec) == native
         out, b, a, pos = native
         assert out == new.tobytes() and (b, a) == (digest(old), digest(new))
-        if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE):
+        if codec == CODEC_ADD_SPARSE:
             where = np.flatnonzero(old != new)
             assert pos == (where.tolist(), old[where].tolist(), new[where].tolist())
         else:
@@ -251,9 +243,9 @@ def escapes_at_edges(draw):
 @given(escapes_at_edges())
 def test_escapes_at_batch_group_and_step_edges_write_what_numpy_writes(pair):
     old, new = pair
-    # the encoders' choices (CONST sections where a plane is uniform), and both sparse forms
-    # in RAW sections whatever the encoders would choose
-    forms = all_forms(old, new) + [(c, _raw_segment(c, old, new)) for c in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE)]
+    # the encoder's choice (CONST sections where a plane is uniform), and the sparse form in RAW
+    # sections whatever the encoder would choose
+    forms = all_forms(old, new) + [(CODEC_ADD_SPARSE, _raw_segment(CODEC_ADD_SPARSE, old, new))]
     for codec, data in forms:
         after, digests = both(old, data, codec)
         assert after == new.tobytes() and digests == (digest(old), digest(new)), codec
@@ -308,8 +300,7 @@ def hostile_segments(draw):
     stored in RAW/CONST sections, then damaged in their payload or declared counts: zero
     values, bad escapes and padding, positions past the end, wrong counts -- and intact ones.
     Sizes stay consistent with the header, so the payload checks are what is tested."""
-    codec = draw(st.sampled_from([CODEC_ADD_SPARSE, CODEC_ADD_DENSE, CODEC_XOR_SPARSE, CODEC_XOR_DENSE]))
-    op = ADD if codec.startswith("add") else XOR
+    codec = draw(st.sampled_from([CODEC_ADD_SPARSE, CODEC_ADD_DENSE]))
     width = draw(st.sampled_from([1, 2, 4, 8]))
     count = draw(st.integers(1, 1200))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -318,18 +309,18 @@ def hostile_segments(draw):
     spread = draw(st.sampled_from([2, 9, 1 << 20]))
     vals = rng.integers(1, spread, n).astype(UINT[width]) * UINT[width](draw(st.sampled_from([1, 255])))
     vals[vals == 0] = 1
-    if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE):
-        p, v = op.code_positions(pos), op.code_values(vals)
+    if codec == CODEC_ADD_SPARSE:
+        p, v = delta.code_positions(pos), delta.code_values(vals)
         planes, param, aux, n_esc = p.planes + v.planes, p.param, p.n_escaped, v.n_escaped
     else:
         dense = np.zeros(count, UINT[width])
         dense[pos] = vals
-        v = op.code_values(dense)
+        v = delta.code_values(dense)
         planes, param, aux, n_esc = v.planes, 0, 0, v.n_escaped
     const = draw(st.booleans())
     secs = [_section(np.ascontiguousarray(pl).tobytes(), const) for pl in planes]
     n_changed = n + draw(st.sampled_from([0, 0, 0, -1, 1]))  # a lie about the count (dense: checked)
-    if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE) or not 0 <= n_changed <= count:
+    if codec == CODEC_ADD_SPARSE or not 0 <= n_changed <= count:
         n_changed = n
     data = bytearray(pack(codec, width=width, count=count, n_changed=n_changed, param=param, aux=aux,
                           n_escaped=n_esc, sections=secs))
@@ -358,7 +349,7 @@ def test_kernel_and_numpy_refuse_the_same_segments(seg, seed):
 @given(chunk_pairs(), st.data())
 def test_flipped_bytes_of_real_segments_agree(pair, data):
     old, new = pair
-    seg = encode_delta(old, new) if data.draw(st.booleans()) else _encode_delta_xor(old, new)
+    seg = encode_delta(old, new)
     if seg is None:
         return
     raw = bytearray(seg.data)
@@ -371,14 +362,13 @@ def test_flipped_bytes_of_real_segments_agree(pair, data):
 
 def _raw_segment(codec: str, old: np.ndarray, new: np.ndarray, damage=None) -> bytes:
     """``codec``'s segment from old to new in RAW sections; ``damage(planes)`` may edit them."""
-    op = ADD if codec.startswith("add") else XOR
-    diff = op.diff(old, new)
-    if codec in (CODEC_ADD_SPARSE, CODEC_XOR_SPARSE):
+    diff = new - old
+    if codec == CODEC_ADD_SPARSE:
         pos = np.flatnonzero(diff)
-        p, v = op.code_positions(pos), op.code_values(diff[pos])
+        p, v = delta.code_positions(pos), delta.code_values(diff[pos])
         planes, param, aux, n = p.planes + v.planes, p.param, p.n_escaped, pos.size
     else:
-        v = op.code_values(diff)
+        v = delta.code_values(diff)
         planes, param, aux, n = v.planes, 0, 0, int(np.count_nonzero(diff))
     planes = [bytearray(np.ascontiguousarray(pl).tobytes()) for pl in planes]
     if damage is not None:
@@ -388,7 +378,7 @@ def _raw_segment(codec: str, old: np.ndarray, new: np.ndarray, damage=None) -> b
 
 
 @needs_native
-@pytest.mark.parametrize("codec", [CODEC_ADD_SPARSE, CODEC_ADD_DENSE, CODEC_XOR_SPARSE, CODEC_XOR_DENSE])
+@pytest.mark.parametrize("codec", [CODEC_ADD_SPARSE, CODEC_ADD_DENSE])
 def test_validation_scans_cross_their_blocks(codec):
     # apply.c counts code nibbles and sums gap bytes in blocks of 2**20 bytes (32-bit counters,
     # so they vectorize): planes longer than several blocks, intact and damaged past the first
@@ -432,11 +422,13 @@ def test_kernel_refuses_bad_targets(bad):
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         apply_delta(ro, seg.data, codec=seg.codec)
-    raw = (CODEC_ADD_SPARSE, 2, 2, 1, (b"\x00",), 1, 0, 0, False, 0)
+    sparse = apply._KERNEL_KIND[CODEC_ADD_SPARSE]
     with pytest.raises(ValueError, match="sections"):  # the kernel checks sizes on its own too
-        kernels.apply_segment(old.copy(), *raw[1:])
+        kernels.apply_segment(old.copy(), sparse, 2, 1, (b"\x00",), 1, 0, 0, False, 0)
     with pytest.raises(ValueError, match="section 1 has 2 bytes"):
-        kernels.apply_segment(old.copy(), 2, 2, 1, (b"\x03", b"\x01\x00"), 1, 0, 0, False, 0)
+        kernels.apply_segment(old.copy(), sparse, 2, 1, (b"\x03", b"\x01\x00"), 1, 0, 0, False, 0)
+    with pytest.raises(ValueError, match="unknown kind"):  # the kinds are add-sparse and add-dense only
+        kernels.apply_segment(old.copy(), max(apply._KERNEL_KIND.values()) + 1, 2, 1, (b"\x03", b"\x01"), 1, 0, 0, False, 0)
 
 
 # --- pull_into with the one-pass verification, kernel on and off -------------------------

@@ -1,4 +1,4 @@
-"""The anchor encoder's judged planes (issue 9, anchor speed): big planes are judged from a
+"""The anchor encoder's judged planes (design 006, "Anchor encode"): big planes are judged from a
 sample (byte_histogram kernel or numpy's bincount) before zstd, and big float chunks write the
 paired exponent form without compressing the plain one too. The kernels and the numpy path
 must write identical bytes, a sample must never make a plane CONST that is not, and each
@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore._util import kernels
-from deltastore.codec import decode_full, encode_full, peek_header
+from deltastore.codec.full import decode_full, encode_full
+from deltastore.codec.container import peek_header
 from deltastore.codec import full as full_mod
 from deltastore.codec import planes as planes_mod
 from deltastore.codec.container import TRANSFORM_PAIRS, TRANSFORM_ROTL1

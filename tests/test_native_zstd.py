@@ -18,9 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltastore._util import kernels
-from deltastore.codec import apply_delta_digests, encode_delta, encode_full
-from deltastore.codec.container import DSG1, peek_header
-from deltastore.codec.delta import _KERNEL_KIND
+from deltastore.codec.apply import apply_delta_digests
+from deltastore.codec.delta import encode_delta
+from deltastore.codec.full import encode_full
+from deltastore.codec.container import ENTRY, HEADER, peek_header
+from deltastore.codec import apply
 from deltastore.codec.planes import ZSTD_PLANE_PARAMS, decode_sections, section_args
 from deltastore.errors import CorruptObjectError
 
@@ -48,7 +50,7 @@ def _both(data: bytes):
 
 
 def _segment(planes: list[bytes]) -> bytes:
-    """A full/1 segment of width len(planes) whose planes are ``planes`` (same length), coded
+    """A full/2 segment of width len(planes) whose planes are ``planes`` (same length), coded
     by the encoder: zstd where it is smaller, else RAW or CONST."""
     n = len(planes[0])
     x = np.frombuffer(b"".join(planes), np.uint8).reshape(len(planes), n).T.copy()
@@ -56,9 +58,8 @@ def _segment(planes: list[bytes]) -> bytes:
 
 
 def _with_frame(frame: bytes, raw_size: int) -> bytes:
-    """A DSG1 full/1 width-1 segment whose one section is ``frame`` (kind zstd), ``raw_size`` long."""
-    head = DSG1.header.pack(b"DSG1", 1, 1, 1, 0, raw_size, raw_size, 1, b"\x00\x00\x00")
-    return head + DSG1.entry.pack(1, b"\x00\x00\x00", len(frame), raw_size) + frame
+    """A full/2 width-1 segment whose one section is ``frame`` (kind zstd), ``raw_size`` long."""
+    return HEADER.pack(b"DSG2", 1, 2, 1, 0, raw_size, raw_size, 0, 0, 1) + ENTRY.pack(1, len(frame)) + frame
 
 
 plane_bytes = st.one_of(
@@ -100,7 +101,7 @@ def test_hostile_frames(raw, edits, cut, extra, size_delta, checksum):
     frame = bytes(frame) + extra
     size = max(0, len(raw) + size_delta)
     for outcome in _both(_with_frame(frame, size)):
-        assert outcome == ("error", "full/1 section 0") or [len(p) for p in outcome[1]] == [size]
+        assert outcome == ("error", "full/2 section 0") or [len(p) for p in outcome[1]] == [size]
 
 
 def test_every_refusal_kind_names_the_section():
@@ -120,7 +121,7 @@ def test_every_refusal_kind_names_the_section():
             decode_sections(data, peek_header(data))
     for data in (_with_frame(skippable, len(raw)), _with_frame(frame + skippable, len(raw))):
         # a skippable frame alone, or after the frame: python-zstandard refuses both
-        assert _both(data)[0] == _both(data)[1] == ("error", "full/1 section 0")
+        assert _both(data)[0] == _both(data)[1] == ("error", "full/2 section 0")
 
 
 def test_a_bomb_is_refused_without_writing_past_the_table_size():
@@ -237,5 +238,5 @@ def test_the_apply_kernel_takes_a_frame_only_as_a_one_tuple():
     secs = section_args(seg.data, h)
     bad = tuple((x[0], x[0]) if type(x) is tuple else x for x in secs)
     with pytest.raises(ValueError, match=r"\(frame,\)"):
-        kernels.apply_segment(old.copy(), _KERNEL_KIND[seg.codec], h.width, h.gap_width, bad,
+        kernels.apply_segment(old.copy(), apply._KERNEL_KIND[seg.codec], h.width, h.gap_width, bad,
                                h.n_changed, h.n_gap_escaped, h.n_escaped, False, 2)

@@ -24,7 +24,7 @@ from deltastore import Publisher, Subscriber
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.read.changes import changed_rows, merge_spans
 from deltastore.errors import TargetModifiedError
-from deltastore.format.manifest import GroupMember
+from deltastore.format.models import GroupMember
 from deltastore.read.plan import ChunkPlan
 from deltastore.layout.select import Selection, SliceTarget, SliceView, resolve, slice_targets
 from deltastore.read.partial import changed_spans

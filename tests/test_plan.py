@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from deltastore import CorruptObjectError
-from deltastore.format.manifest import BlobRef, ChunkEntry, Manifest, SegmentRef, TensorEntry, blob_key, manifest_key
+from deltastore.format.keys import manifest_key, object_key
+from deltastore.format.models import BlobRef, ChunkEntry, Manifest, SegmentRef, TensorEntry
 from deltastore.read.plan import ChunkPlan, check_entries, digests, layout, plan_forward, plan_from_anchor
 
 SHAPE, ROWS = (4, 2), 2  # "w": float32, two chunks of 2 rows (4 elements each)
@@ -36,7 +37,7 @@ def _manifest(version: int, kind: str, chunks: dict[int, tuple[int | None, int |
         version=version, parent=parent, parent_manifest=manifest_key(parent, "0" * 64) if parent else None,
         kind=kind, anchor=anchor or version, delta_base=parent if delta_base == "parent" else delta_base,
         created="t", writer="w", epoch=0, commit_id="c", lineage="0" * 32,
-        blobs=(BlobRef(key=blob_key(h), size=offset, sha256=h),),
+        blobs=(BlobRef(key=object_key("0" * 32, h, ".pack"), size=offset, sha256=h, role="f"),),
         tensors=(TensorEntry(name="w", dtype="float32", shape=shape, chunk_rows=ROWS, chunks=tuple(entries)),),
     )  # fmt: skip
     return manifest_key(version, h), m
@@ -142,7 +143,7 @@ def test_plan_forward_does_not_trust_an_unchanged_claim_that_contradicts_the_dig
 
 
 def test_chain_price_uses_cumulative_bytes_only_within_one_chain() -> None:
-    from deltastore.format.manifest import Stats
+    from deltastore.format.models import Stats
     from deltastore.read.plan import chain_price
 
     ms = [
@@ -179,7 +180,7 @@ def test_plan_changed_from_anchor_skips_chunks_already_at_their_target_digest() 
 
 
 def test_check_squash_refuses_chunks_outside_the_layout_or_their_packs() -> None:
-    from deltastore.format.manifest import SquashManifest
+    from deltastore.format.models import SquashManifest
     from deltastore.read.plan import check_squash
 
     _, a = _manifest(1, "anchor", {0: (100, None), 1: (101, None)}, delta_base=None)

@@ -19,10 +19,11 @@ from deltastore import (
     Publisher,
     StorageError,
     Subscriber,
+    UnsupportedSchemaError,
 )
 from deltastore.write.policy import AnchorPolicy, WriterPolicy
 from deltastore.format.history import History
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
     HeadPutHook,
@@ -522,61 +523,24 @@ def test_pull_into_refuses_a_replaced_history(any_store_target, new_run: str) ->
     sub.close()
 
 
-def test_schema_1_store_stays_readable_and_is_continued_with_a_lineage(local_url: str) -> None:
-    """A store written by schema 1 (no lineage): readers read it, a publisher continues it
-    (its first HEAD write mints a lineage), and a worker holding a schema-1 version fast-
-    forwards across the switch."""
+def test_a_store_of_an_earlier_format_is_refused_by_readers_and_writers(local_url: str) -> None:
+    """A HEAD of schema 1 (no lineage, plain-JSON manifests): a Subscriber and a Publisher
+    refuse it with UnsupportedSchemaError naming HEAD, and nothing is written."""
     import json
 
-    from deltastore.format.manifest import manifest_key, sha256_hex
-
-    states = [small_state(0, rows=64)]
-    for i in range(1, 4):
-        states.append(sparse_edit(states[-1], np.random.default_rng(i)))
     with Publisher(local_url, writer_policy=WriterPolicy(takeover=False, threads=2)) as pub:
-        for s in states[:3]:
-            pub.publish(s)
-    # Rewrite the store as schema 1 wrote it: no lineage, no signature, schema 1, plain JSON.
+        pub.publish(small_state(0, rows=64))
     with open_store(local_url) as store:
-        history = History(store)
         head = json.loads(store.get(HEAD_KEY))
-        chain, key = [], head["manifest"]
-        while key is not None:
-            m = history.manifest(key)
-            chain.append(m.model_dump(mode="json", by_alias=True))
-            key = m.parent_manifest
-        parent_key = None
-        for doc in reversed(chain):
-            doc.update(schema=1, parent_manifest=parent_key)
-            del doc["lineage"], doc["signature"]
-            for field in ("anchor_manifest", "back", "chain_start", "layout", "max_attempt_s", "squashes"):
-                del doc[field]  # schema-3 fields
-            for field in ("delta_bytes", "full_bytes", "cum_delta_bytes"):
-                del doc["stats"][field]
-            for blob in doc["blobs"]:  # schema 1 kept packs under blobs/
-                old_key = blob["key"]
-                blob["key"] = f"blobs/{blob['sha256'][:2]}/{blob['sha256']}"
-                del blob["role"]
-                store.put(blob["key"], store.get(old_key), mode="create")
-            data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-            parent_key = manifest_key(doc["version"], sha256_hex(data), schema=1)
-            store.put(parent_key, data, mode="create")
-        head.update(schema=1, manifest=parent_key, manifest_sha256=sha256_hex(data))
+        head["schema"] = 1
         del head["lineage"], head["index"]
         store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
-    sub = Subscriber(local_url, threads=2)
-    target = sub.pull(3)
-    assert_bits_equal(target, states[2])
-    assert [i.version for i in sub.log()] == [1, 2, 3]
-    with Publisher(local_url, writer_policy=WriterPolicy(threads=2)) as pub:  # claims: HEAD becomes schema 3
-        info = pub.publish(states[3])
-    assert (info.version, info.kind) == (4, "anchor")  # the first schema-3 version (design 005 D10)
+        before = {m.key for m in store.list("")}
+    with pytest.raises(UnsupportedSchemaError, match="HEAD.*earlier format"):
+        with Subscriber(local_url, threads=2) as sub:
+            sub.pull()
+    with pytest.raises(UnsupportedSchemaError, match="HEAD.*earlier format"):
+        with Publisher(local_url, writer_policy=WriterPolicy(threads=2)) as pub:
+            pub.publish(small_state(1, rows=64))
     with open_store(local_url) as store:
-        head = json.loads(store.get(HEAD_KEY))
-        m = History(store).manifest(head["manifest"])
-        assert head["schema"] == m.schema_ == 3 and head["lineage"] == m.lineage
-        assert m.delta_base == 3  # an upgrade anchor carries deltas as usual
-        assert check_invariants(store) == [1, 2, 3, 4]
-    assert sub.pull_into(target).version == 4
-    assert_bits_equal(target, states[3])
-    sub.close()
+        assert {m.key for m in store.list("")} == before

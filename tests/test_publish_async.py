@@ -29,7 +29,7 @@ from deltastore.errors import (
     VersionSkippedError,
 )
 from deltastore.lifecycle.ledger import HeartbeatWriter
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.storage.base import ObjectMeta, PutMode
 from tests._helpers import SMALL_CHUNK_BYTES, WrappedStore, assert_bits_equal, check_invariants

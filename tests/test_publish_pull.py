@@ -8,7 +8,7 @@ import torch
 
 from deltastore import InvalidStateDictError, Publisher, Subscriber, VersionInfo, VersionNotFoundError
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
     SMALL_CHUNK_BYTES,
@@ -29,8 +29,8 @@ ANCHOR_EVERY = 3
 
 
 def _is_pack(key: str) -> bool:
-    """A pack's key: schema 3 (``objects/<attempt>/<sha>.pack``) or schema 1/2 (``blobs/``)."""
-    return key.endswith(".pack") or key.startswith("blobs/")
+    """A pack's key: ``objects/<attempt>/<sha>.pack``."""
+    return key.endswith(".pack")
 
 
 def _open(target, cls, **kw):
@@ -487,7 +487,7 @@ def test_chunk_table_entries_can_hold_nothing_that_could_close_a_cycle():
     import types
     import typing
 
-    from deltastore.format.manifest import ChunkEntry, SegmentRef, TensorEntry
+    from deltastore.format.models import ChunkEntry, SegmentRef, TensorEntry
 
     entries = (TensorEntry, ChunkEntry, SegmentRef)
 

@@ -23,7 +23,7 @@ import torch
 from deltastore import Publisher
 from deltastore.write.policy import LayoutPolicy
 from deltastore.read.engine import DECODE_MEMORY_BYTES
-from deltastore.codec import delta
+from deltastore.codec import apply
 
 MIB = 1 << 20
 ELEMENTS = 64 << 20  # float32: 256 MiB, one chunk
@@ -89,6 +89,6 @@ def test_the_per_thread_bound_covers_the_whole_decodes() -> None:
     from deltastore.codec import full, planes
 
     windows = 14 * ((1 << planes.MAX_WINDOW_LOG) + (512 << 10))  # add-sparse of width 8: 14 sections
-    assert delta.WHOLE_MAX_BYTES + (8 << 20) <= DECODE_MEMORY_BYTES
+    assert apply.WHOLE_MAX_BYTES + (8 << 20) <= DECODE_MEMORY_BYTES
     assert 3 * full.WHOLE_MAX_BYTES <= DECODE_MEMORY_BYTES
-    assert windows + 32 * delta.PIECE_ELEMENTS * 2 <= DECODE_MEMORY_BYTES
+    assert windows + 32 * apply.PIECE_ELEMENTS * 2 <= DECODE_MEMORY_BYTES

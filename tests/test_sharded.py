@@ -26,7 +26,7 @@ import torch
 
 from deltastore import Subscriber
 from deltastore.errors import InvalidStateDictError, PartFailedError, ShardMismatchError
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from tests._helpers import mp_context
@@ -771,7 +771,7 @@ def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
     return out
 
 
-#: The golden sharded grid store (tests/golden/make_golden_sharded_grid.py): three ranks, 4 row
+#: The golden sharded grid store (tests/golden/make_golden.py sharded-grid): three ranks, 4 row
 #: pieces each; ``g`` (12, 8) f32 and ``d`` (9, 8, 3) bf16 gridded for TP=4 (chunk_cols 2).
 GOLDEN_GRID_OPTIONS: dict[str, Any] = {
     "writer_policy": WriterPolicy(threads=1), "anchor_policy": AnchorPolicy(every=3),
@@ -1108,7 +1108,7 @@ LINEAGE = "cd" * 16
 
 
 def _layout(parts: int = 2) -> Any:
-    from deltastore.format.manifest import Layout
+    from deltastore.format.models import Layout
 
     return Layout(schema=3, name=("a", "b"), dtype=("float32", "float32"), shape=((4, 2), (3,)), chunk_rows=(2, 3),
                   chunk_cols=(0, 0), pieces=((2,), ()), piece_parts=((0, 1), (1,)), parts=parts)
@@ -1120,19 +1120,9 @@ def _anchor_part(part: int, of: Any, tensors: list[tuple[str, list[tuple[int, An
     one float32 tensor entry listing those chunks with full segments of ``values``; ``override``
     replaces fields of the part (its ``layout`` included)."""
     from deltastore import codec
-    from deltastore.format.manifest import (
-        BlobRef,
-        ChunkEntry,
-        ObjectRef,
-        PartRef,
-        SegmentRef,
-        Stats,
-        TensorEntry,
-        encode_part,
-        object_key,
-        part_key,
-        sha256_hex,
-    )
+    from deltastore.format.keys import object_key, part_key, sha256_hex
+    from deltastore.format.models import BlobRef, ChunkEntry, ObjectRef, PartRef, SegmentRef, Stats, TensorEntry
+    from deltastore.format.parts import encode_part
     from deltastore.layout.tensors import state_digest
 
     pack = bytearray()
@@ -1168,7 +1158,8 @@ def _part(part: int, chunks: list[tuple[str, int]], **override: Any) -> tuple[An
 
 
 def _header(refs: list[Any]) -> Any:
-    from deltastore.format.manifest import Manifest, ObjectRef, object_key
+    from deltastore.format.keys import object_key
+    from deltastore.format.models import Manifest, ObjectRef
 
     return Manifest(schema=3, version=1, parent=None, parent_manifest=None, kind="anchor", anchor=1, created="t",
                     writer="w0", epoch=1, commit_id=ATTEMPT, lineage=LINEAGE, parts=tuple(refs), chain_start=1,
@@ -1186,7 +1177,8 @@ def _two_parts_joined() -> tuple[dict[str, bytes], Any]:
 
 
 def test_parts_join_into_one_manifest_and_round_trip() -> None:
-    from deltastore.format.manifest import encode_manifest, manifest_key, parse_manifest, sha256_hex
+    from deltastore.format.keys import manifest_key, sha256_hex
+    from deltastore.format.manifest import encode_manifest, parse_manifest
 
     parts, m = _two_parts_joined()
     assert [t.name for t in m.tensors] == ["a", "b"] and [c.index for c in m.tensors[0].chunks] == [0, 1]
@@ -1203,7 +1195,8 @@ def test_parts_join_into_one_manifest_and_round_trip() -> None:
 def test_joined_version_encodes_without_a_second_join(tmp_path: Path) -> None:
     """encode_joined (rank 0's commit, design 010 D7) stores the same bytes as encode_manifest,
     signed or not, and refuses a manifest that is not the one join_parts returned."""
-    from deltastore.format.manifest import encode_joined, encode_manifest, manifest_key, parse_manifest, sha256_hex
+    from deltastore.format.keys import manifest_key, sha256_hex
+    from deltastore.format.manifest import encode_joined, encode_manifest, parse_manifest
     from deltastore.format.signing import generate_key_files, load_private_key, sign_manifest
 
     parts, joined = _two_parts_joined()
@@ -1239,7 +1232,9 @@ def test_joined_version_encodes_without_a_second_join(tmp_path: Path) -> None:
 )
 def test_bad_parts_are_refused(case: str, match: str) -> None:
     from deltastore.errors import CorruptObjectError, IntegrityError
-    from deltastore.format.manifest import ObjectRef, join_parts, object_key
+    from deltastore.format.keys import object_key
+    from deltastore.format.manifest import join_parts
+    from deltastore.format.models import ObjectRef
 
     unsharded = _layout().model_copy(update={"parts": 0, "pieces": (None, None), "piece_parts": (None, None)})
     good0, good1 = _part(0, [("a", 0)]), _part(1, [("a", 1), ("b", 0)])
@@ -1270,7 +1265,7 @@ def test_writer_refuses_a_chunk_of_another_part() -> None:
         _part(0, [("a", 1)])
 
 
-# --- the golden sharded store (tests/golden/make_golden_sharded.py, written once at issue 12) ---
+# --- the golden sharded stores (tests/golden/make_golden.py sharded, sharded-grid) ---------------
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -1436,7 +1431,7 @@ def test_publish_async_killed_rank_commits_only_the_complete_version(tmp_path: P
 
 def _packs_by_part(sub: Subscriber, versions: range) -> dict[int, set[str]]:
     """Per part: the packs its chunks' segments lie in, over ``versions``."""
-    from deltastore.format.manifest import piece_part
+    from deltastore.format.models import piece_part
 
     out: dict[int, set[str]] = {}
     for v in versions:
@@ -1607,7 +1602,7 @@ def test_grid_in_a_sharded_layout_reads_whole_by_columns_and_resumes(tmp_path: P
 def _grid_layout(parts: int = 2) -> Any:
     """``g`` (4, 6) float32 in chunks of 2 rows × 3 columns (2 row blocks × 2 column blocks),
     rows 0-2 written by part 0 and 2-4 by part 1: chunks 0, 1 are part 0's, 2, 3 part 1's."""
-    from deltastore.format.manifest import Layout
+    from deltastore.format.models import Layout
 
     return Layout(schema=3, name=("g",), dtype=("float32",), shape=((4, 6),), chunk_rows=(2,), chunk_cols=(3,),
                   pieces=((2,),), piece_parts=((0, 1),), parts=parts)
@@ -1627,7 +1622,8 @@ def test_grid_parts_join_by_row_block_and_a_foreign_block_is_refused() -> None:
     the piece of row block i = index // nc, not of row index·chunk_rows); a part listing a block
     of another part's rows is corrupt, and the writer refuses to write one."""
     from deltastore.errors import CorruptObjectError
-    from deltastore.format.manifest import join_parts, piece_part
+    from deltastore.format.manifest import join_parts
+    from deltastore.format.models import piece_part
 
     layout = _grid_layout()
     assert [piece_part(layout, 0, c) for c in range(4)] == [0, 0, 1, 1]

@@ -30,7 +30,7 @@ from deltastore import (
 )
 from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from deltastore.read.cache import WorkerCache
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
 from tests._helpers import (
     WrappedStore,

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from deltastore import IntegrityError, Publisher, SignatureError, Subscriber
 from deltastore.write.policy import AnchorPolicy, WriterPolicy
 from deltastore.cli import main
-from deltastore.format.manifest import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY
 from deltastore.format.signing import KEY_ID_HEX, key_id, load_private_key, load_public_key
 from deltastore.storage import open_store
 from tests._helpers import assert_bits_equal, head_manifest, resign_manifest, small_state, sparse_edit

@@ -4,14 +4,12 @@ Every field a schema-3 manifest carries is checked against what it must be, comp
 the manifests themselves: pack keys and roles, skip pointers, chain start, cumulative delta
 bytes, the anchor's manifest, the layout object and its reuse, and the anchors the cost policy
 writes. Also: HEAD keeps its history index across commits, a commit rebases over an
-index-only HEAD change, an attempt past its deadline is abandoned, and a schema-2 store is
-upgraded by an anchor.
+index-only HEAD change, and an attempt past its deadline is abandoned.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -21,27 +19,14 @@ import deltastore.write.chain as chain_mod
 from deltastore import CommitAbandonedError, ConflictError, Publisher, Subscriber
 from deltastore.write.policy import DEFAULT_ANCHOR_EVERY, AnchorPolicy, LayoutPolicy, WriterPolicy
 from deltastore.write.commit import REBASE_ATTEMPTS, new_commit_id, now
-from deltastore.write.encode import encode_version
 from deltastore.format.history import History
-from deltastore.format.manifest import (
-    DEFAULT_MAX_ATTEMPT_S,
-    HEAD_KEY,
-    Head,
-    Index,
-    Layout,
-    Manifest,
-    ObjectRef,
-    decode_object,
-    dump,
-    encode_object,
-    new_lineage,
-    object_key,
-    parse_head,
-    sha256_hex,
-)
+from deltastore.format.keys import HEAD_KEY, object_key, sha256_hex
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Index, Layout, Manifest, ObjectRef, dump
+from deltastore.format.objects import decode_object, encode_object
+from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from deltastore.storage.base import IfMatch, ObjectMeta, PutMode
-from deltastore.layout.tensors import bits, spec_for
+from deltastore.layout.tensors import bits
 from tests._helpers import (
     SMALL_CHUNK_BYTES,
     HeadPutHook,
@@ -93,14 +78,12 @@ def _layout(store, ref: ObjectRef) -> Layout:
 
 
 def _check_schema3_fields(store, *, ratio: float | None = None, layout_changes: frozenset[int] = frozenset(),
-                          upgraded_at: int = 1, max_attempt_s: int = DEFAULT_MAX_ATTEMPT_S) -> dict[int, tuple[str, Manifest]]:
-    """Assert every schema-3 field of every version from ``upgraded_at`` on (the first schema-3
-    version); ``ratio``: the cost policy's β, to check where anchors are."""
+                          max_attempt_s: int = DEFAULT_MAX_ATTEMPT_S) -> dict[int, tuple[str, Manifest]]:
+    """Assert every schema-3 field of every version; ``ratio``: the cost policy's β, to check
+    where anchors are."""
     chain = _chain(store)
     key = {v: k for v, (k, _) in chain.items()}
     for v in sorted(chain):
-        if v < upgraded_at:
-            continue
         _, m = chain[v]
         where = f"version {v}"
         assert m.schema_ == 3, where
@@ -115,15 +98,10 @@ def _check_schema3_fields(store, *, ratio: float | None = None, layout_changes: 
         assert m.stats.delta_bytes == sum(b.size for b in m.blobs if b.role == "d"), where
         assert m.stats.full_bytes == sum(b.size for b in m.blobs if b.role == "f"), where
         assert (m.kind == "anchor") == (m.stats.full_bytes > 0), where
-        # D6: skip pointers, exact (a prefix where a manifest is gone: see VersionChain.back_for)
-        full_back = tuple(key[v - 2**j] for j in range(1, 64) if v - 2**j >= 1)
-        if upgraded_at == 1:
-            assert m.back == full_back, (where, m.back)
-        else:
-            assert m.back == full_back[: len(m.back)], (where, m.back)
-            assert v < upgraded_at + 2 or len(m.back) >= 1, where
-        # chain_start: the latest version ≤ v without a delta base (or the upgrade anchor)
-        starts = [u for u in range(upgraded_at, v + 1) if chain[u][1].delta_base is None or u == upgraded_at]
+        # D6: skip pointers, exact
+        assert m.back == tuple(key[v - 2**j] for j in range(1, 64) if v - 2**j >= 1), (where, m.back)
+        # chain_start: the latest version ≤ v without a delta base
+        starts = [u for u in range(1, v + 1) if chain[u][1].delta_base is None]
         assert m.chain_start == max(starts), where
         assert m.stats.cum_delta_bytes == sum(chain[u][1].stats.delta_bytes for u in range(m.chain_start + 1, v + 1)), where
         assert m.anchor_manifest == (None if m.kind == "anchor" else key[m.anchor]), where
@@ -136,14 +114,14 @@ def _check_schema3_fields(store, *, ratio: float | None = None, layout_changes: 
         assert layout.chunk_rows == tuple(t.chunk_rows for t in a.tensors), where
         assert layout.dtype == tuple(t.dtype for t in a.tensors), where
         assert (layout.chunk_cols, layout.parts) == ((0,) * len(a.tensors), 0), where
-        if v > upgraded_at:
+        if v > 1:
             parent = chain[v - 1][1]
             assert (m.layout == parent.layout) == (v not in layout_changes), where
             assert m.layout.key.startswith(f"objects/{m.commit_id}/") == (v in layout_changes), where
         else:
             assert m.layout.key == object_key(m.commit_id, m.layout.sha256, ".layout.json.zst"), where
         # D7: under the cost policy, an anchor exactly when the deltas since the anchor reach β·F
-        if ratio is not None and v > upgraded_at and v not in layout_changes:
+        if ratio is not None and v > 1 and v not in layout_changes:
             p = chain[v - 1][1]
             pa = chain[p.anchor][1]
             since = p.stats.cum_delta_bytes - pa.stats.cum_delta_bytes
@@ -365,67 +343,6 @@ def test_an_attempt_past_its_deadline_is_abandoned_and_the_next_publish_is_a_new
     assert m.commit_id != abandoned and m.max_attempt_s == 1
     assert all(b.key.startswith(f"objects/{m.commit_id}/") for b in m.blobs)
     assert_bits_equal(Subscriber(url).pull(2), newer)
-
-
-# --- D10: an old store is upgraded by an anchor ---------------------------------------------------
-
-
-def _write_schema2_history(url: str, states: list[dict[str, torch.Tensor]]) -> None:
-    """A store as the schema-2 release wrote it: ``blobs/`` packs, schema-2 manifests and HEAD."""
-    store = open_store(url)
-    lineage, prev, reference = new_lineage(), None, None
-    specs = {n: spec_for(n, t, SMALL_CHUNK_BYTES) for n, t in states[0].items()}
-    with ThreadPoolExecutor(2) as pool, ThreadPoolExecutor(4) as uploader:
-        for v, state in enumerate(states, start=1):
-            kind = "anchor" if v == 1 else "delta"
-            enc = encode_version(state, specs, kind=kind, reference=reference, pool=pool, uploader=uploader, store=store, threads=2)
-            reference = snapshot(state)
-            m = Manifest(schema_=2, version=v, parent=v - 1 if v > 1 else None, parent_manifest=prev, kind=kind, anchor=1,
-                         delta_base=v - 1 if v > 1 else None, created=now(), writer="old-release", epoch=1,
-                         commit_id=new_commit_id(), blobs=enc.blobs, tensors=enc.entries, stats=enc.stats, lineage=lineage)
-            data = dump(m)
-            prev = f"manifests/{v:012d}-{sha256_hex(data)}.json"  # the schema-1/2 key
-            store.put(prev, data, mode="create")
-            head = Head(schema_=2, version=v, manifest=prev, manifest_sha256=sha256_hex(data), commit_id=m.commit_id,
-                        writer="old-release", epoch=1, updated=m.created, lineage=lineage)
-            store.put(HEAD_KEY, dump(head), mode="overwrite")
-    assert all(b.key.startswith("blobs/") for b in m.blobs)
-
-
-@pytest.mark.parametrize("restart", [False, True])
-def test_the_first_schema3_version_on_a_schema2_store_is_an_anchor(restart: bool) -> None:
-    url = f"memory://writer-upgrade-{restart}"
-    rng = np.random.default_rng(9)
-    states = [_state()]
-    for _ in range(4):
-        states.append(_step(states[-1], rng))
-    _write_schema2_history(url, states[:3])
-    with Publisher(url, writer_policy=WriterPolicy(threads=2), layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES)) as pub:
-        info = pub.publish(states[3])  # resumes from version 3 (schema 2)
-        assert (info.version, info.kind) == (4, "anchor")
-        if restart:
-            pub.close()
-            pub = Publisher(url, writer_policy=WriterPolicy(threads=2),
-                            layout_policy=LayoutPolicy(chunk_bytes=SMALL_CHUNK_BYTES))
-        assert pub.publish(states[4]).kind == "delta"
-        more = states[4]
-        for _ in range(4):
-            more = _step(more, rng)
-            pub.publish(more)
-        pub.close()
-    store = open_store(url)
-    chain = _check_schema3_fields(store, upgraded_at=4)
-    up = chain[4][1]
-    assert up.delta_base == 3 and up.stats.delta_bytes > 0 and up.stats.cum_delta_bytes == 0  # deltas as usual
-    assert chain[3][1].schema_ == 2 and parse_head(store.get(HEAD_KEY)).lineage == chain[3][1].lineage == up.lineage
-    assert chain[5][1].chain_start == 4 and chain[5][1].stats.cum_delta_bytes == chain[5][1].stats.delta_bytes
-    with Subscriber(url, threads=2) as sub:
-        target = sub.pull(2)
-        assert_bits_equal(target, states[1])
-        assert sub.pull_into(target, 5).version == 5  # across the schema boundary
-        assert_bits_equal(target, states[4])
-        assert_bits_equal(sub.pull(9), more)
-    assert check_invariants(store) == list(range(1, 10))
 
 
 def test_collected_old_manifests_shorten_back_but_never_stop_a_publish(monkeypatch) -> None:

@@ -1,6 +1,6 @@
 /* Decode-and-apply of delta segments in one pass, with the chunk's XXH3-128 before and/or after.
  *
- * The Python side (deltastore/codec/delta.py) parses the segment header and decompresses its
+ * The Python side (deltastore/codec/apply.py) parses the segment header and decompresses its
  * sections (python-zstandard releases the GIL); this kernel takes those sections and:
  *
  *   1. validates everything first -- plane sizes, padding, escape counts, escaped values, zero
@@ -17,7 +17,7 @@
  *                 n_escaped, inverse, want) -> (err, a, b, before_hex | None, after_hex | None)
  *
  *   target    writable C-contiguous buffer of count * width bytes (little-endian elements)
- *   kind      0 xor-sparse/1, 1 xor-dense/1, 2 add-sparse/1, 3 add-dense/1
+ *   kind      0 add-sparse/1, 1 add-dense/1
  *   sections  tuple, in segment order, of bytes-like planes or ints 0..255 (CONST sections)
  *   want      bit 0: digest of the target before, bit 1: after
  *   err       0 on success, else a DS_E_* code (a, b its numbers); the target is then untouched
@@ -51,16 +51,16 @@
 /* Each block is patched and hashed the second time in steps of this many bytes, and before
  * each step the same step of the next block is prefetched (64 lines of 64 bytes): a page's
  * worth is a burst the line-fill buffers absorb while the step is worked on, where asking for
- * the whole next block at once stalled (design 006, "Addendum (session 16): pull_into"). */
+ * the whole next block at once stalled (docs/design/006-native-kernels.md). */
 #define STEP_BYTES ((uint64_t)4096)
 
 /* At most 1 gap-symbol + 4 gap-escape + 1 code + 8 value-escape planes (add-sparse, width 8). */
 #define MAX_PLANES 16
 
-enum { K_XOR_SPARSE = 0, K_XOR_DENSE = 1, K_ADD_SPARSE = 2, K_ADD_DENSE = 3 };
-enum { OP_ADD = 0, OP_SUB = 1, OP_XOR = 2 };
+enum { K_ADD_SPARSE = 0, K_ADD_DENSE = 1 };
+enum { OP_ADD = 0, OP_SUB = 1 };
 
-/* Error codes, mirrored by deltastore.codec.delta._KERNEL_ERRORS. */
+/* Error codes, mirrored by deltastore.codec.apply._kernel_error. */
 enum {
     DS_E_OK = 0,
     DS_E_PADDING = 1,        /* odd count, high nibble of the last code byte is not 0 */
@@ -82,8 +82,8 @@ typedef struct {
 typedef struct {
     int kind, width, gap_width;
     uint64_t count, n, n_gap_escaped, n_escaped;
-    /* xor: gap planes (gap_width) then value planes (width); add: see the layout in layout() */
-    const plane_t *gaps, *vals, *gsym, *gesc, *codes, *vesc;
+    /* gap symbols, gap escapes, value codes, value escapes: see the layout in layout() */
+    const plane_t *gsym, *gesc, *codes, *vesc;
 } seg_t;
 
 DS_INLINE uint8_t pbyte(const plane_t *pl, uint64_t i) { return pl->p[i & pl->mask]; }
@@ -172,39 +172,22 @@ static int check_add_values(const seg_t *s, uint64_t n, uint64_t *zeros, uint64_
     return DS_E_OK;
 }
 
-static uint64_t count_zero_values(const seg_t *s, uint64_t n) {
-    uint64_t z = 0;
-    for (uint64_t i = 0; i < n; i++) z += pval(s->vals, s->width, i) == 0;
-    return z;
-}
-
 static int check_positions(const seg_t *s, uint64_t *a, uint64_t *b) {
-    uint64_t n = s->n, sum = 0;
+    uint64_t n = s->n, sum = 0, esc = 0, total = 0;
     if (n == 0) return DS_E_OK;
-    if (s->kind == K_XOR_SPARSE) {
-        /* each gap < 2**32, fewer than 2**32 of them: the sum cannot wrap. The sum of the
-         * gaps is the sum over planes of (that plane's byte sum) << 8j. */
-        for (int j = 0; j < s->gap_width; j++) {
-            uint64_t plane_sum = 0, unused = 0;
-            sum_bytes(&s->gaps[j], n, 0, &plane_sum, &unused);
-            sum += plane_sum << (8 * j);
-        }
-    } else {
-        uint64_t esc = 0, total = 0;
-        sum_bytes(s->gsym, n, GAP_ESCAPE, &sum, &esc);
-        if (esc != s->n_gap_escaped) {
-            *a = s->n_gap_escaped;
-            *b = esc;
-            return DS_E_GAP_ESC_COUNT;
-        }
-        for (uint64_t j = 0; j < s->n_gap_escaped; j++) total += pval(s->gesc, s->gap_width, j);
-        if (total >= s->count) {
-            *a = total;
-            return DS_E_GAP_ESC_TOTAL;
-        }
-        sum += total;
+    sum_bytes(s->gsym, n, GAP_ESCAPE, &sum, &esc);
+    if (esc != s->n_gap_escaped) {
+        *a = s->n_gap_escaped;
+        *b = esc;
+        return DS_E_GAP_ESC_COUNT;
     }
-    uint64_t last = sum + n - 1; /* < 2**40 + 2**33 for add, < 2**64 for xor */
+    for (uint64_t j = 0; j < s->n_gap_escaped; j++) total += pval(s->gesc, s->gap_width, j);
+    if (total >= s->count) {
+        *a = total;
+        return DS_E_GAP_ESC_TOTAL;
+    }
+    sum += total;
+    uint64_t last = sum + n - 1; /* < 2**40 + 2**33 */
     if (last >= s->count) {
         *a = last;
         return DS_E_POSITION;
@@ -215,21 +198,12 @@ static int check_positions(const seg_t *s, uint64_t *a, uint64_t *b) {
 static int validate(const seg_t *s, uint64_t *a, uint64_t *b) {
     uint64_t zeros = 0;
     int err;
-    switch (s->kind) {
-    case K_XOR_SPARSE:
-        if (count_zero_values(s, s->n)) return DS_E_ZERO;
-        return check_positions(s, a, b);
-    case K_ADD_SPARSE:
+    if (s->kind == K_ADD_SPARSE) {
         if ((err = check_add_values(s, s->n, &zeros, a, b))) return err;
         if (zeros) return DS_E_ZERO;
         return check_positions(s, a, b);
-    case K_XOR_DENSE:
-        zeros = count_zero_values(s, s->count);
-        break;
-    default: /* K_ADD_DENSE */
-        if ((err = check_add_values(s, s->count, &zeros, a, b))) return err;
-        break;
     }
+    if ((err = check_add_values(s, s->count, &zeros, a, b))) return err; /* K_ADD_DENSE */
     if (s->count - zeros != s->n) {
         *a = s->n;
         *b = s->count - zeros;
@@ -246,8 +220,7 @@ DS_INLINE void apply_at(uint8_t *t, uint64_t p, int W, int OP, uint64_t d) {
     {                                                                   \
         T x;                                                            \
         memcpy(&x, at, sizeof x);                                       \
-        x = OP == OP_ADD ? (T)(x + (T)d) : OP == OP_SUB ? (T)(x - (T)d) \
-                                                        : (T)(x ^ (T)d); \
+        x = OP == OP_ADD ? (T)(x + (T)d) : (T)(x - (T)d);               \
         memcpy(at, &x, sizeof x);                                       \
     }
     switch (W) {
@@ -264,8 +237,7 @@ typedef struct {
     uint64_t ve; /* next escaped value */
 } cursor_t;
 
-DS_INLINE uint64_t value_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
-    if (!ADD) return pval(s->vals, s->width, i);
+DS_INLINE uint64_t value_at(const seg_t *s, uint64_t i, cursor_t *c) {
     unsigned code = code_at(s->codes, i);
     if (code == NIBBLE_ESCAPE) return unzigzag(pval(s->vesc, s->width, c->ve++));
     return unzigzag(code);
@@ -278,7 +250,7 @@ DS_INLINE uint64_t value_at(const seg_t *s, int ADD, uint64_t i, cursor_t *c) {
  * writes: the decode loop is then a short run of loads and adds with no store into the target
  * between them (a store into t, bytes that may alias anything, made the compiler reload the
  * decoder's state), and the apply loop has one branch per change (the next position against
- * the end of the step, which fails once per step). Design 006, "Addendum (session 17, task D)". */
+ * the end of the step, which fails once per step); docs/design/006-native-kernels.md. */
 
 /* Changes per batch: the two arrays (1 KiB) stay in L1 next to the step being patched, and a
  * batch spans ~1.5 steps of bf16 at RL densities (~2 %), so the per-batch costs (the loop's
@@ -305,8 +277,8 @@ typedef struct {
  * Escapes (~2 % of values and ~0.5 % of gaps on RL deltas) take a branch, and only in a group
  * of eight that holds one: a branch-free select for every change (from a ring of escapes
  * widened ahead, at a masked cursor advanced by the flag) cost 54 instructions per change
- * decoded and applied against 31 with plain branches (callgrind, real bf16 segments; the
- * addendum). validate() proved that the symbols and codes hold exactly n_gap_escaped and
+ * decoded and applied against 31 with plain branches (callgrind, real bf16 segments).
+ * validate() proved that the symbols and codes hold exactly n_gap_escaped and
  * n_escaped escapes, so the cursors stay inside their planes. The words are read in host
  * order: the kernels run on little-endian hosts only (_util/kernels.py). */
 DS_INLINE unsigned decode_add(decoder_t *d, const seg_t *s, uint64_t *pos, uint64_t *val) {
@@ -365,36 +337,6 @@ DS_INLINE unsigned decode_add(decoder_t *d, const seg_t *s, uint64_t *pos, uint6
     return m;
 }
 
-/* `k` byte planes of elements i .. i + m into out[0..m), plane by plane (each inner loop reads
- * one plane contiguously). */
-DS_INLINE void gather_planes(const plane_t *pl, int k, uint64_t i, unsigned m, uint64_t *out) {
-    for (unsigned j = 0; j < m; j++) out[j] = 0;
-    for (int b = 0; b < k; b++) {
-        const uint8_t *q = pl[b].p;
-        if (pl[b].mask) {
-            q += i;
-            for (unsigned j = 0; j < m; j++) out[j] |= (uint64_t)q[j] << (8 * b);
-        } else {
-            uint64_t c = (uint64_t)q[0] << (8 * b);
-            for (unsigned j = 0; j < m; j++) out[j] |= c;
-        }
-    }
-}
-
-/* xor-sparse: as decode_add, from the gap and value byte planes (no escapes). */
-DS_INLINE unsigned decode_xor(decoder_t *d, const seg_t *s, uint64_t *pos, uint64_t *val) {
-    uint64_t i = d->i, left = s->n - i;
-    unsigned m = left < BATCH ? (unsigned)left : BATCH;
-    gather_planes(s->gaps, s->gap_width, i, m, pos);
-    gather_planes(s->vals, s->width, i, m, val);
-    uint64_t p = d->p;
-    for (unsigned j = 0; j < m; j++) pos[j] = p += pos[j] + 1;
-    pos[m] = UINT64_MAX;
-    d->p = p;
-    d->i = i + m;
-    return m;
-}
-
 /* Apply pos/val[j..) while the position is below lim (the sentinel stops it at the end of the
  * batch); returns where it stopped. Out of line: inside run() (every plane, cursor and hash
  * state live at once) gcc kept neither t nor lim in a register and reloaded both from the
@@ -412,9 +354,8 @@ static size_t apply_batch(uint8_t *t, const uint64_t *pos, const uint64_t *val, 
                           int W, int OP) {
 #define DS_AB(w)                                                                        \
     case w:                                                                             \
-        return OP == OP_ADD   ? apply_batch_t(t, pos, val, j, lim, w, OP_ADD)          \
-               : OP == OP_SUB ? apply_batch_t(t, pos, val, j, lim, w, OP_SUB)          \
-                              : apply_batch_t(t, pos, val, j, lim, w, OP_XOR);
+        return OP == OP_ADD ? apply_batch_t(t, pos, val, j, lim, w, OP_ADD)            \
+                            : apply_batch_t(t, pos, val, j, lim, w, OP_SUB);
     switch (W) {
         DS_AB(1)
         DS_AB(2)
@@ -436,7 +377,7 @@ typedef struct {
 /* Walk the target in blocks [start, end): (copy the block from src,) hash before, then per step
  * of STEP_BYTES prefetch that step of the next block, apply the step's changes and hash it
  * after. Without digests or src the whole chunk is one block and one step. */
-DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPARSE, int REC,
+DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int SPARSE, int REC,
                    XXH3_state_t *sb, XXH3_state_t *sa, const io_t *iop) {
     /* Local copies: stores into t (bytes, which may alias anything) would otherwise make the
      * compiler reload every plane pointer and mask from memory after each element written. */
@@ -452,8 +393,6 @@ DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPA
         ls.field = &pl[k];                                            \
         k += (nplanes);                                               \
     }
-    DS_LOCAL(gaps, seg->gap_width)
-    DS_LOCAL(vals, seg->width)
     DS_LOCAL(gsym, 1)
     DS_LOCAL(gesc, seg->gap_width)
     DS_LOCAL(codes, 1)
@@ -508,12 +447,12 @@ DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPA
                     }
                     /* stopped before the sentinel: the next change is in a later step */
                     if (j < m || dec.i >= s->n) break;
-                    m = ADD ? decode_add(&dec, s, pos, val) : decode_xor(&dec, s, pos, val);
+                    m = decode_add(&dec, s, pos, val);
                     j = 0;
                 }
             } else {
                 for (uint64_t e = s0; e < s1; e++) {
-                    uint64_t d = value_at(s, ADD, e, &c);
+                    uint64_t d = value_at(s, e, &c);
                     if (d) apply_at(t, e, W, OP, d);
                 }
             }
@@ -524,25 +463,20 @@ DS_INLINE void run(uint8_t *t, const seg_t *seg, int W, int OP, int ADD, int SPA
     }
 }
 
-#define DS_RUN_REC(W, OP, ADD, SPARSE)                                           \
-    do {                                                                         \
-        if ((SPARSE) && io->pos) run(t, s, W, OP, ADD, SPARSE, 1, sb, sa, io);   \
-        else run(t, s, W, OP, ADD, SPARSE, 0, sb, sa, io);                       \
+#define DS_RUN_REC(W, OP, SPARSE)                                           \
+    do {                                                                    \
+        if ((SPARSE) && io->pos) run(t, s, W, OP, SPARSE, 1, sb, sa, io);   \
+        else run(t, s, W, OP, SPARSE, 0, sb, sa, io);                       \
     } while (0)
-#define DS_RUN_OPS(W, ADD, SPARSE)                                  \
-    do {                                                            \
-        if (!(ADD)) DS_RUN_REC(W, OP_XOR, ADD, SPARSE);             \
-        else if (inverse) DS_RUN_REC(W, OP_SUB, ADD, SPARSE);       \
-        else DS_RUN_REC(W, OP_ADD, ADD, SPARSE);                    \
+#define DS_RUN_OPS(W, SPARSE)                                  \
+    do {                                                       \
+        if (inverse) DS_RUN_REC(W, OP_SUB, SPARSE);            \
+        else DS_RUN_REC(W, OP_ADD, SPARSE);                    \
     } while (0)
 #define DS_RUN_KINDS(W)                                        \
     do {                                                       \
-        switch (s->kind) {                                     \
-        case K_XOR_SPARSE: DS_RUN_OPS(W, 0, 1); break;         \
-        case K_XOR_DENSE: DS_RUN_OPS(W, 0, 0); break;          \
-        case K_ADD_SPARSE: DS_RUN_OPS(W, 1, 1); break;         \
-        default: DS_RUN_OPS(W, 1, 0); break;                   \
-        }                                                      \
+        if (s->kind == K_ADD_SPARSE) DS_RUN_OPS(W, 1);         \
+        else DS_RUN_OPS(W, 0);                                 \
     } while (0)
 
 static void apply_all(uint8_t *t, const seg_t *s, int inverse, XXH3_state_t *sb, XXH3_state_t *sa,
@@ -597,41 +531,21 @@ static int decode_frames(sections_t *ss, const uint64_t *len, uint64_t *ea, uint
 static int layout(seg_t *s, uint64_t *len, int *role_start) {
     int k = 0;
     uint64_t n = s->n;
-    /* role_start: index of the first plane of gaps/gsym, gesc, values/codes, vesc (-1 absent) */
+    /* role_start: index of the first plane of gsym, gesc, codes, vesc (-1 absent) */
     for (int r = 0; r < 4; r++) role_start[r] = -1;
-    switch (s->kind) {
-    case K_XOR_SPARSE:
-        role_start[0] = k;
-        for (int j = 0; j < s->gap_width; j++) len[k++] = n;
-        role_start[2] = k;
-        for (int j = 0; j < s->width; j++) len[k++] = n;
-        break;
-    case K_XOR_DENSE:
-        role_start[2] = k;
-        for (int j = 0; j < s->width; j++) len[k++] = s->count;
-        break;
-    case K_ADD_SPARSE:
+    if (s->kind == K_ADD_SPARSE) {
         role_start[0] = k;
         len[k++] = n;
         if (s->n_gap_escaped) {
             role_start[1] = k;
             for (int j = 0; j < s->gap_width; j++) len[k++] = s->n_gap_escaped;
         }
-        role_start[2] = k;
-        len[k++] = (n + 1) / 2;
-        if (s->n_escaped) {
-            role_start[3] = k;
-            for (int j = 0; j < s->width; j++) len[k++] = s->n_escaped;
-        }
-        break;
-    default:
-        role_start[2] = k;
-        len[k++] = (s->count + 1) / 2;
-        if (s->n_escaped) {
-            role_start[3] = k;
-            for (int j = 0; j < s->width; j++) len[k++] = s->n_escaped;
-        }
-        break;
+    }
+    role_start[2] = k;
+    len[k++] = s->kind == K_ADD_SPARSE ? (n + 1) / 2 : (s->count + 1) / 2;
+    if (s->n_escaped) {
+        role_start[3] = k;
+        for (int j = 0; j < s->width; j++) len[k++] = s->n_escaped;
     }
     return k;
 }
@@ -671,13 +585,13 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
         return NULL;
     if ((positions == Py_None) != (oldo == Py_None) || (positions == Py_None) != (newo == Py_None))
         return PyErr_Format(PyExc_ValueError, "positions, old and new go together");
-    int sparse = kind == K_XOR_SPARSE || kind == K_ADD_SPARSE;
+    int sparse = kind == K_ADD_SPARSE;
     if (positions != Py_None && !sparse)
         return PyErr_Format(PyExc_ValueError, "positions are only written for sparse kinds");
-    if (kind < K_XOR_SPARSE || kind > K_ADD_DENSE) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
+    if (kind != K_ADD_SPARSE && kind != K_ADD_DENSE) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
     if (width != 1 && width != 2 && width != 4 && width != 8)
         return PyErr_Format(PyExc_ValueError, "width %d is not 1, 2, 4 or 8", width);
-    int uses_gap_width = kind == K_XOR_SPARSE || (kind == K_ADD_SPARSE && nge);
+    int uses_gap_width = kind == K_ADD_SPARSE && nge;
     if (uses_gap_width && gap_width != 1 && gap_width != 2 && gap_width != 4)
         return PyErr_Format(PyExc_ValueError, "gap width %d is not 1, 2 or 4", gap_width);
 
@@ -721,7 +635,7 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
     s.count = (uint64_t)tv.len / (uint64_t)width;
     s.n = n;
     s.n_gap_escaped = kind == K_ADD_SPARSE ? nge : 0;
-    s.n_escaped = kind == K_ADD_SPARSE || kind == K_ADD_DENSE ? ne : 0;
+    s.n_escaped = ne;
 
     sections_t ss;
     ss.n = 0;
@@ -799,17 +713,10 @@ static PyObject *apply_segment(PyObject *self, PyObject *args) {
         ss.pl[i].p = (const uint8_t *)ss.views[i].buf;
         ss.pl[i].mask = ~(size_t)0;
     }
-    if (s.kind == K_XOR_SPARSE) {
-        s.gaps = &ss.pl[role[0]];
-        s.vals = &ss.pl[role[2]];
-    } else if (s.kind == K_XOR_DENSE) {
-        s.vals = &ss.pl[role[2]];
-    } else {
-        if (role[0] >= 0) s.gsym = &ss.pl[role[0]];
-        if (role[1] >= 0) s.gesc = &ss.pl[role[1]];
-        s.codes = &ss.pl[role[2]];
-        if (role[3] >= 0) s.vesc = &ss.pl[role[3]];
-    }
+    if (role[0] >= 0) s.gsym = &ss.pl[role[0]];
+    if (role[1] >= 0) s.gesc = &ss.pl[role[1]];
+    s.codes = &ss.pl[role[2]];
+    if (role[3] >= 0) s.vesc = &ss.pl[role[3]];
 
     XXH3_state_t *sb = NULL, *sa = NULL;
     if ((want & 1) && !(sb = XXH3_createState())) { PyErr_NoMemory(); goto done; }

@@ -1,4 +1,4 @@
-/* Conditioned-codec kernels (issue 9, N4; only if that codec is built). Stub: an empty table. */
+/* Conditioned-codec kernels (benchmarks/conditioned.py; built only with that codec). Stub: an empty table. */
 #include "ds_native.h"
 
 PyMethodDef ds_ctx_methods[] = {

@@ -12,7 +12,7 @@
 
 /* Bumped when a kernel's Python-visible signature changes; _util/kernels.py checks it, so a
  * stale build in the source tree is refused (numpy path) rather than called wrongly. */
-#define DS_NATIVE_ABI 1
+#define DS_NATIVE_ABI 2
 
 /* add-sparse/1's escape symbols: must equal deltastore.codec.delta.ESCAPE and NIBBLE_ESCAPE
  * (exported as GAP_ESCAPE and NIBBLE_ESCAPE; tests/test_native.py compares them). */

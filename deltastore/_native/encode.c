@@ -1,4 +1,4 @@
-/* Encode kernels (issue 9, N1): the add-sparse/1 delta in one pass, the full codec's byte
+/* Encode kernels: the add-sparse/1 delta in one pass, the full codec's byte
  * planes, and XXH3-128 state digests. Output bytes equal the numpy path's exactly
  * (deltastore/codec/delta.py, full.py); tests/test_native.py proves it. */
 #include "ds_native.h"
@@ -25,12 +25,10 @@
  * changed elements are then visited by counting trailing zeros, never one element at a time. */
 #define SCAN_BLOCK 64
 
-/* Bytes ahead of the compared block that the scan prefetches in both streams, into L2. The
+/* Bytes ahead of the compared block that the scan prefetches in both streams, into L2: the
  * hardware prefetchers alone left the loads waiting whenever a block had changes to emit (the
- * emit work and the memory stream did not overlap: on tf265m steps the kernel took ~1.7x a
- * plain read of the same bytes). Measured one thread over a whole version (design 006,
- * session 18 addendum): 1-2 KiB into L1 gained 15-30 %, 4-64 KiB into L2 another ~10 %
- * (alike within noise), a non-temporal prefetch doubled the time. A prefetch never faults. */
+ * emit work and the memory stream did not overlap). A few KiB into L2 beat a short prefetch into
+ * L1 and a non-temporal one (docs/design/006-native-kernels.md). A prefetch never faults. */
 #define SCAN_PREFETCH 4096
 /* __builtin_prefetch's locality: 1 is prefetcht2 (L2 and outward on current x86 cores) */
 #define SCAN_PREFETCH_LOCALITY 1
@@ -270,7 +268,7 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
  * would otherwise make the compiler reload every field of `s` after each one).
  * NAME/MASK/ATTR: one variant per instruction set, identical output. (Flattening a region's
  * masks to a position list first, to pay the loop's mispredicted exit per region instead of
- * per block, measured slower: 71 against 48 ms per 265 M in-cache bf16 elements.) */
+ * per block, measured slower.) */
 #define DEFINE_SCAN(T, W, NAME, MASK, ATTR)                                                          \
     static ATTR int NAME(uint8_t *ob, const uint8_t *nb, size_t lo, size_t hi, int adv, enc_out *s) { \
         size_t k = s->k, next = s->next;                                                             \

@@ -1,10 +1,10 @@
 /* zstd frames decoded in one call without the GIL, through the system's libzstd (loaded at run
  * time: nothing to build against, nothing to install).
  *
- * A segment's zstd sections were decoded one python-zstandard call each, and each call gave the
- * GIL up and waited to take it back: on two apply threads, 5-9 ms of a 531 MB model's
- * `pull_into` went to those waits (design 006, session 30 addendum). `zstd_decompress` decodes
- * all of a segment's frames in one GIL release. Decoding is fixed by the zstd format (RFC 8878),
+ * Decoded one python-zstandard call each, a segment's zstd sections gave the GIL up and waited
+ * to take it back once per section, a cost that adds up on several apply threads
+ * (docs/design/006-native-kernels.md). `zstd_decompress` decodes all of a segment's frames in
+ * one GIL release. Decoding is fixed by the zstd format (RFC 8878),
  * so any libzstd gives the bytes python-zstandard's bundled one gives; the checks below are the
  * ones deltastore.codec.planes.decode_sections makes around python-zstandard (declared content
  * size, exactly one frame and no trailing bytes, exactly the raw size out), and the output

@@ -1,11 +1,10 @@
 """Values derived from an object, kept exactly as long as that object lives.
 
 The layout code derives tables from objects that never change once made (a layout's specs, a
-:class:`~deltastore.format.manifest.Layout`) and reuses them for every version of that layout. Module-level
+:class:`~deltastore.format.models.Layout`) and reuses them for every version of that layout. Module-level
 dictionaries keyed by ``id()`` had to hold the object itself (so that its id could not be reused
-by another) and so kept up to thousands of dead layouts alive: each new Subscriber of a
-20,000-tensor store left ~20,000 objects behind, which every later pass of the cyclic collector
-walked (design 006, session 28 addendum). An :class:`IdentityCache` holds a weak reference
+by another) and so kept dead layouts alive, with all their objects for the cyclic collector to
+walk (docs/design/006-native-kernels.md). An :class:`IdentityCache` holds a weak reference
 instead: the entry goes when the object goes.
 """
 

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "DELTASTORE_NATIVE"
 
 #: The extension interface this loader expects (``DS_NATIVE_ABI`` in _native/ds_native.h).
-ABI = 1
+ABI = 2
 
 
 def _load():

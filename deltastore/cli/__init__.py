@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("inspect", "print everything in one version's manifest", commands.cmd_inspect)
     p.add_argument("url")
     p.add_argument("--version", type=version_number, help="default: the latest")
-    json_flag(p, "the manifest as read (schema 3: tensors rebuilt from its layout), as JSON")
+    json_flag(p, "the manifest as read (tensors rebuilt from its layout), as JSON")
     p.add_argument(*trusted[0], **trusted[1])
 
     p = add("compact", "write squashed deltas to head for workers far behind", commands.cmd_compact)
@@ -198,7 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never delete objects younger than this (store clock; e.g. 24h, 30m, 90s; default 24h, minimum 6h10m)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; write nothing but the run record")
     json_flag(p)
-    p.add_argument("--upgrade", action="store_true", help="rewrite a schema-1/2 HEAD as schema 3 first (older publishers then stop)")
 
     p = add("pin", "keep version V through GC (recorded in the history index)", commands.cmd_pin)
     p.add_argument("url")

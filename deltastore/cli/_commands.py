@@ -464,7 +464,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from deltastore.errors import VersionNotFoundError
-    from deltastore.format.manifest import dump
+    from deltastore.format.models import dump
 
     keys = trusted_keys(args)
     store = open_store(args)
@@ -493,8 +493,7 @@ def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
                  "chain_start", "step", "created", "writer", "epoch", "commit_id", "lineage", "state_digest",
                  "max_attempt_s"):
         value = getattr(m, name)
-        if value is not None or m.schema_ >= 3:
-            out.append(f"{name:<15} {'-' if value is None else value}")
+        out.append(f"{name:<15} {'-' if value is None else value}")
     base = getattr(m, "base", None)
     if base is not None:  # a based version (design 009): its deltas apply to another store's version
         out.append(f"base            version {base.version} of another store: {base.manifest} (lineage {base.lineage})")
@@ -512,13 +511,10 @@ def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
             cols = layout.chunk_cols[i]  # a column grid (design 011): said only where there is one
             grid = f"  chunk_cols {cols}" if cols else ""
             out.append(f"  [{i}] {name}  {layout.dtype[i]} {list(layout.shape[i])}  chunk_rows {layout.chunk_rows[i]}{grid}")
-    else:
-        out.append("layout          inline (schema 1/2: the tensors below carry it)")
     out.append(f"packs           {len(m.blobs)}")
     for i, b in enumerate(m.blobs):
-        role = "" if b.role is None else f"role {b.role}  "
         sz = f"{b.size} B" if b.size < 1024 else f"{size(b.size)} ({b.size} B)"
-        out.append(f"  [{i}] {role}{sz}  {b.key}")
+        out.append(f"  [{i}] role {b.role}  {sz}  {b.key}")
     listed = sum(len(t.chunks) for t in m.tensors)
     out.append(f"tensors         {len(m.tensors)} listed, {listed} chunk row(s)")
     for t in m.tensors:
@@ -658,7 +654,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     store = open_store(args)
     try:
         report = collect(store, keep_last=args.keep_last, keep_versions=args.keep_version or (), grace_s=args.grace,
-                         dry_run=args.dry_run, upgrade=args.upgrade)
+                         dry_run=args.dry_run)
     finally:
         store.close()
     if args.json:

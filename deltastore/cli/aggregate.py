@@ -45,7 +45,7 @@ def seconds(text: str) -> float:
 
 def served_dtype(text: str) -> str:
     """``--dtype``: ``keep`` or a floating dtype deltastore stores, checked by name (no torch import)."""
-    from deltastore.format.manifest import DTYPE_WIDTHS
+    from deltastore.format.models import DTYPE_WIDTHS
 
     floats = [n for n in DTYPE_WIDTHS if n.startswith(("float", "bfloat"))]
     if text != "keep" and text not in floats:

@@ -6,45 +6,24 @@ tensors, files or stores. Callers hand it 1-D contiguous arrays of an unsigned i
 as ``uint16``, fp32 as ``uint32``, ...), so every round trip is bit-exact, NaN payloads and
 ``-0.0`` included.
 
-Six codecs exist, each identified by a string ``"<name>/<version>"``. Writers produce the v2
-codecs; the v1 codecs stay decodable forever (stores written by v1 hold them).
+Three codecs exist, each identified by a string ``"<name>/<version>"``:
 
-``full/2`` (:data:`CODEC_FULL2`), v2
+``full/2`` (:data:`CODEC_FULL2`)
     The values of a whole chunk (an anchor), split into byte planes (plane ``k`` holds byte
     ``k``, little-endian order, of every element), each stored on its own. With
     ``encode_full(..., float_bits=True)`` the bit patterns are first rotated left by one bit so
     the exponent fills the top plane, and that plane may be coded as pairs of 4-bit codes in a
     window of 15 exponents (whichever is smaller); the header records the transform.
-``add-sparse/1`` (:data:`CODEC_ADD_SPARSE`), v2
+``add-sparse/1`` (:data:`CODEC_ADD_SPARSE`)
     Positions of the changed elements as gaps (one-byte symbols, long gaps escaped), then the
     zigzag of ``new - old`` (mod 2**bits) as paired 4-bit codes (large values escaped). Applied
     by addition, undone by subtraction (``apply_delta(..., inverse=True)``), composed by
     addition without the weights.
-``add-dense/1`` (:data:`CODEC_ADD_DENSE`), v2
+``add-dense/1`` (:data:`CODEC_ADD_DENSE`)
     The zigzag difference of every element as paired 4-bit codes. Wins when most elements change.
-``full/1``, ``xor-sparse/1``, ``xor-dense/1`` (:data:`CODEC_FULL`, :data:`CODEC_XOR_SPARSE`,
-:data:`CODEC_XOR_DENSE`), v1
-    Byte planes of the values; gaps and ``old ^ new`` of the changed elements in byte planes;
-    ``old ^ new`` of every element in byte planes. XOR deltas are their own inverse.
 
-Segments are self-describing: ``DSG1`` segments (v1 codecs) and ``DSG2`` segments (v2 codecs)
-differ in their header; the normative byte layouts and read path are in
-``docs/codec-format.md``, the measurements behind v2 in ``docs/design/003-codec-v2.md``.
-
-``DSG1`` (28-byte header, 12-byte table entries)::
-
-    offset  size  field
-    0       4     magic          b"DSG1"
-    4       1     codec id       1 = full, 2 = xor-sparse, 3 = xor-dense
-    5       1     codec version  1
-    6       1     width          element width in bytes: 1, 2, 4 or 8
-    7       1     gap width      xor-sparse: bytes per gap, 1, 2 or 4; otherwise 0
-    8       8     count          elements in the chunk (< 2**32)
-    16      8     n_changed      elements that differ from the base (== count for full)
-    24      1     n_sections     full, xor-dense: width; xor-sparse: gap width + width
-    25      3     reserved       zero
-    28      12*n  section table  per section: kind u8, 3 zero bytes, stored size u32, raw size u32
-    ...           payload        the sections' stored bytes, in table order, nothing after
+Segments are self-describing ``DSG2`` segments; the normative byte layout and read path are in
+``docs/codec-format.md``, the measurements behind the codecs in ``docs/design/003-codec-v2.md``.
 
 ``DSG2`` (25-byte header, 5-byte table entries; raw sizes implied by the header)::
 
@@ -74,11 +53,11 @@ or :class:`~deltastore.errors.CorruptObjectError` (anything else wrong with the 
 bare ``IndexError`` or ``zstd.ZstdError``. :func:`decode_delta` returns a validated delta as a
 :class:`SparseDelta` or :class:`DenseDelta` without applying it.
 
-The package follows the format: :mod:`~deltastore.codec.container` (codec ids, the two header
-layouts, the section table), :mod:`~deltastore.codec.planes` (byte planes, sections and their
-entropy coding), :mod:`~deltastore.codec.full` (``full/1``, ``full/2``),
-:mod:`~deltastore.codec.delta` (one encoder and decoder for both delta operations, XOR and add)
-and :mod:`~deltastore.codec.compose`.
+The package follows the format: :mod:`~deltastore.codec.container` (codec ids, the header,
+the section table), :mod:`~deltastore.codec.planes` (byte planes, sections and their entropy
+coding), :mod:`~deltastore.codec.full` (``full/2``), :mod:`~deltastore.codec.delta` (encoding
+``add-sparse/1`` and ``add-dense/1``), :mod:`~deltastore.codec.apply` (decoding and applying
+them) and :mod:`~deltastore.codec.compose`.
 
 Example::
 
@@ -98,41 +77,31 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from deltastore.codec.compose import compose_deltas
     from deltastore.codec.container import (
-        ADD_CODECS,
         CODEC_ADD_DENSE,
         CODEC_ADD_SPARSE,
-        CODEC_FULL,
         CODEC_FULL2,
-        CODEC_XOR_DENSE,
-        CODEC_XOR_SPARSE,
         DELTA_CODECS,
         FULL_CODECS,
         KNOWN_CODECS,
         MAX_COUNT,
-        XOR_CODECS,
         SectionInfo,
         Segment,
         SegmentHeader,
         peek_header,
     )
-    from deltastore.codec.delta import (
-        DENSE_TRY_FRACTION,
-        ESCAPE,
-        NIBBLE_ESCAPE,
+    from deltastore.codec.apply import (
         Changes,
         DenseDelta,
         SparseDelta,
-        _encode_delta_xor,
         apply_delta,
         apply_delta_digests,
         apply_delta_into,
         decode_delta,
-        encode_delta,
     )
+    from deltastore.codec.delta import DENSE_TRY_FRACTION, ESCAPE, NIBBLE_ESCAPE, encode_delta
     from deltastore.codec.full import (
         MIN_PAIR_COUNT,
         PAIR_SAMPLE_STRIDE,
-        _encode_full_v1,
         decode_full,
         decode_full_into,
         encode_full,
@@ -144,15 +113,13 @@ if TYPE_CHECKING:
 #: loaded by the first caller that encodes or decodes a segment.
 _LAZY = {
     **dict.fromkeys(("compose_deltas",), "deltastore.codec.compose"),
-    **dict.fromkeys(("ADD_CODECS", "CODEC_ADD_DENSE", "CODEC_ADD_SPARSE", "CODEC_FULL", "CODEC_FULL2",
-                     "CODEC_XOR_DENSE", "CODEC_XOR_SPARSE", "DELTA_CODECS", "FULL_CODECS", "KNOWN_CODECS",
-                     "MAX_COUNT", "XOR_CODECS", "SectionInfo", "Segment", "SegmentHeader", "peek_header"),
+    **dict.fromkeys(("CODEC_ADD_DENSE", "CODEC_ADD_SPARSE", "CODEC_FULL2", "DELTA_CODECS", "FULL_CODECS",
+                     "KNOWN_CODECS", "MAX_COUNT", "SectionInfo", "Segment", "SegmentHeader", "peek_header"),
                     "deltastore.codec.container"),
-    **dict.fromkeys(("DENSE_TRY_FRACTION", "ESCAPE", "NIBBLE_ESCAPE", "Changes", "DenseDelta", "SparseDelta",
-                     "_encode_delta_xor", "apply_delta", "apply_delta_digests", "apply_delta_into", "decode_delta",
-                     "encode_delta"), "deltastore.codec.delta"),
-    **dict.fromkeys(("MIN_PAIR_COUNT", "PAIR_SAMPLE_STRIDE", "_encode_full_v1", "decode_full", "decode_full_into",
-                     "encode_full"),
+    **dict.fromkeys(("Changes", "DenseDelta", "SparseDelta", "apply_delta", "apply_delta_digests", "apply_delta_into",
+                     "decode_delta"), "deltastore.codec.apply"),
+    **dict.fromkeys(("DENSE_TRY_FRACTION", "ESCAPE", "NIBBLE_ESCAPE", "encode_delta"), "deltastore.codec.delta"),
+    **dict.fromkeys(("MIN_PAIR_COUNT", "PAIR_SAMPLE_STRIDE", "decode_full", "decode_full_into", "encode_full"),
                     "deltastore.codec.full"),
     **dict.fromkeys(("DEFAULT_LEVEL", "MIN_ZSTD_INPUT", "ZSTD_PLANE_PARAMS"), "deltastore.codec.planes"),
 }
@@ -174,13 +141,9 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "ADD_CODECS",
     "CODEC_ADD_DENSE",
     "CODEC_ADD_SPARSE",
-    "CODEC_FULL",
     "CODEC_FULL2",
-    "CODEC_XOR_DENSE",
-    "CODEC_XOR_SPARSE",
     "Changes",
     "DEFAULT_LEVEL",
     "DELTA_CODECS",
@@ -198,7 +161,6 @@ __all__ = [
     "Segment",
     "SegmentHeader",
     "SparseDelta",
-    "XOR_CODECS",
     "ZSTD_PLANE_PARAMS",
     "apply_delta",
     "apply_delta_digests",
@@ -211,5 +173,3 @@ __all__ = [
     "encode_full",
     "peek_header",
 ]
-# _encode_delta_xor and _encode_full_v1 (the v1 writers) are importable for tests and
-# comparisons only: writers produce the v2 codecs.

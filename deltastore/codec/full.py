@@ -1,8 +1,8 @@
-"""Full segments: the values of a whole chunk (an anchor), ``full/1`` and ``full/2``.
+"""Full segments (``full/2``): the values of a whole chunk (an anchor).
 
-``full/1`` stores the byte planes of the values. ``full/2`` (what writers produce) may first
-rotate float bit patterns left by one bit so that one plane holds the exponent, and may code
-that plane as pairs of 4-bit codes in a window of 15 exponents (transform 2).
+The byte planes of the values; float bit patterns may first be rotated left by one bit so that
+one plane holds the exponent, and that plane may be coded as pairs of 4-bit codes in a window of
+15 exponents (transform 2).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import xxhash
 from deltastore._util import kernels
 from deltastore.codec import planes as _sections
 from deltastore.codec.container import (
-    CODEC_FULL,
     CODEC_FULL2,
     EXP_WINDOW,
     FULL_CODECS,
@@ -37,7 +36,6 @@ from deltastore.codec.planes import (
     check_values,
     check_windows,
     decode_sections,
-    encode_sections,
     join,
     join_into,
     nibbles,
@@ -60,19 +58,17 @@ MIN_PAIR_COUNT = 4096
 PAIR_SAMPLE_STRIDE = 16
 
 # Exponent codes of the paired form: 0..14 are exponents low..low+14, 15 escapes. Two codes per
-# byte halve Huffman's per-symbol redundancy on the skewed exponent distribution: on MiniLM's
-# 39 large bf16 tensors the exponent plane drops from 7,487,646 to 7,468,312 bytes (entropy
-# 7,411,197), enough to come in under ZipNN; 0.03 % of exponents fall outside the window.
+# byte halve Huffman's per-symbol redundancy on the skewed exponent distribution of weights,
+# where a few hundredths of a percent of exponents fall outside the window (design 003).
 EXP_ESCAPE = 15
 assert EXP_ESCAPE == EXP_WINDOW  # the window's codes are 0..14: code 15 escapes (pair_codes)
 
 # From this many elements on, the paired form is written without also compressing the plain
-# exponent plane to compare (that second zstd pass was 0.54 s of a 1.42 s tf265m anchor) when the
-# sample says few exponents escape the window. Both forms then code the same information, and
-# pairs halve Huffman's per-symbol redundancy: paired won on every tf265m tensor (0.3239 against
-# 0.3257 bytes per element) and on MiniLM's large ones but two, which it lost by 24 and 1 bytes;
-# at 4,096-8,192 elements the plain form often wins (its Huffman table is smaller), hence the
-# exact comparison below this size.
+# exponent plane to compare (a second zstd pass over the plane, a large share of an anchor's
+# encode) when the sample says few exponents escape the window. Both forms then code the same
+# information and pairs halve Huffman's per-symbol redundancy, so on large weight tensors the
+# paired form wins (design 006, "Anchor encode"); at 4,096-8,192 elements the plain form often
+# wins (its Huffman table is smaller), hence the exact comparison below this size.
 PAIRS_ONLY_COUNT = 1 << 17
 
 # Largest share of sampled exponents outside the window for which PAIRS_ONLY_COUNT applies: each
@@ -138,7 +134,7 @@ def encode_full(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
 
 
 def _size(sections) -> int:
-    return packed_size(CODEC_FULL2, len(sections), sum(len(stored) for _, stored, _ in sections))
+    return packed_size(len(sections), sum(len(stored) for _, stored, _ in sections))
 
 
 def _planes(v: np.ndarray, *, rotate: bool) -> list[np.ndarray]:
@@ -149,14 +145,6 @@ def _planes(v: np.ndarray, *, rotate: bool) -> list[np.ndarray]:
     out = np.empty((v.itemsize, v.size), dtype=np.uint8)
     kernels.split_planes(v, out, v.itemsize, rotate)
     return list(out)
-
-
-def _encode_full_v1(values: np.ndarray, *, level: int | None = DEFAULT_LEVEL) -> Segment:
-    """A ``full/1`` segment (kept for tests and for comparisons; writers use ``full/2``)."""
-    v = check_values(values, "values")
-    n = int(v.size)
-    data = pack(CODEC_FULL, width=v.itemsize, count=n, n_changed=n, sections=encode_sections(split(v), level))
-    return Segment(CODEC_FULL, data, n)
 
 
 #: The numpy decoder decodes a chunk of up to this many bytes whole (its planes, and one
@@ -175,11 +163,11 @@ KERNEL_PIECE_BYTES = 128 << 10
 
 
 def decode_full(data: bytes, *, codec: str, dtype: np.dtype, count: int) -> np.ndarray:
-    """Decode a ``full/1`` or ``full/2`` segment into a new array (:func:`decode_full_into`).
+    """Decode a ``full/2`` segment into a new array (:func:`decode_full_into`).
 
     Args:
         data: the segment bytes.
-        codec: the codec the manifest recorded for it (``full/1`` or ``full/2``).
+        codec: the codec the manifest recorded for it (``full/2``).
         dtype: the unsigned dtype expected (its itemsize must match the segment's width).
         count: the element count expected.
 
@@ -201,7 +189,7 @@ def decode_full(data: bytes, *, codec: str, dtype: np.dtype, count: int) -> np.n
 
 
 def decode_full_into(data: bytes, out: np.ndarray, *, codec: str, digest: bool = False) -> str | None:
-    """Decode a ``full/1`` or ``full/2`` segment into ``out``, holding at most a bounded amount
+    """Decode a ``full/2`` segment into ``out``, holding at most a bounded amount
     of memory besides it, whatever the chunk's size (SPEC §7 step 8).
 
     The native kernel builds ``out`` :data:`KERNEL_PIECE_BYTES` at a time from each section's
@@ -213,7 +201,7 @@ def decode_full_into(data: bytes, out: np.ndarray, *, codec: str, digest: bool =
     Args:
         data: the segment bytes.
         out: a writable 1-D contiguous unsigned array of the chunk's element count and width.
-        codec: the codec the manifest recorded (``full/1`` or ``full/2``).
+        codec: the codec the manifest recorded (``full/2``).
         digest: also return the XXH3-128 hex of the result (SPEC §2's state digest), taken in
             the pass that writes it.
 

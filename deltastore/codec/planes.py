@@ -57,7 +57,7 @@ SMALL_PLANE = 4096
 # enough to judge (>= 2,048 bytes) and far cheaper than the passes it saves: a sample with two
 # values proves the plane is not CONST (no full min/max pass), and a near-uniform one means zstd
 # cannot gain, so the plane is stored RAW without compressing it (the mantissa plane of bf16
-# weights: zstd wrote 1.00003x its size on every tf265m tensor, 0.13 s of a 1.4 s anchor).
+# weights, which zstd does not shrink: design 006, "Anchor encode").
 # Below this size planes are always tried exactly (and the golden segments are all smaller).
 MIN_JUDGED_PLANE = 1 << 17
 
@@ -259,9 +259,8 @@ def _bytes_section(raw: bytes, cctx: zstandard.ZstdCompressor) -> tuple[int, byt
 
 def encode_byte_sections(planes: Sequence[bytes], level: int | None) -> list[tuple[int, bytes, int]]:
     """:func:`encode_sections` of planes held as bytes (the native kernels' output): the same
-    sections, at a few microseconds less per plane than numpy arrays cost (issue 9: a steady
-    delta publish encodes 2-7 planes per changed chunk, 134 chunks of a tf265m step at the
-    default chunking and ~1,200 with ``slice_align``)."""
+    sections, at a few microseconds less per plane than numpy arrays cost (a delta publish
+    encodes 2-7 planes per changed chunk, and a step changes hundreds of chunks)."""
     cctx = _cctx(level)
     return [_bytes_section(p, cctx) for p in planes]
 

@@ -27,11 +27,10 @@ from deltastore.errors import (
     VersionCollectedError,
     VersionNotFoundError,
 )
-from deltastore.format.manifest import (
+from deltastore.format.keys import HEAD_KEY, manifest_key_version
+from deltastore.format.manifest import parse_manifest
+from deltastore.format.models import (
     DEFAULT_MAX_ATTEMPT_S,
-    HEAD_KEY,
-    MAX_HEAD_BYTES,
-    MAX_MANIFEST_BYTES,
     Head,
     Index,
     Layout,
@@ -40,11 +39,9 @@ from deltastore.format.manifest import (
     PartRef,
     SquashManifest,
     SquashRef,
-    decode_object,
-    manifest_key_version,
-    parse_head,
-    parse_manifest,
 )
+from deltastore.format.objects import decode_object
+from deltastore.format.parse import MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, parse_head
 from deltastore.storage.base import Store
 
 logger = logging.getLogger(__name__)
@@ -117,14 +114,13 @@ def _parsed_bytes(m: Manifest) -> int:
 
 
 def _untrack_table(m: Manifest) -> None:
-    """Take a parsed manifest's chunk table out of the cyclic collector's sets (design 006,
-    session 27 addendum). A History caches up to MANIFEST_CACHE_ENTRIES manifests, ~3 objects
-    per tensor and per listed chunk each, and every pull parses one that outlives it: the
-    collector moved them into its old generation (~1,270 objects a steady tf265m pull) and
-    walked the whole cache in every full pass, one every ~60 pulls. The entries are frozen
-    models whose fields are ints, strings, tuples of ints and other entries: a tree, never part
-    of a cycle, which is what an untracked object must be (CPython untracks tuples and dicts of
-    atomic values itself). Without the native extension they stay tracked, as before."""
+    """Take a parsed manifest's chunk table out of the cyclic collector's sets
+    (docs/design/006-native-kernels.md). A History caches up to MANIFEST_CACHE_ENTRIES
+    manifests, ~3 objects per tensor and per listed chunk each, which the collector would
+    otherwise promote into its old generation and walk in every full pass. The entries are
+    frozen models whose fields are ints, strings, tuples of ints and other entries: a tree,
+    never part of a cycle, which is what an untracked object must be (CPython untracks tuples
+    and dicts of atomic values itself). Without the native extension they stay tracked."""
     untrack = kernels.untrack
     if untrack is None:
         return
@@ -242,10 +238,10 @@ class History:
     # --- manifests ----------------------------------------------------------------------
 
     def manifest(self, key: str, expected_sha256: str | None = None) -> Manifest:
-        """Fetch, verify and parse one manifest of any schema (cached, bounded).
+        """Fetch, verify and parse one manifest (cached, bounded).
 
-        A schema-3 manifest is returned with its tensors rebuilt from its layout object
-        (fetched through :meth:`layout`), in the shape a schema-2 manifest of that version has.
+        The manifest is returned with its tensors rebuilt from its layout object (fetched
+        through :meth:`layout`): in memory, ``tensors`` and ``blobs`` as Manifest models them.
         """
         with self._lock:
             cached = self._manifests.get(key)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deltastore.errors import DeltastoreError, SignatureError, UnsignedVersionError
-from deltastore.format.manifest import Manifest, Signature, dump
+from deltastore.format.models import Manifest, Signature, dump
 
 #: Hex digits of SHA-256(raw public key) in ``key_id``: 64 bits tell keys apart without
 #: making manifests longer than needed (the id selects a key; trust comes from the key).
@@ -104,9 +104,7 @@ def signed_bytes(m: Manifest) -> bytes:
 
 
 def sign_manifest(m: Manifest, private_key: Any) -> Manifest:
-    """``m`` with an Ed25519 ``signature`` by ``private_key`` (a schema-2 manifest)."""
-    if m.schema_ < 2:
-        raise ValueError("only schema-2 manifests carry signatures")
+    """``m`` with an Ed25519 ``signature`` by ``private_key``."""
     value = private_key.sign(signed_bytes(m))
     sig = Signature(alg="ed25519", key_id=key_id(private_key.public_key()), value=base64.b64encode(value).decode())
     return m.model_copy(update={"signature": sig})

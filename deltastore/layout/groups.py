@@ -27,7 +27,7 @@ import torch
 
 from deltastore._util import kernels
 from deltastore._util.identity import IdentityCache
-from deltastore.format.manifest import DTYPE_WIDTHS, GroupMember
+from deltastore.format.models import DTYPE_WIDTHS, GroupMember
 from deltastore.layout import grid
 from deltastore.layout.tensors import (
     CHUNK_TARGET_BYTES,

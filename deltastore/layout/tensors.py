@@ -24,7 +24,7 @@ import xxhash
 from deltastore._util import kernels
 from deltastore._util.identity import IdentityCache
 from deltastore.errors import InvalidStateDictError, LayoutMismatchError
-from deltastore.format.manifest import DTYPE_WIDTHS, GroupMember, chunk_count
+from deltastore.format.models import DTYPE_WIDTHS, GroupMember, chunk_count
 
 #: A chunk of about this size is the unit of change detection, encoding, threading and
 #: partial reads: big enough that per-chunk overhead vanishes, small enough that a few chunks

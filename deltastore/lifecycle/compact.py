@@ -36,14 +36,15 @@ import numpy as np
 from deltastore import codec
 from deltastore.read.engine import ReadEngine
 from deltastore.read.fetch import batched
-from deltastore.codec import compose_deltas
+from deltastore.codec.compose import compose_deltas
 from deltastore.write.commit import attempt_clock, put_immutable
 from deltastore.write.encode import PACK_TARGET_BYTES
 from deltastore.errors import CorruptObjectError, IntegrityError, VersionNotFoundError
 from deltastore.format.history import History
 from deltastore._util.jobs import default_threads, grouped
 from deltastore.lifecycle.ledger import read_ledger
-from deltastore.format.manifest import (
+from deltastore.format.keys import new_attempt_id, object_key, sha256_hex
+from deltastore.format.models import (
     DEFAULT_MAX_ATTEMPT_S,
     BlobRef,
     ChunkEntry,
@@ -54,11 +55,8 @@ from deltastore.format.manifest import (
     SquashManifest,
     SquashRef,
     TensorEntry,
-    encode_object,
-    new_attempt_id,
-    object_key,
-    sha256_hex,
 )
+from deltastore.format.objects import encode_object
 from deltastore.read.plan import Step, check_entries, digests, layout, plan_from_anchor
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -397,7 +395,7 @@ def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[s
                 parts.append(acc)
             if not parts:
                 continue  # unchanged in (bases[j], to]: not listed in that squash
-            acc = _fold(parts, states[j], spec.uint_dtype(), b - a)
+            acc = _fold(parts, spec.uint_dtype(), b - a)
             want = at_to.get(k)
             result = states[j].copy()
             if acc is not None:
@@ -435,16 +433,14 @@ def _compose(history: History, engine: ReadEngine, by_version: dict[int, tuple[s
     return outs
 
 
-def _fold(parts: list[codec.Segment], base: np.ndarray, dtype: Any, count: int) -> codec.Segment | None:
-    """The one delta equivalent to ``parts`` applied in order to ``base`` (None: they cancel)."""
+def _fold(parts: list[codec.Segment], dtype: Any, count: int) -> codec.Segment | None:
+    """The one delta equivalent to ``parts`` applied in order (None: they cancel)."""
     acc: codec.Segment | None = None
     for p in parts:
         if acc is None:  # nothing yet, or what came before cancelled out
             acc = p
             continue
-        # ``base`` is what ``acc`` applies to: needed only when the two deltas' families differ
-        # (an xor delta of a v1 store followed by an add delta).
-        acc = compose_deltas(acc.data, p.data, codec_a=acc.codec, codec_b=p.codec, dtype=dtype, count=count, base=base)
+        acc = compose_deltas(acc.data, p.data, codec_a=acc.codec, codec_b=p.codec, dtype=dtype, count=count)
     return acc
 
 

@@ -3,16 +3,15 @@
 One run (design 005 D3), each step completing or aborting without deleting:
 
 1. Write the clock probe ``gc/<run-id>.json`` (create-only, it records the run's parameters);
-   its last-modified time is "now" on the store's clock. Read HEAD (schema 3, or upgraded with
-   ``upgrade=True``), its index and the ledger.
+   its last-modified time is "now" on the store's clock. Read HEAD, its index and the ledger.
 2. Compute ``low = min(head − keep_last + 1, oldest version a live worker holds, oldest version
    that was head within the grace period)`` and ``floor = max(index floor, anchor(low))``.
    Pin ``keep_versions`` and raise the floor with one index-only HEAD write (before anything
    is deleted), and from then on use the index as committed (it may carry others' pins).
 3. Mark: read every manifest of [floor, head], the chains of the pins, and the registered
    squashes. Any read that fails aborts.
-4. Sweep: list the whole store. Candidates are keys under ``manifests/``, ``objects/``,
-   ``blobs/`` and ``gc/`` that are neither kept nor younger than the grace period. A failed
+4. Sweep: list the whole store. Candidates are keys under ``manifests/``, ``objects/`` and
+   ``gc/`` that are neither kept nor younger than the grace period. A failed
    listing, or an object without a last-modified time, aborts.
 5. Re-read HEAD: a changed lineage or schema aborts.
 6. Delete packs and squashes, then manifests, then old indexes, then old run records; write
@@ -58,18 +57,8 @@ from deltastore.lifecycle.index import (
     update_index,
 )
 from deltastore.lifecycle.ledger import LIVE_TTL_S, read_ledger
-from deltastore.format.manifest import (
-    BLOB_PREFIX,
-    DEFAULT_MAX_ATTEMPT_S,
-    HEAD_KEY,
-    MANIFEST_PREFIX,
-    OBJECT_PREFIX,
-    Head,
-    Index,
-    Manifest,
-    SquashManifest,
-    SquashRef,
-)
+from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, OBJECT_PREFIX
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Head, Index, Manifest, SquashManifest, SquashRef
 from deltastore.storage.base import ObjectMeta, Store
 
 logger = logging.getLogger(__name__)
@@ -77,12 +66,10 @@ logger = logging.getLogger(__name__)
 #: Run records (the clock probe and the report) live here; old ones are collected too.
 GC_PREFIX = "gc/"
 #: The only prefixes GC ever deletes under (SPEC §11); HEAD, workers/ and _deltastore/ never.
-DELETABLE_PREFIXES = (OBJECT_PREFIX, BLOB_PREFIX, MANIFEST_PREFIX, GC_PREFIX)
+DELETABLE_PREFIXES = (OBJECT_PREFIX, MANIFEST_PREFIX, GC_PREFIX)
 #: Slack for the store's clock error between stamping an object and stamping the probe, and for
 #: one SDK request's own retry window (design 005 D3, CLOCK_MARGIN).
 CLOCK_MARGIN_S = 600
-#: The attempt deadline assumed for a manifest that records none (schema 1/2): the default.
-LEGACY_MAX_ATTEMPT_S = DEFAULT_MAX_ATTEMPT_S
 #: Squashes named by manifests of versions ≥ head − this are kept (SPEC §11).
 SQUASH_RETAIN = 8
 #: The default grace period: a day (other systems use 3–7 days).
@@ -136,7 +123,6 @@ class GCReport:
     deleted: dict[str, list[str]] = field(default_factory=lambda: {p: [] for p in _PHASES})
     missing: list[str] = field(default_factory=list)
     dry_run: bool = False
-    upgraded: bool = False
     aborted_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -160,7 +146,7 @@ def _kind(key: str) -> str:
 def collect(store_or_url: Store | str, *, keep_last: int = 10, keep_versions: Iterable[int] = (),
             grace_s: float = DEFAULT_GRACE_S, dry_run: bool = False,
             storage_options: Mapping[str, Any] | None = None, writer: str | None = None,
-            upgrade: bool = False, unsafe_grace_ok: bool = False, ledger_ttl_s: float = LIVE_TTL_S) -> GCReport:
+            unsafe_grace_ok: bool = False, ledger_ttl_s: float = LIVE_TTL_S) -> GCReport:
     """Collect what the retention rules no longer need (SPEC §11); see the module docstring.
 
     Args:
@@ -171,14 +157,12 @@ def collect(store_or_url: Store | str, *, keep_last: int = 10, keep_versions: It
             ``max_attempt_s`` of the kept manifests + CLOCK_MARGIN_S (6 h 10 min by default).
         dry_run: compute and report only; writes nothing but the probe.
         writer: the id recorded in the index (default: host-pid-random).
-        upgrade: on a schema-1/2 HEAD, rewrite it as schema 3 first (older publishers then
-            stop with UnsupportedSchemaError); without it such a store is refused.
         unsafe_grace_ok: skip the grace check (tests, with publishers of a short deadline).
         ledger_ttl_s: a heartbeat older than this (store clock) is not a live worker.
 
     Raises:
         GCRefusedError: the grace is too short, or the store gives no last-modified times.
-        UnsupportedSchemaError: HEAD is schema 1/2 and ``upgrade`` is False.
+        UnsupportedSchemaError: HEAD or a manifest is of a schema this deltastore does not read.
         VersionCollectedError: a ``keep_versions`` version is already below the floor.
         GCAbortedError: a listing or needed read failed, HEAD changed lineage or schema, or a
             delete failed; ``deleted`` says how many objects went before it stopped.
@@ -191,18 +175,18 @@ def collect(store_or_url: Store | str, *, keep_last: int = 10, keep_versions: It
     keep = sorted({int(v) for v in keep_versions})
     with opened_store(store_or_url, dict(storage_options or {})) as store:
         return _Run(store, keep_last=keep_last, keep=keep, grace_s=float(grace_s), dry_run=dry_run,
-                    writer=writer, upgrade=upgrade, unsafe_grace_ok=unsafe_grace_ok, ttl_s=ledger_ttl_s).run()
+                    writer=writer, unsafe_grace_ok=unsafe_grace_ok, ttl_s=ledger_ttl_s).run()
 
 
 class _Run:
     def __init__(self, store: Store, *, keep_last: int, keep: list[int], grace_s: float, dry_run: bool,
-                 writer: str | None, upgrade: bool, unsafe_grace_ok: bool, ttl_s: float):
+                 writer: str | None, unsafe_grace_ok: bool, ttl_s: float):
         from deltastore.lifecycle.index import default_writer
 
         self.store = store
         self.history = History(store)
         self.keep_last, self.keep, self.grace_s = keep_last, keep, grace_s
-        self.dry_run, self.upgrade, self.unsafe_grace_ok, self.ttl_s = dry_run, upgrade, unsafe_grace_ok, ttl_s
+        self.dry_run, self.unsafe_grace_ok, self.ttl_s = dry_run, unsafe_grace_ok, ttl_s
         self.writer = writer or default_writer()
         self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(4)
         self.probe_key = f"{GC_PREFIX}{self.run_id}.json"
@@ -215,7 +199,7 @@ class _Run:
         doc = {
             "format": "deltastore.lifecycle.gc-run", "run_id": self.run_id, "writer": self.writer,
             "keep_last": self.keep_last, "keep_versions": self.keep, "grace_s": self.grace_s,
-            "dry_run": self.dry_run, "upgrade": self.upgrade,
+            "dry_run": self.dry_run,
             "started_local": _iso(datetime.now(timezone.utc)),  # informative only: never compared
         }
         try:
@@ -238,11 +222,6 @@ class _Run:
                             pins=[], keep_last=self.keep_last, grace_s=self.grace_s, dry_run=self.dry_run,
                             aborted_reason=f"{self.store.url} has no committed version: nothing to collect")
         head = cur[0]
-        if head.schema_ < 3 and not self.upgrade:
-            raise UnsupportedSchemaError(
-                f"HEAD of {self.store.url} is schema {head.schema_}; GC runs on schema-3 stores only. Pass --upgrade "
-                "(upgrade=True) to rewrite HEAD as schema 3 first; schema-1/2 publishers then stop with UnsupportedSchemaError"
-            )
         index = self._read(lambda: read_index(self.history, head), "the history index")
         floor_before = effective_floor(index)
         # Ages of manifests (for `recent`), from one listing of manifests/.
@@ -280,14 +259,13 @@ class _Run:
 
         # --- step 2c: commit pins and floor (before deleting anything) ---------------------
         def mutate(h: Head, idx: Index | None) -> Index:
-            if head.lineage is not None and h.lineage != head.lineage:
+            if h.lineage != head.lineage:
                 raise HistoryReplacedError(
                     f"HEAD of {self.store.url} now has lineage {h.lineage}, not {head.lineage}: another history; nothing was deleted"
                 )
             pinned_idx = add_pins(self.keep, history=self.history, by=self.writer)(h, idx) if self.keep else index_content(idx, h)
             return normalize_index(pinned_idx.model_copy(update={"floor": max(floor, effective_floor(idx))}), idx)
 
-        upgraded = head.schema_ < 3
         if self.dry_run:
             committed = mutate(head, index)
             committed_head = head
@@ -314,7 +292,7 @@ class _Run:
         report = GCReport(run_id=self.run_id, now=_iso(now), head_version=head.version, floor_before=floor_before,
                           floor_after=floor, pins=pins, keep_last=self.keep_last, grace_s=self.grace_s,
                           kept_versions=[m.version for _, m in chain.between(floor, head.version)],
-                          dry_run=self.dry_run, upgraded=upgraded and not self.dry_run)
+                          dry_run=self.dry_run)
         candidates: dict[str, list[ObjectMeta]] = {p: [] for p in _PHASES}
         listing = self._listing(now)
         listed = {m.key for m in listing}
@@ -447,7 +425,7 @@ class _Run:
 
     def _check_grace(self, chain: _Chain, floor: int, top: int) -> None:
         """Refuse a grace shorter than the kept manifests' attempt deadline + CLOCK_MARGIN_S."""
-        deadline = max((m.max_attempt_s or LEGACY_MAX_ATTEMPT_S) for _, m in chain.between(floor, top))
+        deadline = max((m.max_attempt_s or DEFAULT_MAX_ATTEMPT_S) for _, m in chain.between(floor, top))
         if self.grace_s < deadline + CLOCK_MARGIN_S and not self.unsafe_grace_ok:
             raise GCRefusedError(
                 f"grace {self.grace_s:g}s is shorter than the writers' attempt deadline {deadline}s + {CLOCK_MARGIN_S}s "
@@ -490,8 +468,8 @@ class _Run:
                 if b.live(now, self.ttl_s) and b.lineage in (None, head.lineage) and 1 <= b.version <= head.version]
 
     def _needs_materialize(self, key: str) -> set[str]:
-        """Manifests anchor(p) … p with their layouts; the anchor's full packs (role ``f`` or
-        unmarked), every pack of the deltas after it (SPEC §11)."""
+        """Manifests anchor(p) … p with their layouts; the anchor's full packs (role ``f``), every
+        pack of the deltas after it (SPEC §11)."""
         def walk() -> set[str]:
             m = self.history.manifest(key)
             out: set[str] = set()

@@ -28,19 +28,9 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.history import History
-from deltastore.format.manifest import (
-    DEFAULT_MAX_ATTEMPT_S,
-    Head,
-    Index,
-    ObjectRef,
-    Pin,
-    SquashRef,
-    encode_object,
-    new_attempt_id,
-    new_lineage,
-    object_key,
-    sha256_hex,
-)
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Head, Index, ObjectRef, Pin, SquashRef
+from deltastore.format.objects import encode_object
+from deltastore.format.keys import new_attempt_id, new_lineage, object_key, sha256_hex
 from deltastore.storage.base import Store
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.history import History
-from deltastore.format.manifest import Index, Manifest, SquashManifest, SquashRef, decode_object
+from deltastore.format.models import Index, Manifest, SquashManifest, SquashRef
+from deltastore.format.objects import decode_object
 from deltastore.layout.tensors import TensorSpec
 from deltastore.layout.tied import recorded_aliases
 from deltastore.read.plan import (

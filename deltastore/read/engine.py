@@ -33,7 +33,7 @@ from deltastore.storage.base import Store
 logger = logging.getLogger(__name__)
 
 #: What a decode thread holds at most besides the tensors it writes (SPEC §7 step 8), whatever a
-#: chunk's size: the largest segment the codec decodes whole (codec.delta.WHOLE_MAX_BYTES;
+#: chunk's size: the largest segment the codec decodes whole (codec.apply.WHOLE_MAX_BYTES;
 #: full segments go straight into their tensor), or a piece's working set and the windows of the
 #: zstd sections it streams. A target that is not a live view adds one chunk (see replay).
 DECODE_MEMORY_BYTES = 64 << 20

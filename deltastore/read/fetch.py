@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 from typing_extensions import Self
 
 from deltastore.errors import DeltastoreError, IntegrityError, NotFoundError
-from deltastore.format.manifest import BlobRef, SegmentRef, sha256_hex
+from deltastore.format.models import BlobRef, SegmentRef
+from deltastore.format.keys import sha256_hex
 from deltastore.read.plan import ChunkPlan, Step
 from deltastore.storage.base import Store
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from deltastore.format.manifest import DTYPE_WIDTHS
+from deltastore.format.models import DTYPE_WIDTHS
 from deltastore.layout.select import Resolved, Selection, resolve
 from deltastore.layout.tensors import TensorSpec
 from deltastore.read.changes import merge_spans

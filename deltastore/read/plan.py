@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltastore.errors import CorruptObjectError
-from deltastore.format.manifest import BlobRef, Manifest, SegmentRef, SquashManifest
+from deltastore.format.models import BlobRef, Manifest, SegmentRef, SquashManifest
 from deltastore.layout.tensors import TensorSpec
 
 logger = logging.getLogger(__name__)

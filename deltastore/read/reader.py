@@ -33,7 +33,7 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.history import History, VersionInfo
-from deltastore.format.manifest import Head, Index, Manifest
+from deltastore.format.models import Head, Index, Manifest
 from deltastore.layout.groups import allocate_members
 from deltastore.layout.select import Resolved, Selection, check_target, slice_targets
 from deltastore.layout.tensors import TensorSpec

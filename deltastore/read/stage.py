@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltastore.codec import Changes
+from deltastore.codec.apply import Changes
 from deltastore.errors import IntegrityError
 from deltastore.format.history import VersionInfo
 from deltastore.layout.grid import patch_put, patch_region, patch_take

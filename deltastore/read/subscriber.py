@@ -26,7 +26,7 @@ from deltastore.errors import (
     WaitTimeoutError,
 )
 from deltastore.format.history import VersionInfo
-from deltastore.format.manifest import MAX_MANIFEST_BYTES
+from deltastore.format.parse import MAX_MANIFEST_BYTES
 from deltastore.layout.select import Selection
 from deltastore.layout.tensors import TensorSpec, member_specs
 from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter

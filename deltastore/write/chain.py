@@ -29,14 +29,9 @@ from typing import Any, Literal
 
 from deltastore.errors import NotFoundError, SigningRequiredError
 from deltastore.format.history import History
-from deltastore.format.manifest import (
-    BaseRef,
-    Head,
-    Layout,
-    Manifest,
-    ObjectRef,
-    Stats,
-    encode_object,
+from deltastore.format.models import BaseRef, Head, Layout, Manifest, ObjectRef, Stats
+from deltastore.format.objects import encode_object
+from deltastore.format.keys import (
     manifest_key,
     manifest_key_version,
     new_attempt_id,
@@ -446,8 +441,7 @@ class VersionChain:
 
     @staticmethod
     def _link_of(m: Manifest) -> _Link:
-        # a manifest before schema 3 has no skip pointers: an empty list ends the derivation
-        return _Link(m.version, m.parent_manifest, m.back if m.schema_ >= 3 else ())
+        return _Link(m.version, m.parent_manifest, m.back)
 
     def _tip_of(self, key: str, m: Manifest) -> Tip:
         """Read the :class:`Tip` of manifest ``m`` (its anchor's manifest and its layout)."""
@@ -455,8 +449,6 @@ class VersionChain:
         if m.base is not None and m.layout is not None:  # a based version: only its layout passes on
             return Tip(version=m.version, key=key, chained=False, layout=self.history.layout(m.layout),
                        layout_ref=m.layout, signed_by=signed_by)
-        if m.schema_ < 3:
-            return Tip(version=m.version, key=key, chained=False, signed_by=signed_by)
         anchor_key = key if m.kind == "anchor" else m.anchor_manifest
         a = m if m.kind == "anchor" else (self.history.manifest(anchor_key) if anchor_key else None)
         if (a is None or m.chain_start is None or m.layout is None or m.stats.cum_delta_bytes is None

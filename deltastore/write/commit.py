@@ -47,7 +47,8 @@ from deltastore.errors import (
     StorageError,
 )
 from deltastore.format.history import History
-from deltastore.format.manifest import HEAD_KEY, SCHEMA_VERSION, Head, dump, new_lineage
+from deltastore.format.keys import HEAD_KEY, new_lineage
+from deltastore.format.models import SCHEMA_VERSION, Head, dump
 from deltastore.storage.base import IfMatch, Store, StreamedPut
 
 logger = logging.getLogger(__name__)

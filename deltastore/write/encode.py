@@ -36,18 +36,9 @@ from deltastore.layout.groups import (
     member_tables,
 )
 from deltastore._util.jobs import grouped
-from deltastore.format.manifest import (
-    OBJECT_PREFIX,
-    BlobRef,
-    ChunkEntry,
-    SegmentRef,
-    Stats,
-    TensorEntry,
-    blob_key,
-    object_key,
-    sha256_hex,
-    unchecked_entry,
-)
+from deltastore.format.keys import OBJECT_PREFIX, object_key, sha256_hex
+from deltastore.format.models import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry
+from deltastore.format.tables import unchecked_entry
 from deltastore.storage.base import Store, StreamedPut
 from deltastore.layout.tensors import TensorSpec, bits, state_digest, torch_dtype
 
@@ -128,8 +119,7 @@ class _Encoded:
 class _PackWriter:
     """Concatenates segments of one role into content-addressed packs and uploads each when full.
 
-    With an ``attempt`` (schema 3) packs go to ``objects/<attempt>/<sha256>.pack`` and record
-    ``role``; without one, to the schema-1/2 ``blobs/`` keys. Uploads run on ``uploader``
+    Packs go to ``objects/<attempt>/<sha256>.pack`` and record ``role``. Uploads run on ``uploader``
     threads (at most ``UPLOADS_IN_FLIGHT`` packs held at once), so encoding goes on while a
     pack travels; :meth:`finish` waits for every upload.
 
@@ -198,7 +188,8 @@ class _PackWriter:
             return
         size, self._len = self._len, 0
         digest, self._sha = self._sha.hexdigest(), hashlib.sha256()
-        key = object_key(self.attempt, digest, ".pack") if self.attempt is not None else blob_key(digest)
+        assert self.attempt is not None, "packs are named under their commit attempt (objects/<attempt>/)"
+        key = object_key(self.attempt, digest, ".pack")
         self.blobs.append(BlobRef(key=key, size=size, sha256=digest, role=self.role))
         self.bytes_written += size
         while len(self._uploads) >= UPLOADS_IN_FLIGHT:
@@ -420,8 +411,8 @@ def encode_version(
             the delta and full pack streams); not ``pool``: the encode thread packing the
             results waits on uploads.
         store: where packs are uploaded (create-only, content-addressed).
-        attempt: the commit attempt's id (schema 3): packs go under ``objects/<attempt>/``
-            with their role; None writes schema-1/2 ``blobs/`` keys.
+        attempt: the commit attempt's id: packs go under ``objects/<attempt>/`` with their
+            role (required).
         reference_bits: the caller's cache of bit views of ``reference``'s tensors (name →
             view), filled here as views are made and used by later calls with the same
             reference: the caller keeps it exactly as long as that reference dict and its

@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from deltastore.format.manifest import DEFAULT_MAX_ATTEMPT_S, DTYPE_WIDTHS
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, DTYPE_WIDTHS
 from deltastore.layout.groups import GROUP_MEMBER_MAX_BYTES, group_specs, tied_names
 from deltastore.layout.tensors import (
     CHUNK_TARGET_BYTES,

@@ -26,7 +26,8 @@ from deltastore._util.heap import release_free_heap
 from deltastore._util.jobs import default_threads
 from deltastore.errors import ConflictError, InvalidStateDictError, LayoutMismatchError, StorageError
 from deltastore.format.history import VersionInfo
-from deltastore.format.manifest import GROUPS_SCHEMA, Head, Layout, encode_manifest, layout_of
+from deltastore.format.models import GROUPS_SCHEMA, Head, Layout, layout_of
+from deltastore.format.manifest import encode_manifest
 from deltastore.layout import grid
 from deltastore.layout.groups import unit_order, unit_reference
 from deltastore.layout.tensors import TensorSpec, bits, check_layout, dtype_name, validate_state_dict

@@ -1,30 +1,60 @@
-"""Write the golden files under tests/golden/ (run once; the files are committed as data).
+"""Write the golden files of the current format under tests/golden/ (the files are committed as
+data and read, byte for byte, by tests/test_golden*.py, tests/test_sharded.py and
+tests/test_federated_golden.py)::
 
-The files were produced by deltastore at commit 9a91ec2 (the codec as one module, before it
-became the ``deltastore/codec/`` package), with::
+    python tests/golden/make_golden.py                  # every target, into tests/golden/
+    python tests/golden/make_golden.py schema3 grid     # some targets
+    python tests/golden/make_golden.py --out DIR        # into another directory
+    python tests/golden/make_golden.py --check          # regenerate into a temporary directory
+                                                        # and compare with the committed files
 
-    python tests/golden/make_golden.py          # from the repository root
+It refuses to overwrite existing files unless ``--force`` is given: the point of the files is
+that a later release reads them as this one wrote them.
 
-Running it again on later code is how one would *extend* the goldens; it refuses to overwrite
-existing files unless ``--force`` is given, because the point of the files is that they were
-written by an older release and are read, byte for byte, by every later one
-(tests/test_golden.py).
+Targets (each deterministic in its inputs: fixed seeds, one encode thread):
 
-What it writes:
+``segments``
+    ``segments/``: for each case, inputs (``old``/``new`` raw bit patterns, one gzipped ``.npy``
+    each, identical arrays stored once) and the segment each encoder produced from them
+    (``full/2`` with and without ``float_bits``, ``add-*``, some at zstd level 3), plus composed
+    deltas; ``index.json`` records each segment's codec, encoder and arguments.
+``schema3``
+    ``store-schema3/``: v1 an anchor, v2–v3 deltas, v4 an anchor with a new layout (a tensor
+    added, one resized, one removed), v5–v7 deltas, v8 an anchor of the same layout, v9–v12
+    deltas; a compactor registers the squash S(9, 12) in the history index, and a GC
+    (``keep_last=4``, v2 and v6 pinned, no grace) raises the floor to 8 and deletes what no kept
+    version needs. ``store-schema3-expected/`` (every version's state dict), and
+    ``store-schema3-facts.json`` (floor, pins, the squash, the GC's deleted keys, the zstd
+    version that compressed the objects).
+``schema4``
+    ``store-schema4/``: small tensors grouped into rows (the grouping policy shrunk: several
+    groups per dtype, groups cut into chunks that split members, 0-d members, NaN and -0.0
+    payloads, tensors left ungrouped); v1 and v5 anchors, deltas between, the squash S(2, 8).
+    Its layout object records ``chunk_rows`` 128 for the 0-d ``step`` (chunk bytes over the
+    element width, as its writer chose); today's writer chooses 1, so ``--check`` reports that
+    one object as different (readers take any ``chunk_rows`` of a 0-d tensor: it is one chunk).
+``grid``
+    ``store-grid/``: column grids (``chunk_cols``), ragged both ways and with trailing
+    dimensions, written through the publisher's explicit layout hook (the grid policy never
+    grids tensors this small); a squash, a ``resume=False`` anchor with another grid, and an
+    anchor that groups the small tensors (schema 4). The facts record what a column reader
+    fetches per version and rank.
+``sharded``
+    ``store-sharded/``: three ranks (gloo) publishing tests/test_sharded.py's model with
+    ``anchor_every=3`` (parts, part manifests and sharded layouts).
+``sharded-grid``
+    ``store-sharded-grid/``: three ranks publishing ``golden_grid_model``: column grids in a
+    sharded layout.
+``federated``
+    ``store-federated/{global,site-a,site-b}``: a global store and two sites whose versions are
+    based on the global versions (schema 4's ``base``).
 
-``segments/index.json`` and ``segments/*.npy.gz`` / ``segments/*.seg``
-    For each case: deterministic inputs (``old``/``new`` raw bit patterns as unsigned arrays,
-    one gzipped ``.npy`` each, identical arrays stored once) and the segment bytes each
-    encoder produced from them: ``full/1`` (the private v1 encoder), ``full/2`` with and
-    without ``float_bits``, the v1 delta encoder
-    (``xor-sparse/1``/``xor-dense/1``) and today's (``add-sparse/1``/``add-dense/1``), plus a
-    few composed deltas (three arrays a, b, c). The index records each segment's codec, the
-    encoder and its arguments, so the test can decode it and re-encode with today's writers.
-``store-schema1/``
-    A small store written by the Publisher into a local directory: only the store objects
-    (``HEAD``, ``manifests/``, ``blobs/``), not the local backend's lock directory.
-``store-schema1-expected/vN.safetensors``
-    The state dict of every version N, as published.
+Every store target also writes ``<store>-expected/`` (each version's state dict as
+safetensors, and for most a ``sha256.json`` of each tensor's raw bytes). A store's manifests,
+history index, squash and part manifests carry random attempt ids, lineages and times, so a
+second run writes other bytes for them: ``--check`` compares what is deterministic (packs and
+layout objects by content, the expected state dicts, the facts but for ids), and
+tests/test_golden.py proves the rest by re-encoding every stored object to its stored bytes.
 """
 
 from __future__ import annotations
@@ -38,16 +68,55 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
 
 from deltastore import codec  # noqa: E402
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy  # noqa: E402
 
-SEED = 20261201
+#: Store objects a golden store may hold (the local backend's lock directory is not one).
+STORE_PARTS = ("HEAD", "manifests", "objects", "gc")
+
+
+def _copy_store(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for part in STORE_PARTS:
+        p = src / part
+        if p.exists():
+            (shutil.copytree if p.is_dir() else shutil.copy2)(p, dst / part)
+    left = sorted(set(os.listdir(src)) - set(STORE_PARTS) - {".deltastore-locks"})
+    assert not left, f"unexpected store objects: {left}"
+
+
+def _tensor_sha(t) -> str:
+    import torch
+
+    t = t.contiguous()
+    raw = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _write_shas(expected_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = {}
+    for p in sorted(expected_dir.glob("v*.safetensors"), key=lambda p: int(p.stem[1:])):
+        sd = load_file(str(p))
+        out[p.stem] = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape), "sha256": _tensor_sha(v)}
+                       for k, v in sorted(sd.items())}
+    (expected_dir / "sha256.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+
+
+# --- segments -----------------------------------------------------------------------------
+
+
+SEGMENTS_SEED = 20261201
 
 # family -> (unsigned dtype, IEEE float bit patterns?)
 FAMILIES = {
@@ -155,14 +224,12 @@ def encoders(name: str, family: str):
     floating = FAMILIES[family][1]
     level3 = family in ("bf16", "uint8")  # an int level next to the tuned default, on two widths
     if not name.endswith(NO_FULL):
-        yield "full1", lambda o, n: codec._encode_full_v1(n), {"fn": "full1"}
         yield "full2", lambda o, n: codec.encode_full(n), {"fn": "full2", "float_bits": False}
         if floating:
             yield "full2-float", lambda o, n: codec.encode_full(n, float_bits=True), {"fn": "full2", "float_bits": True}
         if level3:
             yield ("full2-level3", lambda o, n: codec.encode_full(n, level=3),
                    {"fn": "full2", "float_bits": False, "level": 3})
-    yield "xor", lambda o, n: codec._encode_delta_xor(o, n), {"fn": "xor"}
     yield "add", lambda o, n: codec.encode_delta(o, n), {"fn": "add"}
     if level3:
         yield "add-level3", lambda o, n: codec.encode_delta(o, n, level=3), {"fn": "add", "level": 3}
@@ -190,10 +257,10 @@ class Arrays:
 
 
 def write_segments(out: Path) -> dict:
-    rng = np.random.default_rng(SEED)
+    rng = np.random.default_rng(SEGMENTS_SEED)
     out.mkdir(parents=True)
     arrays = Arrays(out)
-    index = {"seed": SEED, "cases": [], "compose": []}
+    index = {"seed": SEGMENTS_SEED, "cases": [], "compose": []}
     seen: set[tuple[str, int]] = set()
     for name, fam, old, new in cases(rng):
         entry = {"name": name, "family": fam, "dtype": new.dtype.str, "count": int(new.size),
@@ -201,7 +268,7 @@ def write_segments(out: Path) -> dict:
         if old is not None:
             entry["old"] = arrays.save(old, f"{name}.old")
         for label, fn, desc in encoders(name, fam):
-            if desc["fn"] in ("xor", "add") and old is None:
+            if desc["fn"] == "add" and old is None:
                 continue
             seg = fn(old, new)
             if seg is None:
@@ -223,12 +290,10 @@ def write_segments(out: Path) -> dict:
         c = step(fam, b, np.sort(rng.choice(n, 60, replace=False)), rng)
         c[:10] = a[:10]  # some changes cancel
         files = {k: arrays.save(v, f"compose-{fam}.{k}") for k, v in (("a", a), ("b", b), ("c", c))}
-        deltas = {"xor": (codec._encode_delta_xor(a, b), codec._encode_delta_xor(b, c)),
-                  "add": (codec.encode_delta(a, b), codec.encode_delta(b, c))}
-        for fa, fb in (("xor", "xor"), ("add", "add"), ("xor", "add"), ("add", "xor")):
+        deltas = {"add": (codec.encode_delta(a, b), codec.encode_delta(b, c))}
+        for fa, fb in (("add", "add"),):
             sa, sb = deltas[fa][0], deltas[fb][1]
-            r = codec.compose_deltas(sa.data, sb.data, codec_a=sa.codec, codec_b=sb.codec,
-                                     dtype=a.dtype, count=n, base=a)
+            r = codec.compose_deltas(sa.data, sb.data, codec_a=sa.codec, codec_b=sb.codec, dtype=a.dtype, count=n)
             names = {}
             for k, s in (("a", sa), ("b", sb), ("result", r)):
                 names[k] = f"compose-{fam}.{fa}-{fb}.{k}.seg"
@@ -248,86 +313,533 @@ def write_segments(out: Path) -> dict:
     return index
 
 
-def write_store(store_dir: Path, expected_dir: Path) -> None:
+# --- schema3 ------------------------------------------------------------------------------
+
+
+SCHEMA3_SEED = 20261203
+KEEP_LAST = 4
+#: Pinned below the floor: one of the first layout, one of the second.
+PINNED = [2, 6]
+SCHEMA3_SQUASH_BASE = 9
+SCHEMA3_VERSIONS = 12
+
+
+def write_schema3(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
     import deltastore
-    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
-
-    g = torch.Generator().manual_seed(SEED)
+    from deltastore.lifecycle.compact import compact
+    from deltastore.lifecycle.gc import collect
+    g = torch.Generator().manual_seed(SCHEMA3_SEED)
 
     def bf16(*shape):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
     sd = {
-        "embed.weight": bf16(64, 48),
-        "layer.0.weight": bf16(64, 64),
-        "layer.0.bias": torch.zeros(64, dtype=torch.float32),
-        "norm.weight": torch.ones(64, dtype=torch.float16),
+        "embed.weight": bf16(40, 32),
+        "layer.0.weight": bf16(32, 32),
+        "layer.0.bias": torch.zeros(32, dtype=torch.float32),
+        "norm.weight": torch.ones(32, dtype=torch.float16),
         "steps": torch.tensor([0], dtype=torch.int64),
-        "mask": torch.rand(40, generator=g) < 0.5,
-        "table": torch.randint(0, 256, (33,), generator=g, dtype=torch.int64).to(torch.uint8),
+        "mask": torch.rand(30, generator=g) < 0.5,
         "scale": torch.tensor([1.0, -0.0, float("nan")], dtype=torch.float64),
     }
+    # the same few elements move at every step (as under a small learning rate): a squash over
+    # several versions is then smaller than the chain it replaces
+    hot = {}
+
+    def nudge(*names):
+        for k in names:
+            t = sd[k].view(torch.int16).view(-1)
+            if (k, t.numel()) not in hot:
+                hot[(k, t.numel())] = torch.randperm(t.numel(), generator=g)[: max(1, t.numel() // 40)]
+            idx = hot[(k, t.numel())]
+            t[idx] += torch.randint(1, 3, (idx.numel(),), generator=g, dtype=torch.int16)
+
     expected_dir.mkdir(parents=True)
     tmp = Path(tempfile.mkdtemp())
+    url = str(tmp / "store")
+
+    def publish(pub, step_, **kw):
+        info = pub.publish(sd, step=step_, metadata={"golden": 3}, **kw)
+        assert info.version == step_ + 1
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(expected_dir / f"v{info.version}.safetensors"))
+        return info
+
     try:
-        # small chunks so that tensors span several chunks (and chunks of every codec appear)
-        with deltastore.Publisher(str(tmp / "store"), writer_policy=WriterPolicy(writer_id="golden", threads=1),
-                                  anchor_policy=AnchorPolicy(every=4), layout_policy=LayoutPolicy(chunk_bytes=2048)) as pub:
-
-            def publish(step_, **kw):
-                info = pub.publish(sd, step=step_, metadata={"golden": True}, **kw)
-                save_file({k: v.contiguous() for k, v in sd.items()},
-                          str(expected_dir / f"v{info.version}.safetensors"))
-                return info
-
-            publish(0)  # v1: anchor
-            for s in range(1, 6):  # v2-v4 deltas, v5 an anchor (anchor_every=4) with deltas, v6 a delta
-                for k in ("embed.weight", "layer.0.weight"):
-                    t = sd[k].view(torch.int16)
-                    idx = torch.randperm(t.numel(), generator=g)[: t.numel() // 50]
-                    t.view(-1)[idx] += torch.randint(-2, 3, (idx.numel(),), generator=g, dtype=torch.int16)
-                sd["layer.0.bias"] += 1e-3 * s
+        with deltastore.Publisher(url, writer_policy=WriterPolicy(writer_id="golden3", threads=1),
+                                  layout_policy=LayoutPolicy(chunk_bytes=1024), anchor_policy=AnchorPolicy(every=100)) as pub:
+            publish(pub, 0)  # v1 anchor
+            for s in (1, 2):  # v2-v3 deltas
+                nudge("embed.weight", "layer.0.weight")
                 sd["steps"] += 1
-                if s == 3:
-                    sd["norm.weight"][5] = float("-inf")
+                if s == 2:
                     sd["mask"] = ~sd["mask"]
-                publish(s)
-            # v7: a dense step, every element of one tensor moves
-            sd["embed.weight"] = (sd["embed.weight"].float() * 1.01).to(torch.bfloat16)
-            publish(6)
-            # v8: a layout change (a new tensor, a resized one), published as an anchor; v9 a delta
-            sd["layer.1.weight"] = bf16(32, 32)
-            sd["layer.0.bias"] = torch.zeros(100, dtype=torch.float32)
-            publish(7, anchor=True)
-            sd["layer.1.weight"].view(torch.int16)[0, :5] += 1
-            publish(8)
-        src = tmp / "store"
-        store_dir.mkdir(parents=True)
-        for part in ("HEAD", "manifests", "blobs"):
-            p = src / part
-            (shutil.copytree if p.is_dir() else shutil.copy2)(p, store_dir / part)
-        left = sorted(set(os.listdir(src)) - {"HEAD", "manifests", "blobs", ".deltastore-locks"})
-        assert not left, f"unexpected store objects: {left}"
+                    sd["layer.0.bias"] += 1e-3
+                publish(pub, s)
+            # v4: a layout change (new tensor, resized tensor, removed tensor), as an anchor
+            sd["layer.1.weight"] = bf16(24, 24)
+            sd["layer.0.bias"] = torch.zeros(40, dtype=torch.float32)
+            del sd["scale"]
+            sd["steps"] += 1
+            publish(pub, 3, anchor=True)
+            for s in range(4, 12):  # v5-v7 deltas, v8 an anchor (same layout), v9-v12 deltas
+                nudge("layer.0.weight", "layer.1.weight")
+                sd["steps"] += 1
+                if s == 5:
+                    sd["norm.weight"][3] = float("-inf")
+                publish(pub, s, anchor=s == 7)
+        rep = compact(url, bases=[SCHEMA3_SQUASH_BASE], writer="golden3-compactor", threads=1)
+        assert rep.registered and [(s.from_, s.to) for s in rep.squashes] == [(SCHEMA3_SQUASH_BASE, SCHEMA3_VERSIONS)], rep
+        sq = rep.squashes[0]
+        assert sq.bytes < sq.chain_bytes, rep
+        gc = collect(url, keep_last=KEEP_LAST, keep_versions=PINNED, grace_s=0, unsafe_grace_ok=True,
+                     writer="golden3-gc")
+        assert gc.floor_after == SCHEMA3_VERSIONS - KEEP_LAST and gc.pins == PINNED, gc
+        assert gc.deleted_objects > 0, gc
+        import zstandard
+
+        facts = {
+            # encode_manifest is zstd (level 3) of canonical JSON: the same bytes only with the
+            # same libzstd, so the test compares bytes where the version matches
+            "zstd": {"zstandard": zstandard.__version__, "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION))},
+            "versions": SCHEMA3_VERSIONS, "floor": gc.floor_after, "pins": gc.pins, "keep_last": KEEP_LAST,
+            "squash": {"from": sq.from_, "to": sq.to, "key": sq.key, "sha256": sq.sha256, "bytes": sq.bytes,
+                       "chain_bytes": sq.chain_bytes},
+            "gc": {"kept_versions": gc.kept_versions, "deleted": gc.deleted, "deleted_objects": gc.deleted_objects,
+                   "deleted_bytes": gc.deleted_bytes},
+        }
+        facts_path.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+        _copy_store(tmp / "store", store_dir)
+        _write_shas(expected_dir)
     finally:
         shutil.rmtree(tmp)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# --- schema4 ------------------------------------------------------------------------------
+
+
+SCHEMA4_SEED = 20261201
+SCHEMA4_VERSIONS = 8
+SCHEMA4_SQUASH_BASE = 2
+
+
+def write_schema4(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    import deltastore
+    import deltastore.layout.groups as groups
+    from deltastore.lifecycle.compact import compact
+    from deltastore.format.history import History
+    from deltastore.storage import open_store
+
+    groups.GROUP_MEMBER_MAX_BYTES = 512
+    groups.GROUP_TARGET_BYTES = 512
+    g = torch.Generator().manual_seed(SCHEMA4_SEED)
+
+    def bf16(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    sd: dict[str, torch.Tensor] = {}
+    for i in range(12):
+        sd[f"layer.{i}.norm.weight"] = torch.ones(16, dtype=torch.float32) + i
+        sd[f"layer.{i}.bias"] = bf16(24)
+        if i % 4 == 0:
+            sd[f"layer.{i}.proj"] = bf16(32, 16)  # 1 KiB: above the (shrunk) member limit
+        sd[f"layer.{i}.expert.w"] = bf16(4, 8)
+    sd["step"] = torch.tensor(0, dtype=torch.int64)  # 0-d
+    sd["scale"] = torch.tensor(1.5, dtype=torch.float32)  # 0-d, groups with the fp32 norms
+    sd["specials"] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-40], dtype=torch.float32)
+    sd["mask"] = torch.rand(30, generator=g) < 0.5  # a lonely bool: never a group of one
+    nan = torch.tensor([0x7FC1, 0xFFC3 - 0x10000, -0x8000], dtype=torch.int16).view(torch.bfloat16)
+    sd["bf16.payloads"] = nan.clone()
+
+    def nudge():
+        for k, t in sd.items():
+            if t.dtype == torch.bfloat16 and t.numel() > 8:
+                v = t.view(torch.int16).view(-1)
+                idx = torch.randperm(v.numel(), generator=g)[: max(1, v.numel() // 50)]
+                v[idx] += torch.randint(1, 3, (idx.numel(),), generator=g, dtype=torch.int16)
+        sd["step"] += 1
+        sd["specials"] = sd["specials"].roll(1)
+        sd["bf16.payloads"] = sd["bf16.payloads"].roll(1)
+
+    expected_dir.mkdir(parents=True)
+    tmp = Path(tempfile.mkdtemp())
+    url = str(tmp / "store")
+    try:
+        with deltastore.Publisher(url, writer_policy=WriterPolicy(writer_id="golden4", threads=1),
+                                  layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=True),
+                                  anchor_policy=AnchorPolicy(every=4)) as pub:
+            for s in range(SCHEMA4_VERSIONS):
+                if s:
+                    nudge()
+                info = pub.publish(sd, step=s, metadata={"golden": 4})
+                assert info.version == s + 1 and info.kind == ("anchor" if s in (0, 4) else "delta"), info
+                save_file({k: v.contiguous() for k, v in sd.items()}, str(expected_dir / f"v{info.version}.safetensors"))
+        rep = compact(url, bases=[SCHEMA4_SQUASH_BASE], writer="golden4-compactor", threads=1)
+        assert rep.registered and [(s.from_, s.to) for s in rep.squashes] == [(SCHEMA4_SQUASH_BASE, SCHEMA4_VERSIONS)], rep
+        sq = rep.squashes[0]
+        h = History(open_store(url))
+        head = h.read_head()[0]
+        _, m = h.find(1, head)
+        layout = h.layout(m.layout)
+        assert m.schema_ == 4 and layout.schema_ == 4, (m.schema_, layout.schema_)
+        members = layout.members()
+        assert len(members) >= 4 and "mask" in layout.name and "layer.0.proj" in layout.name, layout.name
+        facts = {
+            "versions": SCHEMA4_VERSIONS,
+            "anchors": [1, 5],
+            "groups": {row: [mm.name for mm in ms] for row, ms in members.items()},
+            "ungrouped": [n for n in layout.name if n not in members],
+            "squash": {"from": sq.from_, "to": sq.to, "key": sq.key, "bytes": sq.bytes, "chain_bytes": sq.chain_bytes},
+        }
+        facts_path.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+        _copy_store(tmp / "store", store_dir)
+        _write_shas(expected_dir)
+    finally:
+        shutil.rmtree(tmp)
+
+
+# --- grid ---------------------------------------------------------------------------------
+
+
+GRID_SEED = 20261202
+GRID_VERSIONS = 8
+ANCHORS = (1, 5, 7)
+GRID_SQUASH_BASE, GRID_SQUASH_TO = 2, 4
+GRIDS = ("grid2d", "grid3d")
+#: The column readers recorded in the facts: degrees the grid was not made for (it has none).
+COLUMN_WORLDS = (2, 4)
+
+
+def _specs(grid3d_cols: int) -> dict:
+    from deltastore.layout.tensors import TensorSpec
+
+    return {"grid2d": TensorSpec("grid2d", "bfloat16", (70, 100), 16, (), 24),
+            "grid3d": TensorSpec("grid3d", "float32", (12, 10, 3), 5, (), grid3d_cols)}
+
+
+def column_reads(url: str, version: int) -> dict[str, dict[str, object]]:
+    """Per ``"world/rank"``: the chunks (``"name:index"``) and segment bytes a pull of
+    ``version`` reads with the grid tensors cut along dimension 1 (from the plan)."""
+    from deltastore.format.history import History
+    from deltastore.read.plan import layout, plan_from_anchor
+    from deltastore.layout.select import Selection, resolve
+    from deltastore.storage import open_store
+
+    h = History(open_store(url))
+    head = h.read_head()[0]
+    key, m = h.find(version, head)
+    ms = h.anchor_chain(key, m)
+    specs = layout(ms[0][1])
+    plans = plan_from_anchor(ms, specs)
+    out: dict[str, dict[str, object]] = {}
+    for world in COLUMN_WORLDS:
+        for rank in range(world):
+            res = resolve(Selection(names=GRIDS, shard=(1, rank, world)), specs)
+            read = [p for p in plans if (p.name, p.index) in res.chunks]
+            out[f"{world}/{rank}"] = {"chunks": sorted(f"{p.name}:{p.index}" for p in read),
+                                      "edges": sorted(f"{n}:{i}" for n, i in res.edges),
+                                      "bytes": sum(p.cost for p in read)}
+    return out
+
+
+def write_grid(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    import deltastore
+    from deltastore.lifecycle.compact import compact
+    from deltastore.format.history import History
+    from deltastore.storage import open_store
+
+    g = torch.Generator().manual_seed(GRID_SEED)
+    sd: dict[str, torch.Tensor] = {
+        "grid2d": (torch.randn(70, 100, generator=g) * 0.02).to(torch.bfloat16),
+        "grid3d": torch.randn(12, 10, 3, generator=g),
+        "plain": (torch.randn(40, 16, generator=g) * 0.02).to(torch.bfloat16),
+    }
+    for i in range(5):
+        sd[f"norm.{i}"] = torch.ones(16, dtype=torch.float32) + i
+    sd["norm.scale"] = torch.tensor(1.5, dtype=torch.float32)  # 0-d
+    sd["grid3d"][0, 0, 0] = float("nan")  # special values inside a block
+    sd["grid3d"][11, 9, 2] = -0.0
+
+    def nudge(dense: bool = False) -> None:
+        for k, t in sd.items():
+            v = t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).view(-1)
+            if dense and k == "grid2d":
+                v += 1
+                continue
+            idx = torch.randperm(v.numel(), generator=g)[: max(1, v.numel() // 40)]
+            v[idx] += torch.randint(1, 3, (idx.numel(),), generator=g, dtype=v.dtype)
+
+    def publish(pub, version: int, kind: str) -> None:
+        info = pub.publish(sd, step=version, metadata={"golden": "grid"})
+        assert info.version == version and info.kind == kind, info
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(expected_dir / f"v{version}.safetensors"))
+
+    expected_dir.mkdir(parents=True)
+    tmp = Path(tempfile.mkdtemp())
+    url = str(tmp / "store")
+    writer = WriterPolicy(writer_id="golden-grid", threads=1)
+    fresh = WriterPolicy(writer_id="golden-grid", threads=1, resume=False)
+    common = dict(anchor_policy=AnchorPolicy(every=100))
+    try:
+        with deltastore.Publisher(url, writer_policy=writer, layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=False), **common) as pub:
+            pub._explicit_specs = _specs(4)
+            for v in range(1, GRID_SQUASH_TO + 1):
+                if v > 1:
+                    nudge(dense=v == 3)
+                publish(pub, v, "anchor" if v == 1 else "delta")
+        rep = compact(url, bases=[GRID_SQUASH_BASE], writer="golden-grid-compactor", threads=1)
+        assert rep.registered and [(s.from_, s.to) for s in rep.squashes] == [(GRID_SQUASH_BASE, GRID_SQUASH_TO)], rep
+        sq = rep.squashes[0]
+        with deltastore.Publisher(url, writer_policy=fresh, layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=False), **common) as pub:
+            pub._explicit_specs = _specs(3)
+            for v in (5, 6):
+                nudge()
+                publish(pub, v, "anchor" if v == 5 else "delta")
+        with deltastore.Publisher(url, writer_policy=fresh, layout_policy=LayoutPolicy(chunk_bytes=1024, group_small_tensors=True), **common) as pub:
+            pub._explicit_specs = _specs(3)
+            for v in (7, 8):
+                nudge()
+                publish(pub, v, "anchor" if v == 7 else "delta")
+
+        h = History(open_store(url))
+        head = h.read_head()[0]
+        per_version = {}
+        for v in range(1, GRID_VERSIONS + 1):
+            _, m = h.find(v, head)
+            layout = h.layout(m.layout)
+            cols = dict(zip(layout.name, layout.chunk_cols))
+            per_version[f"v{v}"] = {"schema": m.schema_, "kind": m.kind,
+                                    "chunk_cols": {n: cols[n] for n in GRIDS},
+                                    "groups": {row: [mm.name for mm in ms] for row, ms in layout.members().items()},
+                                    "column_reads": column_reads(url, v)}
+        assert [v for v in range(1, GRID_VERSIONS + 1) if per_version[f"v{v}"]["kind"] == "anchor"] == list(ANCHORS)
+        assert per_version["v7"]["schema"] == 4 and per_version["v7"]["groups"], per_version["v7"]
+        assert per_version["v1"]["chunk_cols"] == {"grid2d": 24, "grid3d": 4}, per_version["v1"]
+        assert per_version["v5"]["chunk_cols"] == {"grid2d": 24, "grid3d": 3}, per_version["v5"]
+        facts = {
+            "versions": GRID_VERSIONS,
+            "anchors": list(ANCHORS),
+            "grids": list(GRIDS),
+            "column_worlds": list(COLUMN_WORLDS),
+            "per_version": per_version,
+            "squash": {"from": sq.from_, "to": sq.to, "key": sq.key, "bytes": sq.bytes, "chain_bytes": sq.chain_bytes},
+        }
+        facts_path.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+        _copy_store(tmp / "store", store_dir)
+        _write_shas(expected_dir)
+    finally:
+        shutil.rmtree(tmp)
+
+
+# --- sharded, sharded-grid ----------------------------------------------------------------
+
+
+def write_sharded(store: Path, expected: Path, scenario: str = "versions") -> None:
+    """Three ranks (gloo) publishing versions 1-4 of tests/test_sharded.py's ``scenario``."""
+    from safetensors.torch import save_file
+
+    from tests.test_sharded import full_model, golden_grid_model, run_ranks
+
+    model = {"versions": full_model, "grid_golden": golden_grid_model}[scenario]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(3, f"file://{store}", scenario, Path(tmp))
+    for r in results:
+        if set(r) != {"rank", "infos"}:
+            raise SystemExit(f"a rank failed: {r}")
+    if [k for _, k in results[0]["infos"]] != ["anchor", "delta", "delta", "anchor"]:
+        raise SystemExit(f"unexpected versions: {results[0]['infos']}")
+    for p in store.rglob("*"):  # the local backend's lock directory is not part of the format
+        if p.is_dir() and p.name.startswith("."):
+            shutil.rmtree(p)
+    expected.mkdir(parents=True)
+    for v in range(1, 5):
+        save_file({k: t.contiguous() for k, t in model(v).items()}, str(expected / f"v{v}.safetensors"))
+
+
+# --- federated ----------------------------------------------------------------------------
+
+
+def state0() -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    return {
+        "emb": (torch.randn(64, 16, generator=g) * 0.02).to(torch.bfloat16),
+        "w": (torch.randn(32, 16, generator=g) * 0.02).to(torch.bfloat16),
+        "b": torch.zeros(16, dtype=torch.bfloat16),
+        "count": torch.tensor([0, 0], dtype=torch.int64),
+    }
+
+
+def trained(w: dict, site: int, rnd: int) -> dict:
+    import torch
+
+    out = {n: t.clone() for n, t in w.items()}
+    g = torch.Generator().manual_seed(100 * rnd + site)
+    rows = torch.randint(0, 64, (4,), generator=g)
+    out["emb"][rows] = (out["emb"][rows].float() + torch.randn(4, 16, generator=g) * 0.01).to(torch.bfloat16)
+    out["b"][site] = torch.tensor(-0.0 if site else 0.5, dtype=torch.bfloat16)
+    out["count"][site] += rnd + 1
+    return out
+
+
+def write_federated(store: Path, expected: Path) -> None:
+    """A global store (v1 an anchor, v2 the merge of round 1) and two sites, each with v1 based
+    on global v1 and v2 on global v2."""
+    import torch
+    from safetensors.torch import save_file
+
+    from deltastore.federated import Aggregator, Site
+
+    g = store / "global"
+    sites = {"a": store / "site-a", "b": store / "site-b"}
+    for p in (g, *sites.values(), expected):
+        p.mkdir(parents=True)
+    with Aggregator(str(g), {k: str(v) for k, v in sites.items()}, dtype=torch.bfloat16, poll_interval_s=0.05,
+                    writer_policy=WriterPolicy(threads=1, writer_id="golden-aggregator"),
+                    layout_policy=LayoutPolicy(chunk_bytes=512)) as agg:
+        agg.start(state0())
+        save_file(agg.state(), str(expected / "global-v1.safetensors"))
+        ss = {k: Site(str(g), str(v), dtype=torch.bfloat16,
+                      writer_policy=WriterPolicy(threads=1, writer_id=f"golden-site-{k}")) for k, v in sites.items()}
+        for rnd in range(2):
+            for i, (k, s) in enumerate(ss.items()):
+                r = s.run_round(lambda w, i=i, rnd=rnd: trained(w, i, rnd), num_examples=1 + i)
+                save_file(trained(s.weights, i, rnd), str(expected / f"site-{k}-v{r.published.version}.safetensors"))
+            if rnd == 0:
+                report = agg.run_round()
+                save_file(agg.state(), str(expected / f"global-v{report.published.version}.safetensors"))
+        for s in ss.values():
+            s.close()
+    for p in store.rglob("*"):  # the local backend's lock directory is not part of the format
+        if p.is_dir() and p.name.startswith("."):
+            shutil.rmtree(p)
+
+
+# --- targets ------------------------------------------------------------------------------
+
+#: target -> (the paths it writes, relative to the output directory; the writer)
+TARGETS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {
+    "segments": (("segments",), lambda out: write_segments(out / "segments")),
+    "schema3": (("store-schema3", "store-schema3-expected", "store-schema3-facts.json"),
+                lambda out: write_schema3(out / "store-schema3", out / "store-schema3-expected",
+                                          out / "store-schema3-facts.json")),
+    "schema4": (("store-schema4", "store-schema4-expected", "store-schema4-facts.json"),
+                lambda out: write_schema4(out / "store-schema4", out / "store-schema4-expected",
+                                          out / "store-schema4-facts.json")),
+    "grid": (("store-grid", "store-grid-expected", "store-grid-facts.json"),
+             lambda out: write_grid(out / "store-grid", out / "store-grid-expected", out / "store-grid-facts.json")),
+    "sharded": (("store-sharded", "store-sharded-expected"),
+                lambda out: write_sharded(out / "store-sharded", out / "store-sharded-expected")),
+    "sharded-grid": (("store-sharded-grid", "store-sharded-grid-expected"),
+                     lambda out: write_sharded(out / "store-sharded-grid", out / "store-sharded-grid-expected",
+                                               "grid_golden")),
+    "federated": (("store-federated", "store-federated-expected"),
+                  lambda out: write_federated(out / "store-federated", out / "store-federated-expected")),
+}
+
+#: Fields of the facts that name objects with random ids (attempts, run ids), count the bytes of
+#: such objects (their ids and times are compressed with them), or record the run's zstd.
+_RANDOM_FACTS = ("key", "sha256", "deleted", "deleted_bytes", "zstd")
+
+
+def _without_random(doc):
+    if isinstance(doc, dict):
+        return {k: _without_random(v) for k, v in doc.items() if k not in _RANDOM_FACTS}
+    if isinstance(doc, list):
+        return [_without_random(v) for v in doc]
+    return doc
+
+
+def _content(root: Path) -> dict[str, list[str]]:
+    """What a store holds that its random ids do not change: the digests of its packs and
+    layout objects, the number of objects of every other kind, the expected files' bytes."""
+    out: dict[str, list[str]] = {}
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        rel = p.relative_to(root).as_posix()
+        kind = next((k for k in (".pack", ".layout.json.zst", ".part.json.zst", ".index.json.zst", ".squash.json.zst",
+                                 ".json.zst", ".safetensors", "facts.json", "sha256.json", "HEAD", ".json")
+                     if rel.endswith(k)), "other")
+        where = rel.split("/", 1)[0] if "/" in rel else ""
+        if kind in (".pack", ".layout.json.zst"):  # content-addressed and deterministic
+            out.setdefault(f"{where} {kind}", []).append(p.name.rsplit("/", 1)[-1])
+        elif kind in (".safetensors", "sha256.json"):
+            out.setdefault(f"{where} {kind}", []).append(f"{p.name} {hashlib.sha256(p.read_bytes()).hexdigest()}")
+        elif kind == "facts.json":
+            out[f"{rel}"] = [json.dumps(_without_random(json.loads(p.read_text())), sort_keys=True)]
+        else:
+            out.setdefault(f"{where} {kind}", []).append("")
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def check(targets: list[str]) -> int:
+    """Regenerate ``targets`` into a temporary directory and compare with tests/golden/."""
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for name in targets:
+            paths, write = TARGETS[name]
+            write(out)
+            for rel in paths:
+                a, b = HERE / rel, out / rel
+                if name == "segments":
+                    same = _tree_bytes(a) == _tree_bytes(b)
+                    what = "byte for byte"
+                elif b.is_file():
+                    same = _content_of_file(a) == _content_of_file(b)
+                    what = "but for random ids"
+                else:
+                    ca, cb = _content(a), _content(b)
+                    same = ca == cb
+                    what = "packs and layouts by content, expected files byte for byte, object counts"
+                    for k in sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k)):
+                        print(f"  {rel} {k}: committed {sorted(set(ca.get(k, [])) - set(cb.get(k, [])))[:4]}, "
+                              f"regenerated {sorted(set(cb.get(k, [])) - set(ca.get(k, [])))[:4]}")
+                print(f"{rel}: {'same' if same else 'DIFFERENT'} ({what})")
+                failed += not same
+    return 1 if failed else 0
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _content_of_file(p: Path) -> str:
+    return json.dumps(_without_random(json.loads(p.read_text())), sort_keys=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("targets", nargs="*", choices=[[]] + list(TARGETS), metavar="TARGET",
+                    help=f"what to write ({', '.join(TARGETS)}; default: all)")
+    ap.add_argument("--out", type=Path, default=HERE, help="the directory to write into (default: tests/golden)")
     ap.add_argument("--force", action="store_true", help="overwrite existing golden files")
-    args = ap.parse_args()
-    targets = [HERE / "segments", HERE / "store-schema1", HERE / "store-schema1-expected"]
-    for t in targets:
-        if t.exists():
-            if not args.force:
-                sys.exit(f"{t} exists; golden files are written once (--force to overwrite)")
-            shutil.rmtree(t)
-    write_segments(targets[0])
-    write_store(targets[1], targets[2])
+    ap.add_argument("--check", action="store_true", help="regenerate into a temporary directory and compare")
+    args = ap.parse_args(argv)
+    targets = args.targets or list(TARGETS)
+    if args.check:
+        return check(targets)
+    for name in targets:
+        paths, write = TARGETS[name]
+        for rel in paths:
+            p = args.out / rel
+            if p.exists():
+                if not args.force:
+                    sys.exit(f"{p} exists; golden files are written once (--force to overwrite)")
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        args.out.mkdir(parents=True, exist_ok=True)
+        write(args.out)
+        print(f"wrote {', '.join(str(args.out / rel) for rel in paths)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

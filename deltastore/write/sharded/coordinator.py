@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltastore.format.history import VersionInfo
-from deltastore.format.manifest import Head, Layout, Stats, encode_joined, join_parts, new_attempt_id
+from deltastore.format.models import Head, Layout, Stats
+from deltastore.format.manifest import encode_joined, join_parts
+from deltastore.format.keys import new_attempt_id
 from deltastore.write.chain import Draft, Tip, VersionChain, next_tip
 from deltastore.write.commit import put_immutable
 from deltastore.write.sharded.collectives import done, error_of

@@ -15,7 +15,9 @@ import torch
 from deltastore._util.heap import release_free_heap
 from deltastore.errors import CorruptObjectError, ShardMismatchError
 from deltastore.format.history import History
-from deltastore.format.manifest import Layout, PartRef, SegmentRef, Stats, encode_part, part_key, sha256_hex
+from deltastore.format.models import Layout, PartRef, SegmentRef, Stats
+from deltastore.format.parts import encode_part
+from deltastore.format.keys import part_key, sha256_hex
 from deltastore.layout.groups import unit_order
 from deltastore.layout.tensors import torch_dtype
 from deltastore.storage.base import Store

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from deltastore.errors import InvalidStateDictError, ShardMismatchError
-from deltastore.format.manifest import Layout, ObjectRef
+from deltastore.format.models import Layout, ObjectRef
 from deltastore.layout.tensors import TensorSpec, chunk_rows_for, grid_cols_for
 from deltastore.write.sharded.collectives import Reported
 

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
@@ -28,7 +28,7 @@ from deltastore.errors import (
     StorageError,
 )
 from deltastore.format.history import VersionInfo
-from deltastore.format.manifest import Layout
+from deltastore.format.models import Layout
 from deltastore.layout.groups import tied_names, unit_reference
 from deltastore.layout.tensors import TensorSpec, dtype_name, validate_state_dict
 from deltastore.storage import open_store
