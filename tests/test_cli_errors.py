@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from deltastore.cli import EXIT_FAILED, EXIT_NOTHING_TO_DO, EXIT_OK, EXIT_USAGE, main
-from deltastore.cli._util import storage_option
+from deltastore.cli.common import storage_option
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -396,7 +396,7 @@ def test_endpoint_from_the_environment_without_scheme(fake_credentials: None, mo
 
 
 def test_library_messages_are_put_in_cli_terms() -> None:
-    from deltastore.cli._util import cli_terms
+    from deltastore.cli.common import cli_terms
 
     text = cli_terms("pass allow_unsafe_store=True if only one publisher; or storage_options and endpoint_url=http://h")
     assert text == "pass --allow-unsafe-store if only one publisher; or --storage-option KEY=VALUE and --endpoint-url http://h"

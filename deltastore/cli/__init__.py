@@ -8,6 +8,9 @@ interrupted. ``-v``/``-q`` are accepted before or after the command.
 
 Only argparse and the error classes are imported here: ``deltastore --help`` takes ~0.1 s
 (torch, boto3 and fsspec are imported by the commands that use them).
+
+The modules of this package (``commands``, ``common``, ``aggregate``, ``plot``) are its
+implementation, not API: the command line is the interface.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from deltastore.cli import _commands as commands
-from deltastore.cli._util import (
+from deltastore.cli import commands
+from deltastore.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_NOTHING_TO_DO,

@@ -17,7 +17,7 @@ import argparse
 import contextlib
 from typing import Any
 
-from deltastore.cli._util import EXIT_OK, emit_json, nonnegative_int, open_store, options, poll_interval, positive_int, size
+from deltastore.cli.common import EXIT_OK, emit_json, nonnegative_int, open_store, options, poll_interval, positive_int, size
 
 
 def site_arg(text: str) -> tuple[str, str]:
@@ -38,7 +38,7 @@ def site_arg(text: str) -> tuple[str, str]:
 
 
 def seconds(text: str) -> float:
-    from deltastore.cli._commands import parse_duration
+    from deltastore.cli.commands import parse_duration
 
     return parse_duration(text)
 
@@ -106,7 +106,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 
     initial = None
     if args.init:
-        from deltastore.cli._commands import load_state
+        from deltastore.cli.commands import load_state
 
         initial = load_state(args.init)  # a bad file fails before any store is opened
     if initial is None and _global_is_empty(args):

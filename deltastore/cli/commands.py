@@ -1,7 +1,7 @@
 """The commands of the ``deltastore`` CLI, one function each (``args`` in, exit code out).
 
 Heavy modules (torch, safetensors, boto3) are imported inside the commands that need them.
-Each command opens its store itself (:func:`deltastore.cli._util.open_store`): only ``publish``
+Each command opens its store itself (:func:`deltastore.cli.common.open_store`): only ``publish``
 may create a local store; every other command fails on a missing one.
 """
 
@@ -16,7 +16,7 @@ import sys
 import uuid
 from typing import Any
 
-from deltastore.cli._util import (
+from deltastore.cli.common import (
     EXIT_FAILED,
     EXIT_NOTHING_TO_DO,
     EXIT_OK,
