@@ -1,4 +1,4 @@
-"""The asynchronous pipeline end to end on a local SeaweedFS (issue 7's goals), in one run.
+"""The asynchronous pipeline end to end on a local SeaweedFS against its goals, in one run.
 
     python -m benchmarks.async_pipeline --workload rl-1e-6 [--workload tf265m-rl-1e-6]
         [--workers 1,4,8] [--versions 4] [--burst 3] [--json OUT]
@@ -22,7 +22,7 @@ SeaweedFS (:func:`campaigns.servers.seaweedfs`) and measures, side by side:
    (the critical section in which the target is written), and once a *full load* of the same
    model into the same target from a second full copy in memory, two ways:
    ``module.load_state_dict(state)`` on an ``nn.Module`` whose parameters are the target's
-   tensors (what the issue names), and a bare ``copy_`` of every tensor (the fastest a full
+   tensors (the usual checkpoint), and a bare ``copy_`` of every tensor (the fastest a full
    load can be). The time from ``publish_async`` returning to all N workers having applied the
    version is taken from wall clocks on the same machine.
 4. **Idle poll**: a follower with nothing new to fetch, its HTTP requests and body bytes
@@ -80,13 +80,13 @@ FULL_LOAD_REPS = 7
 IDLE_WATCH_S = 3.0
 #: Give up on a run when a role says nothing for this long (a 531 MB model on 2 busy cores).
 EVENT_TIMEOUT_S = 600.0
-#: Snapshots allowed to wait behind the one being published (the issue's bounded memory).
+#: Snapshots allowed to wait behind the one being published (bounded memory).
 MAX_PENDING = 1
 #: Burst edits: every this-many-th element of each tensor is scaled by BURST_SCALE, about 2%
 #: of the elements, as many as an RL step changes in bf16.
 BURST_STRIDE = 50
 BURST_SCALE = 1.01
-#: Issue 7's goals: publish_async returns within 5% of a full-checkpoint upload; a worker's
+#: The goals: publish_async returns within 5% of a full-checkpoint upload; a worker's
 #: pause is within 10% of a full load of the same model into the same target.
 RETURN_GOAL = 0.05
 PAUSE_GOAL = 0.10
@@ -504,7 +504,7 @@ def _run_pipeline(server: Any, workload: str, n_workers: int, args: argparse.Nam
 
 
 def _digest_run(events: _Events, workload: str, n: int, versions: dict[int, int], workers: list[str], last: int) -> dict:
-    """Turn one run's events into the figures the issue asks for."""
+    """Turn one run's events into the figures the goals are stated in."""
     returned = {e["step"]: e for e in events.of("returned", "trainer")}
     committed = {e["step"]: e for e in events.of("committed", "trainer")}
     paced = sorted(versions)

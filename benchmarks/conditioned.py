@@ -1,4 +1,4 @@
-"""What a *buildable* conditioned delta coder gets on the cached RL steps (issue 9, part 4).
+"""What a *buildable* conditioned delta coder gets on the cached RL steps.
 
     python -m benchmarks.conditioned [--workload rl-1e-6 tf265m-rl-1e-6] [--classes 4 8 16]
 

@@ -1,5 +1,5 @@
 /* Prototype of the decode step a conditioned delta codec would need (benchmarks/conditioned.py
- * --kernel; docs/design/003-codec-v2.md, addendum). Not part of the package: compiled by the
+ * --kernel; docs/design/003-codec-v2.md). Not part of the package: compiled by the
  * benchmark with the system's cc and called through ctypes, only to measure its speed.
  *
  * Every element of the held chunk has a class, lut[old >> 7] (bf16 sign and exponent). The

@@ -1,4 +1,4 @@
-"""Federated rounds (issue 11): bytes per site per round against exchanging full checkpoints.
+"""Federated rounds : bytes per site per round against exchanging full checkpoints.
 
 ``python -m benchmarks.federated [--sites 3 --rounds 3 --steps 2 --lr 3e-6]`` runs
 examples/federated.py's rounds (N site processes fine-tuning MiniLM on their own data, one
@@ -10,10 +10,10 @@ aggregator, a local moto server) and reports, in the same run:
 - full checkpoints: the size of a site's result as a safetensors file (what a site would upload,
   and what every site would download of the merged model, per round).
 
-Goals (issue 11): up ≤ 5 % and down ≤ 10 % of the model's bf16 bytes. Results go to
+Goals: up ≤ 5 % and down ≤ 10 % of the model's bf16 bytes. Results go to
 benchmarks/results/federated.{json,md}.
 
-``--far`` (issue 11's "over the far-link proxy"): every site's S3 traffic and the aggregator's
+``--far`` (over the far-link proxy): every site's S3 traffic and the aggregator's
 go through a link of their own (campaigns/shaper.py; ``--mbit 100 --rtt-ms 80 --loss 0.001`` by
 default), and each round is also run as an exchange of full safetensors checkpoints over the
 same links (sites download the global checkpoint and upload their result, the aggregator
@@ -31,10 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-#: Issue 11's goals, as fractions of the model's bf16 bytes.
+#: The goals, as fractions of the model's bf16 bytes.
 UPLOAD_GOAL = 0.05
 DOWNLOAD_GOAL = 0.10
-#: --far's default link: issue 12's far link (a cross-region or home-office path).
+#: --far's default link: the far link of benchmarks.scale (a cross-region or home-office path).
 FAR_MBIT, FAR_RTT_MS, FAR_LOSS = 100.0, 80.0, 0.001
 
 

@@ -1,4 +1,4 @@
-"""History lifecycle benchmark (issue 8): catch-up cost, bytes per version, retention under GC.
+"""History lifecycle benchmark: catch-up cost, bytes per version, retention under GC.
 
     python -m benchmarks.history [--quick] [--out benchmarks/results/history.json]
     python -m benchmarks.history --table benchmarks/results/history.json   # markdown tables
@@ -11,29 +11,25 @@ versions behind: the cached steps are regenerated when fewer exist, about a minu
    right after it was published, so its manifest cache is what a real worker's would be) fast-
    forward to head through a store wrapper that counts every GET (HEAD, manifests, index,
    layouts, squash manifests, packs) and its bytes. Compared with the size of ONE squashed
-   delta from the worker's version to head: the compactor's when ``deltastore.lifecycle.compact`` exists
+   delta from the worker's version to head, two ways: the compactor's
    (``compact(store, bases=[...], register=True)``; then a second set of workers catches up
-   with the squashes registered), otherwise composed offline from the chain's stored delta
-   segments with ``codec.compose_deltas`` per chunk (segments only, no squash manifest;
-   labelled ``offline``).
+   with the squashes registered), and composed offline from the chain's stored delta segments
+   with ``codec.compose_deltas`` per chunk (segments only, no squash manifest; labelled
+   ``offline``).
 2. **Bytes per version.** For every delta version: its delta packs, its stored manifest object
    (and layout object when one is written), what a worker following every version fetched
    (all GETs), against the order-0 entropy estimate of the step (``peers.entropy_bytes``, the
    ``/ H0`` reference of docs/benchmarks.md).
 3. **Retention.** 1,000 versions of a tiny Llama-shaped decoder (``benchmarks.models``, d_model
    64, trained by AdamW at lr 1e-6 on next-token prediction over the workloads' corpus) with
-   ``deltastore.lifecycle.gc.collect(store, keep_last=..., grace_s=0)`` every 50 versions when
-   ``deltastore.lifecycle.gc`` exists (otherwise the store grows without GC, and the results say so);
-   the store's size (sum of listed object sizes) after every version, a worker lagging 30
+   ``deltastore.lifecycle.gc.collect(store, keep_last=..., grace_s=0)`` every 50 versions; the
+   store's size (sum of listed object sizes) after every version, a worker lagging 30
    versions (heartbeating its version to the ledger) and a worker holding an early version
    that GC collected, resumed (same Subscriber) and restarted (fresh Subscriber): each must end
    bit-exact.
 
 ``--quick`` replaces the MiniLM workloads with a tiny MLP trained by AdamW on a synthetic
 regression task (no transformers needed) and runs 200 retention versions: about 15 s.
-
-Every feature of issue 8 (``deltastore.lifecycle.compact``, ``deltastore.lifecycle.gc``, ``deltastore.lifecycle.index``) is
-imported lazily and detected, so the script runs on the code before and after issue 8.
 """
 
 from __future__ import annotations
@@ -43,8 +39,6 @@ import collections
 import csv
 import dataclasses
 import hashlib
-import importlib
-import inspect
 import itertools
 import json
 import logging
@@ -62,6 +56,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltastore.lifecycle.compact import compact
+from deltastore.lifecycle.gc import collect
+from deltastore.lifecycle.index import read_index
 from deltastore.storage.base import GetResult, ObjectMeta, Store
 from deltastore.write.policy import WriterPolicy
 
@@ -70,10 +67,10 @@ logger = logging.getLogger(__name__)
 StateDict = dict[str, torch.Tensor]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# Catch-up distances of the issue's goal.
+# Catch-up distances: a worker one, eight and 64 versions behind.
 CATCHUP_KS = (1, 8, 64)
 CATCHUP_WORKLOADS = ("rl-1e-6", "rl-3e-6")
-# The retention run of the issue's goal: 1,000 versions, GC every 50.
+# The retention run: 1,000 versions, GC every 50.
 RETENTION_VERSIONS = 1000
 GC_EVERY = 50
 # GC's default keep-last (design 005 D2); the lagging worker below it is kept by the ledger.
@@ -113,7 +110,7 @@ def key_kind(key: str) -> str:
     for part in ("squash", "index", "layout"):
         if f".{part}." in name:
             return part
-    if key.startswith("blobs/") or name.endswith(".pack"):
+    if name.endswith(".pack"):
         return "pack"
     return "other"
 
@@ -192,25 +189,6 @@ def _diff(after: tuple[dict, dict], before: tuple[dict, dict]) -> dict[str, Any]
     byt = {k: v - before[1].get(k, 0) for k, v in after[1].items() if v - before[1].get(k, 0)}
     return {"requests": req, "bytes": byt, "total_requests": sum(req.values()),
             "total_bytes": sum(byt.values())}
-
-
-# --- feature detection ---------------------------------------------------------------------------
-
-
-def optional(module: str) -> Any | None:
-    """``deltastore.<module>`` if this revision has it (issue 8 adds compact, gc and index)."""
-    try:
-        return importlib.import_module(f"deltastore.{module}")
-    except ImportError:
-        return None
-
-
-def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` with the keyword arguments it accepts (APIs differ between revisions)."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -446,14 +424,9 @@ def store_size(store: Store) -> tuple[int, int]:
 
 def _squash_from_index(store: Store, frm: int, to: int) -> dict[str, Any] | None:
     """The registered squash ``frm → to``: packs + squash manifest bytes, or None."""
-    index_mod = optional("lifecycle.index")
     history = _history(store)
     head = _head(history)
-    idx = None
-    if index_mod is not None and hasattr(index_mod, "read_index"):
-        idx = index_mod.read_index(history, head)
-    elif hasattr(history, "index"):
-        idx = history.index(head)
+    idx = read_index(history, head)
     if idx is None:
         return None
     refs = [r for r in idx.squashes if r.from_ == frm and r.to == to]
@@ -489,10 +462,9 @@ def catchup(name: str, states: Iterable[StateDict], n: int, ks: Sequence[int], w
     from deltastore.storage import open_store
 
     ks = [k for k in ks if n - k >= 1]
-    compact_mod = optional("lifecycle.compact")
     raw = open_store(str(workdir / f"store-{name}"))
     holders = {k: n - k for k in ks}
-    sets = ["chain"] + (["compacted"] if compact_mod is not None else [])
+    sets = ["chain", "compacted"]
     workers: dict[tuple[str, int], tuple[Any, CountingStore]] = {}
     for s in sets:
         for k in ks:
@@ -580,25 +552,24 @@ def catchup(name: str, states: Iterable[StateDict], n: int, ks: Sequence[int], w
                             got["total_bytes"], got["total_requests"], off)
 
         run_set("chain", {})
-        compact_info: dict[str, Any] = {"available": compact_mod is not None}
-        if compact_mod is not None:
-            t0 = time.perf_counter()
-            try:
-                rep = _call(compact_mod.compact, raw, bases=[n - k for k in ks], register=True)
-                compact_info["seconds"] = time.perf_counter() - t0
-                compact_info["report"] = _jsonable(rep)
-                squash = {k: _squash_from_index(raw, n - k, n) for k in ks}
-                compact_info["squashes"] = {str(k): sq for k, sq in squash.items()}
-                # The chain set's ratios against the compactor's squash too.
-                for r in results:
-                    sq = squash.get(r["k"])
-                    if sq and sq["bytes"]:
-                        r["squash_bytes"] = sq["bytes"]
-                        r["ratio"] = r["fetched_bytes"] / sq["bytes"]
-                run_set("compacted", squash)
-            except Exception as e:  # reported in the results, the rest still stands
-                logger.exception("compaction failed")
-                compact_info["error"] = f"{type(e).__name__}: {e}"
+        compact_info: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        try:
+            rep = compact(raw, bases=[n - k for k in ks], register=True)
+            compact_info["seconds"] = time.perf_counter() - t0
+            compact_info["report"] = _jsonable(rep)
+            squash = {k: _squash_from_index(raw, n - k, n) for k in ks}
+            compact_info["squashes"] = {str(k): sq for k, sq in squash.items()}
+            # The chain set's ratios against the compactor's squash too.
+            for r in results:
+                sq = squash.get(r["k"])
+                if sq and sq["bytes"]:
+                    r["squash_bytes"] = sq["bytes"]
+                    r["ratio"] = r["fetched_bytes"] / sq["bytes"]
+            run_set("compacted", squash)
+        except Exception as e:  # reported in the results, the rest still stands
+            logger.exception("compaction failed")
+            compact_info["error"] = f"{type(e).__name__}: {e}"
     finally:
         pub.close()
         follower.close()
@@ -652,7 +623,6 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
     from deltastore.lifecycle.ledger import HeartbeatWriter
     from deltastore.storage import open_store
 
-    gc_mod = optional("lifecycle.gc")
     store = open_store(f"memory://history-bench-{uuid.uuid4().hex[:8]}")
     pub = Publisher(store.url, store=store, writer_policy=WriterPolicy(threads=THREADS))
     lag_cs, restart_cs = CountingStore(store), CountingStore(store)
@@ -700,10 +670,10 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
             for old in [k for k in digests if k < v - lag - 1]:
                 del digests[old]  # only the lagging window is compared
             gc_row = None
-            if gc_mod is not None and v % gc_every == 0:
+            if v % gc_every == 0:
                 g0 = time.perf_counter()
                 try:
-                    rep = _call(gc_mod.collect, store, keep_last=keep_last, grace_s=0.0, unsafe_grace_ok=True)
+                    rep = collect(store, keep_last=keep_last, grace_s=0.0, unsafe_grace_ok=True)
                     gc_row = {"version": v, "seconds": time.perf_counter() - g0, "report": _jsonable(rep)}
                 except Exception as e:  # reported
                     logger.exception("gc failed at version %d", v)
@@ -760,7 +730,7 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
             w.writerows(rows)
     half = sizes[len(sizes) // 2:]
     return {
-        "versions": head, "gc_available": gc_mod is not None, "gc_every": gc_every, "keep_last": keep_last,
+        "versions": head, "gc_every": gc_every, "keep_last": keep_last,
         "lag": lag, "restart_from": restart_from, "seconds": elapsed,
         "model_bytes": sum(t.numel() * t.element_size() for t in final.values()),
         "final_bytes": sizes[-1], "max_bytes": max(sizes), "final_objects": rows[-1]["objects"],
@@ -768,7 +738,6 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
         "bytes_at": {str(v): sizes[v - 1] for v in sorted({gc_every, 2 * gc_every, head // 2, head}) if 1 <= v <= head},
         "gc_runs": gc_runs, "workers": [lag_result, resumed, restarted],
         "sizes": sizes,
-        "note": None if gc_mod is not None else "deltastore.lifecycle.gc not available in this revision: growth without GC",
         "aborted": aborted,
     }
 
@@ -849,8 +818,7 @@ def _r(x: float | None, fmt: str = "{:.2f}") -> str:
 def markdown(res: dict[str, Any]) -> str:
     """Markdown tables of a results document."""
     out: list[str] = []
-    out.append(f"revision {res.get('revision')}, {res.get('date')}, quick={res.get('quick')}, "
-               f"features: {res.get('features')}")
+    out.append(f"revision {res.get('revision')}, {res.get('date')}, quick={res.get('quick')}")
     if res.get("catchup"):
         _catchup_tables(res, out)
     ret = res.get("retention")
@@ -893,8 +861,7 @@ def _catchup_tables(res: dict[str, Any], out: list[str]) -> None:
 
 def _retention_tables(ret: dict[str, Any], out: list[str]) -> None:
     out.append("")
-    gc = (f"GC every {ret['gc_every']} (keep_last={ret['keep_last']}, grace 0)" if ret["gc_available"]
-          else "**no GC** (deltastore.lifecycle.gc absent in this revision)")
+    gc = f"GC every {ret['gc_every']} (keep_last={ret['keep_last']}, grace 0)"
     out.append(f"Retention: {ret['versions']} versions of a {_mb(ret['model_bytes'])} model, {gc}, "
                f"{ret['seconds']:.0f} s.")
     if ret.get("aborted"):
@@ -935,9 +902,8 @@ def run(*, quick: bool, out: Path, ks: Sequence[int] = CATCHUP_KS, workloads: Se
     matplotlib, else ``.svg``) beside it."""
     torch.set_num_threads(1)  # deltastore's own threads do the work
     steps = max(ks)
-    features = {m: optional(f"lifecycle.{m}") is not None for m in ("compact", "gc", "index")}
     res: dict[str, Any] = {"revision": _revision(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                           "quick": quick, "features": features, "python": platform.python_version(),
+                           "quick": quick, "python": platform.python_version(),
                            "torch": torch.__version__, "catchup": []}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ds-history-") as tmp:

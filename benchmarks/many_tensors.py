@@ -1,4 +1,4 @@
-"""Many small tensors against the same bytes in a few large ones (issue 9, design 007).
+"""Many small tensors against the same bytes in a few large ones (design 007).
 
     python -m benchmarks.many_tensors [--scale 1.0] [--repeats 3] [--no-ungrouped] [--scan-ab]
 
@@ -16,12 +16,12 @@ and off, this measures the median over ``--repeats`` steps of:
 and the PULSE-style baseline (benchmarks/peers.py: COO int32 positions + values, zstd-3, one
 thread) encoding and applying the same step. ``gc_share`` is the fraction of each operation's
 wall time spent in Python's cyclic garbage collector (gc.callbacks). All figures come from one
-run, side by side; the ratios (many / few) are what the issue's goal is stated in (≤ 3×).
+run, side by side; the ratios (many / few) are what the goal is stated in (≤ 3×).
 Results go to benchmarks/results/many_tensors.{json,md}.
 
-``--scan-ab`` also measures the grouped case with the native tensor scan (design 007, session 17
-addendum) on and off, alternating step by step in one process: wall time and the caller thread's
-CPU time (``time.thread_time``, steadier than wall time on a shared machine) of each operation.
+``--scan-ab`` also measures the grouped case with the native tensor scan (design 007) on and
+off, alternating step by step in one process: wall time and the caller thread's CPU time
+(``time.thread_time``, steadier than wall time on a shared machine) of each operation.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from benchmarks import peers
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 
 RESULTS = Path(__file__).parent / "results"
-#: The issue's shapes: 20,000 × 4,096 vs 20 × 4,096,000 bf16 elements (same bytes).
+#: The shapes: 20,000 × 4,096 vs 20 × 4,096,000 bf16 elements (same bytes).
 MANY = (20_000, 4_096)
 FEW = (20, 4_096_000)
 #: Fraction of elements a step changes, and the largest step in ulps (Adam at lr ~1e-6, bf16).
@@ -183,7 +183,7 @@ def _summary(rows: list[tuple[float, float]]) -> dict[str, float]:
 
 
 def bench_copy(state: dict[str, torch.Tensor]) -> float:
-    """Seconds to copy the model once in memory (the reference the issue's other goals use)."""
+    """Seconds to copy the model once in memory (the reference the other goals use)."""
     return min(_timed(lambda: [t.clone() for t in state.values()])[0] for _ in range(3))
 
 
@@ -253,7 +253,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scale", type=float, default=1.0, help="elements per tensor, relative to the issue's shapes")
+    ap.add_argument("--scale", type=float, default=1.0, help="elements per tensor, relative to the default shapes")
     ap.add_argument("--repeats", type=int, default=3, help="delta steps measured per case")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for many_tensors.{json,md}")
     ap.add_argument("--no-ungrouped", action="store_true",

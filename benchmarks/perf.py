@@ -1,4 +1,4 @@
-"""Issue 9's goals in one run: every cost as a ratio to a memory copy of the same model.
+"""The performance goals in one run: every cost as a ratio to a memory copy of the same model.
 
     python -m benchmarks.perf                       # tf265m-rl-1e-6 (531 MB bf16), ~5-10 min
     python -m benchmarks.perf --quick               # a small synthetic model, seconds (the smoke test)
@@ -87,7 +87,7 @@ QUICK_D = 256
 QUICK_STEPS = 3
 # A role that runs past this is a hang, not a slow machine (a full role takes ~1-2 min here).
 ROLE_TIMEOUT_S = 900
-# The issue's goals, next to the figures (docs/benchmarks.md, issue 9).
+# The goals, next to the figures (docs/benchmarks.md, "Performance").
 GOALS = {
     "publish_over_copy": 2.0,
     "publish_over_copy_paired": 2.0,
@@ -697,7 +697,7 @@ def markdown(res: dict) -> str:
     """The results as a Markdown table: one row per figure, one column per mode, the goal."""
     modes = list(res["modes"])
     mach = res["machine"]
-    lines = [f"# Performance (issue 9): {res['workload']}, {res['steps']} steps, {res['threads']} threads",
+    lines = [f"# Performance: {res['workload']}, {res['steps']} steps, {res['threads']} threads",
              "", (f"Store: {res['store']}. Machine: {mach['cpus']} CPUs, {mach['platform']}, Python "
                   f"{mach['python']}, torch {mach['torch']}, numpy {mach['numpy']}; load average "
                   f"{_f(mach['load_avg_1m_at_start'])} at the start."), ""]

@@ -1,4 +1,4 @@
-"""Where a delta publish's time goes, stage by stage, as ratios to a memory copy (issue 9).
+"""Where a delta publish's time goes, stage by stage, as ratios to a memory copy.
 
 ``benchmarks.perf`` says how a delta publish compares with a copy of the model; this says what
 the publish spends it on. One step of a workload (default: tf265m-rl-1e-6, step 3 against step
@@ -24,7 +24,7 @@ to the store (fresh page-cache pages, as every pack write takes) and **rewritten
 existing file of that size (pages already there). Their difference is what allocating fresh
 pages costs this machine per publish: on a guest whose hypervisor reclaims freed memory (virtio
 free page reporting) a page not touched for a while costs a fault on the host as well
-(design 006, session 26 addendum).
+(design 006).
 
 Each stage's figure is the median over reps of its time over the copy of the same rep (wall
 and CPU time of all threads). The stage before it subtracted gives what that piece costs. The

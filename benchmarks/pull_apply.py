@@ -1,6 +1,6 @@
 """pull_into and stage of a ≥500 MB transformer-shaped model against a memory copy of it, with
-the native decode-and-apply kernel and with the numpy path, side by side in one run (issue 9,
-SPEC §7.5-7.7 one-pass verification).
+the native decode-and-apply kernel and with the numpy path, side by side in one run
+(SPEC §7, one-pass verification).
 
 The workload is ``tf265m-rl-1e-6`` (531 MB of bf16, AdamW at lr 1e-6, ~2-4 % changed per step;
 benchmarks/workload.py). Steps 0..N are published once into a local store; then, for each

@@ -1,4 +1,4 @@
-"""Scale out, the read side (issue 12 parts 2-4): partial pulls, a far link, fan-out.
+"""Scale out, the read side: partial pulls, a far link, fan-out.
 
     python -m benchmarks.scale [--steps 4] [--workers 32] [--only SECTION] [--workload W]
     python -m benchmarks.scale --only grid --workload tf265m-rl-1e-6 --steps 6 --reps 5
@@ -79,7 +79,7 @@ from deltastore.layout.tensors import bits
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOAD = "rl-1e-6"
-#: The issue's far worker: 100 Mbit/s, 80 ms RTT, 0.1 % loss.
+#: The far worker: 100 Mbit/s, 80 ms RTT, 0.1 % loss.
 FAR = {"bytes_per_s": 12.5e6, "rtt_s": 0.08, "loss": 0.001}
 #: Chunkings measured for partial pulls, as ``(label, chunk_bytes, slice_align, column_slices)``:
 #: the publisher's default (plain 16 MiB chunks: most MiniLM tensors one chunk),

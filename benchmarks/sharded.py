@@ -1,4 +1,4 @@
-"""Sharded publishing (issue 12 part 1): publish throughput with 1, 2 and 4 ranks, per-rank memory.
+"""Sharded publishing: publish throughput with 1, 2 and 4 ranks, per-rank memory.
 
 ``python -m benchmarks.sharded [--workload synthetic rl fixed] [--repeat 3]`` publishes the same
 model to a local file store, once per configuration and repeat, the configurations interleaved
@@ -49,7 +49,7 @@ the ranks wait for cores, and this is the time a publish takes when each rank ha
 its own, less what it waits for the others and the store) and its ratio, every rank's CPU
 seconds (rank 0 also joins and commits), and per rank the peak RSS above the process's RSS
 before it built its rows, next to its shard's bytes (the reference copy is one more shard).
-Goal (issue 12): 2 ranks ≥ 1.7× one rank.
+Goal: 2 ranks ≥ 1.7× one rank.
 
 ``scan`` (``--scan-bytes``, default the rl model's 531 MB)
     The machine's ceiling without deltastore: one process scans the bytes (memcmp of two equal
@@ -85,7 +85,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-#: Issue 12's goal: publish throughput with 2 ranks over 1 rank.
+#: The goal: publish throughput with 2 ranks over 1 rank.
 GOAL_2_OVER_1 = 1.7
 #: The real workload of ``--workload rl`` (cached under benchmarks/.cache; 7 steps: an anchor and 6 deltas).
 RL_WORKLOAD = "tf265m-rl-1e-6"

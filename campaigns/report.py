@@ -19,7 +19,7 @@ from typing import Any
 from campaigns.common import Tally
 
 CAMPAIGNS = ("crash", "faults", "races", "corruption", "hostile")
-#: Default trial counts: the sizes docs/reliability.md reports (issue 6: ≥ 200 kills and ≥ 200
+#: Default trial counts: the sizes docs/reliability.md reports (≥ 200 kills and ≥ 200
 #: faulted publishes on SeaweedFS).
 DEFAULT_TRIALS = {"crash": 200, "faults": 200, "races": 120, "corruption": 100, "hostile": 200}
 
