@@ -544,3 +544,21 @@ def test_a_store_of_an_earlier_format_is_refused_by_readers_and_writers(local_ur
             pub.publish(small_state(1, rows=64))
     with open_store(local_url) as store:
         assert {m.key for m in store.list("")} == before
+
+
+@pytest.mark.parametrize("schema", [None, "3", 3.0])
+def test_a_head_without_a_schema_number_is_named_corrupt_not_newer(local_url: str, schema) -> None:
+    """A HEAD whose schema is not an integer is not from a newer release: the refusal says the
+    object is corrupt instead of asking for an upgrade."""
+    import json
+
+    with Publisher(local_url, writer_policy=WriterPolicy(threads=2)) as pub:
+        pub.publish(small_state(0, rows=64))
+    with open_store(local_url) as store:
+        head = json.loads(store.get(HEAD_KEY))
+        head["schema"] = schema
+        store.put(HEAD_KEY, json.dumps(head).encode(), mode="overwrite")
+    with pytest.raises(UnsupportedSchemaError, match="not a schema number") as err:
+        with Subscriber(local_url, threads=2) as sub:
+            sub.pull()
+    assert "upgrade" not in str(err.value)

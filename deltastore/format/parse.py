@@ -75,6 +75,9 @@ def unsupported_schema(what: str, key: str, schema: Any, readable: Sequence[int]
     if type(schema) is int and schema < min(readable):
         return UnsupportedSchemaError(f"{what} {key!r} has schema {schema}, an earlier format this deltastore does not "
                                       f"read (it reads schema {reads}): publish the model to a new store")
+    if type(schema) is not int:
+        return UnsupportedSchemaError(f"{what} {key!r} has schema {schema!r}, not a schema number (this deltastore "
+                                      f"reads schema {reads}): the object is corrupt or was not written by deltastore")
     return UnsupportedSchemaError(f"{what} {key!r} has schema {schema!r}; this deltastore reads schema {reads}: "
                                   "upgrade deltastore")
 
