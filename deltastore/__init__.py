@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from deltastore.write.sharded import Rows, ShardedPublisher
     from deltastore.read.stage import StagedUpdate
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: Public names whose modules import torch (~1.4 s), boto3 and pydantic: loaded on first
 #: attribute access (PEP 562), so ``import deltastore`` and ``deltastore --help`` stay fast.
