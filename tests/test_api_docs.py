@@ -122,3 +122,10 @@ def test_the_parameter_check_sees_a_missing_parameter() -> None:
     assert [p for _, p in _params(f)] == ["url", "brand_new"]
     assert not _named("`f(url)`: `url` the store", "brand_new")
     assert _named("- `brand_new` (`int`): new", "brand_new")
+
+
+def test_the_reference_points_at_the_spec_rather_than_numbering_decisions() -> None:
+    text = API_MD.read_text(encoding="utf-8")
+    assert re.findall(r"\bschema \d|\bdesign \d{3}|\bD\d+\b", text) == []
+    # a section number only as a link into the spec
+    assert re.findall(r"(?<!\[)SPEC §[\d.]+(?!\]\(SPEC\.md)", text) == []
