@@ -4,6 +4,7 @@ quickstart runs as written, the architecture tree is the package's, and its link
 from __future__ import annotations
 
 import re
+import uuid
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ def test_the_commands_are_under_their_markers(marker: str) -> None:
 def test_the_quickstart_runs() -> None:
     code = _block_after("quickstart")
     assert len(code.splitlines()) <= 16  # a quickstart, not a tutorial
+    # a store of its own: memory stores live as long as the process, and a rerun would resume
+    assert code.count('"memory://quickstart"') == 1
+    code = code.replace('"memory://quickstart"', f'"memory://quickstart-{uuid.uuid4().hex}"')
     exec(compile(code, "README.md quickstart", "exec"), {})  # its own asserts check the pull
 
 
