@@ -129,3 +129,18 @@ def test_the_reference_points_at_the_spec_rather_than_numbering_decisions() -> N
     assert re.findall(r"\bschema \d|\bdesign \d{3}|\bD\d+\b", text) == []
     # a section number only as a link into the spec
     assert re.findall(r"(?<!\[)SPEC §[\d.]+(?!\]\(SPEC\.md)", text) == []
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_into_the_reference_land_on_a_heading() -> None:
+    root = API_MD.parents[1]
+    anchors = {_anchor(h) for h in re.findall(r"(?m)^#{1,4} (.*)$", API_MD.read_text(encoding="utf-8"))}
+    sources = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "examples").glob("*.md")]
+    broken = [f"{src.relative_to(root)}: #{a}" for src in sources
+              for a in re.findall(r"(?:api\.md)?#([\w-]+)\)", src.read_text(encoding="utf-8"))
+              if (src == API_MD or "api.md#" + a in src.read_text(encoding="utf-8")) and a not in anchors]
+    assert broken == []
