@@ -2,7 +2,10 @@
 
 A :class:`Publisher` commits successive versions of a state dict to a store URL as small,
 content-addressed, verified deltas; a :class:`Subscriber` anywhere polls, fetches only what
-it lacks and fast-forwards its weights bit-exactly. The format is specified in docs/SPEC.md.
+it lacks and fast-forwards its weights bit-exactly. Their settings are policies
+(:class:`WriterPolicy`, :class:`AnchorPolicy`, :class:`LayoutPolicy`, :class:`AsyncPolicy`;
+:class:`PollPolicy`, :class:`CachePolicy`, :class:`HeartbeatPolicy` for ``follow``). Every public
+name is described in docs/api.md; the format is specified in docs/SPEC.md.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -56,7 +59,7 @@ if TYPE_CHECKING:
     from deltastore.write.sharded import Rows, ShardedPublisher
     from deltastore.read.stage import StagedUpdate
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: Public names whose modules import torch (~1.4 s), boto3 and pydantic: loaded on first
 #: attribute access (PEP 562), so ``import deltastore`` and ``deltastore --help`` stay fast.

@@ -74,3 +74,26 @@ def test_the_license_file_is_the_one_the_metadata_points_at() -> None:
     text = (ROOT / "LICENSE").read_text()
     assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
     assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+
+
+def test_the_version_is_the_one_pyproject_declares() -> None:
+    import deltastore
+
+    # __version__ is a literal so that `import deltastore` and `deltastore --version` need no
+    # installed metadata (a checkout, an editable install made before a version bump)
+    assert deltastore.__version__ == _project()["version"]
+
+
+def test_the_built_package_carries_py_typed_and_the_docs(tmp_path: Path) -> None:
+    """build_py is the step of ``pip wheel`` that gathers the package's files (the wheel adds only
+    the compiled kernels and metadata); running it alone keeps this check to a second."""
+    import subprocess
+    import sys
+
+    lib = tmp_path / "lib"
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=120)
+    package = lib / "deltastore"
+    assert (package / "py.typed").is_file()
+    for doc in ("api.md", "cli.md", "SPEC.md"):
+        assert (package / "_docs" / doc).read_text(encoding="utf-8") == (ROOT / "docs" / doc).read_text(encoding="utf-8")

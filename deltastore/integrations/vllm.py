@@ -128,8 +128,9 @@ class DeltastoreWorkerExtension:
         Args:
             url, storage_options, trusted_keys: as for :class:`deltastore.Subscriber`.
             interval: seconds between polls of HEAD.
-            cache_dir, worker_id: as for :meth:`deltastore.Subscriber.follow` (a local cache
-                to resume from, the id in the store's ledger).
+            cache_dir, worker_id: a local cache to resume from and the id in the store's
+                ledger (:class:`deltastore.CachePolicy` ``path``, :class:`deltastore.HeartbeatPolicy`
+                ``worker_id``).
             threads: decode threads (default: all cores).
             wait_s: wait up to this long for the first version to be staged.
 
