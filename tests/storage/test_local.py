@@ -10,7 +10,7 @@ from deltastore.errors import BucketNotFoundError, PreconditionFailedError
 from deltastore.storage import IfMatch, LocalStore, open_store
 from deltastore.storage._keys import content_etag
 from deltastore.storage._local import local_etag
-from tests.storage.contract import StoreContract
+from testkit.contract import StoreContract
 
 #: Processes and increments per process in the cross-process CAS test.
 PROCESSES = 4
@@ -105,7 +105,7 @@ def test_cas_is_atomic_across_processes(tmp_path: Path) -> None:
     assert int(store.get("counter")) == PROCESSES * INCREMENTS
 
 
-# --- streamed create-only writes (begin_put; session 23) -------------------------------------
+# --- streamed create-only writes (begin_put) -------------------------------------
 
 
 def _temp_files(root: Path) -> list[Path]:
