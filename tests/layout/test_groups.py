@@ -434,7 +434,7 @@ def test_closed_subscribers_leave_no_layout_behind(tmp_path: Any) -> None:
         return (len(checks._CHECKED_LAYOUTS), len(tensors._tables), len(groups._starts_cache), len(groups._group_index))
 
     base, base_caches = live_members(), caches()
-    for _ in range(5):
+    for _ in range(2):  # two in a row show that none is left behind
         with Subscriber(url, threads=2) as sub:
             target = snapshot(sub.pull(1))  # version 1, in separate tensors
             sub.pull_into(target, 2)
