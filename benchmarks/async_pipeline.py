@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from benchmarks.workload import WORKLOADS, ensure_workload
-    from campaigns.servers import seaweedfs
+    from testkit.servers import seaweedfs
 
     workloads = args.workload or ["rl-1e-6"]
     for wl in workloads:

@@ -42,7 +42,7 @@ def far(args: argparse.Namespace, federated: object) -> int:
     """Time rounds over shaped links, deltastore against full checkpoints, in one run."""
     from statistics import median
 
-    from campaigns.shaper import Link
+    from testkit.shaper import Link
 
     link = Link(bytes_per_s=args.mbit * 1e6 / 8, rtt_s=args.rtt_ms / 1000, loss=args.loss)
     t0 = time.monotonic()

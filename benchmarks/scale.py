@@ -553,7 +553,7 @@ TUNED_PART_BYTES, TUNED_CONCURRENCY = 1024 * 1024, 16
 
 
 def bench_far(server: Any, states: list[dict[str, torch.Tensor]], part: int = FAR_RANGE_PART_BYTES) -> dict[str, Any]:
-    from campaigns.shaper import Link, LinkShaper
+    from testkit.shaper import Link, LinkShaper
 
     link = Link(**FAR, seed=1)
     runs: dict[str, list[dict[str, Any]]] = {}

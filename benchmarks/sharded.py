@@ -684,8 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     args.s3 = None  # the S3 server and its options, with --rtt-ms
     with contextlib.ExitStack() as stack:
         if args.rtt_ms > 0:
-            from campaigns.servers import moto
-            from campaigns.shaper import Link, LinkShaper
+            from testkit.servers import moto
+            from testkit.shaper import Link, LinkShaper
 
             server = stack.enter_context(moto())
             shaper = stack.enter_context(LinkShaper(server.endpoint_url, Link(rtt_s=args.rtt_ms / 1e3)))

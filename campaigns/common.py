@@ -281,7 +281,7 @@ def parser(name: str, default_trials: int, doc: str) -> argparse.ArgumentParser:
 
 def main(name: str, run: Callable[..., Tally], p: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse arguments, start the backend, run, print the summary (and write --json)."""
-    from campaigns.servers import backend
+    from testkit.servers import backend
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -331,8 +331,8 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
     after every failed ``pull_into`` they must still be the last good version's. Every error must
     be a DeltastoreError. The report: updates, corrupt, errors by type, wrong errors, examples.
     """
-    from deltastore import DeltastoreError, Subscriber
     from campaigns.model import Oracle
+    from deltastore import DeltastoreError, Subscriber
 
     logging.getLogger("deltastore").setLevel(logging.CRITICAL)
     logging.getLogger("urllib3").setLevel(logging.CRITICAL)

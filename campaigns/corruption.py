@@ -110,10 +110,10 @@ def read_checked(tally: Tally, oracle: Any, what: str, fn: Any, step_of: Any) ->
 
 
 def run(server: Any, args: Any) -> Tally:
-    from deltastore import DeltastoreError, Publisher, Subscriber
-    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
-    from deltastore.storage import open_store
     from campaigns.model import CHUNK_BYTES, Oracle, with_layout
+    from deltastore import DeltastoreError, Publisher, Subscriber
+    from deltastore.storage import open_store
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 
     tally = Tally("corruption", server.kind)
     rng = random.Random(args.seed)

@@ -51,9 +51,9 @@ def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: st
     """Publish successive steps forever (until killed), logging each to ``log_path``."""
     import logging
 
+    from campaigns.model import CHUNK_BYTES, Model, with_layout
     from deltastore import DeltastoreError, Publisher, Subscriber
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
-    from campaigns.model import CHUNK_BYTES, Model, with_layout
 
     logging.getLogger("deltastore").setLevel(logging.CRITICAL)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -79,8 +79,8 @@ def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: st
 
 
 def run(server: Any, args: Any) -> Tally:
-    from deltastore.storage import open_store
     from campaigns.model import Oracle
+    from deltastore.storage import open_store
 
     tally = Tally("crash", server.kind)
     rng = random.Random(args.seed)

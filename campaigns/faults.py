@@ -1,6 +1,6 @@
 """Faults campaign: publish through a fault-injecting proxy; compare each outcome with HEAD.
 
-A publisher (and worker processes) reach the server through :class:`campaigns.proxy.FaultProxy`
+A publisher (and worker processes) reach the server through :class:`testkit.proxy.FaultProxy`
 injecting 500/503, 409 ConditionalRequestConflict, resets, truncated bodies, slow responses and
 dropped responses after a request landed, at ``--rate`` (default 10%, all kinds mixed). After
 each publish the oracle reads HEAD directly:
@@ -40,7 +40,7 @@ from campaigns.common import (
     scratch_dir,
     verify_versions,
 )
-from campaigns.proxy import FAULT_KINDS, OFF, FaultPlan, FaultProxy
+from testkit.proxy import FAULT_KINDS, OFF, FaultPlan, FaultProxy
 
 #: Snapshots every few versions, so faults also hit anchors.
 ANCHOR_EVERY = 5
@@ -58,10 +58,10 @@ def _head(store: Any) -> dict[str, Any] | None:
 
 
 def run(server: Any, args: Any) -> Tally:
-    from deltastore import ConflictError, DeltastoreError, FencedError, PreconditionFailedError, Publisher
-    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
-    from deltastore.storage import open_store
     from campaigns.model import CHUNK_BYTES, Model, Oracle, with_layout
+    from deltastore import ConflictError, DeltastoreError, FencedError, PreconditionFailedError, Publisher
+    from deltastore.storage import open_store
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 
     tally = Tally("faults", server.kind)
     if args.sdk_checksums:

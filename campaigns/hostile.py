@@ -72,8 +72,8 @@ class Hostile:
 
     def put_manifest(self, doc: dict[str, Any], *, point_head: bool = True) -> str:
         """Store an in-memory manifest document as a writer stores it (columnar zstd, a new
-        layout object if its tensors changed; see tests/_manifest_docs.py)."""
-        from tests._manifest_docs import encode_manifest_doc
+        layout object if its tensors changed; see testkit/manifest_docs.py)."""
+        from testkit.manifest_docs import encode_manifest_doc
 
         raw, key = encode_manifest_doc(self.store, doc)
         self.store.put(key, raw, mode="overwrite")
@@ -345,8 +345,9 @@ def _set(doc: Any, path: tuple, value: Any, delete: bool) -> Any:
 
 def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]:
     """``n`` hostile stores from hypothesis: one value of HEAD or the top manifest replaced."""
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hseed
+    from hypothesis import strategies as st
 
     # Integers are small or absurd: allocating an absurd size fails at once, while sizes in
     # between would take the machine's memory (D11's "3 KB of packs, 2 GiB resident" is left out).
@@ -383,11 +384,11 @@ def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]
 
 
 def run(server: Any, args: Any) -> Tally:
-    from deltastore import DeltastoreError, Publisher, Subscriber
-    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
-    from deltastore.storage import open_store
     from campaigns.model import CHUNK_BYTES, Oracle, with_layout
-    from tests._manifest_docs import read_manifest_doc
+    from deltastore import DeltastoreError, Publisher, Subscriber
+    from deltastore.storage import open_store
+    from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
+    from testkit.manifest_docs import read_manifest_doc
 
     tally = Tally("hostile", server.kind)
     options = campaign_options(server)

@@ -44,7 +44,7 @@ from campaigns.common import (
     verify_versions,
 )
 from campaigns.model import STEP_BASE
-from campaigns.proxy import FaultPlan, FaultProxy
+from testkit.proxy import FaultPlan, FaultProxy
 
 #: Publish attempts per process per takeover round: long enough for several to collide.
 ATTEMPTS_PER_ROUND = 6
@@ -59,9 +59,9 @@ def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: 
     """Publish ``attempts`` times (steps ``start_k``…) as trainer ``trainer``; log each outcome."""
     import logging
 
+    from campaigns.model import CHUNK_BYTES, Model, with_layout
     from deltastore import DeltastoreError, FencedError, Publisher
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
-    from campaigns.model import CHUNK_BYTES, Model, with_layout
 
     logging.getLogger("deltastore").setLevel(logging.CRITICAL)
     logging.getLogger("urllib3").setLevel(logging.CRITICAL)
@@ -130,8 +130,8 @@ def _round(ctx: Any, url: str, options: dict[str, Any], seed: int, n: int, takeo
 
 
 def run(server: Any, args: Any) -> Tally:
-    from deltastore.storage import open_store
     from campaigns.model import Oracle
+    from deltastore.storage import open_store
 
     tally = Tally("races", server.kind)
     oracle = Oracle(args.seed)

@@ -62,7 +62,7 @@ def run_one(name: str, server: Any, trials: int, seed: int, extra: list[str] | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    from campaigns.servers import backend
+    from testkit.servers import backend
 
     p = argparse.ArgumentParser(prog="python -m campaigns all", description=__doc__)
     p.add_argument("--backend", default="seaweedfs", help="moto, seaweedfs, or both comma-separated")

@@ -17,7 +17,7 @@ with the fixed dev-only :data:`DEV_SECRET_KEY`; ``--random-port``, ``--random-se
 random secret (what parallel tests need).
 
 The same code starts the servers of the test suite and the campaigns
-(``campaigns/servers.py``) and of ``examples/trainer_workers.py``: :func:`moto` and
+(``testkit/servers.py``) and of ``examples/trainer_workers.py``: :func:`moto` and
 :func:`seaweedfs` are context managers yielding an :class:`S3Server`::
 
     with seaweedfs() as server:
@@ -225,7 +225,7 @@ class _SerialWrites:
     can both succeed (seen in CI, about one run in ten). Real S3 endpoints are atomic there.
     Serialising writes makes moto the linearisable store the protocol assumes; the probe that
     catches a non-atomic endpoint is tested against a proxy that drops the conditions
-    (``campaigns/proxy.py``), not against moto's race.
+    (``testkit/proxy.py``), not against moto's race.
     """
 
     def __init__(self, app: Any):

@@ -18,7 +18,7 @@ pull), bit_exact (every site's weights equal the global version it pulled, and e
 version equals the merge of the sites' results recomputed here, independently, from files the
 sites wrote). Exit status 0 when bit-exact, 1 otherwise, 2 on bad arguments.
 
-:func:`run` with ``args.link`` (a ``campaigns.shaper.Link``, set by ``python -m
+:func:`run` with ``args.link`` (a ``testkit.shaper.Link``, set by ``python -m
 benchmarks.federated --far``) puts each site's S3 traffic and the aggregator's behind their own
 link-shaping proxy, times every round, and runs the same rounds a second time as an exchange of
 full safetensors checkpoints over the same links (see :func:`full_round`).
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Each site and the aggregator reach S3 through a link of their own (or directly).
         shapers = []
         if link is not None:
-            from campaigns.shaper import LinkShaper
+            from testkit.shaper import LinkShaper
 
             shapers = [links.enter_context(LinkShaper(server.endpoint_url, link)) for _ in range(args.sites + 1)]
         reach = [server.with_endpoint(s.endpoint_url).storage_options() for s in shapers] or [options] * (args.sites + 1)

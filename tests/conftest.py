@@ -1,4 +1,13 @@
-"""Shared fixtures: object-store servers for tests, started here and torn down at session end.
+"""Shared fixtures and settings: Hypothesis profiles, and object-store servers for tests, started
+here and torn down at session end.
+
+Hypothesis profiles
+-------------------
+``default``, ``ci`` and ``nightly`` (budgets in :data:`PROFILES`), chosen by the environment
+variable ``HYPOTHESIS_PROFILE``, else by the ini option ``hypothesis_profile`` (``ci`` in
+pyproject.toml, so the suite's test command runs ``ci``), else ``default``. Tests carry no
+``max_examples`` of their own; one whose examples are much dearer than a pure function's takes a
+fraction of the profile's budget with :func:`testkit.hypo.examples`, and says why.
 
 Every server listens on 127.0.0.1 only, keeps its data in a pytest tmp dir, and is started
 lazily: a test run that never asks for it never starts it.
@@ -42,35 +51,40 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
-from campaigns.servers import TEST_BUCKET, S3Server, ServerStartError, moto, s3rver, s3rver_cache_dir, seaweedfs
+from testkit.servers import TEST_BUCKET, S3Server, ServerStartError, moto, s3rver, s3rver_cache_dir, seaweedfs
+from testkit.targets import StoreTarget, unique_prefix
 
-__all__ = ["TEST_BUCKET", "S3Server", "StoreTarget"]
-
-
-@dataclass(frozen=True)
-class StoreTarget:
-    """Where a test's store lives: ``open_store(url, storage_options=...)`` opens it."""
-
-    kind: str
-    url: str
-    storage_options: dict[str, Any] | None = field(default=None)
-
-    def open(self):  # -> deltastore.storage.Store
-        from deltastore.storage import open_store
-
-        return open_store(self.url, storage_options=self.storage_options)
+__all__ = ["PROFILES", "TEST_BUCKET", "S3Server", "StoreTarget"]
 
 
-def _unique() -> str:
-    return f"t-{uuid.uuid4().hex[:12]}"
+# --- Hypothesis profiles ------------------------------------------------------------------
+
+#: Examples per property test: ``default`` for a developer running a few files, ``ci`` for the
+#: whole suite within its time budget, ``nightly`` for a long search.
+PROFILES = {"default": 100, "ci": 50, "nightly": 1000}
+
+for _name, _examples in PROFILES.items():
+    # No deadline: on a shared, loaded runner a slow example is not a failing one. too_slow is
+    # suppressed for the same reason (strategies that build tensors or stores are slow to draw).
+    settings.register_profile(
+        _name, max_examples=_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+    )
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("hypothesis_profile", "Hypothesis profile when HYPOTHESIS_PROFILE is not set", default="default")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("hypothesis_profile", None):  # hypothesis' own --hypothesis-profile wins
+        return
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or config.getini("hypothesis_profile"))
 
 
 # --- moto ---------------------------------------------------------------------------------
@@ -84,7 +98,7 @@ def moto_server() -> Iterator[S3Server]:
 
 @pytest.fixture
 def moto_s3_url(moto_server: S3Server) -> StoreTarget:
-    return StoreTarget("moto", f"s3://{moto_server.bucket}/{_unique()}", moto_server.storage_options())
+    return StoreTarget("moto", f"s3://{moto_server.bucket}/{unique_prefix()}", moto_server.storage_options())
 
 
 # --- SeaweedFS ----------------------------------------------------------------------------
@@ -108,7 +122,7 @@ def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Ser
 @pytest.fixture
 def seaweedfs_s3_url(seaweedfs_server: S3Server) -> StoreTarget:
     return StoreTarget(
-        "seaweedfs", f"s3://{seaweedfs_server.bucket}/{_unique()}", seaweedfs_server.storage_options()
+        "seaweedfs", f"s3://{seaweedfs_server.bucket}/{unique_prefix()}", seaweedfs_server.storage_options()
     )
 
 
@@ -148,7 +162,7 @@ def any_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTar
     if kind == "file":
         return StoreTarget("file", str(tmp_path / "store"))
     if kind == "memory":
-        return StoreTarget("memory", f"memory://{_unique()}")
+        return StoreTarget("memory", f"memory://{unique_prefix()}")
     if kind == "moto":
         return request.getfixturevalue("moto_s3_url")
     return request.getfixturevalue("seaweedfs_s3_url")

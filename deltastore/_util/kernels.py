@@ -3,7 +3,7 @@ when a compiler is there; docs/design/006-native-kernels.md).
 
 Everything else imports kernels from here, never ``deltastore._native`` itself. Each kernel is
 the extension's function, or None when the extension is not loaded; then callers run the numpy
-path, which writes the same bytes (tests/test_native.py compares the two).
+path, which writes the same bytes (tests/codec/test_native.py compares the two).
 
 - ``DELTASTORE_NATIVE=0`` in the environment forces the numpy path (logged at INFO).
 - An extension that is missing, fails to load, or is a stale build (``ABI`` mismatch) is

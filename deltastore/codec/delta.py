@@ -272,7 +272,7 @@ def _add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: 
         return encode_changes(count, width, pos, unzigzag(zz), None, level)
     # The planes as bytes, no numpy (this runs per changed chunk): byte b of each little-endian
     # element (the kernels run on little-endian hosts only) is the slice [b::element width].
-    # The same planes as _add_positions / _add_values, so the same sections (tests/test_native.py).
+    # The same planes as _add_positions / _add_values, so the same sections (tests/codec/test_native.py).
     planes = [syms]
     gw = 1
     if rest:

@@ -309,16 +309,6 @@ def _exact(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def manifest_layout_ref(data: bytes, key: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ObjectRef:
-    """The layout a manifest is read with (its ``layout`` field), read without the layout.
-
-    Raises:
-        IntegrityError / CorruptObjectError / UnsupportedSchemaError: as :func:`parse_manifest`.
-    """
-    check_digest(data, key, None, "manifest")
-    return _layout_ref(load_document(data, "manifest", key, max_bytes), key)
-
-
 def _layout_ref(doc: dict[str, Any], key: str) -> ObjectRef:
     """The ``layout`` reference of schema-3 manifest document ``doc`` (read from ``key``),
     validated (its key too) before anyone fetches the layout through it."""

@@ -283,7 +283,7 @@ def copy_members(row: np.ndarray, ptrs: np.ndarray, starts: np.ndarray, a: int, 
     """Copy elements ``[a, a + row.size)`` of a group between ``row`` and its members (at
     ``ptrs``, see :func:`member_pointers`): ``to_row`` gathers into ``row``, else scatters
     ``row`` into the members. One native call per range; the numpy fallback copies the same
-    bytes member by member (tests/test_groups.py compares them)."""
+    bytes member by member (tests/layout/test_groups.py compares them)."""
     width = row.dtype.itemsize
     kernel = kernels.gather_members if to_row else kernels.scatter_members
     if kernel is not None:

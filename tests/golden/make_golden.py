@@ -1,6 +1,6 @@
 """Write the golden files of the current format under tests/golden/ (the files are committed as
-data and read, byte for byte, by tests/test_golden*.py, tests/test_sharded.py and
-tests/test_federated_golden.py)::
+data and read, byte for byte, by tests/format/test_golden*.py, tests/write/test_sharded.py and
+tests/federated/test_federated_golden.py)::
 
     python tests/golden/make_golden.py                  # every target, into tests/golden/
     python tests/golden/make_golden.py schema3 grid     # some targets
@@ -40,7 +40,7 @@ Targets (each deterministic in its inputs: fixed seeds, one encode thread):
     anchor that groups the small tensors (schema 4). The facts record what a column reader
     fetches per version and rank.
 ``sharded``
-    ``store-sharded/``: three ranks (gloo) publishing tests/test_sharded.py's model with
+    ``store-sharded/``: three ranks (gloo) publishing tests/write/test_sharded.py's model with
     ``anchor_every=3`` (parts, part manifests and sharded layouts).
 ``sharded-grid``
     ``store-sharded-grid/``: three ranks publishing ``golden_grid_model``: column grids in a
@@ -54,7 +54,7 @@ safetensors, and for most a ``sha256.json`` of each tensor's raw bytes). A store
 history index, squash and part manifests carry random attempt ids, lineages and times, so a
 second run writes other bytes for them: ``--check`` compares what is deterministic (packs and
 layout objects by content, the expected state dicts, the facts but for ids), and
-tests/test_golden.py proves the rest by re-encoding every stored object to its stored bytes.
+tests/format/test_golden.py proves the rest by re-encoding every stored object to its stored bytes.
 """
 
 from __future__ import annotations
@@ -431,8 +431,8 @@ def write_schema4(store_dir: Path, expected_dir: Path, facts_path: Path) -> None
 
     import deltastore
     import deltastore.layout.groups as groups
-    from deltastore.lifecycle.compact import compact
     from deltastore.format.history import History
+    from deltastore.lifecycle.compact import compact
     from deltastore.storage import open_store
 
     groups.GROUP_MEMBER_MAX_BYTES = 512
@@ -526,8 +526,8 @@ def column_reads(url: str, version: int) -> dict[str, dict[str, object]]:
     """Per ``"world/rank"``: the chunks (``"name:index"``) and segment bytes a pull of
     ``version`` reads with the grid tensors cut along dimension 1 (from the plan)."""
     from deltastore.format.history import History
-    from deltastore.read.plan import layout, plan_from_anchor
     from deltastore.layout.select import Selection, resolve
+    from deltastore.read.plan import layout, plan_from_anchor
     from deltastore.storage import open_store
 
     h = History(open_store(url))
@@ -552,8 +552,8 @@ def write_grid(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
     from safetensors.torch import save_file
 
     import deltastore
-    from deltastore.lifecycle.compact import compact
     from deltastore.format.history import History
+    from deltastore.lifecycle.compact import compact
     from deltastore.storage import open_store
 
     g = torch.Generator().manual_seed(GRID_SEED)
@@ -643,10 +643,10 @@ def write_grid(store_dir: Path, expected_dir: Path, facts_path: Path) -> None:
 
 
 def write_sharded(store: Path, expected: Path, scenario: str = "versions") -> None:
-    """Three ranks (gloo) publishing versions 1-4 of tests/test_sharded.py's ``scenario``."""
+    """Three ranks (gloo) publishing versions 1-4 of tests/write/test_sharded.py's ``scenario``."""
     from safetensors.torch import save_file
 
-    from tests.test_sharded import full_model, golden_grid_model, run_ranks
+    from testkit.ranks import full_model, golden_grid_model, run_ranks
 
     model = {"versions": full_model, "grid_golden": golden_grid_model}[scenario]
     with tempfile.TemporaryDirectory() as tmp:

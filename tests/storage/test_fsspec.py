@@ -12,7 +12,7 @@ import fsspec
 import pytest
 
 from deltastore.storage import FsspecStore
-from tests.storage.contract import StoreContract
+from testkit.contract import StoreContract
 
 
 class TestFsspecMemory(StoreContract):

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import multiprocessing
 import os
 from pathlib import Path
 
@@ -10,7 +9,8 @@ from deltastore.errors import BucketNotFoundError, PreconditionFailedError
 from deltastore.storage import IfMatch, LocalStore, open_store
 from deltastore.storage._keys import content_etag
 from deltastore.storage._local import local_etag
-from tests.storage.contract import StoreContract
+from testkit.contract import StoreContract
+from testkit.tensors import mp_context
 
 #: Processes and increments per process in the cross-process CAS test.
 PROCESSES = 4
@@ -98,14 +98,15 @@ def _increment(root: str, n: int) -> int:
 def test_cas_is_atomic_across_processes(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     store.put("counter", b"0", mode="create")
-    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-    with ctx.Pool(PROCESSES) as pool:
+    # Not fork: a test worker runs server threads, and a child forked while one of them holds a
+    # lock waits for it forever.
+    with mp_context().Pool(PROCESSES) as pool:
         pool.starmap(_increment, [(str(tmp_path), INCREMENTS)] * PROCESSES)
     # A lost update (two processes both "winning" against one ETag) would leave it lower.
     assert int(store.get("counter")) == PROCESSES * INCREMENTS
 
 
-# --- streamed create-only writes (begin_put; session 23) -------------------------------------
+# --- streamed create-only writes (begin_put) -------------------------------------
 
 
 def _temp_files(root: Path) -> list[Path]:

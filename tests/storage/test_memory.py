@@ -5,7 +5,7 @@ import uuid
 import pytest
 
 from deltastore.storage import MemoryStore, open_store
-from tests.storage.contract import StoreContract
+from testkit.contract import StoreContract
 
 
 class TestMemoryStore(StoreContract):

@@ -20,6 +20,7 @@ from deltastore.errors import AlreadyExistsError, NotFoundError, PreconditionFai
 from deltastore.storage import FsspecStore, IfMatch, LocalStore, MemoryStore, Store
 from deltastore.storage._keys import content_etag
 from deltastore.storage._local import local_etag
+from testkit.hypo import examples
 
 KEYS = st.sampled_from(["HEAD", "a/b", "a/c", "a/b-x", "blobs/ab/cd"])
 VALUES = st.binary(max_size=16)
@@ -100,7 +101,8 @@ class StoreModel(RuleBasedStateMachine):
 
 
 _SETTINGS = settings(
-    max_examples=20, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    # A fraction of the profile's budget: each example is a whole sequence of store calls.
+    max_examples=examples(0.4), stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

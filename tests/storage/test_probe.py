@@ -25,8 +25,8 @@ from deltastore.storage.probe import (
     probe_conditional_writes,
     require_atomic_writes,
 )
-from tests.storage.faultproxy import FaultProxy
 from deltastore.write.policy import WriterPolicy
+from testkit.proxy import ScriptedProxy
 
 
 def _count_puts(monkeypatch: pytest.MonkeyPatch, store: Store) -> list[str]:
@@ -84,8 +84,8 @@ def test_probe_passes_on_real_servers_and_is_cached(kind: str, server: str, requ
 def test_probe_refuses_endpoint_that_ignores_conditional_headers(moto_server) -> None:
     """rclone's serve s3 emulated: a proxy strips If-None-Match/If-Match (moto checks no signatures)."""
     url = f"s3://{moto_server.bucket}/probe-{uuid.uuid4().hex[:8]}"
-    with FaultProxy(moto_server.endpoint_url, strip_request_headers=("If-None-Match", "If-Match")) as proxy:
-        with open_store(url, storage_options=moto_server.storage_options(endpoint_url=proxy.url)) as store:
+    with ScriptedProxy(moto_server.endpoint_url, strip_request_headers=("If-None-Match", "If-Match")) as proxy:
+        with open_store(url, storage_options=moto_server.storage_options(endpoint_url=proxy.endpoint_url)) as store:
             with pytest.raises(UnsafeStoreError) as info:
                 require_atomic_writes(store)
             message = str(info.value)
@@ -401,9 +401,9 @@ def test_publisher_refuses_an_endpoint_that_ignores_conditional_writes(moto_serv
 
     from deltastore import Publisher, UnsafeStoreError
 
-    with FaultProxy(moto_server.endpoint_url, strip_request_headers=("If-None-Match", "If-Match")) as proxy:
+    with ScriptedProxy(moto_server.endpoint_url, strip_request_headers=("If-None-Match", "If-Match")) as proxy:
         url = f"s3://{moto_server.bucket}/{uuid.uuid4().hex}"
-        opts = moto_server.storage_options(endpoint_url=proxy.url)
+        opts = moto_server.storage_options(endpoint_url=proxy.endpoint_url)
         with pytest.raises(UnsafeStoreError, match="allow_unsafe_store"):
             Publisher(url, storage_options=opts)
         with Publisher(url, storage_options=opts, writer_policy=WriterPolicy(allow_unsafe_store=True)) as pub:

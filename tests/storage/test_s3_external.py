@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from deltastore.storage import open_store
-from tests.storage.contract import StoreContract
+from testkit.contract import StoreContract
 
 EXTERNAL_URL = os.environ.get("DELTASTORE_TEST_S3_URL")
 

@@ -8,7 +8,7 @@ import pytest
 
 from deltastore.errors import BucketNotFoundError, NotFoundError, StorageError
 from deltastore.storage import IfMatch, S3Store, open_store
-from tests.storage.contract import StoreContract
+from testkit.contract import StoreContract
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ import pytest
 
 from deltastore.errors import AccessDeniedError, BucketNotFoundError
 from deltastore.storage import S3Store, open_store
-from tests.storage.contract import StoreContract
+from testkit.contract import StoreContract
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,77 @@
+"""``deltastore aggregate`` (design 009): rounds from the command line, one JSON line each; a
+refused command line or an empty global store without ``--init`` leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from deltastore import Subscriber
+from deltastore.cli import EXIT_FAILED, EXIT_USAGE, main
+from deltastore.federated import Site
+from testkit.federated import initial_state, reference_merge, served, trained
+from testkit.tensors import assert_bits_equal
+
+
+def test_aggregate_cli_json_rounds(tmp_path, capsys) -> None:
+    g, sites = str(tmp_path / "global"), {f"s{i}": str(tmp_path / "sites" / f"s{i}") for i in range(2)}
+    for u in (g, *sites.values()):
+        (tmp_path / u).mkdir(parents=True, exist_ok=True)
+    init = tmp_path / "init.safetensors"
+    save_file(initial_state(), str(init))
+    site_args = [a for name, u in sites.items() for a in ("--site", f"{name}={u}")]
+    # round 1 needs version 1 first: --init publishes it, then the round waits with a deadline
+    # that no site meets (quorum 1 of 2): exit 1, nothing merged
+    assert main(["aggregate", g, *site_args, "--init", str(init), "--quorum", "1", "--deadline", "1s",
+                 "--interval", "0.1", "--json"]) == 1
+    capsys.readouterr()
+    ss = [Site(g, u, dtype=torch.bfloat16) for u in sites.values()]
+    try:
+        results = []
+        for i, s in enumerate(ss):
+            s.run_round(lambda w, i=i: trained(w, i, 0), num_examples=1 + i)
+            results.append(served(trained(s.weights, i, 0)))
+        base = {n: t.clone() for n, t in ss[0].weights.items()}
+        assert main(["aggregate", g, *site_args, "--interval", "0.1", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["base"] == 1 and out["version"] == 2 and out["accepted"] == ["s0", "s1"]
+        assert [s["weight"] for s in out["sites"]] == [1 / 3, 2 / 3]
+        with Subscriber(g) as sub:
+            assert_bits_equal(sub.pull(2), reference_merge(base, results, [1 / 3, 2 / 3]))
+    finally:
+        for s in ss:
+            s.close()
+
+
+@pytest.mark.parametrize("flags, code, words", [
+    ([], EXIT_FAILED, "has no version yet"),
+    (["--site", "bad"], EXIT_USAGE, "NAME=URL"),
+    (["--site", "s0=s3:/typo"], EXIT_USAGE, "s3://typo"),
+    (["--site", "s0={root}/again"], EXIT_USAGE, "must be unique"),
+    (["--rounds", "-1"], EXIT_USAGE, "--rounds"),
+    (["--quorum", "3"], EXIT_USAGE, "--quorum 3"),
+    (["--quorum", "0"], EXIT_USAGE, "--quorum"),
+    (["--interval", "0"], EXIT_USAGE, "--interval"),
+    (["--dtype", "int8"], EXIT_USAGE, "--dtype"),
+    (["--init", "{root}/missing.safetensors"], EXIT_FAILED, "missing.safetensors"),
+], ids=["no-init", "site-without-name", "site-url", "site-twice", "rounds", "quorum-above-sites", "quorum-0",
+        "interval", "dtype", "init-missing"])
+@pytest.mark.parametrize("global_exists", [False, True], ids=["no-dir", "empty-dir"])
+def test_a_refused_aggregate_leaves_nothing_behind(flags, code, words, global_exists, tmp_path, capsys) -> None:
+    g, sites = tmp_path / "global", [tmp_path / "sites" / f"s{i}" for i in range(2)]
+    if global_exists:
+        g.mkdir()
+    site_args = [a for i, u in enumerate(sites) for a in ("--site", f"s{i}={u}")]
+    argv = ["aggregate", str(g), *site_args, *(f.format(root=tmp_path) for f in flags)]
+    assert main(argv) == code
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("deltastore: error: ") and words in err[0], err
+    assert len(err) <= 2 and all(line.startswith("hint: ") for line in err[1:]), err
+    if flags == []:
+        assert err[1] == "hint: pass --init FILE.safetensors: it is published as global version 1"
+    # Nothing taken over, locked or created: no global HEAD, no site directories.
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["global"] if global_exists else [])
+    assert not global_exists or list(g.iterdir()) == []
