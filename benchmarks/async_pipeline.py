@@ -4,7 +4,7 @@
         [--workers 1,4,8] [--versions 4] [--burst 3] [--json OUT]
 
 For each workload (real fine-tuning checkpoints from :mod:`benchmarks.workload`) it starts
-SeaweedFS (:func:`campaigns.servers.seaweedfs`) and measures, side by side:
+SeaweedFS (:func:`testkit.servers.seaweedfs`) and measures, side by side:
 
 1. **Baselines** (one process, nothing else running): a synchronous *full-checkpoint upload*
    (the bf16 model serialized with safetensors and PUT as one object with boto3, the way a

@@ -14,7 +14,7 @@ Goals: up ≤ 5 % and down ≤ 10 % of the model's bf16 bytes. Results go to
 benchmarks/results/federated.{json,md}.
 
 ``--far`` (over the far-link proxy): every site's S3 traffic and the aggregator's
-go through a link of their own (campaigns/shaper.py; ``--mbit 100 --rtt-ms 80 --loss 0.001`` by
+go through a link of their own (testkit/shaper.py; ``--mbit 100 --rtt-ms 80 --loss 0.001`` by
 default), and each round is also run as an exchange of full safetensors checkpoints over the
 same links (sites download the global checkpoint and upload their result, the aggregator
 downloads every result and uploads the merge, with boto3's transfer manager). Reports the time
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=FAR_RTT_MS, help="--far: each link's round-trip time")
     ap.add_argument("--loss", type=float, default=FAR_LOSS, help="--far: each link's packet loss probability")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))  # campaigns.shaper
+    sys.path.insert(0, str(ROOT))  # testkit.shaper
     sys.path.insert(0, str(ROOT / "examples"))  # the example and its siblings (demo, worker)
     import federated  # examples/federated.py
 

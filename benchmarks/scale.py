@@ -31,7 +31,7 @@ benchmarks/workload.py). Four measurements, one run, figures side by side:
     publisher and worker each in a fresh interpreter: delta publish, anchor, ``pull``,
     ``pull_into`` and chain ``pull`` times with each call's peak RSS rise; grid / none ratios.
 ``far``
-    A worker behind campaigns.shaper.LinkShaper (100 Mbit/s, 80 ms RTT, 0.1 % packet loss),
+    A worker behind testkit.shaper.LinkShaper (100 Mbit/s, 80 ms RTT, 0.1 % packet loss),
     the publisher next to the bucket, on SeaweedFS where it is installed (it keeps connections
     alive, as S3 does; moto closes each one, so every request would pay a second RTT) or moto
     (``--far-server``); the worker's requests and new connections are counted per version.

@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                          "throughput when rank 0 commits a version while the ranks encode the next (design 010 D10)")
     ap.add_argument("--rtt-ms", type=float, default=0.0,
                     help="publish to a moto S3 server behind a shaping proxy adding this round-trip time per "
-                         "request (campaigns.shaper) instead of a file store: what the commit's round trips cost "
+                         "request (testkit.shaper) instead of a file store: what the commit's round trips cost "
                          "each version, and what publish_async hides of them")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
                     help="pin each rank to cores of its own (rank r: cores [r·threads, (r+1)·threads)), as a "

@@ -15,7 +15,7 @@
 #define DS_NATIVE_ABI 2
 
 /* add-sparse/1's escape symbols: must equal deltastore.codec.delta.ESCAPE and NIBBLE_ESCAPE
- * (exported as GAP_ESCAPE and NIBBLE_ESCAPE; tests/test_native.py compares them). */
+ * (exported as GAP_ESCAPE and NIBBLE_ESCAPE; tests/codec/test_native.py compares them). */
 #define DS_GAP_ESCAPE 255
 #define DS_NIBBLE_ESCAPE 15
 

@@ -1,6 +1,6 @@
 /* Encode kernels: the add-sparse/1 delta in one pass, the full codec's byte
  * planes, and XXH3-128 state digests. Output bytes equal the numpy path's exactly
- * (deltastore/codec/delta.py, full.py); tests/test_native.py proves it. */
+ * (deltastore/codec/delta.py, full.py); tests/codec/test_native.py proves it. */
 #include "ds_native.h"
 
 #include <stdlib.h>
@@ -351,7 +351,7 @@ static inline void pair_code_bytes(uint8_t *codes, size_t k0, const uint8_t *cb,
  * compressed to the changed lanes (vpcompressb/w) and stored whole (the buffers keep 64 bytes
  * of slack), the first gap of the block (the only one that can reach DS_GAP_ESCAPE) fixed up
  * by scalar code, the reference advanced by masked stores. Codes go to `cb` one byte per
- * change and are paired into nibbles once per range. Same bytes as scan_2 (tests/test_native.py
+ * change and are paired into nibbles once per range. Same bytes as scan_2 (tests/codec/test_native.py
  * runs every variant against the numpy path). */
 static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size_t hi, int adv, enc_out *s) {
     enum { W = 2 };

@@ -9,7 +9,7 @@
  * so a wrong table raises ValueError instead of reading out of range; the addresses themselves
  * are the caller's contract (deltastore.layout.groups builds them from tensors whose shapes the layout
  * check matched to the members). The numpy fallback in deltastore.layout.groups copies the same bytes
- * (tests/test_groups_native.py). */
+ * (tests/layout/test_groups.py). */
 #include "ds_native.h"
 #include <string.h>
 

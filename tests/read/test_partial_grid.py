@@ -4,7 +4,7 @@ small grid store (the ranks of several degrees, the aligned fast path, last_chan
 
 Every expectation is computed here independently of select.py: the chunks a selection reads
 and its edges by a loop over every chunk of the grid (``chunk_block``, checked against explicit
-slicing in test_grid.py) or by the closed-form prediction of 011 D5; the bits a target holds by
+slicing in tests/layout/test_grid.py) or by the closed-form prediction of 011 D5; the bits a target holds by
 torch slicing of the natural tensor (``W[:, lo:hi]``, ``W[r0:r1, c0:c1]``). Without a grid the
 chunks, edges and changed spans must be exactly what the pre-grid code computed (kept here as
 the oracle ``_pre_grid``).

@@ -15,7 +15,7 @@ import pytest
 import deltastore
 import deltastore.errors
 
-API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+API_MD = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 #: The documented subpackages: their ``__all__``, or the public names of a module without one.
 DOCUMENTED: dict[str, list[str]] = {
