@@ -36,11 +36,8 @@ from deltastore.errors import (
 )
 from deltastore.format.history import History, VersionInfo
 from deltastore._util.jobs import default_threads
-from deltastore.format.keys import manifest_key, new_attempt_id, object_key, sha256_hex
-from deltastore.format.manifest import encode_manifest
 from deltastore.format.models import BASE_SCHEMA, BaseRef, Head, Layout, Manifest, layout_of
 from deltastore.format.manifest import encode_manifest
-from deltastore.format.objects import encode_object
 from deltastore.read.plan import ChunkPlan, Step
 from deltastore.storage.base import Store
 from deltastore.storage.probe import require_atomic_writes
