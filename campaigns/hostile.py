@@ -30,6 +30,7 @@ from typing import Any
 
 from campaigns.common import Tally, campaign_options, fresh_url, main, parser
 from campaigns.corruption import cli, cli_args, judge_cli
+from testkit.manifest_docs import json_paths
 
 #: The template history: versions 1-4 with anchors at 1 and 4, so the top manifest is an
 #: anchor (full and delta segments) whose parent chain holds deltas.
@@ -319,17 +320,6 @@ def crafted() -> list[tuple[str, Callable[[Hostile], None]]]:
 # --- fuzzed -------------------------------------------------------------------------------
 
 
-def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, prefix + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, prefix + (i,))
-    return out
-
-
 def _set(doc: Any, path: tuple, value: Any, delete: bool) -> Any:
     if not path:
         return value
@@ -367,7 +357,7 @@ def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]
     def collect(which: str, pick: int, value: Any, delete: bool) -> None:
         def write(h: Hostile, which=which, pick=pick, value=value, delete=delete) -> None:
             doc = json.loads(json.dumps(h.head)) if which == "HEAD" else h.top_stored()
-            paths = [p for p in _paths(doc) if p]
+            paths = [p for p in json_paths(doc) if p]
             path = paths[pick % len(paths)]
             doc = _set(doc, path, value, delete and isinstance(path[-1], str))
             if which == "HEAD":

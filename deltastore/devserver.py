@@ -305,6 +305,29 @@ def find_weed() -> str | None:
     return shutil.which("weed")
 
 
+def spawn(cleanup: contextlib.ExitStack, args: list[str], *, cwd: Path, log_path: Path,
+          stop_timeout_s: float) -> subprocess.Popen:
+    """Start a server process logging to ``log_path``; ``cleanup`` stops it (SIGTERM, then
+    SIGKILL after ``stop_timeout_s``).
+
+    The process gets its own session: a Ctrl-C in the terminal reaches this process only, which
+    then stops the server in order (rather than the server dying mid-write on the same signal).
+    """
+    log = cleanup.enter_context(open(log_path, "ab"))
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    cleanup.callback(stop)
+    return proc
+
+
 def _wait_for_s3(endpoint: str, proc: subprocess.Popen, deadline: float) -> None:
     import urllib.error
     import urllib.request
@@ -396,20 +419,7 @@ def seaweedfs(
             "-webdav=false", "-iam=false",
         ]  # fmt: skip
         log_path = base / "weed.log"
-        log = cleanup.enter_context(open(log_path, "ab"))
-        # Its own session: a Ctrl-C in the terminal reaches this process only, which then
-        # stops weed in order (rather than weed dying mid-write on the same signal).
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=base, start_new_session=True)
-
-        def stop() -> None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=SEAWEEDFS_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-        cleanup.callback(stop)
+        proc = spawn(cleanup, args, cwd=base, log_path=log_path, stop_timeout_s=SEAWEEDFS_STOP_TIMEOUT_S)
         endpoint = f"http://127.0.0.1:{s3}"
         info = S3Server("seaweedfs", endpoint, bucket, access_key, secret_key)
         deadline = time.monotonic() + SEAWEEDFS_START_TIMEOUT_S

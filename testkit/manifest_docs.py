@@ -272,3 +272,16 @@ def random_hex(rng: random.Random, n: int) -> str:
 
 def random_manifest_key(rng: random.Random, v: int) -> str:
     return manifest_key(v, random_hex(rng, 64))
+
+
+def json_paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every path into a JSON document (keys and list indices), the root's ``()`` first: where a
+    fuzzer may put a hostile value."""
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += json_paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += json_paths(v, prefix + (i,))
+    return out

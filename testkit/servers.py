@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.server
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from deltastore import devserver
-from deltastore.devserver import READY_POLL_S, S3Server, find_weed, free_ports, log_tail
+from deltastore.devserver import READY_POLL_S, S3Server, find_weed, free_ports, log_tail, spawn
 from deltastore.errors import DevServerError
 
 __all__ = ["S3RVER_VERSION", "TEST_BUCKET", "TEST_RETRIES", "S3Server", "ServerStartError", "backend", "find_weed",
@@ -139,18 +141,7 @@ def s3rver(base: Path, bucket: str = TEST_BUCKET) -> Iterator[S3Server]:
     args = [node, str(script), "--address", "127.0.0.1", "--port", "0", "--directory", str(base / "data"),
             "--silent", "--configure-bucket", bucket]
     with contextlib.ExitStack() as cleanup:
-        log = cleanup.enter_context(open(log_path, "ab"))
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=base, start_new_session=True)
-
-        def stop() -> None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=S3RVER_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-        cleanup.callback(stop)
+        proc = spawn(cleanup, args, cwd=base, log_path=log_path, stop_timeout_s=S3RVER_STOP_TIMEOUT_S)
         deadline = time.monotonic() + S3RVER_START_TIMEOUT_S
         while True:
             found = re.search(rb"listening on 127\.0\.0\.1:(\d+)", log_path.read_bytes())
@@ -177,3 +168,15 @@ def backend(kind: str, base: Path | None = None) -> Iterator[S3Server]:
             yield server
     else:
         raise ValueError(f"unknown backend {kind!r}: moto or seaweedfs")
+
+
+@contextlib.contextmanager
+def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded HTTP server on 127.0.0.1 answering with ``handler``; yields its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from safetensors.torch import save_file
 
 from deltastore.cli import EXIT_FAILED, EXIT_NOTHING_TO_DO, EXIT_OK, EXIT_USAGE, main
 from deltastore.cli.common import storage_option
+from testkit import servers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,14 +127,8 @@ class _Html(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(params=[404, 200], ids=["html-404", "html-200"])
 def html_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
-    handler = type("Handler", (_Html,), {"status": request.param})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with servers.http_server(type("Handler", (_Html,), {"status": request.param})) as url:
+        yield url
 
 
 @pytest.fixture
@@ -542,7 +536,6 @@ def test_seaweedfs_filer_and_master_ports_are_not_s3(tmp_path: Path, monkeypatch
     if os.environ.get("DELTASTORE_SKIP_SEAWEEDFS") == "1":
         pytest.skip("DELTASTORE_SKIP_SEAWEEDFS=1")
     from deltastore import devserver  # where the server is started (testkit.servers wraps it)
-    from testkit import servers
 
     picked: list[list[int]] = []
     real_free_ports = devserver.free_ports

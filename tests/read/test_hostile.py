@@ -35,6 +35,7 @@ from deltastore.format.manifest import parse_manifest
 from deltastore.format.parse import parse_head
 from deltastore.storage import open_store
 from deltastore.write.policy import LayoutPolicy, WriterPolicy
+from testkit.manifest_docs import json_paths
 from testkit.tensors import assert_bits_equal, small_state, snapshot, sparse_edit
 
 #: The declared-model cap every fuzzed subscriber runs under (the real store holds ~6 KiB).
@@ -85,17 +86,6 @@ def _store_as(key: str, doc: Any, depth: int, version: int) -> tuple[bytes, str]
     return raw, manifest_key(version, sha256_hex(raw))
 
 
-def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, prefix + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, prefix + (i,))
-    return out
-
-
 hostile_values = st.one_of(
     st.none(),
     st.booleans(),
@@ -132,7 +122,7 @@ def _mutate(doc: Any, data: st.DataObject) -> Any:
     type half of the time (integer or string attacks) and from anything otherwise.
     """
     for _ in range(data.draw(st.integers(1, 3))):
-        paths = [p for p in _paths(doc) if p]
+        paths = [p for p in json_paths(doc) if p]
         if not paths:
             return doc
         by_name: dict[str, list[tuple]] = {}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import http.server
 import importlib
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from deltastore.errors import StorageError
 from deltastore.storage import S3Store
 from deltastore.storage.base import EndpointIdentity
+from testkit.servers import http_server
 
 S3_MODULE = Path(__file__).resolve().parents[2] / "deltastore" / "storage" / "_s3.py"
 CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
@@ -94,13 +94,8 @@ class _TinyS3(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def tiny_s3() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TinyS3)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(_TinyS3) as url:
+        yield url
 
 
 def test_endpoint_identity_is_what_the_client_observed(tiny_s3: str) -> None:
