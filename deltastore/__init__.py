@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from deltastore.errors import (
     AccessDeniedError,
+    AdapterMismatchError,
     AlreadyExistsError,
     BucketNotFoundError,
     CommitAbandonedError,
@@ -20,6 +21,7 @@ from deltastore.errors import (
     ConflictError,
     CorruptObjectError,
     DeltastoreError,
+    EngineUpdateError,
     FencedError,
     FormatError,
     HeadRolledBackError,
@@ -38,6 +40,7 @@ from deltastore.errors import (
     StorageError,
     TargetModifiedError,
     UnknownCodecError,
+    UnknownFormatError,
     UnsafeStoreError,
     UnsignedVersionError,
     UnsupportedSchemaError,
@@ -99,6 +102,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AccessDeniedError",
+    "AdapterMismatchError",
     "AlreadyExistsError",
     "AnchorPolicy",
     "AsyncPolicy",
@@ -110,6 +114,7 @@ __all__ = [
     "ConflictError",
     "CorruptObjectError",
     "DeltastoreError",
+    "EngineUpdateError",
     "FencedError",
     "FollowRecord",
     "FormatError",
@@ -138,6 +143,7 @@ __all__ = [
     "Subscriber",
     "TargetModifiedError",
     "UnknownCodecError",
+    "UnknownFormatError",
     "UnsafeStoreError",
     "UnsignedVersionError",
     "UnsupportedSchemaError",

@@ -29,12 +29,14 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── FormatError (ValueError)                  something this version cannot read
     │   ├── UnsupportedSchemaError
     │   │   └── BaseElsewhereError                a based version read without its base's store
-    │   └── UnknownCodecError
+    │   ├── UnknownCodecError
+    │   └── UnknownFormatError                    a serving format nobody defined or nobody published
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
     │   └── LayoutMismatchError                   names/shapes/dtypes differ from the base
     │       ├── ShardMismatchError                ranks of a sharded publish disagree (layout, step, version)
     │       ├── SiteLayoutError                   a site's result has another layout (federated)
-    │       └── SelectionError                    a partial pull's selection does not fit the layout
+    │       ├── SelectionError                    a partial pull's selection does not fit the layout
+    │       └── AdapterMismatchError              an adapter whose config does not fit the base model
     ├── PartFailedError                           another rank of a sharded publish failed: nothing committed
     ├── QuorumError (TimeoutError)                a federated round missed its quorum by the deadline
     ├── SigningRequiredError (ValueError)         a publisher without a key on a signed store
@@ -47,7 +49,8 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
     ├── WorkerCacheError (OSError)                a worker cache directory unusable, or a save failed
     ├── VersionSkippedError                       an async publish replaced by a newer one
-    └── DevServerError (RuntimeError)             a local S3 server (deltastore.devserver) did not start
+    ├── DevServerError (RuntimeError)             a local S3 server (deltastore.devserver) did not start
+    └── EngineUpdateError                         an inference engine refused a weight or adapter update
 """
 
 from __future__ import annotations
@@ -232,6 +235,15 @@ class UnknownCodecError(FormatError):
 # --- user input ---------------------------------------------------------------------------
 
 
+class UnknownFormatError(FormatError):
+    """A serving format (SPEC §15) that deltastore does not define, or that the store's version
+    does not carry; the message lists the formats that exist."""
+
+    def __init__(self, message: str, *, available: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.available = available
+
+
 class InvalidStateDictError(DeltastoreError, ValueError):
     """A state dict holds something that cannot be published (not a tensor, sparse, ...)."""
 
@@ -244,6 +256,10 @@ class ShardMismatchError(LayoutMismatchError):
     """The ranks of a sharded publish disagree (design 010): on a tensor's dtype or shape, on
     who owns which rows (a gap or an overlap), on the step, or on the version they hold.
     Raised on every rank; nothing was written."""
+
+
+class AdapterMismatchError(LayoutMismatchError):
+    """A LoRA adapter whose config or tensors do not fit the base model it is applied to."""
 
 
 class PartFailedError(DeltastoreError):
@@ -350,8 +366,17 @@ class DevServerError(DeltastoreError, RuntimeError):
     command and carries the tail of its log."""
 
 
+class EngineUpdateError(DeltastoreError):
+    """An inference engine (vLLM, SGLang) refused or failed a weight or adapter update.
+
+    The helper that raised it left the engine serving what it served before (the message says
+    which version), unless the message says the engine's state is unknown.
+    """
+
+
 __all__ = [
     "AccessDeniedError",
+    "AdapterMismatchError",
     "AlreadyExistsError",
     "BucketNotFoundError",
     "CommitUnknownError",
@@ -360,6 +385,7 @@ __all__ = [
     "CorruptObjectError",
     "DeltastoreError",
     "DevServerError",
+    "EngineUpdateError",
     "FencedError",
     "FormatError",
     "GCAbortedError",
@@ -378,6 +404,7 @@ __all__ = [
     "StorageError",
     "TargetModifiedError",
     "UnknownCodecError",
+    "UnknownFormatError",
     "UnsafeStoreError",
     "UnsignedVersionError",
     "UnsupportedSchemaError",

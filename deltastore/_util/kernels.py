@@ -70,6 +70,10 @@ decode_full = getattr(_native, "decode_full", None)
 gather_members = getattr(_native, "gather_members", None)
 scatter_members = getattr(_native, "scatter_members", None)
 scan_tensors = getattr(_native, "scan_tensors", None)
+#: See deltastore/_native/quant.c: the serving formats' quantizers (deltastore.serving.quantize),
+#: bit-identical to their PyTorch path; a build without them uses that path.
+quantize_fp8_block128 = getattr(_native, "quantize_fp8_block128", None)
+quantize_mxfp8 = getattr(_native, "quantize_mxfp8", None)
 #: See deltastore/_native/module.c (history._untrack_table: cached manifests' chunk tables).
 untrack = getattr(_native, "untrack", None)
 #: See deltastore/_native/zstd.c: a segment's zstd frames in one call without the GIL, through

@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (exit 1) instead of fencing a publisher that wrote HEAD in the last 5 minutes")
     p.add_argument("--allow-unsafe-store", action="store_true",
                    help="publish to an endpoint without working conditional writes (only if this is the store's only publisher)")
+    p.add_argument("--format", action="append", dest="formats", metavar="NAME",
+                   help="also publish the version in this serving format (repeatable): bf16, fp8-block128, mxfp8")
     json_flag(p)
 
     p = add("pull", "write a version to a .safetensors file", commands.cmd_pull)
@@ -140,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "waits for a first version (or a local store directory) that is not there yet")
     p.add_argument("--interval", type=poll_interval, help="with --follow: seconds between polls of HEAD (default 2)")
     p.add_argument("--cache", metavar="DIR", help="with --follow: worker cache directory, to restart without refetching")
+    p.add_argument("--format", metavar="NAME", help="read this serving format's stream (e.g. fp8-block128) instead of the "
+                                                    "versions as published")
     json_flag(p, "print the result as JSON (with --follow: one object per version)")
     p.add_argument("--max-versions", type=positive_int, help="with --follow: stop after this many versions")
     p.add_argument("--worker-id", help="with --follow: the id of this worker's heartbeat (default host-pid-random)")

@@ -56,7 +56,7 @@ def _info_json(info: Any) -> dict[str, Any]:
         "version": info.version, "step": info.step, "kind": info.kind, "parent": info.parent,
         "anchor": info.anchor, "bytes_stored": info.bytes_stored, "tensors_changed": info.tensors_changed,
         "elements_changed": info.elements_changed, "created": info.created, "writer": info.writer,
-        "metadata": info.metadata, "manifest": info.manifest,
+        "metadata": info.metadata, "manifest": info.manifest, "formats": list(info.formats),
     }
 
 
@@ -163,7 +163,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
             policy = WriterPolicy(writer_id=writer, takeover=not args.no_takeover, skip_unchanged=not args.allow_empty,
                                   allow_unsafe_store=args.allow_unsafe_store, allow_unsigned=args.allow_unsigned)
             with Publisher(args.url, store=counting_store(store, add), signing_key=args.signing_key, writer_policy=policy,
-                           anchor_policy=AnchorPolicy(every=args.anchor_every)) as pub:
+                           anchor_policy=AnchorPolicy(every=args.anchor_every), formats=args.formats or ()) as pub:
                 before = pub.version
                 info = pub.publish(state, step=args.step, metadata=args.metadata, anchor=args.anchor)
     finally:
@@ -229,7 +229,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     store = open_store(args)
     try:
         with byte_progress("pull", quiet=args.quiet_total > 0) as add:
-            with Subscriber(args.url, store=counting_store(store, add), trusted_keys=args.trusted_key) as sub:
+            with Subscriber(args.url, store=counting_store(store, add), trusted_keys=args.trusted_key,
+                            format=args.format) as sub:
                 state = sub.pull(args.version)
                 version = sub.version
     finally:
@@ -296,7 +297,7 @@ def _follow(args: argparse.Namespace) -> int:
             if stop.wait(interval):
                 return EXIT_OK
     try:
-        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
+        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key, format=args.format) as sub:
             try:
                 sub.wait_for_version(interval=interval, timeout=0)
             except WaitTimeoutError:  # nothing published yet: say so once, then wait without a word

@@ -63,6 +63,8 @@ class VersionInfo:
         bytes_stored: bytes of packs this version wrote.
         tensors_changed / elements_changed: how much changed since the parent.
         manifest: the manifest's key in the store.
+        formats: the serving formats the version can be read in (SPEC §15): its own, then its
+            streams' (empty when the publisher declared none).
     """
 
     version: int
@@ -77,6 +79,7 @@ class VersionInfo:
     elements_changed: int
     manifest: str
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    formats: tuple[str, ...] = ()
 
     @classmethod
     def from_manifest(cls, m: Manifest, key: str) -> VersionInfo:
@@ -93,6 +96,7 @@ class VersionInfo:
             elements_changed=m.stats.elements_changed,
             manifest=key,
             metadata=dict(m.metadata),
+            formats=m.formats(),
         )
 
 

@@ -37,6 +37,15 @@ PACK_KEY = re.compile(r"objects/[0-9a-f]{32}/([0-9a-f]{64})\.pack")
 PART_KEY = re.compile(r"objects/([0-9a-f]{32})/([0-9]{5,19})-([0-9a-f]{64})\.part\.json\.zst")
 
 
+#: The root of every serving stream's tree (SPEC §15): ``streams/<format>/``.
+STREAMS_PREFIX = "streams/"
+
+
+def stream_prefix(fmt: str) -> str:
+    """The key prefix of serving format ``fmt``'s tree (SPEC §15): ``streams/<fmt>/``."""
+    return f"{STREAMS_PREFIX}{fmt}/"
+
+
 def sha256_hex(data: bytes) -> str:
     """Lowercase hex SHA-256 of ``data`` (the content address of every immutable object)."""
     return hashlib.sha256(data).hexdigest()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from deltastore.errors import CorruptObjectError, UnsupportedSchemaError
@@ -18,12 +19,14 @@ from deltastore.format.checks import check_layout, check_manifest
 from deltastore.format.keys import EARLIER_MANIFEST_KEY, manifest_key_version
 from deltastore.format.models import (
     GROUPS_SCHEMA,
+    STREAMS_SCHEMA,
     ChunkEntry,
     Layout,
     Manifest,
     ObjectRef,
     PartRef,
     SegmentRef,
+    StreamRef,
     TensorEntry,
     dump,
 )
@@ -82,12 +85,62 @@ def parse_manifest(
     return manifest
 
 
+@dataclass(frozen=True)
+class ServingHeader:
+    """What a reader of a serving format needs of a manifest (SPEC §15): its version, its own
+    format (``stream``) and its streams, read without its chunk table or layout."""
+
+    version: int
+    stream: str | None
+    streams: tuple[StreamRef, ...]
+
+    def formats(self) -> tuple[str, ...]:
+        """The formats the version can be read in: its own, then its streams'."""
+        return (() if self.stream is None else (self.stream,)) + tuple(s.format for s in self.streams)
+
+    def stream_ref(self, fmt: str) -> StreamRef | None:
+        return next((s for s in self.streams if s.format == fmt), None)
+
+
+def parse_serving_header(data: bytes, key: str, expected_sha256: str | None = None,
+                         max_bytes: int = MAX_MANIFEST_BYTES) -> ServingHeader:
+    """A manifest's :class:`ServingHeader`, its bytes verified as :func:`parse_manifest` does
+    (digest, frame, schema), its chunk table not decoded.
+
+    Raises:
+        IntegrityError, CorruptObjectError, UnsupportedSchemaError: as :func:`parse_manifest`.
+    """
+    check_digest(data, key, expected_sha256, "manifest")
+    key_version = manifest_key_version(key)
+    doc = load_document(data, "manifest", key, max_bytes)
+    if key_version is None or doc.get("version") != key_version:
+        raise CorruptObjectError(f"manifest {key!r} holds version {doc.get('version')!r}, not the version its key names")
+    streams = doc.get("streams", [])
+    stream = doc.get("stream")
+    if (streams or stream is not None) and doc["schema"] < STREAMS_SCHEMA:
+        raise CorruptObjectError(f"manifest {key!r}: schema {doc['schema']} has no streams (schema {STREAMS_SCHEMA} does)")
+    if not isinstance(streams, list) or (stream is not None and not isinstance(stream, str)):
+        raise CorruptObjectError(f"manifest {key!r}: streams must be a list and stream a format name")
+    refs = tuple(validate(StreamRef, r, "manifest", key, ("streams", i)) if isinstance(r, dict) else None
+                 for i, r in enumerate(streams))
+    if any(r is None for r in refs):
+        raise CorruptObjectError(f"manifest {key!r}: streams must be objects {{format, key, sha256, bytes}}")
+    names = [r.format for r in refs]  # type: ignore[union-attr]
+    if names != sorted(set(names)) or stream in names:
+        raise CorruptObjectError(f"manifest {key!r}: streams must be sorted by format, each format once, "
+                                 f"and not its own format {stream!r}: {names}")
+    return ServingHeader(version=key_version, stream=stream, streams=refs)  # type: ignore[arg-type]
+
+
 def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
     """The schema-3 JSON document of ``m`` (design 005 D8), before compression. A sharded
     version's document lists its ``parts`` and has empty tables (its parts hold them)."""
     doc = m.model_dump(mode="json", by_alias=True, exclude={"blobs", "tensors", "parts"})
     if doc.get("base") is None:  # only based versions carry it (design 009)
         doc.pop("base", None)
+    if not doc.get("streams") and doc.get("stream") is None:  # only schema 5 carries them (SPEC §15)
+        doc.pop("streams", None)
+        doc.pop("stream", None)
     if m.parts:
         doc.update(tables_doc((), (), layout, m.version))
         doc["parts"] = [p.model_dump(mode="json", by_alias=True) for p in m.parts]
@@ -139,7 +192,9 @@ def _decode_tables(doc: dict[str, Any], layout: Layout, key: str,
     if inline:
         raise bad(f"a schema-3 manifest has no {', '.join(inline)} (its chunk table is columnar)")
     header = {k: v for k, v in doc.items() if k not in table_fields}
-    if (header.get("schema") == GROUPS_SCHEMA) != (layout.schema_ == GROUPS_SCHEMA):
+    if header.get("schema") == STREAMS_SCHEMA:  # a schema-5 manifest names a schema-3 or -4 layout
+        pass
+    elif (header.get("schema") == GROUPS_SCHEMA) != (layout.schema_ == GROUPS_SCHEMA):
         raise bad(f"a schema-{header.get('schema')} manifest names a schema-{layout.schema_} layout "
                   f"(schema-{GROUPS_SCHEMA} manifests and layouts go together)")
 

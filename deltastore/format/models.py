@@ -24,11 +24,16 @@ from deltastore.format.keys import LINEAGE_PATTERN, StoreKey
 #: :data:`BASE_SCHEMA`) for a layout with group rows, a manifest that uses one, and a based version.
 SCHEMA_VERSION = 3
 #: Schemas readers accept (SPEC §13); any other is refused with UnsupportedSchemaError.
-READABLE_SCHEMAS = (3, 4)
+READABLE_SCHEMAS = (3, 4, 5)
 #: The schema of a grouped layout and of the manifests that use it (design 007 D3).
 GROUPS_SCHEMA = 4
 #: The schema that may carry a manifest's ``base`` (design 009 D3).
 BASE_SCHEMA = 4
+#: The schema of a manifest that names serving streams (``streams``/``stream``, SPEC §15); its
+#: layout is of schema 3 or 4 (layouts did not change).
+STREAMS_SCHEMA = 5
+#: A serving format's name (SPEC §15): lower-case letters, digits, ``.`` and ``-``.
+FORMAT_NAME_PATTERN = r"^[a-z0-9][a-z0-9.-]{0,63}$"
 #: The HEAD schema (design 007 D3: schema 4 left HEAD as schema 3 wrote it).
 HEAD_SCHEMA = 3
 #: Default attempt deadline (design 005 D3): a writer abandons a commit attempt older than this.
@@ -91,6 +96,16 @@ class PartRef(_Model):
     bytes: int = Field(ge=0)
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+class StreamRef(_Model):
+    """One serving stream's version (SPEC §15): the manifest of format ``format`` at the same
+    version, under ``streams/<format>/``, by key and SHA-256; ``bytes``: the pack bytes it wrote."""
+
+    format: str = Field(pattern=FORMAT_NAME_PATTERN)
+    key: StoreKey
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
 
 
 class Signature(_Model):
@@ -187,6 +202,11 @@ class Manifest(_Model):
     #: schema 4, optional (design 009): the version of another store this version's delta
     #: segments apply to; absent (not null) from every document without it
     base: BaseRef | None = None
+    #: schema 5 (SPEC §15): the serving streams derived from this version, one per format,
+    #: sorted by format; absent from every document without them
+    streams: tuple[StreamRef, ...] = ()
+    #: schema 5, optional: the serving format this version's own state is (e.g. ``"bf16"``)
+    stream: str | None = Field(None, pattern=FORMAT_NAME_PATTERN)
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
     #: schema 4: group row name → members, from the layout (design 007 D4). Not a field: the
@@ -216,7 +236,23 @@ class Manifest(_Model):
     def _schema_fields(self) -> Manifest:
         if self.base is not None and self.schema_ < BASE_SCHEMA:
             raise ValueError(f"schema {self.schema_} has no base (a schema-{BASE_SCHEMA} field)")
+        if (self.streams or self.stream is not None) and self.schema_ < STREAMS_SCHEMA:
+            raise ValueError(f"schema {self.schema_} has no streams (a schema-{STREAMS_SCHEMA} field)")
+        names = [s.format for s in self.streams]
+        if names != sorted(set(names)):
+            raise ValueError(f"streams must be sorted by format, each format once: {names}")
+        if self.stream is not None and self.stream in names:
+            raise ValueError(f"format {self.stream!r} is this version's own state and also a stream")
         return self
+
+    def formats(self) -> tuple[str, ...]:
+        """The serving formats this version can be read in (SPEC §15): its own, then its streams."""
+        own = () if self.stream is None else (self.stream,)
+        return own + tuple(s.format for s in self.streams)
+
+    def stream_ref(self, fmt: str) -> StreamRef | None:
+        """The stream of format ``fmt`` (None: not among :attr:`streams`)."""
+        return next((s for s in self.streams if s.format == fmt), None)
 
     def references(self) -> list[str]:
         """Keys of the objects this manifest needs to be materialized or applied: its packs
@@ -392,6 +428,9 @@ def dump(model: BaseModel) -> bytes:
         doc.pop("groups")
     if "base" in doc and doc["base"] is None:  # only based versions carry it (design 009)
         doc.pop("base")
+    if doc.get("streams") == [] and doc.get("stream", 0) is None:  # only schema 5 carries them (SPEC §15)
+        doc.pop("streams")
+        doc.pop("stream")
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

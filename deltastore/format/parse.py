@@ -18,9 +18,10 @@ from deltastore.errors import CorruptObjectError, IntegrityError, UnsupportedSch
 from deltastore.format.keys import HEAD_KEY, digest_from_key, manifest_key_version, sha256_hex
 from deltastore.format.models import HEAD_SCHEMA, READABLE_SCHEMAS, Head
 
-#: Schemas of the objects, by kind: layouts and manifests gained groups in schema 4; the
+#: Schemas of the objects, by kind: layouts and manifests gained groups in schema 4, manifests
+#: serving streams in schema 5 (SPEC §15); the
 #: history index and squash manifests did not change (design 007 D3).
-_ZST_SCHEMAS = {"manifest": (3, 4), "layout": (3, 4), "part manifest": (3, 4)}
+_ZST_SCHEMAS = {"manifest": (3, 4, 5), "layout": (3, 4), "part manifest": (3, 4)}
 
 #: HEAD is a few hundred bytes: anything near this size is not a HEAD, and is refused before
 #: it is parsed.

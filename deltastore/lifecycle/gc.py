@@ -57,16 +57,17 @@ from deltastore.lifecycle.index import (
     update_index,
 )
 from deltastore.lifecycle.ledger import LIVE_TTL_S, read_ledger
-from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, OBJECT_PREFIX
+from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, OBJECT_PREFIX, STREAMS_PREFIX, stream_prefix
 from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Head, Index, Manifest, SquashManifest, SquashRef
 from deltastore.storage.base import ObjectMeta, Store
+from deltastore.storage.prefixed import PrefixedStore
 
 logger = logging.getLogger(__name__)
 
 #: Run records (the clock probe and the report) live here; old ones are collected too.
 GC_PREFIX = "gc/"
-#: The only prefixes GC ever deletes under (SPEC §11); HEAD, workers/ and _deltastore/ never.
-DELETABLE_PREFIXES = (OBJECT_PREFIX, MANIFEST_PREFIX, GC_PREFIX)
+#: The only prefixes GC ever deletes under (SPEC §11, §15); HEAD, workers/ and _deltastore/ never.
+DELETABLE_PREFIXES = (OBJECT_PREFIX, MANIFEST_PREFIX, GC_PREFIX, STREAMS_PREFIX)
 #: Slack for the store's clock error between stamping an object and stamping the probe, and for
 #: one SDK request's own retry window (design 005 D3, CLOCK_MARGIN).
 CLOCK_MARGIN_S = 600
@@ -134,7 +135,7 @@ def _iso(t: datetime) -> str:
 
 
 def _kind(key: str) -> str:
-    if key.startswith(MANIFEST_PREFIX):
+    if key.startswith(MANIFEST_PREFIX) or (key.startswith(STREAMS_PREFIX) and f"/{MANIFEST_PREFIX}" in key):
         return "manifests"
     if key.startswith(GC_PREFIX):
         return "records"
@@ -185,6 +186,7 @@ class _Run:
 
         self.store = store
         self.history = History(store)
+        self._streams: dict[str, History] = {}  # format → its stream's history (SPEC §15)
         self.keep_last, self.keep, self.grace_s = keep_last, keep, grace_s
         self.dry_run, self.unsafe_grace_ok, self.ttl_s = dry_run, unsafe_grace_ok, ttl_s
         self.writer = writer or default_writer()
@@ -475,6 +477,7 @@ class _Run:
             out: set[str] = set()
             for k, mm in self.history.anchor_chain(key, m):
                 out.add(k)
+                out.update(self.stream_needs(mm))
                 if mm.layout is not None:
                     out.add(mm.layout.key)
                 for b in mm.blobs:
@@ -484,6 +487,23 @@ class _Run:
             return out
 
         return self._read(walk, f"the chain of pinned manifest {key!r}")
+
+    def stream_needs(self, m: Manifest) -> tuple[str, ...]:
+        """The serving streams of manifest ``m`` (SPEC §15): each stream's manifest of that version
+        and what it references (packs, layout), as keys of the store. A stream's chain back to
+        its anchor lies within its store's (§15), so marking the streams of every kept version
+        keeps every stream materializable."""
+        out: list[str] = []
+        for ref in m.streams:
+            prefix = stream_prefix(ref.format)
+            history = self._streams.get(ref.format)
+            if history is None:
+                history = self._streams[ref.format] = History(PrefixedStore(self.store, prefix))
+            sm = self._read(lambda h=history, k=ref.key[len(prefix):], d=ref.sha256: h.manifest(k, d),
+                            f"{ref.format} stream manifest {ref.key!r}")
+            out.append(ref.key)
+            out.extend(prefix + k for k in sm.references())
+        return tuple(out)
 
     def _squash_needs(self, ref: SquashRef) -> set[str]:
         """The squash manifest, its packs and its layout (read through History: verified
@@ -524,7 +544,7 @@ class _Chain:
 
     def add(self, key: str, m: Manifest) -> None:
         self.by_version[m.version] = (key, _Version(m.version, m.anchor, m.max_attempt_s, tuple(m.squashes),
-                                                    tuple(m.references())))
+                                                    tuple(m.references()) + self.run.stream_needs(m)))
         if self.lowest is None or m.version < self.lowest:
             self.lowest, self._low = m.version, (key, m)
 

@@ -9,6 +9,7 @@ and checking a store whole is :mod:`deltastore.read.verify`.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -26,6 +27,7 @@ from deltastore.errors import (
     WaitTimeoutError,
 )
 from deltastore.format.history import VersionInfo
+from deltastore.format.models import FORMAT_NAME_PATTERN
 from deltastore.format.parse import MAX_MANIFEST_BYTES
 from deltastore.layout.select import Selection
 from deltastore.layout.tensors import TensorSpec, member_specs
@@ -33,6 +35,7 @@ from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter
 from deltastore.read.follow import CachePolicy, FollowRecord, HeartbeatPolicy, PollPolicy, follow
 from deltastore.read.reader import Reader
 from deltastore.read.stage import StagedUpdate
+from deltastore.read.streams import StreamView
 from deltastore.read.targets import Target
 from deltastore.read.verify import VerifyReport, verify_chain
 from deltastore.storage import open_store
@@ -70,11 +73,17 @@ class Subscriber:
             segment boundaries; None: one GET per pack's run of needed segments). For far or
             lossy links, where one TCP connection carries a fraction of the link (at 80 ms and
             0.1 % loss, ~5.6 Mbit/s): e.g. 256 KiB. Costs more requests per version.
+        format: the serving format to read (SPEC §15), e.g. ``"fp8-block128"``: the stream a
+            publisher declared with ``formats=``, fetched alone (the other formats' bytes are
+            never read), verified like any version. None (default): the versions as published.
+            A version without that format raises
+            :class:`~deltastore.errors.UnknownFormatError`, listing the formats it has.
 
     Example::
 
         sub = Subscriber("s3://bucket/run1")
         weights = sub.pull()                 # the latest version, verified
+        fp8 = Subscriber("s3://bucket/run1", format="fp8-block128").pull()  # weights + weight_scale_inv
         model.load_state_dict(weights)
         while True:
             if sub.pull_into(model):         # fetches only what changed
@@ -93,6 +102,7 @@ class Subscriber:
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
         select: Selection | None = None,
         range_part_bytes: int | None = None,
+        format: str | None = None,
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
         if range_part_bytes is not None and range_part_bytes < 1:
@@ -105,7 +115,17 @@ class Subscriber:
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
         self.url = self.store.url
-        self._reader = Reader(self.store, threads=threads, trusted_keys=keys, max_manifest_bytes=max_manifest_bytes,
+        self.format = format
+        if format is not None:
+            if not isinstance(format, str) or not re.fullmatch(FORMAT_NAME_PATTERN, format):
+                if self._owns_store:
+                    self.store.close()
+                raise ValueError(f"format must be a serving format's name such as 'fp8-block128', got {format!r}")
+        # a format's stream is read as a store of its own (deltastore.read.streams; its URL names
+        # the format): every read path and check applies to it unchanged
+        read_from = self.store if format is None else StreamView(self.store, format)
+        self.url = read_from.url
+        self._reader = Reader(read_from, threads=threads, trusted_keys=keys, max_manifest_bytes=max_manifest_bytes,
                               max_model_bytes=max_model_bytes, select=select)
         if range_part_bytes is not None:
             self._reader.engine.fetcher.max_run = range_part_bytes

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from deltastore.errors import NotFoundError, SigningRequiredError
 from deltastore.format.history import History
-from deltastore.format.models import BaseRef, Head, Layout, Manifest, ObjectRef, Stats
+from deltastore.format.models import STREAMS_SCHEMA, BaseRef, Head, Layout, Manifest, ObjectRef, Stats
 from deltastore.format.objects import encode_object
 from deltastore.format.keys import (
     manifest_key,
@@ -258,6 +258,27 @@ class VersionChain:
             "(the store's private key), or allow_unsigned=True to publish unsigned versions anyway; nothing was written"
         )
 
+    def adopt(self, head: Head | None, *, epoch: int) -> None:
+        """Take ``head`` as this chain's HEAD without reading or writing one: the chain of a
+        serving stream (SPEC §15), whose versions its store's HEAD write commits. The next
+        :meth:`header` builds on ``head``'s version, with ``epoch``."""
+        if head is None or self._tip is None or self._tip.key != head.manifest:
+            self._tip = None
+        self.commits.head = head
+        self.commits.epoch = epoch
+
+    def land(self, draft: Draft, sealed: Sealed, layout: Layout) -> None:
+        """Record ``sealed`` (already stored) as committed by its store's HEAD write, not by this
+        chain (a serving stream's version, SPEC §15): the next version builds on it."""
+        m = sealed.manifest
+        self.commits.head = Head(version=draft.version, manifest=sealed.key, manifest_sha256=sealed.digest,
+                                 commit_id=draft.attempt, writer=self.writer_id, epoch=self.commits.epoch,
+                                 updated=m.created, lineage=draft.lineage, index=None)
+        self._remember(sealed.key, m)
+        self._tip = next_tip(draft, layout, m.layout, delta_bytes=m.stats.delta_bytes or 0,
+                             full_bytes=m.stats.full_bytes or 0, key=sealed.key,
+                             signed_by=None if m.signature is None else m.signature.key_id)
+
     # --- the next version -------------------------------------------------------------------
 
     def anchor_reason(self, version: int, tip: Tip | None, *, has_base: bool, requested: bool,
@@ -312,8 +333,9 @@ class VersionChain:
         own_anchor = draft.kind == "anchor" or based  # a based version is its own chain's anchor
         if based:
             content["base"] = draft.base
+        streamed = bool(content.get("streams")) or content.get("stream") is not None
         return Manifest(
-            schema=layout.schema_,
+            schema=STREAMS_SCHEMA if streamed else layout.schema_,
             version=version,
             parent=head.version if head is not None and head.version else None,
             parent_manifest=parent_key,

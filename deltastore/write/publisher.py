@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,9 @@ from deltastore.write.policy import (
     check_dtype,
     check_policy,
 )
+from deltastore.serving.formats import ServingFormat
 from deltastore.write.queue import PublishQueue, snapshot
+from deltastore.write.streams import StreamVersion, StreamWriter, is_identity, serving_formats
 
 if TYPE_CHECKING:
     from deltastore.lifecycle.compact import BackgroundCompactor, CompactPolicy
@@ -102,9 +104,17 @@ class Publisher:
             time). ``True`` or a :class:`~deltastore.lifecycle.compact.CompactPolicy`; default
             False (off). A failed compaction is logged and never fails a publish;
             :meth:`close` waits for the running one (bounded).
+        formats: serving formats to publish each version in (SPEC §15), e.g.
+            ``["bf16", "fp8-block128", "mxfp8"]`` (names or
+            :class:`~deltastore.serving.formats.ServingFormat` values). Each is derived from the
+            version's state and published as its own chain under ``streams/<format>/``,
+            committed by the version's one HEAD write with the others; a format the state already
+            is (``"bf16"`` for a bf16 state) is the version itself, not a second copy. Workers
+            pick one with ``Subscriber(url, format=...)``. Default: none.
 
     Raises:
         ValueError: ``dtype`` is not a floating dtype deltastore stores.
+        UnknownFormatError: a format deltastore does not define (the message lists them).
         TypeError: a policy argument is not of its policy class, or ``compact`` is neither a
             bool nor a CompactPolicy.
         UnsupportedURLError, BucketNotFoundError, AccessDeniedError: from opening the store.
@@ -148,8 +158,10 @@ class Publisher:
         layout_policy: LayoutPolicy = LayoutPolicy(),
         async_policy: AsyncPolicy = AsyncPolicy(),
         compact: bool | CompactPolicy = False,
+        formats: Sequence[str | ServingFormat] = (),
     ):
         check_dtype(dtype)
+        self.formats = serving_formats(formats)  # an unknown format fails before any IO
         check_policy(writer_policy, WriterPolicy, "writer_policy")
         check_policy(anchor_policy, AnchorPolicy, "anchor_policy")
         check_policy(layout_policy, LayoutPolicy, "layout_policy")
@@ -202,6 +214,9 @@ class Publisher:
         self._chain = VersionChain(self.store, self.writer_id, anchors=anchor_policy,
                                    max_attempt_s=writer_policy.max_attempt_s, signing_key=key,
                                    allow_unsigned=writer_policy.allow_unsigned)
+        self._streams = {f.name: StreamWriter(self.store, f, writer_id=self.writer_id, anchors=anchor_policy,
+                                              max_attempt_s=writer_policy.max_attempt_s, signing_key=key,
+                                              layout_policy=layout_policy) for f in self.formats}
         self._history = self._chain.history
         try:
             self._chain.open(takeover=writer_policy.takeover)
@@ -440,6 +455,7 @@ class Publisher:
             layout = layout_of(specs, schema=GROUPS_SCHEMA if grouped else 3)
 
         draft = chain.draft(version, kind, has_base=has_base, tip=tip)  # its attempt names every object (D1)
+        built: list[StreamVersion] = []
         gathered: dict[str, torch.Tensor] = {}  # grid units' reference buffers, filled by an anchor's encode
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
@@ -460,9 +476,12 @@ class Publisher:
                     # not report a version that is no longer the head; it commits and learns why).
                     encoded.wait_stored()  # no packs: returns at once
                     return self._unchanged()
+                built, own = self._build_streams(state, version=version, kind=kind, draft=draft, head=head, tip=tip,
+                                                 step=step, meta=meta)
+                served = {"streams": tuple(b.ref for b in built), "stream": own} if self.formats else {}
                 layout_ref = chain.layout_ref(draft.attempt, layout, tip)
                 header = chain.header(draft, layout, layout_ref, step=step, metadata=meta, stats=encoded.stats,
-                                      blobs=encoded.blobs, tensors=encoded.entries).with_layout(layout)
+                                      blobs=encoded.blobs, tensors=encoded.entries, **served).with_layout(layout)
                 manifest = chain.sign(header)
                 sealed = chain.seal(manifest, encode_manifest(manifest, layout))
             except BaseException:
@@ -474,6 +493,7 @@ class Publisher:
         except ConflictError:
             # Another writer's version is HEAD now: the next publish resumes from it.
             self._reference = None
+            self._drop_streams()
             raise
         except BaseException:
             # Encoding advances the reference copy chunk by chunk (while the chunk is hot in
@@ -481,7 +501,10 @@ class Publisher:
             # resumes from the store's head (or writes an anchor).
             if has_base:
                 self._reference = None
+            self._drop_streams()
             raise
+        for b in built:
+            self._streams[b.ref.format].landed(b, superseded=superseded)
         if not has_base:  # deltas advanced the reference while encoding
             # A new dict (the queue clears the snapshot's dict once this returns), per unit: a
             # group row is one buffer of its members' bits (design 007 D5).
@@ -500,6 +523,30 @@ class Publisher:
             m.stats.elements_changed,
         )
         return VersionInfo.from_manifest(m, sealed.key)
+
+    def _build_streams(self, state: dict[str, torch.Tensor], *, version: int, kind: str, draft: Any,
+                       head: Head | None, tip: Any, step: int | None, meta: dict[str, Any]) -> tuple[list[StreamVersion], str | None]:
+        """Each declared format's version of ``state``, stored under the attempt and not yet
+        committed (SPEC §15), and the format ``state`` itself is (None: none declared is)."""
+        if not self.formats:
+            return [], None
+        own = next((f.name for f in self.formats if is_identity(f, state)), None)
+        parent = self._history.manifest(tip.key) if tip is not None else None
+        built = []
+        for f in self.formats:
+            if f.name == own:
+                continue
+            built.append(self._streams[f.name].build(
+                state, version=version, kind=kind, draft=draft, parent=head,
+                parent_ref=parent.stream_ref(f.name) if parent is not None else None, epoch=self.epoch,
+                step=step, metadata=meta, pool=self._pool, uploader=self._uploader, threads=self.threads,
+                resume=self.writer_policy.resume,
+            ))
+        return sorted(built, key=lambda b: b.ref.format), own
+
+    def _drop_streams(self) -> None:
+        for w in self._streams.values():
+            w.drop()
 
     def _unchanged(self) -> VersionInfo:
         """skip_unchanged: the head version, which the state equals; nothing is committed."""

@@ -198,7 +198,7 @@ def test_inconsistent_manifest_is_corrupt(real, why: str, mutate) -> None:
         _parse_doc(doc, real["objects"])
 
 
-@pytest.mark.parametrize("schema", [0, 1, 2, 5, 99, "1", "3", True, None])
+@pytest.mark.parametrize("schema", [0, 1, 2, 6, 99, "1", "3", True, None])
 def test_other_schemas_are_unsupported(real, schema) -> None:
     store = _store_of(real["objects"])
     raw, key = _zst({**_columnar(real), "schema": schema})

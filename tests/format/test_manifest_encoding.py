@@ -291,9 +291,19 @@ def test_hostile_schema_mismatches(base) -> None:
     data, key = _frame(mutated(doc, ("parts",), [ref]))
     with pytest.raises(CorruptObjectError, match="own tables must be empty"):
         parse_manifest(data, key, layout=layout)
-    data, key = _frame(mutated(doc, ("schema",), 5))
+    data, key = _frame(mutated(doc, ("schema",), 6))
     with pytest.raises(UnsupportedSchemaError):
         parse_manifest(data, key, layout=layout)
+    # serving streams (SPEC §15) are schema 5: an older schema carrying them is corrupt
+    stream = {"format": "fp8-block128", "key": "streams/fp8-block128/" + key, "sha256": "a" * 64, "bytes": 1}
+    data, key = _frame(mutated(doc, ("streams",), [stream]))
+    with pytest.raises(CorruptObjectError, match="no streams"):
+        parse_manifest(data, key, layout=layout)
+    data, key = _frame(mutated(mutated(doc, ("streams",), [stream, stream]), ("schema",), 5))
+    with pytest.raises(CorruptObjectError, match="each format once"):
+        parse_manifest(data, key, layout=layout)
+    data, key = _frame(mutated(mutated(doc, ("streams",), [stream]), ("schema",), 5))
+    assert parse_manifest(data, key, layout=layout).stream_ref("fp8-block128").bytes == 1
     # schema 4 (design 007) is readable, but only with a schema-4 layout
     data, key = _frame(mutated(doc, ("schema",), 4))
     with pytest.raises(CorruptObjectError, match="schema-3 layout"):

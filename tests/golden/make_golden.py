@@ -48,6 +48,12 @@ Targets (each deterministic in its inputs: fixed seeds, one encode thread):
 ``federated``
     ``store-federated/{global,site-a,site-b}``: a global store and two sites whose versions are
     based on the global versions (schema 4's ``base``).
+``streams``
+    ``store-streams/``: serving streams (schema 5): a bf16 state published with ``formats``
+    ``bf16`` (the versions themselves), ``fp8-block128`` and ``mxfp8``; v1 and v4 anchors, deltas
+    between; quantized weights with ragged blocks, NaN, ±Inf, -0.0 and an all-zero block, a
+    weight MXFP8 keeps in bf16 (last dimension not a multiple of 32), kept embeddings and norms.
+    ``store-streams-expected/<format>/`` holds each version in each format.
 
 Every store target also writes ``<store>-expected/`` (each version's state dict as
 safetensors, and for most a ``sha256.json`` of each tensor's raw bytes). A store's manifests,
@@ -81,7 +87,7 @@ from deltastore import codec  # noqa: E402
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy  # noqa: E402
 
 #: Store objects a golden store may hold (the local backend's lock directory is not one).
-STORE_PARTS = ("HEAD", "manifests", "objects", "gc")
+STORE_PARTS = ("HEAD", "manifests", "objects", "gc", "streams")
 
 
 def _copy_store(src: Path, dst: Path) -> None:
@@ -503,6 +509,74 @@ def write_schema4(store_dir: Path, expected_dir: Path, facts_path: Path) -> None
         shutil.rmtree(tmp)
 
 
+# --- streams ------------------------------------------------------------------------------
+
+
+STREAMS_SEED = 20261206
+STREAMS_VERSIONS = 6
+STREAMS_FORMATS = ("bf16", "fp8-block128", "mxfp8")
+
+
+def write_streams(store_dir: Path, expected_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    import deltastore
+    from deltastore.serving.formats import derive, serving_format
+
+    g = torch.Generator().manual_seed(STREAMS_SEED)
+
+    def bf16(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    sd = {
+        "model.embed_tokens.weight": bf16(40, 64, scale=1.0),
+        "model.layers.0.input_layernorm.weight": torch.ones(64, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": bf16(200, 64),   # ragged: 2 × 1 blocks of 128
+        "model.layers.0.self_attn.o_proj.weight": bf16(64, 160),
+        "model.layers.0.mlp.down_proj.weight": bf16(64, 150),      # 150 % 32 ≠ 0: mxfp8 keeps it
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(130, 64, dtype=torch.bfloat16),  # all-zero blocks
+        "lm_head.weight": bf16(40, 64, scale=1.0),
+    }
+    o = sd["model.layers.0.self_attn.o_proj.weight"]
+    o[0, :4] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0], dtype=torch.bfloat16)
+    o[5, 140] = 300.0  # a large block maximum
+
+    def nudge():
+        for k, t in sd.items():
+            if "up_proj" in k or "layernorm" in k:
+                continue
+            v = t.view(torch.int16).view(-1)
+            idx = torch.randperm(v.numel(), generator=g)[: max(1, v.numel() // 40)]
+            v[idx] += torch.randint(1, 3, (idx.numel(),), generator=g, dtype=torch.int16)
+        sd["model.layers.0.self_attn.o_proj.weight"][0, :4] = torch.tensor(
+            [float("nan"), float("inf"), float("-inf"), -0.0], dtype=torch.bfloat16)
+
+    tmp = Path(tempfile.mkdtemp())
+    url = str(tmp / "store")
+    try:
+        with deltastore.Publisher(url, formats=STREAMS_FORMATS,
+                                  writer_policy=WriterPolicy(writer_id="golden-streams", threads=1),
+                                  layout_policy=LayoutPolicy(chunk_bytes=4096),
+                                  anchor_policy=AnchorPolicy(every=3)) as pub:
+            for s in range(STREAMS_VERSIONS):
+                if s:
+                    nudge()
+                info = pub.publish(sd, step=s, metadata={"golden": "streams"})
+                assert info.version == s + 1 and info.kind == ("anchor" if s in (0, 3) else "delta"), info
+                assert info.formats == STREAMS_FORMATS, info.formats
+                for name in STREAMS_FORMATS:
+                    d = expected_dir / name
+                    d.mkdir(parents=True, exist_ok=True)
+                    got = derive(sd, serving_format(name))
+                    save_file({k: v.contiguous() for k, v in got.items()}, str(d / f"v{info.version}.safetensors"))
+        _copy_store(tmp / "store", store_dir)
+        for name in STREAMS_FORMATS:
+            _write_shas(expected_dir / name)
+    finally:
+        shutil.rmtree(tmp)
+
+
 # --- grid ---------------------------------------------------------------------------------
 
 
@@ -742,6 +816,8 @@ TARGETS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {
     "sharded-grid": (("store-sharded-grid", "store-sharded-grid-expected"),
                      lambda out: write_sharded(out / "store-sharded-grid", out / "store-sharded-grid-expected",
                                                "grid_golden")),
+    "streams": (("store-streams", "store-streams-expected"),
+                lambda out: write_streams(out / "store-streams", out / "store-streams-expected")),
     "federated": (("store-federated", "store-federated-expected"),
                   lambda out: write_federated(out / "store-federated", out / "store-federated-expected")),
 }

@@ -189,7 +189,7 @@ def test_unknown_schema_in_manifest(url: str) -> None:
     publish_history(url, n=2)
     with open_store(url) as store:
         _, doc = head_manifest(store)
-        doc["schema"] = 5  # (4 is read since design 007)
+        doc["schema"] = 6  # (4 is read since design 007, 5 since serving streams)
         key = resign_manifest(store, doc)
     with Subscriber(url) as sub:
         with pytest.raises(UnsupportedSchemaError) as exc:

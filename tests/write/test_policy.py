@@ -25,8 +25,10 @@ from deltastore.write.publisher import Publisher
 from deltastore.write.sharded import ShardedPublisher
 
 PACKAGE = Path(deltastore.__file__).parent
-#: The most parameters a writer's constructor takes (``self`` not counted).
-MAX_PARAMETERS = 10
+#: The most parameters a writer's constructor takes (``self`` not counted): the Publisher's
+#: where (url, store, storage_options), what is served (dtype, formats), the signing key, and
+#: five policy values (writer, anchor, layout, async, compact).
+MAX_PARAMETERS = 11
 
 
 @pytest.mark.parametrize("cls", [Publisher, ShardedPublisher, BasedWriter, Site, Aggregator, VersionChain])

@@ -1,0 +1,166 @@
+"""Reading one serving stream of a store (SPEC §15) as if it were a store of its own.
+
+A stream of format F is a store-shaped tree under ``streams/F/`` without a HEAD of its own: the
+store's HEAD names a manifest whose ``streams`` entry for F names F's manifest of the same
+version. :class:`StreamView` presents that tree as a store whose HEAD is derived from the real
+one at every read (same version, lineage, writer, epoch and ETag; ``manifest`` and
+``manifest_sha256`` from the entry), so every reader path (pull, follow, stage, partial pulls,
+verify, log) reads a stream with the code and the checks it reads a store with: the stream's
+manifests are verified against their digests and signatures, and its chain is walked by its
+own ``parent_manifest`` links.
+
+Heartbeats (``workers/``) go to the store itself, so the fleet ledger sees every worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from deltastore.errors import CorruptObjectError, StorageError, UnknownFormatError
+from deltastore.format.manifest import ServingHeader, parse_serving_header
+from deltastore.format.keys import HEAD_KEY, manifest_key_version, stream_prefix
+from deltastore.format.models import dump
+from deltastore.format.parse import parse_head
+from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
+
+#: Keys that belong to the store, not to the stream: the fleet ledger and the store's own records.
+_PASS_THROUGH = ("workers/", "_deltastore/")
+
+
+class StreamView(Store):
+    """Format ``fmt`` of ``inner`` as a read-only store (see the module docstring).
+
+    When the store's versions are themselves of format ``fmt`` (their ``stream``, e.g. a bf16
+    state published with ``formats=["bf16", ...]``), the view reads them as they are.
+
+    Reading HEAD raises :class:`~deltastore.errors.UnknownFormatError` (listing the formats the
+    version has) when HEAD's version carries no stream of ``fmt``, and CorruptObjectError when
+    its entry names a manifest of another version.
+
+    Args:
+        inner: the store (not owned: :meth:`close` leaves it open).
+        fmt: the serving format, e.g. ``"fp8-block128"``.
+    """
+
+    def __init__(self, inner: Store, fmt: str):
+        self.inner = inner
+        self.format = fmt
+        self.prefix = stream_prefix(fmt)
+        self.url = f"{inner.url}#{fmt}"
+        self.atomic_conditional_writes = inner.atomic_conditional_writes
+        self.conditional_writes_need_probe = inner.conditional_writes_need_probe
+        self._headers: dict[str, ServingHeader] = {}  # the last manifest's, by key
+        self._lock = threading.Lock()
+        self._derived: tuple[str, bytes] | None = None  # (main HEAD's etag, the derived HEAD's bytes)
+        # True: the store's versions are themselves of this format (their ``stream``), read as
+        # they are; False: a stream under ``streams/<format>/``; None: no version read yet.
+        self._own: bool | None = None
+
+    # --- HEAD ----------------------------------------------------------------------------------
+
+    def _derive(self, res: GetResult) -> GetResult:
+        """The stream's HEAD for the store's HEAD ``res`` (cached by ETag)."""
+        with self._lock:
+            if self._derived is not None and self._derived[0] == res.meta.etag:
+                return GetResult(data=self._derived[1], meta=res.meta)
+        head = parse_head(res.data)
+        if head.manifest is None:  # a claimed, empty store: the stream is empty too
+            derived = head.model_copy(update={"index": None})
+        else:
+            m = self._header(head.manifest, head.manifest_sha256)
+            if self._own is None:  # decided by the first version read, then fixed
+                self._own = m.stream == self.format
+            if self._own:
+                if m.stream != self.format:
+                    raise unknown_format(self.format, self.inner.url, m)
+                return res
+            ref = m.stream_ref(self.format)
+            if ref is None:
+                raise unknown_format(self.format, self.inner.url, m)
+            if not ref.key.startswith(self.prefix) or manifest_key_version(ref.key[len(self.prefix):]) != m.version:
+                raise CorruptObjectError(
+                    f"manifest {head.manifest!r} of {self.inner.url} names {ref.key!r} as its {self.format} stream: "
+                    f"not a manifest of version {m.version} under {self.prefix}"
+                )
+            # The index (floor, pins, squashes) is the store's: its squashes are the store's own
+            # state's, never a stream's, so the stream's HEAD names none.
+            derived = head.model_copy(update={"manifest": ref.key[len(self.prefix):], "manifest_sha256": ref.sha256,
+                                              "index": None})
+        data = dump(derived)
+        with self._lock:
+            self._derived = (res.meta.etag, data)
+        return GetResult(data=data, meta=ObjectMeta(key=HEAD_KEY, size=len(data), etag=res.meta.etag,
+                                                    last_modified=res.meta.last_modified))
+
+    def _header(self, key: str, sha256: str | None) -> ServingHeader:
+        """The serving header of the store's manifest ``key`` (its chunk table and layout unread)."""
+        got = self._headers.get(key)
+        if got is None:
+            got = parse_serving_header(self.inner.get(key), key, sha256)
+            self._headers = {key: got}  # one: HEAD's
+        return got
+
+    def _key(self, key: str) -> str:
+        return key if self._own or key.startswith(_PASS_THROUGH) else self.prefix + key
+
+    def _meta(self, meta: ObjectMeta) -> ObjectMeta:
+        key = meta.key[len(self.prefix):] if not self._own and meta.key.startswith(self.prefix) else meta.key
+        return ObjectMeta(key=key, size=meta.size, etag=meta.etag, last_modified=meta.last_modified)
+
+    # --- Store ----------------------------------------------------------------------------------
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        if key == HEAD_KEY:
+            data = self._derive(self.inner.get_with_meta(HEAD_KEY)).data
+            return data if byte_range is None else data[byte_range[0]:byte_range[1]]
+        return self.inner.get(self._key(key), byte_range=byte_range)
+
+    def get_with_meta(self, key: str) -> GetResult:
+        if key == HEAD_KEY:
+            return self._derive(self.inner.get_with_meta(HEAD_KEY))
+        res = self.inner.get_with_meta(self._key(key))
+        return GetResult(data=res.data, meta=self._meta(res.meta))
+
+    def get_if_changed(self, key: str, etag: str | None) -> GetResult | None:
+        res = self.inner.get_if_changed(self._key(key) if key != HEAD_KEY else HEAD_KEY, etag)
+        if res is None:
+            return None
+        return self._derive(res) if key == HEAD_KEY else GetResult(data=res.data, meta=self._meta(res.meta))
+
+    def head(self, key: str) -> ObjectMeta:
+        if key == HEAD_KEY:
+            return self.inner.head(HEAD_KEY)  # its size bounds the derived HEAD's (same fields, shorter keys)
+        return self._meta(self.inner.head(self._key(key)))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectMeta]:
+        for meta in self.inner.list(self._key(prefix)):
+            yield self._meta(meta)
+
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
+        if not key.startswith(_PASS_THROUGH):
+            raise StorageError(f"{self.url} is a serving format's view, read-only to its readers: cannot write {key!r}")
+        return self.inner.put(key, data, mode=mode)
+
+    def delete(self, key: str) -> None:
+        if not key.startswith(_PASS_THROUGH):
+            raise StorageError(f"{self.url} is a serving format's view, read-only to its readers: cannot delete {key!r}")
+        self.inner.delete(key)
+
+    def begin_put(self, directory: str) -> StreamedPut | None:
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: ``inner`` belongs to whoever opened it."""
+
+
+def unknown_format(fmt: str, url: str, m: ServingHeader) -> UnknownFormatError:
+    """The refusal of format ``fmt``, which version ``m`` of ``url`` does not carry."""
+    have = m.formats()
+    listed = ", ".join(repr(f) for f in have) if have else "none (only its own state: read it without a format)"
+    return UnknownFormatError(
+        f"version {m.version} of {url} has no serving format {fmt!r}; its formats: {listed}", available=have,
+    )
+
+
+__all__ = ["StreamView", "unknown_format"]

@@ -1,0 +1,241 @@
+"""A publisher's serving streams (SPEC §15): one chain per declared format, derived from each
+version's state and committed by the version's one HEAD write.
+
+Per version, :meth:`StreamWriter.build` derives the format's state dict
+(:func:`deltastore.serving.formats.derive`), encodes it against the stream's previous version
+(its own anchors, deltas and digests: the codec works on the quantized bytes and on the scales)
+into packs under ``streams/<format>/objects/<attempt>/``, and stores the stream's manifest under
+``streams/<format>/manifests/``, all before the store's manifest that names it (``streams``) is
+written. Nothing of a stream is visible before that manifest's HEAD write: a failed or lost
+attempt leaves unreferenced objects, as any attempt does.
+
+A stream's version is an anchor when its store's version is one (so every stream's chain lies
+within the versions its store's retention keeps, SPEC §11) and whenever the stream has no
+base: its first version, a layout change, or a publisher that could not read the stream's
+previous version back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltastore.errors import DeltastoreError, LayoutMismatchError
+from deltastore.format.keys import stream_prefix
+from deltastore.format.manifest import encode_manifest
+from deltastore.format.models import GROUPS_SCHEMA, Head, Layout, StreamRef, layout_of
+from deltastore.layout.groups import unit_order, unit_reference
+from deltastore.layout.tensors import TensorSpec, check_layout
+from deltastore.serving.formats import ServingFormat, derive, serving_format
+from deltastore.storage.base import Store
+from deltastore.storage.prefixed import PrefixedStore
+from deltastore.write.chain import Draft, Sealed, VersionChain
+from deltastore.write.commit import put_immutable
+from deltastore.write.encode import LayoutWorks, encode_version
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
+
+logger = logging.getLogger(__name__)
+
+
+def serving_formats(formats: Sequence[str | ServingFormat]) -> tuple[ServingFormat, ...]:
+    """A publisher's ``formats`` argument as formats, each once, in the order given.
+
+    Raises:
+        UnknownFormatError: a name deltastore does not define (the message lists those it does).
+        ValueError: a format named twice, or ``formats`` given as one string.
+    """
+    if isinstance(formats, (str, ServingFormat)):
+        raise ValueError(f"formats is a list of formats, e.g. [{formats!r}], not one format")
+    out = tuple(serving_format(f) for f in formats)
+    names = [f.name for f in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"formats names {', '.join(map(repr, twice))} more than once")
+    return out
+
+
+def is_identity(fmt: ServingFormat, state: Mapping[str, torch.Tensor]) -> bool:
+    """True when ``state`` already is in format ``fmt`` (``"bf16"`` and every floating tensor of
+    ``state`` bfloat16), so its version is that format's and no stream is derived."""
+    return fmt.name == "bf16" and all(t.dtype == torch.bfloat16 for t in state.values() if t.is_floating_point())
+
+
+@dataclass
+class StreamVersion:
+    """One stream's version, stored but not yet committed (its store's HEAD write commits it)."""
+
+    ref: StreamRef
+    draft: Draft
+    sealed: Sealed
+    layout: Layout
+    specs: dict[str, TensorSpec]
+    #: the derived state, when the stream had no base (it becomes the reference once committed)
+    state: dict[str, torch.Tensor] | None
+    gathered: dict[str, torch.Tensor]
+
+
+class StreamWriter:
+    """The chain of one serving format of a publisher's store.
+
+    Args:
+        store: the publisher's store (the stream writes under ``streams/<format>/`` of it).
+        fmt: the format.
+        writer_id, anchors, max_attempt_s, signing_key: the publisher's (a stream's manifests
+            are signed with the store's key).
+        layout_policy: how the stream's layouts are chunked (the publisher's).
+    """
+
+    def __init__(self, store: Store, fmt: ServingFormat, *, writer_id: str, anchors: AnchorPolicy,
+                 max_attempt_s: float, signing_key: Any, layout_policy: LayoutPolicy):
+        self.store = store
+        self.format = fmt
+        self.prefix = stream_prefix(fmt.name)
+        self.view = PrefixedStore(store, self.prefix)
+        self.layout_policy = layout_policy
+        # allow_unsigned: whether the store may be continued unsigned is the store's chain's call
+        self.chain = VersionChain(self.view, writer_id, anchors=anchors, max_attempt_s=max_attempt_s,
+                                  signing_key=signing_key, allow_unsigned=True)
+        self._works = LayoutWorks()
+        self._reference: dict[str, torch.Tensor] | None = None
+        self._reference_bits: dict[str, np.ndarray] = {}
+        self._reference_key: str | None = None  # the stream manifest whose state _reference is
+        self._specs: dict[str, TensorSpec] | None = None
+        self._layout: Layout | None = None
+
+    @property
+    def name(self) -> str:
+        return self.format.name
+
+    def drop(self) -> None:
+        """Forget the reference (an attempt failed: encoding advanced it past every version)."""
+        self._reference, self._reference_bits, self._reference_key = None, {}, None
+
+    def _parent_head(self, parent: Head | None, parent_ref: StreamRef | None) -> Head | None:
+        """The stream's HEAD at its store's HEAD ``parent`` (None: no stream there)."""
+        if parent is None or parent_ref is None:
+            return None
+        return parent.model_copy(update={"manifest": parent_ref.key[len(self.prefix):],
+                                         "manifest_sha256": parent_ref.sha256, "index": None})
+
+    def build(self, state: Mapping[str, torch.Tensor], *, version: int, kind: str, draft: Draft,
+              parent: Head | None, parent_ref: StreamRef | None, epoch: int, step: int | None,
+              metadata: dict[str, Any], pool: Executor, uploader: Executor, threads: int,
+              resume: bool) -> StreamVersion:
+        """Derive, encode and store this stream's ``version`` (see the module docstring).
+
+        Args:
+            state: the store's state of ``version`` (as published).
+            kind: the store's version's kind (an anchor there is an anchor here).
+            draft: the store's version's draft (its attempt and lineage are the stream's).
+            parent, parent_ref: HEAD before this version and its stream of this format (None:
+                the store has no version, or its version has no such stream).
+            epoch: the publisher's epoch.
+            resume: read the stream's previous version back when this writer holds none.
+
+        Raises:
+            InvalidStateDictError: a tensor the format cannot derive (named).
+            StorageError, IntegrityError: writing the stream; nothing is committed.
+        """
+        derived = derive(state, self.format, pool=pool)
+        head = self._parent_head(parent, parent_ref)
+        self.chain.adopt(head, epoch=epoch)
+        tip = self.chain.tip()
+        if tip is None or self._reference_key != tip.key:
+            self.drop()
+            if resume and tip is not None:
+                self._resume(tip.version, derived)
+        same_layout = False
+        if self._specs is not None:
+            try:
+                check_layout(self._specs, derived, against=f"{self.name} version {version - 1} of {self.store.url}")
+                same_layout = True
+            except LayoutMismatchError:
+                pass
+        has_base = same_layout and self._reference is not None
+        stream_kind = "anchor" if kind == "anchor" or not has_base else "delta"
+        specs = self._specs if same_layout and self._specs is not None else self.layout_policy.units(derived)
+        if same_layout and self._layout is not None:
+            layout = self._layout
+        else:
+            layout = layout_of(specs, schema=GROUPS_SCHEMA if any(s.members for s in specs.values()) else 3)
+        sdraft = replace(draft, kind=stream_kind, has_base=has_base, tip=tip)
+        gathered: dict[str, torch.Tensor] = {}
+        encoded = encode_version(
+            derived, specs, kind=stream_kind, reference=self._reference if has_base else None, pool=pool,
+            uploader=uploader, store=self.view, threads=threads, attempt=draft.attempt,
+            reference_bits=self._reference_bits if has_base else None, gathered=gathered, layouts=self._works,
+            wait_stored=False,
+        )
+        try:
+            layout_ref = self.chain.layout_ref(draft.attempt, layout, tip)
+            header = self.chain.header(sdraft, layout, layout_ref, step=step, metadata=metadata, stats=encoded.stats,
+                                       blobs=encoded.blobs, tensors=encoded.entries).with_layout(layout)
+            manifest = self.chain.sign(header)
+            sealed = self.chain.seal(manifest, encode_manifest(manifest, layout))
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first failure is the one reported
+                encoded.wait_stored()
+            raise
+        encoded.wait_stored()
+        put_immutable(self.view, sealed.key, sealed.data, "manifest")  # before anything names it
+        ref = StreamRef(format=self.name, key=self.prefix + sealed.key, sha256=sealed.digest,
+                        bytes=sealed.manifest.stats.bytes_stored)
+        if not has_base:
+            # Its tensors become the stream's reference, advanced in place by later deltas: a
+            # tensor derive passed through (a kept bf16 tensor) is the caller's, or the store's
+            # own reference, and is copied.
+            derived = {n: t.clone() if n in state and _shares(t, state[n]) else t for n, t in derived.items()}
+        return StreamVersion(ref=ref, draft=sdraft, sealed=sealed, layout=layout, specs=specs,
+                             state=None if has_base else derived, gathered=gathered)
+
+    def landed(self, built: StreamVersion, *, superseded: bool) -> None:
+        """``built`` was committed by its store's HEAD write: the next version builds on it
+        (unless ``superseded``: another writer is on top, so the next one reads it back)."""
+        self.chain.land(built.draft, built.sealed, built.layout)
+        if built.state is not None:  # a delta advanced the reference while encoding
+            self._reference = unit_reference(built.state, built.specs, owned=True, gathered=built.gathered)
+            self._reference_bits = {}
+        self._specs, self._layout = built.specs, built.layout
+        self._reference_key = None if superseded else built.sealed.key
+        if superseded:
+            self.drop()
+
+    def _resume(self, version: int, derived: Mapping[str, torch.Tensor]) -> None:
+        """Read the stream's ``version`` back as the reference (a restarted publisher), if its
+        layout is the derived state's; otherwise the next version is the stream's anchor."""
+        from deltastore.read.subscriber import Subscriber  # the read path: loaded only when a stream resumes
+
+        try:
+            with Subscriber(self.store.url, store=self.store, format=self.name) as sub:
+                reference = sub.pull(version)
+                specs = sub.units()
+        except DeltastoreError as e:
+            logger.warning("%s stream of %s: version %d could not be read back (%s); its next version is an anchor",
+                           self.name, self.store.url, version, e)
+            return
+        try:
+            check_layout(specs, derived, against=f"{self.name} version {version} of {self.store.url}")
+        except LayoutMismatchError:
+            logger.info("%s stream of %s: not resuming from version %d, its layout differs", self.name,
+                        self.store.url, version)
+            return
+        gathered = {n: unit_order(reference.pop(n), sp) for n, sp in specs.items() if sp.chunk_cols}
+        self._reference = unit_reference(reference, specs, owned=True, gathered=gathered)
+        self._reference_bits = {}
+        self._reference_key = self.chain.tip().key if self.chain.tip() is not None else None  # type: ignore[union-attr]
+        self._specs, self._layout = specs, None
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` share memory."""
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+__all__ = ["StreamVersion", "StreamWriter", "is_identity", "serving_formats"]

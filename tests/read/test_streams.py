@@ -1,0 +1,212 @@
+"""Serving streams (SPEC §15): a publisher's formats, each its own chain, committed by one HEAD
+write; a subscriber of one format reads that stream alone, verified like any version."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deltastore import Publisher, Subscriber
+from deltastore.errors import IntegrityError, StorageError, UnknownFormatError
+from deltastore.format.keys import HEAD_KEY
+from deltastore.lifecycle.gc import collect
+from deltastore.serving.formats import derive, serving_format
+from deltastore.storage import open_store
+from deltastore.storage.prefixed import PrefixedStore
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
+from testkit.manifest_docs import read_manifest_doc
+from testkit.stores import HeadPutHook, WrappedStore, keys, read_head
+from testkit.tensors import assert_bits_equal
+
+FORMATS = ["bf16", "fp8-block128", "mxfp8"]
+LAYOUT = LayoutPolicy(chunk_bytes=16 * 1024)
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 96, generator=g).to(torch.bfloat16),
+        "model.layers.0.input_layernorm.weight": torch.ones(96, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": (torch.randn(160, 96, generator=g) * 0.02).to(torch.bfloat16),
+        "model.layers.0.mlp.down_proj.weight": (torch.randn(96, 288, generator=g) * 0.02).to(torch.bfloat16),
+        "lm_head.weight": torch.randn(64, 96, generator=g).to(torch.bfloat16),
+    }
+
+
+def step(state: dict[str, torch.Tensor], seed: int, lr: float = 1e-2) -> dict[str, torch.Tensor]:
+    """An optimizer-like update: every weight moves a little (most bf16 values keep their bits)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return {n: (t.float() - lr * torch.randn(t.shape, generator=g).sign() * t.float().abs()).to(t.dtype)
+            for n, t in state.items()}
+
+
+def publish_run(url: str, n: int, **kw) -> list[dict[str, torch.Tensor]]:
+    states = [model()]
+    for i in range(1, n):
+        states.append(step(states[-1], i))
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, **kw) as pub:
+        for s in states:
+            pub.publish(s)
+    return states
+
+
+def test_every_format_reads_back_bit_identical_to_its_reference_at_every_version(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = publish_run(url, 4)
+    for name in ("fp8-block128", "mxfp8"):
+        fmt = serving_format(name)
+        with Subscriber(url, format=name) as sub:
+            for v, s in enumerate(states, start=1):
+                assert_bits_equal(sub.pull(v), derive(s, fmt), f"{name} v{v}")
+            target = sub.pull(1)  # then fast-forward in place, version by version
+            for v in range(2, len(states) + 1):
+                assert sub.pull_into(target, version=v)
+                assert_bits_equal(target, derive(states[v - 1], fmt), f"{name} pull_into v{v}")
+    with Subscriber(url, format="bf16") as sub:  # a bf16 state is itself the bf16 format
+        assert_bits_equal(sub.pull(), states[-1])
+    store = open_store(url)
+    key, doc = read_manifest_doc_head(store)
+    assert doc["schema"] == 5 and doc["stream"] == "bf16"
+    assert [s["format"] for s in doc["streams"]] == ["fp8-block128", "mxfp8"]
+    for s in doc["streams"]:
+        assert s["key"].startswith(f"streams/{s['format']}/manifests/{doc['version']:012d}-")
+
+
+def read_manifest_doc_head(store):
+    h = read_head(store)
+    return h["manifest"], read_manifest_doc(store, h["manifest"])
+
+
+def test_a_format_subscriber_reads_no_byte_of_another_format(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    publish_run(url, 3)
+    rec = WrappedStore(open_store(url))
+    with Subscriber(url, store=rec, format="mxfp8") as sub:
+        sub.pull(1)
+        w = sub.pull(1)
+        sub.pull_into(w, version=3)
+    read = {k for k, _ in rec.reads} | {k for verb, k in rec.calls if verb.startswith("get")}
+    others = [k for k in read if k.startswith(("streams/fp8-block128/", "objects/"))]  # the store's own packs, layouts
+    assert not others, others
+    assert any(k.startswith("streams/mxfp8/objects/") and k.endswith(".pack") for k in read)
+
+
+def test_a_stream_delta_is_smaller_than_its_anchor(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    publish_run(url, 3, anchor_policy=AnchorPolicy(every=100))
+    store = open_store(url)
+    _, doc = read_manifest_doc_head(store)
+    with Subscriber(url, format="fp8-block128") as sub:
+        log = sub.log()
+    assert [i.kind for i in log] == ["anchor", "delta", "delta"]
+    assert log[-1].bytes_stored < log[0].bytes_stored
+
+
+def test_unknown_and_unpublished_formats_are_typed_errors_listing_what_exists(tmp_path) -> None:
+    with pytest.raises(UnknownFormatError) as e:
+        Publisher(str(tmp_path / "x"), formats=["fp7"])
+    assert "fp8-block128" in str(e.value) and not (tmp_path / "x" / HEAD_KEY).exists()
+    url = str(tmp_path / "s")
+    publish_run(url, 1)
+    with Subscriber(url, format="nvfp4") as sub, pytest.raises(UnknownFormatError) as e:
+        sub.pull()
+    assert e.value.available == ("bf16", "fp8-block128", "mxfp8")
+    assert "nvfp4" in str(e.value) and "'mxfp8'" in str(e.value)
+    with pytest.raises(ValueError):
+        Subscriber(url, format="FP8 Block")
+
+
+def test_a_corrupt_stream_pack_is_an_integrity_error_and_nothing_is_applied(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = publish_run(url, 2, anchor_policy=AnchorPolicy(every=100))
+    store = open_store(url)
+    with Subscriber(url, format="fp8-block128") as sub:
+        target = sub.pull(1)
+    before = {n: t.clone() for n, t in target.items()}
+    packs = sorted(k for k in keys(store, "streams/fp8-block128/objects/") if k.endswith(".pack"))
+    v2 = read_manifest_doc(PrefixedStore(store, "streams/fp8-block128/"), read_stream_key(store, "fp8-block128"))
+    delta_packs = [b["key"] for b in v2["blobs"]]
+    assert delta_packs and all(("streams/fp8-block128/" + k) in packs for k in delta_packs)
+    victim = "streams/fp8-block128/" + delta_packs[0]
+    data = bytearray(store.get(victim))
+    data[len(data) // 2] ^= 0x40
+    store.put(victim, bytes(data))
+    with Subscriber(url, format="fp8-block128") as sub:
+        sub.pull(1)
+        with pytest.raises(IntegrityError, match=delta_packs[0].split("/")[-1][:16]):
+            sub.pull_into(target, version=2)
+    assert_bits_equal(target, before)
+    del states
+
+
+def read_stream_key(store, fmt: str) -> str:
+    h = read_head(store)
+    doc = read_manifest_doc(store, h["manifest"])
+    ref = next(s for s in doc["streams"] if s["format"] == fmt)
+    return ref["key"][len(f"streams/{fmt}/"):]
+
+
+def test_a_failed_commit_shows_no_stream_and_the_next_publish_continues_every_chain(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = [model(), step(model(), 1), step(step(model(), 1), 2)]
+    fail = {"on": False}
+
+    def hook(key, data, mode, put):
+        if fail["on"]:
+            raise StorageError("injected: HEAD write refused")
+        return put()
+
+    store = HeadPutHook(open_store(url), hook)
+    with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT) as pub:
+        pub.publish(states[0])
+        fail["on"] = True
+        with pytest.raises(StorageError):
+            pub.publish(states[1])
+        fail["on"] = False
+        assert pub.publish(states[2]).version == 2
+    for name in ("fp8-block128", "mxfp8"):
+        with Subscriber(url, format=name) as sub:
+            assert sub.latest().version == 2
+            assert_bits_equal(sub.pull(2), derive(states[2], serving_format(name)))
+
+
+def test_a_restarted_publisher_continues_each_stream_with_deltas(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = publish_run(url, 2, anchor_policy=AnchorPolicy(every=100))
+    nxt = step(states[-1], 9)
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, anchor_policy=AnchorPolicy(every=100)) as pub:
+        assert pub.publish(nxt).kind == "delta"
+    for name in ("fp8-block128", "mxfp8"):
+        with Subscriber(url, format=name) as sub:
+            assert sub.log()[-1].kind == "delta"
+            assert_bits_equal(sub.pull(3), derive(nxt, serving_format(name)))
+
+
+def test_gc_collects_old_stream_objects_and_keeps_retained_versions_materializable(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = publish_run(url, 6, anchor_policy=AnchorPolicy(every=3))
+    store = open_store(url)
+    before = keys(store, "streams/")
+    report = collect(store, keep_last=2, grace_s=0, unsafe_grace_ok=True)
+    after = keys(store, "streams/")
+    assert report.floor_after == 4 and after < before
+    assert any(k.startswith("streams/mxfp8/manifests/") for k in report.deleted["manifests"])
+    for name in ("fp8-block128", "mxfp8"):
+        with Subscriber(url, format=name) as sub:
+            for v in (4, 5, 6):
+                assert_bits_equal(sub.pull(v), derive(states[v - 1], serving_format(name)))
+
+
+def test_fp32_masters_get_a_bf16_stream_of_their_own(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    state = {n: t.float() for n, t in model().items()}
+    with Publisher(url, formats=["bf16"], layout_policy=LAYOUT) as pub:
+        pub.publish(state)
+    with Subscriber(url, format="bf16") as sub:
+        got = sub.pull()
+    assert all(t.dtype == torch.bfloat16 for t in got.values())
+    assert_bits_equal(got, {n: t.to(torch.bfloat16) for n, t in state.items()})
+    with Subscriber(url) as sub:
+        assert_bits_equal(sub.pull(), state)
+    assert np.all([t.dtype == torch.float32 for t in state.values()])
