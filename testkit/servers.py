@@ -170,11 +170,16 @@ def backend(kind: str, base: Path | None = None) -> Iterator[S3Server]:
         raise ValueError(f"unknown backend {kind!r}: moto or seaweedfs")
 
 
+#: How often a test HTTP server's loop checks for shutdown.
+HTTP_POLL_S = 0.02
+
+
 @contextlib.contextmanager
 def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
     """A threaded HTTP server on 127.0.0.1 answering with ``handler``; yields its URL."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # shutdown() waits up to one poll interval (0.5 s by default): a short one keeps teardowns short
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": HTTP_POLL_S}, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_port}"
     finally:

@@ -1,47 +1,26 @@
-"""The vLLM worker extension, against a stand-in worker whose model records what
-``load_weights`` receives (vLLM cannot run here)."""
+"""The vLLM worker extension and its HTTP client, against stand-ins (vLLM cannot run here): a
+worker whose model records what ``load_weights`` receives, ranks that vote through threads, and
+a real local HTTP server answering ``vllm serve``'s endpoints (tests/integrations/conftest.py)."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
-from types import SimpleNamespace
+import urllib.parse
 
 import pytest
 import torch
 
 from deltastore import Publisher
-from deltastore.integrations.vllm import DeltastoreWorkerExtension
+from deltastore.errors import EngineUpdateError
+from deltastore.integrations.hostcopy import ServedVersion, agree_over
+from deltastore.integrations.vllm import GROUP_GETTERS, VLLMServerSync
 from deltastore.write.policy import WriterPolicy
 
 #: A test never waits longer than this for the follow thread.
 DEADLINE_S = 60.0
-
-
-class _RecordingModel:
-    """Stands in for a vLLM model: load_weights copies what it is given into its own
-    (device-side) parameters and records the names, the thread and when."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
-        self.params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
-        self.calls: list[list[str]] = []
-        self.threads: set[int] = set()
-
-    def load_weights(self, weights):
-        names = []
-        for n, t in weights:
-            self.params[n].copy_(t)
-            names.append(n)
-        self.calls.append(names)
-        self.threads.add(threading.get_ident())
-        return set(names)
-
-
-class _Worker(DeltastoreWorkerExtension):
-    """What vLLM's --worker-extension-cls makes: a worker class with the extension mixed in."""
-
-    def __init__(self, model):
-        self.model_runner = SimpleNamespace(model=model)
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -52,7 +31,19 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
             "model.norm.weight": torch.randn(8, generator=g)}
 
 
-def _wait_staged(w: _Worker, version: int) -> None:
+def _shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in state.items()}
+
+
+def _changed(state: dict[str, torch.Tensor], **edits: float) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` with element 0 of each named tensor (dots as '__') set."""
+    out = {n: t.clone() for n, t in state.items()}
+    for key, value in edits.items():
+        out[key.replace("__", ".")].view(-1)[0] = value
+    return out
+
+
+def _wait_staged(w, version: int) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while True:
         st = w.deltastore_status()
@@ -63,19 +54,18 @@ def _wait_staged(w: _Worker, version: int) -> None:
         time.sleep(0.02)
 
 
-def _assert_model(model: _RecordingModel, state: dict[str, torch.Tensor]) -> None:
-    for n, t in state.items():
-        assert torch.equal(model.params[n], t.to(torch.bfloat16)), n
+def _publisher(url: str) -> Publisher:
+    return Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1))
 
 
-def test_worker_follows_and_reloads_only_changed_tensors(tmp_path) -> None:
+def test_worker_follows_and_reloads_only_changed_tensors(tmp_path, vllm_parts) -> None:
     url = str(tmp_path / "store")
     v1 = _state(0)
-    model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
-    w = _Worker(model)
+    model = vllm_parts.RecordingModel(_shapes(v1))
+    w = vllm_parts.Worker(model)
     with pytest.raises(RuntimeError, match="deltastore_start"):
         w.deltastore_sync()
-    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
+    with _publisher(url) as pub:
         pub.publish(v1, step=10, metadata={"model_version": 1})
         w.deltastore_start(url, interval=0.02, threads=1, wait_s=DEADLINE_S)
         assert w.deltastore_start(url)["staged"]["version"] == 1  # idempotent
@@ -85,32 +75,29 @@ def test_worker_follows_and_reloads_only_changed_tensors(tmp_path) -> None:
         served = w.deltastore_sync()
         assert served["version"] == 1 and served["model_version"] == 1 and served["step"] == 10
         assert sorted(model.calls[-1]) == sorted(v1)  # the first version: every tensor
-        _assert_model(model, v1)
+        assert model.holds(v1)
         assert w.deltastore_sync() == served and len(model.calls) == 1  # nothing new: no reload
 
-        v2 = {n: t.clone() for n, t in v1.items()}
-        v2["model.norm.weight"][3] = 5.0
+        v2 = _changed(v1, model__norm__weight=5.0)
         pub.publish(v2, step=11, metadata={"model_version": 2})
         _wait_staged(w, 2)
         # Staged on the host while the engine serves: the engine's model is untouched until the sync.
         assert w.deltastore_version()["version"] == 1 and len(model.calls) == 1
-        _assert_model(model, v1)
+        assert model.holds(v1)
         served = w.deltastore_sync()
         assert served["model_version"] == 2 and model.calls[-1] == ["model.norm.weight"]
-        _assert_model(model, v2)
+        assert model.holds(v2)
 
         # Two versions between syncs: one reload of the union of what they changed.
-        v3 = {n: t.clone() for n, t in v2.items()}
-        v3["model.layers.0.mlp.up_proj.weight"][0, 0] = -1.0
+        v3 = _changed(v2, model__layers__0__mlp__up_proj__weight=-1.0)
         pub.publish(v3, metadata={"model_version": 3})
-        v4 = {n: t.clone() for n, t in v3.items()}
-        v4["model.embed_tokens.weight"][7] = 0.25
+        v4 = _changed(v3, model__embed_tokens__weight=0.25)
         pub.publish(v4, metadata={"model_version": 4})
         _wait_staged(w, 4)
         served = w.deltastore_sync()
         assert served["version"] == 4 and served["model_version"] == 4
         assert sorted(model.calls[-1]) == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]
-        _assert_model(model, v4)
+        assert model.holds(v4)
     # load_weights ran only in the RPC's thread (vLLM runs it between engine steps), never in
     # the follow thread.
     assert model.threads == {threading.get_ident()}
@@ -120,11 +107,11 @@ def test_worker_follows_and_reloads_only_changed_tensors(tmp_path) -> None:
         w.deltastore_version()
 
 
-def test_follow_failure_is_reported_by_the_next_rpc(tmp_path) -> None:
+def test_follow_failure_is_reported_by_the_next_rpc(tmp_path, vllm_parts) -> None:
     url = str(tmp_path / "store")
     v1 = _state(0)
-    model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
-    w = _Worker(model)
+    model = vllm_parts.RecordingModel(_shapes(v1))
+    w = vllm_parts.Worker(model)
     with Publisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(v1)
         w.deltastore_start(url, interval=0.02, threads=1, wait_s=DEADLINE_S)
@@ -138,19 +125,18 @@ def test_follow_failure_is_reported_by_the_next_rpc(tmp_path) -> None:
     assert "LayoutMismatchError" in w.deltastore_status()["error"]
     with pytest.raises(RuntimeError, match="LayoutMismatchError"):
         w.deltastore_sync()
-    _assert_model(model, v1)  # the engine keeps serving the last good version
+    assert model.holds(v1)  # the engine keeps serving the last good version
     w.deltastore_stop()
 
 
-def test_start_on_an_empty_store_waits_and_sync_never_blocks_the_engine(tmp_path) -> None:
+def test_start_on_an_empty_store_waits_and_sync_never_blocks_the_engine(tmp_path, vllm_parts) -> None:
     url = str(tmp_path / "store")
     v1 = _state(3)
-    model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
-    w = _Worker(model)
+    model = vllm_parts.RecordingModel(_shapes(v1))
+    w = vllm_parts.Worker(model)
     with Publisher(url, writer_policy=WriterPolicy(threads=1)) as pub:
         pub.publish(v1)  # creates the store; the worker starts before the version it follows
-        v2 = {n: t.clone() for n, t in v1.items()}
-        v2["model.norm.weight"][0] = 9.0
+        v2 = _changed(v1, model__norm__weight=9.0)
         w.deltastore_start(url, interval=0.02, threads=1, wait_s=DEADLINE_S)
         assert w.deltastore_sync()["version"] == 1
         f = w._deltastore
@@ -162,15 +148,15 @@ def test_start_on_an_empty_store_waits_and_sync_never_blocks_the_engine(tmp_path
             pub.publish(v2)
         _wait_staged(w, 2)
         assert w.deltastore_sync(block=True)["version"] == 2
-        _assert_model(model, v2)
+        assert model.holds(v2)
     w.deltastore_stop()
 
 
-def test_start_before_the_first_version(tmp_path) -> None:
+def test_start_before_the_first_version(tmp_path, vllm_parts) -> None:
     store = tmp_path / "store"
     v1 = _state(4)
-    model = _RecordingModel({n: tuple(t.shape) for n, t in v1.items()})
-    w = _Worker(model)
+    model = vllm_parts.RecordingModel(_shapes(v1))
+    w = vllm_parts.Worker(model)
     with Publisher(str(store), writer_policy=WriterPolicy(threads=1)) as pub:  # an empty store: HEAD at version 0
         w.deltastore_start(str(store), interval=0.02, threads=1)
         time.sleep(0.2)
@@ -180,5 +166,203 @@ def test_start_before_the_first_version(tmp_path) -> None:
         pub.publish(v1)
         _wait_staged(w, 1)
     assert w.deltastore_sync()["version"] == 1
-    _assert_model(model, v1)
+    assert model.holds(v1)
     w.deltastore_stop()
+
+
+def test_a_failed_load_puts_the_served_version_back(tmp_path, vllm_parts) -> None:
+    url = str(tmp_path / "store")
+    v1 = _state(5)
+    v2 = _changed(v1, model__norm__weight=7.0, model__layers__0__mlp__up_proj__weight=-3.0)
+    model = vllm_parts.RecordingModel(_shapes(v1))
+    w = vllm_parts.Worker(model)
+    with _publisher(url) as pub:
+        pub.publish(v1, metadata={"model_version": 1})
+        w.deltastore_start(url, interval=0.02, threads=1, wait_s=DEADLINE_S)
+        w.deltastore_sync()
+        pub.publish(v2, metadata={"model_version": 2})
+        _wait_staged(w, 2)
+        model.fail_after = 1  # the engine takes one of the two changed tensors, then fails
+        with pytest.raises(EngineUpdateError, match="put back at version 1"):
+            w.deltastore_sync()
+        assert len(model.calls[-2]) == 1  # the failed call did write a tensor of version 2 ...
+        assert sorted(model.calls[-1]) == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+        assert model.holds(v1)  # ... and the sync put version 1's bits back, from the store
+        assert w.deltastore_version()["version"] == 1
+        assert w.deltastore_status()["pending_tensors"] == 2  # kept for the next try
+        assert w.deltastore_sync()["version"] == 2
+        assert model.holds(v2)
+
+        # A first load cannot be undone: the state is unknown, and the next sync loads everything.
+        fresh = vllm_parts.RecordingModel(_shapes(v1))
+        w2 = vllm_parts.Worker(fresh)
+        w2.deltastore_start(url, interval=0.02, threads=1, wait_s=DEADLINE_S)
+        fresh.fail_after = 2
+        with pytest.raises(EngineUpdateError, match="state is unknown"):
+            w2.deltastore_sync()
+        assert w2.deltastore_version() is None and w2.deltastore_status()["engine_state_unknown"]
+        assert w2.deltastore_sync()["version"] == 2
+        assert sorted(fresh.calls[-1]) == sorted(v1) and fresh.holds(v2)
+        assert not w2.deltastore_status()["engine_state_unknown"]
+    w.deltastore_stop()
+    w2.deltastore_stop()
+
+
+def test_ranks_swap_the_same_version_or_none(tmp_path, vllm_parts) -> None:
+    """Two tensor-parallel ranks, each following the store: a rank busy with its host copy, or
+    a rank whose load fails, keeps both ranks at the version they served."""
+    url = str(tmp_path / "store")
+    v1 = _state(6)
+    group = vllm_parts.ThreadGroup(2)
+    models = [vllm_parts.RecordingModel(_shapes(v1)) for _ in range(2)]
+    ranks = [vllm_parts.Worker(m, group, r) for r, m in enumerate(models)]
+    sync = vllm_parts.on_all_ranks
+    with _publisher(url) as pub:
+        pub.publish(v1, metadata={"model_version": 1})
+        sync(ranks, "deltastore_start", url, interval=0.02, threads=1, wait_s=DEADLINE_S)
+        assert [r["version"] for r in sync(ranks, "deltastore_sync")] == [1, 1]
+        v2 = _changed(v1, model__norm__weight=2.5)
+        pub.publish(v2, metadata={"model_version": 2})
+        for w in ranks:
+            _wait_staged(w, 2)
+        with ranks[1]._deltastore.lock:  # rank 1's follow thread is writing its host copy
+            assert [r["version"] for r in sync(ranks, "deltastore_sync")] == [1, 1]
+        assert [len(m.calls) for m in models] == [1, 1] and all(m.holds(v1) for m in models)
+
+        models[1].fail_after = 0  # rank 1's load fails: rank 0, which loaded, puts version 1 back too
+        with pytest.raises(EngineUpdateError):
+            sync(ranks, "deltastore_sync")
+        assert [w.deltastore_version()["version"] for w in ranks] == [1, 1]
+        assert all(m.holds(v1) for m in models)
+        assert models[0].calls[-2] == ["model.norm.weight"] == models[0].calls[-1]  # loaded, then restored
+        assert [r["version"] for r in sync(ranks, "deltastore_sync")] == [2, 2]
+        assert all(m.holds(v2) for m in models)
+    sync(ranks, "deltastore_stop")
+
+
+def test_agree_over_connects_every_rank(vllm_parts) -> None:
+    """Four ranks, TP groups {0,1},{2,3} and PP groups {0,2},{1,3}, voting in threads: the
+    answer is the same on every rank, and yes only when all four votes are equal."""
+    def run(votes: list[str]) -> list[bool]:
+        tp = [vllm_parts.ThreadGroup(2), vllm_parts.ThreadGroup(2)]
+        pp = [vllm_parts.ThreadGroup(2), vllm_parts.ThreadGroup(2)]
+        answers: list[bool | None] = [None] * 4
+
+        def rank(r: int) -> None:
+            gathers = [functools.partial(tp[r // 2].gather, r % 2), functools.partial(pp[r % 2].gather, r // 2)]
+            answers[r] = agree_over(votes[r], gathers)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return answers
+
+    assert run(["a", "a", "a", "a"]) == [True] * 4
+    assert run(["a", "a", "a", "b"]) == [False] * 4
+    assert run(["a", "a", "b", "b"]) == [False] * 4  # each TP group agrees, the pipeline does not
+
+
+def test_server_sync_drives_the_extension_over_http(tmp_path, vllm_parts, vllm_server) -> None:
+    url = str(tmp_path / "store")
+    v1 = _state(7)
+    model = vllm_parts.RecordingModel(_shapes(v1))
+    server = vllm_server([vllm_parts.Worker(model)])
+    engine = VLLMServerSync(server.url, url, interval=0.02, threads=1)
+    with pytest.raises(EngineUpdateError, match="deltastore_start"):
+        engine.sync()  # not started: the worker's RuntimeError comes back as HTTP 500
+    with _publisher(url) as pub:
+        pub.publish(v1, step=1, metadata={"model_version": 1})
+        assert engine.start(wait_s=DEADLINE_S)[0]["staged"]["version"] == 1
+        server.calls.clear()
+        served = engine.sync()
+        assert served == ServedVersion(1, 1, 1, served.manifest) and engine.served == served and model.holds(v1)
+        # After a swap: the prefix cache is reset, and the engine's weight version names the version.
+        assert server.paths() == ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
+        assert server.weight_version == "1" == engine.weight_version()
+        server.calls.clear()
+        assert engine.sync() == served and server.paths() == ["/collective_rpc"]  # nothing new: one RPC
+
+        v2 = _changed(v1, model__norm__weight=4.0)
+        pub.publish(v2, step=2, metadata={"model_version": 2})
+        _wait_staged(server.workers[0], 2)
+        drained = VLLMServerSync(server.url, url, drain=True)
+        server.calls.clear()
+        assert drained.sync().version == 2 and model.holds(v2)
+        # Drained: in-flight requests finish first; the swap, reset and tag happen while paused.
+        assert [urllib.parse.urlparse(p).path for p in server.paths()] == [
+            "/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+        assert server.calls[0][1] == "/pause?mode=wait" and not server.paused
+        assert server.calls[1][2] == {"method": "deltastore_sync", "args": [], "kwargs": {"block": True}}
+    engine.close()
+    assert server.workers[0]._deltastore is None
+
+
+def test_server_without_the_weight_version_endpoint(tmp_path, vllm_parts, vllm_server, caplog) -> None:
+    """An older vLLM without /update_weight_version: one warning, then the client stops asking."""
+    url = str(tmp_path / "store")
+    v1 = _state(8)
+    server = vllm_server([vllm_parts.Worker(vllm_parts.RecordingModel(_shapes(v1)))], missing=("/update_weight_version",))
+    engine = VLLMServerSync(server.url, url, interval=0.02, threads=1)
+    with _publisher(url) as pub:
+        pub.publish(v1)
+        engine.start(wait_s=DEADLINE_S)
+        with caplog.at_level(logging.WARNING, logger="deltastore.integrations.vllm"):
+            assert engine.sync().version == 1
+        assert "has no /update_weight_version" in caplog.text
+        pub.publish(_changed(v1, model__norm__weight=1.5))
+        _wait_staged(server.workers[0], 2)
+        server.calls.clear()
+        assert engine.sync().version == 2
+        assert server.paths() == ["/collective_rpc", "/reset_prefix_cache"]
+    engine.close()
+
+
+# --- the stand-ins against vLLM's source ----------------------------------------------------
+
+#: Where each endpoint the client calls was read (vllm-project/vllm, file @ commit), with the
+#: request and reply it takes there.
+VLLM_SOURCES = {
+    # body {"method", "args", "kwargs", "timeout"}; reply {"results": [one per worker]}, dicts
+    # and None passed through, anything else str(); only with VLLM_SERVER_DEV_MODE.
+    ("POST", "/collective_rpc"): "vllm/entrypoints/serve/rpc/api_router.py@09cb327f1183534adbdf9eee3e438688e75fbe2b",
+    # query reset_running_requests, reset_external; empty 200; only with VLLM_SERVER_DEV_MODE.
+    ("POST", "/reset_prefix_cache"): "vllm/entrypoints/serve/cache/api_router.py@09cb327f1183534adbdf9eee3e438688e75fbe2b",
+    # body {"new_version": str} (Body(embed=True)) -> EngineClient.update_weight_version(new_version)
+    ("POST", "/update_weight_version"): "vllm/entrypoints/serve/dev/rlhf/api_router.py@0100a2129224e729af1b3b8ed42a900cdfe9a452",
+    # reply {"weight_version": EngineClient.get_weight_version()}
+    ("GET", "/weight_info"): "vllm/entrypoints/serve/dev/rlhf/api_router.py@0100a2129224e729af1b3b8ed42a900cdfe9a452",
+    # query mode in abort|wait|keep ("wait": finish the requests in flight), clear_cache
+    ("POST", "/pause"): "vllm/entrypoints/serve/dev/rlhf/api_router.py@0100a2129224e729af1b3b8ed42a900cdfe9a452",
+    ("POST", "/resume"): "vllm/entrypoints/serve/dev/rlhf/api_router.py@0100a2129224e729af1b3b8ed42a900cdfe9a452",
+}
+#: The request fields each endpoint reads there.
+VLLM_BODY_FIELDS = {"/collective_rpc": {"method", "args", "kwargs", "timeout"}, "/update_weight_version": {"new_version"}}
+VLLM_PAUSE_MODES = {"abort", "wait", "keep"}  # vllm.v1.engine.PauseMode, same file
+#: vllm/distributed/parallel_state.py (vllm-project/vllm): get_tp_group() / get_pp_group() return a
+#: GroupCoordinator with .world_size and .cpu_group (gloo); they assert when not initialized.
+VLLM_GROUP_GETTERS = ("get_tp_group", "get_pp_group")
+
+
+def test_stand_in_serves_what_vllm_serves(tmp_path, vllm_parts, vllm_server) -> None:
+    assert set(VLLM_SOURCES) == vllm_parts.VLLM_ENDPOINTS
+    # Every request the client sends is one of those, with the fields vLLM reads.
+    url = str(tmp_path / "store")
+    v1 = _state(9)
+    server = vllm_server([vllm_parts.Worker(vllm_parts.RecordingModel(_shapes(v1)))])
+    with _publisher(url) as pub:
+        pub.publish(v1)
+        engine = VLLMServerSync(server.url, url, interval=0.02, threads=1, drain=True)
+        engine.start(wait_s=DEADLINE_S)
+        engine.sync()
+        engine.weight_version()
+        engine.close()
+    for method, path, body in server.calls:
+        u = urllib.parse.urlparse(path)
+        assert (method, u.path) in vllm_parts.VLLM_ENDPOINTS, path
+        if u.path in VLLM_BODY_FIELDS:
+            assert set(body) <= VLLM_BODY_FIELDS[u.path], (path, body)
+        if u.path == "/pause":
+            assert urllib.parse.parse_qs(u.query)["mode"][0] in VLLM_PAUSE_MODES
+    assert VLLM_GROUP_GETTERS == GROUP_GETTERS  # the groups the ranks vote over
