@@ -164,14 +164,15 @@ def test_gc_racing_a_publisher_and_pins_on_s3(seaweedfs_s3_url):
             if p.is_alive():
                 p.kill()
     results = {}
-    while True:
+    roles = {"publisher", "gc", "gc2", "pinner", "compactor"}
+    while set(results) != roles:  # every role reports once; a missing one fails the assert below
         try:
             who, what = out.get(timeout=5)
         except queue.Empty:
             break
         results[who] = what
     print(f"race: {results}")
-    assert set(results) == {"publisher", "gc", "gc2", "pinner", "compactor"}, results
+    assert set(results) == roles, results
     assert results["compactor"][1] > 0, results  # squashes were registered during the race
     runs, deleted, _aborted, damaged = (a + b for a, b in zip(results["gc"], results["gc2"]))
     assert runs >= 3 and deleted > 0, results  # GC really ran and collected during the race
