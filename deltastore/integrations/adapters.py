@@ -49,15 +49,12 @@ Example::
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import re
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +73,7 @@ from deltastore.errors import (
     StorageError,
     VersionNotFoundError,
 )
+from deltastore.integrations.jsonhttp import JSONClient
 from deltastore.integrations.peft import (
     AdapterRecord,
     BaseLayout,
@@ -104,9 +102,6 @@ KEEP_STAGED = 2
 #: Loads of one version tried before the follower waits for a newer version instead (a load
 #: the engine refuses three times is not transient).
 ATTEMPTS_PER_VERSION = 3
-#: The most bytes of an engine's answer read: answers are small, and a broken or hostile server
-#: must not make the follower buffer gigabytes.
-MAX_ANSWER_BYTES = 16 << 20
 #: Adapter names: they become engine model names and directory names.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -163,25 +158,14 @@ class _HttpEngine:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self._headers = {"Content-Type": "application/json"}
-        if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._client = JSONClient(self.url, timeout_s=timeout, api_key=api_key)
 
     def __str__(self) -> str:
         return f"{self.kind} at {self.url}"
 
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> tuple[int, bytes]:
         """(status, body) of one request; OSError when no answer came."""
-        data = None if body is None else json.dumps(dict(body)).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return resp.status, resp.read(MAX_ANSWER_BYTES)
-        except urllib.error.HTTPError as e:  # an answer, with an error status
-            with e:
-                return e.code, e.read(MAX_ANSWER_BYTES)
-        except http.client.HTTPException as e:  # a garbled or cut answer: as good as none
-            raise ConnectionError(f"{self}: {method} {path}: {type(e).__name__}: {e}") from e
+        return self._client.raw(method, path, None if body is None else dict(body))
 
     def _refused(self, what: str, status: int, body: bytes) -> EngineUpdateError:
         return EngineUpdateError(f"{self} refused to {what} (HTTP {status}): {_message(body)}")

@@ -8,6 +8,7 @@ control endpoints, which a proxy has no business seeing, and a loopback URL must
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.parse
@@ -68,6 +69,18 @@ class JSONClient:
             OSError: the server could not be reached or the connection broke (``URLError``,
                 ``TimeoutError``).
         """
+        status, raw = self.raw(method, path, body, query=query)
+        return Reply(status, _parse(raw))
+
+    def raw(self, method: str, path: str, body: Any = None, *,
+            query: Mapping[str, Any] | None = None) -> tuple[int, bytes]:
+        """One request: its status and its body's bytes (at most ``MAX_REPLY_BYTES``); an HTTP
+        error status is an answer too.
+
+        Raises:
+            OSError: the server could not be reached, the connection broke, or the answer was
+                garbled or cut short (``ConnectionError``): as good as no answer.
+        """
         url = self.base_url + path
         if query:
             url += "?" + urllib.parse.urlencode({k: _query_value(v) for k, v in query.items()})
@@ -75,10 +88,12 @@ class JSONClient:
         req = urllib.request.Request(url, data=data, method=method, headers=self._headers)
         try:
             with self._opener.open(req, timeout=self.timeout_s) as resp:
-                return Reply(resp.status, _parse(resp.read(MAX_REPLY_BYTES)))
+                return resp.status, resp.read(MAX_REPLY_BYTES)
         except urllib.error.HTTPError as e:
             with e:
-                return Reply(e.code, _parse(e.read(MAX_REPLY_BYTES)))
+                return e.code, e.read(MAX_REPLY_BYTES)
+        except http.client.HTTPException as e:
+            raise ConnectionError(f"{self.base_url}: {method} {path}: {type(e).__name__}: {e}") from e
 
     def post(self, path: str, body: Any = None, *, query: Mapping[str, Any] | None = None) -> Reply:
         return self.request("POST", path, {} if body is None else body, query=query)

@@ -33,6 +33,7 @@ from deltastore.layout.groups import unit_order, unit_reference
 from deltastore.layout.tensors import TensorSpec, bits, check_layout, dtype_name, validate_state_dict
 from deltastore.layout.tied import TIED_WEIGHTS_KEY, module_state
 from deltastore.lifecycle.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
+from deltastore.serving.formats import ServingFormat
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from deltastore.storage.probe import require_atomic_writes
@@ -47,7 +48,6 @@ from deltastore.write.policy import (
     check_dtype,
     check_policy,
 )
-from deltastore.serving.formats import ServingFormat
 from deltastore.write.queue import PublishQueue, snapshot
 from deltastore.write.streams import StreamVersion, StreamWriter, is_identity, serving_formats
 

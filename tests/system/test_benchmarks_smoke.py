@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -202,16 +204,25 @@ def test_history_benchmark_quick_end_to_end(tmp_path) -> None:
     assert "| tiny-mlp | chain | 12 |" in markdown(res)
 
 
-def test_perf_quick_end_to_end(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def perf_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One ``benchmarks.perf --quick --rounds 2`` run in both modes (each role runs in fresh
+    processes, so one run serves both tests below)."""
+    from benchmarks.perf import run
+
+    out = tmp_path_factory.mktemp("perf") / "perf.json"
+    return run(quick=True, steps=3, out=out, rounds=2), out  # deltas for steps 1-2, step 3 a forced anchor
+
+
+def test_perf_quick_end_to_end(perf_run) -> None:
     """``python -m benchmarks.perf --quick``: every role runs in both modes (or says why the
     native one cannot), every pull is bit-exact, sizes are sane; no timing is asserted."""
     import json
     import math
 
-    from benchmarks.perf import ROWS, run
+    from benchmarks.perf import ROWS
 
-    out = tmp_path / "perf.json"
-    res = run(quick=True, steps=3, out=out)  # deltas for steps 1-2, step 3 a forced anchor
+    res, out = perf_run
     assert json.loads(out.read_text())["quick"] is True
     md = out.with_suffix(".md").read_text()
     assert "| delta publish / copy |" in md and "| pull_into (delta) / copy |" in md
@@ -229,9 +240,9 @@ def test_perf_quick_end_to_end(tmp_path) -> None:
     pub = numpy_mode["publisher"]
     model = pub["model_bytes"]
     assert len(pub["delta_bytes"]) == 2 and all(0 < b < model // 10 for b in pub["delta_bytes"])
-    # a copy was timed next to every timed delta publish and pull_into (the paired ratios)
-    assert len(pub["copy_paired_s"]) == len(pub["delta_s"]) == 2
-    assert len(numpy_mode["worker"]["copy_paired_s"]) == len(numpy_mode["worker"]["pull_into_s"]) == 2
+    # a copy was timed next to every timed delta publish and pull_into (the paired ratios): 2 per round
+    assert len(pub["copy_paired_s"]) == len(pub["delta_s"]) == 4
+    assert len(numpy_mode["worker"]["copy_paired_s"]) == len(numpy_mode["worker"]["pull_into_s"]) == 4
     assert 0.5 < r["delta_over_h0"] < 2.0  # the codec codes close to the order-0 estimate
     assert all(b > d for b, d in zip(pub["pulse_bytes"], pub["delta_bytes"]))
     assert 0.5 * model < pub["anchor_bytes"] < model
@@ -243,16 +254,13 @@ def test_perf_quick_end_to_end(tmp_path) -> None:
         assert native["same_bytes_as_numpy"] is True  # identical bytes, kernel or not
 
 
-def test_perf_rounds_pool_every_rounds_calls(tmp_path) -> None:
+def test_perf_rounds_pool_every_rounds_calls(perf_run) -> None:
     """``--rounds 2``: the publisher and the worker run twice, every timed call of both rounds is
     in the pooled lists (wall and CPU), the medians are taken over them, each round's paired
     median is kept, and the report says so; no timing is asserted."""
     import statistics
 
-    from benchmarks.perf import run
-
-    out = tmp_path / "perf.json"
-    res = run(quick=True, steps=3, out=out, modes=("numpy",), rounds=2)
+    res, out = perf_run
     assert res["rounds"] == 2
     m = res["modes"]["numpy"]
     pub, wk = m["publisher"], m["worker"]
