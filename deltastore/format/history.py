@@ -456,8 +456,10 @@ class History:
             key, m = hop if hop is not None else self.parent(key, m)
         return key, m
 
-    def chain(self, key: str, m: Manifest, *, down_to: int) -> list[tuple[str, Manifest]]:
-        """Manifests from version ``down_to`` up to ``m`` (inclusive), oldest first.
+    def chain(self, key: str, m: Manifest, *, down_to: int, to_start: bool = False) -> list[tuple[str, Manifest]]:
+        """Manifests from version ``down_to`` up to ``m`` (inclusive), oldest first; with
+        ``to_start``, from the chain's first version when it starts above ``down_to`` (a serving
+        stream declared after the store's first version, SPEC §15).
 
         Manifests with skip pointers are fetched in parallel rounds (each round fetches the
         parents and skip targets the previous round named, within range); the result is then
@@ -468,6 +470,8 @@ class History:
         out = [(key, m)]
         while m.version > down_to:
             if m.parent_manifest is None:
+                if to_start:
+                    break
                 raise VersionNotFoundError(f"version {down_to} is not on the chain of {key!r}")
             pkey = m.parent_manifest
             p = fetched.get(pkey)
@@ -552,4 +556,4 @@ class History:
         top = self.head_manifest(head)
         if top is None or top[1].version < since:
             return []
-        return [VersionInfo.from_manifest(m, k) for k, m in self.chain(*top, down_to=max(1, since))]
+        return [VersionInfo.from_manifest(m, k) for k, m in self.chain(*top, down_to=max(1, since), to_start=True)]

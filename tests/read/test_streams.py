@@ -210,3 +210,24 @@ def test_fp32_masters_get_a_bf16_stream_of_their_own(tmp_path) -> None:
     with Subscriber(url) as sub:
         assert_bits_equal(sub.pull(), state)
     assert np.all([t.dtype == torch.float32 for t in state.values()])
+
+
+def test_a_format_declared_later_starts_its_stream_at_that_version(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = [model()]
+    for i in range(1, 4):
+        states.append(step(states[-1], i))
+    with Publisher(url, layout_policy=LAYOUT) as pub:
+        pub.publish(states[0])
+        pub.publish(states[1])
+    with Publisher(url, layout_policy=LAYOUT, formats=["fp8-block128"]) as pub:
+        assert pub.publish(states[2]).formats == ("fp8-block128",)
+        assert pub.publish(states[3]).kind == "delta"
+    fmt = serving_format("fp8-block128")
+    with Subscriber(url, format="fp8-block128") as sub:
+        assert [(i.version, i.kind) for i in sub.log()] == [(3, "anchor"), (4, "delta")]
+        target = sub.pull(3)
+        assert sub.pull_into(target, version=4)
+        assert_bits_equal(target, derive(states[3], fmt))
+    with Subscriber(url) as sub:
+        assert [i.formats for i in sub.log()] == [(), (), ("fp8-block128",), ("fp8-block128",)]
