@@ -27,11 +27,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_grpo import build_tiny_model, run_trl_on_cpu  # noqa: E402 - the example next to this one
+from trl_grpo import build_tiny_model, queue_group, run_trl_on_cpu  # noqa: E402 - the example next to this one
 
 
 class TransformersEngine:
@@ -81,8 +80,6 @@ class EngineRolloutWorker:
         self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
 
     def _run(self) -> None:
-        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
         tok = self.engine.tokenizer
         yes = tok.convert_tokens_to_ids("yes")
         gid = 0
@@ -93,27 +90,8 @@ class EngineRolloutWorker:
                 stamp = self.model_version
                 out, logp, version = self.engine.generate(prompt_ids, self.n, self.max_new_tokens)
                 self.groups.append((stamp, version))
-                completions = out[:, len(prompt_ids):]
-                rewards = (completions == yes).float().mean(dim=1).numpy()
-                adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-                for j in range(self.n):
-                    comp = completions[j].tolist()
-                    total = len(prompt_ids) + len(comp)
-                    old = np.zeros(total, dtype=np.float32)
-                    old[len(prompt_ids):] = logp[j, len(prompt_ids) - 1: total - 1].numpy()
-                    sample = RolloutSample(
-                        prompt=prompt, completion=[{"role": "assistant", "content": tok.decode(comp)}],
-                        input_ids=np.array(prompt_ids + comp, dtype=np.int64),
-                        completion_mask=np.array([0] * len(prompt_ids) + [1] * len(comp), dtype=np.int64),
-                        old_log_probs=old, advantage=float(adv[j]), model_version=stamp, group_id=gid,
-                        metrics={"reward": float(rewards[j])},
-                    )
-                    while not self._stop.is_set():
-                        try:
-                            self.rollout_buffer.put(sample, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                queue_group(self.rollout_buffer, self._stop, prompt, prompt_ids, out, logp, tok,
+                            reward_token=yes, model_version=stamp, group_id=gid)
                 gid += 1
         except BaseException as e:  # noqa: BLE001 - reported by check_health
             self._error = e

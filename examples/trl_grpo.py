@@ -98,6 +98,37 @@ def run_trl_on_cpu() -> None:
     async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
 
 
+
+def queue_group(buffer: queue.Queue, stop: threading.Event, prompt: list, prompt_ids: list[int], out: torch.Tensor,
+                logp: torch.Tensor, tokenizer, *, reward_token: int, model_version: int, group_id: int) -> None:
+    """Put one generated group into TRL's rollout buffer as ``RolloutSample``s: ``out`` are the
+    sequences (prompt then completion), ``logp`` their token log-probabilities; the reward is the
+    fraction of ``reward_token`` in a completion, the advantage its group-normalized value. Waits
+    for room unless ``stop`` is set."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    completions = out[:, len(prompt_ids):]
+    rewards = (completions == reward_token).float().mean(dim=1).numpy()
+    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    for j in range(out.shape[0]):
+        comp = completions[j].tolist()
+        n = len(prompt_ids) + len(comp)
+        old = np.zeros(n, dtype=np.float32)
+        old[len(prompt_ids):] = logp[j, len(prompt_ids) - 1: n - 1].numpy()
+        sample = RolloutSample(
+            prompt=prompt, completion=[{"role": "assistant", "content": tokenizer.decode(comp)}],
+            input_ids=np.array(prompt_ids + comp, dtype=np.int64),
+            completion_mask=np.array([0] * len(prompt_ids) + [1] * len(comp), dtype=np.int64),
+            old_log_probs=old, advantage=float(adv[j]), model_version=model_version, group_id=group_id,
+            metrics={"reward": float(rewards[j])},
+        )
+        while not stop.is_set():
+            try:
+                buffer.put(sample, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+
 class DeltastoreRolloutWorker:
     """A TRL ``RolloutWorkerProtocol`` that serves the policy it follows from a deltastore.
 
@@ -174,29 +205,8 @@ class DeltastoreRolloutWorker:
                                           top_k=0, top_p=1.0, attention_mask=torch.ones_like(ids))
                 logits = self.model(out).logits.float()
             logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, out[:, 1:, None])[..., 0]
-            completions = out[:, len(prompt_ids):]
-            rewards = (completions == yes).float().mean(dim=1).numpy()
-            adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-            from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
-            for j in range(self.num_generations):
-                comp = completions[j].tolist()
-                n = len(prompt_ids) + len(comp)
-                old = np.zeros(n, dtype=np.float32)
-                old[len(prompt_ids):] = logp[j, len(prompt_ids) - 1: n - 1].numpy()
-                sample = RolloutSample(
-                    prompt=prompt, completion=[{"role": "assistant", "content": self.tokenizer.decode(comp)}],
-                    input_ids=np.array(prompt_ids + comp, dtype=np.int64),
-                    completion_mask=np.array([0] * len(prompt_ids) + [1] * len(comp), dtype=np.int64),
-                    old_log_probs=old, advantage=float(adv[j]), model_version=version, group_id=group_id,
-                    metrics={"reward": float(rewards[j])},
-                )
-                while not self._stop.is_set():
-                    try:
-                        self.rollout_buffer.put(sample, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+            queue_group(self.rollout_buffer, self._stop, prompt, prompt_ids, out, logp, self.tokenizer,
+                        reward_token=yes, model_version=version, group_id=group_id)
             self._last_beat = time.monotonic()
             group_id += 1
 

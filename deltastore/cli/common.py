@@ -32,6 +32,7 @@ from deltastore.errors import (
     UnsupportedURLError,
     VersionNotFoundError,
 )
+from deltastore.storage import parse_storage_option
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,6 @@ EXIT_NOTHING_TO_DO = 3
 #: Interrupted by Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
 
-#: Storage options whose values are always strings (a numeric-looking secret or profile stays one).
-STRING_OPTIONS = frozenset({
-    "endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
-    "profile", "addressing_style", "upload_checksum",
-})
 #: Environment switch for progress bars: ``0`` never, ``1`` even when stderr is not a terminal
 #: (CI logs), unset: only on a terminal. ``-q`` always turns them off.
 PROGRESS_ENV = "DELTASTORE_PROGRESS"
@@ -60,20 +56,11 @@ PROGRESS_ENV = "DELTASTORE_PROGRESS"
 
 
 def storage_option(text: str) -> tuple[str, Any]:
-    """``--storage-option KEY=VALUE``: true/false → bool, JSON when it parses (``retries=2`` →
-    2, ``retries={"mode": "adaptive"}`` → a dict), else the string."""
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expects KEY=VALUE, got {text!r} (e.g. --storage-option retries=2)")
-    if key in STRING_OPTIONS:
-        return key, value
-    if value.lower() in ("true", "false"):
-        return key, value.lower() == "true"
+    """``--storage-option KEY=VALUE`` (:func:`deltastore.storage.parse_storage_option`)."""
     try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
+        return parse_storage_option(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def endpoint_url(text: str) -> str:

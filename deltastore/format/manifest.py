@@ -28,7 +28,10 @@ from deltastore.format.models import (
     SegmentRef,
     StreamRef,
     TensorEntry,
+    check_streams,
     dump,
+    find_stream,
+    stream_formats,
 )
 from deltastore.format.parse import MAX_MANIFEST_BYTES, check_digest, load_document, validate, zstd_frame
 from deltastore.format.parts import merge_parts
@@ -96,10 +99,10 @@ class ServingHeader:
 
     def formats(self) -> tuple[str, ...]:
         """The formats the version can be read in: its own, then its streams'."""
-        return (() if self.stream is None else (self.stream,)) + tuple(s.format for s in self.streams)
+        return stream_formats(self.stream, self.streams)
 
     def stream_ref(self, fmt: str) -> StreamRef | None:
-        return next((s for s in self.streams if s.format == fmt), None)
+        return find_stream(self.streams, fmt)
 
 
 def parse_serving_header(data: bytes, key: str, expected_sha256: str | None = None,
@@ -115,21 +118,17 @@ def parse_serving_header(data: bytes, key: str, expected_sha256: str | None = No
     doc = load_document(data, "manifest", key, max_bytes)
     if key_version is None or doc.get("version") != key_version:
         raise CorruptObjectError(f"manifest {key!r} holds version {doc.get('version')!r}, not the version its key names")
-    streams = doc.get("streams", [])
-    stream = doc.get("stream")
-    if (streams or stream is not None) and doc["schema"] < STREAMS_SCHEMA:
-        raise CorruptObjectError(f"manifest {key!r}: schema {doc['schema']} has no streams (schema {STREAMS_SCHEMA} does)")
-    if not isinstance(streams, list) or (stream is not None and not isinstance(stream, str)):
-        raise CorruptObjectError(f"manifest {key!r}: streams must be a list and stream a format name")
-    refs = tuple(validate(StreamRef, r, "manifest", key, ("streams", i)) if isinstance(r, dict) else None
-                 for i, r in enumerate(streams))
-    if any(r is None for r in refs):
-        raise CorruptObjectError(f"manifest {key!r}: streams must be objects {{format, key, sha256, bytes}}")
-    names = [r.format for r in refs]  # type: ignore[union-attr]
-    if names != sorted(set(names)) or stream in names:
-        raise CorruptObjectError(f"manifest {key!r}: streams must be sorted by format, each format once, "
-                                 f"and not its own format {stream!r}: {names}")
-    return ServingHeader(version=key_version, stream=stream, streams=refs)  # type: ignore[arg-type]
+    streams, stream = doc.get("streams", []), doc.get("stream")
+    if not isinstance(streams, list) or not all(isinstance(r, dict) for r in streams) or \
+            not (stream is None or isinstance(stream, str)):
+        raise CorruptObjectError(f"manifest {key!r}: streams must be objects {{format, key, sha256, bytes}} and "
+                                 "stream a format name")
+    refs = tuple(validate(StreamRef, r, "manifest", key, ("streams", i)) for i, r in enumerate(streams))
+    try:
+        check_streams(doc["schema"], stream, refs)
+    except ValueError as e:
+        raise CorruptObjectError(f"manifest {key!r}: {e}") from None
+    return ServingHeader(version=key_version, stream=stream, streams=refs)
 
 
 def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
@@ -192,9 +191,8 @@ def _decode_tables(doc: dict[str, Any], layout: Layout, key: str,
     if inline:
         raise bad(f"a schema-3 manifest has no {', '.join(inline)} (its chunk table is columnar)")
     header = {k: v for k, v in doc.items() if k not in table_fields}
-    if header.get("schema") == STREAMS_SCHEMA:  # a schema-5 manifest names a schema-3 or -4 layout
-        pass
-    elif (header.get("schema") == GROUPS_SCHEMA) != (layout.schema_ == GROUPS_SCHEMA):
+    # schema-4 manifests and layouts go together; a schema-5 manifest names a layout of either
+    if header.get("schema") != STREAMS_SCHEMA and (header.get("schema") == GROUPS_SCHEMA) != (layout.schema_ == GROUPS_SCHEMA):
         raise bad(f"a schema-{header.get('schema')} manifest names a schema-{layout.schema_} layout "
                   f"(schema-{GROUPS_SCHEMA} manifests and layouts go together)")
 

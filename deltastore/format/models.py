@@ -108,6 +108,28 @@ class StreamRef(_Model):
     bytes: int = Field(ge=0)
 
 
+def check_streams(schema: int, stream: str | None, streams: Sequence[StreamRef]) -> None:
+    """SPEC §15's rules for a manifest's ``stream`` and ``streams``: schema 5 only, sorted by
+    format, each format once, the version's own format not among them (ValueError)."""
+    if (streams or stream is not None) and schema < STREAMS_SCHEMA:
+        raise ValueError(f"schema {schema} has no streams (a schema-{STREAMS_SCHEMA} field)")
+    names = [s.format for s in streams]
+    if names != sorted(set(names)):
+        raise ValueError(f"streams must be sorted by format, each format once: {names}")
+    if stream is not None and stream in names:
+        raise ValueError(f"format {stream!r} is this version's own state and also a stream")
+
+
+def stream_formats(stream: str | None, streams: Sequence[StreamRef]) -> tuple[str, ...]:
+    """The serving formats of a version (SPEC §15): its own (``stream``), then its streams'."""
+    return (() if stream is None else (stream,)) + tuple(s.format for s in streams)
+
+
+def find_stream(streams: Sequence[StreamRef], fmt: str) -> StreamRef | None:
+    """The stream of format ``fmt`` among ``streams`` (None: none)."""
+    return next((s for s in streams if s.format == fmt), None)
+
+
 class Signature(_Model):
     """An Ed25519 signature of a manifest (SPEC §3.1); see :mod:`deltastore.format.signing`."""
 
@@ -236,23 +258,16 @@ class Manifest(_Model):
     def _schema_fields(self) -> Manifest:
         if self.base is not None and self.schema_ < BASE_SCHEMA:
             raise ValueError(f"schema {self.schema_} has no base (a schema-{BASE_SCHEMA} field)")
-        if (self.streams or self.stream is not None) and self.schema_ < STREAMS_SCHEMA:
-            raise ValueError(f"schema {self.schema_} has no streams (a schema-{STREAMS_SCHEMA} field)")
-        names = [s.format for s in self.streams]
-        if names != sorted(set(names)):
-            raise ValueError(f"streams must be sorted by format, each format once: {names}")
-        if self.stream is not None and self.stream in names:
-            raise ValueError(f"format {self.stream!r} is this version's own state and also a stream")
+        check_streams(self.schema_, self.stream, self.streams)
         return self
 
     def formats(self) -> tuple[str, ...]:
         """The serving formats this version can be read in (SPEC §15): its own, then its streams."""
-        own = () if self.stream is None else (self.stream,)
-        return own + tuple(s.format for s in self.streams)
+        return stream_formats(self.stream, self.streams)
 
     def stream_ref(self, fmt: str) -> StreamRef | None:
         """The stream of format ``fmt`` (None: not among :attr:`streams`)."""
-        return next((s for s in self.streams if s.format == fmt), None)
+        return find_stream(self.streams, fmt)
 
     def references(self) -> list[str]:
         """Keys of the objects this manifest needs to be materialized or applied: its packs

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 from deltastore.errors import EngineUpdateError, WaitTimeoutError
 from deltastore.integrations.hostcopy import ServedVersion
+from deltastore.storage import parse_storage_option
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +302,7 @@ class ServedVersionWorker:
 # --- command line ---------------------------------------------------------------------------
 
 
-def build_engine(kind: str, engine_url: str, store_url: str, *, storage_options: dict[str, str] | None = None,
+def build_engine(kind: str, engine_url: str, store_url: str, *, storage_options: dict[str, Any] | None = None,
                  interval: float, work_dir: str | None = None, bucket_bytes: int | None = None,
                  drain: bool = False, api_key: str | None = None, format: str | None = None) -> EngineSync:
     """The :class:`EngineSync` for a server: ``kind`` is ``"vllm"`` or ``"sglang"``; ``format``
@@ -334,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", help="sglang: where update files are written (the server reads them there)")
     p.add_argument("--bucket-mb", type=int, help="sglang: the most MiB of tensors per update call")
     p.add_argument("--drain", action="store_true", help="vllm: finish the requests in flight before each swap")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a storage option (endpoint_url=..., region_name=...); repeatable")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=parse_storage_option,
+                   help="a storage option (endpoint_url=..., retries=2, ...), as the deltastore command takes it; "
+                        "repeatable")
     p.add_argument("--api-key", help="the engine's --api-key")
     p.add_argument("--format", help="the serving format the engine loads, e.g. fp8-block128 (the trainer published it "
                                     "with formats=...); default: the versions as published")
@@ -343,13 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = {}
-    for item in a.storage_option:
-        key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"--storage-option takes KEY=VALUE, not {item!r}")
-        options[key] = value
-    engine = build_engine(a.kind, a.engine, a.store, storage_options=options or None, interval=a.poll,
+    engine = build_engine(a.kind, a.engine, a.store, storage_options=dict(a.storage_option) or None, interval=a.poll,
                           work_dir=a.work_dir, bucket_bytes=None if a.bucket_mb is None else a.bucket_mb << 20,
                           drain=a.drain, api_key=a.api_key, format=a.format)
     sidecar = RolloutSidecar([engine], interval=a.interval)

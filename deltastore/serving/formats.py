@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -184,8 +183,7 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
     fmt = serving_format(fmt)
     quantize = {"fp8-block128": quantize_fp8_block128, "mxfp8": quantize_mxfp8}.get(fmt.name)
     out: dict[str, torch.Tensor] = {}
-    jobs: dict[str, Any] = {}  # quantized tensor name → its (future) result
-    quantized = 0
+    selected: list[tuple[str, torch.Tensor]] = []  # quantized in order, after the checks
     for name, t in state.items():
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
             what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a {t.layout} tensor on {t.device}"
@@ -200,25 +198,20 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
                 f"that tensor or exclude {name!r} from the format"
             )
         out[name] = out[scale_name] = None  # type: ignore[assignment]  # placed here, filled below
-        jobs[name] = pool.submit(quantize, t) if pool is not None else _Done(quantize, t)
-        quantized += 1
-    for name, job in jobs.items():
+        selected.append((name, t))
+
+    def run(item: tuple[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        name, t = item
         try:
-            out[name], out[name + SCALE_SUFFIX[fmt.name]] = job.result()
+            return quantize(t)  # type: ignore[misc]
         except InvalidStateDictError as e:
             raise InvalidStateDictError(f"{name!r}: {e}") from e
-    logger.debug("%s: %d of %d tensors quantized", fmt.name, quantized, len(state))
+
+    # in order either way; a pool's map raises the first failure when its result is reached
+    for (name, _), (q, scale) in zip(selected, (pool.map if pool is not None else map)(run, selected)):
+        out[name], out[name + SCALE_SUFFIX[fmt.name]] = q, scale
+    logger.debug("%s: %d of %d tensors quantized", fmt.name, len(selected), len(state))
     return out
-
-
-class _Done:
-    """A quantization run in the calling thread, read like a pool's future."""
-
-    def __init__(self, fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], t: torch.Tensor):
-        self._fn, self._t = fn, t
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._fn(self._t)  # run where a future's result is read: its errors are raised there
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

@@ -12,6 +12,7 @@ any other fsspec URL        FsspecStore     check-then-write: NOT safe for concu
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,35 @@ def check_url(url: str) -> None:
         )
 
 
+#: Storage options whose values are always strings (a numeric-looking secret or profile stays one).
+STRING_OPTIONS = frozenset({
+    "endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+    "profile", "addressing_style", "upload_checksum",
+})
+
+
+def parse_storage_option(text: str) -> tuple[str, Any]:
+    """One ``KEY=VALUE`` storage option as a command line gives it: true/false → bool, JSON when
+    it parses (``retries=2`` → 2, ``retries={"mode": "adaptive"}`` → a dict), else the string;
+    the keys of :data:`STRING_OPTIONS` always keep the string.
+
+    Raises:
+        ValueError: no ``=``, or an empty key.
+    """
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"expects KEY=VALUE, got {text!r} (e.g. --storage-option retries=2)")
+    if key in STRING_OPTIONS:
+        return key, value
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def open_store(url: str, *, storage_options: dict[str, Any] | None = None, create: bool = True) -> Store:
     """Open the store a URL names.
 
@@ -157,9 +187,11 @@ __all__ = [
     "PutMode",
     "S3Store",
     "Store",
+    "STRING_OPTIONS",
     "StreamedPut",
     "check_url",
     "open_store",
+    "parse_storage_option",
     "probe_conditional_writes",
     "require_atomic_writes",
 ]

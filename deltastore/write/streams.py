@@ -229,7 +229,8 @@ class StreamWriter:
         gathered = {n: unit_order(reference.pop(n), sp) for n, sp in specs.items() if sp.chunk_cols}
         self._reference = unit_reference(reference, specs, owned=True, gathered=gathered)
         self._reference_bits = {}
-        self._reference_key = self.chain.tip().key if self.chain.tip() is not None else None  # type: ignore[union-attr]
+        tip = self.chain.tip()
+        self._reference_key = None if tip is None else tip.key
         self._specs, self._layout = specs, None
 
 

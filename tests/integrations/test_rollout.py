@@ -6,11 +6,9 @@ tags its samples with the version that engine serves."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import queue
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,8 +19,8 @@ from deltastore.errors import EngineUpdateError, WaitTimeoutError
 from deltastore.integrations.hostcopy import ServedVersion
 from deltastore.integrations.rollout import RolloutSidecar, ServedVersionWorker, build_engine, main
 from deltastore.integrations.vllm import VLLMServerSync
+from testkit.trl import tiny_async_grpo
 
-ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
 
 
@@ -150,13 +148,6 @@ def test_command_line_builds_engines_and_refuses_bad_input(tmp_path) -> None:
 # --- end to end: TRL's trainer, the store, the sidecar, a stand-in vLLM server ---------------
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("trl_grpo_example", ROOT / "examples" / "trl_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 class EngineWorker:
     """A rollout worker as TRL's ``AsyncRolloutWorker`` behaves: a thread that stamps each group
     with the model version it was last told, then generates it on the engine. Here generation
@@ -223,28 +214,12 @@ def test_trl_trainer_rollouts_carry_the_version_the_engine_serves(tmp_path, monk
                                                                   vllm_parts) -> None:
     pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore-weights[trl]')")
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
     from deltastore.integrations.trl import DeltastoreWeightTransfer
 
-    ex = _example()
-    ex.run_trl_on_cpu()
-    model_dir = ex.build_tiny_model(tmp_path / "model")
     url = str(tmp_path / "store")
     steps = 2
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"), max_steps=steps, learning_rate=1e-2, bf16=False, use_cpu=True,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, token_budget=64,
-        weight_sync_steps=1, max_staleness=4, report_to="none", save_strategy="no", logging_steps=1,
-    )
-    trainer = AsyncGRPOTrainer(
-        model=str(model_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "p"}]] * 4}),
-        processing_class=AutoTokenizer.from_pretrained(model_dir), rollout_worker=_Inner(),
-        weight_transfer=DeltastoreWeightTransfer(url),
-    )
+    trainer, ex = tiny_async_grpo(tmp_path, steps=steps, lr=1e-2, rollout_worker=_Inner(),
+                                  weight_transfer=DeltastoreWeightTransfer(url), max_staleness=4)
     # The engine: a stand-in `vllm serve` whose one worker runs the extension on a model of the
     # served layout (what TRL sends: named_parameters, the tied lm_head absent), in bf16.
     shapes = {n: tuple(p.shape) for n, p in trainer.model.named_parameters()}

@@ -9,7 +9,6 @@ random tokens.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import queue
@@ -26,15 +25,9 @@ from deltastore.errors import FencedError
 from deltastore.integrations._common import clean_name, tied_weights_of
 from deltastore.integrations.trl import DeltastoreWeightTransfer
 from deltastore.write.publisher import handed_over
+from testkit.trl import tiny_async_grpo, trl_example
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("trl_grpo_example", ROOT / "examples" / "trl_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _params(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -245,27 +238,12 @@ class _StubRolloutWorker:
 def test_async_grpo_trainer_publishes_every_sync(tmp_path, monkeypatch) -> None:
     pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore-weights[trl]')")
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    ex = _example()
-    ex.run_trl_on_cpu()
-    model_dir = ex.build_tiny_model(tmp_path / "model")
+    ex = trl_example()
     url = str(tmp_path / "store")
     steps = 3
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"), max_steps=steps, learning_rate=1e-3, bf16=False, use_cpu=True,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, token_budget=64,
-        weight_sync_steps=1, report_to="none", save_strategy="no", logging_steps=1,
-    )
     worker = _StubRolloutWorker(vocab=len(ex.SPECIALS) + len(ex.WORDS))
     wt = DeltastoreWeightTransfer(url)
-    trainer = AsyncGRPOTrainer(
-        model=str(model_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "p"}]] * 4}),
-        processing_class=AutoTokenizer.from_pretrained(model_dir), rollout_worker=worker, weight_transfer=wt,
-    )
+    trainer, _ = tiny_async_grpo(tmp_path, steps=steps, lr=1e-3, rollout_worker=worker, weight_transfer=wt)
     wt.model_version_fn = lambda: trainer.model_version  # TRL's own count (here equal to the backend's)
     trainer.train()
     assert wt.publisher is None  # destroy() ran at train end
