@@ -482,13 +482,14 @@ def chunk_elements(shape: tuple[int, ...], chunk_rows: int, index: int, chunk_co
     return rows * row_elems
 
 
-def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int = 3) -> Layout:
+def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int | None = 3) -> Layout:
     """The (unsharded) layout of ``tensors``, in their order: TensorEntry objects, or a mapping
     of name to anything with ``name``, ``dtype``, ``shape`` and ``chunk_rows`` (TensorSpec),
     and ``chunk_cols`` where it has a column grid (a TensorSpec, design 011; else 0).
 
     ``schema`` 4 writes the ``groups`` record of every item with ``members`` (a TensorSpec of
-    a group row, design 007); schema 3 refuses such items (ValueError)."""
+    a group row, design 007); schema 3 refuses such items (ValueError); None is 4 when an item
+    has members, else 3 (what a writer of a new layout picks)."""
     items = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
     n = len(items)
     groups = [
@@ -496,6 +497,8 @@ def layout_of(tensors: Sequence[TensorEntry] | Mapping[str, Any], *, schema: int
                     offset=tuple(m.offset for m in t.members))
         for i, t in enumerate(items) if getattr(t, "members", ())
     ]
+    if schema is None:
+        schema = GROUPS_SCHEMA if groups else 3
     if schema < GROUPS_SCHEMA and groups:
         raise ValueError(f"a schema-{schema} layout cannot hold groups (schema {GROUPS_SCHEMA} does)")
     return Layout(

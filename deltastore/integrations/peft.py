@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from deltastore._util.files import fsync_path
 from deltastore.errors import AdapterMismatchError, FormatError, InvalidStateDictError
 
 logger = logging.getLogger(__name__)
@@ -414,10 +415,10 @@ def write_adapter_dir(dest: str | os.PathLike[str], tensors: Mapping[str, torch.
         if marker is not None:
             _write_text(tmp / MARKER_NAME, json.dumps(dict(marker), indent=2, sort_keys=True))
         for name in os.listdir(tmp):
-            _fsync(tmp / name)
-        _fsync(tmp)
+            fsync_path(tmp / name)
+        fsync_path(tmp)
         os.rename(tmp, dest)  # atomic; fails if another writer created a non-empty dest meanwhile
-        _fsync(dest.parent)
+        fsync_path(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -427,14 +428,6 @@ def write_adapter_dir(dest: str | os.PathLike[str], tensors: Mapping[str, torch.
 def _write_text(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text + "\n")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from deltastore._util.files import fsync_path
 from deltastore.errors import WorkerCacheError
 
 logger = logging.getLogger(__name__)
@@ -51,19 +52,6 @@ class CachedState:
     manifest: str
     lineage: str | None
     tensors: dict[str, torch.Tensor]
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class WorkerCache:
@@ -129,7 +117,7 @@ class WorkerCache:
                     "the previous cached version, if any, is kept (free space there, or pass another cache directory)"
                 ) from e
             raise
-        _fsync_dir(self.path)
+        fsync_path(self.path, strict=False)
         self._remove_stale(keep=name)
         logger.info("cached version %d of %s in %s", version, url, self.path)
         return final

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import xxhash
 
+from deltastore._util.files import fsync_path
 from deltastore.errors import (
     AccessDeniedError,
     AlreadyExistsError,
@@ -184,14 +185,6 @@ class LocalStore(Store):
         return tmp, mtime
 
     @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    @staticmethod
     def _etag_of_fd(fd: int, data: bytes | None = None) -> str:
         if _HAS_XATTR:
             try:
@@ -305,7 +298,7 @@ class LocalStore(Store):
                             current = None
                         check_if_match(self._name(key), current, mode.etag)
                     os.replace(tmp, final)
-            self._fsync_dir(final.parent)
+            fsync_path(final.parent)
         except StorageError:  # AlreadyExistsError is an OSError too (FileExistsError)
             raise
         except OSError as e:
@@ -417,7 +410,7 @@ class _LocalStreamedPut(StreamedPut):
                 os.close(self._fd)
                 self._fd = -1
             self._store._link_new(self._tmp, final, key)
-            LocalStore._fsync_dir(final.parent)
+            fsync_path(final.parent)
         except StorageError:
             raise
         except OSError as e:

@@ -26,7 +26,7 @@ from deltastore._util.heap import release_free_heap
 from deltastore._util.jobs import default_threads
 from deltastore.errors import ConflictError, InvalidStateDictError, LayoutMismatchError, StorageError
 from deltastore.format.history import VersionInfo
-from deltastore.format.models import GROUPS_SCHEMA, Head, Layout, layout_of
+from deltastore.format.models import Head, Layout, layout_of
 from deltastore.format.manifest import encode_manifest
 from deltastore.layout import grid
 from deltastore.layout.groups import unit_order, unit_reference
@@ -451,8 +451,7 @@ class Publisher:
         if same_layout and self._layout is not None:
             layout = self._layout
         else:
-            grouped = any(s.members for s in specs.values())
-            layout = layout_of(specs, schema=GROUPS_SCHEMA if grouped else 3)
+            layout = layout_of(specs, schema=None)
 
         draft = chain.draft(version, kind, has_base=has_base, tip=tip)  # its attempt names every object (D1)
         built: list[StreamVersion] = []

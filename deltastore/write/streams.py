@@ -30,7 +30,7 @@ import torch
 from deltastore.errors import DeltastoreError, LayoutMismatchError
 from deltastore.format.keys import stream_prefix
 from deltastore.format.manifest import encode_manifest
-from deltastore.format.models import GROUPS_SCHEMA, Head, Layout, StreamRef, layout_of
+from deltastore.format.models import Head, Layout, StreamRef, layout_of
 from deltastore.layout.groups import unit_order, unit_reference
 from deltastore.layout.tensors import TensorSpec, check_layout
 from deltastore.serving.formats import ServingFormat, derive, serving_format
@@ -164,7 +164,7 @@ class StreamWriter:
         if same_layout and self._layout is not None:
             layout = self._layout
         else:
-            layout = layout_of(specs, schema=GROUPS_SCHEMA if any(s.members for s in specs.values()) else 3)
+            layout = layout_of(specs, schema=None)
         sdraft = replace(draft, kind=stream_kind, has_base=has_base, tip=tip)
         gathered: dict[str, torch.Tensor] = {}
         encoded = encode_version(
