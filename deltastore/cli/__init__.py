@@ -1,5 +1,5 @@
 """The ``deltastore`` command line: publish, pull, log, verify, status, inspect, gc, pin, unpin,
-compact, keygen, aggregate, docs (``deltastore docs cli`` prints the reference).
+compact, keygen, aggregate, mirror, target, docs (``deltastore docs cli`` prints the reference).
 
 Errors print as one line ``deltastore: error: <what>`` (naming the object), then a ``hint:``
 line in CLI terms where there is one; set ``DELTASTORE_DEBUG=1`` for the full traceback. Exit
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from deltastore.cli import commands
+from deltastore.cli import commands, fleet
 from deltastore.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "waits for a first version (or a local store directory) that is not there yet")
     p.add_argument("--interval", type=poll_interval, help="with --follow: seconds between polls of HEAD (default 2)")
     p.add_argument("--cache", metavar="DIR", help="with --follow: worker cache directory, to restart without refetching")
+    p.add_argument("--metrics-port", type=positive_int, metavar="PORT",
+                   help="with --follow: serve Prometheus metrics on this port (GET /metrics; needs deltastore-weights[metrics])")
+    p.add_argument("--node-cache", metavar="DIR",
+                   help="a directory shared by this host's workers: each pack is fetched once per node "
+                        "(default: $DELTASTORE_NODE_CACHE, else none)")
+    p.add_argument("--mirror", action="append", metavar="URL",
+                   help="a mirror of the store to read from, nearest first (repeatable; the store itself is the last "
+                        "source and vouches for every version: docs/fleet.md)")
     p.add_argument("--format", metavar="NAME", help="read this serving format's stream (e.g. fp8-block128) instead of the "
                                                     "versions as published")
     json_flag(p, "print the result as JSON (with --follow: one object per version)")
@@ -166,10 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     json_flag(p)
     p.add_argument(*trusted[0], **trusted[1])
 
-    p = add("status", "head version and each following worker's lag", commands.cmd_status)
+    p = add("status", "head version, the fleet target and each following worker's version, stage, lag and last error",
+            commands.cmd_status)
     p.add_argument("url")
     json_flag(p)
     p.add_argument(*trusted[0], **trusted[1])
+    p.add_argument("--worker", metavar="ID",
+                   help="a readiness probe for this worker: exit 0 when it is live and holds the fleet's goal version "
+                        "(the target's, else HEAD's), else 1")
+    p.add_argument("--ready-within", type=fleet.ready_within, metavar="N",
+                   help="with --worker: also ready when N versions or fewer away from the goal (default 0)")
+    p.checks.append(fleet.check_status_args)
 
     p = add("inspect", "print everything in one version's manifest", commands.cmd_inspect)
     p.add_argument("url")
@@ -220,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     from deltastore.cli import aggregate  # federated rounds (design 009), its own module
 
     aggregate.add_parser(add, json_flag)
+    fleet.add_parser(add, json_flag, trusted)  # the fleet target, its own module
+
+    from deltastore.cli import mirror  # replicating a store into another bucket, its own module
+
+    mirror.add_parser(add, json_flag)
     return parser
 
 

@@ -73,7 +73,8 @@ def add_parser(add: Any, json_flag: Any) -> None:
     p.add_argument("--rounds", type=nonnegative_int, default=1, help="rounds to run (default 1; 0: until Ctrl-C/SIGTERM)")
     p.add_argument("--quorum", type=positive_int, help="sites needed (default: all)")
     p.add_argument("--deadline", type=seconds, metavar="DURATION",
-                   help="wait this long per round for every site (e.g. 10m); then --quorum must be met")
+                   help="wait this long per round for every site (e.g. 10m); then --quorum must be met (default: "
+                        "until --quorum sites are in, at most 1h)")
     p.add_argument("--dtype", type=served_dtype, default="bfloat16",
                    help="served dtype of floating tensors (default bfloat16; 'keep' keeps each)")
     p.add_argument("--interval", type=poll_interval, default=2.0,

@@ -208,6 +208,7 @@ def _pull_usage(args: argparse.Namespace) -> str | None:
                 return f"--worker-id: {e}"
         return None
     for flag, value in (("--interval", args.interval), ("--cache", args.cache), ("--max-versions", args.max_versions),
+                        ("--metrics-port", args.metrics_port),
                         ("--worker-id", args.worker_id), ("--on-history-replaced", args.on_history_replaced)):
         if value is not None:
             return f"{flag} is for --follow; a pull without --follow writes one version and exits"
@@ -230,7 +231,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     try:
         with byte_progress("pull", quiet=args.quiet_total > 0) as add:
             with Subscriber(args.url, store=counting_store(store, add), trusted_keys=args.trusted_key,
-                            format=args.format) as sub:
+                            format=args.format, node_cache=args.node_cache, mirrors=args.mirror) as sub:
                 state = sub.pull(args.version)
                 version = sub.version
     finally:
@@ -297,7 +298,8 @@ def _follow(args: argparse.Namespace) -> int:
             if stop.wait(interval):
                 return EXIT_OK
     try:
-        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key, format=args.format) as sub:
+        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key, format=args.format,
+                        node_cache=args.node_cache, mirrors=args.mirror) as sub:
             try:
                 sub.wait_for_version(interval=interval, timeout=0)
             except WaitTimeoutError:  # nothing published yet: say so once, then wait without a word
@@ -308,7 +310,7 @@ def _follow(args: argparse.Namespace) -> int:
             records = sub.follow(target, poll=PollPolicy(interval), stop=stop,
                                  cache=CachePolicy(args.cache) if args.cache is not None else None,
                                  heartbeat=HeartbeatPolicy(args.worker_id), max_versions=args.max_versions,
-                                 on_history_replaced=args.on_history_replaced)
+                                 on_history_replaced=args.on_history_replaced, metrics_port=args.metrics_port)
             for rec in records:
                 t0 = time.perf_counter()
                 tmp = f"{args.out}.partial"
@@ -409,6 +411,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from deltastore.cli.fleet import cmd_ready, target_line
+
+    if args.worker is not None:  # a readiness probe (deltastore.fleet.status)
+        return cmd_ready(args)
     from deltastore.lifecycle.ledger import (
         LIVE_TTL_S,
         fleet_status,
@@ -422,6 +428,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         history = read_history(store, keys)  # versions and their times only: no Subscriber, no torch
         head = history.latest()
         beats = read_ledger(store)
+        got = history.read_head()
+        target_doc, target_text = target_line(store, None if got is None else got[0], keys)
         # Only the versions a lagging worker lacks first are needed (their commit times), not
         # the whole history: walk the chain down to the oldest of them, no further.
         behind = [b.version + 1 for b in beats if head is not None and b.version < head.version]
@@ -440,9 +448,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({
             "url": args.url, "head_version": head_version, "head_age_s": head_age,
-            "oldest_live_version": oldest, "live_ttl_s": LIVE_TTL_S,
+            "oldest_live_version": oldest, "live_ttl_s": LIVE_TTL_S, "fleet_target": target_doc,
             "workers": [{"worker": w.worker, "host": w.host, "version": w.version, "lag_versions": w.lag_versions,
-                         "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live, "state": w.state}
+                         "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live, "state": w.state,
+                         "stage": w.progress.stage, "goal": w.progress.goal, "goal_lag": w.progress.lag,
+                         "last_error": w.progress.error}
                         for w in workers],
         })
         return EXIT_OK
@@ -451,6 +461,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         age = "" if head_age is None else f", {duration(head_age)} old"
         print(f"{args.url}: head version {head_version}{age}")
+        print(target_text)
     if workers:
         stopped = sum(w.state == "stopped" for w in workers)
         print(f"{len(workers)} worker(s): {sum(w.live for w in workers)} live, {stopped} stopped, "
@@ -459,7 +470,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     for w in workers:
         lag = "current" if w.lag_versions == 0 else f"{w.lag_versions} behind" + (
             "" if w.lag_s is None else f" ({duration(w.lag_s)})")
-        print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {duration(w.last_seen_s)} ago  {w.state:<7}  {w.host}")
+        stage = "" if w.progress.stage is None else f"  {w.progress.stage}" + (
+            "" if w.progress.goal is None else f" (goal v{w.progress.goal})")
+        error = "" if w.progress.error is None else f"  last error: {w.progress.error}"
+        print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {duration(w.last_seen_s)} ago  {w.state:<7}  {w.host}"
+              f"{stage}{error}")
     return EXIT_OK
 
 

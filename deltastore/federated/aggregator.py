@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from deltastore._util.deadline import Deadlines
 from deltastore.read.engine import ReadEngine
 from deltastore.errors import (
     DeltastoreError,
@@ -250,8 +251,10 @@ class Aggregator:
                 ) -> tuple[list[BasedResult], list[SiteOutcome]]:
         """Wait for the round's results (design 009 D5) and verify each as it appears.
 
-        Without a deadline: until ``quorum`` sites (default all) are accepted. With one: until
-        every site answered or the deadline passed; then at least ``quorum`` must be accepted.
+        Without a deadline: until ``quorum`` sites (default all) are accepted, for at most
+        ``Deadlines().round`` (an hour: a round never waits forever on an unreachable site). With
+        one: until every site answered or the deadline passed; then at least ``quorum`` must be
+        accepted.
         A refused site is not waited for. A result against an older base is a site still in an
         earlier round (or late): not yet. A late result is dropped.
 
@@ -262,7 +265,8 @@ class Aggregator:
         k = n if quorum is None else quorum
         if not 1 <= k <= n:
             raise ValueError(f"quorum must be in [1, {n}], got {quorum}")
-        end = None if deadline_s is None else time.monotonic() + deadline_s
+        limit_s = Deadlines().round if deadline_s is None else deadline_s
+        end = time.monotonic() + limit_s
         pending = set(self._sites)
         accepted: dict[str, BasedResult] = {}
         outcomes: dict[str, SiteOutcome] = {}
@@ -284,13 +288,13 @@ class Aggregator:
             if len(accepted) + len(pending) < k:
                 raise QuorumError(f"round on global version {base.version}: {len(accepted)} accepted, "
                                   f"{n - len(accepted) - len(pending)} refused of {n} sites; quorum {k} is out of reach")
-            expired = end is not None and time.monotonic() >= end
-            if not pending or (end is None and len(accepted) >= k) or expired:
+            expired = time.monotonic() >= end
+            if not pending or (deadline_s is None and len(accepted) >= k) or expired:
                 break
             time.sleep(self.poll_interval_s)
         if len(accepted) < k:
             raise QuorumError(f"round on global version {base.version}: {len(accepted)} of {n} sites accepted by the "
-                              f"deadline ({deadline_s} s), quorum {k}: nothing published")
+                              f"deadline ({limit_s:g} s), quorum {k}: nothing published")
         for name in pending:
             outcomes[name] = SiteOutcome(name, "missing")
         results = [accepted[name] for name in sorted(accepted)]

@@ -35,6 +35,7 @@ from typing import Any
 
 from deltastore.errors import (
     AlreadyExistsError,
+    CorruptObjectError,
     DeltastoreError,
     GCAbortedError,
     GCRefusedError,
@@ -44,6 +45,7 @@ from deltastore.errors import (
     UnsupportedSchemaError,
     VersionCollectedError,
 )
+from deltastore.fleet.target import read_target
 from deltastore.format.history import History
 from deltastore.lifecycle.index import (
     INDEX_SUFFIX,
@@ -238,6 +240,9 @@ class _Run:
         # --- step 2: the floor ---------------------------------------------------------------
         low = max(1, head.version - self.keep_last + 1)
         live = self._live_versions(now, head)
+        target = self._target_version(head)
+        if target is not None:
+            live.append(target)
         if live:
             low = min(low, min(live))
         v = head.version  # `recent`: v−1 is recent while manifest(v) is younger than the grace
@@ -468,6 +473,22 @@ class _Run:
         beats = self._read(lambda: read_ledger(self.store), "the ledger (workers/)")
         return [b.version for b in beats
                 if b.live(now, self.ttl_s) and b.lineage in (None, head.lineage) and 1 <= b.version <= head.version]
+
+    def _target_version(self, head: Head) -> int | None:
+        """The fleet target's version while it applies (docs/fleet.md): kept like a live
+        worker's, so that a fleet held at an older version can still move to it. A target that
+        cannot be parsed keeps nothing and is logged (followers ignore it too)."""
+        try:
+            target = read_target(self.store)
+        except (CorruptObjectError, UnsupportedSchemaError) as e:
+            logger.warning("%s: the fleet target is unreadable (%s); it keeps no version", self.store.url, e)
+            return None
+        except Exception as e:
+            raise GCAbortedError(f"GC of {self.store.url}: reading the fleet target failed ({e}); nothing was "
+                                 "deleted") from e
+        if target is None or not target.applies(head) or target.version is None:
+            return None
+        return target.version if 1 <= target.version <= head.version else None
 
     def _needs_materialize(self, key: str) -> set[str]:
         """Manifests anchor(p) … p with their layouts; the anchor's full packs (role ``f``), every

@@ -56,6 +56,15 @@ STATE_STOPPED = "stopped"
 CLOSE_WAIT_S = 10.0
 #: Heartbeats are tiny; anything larger is not one of ours and is not read.
 MAX_HEARTBEAT_BYTES = 4096
+#: Where a following worker is with the version it moves to (``stage``): fetching its
+#: segments, holding it staged, or swapped in (held). Absent in older writers' heartbeats.
+STAGE_FETCHING = "fetching"
+STAGE_STAGED = "staged"
+STAGE_SWAPPED = "swapped"
+STAGES = (STAGE_FETCHING, STAGE_STAGED, STAGE_SWAPPED)
+#: The longest last-error text a heartbeat carries: it must keep the heartbeat far below
+#: MAX_HEARTBEAT_BYTES, and one line is what ``deltastore status`` shows anyway.
+MAX_ERROR_CHARS = 512
 _WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -80,6 +89,38 @@ def _now() -> datetime:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """What a following worker reports beside the version it holds (SPEC §10); every field is
+    optional, and None in a heartbeat of a writer that does not report it.
+
+    Attributes:
+        stage: ``"fetching"``, ``"staged"`` or ``"swapped"`` (:data:`STAGES`): where it is with
+            the version it moves to (``"swapped"``: it holds it).
+        goal: the version it converges to (the fleet target's, else HEAD's), as it last saw it.
+        lag: versions between the one it holds and ``goal``.
+        error: its last error, one line (None once a move succeeded since).
+    """
+
+    stage: str | None = None
+    goal: int | None = None
+    lag: int | None = None
+    error: str | None = None
+
+    def fields(self) -> dict[str, object]:
+        """The heartbeat fields this progress adds (only those known)."""
+        out: dict[str, object] = {}
+        if self.stage is not None:
+            out["stage"] = self.stage
+        if self.goal is not None:
+            out["goal"] = int(self.goal)
+        if self.lag is not None:
+            out["lag"] = int(self.lag)
+        if self.error is not None:
+            out["error"] = " ".join(self.error.split())[:MAX_ERROR_CHARS]
+        return out
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """One worker's last word: the version it held, and when (store clock where known)."""
 
@@ -89,6 +130,7 @@ class Heartbeat:
     time: datetime  # when the store received it (last_modified), else the worker's clock
     lineage: str | None = None
     state: str = STATE_FOLLOWING
+    progress: Progress = Progress()
 
     @property
     def stopped(self) -> bool:
@@ -104,7 +146,8 @@ class Heartbeat:
 
 
 def encode_heartbeat(worker: str, version: int, *, host: str | None = None, lineage: str | None = None,
-                     when: datetime | None = None, state: str = STATE_FOLLOWING) -> bytes:
+                     when: datetime | None = None, state: str = STATE_FOLLOWING,
+                     progress: Progress | None = None) -> bytes:
     if state not in (STATE_FOLLOWING, STATE_STOPPED):
         raise ValueError(f"heartbeat state must be {STATE_FOLLOWING!r} or {STATE_STOPPED!r}, not {state!r}")
     doc = {
@@ -116,6 +159,7 @@ def encode_heartbeat(worker: str, version: int, *, host: str | None = None, line
         "time": (when or _now()).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "lineage": lineage,
         "state": state,
+        **(progress.fields() if progress is not None else {}),
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -146,7 +190,20 @@ def parse_heartbeat(data: bytes, key: str, last_modified: datetime | None = None
         when = datetime.fromisoformat(str(doc.get("time")).replace("Z", "+00:00"))
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return Heartbeat(worker=worker, version=version, host=str(host), time=when, lineage=lineage, state=state)
+    return Heartbeat(worker=worker, version=version, host=str(host), time=when, lineage=lineage, state=state,
+                     progress=_progress(doc))
+
+
+def _progress(doc: dict) -> Progress:
+    """The optional progress fields; one of a wrong type reads as absent (the heartbeat is
+    advisory, and its version still counts for GC)."""
+    def count(name: str) -> int | None:
+        v = doc.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 else None
+
+    stage, error = doc.get("stage"), doc.get("error")
+    return Progress(stage=stage if stage in STAGES else None, goal=count("goal"), lag=count("lag"),
+                    error=error[:MAX_ERROR_CHARS] if isinstance(error, str) else None)
 
 
 def read_ledger(store: Store) -> list[Heartbeat]:
@@ -166,6 +223,23 @@ def read_ledger(store: Store) -> list[Heartbeat]:
         except (ValueError, TypeError) as e:
             logger.warning("skipping malformed heartbeat %s: %s", meta.key, e)
     return sorted(beats, key=lambda b: b.worker)
+
+
+def read_heartbeat(store: Store, worker: str) -> Heartbeat | None:
+    """One worker's heartbeat (None when it has none, or it is not a heartbeat: logged): one
+    GET, so that a readiness probe per worker does not read the whole ledger."""
+    key = f"{LEDGER_PREFIX}{check_worker_id(worker)}.json"
+    try:
+        got = store.get_with_meta(key)
+        when = got.meta.last_modified
+        if when is None:
+            when = store.head(key).last_modified
+        return parse_heartbeat(got.data, key, when)
+    except NotFoundError:
+        return None
+    except (ValueError, TypeError) as e:
+        logger.warning("skipping malformed heartbeat %s: %s", key, e)
+        return None
 
 
 def oldest_live_version(beats: Iterable[Heartbeat], *, now: datetime | None = None,
@@ -189,6 +263,7 @@ class WorkerStatus:
         live: following, and heard from within the TTL.
         state: ``"live"``, ``"stopped"`` (it said so when it exited) or ``"gone"`` (not heard
             from within the TTL).
+        progress: its stage, goal, lag and last error, as its heartbeat reports them.
     """
 
     worker: str
@@ -199,6 +274,7 @@ class WorkerStatus:
     last_seen_s: float
     live: bool
     state: str = "live"
+    progress: Progress = Progress()
 
 
 def fleet_status(beats: Iterable[Heartbeat], head_version: int, created: Callable[[int], datetime | None], *,
@@ -214,7 +290,7 @@ def fleet_status(beats: Iterable[Heartbeat], head_version: int, created: Callabl
             lag_s = None if first_missing is None else max(0.0, (now - first_missing).total_seconds())
         live = b.live(now, ttl_s)
         state = "live" if live else STATE_STOPPED if b.stopped else "gone"
-        out.append(WorkerStatus(b.worker, b.host, b.version, lag, lag_s, b.age_s(now), live, state))
+        out.append(WorkerStatus(b.worker, b.host, b.version, lag, lag_s, b.age_s(now), live, state, b.progress))
     return out
 
 
@@ -246,6 +322,8 @@ class HeartbeatWriter:
         self.interval_s = interval_s
         self.enabled = True
         self._last: tuple[int, str | None, float] | None = None  # (version, lineage, monotonic time) written last
+        self._progress = Progress()  # what report() last said
+        self._written: Progress | None = None  # the progress of the heartbeat written last
         self._tried = 0.0  # monotonic time of the last write attempted, written or not
         self._lock = threading.Lock()
         self._closed = False
@@ -268,7 +346,7 @@ class HeartbeatWriter:
                 return False
             now = time.monotonic()
             if not force and self._last is not None and self._last[:2] == (version, lineage) \
-                    and now - self._last[2] < self.interval_s:
+                    and self._written == self._progress and now - self._last[2] < self.interval_s:
                 return False
             if self._put(version, lineage, STATE_FOLLOWING):
                 self._last = (version, lineage, now)
@@ -289,6 +367,20 @@ class HeartbeatWriter:
     def notify(self) -> None:
         """The held version changed: the thread writes it now (without blocking the caller)."""
         self._wake.set()
+
+    def report(self, progress: Progress) -> None:
+        """Say where the worker is (stage, goal, lag, last error) in its next heartbeats; a
+        change is written by the thread at once (without blocking the caller)."""
+        with self._lock:
+            changed = progress != self._progress
+            self._progress = progress
+        if changed:
+            self._wake.set()
+
+    @property
+    def progress(self) -> Progress:
+        """What :meth:`report` last said."""
+        return self._progress
 
     def close(self) -> None:
         """Stop the thread and write a last heartbeat marked stopped (the version last held).
@@ -324,9 +416,10 @@ class HeartbeatWriter:
     def _put(self, version: int, lineage: str | None, state: str) -> bool:
         """One write (under ``_lock``); False when it failed (logged)."""
         self._tried = time.monotonic()
+        progress = self._progress
         try:
-            self.store.put(self.key, encode_heartbeat(self.worker_id, version, lineage=lineage, state=state),
-                           mode="overwrite")
+            self.store.put(self.key, encode_heartbeat(self.worker_id, version, lineage=lineage, state=state,
+                                                      progress=progress), mode="overwrite")
         except AccessDeniedError:
             self.enabled = False
             logger.info("not writing heartbeats to %s: the credentials are read-only (that is fine)", self.store.url)
@@ -334,6 +427,7 @@ class HeartbeatWriter:
         except (StorageError, DeltastoreError) as e:
             logger.warning("heartbeat to %s failed (will retry): %s", self.store.url, e)
             return False
+        self._written = progress
         return True
 
     def _run(self) -> None:
@@ -355,9 +449,11 @@ __all__ = [
     "STATE_STOPPED",
     "Heartbeat",
     "HeartbeatWriter",
+    "Progress",
     "WorkerStatus",
     "fleet_status",
     "default_worker_id",
     "oldest_live_version",
+    "read_heartbeat",
     "read_ledger",
 ]

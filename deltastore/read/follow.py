@@ -18,10 +18,11 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deltastore._util.deadline import Deadlines
 from deltastore.errors import (
     DeltastoreError,
     FormatError,
@@ -35,6 +36,7 @@ from deltastore.errors import (
     TargetModifiedError,
     VersionNotFoundError,
 )
+from deltastore.fleet.watch import IDLE, FollowWatch
 from deltastore.format.history import VersionInfo
 from deltastore.layout.tensors import check_layout
 from deltastore.layout.tied import recorded_aliases
@@ -46,6 +48,9 @@ from deltastore.read.engine import digest_mismatches, targets_for
 from deltastore.read.plan import ChunkPlan, digests, layout, plan_from_anchor
 from deltastore.read.reader import Reader
 from deltastore.read.targets import Target, module_targets, owners, target_tensors, whole
+
+if TYPE_CHECKING:
+    from deltastore.fleet.converge import TargetSteer
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +66,8 @@ class PollPolicy:
     """How often :meth:`~deltastore.Subscriber.follow` looks at HEAD.
 
     Attributes:
-        interval: seconds between polls; each is a conditional GET (an idle poll: one request,
-            no body).
+        interval: seconds between polls; each is a conditional GET of HEAD (an idle poll: one
+            request, no body), and one of the fleet target unless ``fleet_target=False``.
         jitter: each wait is spread by ± this fraction of it (0 to 1), so a fleet does not poll
             in lockstep.
         max_interval: the longest wait of the exponential backoff after errors (at least
@@ -191,6 +196,9 @@ def follow(
     max_versions: int | None,
     swap_mode: str,
     on_history_replaced: str | None,
+    fleet_target: bool = True,
+    metrics_port: int | None = None,
+    deadlines: Deadlines | None = None,
 ) -> Iterator[FollowRecord]:
     """The loop of :meth:`deltastore.Subscriber.follow` (see there), on ``reader``."""
     reader.refuse_partial("follow")
@@ -203,6 +211,9 @@ def follow(
     if on_history_replaced not in (None, "raise", "reload"):
         raise ValueError(f"on_history_replaced must be 'raise' or 'reload' (or None), got {on_history_replaced!r}")
     replaced = on_history_replaced or ("raise" if reader.keys is not None else "reload")
+    from deltastore.fleet.converge import TargetSteer  # the fleet target (SPEC §1.2); fleet/ builds on read/
+
+    steer = TargetSteer(reader) if fleet_target else None
     rolled_back: str | None = None  # the older HEAD manifest last warned about (once per HEAD)
     tensors = module_targets(target)
     rebind = owners(target) if swap_mode == "rebind" else None
@@ -226,9 +237,15 @@ def follow(
             logger.warning("following %s without updating the worker cache: %s: %s", reader.url, type(e).__name__, e)
         last_save = time.monotonic()  # a failed save is retried after every_s, not at every poll
 
+    # spans, CPU-phase deadlines, metrics (deltastore.fleet.watch): a taken port fails here, before any IO
+    watch = FollowWatch.start(reader.url, tensors, metrics_port=metrics_port, deadlines=deadlines)
     # Started last before the loop, so that the finally below always closes it (marks it stopped).
     own_beats = heartbeat is not None and (reader.beats is None or reader.beats.closed)
-    beats = reader.heartbeat(heartbeat.worker_id, heartbeat.interval_s) if heartbeat is not None else None
+    try:
+        beats = reader.heartbeat(heartbeat.worker_id, heartbeat.interval_s) if heartbeat is not None else None
+    except BaseException:
+        watch.close()
+        raise
     try:
         while not stop.is_set():
             try:
@@ -238,8 +255,9 @@ def follow(
                     try_cache = False
                     saved = None if rec is None else rec.info.manifest
                 else:
-                    rec = _follow_once(reader, tensors, pause, rebind)
+                    rec = _follow_once(reader, tensors, pause, rebind, steer, watch)
                 failures = 0
+                watch.seen(reader, rec)
             except HistoryReplacedError as e:
                 if replaced == "raise":
                     raise HistoryReplacedError(
@@ -253,6 +271,7 @@ def follow(
             except HeadRolledBackError as e:
                 # Not a failure to back off from: HEAD may stay there (a restored backup) or
                 # come back; the target keeps its version and takes the next newer one.
+                watch.failed(e)  # counted per poll while it lasts: an operator must see it
                 head_key = None if reader.head is None else reader.head.manifest
                 if head_key != rolled_back:
                     logger.warning("following %s: %s; keeping version %s", reader.url, e, reader.version)
@@ -263,6 +282,9 @@ def follow(
                 raise
             except (StorageError, IntegrityError, FormatError, VersionNotFoundError) as e:
                 failures += 1
+                watch.failed(e)
+                if steer is not None:
+                    steer.failed(e)  # the last error, in the worker's heartbeat
                 delay = poll.backoff_s(failures)
                 logger.warning(
                     "following %s: %s: %s; keeping version %s, retrying in %.1f s",
@@ -273,6 +295,8 @@ def follow(
             if rec is not None:
                 applied += 1
                 rolled_back = None
+                if steer is not None:
+                    steer.applied()
                 yield rec
                 if max_versions is not None and applied >= max_versions:
                     break
@@ -286,41 +310,47 @@ def follow(
     else:
         save()
     finally:
+        watch.close()
         if own_beats and beats is not None:
             beats.close()  # a worker that stops following says so in the ledger
 
 
 def _follow_once(reader: Reader, tensors: dict[str, torch.Tensor], pause: Any,
-                 rebind: dict[str, torch.Tensor] | None = None) -> FollowRecord | None:
-    """One poll: None when HEAD has not moved, else the record of the version applied."""
-    head = reader.history.poll_head()  # a conditional GET: no body when unchanged
+                 rebind: dict[str, torch.Tensor] | None = None, steer: TargetSteer | None = None,
+                 watch: FollowWatch = IDLE) -> FollowRecord | None:
+    """One poll: None when HEAD has not moved, else the record of the version applied. With
+    ``steer``, the version to hold is the fleet target's while one applies (forwards or back)."""
+    with watch.phase("poll"):
+        head = reader.history.poll_head()  # a conditional GET: no body when unchanged
     if head is None or head.manifest is None:
         if reader.held is None and not reader.said_waiting:
             logger.info("waiting for the first version of %s", reader.url)
             reader.said_waiting = True
         return None
     reader.head = head
-    if reader.held is not None and head.manifest == reader.held.key:
+    goal = None if steer is None else steer.goal(head)  # None: HEAD's version
+    if reader.held is not None and (head.manifest if goal is None else goal[0]) == reader.held.key:
         return None
-    top = reader.history.head_manifest(head)
+    top = goal or reader.history.head_manifest(head)
     assert top is not None
     key, m = top
     if reader.held is None:  # nothing held: a full load, all or nothing, in the pause
         before = reader.engine.bytes_fetched
-        with _pause_context(pause):
+        with _pause_context(pause), watch.phase("apply", m.version):
             t0 = time.perf_counter()
             info = reader.fast_forward(key, m, tensors)
             pause_s = time.perf_counter() - t0
         assert info is not None
         return FollowRecord(info, None, reader.engine.bytes_fetched - before, 0.0, 0.0, pause_s, whole(tensors), True)
-    staged = reader.stage(key, m, tensors)
+    with watch.phase("stage", m.version):
+        staged = reader.stage(key, m, tensors) if steer is None else steer.stage(key, m, tensors)
     if staged is None:
         return None
     if rebind is not None:  # swap_mode="rebind": patch copies now, repoint in the pause
         t0 = time.perf_counter()
         staged.build_replacements(tensors)
         staged.decode_s += time.perf_counter() - t0
-    with _pause_context(pause):
+    with _pause_context(pause), watch.phase("apply", m.version):
         t0 = time.perf_counter()
         reader.swap(staged, rebind if rebind is not None else tensors)
         pause_s = time.perf_counter() - t0

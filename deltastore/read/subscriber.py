@@ -9,15 +9,17 @@ and checking a store whole is :mod:`deltastore.read.verify`.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from typing_extensions import Self
 
+from deltastore._util.deadline import DeadlineStore, Deadlines
 from deltastore.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -26,6 +28,7 @@ from deltastore.errors import (
     VersionNotFoundError,
     WaitTimeoutError,
 )
+from deltastore.fleet.nodecache import NodeCache, with_node_cache
 from deltastore.format.history import VersionInfo
 from deltastore.format.models import FORMAT_NAME_PATTERN
 from deltastore.format.parse import MAX_MANIFEST_BYTES
@@ -78,6 +81,24 @@ class Subscriber:
             never read), verified like any version. None (default): the versions as published.
             A version without that format raises
             :class:`~deltastore.errors.UnknownFormatError`, listing the formats it has.
+        node_cache: a directory shared by the worker processes of this host (the ranks of a
+            tensor-parallel engine, several engines), or a
+            :class:`~deltastore.fleet.nodecache.NodeCache`: each immutable object (packs,
+            manifests) is fetched from the store by one process and read from the directory by
+            the others, so a version leaves the bucket once per node (docs/fleet.md). None
+            (default): the directory ``DELTASTORE_NODE_CACHE`` names, else no node cache.
+            Raises NodeCacheError when the directory cannot be used.
+        mirrors: mirrors of ``url`` (URLs or stores, nearest first; ``deltastore mirror``
+            keeps them current), opened with ``storage_options``: every object named by its
+            SHA-256 is read from the first mirror that holds it with the right bytes, the
+            origin ``url`` last; HEAD is the origin's, or a mirror's older head that the
+            origin's chain vouches for (SPEC §16.1, :mod:`deltastore.fleet.sources`). A mirror
+            serving a corrupt or foreign object is skipped with a warning naming it.
+        deadlines: how long each request may take (:class:`~deltastore._util.deadline.Deadlines`:
+            a HEAD poll, a read growing with its bytes, a heartbeat write); a stalled request is
+            abandoned and raises :class:`~deltastore.errors.DeadlineExceededError`, which
+            :meth:`follow` logs, counts and retries. None: no deadlines but the client's own
+            socket timeouts.
 
     Example::
 
@@ -103,6 +124,9 @@ class Subscriber:
         select: Selection | None = None,
         range_part_bytes: int | None = None,
         format: str | None = None,
+        node_cache: str | os.PathLike[str] | NodeCache | None = None,
+        mirrors: Sequence[str | Store] | None = None,
+        deadlines: Deadlines | None = Deadlines(),
     ):
         """``store``: an already opened store to use instead of ``url`` (not closed by us)."""
         if range_part_bytes is not None and range_part_bytes < 1:
@@ -114,6 +138,18 @@ class Subscriber:
             keys = TrustedKeys(trusted_keys)  # keys checked before the store is opened
         self.store = store if store is not None else open_store(url, storage_options=dict(storage_options or {}))
         self._owns_store = store is None  # a store passed in belongs to the caller
+        if mirrors:  # the nearest mirror serves the bytes, the origin vouches (deltastore.fleet.sources)
+            from deltastore.fleet.sources import Sources
+
+            try:
+                # each source bounded by the deadlines: a stalled mirror fails over to the next source
+                self.store = Sources.open(self.store, mirrors, storage_options=storage_options, owns_origin=self._owns_store,
+                                          deadlines=deadlines)
+            except BaseException:
+                if self._owns_store:
+                    self.store.close()
+                raise
+            self._owns_store = True
         self.url = self.store.url
         self.format = format
         if format is not None:
@@ -124,6 +160,15 @@ class Subscriber:
         # a format's stream is read as a store of its own (deltastore.read.streams; its URL names
         # the format): every read path and check applies to it unchanged
         read_from = self.store if format is None else StreamView(self.store, format)
+        self._deadlines = deadlines
+        if deadlines is not None and not mirrors:  # under the node cache: every request is bounded (_util.deadline)
+            read_from = DeadlineStore(read_from, deadlines)
+        try:
+            read_from = with_node_cache(read_from, node_cache)  # one fetch per node (fleet.nodecache)
+        except (OSError, ValueError):
+            if self._owns_store:
+                self.store.close()
+            raise
         self.url = read_from.url
         self._reader = Reader(read_from, threads=threads, trusted_keys=keys, max_manifest_bytes=max_manifest_bytes,
                               max_model_bytes=max_model_bytes, select=select)
@@ -390,11 +435,14 @@ class Subscriber:
         max_versions: int | None = None,
         swap_mode: str = "inplace",
         on_history_replaced: str | None = None,
+        fleet_target: bool = True,
+        metrics_port: int | None = None,
     ) -> Iterator[FollowRecord]:
         """Keep ``target`` at the latest version, yielding one :class:`FollowRecord` per version.
 
         Polls HEAD every ``poll.interval`` seconds (± ``poll.jitter`` of it) by conditional GET:
-        an idle poll is one request with no body. A new version is staged (fetched, verified,
+        an idle poll is one request with no body (two with the fleet target: ``fleet_target``).
+        A new version is staged (fetched, verified,
         decoded) while the caller keeps using ``target``; only the swap runs inside ``pause``,
         which is None, a context manager (e.g. a ``threading.Lock`` the engine holds while
         generating), or a callable returning one. The first version (nothing held, no usable
@@ -431,12 +479,23 @@ class Subscriber:
                 otherwise move the worker to any run signed by the same key, older or newer:
                 SPEC §3.1), ``"reload"`` without (whoever writes HEAD is trusted then, and a new
                 run under the same URL is the usual cause).
+            fleet_target: hold the store's fleet target (``deltastore target``, SPEC §1.2)
+                instead of HEAD while one applies, going back to an older version if it names
+                one (staged, all or nothing); each poll then also reads the target (one more
+                conditional GET). With ``trusted_keys`` a target must be signed by one of them,
+                else it is ignored (logged) and the version kept. False: follow HEAD only.
+            metrics_port: serve Prometheus metrics of this loop on this port
+                (:mod:`deltastore.fleet.metrics`: versions, lag, bytes, fetch/decode/pause times,
+                errors; ``GET /metrics``) while it runs; needs ``prometheus-client``
+                (``deltastore-weights[metrics]``). None (default): no metrics.
 
         Raises:
             LayoutMismatchError: the store's layout no longer fits ``target``.
             TargetModifiedError: ``target`` was modified by someone else.
             HistoryReplacedError: the history was replaced, under ``on_history_replaced="raise"``.
             WorkerCacheError: ``cache.path`` cannot be a directory (before anything is fetched).
+            MetricsPortInUseError, MetricsUnavailableError: ``metrics_port`` cannot be served
+                (before anything is fetched).
             Storage errors, a corrupt segment or a missing manifest are logged and retried
             with backoff; the target keeps the last good version. A HEAD older than the held
             version (HeadRolledBackError) is logged once per HEAD and polled at
@@ -449,7 +508,8 @@ class Subscriber:
                 print(rec.info.version, rec.pause_s)
         """
         return follow(self._reader, target, poll=poll, pause=pause, stop=stop, cache=cache, heartbeat=heartbeat,
-                      max_versions=max_versions, swap_mode=swap_mode, on_history_replaced=on_history_replaced)
+                      max_versions=max_versions, swap_mode=swap_mode, on_history_replaced=on_history_replaced,
+                      fleet_target=fleet_target, metrics_port=metrics_port, deadlines=self._deadlines)
 
     def verify(self, version: int | None = None, *, all_versions: bool = False) -> VerifyReport:
         """Check every segment of a version's chain, or of every version, and report each bad one.

@@ -75,7 +75,8 @@ _AMAX_FLOOR = torch.tensor(AMAX_FLOOR, dtype=torch.float32)
 # --- fp8-block128 --------------------------------------------------------------------------
 
 
-def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None,
+                          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight to FP8 E4M3 with one float32 scale per 128×128 block.
 
     Per block (a partial block at the bottom or right edge holds only the elements that exist):
@@ -89,6 +90,10 @@ def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None) -> tup
         w: a 2-D bfloat16, float16 or float32 tensor (any device; computed on the CPU).
         native: True to require the native kernel, False to run the PyTorch path, None (the
             default) for the native kernel when it is loaded. Both write the same bits.
+        out: ``(q, scale_inv)`` tensors to write into, e.g. an earlier result's (a publisher
+            deriving every version reuses its memory: fresh pages cost about a third of the
+            quantization); used only when both are CPU, contiguous and of the result's shape and
+            dtype, else new tensors are returned.
 
     Returns:
         ``(q, scale_inv)``: ``q`` float8_e4m3fn of ``w``'s shape, ``scale_inv`` float32 of shape
@@ -106,8 +111,7 @@ def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None) -> tup
     """
     x = _checked(w, "fp8-block128", two_d=True)
     m, n = x.shape
-    q = torch.empty((m, n), dtype=torch.float8_e4m3fn)
-    scale = torch.empty((_cdiv(m, BLOCK), _cdiv(n, BLOCK)), dtype=torch.float32)
+    q, scale = _outputs(out, (m, n), torch.float8_e4m3fn, (_cdiv(m, BLOCK), _cdiv(n, BLOCK)), torch.float32)
     kernel = _kernel("quantize_fp8_block128", native)
     if x.numel() == 0:
         return q, scale
@@ -161,7 +165,8 @@ def dequantize_fp8_block128(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.T
 # --- mxfp8 ---------------------------------------------------------------------------------
 
 
-def quantize_mxfp8(w: torch.Tensor, *, native: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp8(w: torch.Tensor, *, native: bool | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize to MXFP8: 32-element blocks along the last dimension, E8M0 scales, E4M3 elements.
 
     Per block: ``r = fl(max|x| × fl(1/448))``; the scale exponent ``e`` is the smallest with
@@ -174,7 +179,7 @@ def quantize_mxfp8(w: torch.Tensor, *, native: bool | None = None) -> tuple[torc
     Args:
         w: a bfloat16, float16 or float32 tensor of at least one dimension whose last dimension
             is a multiple of 32 (any device; computed on the CPU).
-        native: as in :func:`quantize_fp8_block128`.
+        native, out: as in :func:`quantize_fp8_block128`.
 
     Returns:
         ``(q, scales)``: ``q`` float8_e4m3fn of ``w``'s shape; ``scales`` uint8 of shape
@@ -196,8 +201,7 @@ def quantize_mxfp8(w: torch.Tensor, *, native: bool | None = None) -> tuple[torc
             f"mxfp8 quantizes blocks of {MX_BLOCK} along the last dimension; shape {list(x.shape)} has "
             f"{k} there. Keep this tensor unquantized (vLLM and SGLang refuse MXFP8 for such a layer)"
         )
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
-    scales = torch.empty((*x.shape[:-1], k // MX_BLOCK), dtype=torch.uint8)
+    q, scales = _outputs(out, tuple(x.shape), torch.float8_e4m3fn, (*x.shape[:-1], k // MX_BLOCK), torch.uint8)
     kernel = _kernel("quantize_mxfp8", native)
     if x.numel() == 0:
         return q, scales
@@ -334,6 +338,18 @@ def encode_e4m3(values: np.ndarray) -> np.ndarray:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _outputs(out: tuple[torch.Tensor, torch.Tensor] | None, q_shape: tuple[int, ...], q_dtype: torch.dtype,
+             s_shape: tuple[int, ...], s_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` when both tensors fit (CPU, contiguous, the shapes and dtypes), else new ones."""
+    if out is not None:
+        q, s = out
+        if all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+               and tuple(t.shape) == tuple(shape) and t.dtype == dtype
+               for t, shape, dtype in ((q, q_shape, q_dtype), (s, s_shape, s_dtype))):
+            return q, s
+    return torch.empty(q_shape, dtype=q_dtype), torch.empty(s_shape, dtype=s_dtype)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,15 @@ URL                         Backend         Conditional writes
 ``/path``, ``file:///path``  LocalStore      atomic across processes on one host
 ``memory://name``           MemoryStore     atomic (one process; for tests)
 ``s3://bucket/prefix``      S3Store         atomic (S3 If-None-Match / If-Match)
+``gs://bucket/prefix``      GCSStore        atomic (ifGenerationMatch; ``gcs`` extra)
+``az://container/prefix``   AzureBlobStore  atomic (If-None-Match / If-Match; ``azure`` extra)
 any other fsspec URL        FsspecStore     check-then-write: NOT safe for concurrent writers
 ==========================  ==============  ==========================================
+
+Without its extra installed, ``gs://`` and ``az://`` fall back to fsspec (gcsfs, adlfs) where
+those are installed: a store that checks, then writes, so :func:`require_atomic_writes` refuses
+it for concurrent publishers (a single publisher passes ``allow_unsafe_store=True``). It is kept
+for reading and for single-writer setups that already use it; nothing forks silently.
 """
 
 from __future__ import annotations
@@ -29,14 +36,29 @@ from deltastore.storage.probe import (
 )
 
 if TYPE_CHECKING:
+    from deltastore.storage._azure import AzureBlobStore
     from deltastore.storage._fsspec import FsspecStore
+    from deltastore.storage._gcs import GCSStore
     from deltastore.storage._s3 import S3Store
 
 logger = logging.getLogger(__name__)
 
 #: Backends whose modules import heavy SDKs (boto3 ~0.15 s, fsspec): loaded on first use, so
 #: that ``import deltastore`` and ``deltastore --help`` stay fast.
-_LAZY = {"S3Store": "deltastore.storage._s3", "FsspecStore": "deltastore.storage._fsspec"}
+_LAZY = {
+    "S3Store": "deltastore.storage._s3",
+    "FsspecStore": "deltastore.storage._fsspec",
+    "GCSStore": "deltastore.storage._gcs",
+    "AzureBlobStore": "deltastore.storage._azure",
+}
+#: Native backends of optional extras: scheme → (module, class, the SDK module it needs, extra).
+_NATIVE = {
+    "gs": ("deltastore.storage._gcs", "GCSStore", "google.cloud.storage", "gcs"),
+    "gcs": ("deltastore.storage._gcs", "GCSStore", "google.cloud.storage", "gcs"),
+    "az": ("deltastore.storage._azure", "AzureBlobStore", "azure.storage.blob", "azure"),
+}
+#: The fsspec implementation each extra's scheme falls back to.
+_FSSPEC_PACKAGE = {"gcs": "gcsfs", "azure": "adlfs"}
 
 
 def __getattr__(name: str) -> Any:
@@ -97,6 +119,7 @@ def check_url(url: str) -> None:
 STRING_OPTIONS = frozenset({
     "endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
     "profile", "addressing_style", "upload_checksum",
+    "project", "token", "account_name", "account_key", "sas_token", "connection_string",
 })
 
 
@@ -128,10 +151,13 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None, creat
     Args:
         url: a local path or ``file://`` URL (the directory is created if missing and
             ``create``: a local store needs no setup), ``memory://name``, ``s3://bucket/prefix``,
-            or any other URL fsspec can open (``gs://``, ``az://``, ...; not safe for concurrent
-            writers). A string that looks like a mistyped URL (``s3:/x``, ``S3://x``) is refused
+            ``gs://bucket/prefix`` (with the ``gcs`` extra), ``az://container/prefix`` (with the
+            ``azure`` extra), or any other URL fsspec can open (not safe for concurrent
+            writers; also ``gs://`` and ``az://`` without their extra, see the module
+            docstring). A string that looks like a mistyped URL (``s3:/x``, ``S3://x``) is refused
             (see :func:`check_url`), never taken for a directory.
-        storage_options: backend options; for ``s3://`` see :class:`S3Store`, for fsspec URLs
+        storage_options: backend options; for ``s3://`` see :class:`S3Store`, for ``gs://``
+            :class:`GCSStore`, for ``az://`` :class:`AzureBlobStore`, for fsspec URLs
             they are passed to the filesystem. Not accepted for local and memory stores.
         create: create a missing local store directory (default True); readers pass False so
             that looking at a store never creates anything (a missing one raises
@@ -143,6 +169,7 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None, creat
     Raises:
         UnsupportedURLError: unknown or mistyped scheme, a missing fsspec backend package, or
             options the backend does not take.
+        AccessDeniedError: ``gs://`` or ``az://`` and no credentials could be found.
         BucketNotFoundError: ``create=False`` and the local directory does not exist.
 
     Example::
@@ -169,14 +196,53 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None, creat
         from deltastore.storage._s3 import S3Store
 
         return S3Store(url, storage_options=storage_options)
+    if scheme in _NATIVE:
+        native = _open_native(url, scheme, storage_options)
+        if native is not None:
+            return native
     from deltastore.storage._fsspec import FsspecStore
 
     return FsspecStore.from_url(url, storage_options=storage_options)
 
 
+def _open_native(url: str, scheme: str, storage_options: dict[str, Any] | None) -> Store | None:
+    """The native store of a ``gs://`` / ``az://`` URL, or None when its SDK is not installed
+    but fsspec's implementation is (the documented fallback, refused for concurrent publishers).
+
+    Raises:
+        UnsupportedURLError: neither the SDK nor an fsspec implementation is installed.
+    """
+    import importlib
+    import importlib.util
+
+    module, name, sdk, extra = _NATIVE[scheme]
+    try:
+        found = importlib.util.find_spec(sdk) is not None
+    except ModuleNotFoundError:  # a parent package (google.cloud, azure) is missing
+        found = False
+    if found:
+        return getattr(importlib.import_module(module), name)(url, storage_options=storage_options)
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError):
+        raise UnsupportedURLError(
+            f"cannot open {url}: its backend needs {sdk.replace('.', '-')} (pip install 'deltastore-weights[{extra}]'); "
+            f"the fsspec fallback, for one publisher only, needs {_FSSPEC_PACKAGE[extra]}"
+        ) from None
+    logger.warning(
+        "%s: %s is not installed, using fsspec, which cannot do atomic conditional writes (one publisher "
+        "only); pip install 'deltastore-weights[%s]' for compare-and-swap", url, sdk, extra
+    )
+    return None
+
+
 __all__ = [
+    "AzureBlobStore",
     "EndpointIdentity",
     "FsspecStore",
+    "GCSStore",
     "GetResult",
     "IfMatch",
     "LocalStore",

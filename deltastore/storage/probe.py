@@ -73,6 +73,22 @@ PROBE_CLOCK_SKEW_S = 300
 #: Threads released together in each race: enough to collide on any server that serialises
 #: nothing, few enough that the whole probe stays at about 20 small requests.
 PROBE_RACERS = 4
+#: How a refusal names the conditions a backend's endpoint ignored, and which endpoints honour them.
+_S3_CONDITIONS = (
+    "S3 conditional writes",
+    "an endpoint that implements If-None-Match/If-Match on PutObject (AWS S3, MinIO, SeaweedFS on an "
+    "unversioned bucket; not rclone serve s3 or s3rver)",
+)
+_CONDITIONS = {
+    "GCSStore": (
+        "GCS generation preconditions (ifGenerationMatch)",
+        "Google Cloud Storage or an emulator that honours them (fake-gcs-server; not gcp-storage-emulator)",
+    ),
+    "AzureBlobStore": (
+        "Azure Blob conditional headers (If-None-Match/If-Match)",
+        "Azure Blob Storage or Azurite, without a proxy that drops those headers",
+    ),
+}
 #: An ETag no object has (conditional writes against it must be refused).
 _NO_SUCH_ETAG = "0" * 32
 
@@ -410,7 +426,8 @@ def require_atomic_writes(store: Store, *, allow_unsafe_store: bool = False) -> 
         raise UnsafeStoreError(
             f"{store.url} cannot do atomic conditional writes ({type(store).__name__} checks, then "
             f"writes), so two publishers could fork its history; pass allow_unsafe_store=True if "
-            f"only one publisher ever writes there, or use an s3:// URL"
+            f"only one publisher ever writes there, or use an s3://, gs:// or az:// URL (with the gcs or "
+            f"azure extra installed for the latter two)"
         )
     if not store.conditional_writes_need_probe:
         return None
@@ -427,11 +444,10 @@ def require_atomic_writes(store: Store, *, allow_unsafe_store: bool = False) -> 
     except StorageError as e:  # a read-only cache is no reason to fail: probe next time
         logger.warning("could not cache the probe verdict in %s/%s: %s", store.url, PROBE_RESULT_KEY, e)
     if not result.ok:
+        conditions, use = _CONDITIONS.get(type(store).__name__, _S3_CONDITIONS)
         raise UnsafeStoreError(
-            f"{store.url}: the endpoint does not honour S3 conditional writes ({result.detail}), so "
-            f"two publishers could both commit and fork the history. Use an endpoint that implements "
-            f"If-None-Match/If-Match on PutObject (AWS S3, MinIO, SeaweedFS on an unversioned bucket; "
-            f"not rclone serve s3 or s3rver), or pass allow_unsafe_store=True if only one publisher "
+            f"{store.url}: the endpoint does not honour {conditions} ({result.detail}), so two publishers could "
+            f"both commit and fork the history. Use {use}, or pass allow_unsafe_store=True if only one publisher "
             f"ever writes to this store"
         )
     return result

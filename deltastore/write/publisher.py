@@ -14,6 +14,7 @@ import operator
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,7 @@ import torch
 from deltastore._util.heap import release_free_heap
 from deltastore._util.jobs import default_threads
 from deltastore.errors import ConflictError, InvalidStateDictError, LayoutMismatchError, StorageError
+from deltastore.fleet.tracing import span
 from deltastore.format.history import VersionInfo
 from deltastore.format.models import Head, Layout, layout_of
 from deltastore.format.manifest import encode_manifest
@@ -52,6 +54,7 @@ from deltastore.write.queue import PublishQueue, snapshot
 from deltastore.write.streams import StreamVersion, StreamWriter, is_identity, serving_formats
 
 if TYPE_CHECKING:
+    from deltastore.fleet.metrics import PublisherExport
     from deltastore.lifecycle.compact import BackgroundCompactor, CompactPolicy
 
 logger = logging.getLogger(__name__)
@@ -111,6 +114,11 @@ class Publisher:
             committed by the version's one HEAD write with the others; a format the state already
             is (``"bf16"`` for a bf16 state) is the version itself, not a second copy. Workers
             pick one with ``Subscriber(url, format=...)``. Default: none.
+        metrics_port: serve Prometheus metrics of this publisher on this port
+            (:mod:`deltastore.fleet.metrics`: the version committed, bytes published, commit
+            times, errors, the :meth:`publish_async` queue's depth); needs ``prometheus-client``
+            (``deltastore-weights[metrics]``; else MetricsUnavailableError). A port in use
+            raises MetricsPortInUseError. None (default): no metrics.
 
     Raises:
         ValueError: ``dtype`` is not a floating dtype deltastore stores.
@@ -159,6 +167,7 @@ class Publisher:
         async_policy: AsyncPolicy = AsyncPolicy(),
         compact: bool | CompactPolicy = False,
         formats: Sequence[str | ServingFormat] = (),
+        metrics_port: int | None = None,
     ):
         check_dtype(dtype)
         self.formats = serving_formats(formats)  # an unknown format fails before any IO
@@ -211,6 +220,7 @@ class Publisher:
         self._layout: Layout | None = None
         self._closed = False
         self._compactor: BackgroundCompactor | None = None
+        self._metrics: PublisherExport | None = None
         self._chain = VersionChain(self.store, self.writer_id, anchors=anchor_policy,
                                    max_attempt_s=writer_policy.max_attempt_s, signing_key=key,
                                    allow_unsigned=writer_policy.allow_unsigned)
@@ -231,8 +241,21 @@ class Publisher:
                 self.close()
                 raise TypeError(f"compact must be a bool or a CompactPolicy, got {compact!r}")
             self._compactor = BackgroundCompactor(self.store, policy, writer=f"{self.writer_id}-compactor")
+        if metrics_port is not None:  # deltastore.fleet.metrics; a taken port fails here
+            from deltastore.fleet.metrics import PublisherExport
+
+            try:
+                self._metrics = PublisherExport(self.url, metrics_port, lambda: self.pending)
+            except BaseException:
+                self.close()
+                raise
 
     # --- public API ---------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Snapshots queued by :meth:`publish_async` and not yet committed (the one being committed included)."""
+        return 0 if self._queue is None else self._queue.pending
 
     @property
     def version(self) -> int:
@@ -400,7 +423,16 @@ class Publisher:
     def _commit_locked(self, state: dict[str, torch.Tensor], *, step: int | None, meta: dict[str, Any],
                        anchor: bool, owned: bool) -> VersionInfo:
         with self._commit_lock:
-            info = self._commit(state, step=step, meta=meta, anchor=anchor, owned=owned)
+            t0 = time.perf_counter()
+            try:
+                with span("commit", url=self.url):
+                    info = self._commit(state, step=step, meta=meta, anchor=anchor, owned=owned)
+            except BaseException as e:
+                if self._metrics is not None:
+                    self._metrics.failed(e)
+                raise
+            if self._metrics is not None:
+                self._metrics.committed(info, time.perf_counter() - t0)
             if not owned and self._accepted_specs is not self._specs:  # publish_async records it when it queues
                 self._accepted_layout, self._accepted_specs = _layout_of(state), self._specs
             if self._compactor is not None:  # never blocks, never raises
@@ -586,6 +618,8 @@ class Publisher:
         finally:
             if self._compactor is not None:  # before the store closes under it
                 self._compactor.close()
+            if self._metrics is not None:
+                self._metrics.close()
             self._pool.shutdown(wait=True)
             self._uploader.shutdown(wait=True)
             self._reference = None

@@ -108,6 +108,10 @@ class StreamWriter:
         self._reference_key: str | None = None  # the stream manifest whose state _reference is
         self._specs: dict[str, TensorSpec] | None = None
         self._layout: Layout | None = None
+        # the quantized tensors of the last delta version's derived state, no longer in use once
+        # it was encoded: the next version is derived into them (fresh pages cost about a third
+        # of the quantization), so a quantizing stream holds one spare quantized state
+        self._spare: dict[str, torch.Tensor] | None = None
 
     @property
     def name(self) -> str:
@@ -143,7 +147,9 @@ class StreamWriter:
             InvalidStateDictError: a tensor the format cannot derive (named).
             StorageError, IntegrityError: writing the stream; nothing is committed.
         """
-        derived = derive(state, self.format, pool=pool)
+        spare, self._spare = self._spare, None
+        derived = derive(state, self.format, pool=pool, reuse=spare)
+        del spare
         head = self._parent_head(parent, parent_ref)
         self.chain.adopt(head, epoch=epoch)
         tip = self.chain.tip()
@@ -187,6 +193,9 @@ class StreamWriter:
         put_immutable(self.view, sealed.key, sealed.data, "manifest")  # before anything names it
         ref = StreamRef(format=self.name, key=self.prefix + sealed.key, sha256=sealed.digest,
                         bytes=sealed.manifest.stats.bytes_stored)
+        if has_base and self.format.scale_suffix is not None:
+            # encoded against the reference (advanced in place): the derived tensors are free
+            self._spare = {n: t for n, t in derived.items() if n not in state or self.format.selects(n, state[n].shape)}
         if not has_base:
             # Its tensors become the stream's reference, advanced in place by later deltas: a
             # tensor derive passed through (a kept bf16 tensor) is the caller's, or the store's

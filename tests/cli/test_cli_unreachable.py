@@ -30,6 +30,8 @@ COMMANDS = {
     "pin": ["1"],
     "unpin": ["1"],
     "aggregate": ["--site", "a=s3://bucket/site"],
+    "target": ["1"],
+    "mirror": ["{tmp}/mirror"],
 }
 #: Commands that open no store.
 STORELESS = {"keygen", "docs"}

@@ -231,6 +231,27 @@ def test_corrupt_site_pack_refused_named(memory_target) -> None:
 # --- quorum, lateness, fencing ------------------------------------------------------------------
 
 
+def test_a_round_without_a_deadline_ends_at_the_default_one(memory_target, monkeypatch) -> None:
+    """No deadline given: the round waits for its quorum, but never past ``Deadlines().round``."""
+    import deltastore.federated.aggregator as aggregator_module
+    from deltastore._util.deadline import Deadlines
+
+    monkeypatch.setattr(aggregator_module, "Deadlines", lambda: Deadlines(round=0.3))
+    global_url, site_urls = urls(memory_target)
+    with open_aggregator(global_url, site_urls) as agg:
+        agg.start(initial_state())
+        sites = open_sites(global_url, site_urls)
+        try:
+            sites[0].run_round(lambda w: trained(w, 0, 0))
+            t0 = time.monotonic()
+            with pytest.raises(QuorumError, match=r"1 of 3 sites accepted by the deadline \(0.3 s\)"):
+                agg.run_round(quorum=2)
+            assert time.monotonic() - t0 < 5
+        finally:
+            for s in sites:
+                s.close()
+
+
 def test_quorum_k_of_n_with_deadline_and_late_result_dropped(memory_target) -> None:
     global_url, site_urls = urls(memory_target)
     with open_aggregator(global_url, site_urls) as agg:

@@ -173,7 +173,8 @@ def test_a_damaged_segment_in_a_whole_pack_is_refused_before_it_is_decoded(tmp_p
 
 
 def test_one_run_is_read_on_the_calling_thread(tmp_path: Path) -> None:
-    """A fetch that needs one GET does not hand it to an IO thread (two wake-ups)."""
+    """A fetch that needs one GET does not hand it to an IO thread (two wake-ups). Without
+    deadlines: they hand every request to a thread that can be abandoned at its deadline."""
     url = str(tmp_path / "store")
     _history(url, n=2)
     threads: list[str] = []
@@ -184,7 +185,7 @@ def test_one_run_is_read_on_the_calling_thread(tmp_path: Path) -> None:
                 threads.append(threading.current_thread().name)
             return super().get(key, byte_range=byte_range)
 
-    with open_store(url) as inner, Subscriber(url, store=Where(inner), threads=2) as sub:
+    with open_store(url) as inner, Subscriber(url, store=Where(inner), threads=2, deadlines=None) as sub:
         target = sub.pull(1)
         threads.clear()
         sub.pull_into(target, version=2)

@@ -29,6 +29,7 @@ from deltastore import (
     Subscriber,
     TargetModifiedError,
 )
+from deltastore.fleet.target import TARGET_KEY
 from deltastore.format.keys import HEAD_KEY
 from deltastore.layout.tensors import bits
 from deltastore.read.cache import HELD_FILE, WorkerCache
@@ -245,7 +246,7 @@ class CountingStore(WrappedStore):
         return res
 
 
-def test_an_idle_poll_is_one_conditional_get_without_a_body(tmp_path: Path) -> None:
+def test_an_idle_poll_is_conditional_gets_of_head_and_the_fleet_target_without_a_body(tmp_path: Path) -> None:
     t = StoreTarget("file", str(tmp_path / "store"))
     _publish_all(t, _states(2))
     store = CountingStore(open_store(t.url))
@@ -267,7 +268,8 @@ def test_an_idle_poll_is_one_conditional_get_without_a_body(tmp_path: Path) -> N
         th.join()
     assert seen == [2]
     assert len(store.calls) >= 5, store.calls
-    assert set(store.calls) == {("get_if_changed", HEAD_KEY)}, store.calls
+    # HEAD by a conditional GET, the fleet target (there is none) by a HEAD request
+    assert set(store.calls) == {("get_if_changed", HEAD_KEY), ("head", TARGET_KEY)}, store.calls
     assert not any(store.bodies)
 
 

@@ -193,3 +193,19 @@ def test_derive_names_the_tensor_it_cannot_quantize():
     assert derive({"layers.0.o_proj.weight": torch.zeros(4, 32, dtype=torch.float64)}, keep)[
         "layers.0.o_proj.weight"
     ].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["fp8-block128", "mxfp8"])
+def test_derive_into_an_earlier_result_gives_the_same_bits(name):
+    """``reuse=``: the quantized tensors and scales of an earlier result are written anew; kept
+    tensors are never taken from it."""
+    earlier = derive(llama_like(), name)
+    state = {n: t * 3 if t.is_floating_point() else t for n, t in llama_like().items()}
+    want = derive(state, name)
+    got = derive(state, name, reuse=earlier)
+    assert list(got) == list(want)
+    assert_bits_equal(got, want)
+    fmt = serving_format(name)
+    for n, t in got.items():
+        quantized = n not in state or fmt.selects(n, state[n].shape)
+        assert (t is earlier[n]) == quantized, n

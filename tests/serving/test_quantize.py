@@ -309,3 +309,24 @@ def test_step_boundaries_do_not_change_the_result(monkeypatch):
     monkeypatch.setattr(qmod, "STEP_ELEMENTS", 128 * 256)
     assert_same(quantize_fp8_block128(w, native=False), whole[0], "fp8 steps")
     assert_same(quantize_mxfp8(w[:, :576], native=False), whole[1], "mx steps")
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("method", sorted(QUANTIZERS))
+def test_results_written_into_earlier_outputs_are_the_same_bits(method, native):
+    """``out=`` (a publisher reusing its last version's tensors): every element and scale is
+    written anew, whatever the buffers held; buffers that do not fit are not used."""
+    quantize = QUANTIZERS[method]
+    w = (torch.randn(300, 256) * 0.05).to(torch.bfloat16)
+    w[7, 3] = float("nan")
+    want = quantize(w, native=native)
+    q, s = quantize(torch.randn(300, 256).to(torch.bfloat16) * 100, native=native)
+    q.view(torch.uint8).fill_(0x55)
+    s.view(torch.uint8).fill_(0xAA)
+    got = quantize(w, native=native, out=(q, s))
+    assert got[0] is q and got[1] is s
+    assert_same(got, want, f"{method} into earlier outputs")
+    wrong = (torch.empty(300, 128, dtype=torch.float8_e4m3fn), s)
+    fresh = quantize(w, native=native, out=wrong)
+    assert fresh[0] is not wrong[0] and fresh[1] is not s
+    assert_same(fresh, want, f"{method} with outputs that do not fit")

@@ -45,11 +45,6 @@ def test_unknown_scheme() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
-def test_fsspec_scheme_with_missing_package_names_it() -> None:
-    with pytest.raises(UnsupportedURLError, match="gcsfs"):
-        open_store("gs://bucket/run")
-
-
 def test_other_fsspec_scheme_goes_to_fsspec(tmp_path) -> None:
     """A scheme deltastore has no backend of its own for goes to fsspec (fsspec's own
     protocols here, so the test needs no optional package)."""

@@ -26,9 +26,9 @@ from deltastore.write.sharded import ShardedPublisher
 
 PACKAGE = Path(deltastore.__file__).parent
 #: The most parameters a writer's constructor takes (``self`` not counted): the Publisher's
-#: where (url, store, storage_options), what is served (dtype, formats), the signing key, and
-#: five policy values (writer, anchor, layout, async, compact).
-MAX_PARAMETERS = 11
+#: where (url, store, storage_options), what is served (dtype, formats), the signing key, five
+#: policy values (writer, anchor, layout, async, compact) and where its metrics are served.
+MAX_PARAMETERS = 12
 
 
 @pytest.mark.parametrize("cls", [Publisher, ShardedPublisher, BasedWriter, Site, Aggregator, VersionChain])

@@ -1,0 +1,1 @@
+"""Running a fleet of workers: mirrors, one fetch per node, metrics, deadlines, a fleet target."""

@@ -1,0 +1,256 @@
+"""GCSStore against fake-gcs-server over HTTP (it honours ifGenerationMatch), and the probe's
+refusal of gcp-storage-emulator (which ignores it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltastore.errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    BucketNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    UnsafeStoreError,
+    UploadCorruptedError,
+    UnsupportedURLError,
+)
+from deltastore.storage import GCSStore, IfMatch, open_store
+from deltastore.storage._cloud import CORRUPT_UPLOAD_MAX_ATTEMPTS
+from deltastore.storage.probe import require_atomic_writes
+from testkit.cloud_checks import lose_first_response, native_calls
+from testkit.commit_race import race_publishers
+from testkit.contract import StoreContract
+from testkit.proxy import Fault, FaultPlan, FaultProxy, ScriptedProxy
+from testkit.targets import StoreTarget, unique_prefix
+
+pytestmark = pytest.mark.integration
+
+
+class TestGCSFakeServer(StoreContract):
+    @pytest.fixture
+    def store(self, gcs_url):
+        with gcs_url.open() as store:
+            assert isinstance(store, GCSStore)
+            yield store
+
+
+def test_missing_bucket_is_one_typed_line(fake_gcs_server) -> None:
+    url = "gs://no-such-bucket-here/run1"
+    store = open_store(url, storage_options=fake_gcs_server.storage_options())
+    for op in (
+        lambda: store.get("HEAD"),
+        lambda: store.head("HEAD"),
+        lambda: store.put("HEAD", b"x", mode="create"),
+        lambda: store.check_endpoint(),
+    ):
+        with pytest.raises(BucketNotFoundError) as info:
+            op()
+        message = str(info.value)
+        assert "no-such-bucket-here" in message and "\n" not in message
+
+
+def test_unreadable_credentials_are_one_typed_line(fake_gcs_server, tmp_path) -> None:
+    missing = tmp_path / "no-such-key.json"
+    with pytest.raises(AccessDeniedError) as info:
+        open_store("gs://bucket/run1", storage_options=fake_gcs_server.storage_options(token=str(missing)))
+    message = str(info.value)
+    assert "gs://bucket/run1" in message and str(missing) in message and "\n" not in message
+    with pytest.raises(UnsupportedURLError, match="aws_access_key_id"):
+        open_store("gs://bucket/run1", storage_options={"aws_access_key_id": "x"})
+
+
+def test_probe_passes_and_binds_the_endpoint(gcs_url: StoreTarget) -> None:
+    with gcs_url.open() as store:
+        result = require_atomic_writes(store)
+        assert result is not None and result.ok, result.detail
+        assert result.binding.endpoint == gcs_url.storage_options["endpoint_url"]
+        assert result.binding.store == gcs_url.url
+
+
+def test_probe_refuses_a_server_that_ignores_generation_preconditions(gcp_storage_emulator_server) -> None:
+    """gcp-storage-emulator accepts ifGenerationMatch and ignores it: two creates both win."""
+    server = gcp_storage_emulator_server
+    with open_store(server.url(unique_prefix()), storage_options=server.storage_options()) as store:
+        with pytest.raises(UnsafeStoreError) as info:
+            require_atomic_writes(store)
+        message = str(info.value)
+        assert store.url in message and "create-only" in message and "\n" not in message
+        assert require_atomic_writes(store, allow_unsafe_store=True) is None
+
+
+def test_a_precondition_failure_is_never_retried(gcs_url: StoreTarget) -> None:
+    with gcs_url.open() as a, gcs_url.open() as b:
+        first = a.put("HEAD", b"v1", mode="create")  # a knows v1's generation
+        b.put("HEAD", b"v2", mode=IfMatch(b.head("HEAD").etag))
+        with native_calls(a) as seen:
+            with pytest.raises(PreconditionFailedError) as info:
+                a.put("HEAD", b"v3", mode=IfMatch(first.etag))
+        assert seen.writes == 1  # the server's 412, once, not retried as if transient
+        assert "HEAD" in str(info.value) and "\n" not in str(info.value)
+        assert a.get("HEAD") == b"v2"
+
+
+def test_lost_create_and_cas_responses_are_settled_by_reading(gcs_url: StoreTarget) -> None:
+    with gcs_url.open() as store:
+        with lose_first_response(store) as lost:
+            meta = store.put("HEAD", b"v1", mode="create")
+            meta2 = store.put("HEAD", b"v2", mode=IfMatch(meta.etag))
+        assert lost == ["HEAD", "HEAD"]
+        assert store.get_with_meta("HEAD").meta.etag == meta2.etag
+        with lose_first_response(store) as lost, pytest.raises(PreconditionFailedError):
+            store.put("HEAD", b"v3", mode=IfMatch(meta.etag))  # stale: a real refusal, retried or not
+
+
+def test_idle_polls_move_no_body(gcs_url: StoreTarget, fake_gcs_server) -> None:
+    with ScriptedProxy(fake_gcs_server.endpoint_url) as proxy:
+        options = fake_gcs_server.storage_options(endpoint_url=proxy.endpoint_url)
+        with open_store(gcs_url.url, storage_options=options) as store:
+            etag = store.put("HEAD", b"v1" * 100, mode="create").etag
+            before = len(proxy.requests)
+            for _ in range(5):
+                assert store.get_if_changed("HEAD", etag) is None
+            # Object requests only: the Google client may GET the bucket's metadata once, in the
+            # background, for its trace attributes.
+            polls = [(m, p) for m, p in proxy.requests[before:] if "/o/" in p]
+            assert len(polls) == 5 and not [p for _, p in polls if "alt=media" in p], polls
+            changed = store.put("HEAD", b"v2" * 100, mode=IfMatch(etag))
+            got = store.get_if_changed("HEAD", etag)
+            assert got is not None and got.data == b"v2" * 100 and got.meta.etag == changed.etag
+            assert [p for _, p in proxy.requests[before:] if "alt=media" in p]  # the change moved a body
+
+
+def test_racing_publishers_commit_once_and_a_worker_is_bit_exact(gcs_url: StoreTarget) -> None:
+    outcome = race_publishers(gcs_url, rounds=3, publishers=3)
+    assert outcome.clean, outcome
+    assert outcome.versions == 3 and outcome.no_wins == 0
+
+
+def test_open_store_routes_gs_and_gcs(fake_gcs_server) -> None:
+    for scheme in ("gs", "gcs"):
+        with open_store(f"{scheme}://b/run", storage_options=fake_gcs_server.storage_options()) as store:
+            assert isinstance(store, GCSStore) and store.atomic_conditional_writes
+            assert store.url == "gs://b/run"
+    with pytest.raises(StorageError):  # nothing listens there: a typed error, after few attempts
+        open_store("gs://b/run", storage_options={"endpoint_url": "http://127.0.0.1:9", "retries": 1}).head("k")
+
+
+
+def test_bytes_altered_in_transit_never_stay_stored_nor_read(gcs_url, fake_gcs_server) -> None:
+    """Every upload's body flipped on the way: refused or caught by its MD5, retried, then a
+    typed error and nothing left under the key. A body flipped on the way back is read again."""
+    data = bytes(range(256)) * 40
+    plan = FaultPlan(rate=1.0, mix={"flip": 1.0}, methods=frozenset({"POST"}))
+    with FaultProxy(fake_gcs_server.endpoint_url, plan) as proxy:
+        options = fake_gcs_server.with_endpoint(proxy.endpoint_url).storage_options()
+        with open_store(gcs_url.url, storage_options=options) as store:
+            with pytest.raises(UploadCorruptedError) as info:
+                store.put("objects/blob", data, mode="create")
+            assert "objects/blob" in str(info.value) and "\n" not in str(info.value)
+            assert not store.exists("objects/blob")
+        assert proxy.counts["flip"] == CORRUPT_UPLOAD_MAX_ATTEMPTS
+    with ScriptedProxy(fake_gcs_server.endpoint_url) as proxy:
+        options = fake_gcs_server.with_endpoint(proxy.endpoint_url).storage_options()
+        with open_store(gcs_url.url, storage_options=options) as store:
+            store.put("objects/blob", data, mode="create")
+            proxy.add(Fault("GET", path_part="alt=media", flip_body_byte=100))
+            assert store.get("objects/blob") == data and len(proxy.applied) == 1
+
+
+#: Trials of the bounded campaigns in CI (full sizes: benchmarks.cloud_campaigns' defaults).
+CAMPAIGN_TRIALS = {"faults": 8, "crash": 2}
+#: A higher fault rate than the full run's, so that a few publishes meet faults.
+CAMPAIGN_EXTRA = {"faults": ["--rate", "0.2", "--slow", "0.05"]}
+
+
+@pytest.mark.parametrize("name", list(CAMPAIGN_TRIALS))
+def test_campaign_finds_nothing(name: str, fake_gcs_server) -> None:
+    from benchmarks.cloud_campaigns import run_campaign
+
+    t = run_campaign(name, fake_gcs_server, CAMPAIGN_TRIALS[name], seed=1, extra=CAMPAIGN_EXTRA.get(name))
+    assert t.trials >= CAMPAIGN_TRIALS[name] and sum(t.faults.values()) > 0, t.summary()
+    assert t.extra.get("versions_committed", 0) > 0, t.summary()
+    assert t.clean, t.summary()
+
+
+def test_without_the_sdk_gs_names_the_extra_or_falls_back_to_fsspec(monkeypatch) -> None:
+    """Without google-cloud-storage: gcsfs if installed (checks then writes, so refused for
+    concurrent publishers), else an error naming the extra."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "google.cloud.storage" else real(name, *a))
+    if real("gcsfs") is None:
+        with pytest.raises(UnsupportedURLError) as info:
+            open_store("gs://bucket/run")
+        assert "deltastore-weights[gcs]" in str(info.value) and "gcsfs" in str(info.value)
+    else:
+        store = open_store("gs://bucket/run", storage_options={"token": "anon"})
+        assert not isinstance(store, GCSStore) and not store.atomic_conditional_writes
+        with pytest.raises(UnsafeStoreError):
+            require_atomic_writes(store)
+
+
+def _scripted_gcs(answers: list[tuple[int, dict]]):
+    """An HTTP handler answering GCS JSON API requests from ``answers`` in order (the last one
+    repeats), and the list of paths it was asked for."""
+    import http.server
+    import json as json_module
+
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            if "/o" not in self.path.split("?")[0]:  # the SDK's own bucket-metadata GET (trace attributes)
+                status, body = _error(403, "no storage.buckets.get")
+            else:
+                seen.append(f"{self.command} {self.path}")
+                status, body = answers[min(len(seen), len(answers)) - 1]
+            data = json_module.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    return Handler, seen
+
+
+def _error(code: int, message: str) -> tuple[int, dict]:
+    return code, {"error": {"code": code, "message": message, "errors": [{"message": message}]}}
+
+
+def test_throttling_is_retried_and_a_refusal_is_not(monkeypatch) -> None:
+    """429 (GCS's answer above about one write per second to an object) is retried with backoff;
+    403 is one typed line naming the URL; 412 is answered once, as a refusal."""
+    import deltastore.storage._cloud as cloud
+    from testkit.servers import http_server
+
+    monkeypatch.setattr(cloud, "THROTTLE_BACKOFF_BASE_S", 0.001)
+    meta = {"name": "run/HEAD", "bucket": "b", "generation": "7", "size": "2", "md5Hash": "1B2M2Y8AsgTpgAmY7PhCfg=="}
+    handler, seen = _scripted_gcs([_error(429, "rate limit"), _error(429, "rate limit"), (200, meta)])
+    with http_server(handler) as endpoint:
+        store = open_store("gs://b/run", storage_options={"endpoint_url": endpoint, "retries": 3})
+        assert store.head("HEAD").etag == "d41d8cd98f00b204e9800998ecf8427e"
+    assert len(seen) == 3
+    handler, seen = _scripted_gcs([_error(403, "caller does not have storage.objects.get access")])
+    with http_server(handler) as endpoint:
+        store = open_store("gs://b/run", storage_options={"endpoint_url": endpoint, "retries": 3})
+        with pytest.raises(AccessDeniedError) as info:
+            store.head("HEAD")
+        assert "gs://b/run/HEAD" in str(info.value) and "\n" not in str(info.value)
+    assert len(seen) == 1
+    handler, seen = _scripted_gcs([_error(412, "conditionNotMet")])
+    with http_server(handler) as endpoint:
+        store = open_store("gs://b/run", storage_options={"endpoint_url": endpoint, "retries": 3})
+        with pytest.raises(AlreadyExistsError):
+            store.put("HEAD", b"x", mode="create")
+    assert len(seen) == 1
