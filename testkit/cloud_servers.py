@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -37,6 +36,7 @@ from typing import Any
 
 from deltastore.devserver import READY_POLL_S, free_ports, log_tail, spawn
 from deltastore.errors import DevServerError
+from testkit.servers import npm_cache_dir, npm_install
 
 __all__ = [
     "AZURITE_ACCOUNT",
@@ -205,46 +205,19 @@ def gcp_storage_emulator(bucket: str = TEST_BUCKET) -> Iterator[CloudServer]:
 
 
 def azurite_cache_dir() -> Path:
-    """Where Azurite is installed: ``$XDG_CACHE_HOME/deltastore-test/azurite-VERSION`` (default
-    ``~/.cache``), shared by test runs and pytest-xdist workers."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "deltastore-test" / f"azurite-{AZURITE_VERSION}"
+    """Where Azurite is installed (:func:`testkit.servers.npm_cache_dir`)."""
+    return npm_cache_dir("azurite", AZURITE_VERSION)
 
 
 def install_azurite(cache: Path | None = None) -> Path:
     """Azurite's blob service script in ``cache`` (default :func:`azurite_cache_dir`), installed
-    with npm first when missing, into a fresh directory renamed into place (concurrent installers
-    never see half an install).
+    with npm first when missing (:func:`testkit.servers.npm_install`).
 
     Raises:
         DevServerError: npm is missing or the install failed (with npm's output).
     """
-    cache = cache or azurite_cache_dir()
-    script = cache / "node_modules" / "azurite" / "dist" / "src" / "blob" / "main.js"
-    if script.is_file():
-        return script
-    npm = shutil.which("npm")
-    if npm is None:
-        raise DevServerError("npm not found: install Node.js (with npm) to run the Azure Blob tests")
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
-    try:
-        command = [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", "--no-progress",
-                   f"azurite@{AZURITE_VERSION}"]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=AZURITE_INSTALL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise DevServerError(f"{' '.join(command)} did not finish in {AZURITE_INSTALL_TIMEOUT_S:.0f} s") from None
-        if done.returncode != 0:
-            raise DevServerError(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
-        try:
-            staging.rename(cache)
-        except OSError as e:
-            if not script.is_file():  # not another installer's finished copy
-                raise DevServerError(f"cannot install azurite into {cache} ({e}); delete that directory") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return script
+    return npm_install("azurite", AZURITE_VERSION, "dist/src/blob/main.js", timeout_s=AZURITE_INSTALL_TIMEOUT_S,
+                       cache=cache or azurite_cache_dir())
 
 
 def _create_container(endpoint: str, container: str) -> None:

@@ -34,7 +34,7 @@ from deltastore.devserver import READY_POLL_S, S3Server, find_weed, free_ports, 
 from deltastore.errors import DevServerError
 
 __all__ = ["S3RVER_VERSION", "TEST_BUCKET", "TEST_RETRIES", "S3Server", "ServerStartError", "backend", "find_weed",
-           "free_ports", "install_s3rver", "log_tail", "moto", "s3rver", "s3rver_cache_dir", "seaweedfs"]
+           "free_ports", "install_s3rver", "npm_cache_dir", "npm_install", "log_tail", "moto", "s3rver", "s3rver_cache_dir", "seaweedfs"]
 
 #: Bucket created on each test server.
 TEST_BUCKET = "deltastore-test"
@@ -79,47 +79,70 @@ def seaweedfs(base: Path | None = None, bucket: str = TEST_BUCKET) -> Iterator[S
         yield dataclasses.replace(server, retries=TEST_RETRIES)
 
 
-def s3rver_cache_dir() -> Path:
-    """Where s3rver is installed: ``$XDG_CACHE_HOME/deltastore-test/s3rver-VERSION`` (default
-    ``~/.cache``), shared by test runs and pytest-xdist workers."""
+def npm_cache_dir(package: str, version: str) -> Path:
+    """Where a test server from npm is installed: ``$XDG_CACHE_HOME/deltastore-test/NAME-VERSION``
+    (default ``~/.cache``), shared by test runs and pytest-xdist workers."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "deltastore-test" / f"s3rver-{S3RVER_VERSION}"
+    return cache / "deltastore-test" / f"{package}-{version}"
 
 
-def install_s3rver(cache: Path | None = None) -> Path:
-    """The s3rver script in ``cache`` (default :func:`s3rver_cache_dir`), installed with npm
-    first when missing. Installs into a fresh directory renamed into place, so that concurrent
-    installers (xdist workers) never see half an install.
+def npm_install(package: str, version: str, script: str, *, timeout_s: float, cache: Path | None = None) -> Path:
+    """``script`` (a path inside the installed package) of ``package@version``, installed with
+    npm into ``cache`` (default :func:`npm_cache_dir`) first when missing. One installer at a
+    time (a file lock: xdist workers starting together wait for the first instead of running
+    npm each), into a fresh directory renamed into place, so nobody sees half an install.
 
     Raises:
         ServerStartError: npm is missing or the install failed (with npm's output).
     """
-    cache = cache or s3rver_cache_dir()
-    script = cache / "node_modules" / "s3rver" / "bin" / "s3rver.js"
-    if script.is_file():
-        return script
+    import fcntl
+
+    cache = cache or npm_cache_dir(package, version)
+    path = cache / "node_modules" / package / script
+    if path.is_file():
+        return path
     npm = shutil.which("npm")
     if npm is None:
-        raise ServerStartError("npm not found: install Node.js (with npm) to run the s3rver tests")
+        raise ServerStartError(f"npm not found: install Node.js (with npm) to run the {package} tests")
     cache.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
-    try:
-        command = [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", "--no-progress",
-                   f"s3rver@{S3RVER_VERSION}"]
+    with open(cache.parent / f".{cache.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or by the kernel if we die
+        if path.is_file():  # installed by the process we waited for
+            return path
+        staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=S3RVER_INSTALL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise ServerStartError(f"{' '.join(command)} did not finish in {S3RVER_INSTALL_TIMEOUT_S:.0f} s") from None
-        if done.returncode != 0:
-            raise ServerStartError(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
-        try:
-            staging.rename(cache)
-        except OSError as e:
-            if not script.is_file():  # not another installer's finished copy
-                raise ServerStartError(f"cannot install s3rver into {cache} ({e}); delete that directory") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return script
+            command = [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", "--no-progress",
+                       f"{package}@{version}"]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise ServerStartError(f"{' '.join(command)} did not finish in {timeout_s:.0f} s") from None
+            if done.returncode != 0:
+                raise ServerStartError(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+            try:
+                staging.rename(cache)
+            except OSError as e:
+                if not path.is_file():
+                    raise ServerStartError(f"cannot install {package} into {cache} ({e}); delete that directory") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def s3rver_cache_dir() -> Path:
+    """Where s3rver is installed (:func:`npm_cache_dir`)."""
+    return npm_cache_dir("s3rver", S3RVER_VERSION)
+
+
+def install_s3rver(cache: Path | None = None) -> Path:
+    """The s3rver script in ``cache`` (default :func:`s3rver_cache_dir`), installed with npm
+    first when missing (:func:`npm_install`).
+
+    Raises:
+        ServerStartError: npm is missing or the install failed (with npm's output).
+    """
+    return npm_install("s3rver", S3RVER_VERSION, "bin/s3rver.js", timeout_s=S3RVER_INSTALL_TIMEOUT_S,
+                       cache=cache or s3rver_cache_dir())
 
 
 @contextlib.contextmanager

@@ -25,8 +25,8 @@ URL has a fresh unique prefix per test, so tests never see each other's objects.
     checking on. If ``weed`` cannot start, the fixture FAILS with the log tail; set
     ``DELTASTORE_SKIP_SEAWEEDFS=1`` to skip SeaweedFS tests instead.
 ``any_store_target``
-    Parametrized over ``file``, ``memory``, ``moto`` and ``seaweedfs``, so an end-to-end test
-    runs once per backend. The server-backed params carry the ``integration`` mark
+    Parametrized over ``file``, ``memory``, ``moto``, ``seaweedfs``, ``gcs`` (fake-gcs-server)
+    and ``azure`` (Azurite), so an end-to-end test runs once per backend. The server-backed params carry the ``integration`` mark
     (deselect with ``-m "not integration"``).
 
 Servers (for tests that need the endpoint itself, e.g. bad-credential tests)
@@ -253,6 +253,8 @@ def azure_url(azurite_server) -> StoreTarget:
         "memory",
         pytest.param("moto", marks=pytest.mark.integration),
         pytest.param("seaweedfs", marks=pytest.mark.integration),
+        pytest.param("gcs", marks=pytest.mark.integration),
+        pytest.param("azure", marks=pytest.mark.integration),
     ]
 )
 def any_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
@@ -261,6 +263,5 @@ def any_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTar
         return StoreTarget("file", str(tmp_path / "store"))
     if kind == "memory":
         return StoreTarget("memory", f"memory://{unique_prefix()}")
-    if kind == "moto":
-        return request.getfixturevalue("moto_s3_url")
-    return request.getfixturevalue("seaweedfs_s3_url")
+    return request.getfixturevalue({"moto": "moto_s3_url", "seaweedfs": "seaweedfs_s3_url", "gcs": "gcs_url",
+                                    "azure": "azure_url"}[kind])

@@ -1,5 +1,6 @@
-"""GCSStore against fake-gcs-server over HTTP (it honours ifGenerationMatch), and the probe's
-refusal of gcp-storage-emulator (which ignores it)."""
+"""GCSStore against fake-gcs-server over HTTP (it honours ifGenerationMatch): the contract, GCS's
+own errors and routing, and the probe's refusal of gcp-storage-emulator (which ignores it). What
+GCS and Azure promise alike is tested in test_cloud.py."""
 
 from __future__ import annotations
 
@@ -9,20 +10,14 @@ from deltastore.errors import (
     AccessDeniedError,
     AlreadyExistsError,
     BucketNotFoundError,
-    PreconditionFailedError,
     StorageError,
     UnsafeStoreError,
-    UploadCorruptedError,
     UnsupportedURLError,
 )
-from deltastore.storage import GCSStore, IfMatch, open_store
-from deltastore.storage._cloud import CORRUPT_UPLOAD_MAX_ATTEMPTS
+from deltastore.storage import GCSStore, open_store
 from deltastore.storage.probe import require_atomic_writes
-from testkit.cloud_checks import lose_first_response, native_calls
-from testkit.commit_race import race_publishers
 from testkit.contract import StoreContract
-from testkit.proxy import Fault, FaultPlan, FaultProxy, ScriptedProxy
-from testkit.targets import StoreTarget, unique_prefix
+from testkit.targets import unique_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -60,14 +55,6 @@ def test_unreadable_credentials_are_one_typed_line(fake_gcs_server, tmp_path) ->
         open_store("gs://bucket/run1", storage_options={"aws_access_key_id": "x"})
 
 
-def test_probe_passes_and_binds_the_endpoint(gcs_url: StoreTarget) -> None:
-    with gcs_url.open() as store:
-        result = require_atomic_writes(store)
-        assert result is not None and result.ok, result.detail
-        assert result.binding.endpoint == gcs_url.storage_options["endpoint_url"]
-        assert result.binding.store == gcs_url.url
-
-
 def test_probe_refuses_a_server_that_ignores_generation_preconditions(gcp_storage_emulator_server) -> None:
     """gcp-storage-emulator accepts ifGenerationMatch and ignores it: two creates both win."""
     server = gcp_storage_emulator_server
@@ -77,53 +64,6 @@ def test_probe_refuses_a_server_that_ignores_generation_preconditions(gcp_storag
         message = str(info.value)
         assert store.url in message and "create-only" in message and "\n" not in message
         assert require_atomic_writes(store, allow_unsafe_store=True) is None
-
-
-def test_a_precondition_failure_is_never_retried(gcs_url: StoreTarget) -> None:
-    with gcs_url.open() as a, gcs_url.open() as b:
-        first = a.put("HEAD", b"v1", mode="create")  # a knows v1's generation
-        b.put("HEAD", b"v2", mode=IfMatch(b.head("HEAD").etag))
-        with native_calls(a) as seen:
-            with pytest.raises(PreconditionFailedError) as info:
-                a.put("HEAD", b"v3", mode=IfMatch(first.etag))
-        assert seen.writes == 1  # the server's 412, once, not retried as if transient
-        assert "HEAD" in str(info.value) and "\n" not in str(info.value)
-        assert a.get("HEAD") == b"v2"
-
-
-def test_lost_create_and_cas_responses_are_settled_by_reading(gcs_url: StoreTarget) -> None:
-    with gcs_url.open() as store:
-        with lose_first_response(store) as lost:
-            meta = store.put("HEAD", b"v1", mode="create")
-            meta2 = store.put("HEAD", b"v2", mode=IfMatch(meta.etag))
-        assert lost == ["HEAD", "HEAD"]
-        assert store.get_with_meta("HEAD").meta.etag == meta2.etag
-        with lose_first_response(store) as lost, pytest.raises(PreconditionFailedError):
-            store.put("HEAD", b"v3", mode=IfMatch(meta.etag))  # stale: a real refusal, retried or not
-
-
-def test_idle_polls_move_no_body(gcs_url: StoreTarget, fake_gcs_server) -> None:
-    with ScriptedProxy(fake_gcs_server.endpoint_url) as proxy:
-        options = fake_gcs_server.storage_options(endpoint_url=proxy.endpoint_url)
-        with open_store(gcs_url.url, storage_options=options) as store:
-            etag = store.put("HEAD", b"v1" * 100, mode="create").etag
-            before = len(proxy.requests)
-            for _ in range(5):
-                assert store.get_if_changed("HEAD", etag) is None
-            # Object requests only: the Google client may GET the bucket's metadata once, in the
-            # background, for its trace attributes.
-            polls = [(m, p) for m, p in proxy.requests[before:] if "/o/" in p]
-            assert len(polls) == 5 and not [p for _, p in polls if "alt=media" in p], polls
-            changed = store.put("HEAD", b"v2" * 100, mode=IfMatch(etag))
-            got = store.get_if_changed("HEAD", etag)
-            assert got is not None and got.data == b"v2" * 100 and got.meta.etag == changed.etag
-            assert [p for _, p in proxy.requests[before:] if "alt=media" in p]  # the change moved a body
-
-
-def test_racing_publishers_commit_once_and_a_worker_is_bit_exact(gcs_url: StoreTarget) -> None:
-    outcome = race_publishers(gcs_url, rounds=3, publishers=3)
-    assert outcome.clean, outcome
-    assert outcome.versions == 3 and outcome.no_wins == 0
 
 
 def test_open_store_routes_gs_and_gcs(fake_gcs_server) -> None:
@@ -136,41 +76,6 @@ def test_open_store_routes_gs_and_gcs(fake_gcs_server) -> None:
 
 
 
-def test_bytes_altered_in_transit_never_stay_stored_nor_read(gcs_url, fake_gcs_server) -> None:
-    """Every upload's body flipped on the way: refused or caught by its MD5, retried, then a
-    typed error and nothing left under the key. A body flipped on the way back is read again."""
-    data = bytes(range(256)) * 40
-    plan = FaultPlan(rate=1.0, mix={"flip": 1.0}, methods=frozenset({"POST"}))
-    with FaultProxy(fake_gcs_server.endpoint_url, plan) as proxy:
-        options = fake_gcs_server.with_endpoint(proxy.endpoint_url).storage_options()
-        with open_store(gcs_url.url, storage_options=options) as store:
-            with pytest.raises(UploadCorruptedError) as info:
-                store.put("objects/blob", data, mode="create")
-            assert "objects/blob" in str(info.value) and "\n" not in str(info.value)
-            assert not store.exists("objects/blob")
-        assert proxy.counts["flip"] == CORRUPT_UPLOAD_MAX_ATTEMPTS
-    with ScriptedProxy(fake_gcs_server.endpoint_url) as proxy:
-        options = fake_gcs_server.with_endpoint(proxy.endpoint_url).storage_options()
-        with open_store(gcs_url.url, storage_options=options) as store:
-            store.put("objects/blob", data, mode="create")
-            proxy.add(Fault("GET", path_part="alt=media", flip_body_byte=100))
-            assert store.get("objects/blob") == data and len(proxy.applied) == 1
-
-
-#: Trials of the bounded campaigns in CI (full sizes: benchmarks.cloud_campaigns' defaults).
-CAMPAIGN_TRIALS = {"faults": 8, "crash": 2}
-#: A higher fault rate than the full run's, so that a few publishes meet faults.
-CAMPAIGN_EXTRA = {"faults": ["--rate", "0.2", "--slow", "0.05"]}
-
-
-@pytest.mark.parametrize("name", list(CAMPAIGN_TRIALS))
-def test_campaign_finds_nothing(name: str, fake_gcs_server) -> None:
-    from benchmarks.cloud_campaigns import run_campaign
-
-    t = run_campaign(name, fake_gcs_server, CAMPAIGN_TRIALS[name], seed=1, extra=CAMPAIGN_EXTRA.get(name))
-    assert t.trials >= CAMPAIGN_TRIALS[name] and sum(t.faults.values()) > 0, t.summary()
-    assert t.extra.get("versions_committed", 0) > 0, t.summary()
-    assert t.clean, t.summary()
 
 
 def test_without_the_sdk_gs_names_the_extra_or_falls_back_to_fsspec(monkeypatch) -> None:

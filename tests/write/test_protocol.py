@@ -28,7 +28,7 @@ from testkit.stores import HeadPutHook, WrappedStore, check_invariants, keys, pu
 from testkit.tensors import assert_bits_equal, small_state, snapshot, sparse_edit
 
 #: Racing rounds: enough that both publishers win some, few enough for S3 servers in tests.
-ROUNDS = {"memory": 16, "file": 12, "moto": 6, "seaweedfs": 6}
+ROUNDS = {"memory": 16, "file": 12, "moto": 6, "seaweedfs": 6, "gcs": 6, "azure": 6}
 
 
 @pytest.fixture(params=["memory", "file"])
