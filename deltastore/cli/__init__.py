@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deltastore.cli import aggregate  # federated rounds (design 009), its own module
 
     aggregate.add_parser(add, json_flag)
+    from deltastore.cli import site  # a federated site's commands (design 009), its own module
+
+    site.add_parser(add, json_flag)
     fleet.add_parser(add, json_flag, trusted)  # the fleet target, its own module
 
     from deltastore.cli import mirror  # replicating a store into another bucket, its own module

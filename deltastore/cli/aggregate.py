@@ -61,6 +61,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise argparse.ArgumentTypeError(f"--site names must be unique; {', '.join(twice)} given more than once")
     if args.quorum is not None and args.quorum > len(names):
         raise argparse.ArgumentTypeError(f"--quorum {args.quorum} is more than the {len(names)} site(s) given")
+    unknown = sorted({name for name, _ in args.site_key} - set(names))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--site-key names {', '.join(unknown)}, which no --site gives")
+    if not 0 < args.late_weight <= 1:
+        raise argparse.ArgumentTypeError(f"--late-weight must be in (0, 1], got {args.late_weight}")
+
+
+def site_key_arg(text: str) -> tuple[str, str]:
+    """``NAME=PUBLIC.pem`` of ``--site-key``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PUBLIC.pem, got {text!r}")
+    return name, path
 
 
 def add_parser(add: Any, json_flag: Any) -> None:
@@ -79,6 +92,14 @@ def add_parser(add: Any, json_flag: Any) -> None:
                    help="served dtype of floating tensors (default bfloat16; 'keep' keeps each)")
     p.add_argument("--interval", type=poll_interval, default=2.0,
                    help="seconds between polls of the site stores (default 2)")
+    p.add_argument("--site-key", type=site_key_arg, action="append", default=[], metavar="NAME=PUBLIC.pem",
+                   help="a site's Ed25519 public key (repeatable): that site's results must be signed by one of its "
+                        "keys, else they are refused and named in the round's report")
+    p.add_argument("--late", choices=("drop", "carry"), default="drop",
+                   help="a result that arrives after its round closed: reported and dropped (default), or carried "
+                        "into the next round at --late-weight")
+    p.add_argument("--late-weight", type=float, default=0.5, metavar="W",
+                   help="the staleness discount of a carried late result, in (0, 1] (default 0.5)")
     json_flag(p, "one JSON object per round, one a line")
     p.checks.append(check_args)
 
@@ -113,12 +134,15 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     if initial is None and _global_is_empty(args):
         raise VersionNotFoundError(f"{args.url} has no version yet: the first round needs a global version 1")
 
-    from deltastore.federated import Aggregator
+    from deltastore.federated import Aggregator, LatePolicy
     from deltastore.layout.tensors import torch_dtype
 
     dtype = None if args.dtype == "keep" else torch_dtype(args.dtype)
     opts = options(args)
     sites = dict(args.site)
+    site_keys: dict[str, list[str]] = {}
+    for name, path in args.site_key:
+        site_keys.setdefault(name, []).append(path)
     with contextlib.ExitStack() as stack:
         # Opened like every command's store: an endpoint that is down or not S3 is reported at
         # once, not taken for a site that never reports.
@@ -126,7 +150,8 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
         site_stores = {name: stack.enter_context(open_store(args, write=True, url=url)) for name, url in sites.items()}
         agg = stack.enter_context(Aggregator(args.url, sites, dtype=dtype, storage_options=opts,
                                              site_storage_options=opts, global_store=global_store,
-                                             site_stores=site_stores, poll_interval_s=args.interval))
+                                             site_stores=site_stores, poll_interval_s=args.interval,
+                                             site_keys=site_keys or None, late=LatePolicy(args.late, args.late_weight)))
         agg.start(initial)
         n = 0
         while args.rounds == 0 or n < args.rounds:
@@ -137,8 +162,10 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
             else:
                 refused = [f"{o.site} ({o.error_type})" for o in report.sites if o.status == "refused"]
                 missing = [o.site for o in report.sites if o.status == "missing"]
+                late = [f"{o.site} ({o.status})" for o in report.late]
                 print(f"round on version {report.base}: published version {report.published.version} "
                       f"({size(report.published.bytes_stored)}) from {', '.join(report.accepted)}"
                       + (f"; refused: {', '.join(refused)}" if refused else "")
-                      + (f"; missing: {', '.join(missing)}" if missing else ""))
+                      + (f"; missing: {', '.join(missing)}" if missing else "")
+                      + (f"; late: {', '.join(late)}" if late else ""))
     return EXIT_OK

@@ -3,11 +3,13 @@
 Sites train locally and publish only their change, as *based versions* in their own stores;
 an :class:`Aggregator` waits for a round's quorum, verifies every result against the round's
 base, merges them (weighted average in fp32 of the changes by default) and publishes the next
-global version; each :class:`Site` fast-forwards to it.
+global version; each :class:`Site` fast-forwards to it. A round ends by its deadline; late
+results are dropped or carried (:class:`LatePolicy`); sites may sign their results.
 """
 
-from deltastore.federated.aggregator import Aggregator, RoundReport, SiteOutcome
+from deltastore.federated.aggregator import Aggregator, Gathered, RoundReport, SiteOutcome
 from deltastore.federated.based import BasedResult, BasedWriter, RoundBase, read_based
+from deltastore.federated.late import LatePolicy
 from deltastore.federated.merge import MergeFn, weighted_average
 from deltastore.federated.site import Site, SiteRound
 
@@ -15,6 +17,8 @@ __all__ = [
     "Aggregator",
     "BasedResult",
     "BasedWriter",
+    "Gathered",
+    "LatePolicy",
     "MergeFn",
     "RoundBase",
     "RoundReport",

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -28,8 +30,11 @@ from deltastore.errors import (
     StorageError,
     VersionNotFoundError,
 )
-from deltastore.federated.based import BasedResult, RoundBase, read_based
+from deltastore.federated.based import BasedResult, RoundBase, read_based, same_layout
+from deltastore.federated.late import LatePolicy, carried_tensor
 from deltastore.federated.merge import MergeFn, weighted_average
+from deltastore.format.models import Manifest
+from deltastore.format.signing import KeyLike, TrustedKeys
 from deltastore.format.history import History, VersionInfo
 from deltastore.lifecycle.index import pin, unpin
 from deltastore._util.jobs import default_threads
@@ -47,7 +52,7 @@ POLL_INTERVAL_S = 0.5
 #: Metadata key a site's weight is read from (design 009 D6): its number of training examples.
 WEIGHT_KEY = "num_examples"
 
-Status = Literal["accepted", "refused", "missing"]
+Status = Literal["accepted", "refused", "missing", "carried", "dropped"]
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,14 @@ class SiteOutcome:
     """What one site contributed to a round.
 
     Attributes:
-        site: its name. status: ``accepted`` (merged), ``refused`` (failed a check: ``error``
-            says which, named), ``missing`` (no result against this round's base by the end).
+        site: its name. status: ``accepted`` (merged), ``refused`` (failed a check, a
+            signature check included: ``error`` says which, named, ``error_type`` its class),
+            ``missing`` (no result against this round's base by the end); for a late result
+            (:attr:`RoundReport.late`): ``carried`` (merged with a staleness weight) or
+            ``dropped`` (design 009 D5).
         version: the site version read (None when missing).
-        weight: its weight in the merge (accepted only).
+        base: the global version the result is based on (late results: the previous round's).
+        weight: its weight in the merge (accepted and carried only).
         bytes_up: bytes of packs the site wrote for this result (its version's ``bytes_stored``).
         bytes_read: segment bytes the aggregator read from the site store.
     """
@@ -71,16 +80,30 @@ class SiteOutcome:
     error_type: str | None = None
     bytes_up: int = 0
     bytes_read: int = 0
+    base: int | None = None
 
 
 @dataclass(frozen=True)
 class RoundReport:
-    """One round: its base, what each site did, the version published."""
+    """One round: its base, what each site did, the version published.
+
+    Attributes:
+        base: the round's global version. published: the version it published.
+        sites: one outcome per site (accepted, refused or missing) for this round's base.
+        elapsed_s: from opening the round to its publish.
+        late: late results seen in the round (design 009 D5): ``carried`` or ``dropped``.
+        late_policy: the aggregator's :class:`~deltastore.federated.LatePolicy` mode.
+        collect_s: how long the round waited for results (at most its deadline plus one
+            poll interval).
+    """
 
     base: int
     published: VersionInfo
     sites: tuple[SiteOutcome, ...]
     elapsed_s: float
+    late: tuple[SiteOutcome, ...] = ()
+    late_policy: str = "drop"
+    collect_s: float = 0.0
 
     @property
     def accepted(self) -> list[str]:
@@ -96,24 +119,72 @@ class RoundReport:
             "elements_changed": self.published.elements_changed,
             "accepted": self.accepted,
             "sites": [asdict(s) for s in self.sites],
+            "late": [asdict(s) for s in self.late],
+            "late_policy": self.late_policy,
             "elapsed_s": round(self.elapsed_s, 3),
+            "collect_s": round(self.collect_s, 3),
         }
 
 
-class _SiteReader:
-    """One followed site store: its history (HEAD polled conditionally) and read engine."""
+@dataclass(frozen=True)
+class Gathered:
+    """What :meth:`Aggregator.gather` collected for one round.
 
-    def __init__(self, name: str, store: Store, owned: bool, threads: int):
+    Attributes:
+        results, weights: the accepted results (by site name) and their merge weights.
+        outcomes: one per site (accepted, refused, missing).
+        carried, carried_weights: late results carried into the round, and their weights.
+        late: every late result seen (carried or dropped), as outcomes.
+        collect_s: how long the wait took.
+    """
+
+    results: tuple[BasedResult, ...]
+    weights: tuple[float, ...]
+    outcomes: tuple[SiteOutcome, ...]
+    carried: tuple[BasedResult, ...]
+    carried_weights: tuple[float, ...]
+    late: tuple[SiteOutcome, ...]
+    collect_s: float
+
+
+class _SiteReader:
+    """One followed site store: its history (HEAD polled conditionally), read engine, trusted
+    keys, and the poll in flight (one at a time: History and the engine are not shared)."""
+
+    def __init__(self, name: str, store: Store, owned: bool, threads: int, keys: TrustedKeys | None):
         self.name = name
         self.store = store
         self.owned = owned
         self.history = History(store)
         self.engine = ReadEngine(store, threads)
+        self.keys = keys
+        self.inflight: Future[_Seen] | None = None
+        self.inflight_base = 0  # the round base the poll in flight looks for
 
     def close(self) -> None:
         self.engine.close()
         if self.owned:
             self.store.close()
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """What one poll of a site found: its result for the open round (or None: not yet), and
+    a late result (or the error that refused one)."""
+
+    result: BasedResult | None = None
+    late: BasedResult | None = None
+    late_version: int | None = None
+    late_error: DeltastoreError | None = None
+
+
+@dataclass(frozen=True)
+class _LastRound:
+    """The previous round, held to recognise (and carry) its late results."""
+
+    base: RoundBase
+    state: Mapping[str, torch.Tensor]
+    merged: Mapping[str, int]  # site → the version the round merged
 
 
 class Aggregator:
@@ -133,9 +204,16 @@ class Aggregator:
             global version (``skip_unchanged`` is always False here) and the global store
             stays ungrouped (``group_small_tensors`` False; True is refused): the merge works
             per tensor (design 009).
+        site_keys: site name → the public keys (key objects, PEM bytes or paths) whose
+            signature that site's versions must carry (design 009 D9). A site named here whose
+            version is unsigned or wrongly signed is refused (SignatureError, named in the
+            report) and the round goes on; sites not named are read unsigned.
+        late: what to do with late results (:class:`~deltastore.federated.LatePolicy`;
+            default: drop them, reported).
 
     Raises:
-        ValueError: no site, or ``group_small_tensors=True``.
+        ValueError: no site, ``group_small_tensors=True``, a ``site_keys`` name that is no
+            site, or a key that does not load.
         Everything :class:`~deltastore.Publisher` raises when it opens the global store.
 
     Example::
@@ -152,11 +230,21 @@ class Aggregator:
                  merge: MergeFn = weighted_average, storage_options: Mapping[str, Any] | None = None,
                  site_storage_options: Mapping[str, Any] | None = None, global_store: Store | None = None,
                  site_stores: Mapping[str, Store] | None = None, poll_interval_s: float = POLL_INTERVAL_S,
+                 site_keys: Mapping[str, Iterable[KeyLike]] | None = None, late: LatePolicy = LatePolicy(),
                  **publisher_options: Any):
         named = dict(sites) if isinstance(sites, Mapping) else {f"site-{i}": u for i, u in enumerate(sites)}
         given = dict(site_stores or {})
         if not named and not given:
             raise ValueError("an aggregator needs at least one site")
+        if not isinstance(late, LatePolicy):
+            raise TypeError(f"late must be a LatePolicy, not {type(late).__name__}")
+        unknown = sorted(set(site_keys or {}) - set(named) - set(given))
+        if unknown:
+            raise ValueError(f"site_keys names {', '.join(unknown)}, which is no site of this aggregator "
+                             f"({', '.join(sorted(set(named) | set(given)))})")
+        trusted = {name: TrustedKeys(list(keys)) for name, keys in (site_keys or {}).items()}  # a bad key fails here
+        if not poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s must be above 0, got {poll_interval_s!r}")
         writer = publisher_options.pop("writer_policy", WriterPolicy())
         layout = publisher_options.pop("layout_policy", LayoutPolicy())
         check_policy(writer, WriterPolicy, "writer_policy")
@@ -167,6 +255,7 @@ class Aggregator:
         self.threads = writer.threads or default_threads()
         self.merge_fn = merge
         self.poll_interval_s = poll_interval_s
+        self.late = late
         # Every round must make a new global version (even one where no element moved): the
         # round's identity is its base version, and a repeated base would accept last round's
         # results again. The global store stays ungrouped, whatever its tensor count.
@@ -180,15 +269,18 @@ class Aggregator:
         try:
             for name in sorted(set(named) | set(given)):
                 if name in given:
-                    self._sites[name] = _SiteReader(name, given[name], False, self.threads)
+                    self._sites[name] = _SiteReader(name, given[name], False, self.threads, trusted.get(name))
                 else:
                     store = open_store(named[name], storage_options=dict(site_storage_options or {}))
-                    self._sites[name] = _SiteReader(name, store, True, self.threads)
+                    self._sites[name] = _SiteReader(name, store, True, self.threads, trusted.get(name))
         except BaseException:
             self.close()
             raise
         self._state: dict[str, torch.Tensor] | None = None  # the global version we hold
         self._state_version = 0
+        self._last: _LastRound | None = None  # the previous round (late results are based on it)
+        self._last_late: tuple[SiteOutcome, ...] = ()
+        self._late_results: list[tuple[BasedResult, float]] = []
 
     @property
     def sites(self) -> list[str]:
@@ -247,16 +339,20 @@ class Aggregator:
         except DeltastoreError as e:
             logger.warning("could not unpin global version %d of %s: %s", base.version, self.publisher.url, e)
 
-    def collect(self, base: RoundBase, *, quorum: int | None = None, deadline_s: float | None = None
-                ) -> tuple[list[BasedResult], list[SiteOutcome]]:
+    def gather(self, base: RoundBase, *, quorum: int | None = None, deadline_s: float | None = None) -> Gathered:
         """Wait for the round's results (design 009 D5) and verify each as it appears.
 
         Without a deadline: until ``quorum`` sites (default all) are accepted, for at most
         ``Deadlines().round`` (an hour: a round never waits forever on an unreachable site). With
         one: until every site answered or the deadline passed; then at least ``quorum`` must be
-        accepted.
+        accepted. Sites are polled each on its own thread, ``poll_interval_s`` apart, so a site
+        whose store stalls holds up neither the others nor the round: the wait ends at the
+        deadline plus at most one poll interval, whatever the sites do.
+
         A refused site is not waited for. A result against an older base is a site still in an
-        earlier round (or late): not yet. A late result is dropped.
+        earlier round: not yet. A *late* result (based on the previous round's base, not merged
+        by it) is dropped or carried, as :class:`~deltastore.federated.LatePolicy` says, and
+        reported; the site is still waited for.
 
         Raises:
             QuorumError: the quorum cannot be or was not reached; nothing is published.
@@ -266,14 +362,38 @@ class Aggregator:
         if not 1 <= k <= n:
             raise ValueError(f"quorum must be in [1, {n}], got {quorum}")
         limit_s = Deadlines().round if deadline_s is None else deadline_s
-        end = time.monotonic() + limit_s
+        t0 = time.monotonic()
+        end = t0 + limit_s
         pending = set(self._sites)
         accepted: dict[str, BasedResult] = {}
         outcomes: dict[str, SiteOutcome] = {}
+        late: dict[str, tuple[SiteOutcome, BasedResult | None]] = {}
+        next_poll = dict.fromkeys(pending, t0)
         while True:
+            now = time.monotonic()
             for name in sorted(pending):
+                site = self._sites[name]
+                if site.inflight is None and next_poll[name] <= now:
+                    site.inflight = _spawn(self._poll, name, base, name not in late)
+                    site.inflight_base = base.version
+                    next_poll[name] = now + self.poll_interval_s
+            busy = [self._sites[name].inflight for name in pending if self._sites[name].inflight is not None]
+            idle = [next_poll[name] for name in pending if self._sites[name].inflight is None]
+            wake = min([end, *idle]) if idle else end
+            if busy:
+                wait(busy, timeout=max(0.0, wake - time.monotonic()), return_when=FIRST_COMPLETED)  # type: ignore[arg-type]
+            else:
+                time.sleep(max(0.0, wake - time.monotonic()))
+            for name in sorted(pending):
+                site = self._sites[name]
+                fut = site.inflight
+                if fut is None or not fut.done():
+                    continue
+                site.inflight = None
+                if site.inflight_base != base.version:
+                    continue  # a poll of an earlier round that stalled past it: its answer is not this round's
                 try:
-                    r = self._poll(name, base)
+                    seen = fut.result()
                 except (IntegrityError, FormatError, InvalidStateDictError) as e:  # refused: named, round goes on
                     logger.warning("round on global version %d: site %s refused: %s", base.version, name, e)
                     outcomes[name] = SiteOutcome(name, "refused", error=str(e), error_type=type(e).__name__)
@@ -282,44 +402,115 @@ class Aggregator:
                 except StorageError as e:  # transient (or the site is down): try again next poll
                     logger.info("site %s unreadable for now: %s", name, e)
                     continue
-                if r is not None:
-                    accepted[name] = r
+                if name not in late and (seen.late is not None or seen.late_version is not None):
+                    late[name] = self._late_outcome(name, seen)
+                if seen.result is not None:
+                    accepted[name] = seen.result
                     pending.discard(name)
             if len(accepted) + len(pending) < k:
                 raise QuorumError(f"round on global version {base.version}: {len(accepted)} accepted, "
                                   f"{n - len(accepted) - len(pending)} refused of {n} sites; quorum {k} is out of reach")
-            expired = time.monotonic() >= end
-            if not pending or (deadline_s is None and len(accepted) >= k) or expired:
+            if not pending or (deadline_s is None and len(accepted) >= k) or time.monotonic() >= end:
                 break
-            time.sleep(self.poll_interval_s)
+        waited = time.monotonic() - t0
         if len(accepted) < k:
             raise QuorumError(f"round on global version {base.version}: {len(accepted)} of {n} sites accepted by the "
                               f"deadline ({limit_s:g} s), quorum {k}: nothing published")
-        for name in pending:
+        for name in pending:  # a poll still in flight stays with its site; its answer is dropped
             outcomes[name] = SiteOutcome(name, "missing")
         results = [accepted[name] for name in sorted(accepted)]
-        weights = _weights(results)
+        carried = [(name, r) for name, (_, r) in sorted(late.items()) if r is not None]
+        weights = _weights([*results, *(r for _, r in carried)], [1.0] * len(results) + [self.late.weight] * len(carried))
         for r, w in zip(results, weights):
-            outcomes[r.site] = SiteOutcome(r.site, "accepted", r.info.version, w, bytes_up=r.info.bytes_stored,
-                                           bytes_read=r.bytes_fetched)
-        return results, [outcomes[name] for name in sorted(outcomes)]
+            outcomes[r.site] = SiteOutcome(r.site, "accepted", r.info.version, w, base=base.version,
+                                           bytes_up=r.info.bytes_stored, bytes_read=r.bytes_fetched)
+        late_outcomes = {name: o for name, (o, _) in late.items()}
+        for (name, r), w in zip(carried, weights[len(results):]):
+            late_outcomes[name] = dataclasses.replace(late_outcomes[name], weight=w)
+        return Gathered(tuple(results), tuple(weights[:len(results)]), tuple(outcomes[name] for name in sorted(outcomes)),
+                        tuple(r for _, r in carried), tuple(weights[len(results):]),
+                        tuple(late_outcomes[name] for name in sorted(late_outcomes)), waited)
 
-    def _poll(self, name: str, base: RoundBase) -> BasedResult | None:
+    def collect(self, base: RoundBase, *, quorum: int | None = None, deadline_s: float | None = None
+                ) -> tuple[list[BasedResult], list[SiteOutcome]]:
+        """:meth:`gather`'s fresh results and the sites' outcomes (late results left out).
+
+        Raises:
+            QuorumError: the quorum cannot be or was not reached; nothing is published.
+        """
+        got = self.gather(base, quorum=quorum, deadline_s=deadline_s)
+        return list(got.results), list(got.outcomes)
+
+    def _late_outcome(self, name: str, seen: _Seen) -> tuple[SiteOutcome, BasedResult | None]:
+        last = self._last
+        old = last.base.version if last is not None else None
+        if seen.late_error is not None:
+            e = seen.late_error
+            logger.warning("site %s: late version %s refused: %s", name, seen.late_version, e)
+            return SiteOutcome(name, "dropped", seen.late_version, base=old, error=str(e), error_type=type(e).__name__), None
+        r = seen.late
+        if r is None or self.late.mode == "drop":
+            logger.info("site %s: late version %s (based on global version %s) dropped", name, seen.late_version, old)
+            return SiteOutcome(name, "dropped", seen.late_version, base=old), None
+        logger.info("site %s: late version %d (based on global version %s) carried", name, r.info.version, old)
+        return SiteOutcome(name, "carried", r.info.version, base=old, bytes_up=r.info.bytes_stored,
+                           bytes_read=r.bytes_fetched), r
+
+    def _poll(self, name: str, base: RoundBase, want_late: bool = True) -> _Seen:
+        """One look at a site: its result for ``base`` (verified), and when ``want_late`` a late
+        result before it (or as its HEAD). Runs on a poll thread, one per site at a time."""
         site = self._sites[name]
         head = site.history.poll_head()
         if head is None or not head.manifest:
-            return None
+            return _Seen()
         top = site.history.head_manifest(head)
         assert top is not None
         key, m = top
         if m.base is not None and m.base.lineage == base.lineage and m.base.version < base.version:
-            return None  # the site's result of an earlier round: this round's is not there yet
-        return read_based(name, site.history, site.engine, key, m, base, self.state())
+            # this round's result is not there yet; a late one may be
+            return self._look_late(site, key, m, base) if want_late else _Seen()
+        if site.keys is not None:
+            site.keys.verify(key, m)  # SignatureError (an IntegrityError): refused, named
+        result = read_based(name, site.history, site.engine, key, m, base, self.state())
+        seen = _Seen(result)
+        if want_late and self._last is not None and m.parent_manifest is not None:
+            # a late result the site published just before this one
+            try:
+                pkey, p = site.history.parent(key, m)
+            except (DeltastoreError, StorageError) as e:
+                logger.info("site %s: the version before %d is unreadable (%s): no late result looked for", name, m.version, e)
+                return seen
+            seen = dataclasses.replace(self._look_late(site, pkey, p, base), result=result)
+        return seen
 
-    def merged(self, base: RoundBase, results: Sequence[BasedResult], weights: Sequence[float]) -> dict[str, torch.Tensor]:
-        """The merge of ``results`` on the global state (only tensors a site changed are merged)."""
+    def _look_late(self, site: _SiteReader, key: str, m: Manifest, base: RoundBase) -> _Seen:
+        """``m`` as a late result: None unless it is based on the previous round's base and
+        that round did not merge it; read and verified only when it is to be carried."""
+        last = self._last
+        if last is None or m.base is None or m.base.version != last.base.version or m.base.lineage != last.base.lineage:
+            return _Seen()
+        if last.merged.get(site.name) == m.version:
+            return _Seen()  # merged by its round: the site simply has not answered this one yet
+        if self.late.mode == "drop" or same_layout(last.base.specs, base.specs) is not None:
+            return _Seen(late_version=m.version)  # dropped (a layout change between rounds: nothing to carry it onto)
+        try:
+            if site.keys is not None:
+                site.keys.verify(key, m)
+            r = read_based(site.name, site.history, site.engine, key, m, last.base, last.state)
+        except (IntegrityError, FormatError, InvalidStateDictError) as e:
+            return _Seen(late_version=m.version, late_error=e)
+        return _Seen(late=r, late_version=m.version)
+
+    def merged(self, base: RoundBase, results: Sequence[BasedResult], weights: Sequence[float], *,
+               carried: Sequence[BasedResult] = (), carried_weights: Sequence[float] = ()) -> dict[str, torch.Tensor]:
+        """The merge of ``results`` (and ``carried`` late results, moved onto ``base`` by
+        :func:`~deltastore.federated.late.carried_tensor`) on the global state; only tensors a
+        site changed are merged."""
         state = self.state()
-        changed = {name for r in results for (name, _) in r.chunks}
+        last = self._last
+        if carried and last is None:
+            raise VersionNotFoundError("late results are carried from the previous round, which this aggregator did not run")
+        changed = {name for r in (*results, *carried) for (name, _) in r.chunks}
         out: dict[str, torch.Tensor] = {}
         for name in base.specs:
             b = state[name]
@@ -327,7 +518,11 @@ class Aggregator:
                 out[name] = b
                 continue
             sites = [_site_tensor(r, base.specs[name], b) for r in results]
-            t = self.merge_fn(name, b, sites, list(weights))
+            for r in carried:
+                assert last is not None
+                old = last.state[name]
+                sites.append(carried_tensor(_site_tensor(r, last.base.specs[name], old), old, b))
+            t = self.merge_fn(name, b, sites, [*weights, *carried_weights])
             if t.dtype != b.dtype or t.shape != b.shape:
                 raise InvalidStateDictError(f"merge of tensor {name!r} returned {t.dtype}{list(t.shape)}, "
                                             f"not {b.dtype}{list(b.shape)}")
@@ -336,7 +531,7 @@ class Aggregator:
 
     def run_round(self, *, quorum: int | None = None, deadline_s: float | None = None, step: int | None = None
                   ) -> RoundReport:
-        """One round: pin the base, collect, merge, publish the next global version, unpin.
+        """One round: pin the base, gather, merge, publish the next global version, unpin.
 
         Raises:
             QuorumError: not enough results (nothing published; the base is unpinned).
@@ -345,16 +540,21 @@ class Aggregator:
         t0 = time.monotonic()
         base = self.open_round()
         try:
-            results, outcomes = self.collect(base, quorum=quorum, deadline_s=deadline_s)
-            weights = [o.weight for o in outcomes if o.status == "accepted"]
-            merged = self.merged(base, results, [w for w in weights if w is not None])
-            meta = {"federated": {"base": base.version, "sites": [r.site for r in results],
-                                  "site_versions": {r.site: r.info.version for r in results}}}
-            info = self.publisher.publish(merged, step=step, metadata=meta)
+            got = self.gather(base, quorum=quorum, deadline_s=deadline_s)
+            merged = self.merged(base, got.results, got.weights, carried=got.carried, carried_weights=got.carried_weights)
+            fed: dict[str, Any] = {"base": base.version, "sites": [r.site for r in got.results],
+                                   "site_versions": {r.site: r.info.version for r in got.results}}
+            if got.carried:
+                fed["carried"] = {r.site: r.info.version for r in got.carried}
+            info = self.publisher.publish(merged, step=step, metadata={"federated": fed})
+            # the base's tensors are kept only to carry late results (the tensors this round
+            # changed: one model copy at most); dropping needs only which versions were merged
+            kept = self.state() if self.late.mode == "carry" else {}
+            self._last = _LastRound(base, kept, {r.site: r.info.version for r in got.results})
             self._state, self._state_version = merged, info.version
         finally:
             self.close_round(base)
-        report = RoundReport(base.version, info, tuple(outcomes), time.monotonic() - t0)
+        report = RoundReport(base.version, info, got.outcomes, time.monotonic() - t0, got.late, self.late.mode, got.collect_s)
         logger.info("round on global version %d: published version %d (%d bytes) from %s", base.version,
                     info.version, info.bytes_stored, ", ".join(report.accepted))
         return report
@@ -372,13 +572,35 @@ class Aggregator:
         self.close()
 
 
-def _weights(results: Sequence[BasedResult]) -> list[float]:
-    """Each site's ``num_examples`` normalised, when every site gave a positive one; else equal."""
+def _weights(results: Sequence[BasedResult], discounts: Sequence[float]) -> list[float]:
+    """Each result's ``num_examples`` (or 1 for all, unless every result gave a positive one)
+    times its discount (1 for a fresh result, the staleness weight for a carried one),
+    normalised to sum to 1."""
+    if not results:
+        return []
     counts = [r.metadata.get(WEIGHT_KEY) for r in results]
     if all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in counts):
-        total = float(sum(counts))  # type: ignore[arg-type]
-        return [float(c) / total for c in counts]  # type: ignore[arg-type]
-    return [1.0 / len(results)] * len(results)
+        raw = [float(c) * d for c, d in zip(counts, discounts)]  # type: ignore[arg-type]
+    else:
+        raw = [1.0 * d for d in discounts]
+    total = sum(raw)
+    return [x / total for x in raw]
+
+
+def _spawn(fn: Any, *args: Any) -> Future[Any]:
+    """``fn(*args)`` on a daemon thread, as a Future: a poll stalled on a site's store keeps only
+    its own thread (a daemon, so it never holds up the interpreter's exit)."""
+    fut: Future[Any] = Future()
+    fut.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the round that waits on it
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="deltastore-round-poll", daemon=True).start()
+    return fut
 
 
 def _site_tensor(r: BasedResult, spec: TensorSpec, base: torch.Tensor) -> torch.Tensor:

@@ -117,22 +117,33 @@ class BasedWriter:
             store on open, default True), ``allow_unsafe_store`` and ``max_attempt_s`` (the
             attempt deadline, SPEC §5 step 3a), as for :class:`~deltastore.Publisher`; the other
             fields do not apply (a based version is never skipped nor resumed).
+        signing_key: an Ed25519 private key (a ``cryptography`` key object, PEM bytes or a
+            path) that signs every based version (SPEC §3.1), so that an aggregator holding
+            the site's public key accepts only this site's versions (SPEC §14). None: unsigned.
 
     Raises:
         UnsafeStoreError: the store lacks atomic conditional writes.
         FencedError, CommitUnknownError: from the claim.
+        ValueError: ``signing_key`` is not an Ed25519 private key.
     """
 
-    def __init__(self, store: Store, *, writer_policy: WriterPolicy = WriterPolicy()):
+    def __init__(self, store: Store, *, writer_policy: WriterPolicy = WriterPolicy(), signing_key: Any = None):
         check_policy(writer_policy, WriterPolicy, "writer_policy")
+        key = None
+        if signing_key is not None:
+            from deltastore.format.signing import load_private_key
+
+            key = load_private_key(signing_key)  # a bad key fails before any IO
         require_atomic_writes(store, allow_unsafe_store=writer_policy.allow_unsafe_store)
         self.store = store
         self.writer_policy = writer_policy
         self.writer_id = writer_policy.writer_id or f"site-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.threads = writer_policy.threads or default_threads()
-        # site stores are unsigned (design 009): no key, and no refusal of a signed head
+        # A site signs when given a key. Without one it may continue a signed site store: the
+        # aggregator holding that site's keys refuses the unsigned versions (design 009 D9), and a
+        # site store has no other readers to protect.
         self._chain = VersionChain(store, self.writer_id, anchors=AnchorPolicy(), max_attempt_s=writer_policy.max_attempt_s,
-                                   allow_unsigned=True)
+                                   signing_key=key, allow_unsigned=True)
         self._chain.open(takeover=writer_policy.takeover)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltastore-site-encode")
         self._uploader = ThreadPoolExecutor(max_workers=2 * UPLOADS_IN_FLIGHT, thread_name_prefix="deltastore-site-upload")
@@ -184,6 +195,7 @@ class BasedWriter:
         layout_ref = chain.layout_ref(draft.attempt, layout, chain.tip())
         manifest = chain.header(draft, layout, layout_ref, step=step, metadata=dict(metadata or {}), stats=encoded.stats,
                                 blobs=encoded.blobs, tensors=encoded.entries)
+        manifest = chain.sign(manifest)  # unchanged when this site has no key
         sealed = chain.seal(manifest, encode_manifest(manifest, layout))
         chain.commit(draft, sealed, layout, deadline=deadline)
         logger.info("site %s: version %d based on global version %d: %d bytes, %d elements changed",

@@ -25,12 +25,12 @@ def weighted_average(name: str, base: torch.Tensor, results: Sequence[torch.Tens
     """
     changed = torch.zeros(base.shape, dtype=torch.bool)
     for r in results:
-        changed |= _bits(r) != _bits(base)
+        changed |= bit_pattern(r) != bit_pattern(base)
     if not base.is_floating_point():
         out = base.clone()
         taken = torch.zeros_like(changed)
         for r in results:
-            mine = (_bits(r) != _bits(base)) & ~taken
+            mine = (bit_pattern(r) != bit_pattern(base)) & ~taken
             out[mine] = r[mine]
             taken |= mine
         return out
@@ -41,7 +41,7 @@ def weighted_average(name: str, base: torch.Tensor, results: Sequence[torch.Tens
     return torch.where(changed, acc.to(base.dtype), base)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bit pattern as integers of its width (compares NaNs and ±0 by bits)."""
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.contiguous().view(width) if t.dtype != torch.bool else t.view(torch.uint8)

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from deltastore.errors import VersionNotFoundError
-from deltastore.federated.based import BasedWriter, RoundBase
+from deltastore.federated.based import BasedWriter, RoundBase, specs_of
 from deltastore.format.history import History, VersionInfo
+from deltastore.format.models import Head
 from deltastore.read.subscriber import Subscriber
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -56,6 +57,9 @@ class Site:
         writer_policy: for the site store (see :class:`~deltastore.federated.BasedWriter`:
             ``writer_id``, ``takeover``, ``allow_unsafe_store``, ``max_attempt_s``); its
             ``threads`` are the read and encode threads.
+        signing_key: this site's Ed25519 private key (key object, PEM bytes or path): every
+            result is signed, for an aggregator configured with the site's public keys
+            (``Aggregator(site_keys=...)``, design 009 D9). None: unsigned results.
 
     Example (a transformers Trainer)::
 
@@ -70,14 +74,14 @@ class Site:
     def __init__(self, global_url: str, site_url: str, *, dtype: torch.dtype | None = None,
                  storage_options: Mapping[str, Any] | None = None, site_storage_options: Mapping[str, Any] | None = None,
                  global_store: Store | None = None, site_store: Store | None = None,
-                 writer_policy: WriterPolicy = WriterPolicy()):
+                 writer_policy: WriterPolicy = WriterPolicy(), signing_key: Any = None):
         check_policy(writer_policy, WriterPolicy, "writer_policy")
         self.dtype = dtype
         self._sub = Subscriber(global_url, storage_options=storage_options, store=global_store, threads=writer_policy.threads)
         self._site_store = site_store if site_store is not None else open_store(site_url, storage_options=dict(site_storage_options or {}))
         self._owns_site_store = site_store is None
         try:
-            self._writer = BasedWriter(self._site_store, writer_policy=writer_policy)
+            self._writer = BasedWriter(self._site_store, writer_policy=writer_policy, signing_key=signing_key)
         except BaseException:
             self._sub.close()
             if self._owns_site_store:
@@ -99,21 +103,59 @@ class Site:
             raise VersionNotFoundError("the site has pulled no global version yet")
         return self._weights
 
-    def pull(self) -> tuple[RoundBase, int]:
-        """Fast-forward to the global HEAD's version. Returns the base and the pack bytes read."""
+    def pull(self, version: int | None = None) -> tuple[RoundBase, int]:
+        """Fast-forward to the global HEAD's version (or to ``version``, e.g. the base a
+        training run started from). Returns the base and the pack bytes read.
+
+        Raises:
+            VersionNotFoundError: the global store is empty, or has no such version on HEAD's chain.
+            VersionCollectedError, IntegrityError, StorageError: from the pull.
+        """
         before = self._sub.bytes_fetched
         top = self._history.read_head()
         if top is None or not top[0].manifest:
             raise VersionNotFoundError(f"{self._sub.url} has no global version yet")
         head = top[0]
-        if self._weights is None:
-            self._weights = self._sub.pull(head.version)
+        if version is None or version == head.version:
+            if self._weights is None or (self._base is not None and self._base.version > head.version):
+                self._weights = self._sub.pull(head.version)
+            else:
+                self._sub.pull_into(self._weights, head.version)
+            _, m = self._history.head_manifest(head)  # type: ignore[misc]
+            assert m.layout is not None
+            self._base = RoundBase.of(head, self._history.layout(m.layout))
         else:
-            self._sub.pull_into(self._weights, head.version)
-        _, m = self._history.head_manifest(head)  # type: ignore[misc]
-        assert m.layout is not None
-        self._base = RoundBase.of(head, self._history.layout(m.layout))
+            if not 1 <= version <= head.version:
+                raise VersionNotFoundError(f"{self._sub.url} has versions 1..{head.version}, not {version}")
+            self._weights = self._sub.pull(version)  # verified; an older version is a fresh pull
+            self._base = self._base_at(head, version)
         return self._base, self._sub.bytes_fetched - before
+
+    def _base_at(self, head: Head, version: int) -> RoundBase:
+        """The RoundBase of ``version`` on HEAD's chain (its manifest key names its SHA-256)."""
+        top = self._history.head_manifest(head)
+        assert top is not None
+        key, m = top
+        while m.version > version:
+            key, m = self._history.parent(key, m)
+        assert m.layout is not None and head.lineage is not None
+        sha = key.rsplit("-", 1)[1].split(".", 1)[0]
+        return RoundBase(m.version, key, sha, head.lineage, specs_of(self._history.layout(m.layout), what=key))
+
+    def global_version(self) -> int:
+        """The global HEAD's version (0 while the global store is empty): one small read."""
+        top = self._history.read_head()
+        return 0 if top is None or not top[0].manifest else top[0].version
+
+    def last_base(self) -> int:
+        """The global version this site's latest result is based on (0 before its first):
+        what a restarted site has already answered."""
+        history = History(self._site_store)
+        top = history.read_head()
+        if top is None or not top[0].manifest:
+            return 0
+        got = history.head_manifest(top[0])
+        return 0 if got is None or got[1].base is None else got[1].base.version
 
     def publish_result(self, state: Mapping[str, torch.Tensor], *, num_examples: int | None = None,
                        step: int | None = None, metadata: Mapping[str, Any] | None = None) -> VersionInfo:

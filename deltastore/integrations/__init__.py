@@ -23,4 +23,6 @@ imports any of them:
   version and reports the version actually served into TRL's staleness accounting.
 - :mod:`deltastore.integrations.hostcopy` — ``HostCopy``: the host copy the engine integrations
   share, and its all-or-restored swap.
+- :mod:`deltastore.integrations.flower` — ``DeltastoreFedAvg``, ``FlowerSite``, ``InlineFedAvg``:
+  Flower apps whose messages carry version references instead of weights (server and node side).
 """

@@ -233,9 +233,6 @@ class _Run:
         chain = _Chain(self)
         top_key, top = self._read(lambda: self.history.head_manifest(head), "the head manifest")  # type: ignore[misc]
         chain.add(top_key, top)
-        if top.base is not None:  # design 009, "Not done": the retention rules assume anchors here
-            raise GCRefusedError(f"{self.store.url} is a federated site store (its head version is based on another "
-                                 "store's version): this release does not collect site stores")
 
         # --- step 2: the floor ---------------------------------------------------------------
         low = max(1, head.version - self.keep_last + 1)
@@ -496,6 +493,12 @@ class _Run:
         def walk() -> set[str]:
             m = self.history.manifest(key)
             out: set[str] = set()
+            if m.base is not None:  # a based version (SPEC §14) is its own chain: its manifest, layout, packs
+                out.add(key)
+                if m.layout is not None:
+                    out.add(m.layout.key)
+                out.update(b.key for b in m.blobs)
+                return out
             for k, mm in self.history.anchor_chain(key, m):
                 out.add(k)
                 out.update(self.stream_needs(mm))

@@ -16,6 +16,36 @@ from testkit.federated import initial_state, reference_merge, served, trained
 from testkit.tensors import assert_bits_equal
 
 
+def test_aggregate_cli_refuses_an_unsigned_result_of_a_site_with_a_key(tmp_path, capsys) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    g, sites = str(tmp_path / "global"), {f"s{i}": str(tmp_path / "sites" / f"s{i}") for i in range(2)}
+    init = tmp_path / "init.safetensors"
+    save_file(initial_state(), str(init))
+    key = Ed25519PrivateKey.generate()
+    pub = tmp_path / "s0.pub.pem"
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    site_args = [a for name, u in sites.items() for a in ("--site", f"{name}={u}")]
+    # publishes version 1; no site answers by the deadline: exit 1
+    assert main(["aggregate", g, *site_args, "--init", str(init), "--deadline", "0.2s", "--interval", "0.05"]) == 1
+    capsys.readouterr()
+    ss = [Site(g, u, dtype=torch.bfloat16) for u in sites.values()]  # unsigned, both
+    try:
+        for i, s in enumerate(ss):
+            s.run_round(lambda w, i=i: trained(w, i, 0))
+        assert main(["aggregate", g, *site_args, "--site-key", f"s0={pub}", "--quorum", "1", "--deadline", "1s",
+                     "--interval", "0.05", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["accepted"] == ["s1"], out
+        (s0,) = [o for o in out["sites"] if o["site"] == "s0"]
+        assert s0["status"] == "refused" and "Signature" in s0["error_type"], s0
+    finally:
+        for s in ss:
+            s.close()
+
+
 def test_aggregate_cli_json_rounds(tmp_path, capsys) -> None:
     g, sites = str(tmp_path / "global"), {f"s{i}": str(tmp_path / "sites" / f"s{i}") for i in range(2)}
     for u in (g, *sites.values()):
@@ -57,8 +87,12 @@ def test_aggregate_cli_json_rounds(tmp_path, capsys) -> None:
     (["--interval", "0"], EXIT_USAGE, "--interval"),
     (["--dtype", "int8"], EXIT_USAGE, "--dtype"),
     (["--init", "{root}/missing.safetensors"], EXIT_FAILED, "missing.safetensors"),
+    (["--site-key", "s9={root}/k.pem"], EXIT_USAGE, "no --site gives"),
+    (["--site-key", "s0"], EXIT_USAGE, "NAME=PUBLIC.pem"),
+    (["--late", "keep"], EXIT_USAGE, "--late"),
+    (["--late-weight", "0"], EXIT_USAGE, "--late-weight"),
 ], ids=["no-init", "site-without-name", "site-url", "site-twice", "rounds", "quorum-above-sites", "quorum-0",
-        "interval", "dtype", "init-missing"])
+        "interval", "dtype", "init-missing", "site-key-site", "site-key-form", "late", "late-weight"])
 @pytest.mark.parametrize("global_exists", [False, True], ids=["no-dir", "empty-dir"])
 def test_a_refused_aggregate_leaves_nothing_behind(flags, code, words, global_exists, tmp_path, capsys) -> None:
     g, sites = tmp_path / "global", [tmp_path / "sites" / f"s{i}" for i in range(2)]
