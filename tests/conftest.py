@@ -25,8 +25,9 @@ URL has a fresh unique prefix per test, so tests never see each other's objects.
     checking on. If ``weed`` cannot start, the fixture FAILS with the log tail; set
     ``DELTASTORE_SKIP_SEAWEEDFS=1`` to skip SeaweedFS tests instead.
 ``any_store_target``
-    Parametrized over ``file``, ``memory``, ``moto``, ``seaweedfs``, ``gcs`` (fake-gcs-server)
-    and ``azure`` (Azurite), so an end-to-end test runs once per backend. The server-backed params carry the ``integration`` mark
+    Parametrized over ``file``, ``memory``, ``moto`` and ``seaweedfs``, so an end-to-end test
+    runs once per backend. ``cas_store_target`` adds ``gcs`` (fake-gcs-server) and ``azure``
+    (Azurite), for the commit-protocol tests. The server-backed params carry the ``integration`` mark
     (deselect with ``-m "not integration"``).
 
 Servers (for tests that need the endpoint itself, e.g. bad-credential tests)
@@ -103,6 +104,30 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("hypothesis_profile", None):  # hypothesis' own --hypothesis-profile wins
         return
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or config.getini("hypothesis_profile"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, each worker's first share of the collection starts with its part of the
+    ``slow`` tests. The work-stealing scheduler hands every worker a contiguous share at first
+    and steals from the end of a queue: long tests at the front of every share start at once,
+    side by side, instead of meeting at the end of the run."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if not workers or workers < 2 or not items:
+        return
+    slow = [it for it in items if it.get_closest_marker("slow") is not None]
+    if not slow:
+        return
+    fast = [it for it in items if it.get_closest_marker("slow") is None]
+    shares = [slow[k::workers] for k in range(workers)]
+    ordered: list[pytest.Item] = []
+    remaining = len(items)
+    for k in range(workers):  # the scheduler's split: remaining // workers left, share by share
+        size = remaining // (workers - k)
+        take = max(0, size - len(shares[k]))
+        ordered += shares[k] + fast[:take]
+        del fast[:take]
+        remaining -= size
+    items[:] = ordered + fast
 
 
 # --- moto ---------------------------------------------------------------------------------
@@ -247,17 +272,15 @@ def azure_url(azurite_server) -> StoreTarget:
 # --- every backend ------------------------------------------------------------------------
 
 
-@pytest.fixture(
-    params=[
-        "file",
-        "memory",
-        pytest.param("moto", marks=pytest.mark.integration),
-        pytest.param("seaweedfs", marks=pytest.mark.integration),
-        pytest.param("gcs", marks=pytest.mark.integration),
-        pytest.param("azure", marks=pytest.mark.integration),
-    ]
-)
-def any_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
+#: The backends ``any_store_target`` runs a test on.
+STORE_KINDS = ["file", "memory", pytest.param("moto", marks=pytest.mark.integration),
+               pytest.param("seaweedfs", marks=pytest.mark.integration)]
+#: ... and the native cloud backends, for the commit-protocol tests (``cas_store_target``).
+CAS_STORE_KINDS = [*STORE_KINDS, pytest.param("gcs", marks=pytest.mark.integration),
+                   pytest.param("azure", marks=pytest.mark.integration)]
+
+
+def _store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
     kind = request.param
     if kind == "file":
         return StoreTarget("file", str(tmp_path / "store"))
@@ -265,3 +288,13 @@ def any_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTar
         return StoreTarget("memory", f"memory://{unique_prefix()}")
     return request.getfixturevalue({"moto": "moto_s3_url", "seaweedfs": "seaweedfs_s3_url", "gcs": "gcs_url",
                                     "azure": "azure_url"}[kind])
+
+
+@pytest.fixture(params=STORE_KINDS)
+def any_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
+    return _store_target(request, tmp_path)
+
+
+@pytest.fixture(params=CAS_STORE_KINDS)
+def cas_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
+    return _store_target(request, tmp_path)

@@ -227,6 +227,7 @@ def test_pull_follow_ends_cleanly_on_sigterm(tmp_path: Path, checkpoints: list[P
     assert _same(load_file(str(out)), load_file(str(checkpoints[1])))
 
 
+@pytest.mark.slow
 def test_pull_follow_killed_at_any_time_leaves_out_a_whole_version(tmp_path: Path, checkpoints: list[Path]) -> None:
     """SIGKILL while following (mid-write of OUT or of the cache): OUT is always one whole
     published version, and a restart with the same cache reaches the latest one."""

@@ -265,7 +265,9 @@ def test_unsigned_and_wrongly_signed_site_versions_refused_round_goes_on() -> No
             for i, s in enumerate(sites):
                 s.run_round(lambda w, i=i: trained(w, i, 0))
             base = _current(agg)
-            report = agg.run_round(quorum=2)
+            # with a deadline the round waits for every site's answer (all four answer at once):
+            # without one it would close at its quorum, perhaps before a refused site was read
+            report = agg.run_round(quorum=2, deadline_s=60)
             by = {o.site: o for o in report.sites}
             assert report.accepted == ["site-0", "site-3"]
             assert (by["site-1"].status, by["site-1"].error_type) == ("refused", "SignatureError")

@@ -262,6 +262,7 @@ def test_async_grpo_trainer_publishes_every_sync(tmp_path, monkeypatch) -> None:
         assert torch.equal(final[n], t.to(torch.bfloat16)), n
 
 
+@pytest.mark.slow
 def test_example_trl_grpo_runs(tmp_path) -> None:
     pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore-weights[trl]')")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}

@@ -179,6 +179,7 @@ def _clean(t: Tally) -> None:
     assert t.clean, f"{found}\n{t.summary()}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,backend", list(BACKEND.items()))
 def test_campaign_runs_and_finds_nothing(name: str, backend: str, request: pytest.FixtureRequest) -> None:
     server = request.getfixturevalue(f"{backend}_server")

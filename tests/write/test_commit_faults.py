@@ -2,7 +2,7 @@
 failure; one that did not never leaves HEAD moved.
 
 Faults are injected in-process by wrapping the store (backend-neutral protocol logic); the key
-cases also run against moto server and SeaweedFS through ``any_store_target``.
+cases also run against moto server and SeaweedFS through ``cas_store_target``.
 """
 
 from __future__ import annotations
@@ -292,8 +292,8 @@ def test_spurious_precondition_failure_on_head_is_not_a_conflict_naming_ourselve
 # --- D5: lost HEAD response while another publisher claims the store ------------------------------
 
 
-def test_lost_head_response_during_a_takeover_is_success_then_fenced(any_store_target) -> None:
-    t = any_store_target
+def test_lost_head_response_during_a_takeover_is_success_then_fenced(cas_store_target) -> None:
+    t = cas_store_target
     states = _states(3)
     inner = t.open()
     newcomers: list[Publisher] = []
@@ -358,7 +358,7 @@ def test_two_publishers_opened_on_an_empty_store_the_later_fences_the_earlier(lo
     b.close()
 
 
-def test_racing_trainers_on_an_empty_store_never_interleave(any_store_target) -> None:
+def test_racing_trainers_on_an_empty_store_never_interleave(cas_store_target) -> None:
     """Three trainers open an empty store at once and publish: versions never alternate
     between writers (epochs never go down along the chain), and the last writer is unfenced."""
     n, rounds = 3, 4
@@ -368,7 +368,7 @@ def test_racing_trainers_on_an_empty_store_never_interleave(any_store_target) ->
     def trainer(i: int) -> None:
         barrier.wait()
         try:
-            pub = Publisher(any_store_target.url, storage_options=any_store_target.storage_options,
+            pub = Publisher(cas_store_target.url, storage_options=cas_store_target.storage_options,
                             writer_policy=WriterPolicy(threads=1))
         except FencedError as e:
             results[i].append(e)
@@ -387,7 +387,7 @@ def test_racing_trainers_on_an_empty_store_never_interleave(any_store_target) ->
         t.start()
     for t in threads:
         t.join()
-    store = any_store_target.open()
+    store = cas_store_target.open()
     chain = _manifest_epochs(store)
     assert chain, f"no trainer committed anything: {results}"
     assert [v for v, _, _ in chain] == list(range(1, len(chain) + 1))
@@ -405,9 +405,9 @@ def test_racing_trainers_on_an_empty_store_never_interleave(any_store_target) ->
 # --- on real servers -----------------------------------------------------------------------------
 
 
-def test_lost_responses_on_manifest_and_head_on_a_real_server(any_store_target) -> None:
+def test_lost_responses_on_manifest_and_head_on_a_real_server(cas_store_target) -> None:
     states = _states(4)
-    inner = any_store_target.open()
+    inner = cas_store_target.open()
     times = [0]
     lost_manifest = [0]
 
@@ -421,7 +421,7 @@ def test_lost_responses_on_manifest_and_head_on_a_real_server(any_store_target) 
     store = FaultyStore(inner, _land_then(_Boom("HEAD: 503 after the write (injected)"), times), manifest_hook)
     # skip_unchanged=False: states[3] is published again after its unknown outcome, and must
     # make version 5 even though version 4 (the same state) turned out to have landed.
-    pub = Publisher(any_store_target.url, store=store,
+    pub = Publisher(cas_store_target.url, store=store,
                     writer_policy=WriterPolicy(takeover=True, threads=2, skip_unchanged=False))
     pub.publish(states[0])
     lost_manifest[0] = 1
@@ -435,7 +435,7 @@ def test_lost_responses_on_manifest_and_head_on_a_real_server(any_store_target) 
     store.fail_reads = 0
     assert pub.publish(states[3]).version == 5  # version 4 landed; resolved first
     assert check_invariants(inner) == [1, 2, 3, 4, 5]
-    with Subscriber(any_store_target.url, storage_options=any_store_target.storage_options, threads=2) as sub:
+    with Subscriber(cas_store_target.url, storage_options=cas_store_target.storage_options, threads=2) as sub:
         assert_bits_equal(sub.pull(4), states[3])
         assert_bits_equal(sub.pull(5), states[3])
     assert len(keys(inner, "manifests/")) == 5

@@ -50,8 +50,8 @@ def _sub(target) -> Subscriber:
 # --- racing publishers ----------------------------------------------------------------------
 
 
-def test_racing_publishers_never_fork_history(any_store_target) -> None:
-    rounds = ROUNDS[any_store_target.kind]
+def test_racing_publishers_never_fork_history(cas_store_target) -> None:
+    rounds = ROUNDS[cas_store_target.kind]
     # Both publishers are held at the HEAD write until both are there, so every round is a
     # real race of two conditional writes on the same base (the loser of a round has more to do
     # in the next one, reading the winner's version back, and would otherwise always lose).
@@ -63,9 +63,9 @@ def test_racing_publishers_never_fork_history(any_store_target) -> None:
             at_head.wait(timeout=60)
         return real_put()
 
-    stores = [HeadPutHook(any_store_target.open(), meet_at_head) for _ in range(2)]
+    stores = [HeadPutHook(cas_store_target.open(), meet_at_head) for _ in range(2)]
     # skip_unchanged=False: every round must race to HEAD, even when an edit happens to change nothing
-    pubs = [Publisher(any_store_target.url, store=st,
+    pubs = [Publisher(cas_store_target.url, store=st,
                       writer_policy=WriterPolicy(takeover=False, threads=2, skip_unchanged=False),
                       anchor_policy=AnchorPolicy(every=1000))
             for st in stores]
@@ -118,7 +118,7 @@ def test_racing_publishers_never_fork_history(any_store_target) -> None:
     for st in stores:
         st.close()
 
-    with _sub(any_store_target) as sub:
+    with _sub(cas_store_target) as sub:
         log = sub.log()
         assert [i.version for i in log] == list(range(1, rounds + 2))
         assert [i.parent for i in log] == [None] + list(range(1, rounds + 1))
@@ -129,37 +129,37 @@ def test_racing_publishers_never_fork_history(any_store_target) -> None:
         for v in range(2, rounds + 2):
             sub.pull_into(target, version=v)
             assert_bits_equal(target, winners[v - 1][1], f"version {v}")
-    with any_store_target.open() as store:
+    with cas_store_target.open() as store:
         check_invariants(store)
 
 
-def test_takeover_fences_the_older_publisher(any_store_target) -> None:
-    a = _pub(any_store_target)
+def test_takeover_fences_the_older_publisher(cas_store_target) -> None:
+    a = _pub(cas_store_target)
     s1, s2, s3 = small_state(1), small_state(2), small_state(3)
     a.publish(s1)
-    b = _pub(any_store_target)  # takeover=True by default
+    b = _pub(cas_store_target)  # takeover=True by default
     assert b.epoch > a.epoch
-    with any_store_target.open() as store:
+    with cas_store_target.open() as store:
         head_after_claim = store.get(HEAD_KEY)
     with pytest.raises(FencedError) as exc:
         a.publish(s2)
     assert isinstance(exc.value, ConflictError)
     assert exc.value.head_version == 1 and exc.value.head_writer == b.writer_id
-    with any_store_target.open() as store:
+    with cas_store_target.open() as store:
         assert store.get(HEAD_KEY) == head_after_claim, "a fenced publish must not touch HEAD"
     # Fenced for good, even if it would now be based on the right HEAD; and it stops writing
     # (a zombie trainer must not keep uploading packs nobody will read).
-    with any_store_target.open() as store:
+    with cas_store_target.open() as store:
         before = keys(store)
     with pytest.raises(FencedError):
         a.publish(s2, anchor=True)
-    with any_store_target.open() as store:
+    with cas_store_target.open() as store:
         assert keys(store) == before
     assert b.publish(s3).version == 2
     assert b.publish(small_state(4)).kind == "delta"
     with pytest.raises(FencedError):
         a.publish(s3)
-    assert_bits_equal(pull_fresh(any_store_target.url, storage_options=any_store_target.storage_options), small_state(4))
+    assert_bits_equal(pull_fresh(cas_store_target.url, storage_options=cas_store_target.storage_options), small_state(4))
     a.close()
     b.close()
 
@@ -474,17 +474,17 @@ def _run(target, seed: int, n: int, states: list[dict] | None = None) -> list[di
 
 
 @pytest.mark.parametrize("new_run", ["7 versions", "5 versions", "silent mix"])
-def test_pull_into_refuses_a_replaced_history(any_store_target, new_run: str) -> None:
+def test_pull_into_refuses_a_replaced_history(cas_store_target, new_run: str) -> None:
     """HEAD deleted and a new run published under the same URL: a worker holding version 5 of
     the old run must not fast-forward onto the new run (nor call its version 5 current).
 
     "silent mix": the new run differs from the old one only in a tensor its later versions do
     not touch, so every digest the fast-forward checks would pass and the worker would hold a
     mix of both runs."""
-    old = _run(any_store_target, 1, 6)
-    sub = _sub(any_store_target)
+    old = _run(cas_store_target, 1, 6)
+    sub = _sub(cas_store_target)
     target = sub.pull(5)
-    with any_store_target.open() as store:
+    with cas_store_target.open() as store:
         store.delete(HEAD_KEY)
     if new_run == "silent mix":
         other = small_state(9, rows=64)["t3"]
@@ -493,9 +493,9 @@ def test_pull_into_refuses_a_replaced_history(any_store_target, new_run: str) ->
             nxt = dict(states[-1], t0=states[-1]["t0"].clone())
             nxt["t0"][i, 0] += 1
             states.append(nxt)
-        new = _run(any_store_target, 0, 0, states)
+        new = _run(cas_store_target, 0, 0, states)
     else:
-        new = _run(any_store_target, 2, 7 if new_run == "7 versions" else 5)
+        new = _run(cas_store_target, 2, 7 if new_run == "7 versions" else 5)
     with pytest.raises(HistoryReplacedError) as exc:
         sub.pull_into(target)
     assert "replaced" in str(exc.value) and "Subscriber" in str(exc.value)
@@ -503,11 +503,11 @@ def test_pull_into_refuses_a_replaced_history(any_store_target, new_run: str) ->
     assert_bits_equal(target, old[4], "nothing applied")
     assert sub.version == 5
     # A new subscriber, or pull() on this one, reads the new run; then pull_into follows it.
-    with _sub(any_store_target) as fresh:
+    with _sub(cas_store_target) as fresh:
         assert_bits_equal(fresh.pull(), new[-1])
     target = sub.pull()
     assert_bits_equal(target, new[-1])
-    with _pub(any_store_target) as pub:
+    with _pub(cas_store_target) as pub:
         pub.publish(sparse_edit(new[-1], np.random.default_rng(7)))
     assert sub.pull_into(target).version == len(new) + 1
     sub.close()
