@@ -351,6 +351,7 @@ def _site_killed_mid_upload(global_url: str, site_url: str, options: dict | None
     site.run_round(lambda w: trained(w, 2, 0))
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_site_killed_mid_upload_is_invisible(moto_s3_url) -> None:
     global_url, site_urls = urls(moto_s3_url)

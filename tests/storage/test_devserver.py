@@ -99,6 +99,7 @@ def test_moto_devserver_serves_the_printed_environment_and_stops_on_ctrl_c(tmp_p
     assert not _listening(env["AWS_ENDPOINT_URL"])
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @needs_weed
 def test_seaweedfs_devserver_checks_signatures_and_keeps_data_and_exports_across_restarts(tmp_path, monkeypatch) -> None:

@@ -232,6 +232,7 @@ def test_out_reader_gets_tag_and_bits_of_one_file_when_out_is_replaced_mid_read(
     assert tag is not None and tensors["w"].tolist() == [tag] * 8, f"tag {tag}, bits of {tensors['w'].tolist()}"
 
 
+@pytest.mark.slow
 def test_publish_async_trainer_and_three_follow_workers_stay_bit_exact(seaweedfs_server, tmp_path: Path) -> None:
     server = seaweedfs_server
     url = f"s3://{server.bucket}/e2e-{uuid.uuid4().hex[:12]}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +82,7 @@ def test_large_workloads_are_opt_in_and_big_enough() -> None:
     assert not any(name.startswith("tf") for name in DEFAULT_WORKLOADS)
 
 
+@pytest.mark.slow
 def test_decoder_workload_at_reduced_size() -> None:
     """The tf* training path end to end on a 2-layer, d_model 256 model, 2 AdamW steps."""
     pytest.importorskip("transformers")
@@ -204,25 +204,21 @@ def test_history_benchmark_quick_end_to_end(tmp_path) -> None:
     assert "| tiny-mlp | chain | 12 |" in markdown(res)
 
 
-@pytest.fixture(scope="module")
-def perf_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """One ``benchmarks.perf --quick --rounds 2`` run in both modes (each role runs in fresh
-    processes, so one run serves both tests below)."""
-    from benchmarks.perf import run
-
-    out = tmp_path_factory.mktemp("perf") / "perf.json"
-    return run(quick=True, steps=3, out=out, rounds=2), out  # deltas for steps 1-2, step 3 a forced anchor
-
-
-def test_perf_quick_end_to_end(perf_run) -> None:
-    """``python -m benchmarks.perf --quick``: every role runs in both modes (or says why the
-    native one cannot), every pull is bit-exact, sizes are sane; no timing is asserted."""
+@pytest.mark.slow
+def test_perf_quick_end_to_end(tmp_path) -> None:
+    """``python -m benchmarks.perf --quick --rounds 2``: every role runs in both modes (or says
+    why the native one cannot), every pull is bit-exact, sizes are sane; the publisher and the
+    worker run twice, every timed call of both rounds is in the pooled lists (wall and CPU), the
+    medians are taken over them, each round's paired median is kept, and the report says so. No
+    timing is asserted. One run (each role in fresh processes) serves every check."""
     import json
     import math
+    import statistics
 
-    from benchmarks.perf import ROWS
+    from benchmarks.perf import ROWS, run
 
-    res, out = perf_run
+    out = tmp_path / "perf.json"
+    res = run(quick=True, steps=3, out=out, rounds=2)  # deltas for steps 1-2, step 3 a forced anchor
     assert json.loads(out.read_text())["quick"] is True
     md = out.with_suffix(".md").read_text()
     assert "| delta publish / copy |" in md and "| pull_into (delta) / copy |" in md
@@ -253,14 +249,7 @@ def test_perf_quick_end_to_end(perf_run) -> None:
         assert native["publisher"]["native"] is True and native["ratios"]["exact"] is True
         assert native["same_bytes_as_numpy"] is True  # identical bytes, kernel or not
 
-
-def test_perf_rounds_pool_every_rounds_calls(perf_run) -> None:
-    """``--rounds 2``: the publisher and the worker run twice, every timed call of both rounds is
-    in the pooled lists (wall and CPU), the medians are taken over them, each round's paired
-    median is kept, and the report says so; no timing is asserted."""
-    import statistics
-
-    res, out = perf_run
+    # the two rounds, pooled
     assert res["rounds"] == 2
     m = res["modes"]["numpy"]
     pub, wk = m["publisher"], m["worker"]
