@@ -164,7 +164,7 @@ def test_report_table():
 # --- the campaigns, bounded ------------------------------------------------------------------
 
 #: Trials per campaign in CI. The full sizes are in docs/reliability.md.
-BOUNDED = {"crash": 5, "faults": 12, "races": 12, "corruption": 5, "hostile": 14}
+BOUNDED = {"crash": 5, "faults": 12, "races": 12, "corruption": 5, "hostile": 8}
 #: The server each campaign runs on in CI: a campaign's machinery does not depend on the server,
 #: so each runs once, and both servers are used. Those that race conditional writes or meet
 #: injected faults on every request run on SeaweedFS, the server that checks them as S3 does.
