@@ -29,7 +29,6 @@ against the published state.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -41,6 +40,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from testkit.tensors import state_sha256
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 #: The goal: metrics cost under this fraction of a ``pull_into``.
@@ -48,18 +49,6 @@ GOAL_FRACTION = 0.01
 #: Repetitions of the directly timed per-version metrics calls.
 DIRECT_REPEATS = 2000
 ARMS = ("bare", "deadlines", "deadlines+metrics")
-
-
-def state_sha256(state: dict[str, Any]) -> str:
-    """SHA-256 over the tensors' names and raw bytes, in name order."""
-    import torch
-
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().contiguous()
-        h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 class _Polled:

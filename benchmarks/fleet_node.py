@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -35,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from testkit.tensors import state_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -97,18 +98,6 @@ def _counting(store: Any, counts: dict[str, int], lock: threading.Lock) -> Any:
             store.delete(key)
 
     return Counting()
-
-
-def state_sha256(state: dict[str, Any]) -> str:
-    """SHA-256 over the tensors' names and raw bytes, in name order."""
-    import torch
-
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().contiguous()
-        h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _worker(url: str, node_cache: str | None, versions: int, barrier: Any, out: Any) -> None:

@@ -23,7 +23,6 @@ swap). The followers share this host's cores, so a move's time grows with ``--wo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -35,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from testkit.tensors import state_sha256
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 #: The goal: every follower holds the target's version within this many poll intervals.
@@ -45,16 +46,6 @@ DEFAULT_WORKERS = 8
 DEFAULT_INTERVAL_S = 5.0
 #: Seconds to wait for the whole fleet before the run is called hung.
 CONVERGE_TIMEOUT_S = 900.0
-
-
-def state_sha256(state: dict[str, Any]) -> str:
-    """SHA-256 over every tensor's name and raw bits, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].contiguous()
-        h.update(name.encode())
-        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 class Follower:

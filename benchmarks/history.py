@@ -38,7 +38,6 @@ import argparse
 import collections
 import csv
 import dataclasses
-import hashlib
 import itertools
 import json
 import logging
@@ -61,6 +60,7 @@ from deltastore.lifecycle.gc import collect
 from deltastore.lifecycle.index import read_index
 from deltastore.storage.base import GetResult, ObjectMeta, Store
 from deltastore.write.policy import WriterPolicy
+from testkit.tensors import state_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -224,13 +224,8 @@ def _revision() -> str:
 
 
 def digest(sd: StateDict) -> str:
-    """SHA-256 over names and raw bits of every tensor, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(sd):
-        t = sd[name].detach().contiguous()
-        h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    """SHA-256 over names, dtypes, shapes and raw bits of every tensor, in name order."""
+    return state_sha256(sd)
 
 
 def bit_equal(a: StateDict, b: StateDict) -> bool:

@@ -75,6 +75,33 @@ FULL_PREFIX = "run/full"
 # --- byte accounting ------------------------------------------------------------------------
 
 
+def local_steps(model: Any, tokenizer: Any, opt: torch.optim.Optimizer, pairs: list[tuple[str, str]],
+                weights: dict[str, torch.Tensor], rnd: int, steps: int) -> tuple[dict[str, torch.Tensor], float]:
+    """A site's local training of round ``rnd``: ``model``'s fp32 masters start from the global
+    bf16 ``weights``, then ``steps`` AdamW steps of the demo's contrastive loss on the round's
+    batches of ``pairs``. Returns the bf16 export and the last loss."""
+    def embed(texts: list[str]) -> torch.Tensor:
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
+        hidden = model(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1)
+
+    with torch.no_grad():
+        model.load_state_dict({n: t.to(torch.float32) if t.is_floating_point() else t for n, t in weights.items()})
+    loss = torch.zeros(())
+    for s in range(steps):
+        start = ((rnd * steps + s) * BATCH_SIZE) % len(pairs)
+        batch = [pairs[(start + i) % len(pairs)] for i in range(min(BATCH_SIZE, len(pairs)))]
+        q, p = embed([a for a, _ in batch]), embed([b for _, b in batch])
+        scores = SIMILARITY_SCALE * q @ p.T
+        labels = torch.arange(len(batch))
+        loss = (torch.nn.functional.cross_entropy(scores, labels) + torch.nn.functional.cross_entropy(scores.T, labels)) / 2
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return export_bf16(model), float(loss)
+
+
 def count_bytes(store: Any) -> dict[str, int]:
     """Count the body bytes this process moves through ``store`` (reads and writes), by
     wrapping the instance's methods: what a site's link carries (requests' headers aside)."""
@@ -138,27 +165,8 @@ def site_main(index: int, n_sites: int, global_url: str, site_url: str, options:
         full_client = s3_client(options)
         answers.put({"site": index, "event": "ready"})
 
-        def embed(texts: list[str]) -> torch.Tensor:
-            enc = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
-            hidden = model(**enc).last_hidden_state
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1)
-
         def train(weights: dict[str, torch.Tensor], rnd: int) -> dict[str, torch.Tensor]:
-            with torch.no_grad():  # fp32 masters start from the global bf16 version
-                model.load_state_dict({n: t.to(torch.float32) if t.is_floating_point() else t for n, t in weights.items()})
-            for s in range(steps):
-                start = ((rnd * steps + s) * BATCH_SIZE) % len(pairs)
-                batch = [pairs[(start + i) % len(pairs)] for i in range(min(BATCH_SIZE, len(pairs)))]
-                q, p = embed([a for a, _ in batch]), embed([b for _, b in batch])
-                scores = SIMILARITY_SCALE * q @ p.T
-                labels = torch.arange(len(batch))
-                loss = (torch.nn.functional.cross_entropy(scores, labels)
-                        + torch.nn.functional.cross_entropy(scores.T, labels)) / 2
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            return export_bf16(model)
+            return local_steps(model, tokenizer, opt, pairs, weights, rnd, steps)[0]
 
         while True:
             order = orders.get()

@@ -54,7 +54,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo import MAX_LEN, PAIRS, SIMILARITY_SCALE, WEIGHT_DECAY, export_bf16, model_dir  # noqa: E402
+from demo import PAIRS, WEIGHT_DECAY, export_bf16, model_dir  # noqa: E402
+from federated import local_steps  # noqa: E402
 
 from flwr.app import ArrayRecord, Context, Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
@@ -80,7 +81,6 @@ DEFAULT_ROUNDS = 3
 DEFAULT_STEPS = 2
 #: The demo's fine-tuning learning rate (RL-like, where bf16 changes are sparse).
 DEFAULT_LR = 3e-6
-BATCH_SIZE = 8
 SEED = 0
 #: One simulated node at a time on all the cores: two cores train one MiniLM faster than two
 #: half-cores train two, and every site's held global copy then lives in one actor process.
@@ -139,29 +139,8 @@ def _local(cfg: dict[str, Any], site: int, n_sites: int) -> dict[str, Any]:
 
 def _train(local: dict[str, Any], weights: dict[str, torch.Tensor], site: int, rnd: int, steps: int
            ) -> tuple[dict[str, torch.Tensor], float]:
-    model, tokenizer, opt, pairs = local["model"], local["tokenizer"], local["opt"], local["pairs"]
     torch.manual_seed(SEED + 1000 * rnd + site)  # dropout: the same draws on either transport
-
-    def embed(texts: list[str]) -> torch.Tensor:
-        enc = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
-        hidden = model(**enc).last_hidden_state
-        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1)
-
-    with torch.no_grad():  # fp32 masters start from the global bf16 version
-        model.load_state_dict({n: t.to(torch.float32) if t.is_floating_point() else t for n, t in weights.items()})
-    loss = torch.zeros(())
-    for s in range(steps):
-        start = ((rnd * steps + s) * BATCH_SIZE) % len(pairs)
-        batch = [pairs[(start + i) % len(pairs)] for i in range(min(BATCH_SIZE, len(pairs)))]
-        q, p = embed([a for a, _ in batch]), embed([b for _, b in batch])
-        scores = SIMILARITY_SCALE * q @ p.T
-        labels = torch.arange(len(batch))
-        loss = (torch.nn.functional.cross_entropy(scores, labels) + torch.nn.functional.cross_entropy(scores.T, labels)) / 2
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return export_bf16(model), float(loss)
+    return local_steps(local["model"], local["tokenizer"], local["opt"], local["pairs"], weights, rnd, steps)
 
 
 @client.train()

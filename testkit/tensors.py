@@ -6,6 +6,7 @@ payloads, ``-0.0`` and subnormals count.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 from collections.abc import Mapping
 from typing import Any
@@ -191,3 +192,15 @@ def small_state(seed: int = 0, n: int = 4, rows: int = 32) -> dict[str, torch.Te
     g = torch.Generator().manual_seed(seed)
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.int64]
     return {f"t{i}": torch.randn(rows, 8, generator=g).to(dtypes[i % len(dtypes)]) for i in range(n)}
+
+
+def state_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the names, dtypes, shapes and raw bits of every tensor, in name order: one
+    string that is equal exactly when two states are bit-identical (what benchmarks compare
+    across processes)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(bits(t).tobytes() if t.numel() else b"")
+    return h.hexdigest()

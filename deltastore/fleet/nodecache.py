@@ -71,8 +71,7 @@ from pathlib import Path
 
 from deltastore._util.files import fsync_path
 from deltastore.errors import DeltastoreError, IntegrityError, NodeCacheError
-from deltastore.storage._keys import check_range
-from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
+from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut, check_range
 
 try:
     import fcntl

@@ -40,8 +40,8 @@ from deltastore.errors import (
     StorageError,
     UploadCorruptedError,
 )
-from deltastore.storage._keys import check_key, check_prefix, check_range
-from deltastore.storage.base import EndpointIdentity, GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage._keys import check_key, check_prefix
+from deltastore.storage.base import EndpointIdentity, GetResult, IfMatch, ObjectMeta, PutMode, Store, check_range
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,10 @@ from deltastore.storage._keys import (
     RESERVED_PREFIX,
     check_key,
     check_prefix,
-    check_range,
     content_etag,
     normalize_etag,
 )
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, check_if_match
+from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, check_if_match, check_range
 
 logger = logging.getLogger(__name__)
 

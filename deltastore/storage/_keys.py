@@ -46,18 +46,6 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
-def check_range(byte_range: tuple[int, int] | None) -> tuple[int, int] | None:
-    """Validate a half-open ``[start, stop)`` byte range."""
-    if byte_range is None:
-        return None
-    start, stop = byte_range
-    if start < 0 or stop < start:
-        raise ValueError(
-            f"invalid byte range {byte_range!r}: need 0 <= start <= stop (half-open [start, stop))"
-        )
-    return byte_range
-
-
 def content_etag(data: bytes | memoryview) -> str:
     """The ETag of an object written in one piece: hex MD5 of its bytes, as S3 computes it.
 

@@ -31,9 +31,8 @@ from deltastore.storage._keys import (
     RESERVED_PREFIX,
     check_key,
     check_prefix,
-    check_range,
 )
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, StreamedPut, check_if_match
+from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, StreamedPut, check_if_match, check_range
 
 try:
     import fcntl

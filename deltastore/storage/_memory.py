@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from deltastore.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError
-from deltastore.storage._keys import check_key, check_prefix, check_range, content_etag
-from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage._keys import check_key, check_prefix, content_etag
+from deltastore.storage.base import GetResult, IfMatch, ObjectMeta, PutMode, Store, check_range
 
 logger = logging.getLogger(__name__)
 

@@ -51,8 +51,8 @@ from deltastore.storage._botocore import (
     quote,
     redact_sdk_logs,
 )
-from deltastore.storage._keys import check_key, check_prefix, check_range, normalize_etag
-from deltastore.storage.base import EndpointIdentity, GetResult, IfMatch, ObjectMeta, PutMode, Store
+from deltastore.storage._keys import check_key, check_prefix, normalize_etag
+from deltastore.storage.base import EndpointIdentity, GetResult, IfMatch, ObjectMeta, PutMode, Store, check_range
 
 logger = logging.getLogger(__name__)
 

@@ -68,6 +68,18 @@ class EndpointIdentity:
     server: str = ""
 
 
+def check_range(byte_range: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Validate a half-open ``[start, stop)`` byte range (every store's ``byte_range``)."""
+    if byte_range is None:
+        return None
+    start, stop = byte_range
+    if start < 0 or stop < start:
+        raise ValueError(
+            f"invalid byte range {byte_range!r}: need 0 <= start <= stop (half-open [start, stop))"
+        )
+    return byte_range
+
+
 def check_if_match(name: str, current: str | None, expected: str) -> None:
     """Raise PreconditionFailedError unless an object's ETag ``current`` is ``expected``.
 
