@@ -25,7 +25,10 @@ SMALL_CHUNK_BYTES = 512
 
 
 #: Modules a test's child processes import before any test code runs (see :func:`mp_context`).
-_PRELOAD = ["torch", "torch.distributed", "numpy", "deltastore", "deltastore.write.sharded", "deltastore.lifecycle.gc"]
+#: ``torch.distributed.tensor`` (DTensor, which pulls in sympy) is what a sharded publisher
+#: imports at its first publish: seconds in every rank of every test otherwise.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "deltastore", "deltastore.write.sharded",
+            "deltastore.lifecycle.gc"]
 
 
 def mp_context() -> Any:

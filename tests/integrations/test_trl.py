@@ -262,17 +262,18 @@ def test_async_grpo_trainer_publishes_every_sync(tmp_path, monkeypatch) -> None:
         assert torch.equal(final[n], t.to(torch.bfloat16)), n
 
 
-@pytest.mark.slow
-def test_example_trl_grpo_runs(tmp_path) -> None:
+def test_example_trl_grpo_runs(tmp_path, monkeypatch, capsys) -> None:
+    """examples/trl_grpo.py's ``main`` with its command line, in this process: a fresh
+    interpreter would spend most of the test importing TRL, transformers and datasets again."""
     pytest.importorskip("trl", minversion="1.16", reason="needs trl>=1.16 (pip install 'deltastore-weights[trl]')")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--steps", "2",
-                          "--store", str(tmp_path / "store")],
-                         check=False, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("version")]
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.chdir(tmp_path)
+    code = trl_example().main(["--steps", "2", "--store", str(tmp_path / "store")])
+    out = capsys.readouterr()
+    assert code == 0, out.out[-3000:] + out.err[-3000:]
+    lines = [ln for ln in out.out.splitlines() if ln.startswith("version")]
     assert len(lines) == 3 and "anchor" in lines[0] and "model_version 3" in lines[-1]
-    assert "store head == trainer weights (bf16): True; worker bit-identical: True" in out.stdout
+    assert "store head == trainer weights (bf16): True; worker bit-identical: True" in out.out
 
 
 _RANK_SCRIPT = r'''

@@ -1,5 +1,6 @@
-"""End to end: a trainer publishing with ``publish_async`` and three ``deltastore pull --follow``
-worker processes on a real SeaweedFS; every worker bit-exact at every version.
+"""End to end: a trainer publishing with ``publish_async`` and two ``deltastore pull --follow``
+worker processes (one with a local cache, one without) on a real SeaweedFS; every worker
+bit-exact at every version.
 
 The trainer is a thread of the test (fp32-master TinyTrainer exporting bf16 plus tensors of
 every other dtype); right after each ``publish_async`` returns it scribbles over the tensors it
@@ -36,7 +37,8 @@ from testkit.tensors import TinyTrainer, bits_differ, snapshot
 
 pytestmark = pytest.mark.integration
 
-WORKERS = 3
+#: Worker processes: the last one follows with a local cache, the others without.
+WORKERS = 2
 #: Versions published one at a time (each checked in every worker before the next).
 PACED_VERSIONS = 5
 #: Versions published back to back: the bounded queue blocks, workers may skip some.
@@ -233,7 +235,7 @@ def test_out_reader_gets_tag_and_bits_of_one_file_when_out_is_replaced_mid_read(
 
 
 @pytest.mark.slow
-def test_publish_async_trainer_and_three_follow_workers_stay_bit_exact(seaweedfs_server, tmp_path: Path) -> None:
+def test_publish_async_trainer_and_follow_workers_stay_bit_exact(seaweedfs_server, tmp_path: Path) -> None:
     server = seaweedfs_server
     url = f"s3://{server.bucket}/e2e-{uuid.uuid4().hex[:12]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -258,7 +260,7 @@ def test_publish_async_trainer_and_three_follow_workers_stay_bit_exact(seaweedfs
         expected[first.version] = at_call
         workers = [
             _Worker(f"w{i}", url, tmp_path / f"w{i}.safetensors", env, server.endpoint_url,
-                    cache=tmp_path / "cache-w2" if i == 2 else None)
+                    cache=tmp_path / f"cache-w{i}" if i == WORKERS - 1 else None)
             for i in range(WORKERS)
         ]
         checker = _OutChecker(workers, expected, lock)
