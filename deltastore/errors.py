@@ -31,6 +31,7 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── FormatError (ValueError)                  something this version cannot read
     │   ├── UnsupportedSchemaError
     │   │   └── BaseElsewhereError                a based version read without its base's store
+    │   ├── CompressedVersionError                a compressed site result read by a lossless reader
     │   ├── UnknownCodecError
     │   └── UnknownFormatError                    a serving format nobody defined or nobody published
     ├── InvalidStateDictError (ValueError)        a state dict deltastore cannot publish
@@ -258,6 +259,11 @@ class BaseElsewhereError(UnsupportedSchemaError):
     apply to a version of another store. Read it with :mod:`deltastore.federated`."""
 
 
+class CompressedVersionError(FormatError):
+    """A based version is compressed (SPEC §14.1: a lossy approximation of a site's change) and
+    its reader did not opt in to compressed results (``ResultPolicy(accept_compressed=True)``)."""
+
+
 class UnknownCodecError(FormatError):
     """A blob segment names a codec (or codec version) this deltastore does not know."""
 
@@ -426,6 +432,7 @@ __all__ = [
     "AlreadyExistsError",
     "BucketNotFoundError",
     "CommitUnknownError",
+    "CompressedVersionError",
     "ConcurrentWriteError",
     "ConflictError",
     "CorruptObjectError",

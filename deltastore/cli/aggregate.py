@@ -100,6 +100,9 @@ def add_parser(add: Any, json_flag: Any) -> None:
                         "into the next round at --late-weight")
     p.add_argument("--late-weight", type=float, default=0.5, metavar="W",
                    help="the staleness discount of a carried late result, in (0, 1] (default 0.5)")
+    p.add_argument("--accept-compressed", action="store_true",
+                   help="merge compressed site results (the lossy opt-in tier of `site run --compressed`); "
+                        "without it they are refused and named in the round's report")
     json_flag(p, "one JSON object per round, one a line")
     p.checks.append(check_args)
 
@@ -134,7 +137,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     if initial is None and _global_is_empty(args):
         raise VersionNotFoundError(f"{args.url} has no version yet: the first round needs a global version 1")
 
-    from deltastore.federated import Aggregator, LatePolicy
+    from deltastore.federated import Aggregator, LatePolicy, ResultPolicy
     from deltastore.layout.tensors import torch_dtype
 
     dtype = None if args.dtype == "keep" else torch_dtype(args.dtype)
@@ -151,7 +154,9 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
         agg = stack.enter_context(Aggregator(args.url, sites, dtype=dtype, storage_options=opts,
                                              site_storage_options=opts, global_store=global_store,
                                              site_stores=site_stores, poll_interval_s=args.interval,
-                                             site_keys=site_keys or None, late=LatePolicy(args.late, args.late_weight)))
+                                             results=ResultPolicy(site_keys=site_keys or None,
+                                                                  accept_compressed=args.accept_compressed),
+                                             late=LatePolicy(args.late, args.late_weight)))
         agg.start(initial)
         n = 0
         while args.rounds == 0 or n < args.rounds:

@@ -513,6 +513,10 @@ def _inspect_lines(key: str, m: Any, layout: Any) -> list[str]:
     base = getattr(m, "base", None)
     if base is not None:  # a based version (design 009): its deltas apply to another store's version
         out.append(f"base            version {base.version} of another store: {base.manifest} (lineage {base.lineage})")
+    comp = getattr(m, "compression", None)
+    if comp is not None:  # a compressed site result (SPEC §14.1): lossy, read only by opted-in aggregators
+        out.append(f"compression     {comp.method}: density {comp.density:g}, {comp.bits} bits, error feedback "
+                   f"{'on' if comp.error_feedback else 'off'} (lossy site result)")
     sig = m.signature
     out.append(f"signature       {'none' if sig is None else f'{sig.alg} key {sig.key_id}'}")
     out.append(f"metadata        {json.dumps(m.metadata, sort_keys=True)}")

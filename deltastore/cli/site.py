@@ -16,6 +16,9 @@ The command gets these environment variables (and must write the output file):
   (e.g. ``{"num_examples": 1200}``, the site's weight in the merge);
 - ``DELTASTORE_BASE_VERSION``, ``DELTASTORE_SITE``: the round's global version, the site's name.
 
+``--compressed DENSITY`` (``publish`` and ``run``) sends compressed results instead (the opt-in
+lossy tier, SPEC §14.1), keeping the error feedback in memory (``run``) and in ``--residual``.
+
 Every wait is bounded (``--deadline``): for the next global version, and for the training
 command (killed past it, nothing published). The site store is claimed on start, so a
 restarted site fences its previous process (SPEC §5).
@@ -100,6 +103,35 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
+def _compression_options(p: argparse.ArgumentParser) -> None:
+    """The compressed tier's options (``publish`` and ``run``)."""
+    p.add_argument("--compressed", type=_density, metavar="DENSITY",
+                   help="publish compressed results (lossy, opt-in; the aggregator must --accept-compressed): the "
+                        "DENSITY fraction of each tensor's largest changes, e.g. 0.01, quantized to --bits, the rest "
+                        "kept and sent in later rounds (error feedback)")
+    p.add_argument("--bits", type=positive_int, default=2, help="bits per sent value with --compressed, 1 to 8 (default 2)")
+    p.add_argument("--residual", metavar="FILE.safetensors",
+                   help="with --compressed: the file that keeps the error feedback between runs (read when it exists, "
+                        "rewritten after each result); without it, `publish` sends no error feedback")
+
+
+def _check_compression(args: argparse.Namespace) -> None:
+    if args.compressed is None and args.residual is not None:
+        raise argparse.ArgumentTypeError("--residual keeps the error feedback of --compressed: pass --compressed too")
+    if not 1 <= args.bits <= 8:
+        raise argparse.ArgumentTypeError(f"--bits must be 1 to 8, got {args.bits}")
+
+
+def _density(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"a density is in (0, 1], e.g. 0.01 for 1 %; got {text}")
+    return v
+
+
 def add_parser(add: Any, json_flag: Any) -> None:
     """Register ``site`` and its verbs through the CLI's ``add(name, help, func, parents)``."""
     del json_flag  # each verb has its own --json (the verbs' parents carry it)
@@ -123,6 +155,8 @@ def add_parser(add: Any, json_flag: Any) -> None:
     pb.add_argument("--base-file", metavar="FILE.safetensors", help="the file `site join` wrote: its version is the base")
     pb.add_argument("--num-examples", type=positive_int, help="the site's weight in the merge")
     pb.add_argument("--metadata", type=json_object, metavar="JSON", help="a JSON object recorded with the result")
+    _compression_options(pb)
+    pb.checks.append(_check_compression)
     pb.set_defaults(func=cmd_publish)
 
     r = verbs.add_parser("run", parents=[common], help="for each round: pull, run COMMAND, publish its output",
@@ -136,6 +170,8 @@ def add_parser(add: Any, json_flag: Any) -> None:
                    help=f"seconds between looks at the global HEAD (default {DEFAULT_INTERVAL_S:g})")
     r.add_argument("--num-examples", type=positive_int, help="the site's weight (unless the command writes its own)")
     r.add_argument("--workdir", metavar="DIR", help="where the round's files go (default: a temporary directory)")
+    _compression_options(r)
+    r.checks.append(_check_compression)
     r.set_defaults(func=cmd_run)
     r.takes_command = True
 
@@ -171,9 +207,14 @@ def cmd_site(args: argparse.Namespace) -> int:  # pragma: no cover - argparse re
 @contextlib.contextmanager
 def _site(args: argparse.Namespace) -> Iterator[Any]:
     """A :class:`~deltastore.federated.Site` on the command line's stores (closed after)."""
-    from deltastore.federated import Site
+    from deltastore.federated import Compression, Site
     from deltastore.write.policy import WriterPolicy
 
+    compression = None
+    if getattr(args, "compressed", None) is not None:
+        # `run` keeps the error in memory between its rounds; `publish` only through --residual
+        compression = Compression(density=args.compressed, bits=args.bits,
+                                  error_feedback=args.residual is not None or args.site_command == "run")
     with contextlib.ExitStack() as stack:
         global_store = stack.enter_context(open_store(args))
         site_store = stack.enter_context(open_store(args, write=True, url=args.site_url))
@@ -181,7 +222,8 @@ def _site(args: argparse.Namespace) -> Iterator[Any]:
         site = stack.enter_context(Site(args.url, args.site_url, storage_options=options(args),
                                         site_storage_options=options(args), global_store=global_store,
                                         site_store=site_store, writer_policy=WriterPolicy(writer_id=writer),
-                                        signing_key=args.signing_key))
+                                        signing_key=args.signing_key, compression=compression,
+                                        residual_path=getattr(args, "residual", None) if compression else None))
         yield site
 
 
@@ -203,8 +245,9 @@ def _file_version(path: str) -> int | None:
     return int(v) if v is not None and v.isdigit() else None
 
 
-def _as_base(state: Mapping[str, Any], base: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """``state``'s floating tensors in the base's dtypes (a trainer may save fp32 masters)."""
+def _as_base(state: Mapping[str, Any], base: Mapping[str, Any], path: str, *, cast: bool = True) -> dict[str, Any]:
+    """``state``'s floating tensors in the base's dtypes (a trainer may save fp32 masters);
+    with ``cast`` False, as they are (the compressed tier takes the change at full precision)."""
     from deltastore.errors import SiteLayoutError
 
     missing = sorted(set(base) - set(state))
@@ -215,7 +258,7 @@ def _as_base(state: Mapping[str, Any], base: Mapping[str, Any], path: str) -> di
     out = {}
     for n, t in state.items():
         b = base[n]
-        out[n] = t.to(b.dtype) if t.is_floating_point() and b.is_floating_point() else t
+        out[n] = t.to(b.dtype) if cast and t.is_floating_point() and b.is_floating_point() else t
     return out
 
 
@@ -223,7 +266,8 @@ def _publish(site: Any, state: Mapping[str, Any], path: str, args: argparse.Name
              metadata: Mapping[str, Any]) -> Any:
     meta = {"site": args.name, **metadata}
     n = meta.pop("num_examples", None) if "num_examples" in meta else args.num_examples
-    return site.publish_result(_as_base(state, site.weights, path), num_examples=n, metadata=meta)
+    return site.publish_result(_as_base(state, site.weights, path, cast=site.compressor is None), num_examples=n,
+                               metadata=meta)
 
 
 def _line(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -30,11 +30,12 @@ from deltastore.errors import (
     StorageError,
     VersionNotFoundError,
 )
-from deltastore.federated.based import BasedResult, RoundBase, read_based, same_layout
+from deltastore.federated.based import BasedResult, RoundBase, read_based, same_layout, specs_of
 from deltastore.federated.late import LatePolicy, carried_tensor
-from deltastore.federated.merge import MergeFn, weighted_average
-from deltastore.format.models import Manifest
-from deltastore.format.signing import KeyLike, TrustedKeys
+from deltastore.federated.accept import ResultPolicy
+from deltastore.federated.merge import MergeFn, StateMerge, weighted_average
+from deltastore.format.models import Head, Manifest
+from deltastore.format.signing import TrustedKeys
 from deltastore.format.history import History, VersionInfo
 from deltastore.lifecycle.index import pin, unpin
 from deltastore._util.jobs import default_threads
@@ -70,6 +71,7 @@ class SiteOutcome:
         weight: its weight in the merge (accepted and carried only).
         bytes_up: bytes of packs the site wrote for this result (its version's ``bytes_stored``).
         bytes_read: segment bytes the aggregator read from the site store.
+        compressed: the result is compressed (SPEC §14.1; accepted with ``accept_compressed``).
     """
 
     site: str
@@ -81,6 +83,7 @@ class SiteOutcome:
     bytes_up: int = 0
     bytes_read: int = 0
     base: int | None = None
+    compressed: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,11 @@ class Aggregator:
         global_url: the global store (written by this aggregator only).
         sites: site name → site store URL (or a list of URLs, named ``site-0``, ``site-1``, …).
         dtype: the served dtype (as :class:`~deltastore.Publisher`'s ``dtype``).
-        merge: the merge function (default :func:`~deltastore.federated.merge.weighted_average`).
+        merge: the merge function, per tensor (default
+            :func:`~deltastore.federated.merge.weighted_average`), or a
+            :class:`~deltastore.federated.merge.StateMerge` of the whole state, called once per
+            round (for merges that read several tensors at once, e.g.
+            :class:`~deltastore.federated.lora.LoraMerge`'s stacking).
         storage_options / site_storage_options: for the global store / every site store.
         global_store / site_stores: already opened stores to use (not closed by us).
         poll_interval_s: seconds between polls of the site stores while a round waits.
@@ -204,10 +211,11 @@ class Aggregator:
             global version (``skip_unchanged`` is always False here) and the global store
             stays ungrouped (``group_small_tensors`` False; True is refused): the merge works
             per tensor (design 009).
-        site_keys: site name → the public keys (key objects, PEM bytes or paths) whose
-            signature that site's versions must carry (design 009 D9). A site named here whose
-            version is unsigned or wrongly signed is refused (SignatureError, named in the
-            report) and the round goes on; sites not named are read unsigned.
+        results: which site results a round accepts
+            (:class:`~deltastore.federated.ResultPolicy`): the sites' trusted keys (``site_keys``:
+            a site named there whose version is unsigned or wrongly signed is refused,
+            SignatureError, named in the report, and the round goes on) and whether compressed
+            results are merged (``accept_compressed``; default: refused, CompressedVersionError).
         late: what to do with late results (:class:`~deltastore.federated.LatePolicy`;
             default: drop them, reported).
 
@@ -227,22 +235,19 @@ class Aggregator:
     """
 
     def __init__(self, global_url: str, sites: Mapping[str, str] | Sequence[str], *, dtype: torch.dtype | None = None,
-                 merge: MergeFn = weighted_average, storage_options: Mapping[str, Any] | None = None,
+                 merge: MergeFn | StateMerge = weighted_average, storage_options: Mapping[str, Any] | None = None,
                  site_storage_options: Mapping[str, Any] | None = None, global_store: Store | None = None,
                  site_stores: Mapping[str, Store] | None = None, poll_interval_s: float = POLL_INTERVAL_S,
-                 site_keys: Mapping[str, Iterable[KeyLike]] | None = None, late: LatePolicy = LatePolicy(),
-                 **publisher_options: Any):
+                 results: ResultPolicy = ResultPolicy(), late: LatePolicy = LatePolicy(), **publisher_options: Any):
         named = dict(sites) if isinstance(sites, Mapping) else {f"site-{i}": u for i, u in enumerate(sites)}
         given = dict(site_stores or {})
         if not named and not given:
             raise ValueError("an aggregator needs at least one site")
         if not isinstance(late, LatePolicy):
             raise TypeError(f"late must be a LatePolicy, not {type(late).__name__}")
-        unknown = sorted(set(site_keys or {}) - set(named) - set(given))
-        if unknown:
-            raise ValueError(f"site_keys names {', '.join(unknown)}, which is no site of this aggregator "
-                             f"({', '.join(sorted(set(named) | set(given)))})")
-        trusted = {name: TrustedKeys(list(keys)) for name, keys in (site_keys or {}).items()}  # a bad key fails here
+        if not isinstance(results, ResultPolicy):
+            raise TypeError(f"results must be a ResultPolicy, not {type(results).__name__}")
+        trusted = results.trusted(set(named) | set(given))
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be above 0, got {poll_interval_s!r}")
         writer = publisher_options.pop("writer_policy", WriterPolicy())
@@ -254,6 +259,8 @@ class Aggregator:
                              "pass LayoutPolicy(group_small_tensors=False)")
         self.threads = writer.threads or default_threads()
         self.merge_fn = merge
+        self.results = results
+        self.accept_compressed = results.accept_compressed
         self.poll_interval_s = poll_interval_s
         self.late = late
         # Every round must make a new global version (even one where no element moved): the
@@ -299,7 +306,9 @@ class Aggregator:
 
     def start(self, initial_state: Mapping[str, torch.Tensor] | None = None) -> int:
         """Publish ``initial_state`` as version 1 when the global store is empty, else read its
-        head version (verified). Returns the global version held."""
+        head version (verified), and, when a round published it, that round (so that a
+        restarted aggregator still knows the previous round's late results). Returns the
+        global version held."""
         top = self._global.read_head()
         if top is None or not top[0].manifest:
             if initial_state is None:
@@ -308,6 +317,7 @@ class Aggregator:
             self._load(info.version)
         else:
             self._load(top[0].version)
+            self._last = self._round_before(top[0])
         return self._state_version
 
     def _load(self, version: int) -> None:
@@ -326,11 +336,42 @@ class Aggregator:
         head = top[0]
         if head.version != self._state_version:
             self._load(head.version)  # someone else published (or we restarted): serve what HEAD says
+            self._last = self._round_before(head)
         _, m = self._global.head_manifest(head)  # type: ignore[misc]
         assert m.layout is not None
         base = RoundBase.of(head, self._global.layout(m.layout))
         pin(self.publisher.store, base.version, note="federated round base", writer=self.writer_id)
         return base
+
+    def _round_before(self, head: Head) -> _LastRound | None:
+        """The round that published HEAD's version, read back from the store: its base and the
+        site versions it merged (``metadata.federated``, SPEC §14), and, to carry late results,
+        the base's tensors. None when HEAD's version is no round's (the initial version, or
+        another writer's) or its base cannot be read (logged: late results are then not
+        recognised, as before any round)."""
+        got = self._global.head_manifest(head)
+        if got is None:
+            return None
+        fed = got[1].metadata.get("federated")
+        if not isinstance(fed, dict) or not isinstance(fed.get("base"), int) or not isinstance(fed.get("site_versions"), dict):
+            return None
+        merged = {str(k): v for k, v in fed["site_versions"].items() if isinstance(v, int) and not isinstance(v, bool)}
+        try:
+            key, m = self._global.find(fed["base"], head)
+            assert m.layout is not None and head.lineage is not None
+            sha = key.rsplit("-", 1)[1].split(".", 1)[0]
+            base = RoundBase(m.version, key, sha, head.lineage, specs_of(self._global.layout(m.layout), what=key))
+            state: Mapping[str, torch.Tensor] = {}
+            if self.late.mode == "carry":
+                from deltastore.read.subscriber import Subscriber
+
+                with Subscriber(self.publisher.url, store=self.publisher.store, threads=self.threads) as sub:
+                    state = sub.pull(base.version)
+        except (DeltastoreError, StorageError) as e:
+            logger.warning("%s: the round that published version %d cannot be read back (%s): its late results "
+                           "will not be recognised", self.publisher.url, head.version, e)
+            return None
+        return _LastRound(base, state, merged)
 
     def close_round(self, base: RoundBase) -> None:
         """Unpin the round's base (logged, never raised: a leftover pin only keeps objects)."""
@@ -423,7 +464,8 @@ class Aggregator:
         weights = _weights([*results, *(r for _, r in carried)], [1.0] * len(results) + [self.late.weight] * len(carried))
         for r, w in zip(results, weights):
             outcomes[r.site] = SiteOutcome(r.site, "accepted", r.info.version, w, base=base.version,
-                                           bytes_up=r.info.bytes_stored, bytes_read=r.bytes_fetched)
+                                           bytes_up=r.info.bytes_stored, bytes_read=r.bytes_fetched,
+                                           compressed=r.compression is not None)
         late_outcomes = {name: o for name, (o, _) in late.items()}
         for (name, r), w in zip(carried, weights[len(results):]):
             late_outcomes[name] = dataclasses.replace(late_outcomes[name], weight=w)
@@ -454,7 +496,7 @@ class Aggregator:
             return SiteOutcome(name, "dropped", seen.late_version, base=old), None
         logger.info("site %s: late version %d (based on global version %s) carried", name, r.info.version, old)
         return SiteOutcome(name, "carried", r.info.version, base=old, bytes_up=r.info.bytes_stored,
-                           bytes_read=r.bytes_fetched), r
+                           bytes_read=r.bytes_fetched, compressed=r.compression is not None), r
 
     def _poll(self, name: str, base: RoundBase, want_late: bool = True) -> _Seen:
         """One look at a site: its result for ``base`` (verified), and when ``want_late`` a late
@@ -471,7 +513,8 @@ class Aggregator:
             return self._look_late(site, key, m, base) if want_late else _Seen()
         if site.keys is not None:
             site.keys.verify(key, m)  # SignatureError (an IntegrityError): refused, named
-        result = read_based(name, site.history, site.engine, key, m, base, self.state())
+        result = read_based(name, site.history, site.engine, key, m, base, self.state(),
+                            accept_compressed=self.accept_compressed)
         seen = _Seen(result)
         if want_late and self._last is not None and m.parent_manifest is not None:
             # a late result the site published just before this one
@@ -496,7 +539,8 @@ class Aggregator:
         try:
             if site.keys is not None:
                 site.keys.verify(key, m)
-            r = read_based(site.name, site.history, site.engine, key, m, last.base, last.state)
+            r = read_based(site.name, site.history, site.engine, key, m, last.base, last.state,
+                           accept_compressed=self.accept_compressed)
         except (IntegrityError, FormatError, InvalidStateDictError) as e:
             return _Seen(late_version=m.version, late_error=e)
         return _Seen(late=r, late_version=m.version)
@@ -511,18 +555,42 @@ class Aggregator:
         if carried and last is None:
             raise VersionNotFoundError("late results are carried from the previous round, which this aggregator did not run")
         changed = {name for r in (*results, *carried) for (name, _) in r.chunks}
+        weights_all = [*weights, *carried_weights]
+        touched = [{n for (n, _) in r.chunks} for r in (*results, *carried)]
+
+        def site_tensors(name: str) -> list[torch.Tensor | None]:
+            """Each site's tensor ``name`` (None where it changed nothing), carried ones moved onto ``base``."""
+            b = state[name]
+            out: list[torch.Tensor | None] = [_site_tensor(r, base.specs[name], b) if name in touched[i] else None
+                                              for i, r in enumerate(results)]
+            for j, r in enumerate(carried):
+                assert last is not None
+                old = last.state[name]
+                i = len(results) + j
+                out.append(carried_tensor(_site_tensor(r, last.base.specs[name], old), old, b) if name in touched[i] else None)
+            return out
+
+        got: dict[str, torch.Tensor] = {}
+        if isinstance(self.merge_fn, StateMerge):  # every site's changed tensors at once
+            sites: list[dict[str, torch.Tensor]] = [{} for _ in touched]
+            for name in base.specs:
+                if name in changed:
+                    for i, t in enumerate(site_tensors(name)):
+                        if t is not None:
+                            sites[i][name] = t
+            got = dict(self.merge_fn(state, sites, weights_all))
+            unknown = sorted(set(got) - set(base.specs))
+            if unknown:
+                raise InvalidStateDictError(f"the merge returned tensors the global version does not have: {unknown[:5]}")
+        else:  # one tensor at a time: at most one tensor per site in memory
+            for name in base.specs:
+                if name in changed:
+                    b = state[name]
+                    got[name] = self.merge_fn(name, b, [b if t is None else t for t in site_tensors(name)], weights_all)
         out: dict[str, torch.Tensor] = {}
         for name in base.specs:
             b = state[name]
-            if name not in changed:
-                out[name] = b
-                continue
-            sites = [_site_tensor(r, base.specs[name], b) for r in results]
-            for r in carried:
-                assert last is not None
-                old = last.state[name]
-                sites.append(carried_tensor(_site_tensor(r, last.base.specs[name], old), old, b))
-            t = self.merge_fn(name, b, sites, [*weights, *carried_weights])
+            t = got.get(name, b)
             if t.dtype != b.dtype or t.shape != b.shape:
                 raise InvalidStateDictError(f"merge of tensor {name!r} returned {t.dtype}{list(t.shape)}, "
                                             f"not {b.dtype}{list(b.shape)}")
@@ -543,9 +611,14 @@ class Aggregator:
             got = self.gather(base, quorum=quorum, deadline_s=deadline_s)
             merged = self.merged(base, got.results, got.weights, carried=got.carried, carried_weights=got.carried_weights)
             fed: dict[str, Any] = {"base": base.version, "sites": [r.site for r in got.results],
-                                   "site_versions": {r.site: r.info.version for r in got.results}}
+                                   "site_versions": {r.site: r.info.version for r in got.results},
+                                   "merge": merge_name(self.merge_fn)}
             if got.carried:
                 fed["carried"] = {r.site: r.info.version for r in got.carried}
+            compressed = {r.site: r.compression.model_dump(mode="json") for r in (*got.results, *got.carried)
+                          if r.compression is not None}
+            if compressed:
+                fed["compressed"] = compressed
             info = self.publisher.publish(merged, step=step, metadata={"federated": fed})
             # the base's tensors are kept only to carry late results (the tensors this round
             # changed: one model copy at most); dropping needs only which versions were merged
@@ -570,6 +643,13 @@ class Aggregator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def merge_name(fn: Any) -> str:
+    """How a global version's metadata names the merge that made it: a function's name, or an
+    object's ``repr`` (e.g. ``LoraMerge(mode='stack', ...)``, which tells a reader whether the
+    global adapter or the whole model changed)."""
+    return fn.__name__ if hasattr(fn, "__name__") else repr(fn)
 
 
 def _weights(results: Sequence[BasedResult], discounts: Sequence[float]) -> list[float]:

@@ -27,6 +27,7 @@ from deltastore.write.commit import attempt_clock
 from deltastore.write.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
 from deltastore.write.policy import AnchorPolicy, WriterPolicy, check_policy
 from deltastore.errors import (
+    CompressedVersionError,
     DeltastoreError,
     IntegrityError,
     LayoutMismatchError,
@@ -36,7 +37,7 @@ from deltastore.errors import (
 )
 from deltastore.format.history import History, VersionInfo
 from deltastore._util.jobs import default_threads
-from deltastore.format.models import BASE_SCHEMA, BaseRef, Head, Layout, Manifest, layout_of
+from deltastore.format.models import BASE_SCHEMA, BaseRef, CompressionRef, Head, Layout, Manifest, layout_of
 from deltastore.format.manifest import encode_manifest
 from deltastore.read.plan import ChunkPlan, Step
 from deltastore.storage.base import Store
@@ -155,7 +156,8 @@ class BasedWriter:
         return self._chain.version
 
     def publish(self, state: Mapping[str, torch.Tensor], base: RoundBase, base_state: Mapping[str, torch.Tensor], *,
-                step: int | None = None, metadata: Mapping[str, Any] | None = None) -> VersionInfo:
+                step: int | None = None, metadata: Mapping[str, Any] | None = None,
+                compression: CompressionRef | None = None) -> VersionInfo:
         """Commit ``state`` as a based version: deltas against ``base_state`` (the bits of
         ``base``, which the caller pulled and verified).
 
@@ -164,6 +166,8 @@ class BasedWriter:
             base: the global version the round started from.
             base_state: that version's tensors (not modified).
             step, metadata: recorded in the manifest (e.g. ``{"num_examples": n}``).
+            compression: how ``state`` was compressed (SPEC §14.1), recorded in the manifest
+                so that readers know it is not the lossless result; None: lossless.
 
         Returns:
             The committed version's info.
@@ -193,8 +197,9 @@ class BasedWriter:
         )
         # the previous version's layout object when equal (SPEC §1), else a new one
         layout_ref = chain.layout_ref(draft.attempt, layout, chain.tip())
+        more: dict[str, Any] = {} if compression is None else {"compression": compression}
         manifest = chain.header(draft, layout, layout_ref, step=step, metadata=dict(metadata or {}), stats=encoded.stats,
-                                blobs=encoded.blobs, tensors=encoded.entries)
+                                blobs=encoded.blobs, tensors=encoded.entries, **more)
         manifest = chain.sign(manifest)  # unchanged when this site has no key
         sealed = chain.seal(manifest, encode_manifest(manifest, layout))
         chain.commit(draft, sealed, layout, deadline=deadline)
@@ -218,6 +223,7 @@ class BasedResult:
             every chunk the site changed; every other chunk equals the base's.
         metadata: the manifest's user metadata (e.g. ``num_examples``).
         bytes_fetched: segment bytes read from the site store.
+        compression: how the site compressed it (SPEC §14.1); None for a lossless result.
     """
 
     site: str
@@ -226,18 +232,28 @@ class BasedResult:
     chunks: dict[tuple[str, int], np.ndarray]
     metadata: dict[str, Any]
     bytes_fetched: int
+    compression: CompressionRef | None = None
 
 
-def check_based(site: str, url: str, key: str, m: Manifest, layout: Layout, base: RoundBase) -> None:
+def check_based(site: str, url: str, key: str, m: Manifest, layout: Layout, base: RoundBase, *,
+                accept_compressed: bool = False) -> None:
     """SPEC §14's checks of a site version against the round's base, before any segment is read.
 
     Raises:
+        CompressedVersionError: the version is compressed (SPEC §14.1) and ``accept_compressed``
+            is False.
         WrongBaseError: the version is not based, or is based on another version than ``base``
             (key, SHA-256 or lineage differ).
         SiteLayoutError: its layout differs from the base's.
     """
     if m.base is None:
         raise WrongBaseError(f"site {site} ({url}): version {m.version} ({key!r}) is not a based version")
+    if m.compression is not None and not accept_compressed:
+        c = m.compression
+        raise CompressedVersionError(
+            f"site {site} ({url}): version {m.version} ({key!r}) is compressed ({c.method}, density {c.density:g}, "
+            f"{c.bits} bits): a lossy approximation of the site's result, which this reader does not accept; "
+            "opt in with ResultPolicy(accept_compressed=True) (deltastore aggregate --accept-compressed)")
     b = m.base
     if (b.version, b.manifest, b.sha256, b.lineage) != (base.version, base.manifest, base.sha256, base.lineage):
         raise WrongBaseError(
@@ -256,18 +272,20 @@ def check_based(site: str, url: str, key: str, m: Manifest, layout: Layout, base
 
 
 def read_based(site: str, history: History, engine: ReadEngine, key: str, m: Manifest, base: RoundBase,
-               base_state: Mapping[str, torch.Tensor]) -> BasedResult:
+               base_state: Mapping[str, torch.Tensor], *, accept_compressed: bool = False) -> BasedResult:
     """Check and read site version ``m`` (SPEC §14): base and layout, then every segment's
-    SHA-256 and every rebuilt chunk's digest. Nothing is returned unless all pass.
+    SHA-256 and every rebuilt chunk's digest. Nothing is returned unless all pass. A compressed
+    version (SPEC §14.1) is read only with ``accept_compressed``.
 
     Raises:
+        CompressedVersionError: from :func:`check_based`.
         WrongBaseError, SiteLayoutError: from :func:`check_based`.
         IntegrityError: a segment or a rebuilt chunk fails its digest (named: site, chunk).
         NotFoundError, StorageError: a pack is missing or unreadable.
     """
     url = history.store.url
     assert m.layout is not None
-    check_based(site, url, key, m, history.layout(m.layout), base)
+    check_based(site, url, key, m, history.layout(m.layout), base, accept_compressed=accept_compressed)
     plans: list[ChunkPlan] = []
     for t in m.tensors:
         spec = base.specs[t.name]
@@ -290,4 +308,4 @@ def read_based(site: str, history: History, engine: ReadEngine, key: str, m: Man
             raise
         raise IntegrityError(f"site {site} ({url}) version {m.version} ({key!r}): a segment does not decode: {e}") from e
     info = VersionInfo.from_manifest(m, key)
-    return BasedResult(site, key, info, chunks, dict(m.metadata), engine.bytes_fetched - before)
+    return BasedResult(site, key, info, chunks, dict(m.metadata), engine.bytes_fetched - before, m.compression)

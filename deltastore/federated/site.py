@@ -4,6 +4,7 @@ code), publish the local result as a based version into the site's own store."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 
 from deltastore.errors import VersionNotFoundError
 from deltastore.federated.based import BasedWriter, RoundBase, specs_of
+from deltastore.federated.compress import Compression, Compressor
 from deltastore.format.history import History, VersionInfo
 from deltastore.format.models import Head
 from deltastore.read.subscriber import Subscriber
@@ -59,7 +61,14 @@ class Site:
             ``threads`` are the read and encode threads.
         signing_key: this site's Ed25519 private key (key object, PEM bytes or path): every
             result is signed, for an aggregator configured with the site's public keys
-            (``Aggregator(site_keys=...)``, design 009 D9). None: unsigned results.
+            (``ResultPolicy(site_keys=...)``, design 009 D9). None: unsigned results.
+        compression: publish compressed results (the opt-in compressed tier, SPEC §14.1): the
+            top-k of each tensor's change, quantized, with error feedback kept by this site
+            (:attr:`compressor`) between rounds. The aggregator must accept compressed results.
+            None (the default): lossless results.
+        residual_path: with ``compression``, a file that keeps the error feedback across
+            restarts: read on open when it exists, rewritten (atomically) after every result
+            published.
 
     Example (a transformers Trainer)::
 
@@ -74,8 +83,16 @@ class Site:
     def __init__(self, global_url: str, site_url: str, *, dtype: torch.dtype | None = None,
                  storage_options: Mapping[str, Any] | None = None, site_storage_options: Mapping[str, Any] | None = None,
                  global_store: Store | None = None, site_store: Store | None = None,
-                 writer_policy: WriterPolicy = WriterPolicy(), signing_key: Any = None):
+                 writer_policy: WriterPolicy = WriterPolicy(), signing_key: Any = None,
+                 compression: Compression | None = None, residual_path: str | os.PathLike[str] | None = None):
         check_policy(writer_policy, WriterPolicy, "writer_policy")
+        if residual_path is not None and compression is None:
+            raise ValueError("residual_path keeps the compressed tier's error feedback: pass compression= too")
+        #: the compressed tier's state (its residual), None for lossless results
+        self.compressor = Compressor(compression) if compression is not None else None
+        self.residual_path = residual_path
+        if self.compressor is not None and residual_path is not None and os.path.exists(residual_path):
+            self.compressor.load(residual_path)
         self.dtype = dtype
         self._sub = Subscriber(global_url, storage_options=storage_options, store=global_store, threads=writer_policy.threads)
         self._site_store = site_store if site_store is not None else open_store(site_url, storage_options=dict(site_storage_options or {}))
@@ -160,16 +177,32 @@ class Site:
     def publish_result(self, state: Mapping[str, torch.Tensor], *, num_examples: int | None = None,
                        step: int | None = None, metadata: Mapping[str, Any] | None = None) -> VersionInfo:
         """Publish ``state`` (cast to the served dtype) as a based version on the version last
-        pulled. ``num_examples`` is the site's weight in the default merge."""
+        pulled. ``num_examples`` is the site's weight in the default merge. With
+        ``compression``, what is published is the compressed change of ``state`` (as trained,
+        before any cast) on the base, and the site keeps the error."""
         if self._base is None or self._weights is None:
             raise VersionNotFoundError("pull() the global version before publishing a result on it")
         served = {n: t.detach().to("cpu") for n, t in state.items()}
-        if self.dtype is not None:
+        kept: dict[str, torch.Tensor] = {}
+        if self.compressor is not None:
+            kept = dict(self.compressor.residual)  # its tensors are replaced, never changed in place
+            served = self.compressor.compress(served, self._weights)
+        elif self.dtype is not None:
             served = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in served.items()}
         meta = dict(metadata or {})
         if num_examples is not None:
             meta["num_examples"] = int(num_examples)
-        return self._writer.publish(served, self._base, self._weights, step=step, metadata=meta)
+        if self.compressor is None:
+            return self._writer.publish(served, self._base, self._weights, step=step, metadata=meta)
+        try:
+            info = self._writer.publish(served, self._base, self._weights, step=step, metadata=meta,
+                                        compression=self.compressor.compression.ref())
+        except BaseException:
+            self.compressor.residual = kept  # nothing was sent: the next result sends it all again
+            raise
+        if self.residual_path is not None:
+            self.compressor.save(self.residual_path)
+        return info
 
     def run_round(self, train: TrainFn, *, num_examples: int | None = None, step: int | None = None,
                   metadata: Mapping[str, Any] | None = None) -> SiteRound:

@@ -137,6 +137,8 @@ def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:
     doc = m.model_dump(mode="json", by_alias=True, exclude={"blobs", "tensors", "parts"})
     if doc.get("base") is None:  # only based versions carry it (design 009)
         doc.pop("base", None)
+    if doc.get("compression") is None:  # only compressed based versions carry it (SPEC §14.1)
+        doc.pop("compression", None)
     if not doc.get("streams") and doc.get("stream") is None:  # only schema 5 carries them (SPEC §15)
         doc.pop("streams", None)
         doc.pop("stream", None)

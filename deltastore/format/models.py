@@ -74,6 +74,21 @@ class BaseRef(_Model):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
 
+class CompressionRef(_Model):
+    """How a compressed based version was made (schema 4, optional; SPEC §14.1): its state is the
+    base plus a lossy approximation of the site's change (the ``density`` fraction of each
+    tensor's elements with the largest change, their values quantized to ``bits`` bits), not the
+    site's trained state. Its segments are ordinary: every byte a reader applies is exact to what
+    the site published; the field tells readers it is not the lossless result."""
+
+    method: str = Field(pattern=FORMAT_NAME_PATTERN)
+    density: float = Field(gt=0, le=1)
+    bits: int = Field(ge=1, le=16)
+    error_feedback: bool
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
 class SquashRef(_Model):
     """Where a squash manifest ``from → to`` is (SPEC §12); a hint: readers tolerate it missing."""
 
@@ -224,6 +239,9 @@ class Manifest(_Model):
     #: schema 4, optional (design 009): the version of another store this version's delta
     #: segments apply to; absent (not null) from every document without it
     base: BaseRef | None = None
+    #: schema 4, optional (SPEC §14.1): a based version whose state is a compressed change of
+    #: the site's result; absent (not null) from every document without it
+    compression: CompressionRef | None = None
     #: schema 5 (SPEC §15): the serving streams derived from this version, one per format,
     #: sorted by format; absent from every document without them
     streams: tuple[StreamRef, ...] = ()
@@ -258,6 +276,8 @@ class Manifest(_Model):
     def _schema_fields(self) -> Manifest:
         if self.base is not None and self.schema_ < BASE_SCHEMA:
             raise ValueError(f"schema {self.schema_} has no base (a schema-{BASE_SCHEMA} field)")
+        if self.compression is not None and self.base is None:
+            raise ValueError("compression is a field of based versions only (SPEC §14.1), and this version has no base")
         check_streams(self.schema_, self.stream, self.streams)
         return self
 
@@ -443,6 +463,8 @@ def dump(model: BaseModel) -> bytes:
         doc.pop("groups")
     if "base" in doc and doc["base"] is None:  # only based versions carry it (design 009)
         doc.pop("base")
+    if "compression" in doc and doc["compression"] is None:  # only compressed based versions (SPEC §14.1)
+        doc.pop("compression")
     if doc.get("streams") == [] and doc.get("stream", 0) is None:  # only schema 5 carries them (SPEC §15)
         doc.pop("streams")
         doc.pop("stream")

@@ -52,6 +52,7 @@ Example (a ServerApp and a ClientApp)::
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,11 +77,14 @@ from deltastore.errors import (
     VersionNotFoundError,
     WrongBaseError,
 )
+from deltastore.federated.accept import ResultPolicy
 from deltastore.federated.aggregator import Aggregator
 from deltastore.federated.based import BasedResult, RoundBase, read_based
 from deltastore.federated.merge import MergeFn, weighted_average
+from deltastore.federated.compress import Compression, Compressor
 from deltastore.federated.site import Site
 from deltastore.format.history import History, VersionInfo
+from deltastore.format.signing import TrustedKeys
 from deltastore.read.engine import ReadEngine
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
@@ -268,10 +272,11 @@ def _count(content: RecordDict, key: str) -> float:
 class _SiteStore:
     """One site store the strategy reads references from."""
 
-    def __init__(self, name: str, store: Store, threads: int):
+    def __init__(self, name: str, store: Store, threads: int, keys: TrustedKeys | None = None):
         self.name = name
         self.store = store
         self.engine = ReadEngine(store, threads)
+        self.keys = keys
 
     def close(self) -> None:
         self.engine.close()
@@ -298,30 +303,39 @@ class DeltastoreFedAvg(FedAvg):
         merge: the merge function (:func:`~deltastore.federated.weighted_average`).
         storage_options / site_storage_options: for the global store / the site stores.
         reference_key: the RecordDict key of references in messages.
+        results: which site results a round accepts (:class:`~deltastore.federated.ResultPolicy`,
+            as the aggregator's): with ``site_keys``, a reply naming an unsigned or wrongly
+            signed version of such a site is dropped (SignatureError, in :attr:`rounds`);
+            compressed results are merged only with ``accept_compressed`` (else dropped,
+            CompressedVersionError).
         publisher_options: more :class:`~deltastore.federated.Aggregator` keyword arguments
             (``writer_policy``, ``signing_key``, ...).
         **fedavg: ``FedAvg``'s arguments (``fraction_train``, ``min_train_nodes``,
             ``weighted_by_key``, ...).
 
     Raises:
-        ValueError: no site.
+        ValueError: no site, a ``site_keys`` name that is no site, or a key that does not load.
         Everything :class:`~deltastore.federated.Aggregator` raises when it opens the stores.
     """
 
     def __init__(self, global_url: str, sites: Mapping[str, str], *, dtype: torch.dtype | None = None,
                  merge: MergeFn = weighted_average, storage_options: Mapping[str, Any] | None = None,
                  site_storage_options: Mapping[str, Any] | None = None, reference_key: str = REFERENCE_KEY,
-                 publisher_options: Mapping[str, Any] | None = None, **fedavg: Any):
+                 results: ResultPolicy = ResultPolicy(), publisher_options: Mapping[str, Any] | None = None, **fedavg: Any):
         super().__init__(**fedavg)
         if not sites:
             raise ValueError("DeltastoreFedAvg needs at least one site store")
+        if not isinstance(results, ResultPolicy):
+            raise TypeError(f"results must be a ResultPolicy, not {type(results).__name__}")
+        trusted = results.trusted(sites, what="this strategy")
         self.global_url = global_url
         self.reference_key = reference_key
+        self.accept_compressed = results.accept_compressed
         opts = dict(site_storage_options or {})
         self._sites: dict[str, _SiteStore] = {}
         try:
             for name, url in sorted(sites.items()):
-                self._sites[url] = _SiteStore(name, open_store(url, storage_options=opts), 1)
+                self._sites[url] = _SiteStore(name, open_store(url, storage_options=opts), 1, trusted.get(name))
             self.aggregator = Aggregator(global_url, {},
                                          site_stores={s.name: s.store for s in self._sites.values()}, dtype=dtype,
                                          merge=merge, storage_options=storage_options, **dict(publisher_options or {}))
@@ -388,6 +402,10 @@ class DeltastoreFedAvg(FedAvg):
                 reference's: another history.
             IntegrityError: the manifest's SHA-256 differs from the reference's, or a segment
                 or chunk fails its digest.
+            SignatureError: the site has trusted keys and the version is unsigned or not
+                signed by one of them.
+            CompressedVersionError: the version is compressed and the strategy does not accept
+                compressed results.
             WrongBaseError, SiteLayoutError: the version is not based on ``base`` (SPEC §14).
         """
         site = self._sites.get(ref.store)
@@ -416,7 +434,10 @@ class DeltastoreFedAvg(FedAvg):
         if m.lineage != ref.lineage:
             raise HistoryReplacedError(f"site {site.name} ({ref.store}): version {m.version} is of lineage {m.lineage}, "
                                        f"not {ref.lineage}")
-        return read_based(site.name, history, site.engine, ref.manifest, m, base, self.aggregator.state())
+        if site.keys is not None:
+            site.keys.verify(ref.manifest, m)  # before anything of the version is used (SPEC §14)
+        return read_based(site.name, history, site.engine, ref.manifest, m, base, self.aggregator.state(),
+                          accept_compressed=self.accept_compressed)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -463,8 +484,11 @@ class DeltastoreFedAvg(FedAvg):
         results = [accepted[n][0] for n in names]
         weights = _weights([_count(accepted[n][1].content, self.weighted_by_key) for n in names])
         merged = self.aggregator.merged(base, results, weights)
-        meta = {"federated": {"base": base.version, "sites": names, "flower_round": server_round,
-                              "site_versions": {r.site: r.info.version for r in results}}}
+        meta: dict[str, Any] = {"federated": {"base": base.version, "sites": names, "flower_round": server_round,
+                                              "site_versions": {r.site: r.info.version for r in results}}}
+        compressed = {r.site: r.compression.model_dump(mode="json") for r in results if r.compression is not None}
+        if compressed:
+            meta["federated"]["compressed"] = compressed
         info = self.aggregator.publisher.publish(merged, metadata=meta)
         self.rounds.append(FlowerRound(server_round, base.version, info, tuple(names), tuple(failures),
                                        sum(r.bytes_fetched for r in results),
@@ -595,6 +619,14 @@ class FlowerSite:
             one must be the store the messages reference.
         reference_key / weighted_by_key: the RecordDict key of references; the metric the
             server weighs by (Flower's ``num-examples``).
+        signing_key: this site's Ed25519 private key: every result is signed (for a server
+            with ``site_keys``). None: unsigned.
+        compression: publish compressed results (the opt-in compressed tier, SPEC §14.1; the
+            server must accept them); the error feedback is kept by this object between
+            rounds. None: lossless.
+        residual_path: with ``compression``, a file that keeps the error feedback across
+            processes (a SuperNode runs each message in a fresh ClientApp process): read when
+            it exists, rewritten after every reply.
     """
 
     _shared: dict[tuple[str, str], FlowerSite] = {}
@@ -604,8 +636,15 @@ class FlowerSite:
                  storage_options: Mapping[str, Any] | None = None,
                  site_storage_options: Mapping[str, Any] | None = None, writer_policy: WriterPolicy = WriterPolicy(),
                  global_store: Store | None = None, site_store: Store | None = None,
-                 reference_key: str = REFERENCE_KEY, weighted_by_key: str = "num-examples"):
+                 reference_key: str = REFERENCE_KEY, weighted_by_key: str = "num-examples",
+                 signing_key: Any = None, compression: Compression | None = None,
+                 residual_path: str | os.PathLike[str] | None = None):
+        if residual_path is not None and compression is None:
+            raise ValueError("residual_path keeps the compressed tier's error feedback: pass compression= too")
         self.site_url = site_url
+        self.residual_path = residual_path
+        self.signing_key = signing_key
+        self.compression = compression
         self.name = name or site_url
         self.dtype = dtype
         self.storage_options = dict(storage_options or {})
@@ -641,7 +680,9 @@ class FlowerSite:
         self._site_store = given_site or open_store(self.site_url, storage_options=self.site_storage_options)
         try:
             self._site = Site(global_url, self.site_url, dtype=self.dtype, storage_options=self.storage_options,
-                              global_store=given_global, site_store=self._site_store, writer_policy=self.writer_policy)
+                              global_store=given_global, site_store=self._site_store, writer_policy=self.writer_policy,
+                              signing_key=self.signing_key, compression=self.compression,
+                              residual_path=self.residual_path)
         except BaseException:
             if given_site is None:
                 self._site_store.close()
@@ -649,6 +690,12 @@ class FlowerSite:
             raise
         self._global_url = global_url
         return self._site
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """The compressed tier's state (its error feedback), once a global version was pulled;
+        None for lossless results."""
+        return self._site.compressor if self._site is not None else None
 
     def pull(self, msg: Message) -> dict[str, torch.Tensor]:
         """The tensors of the global version ``msg`` references (a copy to train on),

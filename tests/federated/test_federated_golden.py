@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from deltastore import Subscriber
-from deltastore.errors import BaseElsewhereError
+from deltastore.errors import BaseElsewhereError, CompressedVersionError
 from deltastore.federated import RoundBase, read_based
 from deltastore.federated.aggregator import _site_tensor
 from deltastore.federated.based import specs_of
@@ -81,3 +81,38 @@ def test_golden_inspect_names_the_base(stores: Path, capsys) -> None:
     assert main(["inspect", str(stores / "site-b"), "--version", "1"]) == 0
     out = capsys.readouterr().out
     assert "base            version 1 of another store: manifests/000000000001-" in out
+
+
+COMPRESSED = GOLDEN / "store-federated-compressed"
+COMPRESSED_EXPECTED = GOLDEN / "store-federated-compressed-expected"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_golden_compressed_site_versions(tmp_path: Path, version: int) -> None:
+    """A compressed site version (SPEC §14.1) of the committed format: its manifest says how it
+    was compressed; an opted-in reader rebuilds exactly what the site sent; any other reader
+    refuses it before reading a segment."""
+    shutil.copytree(COMPRESSED, tmp_path / "store")
+    g = History(open_store(str(tmp_path / "store" / "global")))
+    st = open_store(str(tmp_path / "store" / "site-a"))
+    h = History(st)
+    head, _ = h.read_head()
+    key, m = h.find(version, head)
+    assert m.compression is not None
+    assert (m.compression.method, m.compression.density, m.compression.bits, m.compression.error_feedback) == \
+        ("topk", 0.05, 2, True)
+    base, base_state = _global_base(g, version)
+    engine = ReadEngine(st, 1)
+    try:
+        with pytest.raises(CompressedVersionError, match="site-a|a \\("):
+            read_based("a", h, engine, key, m, base, base_state)
+        assert engine.bytes_fetched == 0
+        r = read_based("a", h, engine, key, m, base, base_state, accept_compressed=True)
+    finally:
+        engine.close()
+    assert r.compression == m.compression
+    got = {n: _site_tensor(r, base.specs[n], base_state[n]) for n in base.specs}
+    assert_bits_equal(got, load_file(str(COMPRESSED_EXPECTED / f"site-a-v{version}.safetensors")))
+    if version == 2:
+        with Subscriber(str(tmp_path / "store" / "global")) as sub:
+            assert_bits_equal(sub.pull(2), load_file(str(COMPRESSED_EXPECTED / "global-v2.safetensors")))

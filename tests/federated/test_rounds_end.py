@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltastore.errors import QuorumError
-from deltastore.federated import Aggregator, LatePolicy, Site
+from deltastore.federated import Aggregator, LatePolicy, ResultPolicy, Site
 from deltastore.format.history import History
 from deltastore.lifecycle.gc import collect
 from deltastore.storage import open_store
@@ -200,43 +200,74 @@ def test_late_result_dropped_by_default_and_reported() -> None:
                 s.close()
 
 
-def test_late_result_carried_with_staleness_weight() -> None:
+@pytest.mark.parametrize("restart", [False, True], ids=["same-aggregator", "restarted-aggregator"])
+def test_late_result_carried_with_staleness_weight(restart: bool) -> None:
     """Carry: site-2's late change (on version 1) is moved onto version 2 and merged at half
     weight with the three fresh results; its fresh result (published just after the late one,
-    so HEAD never showed the late one) counts too."""
+    so HEAD never showed the late one) counts too. An aggregator restarted between the rounds
+    reads the previous round back from the global store and carries it the same way."""
     global_url, site_urls = _urls()
-    with _aggregator(global_url, site_urls, late=LatePolicy("carry", weight=0.5)) as agg:
+    agg = _aggregator(global_url, site_urls, late=LatePolicy("carry", weight=0.5))
+    sites = [_site(global_url, u) for u in site_urls.values()]
+    try:
         agg.start(initial_state())
-        sites = [_site(global_url, u) for u in site_urls.values()]
-        try:
-            old, late = _late_round(agg, sites)
+        old, late = _late_round(agg, sites)
+        if restart:
+            agg.close()
+            agg = _aggregator(global_url, site_urls, late=LatePolicy("carry", weight=0.5))
+            assert agg.start() == 2
+        base = _current(agg)
+        fresh = []
+        for i, s in enumerate(sites):
+            s.run_round(lambda w, i=i: trained(w, i, 1))
+            fresh.append(served(trained(base, i, 1)))
+        report = agg.run_round()
+        assert report.accepted == ["site-0", "site-1", "site-2"]
+        assert [(o.site, o.status, o.version, o.base) for o in report.late] == [("site-2", "carried", 1, 1)]
+        assert report.late[0].weight == pytest.approx(0.5 / 3.5)
+        # the late change, moved onto version 2 element by element, independently of the code
+        moved = {}
+        for n, b in base.items():
+            if b.is_floating_point():
+                changed = late[n].view(torch.int16) != old[n].view(torch.int16)
+                shifted = (b.float() + (late[n].float() - old[n].float())).to(b.dtype)
+                moved[n] = torch.where(changed, shifted, b)
+            else:
+                moved[n] = torch.where(late[n] != old[n], late[n], b)
+        assert any(not torch.equal(moved[n], base[n]) for n in base), "the late result changed something"
+        expected = reference_merge(base, [*fresh, moved], [1 / 3.5, 1 / 3.5, 1 / 3.5, 0.5 / 3.5])
+        assert_bits_equal(agg.state(), expected)
+        head, _ = History(agg.publisher.store).read_head()
+        meta = History(agg.publisher.store).head_manifest(head)[1].metadata["federated"]
+        assert meta["carried"] == {"site-2": 1}
+    finally:
+        for s in sites:
+            s.close()
+        agg.close()
+
+
+def test_restarted_aggregator_recognises_the_previous_rounds_results() -> None:
+    """Drop: after a restart, site-2's late result is reported as dropped (not taken for a
+    result of the open round), and the merged sites' results of the previous round are not
+    reported as late."""
+    global_url, site_urls = _urls()
+    sites = [_site(global_url, u) for u in site_urls.values()]
+    try:
+        with _aggregator(global_url, site_urls) as agg:
+            agg.start(initial_state())
+            _late_round(agg, sites)
+        with _aggregator(global_url, site_urls) as agg:
+            agg.start()
             base = _current(agg)
-            fresh = []
-            for i, s in enumerate(sites):
+            for i, s in enumerate(sites[:2]):
                 s.run_round(lambda w, i=i: trained(w, i, 1))
-                fresh.append(served(trained(base, i, 1)))
-            report = agg.run_round()
-            assert report.accepted == ["site-0", "site-1", "site-2"]
-            assert [(o.site, o.status, o.version, o.base) for o in report.late] == [("site-2", "carried", 1, 1)]
-            assert report.late[0].weight == pytest.approx(0.5 / 3.5)
-            # the late change, moved onto version 2 element by element, independently of the code
-            moved = {}
-            for n, b in base.items():
-                if b.is_floating_point():
-                    changed = late[n].view(torch.int16) != old[n].view(torch.int16)
-                    shifted = (b.float() + (late[n].float() - old[n].float())).to(b.dtype)
-                    moved[n] = torch.where(changed, shifted, b)
-                else:
-                    moved[n] = torch.where(late[n] != old[n], late[n], b)
-            assert any(not torch.equal(moved[n], base[n]) for n in base), "the late result changed something"
-            expected = reference_merge(base, [*fresh, moved], [1 / 3.5, 1 / 3.5, 1 / 3.5, 0.5 / 3.5])
-            assert_bits_equal(agg.state(), expected)
-            head, _ = History(agg.publisher.store).read_head()
-            meta = History(agg.publisher.store).head_manifest(head)[1].metadata["federated"]
-            assert meta["carried"] == {"site-2": 1}
-        finally:
-            for s in sites:
-                s.close()
+            report = agg.run_round(quorum=2, deadline_s=0.2)
+            assert [(o.site, o.status, o.version, o.base) for o in report.late] == [("site-2", "dropped", 1, 1)]
+            assert report.accepted == ["site-0", "site-1"]
+            assert_bits_equal(agg.state(), reference_merge(base, [served(trained(base, i, 1)) for i in range(2)], [0.5, 0.5]))
+    finally:
+        for s in sites:
+            s.close()
 
 
 def test_late_policy_is_checked() -> None:
@@ -256,8 +287,8 @@ def test_unsigned_and_wrongly_signed_site_versions_refused_round_goes_on() -> No
     global_url, site_urls = _urls(4)
     keys = {"site-0": [a.public_key()], "site-1": [b.public_key()], "site-2": [b.public_key()]}
     with pytest.raises(ValueError, match="site-9"):
-        _aggregator(global_url, site_urls, site_keys={"site-9": [a.public_key()]})
-    with _aggregator(global_url, site_urls, site_keys=keys) as agg:
+        _aggregator(global_url, site_urls, results=ResultPolicy(site_keys={"site-9": [a.public_key()]}))
+    with _aggregator(global_url, site_urls, results=ResultPolicy(site_keys=keys)) as agg:
         agg.start(initial_state())
         signing = {"site-0": a, "site-1": None, "site-2": c, "site-3": None}  # site-3: no keys configured
         sites = [_site(global_url, site_urls[n], signing_key=k) for n, k in signing.items()]

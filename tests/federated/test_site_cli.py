@@ -84,3 +84,45 @@ def test_site_join_publish_and_run_end_to_end(tmp_path, capsys) -> None:
         assert [o.weight for o in report.sites] == [0.25, 0.75]
         expected = reference_merge(base, [served(mine), served(train(base))], [0.25, 0.75])
         assert_bits_equal(agg.state(), expected)
+
+
+def test_site_publish_compressed_and_aggregate_accepting_it(tmp_path, capsys) -> None:
+    """`site publish --compressed` writes a compressed result (and its error to --residual);
+    `aggregate` refuses it by default and merges exactly what was sent with --accept-compressed."""
+    from deltastore.federated import Compression, Compressor
+
+    g, sa = str(tmp_path / "global"), str(tmp_path / "sites/a")
+    init = str(tmp_path / "init.safetensors")
+    save_file(initial_state(), init)
+    agg = ["aggregate", g, "--site", f"a={sa}", "--init", init, "--rounds", "1", "--interval", "0.05", "--json"]
+    # version 1 (the round's base): an aggregate run whose round finds no result ends at its deadline
+    assert main([*agg, "--deadline", "0.1s"]) == EXIT_FAILED
+    capsys.readouterr()
+    joined = str(tmp_path / "base.safetensors")
+    assert main(["site", "join", g, sa, "--name", "a", "--out", joined]) == 0
+    base = load_file(joined)
+    trained = str(tmp_path / "trained.safetensors")
+    save_file(train(base), trained)  # fp32 masters: the change is taken at full precision
+    residual = tmp_path / "residual.safetensors"
+    publish = ["site", "publish", g, sa, trained, "--name", "a", "--base-file", joined]
+    assert main([*publish, "--residual", str(residual)]) == EXIT_USAGE
+    assert "--compressed" in capsys.readouterr().err
+    assert main([*publish, "--compressed", "2"]) == EXIT_USAGE
+    capsys.readouterr()
+    assert main([*publish, "--compressed", "0.05", "--residual", str(residual)]) == 0
+    capsys.readouterr()
+    mirror = Compressor(Compression(density=0.05, bits=2))
+    sent = mirror.compress(train(base), base)
+    assert_bits_equal(load_file(str(residual)), mirror.residual)
+
+    assert main([*agg, "--deadline", "0.3s"]) == EXIT_FAILED  # refused: no result to merge
+    err = capsys.readouterr().err
+    assert "site a refused" in err and "is compressed (topk, density 0.05, 2 bits)" in err and "--accept-compressed" in err
+    assert main([*agg, "--deadline", "5s", "--accept-compressed"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["accepted"] == ["a"] and report["sites"][0]["compressed"] is True
+    with open_store(g) as st:
+        from deltastore import Subscriber
+
+        with Subscriber(g, store=st) as sub:
+            assert_bits_equal(sub.pull(2), sent)

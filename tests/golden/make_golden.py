@@ -48,6 +48,10 @@ Targets (each deterministic in its inputs: fixed seeds, one encode thread):
 ``federated``
     ``store-federated/{global,site-a,site-b}``: a global store and two sites whose versions are
     based on the global versions (schema 4's ``base``).
+``federated-compressed``
+    ``store-federated-compressed/{global,site-a}``: a site of the compressed tier (SPEC §14.1):
+    two rounds of based versions whose manifests carry ``compression``, and the global version
+    merged from the first.
 ``streams``
     ``store-streams/``: serving streams (schema 5): a bf16 state published with ``formats``
     ``bf16`` (the versions themselves), ``fp8-block128`` and ``mxfp8``; v1 and v4 anchors, deltas
@@ -798,6 +802,41 @@ def write_federated(store: Path, expected: Path) -> None:
             shutil.rmtree(p)
 
 
+def write_federated_compressed(store: Path, expected: Path) -> None:
+    """A global store (v1 an anchor, v2 the merge of round 1) and one site of the compressed
+    tier (density 0.05, 2 bits, error feedback) with v1 based on global v1 and v2 on global v2."""
+    import torch
+    from safetensors.torch import save_file
+
+    from deltastore.federated import Aggregator, Compression, Compressor, ResultPolicy, Site
+
+    g, site = store / "global", store / "site-a"
+    for p in (g, site, expected):
+        p.mkdir(parents=True)
+    comp = Compression(density=0.05, bits=2)
+    with Aggregator(str(g), {"a": str(site)}, dtype=torch.bfloat16, poll_interval_s=0.05,
+                    results=ResultPolicy(accept_compressed=True),
+                    writer_policy=WriterPolicy(threads=1, writer_id="golden-aggregator"),
+                    layout_policy=LayoutPolicy(chunk_bytes=512)) as agg:
+        agg.start(state0())
+        save_file(agg.state(), str(expected / "global-v1.safetensors"))
+        mirror = Compressor(comp)  # what the site sends, recomputed for the expected files
+        with Site(str(g), str(site), dtype=torch.bfloat16, compression=comp,
+                  writer_policy=WriterPolicy(threads=1, writer_id="golden-site-a")) as s:
+            for rnd in range(2):
+                r = s.run_round(lambda w, rnd=rnd: {n: t.float() if t.is_floating_point() else t
+                                                     for n, t in trained(w, 0, rnd).items()})
+                sent = mirror.compress({n: t.float() if t.is_floating_point() else t
+                                        for n, t in trained(s.weights, 0, rnd).items()}, s.weights)
+                save_file(sent, str(expected / f"site-a-v{r.published.version}.safetensors"))
+                if rnd == 0:
+                    report = agg.run_round()
+                    save_file(agg.state(), str(expected / f"global-v{report.published.version}.safetensors"))
+    for p in store.rglob("*"):  # the local backend's lock directory is not part of the format
+        if p.is_dir() and p.name.startswith("."):
+            shutil.rmtree(p)
+
+
 # --- targets ------------------------------------------------------------------------------
 
 #: target -> (the paths it writes, relative to the output directory; the writer)
@@ -820,6 +859,9 @@ TARGETS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {
                 lambda out: write_streams(out / "store-streams", out / "store-streams-expected")),
     "federated": (("store-federated", "store-federated-expected"),
                   lambda out: write_federated(out / "store-federated", out / "store-federated-expected")),
+    "federated-compressed": (("store-federated-compressed", "store-federated-compressed-expected"),
+                             lambda out: write_federated_compressed(out / "store-federated-compressed",
+                                                                    out / "store-federated-compressed-expected")),
 }
 
 #: Fields of the facts that name objects with random ids (attempts, run ids), count the bytes of

@@ -176,3 +176,58 @@ def test_raw_arrays_round_trip_every_dtype_bit_for_bit():
     assert_bits_equal(back, state)
     ref = VersionRef("memory://x", 3, "manifests/k", "a" * 64, "b" * 32)
     assert VersionRef.from_record(ref.to_record()) == ref
+
+
+def test_signed_sites_and_compressed_results_through_flower(run_urls, tmp_path):
+    """site_keys: site-0 signs with its key and is merged; site-1 signs with another key and
+    site-2 does not sign: both dropped as SignatureError. accept_compressed: a compressed reply
+    is dropped (CompressedVersionError) unless the strategy accepts it, then merged exactly."""
+    from deltastore.federated import Compression, Compressor, ResultPolicy
+    from deltastore.format.signing import generate_key_files
+
+    global_url, sites = run_urls
+    keys = {i: generate_key_files(tmp_path / f"site-{i}.pem") for i in range(3)}
+    trusted = {f"site-{i}": [keys[i][1]] for i in range(2)} | {"site-2": [keys[2][1]]}
+    signer = {101: keys[0][0], 102: keys[2][0], 103: None}  # site-1 signs with site-2's key
+    nodes = {n: FlowerSite(sites[f"site-{site_of(n)}"], name=f"site-{site_of(n)}", dtype=torch.bfloat16,
+                           signing_key=signer[n]) for n in NODES}
+    with pytest.raises(ValueError, match="no site"):
+        DeltastoreFedAvg(global_url, sites, results=ResultPolicy(site_keys={"site-9": [keys[0][1]]}), **fedavg_args())
+    try:
+        with DeltastoreFedAvg(global_url, sites, dtype=torch.bfloat16, results=ResultPolicy(site_keys=trusted),
+                              **fedavg_args()) as ds:
+            sent = by_node(ds.configure_train(1, state_to_arrays(initial_state()), flwr_app.ConfigRecord(), grid()))
+            replies = [nodes[n].reply(sent[n], trained(nodes[n].pull(sent[n]), site_of(n), 1), num_examples=5)
+                       for n in NODES]
+            ds.aggregate_train(1, replies)
+            rnd = ds.rounds[-1]
+            assert rnd.accepted == ("site-0",)
+            assert [(f.site, f.error_type) for f in rnd.failures] == [("site-1", "SignatureError"),
+                                                                     ("site-2", "SignatureError")]
+    finally:
+        for s in nodes.values():
+            s.close()
+
+    comp = Compression(density=0.05)
+    global_url = global_url.replace("/global", "/global-c")
+    site = FlowerSite(sites["site-0"].replace("site-0", "c-0"), name="site-0", dtype=torch.bfloat16, compression=comp)
+    try:
+        for accept in (False, True):
+            with DeltastoreFedAvg(global_url, {"site-0": site.site_url}, dtype=torch.bfloat16,
+                                  results=ResultPolicy(accept_compressed=accept), min_available_nodes=1, min_train_nodes=1,
+                                  fraction_evaluate=0.0) as ds:
+                g1 = SimpleNamespace(get_node_ids=lambda: [101])
+                sent = by_node(ds.configure_train(1, state_to_arrays(initial_state()), flwr_app.ConfigRecord(), g1))
+                w = site.pull(sent[101])
+                mirror = Compressor(comp)
+                mirror.load_state_dict(site.compressor.state_dict())
+                expect = mirror.compress(trained(w, 0, 1), w)
+                arrays, _ = ds.aggregate_train(1, [site.reply(sent[101], trained(w, 0, 1), num_examples=5)])
+                rnd = ds.rounds[-1]
+                if accept:
+                    assert rnd.accepted == ("site-0",) and not rnd.failures
+                    assert_bits_equal(arrays_to_state(arrays), expect)
+                else:
+                    assert arrays is None and [f.error_type for f in rnd.failures] == ["CompressedVersionError"]
+    finally:
+        site.close()
