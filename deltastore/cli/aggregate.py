@@ -1,7 +1,8 @@
 """``deltastore aggregate GLOBAL --site NAME=URL ...``: run federated rounds (design 009).
 
 Each round waits for the sites' based versions (all of them, or ``--quorum K`` by
-``--deadline``), verifies and merges them (weighted average in fp32 of the changes), publishes
+``--deadline``), verifies and merges them (weighted average in fp32 of the changes; for LoRA
+rounds ``--merge lora-fedavg|lora-stack``), publishes
 the next global version and prints one line per round (``--json``: one JSON object a line).
 
 Everything that can be refused is refused before the global store is opened for writing: the
@@ -66,6 +67,36 @@ def check_args(args: argparse.Namespace) -> None:
         raise argparse.ArgumentTypeError(f"--site-key names {', '.join(unknown)}, which no --site gives")
     if not 0 < args.late_weight <= 1:
         raise argparse.ArgumentTypeError(f"--late-weight must be in (0, 1], got {args.late_weight}")
+    if args.merge == "lora-stack" and args.lora_config is None:
+        raise argparse.ArgumentTypeError("--merge lora-stack folds the adapter into the base with its scaling: "
+                                         "pass --lora-config adapter_config.json")
+    if args.lora_config is not None and not args.merge.startswith("lora"):
+        raise argparse.ArgumentTypeError("--lora-config is for --merge lora-fedavg or lora-stack")
+
+
+def merge_of(args: argparse.Namespace) -> Any:
+    """The merge ``--merge`` names (and ``--lora-config`` configures).
+
+    Raises:
+        ValueError: the adapter config cannot be read, or ``lora-stack`` cannot fold it.
+    """
+    from deltastore.federated import weighted_average
+
+    if args.merge == "average":
+        return weighted_average
+    import json
+
+    from deltastore.federated import LoraMerge
+
+    mode = "stack" if args.merge == "lora-stack" else "fedavg"
+    if args.lora_config is None:
+        return LoraMerge(mode)
+    try:
+        with open(args.lora_config, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--lora-config {args.lora_config}: not a readable adapter_config.json ({e})") from None
+    return LoraMerge.from_peft_config(config, mode)
 
 
 def site_key_arg(text: str) -> tuple[str, str]:
@@ -100,6 +131,12 @@ def add_parser(add: Any, json_flag: Any) -> None:
                         "into the next round at --late-weight")
     p.add_argument("--late-weight", type=float, default=0.5, metavar="W",
                    help="the staleness discount of a carried late result, in (0, 1] (default 0.5)")
+    p.add_argument("--merge", choices=("average", "lora-fedavg", "lora-stack"), default="average",
+                   help="how results become the next global version: the weighted average of the changes (default); "
+                        "for a global store holding a PeftModel's state, lora-fedavg (A and B averaged each) or "
+                        "lora-stack (the exact product folded into the base weights; needs --lora-config)")
+    p.add_argument("--lora-config", metavar="adapter_config.json",
+                   help="the adapter's PEFT config (lora_alpha, r, use_rslora, fan_in_fan_out), for --merge lora-*")
     p.add_argument("--accept-compressed", action="store_true",
                    help="merge compressed site results (the lossy opt-in tier of `site run --compressed`); "
                         "without it they are refused and named in the round's report")
@@ -141,6 +178,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     from deltastore.layout.tensors import torch_dtype
 
     dtype = None if args.dtype == "keep" else torch_dtype(args.dtype)
+    merge = merge_of(args)  # a bad adapter config fails before any store is opened
     opts = options(args)
     sites = dict(args.site)
     site_keys: dict[str, list[str]] = {}
@@ -151,7 +189,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
         # once, not taken for a site that never reports.
         global_store = stack.enter_context(open_store(args, write=True))
         site_stores = {name: stack.enter_context(open_store(args, write=True, url=url)) for name, url in sites.items()}
-        agg = stack.enter_context(Aggregator(args.url, sites, dtype=dtype, storage_options=opts,
+        agg = stack.enter_context(Aggregator(args.url, sites, dtype=dtype, merge=merge, storage_options=opts,
                                              site_storage_options=opts, global_store=global_store,
                                              site_stores=site_stores, poll_interval_s=args.interval,
                                              results=ResultPolicy(site_keys=site_keys or None,

@@ -211,3 +211,34 @@ def test_configs() -> None:
         LoraMerge("stack")
     with pytest.raises(ValueError, match="mode"):
         LoraMerge("mean")  # type: ignore[arg-type]
+
+
+def test_aggregate_command_merges_lora_rounds(tmp_path, capsys) -> None:
+    """`deltastore aggregate --merge lora-stack --lora-config adapter_config.json`: the round is
+    LoraMerge's, with the config's scaling; lora-stack without a config is a usage error."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from deltastore.cli import EXIT_USAGE, main
+
+    g, a = f"{tmp_path}/global", f"{tmp_path}/sites/a"
+    base = peft_state()
+    save_file(base, str(tmp_path / "init.safetensors"))
+    config = tmp_path / "adapter_config.json"
+    config.write_text(json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": SCALING * RANK}))
+    cmd = ["aggregate", g, "--site", f"a={a}", "--dtype", "keep", "--interval", "0.05", "--json"]
+    assert main([*cmd, "--merge", "lora-stack"]) == EXIT_USAGE
+    assert "--lora-config" in capsys.readouterr().err
+    assert main([*cmd, "--lora-config", str(config)]) == EXIT_USAGE  # a config without a LoRA merge
+    capsys.readouterr()
+    assert main([*cmd, "--init", str(tmp_path / "init.safetensors"), "--deadline", "0.1s"]) == 1  # publishes version 1
+    capsys.readouterr()
+    with Site(g, a, dtype=torch.float32) as site:
+        site.run_round(lambda w: {**w, **site_change(w, 0)})
+    assert main([*cmd, "--merge", "lora-stack", "--lora-config", str(config), "--deadline", "5s"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accepted"] == ["a"]
+    changed = site_change(base, 0)
+    with Subscriber(g) as sub:
+        assert sub.latest().metadata["federated"]["merge"] == repr(LoraMerge("stack", scaling=SCALING))
+        assert_bits_equal(sub.pull(2), {**base, **LoraMerge("stack", scaling=SCALING)(base, [changed], [1.0])})
