@@ -597,6 +597,35 @@ class Aggregator:
             out[name] = t
         return out
 
+    def publish_merged(self, base: RoundBase, merged: Mapping[str, torch.Tensor], results: Sequence[BasedResult], *,
+                       carried: Sequence[BasedResult] = (), step: int | None = None,
+                       metadata: Mapping[str, Any] | None = None) -> VersionInfo:
+        """Publish ``merged`` (the :meth:`merged` state of ``results`` on ``base``) as the next
+        global version, recording the round in its ``metadata.federated`` (the base, the merged
+        and carried site versions, the merge, the compressed results, and ``metadata``'s
+        entries), and hold it as this aggregator's state: the next round starts from it without
+        reading it back, and knows this round's late results.
+
+        Raises:
+            FencedError, ConflictError: another aggregator took the global store over.
+        """
+        fed: dict[str, Any] = {"base": base.version, "sites": [r.site for r in results],
+                               "site_versions": {r.site: r.info.version for r in results},
+                               "merge": merge_name(self.merge_fn), **dict(metadata or {})}
+        if carried:
+            fed["carried"] = {r.site: r.info.version for r in carried}
+        compressed = {r.site: r.compression.model_dump(mode="json") for r in (*results, *carried)
+                      if r.compression is not None}
+        if compressed:
+            fed["compressed"] = compressed
+        info = self.publisher.publish(dict(merged), step=step, metadata={"federated": fed})
+        # the base's tensors are kept only to carry late results (the tensors this round
+        # changed: one model copy at most); dropping needs only which versions were merged
+        kept = self.state() if self.late.mode == "carry" else {}
+        self._last = _LastRound(base, kept, {r.site: r.info.version for r in results})
+        self._state, self._state_version = dict(merged), info.version
+        return info
+
     def run_round(self, *, quorum: int | None = None, deadline_s: float | None = None, step: int | None = None
                   ) -> RoundReport:
         """One round: pin the base, gather, merge, publish the next global version, unpin.
@@ -610,21 +639,7 @@ class Aggregator:
         try:
             got = self.gather(base, quorum=quorum, deadline_s=deadline_s)
             merged = self.merged(base, got.results, got.weights, carried=got.carried, carried_weights=got.carried_weights)
-            fed: dict[str, Any] = {"base": base.version, "sites": [r.site for r in got.results],
-                                   "site_versions": {r.site: r.info.version for r in got.results},
-                                   "merge": merge_name(self.merge_fn)}
-            if got.carried:
-                fed["carried"] = {r.site: r.info.version for r in got.carried}
-            compressed = {r.site: r.compression.model_dump(mode="json") for r in (*got.results, *got.carried)
-                          if r.compression is not None}
-            if compressed:
-                fed["compressed"] = compressed
-            info = self.publisher.publish(merged, step=step, metadata={"federated": fed})
-            # the base's tensors are kept only to carry late results (the tensors this round
-            # changed: one model copy at most); dropping needs only which versions were merged
-            kept = self.state() if self.late.mode == "carry" else {}
-            self._last = _LastRound(base, kept, {r.site: r.info.version for r in got.results})
-            self._state, self._state_version = merged, info.version
+            info = self.publish_merged(base, merged, got.results, carried=got.carried, step=step)
         finally:
             self.close_round(base)
         report = RoundReport(base.version, info, got.outcomes, time.monotonic() - t0, got.late, self.late.mode, got.collect_s)

@@ -484,12 +484,7 @@ class DeltastoreFedAvg(FedAvg):
         results = [accepted[n][0] for n in names]
         weights = _weights([_count(accepted[n][1].content, self.weighted_by_key) for n in names])
         merged = self.aggregator.merged(base, results, weights)
-        meta: dict[str, Any] = {"federated": {"base": base.version, "sites": names, "flower_round": server_round,
-                                              "site_versions": {r.site: r.info.version for r in results}}}
-        compressed = {r.site: r.compression.model_dump(mode="json") for r in results if r.compression is not None}
-        if compressed:
-            meta["federated"]["compressed"] = compressed
-        info = self.aggregator.publisher.publish(merged, metadata=meta)
+        info = self.aggregator.publish_merged(base, merged, results, metadata={"flower_round": server_round})
         self.rounds.append(FlowerRound(server_round, base.version, info, tuple(names), tuple(failures),
                                        sum(r.bytes_fetched for r in results),
                                        tuple(r.info.bytes_stored for r in results)))
