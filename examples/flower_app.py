@@ -148,14 +148,16 @@ def _local(cfg: dict[str, Any], site: int, n_sites: int) -> dict[str, Any]:
         global_store = open_store(cfg["global"], storage_options=cfg["options"])
         site_store = open_store(site_url, storage_options=cfg["options"])
         local["down"], local["up"] = count_bytes(global_store), count_bytes(site_store)
-        compression = None
+        compression, residual = None, None
         if cfg["transport"] == "compressed":
             from deltastore.federated import Compression
 
             compression = Compression(density=cfg["density"], bits=cfg["bits"])
+            # a SuperNode runs each message in a fresh process: the error feedback lives in a file
+            residual = str(Path(cfg["traffic"]).parent / f"residual-site-{site}.safetensors")
         local["site"] = FlowerSite(site_url, name=f"site-{site}", dtype=torch.bfloat16, global_store=global_store,
                                    site_store=site_store, writer_policy=WriterPolicy(threads=1, writer_id=f"site-{site}"),
-                                   compression=compression)
+                                   compression=compression, residual_path=residual)
     _locals[key] = local
     return local
 
@@ -287,6 +289,11 @@ def wait_listening(port: int, proc: Any, log: Path) -> None:
     raise SystemExit(f"flower-superlink did not listen on {port} within {LISTEN_TIMEOUT_S:g} s")
 
 
+def _log_tails(workdir: Path) -> str:
+    """The end of every log the deployment wrote (the SuperLink's, each SuperNode's, ``flwr run``'s)."""
+    return "".join(f"\n--- {f.name}\n{f.read_text(errors='replace')[-2000:]}" for f in sorted(workdir.glob("*.log")))
+
+
 def deploy(cfg: dict[str, Any], n_sites: int, workdir: Path) -> float:
     """Run the app on real Flower processes on 127.0.0.1: one SuperLink, one SuperNode per
     site (its ``partition-id`` in its node config), submitted with ``flwr run``. Returns the wall
@@ -341,12 +348,16 @@ def deploy(cfg: dict[str, Any], n_sites: int, workdir: Path) -> float:
                   # the new ones from the bucket
                   DELTASTORE_NODE_CACHE=str(workdir / f"node-cache-{i}"))
         wait_listening(port, procs[0], workdir / "superlink.log")
-        submit = subprocess.run([str(bindir / "flwr"), "run", str(app), "local", "--stream"], env=env, cwd=str(workdir),
-                                timeout=DEPLOY_TIMEOUT_S, capture_output=True, text=True)
+        try:
+            submit = subprocess.run([str(bindir / "flwr"), "run", str(app), "local", "--stream"], env=env,
+                                    cwd=str(workdir), timeout=DEPLOY_TIMEOUT_S, capture_output=True, text=True)
+        except subprocess.TimeoutExpired as e:  # Flower's own logs say where it stopped
+            partial = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+            (workdir / "flwr-run.log").write_text("".join(partial))
+            raise SystemExit(f"flwr run did not finish within {DEPLOY_TIMEOUT_S:g} s:{_log_tails(workdir)}") from e
         (workdir / "flwr-run.log").write_text(submit.stdout + submit.stderr)
         if submit.returncode != 0 or not Path(cfg["final"]).exists():
-            tails = "".join(f"\n--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(workdir.glob("*.log")))
-            raise SystemExit(f"flwr run failed ({submit.returncode}):{tails}")
+            raise SystemExit(f"flwr run failed ({submit.returncode}):{_log_tails(workdir)}")
     finally:
         for p in procs:
             p.terminate()
