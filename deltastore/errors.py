@@ -117,6 +117,23 @@ class UploadCorruptedError(StorageError):
     """An upload's bytes kept arriving altered: the server rejected its checksum (``BadDigest``)
     or stored other bytes than were sent, on every attempt."""
 
+    @classmethod
+    def stored_altered(cls, name: str, attempts: int, detail: str, removed: bool) -> UploadCorruptedError:
+        """The server stored other bytes than were sent on each of ``attempts`` uploads of
+        ``name`` (``detail``: the digests that differ); ``removed``: the damaged object was
+        deleted (a create-only write's own object)."""
+        return cls(f"{name} was stored with other bytes than were sent on each of {attempts} attempts ({detail}); "
+                   + ("the damaged object was deleted" if removed else "the object there is damaged")
+                   + "; check the network path and write it again")
+
+    @classmethod
+    def unreplaceable(cls, name: str, detail: str = "") -> UploadCorruptedError:
+        """``name`` arrived altered and the rewrite of exactly that damaged object lost its
+        condition (someone changed it meanwhile)."""
+        why = f"({detail})" if detail else "(someone changed it meanwhile)"
+        return cls(f"{name} arrived altered and could not be replaced with the right bytes {why}; "
+                   "read it back before trusting it")
+
 
 class UnsafeStoreError(StorageError):
     """The store's endpoint does not honour conditional writes, so concurrent publishers could

@@ -516,10 +516,7 @@ class CloudStore(Store):
                                        self._name(key), failure.detail if failure else "")
                         continue
                 if kind is Kind.PRECONDITION and corrupt:
-                    raise UploadCorruptedError(
-                        f"{self._name(key)} arrived altered and could not be replaced with the right bytes (someone "
-                        f"changed it meanwhile); read it back before trusting it"
-                    ) from e
+                    raise UploadCorruptedError.unreplaceable(self._name(key)) from e
                 self._forget(key)
                 raise self._translate(e, "PUT", key, mode) from e
             if version.md5 is None or version.md5 == md5.hex():
@@ -529,12 +526,8 @@ class CloudStore(Store):
             corrupt += 1
             if corrupt >= CORRUPT_UPLOAD_MAX_ATTEMPTS:
                 removed = mode == "create" and self._delete_version(key, version)
-                raise UploadCorruptedError(
-                    f"{self._name(key)} was stored with other bytes than were sent on each of {corrupt} attempts "
-                    f"(stored MD5 {version.md5!r}, sent {md5.hex()!r}); "
-                    + ("the damaged object was deleted" if removed else "the object there is damaged")
-                    + "; check the network path and write it again"
-                )
+                raise UploadCorruptedError.stored_altered(
+                    self._name(key), corrupt, f"stored MD5 {version.md5!r}, sent {md5.hex()!r}", removed)
             logger.warning("%s PUT %s: stored bytes differ from the data sent, rewriting", self.provider, self._name(key))
             condition = version.token  # replace exactly the damaged version we wrote, nothing newer
 

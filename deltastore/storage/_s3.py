@@ -550,10 +550,7 @@ class S3Store(Store):
                         continue
                 elif current is not mode:
                     # Replacing our own damaged upload failed (someone changed it meanwhile).
-                    raise UploadCorruptedError(
-                        f"{self._name(key)} arrived altered and could not be replaced with the right "
-                        f"bytes ({code or status}); read it back before trusting it"
-                    ) from e
+                    raise UploadCorruptedError.unreplaceable(self._name(key), f"{code or status}") from e
                 raise self._translate(e, "PutObject", key, current) from e
             except botocore.exceptions.BotoCoreError as e:
                 raise self._translate(e, "PutObject", key, current) from e
@@ -563,12 +560,8 @@ class S3Store(Store):
             corrupt += 1
             if corrupt >= CORRUPT_UPLOAD_MAX_ATTEMPTS:
                 removed = mode == "create" and self._delete_if_etag(key, etag)
-                raise UploadCorruptedError(
-                    f"{self._name(key)} was stored with other bytes than were sent on each of "
-                    f"{corrupt} attempts (ETag {etag!r}, MD5 of the data {md5.hex()!r}); "
-                    + ("the damaged object was deleted" if removed else "the object there is damaged")
-                    + "; check the network path and write it again"
-                )
+                raise UploadCorruptedError.stored_altered(
+                    self._name(key), corrupt, f"ETag {etag!r}, MD5 of the data {md5.hex()!r}", removed)
             logger.warning("PutObject %s: stored bytes differ from the data sent, rewriting", self._name(key))
             current = IfMatch(etag)  # replace exactly the damaged object we wrote, nothing newer
 

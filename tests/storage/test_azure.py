@@ -8,7 +8,6 @@ import pytest
 
 from deltastore.errors import (
     AccessDeniedError,
-    BucketNotFoundError,
     UnsafeStoreError,
     UnsupportedURLError,
 )
@@ -49,20 +48,6 @@ def test_wrong_key_is_one_typed_line_without_the_key(azurite_server) -> None:
         open_store("az://c/run", storage_options={"endpoint_url": azurite_server.endpoint_url})
     with pytest.raises(UnsupportedURLError, match="aws_access_key_id"):
         open_store("az://c/run", storage_options={"aws_access_key_id": "x"})
-
-
-def test_missing_container_is_one_typed_line(azurite_server) -> None:
-    store = open_store("az://no-such-container/run1", storage_options=azurite_server.storage_options())
-    for op in (
-        lambda: store.get("HEAD"),
-        lambda: store.head("HEAD"),
-        lambda: store.put("HEAD", b"x", mode="create"),
-        lambda: store.check_endpoint(),
-    ):
-        with pytest.raises(BucketNotFoundError) as info:
-            op()
-        message = str(info.value)
-        assert "no-such-container" in message and "\n" not in message
 
 
 def test_probe_refuses_an_endpoint_that_drops_the_conditions(azurite_server) -> None:

@@ -1,5 +1,5 @@
 """What the native ``gs://`` and ``az://`` backends promise alike, on fake-gcs-server and
-Azurite over HTTP: a precondition failure is never retried, lost responses are settled by
+Azurite over HTTP: a missing bucket is one typed line, a precondition failure is never retried, lost responses are settled by
 reading, idle polls move no body, bytes altered in transit never stay stored nor get read,
 racing publishers commit once, and the bounded campaigns find nothing."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from deltastore.errors import PreconditionFailedError, UploadCorruptedError
+from deltastore.errors import BucketNotFoundError, PreconditionFailedError, UploadCorruptedError
 from deltastore.storage import IfMatch, open_store
 from deltastore.storage._cloud import CORRUPT_UPLOAD_MAX_ATTEMPTS
 from deltastore.storage.probe import require_atomic_writes
@@ -53,6 +53,23 @@ def cloud(request: pytest.FixtureRequest) -> Cloud:
                      "alt=media", lambda m, p: "/o/" in p)
     return Cloud(request.getfixturevalue("azure_url"), request.getfixturevalue("azurite_server"), "PUT", "",
                  lambda m, p: True)
+
+
+def test_missing_bucket_is_one_typed_line(cloud: Cloud) -> None:
+    """A bucket (GCS) or container (Azure) that does not exist: every call is one typed line
+    naming it."""
+    scheme = cloud.target.url.split("://", 1)[0]
+    store = open_store(f"{scheme}://no-such-bucket-here/run1", storage_options=cloud.server.storage_options())
+    for op in (
+        lambda: store.get("HEAD"),
+        lambda: store.head("HEAD"),
+        lambda: store.put("HEAD", b"x", mode="create"),
+        lambda: store.check_endpoint(),
+    ):
+        with pytest.raises(BucketNotFoundError) as info:
+            op()
+        message = str(info.value)
+        assert "no-such-bucket-here" in message and "\n" not in message
 
 
 def test_probe_passes_and_binds_the_endpoint(cloud: Cloud) -> None:
