@@ -22,9 +22,7 @@ import contextlib
 import importlib.util
 import json
 import os
-import re
 import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -36,7 +34,7 @@ from typing import Any
 
 from deltastore.devserver import READY_POLL_S, free_ports, log_tail, spawn
 from deltastore.errors import DevServerError
-from testkit.servers import npm_cache_dir, npm_install
+from testkit.servers import npm_cache_dir, npm_install, wait_for_log
 
 __all__ = [
     "AZURITE_ACCOUNT",
@@ -102,18 +100,6 @@ class CloudServer:
         if path and not urllib.parse.urlsplit(endpoint_url).path.strip("/"):
             endpoint_url = endpoint_url.rstrip("/") + path
         return replace(self, endpoint_url=endpoint_url)
-
-
-def _wait_for_log(proc: subprocess.Popen, log_path: Path, pattern: bytes, what: str, args: list[str]) -> re.Match:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        found = re.search(pattern, log_path.read_bytes())
-        if found:
-            return found
-        if proc.poll() is not None or time.monotonic() > deadline:
-            state = f"exited with status {proc.returncode}" if proc.returncode is not None else "did not listen"
-            raise DevServerError(f"{what} {state}; command: {' '.join(args)}\n--- log tail ---\n{log_tail(log_path)}")
-        time.sleep(READY_POLL_S)
 
 
 # --- GCS ------------------------------------------------------------------------------------
@@ -251,7 +237,8 @@ def azurite(base: Path, container: str = TEST_BUCKET) -> Iterator[CloudServer]:
             "--skipApiVersionCheck", "--disableTelemetry", "--loose"]
     with contextlib.ExitStack() as cleanup:
         proc = spawn(cleanup, args, cwd=base, log_path=log_path, stop_timeout_s=STOP_TIMEOUT_S)
-        found = _wait_for_log(proc, log_path, rb"listens on http://127\.0\.0\.1:(\d+)", "azurite", args)
+        found = wait_for_log(proc, log_path, rb"listens on http://127\.0\.0\.1:(\d+)", "azurite", args,
+                             timeout_s=START_TIMEOUT_S)
         endpoint = f"http://127.0.0.1:{int(found.group(1))}/{AZURITE_ACCOUNT}"
         _create_container(endpoint, container)
         yield CloudServer("azurite", "az", endpoint, container,

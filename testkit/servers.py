@@ -151,6 +151,24 @@ def install_s3rver(cache: Path | None = None) -> Path:
                        cache=cache or s3rver_cache_dir())
 
 
+def wait_for_log(proc: subprocess.Popen, log_path: Path, pattern: bytes, what: str, args: list[str], *,
+                 timeout_s: float) -> re.Match:
+    """The first match of ``pattern`` in a starting server's log (e.g. the port it listens on).
+
+    Raises:
+        ServerStartError: the process exited, or ``timeout_s`` passed, first (with the log tail).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = re.search(pattern, log_path.read_bytes())
+        if found:
+            return found
+        if proc.poll() is not None or time.monotonic() > deadline:
+            state = f"exited with status {proc.returncode}" if proc.returncode is not None else "did not listen"
+            raise ServerStartError(f"{what} {state}; command: {' '.join(args)}\n--- log tail ---\n{log_tail(log_path)}")
+        time.sleep(READY_POLL_S)
+
+
 @contextlib.contextmanager
 def s3rver(base: Path, bucket: str = TEST_BUCKET) -> Iterator[S3Server]:
     """s3rver on 127.0.0.1 only, data in ``base``, ``bucket`` created; an S3 server that
@@ -171,17 +189,8 @@ def s3rver(base: Path, bucket: str = TEST_BUCKET) -> Iterator[S3Server]:
             "--silent", "--configure-bucket", bucket]
     with contextlib.ExitStack() as cleanup:
         proc = spawn(cleanup, args, cwd=base, log_path=log_path, stop_timeout_s=S3RVER_STOP_TIMEOUT_S)
-        deadline = time.monotonic() + S3RVER_START_TIMEOUT_S
-        while True:
-            found = re.search(rb"listening on 127\.0\.0\.1:(\d+)", log_path.read_bytes())
-            if found:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                state = f"exited with status {proc.returncode}" if proc.returncode is not None else "did not listen"
-                raise ServerStartError(
-                    f"s3rver {state}; command: {' '.join(args)}\n--- log tail ---\n{log_tail(log_path)}"
-                )
-            time.sleep(READY_POLL_S)
+        found = wait_for_log(proc, log_path, rb"listening on 127\.0\.0\.1:(\d+)", "s3rver", args,
+                             timeout_s=S3RVER_START_TIMEOUT_S)
         yield S3Server("s3rver", f"http://127.0.0.1:{int(found.group(1))}", bucket, *S3RVER_CREDENTIALS,
                        retries=TEST_RETRIES)
 
