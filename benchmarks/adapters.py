@@ -54,7 +54,7 @@ CONFIGS = (("fp32", torch.float32, None), ("fp32, anchor every 20", torch.float3
            ("bf16", torch.bfloat16, None))
 
 
-def _safetensors_bytes(state: dict[str, torch.Tensor]) -> int:
+def safetensors_bytes(state: dict[str, torch.Tensor]) -> int:
     """The size of ``adapter_model.safetensors`` holding ``state`` (PEFT's metadata included)."""
     from safetensors.torch import save
 
@@ -66,7 +66,7 @@ def run(lr: float, steps: int) -> list[dict[str, Any]]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModel, AutoTokenizer, DataCollatorForLanguageModeling
 
-    from benchmarks.workload import corpus, model_dir
+    from benchmarks.workload import corpus, model_dir, tied_mlm_loss
     from deltastore import Subscriber
     from deltastore.format.history import History
     from deltastore.integrations.peft import AdapterPublisher, BaseRef, adapter_state
@@ -100,8 +100,7 @@ def run(lr: float, steps: int) -> list[dict[str, Any]]:
             idx = order[((step - 1) * BATCH_SIZE) % len(order):][:BATCH_SIZE]
             batch = collate([rows[int(i)] for i in idx])
             hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-            sel = batch["labels"] != -100
-            loss = torch.nn.functional.cross_entropy(hidden[sel] @ emb.T, batch["labels"][sel])
+            loss = tied_mlm_loss(hidden, batch["labels"], emb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -116,7 +115,7 @@ def run(lr: float, steps: int) -> list[dict[str, Any]]:
                 per_version[name].append({
                     "version": info.version, "kind": info.kind, "bytes_stored": info.bytes_stored,
                     "manifest_bytes": len(pub.publisher.store.get(info.manifest)),
-                    "safetensors_bytes": _safetensors_bytes({n: t.to(dtypes[name]) for n, t in state.items()}),
+                    "safetensors_bytes": safetensors_bytes({n: t.to(dtypes[name]) for n, t in state.items()}),
                     "elements_changed": info.elements_changed,
                     # a worker starting from nothing: the anchor's full segments and every delta since
                     "fresh_worker_bytes": anchor_full[name] + since_anchor[name],

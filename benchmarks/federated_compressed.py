@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.workload import BATCH_SIZE, MASK_PROB, SEED, SEQ_LEN
+from benchmarks.workload import BATCH_SIZE, MASK_PROB, SEED, SEQ_LEN, tied_mlm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,7 @@ def _data(n_sites: int) -> tuple[Any, list[list[dict[str, Any]]], dict[str, torc
 
 def _mlm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    sel = batch["labels"] != -100
-    emb = model.get_input_embeddings().weight  # the tied MLM head: logits = h @ E^T
-    return torch.nn.functional.cross_entropy(hidden[sel] @ emb.T, batch["labels"][sel])
+    return tied_mlm_loss(hidden, batch["labels"], model.get_input_embeddings().weight)
 
 
 def heldout_loss(model: Any, state: dict[str, torch.Tensor], heldout: dict[str, torch.Tensor]) -> float:

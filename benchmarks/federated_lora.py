@@ -42,34 +42,24 @@ from typing import Any
 
 import torch
 
+# the recipe of benchmarks.adapters (PEFT defaults for an encoder of this size), and its task
+from benchmarks.adapters import BATCH_SIZE, LORA_ALPHA, LORA_RANK, LORA_TARGETS, MASK_PROB, SEED, SEQ_LEN, safetensors_bytes
+from benchmarks.workload import tied_mlm_loss
+
 logger = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "federated-lora.json"
 DEFAULT_ROUNDS = 4
 DEFAULT_STEPS = 5
 N_SITES = 3
-#: As benchmarks.adapters (PEFT recipe defaults for an encoder of this size).
-LORA_RANK = 8
-LORA_ALPHA = 16
-LORA_TARGETS = ("query", "value")
-BATCH_SIZE = 16
-SEQ_LEN = 32
-MASK_PROB = 0.15
 #: Few local steps per round: a learning rate at the high end of LoRA recipes, so the adapter
 #: moves visibly in 20 steps.
 LR = 5e-4
-SEED = 1234
 #: Rows of the corpus kept out of every shard, to score the global versions.
 HELD_OUT_ROWS = 128
 THREADS = 2
 #: (mode, store dtype) of each run.
 CONFIGS = (("fedavg", torch.float32), ("stack", torch.float32), ("fedavg", torch.bfloat16), ("stack", torch.bfloat16))
-
-
-def _safetensors_bytes(state: dict[str, torch.Tensor]) -> int:
-    from safetensors.torch import save
-
-    return len(save({n: t.contiguous() for n, t in state.items()}, metadata={"format": "pt"}))
 
 
 class Task:
@@ -99,8 +89,7 @@ class Task:
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        sel = batch["labels"] != -100
-        return torch.nn.functional.cross_entropy(hidden[sel] @ self.emb.T, batch["labels"][sel])
+        return tied_mlm_loss(hidden, batch["labels"], self.emb)
 
     def train(self, weights: dict[str, torch.Tensor], site: int, rnd: int, steps: int) -> dict[str, torch.Tensor]:
         """A site's round: load the global state, ``steps`` AdamW steps on its shard, the state dict."""
@@ -162,7 +151,7 @@ def run(task: Task, mode: str, dtype: torch.dtype, rounds: int, steps: int, root
     policy = WriterPolicy(threads=THREADS)
     initial = {n: t.to(dtype) for n, t in task.initial.items()}
     modules = lora_modules(initial)
-    adapter_bytes = _safetensors_bytes(adapter_state(initial))
+    adapter_bytes = safetensors_bytes(adapter_state(initial))
     rows: list[dict[str, Any]] = []
     losses = [task.held_out_loss(initial)]
     with Aggregator(global_url, urls, dtype=dtype, merge=merge, writer_policy=policy) as agg:

@@ -211,6 +211,13 @@ def _export_bf16(model: torch.nn.Module, lora: dict[str, _LoRA]) -> dict[str, to
     return dict(sorted(out.items()))
 
 
+def tied_mlm_loss(hidden: torch.Tensor, labels: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """Masked-token reconstruction through a head tied to the word embeddings: the
+    cross-entropy of ``hidden @ embeddings.T`` at the masked positions (``labels`` != -100)."""
+    sel = labels != -100
+    return torch.nn.functional.cross_entropy(hidden[sel] @ embeddings.T, labels[sel])
+
+
 def _mask_tokens(
     input_ids: torch.Tensor, special: torch.Tensor, mask_id: int, vocab: int, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,9 +285,7 @@ def _iter_minilm(spec: WorkloadSpec) -> Iterator[dict[str, torch.Tensor]]:
         ids, labels = _mask_tokens(enc["input_ids"][idx], special[idx], tok.mask_token_id,
                                    tok.vocab_size, gen)
         hidden = model(input_ids=ids, attention_mask=enc["attention_mask"][idx]).last_hidden_state
-        sel = labels != -100
-        logits = hidden[sel] @ emb.T
-        loss = torch.nn.functional.cross_entropy(logits, labels[sel])
+        loss = tied_mlm_loss(hidden, labels, emb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
