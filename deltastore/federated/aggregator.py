@@ -260,7 +260,6 @@ class Aggregator:
         self.threads = writer.threads or default_threads()
         self.merge_fn = merge
         self.results = results
-        self.accept_compressed = results.accept_compressed
         self.poll_interval_s = poll_interval_s
         self.late = late
         # Every round must make a new global version (even one where no element moved): the
@@ -514,7 +513,7 @@ class Aggregator:
         if site.keys is not None:
             site.keys.verify(key, m)  # SignatureError (an IntegrityError): refused, named
         result = read_based(name, site.history, site.engine, key, m, base, self.state(),
-                            accept_compressed=self.accept_compressed)
+                            accept_compressed=self.results.accept_compressed)
         seen = _Seen(result)
         if want_late and self._last is not None and m.parent_manifest is not None:
             # a late result the site published just before this one
@@ -540,7 +539,7 @@ class Aggregator:
             if site.keys is not None:
                 site.keys.verify(key, m)
             r = read_based(site.name, site.history, site.engine, key, m, last.base, last.state,
-                           accept_compressed=self.accept_compressed)
+                           accept_compressed=self.results.accept_compressed)
         except (IntegrityError, FormatError, InvalidStateDictError) as e:
             return _Seen(late_version=m.version, late_error=e)
         return _Seen(late=r, late_version=m.version)

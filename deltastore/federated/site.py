@@ -183,25 +183,24 @@ class Site:
         if self._base is None or self._weights is None:
             raise VersionNotFoundError("pull() the global version before publishing a result on it")
         served = {n: t.detach().to("cpu") for n, t in state.items()}
-        kept: dict[str, torch.Tensor] = {}
-        if self.compressor is not None:
-            kept = dict(self.compressor.residual)  # its tensors are replaced, never changed in place
-            served = self.compressor.compress(served, self._weights)
+        c = self.compressor
+        kept = dict(c.residual) if c is not None else {}  # its tensors are replaced, never changed in place
+        if c is not None:
+            served = c.compress(served, self._weights)
         elif self.dtype is not None:
             served = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in served.items()}
         meta = dict(metadata or {})
         if num_examples is not None:
             meta["num_examples"] = int(num_examples)
-        if self.compressor is None:
-            return self._writer.publish(served, self._base, self._weights, step=step, metadata=meta)
         try:
             info = self._writer.publish(served, self._base, self._weights, step=step, metadata=meta,
-                                        compression=self.compressor.compression.ref())
+                                        compression=c.compression.ref() if c is not None else None)
         except BaseException:
-            self.compressor.residual = kept  # nothing was sent: the next result sends it all again
+            if c is not None:
+                c.residual = kept  # nothing was sent: the next result sends it all again
             raise
-        if self.residual_path is not None:
-            self.compressor.save(self.residual_path)
+        if c is not None and self.residual_path is not None:
+            c.save(self.residual_path)
         return info
 
     def run_round(self, train: TrainFn, *, num_examples: int | None = None, step: int | None = None,

@@ -330,7 +330,7 @@ class DeltastoreFedAvg(FedAvg):
         trusted = results.trusted(sites, what="this strategy")
         self.global_url = global_url
         self.reference_key = reference_key
-        self.accept_compressed = results.accept_compressed
+        self.results = results
         opts = dict(site_storage_options or {})
         self._sites: dict[str, _SiteStore] = {}
         try:
@@ -437,7 +437,7 @@ class DeltastoreFedAvg(FedAvg):
         if site.keys is not None:
             site.keys.verify(ref.manifest, m)  # before anything of the version is used (SPEC §14)
         return read_based(site.name, history, site.engine, ref.manifest, m, base, self.aggregator.state(),
-                          accept_compressed=self.accept_compressed)
+                          accept_compressed=self.results.accept_compressed)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
