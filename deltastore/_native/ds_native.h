@@ -27,6 +27,7 @@ extern PyMethodDef ds_groups_methods[]; /* groups.c */
 extern PyMethodDef ds_zstd_methods[];   /* zstd.c */
 extern PyMethodDef ds_full_methods[];   /* full.c */
 extern PyMethodDef ds_quant_methods[];  /* quant.c */
+extern PyMethodDef ds_requant_methods[]; /* requant.c */
 
 /* The 32 lowercase hex digits of an XXH3-128 digest (high 64 bits first, as
  * xxhash.xxh3_128_hexdigest writes them) as a new str. */

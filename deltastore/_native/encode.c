@@ -78,6 +78,8 @@ typedef struct {
     dsbuf codes; /* paired 4-bit value codes, low nibble first */
     dsbuf esc;   /* zigzag values >= DS_NIBBLE_ESCAPE, full width */
     dsbuf cb;    /* scratch of the vector scan: one code byte per change of a range, then paired */
+    dsbuf vals;  /* with want_vals: each change's new value, full width */
+    int want_vals;
     size_t k;    /* changes so far */
     size_t next; /* position after the last change */
     uint32_t max_rest;
@@ -89,6 +91,7 @@ static void enc_free(enc_out *s) {
     free(s->codes.p);
     free(s->esc.p);
     free(s->cb.p);
+    free(s->vals.p);
 }
 
 static inline unsigned ctz64(uint64_t x) { /* x != 0 */
@@ -256,6 +259,7 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
         codes[k >> 1] = v;                                                                      \
         pend = v;                                                                               \
         k++;                                                                                    \
+        if (want_vals) memcpy(vals + (k - 1) * W, &nv, W);                                      \
         if (adv) memcpy(ob + (j) * W, &nv, W);                                                  \
     } while (0)
 
@@ -274,10 +278,12 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
         size_t k = s->k, next = s->next;                                                             \
         uint32_t max_rest = s->max_rest;                                                             \
         size_t m = hi > lo ? hi - lo : 0;                                                            \
+        const int want_vals = s->want_vals;                                                          \
         if (reserve(&s->syms, m) || reserve(&s->codes, m / 2 + 1) || reserve(&s->rest, 4 * m + 4) ||  \
-            reserve(&s->esc, W * m + W))                                                             \
+            reserve(&s->esc, W * m + W) || (want_vals && reserve(&s->vals, W * (k + m) - s->vals.len))) \
             return -1;                                                                               \
         uint8_t *syms = s->syms.p, *codes = s->codes.p, *rest = s->rest.p, *esc = s->esc.p;          \
+        uint8_t *vals = s->vals.p;                                                                   \
         size_t rest_len = s->rest.len, esc_len = s->esc.len;                                         \
         /* the low nibble already written when an odd number of codes is */                          \
         uint8_t pend = (k & 1) ? codes[k >> 1] : 0;                                                  \
@@ -305,6 +311,7 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
         s->k = k;                                                                                    \
         s->next = next;                                                                              \
         s->max_rest = max_rest;                                                                      \
+        if (want_vals) s->vals.len = W * k;                                                          \
         return 0;                                                                                    \
     }
 
@@ -359,7 +366,8 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
     uint32_t max_rest = s->max_rest;
     size_t m = hi > lo ? hi - lo : 0;
     if (reserve(&s->syms, m + 64) || reserve(&s->codes, m / 2 + 1) || reserve(&s->rest, 4 * m + 4) ||
-        reserve(&s->esc, W * m + 128) || reserve(&s->cb, m + 64))
+        reserve(&s->esc, W * m + 128) || reserve(&s->cb, m + 64) ||
+        (s->want_vals && reserve(&s->vals, W * (k + m) + 128 - s->vals.len)))
         return -1;
     uint8_t *syms = s->syms.p, *codes = s->codes.p, *rest = s->rest.p, *esc = s->esc.p, *cb = s->cb.p;
     size_t rest_len = s->rest.len, esc_len = s->esc.len;
@@ -417,6 +425,12 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
             if (m0) _mm512_mask_storeu_epi16((void *)(ob + i * W), m0, n0);
             if (m1) _mm512_mask_storeu_epi16((void *)(ob + i * W + 64), m1, n1);
         }
+        if (s->want_vals) { /* the new values of the changed lanes, in order (register compresses and
+                             * whole stores, as above: a compress to memory is slow on some cores) */
+            uint8_t *v = s->vals.p + k * W;
+            _mm512_storeu_si512((void *)v, _mm512_maskz_compress_epi16(m0, n0));
+            _mm512_storeu_si512((void *)(v + W * (size_t)__builtin_popcount(m0)), _mm512_maskz_compress_epi16(m1, n1));
+        }
         k += c;
     }
     pair_code_bytes(codes, k0, cb, k - k0);
@@ -427,6 +441,7 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
     s->k = k;
     s->next = next;
     s->max_rest = max_rest;
+    if (s->want_vals) s->vals.len = W * k;
     return i < hi ? scan_2(ob, nb, i, hi, adv, s) : 0; /* the tail, under one block: the scalar scan's */
 }
 
@@ -597,21 +612,23 @@ static int acquire_pair(PyObject *old_obj, PyObject *new_obj, int adv, Py_buffer
 }
 
 PyDoc_STRVAR(encode_add_doc,
-"encode_add(old, new, width, advance, digest) -> (n_changed, gap_symbols, gap_rests,\n"
-"    max_rest, value_codes, value_escapes, digest)\n\n"
+"encode_add(old, new, width, advance, digest, values=False) -> (n_changed, gap_symbols,\n"
+"    gap_rests, max_rest, value_codes, value_escapes, digest[, new_values])\n\n"
 "One pass over two chunks of `width`-byte little-endian elements: the add-sparse/1 sections'\n"
 "raw planes (gap symbols; u32 escaped gap remainders; paired 4-bit zigzag codes; escaped\n"
 "zigzag values), `old` advanced to `new` at every change when `advance`, and the XXH3-128\n"
-"hex digest of `new` (digest: 0 never, 1 if anything changed, 2 always; else None).\n"
+"hex digest of `new` (digest: 0 never, 1 if anything changed, 2 always; else None); with\n"
+"`values`, also each changed element's new value (full width, in order).\n"
 "Releases the GIL.\n"
 "On MemoryError `old` may be partly advanced.");
 
 static PyObject *py_encode_add(PyObject *self, PyObject *args) {
     PyObject *old_obj, *new_obj;
     long width;
-    int adv, digest;
+    int adv, digest, values = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOlpi:encode_add", &old_obj, &new_obj, &width, &adv, &digest)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOlpi|p:encode_add", &old_obj, &new_obj, &width, &adv, &digest, &values))
+        return NULL;
     if (digest < DIGEST_NONE || digest > DIGEST_ALWAYS) {
         PyErr_SetString(PyExc_ValueError, "digest must be 0, 1 or 2");
         return NULL;
@@ -622,6 +639,7 @@ static PyObject *py_encode_add(PyObject *self, PyObject *args) {
     if (acquire_pair(old_obj, new_obj, adv, &ob, &nb, w) < 0) return NULL;
     enc_out s;
     memset(&s, 0, sizeof s);
+    s.want_vals = values;
     XXH3_state_t *st = XXH3_createState();
     int rc = -1, hashed = 0;
     scan_fn scan = scan_for(current_isa(), w);
@@ -644,7 +662,11 @@ static PyObject *py_encode_add(PyObject *self, PyObject *args) {
         } else {
             digest = Py_NewRef(Py_None);
         }
-        if (digest != NULL)
+        if (digest != NULL && values)
+            result = Py_BuildValue("(nNNkNNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),
+                                   (unsigned long)s.max_rest, buf_bytes(&s.codes), buf_bytes(&s.esc), digest,
+                                   buf_bytes(&s.vals));
+        else if (digest != NULL)
             result = Py_BuildValue("(nNNkNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),
                                    (unsigned long)s.max_rest, buf_bytes(&s.codes), buf_bytes(&s.esc), digest);
     }

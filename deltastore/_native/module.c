@@ -68,7 +68,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddFunctions(m, ds_ctx_methods) < 0 ||
         PyModule_AddFunctions(m, ds_planes_methods) < 0 || PyModule_AddFunctions(m, ds_groups_methods) < 0 ||
         PyModule_AddFunctions(m, ds_zstd_methods) < 0 || PyModule_AddFunctions(m, ds_full_methods) < 0 ||
-        PyModule_AddFunctions(m, ds_quant_methods) < 0 ||
+        PyModule_AddFunctions(m, ds_quant_methods) < 0 || PyModule_AddFunctions(m, ds_requant_methods) < 0 ||
         PyModule_AddIntConstant(m, "ABI", DS_NATIVE_ABI) < 0 ||
         PyModule_AddIntConstant(m, "GAP_ESCAPE", DS_GAP_ESCAPE) < 0 ||
         PyModule_AddIntConstant(m, "NIBBLE_ESCAPE", DS_NIBBLE_ESCAPE) < 0) {

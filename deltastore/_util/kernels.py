@@ -74,6 +74,10 @@ scan_tensors = getattr(_native, "scan_tensors", None)
 #: bit-identical to their PyTorch path; a build without them uses that path.
 quantize_fp8_block128 = getattr(_native, "quantize_fp8_block128", None)
 quantize_mxfp8 = getattr(_native, "quantize_mxfp8", None)
+#: incremental requantization of serving streams (deltastore/serving/requant.py; requant.c)
+scatter_gaps = getattr(_native, "scatter_gaps", None)
+requant_mark = getattr(_native, "requant_mark", None)
+requant_delta = getattr(_native, "requant_delta", None)
 #: See deltastore/_native/module.c (history._untrack_table: cached manifests' chunk tables).
 untrack = getattr(_native, "untrack", None)
 #: See deltastore/_native/zstd.c: a segment's zstd frames in one call without the GIL, through

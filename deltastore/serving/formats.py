@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 from collections.abc import Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from deltastore._util import kernels
 from deltastore.errors import FormatError, InvalidStateDictError, UnknownFormatError
-from deltastore.serving.quantize import MX_BLOCK, quantize_fp8_block128, quantize_mxfp8
+from deltastore.serving.quantize import BLOCK, MX_BLOCK, quantize_fp8_block128, quantize_mxfp8
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,9 @@ def serving_format(spec: str | ServingFormat) -> ServingFormat:
 
 
 def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
-           pool: Executor | None = None, reuse: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+           pool: Executor | None = None, reuse: Mapping[str, torch.Tensor] | None = None,
+           amax: dict[str, np.ndarray] | None = None,
+           given: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """The serving state dict of ``fmt`` for ``state``.
 
     Each tensor the format selects (:meth:`ServingFormat.selects`) becomes its quantized tensor,
@@ -166,6 +171,11 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
             scales this one is written into where their names, shapes and dtypes still fit (a
             publisher deriving every version saves the fresh pages: about a third of the
             quantization's time). That earlier result must no longer be in use.
+        amax: when given, filled with each quantized bfloat16 tensor's blocks' largest ``|x|``
+            (bfloat16 bits, one uint16 per scale) where the native quantizers run
+            (:mod:`deltastore.serving.requant` keeps them).
+        given: ``(quantized, scale)`` of selected tensors the caller already has (requantized
+            incrementally): placed as they are, not quantized.
 
     Returns:
         A new dict in ``state``'s order (each scale right after its tensor): CPU, contiguous,
@@ -201,6 +211,9 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
                 f"{name!r}: {fmt.name} adds its scale as {scale_name!r}, a name the state already holds; rename "
                 f"that tensor or exclude {name!r} from the format"
             )
+        if given is not None and name in given:
+            out[name], out[scale_name] = given[name]
+            continue
         out[name] = out[scale_name] = None  # type: ignore[assignment]  # placed here, filled below
         selected.append((name, t))
 
@@ -209,8 +222,11 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
         out = None
         if reuse is not None and name in reuse and name + SCALE_SUFFIX[fmt.name] in reuse:
             out = (reuse[name], reuse[name + SCALE_SUFFIX[fmt.name]])
+        blocks = None
+        if amax is not None and t.dtype == torch.bfloat16 and kernels.requant_mark is not None:
+            blocks = amax[name] = np.empty(_n_scales(fmt.name, t.shape), dtype=np.uint16)
         try:
-            return quantize(t, out=out)  # type: ignore[misc]
+            return quantize(t, out=out, amax=blocks)  # type: ignore[misc]
         except InvalidStateDictError as e:
             raise InvalidStateDictError(f"{name!r}: {e}") from e
 
@@ -219,6 +235,13 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
         out[name], out[name + SCALE_SUFFIX[fmt.name]] = q, scale
     logger.debug("%s: %d of %d tensors quantized", fmt.name, len(selected), len(state))
     return out
+
+
+def _n_scales(name: str, shape: tuple[int, ...] | torch.Size) -> int:
+    """The number of scales format ``name`` gives a selected tensor of ``shape``."""
+    if name == "mxfp8":
+        return math.prod(shape) // MX_BLOCK
+    return -(-shape[0] // BLOCK) * -(-shape[1] // BLOCK)
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

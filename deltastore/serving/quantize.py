@@ -76,7 +76,8 @@ _AMAX_FLOOR = torch.tensor(AMAX_FLOOR, dtype=torch.float32)
 
 
 def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None,
-                          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          amax: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight to FP8 E4M3 with one float32 scale per 128×128 block.
 
     Per block (a partial block at the bottom or right edge holds only the elements that exist):
@@ -94,6 +95,9 @@ def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None,
             deriving every version reuses its memory: fresh pages cost about a third of the
             quantization); used only when both are CPU, contiguous and of the result's shape and
             dtype, else new tensors are returned.
+        amax: a uint16 array with one element per scale, filled with each block's largest
+            ``|x|`` as bfloat16 bits (what :mod:`deltastore.serving.requant` keeps to requantize
+            the next version incrementally). bfloat16 input and the native kernel only.
 
     Returns:
         ``(q, scale_inv)``: ``q`` float8_e4m3fn of ``w``'s shape, ``scale_inv`` float32 of shape
@@ -102,7 +106,7 @@ def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None,
 
     Raises:
         InvalidStateDictError: ``w`` is not 2-D, or of another dtype; ``native=True`` without the
-            native kernel.
+            native kernel; ``amax`` without the native kernel or for other than bfloat16 input.
 
     Example::
 
@@ -113,10 +117,11 @@ def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None,
     m, n = x.shape
     q, scale = _outputs(out, (m, n), torch.float8_e4m3fn, (_cdiv(m, BLOCK), _cdiv(n, BLOCK)), torch.float32)
     kernel = _kernel("quantize_fp8_block128", native)
+    tail = _amax_arg(amax, kernel, x, scale)
     if x.numel() == 0:
         return q, scale
     if kernel is not None:
-        _split(kernel, (_bytes(x), _dtype_code(x), m, n, _bytes(q), scale.numpy()), _cdiv(m, BLOCK), m * n)
+        _split(kernel, (_bytes(x), _dtype_code(x), m, n, _bytes(q), scale.numpy()), _cdiv(m, BLOCK), m * n, tail)
         return q, scale
     cols = max(BLOCK, STEP_ELEMENTS // BLOCK // BLOCK * BLOCK)  # columns per step: whole blocks
     scratch = torch.empty(min(m, BLOCK) * min(n, cols), dtype=torch.float32)
@@ -166,7 +171,8 @@ def dequantize_fp8_block128(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.T
 
 
 def quantize_mxfp8(w: torch.Tensor, *, native: bool | None = None,
-                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   amax: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize to MXFP8: 32-element blocks along the last dimension, E8M0 scales, E4M3 elements.
 
     Per block: ``r = fl(max|x| × fl(1/448))``; the scale exponent ``e`` is the smallest with
@@ -179,7 +185,7 @@ def quantize_mxfp8(w: torch.Tensor, *, native: bool | None = None,
     Args:
         w: a bfloat16, float16 or float32 tensor of at least one dimension whose last dimension
             is a multiple of 32 (any device; computed on the CPU).
-        native, out: as in :func:`quantize_fp8_block128`.
+        native, out, amax: as in :func:`quantize_fp8_block128` (``amax``: one per block of 32).
 
     Returns:
         ``(q, scales)``: ``q`` float8_e4m3fn of ``w``'s shape; ``scales`` uint8 of shape
@@ -203,11 +209,12 @@ def quantize_mxfp8(w: torch.Tensor, *, native: bool | None = None,
         )
     q, scales = _outputs(out, tuple(x.shape), torch.float8_e4m3fn, (*x.shape[:-1], k // MX_BLOCK), torch.uint8)
     kernel = _kernel("quantize_mxfp8", native)
+    tail = _amax_arg(amax, kernel, x, scales)
     if x.numel() == 0:
         return q, scales
     if kernel is not None:
         rows = x.numel() // k
-        _split(kernel, (_bytes(x), _dtype_code(x), rows, k, _bytes(q), scales.numpy()), rows, x.numel())
+        _split(kernel, (_bytes(x), _dtype_code(x), rows, k, _bytes(q), scales.numpy()), rows, x.numel(), tail)
         return q, scales
     rows_2d, q_2d, e_2d = x.view(-1, k), q.view(-1, k), scales.view(-1, k // MX_BLOCK)
     step = max(1, STEP_ELEMENTS // k)
@@ -381,16 +388,28 @@ def _kernel(name: str, native: bool | None):
     return kernel if native is not False else None
 
 
-def _split(kernel, args: tuple, units: int, elements: int) -> None:
+def _amax_arg(amax: np.ndarray | None, kernel, x: torch.Tensor, scale: torch.Tensor) -> tuple:
+    """The kernel's trailing ``amax`` argument (empty without one), checked."""
+    if amax is None:
+        return ()
+    if kernel is None or x.dtype != torch.bfloat16:
+        raise InvalidStateDictError("amax is filled by the native quantizers from bfloat16 input only")
+    if not isinstance(amax, np.ndarray) or amax.dtype != np.uint16 or amax.size != scale.numel():
+        raise InvalidStateDictError(f"amax must be a uint16 array of {scale.numel()} elements, one per scale")
+    return (amax,)
+
+
+def _split(kernel, args: tuple, units: int, elements: int, tail: tuple = ()) -> None:
     """Run a native kernel over units [0, units) (block rows or rows), in one call per thread
-    when the tensor is large enough to pay for the threads (the kernels release the GIL)."""
+    when the tensor is large enough to pay for the threads (the kernels release the GIL);
+    ``tail``: arguments after the range."""
     parts = max(1, min(jobs.default_threads(), units, elements // STEP_ELEMENTS))
     bounds = [units * i // parts for i in range(parts + 1)]
     if parts == 1:
-        kernel(*args, 0, units)
+        kernel(*args, 0, units, *tail)
         return
     with ThreadPoolExecutor(parts) as pool:
-        for f in [pool.submit(kernel, *args, a, b) for a, b in zip(bounds, bounds[1:])]:
+        for f in [pool.submit(kernel, *args, a, b, *tail) for a, b in zip(bounds, bounds[1:])]:
             f.result()
 
 

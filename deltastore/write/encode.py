@@ -35,6 +35,7 @@ from deltastore.layout.groups import (
     member_starts,
     member_tables,
 )
+from deltastore._util import kernels
 from deltastore._util.jobs import grouped
 from deltastore.format.keys import OBJECT_PREFIX, object_key, sha256_hex
 from deltastore.format.models import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry
@@ -97,6 +98,37 @@ class EncodedVersion:
         raises."""
         if self.pending is not None:
             self.pending()
+
+
+@dataclass(frozen=True)
+class ChunkChange:
+    """One chunk of a delta version that changed, as :func:`encode_version` encoded it (its
+    ``changes`` argument): enough for a serving stream to reuse the segment of a tensor it
+    serves unchanged, or to requantize only the elements that changed
+    (:mod:`deltastore.serving.requant`).
+
+    Attributes:
+        index, start, stop: the chunk's index and its elements ``[start, stop)`` of the tensor.
+        delta, delta_sha256, digest: its delta segment, that segment's SHA-256, and the chunk's
+            state digest.
+        planes: the change set as the native ``encode_add`` returned it: ``(gap symbols,
+            escaped gap remainders, value codes, value escapes, new values)``.
+    """
+
+    index: int
+    start: int
+    stop: int
+    delta: codec.Segment
+    delta_sha256: str
+    digest: str
+    planes: tuple[bytes, ...]
+
+
+#: A chunk encoder for one tensor, in place of comparing its new bits with the reference:
+#: ``(index, start, stop, old)`` → ``(delta segment, state digest, the segment's SHA-256 or
+#: None)`` of chunk ``index`` (elements ``[start, stop)``; ``old`` is the reference chunk, to
+#: advance in place), or None when the chunk did not change.
+ChunkSource = Callable[[int, int, int, np.ndarray], "tuple[codec.Segment, str, str | None] | None"]
 
 
 @dataclass
@@ -357,16 +389,18 @@ class LayoutWorks:
         return work
 
 
-def encode_chunk(ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: Kind, floating: bool) -> _Encoded | None:
+def encode_chunk(ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: Kind, floating: bool,
+                 planes: list[tuple[bytes, ...]] | None = None) -> _Encoded | None:
     """One chunk: a delta against ``old`` (when given) and, for an anchor, a full segment.
 
     ``old`` (the reference copy's chunk) is advanced to ``new`` in the same pass.
     Returns None for an unchanged chunk of a delta version (it is not listed in the manifest).
+    ``planes``: as for :func:`~deltastore.codec.delta.encode_delta_advance`.
     """
     digest = None
     if old is not None:
         # one pass: compare, code the changes, advance ``old`` to ``new``, hash ``new``
-        delta, digest = encode_delta_advance(old, new, always_digest=kind == "anchor")
+        delta, digest = encode_delta_advance(old, new, always_digest=kind == "anchor", planes=planes)
     else:
         delta = None
     if kind == "delta" and delta is None:
@@ -392,6 +426,8 @@ def encode_version(
     gathered: dict[str, torch.Tensor] | None = None,
     layouts: LayoutWorks | None = None,
     wait_stored: bool = True,
+    changes: dict[str, list[ChunkChange]] | None = None,
+    sources: Mapping[str, ChunkSource] | None = None,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -428,6 +464,13 @@ def encode_version(
             handed to ``uploader`` (their keys, sizes and digests known), so that the caller
             can build its manifest while they are stored; it MUST then call
             :meth:`EncodedVersion.wait_stored` before it writes anything that names them.
+        changes: of a delta version with the native kernels, filled with one list per tensor
+            stored as itself (not in a group row or a column grid): the :class:`ChunkChange` of
+            each of its chunks that changed, in no particular order (an empty list: the tensor
+            did not change).
+        sources: of a delta version, tensors (stored as themselves) whose chunks are encoded by
+            the given :data:`ChunkSource` instead of from ``state`` (whose tensor then only
+            gives the layout's shape and dtype).
 
     Returns:
         The :class:`EncodedVersion`; every pack it lists is stored (with ``wait_stored``).
@@ -437,6 +480,15 @@ def encode_version(
     """
     if kind == "delta" and reference is None:
         raise ValueError("a delta version needs a reference copy")
+    if kind != "delta" or not kernels.NATIVE:
+        changes = None  # gap planes come from the native kernel, of delta chunks
+    if kind != "delta":
+        sources = None
+    plain = [n for n, sp in specs.items() if not sp.members and not sp.chunk_cols]
+    if changes is not None:
+        changes.update({n: [] for n in plain})
+    if sources and not set(sources) <= set(plain):
+        raise ValueError(f"sources name tensors not stored as themselves: {sorted(set(sources) - set(plain))}")
     names = list(specs)
     work = (layouts if layouts is not None else LayoutWorks())(specs)
     floating = work.floating
@@ -462,7 +514,7 @@ def encode_version(
         if name in viewed:
             return
         viewed.add(name)
-        if not specs[name].members and state[name].is_cpu:
+        if not specs[name].members and state[name].is_cpu and not (sources and name in sources):
             new_bits[name] = bits(state[name])
         if reference is not None and name not in ref_bits:
             ref_bits[name] = bits(reference[name])
@@ -506,6 +558,12 @@ def encode_version(
 
     def job(ti: int, ci: int, name: str, a: int, b: int) -> _Encoded | None:
         spec = specs[name]  # chunk ``ci`` is elements [a, b) of it
+        if sources and (source := sources.get(name)) is not None:
+            got = source(ci, a, b, ref_bits[name][a:b])
+            if got is None:
+                return None
+            seg, digest, sha = got
+            return _Encoded(ti, ci, digest, None, seg, delta_sha256=sha if sha is not None else sha256_hex(seg.data))
         # A group row's chunk is gathered from its members into one buffer (design 007 D5), a
         # grid chunk from its block (design 011 D3: into its reference slot for a new anchor).
         if spec.chunk_cols:
@@ -520,7 +578,12 @@ def encode_version(
         old = ref_bits[name][a:b] if reference is not None else None
         # encode_chunk advances ``old`` while the chunk is hot in cache (the caller drops the
         # reference on failure)
-        return encode_chunk(ti, ci, new, old, kind, floating[name])
+        record = changes.get(name) if changes is not None else None
+        planes: list[tuple[bytes, ...]] | None = [] if record is not None else None
+        enc = encode_chunk(ti, ci, new, old, kind, floating[name], planes)
+        if record is not None and enc is not None and enc.delta is not None and planes:
+            record.append(ChunkChange(ci, a, b, enc.delta, enc.delta_sha256 or "", enc.digest, planes[0]))
+        return enc
 
     # Delta and full segments go to separate packs, so a subscriber one version behind an
     # anchor range-reads the small delta packs without touching the snapshot.

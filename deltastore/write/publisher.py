@@ -41,7 +41,7 @@ from deltastore.storage.base import Store
 from deltastore.storage.probe import require_atomic_writes
 from deltastore.write.chain import VersionChain
 from deltastore.write.commit import attempt_clock
-from deltastore.write.encode import UPLOADS_IN_FLIGHT, LayoutWorks, encode_version
+from deltastore.write.encode import UPLOADS_IN_FLIGHT, ChunkChange, LayoutWorks, encode_version
 from deltastore.write.policy import (
     AnchorPolicy,
     AsyncPolicy,
@@ -488,6 +488,8 @@ class Publisher:
         draft = chain.draft(version, kind, has_base=has_base, tip=tip)  # its attempt names every object (D1)
         built: list[StreamVersion] = []
         gathered: dict[str, torch.Tensor] = {}  # grid units' reference buffers, filled by an anchor's encode
+        # what a delta changed, chunk by chunk: the serving streams derive their versions from it
+        changes: dict[str, list[ChunkChange]] | None = {} if self.formats and kind == "delta" and has_base else None
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
             deadline = attempt_clock() + self.writer_policy.max_attempt_s
@@ -495,7 +497,7 @@ class Publisher:
                 state, specs, kind=kind, reference=self._reference if has_base else None,
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=draft.attempt, reference_bits=self._reference_bits if has_base else None,
-                gathered=gathered, layouts=self._layout_works, wait_stored=False,
+                gathered=gathered, layouts=self._layout_works, wait_stored=False, changes=changes,
             )
             # The manifest is built while the last packs are stored (encode_version handed them
             # to the uploader); nothing that names them is written before they are.
@@ -508,7 +510,7 @@ class Publisher:
                     encoded.wait_stored()  # no packs: returns at once
                     return self._unchanged()
                 built, own = self._build_streams(state, version=version, kind=kind, draft=draft, head=head, tip=tip,
-                                                 step=step, meta=meta)
+                                                 step=step, meta=meta, changes=changes, specs=specs)
                 served = {"streams": tuple(b.ref for b in built), "stream": own} if self.formats else {}
                 layout_ref = chain.layout_ref(draft.attempt, layout, tip)
                 header = chain.header(draft, layout, layout_ref, step=step, metadata=meta, stats=encoded.stats,
@@ -556,9 +558,13 @@ class Publisher:
         return VersionInfo.from_manifest(m, sealed.key)
 
     def _build_streams(self, state: dict[str, torch.Tensor], *, version: int, kind: str, draft: Any,
-                       head: Head | None, tip: Any, step: int | None, meta: dict[str, Any]) -> tuple[list[StreamVersion], str | None]:
+                       head: Head | None, tip: Any, step: int | None, meta: dict[str, Any],
+                       changes: dict[str, list[ChunkChange]] | None,
+                       specs: dict[str, TensorSpec]) -> tuple[list[StreamVersion], str | None]:
         """Each declared format's version of ``state``, stored under the attempt and not yet
-        committed (SPEC §15), and the format ``state`` itself is (None: none declared is)."""
+        committed (SPEC §15), and the format ``state`` itself is (None: none declared is).
+        ``changes``: what this delta version changed from the reference (the state of
+        ``version - 1``), for the streams to derive from; ``specs``: its layout."""
         if not self.formats:
             return [], None
         own = next((f.name for f in self.formats if is_identity(f, state)), None)
@@ -571,7 +577,7 @@ class Publisher:
                 state, version=version, kind=kind, draft=draft, parent=head,
                 parent_ref=parent.stream_ref(f.name) if parent is not None else None, epoch=self.epoch,
                 step=step, metadata=meta, pool=self._pool, uploader=self._uploader, threads=self.threads,
-                resume=self.writer_policy.resume,
+                resume=self.writer_policy.resume, changes=changes, store_specs=specs,
             ))
         return sorted(built, key=lambda b: b.ref.format), own
 

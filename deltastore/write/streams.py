@@ -33,13 +33,14 @@ from deltastore.format.manifest import encode_manifest
 from deltastore.format.models import Head, Layout, StreamRef, layout_of
 from deltastore.layout.groups import unit_order, unit_reference
 from deltastore.layout.tensors import TensorSpec, check_layout
-from deltastore.serving.formats import ServingFormat, derive, serving_format
+from deltastore.serving.formats import ServingFormat, serving_format
 from deltastore.storage.base import Store
 from deltastore.storage.prefixed import PrefixedStore
 from deltastore.write.chain import Draft, Sealed, VersionChain
 from deltastore.write.commit import put_immutable
-from deltastore.write.encode import LayoutWorks, encode_version
+from deltastore.write.encode import ChunkChange, LayoutWorks, encode_version
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
+from deltastore.write.requant import Requantizer
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class StreamWriter:
         # it was encoded: the next version is derived into them (fresh pages cost about a third
         # of the quantization), so a quantizing stream holds one spare quantized state
         self._spare: dict[str, torch.Tensor] | None = None
+        self._requant = Requantizer(fmt)
+        self._reference_version: int | None = None  # the store's version _reference is derived from
 
     @property
     def name(self) -> str:
@@ -120,6 +123,8 @@ class StreamWriter:
     def drop(self) -> None:
         """Forget the reference (an attempt failed: encoding advanced it past every version)."""
         self._reference, self._reference_bits, self._reference_key = None, {}, None
+        self._reference_version = None
+        self._requant.clear()
 
     def _parent_head(self, parent: Head | None, parent_ref: StreamRef | None) -> Head | None:
         """The stream's HEAD at its store's HEAD ``parent`` (None: no stream there)."""
@@ -131,7 +136,8 @@ class StreamWriter:
     def build(self, state: Mapping[str, torch.Tensor], *, version: int, kind: str, draft: Draft,
               parent: Head | None, parent_ref: StreamRef | None, epoch: int, step: int | None,
               metadata: dict[str, Any], pool: Executor, uploader: Executor, threads: int,
-              resume: bool) -> StreamVersion:
+              resume: bool, changes: Mapping[str, list[ChunkChange]] | None = None,
+              store_specs: Mapping[str, TensorSpec] | None = None) -> StreamVersion:
         """Derive, encode and store this stream's ``version`` (see the module docstring).
 
         Args:
@@ -142,21 +148,30 @@ class StreamWriter:
                 the store has no version, or its version has no such stream).
             epoch: the publisher's epoch.
             resume: read the stream's previous version back when this writer holds none.
+            changes, store_specs: what the store's delta ``version`` changed
+                (``encode_version(changes=)``) and its layout, when its reference was the state of
+                ``version - 1``: the stream is then derived incrementally where it can be
+                (:mod:`deltastore.write.requant`); None derives it in full.
 
         Raises:
             InvalidStateDictError: a tensor the format cannot derive (named).
             StorageError, IntegrityError: writing the stream; nothing is committed.
         """
         spare, self._spare = self._spare, None
-        derived = derive(state, self.format, pool=pool, reuse=spare)
-        del spare
         head = self._parent_head(parent, parent_ref)
         self.chain.adopt(head, epoch=epoch)
         tip = self.chain.tip()
         if tip is None or self._reference_key != tip.key:
             self.drop()
-            if resume and tip is not None:
-                self._resume(tip.version, derived)
+        # the stream's reference is the state of the store's version the store's delta starts from
+        based = (kind == "delta" and changes is not None and self._reference is not None
+                 and self._reference_version == version - 1)
+        derived, sources, incremental = self._requant.derive(
+            state, pool=pool, reuse=spare, reference=self._reference if based else None,
+            specs=self._specs if based else None, store_specs=store_specs, changes=changes if based else None)
+        del spare
+        if self._reference is None and resume and tip is not None:
+            self._resume(tip.version, derived)
         same_layout = False
         if self._specs is not None:
             try:
@@ -165,6 +180,9 @@ class StreamWriter:
             except LayoutMismatchError:
                 pass
         has_base = same_layout and self._reference is not None
+        if incremental and not has_base:  # not reached (the layouts were compared): stand-ins hold old codes
+            derived, sources, incremental = self._requant.derive(state, pool=pool, reuse=None, reference=None,
+                                                                 specs=None, store_specs=None, changes=None)
         stream_kind = "anchor" if kind == "anchor" or not has_base else "delta"
         specs = self._specs if same_layout and self._specs is not None else self.layout_policy.units(derived)
         if same_layout and self._layout is not None:
@@ -177,7 +195,7 @@ class StreamWriter:
             derived, specs, kind=stream_kind, reference=self._reference if has_base else None, pool=pool,
             uploader=uploader, store=self.view, threads=threads, attempt=draft.attempt,
             reference_bits=self._reference_bits if has_base else None, gathered=gathered, layouts=self._works,
-            wait_stored=False,
+            wait_stored=False, sources=sources,
         )
         try:
             layout_ref = self.chain.layout_ref(draft.attempt, layout, tip)
@@ -194,8 +212,11 @@ class StreamWriter:
         ref = StreamRef(format=self.name, key=self.prefix + sealed.key, sha256=sealed.digest,
                         bytes=sealed.manifest.stats.bytes_stored)
         if has_base and self.format.scale_suffix is not None:
-            # encoded against the reference (advanced in place): the derived tensors are free
-            self._spare = {n: t for n, t in derived.items() if n not in state or self.format.selects(n, state[n].shape)}
+            # encoded against the reference (advanced in place): the derived tensors are free,
+            # except an incremental tensor's stand-in (the reference's) and its scale (kept)
+            held = incremental | {n + self.format.scale_suffix for n in incremental}
+            self._spare = {n: t for n, t in derived.items()
+                           if n not in held and (n not in state or self.format.selects(n, state[n].shape))}
         if not has_base:
             # Its tensors become the stream's reference, advanced in place by later deltas: a
             # tensor derive passed through (a kept bf16 tensor) is the caller's, or the store's
@@ -213,6 +234,7 @@ class StreamWriter:
             self._reference_bits = {}
         self._specs, self._layout = built.specs, built.layout
         self._reference_key = None if superseded else built.sealed.key
+        self._reference_version = built.draft.version
         if superseded:
             self.drop()
 
@@ -240,6 +262,7 @@ class StreamWriter:
         self._reference_bits = {}
         tip = self.chain.tip()
         self._reference_key = None if tip is None else tip.key
+        self._reference_version = version
         self._specs, self._layout = specs, None
 
 

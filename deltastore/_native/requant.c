@@ -1,0 +1,641 @@
+/* Incremental requantization (deltastore/serving/requant.py): a serving stream's next version
+ * from the bfloat16 elements that changed, not from the whole tensor.
+ *
+ * A block whose max |x| stays the same keeps its scale, so only its changed elements can get
+ * new codes. Per changed element, a block becomes *dirty* (requantized whole, scale included)
+ * when the element's new |x| exceeds the block's max, when its old code is the block's top code
+ * (it may have held the max, which could then fall: codes are monotone in |x|, so an element
+ * below the top code was below the max), or when the block's scale is not finite. Every other
+ * changed element is requantized alone, with the block's unchanged scale, by the same operations
+ * as the full quantizers (ds_quant.h), so the result equals a full quantization bit for bit.
+ *
+ * The delta against the reference codes is emitted as encode_add's raw add-sparse/1 planes
+ * (encode.c; 1-byte elements), the reference advanced at each change, and the advanced chunk
+ * hashed: what encode_add returns for the same chunk. tests/serving/test_requant.py proves both
+ * equalities. */
+#include "ds_quant.h"
+#include "ds_xxh3.h"
+
+#include <stdlib.h>
+
+enum { FMT_FP8 = 0, FMT_MX = 1 };
+enum { DIGEST_NONE = 0, DIGEST_IF_CHANGED = 1, DIGEST_ALWAYS = 2 };
+
+#define BF16_F32(bits) f32((uint32_t)(bits) << 16)
+/* 1e-4 (AMAX_FLOOR_BITS) rounded up to bfloat16: a block max at or above it is its own floor. */
+#define FLOOR_BF16 ((AMAX_FLOOR_BITS + 0xFFFFu) >> 16)
+
+/* --- positions from add-sparse gap planes ----------------------------------------------- */
+
+/* Walk the gap symbols (and escaped remainders) of a chunk's change set; calls VISIT(p) per
+ * changed element p (chunk-relative), in order. -1 when the planes are inconsistent. */
+#define WALK_GAPS(syms, n_syms, rest, n_rest, count, VISIT)                                    \
+    do {                                                                                         \
+        size_t next_ = 0, ri_ = 0;                                                               \
+        for (size_t i_ = 0; i_ < (n_syms); i_++) {                                               \
+            size_t gap_ = (syms)[i_];                                                            \
+            if (gap_ == DS_GAP_ESCAPE) {                                                         \
+                if (ri_ >= (n_rest)) goto bad_planes;                                            \
+                uint32_t r_;                                                                     \
+                memcpy(&r_, (rest) + 4 * ri_++, 4);                                              \
+                gap_ += r_;                                                                      \
+            }                                                                                    \
+            size_t p_ = next_ + gap_;                                                            \
+            if (p_ >= (count)) goto bad_planes;                                                  \
+            VISIT(p_);                                                                           \
+            next_ = p_ + 1;                                                                      \
+        }                                                                                        \
+        if (ri_ != (n_rest)) goto bad_planes;                                                    \
+    } while (0)
+
+PyDoc_STRVAR(scatter_gaps_doc,
+"scatter_gaps(dst, width, syms, rest, values) -> None\n\n"
+"dst[p] = the i-th of `values` at the i-th changed element p of the gap planes (elements of\n"
+"`width` bytes; the planes and values as encode_add(..., values=True) returns them): a copy of a\n"
+"chunk's reference advanced the way encode_add advanced its own. ValueError when the planes do\n"
+"not fit the buffers.");
+
+static PyObject *py_scatter_gaps(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer db, sb, rb, vb;
+    long width;
+    if (!PyArg_ParseTuple(args, "w*ly*y*y*:scatter_gaps", &db, &width, &sb, &rb, &vb)) return NULL;
+    PyObject *result = NULL;
+    int w = ds_check_width(width);
+    if (w < 0) goto done;
+    if (db.len % w || rb.len % 4 || vb.len != sb.len * w) {
+        PyErr_SetString(PyExc_ValueError, "scatter_gaps: values do not match the gap symbols, or bad sizes");
+        goto done;
+    }
+    {
+        uint8_t *dst = (uint8_t *)db.buf;
+        const uint8_t *vals = (const uint8_t *)vb.buf, *syms = (const uint8_t *)sb.buf, *rest = (const uint8_t *)rb.buf;
+        size_t n_syms = (size_t)sb.len, n_rest = (size_t)rb.len / 4, count = (size_t)(db.len / w), vi = 0;
+        int ok = 0;
+        Py_BEGIN_ALLOW_THREADS
+#define COPY(p) memcpy(dst + (p) * (size_t)w, vals + (size_t)w * vi++, (size_t)w)
+        WALK_GAPS(syms, n_syms, rest, n_rest, count, COPY);
+#undef COPY
+        ok = 1;
+    bad_planes:;
+        Py_END_ALLOW_THREADS
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError, "scatter_gaps: the gap planes do not fit the chunk");
+            goto done;
+        }
+        result = Py_NewRef(Py_None);
+    }
+done:
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&vb);
+    return result;
+}
+
+/* --- marking dirty blocks ------------------------------------------------------------- */
+
+/* The block of element p of a [rows, cols] tensor; `row`/`row_start` cache p's row (positions
+ * come in order: one division per row reached, not per element). */
+static inline size_t block_of(int fmt, size_t p, size_t cols, size_t nbc, size_t *row, size_t *row_start) {
+    if (fmt == FMT_MX) return p / MXB; /* cols is a multiple of 32: blocks tile the flat tensor */
+    if (p >= *row_start + cols || p < *row_start) {
+        *row = p / cols;
+        *row_start = *row * cols;
+    }
+    return (*row / QB) * nbc + (p - *row_start) / QB;
+}
+
+/* Block b's element multiplier and whether its scale is finite. */
+static inline float block_mult(int fmt, const void *scales, size_t b, int *finite) {
+    if (fmt == FMT_MX) {
+        uint8_t e = ((const uint8_t *)scales)[b];
+        *finite = e != E8M0_NAN;
+        return *finite ? mx_multiplier(e) : f32(F32_NAN_BITS);
+    }
+    float s = ((const float *)scales)[b];
+    *finite = s - s == 0.0f;
+    return 1.0f / s;
+}
+
+/* Requantize dirty block b's scale and max from src (bfloat16). */
+DS_CLONES static void rescale_block(int fmt, const uint16_t *src, size_t rows, size_t cols, size_t nbc, size_t b,
+                          void *scales, uint16_t *amax) {
+    uint32_t m = 0;
+    if (fmt == FMT_MX) {
+        for (size_t i = b * MXB; i < b * MXB + MXB; i++) m = ABS16(src, i) > m ? ABS16(src, i) : m;
+        amax[b] = (uint16_t)m;
+        ((uint8_t *)scales)[b] = mx_scale_code(BF16_F32(m));
+        return;
+    }
+    size_t r0 = (b / nbc) * QB, r1 = r0 + QB < rows ? r0 + QB : rows;
+    size_t c0 = (b % nbc) * QB, c1 = c0 + QB < cols ? c0 + QB : cols;
+    for (size_t r = r0; r < r1; r++)
+        for (size_t i = r * cols + c0; i < r * cols + c1; i++) m = ABS16(src, i) > m ? ABS16(src, i) : m;
+    amax[b] = (uint16_t)m;
+    ((float *)scales)[b] = fp8_block_scale(BF16_F32(m));
+}
+
+/* Check fmt, rows, cols and the block count; the number of blocks, or -1 with an error set. */
+static Py_ssize_t n_blocks(int fmt, Py_ssize_t rows, Py_ssize_t cols) {
+    if ((fmt != FMT_FP8 && fmt != FMT_MX) || rows < 0 || cols < 0 || (cols > 0 && rows > PY_SSIZE_T_MAX / 4 / cols) ||
+        (fmt == FMT_MX && cols % MXB)) {
+        PyErr_SetString(PyExc_ValueError, "fmt must be 0 (fp8-block128) or 1 (mxfp8, cols a multiple of 32); "
+                                          "rows, cols >= 0");
+        return -1;
+    }
+    if (fmt == FMT_MX) return rows * (cols / MXB);
+    return ((rows + QB - 1) / QB) * ((cols + QB - 1) / QB);
+}
+
+/* A growable array (malloc: usable without the GIL). */
+typedef struct {
+    uint8_t *p;
+    size_t len, cap;
+} grow;
+
+static int grow_put(grow *g, const void *x, size_t n) {
+    if (g->len + n > g->cap) {
+        size_t nc = g->cap ? 2 * g->cap : 4096;
+        while (nc < g->len + n) nc *= 2;
+        uint8_t *q = (uint8_t *)realloc(g->p, nc);
+        if (q == NULL) return -1;
+        g->p = q;
+        g->cap = nc;
+    }
+    memcpy(g->p + g->len, x, n);
+    g->len += n;
+    return 0;
+}
+
+/* One changed chunk of the store's delta: elements [start, start + count) and encode_add's
+ * planes with values (7 buffers, held while the GIL is released). */
+typedef struct {
+    Py_ssize_t start, count;
+    Py_buffer b[5]; /* syms, rest, codes, esc, values */
+    int held;
+} chunk_planes;
+
+static void chunks_release(chunk_planes *c, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (int j = 0; j < c[i].held; j++) PyBuffer_Release(&c[i].b[j]);
+    PyMem_Free(c);
+}
+
+/* Changes classified at a time: the decoding walk fills these arrays, then one branch-free loop
+ * (vectorized: DS_CLONES) computes every change's codes and verdict. */
+#define BATCH 2048
+
+typedef struct {
+    size_t pos[BATCH];
+    uint32_t blk[BATCH], top[BATCH];
+    uint16_t nv[BATCH], ov[BATCH];
+    float mult[BATCH];
+    uint8_t oq[BATCH], nq[BATCH], verdict[BATCH];
+} batch;
+
+enum { V_SAME = 0, V_CODE = 1, V_DIRTY = 2 };
+
+/* Per change: V_DIRTY when its block's scale is not finite (a NaN multiplier), its new |x| exceeds
+ * the block's max, or its old code is the block's top code; else V_CODE when its code changed.
+ * `fp8`: a block max at or above the floor has the top code 0x7E (its scale maps it to 448). */
+DS_CLONES static void classify(batch *t, size_t n, int fp8) {
+    for (size_t i = 0; i < n; i++) {
+        float mult = t->mult[i];
+        uint32_t top = t->top[i];
+        uint8_t oq = e4m3_finite(u32(BF16_F32(t->ov[i]) * mult));
+        uint8_t nq = e4m3_finite(u32(BF16_F32(t->nv[i]) * mult));
+        uint8_t cmax = e4m3_finite(u32(BF16_F32(top) * mult)) & 0x7Fu;
+        cmax = fp8 && top >= FLOOR_BF16 ? 0x7Eu : cmax;
+        int dirty = (mult - mult != 0.0f) | ((uint32_t)(t->nv[i] & 0x7FFFu) > top) | ((oq & 0x7Fu) >= cmax);
+        t->oq[i] = oq;
+        t->nq[i] = nq;
+        t->verdict[i] = (uint8_t)(dirty ? V_DIRTY : (nq != oq ? V_CODE : V_SAME));
+    }
+}
+
+/* Classify a filled batch and apply its verdicts in order. -1: no memory. */
+static int flush_batch(batch *t, size_t n, int fp8, uint8_t *dirty, size_t *n_dirty, grow *pos, grow *oc, grow *nc) {
+    classify(t, n, fp8);
+    for (size_t i = 0; i < n; i++) {
+        if (t->verdict[i] == V_SAME || dirty[t->blk[i]]) continue;
+        if (t->verdict[i] == V_DIRTY) {
+            dirty[t->blk[i]] = 1;
+            (*n_dirty)++;
+            continue;
+        }
+        int64_t pp = (int64_t)t->pos[i];
+        if (grow_put(pos, &pp, 8) || grow_put(oc, &t->oq[i], 1) || grow_put(nc, &t->nq[i], 1)) return -1;
+    }
+    return 0;
+}
+
+/* Walk one chunk's changes (see classify): the dirty blocks marked, and each other change whose
+ * code changed appended to pos/oc/nc. -1: inconsistent planes (*bad) or no memory. */
+static int mark_chunk(int fmt, const chunk_planes *c, size_t cols, size_t nbc, const void *scales,
+                      const float *mults, const uint16_t *amax, uint8_t *dirty, size_t *n_dirty, grow *pos, grow *oc,
+                      grow *nc, size_t *row, size_t *row_start, batch *t, int *bad) {
+    const uint8_t *syms = (const uint8_t *)c->b[0].buf, *rest = (const uint8_t *)c->b[1].buf;
+    const uint8_t *codes = (const uint8_t *)c->b[2].buf, *esc = (const uint8_t *)c->b[3].buf;
+    const uint8_t *vals = (const uint8_t *)c->b[4].buf;
+    size_t n = (size_t)c->b[0].len, n_rest = (size_t)c->b[1].len / 4, n_esc = (size_t)c->b[3].len / 2;
+    if ((size_t)c->b[2].len != (n + 1) / 2 || (size_t)c->b[4].len != 2 * n || c->b[1].len % 4 || c->b[3].len % 2) {
+        *bad = 1;
+        return -1;
+    }
+    size_t next = 0, ri = 0, ei = 0, m = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t gap = syms[i];
+        if (gap == DS_GAP_ESCAPE) {
+            if (ri >= n_rest) goto bad;
+            uint32_t r;
+            memcpy(&r, rest + 4 * ri++, 4);
+            gap += r;
+        }
+        size_t q = next + gap;
+        if (q >= (size_t)c->count) goto bad;
+        next = q + 1;
+        uint16_t zz = (uint16_t)((codes[i >> 1] >> ((i & 1) * 4)) & 0x0Fu), nv;
+        if (zz == DS_NIBBLE_ESCAPE) {
+            if (ei >= n_esc) goto bad;
+            memcpy(&zz, esc + 2 * ei++, 2);
+        }
+        memcpy(&nv, vals + 2 * i, 2);
+        size_t p = (size_t)c->start + q, b = block_of(fmt, p, cols, nbc, row, row_start);
+        t->pos[m] = p;
+        t->blk[m] = (uint32_t)b;
+        t->nv[m] = nv;
+        t->ov[m] = (uint16_t)(nv - (uint16_t)((zz >> 1) ^ (uint16_t)(0 - (zz & 1u))));
+        t->top[m] = amax[b];
+        if (fmt == FMT_FP8) {
+            t->mult[m] = mults[b];
+        } else {
+            uint8_t e = ((const uint8_t *)scales)[b];
+            t->mult[m] = e == E8M0_NAN ? f32(F32_NAN_BITS) : mx_multiplier(e);
+        }
+        if (++m == BATCH) {
+            if (flush_batch(t, m, fmt == FMT_FP8, dirty, n_dirty, pos, oc, nc) < 0) return -1;
+            m = 0;
+        }
+    }
+    if (ri != n_rest || ei != n_esc) goto bad;
+    return m ? flush_batch(t, m, fmt == FMT_FP8, dirty, n_dirty, pos, oc, nc) : 0;
+bad:
+    *bad = 1;
+    return -1;
+}
+
+PyDoc_STRVAR(requant_mark_doc,
+"requant_mark(fmt, src, rows, cols, chunks, scales, amax, dirty) -> (n_dirty, positions,\n"
+"    old_codes, new_codes)\n\n"
+"The first step of requantizing a [rows, cols] bfloat16 tensor `src` incrementally (see\n"
+"requant.c), from its changes: `chunks`, its changed chunks in order, each (start, count,\n"
+"gap_symbols, gap_rests, value_codes, value_escapes, new_values) as encode_add(..., values=True)\n"
+"returned them. `scales` (float32 per 128x128 block for fmt 0, fp8-block128; uint8 E8M0 per 32\n"
+"elements for fmt 1, mxfp8) and `amax` (each block's max |x| bits, uint16) are the previous\n"
+"version's, updated in place for every dirty block; dirty[b] (uint8 per block) is set to 1 or 0.\n"
+"Returns the number of dirty blocks and, for each changed element outside them whose code\n"
+"changed, its position (int64), old and new code (bytes). Releases the GIL.");
+
+static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
+    (void)self;
+    int fmt;
+    Py_ssize_t rows, cols;
+    PyObject *o_src, *o_chunks, *o_scales, *o_amax, *o_dirty;
+    if (!PyArg_ParseTuple(args, "iOnnO!OOO:requant_mark", &fmt, &o_src, &rows, &cols, &PyList_Type, &o_chunks,
+                          &o_scales, &o_amax, &o_dirty))
+        return NULL;
+    Py_ssize_t nb = n_blocks(fmt, rows, cols);
+    if (nb < 0) return NULL;
+    Py_buffer src, sc, am, dt;
+    int held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t n_chunks = PyList_GET_SIZE(o_chunks), got = 0;
+    chunk_planes *ch = (chunk_planes *)PyMem_Calloc((size_t)(n_chunks ? n_chunks : 1), sizeof(chunk_planes));
+    if (ch == NULL) return PyErr_NoMemory();
+    if (ds_get_buffer(o_src, &src, 0, "src") < 0) goto out;
+    held++;
+    if (ds_get_buffer(o_scales, &sc, 1, "scales") < 0) goto out;
+    held++;
+    if (ds_get_buffer(o_amax, &am, 1, "amax") < 0) goto out;
+    held++;
+    if (ds_get_buffer(o_dirty, &dt, 1, "dirty") < 0) goto out;
+    held++;
+    Py_ssize_t n = rows * cols, sw = fmt == FMT_MX ? 1 : 4;
+    if (src.len != 2 * n || sc.len != nb * sw || am.len != 2 * nb || dt.len != nb) {
+        PyErr_SetString(PyExc_ValueError, "requant_mark: src, scales, amax or dirty does not fit the tensor");
+        goto out;
+    }
+    Py_ssize_t end = 0;
+    for (; got < n_chunks; got++) {
+        PyObject *t = PyList_GET_ITEM(o_chunks, got);
+        PyObject *bo[5];
+        if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "nnOOOOO", &ch[got].start, &ch[got].count, &bo[0], &bo[1], &bo[2],
+                                                   &bo[3], &bo[4]))
+            goto bad_chunk;
+        if (ch[got].start < end || ch[got].count < 0 || ch[got].start > n - ch[got].count ||
+            (cols > 0 && (ch[got].start % cols || (ch[got].count % cols && ch[got].start + ch[got].count != n))))
+            goto bad_chunk;
+        end = ch[got].start + ch[got].count;
+        for (int j = 0; j < 5; j++) {
+            if (ds_get_buffer(bo[j], &ch[got].b[j], 0, "a plane") < 0) {
+                got++;
+                goto out;
+            }
+            ch[got].held++;
+        }
+    }
+    {
+        grow pos = {0}, oc = {0}, nc = {0};
+        size_t n_dirty = 0, nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
+        size_t row = 0, row_start = (size_t)-1 / 2;
+        int rc = 0, bad = 0;
+        uint8_t *dirty = (uint8_t *)dt.buf;
+        /* fp8-block128: each block's element multiplier, 1/s, once (NaN or 0 for a non-finite s) */
+        float *mults = fmt == FMT_FP8 ? (float *)malloc(sizeof(float) * (size_t)(nb ? nb : 1)) : NULL;
+        batch *t = (batch *)malloc(sizeof(batch));
+        if ((fmt == FMT_FP8 && mults == NULL) || t == NULL) rc = -1;
+        Py_BEGIN_ALLOW_THREADS
+        memset(dirty, 0, (size_t)nb);
+        if (mults)
+            for (Py_ssize_t b = 0; b < nb; b++) {
+                float s = ((const float *)sc.buf)[b];
+                mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
+            }
+        for (Py_ssize_t i = 0; i < n_chunks && rc == 0; i++)
+            rc = mark_chunk(fmt, &ch[i], (size_t)cols, nbc, sc.buf, mults, (const uint16_t *)am.buf, dirty, &n_dirty, &pos,
+                            &oc, &nc, &row, &row_start, t, &bad);
+        if (rc == 0)
+            for (size_t b = 0; b < (size_t)nb; b++)
+                if (dirty[b])
+                    rescale_block(fmt, (const uint16_t *)src.buf, (size_t)rows, (size_t)cols, nbc, b, sc.buf,
+                                  (uint16_t *)am.buf);
+        Py_END_ALLOW_THREADS
+        free(mults);
+        free(t);
+        if (rc < 0 && bad)
+            PyErr_SetString(PyExc_ValueError, "requant_mark: a chunk's planes are inconsistent");
+        else if (rc < 0)
+            PyErr_NoMemory();
+        else
+            result = Py_BuildValue("(ny#y#y#)", (Py_ssize_t)n_dirty, pos.p ? (const char *)pos.p : "",
+                                   (Py_ssize_t)pos.len, oc.p ? (const char *)oc.p : "", (Py_ssize_t)oc.len,
+                                   nc.p ? (const char *)nc.p : "", (Py_ssize_t)nc.len);
+        free(pos.p);
+        free(oc.p);
+        free(nc.p);
+    }
+    goto out;
+bad_chunk:
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "requant_mark: chunks are (start, count, 5 planes) of whole rows, in order, "
+                                          "within the tensor");
+out:
+    chunks_release(ch, got);
+    if (held > 3) PyBuffer_Release(&dt);
+    if (held > 2) PyBuffer_Release(&am);
+    if (held > 1) PyBuffer_Release(&sc);
+    if (held > 0) PyBuffer_Release(&src);
+    return result;
+}
+
+/* --- the delta of a chunk ---------------------------------------------------------------- */
+
+typedef struct {
+    uint8_t *syms, *codes, *esc, *rest;
+    size_t k, n_esc, n_rest, cap_k, cap_rest, next;
+    uint32_t max_rest;
+} emitter;
+
+static void em_free(emitter *e) {
+    free(e->syms);
+    free(e->codes);
+    free(e->esc);
+    free(e->rest);
+}
+
+/* Room for `more` changes. -1: out of memory. */
+static int em_reserve(emitter *e, size_t more) {
+    if (e->k + more > e->cap_k) {
+        size_t nc = e->cap_k ? e->cap_k : 4096;
+        while (nc < e->k + more) nc *= 2;
+        uint8_t *s = (uint8_t *)realloc(e->syms, nc), *c, *x;
+        if (s == NULL) return -1;
+        e->syms = s;
+        if ((c = (uint8_t *)realloc(e->codes, nc / 2 + 1)) == NULL) return -1;
+        e->codes = c;
+        if ((x = (uint8_t *)realloc(e->esc, nc)) == NULL) return -1;
+        e->esc = x;
+        e->cap_k = nc;
+    }
+    if (4 * (e->n_rest + more) > e->cap_rest) {
+        size_t nc = e->cap_rest ? e->cap_rest : 1024;
+        while (nc < 4 * (e->n_rest + more)) nc *= 2;
+        uint8_t *r = (uint8_t *)realloc(e->rest, nc);
+        if (r == NULL) return -1;
+        e->rest = r;
+        e->cap_rest = nc;
+    }
+    return 0;
+}
+
+/* One change at chunk element j (after every earlier one): encode.c's EMIT for 1-byte elements. */
+static inline void em_put(emitter *e, size_t j, uint8_t ov, uint8_t nv) {
+    size_t gap = j - e->next;
+    e->next = j + 1;
+    if (gap >= DS_GAP_ESCAPE) {
+        uint32_t rr = (uint32_t)(gap - DS_GAP_ESCAPE);
+        memcpy(e->rest + 4 * e->n_rest++, &rr, 4);
+        e->max_rest = rr > e->max_rest ? rr : e->max_rest;
+        e->syms[e->k] = DS_GAP_ESCAPE;
+    } else {
+        e->syms[e->k] = (uint8_t)gap;
+    }
+    uint8_t d = (uint8_t)(nv - ov);
+    uint8_t zz = (uint8_t)((uint8_t)(d << 1) ^ (uint8_t)(0 - (d >> 7)));
+    uint8_t code = zz >= DS_NIBBLE_ESCAPE ? (uint8_t)DS_NIBBLE_ESCAPE : zz;
+    if (zz >= DS_NIBBLE_ESCAPE) e->esc[e->n_esc++] = zz;
+    if (e->k & 1)
+        e->codes[e->k >> 1] |= (uint8_t)(code << 4);
+    else
+        e->codes[e->k >> 1] = code;
+    e->k++;
+}
+
+/* The walk of one chunk: its reference codes `old` (elements [e0, e1) of the tensor) and the
+ * merged inputs. */
+typedef struct {
+    const uint16_t *src;
+    size_t cols, e0, e1;
+    const int64_t *pos;
+    const uint8_t *oc, *nc, *dirty;
+    size_t np, pi;
+    const void *scales;
+    uint8_t *old;
+    emitter em;
+    int out_of_step; /* an entry's old code is not the reference's */
+} walk;
+
+/* Emit entries (changed codes) before element `until`. -1: no memory or out of step. */
+static int emit_entries(walk *w, size_t until) {
+    for (; w->pi < w->np && (size_t)w->pos[w->pi] < until; w->pi++) {
+        size_t j = (size_t)w->pos[w->pi] - w->e0;
+        if (w->old[j] != w->oc[w->pi]) {
+            w->out_of_step = 1;
+            return -1;
+        }
+        if (em_reserve(&w->em, 1) < 0) return -1;
+        em_put(&w->em, j, w->old[j], w->nc[w->pi]);
+        w->old[j] = w->nc[w->pi];
+    }
+    return 0;
+}
+
+/* Requantize elements [p0, p1) of dirty block b with its new scale; entries there are skipped. */
+static int emit_dirty(walk *w, int fmt, size_t b, size_t p0, size_t p1) {
+    int finite;
+    float mult = block_mult(fmt, w->scales, b, &finite);
+    if (em_reserve(&w->em, p1 - p0) < 0) return -1;
+    for (size_t p = p0; p < p1; p++) {
+        uint8_t nv;
+        if (fmt == FMT_MX)
+            nv = finite ? e4m3_finite(u32(BF16_F32(w->src[p]) * mult)) : (uint8_t)E4M3_NAN;
+        else
+            nv = finite ? e4m3_finite(u32(BF16_F32(w->src[p]) * mult)) : e4m3(u32(BF16_F32(w->src[p]) * mult));
+        uint8_t ov = w->old[p - w->e0];
+        if (ov != nv) {
+            em_put(&w->em, p - w->e0, ov, nv);
+            w->old[p - w->e0] = nv;
+        }
+    }
+    while (w->pi < w->np && (size_t)w->pos[w->pi] < p1) w->pi++;
+    return 0;
+}
+
+static int walk_fp8(walk *w) {
+    size_t cols = w->cols, nbc = (cols + QB - 1) / QB, r0 = w->e0 / cols, r1 = w->e1 / cols;
+    for (size_t br = r0 / QB; br * QB < r1; br++) {
+        size_t ra = br * QB > r0 ? br * QB : r0, rz = br * QB + QB < r1 ? br * QB + QB : r1;
+        if (memchr(w->dirty + br * nbc, 1, nbc) == NULL) {
+            if (emit_entries(w, rz * cols) < 0) return -1;
+            continue;
+        }
+        for (size_t r = ra; r < rz; r++)
+            for (size_t j = 0; j < nbc; j++) {
+                size_t b = br * nbc + j, c1 = (j + 1) * QB < cols ? (j + 1) * QB : cols;
+                if (!w->dirty[b]) {
+                    if (emit_entries(w, r * cols + c1) < 0) return -1;
+                } else if (emit_dirty(w, FMT_FP8, b, r * cols + j * QB, r * cols + c1) < 0) {
+                    return -1;
+                }
+            }
+    }
+    return 0;
+}
+
+static int walk_mx(walk *w) {
+    size_t b = w->e0 / MXB, b_end = w->e1 / MXB;
+    for (;;) {
+        const uint8_t *d = b < b_end ? (const uint8_t *)memchr(w->dirty + b, 1, b_end - b) : NULL;
+        if (d == NULL) return emit_entries(w, w->e1);
+        b = (size_t)(d - w->dirty);
+        if (emit_entries(w, b * MXB) < 0 || emit_dirty(w, FMT_MX, b, b * MXB, b * MXB + MXB) < 0) return -1;
+        b++;
+    }
+}
+
+PyDoc_STRVAR(requant_delta_doc,
+"requant_delta(fmt, src, rows, cols, r0, r1, positions, old_codes, new_codes, dirty, scales,\n"
+"    old, digest) -> (n_changed, gap_symbols, gap_rests, max_rest, value_codes,\n"
+"    value_escapes, digest)\n\n"
+"The second step, per chunk of rows [r0, r1) of the quantized tensor: requant_mark's changed\n"
+"codes within the chunk (`positions`, `old_codes`, `new_codes`), and every element of its dirty\n"
+"blocks requantized from `src` with the new `scales`, compared with `old` (the chunk's reference\n"
+"codes, advanced in place): what encode_add(old, new, 1, True, digest) returns for the chunk's\n"
+"new codes. ValueError when an old code is not the reference's (the reference is not the state\n"
+"the changes start from). Releases the GIL. On an error `old` may be partly advanced.");
+
+static PyObject *py_requant_delta(PyObject *self, PyObject *args) {
+    (void)self;
+    int fmt, digest;
+    Py_ssize_t rows, cols, r0, r1;
+    PyObject *o[8]; /* src, positions, old_codes, new_codes, dirty, scales, old */
+    if (!PyArg_ParseTuple(args, "iOnnnnOOOOOOi:requant_delta", &fmt, &o[0], &rows, &cols, &r0, &r1, &o[1], &o[2],
+                          &o[3], &o[4], &o[5], &o[6], &digest))
+        return NULL;
+    Py_ssize_t nb = n_blocks(fmt, rows, cols);
+    if (nb < 0) return NULL;
+    if (digest < DIGEST_NONE || digest > DIGEST_ALWAYS || r0 < 0 || r1 < r0 || r1 > rows) {
+        PyErr_SetString(PyExc_ValueError, "requant_delta: digest must be 0, 1 or 2, and 0 <= r0 <= r1 <= rows");
+        return NULL;
+    }
+    static const char *const names[7] = {"src", "positions", "old_codes", "new_codes", "dirty", "scales", "old"};
+    Py_buffer bf[7];
+    int held = 0;
+    PyObject *result = NULL;
+    for (; held < 7; held++)
+        if (ds_get_buffer(o[held], &bf[held], held == 6, names[held]) < 0) goto out;
+    {
+        Py_ssize_t sw = fmt == FMT_MX ? 1 : 4, e0 = r0 * cols, e1 = r1 * cols, np = bf[1].len / 8;
+        const int64_t *pos = (const int64_t *)bf[1].buf;
+        int ok = bf[0].len == 2 * rows * cols && bf[1].len % 8 == 0 && bf[2].len == np && bf[3].len == np &&
+                 bf[4].len == nb && bf[5].len == nb * sw && bf[6].len == e1 - e0 && (uint64_t)(e1 - e0) <= 0xFFFFFFFFull;
+        for (Py_ssize_t i = 0; ok && i < np; i++) ok = pos[i] >= e0 && pos[i] < e1 && (i == 0 || pos[i] > pos[i - 1]);
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError, "requant_delta: buffers do not fit the tensor and chunk, or positions "
+                                              "are not increasing within the chunk");
+            goto out;
+        }
+        walk w;
+        memset(&w, 0, sizeof w);
+        w.src = (const uint16_t *)bf[0].buf;
+        w.cols = (size_t)cols;
+        w.e0 = (size_t)e0;
+        w.e1 = (size_t)e1;
+        w.pos = pos;
+        w.np = (size_t)np;
+        w.oc = (const uint8_t *)bf[2].buf;
+        w.nc = (const uint8_t *)bf[3].buf;
+        w.dirty = (const uint8_t *)bf[4].buf;
+        w.scales = bf[5].buf;
+        w.old = (uint8_t *)bf[6].buf;
+        int rc = 0, hashed = 0;
+        XXH128_hash_t h = {0, 0};
+        Py_BEGIN_ALLOW_THREADS
+        if (e1 > e0) rc = fmt == FMT_FP8 ? walk_fp8(&w) : walk_mx(&w);
+        if (rc == 0 && (digest == DIGEST_ALWAYS || (digest == DIGEST_IF_CHANGED && w.em.k))) {
+            h = DS_XXH3_128(w.old, (size_t)(e1 - e0));
+            hashed = 1;
+        }
+        Py_END_ALLOW_THREADS
+        if (rc < 0 && w.out_of_step) {
+            PyErr_SetString(PyExc_ValueError, "requant_delta: an old code differs from the reference's: the reference "
+                                              "is not the state the changes start from");
+        } else if (rc < 0) {
+            PyErr_NoMemory();
+        } else {
+            emitter *e = &w.em;
+            PyObject *hex = hashed ? ds_hex128(h.high64, h.low64) : Py_NewRef(Py_None);
+#define BYTES(p) ((p) != NULL ? (const char *)(p) : "") /* y# of NULL would be None */
+            if (hex != NULL)
+                result = Py_BuildValue("(ny#y#ky#y#N)", (Py_ssize_t)e->k, BYTES(e->syms), (Py_ssize_t)e->k,
+                                       BYTES(e->rest), (Py_ssize_t)(4 * e->n_rest), (unsigned long)e->max_rest,
+                                       BYTES(e->codes), (Py_ssize_t)((e->k + 1) / 2), BYTES(e->esc),
+                                       (Py_ssize_t)e->n_esc, hex);
+#undef BYTES
+        }
+        em_free(&w.em);
+    }
+out:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&bf[i]);
+    return result;
+}
+
+PyMethodDef ds_requant_methods[] = {
+    {"scatter_gaps", py_scatter_gaps, METH_VARARGS, scatter_gaps_doc},
+#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0
+    {"requant_mark", py_requant_mark, METH_VARARGS, requant_mark_doc},
+    {"requant_delta", py_requant_delta, METH_VARARGS, requant_delta_doc},
+#endif
+    {NULL, NULL, 0, NULL},
+};

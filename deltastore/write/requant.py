@@ -1,0 +1,186 @@
+"""Incremental derivation of a serving stream's delta version (SPEC §15; design 012 D8).
+
+A publisher serving ``fp8-block128`` or ``mxfp8`` beside its bfloat16 chain used to quantize
+the whole state and then compare every quantized byte with the stream's reference, at every
+version, although an RL step moves a few percent of the bfloat16 elements. The store's own delta
+encoding already knows which ones: :func:`~deltastore.write.encode.encode_version` hands their
+positions out (:class:`~deltastore.write.encode.ChunkChange`). From them, per tensor:
+
+- **a quantized tensor** is requantized where it changed (deltastore/_native/requant.c): a block
+  keeps its scale unless its largest ``|x|`` may have moved (a changed element above the block's
+  maximum, or one whose old code was the block's top code, or a non-finite scale); such a
+  *dirty* block is requantized whole. The stream keeps each block's maximum (bfloat16 bits) and
+  scale to decide this. The chunk's delta, the reference's advance and the state digest come out
+  of the same walk, exactly as the full path's (the tests compare the two byte for byte).
+- **a tensor the format keeps** (bfloat16 in both) has, chunk for chunk, the store's delta: its
+  segment and digest are reused, and the stream's reference is advanced at the changed elements.
+
+Both need the native kernels, a bfloat16 tensor on the CPU in the store's state, the tensor
+stored as itself (not in a group row or a column grid) in both layouts with the same chunks,
+and the stream's reference at the version the store's delta starts from (the caller checks
+that); everything else is derived in full, as before. Nothing here changes what is stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Executor
+
+import numpy as np
+import torch
+
+from deltastore._util import kernels
+from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segment_from_planes
+from deltastore.codec.container import Segment
+from deltastore.layout.tensors import TensorSpec, bits
+from deltastore.serving.formats import ServingFormat, derive
+from deltastore.write.encode import ChunkChange, ChunkSource
+
+logger = logging.getLogger(__name__)
+
+#: requant.c's format codes.
+_FORMAT_CODE = {"fp8-block128": 0, "mxfp8": 1}
+
+
+def _plain(spec: TensorSpec | None) -> bool:
+    return spec is not None and not spec.members and not spec.chunk_cols
+
+
+def _bf16_cpu(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+
+
+def _chunks(changes: list[ChunkChange]) -> list[tuple]:
+    """A tensor's changed chunks in order, as ``requant_mark`` takes them."""
+    return [(c.start, c.stop - c.start, *c.planes) for c in sorted(changes, key=lambda c: c.start)]
+
+
+class Requantizer:
+    """What one serving stream keeps to derive its next delta version incrementally: each
+    quantized tensor's blocks' largest ``|x|`` and scales, of the version its reference holds.
+
+    Args:
+        fmt: the stream's format.
+    """
+
+    def __init__(self, fmt: ServingFormat):
+        self.format = fmt
+        self._blocks: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name → (amax, scales)
+
+    def clear(self) -> None:
+        """Forget every block (the stream dropped its reference)."""
+        self._blocks.clear()
+
+    def derive(self, state: Mapping[str, torch.Tensor], *, pool: Executor | None,
+               reuse: Mapping[str, torch.Tensor] | None, reference: Mapping[str, torch.Tensor] | None,
+               specs: Mapping[str, TensorSpec] | None, store_specs: Mapping[str, TensorSpec] | None,
+               changes: Mapping[str, list[ChunkChange]] | None,
+               ) -> tuple[dict[str, torch.Tensor], dict[str, ChunkSource], set[str]]:
+        """The stream's state of ``state``, and the chunk sources of its delta.
+
+        Args:
+            state: the store's version's state.
+            pool, reuse: as for :func:`~deltastore.serving.formats.derive`.
+            reference, specs: the stream's reference and layout (None: the version has no base).
+            store_specs, changes: the store's layout and the chunks its delta version changed
+                (``encode_version(changes=)``), from the version ``reference`` holds; None:
+                derive in full.
+
+        Returns:
+            ``(derived, sources, incremental)``: the derived state (an incrementally requantized
+            tensor is a stand-in there: the reference's tensor, for its shape and dtype; its scale
+            is the new one), the sources for ``encode_version(sources=)``, and the quantized
+            tensors requantized incrementally (not to be reused as ``reuse``).
+        """
+        fmt = self.format
+        suffix = fmt.scale_suffix
+        ready = (changes is not None and reference is not None and specs is not None and store_specs is not None
+                 and kernels.requant_mark is not None)
+        quantized: list[str] = []
+        kept: list[str] = []
+        if ready:
+            assert reference is not None and specs is not None and store_specs is not None and changes is not None
+            for name, t in state.items():
+                if name not in changes or not _bf16_cpu(t) or not _plain(specs.get(name)) or name not in reference:
+                    continue
+                if suffix is not None and fmt.selects(name, t.shape):
+                    ref = reference[name]
+                    if name in self._blocks and ref.dtype == torch.float8_e4m3fn and ref.shape == t.shape:
+                        quantized.append(name)
+                elif (_plain(store_specs.get(name)) and specs[name].chunk_rows == store_specs[name].chunk_rows
+                      and reference[name].dtype == torch.bfloat16 and reference[name].shape == t.shape):
+                    kept.append(name)
+
+        def mark(name: str) -> tuple[torch.Tensor, ChunkSource]:
+            assert reference is not None and changes is not None
+            return self._requantize(name, state[name], reference[name], changes[name])
+
+        marked = dict(zip(quantized, (pool.map if pool is not None else map)(mark, quantized)))
+        given = {n: (reference[n], scale) for n, (scale, _) in marked.items()} if reference is not None else {}
+        amax: dict[str, np.ndarray] = {}
+        derived = derive(state, fmt, pool=pool, reuse=reuse, amax=amax, given=given)
+        for name in list(self._blocks):
+            if name not in marked:
+                del self._blocks[name]
+        if suffix is not None:
+            for name, blocks in amax.items():
+                self._blocks[name] = (blocks, derived[name + suffix].numpy().reshape(-1).copy())
+        sources: dict[str, ChunkSource] = {n: src for n, (_, src) in marked.items()}
+        for name in kept:
+            assert changes is not None
+            sources[name] = _reuse_source(changes[name])
+        logger.debug("%s: %d tensors requantized incrementally, %d reuse the store's delta, %d derived in full",
+                     fmt.name, len(marked), len(kept), len(amax))
+        return derived, sources, set(marked)
+
+    def _requantize(self, name: str, t: torch.Tensor, ref: torch.Tensor,
+                    changes: list[ChunkChange]) -> tuple[torch.Tensor, ChunkSource]:
+        """Mark tensor ``name``'s dirty blocks and requantize their scales: its new scale tensor
+        and the source of its chunks."""
+        code = _FORMAT_CODE[self.format.name]
+        amax, old_scales = self._blocks[name]
+        rows, cols = t.shape
+        scales = old_scales.copy()
+        dirty = np.empty(amax.size, dtype=np.uint8)
+        src = bits(t)
+        _, pos_b, oc_b, nc_b = kernels.requant_mark(code, src, rows, cols, _chunks(changes), scales, amax, dirty)
+        pos = np.frombuffer(pos_b, dtype=np.int64)
+        oc, nc = np.frombuffer(oc_b, dtype=np.uint8), np.frombuffer(nc_b, dtype=np.uint8)
+        self._blocks[name] = (amax, scales)
+        if code == 0:
+            scale = torch.from_numpy(scales).view(-(-rows // 128), -(-cols // 128))
+        else:
+            scale = torch.from_numpy(scales).view(rows, cols // 32)
+
+        def source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, None] | None:
+            lo, hi = np.searchsorted(pos, (start, stop))
+            k, syms, rest, max_rest, codes, esc, digest = kernels.requant_delta(
+                code, src, rows, cols, start // cols, stop // cols, pos[lo:hi], oc[lo:hi], nc[lo:hi], dirty, scales,
+                old, DIGEST_IF_CHANGED)
+            if k == 0:
+                return None
+            return add_segment_from_planes(stop - start, 1, k, syms, rest, max_rest, codes, esc), digest, None
+
+        return scale, source
+
+
+def _reuse_source(changes: list[ChunkChange]) -> ChunkSource:
+    """The source of a tensor a stream keeps as the store stores it: the store's chunk deltas,
+    the stream's reference advanced where they changed it."""
+    by_index = {c.index: c for c in changes}
+
+    def source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, str] | None:
+        c = by_index.get(index)
+        if c is None:
+            return None
+        if (c.start, c.stop) != (start, stop):  # not reached: the layouts' chunks were compared
+            raise ValueError(f"chunk {index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
+        syms, rest, _, _, values = c.planes
+        kernels.scatter_gaps(old, old.itemsize, syms, rest, values)
+        return c.delta, c.digest, c.delta_sha256
+
+    return source
+
+
+__all__ = ["Requantizer"]

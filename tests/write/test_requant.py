@@ -1,0 +1,191 @@
+"""Incremental derivation of serving streams (deltastore/write/requant.py, _native/requant.c): the
+same codes, scales, delta planes and stream segments as quantizing in full."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deltastore import Publisher
+from deltastore._util import kernels
+from deltastore.format.history import History
+from deltastore.serving.quantize import quantize_fp8_block128, quantize_mxfp8
+from deltastore.storage import open_store
+from deltastore.storage.prefixed import PrefixedStore
+from deltastore.write.policy import LayoutPolicy
+
+pytestmark = pytest.mark.skipif(kernels.requant_mark is None, reason="needs the native kernels")
+
+QUANTIZE = {0: quantize_fp8_block128, 1: quantize_mxfp8}
+BF16_NAN, BF16_INF = 0x7FC0, 0x7F80
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint16).numpy().reshape(-1)
+
+
+def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    w[:16, :64] = 0  # an all-zero block (fp8: below the floor)
+    w[16:32, :64] *= 1e-4  # blocks whose max is under the floor
+    return w
+
+
+def _changed(w: torch.Tensor, seed: int) -> torch.Tensor:
+    """Small steps almost everywhere, a few elements raised past their block's max, the max of a
+    few blocks lowered, a NaN and an infinity added, a non-finite block made finite again."""
+    g = torch.Generator().manual_seed(seed)
+    b = _bits(w).astype(np.int32)
+    rng = np.random.default_rng(seed)
+    at = rng.random(b.size) < 0.05
+    b[at] += rng.integers(-2, 3, at.sum())
+    flat = w.float().reshape(-1)
+    for i in rng.choice(b.size, 6, replace=False):
+        b[i] = int(torch.tensor(float(flat[i]) * 4 + 0.05).to(torch.bfloat16).view(torch.int16)) & 0xFFFF
+    top = int(flat.abs().argmax())
+    b[top] = 0
+    b[rng.integers(b.size)] = BF16_NAN
+    b[rng.integers(b.size)] = BF16_INF
+    del g
+    return torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(w.shape)
+
+
+def _step(code: int, rows: int, cols: int, w0: torch.Tensor, w1: torch.Tensor, chunk_rows: int):
+    """Requantize w1 incrementally from w0's quantization; the chunks' results, the codes and the
+    scales."""
+    q0, s0 = QUANTIZE[code](w0, amax=(amax := np.empty(_n_scales(code, rows, cols), np.uint16)))
+    old = _bits(w0).copy()
+    chunks = []
+    for r0 in range(0, rows, chunk_rows):
+        r1 = min(rows, r0 + chunk_rows)
+        got = kernels.encode_add(old[r0 * cols:r1 * cols], _bits(w1)[r0 * cols:r1 * cols], 2, True, 1, True)
+        if got[0]:
+            chunks.append((r0 * cols, (r1 - r0) * cols, got[1], got[2], got[4], got[5], got[7]))
+    scales = s0.numpy().reshape(-1).copy()
+    dirty = np.empty(amax.size, np.uint8)
+    _, pos, oc, nc = kernels.requant_mark(code, _bits(w1), rows, cols, chunks, scales, amax, dirty)
+    pos, oc, nc = np.frombuffer(pos, np.int64), np.frombuffer(oc, np.uint8), np.frombuffer(nc, np.uint8)
+    codes = q0.view(torch.uint8).numpy().reshape(-1).copy()
+    before = codes.copy()
+    results = []
+    for r0 in range(0, rows, chunk_rows):
+        r1 = min(rows, r0 + chunk_rows)
+        lo, hi = np.searchsorted(pos, (r0 * cols, r1 * cols))
+        results.append(kernels.requant_delta(code, _bits(w1), rows, cols, r0, r1, pos[lo:hi], oc[lo:hi], nc[lo:hi],
+                                             dirty, scales, codes[r0 * cols:r1 * cols], 1))
+    return before, codes, scales, amax, results
+
+
+def _n_scales(code: int, rows: int, cols: int) -> int:
+    return -(-rows // 128) * -(-cols // 128) if code == 0 else rows * cols // 32
+
+
+@pytest.mark.parametrize("code", [0, 1], ids=["fp8-block128", "mxfp8"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_incremental_requantization_equals_a_full_one_byte_for_byte(code: int, seed: int) -> None:
+    rows, cols, chunk_rows = 300, 416, 70  # ragged blocks, chunks across block rows
+    w0 = _weights(rows, cols, seed)
+    w1 = _changed(w0, seed)
+    before, codes, scales, amax, results = _step(code, rows, cols, w0, w1, chunk_rows)
+    want_q, want_s = QUANTIZE[code](w1, amax=(want_amax := np.empty(amax.size, np.uint16)))
+    want = want_q.view(torch.uint8).numpy().reshape(-1)
+    assert np.array_equal(codes, want)
+    assert np.array_equal(scales.view(np.uint8), want_s.numpy().reshape(-1).view(np.uint8))
+    assert np.array_equal(amax, want_amax)
+    for i, r0 in enumerate(range(0, rows, chunk_rows)):  # each chunk's delta is encode_add's
+        r1 = min(rows, r0 + chunk_rows)
+        ref = kernels.encode_add(before[r0 * cols:r1 * cols].copy(), want[r0 * cols:r1 * cols], 1, True, 1)
+        assert results[i] == ref, f"chunk rows [{r0}, {r1})"
+
+
+def test_a_reference_that_is_not_the_changes_start_is_refused() -> None:
+    rows, cols = 128, 256
+    w0 = _weights(rows, cols, 5)
+    b = _bits(w0).astype(np.int32)
+    b[::7] += 3  # small steps only: no block turns dirty
+    w1 = torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(rows, cols)
+    q0, s0 = quantize_fp8_block128(w0, amax=(amax := np.empty(2, np.uint16)))
+    old = _bits(w0).copy()
+    k, syms, rest, _, codes, esc, _, values = kernels.encode_add(old, _bits(w1), 2, True, 1, True)
+    scales, dirty = s0.numpy().reshape(-1).copy(), np.empty(2, np.uint8)
+    _, pos, oc, nc = kernels.requant_mark(0, _bits(w1), rows, cols, [(0, rows * cols, syms, rest, codes, esc, values)],
+                                          scales, amax, dirty)
+    positions = np.frombuffer(pos, np.int64)
+    clean = [p for p in positions if not dirty[(p // cols // 128) * 2 + (p % cols) // 128]]
+    assert clean
+    stale = q0.view(torch.uint8).numpy().reshape(-1).copy()
+    first = clean[0]
+    stale[first] ^= 1  # the reference is not the version the changes start from
+    with pytest.raises(ValueError, match="old code differs"):
+        kernels.requant_delta(0, _bits(w1), rows, cols, 0, rows, np.frombuffer(pos, np.int64),
+                              np.frombuffer(oc, np.uint8), np.frombuffer(nc, np.uint8), dirty, scales, stale, 1)
+
+
+def test_inconsistent_planes_are_refused() -> None:
+    scales, amax, dirty = np.ones(1, np.float32), np.zeros(1, np.uint16), np.empty(1, np.uint8)
+    src = np.zeros(128 * 128, np.uint16)
+    with pytest.raises(ValueError, match="inconsistent"):  # a gap past the chunk's end
+        kernels.requant_mark(0, src, 128, 128, [(0, 128 * 128, bytes([255]), (20000).to_bytes(4, "little"), b"\x01",
+                                                 b"", b"\0" * 2)], scales, amax, dirty)
+    with pytest.raises(ValueError, match="inconsistent"):  # an escaped value with no escape
+        kernels.requant_mark(0, src, 128, 128, [(0, 128 * 128, bytes([3]), b"", b"\x0f", b"", b"\0" * 2)],
+                             scales, amax, dirty)
+    with pytest.raises(ValueError, match="whole rows"):
+        kernels.requant_mark(0, src, 128, 128, [(5, 10, b"", b"", b"", b"", b"")], scales, amax, dirty)
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(256, 192, generator=g).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": (torch.randn(320, 192, generator=g) * 0.02).to(torch.bfloat16),
+        "model.layers.0.mlp.down_proj.weight": (torch.randn(192, 576, generator=g) * 0.02).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(192, dtype=torch.bfloat16),
+    }
+
+
+def _streams(url: str, fmt: str) -> list[list[tuple]]:
+    """Per version of format ``fmt``'s stream: each chunk's (tensor, index, digest, delta's SHA-256)."""
+    store = open_store(url)
+    history, streams = History(store), History(PrefixedStore(store, f"streams/{fmt}/"))
+    head = history.read_head()
+    assert head is not None
+    out = []
+    for v in range(1, head[0].version + 1):
+        _, m = history.resolve(v, head[0])
+        ref = m.stream_ref(fmt)
+        sm = streams.manifest(ref.key[len(f"streams/{fmt}/"):])
+        out.append([(t.name, c.index, c.digest, c.delta.sha256 if c.delta else None) for t in sm.tensors for c in t.chunks])
+    return out
+
+
+def test_a_publisher_derives_the_same_streams_incrementally_as_in_full(tmp_path, monkeypatch) -> None:
+    states = [_model(0)]
+    for i in range(1, 4):
+        states.append(_changed_state(states[-1], i))
+    layout = LayoutPolicy(chunk_bytes=32 * 1024)
+    formats = ("bf16", "fp8-block128", "mxfp8")
+    calls = {"mark": 0}
+    mark = kernels.requant_mark
+
+    def counted(*a):
+        calls["mark"] += 1
+        return mark(*a)
+
+    monkeypatch.setattr(kernels, "requant_mark", counted)
+    with Publisher(str(tmp_path / "incr"), formats=formats, layout_policy=layout) as pub:
+        for s in states:
+            pub.publish(s)
+    assert calls["mark"] == 2 * 2 * (len(states) - 1)  # two quantized tensors, two formats, every delta
+    monkeypatch.setattr(kernels, "requant_mark", None)  # the full derivation
+    with Publisher(str(tmp_path / "full"), formats=formats, layout_policy=layout) as pub:
+        for s in states:
+            pub.publish(s)
+    for fmt in formats[1:]:
+        assert _streams(str(tmp_path / "incr"), fmt) == _streams(str(tmp_path / "full"), fmt), fmt
+
+
+def _changed_state(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    return {n: _changed(t, seed) if t.dim() == 2 else t for n, t in state.items()}
