@@ -78,7 +78,9 @@ typedef struct {
     dsbuf codes; /* paired 4-bit value codes, low nibble first */
     dsbuf esc;   /* zigzag values >= DS_NIBBLE_ESCAPE, full width */
     dsbuf cb;    /* scratch of the vector scan: one code byte per change of a range, then paired */
-    dsbuf vals;  /* with want_vals: each change's new value, full width */
+    dsbuf vals;  /* with want_vals: each change's new value, full width, */
+    dsbuf olds;  /* its old value, */
+    dsbuf poss;  /* and its position (u32) */
     int want_vals;
     size_t k;    /* changes so far */
     size_t next; /* position after the last change */
@@ -92,6 +94,8 @@ static void enc_free(enc_out *s) {
     free(s->esc.p);
     free(s->cb.p);
     free(s->vals.p);
+    free(s->olds.p);
+    free(s->poss.p);
 }
 
 static inline unsigned ctz64(uint64_t x) { /* x != 0 */
@@ -259,7 +263,12 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
         codes[k >> 1] = v;                                                                      \
         pend = v;                                                                               \
         k++;                                                                                    \
-        if (want_vals) memcpy(vals + (k - 1) * W, &nv, W);                                      \
+        if (want_vals) {                                                                        \
+            uint32_t pj_ = (uint32_t)(j);                                                       \
+            memcpy(vals + (k - 1) * W, &nv, W);                                                 \
+            memcpy(olds + (k - 1) * W, &ov, W);                                                 \
+            memcpy(poss + 4 * (k - 1), &pj_, 4);                                                \
+        }                                                                                       \
         if (adv) memcpy(ob + (j) * W, &nv, W);                                                  \
     } while (0)
 
@@ -280,10 +289,13 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
         size_t m = hi > lo ? hi - lo : 0;                                                            \
         const int want_vals = s->want_vals;                                                          \
         if (reserve(&s->syms, m) || reserve(&s->codes, m / 2 + 1) || reserve(&s->rest, 4 * m + 4) ||  \
-            reserve(&s->esc, W * m + W) || (want_vals && reserve(&s->vals, W * (k + m) - s->vals.len))) \
+            reserve(&s->esc, W * m + W) ||                                                           \
+            (want_vals && (reserve(&s->vals, W * (k + m) - s->vals.len) ||                            \
+                           reserve(&s->olds, W * (k + m) - s->olds.len) ||                            \
+                           reserve(&s->poss, 4 * (k + m) - s->poss.len))))                            \
             return -1;                                                                               \
         uint8_t *syms = s->syms.p, *codes = s->codes.p, *rest = s->rest.p, *esc = s->esc.p;          \
-        uint8_t *vals = s->vals.p;                                                                   \
+        uint8_t *vals = s->vals.p, *olds = s->olds.p, *poss = s->poss.p;                             \
         size_t rest_len = s->rest.len, esc_len = s->esc.len;                                         \
         /* the low nibble already written when an odd number of codes is */                          \
         uint8_t pend = (k & 1) ? codes[k >> 1] : 0;                                                  \
@@ -311,7 +323,10 @@ static inline DS_AVX512 uint64_t elem_mask_8_avx512(const uint8_t *a, const uint
         s->k = k;                                                                                    \
         s->next = next;                                                                              \
         s->max_rest = max_rest;                                                                      \
-        if (want_vals) s->vals.len = W * k;                                                          \
+        if (want_vals) {                                                                             \
+            s->vals.len = s->olds.len = W * k;                                                       \
+            s->poss.len = 4 * k;                                                                     \
+        }                                                                                            \
         return 0;                                                                                    \
     }
 
@@ -367,7 +382,9 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
     size_t m = hi > lo ? hi - lo : 0;
     if (reserve(&s->syms, m + 64) || reserve(&s->codes, m / 2 + 1) || reserve(&s->rest, 4 * m + 4) ||
         reserve(&s->esc, W * m + 128) || reserve(&s->cb, m + 64) ||
-        (s->want_vals && reserve(&s->vals, W * (k + m) + 128 - s->vals.len)))
+        (s->want_vals && (reserve(&s->vals, W * (k + m) + 128 - s->vals.len) ||
+                          reserve(&s->olds, W * (k + m) + 128 - s->olds.len) ||
+                          reserve(&s->poss, 4 * (k + m) + 256 - s->poss.len))))
         return -1;
     uint8_t *syms = s->syms.p, *codes = s->codes.p, *rest = s->rest.p, *esc = s->esc.p, *cb = s->cb.p;
     size_t rest_len = s->rest.len, esc_len = s->esc.len;
@@ -427,9 +444,20 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
         }
         if (s->want_vals) { /* the new values of the changed lanes, in order (register compresses and
                              * whole stores, as above: a compress to memory is slow on some cores) */
-            uint8_t *v = s->vals.p + k * W;
+            uint8_t *v = s->vals.p + k * W, *u = s->olds.p + k * W, *ps = s->poss.p + 4 * k;
+            size_t c0 = (size_t)__builtin_popcount(m0);
             _mm512_storeu_si512((void *)v, _mm512_maskz_compress_epi16(m0, n0));
-            _mm512_storeu_si512((void *)(v + W * (size_t)__builtin_popcount(m0)), _mm512_maskz_compress_epi16(m1, n1));
+            _mm512_storeu_si512((void *)(v + W * c0), _mm512_maskz_compress_epi16(m1, n1));
+            _mm512_storeu_si512((void *)u, _mm512_maskz_compress_epi16(m0, o0));
+            _mm512_storeu_si512((void *)(u + W * c0), _mm512_maskz_compress_epi16(m1, o1));
+            const __m512i base = _mm512_set1_epi32((int)i); /* lane index + block start, 16 at a time */
+            _mm512_storeu_si512((void *)ps, _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(pos)), base));
+            if (c > 16)
+                _mm512_storeu_si512((void *)(ps + 64), _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(pos, 1)), base));
+            if (c > 32)
+                _mm512_storeu_si512((void *)(ps + 128), _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(pos, 2)), base));
+            if (c > 48)
+                _mm512_storeu_si512((void *)(ps + 192), _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(pos, 3)), base));
         }
         k += c;
     }
@@ -441,7 +469,10 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
     s->k = k;
     s->next = next;
     s->max_rest = max_rest;
-    if (s->want_vals) s->vals.len = W * k;
+    if (s->want_vals) {
+        s->vals.len = s->olds.len = W * k;
+        s->poss.len = 4 * k;
+    }
     return i < hi ? scan_2(ob, nb, i, hi, adv, s) : 0; /* the tail, under one block: the scalar scan's */
 }
 
@@ -613,12 +644,14 @@ static int acquire_pair(PyObject *old_obj, PyObject *new_obj, int adv, Py_buffer
 
 PyDoc_STRVAR(encode_add_doc,
 "encode_add(old, new, width, advance, digest, values=False) -> (n_changed, gap_symbols,\n"
-"    gap_rests, max_rest, value_codes, value_escapes, digest[, new_values])\n\n"
+"    gap_rests, max_rest, value_codes, value_escapes, digest[, positions, old_values,\n"
+"    new_values])\n\n"
 "One pass over two chunks of `width`-byte little-endian elements: the add-sparse/1 sections'\n"
 "raw planes (gap symbols; u32 escaped gap remainders; paired 4-bit zigzag codes; escaped\n"
 "zigzag values), `old` advanced to `new` at every change when `advance`, and the XXH3-128\n"
 "hex digest of `new` (digest: 0 never, 1 if anything changed, 2 always; else None); with\n"
-"`values`, also each changed element's new value (full width, in order).\n"
+"`values`, also the change list: each changed element's position (u32), old and new value\n"
+"(full width), in order.\n"
 "Releases the GIL.\n"
 "On MemoryError `old` may be partly advanced.");
 
@@ -663,9 +696,9 @@ static PyObject *py_encode_add(PyObject *self, PyObject *args) {
             digest = Py_NewRef(Py_None);
         }
         if (digest != NULL && values)
-            result = Py_BuildValue("(nNNkNNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),
+            result = Py_BuildValue("(nNNkNNNNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),
                                    (unsigned long)s.max_rest, buf_bytes(&s.codes), buf_bytes(&s.esc), digest,
-                                   buf_bytes(&s.vals));
+                                   buf_bytes(&s.poss), buf_bytes(&s.olds), buf_bytes(&s.vals));
         else if (digest != NULL)
             result = Py_BuildValue("(nNNkNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),
                                    (unsigned long)s.max_rest, buf_bytes(&s.codes), buf_bytes(&s.esc), digest);

@@ -25,86 +25,50 @@ enum { DIGEST_NONE = 0, DIGEST_IF_CHANGED = 1, DIGEST_ALWAYS = 2 };
 /* 1e-4 (AMAX_FLOOR_BITS) rounded up to bfloat16: a block max at or above it is its own floor. */
 #define FLOOR_BF16 ((AMAX_FLOOR_BITS + 0xFFFFu) >> 16)
 
-/* --- positions from add-sparse gap planes ----------------------------------------------- */
+/* --- a kept tensor's reference ---------------------------------------------------------- */
 
-/* Walk the gap symbols (and escaped remainders) of a chunk's change set; calls VISIT(p) per
- * changed element p (chunk-relative), in order. -1 when the planes are inconsistent. */
-#define WALK_GAPS(syms, n_syms, rest, n_rest, count, VISIT)                                    \
-    do {                                                                                         \
-        size_t next_ = 0, ri_ = 0;                                                               \
-        for (size_t i_ = 0; i_ < (n_syms); i_++) {                                               \
-            size_t gap_ = (syms)[i_];                                                            \
-            if (gap_ == DS_GAP_ESCAPE) {                                                         \
-                if (ri_ >= (n_rest)) goto bad_planes;                                            \
-                uint32_t r_;                                                                     \
-                memcpy(&r_, (rest) + 4 * ri_++, 4);                                              \
-                gap_ += r_;                                                                      \
-            }                                                                                    \
-            size_t p_ = next_ + gap_;                                                            \
-            if (p_ >= (count)) goto bad_planes;                                                  \
-            VISIT(p_);                                                                           \
-            next_ = p_ + 1;                                                                      \
-        }                                                                                        \
-        if (ri_ != (n_rest)) goto bad_planes;                                                    \
-    } while (0)
+PyDoc_STRVAR(scatter_changes_doc,
+"scatter_changes(dst, width, positions, values) -> None\n\n"
+"dst[positions[i]] = values[i] for the change list encode_add(..., values=True) returned\n"
+"(positions u32, values of `width` bytes): a copy of a chunk's reference advanced the way\n"
+"encode_add advanced its own. ValueError when a position is outside `dst`.");
 
-PyDoc_STRVAR(scatter_gaps_doc,
-"scatter_gaps(dst, width, syms, rest, values) -> None\n\n"
-"dst[p] = the i-th of `values` at the i-th changed element p of the gap planes (elements of\n"
-"`width` bytes; the planes and values as encode_add(..., values=True) returns them): a copy of a\n"
-"chunk's reference advanced the way encode_add advanced its own. ValueError when the planes do\n"
-"not fit the buffers.");
-
-static PyObject *py_scatter_gaps(PyObject *self, PyObject *args) {
+static PyObject *py_scatter_changes(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer db, sb, rb, vb;
+    Py_buffer db, pb, vb;
     long width;
-    if (!PyArg_ParseTuple(args, "w*ly*y*y*:scatter_gaps", &db, &width, &sb, &rb, &vb)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*ly*y*:scatter_changes", &db, &width, &pb, &vb)) return NULL;
     PyObject *result = NULL;
     int w = ds_check_width(width);
     if (w < 0) goto done;
-    if (db.len % w || rb.len % 4 || vb.len != sb.len * w) {
-        PyErr_SetString(PyExc_ValueError, "scatter_gaps: values do not match the gap symbols, or bad sizes");
+    if (db.len % w || pb.len % 4 || vb.len != pb.len / 4 * w) {
+        PyErr_SetString(PyExc_ValueError, "scatter_changes: values do not match the positions, or bad sizes");
         goto done;
     }
     {
         uint8_t *dst = (uint8_t *)db.buf;
-        const uint8_t *vals = (const uint8_t *)vb.buf, *syms = (const uint8_t *)sb.buf, *rest = (const uint8_t *)rb.buf;
-        size_t n_syms = (size_t)sb.len, n_rest = (size_t)rb.len / 4, count = (size_t)(db.len / w), vi = 0;
-        int ok = 0;
+        const uint8_t *vals = (const uint8_t *)vb.buf;
+        const uint32_t *pos = (const uint32_t *)pb.buf;
+        size_t n = (size_t)pb.len / 4, count = (size_t)(db.len / w), ok = 1;
         Py_BEGIN_ALLOW_THREADS
-#define COPY(p) memcpy(dst + (p) * (size_t)w, vals + (size_t)w * vi++, (size_t)w)
-        WALK_GAPS(syms, n_syms, rest, n_rest, count, COPY);
-#undef COPY
-        ok = 1;
-    bad_planes:;
+        for (size_t i = 0; i < n; i++) ok &= pos[i] < count;
+        if (ok)
+            for (size_t i = 0; i < n; i++) memcpy(dst + (size_t)pos[i] * (size_t)w, vals + (size_t)w * i, (size_t)w);
         Py_END_ALLOW_THREADS
         if (!ok) {
-            PyErr_SetString(PyExc_ValueError, "scatter_gaps: the gap planes do not fit the chunk");
+            PyErr_SetString(PyExc_ValueError, "scatter_changes: a position is outside the chunk");
             goto done;
         }
         result = Py_NewRef(Py_None);
     }
 done:
     PyBuffer_Release(&db);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&rb);
+    PyBuffer_Release(&pb);
     PyBuffer_Release(&vb);
     return result;
 }
 
 /* --- marking dirty blocks ------------------------------------------------------------- */
-
-/* The block of element p of a [rows, cols] tensor; `row`/`row_start` cache p's row (positions
- * come in order: one division per row reached, not per element). */
-static inline size_t block_of(int fmt, size_t p, size_t cols, size_t nbc, size_t *row, size_t *row_start) {
-    if (fmt == FMT_MX) return p / MXB; /* cols is a multiple of 32: blocks tile the flat tensor */
-    if (p >= *row_start + cols || p < *row_start) {
-        *row = p / cols;
-        *row_start = *row * cols;
-    }
-    return (*row / QB) * nbc + (p - *row_start) / QB;
-}
 
 /* Block b's element multiplier and whether its scale is finite. */
 static inline float block_mult(int fmt, const void *scales, size_t b, int *finite) {
@@ -168,118 +132,130 @@ static int grow_put(grow *g, const void *x, size_t n) {
     return 0;
 }
 
-/* One changed chunk of the store's delta: elements [start, start + count) and encode_add's
- * planes with values (7 buffers, held while the GIL is released). */
+/* One changed chunk of the store's delta: its first element and encode_add's change list (three
+ * buffers, held while the GIL is released). */
 typedef struct {
-    Py_ssize_t start, count;
-    Py_buffer b[5]; /* syms, rest, codes, esc, values */
+    Py_ssize_t start;
+    Py_buffer b[3]; /* positions (u32, in the chunk), old values, new values (bfloat16 bits) */
     int held;
-} chunk_planes;
+} chunk_changes;
 
-static void chunks_release(chunk_planes *c, Py_ssize_t n) {
+static void chunks_release(chunk_changes *c, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
         for (int j = 0; j < c[i].held; j++) PyBuffer_Release(&c[i].b[j]);
     PyMem_Free(c);
 }
 
-/* Changes classified at a time: the decoding walk fills these arrays, then one branch-free loop
- * (vectorized: DS_CLONES) computes every change's codes and verdict. */
-#define BATCH 2048
+/* Changes classified at a time (a few KiB of scratch per array, in L1). */
+#define BATCH 1024
 
 typedef struct {
-    size_t pos[BATCH];
     uint32_t blk[BATCH], top[BATCH];
-    uint16_t nv[BATCH], ov[BATCH];
     float mult[BATCH];
-    uint8_t oq[BATCH], nq[BATCH], verdict[BATCH];
+    uint8_t floor_ok[BATCH], oq[BATCH], nq[BATCH], verdict[BATCH];
 } batch;
 
 enum { V_SAME = 0, V_CODE = 1, V_DIRTY = 2 };
 
+/* The block of each of n changes at pos[i] of a chunk starting at row `row0` (branch-free, so that
+ * it vectorizes: the row by a float division, corrected by one, exact for positions below 2**32). */
+DS_CLONES static void blocks_of(batch *t, const uint32_t *pos, size_t n, int fmt, size_t start, size_t cols,
+                                size_t nbc) {
+    if (fmt == FMT_MX) {
+        for (size_t i = 0; i < n; i++) t->blk[i] = (uint32_t)((start + pos[i]) / MXB);
+        return;
+    }
+    const double inv = 1.0 / (double)cols;
+    const uint32_t row0 = (uint32_t)(start / cols), c = (uint32_t)cols, nb = (uint32_t)nbc;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t p = pos[i], r = (uint32_t)((double)p * inv);
+        int64_t rem = (int64_t)p - (int64_t)r * c; /* the quotient rounded either way: fix it by one */
+        r -= rem < 0;
+        r += rem >= (int64_t)c;
+        t->blk[i] = ((row0 + r) / QB) * nb + (p - r * c) / QB;
+    }
+}
+
 /* Per change: V_DIRTY when its block's scale is not finite (a NaN multiplier), its new |x| exceeds
- * the block's max, or its old code is the block's top code; else V_CODE when its code changed.
- * `fp8`: a block max at or above the floor has the top code 0x7E (its scale maps it to 448). */
-DS_CLONES static void classify(batch *t, size_t n, int fp8) {
+ * the block's max, or its old code is the block's top code (`cmax`); else V_CODE when its code
+ * changed. Element-wise over the batch's arrays, branch-free: it vectorizes. */
+DS_CLONES static void classify(batch *t, const uint16_t *ov, const uint16_t *nv, size_t n) {
     for (size_t i = 0; i < n; i++) {
         float mult = t->mult[i];
         uint32_t top = t->top[i];
-        uint8_t oq = e4m3_finite(u32(BF16_F32(t->ov[i]) * mult));
-        uint8_t nq = e4m3_finite(u32(BF16_F32(t->nv[i]) * mult));
-        uint8_t cmax = e4m3_finite(u32(BF16_F32(top) * mult)) & 0x7Fu;
-        cmax = fp8 && top >= FLOOR_BF16 ? 0x7Eu : cmax;
-        int dirty = (mult - mult != 0.0f) | ((uint32_t)(t->nv[i] & 0x7FFFu) > top) | ((oq & 0x7Fu) >= cmax);
-        t->oq[i] = oq;
-        t->nq[i] = nq;
-        t->verdict[i] = (uint8_t)(dirty ? V_DIRTY : (nq != oq ? V_CODE : V_SAME));
+        uint32_t oq = e4m3_finite(u32(BF16_F32(ov[i]) * mult));
+        uint32_t nq = e4m3_finite(u32(BF16_F32(nv[i]) * mult));
+        uint32_t top_code = e4m3_finite(u32(BF16_F32(top) * mult)) & 0x7Fu;
+        uint32_t cmax = t->floor_ok[i] ? 0x7Eu : top_code;
+        uint32_t dirty = (uint32_t)(mult - mult != 0.0f) | (uint32_t)((nv[i] & 0x7FFFu) > top) |
+                         (uint32_t)((oq & 0x7Fu) >= cmax);
+        t->oq[i] = (uint8_t)oq;
+        t->nq[i] = (uint8_t)nq;
+        t->verdict[i] = (uint8_t)(dirty * V_DIRTY | (1u - dirty) * (uint32_t)(nq != oq));
     }
 }
 
-/* Classify a filled batch and apply its verdicts in order. -1: no memory. */
-static int flush_batch(batch *t, size_t n, int fp8, uint8_t *dirty, size_t *n_dirty, grow *pos, grow *oc, grow *nc) {
-    classify(t, n, fp8);
+/* The batch's block tables: each change's block max, multiplier and (fp8-block128) whether the
+ * max reaches the floor, so that its top code is 0x7E (its scale maps it to 448). One loop per
+ * format, branch-free (gathers). */
+DS_CLONES static void lookup_fp8(batch *t, size_t n, const float *mults, const uint16_t *amax) {
     for (size_t i = 0; i < n; i++) {
-        if (t->verdict[i] == V_SAME || dirty[t->blk[i]]) continue;
-        if (t->verdict[i] == V_DIRTY) {
-            dirty[t->blk[i]] = 1;
-            (*n_dirty)++;
-            continue;
+        uint32_t b = t->blk[i], top = amax[b];
+        t->top[i] = top;
+        t->mult[i] = mults[b];
+        t->floor_ok[i] = (uint8_t)(top >= FLOOR_BF16);
+    }
+}
+
+DS_CLONES static void lookup_mx(batch *t, size_t n, const uint8_t *escales, const uint16_t *amax) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t b = t->blk[i], e = escales[b];
+        t->top[i] = amax[b];
+        t->mult[i] = f32(e == E8M0_NAN ? F32_NAN_BITS : (254u - e) << 23);
+        t->floor_ok[i] = 0;
+    }
+}
+
+/* Mark one chunk's changes (see classify): its dirty blocks, and each other change whose code
+ * changed appended to pos/oc/nc. -1: a bad change list (*bad) or no memory. */
+static int mark_chunk(int fmt, const chunk_changes *c, size_t n_elems, size_t cols, size_t nbc, const void *scales,
+                      const float *mults, const uint16_t *amax, uint8_t *dirty, size_t *n_dirty, grow *pos, grow *oc,
+                      grow *nc, batch *t, int *bad) {
+    const uint32_t *ps = (const uint32_t *)c->b[0].buf;
+    const uint16_t *ov = (const uint16_t *)c->b[1].buf, *nv = (const uint16_t *)c->b[2].buf;
+    size_t n = (size_t)c->b[0].len / 4, start = (size_t)c->start;
+    if (c->b[0].len % 4 || (size_t)c->b[1].len != 2 * n || (size_t)c->b[2].len != 2 * n) goto bad;
+    uint32_t unordered = 0;
+    for (size_t i = 1; i < n; i++) unordered |= ps[i] <= ps[i - 1]; /* increasing (vectorizes) */
+    if (unordered || (n && start + ps[n - 1] >= n_elems)) goto bad;
+    for (size_t i0 = 0; i0 < n; i0 += BATCH) {
+        size_t m = n - i0 < BATCH ? n - i0 : BATCH;
+        blocks_of(t, ps + i0, m, fmt, start, cols, nbc);
+        if (fmt == FMT_FP8)
+            lookup_fp8(t, m, mults, amax);
+        else
+            lookup_mx(t, m, (const uint8_t *)scales, amax);
+        classify(t, ov + i0, nv + i0, m);
+        for (size_t i = 0; i < m; i++) {
+            if (i % 8 == 0 && i + 8 <= m) { /* most verdicts are V_SAME: skip them eight at a time */
+                uint64_t eight;
+                memcpy(&eight, t->verdict + i, 8);
+                if (eight == 0) {
+                    i += 7;
+                    continue;
+                }
+            }
+            if (t->verdict[i] == V_SAME || dirty[t->blk[i]]) continue;
+            if (t->verdict[i] == V_DIRTY) {
+                dirty[t->blk[i]] = 1;
+                (*n_dirty)++;
+                continue;
+            }
+            int64_t pp = (int64_t)(start + ps[i0 + i]);
+            if (grow_put(pos, &pp, 8) || grow_put(oc, &t->oq[i], 1) || grow_put(nc, &t->nq[i], 1)) return -1;
         }
-        int64_t pp = (int64_t)t->pos[i];
-        if (grow_put(pos, &pp, 8) || grow_put(oc, &t->oq[i], 1) || grow_put(nc, &t->nq[i], 1)) return -1;
     }
     return 0;
-}
-
-/* Walk one chunk's changes (see classify): the dirty blocks marked, and each other change whose
- * code changed appended to pos/oc/nc. -1: inconsistent planes (*bad) or no memory. */
-static int mark_chunk(int fmt, const chunk_planes *c, size_t cols, size_t nbc, const void *scales,
-                      const float *mults, const uint16_t *amax, uint8_t *dirty, size_t *n_dirty, grow *pos, grow *oc,
-                      grow *nc, size_t *row, size_t *row_start, batch *t, int *bad) {
-    const uint8_t *syms = (const uint8_t *)c->b[0].buf, *rest = (const uint8_t *)c->b[1].buf;
-    const uint8_t *codes = (const uint8_t *)c->b[2].buf, *esc = (const uint8_t *)c->b[3].buf;
-    const uint8_t *vals = (const uint8_t *)c->b[4].buf;
-    size_t n = (size_t)c->b[0].len, n_rest = (size_t)c->b[1].len / 4, n_esc = (size_t)c->b[3].len / 2;
-    if ((size_t)c->b[2].len != (n + 1) / 2 || (size_t)c->b[4].len != 2 * n || c->b[1].len % 4 || c->b[3].len % 2) {
-        *bad = 1;
-        return -1;
-    }
-    size_t next = 0, ri = 0, ei = 0, m = 0;
-    for (size_t i = 0; i < n; i++) {
-        size_t gap = syms[i];
-        if (gap == DS_GAP_ESCAPE) {
-            if (ri >= n_rest) goto bad;
-            uint32_t r;
-            memcpy(&r, rest + 4 * ri++, 4);
-            gap += r;
-        }
-        size_t q = next + gap;
-        if (q >= (size_t)c->count) goto bad;
-        next = q + 1;
-        uint16_t zz = (uint16_t)((codes[i >> 1] >> ((i & 1) * 4)) & 0x0Fu), nv;
-        if (zz == DS_NIBBLE_ESCAPE) {
-            if (ei >= n_esc) goto bad;
-            memcpy(&zz, esc + 2 * ei++, 2);
-        }
-        memcpy(&nv, vals + 2 * i, 2);
-        size_t p = (size_t)c->start + q, b = block_of(fmt, p, cols, nbc, row, row_start);
-        t->pos[m] = p;
-        t->blk[m] = (uint32_t)b;
-        t->nv[m] = nv;
-        t->ov[m] = (uint16_t)(nv - (uint16_t)((zz >> 1) ^ (uint16_t)(0 - (zz & 1u))));
-        t->top[m] = amax[b];
-        if (fmt == FMT_FP8) {
-            t->mult[m] = mults[b];
-        } else {
-            uint8_t e = ((const uint8_t *)scales)[b];
-            t->mult[m] = e == E8M0_NAN ? f32(F32_NAN_BITS) : mx_multiplier(e);
-        }
-        if (++m == BATCH) {
-            if (flush_batch(t, m, fmt == FMT_FP8, dirty, n_dirty, pos, oc, nc) < 0) return -1;
-            m = 0;
-        }
-    }
-    if (ri != n_rest || ei != n_esc) goto bad;
-    return m ? flush_batch(t, m, fmt == FMT_FP8, dirty, n_dirty, pos, oc, nc) : 0;
 bad:
     *bad = 1;
     return -1;
@@ -289,13 +265,13 @@ PyDoc_STRVAR(requant_mark_doc,
 "requant_mark(fmt, src, rows, cols, chunks, scales, amax, dirty) -> (n_dirty, positions,\n"
 "    old_codes, new_codes)\n\n"
 "The first step of requantizing a [rows, cols] bfloat16 tensor `src` incrementally (see\n"
-"requant.c), from its changes: `chunks`, its changed chunks in order, each (start, count,\n"
-"gap_symbols, gap_rests, value_codes, value_escapes, new_values) as encode_add(..., values=True)\n"
-"returned them. `scales` (float32 per 128x128 block for fmt 0, fp8-block128; uint8 E8M0 per 32\n"
-"elements for fmt 1, mxfp8) and `amax` (each block's max |x| bits, uint16) are the previous\n"
-"version's, updated in place for every dirty block; dirty[b] (uint8 per block) is set to 1 or 0.\n"
-"Returns the number of dirty blocks and, for each changed element outside them whose code\n"
-"changed, its position (int64), old and new code (bytes). Releases the GIL.");
+"requant.c), from its changes: `chunks`, its changed chunks in order, each (start, positions,\n"
+"old_values, new_values): the chunk's first element and the change list encode_add(...,\n"
+"values=True) returned. `scales` (float32 per 128x128 block for fmt 0, fp8-block128; uint8 E8M0\n"
+"per 32 elements for fmt 1, mxfp8) and `amax` (each block's max |x| bits, uint16) are the\n"
+"previous version's, updated in place for every dirty block; dirty[b] (uint8 per block) is set\n"
+"to 1 or 0. Returns the number of dirty blocks and, for each changed element outside them whose\n"
+"code changed, its position (int64), old and new code (bytes). Releases the GIL.");
 
 static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
     (void)self;
@@ -311,7 +287,7 @@ static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
     int held = 0;
     PyObject *result = NULL;
     Py_ssize_t n_chunks = PyList_GET_SIZE(o_chunks), got = 0;
-    chunk_planes *ch = (chunk_planes *)PyMem_Calloc((size_t)(n_chunks ? n_chunks : 1), sizeof(chunk_planes));
+    chunk_changes *ch = (chunk_changes *)PyMem_Calloc((size_t)(n_chunks ? n_chunks : 1), sizeof(chunk_changes));
     if (ch == NULL) return PyErr_NoMemory();
     if (ds_get_buffer(o_src, &src, 0, "src") < 0) goto out;
     held++;
@@ -329,16 +305,13 @@ static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
     Py_ssize_t end = 0;
     for (; got < n_chunks; got++) {
         PyObject *t = PyList_GET_ITEM(o_chunks, got);
-        PyObject *bo[5];
-        if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "nnOOOOO", &ch[got].start, &ch[got].count, &bo[0], &bo[1], &bo[2],
-                                                   &bo[3], &bo[4]))
+        PyObject *bo[3];
+        if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "nOOO", &ch[got].start, &bo[0], &bo[1], &bo[2]))
             goto bad_chunk;
-        if (ch[got].start < end || ch[got].count < 0 || ch[got].start > n - ch[got].count ||
-            (cols > 0 && (ch[got].start % cols || (ch[got].count % cols && ch[got].start + ch[got].count != n))))
-            goto bad_chunk;
-        end = ch[got].start + ch[got].count;
-        for (int j = 0; j < 5; j++) {
-            if (ds_get_buffer(bo[j], &ch[got].b[j], 0, "a plane") < 0) {
+        if (ch[got].start < end || ch[got].start >= n || (cols > 0 && ch[got].start % cols)) goto bad_chunk;
+        end = ch[got].start + 1;
+        for (int j = 0; j < 3; j++) {
+            if (ds_get_buffer(bo[j], &ch[got].b[j], 0, "a change list") < 0) {
                 got++;
                 goto out;
             }
@@ -348,7 +321,6 @@ static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
     {
         grow pos = {0}, oc = {0}, nc = {0};
         size_t n_dirty = 0, nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
-        size_t row = 0, row_start = (size_t)-1 / 2;
         int rc = 0, bad = 0;
         uint8_t *dirty = (uint8_t *)dt.buf;
         /* fp8-block128: each block's element multiplier, 1/s, once (NaN or 0 for a non-finite s) */
@@ -363,8 +335,8 @@ static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
                 mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
             }
         for (Py_ssize_t i = 0; i < n_chunks && rc == 0; i++)
-            rc = mark_chunk(fmt, &ch[i], (size_t)cols, nbc, sc.buf, mults, (const uint16_t *)am.buf, dirty, &n_dirty, &pos,
-                            &oc, &nc, &row, &row_start, t, &bad);
+            rc = mark_chunk(fmt, &ch[i], (size_t)n, (size_t)cols, nbc, sc.buf, mults, (const uint16_t *)am.buf, dirty,
+                            &n_dirty, &pos, &oc, &nc, t, &bad);
         if (rc == 0)
             for (size_t b = 0; b < (size_t)nb; b++)
                 if (dirty[b])
@@ -374,7 +346,7 @@ static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
         free(mults);
         free(t);
         if (rc < 0 && bad)
-            PyErr_SetString(PyExc_ValueError, "requant_mark: a chunk's planes are inconsistent");
+            PyErr_SetString(PyExc_ValueError, "requant_mark: a chunk's change list is inconsistent");
         else if (rc < 0)
             PyErr_NoMemory();
         else
@@ -388,8 +360,8 @@ static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
     goto out;
 bad_chunk:
     if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_ValueError, "requant_mark: chunks are (start, count, 5 planes) of whole rows, in order, "
-                                          "within the tensor");
+        PyErr_SetString(PyExc_ValueError, "requant_mark: chunks are (start, positions, old values, new values) of "
+                                          "whole rows, in order, within the tensor");
 out:
     chunks_release(ch, got);
     if (held > 3) PyBuffer_Release(&dt);
@@ -512,15 +484,17 @@ static int emit_dirty(walk *w, int fmt, size_t b, size_t p0, size_t p1) {
     return 0;
 }
 
-static int walk_fp8(walk *w) {
-    size_t cols = w->cols, nbc = (cols + QB - 1) / QB, r0 = w->e0 / cols, r1 = w->e1 / cols;
-    for (size_t br = r0 / QB; br * QB < r1; br++) {
-        size_t ra = br * QB > r0 ? br * QB : r0, rz = br * QB + QB < r1 ? br * QB + QB : r1;
+/* fp8-block128: rows [ra, rz) of the chunk (whole block rows but at the chunk's and the range's
+ * edges). */
+static int walk_fp8(walk *w, size_t ra, size_t rz) {
+    size_t cols = w->cols, nbc = (cols + QB - 1) / QB;
+    for (size_t br = ra / QB; br * QB < rz; br++) {
+        size_t a = br * QB > ra ? br * QB : ra, z = br * QB + QB < rz ? br * QB + QB : rz;
         if (memchr(w->dirty + br * nbc, 1, nbc) == NULL) {
-            if (emit_entries(w, rz * cols) < 0) return -1;
+            if (emit_entries(w, z * cols) < 0) return -1;
             continue;
         }
-        for (size_t r = ra; r < rz; r++)
+        for (size_t r = a; r < z; r++)
             for (size_t j = 0; j < nbc; j++) {
                 size_t b = br * nbc + j, c1 = (j + 1) * QB < cols ? (j + 1) * QB : cols;
                 if (!w->dirty[b]) {
@@ -533,15 +507,55 @@ static int walk_fp8(walk *w) {
     return 0;
 }
 
-static int walk_mx(walk *w) {
-    size_t b = w->e0 / MXB, b_end = w->e1 / MXB;
+/* mxfp8: elements [a, z) of the chunk (whole rows). */
+static int walk_mx(walk *w, size_t a, size_t z) {
+    size_t b = a / MXB, b_end = z / MXB;
     for (;;) {
         const uint8_t *d = b < b_end ? (const uint8_t *)memchr(w->dirty + b, 1, b_end - b) : NULL;
-        if (d == NULL) return emit_entries(w, w->e1);
+        if (d == NULL) return emit_entries(w, z);
         b = (size_t)(d - w->dirty);
         if (emit_entries(w, b * MXB) < 0 || emit_dirty(w, FMT_MX, b, b * MXB, b * MXB + MXB) < 0) return -1;
         b++;
     }
+}
+
+/* Bytes of the chunk walked, then hashed, at a time. While a slice is hashed (HASH_PIECE bytes at a
+ * time), the next slice is prefetched piece by piece into L2, so that the changes' scattered
+ * reads and writes of `old` in the next walk hit lines already there: one stream over the chunk,
+ * not a miss per change followed by a second pass to hash. (A burst of a whole slice's prefetches
+ * stalled on the line fill buffers.) */
+#define SLICE_BYTES (16 * 1024)
+#define HASH_PIECE (4 * 1024)
+
+/* The walk of the whole chunk, sliced by rows, with its digest (`digest` as encode_add's). */
+static int walk_chunk(walk *w, int fmt, int digest, XXH3_state_t *st, int *hashed) {
+    size_t cols = w->cols, r0 = w->e0 / cols, r1 = w->e1 / cols, total = (r1 - r0) * cols;
+    size_t step = SLICE_BYTES / cols ? SLICE_BYTES / cols : 1; /* rows */
+    *hashed = 0;
+    if (digest == DIGEST_ALWAYS) {
+        XXH3_128bits_reset(st);
+        *hashed = 1;
+    }
+    for (size_t r = r0; r < r1; r += step) {
+        size_t rn = r1 - r > step ? r + step : r1;
+        size_t at = (r - r0) * cols, len = (rn - r) * cols;
+        size_t before = w->em.k;
+        if ((fmt == FMT_FP8 ? walk_fp8(w, r, rn) : walk_mx(w, r * cols, rn * cols)) < 0) return -1;
+        if (!*hashed && digest == DIGEST_IF_CHANGED && w->em.k != before) {
+            XXH3_128bits_reset(st); /* the first change: catch up on the slices before it */
+            if (at) DS_XXH3_128_UPDATE(st, w->old, at);
+            *hashed = 1;
+        }
+        for (size_t o = 0; o < len; o += HASH_PIECE) {
+            size_t n = len - o > HASH_PIECE ? HASH_PIECE : len - o;
+#if defined(__GNUC__) || defined(__clang__)
+            for (size_t f = at + len + o; f < at + len + o + n && f < total; f += 64)
+                __builtin_prefetch(w->old + f, 1, 1);
+#endif
+            if (*hashed) DS_XXH3_128_UPDATE(st, w->old + at + o, n);
+        }
+    }
+    return 0;
 }
 
 PyDoc_STRVAR(requant_delta_doc,
@@ -599,15 +613,22 @@ static PyObject *py_requant_delta(PyObject *self, PyObject *args) {
         w.dirty = (const uint8_t *)bf[4].buf;
         w.scales = bf[5].buf;
         w.old = (uint8_t *)bf[6].buf;
-        int rc = 0, hashed = 0;
+        int rc = -1, hashed = 0;
         XXH128_hash_t h = {0, 0};
+        XXH3_state_t *st = XXH3_createState();
         Py_BEGIN_ALLOW_THREADS
-        if (e1 > e0) rc = fmt == FMT_FP8 ? walk_fp8(&w) : walk_mx(&w);
-        if (rc == 0 && (digest == DIGEST_ALWAYS || (digest == DIGEST_IF_CHANGED && w.em.k))) {
-            h = DS_XXH3_128(w.old, (size_t)(e1 - e0));
-            hashed = 1;
+        if (st != NULL && e1 > e0) {
+            rc = walk_chunk(&w, fmt, digest, st, &hashed);
+        } else if (st != NULL) {
+            rc = 0;
+            if (digest == DIGEST_ALWAYS) {
+                h = DS_XXH3_128(w.old, 0);
+                hashed = 1;
+            }
         }
+        if (rc == 0 && hashed && e1 > e0) h = XXH3_128bits_digest(st);
         Py_END_ALLOW_THREADS
+        XXH3_freeState(st);
         if (rc < 0 && w.out_of_step) {
             PyErr_SetString(PyExc_ValueError, "requant_delta: an old code differs from the reference's: the reference "
                                               "is not the state the changes start from");
@@ -632,7 +653,7 @@ out:
 }
 
 PyMethodDef ds_requant_methods[] = {
-    {"scatter_gaps", py_scatter_gaps, METH_VARARGS, scatter_gaps_doc},
+    {"scatter_changes", py_scatter_changes, METH_VARARGS, scatter_changes_doc},
 #if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0
     {"requant_mark", py_requant_mark, METH_VARARGS, requant_mark_doc},
     {"requant_delta", py_requant_delta, METH_VARARGS, requant_delta_doc},

@@ -75,7 +75,7 @@ scan_tensors = getattr(_native, "scan_tensors", None)
 quantize_fp8_block128 = getattr(_native, "quantize_fp8_block128", None)
 quantize_mxfp8 = getattr(_native, "quantize_mxfp8", None)
 #: incremental requantization of serving streams (deltastore/serving/requant.py; requant.c)
-scatter_gaps = getattr(_native, "scatter_gaps", None)
+scatter_changes = getattr(_native, "scatter_changes", None)
 requant_mark = getattr(_native, "requant_mark", None)
 requant_delta = getattr(_native, "requant_delta", None)
 #: See deltastore/_native/module.c (history._untrack_table: cached manifests' chunk tables).

@@ -196,7 +196,7 @@ def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAUL
 
 def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
                          advance: bool = True, always_digest: bool = True,
-                         planes: list[tuple[bytes, ...]] | None = None) -> tuple[Segment | None, str | None]:
+                         changes: list[tuple[bytes, bytes, bytes]] | None = None) -> tuple[Segment | None, str | None]:
     """:func:`encode_delta`, the reference advance and the chunk's state digest in one pass.
 
     With the native kernels loaded (:mod:`deltastore._util.kernels`) each element of ``old``
@@ -209,9 +209,9 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
         advance: advance ``old`` to ``new``. After an exception ``old`` may be partly advanced
             (an encoder's reference copy is dropped after any failure, SPEC §5 step 7).
         always_digest: return the digest even when nothing changed (else None then).
-        planes: when given, and the native kernel ran and something changed, the change set's
-            raw planes are appended to it: ``(gap symbols, escaped gap remainders, value codes,
-            value escapes, new values)`` (see ``encode_add`` in deltastore/_native/encode.c).
+        changes: when given, and the native kernel ran and something changed, the change list
+            is appended to it: ``(positions, old values, new values)``, each changed element's
+            position in the chunk (uint32) and its values (raw bits), in order.
 
     Returns:
         ``(segment, digest)``: the segment as :func:`encode_delta` returns it, and the XXH3-128
@@ -226,7 +226,7 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
     """
     if kernels.encode_add is not None:
         return _encode_add_native(old, new, level, advance=advance,
-                                  digest=DIGEST_ALWAYS if always_digest else DIGEST_IF_CHANGED, planes=planes)
+                                  digest=DIGEST_ALWAYS if always_digest else DIGEST_IF_CHANGED, changes=changes)
     seg = _encode(old, new, level)
     n = check_values(new, "new")
     digest = xxhash.xxh3_128_hexdigest(memoryview(n).cast("B")) if seg is not None or always_digest else None
@@ -242,19 +242,20 @@ DIGEST_NONE, DIGEST_IF_CHANGED, DIGEST_ALWAYS = 0, 1, 2
 
 
 def _encode_add_native(old: np.ndarray, new: np.ndarray, level: int | None, *, advance: bool,
-                       digest: int, planes: list[tuple[bytes, ...]] | None = None) -> tuple[Segment | None, str | None]:
+                       digest: int, changes: list[tuple[bytes, bytes, bytes]] | None = None
+                       ) -> tuple[Segment | None, str | None]:
     o = check_values(old, "old")
     n = check_values(new, "new")
     if o.dtype != n.dtype or o.size != n.size:
         raise ValueError(f"old ({o.dtype}, {o.size}) and new ({n.dtype}, {n.size}) differ in layout")
     # o is old unless old is big-endian (then o is a little-endian copy): advance old afterwards
-    if planes is None:
+    if changes is None:
         k, syms, rest, max_rest, codes, esc, hexdigest = kernels.encode_add(o, n, o.itemsize, advance and o is old, digest)
     else:
-        k, syms, rest, max_rest, codes, esc, hexdigest, values = kernels.encode_add(
+        k, syms, rest, max_rest, codes, esc, hexdigest, positions, olds, news = kernels.encode_add(
             o, n, o.itemsize, advance and o is old, digest, True)
         if k:
-            planes.append((syms, rest, codes, esc, values))
+            changes.append((positions, olds, news))
     if k == 0:
         return None, hexdigest
     if advance and o is not old:

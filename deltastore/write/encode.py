@@ -111,8 +111,8 @@ class ChunkChange:
         index, start, stop: the chunk's index and its elements ``[start, stop)`` of the tensor.
         delta, delta_sha256, digest: its delta segment, that segment's SHA-256, and the chunk's
             state digest.
-        planes: the change set as the native ``encode_add`` returned it: ``(gap symbols,
-            escaped gap remainders, value codes, value escapes, new values)``.
+        positions, old_values, new_values: the change list: each changed element's position
+            in the chunk (uint32) and its old and new bits, in order.
     """
 
     index: int
@@ -121,7 +121,9 @@ class ChunkChange:
     delta: codec.Segment
     delta_sha256: str
     digest: str
-    planes: tuple[bytes, ...]
+    positions: bytes
+    old_values: bytes
+    new_values: bytes
 
 
 #: A chunk encoder for one tensor, in place of comparing its new bits with the reference:
@@ -390,17 +392,17 @@ class LayoutWorks:
 
 
 def encode_chunk(ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: Kind, floating: bool,
-                 planes: list[tuple[bytes, ...]] | None = None) -> _Encoded | None:
+                 changes: list[tuple[bytes, bytes, bytes]] | None = None) -> _Encoded | None:
     """One chunk: a delta against ``old`` (when given) and, for an anchor, a full segment.
 
     ``old`` (the reference copy's chunk) is advanced to ``new`` in the same pass.
     Returns None for an unchanged chunk of a delta version (it is not listed in the manifest).
-    ``planes``: as for :func:`~deltastore.codec.delta.encode_delta_advance`.
+    ``changes``: as for :func:`~deltastore.codec.delta.encode_delta_advance`.
     """
     digest = None
     if old is not None:
         # one pass: compare, code the changes, advance ``old`` to ``new``, hash ``new``
-        delta, digest = encode_delta_advance(old, new, always_digest=kind == "anchor", planes=planes)
+        delta, digest = encode_delta_advance(old, new, always_digest=kind == "anchor", changes=changes)
     else:
         delta = None
     if kind == "delta" and delta is None:
@@ -579,10 +581,10 @@ def encode_version(
         # encode_chunk advances ``old`` while the chunk is hot in cache (the caller drops the
         # reference on failure)
         record = changes.get(name) if changes is not None else None
-        planes: list[tuple[bytes, ...]] | None = [] if record is not None else None
-        enc = encode_chunk(ti, ci, new, old, kind, floating[name], planes)
-        if record is not None and enc is not None and enc.delta is not None and planes:
-            record.append(ChunkChange(ci, a, b, enc.delta, enc.delta_sha256 or "", enc.digest, planes[0]))
+        listed: list[tuple[bytes, bytes, bytes]] | None = [] if record is not None else None
+        enc = encode_chunk(ti, ci, new, old, kind, floating[name], listed)
+        if record is not None and enc is not None and enc.delta is not None and listed:
+            record.append(ChunkChange(ci, a, b, enc.delta, enc.delta_sha256 or "", enc.digest, *listed[0]))
         return enc
 
     # Delta and full segments go to separate packs, so a subscriber one version behind an

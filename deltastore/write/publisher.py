@@ -28,7 +28,7 @@ from deltastore._util.jobs import default_threads
 from deltastore.errors import ConflictError, InvalidStateDictError, LayoutMismatchError, StorageError
 from deltastore.fleet.tracing import span
 from deltastore.format.history import VersionInfo
-from deltastore.format.models import Head, Layout, layout_of
+from deltastore.format.models import Head, Layout, StreamRef, layout_of
 from deltastore.format.manifest import encode_manifest
 from deltastore.layout import grid
 from deltastore.layout.groups import unit_order, unit_reference
@@ -227,6 +227,8 @@ class Publisher:
         self._streams = {f.name: StreamWriter(self.store, f, writer_id=self.writer_id, anchors=anchor_policy,
                                               max_attempt_s=writer_policy.max_attempt_s, signing_key=key,
                                               layout_policy=layout_policy) for f in self.formats}
+        # the key of the version this publisher committed last and its streams by format
+        self._landed_streams: tuple[str, dict[str, StreamRef]] | None = None
         self._history = self._chain.history
         try:
             self._chain.open(takeover=writer_policy.takeover)
@@ -538,6 +540,8 @@ class Publisher:
             raise
         for b in built:
             self._streams[b.ref.format].landed(b, superseded=superseded)
+        # the streams of the version just committed: the next version's parents (no read back)
+        self._landed_streams = None if superseded else (sealed.key, {b.ref.format: b.ref for b in built})
         if not has_base:  # deltas advanced the reference while encoding
             # A new dict (the queue clears the snapshot's dict once this returns), per unit: a
             # group row is one buffer of its members' bits (design 007 D5).
@@ -568,14 +572,19 @@ class Publisher:
         if not self.formats:
             return [], None
         own = next((f.name for f in self.formats if is_identity(f, state)), None)
-        parent = self._history.manifest(tip.key) if tip is not None else None
+        if tip is None:
+            parents: dict[str, StreamRef] = {}
+        elif self._landed_streams is not None and self._landed_streams[0] == tip.key:
+            parents = self._landed_streams[1]
+        else:
+            parents = {r.format: r for r in self._history.manifest(tip.key).streams}
         built = []
         for f in self.formats:
             if f.name == own:
                 continue
             built.append(self._streams[f.name].build(
-                state, version=version, kind=kind, draft=draft, parent=head,
-                parent_ref=parent.stream_ref(f.name) if parent is not None else None, epoch=self.epoch,
+                state, version=version, kind=kind, draft=draft, parent=head, parent_ref=parents.get(f.name),
+                epoch=self.epoch,
                 step=step, metadata=meta, pool=self._pool, uploader=self._uploader, threads=self.threads,
                 resume=self.writer_policy.resume, changes=changes, store_specs=specs,
             ))

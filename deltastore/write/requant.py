@@ -53,7 +53,7 @@ def _bf16_cpu(t: torch.Tensor) -> bool:
 
 def _chunks(changes: list[ChunkChange]) -> list[tuple]:
     """A tensor's changed chunks in order, as ``requant_mark`` takes them."""
-    return [(c.start, c.stop - c.start, *c.planes) for c in sorted(changes, key=lambda c: c.start)]
+    return [(c.start, c.positions, c.old_values, c.new_values) for c in sorted(changes, key=lambda c: c.start)]
 
 
 class Requantizer:
@@ -176,8 +176,7 @@ def _reuse_source(changes: list[ChunkChange]) -> ChunkSource:
             return None
         if (c.start, c.stop) != (start, stop):  # not reached: the layouts' chunks were compared
             raise ValueError(f"chunk {index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
-        syms, rest, _, _, values = c.planes
-        kernels.scatter_gaps(old, old.itemsize, syms, rest, values)
+        kernels.scatter_changes(old, old.itemsize, c.positions, c.new_values)
         return c.delta, c.digest, c.delta_sha256
 
     return source

@@ -62,7 +62,7 @@ def _step(code: int, rows: int, cols: int, w0: torch.Tensor, w1: torch.Tensor, c
         r1 = min(rows, r0 + chunk_rows)
         got = kernels.encode_add(old[r0 * cols:r1 * cols], _bits(w1)[r0 * cols:r1 * cols], 2, True, 1, True)
         if got[0]:
-            chunks.append((r0 * cols, (r1 - r0) * cols, got[1], got[2], got[4], got[5], got[7]))
+            chunks.append((r0 * cols, *got[7:]))
     scales = s0.numpy().reshape(-1).copy()
     dirty = np.empty(amax.size, np.uint8)
     _, pos, oc, nc = kernels.requant_mark(code, _bits(w1), rows, cols, chunks, scales, amax, dirty)
@@ -108,10 +108,9 @@ def test_a_reference_that_is_not_the_changes_start_is_refused() -> None:
     w1 = torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(rows, cols)
     q0, s0 = quantize_fp8_block128(w0, amax=(amax := np.empty(2, np.uint16)))
     old = _bits(w0).copy()
-    k, syms, rest, _, codes, esc, _, values = kernels.encode_add(old, _bits(w1), 2, True, 1, True)
+    listed = kernels.encode_add(old, _bits(w1), 2, True, 1, True)[7:]
     scales, dirty = s0.numpy().reshape(-1).copy(), np.empty(2, np.uint8)
-    _, pos, oc, nc = kernels.requant_mark(0, _bits(w1), rows, cols, [(0, rows * cols, syms, rest, codes, esc, values)],
-                                          scales, amax, dirty)
+    _, pos, oc, nc = kernels.requant_mark(0, _bits(w1), rows, cols, [(0, *listed)], scales, amax, dirty)
     positions = np.frombuffer(pos, np.int64)
     clean = [p for p in positions if not dirty[(p // cols // 128) * 2 + (p % cols) // 128]]
     assert clean
@@ -123,17 +122,32 @@ def test_a_reference_that_is_not_the_changes_start_is_refused() -> None:
                               np.frombuffer(oc, np.uint8), np.frombuffer(nc, np.uint8), dirty, scales, stale, 1)
 
 
-def test_inconsistent_planes_are_refused() -> None:
+def test_inconsistent_change_lists_are_refused() -> None:
     scales, amax, dirty = np.ones(1, np.float32), np.zeros(1, np.uint16), np.empty(1, np.uint8)
     src = np.zeros(128 * 128, np.uint16)
-    with pytest.raises(ValueError, match="inconsistent"):  # a gap past the chunk's end
-        kernels.requant_mark(0, src, 128, 128, [(0, 128 * 128, bytes([255]), (20000).to_bytes(4, "little"), b"\x01",
-                                                 b"", b"\0" * 2)], scales, amax, dirty)
-    with pytest.raises(ValueError, match="inconsistent"):  # an escaped value with no escape
-        kernels.requant_mark(0, src, 128, 128, [(0, 128 * 128, bytes([3]), b"", b"\x0f", b"", b"\0" * 2)],
-                             scales, amax, dirty)
+
+    def u32(*xs: int) -> bytes:
+        return np.array(xs, np.uint32).tobytes()
+
+    def mark(chunks):
+        return kernels.requant_mark(0, src, 128, 128, chunks, scales, amax, dirty)
+
+    with pytest.raises(ValueError, match="inconsistent"):  # a position past the tensor
+        mark([(128 * 127, u32(200), b"\0" * 2, b"\1\0")])
+    with pytest.raises(ValueError, match="inconsistent"):  # not increasing
+        mark([(0, u32(9, 3), b"\0" * 4, b"\1\0" * 2)])
+    with pytest.raises(ValueError, match="inconsistent"):  # values missing
+        mark([(0, u32(3), b"", b"")])
     with pytest.raises(ValueError, match="whole rows"):
-        kernels.requant_mark(0, src, 128, 128, [(5, 10, b"", b"", b"", b"", b"")], scales, amax, dirty)
+        mark([(5, u32(1), b"\0" * 2, b"\1\0")])
+
+
+def test_scatter_changes_refuses_a_position_outside_the_chunk() -> None:
+    dst = np.zeros(8, np.uint16)
+    kernels.scatter_changes(dst, 2, np.array([1, 6], np.uint32).tobytes(), np.array([5, 7], np.uint16).tobytes())
+    assert dst.tolist() == [0, 5, 0, 0, 0, 0, 7, 0]
+    with pytest.raises(ValueError, match="outside"):
+        kernels.scatter_changes(dst, 2, np.array([8], np.uint32).tobytes(), np.array([1], np.uint16).tobytes())
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
