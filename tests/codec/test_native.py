@@ -240,6 +240,25 @@ def test_dense_blocks_same_bytes(width, isa, monkeypatch):
 
 
 @native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_change_list_is_every_changed_element_in_order(width, isa):
+    """encode_add(..., values=True): positions, old and new values of exactly the changed
+    elements (the serving streams derive from them), on each scan variant; the other outputs are
+    those of the call without it."""
+    old, new = make_pair(width, 3 * 8192 // width + 29, 0.03, "random", "escaping", width)
+    new[:70] = old[:70] + 1  # whole vector blocks of changes
+    with forced_isa(isa):
+        plain = kernels.encode_add(old.copy(), new, width, True, 1)
+        got = kernels.encode_add(old.copy(), new, width, True, 1, True)
+    assert got[:7] == plain
+    where = np.flatnonzero(old != new)
+    assert np.array_equal(np.frombuffer(got[7], np.uint32), where)
+    assert np.array_equal(np.frombuffer(got[8], old.dtype), old[where])
+    assert np.array_equal(np.frombuffer(got[9], old.dtype), new[where])
+
+
+@native
 def test_scan_isa_rejects_unknown_names_and_auto_is_supported():
     from deltastore import _native
 

@@ -330,3 +330,23 @@ def test_results_written_into_earlier_outputs_are_the_same_bits(method, native):
     fresh = quantize(w, native=native, out=wrong)
     assert fresh[0] is not wrong[0] and fresh[1] is not s
     assert_same(fresh, want, f"{method} with outputs that do not fit")
+
+
+@pytest.mark.skipif(kernels.quantize_fp8_block128 is None, reason="needs the native kernels")
+def test_amax_is_each_blocks_largest_magnitude_as_bfloat16_bits() -> None:
+    w = (torch.randn(300, 416, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    w[5, 7] = float("nan")
+    bits = w.view(torch.int16).to(torch.int32) & 0x7FFF  # |x| as bits; a NaN's above every number
+    fp8 = np.empty(3 * 4, np.uint16)
+    quantize_fp8_block128(w, amax=fp8)
+    padded = torch.zeros(384, 512, dtype=torch.int32)
+    padded[:300, :416] = bits
+    want = padded.view(3, 128, 4, 128).amax(dim=(1, 3)).reshape(-1)
+    assert fp8.tolist() == want.tolist()
+    mx = np.empty(300 * 13, np.uint16)
+    quantize_mxfp8(w, amax=mx)
+    assert mx.tolist() == bits.view(300, 13, 32).amax(dim=2).reshape(-1).tolist()
+    with pytest.raises(InvalidStateDictError, match="bfloat16"):
+        quantize_fp8_block128(w.float(), amax=fp8)
+    with pytest.raises(InvalidStateDictError, match="one per scale"):
+        quantize_mxfp8(w, amax=np.empty(3, np.uint16))
