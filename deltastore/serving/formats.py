@@ -127,7 +127,18 @@ class ServingFormat:
             return False
         if self.name == "mxfp8" and shape[-1] % MX_BLOCK:
             return False
-        return _matches(name, self.include) and not _matches(name, self.exclude)
+        return self._by_name(name)
+
+    def _by_name(self, name: str) -> bool:
+        """Whether the patterns select ``name`` (remembered: a publisher asks per tensor, per
+        version)."""
+        known = _SELECTED.get((self.include, self.exclude, name))
+        if known is None:
+            known = _SELECTED[(self.include, self.exclude, name)] = (
+                _matches(name, self.include) and not _matches(name, self.exclude))
+            if len(_SELECTED) > _SELECTED_MAX:
+                _SELECTED.clear()
+        return known
 
 
 def serving_format(spec: str | ServingFormat) -> ServingFormat:
@@ -242,6 +253,11 @@ def _n_scales(name: str, shape: tuple[int, ...] | torch.Size) -> int:
     if name == "mxfp8":
         return math.prod(shape) // MX_BLOCK
     return -(-shape[0] // BLOCK) * -(-shape[1] // BLOCK)
+
+
+#: Pattern verdicts by (include, exclude, name), at most _SELECTED_MAX (then forgotten at once).
+_SELECTED: dict[tuple[tuple[str, ...] | None, tuple[str, ...] | None, str], bool] = {}
+_SELECTED_MAX = 1 << 16
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

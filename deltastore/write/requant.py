@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from deltastore._util import kernels
-from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segment_from_planes
+from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segment_from_planes, encode_delta_advance
 from deltastore.codec.container import Segment
 from deltastore.layout.tensors import TensorSpec, bits
 from deltastore.serving.formats import ServingFormat, derive
@@ -112,12 +112,12 @@ class Requantizer:
                       and reference[name].dtype == torch.bfloat16 and reference[name].shape == t.shape):
                     kept.append(name)
 
-        def mark(name: str) -> tuple[torch.Tensor, ChunkSource]:
+        def mark(name: str) -> tuple[torch.Tensor, ChunkSource, ChunkSource]:
             assert reference is not None and changes is not None
             return self._requantize(name, state[name], reference[name], changes[name])
 
         marked = dict(zip(quantized, (pool.map if pool is not None else map)(mark, quantized)))
-        given = {n: (reference[n], scale) for n, (scale, _) in marked.items()} if reference is not None else {}
+        given = {n: (reference[n], scale) for n, (scale, _, _) in marked.items()} if reference is not None else {}
         amax: dict[str, np.ndarray] = {}
         derived = derive(state, fmt, pool=pool, reuse=reuse, amax=amax, given=given)
         for name in list(self._blocks):
@@ -126,7 +126,11 @@ class Requantizer:
         if suffix is not None:
             for name, blocks in amax.items():
                 self._blocks[name] = (blocks, derived[name + suffix].numpy().reshape(-1).copy())
-        sources: dict[str, ChunkSource] = {n: src for n, (_, src) in marked.items()}
+        sources: dict[str, ChunkSource] = {n: src for n, (_, src, _) in marked.items()}
+        for name, (_, _, scale_source) in marked.items():
+            assert specs is not None and suffix is not None
+            if _plain(specs.get(name + suffix)):  # unchanged unless a block turned dirty
+                sources[name + suffix] = scale_source
         for name in kept:
             assert changes is not None
             sources[name] = _reuse_source(changes[name])
@@ -135,16 +139,16 @@ class Requantizer:
         return derived, sources, set(marked)
 
     def _requantize(self, name: str, t: torch.Tensor, ref: torch.Tensor,
-                    changes: list[ChunkChange]) -> tuple[torch.Tensor, ChunkSource]:
-        """Mark tensor ``name``'s dirty blocks and requantize their scales: its new scale tensor
-        and the source of its chunks."""
+                    changes: list[ChunkChange]) -> tuple[torch.Tensor, ChunkSource, ChunkSource]:
+        """Mark tensor ``name``'s dirty blocks and requantize their scales: its new scale tensor,
+        the source of its chunks and that of its scale tensor's."""
         code = _FORMAT_CODE[self.format.name]
         amax, old_scales = self._blocks[name]
         rows, cols = t.shape
         scales = old_scales.copy()
         dirty = np.empty(amax.size, dtype=np.uint8)
         src = bits(t)
-        _, pos_b, oc_b, nc_b = kernels.requant_mark(code, src, rows, cols, _chunks(changes), scales, amax, dirty)
+        n_dirty, pos_b, oc_b, nc_b = kernels.requant_mark(code, src, rows, cols, _chunks(changes), scales, amax, dirty)
         pos = np.frombuffer(pos_b, dtype=np.int64)
         oc, nc = np.frombuffer(oc_b, dtype=np.uint8), np.frombuffer(nc_b, dtype=np.uint8)
         self._blocks[name] = (amax, scales)
@@ -162,7 +166,15 @@ class Requantizer:
                 return None
             return add_segment_from_planes(stop - start, 1, k, syms, rest, max_rest, codes, esc), digest, None
 
-        return scale, source
+        scale_bits = bits(scale)
+
+        def scale_source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, None] | None:
+            if not n_dirty:  # only a dirty block's scale can have changed
+                return None
+            seg, digest = encode_delta_advance(old, scale_bits[start:stop], always_digest=False)
+            return None if seg is None or digest is None else (seg, digest, None)
+
+        return scale, source, scale_source
 
 
 def _reuse_source(changes: list[ChunkChange]) -> ChunkSource:
