@@ -13,8 +13,10 @@ It reports, per format and as ratios:
   (what a trainer uploading the quantized model at every step would upload);
 - publish time per delta version with the extra format against the bf16-only publish of the
   same state (median over versions and runs; the store on tmpfs); the difference is the extra
-  format's cost (quantize, diff, encode, store), given as a multiple of one memory copy of the
-  bf16 model (``copy_`` into preallocated tensors, as benchmarks/perf.py measures it);
+  format's cost (derive, diff, encode, store), given as a multiple of one memory copy of the
+  bf16 model (``copy_`` into preallocated tensors, as benchmarks/perf.py measures it); the same
+  with every version derived in full (``deltastore.write.requant.ENABLED`` off: quantize the
+  whole state, diff every byte), the paired before/after of the incremental derivation;
 - bit identity: at every version, a worker's applied stream (``Subscriber(format=...)``
   fast-forwarded with ``pull_into``) against the reference quantization of that version's bf16
   state (:func:`deltastore.serving.formats.derive` and the plain reference kernels of
@@ -40,6 +42,7 @@ from deltastore import Publisher, Subscriber
 from deltastore.format.history import History
 from deltastore.serving.formats import derive, serving_format
 from deltastore.storage import open_store
+from deltastore.write import requant
 
 RESULTS_DIR = Path(__file__).parent / "results"
 FORMATS = ("fp8-block128", "mxfp8")
@@ -71,17 +74,23 @@ def memcpy_s(state: dict[str, torch.Tensor]) -> float:
     return min(medians)
 
 
-def publish_run(states: list[dict[str, torch.Tensor]], formats: tuple[str, ...], root: Path) -> dict[str, Any]:
+def publish_run(states: list[dict[str, torch.Tensor]], formats: tuple[str, ...], root: Path, *,
+                incremental: bool = True) -> dict[str, Any]:
     """Publish ``states`` with ``formats`` into a new store under ``root``; per-version seconds
-    and the store's per-version bytes by format."""
-    url = str(root / ("store-" + "-".join(formats or ("bf16",))))
+    and the store's per-version bytes by format. ``incremental``: False derives every version
+    of the streams in full."""
+    url = str(root / ("store-" + "-".join(formats or ("bf16",)) + ("" if incremental else "-full")))
     shutil.rmtree(url, ignore_errors=True)
     seconds = []
-    with Publisher(url, formats=formats) as pub:
-        for s in states:
-            t0 = time.perf_counter()
-            pub.publish(s)
-            seconds.append(time.perf_counter() - t0)
+    requant.ENABLED = incremental
+    try:
+        with Publisher(url, formats=formats) as pub:
+            for s in states:
+                t0 = time.perf_counter()
+                pub.publish(s)
+                seconds.append(time.perf_counter() - t0)
+    finally:
+        requant.ENABLED = True
     history = History(open_store(url))
     head = history.read_head()
     assert head is not None
@@ -126,14 +135,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     copy_s = memcpy_s(states[0])
     full = {fmt: sum(t.numel() * t.element_size() for t in derive(states[0], serving_format(fmt)).values())
             for fmt in FORMATS}
-    runs: dict[str, list[dict[str, Any]]] = {"bf16": [], **{f: [] for f in FORMATS}}
+    runs: dict[str, list[dict[str, Any]]] = {"bf16": [], **{f: [] for f in FORMATS}, **{f + " full": [] for f in FORMATS}}
     shm = Path("/dev/shm")  # a tmpfs when present, so that no disk is timed (as benchmarks/perf.py)
     with tempfile.TemporaryDirectory(prefix="deltastore-serving-", dir=shm if shm.is_dir() else None) as tmp:
         for _ in range(args.repeats):  # alternated, so drift of the machine hits every configuration alike
             runs["bf16"].append(publish_run(states, (), Path(tmp)))
             for fmt in FORMATS:
                 runs[fmt].append(publish_run(states, ("bf16", fmt), Path(tmp)))
+                runs[fmt + " full"].append(publish_run(states, ("bf16", fmt), Path(tmp), incremental=False))
         identical = {fmt: bit_identity(runs[fmt][-1]["url"], fmt, states) for fmt in FORMATS}
+        for fmt in FORMATS:  # the two derivations store the same streams
+            assert runs[fmt][-1]["bytes"] == runs[fmt + " full"][-1]["bytes"], fmt
 
     def per_delta(xs: list[float]) -> float:
         return statistics.median(xs[1:])
@@ -147,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for fmt in FORMATS:
         with_s = statistics.median(per_delta(r["seconds"]) for r in runs[fmt])
+        full_s = statistics.median(per_delta(r["seconds"]) for r in runs[fmt + " full"])
         stream = runs[fmt][0]["bytes"][fmt]
         per_version = statistics.mean(stream[1:])
         result["formats"][fmt] = {
@@ -158,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "publish_with_format_s": with_s,
             "extra_s": with_s - base_s,
             "extra_x_memcpy": (with_s - base_s) / copy_s,
+            "extra_full_s": full_s - base_s,
+            "extra_full_x_memcpy": (full_s - base_s) / copy_s,
             "bit_identical_versions": identical[fmt],
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,18 +1,21 @@
-/* Incremental requantization (deltastore/serving/requant.py): a serving stream's next version
- * from the bfloat16 elements that changed, not from the whole tensor.
+/* Incremental requantization (deltastore/write/requant.py): a serving stream's next version from
+ * the bfloat16 elements that changed, not from the whole tensor.
  *
- * A block whose max |x| stays the same keeps its scale, so only its changed elements can get
- * new codes. Per changed element, a block becomes *dirty* (requantized whole, scale included)
- * when the element's new |x| exceeds the block's max, when its old code is the block's top code
- * (it may have held the max, which could then fall: codes are monotone in |x|, so an element
- * below the top code was below the max), or when the block's scale is not finite. Every other
- * changed element is requantized alone, with the block's unchanged scale, by the same operations
- * as the full quantizers (ds_quant.h), so the result equals a full quantization bit for bit.
+ * The store's encoder lists each changed element (encode_add(..., values=True): position, old
+ * and new bits). A block whose max |x| stays the same keeps its scale, so only its changed
+ * elements can get new codes. Per change, a block becomes *dirty* (requantized whole, scale
+ * included) when the element's new |x| exceeds the block's max, when its old code is the block's
+ * top code (it may have held the max, which could then fall: codes are monotone in |x|, so an
+ * element below the top code was below the max), or when the block's scale is not finite. Every
+ * other change is requantized alone, from its old and new bits, with the block's unchanged scale,
+ * by the same operations as the full quantizers (ds_quant.h), so the result equals a full
+ * quantization bit for bit.
  *
- * The delta against the reference codes is emitted as encode_add's raw add-sparse/1 planes
- * (encode.c; 1-byte elements), the reference advanced at each change, and the advanced chunk
- * hashed: what encode_add returns for the same chunk. tests/serving/test_requant.py proves both
- * equalities. */
+ * requant_mark classifies the changes (vectorized, a batch at a time) and rescales the dirty
+ * blocks; requant_delta then walks one chunk of the reference codes once: it emits the changed
+ * codes and the dirty blocks' elements as encode_add's raw add-sparse/1 planes (encode.c; 1-byte
+ * elements), advances the reference, and hashes it: what encode_add returns for the same chunk.
+ * tests/write/test_requant.py proves both equalities. */
 #include "ds_quant.h"
 #include "ds_xxh3.h"
 

@@ -41,6 +41,7 @@ from deltastore.storage.base import Store
 from deltastore.storage.probe import require_atomic_writes
 from deltastore.write.chain import VersionChain
 from deltastore.write.commit import attempt_clock
+from deltastore.write import requant
 from deltastore.write.encode import UPLOADS_IN_FLIGHT, ChunkChange, LayoutWorks, encode_version
 from deltastore.write.policy import (
     AnchorPolicy,
@@ -491,7 +492,8 @@ class Publisher:
         built: list[StreamVersion] = []
         gathered: dict[str, torch.Tensor] = {}  # grid units' reference buffers, filled by an anchor's encode
         # what a delta changed, chunk by chunk: the serving streams derive their versions from it
-        changes: dict[str, list[ChunkChange]] | None = {} if self.formats and kind == "delta" and has_base else None
+        changes: dict[str, list[ChunkChange]] | None = (
+            {} if self.formats and requant.ENABLED and kind == "delta" and has_base else None)
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
             deadline = attempt_clock() + self.writer_policy.max_attempt_s

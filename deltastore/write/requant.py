@@ -3,15 +3,17 @@
 A publisher serving ``fp8-block128`` or ``mxfp8`` beside its bfloat16 chain used to quantize
 the whole state and then compare every quantized byte with the stream's reference, at every
 version, although an RL step moves a few percent of the bfloat16 elements. The store's own delta
-encoding already knows which ones: :func:`~deltastore.write.encode.encode_version` hands their
-positions out (:class:`~deltastore.write.encode.ChunkChange`). From them, per tensor:
+encoding already finds them: :func:`~deltastore.write.encode.encode_version` hands out each
+changed chunk's change list (positions, old and new bits: :class:`~deltastore.write.encode.ChunkChange`).
+From them, per tensor:
 
 - **a quantized tensor** is requantized where it changed (deltastore/_native/requant.c): a block
   keeps its scale unless its largest ``|x|`` may have moved (a changed element above the block's
   maximum, or one whose old code was the block's top code, or a non-finite scale); such a
   *dirty* block is requantized whole. The stream keeps each block's maximum (bfloat16 bits) and
   scale to decide this. The chunk's delta, the reference's advance and the state digest come out
-  of the same walk, exactly as the full path's (the tests compare the two byte for byte).
+  of one walk over the chunk, exactly as the full path's (the tests compare the two byte for
+  byte); its scale tensor is encoded only when a block turned dirty.
 - **a tensor the format keeps** (bfloat16 in both) has, chunk for chunk, the store's delta: its
   segment and digest are reused, and the stream's reference is advanced at the changed elements.
 
@@ -38,6 +40,9 @@ from deltastore.serving.formats import ServingFormat, derive
 from deltastore.write.encode import ChunkChange, ChunkSource
 
 logger = logging.getLogger(__name__)
+
+#: False derives every version in full (benchmarks/serving.py times both ways in one run).
+ENABLED = True
 
 #: requant.c's format codes.
 _FORMAT_CODE = {"fp8-block128": 0, "mxfp8": 1}
@@ -95,8 +100,8 @@ class Requantizer:
         """
         fmt = self.format
         suffix = fmt.scale_suffix
-        ready = (changes is not None and reference is not None and specs is not None and store_specs is not None
-                 and kernels.requant_mark is not None)
+        ready = (ENABLED and changes is not None and reference is not None and specs is not None
+                 and store_specs is not None and kernels.requant_mark is not None)
         quantized: list[str] = []
         kept: list[str] = []
         if ready:
