@@ -74,7 +74,7 @@ scan_tensors = getattr(_native, "scan_tensors", None)
 #: bit-identical to their PyTorch path; a build without them uses that path.
 quantize_fp8_block128 = getattr(_native, "quantize_fp8_block128", None)
 quantize_mxfp8 = getattr(_native, "quantize_mxfp8", None)
-#: incremental requantization of serving streams (deltastore/serving/requant.py; requant.c)
+#: incremental requantization of serving streams (deltastore/write/requant.py; requant.c)
 scatter_changes = getattr(_native, "scatter_changes", None)
 requant_mark = getattr(_native, "requant_mark", None)
 requant_delta = getattr(_native, "requant_delta", None)

@@ -184,7 +184,7 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
             quantization's time). That earlier result must no longer be in use.
         amax: when given, filled with each quantized bfloat16 tensor's blocks' largest ``|x|``
             (bfloat16 bits, one uint16 per scale) where the native quantizers run
-            (:mod:`deltastore.serving.requant` keeps them).
+            (:mod:`deltastore.write.requant` keeps them).
         given: ``(quantized, scale)`` of selected tensors the caller already has (requantized
             incrementally): placed as they are, not quantized.
 

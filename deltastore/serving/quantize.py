@@ -96,7 +96,7 @@ def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None,
             quantization); used only when both are CPU, contiguous and of the result's shape and
             dtype, else new tensors are returned.
         amax: a uint16 array with one element per scale, filled with each block's largest
-            ``|x|`` as bfloat16 bits (what :mod:`deltastore.serving.requant` keeps to requantize
+            ``|x|`` as bfloat16 bits (what :mod:`deltastore.write.requant` keeps to requantize
             the next version incrementally). bfloat16 input and the native kernel only.
 
     Returns:

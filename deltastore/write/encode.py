@@ -105,7 +105,7 @@ class ChunkChange:
     """One chunk of a delta version that changed, as :func:`encode_version` encoded it (its
     ``changes`` argument): enough for a serving stream to reuse the segment of a tensor it
     serves unchanged, or to requantize only the elements that changed
-    (:mod:`deltastore.serving.requant`).
+    (:mod:`deltastore.write.requant`).
 
     Attributes:
         index, start, stop: the chunk's index and its elements ``[start, stop)`` of the tensor.

@@ -2,9 +2,9 @@
 version's state and committed by the version's one HEAD write.
 
 Per version, :meth:`StreamWriter.build` derives the format's state dict
-(:func:`deltastore.serving.formats.derive`), encodes it against the stream's previous version
-(its own anchors, deltas and digests: the codec works on the quantized bytes and on the scales)
-into packs under ``streams/<format>/objects/<attempt>/``, and stores the stream's manifest under
+(:func:`deltastore.serving.formats.derive`; a delta version from the store's own delta where it
+can, :mod:`deltastore.write.requant`), encodes it against the stream's previous version (its own
+anchors, deltas and digests: the codec works on the quantized bytes and on the scales) into packs under ``streams/<format>/objects/<attempt>/``, and stores the stream's manifest under
 ``streams/<format>/manifests/``, all before the store's manifest that names it (``streams``) is
 written. Nothing of a stream is visible before that manifest's HEAD write: a failed or lost
 attempt leaves unreferenced objects, as any attempt does.
