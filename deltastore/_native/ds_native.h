@@ -37,6 +37,10 @@ PyObject *ds_hex128(uint64_t high, uint64_t low);
  * set and -1 returned. */
 int ds_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what);
 
+/* A new read-only buffer object (module.c) that owns `p` (malloc'd; freed with the object, or at
+ * once on failure, which returns NULL with an error set). */
+PyObject *ds_buffer_take(void *p, size_t len);
+
 /* Element width (1, 2, 4, 8) from a Python int, or -1 with ValueError set. */
 int ds_check_width(long width);
 

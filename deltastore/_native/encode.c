@@ -628,7 +628,7 @@ PyDoc_STRVAR(encode_add_doc,
 "zigzag values), `old` advanced to `new` at every change when `advance`, and the XXH3-128\n"
 "hex digest of `new` (digest: 0 never, 1 if anything changed, 2 always; else None); with\n"
 "`values`, also the change list: each changed element's position (u32), old and new value\n"
-"(full width), in order.\n"
+"(full width), in order, as read-only buffers (not copied into bytes).\n"
 "Releases the GIL.\n"
 "On MemoryError `old` may be partly advanced.");
 
@@ -672,10 +672,21 @@ static PyObject *py_encode_add(PyObject *self, PyObject *args) {
         } else {
             digest = Py_NewRef(Py_None);
         }
-        if (digest != NULL && values)
-            result = Py_BuildValue("(nNNkNNNNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),
-                                   (unsigned long)s.max_rest, buf_bytes(&s.codes), buf_bytes(&s.esc), digest,
-                                   buf_bytes(&s.poss), buf_bytes(&s.olds), buf_bytes(&s.vals));
+        if (digest != NULL && values) { /* the change list is handed over, not copied */
+            PyObject *poss = ds_buffer_take(s.poss.p, s.poss.len), *olds = NULL, *vals = NULL;
+            olds = poss != NULL ? ds_buffer_take(s.olds.p, s.olds.len) : (free(s.olds.p), NULL);
+            vals = olds != NULL ? ds_buffer_take(s.vals.p, s.vals.len) : (free(s.vals.p), NULL);
+            s.poss.p = s.olds.p = s.vals.p = NULL;
+            if (vals != NULL)
+                result = Py_BuildValue("(nNNkNNNNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),
+                                       (unsigned long)s.max_rest, buf_bytes(&s.codes), buf_bytes(&s.esc), digest,
+                                       poss, olds, vals);
+            else {
+                Py_XDECREF(poss);
+                Py_XDECREF(olds);
+                Py_DECREF(digest);
+            }
+        }
         else if (digest != NULL)
             result = Py_BuildValue("(nNNkNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),
                                    (unsigned long)s.max_rest, buf_bytes(&s.codes), buf_bytes(&s.esc), digest);

@@ -48,6 +48,52 @@ static PyObject *py_untrack(PyObject *self, PyObject *objects) {
     Py_RETURN_NONE;
 }
 
+/* A read-only buffer over memory a kernel allocated with malloc, freed with the object: a kernel's
+ * large output handed to Python without copying it into a bytes object. */
+typedef struct {
+    PyObject_HEAD
+    void *p;
+    Py_ssize_t len;
+} ds_buffer;
+
+static int ds_buffer_getbuffer(PyObject *o, Py_buffer *view, int flags) {
+    ds_buffer *b = (ds_buffer *)o;
+    static char empty[1];
+    return PyBuffer_FillInfo(view, o, b->p != NULL ? b->p : empty, b->len, 1, flags);
+}
+
+static void ds_buffer_dealloc(PyObject *o) {
+    free(((ds_buffer *)o)->p);
+    Py_TYPE(o)->tp_free(o);
+}
+
+static Py_ssize_t ds_buffer_length(PyObject *o) { return ((ds_buffer *)o)->len; }
+
+static PyBufferProcs ds_buffer_as_buffer = {ds_buffer_getbuffer, NULL};
+static PySequenceMethods ds_buffer_as_sequence = {.sq_length = ds_buffer_length};
+
+static PyTypeObject ds_buffer_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "deltastore._native.Buffer",
+    .tp_basicsize = sizeof(ds_buffer),
+    .tp_dealloc = ds_buffer_dealloc,
+    .tp_as_buffer = &ds_buffer_as_buffer,
+    .tp_as_sequence = &ds_buffer_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Read-only bytes a kernel produced (the buffer protocol; len() is its size in bytes).",
+};
+
+PyObject *ds_buffer_take(void *p, size_t len) {
+    ds_buffer *b = PyObject_New(ds_buffer, &ds_buffer_type);
+    if (b == NULL) {
+        free(p);
+        return NULL;
+    }
+    b->p = p;
+    b->len = (Py_ssize_t)len;
+    return (PyObject *)b;
+}
+
 static PyMethodDef ds_module_methods[] = {
     {"untrack", py_untrack, METH_O, untrack_doc},
     {NULL, NULL, 0, NULL},
@@ -62,6 +108,7 @@ static struct PyModuleDef ds_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&ds_buffer_type) < 0) return NULL;
     PyObject *m = PyModule_Create(&ds_module);
     if (m == NULL) return NULL;
     if (PyModule_AddFunctions(m, ds_encode_methods) < 0 || PyModule_AddFunctions(m, ds_apply_methods) < 0 ||

@@ -196,7 +196,7 @@ def encode_delta(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAUL
 
 def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
                          advance: bool = True, always_digest: bool = True,
-                         changes: list[tuple[bytes, bytes, bytes]] | None = None) -> tuple[Segment | None, str | None]:
+                         changes: list[tuple[object, object, object]] | None = None) -> tuple[Segment | None, str | None]:
     """:func:`encode_delta`, the reference advance and the chunk's state digest in one pass.
 
     With the native kernels loaded (:mod:`deltastore._util.kernels`) each element of ``old``
@@ -211,7 +211,8 @@ def encode_delta_advance(old: np.ndarray, new: np.ndarray, *, level: int | None 
         always_digest: return the digest even when nothing changed (else None then).
         changes: when given, and the native kernel ran and something changed, the change list
             is appended to it: ``(positions, old values, new values)``, each changed element's
-            position in the chunk (uint32) and its values (raw bits), in order.
+            position in the chunk (uint32) and its values (raw bits), in order, as read-only
+            bytes-like buffers.
 
     Returns:
         ``(segment, digest)``: the segment as :func:`encode_delta` returns it, and the XXH3-128
@@ -242,7 +243,7 @@ DIGEST_NONE, DIGEST_IF_CHANGED, DIGEST_ALWAYS = 0, 1, 2
 
 
 def _encode_add_native(old: np.ndarray, new: np.ndarray, level: int | None, *, advance: bool,
-                       digest: int, changes: list[tuple[bytes, bytes, bytes]] | None = None
+                       digest: int, changes: list[tuple[object, object, object]] | None = None
                        ) -> tuple[Segment | None, str | None]:
     o = check_values(old, "old")
     n = check_values(new, "new")

@@ -14,10 +14,10 @@ import hashlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -46,6 +46,8 @@ from deltastore.layout.tensors import TensorSpec, bits, state_digest, torch_dtyp
 logger = logging.getLogger(__name__)
 
 Kind = Literal["anchor", "delta"]
+#: A read-only bytes-like object (the buffer protocol: bytes, memoryview, a kernel's buffer).
+Buffer = Any
 
 #: Segments are concatenated into packs of about this size: few requests per version (S3 bills
 #: per request and each costs a round trip) while a pack still uploads in a few seconds.
@@ -112,7 +114,9 @@ class ChunkChange:
         delta, delta_sha256, digest: its delta segment, that segment's SHA-256, and the chunk's
             state digest.
         positions, old_values, new_values: the change list: each changed element's position
-            in the chunk (uint32) and its old and new bits, in order.
+            in the chunk (uint32) and its old and new bits, in order (read-only bytes-like
+            buffers, as the native kernel hands them over); None when not asked for
+            (``encode_version(change_lists=)``).
     """
 
     index: int
@@ -121,9 +125,9 @@ class ChunkChange:
     delta: codec.Segment
     delta_sha256: str
     digest: str
-    positions: bytes
-    old_values: bytes
-    new_values: bytes
+    positions: Buffer | None
+    old_values: Buffer | None
+    new_values: Buffer | None
 
 
 #: A chunk encoder for one tensor, in place of comparing its new bits with the reference:
@@ -392,7 +396,7 @@ class LayoutWorks:
 
 
 def encode_chunk(ti: int, ci: int, new: np.ndarray, old: np.ndarray | None, kind: Kind, floating: bool,
-                 changes: list[tuple[bytes, bytes, bytes]] | None = None) -> _Encoded | None:
+                 changes: list[tuple[Buffer, Buffer, Buffer]] | None = None) -> _Encoded | None:
     """One chunk: a delta against ``old`` (when given) and, for an anchor, a full segment.
 
     ``old`` (the reference copy's chunk) is advanced to ``new`` in the same pass.
@@ -429,6 +433,7 @@ def encode_version(
     layouts: LayoutWorks | None = None,
     wait_stored: bool = True,
     changes: dict[str, list[ChunkChange]] | None = None,
+    change_lists: Collection[str] | None = None,
     sources: Mapping[str, ChunkSource] | None = None,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
@@ -470,6 +475,8 @@ def encode_version(
             stored as itself (not in a group row or a column grid): the :class:`ChunkChange` of
             each of its chunks that changed, in no particular order (an empty list: the tensor
             did not change).
+        change_lists: the tensors whose :class:`ChunkChange` carry the change list (listing each
+            changed element costs the scan a store per element); None: every one.
         sources: of a delta version, tensors (stored as themselves) whose chunks are encoded by
             the given :data:`ChunkSource` instead of from ``state`` (whose tensor then only
             gives the layout's shape and dtype).
@@ -581,10 +588,12 @@ def encode_version(
         # encode_chunk advances ``old`` while the chunk is hot in cache (the caller drops the
         # reference on failure)
         record = changes.get(name) if changes is not None else None
-        listed: list[tuple[bytes, bytes, bytes]] | None = [] if record is not None else None
+        listed: list[tuple[Buffer, Buffer, Buffer]] | None = (
+            [] if record is not None and (change_lists is None or name in change_lists) else None)
         enc = encode_chunk(ti, ci, new, old, kind, floating[name], listed)
-        if record is not None and enc is not None and enc.delta is not None and listed:
-            record.append(ChunkChange(ci, a, b, enc.delta, enc.delta_sha256 or "", enc.digest, *listed[0]))
+        if record is not None and enc is not None and enc.delta is not None:
+            lists = listed[0] if listed else (None, None, None)
+            record.append(ChunkChange(ci, a, b, enc.delta, enc.delta_sha256 or "", enc.digest, *lists))
         return enc
 
     # Delta and full segments go to separate packs, so a subscriber one version behind an

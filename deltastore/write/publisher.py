@@ -494,6 +494,10 @@ class Publisher:
         # what a delta changed, chunk by chunk: the serving streams derive their versions from it
         changes: dict[str, list[ChunkChange]] | None = (
             {} if self.formats and requant.ENABLED and kind == "delta" and has_base else None)
+        change_lists: set[str] = set()
+        if changes is not None:
+            own = next((f.name for f in self.formats if is_identity(f, state)), None)
+            change_lists = set().union(*(w.change_lists(state) for n, w in self._streams.items() if n != own))
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
             deadline = attempt_clock() + self.writer_policy.max_attempt_s
@@ -502,6 +506,7 @@ class Publisher:
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=draft.attempt, reference_bits=self._reference_bits if has_base else None,
                 gathered=gathered, layouts=self._layout_works, wait_stored=False, changes=changes,
+                change_lists=change_lists,
             )
             # The manifest is built while the last packs are stored (encode_version handed them
             # to the uploader); nothing that names them is written before they are.
@@ -589,6 +594,7 @@ class Publisher:
                 epoch=self.epoch,
                 step=step, metadata=meta, pool=self._pool, uploader=self._uploader, threads=self.threads,
                 resume=self.writer_policy.resume, changes=changes, store_specs=specs,
+                store_reference=self._reference if changes is not None else None,
             ))
         return sorted(built, key=lambda b: b.ref.format), own
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Executor
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -61,6 +62,20 @@ def _chunks(changes: list[ChunkChange]) -> list[tuple]:
     return [(c.start, c.positions, c.old_values, c.new_values) for c in sorted(changes, key=lambda c: c.start)]
 
 
+class Derived(NamedTuple):
+    """A stream's derived state and how its delta is encoded (:meth:`Requantizer.derive`)."""
+
+    #: the derived state (an incrementally requantized tensor is a stand-in there: the
+    #: reference's tensor, for its shape and dtype; its scale is the new one)
+    state: dict[str, torch.Tensor]
+    #: the chunk sources for ``encode_version(sources=)``
+    sources: dict[str, ChunkSource]
+    #: the quantized tensors requantized incrementally (their stand-ins are not spares)
+    incremental: set[str]
+    #: the kept tensors whose chunks are the store's delta
+    reused: set[str]
+
+
 class Requantizer:
     """What one serving stream keeps to derive its next delta version incrementally: each
     quantized tensor's blocks' largest ``|x|`` and scales, of the version its reference holds.
@@ -80,8 +95,8 @@ class Requantizer:
     def derive(self, state: Mapping[str, torch.Tensor], *, pool: Executor | None,
                reuse: Mapping[str, torch.Tensor] | None, reference: Mapping[str, torch.Tensor] | None,
                specs: Mapping[str, TensorSpec] | None, store_specs: Mapping[str, TensorSpec] | None,
-               changes: Mapping[str, list[ChunkChange]] | None,
-               ) -> tuple[dict[str, torch.Tensor], dict[str, ChunkSource], set[str]]:
+               changes: Mapping[str, list[ChunkChange]] | None, shared: set[str] | frozenset[str] = frozenset(),
+               ) -> Derived:
         """The stream's state of ``state``, and the chunk sources of its delta.
 
         Args:
@@ -91,12 +106,8 @@ class Requantizer:
             store_specs, changes: the store's layout and the chunks its delta version changed
                 (``encode_version(changes=)``), from the version ``reference`` holds; None:
                 derive in full.
-
-        Returns:
-            ``(derived, sources, incremental)``: the derived state (an incrementally requantized
-            tensor is a stand-in there: the reference's tensor, for its shape and dtype; its scale
-            is the new one), the sources for ``encode_version(sources=)``, and the quantized
-            tensors requantized incrementally (not to be reused as ``reuse``).
+            shared: kept tensors whose reference is the store's own (already advanced by the
+                store's delta: their chunks are reused as they are).
         """
         fmt = self.format
         suffix = fmt.scale_suffix
@@ -109,11 +120,13 @@ class Requantizer:
             for name, t in state.items():
                 if name not in changes or not _bf16_cpu(t) or not _plain(specs.get(name)) or name not in reference:
                     continue
+                listed = all(c.positions is not None for c in changes[name])
                 if suffix is not None and fmt.selects(name, t.shape):
                     ref = reference[name]
-                    if name in self._blocks and ref.dtype == torch.float8_e4m3fn and ref.shape == t.shape:
+                    if listed and name in self._blocks and ref.dtype == torch.float8_e4m3fn and ref.shape == t.shape:
                         quantized.append(name)
-                elif (_plain(store_specs.get(name)) and specs[name].chunk_rows == store_specs[name].chunk_rows
+                elif ((listed or name in shared) and _plain(store_specs.get(name))
+                      and specs[name].chunk_rows == store_specs[name].chunk_rows
                       and reference[name].dtype == torch.bfloat16 and reference[name].shape == t.shape):
                     kept.append(name)
 
@@ -138,10 +151,10 @@ class Requantizer:
                 sources[name + suffix] = scale_source
         for name in kept:
             assert changes is not None
-            sources[name] = _reuse_source(changes[name])
+            sources[name] = _reuse_source(changes[name], advance=name not in shared)
         logger.debug("%s: %d tensors requantized incrementally, %d reuse the store's delta, %d derived in full",
                      fmt.name, len(marked), len(kept), len(amax))
-        return derived, sources, set(marked)
+        return Derived(derived, sources, set(marked), set(kept))
 
     def _requantize(self, name: str, t: torch.Tensor, ref: torch.Tensor,
                     changes: list[ChunkChange]) -> tuple[torch.Tensor, ChunkSource, ChunkSource]:
@@ -182,9 +195,10 @@ class Requantizer:
         return scale, source, scale_source
 
 
-def _reuse_source(changes: list[ChunkChange]) -> ChunkSource:
+def _reuse_source(changes: list[ChunkChange], *, advance: bool) -> ChunkSource:
     """The source of a tensor a stream keeps as the store stores it: the store's chunk deltas,
-    the stream's reference advanced where they changed it."""
+    and the stream's own reference advanced where they changed it (``advance``; not when the
+    reference is the store's)."""
     by_index = {c.index: c for c in changes}
 
     def source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, str] | None:
@@ -193,10 +207,11 @@ def _reuse_source(changes: list[ChunkChange]) -> ChunkSource:
             return None
         if (c.start, c.stop) != (start, stop):  # not reached: the layouts' chunks were compared
             raise ValueError(f"chunk {index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
-        kernels.scatter_changes(old, old.itemsize, c.positions, c.new_values)
+        if advance:
+            kernels.scatter_changes(old, old.itemsize, c.positions, c.new_values)
         return c.delta, c.digest, c.delta_sha256
 
     return source
 
 
-__all__ = ["Requantizer"]
+__all__ = ["Derived", "Requantizer"]

@@ -80,6 +80,9 @@ class StreamVersion:
     #: the derived state, when the stream had no base (it becomes the reference once committed)
     state: dict[str, torch.Tensor] | None
     gathered: dict[str, torch.Tensor]
+    #: kept tensors whose reference becomes the store's own once committed (same bits: the
+    #: version's chunks of them are the store's)
+    share: dict[str, torch.Tensor]
 
 
 class StreamWriter:
@@ -115,16 +118,26 @@ class StreamWriter:
         self._spare: dict[str, torch.Tensor] | None = None
         self._requant = Requantizer(fmt)
         self._reference_version: int | None = None  # the store's version _reference is derived from
+        # kept tensors whose reference entry is the store's own reference tensor (advanced by the
+        # store's encoder): a publisher holds one copy of the tensors both chains store alike
+        self._shared: set[str] = set()
 
     @property
     def name(self) -> str:
         return self.format.name
+
+    def change_lists(self, state: Mapping[str, torch.Tensor]) -> set[str]:
+        """The tensors of ``state`` whose change lists (``encode_version(change_lists=)``) this
+        stream's next version derives from: the bfloat16 ones, but those it already shares with
+        the store (their chunks are the store's as they are)."""
+        return {n for n, t in state.items() if t.dtype == torch.bfloat16 and n not in self._shared}
 
     def drop(self) -> None:
         """Forget the reference (an attempt failed: encoding advanced it past every version)."""
         self._reference, self._reference_bits, self._reference_key = None, {}, None
         self._reference_version = None
         self._requant.clear()
+        self._shared = set()
 
     def _parent_head(self, parent: Head | None, parent_ref: StreamRef | None) -> Head | None:
         """The stream's HEAD at its store's HEAD ``parent`` (None: no stream there)."""
@@ -137,7 +150,8 @@ class StreamWriter:
               parent: Head | None, parent_ref: StreamRef | None, epoch: int, step: int | None,
               metadata: dict[str, Any], pool: Executor, uploader: Executor, threads: int,
               resume: bool, changes: Mapping[str, list[ChunkChange]] | None = None,
-              store_specs: Mapping[str, TensorSpec] | None = None) -> StreamVersion:
+              store_specs: Mapping[str, TensorSpec] | None = None,
+              store_reference: Mapping[str, torch.Tensor] | None = None) -> StreamVersion:
         """Derive, encode and store this stream's ``version`` (see the module docstring).
 
         Args:
@@ -152,6 +166,8 @@ class StreamWriter:
                 (``encode_version(changes=)``) and its layout, when its reference was the state of
                 ``version - 1``: the stream is then derived incrementally where it can be
                 (:mod:`deltastore.write.requant`); None derives it in full.
+            store_reference: the store's reference, advanced to ``version`` (a kept tensor whose
+                chunks are the store's delta shares it from then on).
 
         Raises:
             InvalidStateDictError: a tensor the format cannot derive (named).
@@ -166,9 +182,16 @@ class StreamWriter:
         # the stream's reference is the state of the store's version the store's delta starts from
         based = (kind == "delta" and changes is not None and self._reference is not None
                  and self._reference_version == version - 1)
-        derived, sources, incremental = self._requant.derive(
+        derived, sources, incremental, reused = self._requant.derive(
             state, pool=pool, reuse=spare, reference=self._reference if based else None,
-            specs=self._specs if based else None, store_specs=store_specs, changes=changes if based else None)
+            specs=self._specs if based else None, store_specs=store_specs, changes=changes if based else None,
+            shared=self._shared)
+        if self._shared and not self._shared <= reused:
+            # a shared tensor the store's delta does not cover this time: its reference already
+            # holds this version's bits, so the stream has no base to diff it against (an anchor)
+            self.drop()
+            derived, sources, incremental, reused = self._requant.derive(
+                state, pool=pool, reuse=None, reference=None, specs=None, store_specs=None, changes=None)
         del spare
         if self._reference is None and resume and tip is not None:
             self._resume(tip.version, derived)
@@ -181,8 +204,8 @@ class StreamWriter:
                 pass
         has_base = same_layout and self._reference is not None
         if incremental and not has_base:  # not reached (the layouts were compared): stand-ins hold old codes
-            derived, sources, incremental = self._requant.derive(state, pool=pool, reuse=None, reference=None,
-                                                                 specs=None, store_specs=None, changes=None)
+            derived, sources, incremental, reused = self._requant.derive(
+                state, pool=pool, reuse=None, reference=None, specs=None, store_specs=None, changes=None)
         stream_kind = "anchor" if kind == "anchor" or not has_base else "delta"
         specs = self._specs if same_layout and self._specs is not None else self.layout_policy.units(derived)
         if same_layout and self._layout is not None:
@@ -222,8 +245,12 @@ class StreamWriter:
             # tensor derive passed through (a kept bf16 tensor) is the caller's, or the store's
             # own reference, and is copied.
             derived = {n: t.clone() if n in state and _shares(t, state[n]) else t for n, t in derived.items()}
+        share = {} if store_reference is None or not has_base else {
+            n: store_reference[n] for n in reused
+            if n in store_reference and store_reference[n].dtype == torch.bfloat16
+            and tuple(store_reference[n].shape) == tuple(specs[n].shape)}
         return StreamVersion(ref=ref, draft=sdraft, sealed=sealed, layout=layout, specs=specs,
-                             state=None if has_base else derived, gathered=gathered)
+                             state=None if has_base else derived, gathered=gathered, share=share)
 
     def landed(self, built: StreamVersion, *, superseded: bool) -> None:
         """``built`` was committed by its store's HEAD write: the next version builds on it
@@ -232,6 +259,12 @@ class StreamWriter:
         if built.state is not None:  # a delta advanced the reference while encoding
             self._reference = unit_reference(built.state, built.specs, owned=True, gathered=built.gathered)
             self._reference_bits = {}
+            self._shared = set()
+        elif self._reference is not None:
+            for n, t in built.share.items():  # equal bits: this version's chunks of it are the store's
+                self._reference[n] = t
+                self._reference_bits.pop(n, None)
+                self._shared.add(n)
         self._specs, self._layout = built.specs, built.layout
         self._reference_key = None if superseded else built.sealed.key
         self._reference_version = built.draft.version

@@ -203,3 +203,39 @@ def test_a_publisher_derives_the_same_streams_incrementally_as_in_full(tmp_path,
 
 def _changed_state(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     return {n: _changed(t, seed) if t.dim() == 2 else t for n, t in state.items()}
+
+
+def test_kept_tensors_share_the_stores_reference_and_a_version_without_it_reads_the_stream_back(
+        tmp_path, monkeypatch) -> None:
+    from deltastore import Subscriber
+    from deltastore.serving.formats import derive, serving_format
+    from deltastore.write import requant
+    from testkit.tensors import assert_bits_equal
+
+    states = [_model(0)]
+    for i in range(1, 6):
+        states.append(_changed_state(states[-1], i))
+    url = str(tmp_path / "s")
+    with Publisher(url, formats=("bf16", "fp8-block128"), layout_policy=LayoutPolicy(chunk_bytes=32 * 1024)) as pub:
+        for s in states[:3]:
+            pub.publish(s)
+        stream = pub._streams["fp8-block128"]
+        embed = "model.embed_tokens.weight"
+        assert stream._reference[embed] is pub._reference[embed]  # one copy of a kept tensor
+        # no store delta to reuse: the shared reference already holds the new bits, so the stream
+        # drops its reference and reads its previous version back (resume) to diff against
+        monkeypatch.setattr(requant, "ENABLED", False)
+        assert pub.publish(states[3]).kind == "delta"
+        assert stream._reference[embed] is not pub._reference[embed]
+        monkeypatch.setattr(requant, "ENABLED", True)
+        for s in states[4:]:
+            pub.publish(s)
+        assert stream._reference[embed] is pub._reference[embed]
+    fmt = serving_format("fp8-block128")
+    with Subscriber(url, format="fp8-block128") as sub:
+        kinds = [v.kind for v in sub.log()]
+        assert kinds == ["anchor"] + ["delta"] * 5
+        target = sub.pull(1)
+        for v in range(2, len(states) + 1):
+            assert sub.pull_into(target, version=v)
+            assert_bits_equal(target, derive(states[v - 1], fmt), f"v{v}")
