@@ -156,6 +156,7 @@ typedef struct {
     uint32_t blk[BATCH], top[BATCH];
     float mult[BATCH];
     uint8_t floor_ok[BATCH], oq[BATCH], nq[BATCH], verdict[BATCH];
+    uint16_t hit[BATCH];
 } batch;
 
 enum { V_SAME = 0, V_CODE = 1, V_DIRTY = 2 };
@@ -239,16 +240,14 @@ static int mark_chunk(int fmt, const chunk_changes *c, size_t n_elems, size_t co
         else
             lookup_mx(t, m, (const uint8_t *)scales, amax);
         classify(t, ov + i0, nv + i0, m);
+        size_t hits = 0; /* the changes with a verdict, gathered without a branch per change */
         for (size_t i = 0; i < m; i++) {
-            if (i % 8 == 0 && i + 8 <= m) { /* most verdicts are V_SAME: skip them eight at a time */
-                uint64_t eight;
-                memcpy(&eight, t->verdict + i, 8);
-                if (eight == 0) {
-                    i += 7;
-                    continue;
-                }
-            }
-            if (t->verdict[i] == V_SAME || dirty[t->blk[i]]) continue;
+            t->hit[hits] = (uint16_t)i;
+            hits += t->verdict[i] != V_SAME;
+        }
+        for (size_t h = 0; h < hits; h++) {
+            size_t i = t->hit[h];
+            if (dirty[t->blk[i]]) continue;
             if (t->verdict[i] == V_DIRTY) {
                 dirty[t->blk[i]] = 1;
                 (*n_dirty)++;
@@ -453,13 +452,15 @@ typedef struct {
 
 /* Emit entries (changed codes) before element `until`. -1: no memory or out of step. */
 static int emit_entries(walk *w, size_t until) {
-    for (; w->pi < w->np && (size_t)w->pos[w->pi] < until; w->pi++) {
+    size_t end = w->pi;
+    while (end < w->np && (size_t)w->pos[end] < until) end++;
+    if (end > w->pi && em_reserve(&w->em, end - w->pi) < 0) return -1;
+    for (; w->pi < end; w->pi++) {
         size_t j = (size_t)w->pos[w->pi] - w->e0;
         if (w->old[j] != w->oc[w->pi]) {
             w->out_of_step = 1;
             return -1;
         }
-        if (em_reserve(&w->em, 1) < 0) return -1;
         em_put(&w->em, j, w->old[j], w->nc[w->pi]);
         w->old[j] = w->nc[w->pi];
     }
