@@ -96,12 +96,13 @@ class Requantizer:
                reuse: Mapping[str, torch.Tensor] | None, reference: Mapping[str, torch.Tensor] | None,
                specs: Mapping[str, TensorSpec] | None, store_specs: Mapping[str, TensorSpec] | None,
                changes: Mapping[str, list[ChunkChange]] | None, shared: set[str] | frozenset[str] = frozenset(),
-               ) -> Derived:
+               threads: int = 1) -> Derived:
         """The stream's state of ``state``, and the chunk sources of its delta.
 
         Args:
             state: the store's version's state.
-            pool, reuse: as for :func:`~deltastore.serving.formats.derive`.
+            pool, reuse: as for :func:`~deltastore.serving.formats.derive`; ``threads``: the
+                pool's size.
             reference, specs: the stream's reference and layout (None: the version has no base).
             store_specs, changes: the store's layout and the chunks its delta version changed
                 (``encode_version(changes=)``), from the version ``reference`` holds; None:
@@ -130,11 +131,20 @@ class Requantizer:
                       and reference[name].dtype == torch.bfloat16 and reference[name].shape == t.shape):
                     kept.append(name)
 
-        def mark(name: str) -> tuple[torch.Tensor, ChunkSource, ChunkSource]:
+        def mark(names: list[str]) -> list[tuple[torch.Tensor, ChunkSource, ChunkSource]]:
             assert reference is not None and changes is not None
-            return self._requantize(name, state[name], reference[name], changes[name])
+            return [self._requantize(n, state[n], reference[n], changes[n]) for n in names]
 
-        marked = dict(zip(quantized, (pool.map if pool is not None else map)(mark, quantized)))
+        # one task per thread, tensors dealt largest first to the least loaded (a task per tensor
+        # costs a thread hand-off each)
+        parts: list[list[str]] = [[] for _ in range(max(1, threads if pool is not None else 1))]
+        loads = [0] * len(parts)
+        for name in sorted(quantized, key=lambda n: -state[n].numel()):
+            k = loads.index(min(loads))
+            parts[k].append(name)
+            loads[k] += state[name].numel()
+        done = (pool.map if pool is not None else map)(mark, [p for p in parts if p])
+        marked = dict(zip([n for p in parts if p for n in p], [r for rs in done for r in rs]))
         given = {n: (reference[n], scale) for n, (scale, _, _) in marked.items()} if reference is not None else {}
         amax: dict[str, np.ndarray] = {}
         derived = derive(state, fmt, pool=pool, reuse=reuse, amax=amax, given=given)

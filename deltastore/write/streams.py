@@ -185,7 +185,7 @@ class StreamWriter:
         derived, sources, incremental, reused = self._requant.derive(
             state, pool=pool, reuse=spare, reference=self._reference if based else None,
             specs=self._specs if based else None, store_specs=store_specs, changes=changes if based else None,
-            shared=self._shared)
+            shared=self._shared, threads=threads)
         if self._shared and not self._shared <= reused:
             # a shared tensor the store's delta does not cover this time: its reference already
             # holds this version's bits, so the stream has no base to diff it against (an anchor)
