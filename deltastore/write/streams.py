@@ -4,7 +4,8 @@ version's state and committed by the version's one HEAD write.
 Per version, :meth:`StreamWriter.build` derives the format's state dict
 (:func:`deltastore.serving.formats.derive`; a delta version from the store's own delta where it
 can, :mod:`deltastore.write.requant`), encodes it against the stream's previous version (its own
-anchors, deltas and digests: the codec works on the quantized bytes and on the scales) into packs under ``streams/<format>/objects/<attempt>/``, and stores the stream's manifest under
+anchors, deltas and digests: the codec works on the quantized bytes and on the scales) into
+packs under ``streams/<format>/objects/<attempt>/``, and stores the stream's manifest under
 ``streams/<format>/manifests/``, all before the store's manifest that names it (``streams``) is
 written. Nothing of a stream is visible before that manifest's HEAD write: a failed or lost
 attempt leaves unreferenced objects, as any attempt does.
@@ -188,7 +189,8 @@ class StreamWriter:
             shared=self._shared, threads=threads)
         if self._shared and not self._shared <= reused:
             # a shared tensor the store's delta does not cover this time: its reference already
-            # holds this version's bits, so the stream has no base to diff it against (an anchor)
+            # holds this version's bits, so there is nothing to diff it against; the stream reads
+            # its previous version back (resume) or anchors
             self.drop()
             derived, sources, incremental, reused = self._requant.derive(
                 state, pool=pool, reuse=None, reference=None, specs=None, store_specs=None, changes=None)
