@@ -37,9 +37,14 @@ PyObject *ds_hex128(uint64_t high, uint64_t low);
  * set and -1 returned. */
 int ds_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what);
 
-/* A new read-only buffer object (module.c) that owns `p` (malloc'd; freed with the object, or at
- * once on failure, which returns NULL with an error set). */
-PyObject *ds_buffer_take(void *p, size_t len);
+/* A new read-only buffer object (module.c) that owns `p` (malloc'd, `cap` bytes; returned to the
+ * pool with the object, or freed at once on failure, which returns NULL with an error set). */
+PyObject *ds_buffer_take(void *p, size_t len, size_t cap);
+
+/* A released output buffer to reuse (its capacity in *cap; NULL and 0 when none), and one handed
+ * back (kept for reuse when large and the pool has room, else freed). Call with the GIL held. */
+void *ds_pool_get(size_t *cap);
+void ds_pool_put(void *p, size_t cap);
 
 /* Element width (1, 2, 4, 8) from a Python int, or -1 with ValueError set. */
 int ds_check_width(long width);

@@ -419,14 +419,18 @@ static DS_VBMI2 int scan_2_vbmi2(uint8_t *ob, const uint8_t *nb, size_t lo, size
             if (m0) _mm512_mask_storeu_epi16((void *)(ob + i * W), m0, n0);
             if (m1) _mm512_mask_storeu_epi16((void *)(ob + i * W + 64), m1, n1);
         }
-        if (s->want_vals) { /* the new values of the changed lanes, in order (register compresses and
-                             * whole stores, as above: a compress to memory is slow on some cores) */
+        if (s->want_vals) { /* the changed lanes' new and old values, in order, picked from the two
+                             * blocks by their positions (two-table permutes: cheaper than four
+                             * compresses), and their positions; whole stores (the slack) */
             uint8_t *v = s->vals.p + k * W, *u = s->olds.p + k * W, *ps = s->poss.p + 4 * k;
-            size_t c0 = (size_t)__builtin_popcount(m0);
-            _mm512_storeu_si512((void *)v, _mm512_maskz_compress_epi16(m0, n0));
-            _mm512_storeu_si512((void *)(v + W * c0), _mm512_maskz_compress_epi16(m1, n1));
-            _mm512_storeu_si512((void *)u, _mm512_maskz_compress_epi16(m0, o0));
-            _mm512_storeu_si512((void *)(u + W * c0), _mm512_maskz_compress_epi16(m1, o1));
+            __m512i at = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(pos)); /* lanes 0..63 */
+            _mm512_storeu_si512((void *)v, _mm512_permutex2var_epi16(n0, at, n1));
+            _mm512_storeu_si512((void *)u, _mm512_permutex2var_epi16(o0, at, o1));
+            if (c > 32) {
+                at = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(pos, 1));
+                _mm512_storeu_si512((void *)(v + 64), _mm512_permutex2var_epi16(n0, at, n1));
+                _mm512_storeu_si512((void *)(u + 64), _mm512_permutex2var_epi16(o0, at, o1));
+            }
             const __m512i base = _mm512_set1_epi32((int)i); /* lane index + block start, 16 at a time */
             _mm512_storeu_si512((void *)ps, _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(pos)), base));
             if (c > 16)
@@ -650,6 +654,11 @@ static PyObject *py_encode_add(PyObject *self, PyObject *args) {
     enc_out s;
     memset(&s, 0, sizeof s);
     s.want_vals = values;
+    if (values) { /* reused memory, already faulted in (ds_pool_get) */
+        s.vals.p = (uint8_t *)ds_pool_get(&s.vals.cap);
+        s.olds.p = (uint8_t *)ds_pool_get(&s.olds.cap);
+        s.poss.p = (uint8_t *)ds_pool_get(&s.poss.cap);
+    }
     XXH3_state_t *st = XXH3_createState();
     int rc = -1, hashed = 0;
     scan_fn scan = scan_for(current_isa(), w);
@@ -673,9 +682,9 @@ static PyObject *py_encode_add(PyObject *self, PyObject *args) {
             digest = Py_NewRef(Py_None);
         }
         if (digest != NULL && values) { /* the change list is handed over, not copied */
-            PyObject *poss = ds_buffer_take(s.poss.p, s.poss.len), *olds = NULL, *vals = NULL;
-            olds = poss != NULL ? ds_buffer_take(s.olds.p, s.olds.len) : (free(s.olds.p), NULL);
-            vals = olds != NULL ? ds_buffer_take(s.vals.p, s.vals.len) : (free(s.vals.p), NULL);
+            PyObject *poss = ds_buffer_take(s.poss.p, s.poss.len, s.poss.cap), *olds = NULL, *vals = NULL;
+            olds = poss != NULL ? ds_buffer_take(s.olds.p, s.olds.len, s.olds.cap) : (free(s.olds.p), NULL);
+            vals = olds != NULL ? ds_buffer_take(s.vals.p, s.vals.len, s.vals.cap) : (free(s.vals.p), NULL);
             s.poss.p = s.olds.p = s.vals.p = NULL;
             if (vals != NULL)
                 result = Py_BuildValue("(nNNkNNNNNN)", (Py_ssize_t)s.k, buf_bytes(&s.syms), buf_bytes(&s.rest),

@@ -48,12 +48,45 @@ static PyObject *py_untrack(PyObject *self, PyObject *objects) {
     Py_RETURN_NONE;
 }
 
-/* A read-only buffer over memory a kernel allocated with malloc, freed with the object: a kernel's
- * large output handed to Python without copying it into a bytes object. */
+/* Large output buffers kept for reuse (ds_pool_get / ds_pool_put, under the GIL): a kernel that
+ * hands its output to Python (ds_buffer_take) gets the memory of an earlier, released output
+ * back, already faulted in, instead of fresh pages (a page fault and its zeroing per 4 KiB cost
+ * the change lists a third of the scan that writes them). */
+#define POOL_MAX 64
+#define POOL_MIN_CAP (64 * 1024)
+static struct {
+    void *p;
+    size_t cap;
+} pool[POOL_MAX];
+static int pool_n;
+
+void *ds_pool_get(size_t *cap) {
+    if (pool_n == 0) {
+        *cap = 0;
+        return NULL;
+    }
+    pool_n--;
+    *cap = pool[pool_n].cap;
+    return pool[pool_n].p;
+}
+
+void ds_pool_put(void *p, size_t cap) {
+    if (p != NULL && cap >= POOL_MIN_CAP && pool_n < POOL_MAX) {
+        pool[pool_n].p = p;
+        pool[pool_n].cap = cap;
+        pool_n++;
+    } else {
+        free(p);
+    }
+}
+
+/* A read-only buffer over memory a kernel allocated with malloc, returned to the pool with the
+ * object: a kernel's large output handed to Python without copying it into a bytes object. */
 typedef struct {
     PyObject_HEAD
     void *p;
     Py_ssize_t len;
+    size_t cap;
 } ds_buffer;
 
 static int ds_buffer_getbuffer(PyObject *o, Py_buffer *view, int flags) {
@@ -63,7 +96,7 @@ static int ds_buffer_getbuffer(PyObject *o, Py_buffer *view, int flags) {
 }
 
 static void ds_buffer_dealloc(PyObject *o) {
-    free(((ds_buffer *)o)->p);
+    ds_pool_put(((ds_buffer *)o)->p, ((ds_buffer *)o)->cap);
     Py_TYPE(o)->tp_free(o);
 }
 
@@ -83,7 +116,7 @@ static PyTypeObject ds_buffer_type = {
     .tp_doc = "Read-only bytes a kernel produced (the buffer protocol; len() is its size in bytes).",
 };
 
-PyObject *ds_buffer_take(void *p, size_t len) {
+PyObject *ds_buffer_take(void *p, size_t len, size_t cap) {
     ds_buffer *b = PyObject_New(ds_buffer, &ds_buffer_type);
     if (b == NULL) {
         free(p);
@@ -91,6 +124,7 @@ PyObject *ds_buffer_take(void *p, size_t len) {
     }
     b->p = p;
     b->len = (Py_ssize_t)len;
+    b->cap = cap;
     return (PyObject *)b;
 }
 
