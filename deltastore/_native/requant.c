@@ -16,6 +16,7 @@
  * codes and the dirty blocks' elements as encode_add's raw add-sparse/1 planes (encode.c; 1-byte
  * elements), advances the reference, and hashes it: what encode_add returns for the same chunk.
  * tests/write/test_requant.py proves both equalities. */
+#include "ds_buf.h"
 #include "ds_quant.h"
 #include "ds_xxh3.h"
 
@@ -115,21 +116,9 @@ static Py_ssize_t n_blocks(int fmt, Py_ssize_t rows, Py_ssize_t cols) {
     return ((rows + QB - 1) / QB) * ((cols + QB - 1) / QB);
 }
 
-/* A growable array (malloc: usable without the GIL). */
-typedef struct {
-    uint8_t *p;
-    size_t len, cap;
-} grow;
-
-static int grow_put(grow *g, const void *x, size_t n) {
-    if (g->len + n > g->cap) {
-        size_t nc = g->cap ? 2 * g->cap : 4096;
-        while (nc < g->len + n) nc *= 2;
-        uint8_t *q = (uint8_t *)realloc(g->p, nc);
-        if (q == NULL) return -1;
-        g->p = q;
-        g->cap = nc;
-    }
+/* Append n bytes to a growable buffer (ds_buf.h). -1: out of memory. */
+static int grow_put(dsbuf *g, const void *x, size_t n) {
+    if (reserve(g, n) < 0) return -1;
     memcpy(g->p + g->len, x, n);
     g->len += n;
     return 0;
@@ -223,8 +212,8 @@ DS_CLONES static void lookup_mx(batch *t, size_t n, const uint8_t *escales, cons
 /* Mark one chunk's changes (see classify): its dirty blocks, and each other change whose code
  * changed appended to pos/oc/nc. -1: a bad change list (*bad) or no memory. */
 static int mark_chunk(int fmt, const chunk_changes *c, size_t n_elems, size_t cols, size_t nbc, const void *scales,
-                      const float *mults, const uint16_t *amax, uint8_t *dirty, size_t *n_dirty, grow *pos, grow *oc,
-                      grow *nc, batch *t, int *bad) {
+                      const float *mults, const uint16_t *amax, uint8_t *dirty, size_t *n_dirty, dsbuf *pos, dsbuf *oc,
+                      dsbuf *nc, batch *t, int *bad) {
     const uint32_t *ps = (const uint32_t *)c->b[0].buf;
     const uint16_t *ov = (const uint16_t *)c->b[1].buf, *nv = (const uint16_t *)c->b[2].buf;
     size_t n = (size_t)c->b[0].len / 4, start = (size_t)c->start;
@@ -321,7 +310,7 @@ static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
         }
     }
     {
-        grow pos = {0}, oc = {0}, nc = {0};
+        dsbuf pos = {0}, oc = {0}, nc = {0};
         size_t n_dirty = 0, nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
         int rc = 0, bad = 0;
         uint8_t *dirty = (uint8_t *)dt.buf;
