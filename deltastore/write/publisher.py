@@ -28,7 +28,7 @@ from deltastore._util.jobs import default_threads
 from deltastore.errors import ConflictError, InvalidStateDictError, LayoutMismatchError, StorageError
 from deltastore.fleet.tracing import span
 from deltastore.format.history import VersionInfo
-from deltastore.format.models import Head, Layout, StreamRef, layout_of
+from deltastore.format.models import Head, Layout, layout_of
 from deltastore.format.manifest import encode_manifest
 from deltastore.layout import grid
 from deltastore.layout.groups import unit_order, unit_reference
@@ -228,8 +228,6 @@ class Publisher:
         self._streams = {f.name: StreamWriter(self.store, f, writer_id=self.writer_id, anchors=anchor_policy,
                                               max_attempt_s=writer_policy.max_attempt_s, signing_key=key,
                                               layout_policy=layout_policy) for f in self.formats}
-        # the key of the version this publisher committed last and its streams by format
-        self._landed_streams: tuple[str, dict[str, StreamRef]] | None = None
         self._history = self._chain.history
         try:
             self._chain.open(takeover=writer_policy.takeover)
@@ -494,9 +492,10 @@ class Publisher:
         # what a delta changed, chunk by chunk: the serving streams derive their versions from it
         changes: dict[str, list[ChunkChange]] | None = (
             {} if self.formats and requant.ENABLED and kind == "delta" and has_base else None)
+        # the format ``state`` itself is (no stream of its own), None: none declared is
+        own = next((f.name for f in self.formats if is_identity(f, state)), None)
         change_lists: set[str] = set()
         if changes is not None:
-            own = next((f.name for f in self.formats if is_identity(f, state)), None)
             change_lists = set().union(*(w.change_lists(state) for n, w in self._streams.items() if n != own))
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
@@ -518,8 +517,8 @@ class Publisher:
                     # not report a version that is no longer the head; it commits and learns why).
                     encoded.wait_stored()  # no packs: returns at once
                     return self._unchanged()
-                built, own = self._build_streams(state, version=version, kind=kind, draft=draft, head=head, tip=tip,
-                                                 step=step, meta=meta, changes=changes, specs=specs)
+                built = self._build_streams(state, own, version=version, kind=kind, draft=draft, head=head, tip=tip,
+                                            step=step, meta=meta, changes=changes, specs=specs)
                 served = {"streams": tuple(b.ref for b in built), "stream": own} if self.formats else {}
                 layout_ref = chain.layout_ref(draft.attempt, layout, tip)
                 header = chain.header(draft, layout, layout_ref, step=step, metadata=meta, stats=encoded.stats,
@@ -547,8 +546,6 @@ class Publisher:
             raise
         for b in built:
             self._streams[b.ref.format].landed(b, superseded=superseded)
-        # the streams of the version just committed: the next version's parents (no read back)
-        self._landed_streams = None if superseded else (sealed.key, {b.ref.format: b.ref for b in built})
         if not has_base:  # deltas advanced the reference while encoding
             # A new dict (the queue clears the snapshot's dict once this returns), per unit: a
             # group row is one buffer of its members' bits (design 007 D5).
@@ -568,23 +565,17 @@ class Publisher:
         )
         return VersionInfo.from_manifest(m, sealed.key)
 
-    def _build_streams(self, state: dict[str, torch.Tensor], *, version: int, kind: str, draft: Any,
-                       head: Head | None, tip: Any, step: int | None, meta: dict[str, Any],
+    def _build_streams(self, state: dict[str, torch.Tensor], own: str | None, *, version: int, kind: str,
+                       draft: Any, head: Head | None, tip: Any, step: int | None, meta: dict[str, Any],
                        changes: dict[str, list[ChunkChange]] | None,
-                       specs: dict[str, TensorSpec]) -> tuple[list[StreamVersion], str | None]:
-        """Each declared format's version of ``state``, stored under the attempt and not yet
-        committed (SPEC §15), and the format ``state`` itself is (None: none declared is).
-        ``changes``: what this delta version changed from the reference (the state of
-        ``version - 1``), for the streams to derive from; ``specs``: its layout."""
+                       specs: dict[str, TensorSpec]) -> list[StreamVersion]:
+        """Each declared format's version of ``state`` but ``own`` (the format ``state`` itself
+        is), stored under the attempt and not yet committed (SPEC §15). ``changes``: what this
+        delta version changed from the reference (the state of ``version - 1``), for the streams
+        to derive from; ``specs``: its layout."""
         if not self.formats:
-            return [], None
-        own = next((f.name for f in self.formats if is_identity(f, state)), None)
-        if tip is None:
-            parents: dict[str, StreamRef] = {}
-        elif self._landed_streams is not None and self._landed_streams[0] == tip.key:
-            parents = self._landed_streams[1]
-        else:
-            parents = {r.format: r for r in self._history.manifest(tip.key).streams}
+            return []
+        parents = {r.format: r for r in tip.streams} if tip is not None else {}
         built = []
         for f in self.formats:
             if f.name == own:
@@ -596,7 +587,7 @@ class Publisher:
                 resume=self.writer_policy.resume, changes=changes, store_specs=specs,
                 store_reference=self._reference if changes is not None else None,
             ))
-        return sorted(built, key=lambda b: b.ref.format), own
+        return sorted(built, key=lambda b: b.ref.format)
 
     def _drop_streams(self) -> None:
         for w in self._streams.values():

@@ -38,6 +38,7 @@ from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segment_from_planes, e
 from deltastore.codec.container import Segment
 from deltastore.layout.tensors import TensorSpec, bits
 from deltastore.serving.formats import ServingFormat, derive
+from deltastore.serving.quantize import scale_shape
 from deltastore.write.encode import ChunkChange, ChunkSource
 
 logger = logging.getLogger(__name__)
@@ -180,10 +181,7 @@ class Requantizer:
         pos = np.frombuffer(pos_b, dtype=np.int64)
         oc, nc = np.frombuffer(oc_b, dtype=np.uint8), np.frombuffer(nc_b, dtype=np.uint8)
         self._blocks[name] = (amax, scales)
-        if code == 0:
-            scale = torch.from_numpy(scales).view(-(-rows // 128), -(-cols // 128))
-        else:
-            scale = torch.from_numpy(scales).view(rows, cols // 32)
+        scale = torch.from_numpy(scales).view(scale_shape(self.format.name, t.shape))
 
         def source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, None] | None:
             lo, hi = np.searchsorted(pos, (start, stop))
