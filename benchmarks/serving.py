@@ -4,19 +4,22 @@
                                  [--out benchmarks/results/serving.json]
 
 Publishes the same real fine-tuning steps (benchmarks.workload: a Llama-shaped decoder trained
-with full-parameter AdamW at lr 1e-6, fp32 masters, bf16 exports) three ways into a local
-store, in alternation: bf16 alone (today's publish), bf16 + ``fp8-block128``, bf16 + ``mxfp8``.
-It reports, per format and as ratios:
+with full-parameter AdamW at lr 1e-6, fp32 masters, bf16 exports) five ways side by side, each
+into a local store on tmpfs: bf16 alone (today's publish), bf16 + ``fp8-block128``, bf16 +
+``mxfp8``, and each format again with every version derived in full
+(``deltastore.write.requant.ENABLED`` off: quantize the whole state, diff every byte; the
+paired before/after of the incremental derivation). Each state is published by all five in
+turn (lockstep; the order rotated per state), with a memory copy of the bf16 model timed beside
+them (``copy_`` into preallocated tensors, as benchmarks/perf.py measures it): every figure is
+a difference or ratio of timings taken within a fraction of a second of each other, so that
+the machine's drift cancels out. It reports, per format and as ratios:
 
 - bytes per version (delta versions; the first version is an anchor everywhere and left out):
   the stream's against the bf16 stream's, and against a full quantized checkpoint per version
   (what a trainer uploading the quantized model at every step would upload);
-- publish time per delta version with the extra format against the bf16-only publish of the
-  same state (median over versions and runs; the store on tmpfs); the difference is the extra
-  format's cost (derive, diff, encode, store), given as a multiple of one memory copy of the
-  bf16 model (``copy_`` into preallocated tensors, as benchmarks/perf.py measures it); the same
-  with every version derived in full (``deltastore.write.requant.ENABLED`` off: quantize the
-  whole state, diff every byte), the paired before/after of the incremental derivation;
+- the extra publish time of a delta version with the format over the bf16-only publish of the
+  same state (derive, diff, encode, store), as a multiple of the copy timed beside it: the
+  median and quartiles over every delta version of every round, in full and incrementally;
 - bit identity: at every version, a worker's applied stream (``Subscriber(format=...)``
   fast-forwarded with ``pull_into``) against the reference quantization of that version's bf16
   state (:func:`deltastore.serving.formats.derive` and the plain reference kernels of
@@ -26,12 +29,14 @@ It reports, per format and as ratios:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,61 +51,88 @@ from deltastore.write import requant
 
 RESULTS_DIR = Path(__file__).parent / "results"
 FORMATS = ("fp8-block128", "mxfp8")
-#: Memory copies timed per thread count for the reference figure (their median).
+#: Memory copies timed per thread count to pick the faster (their median).
 COPY_REPEATS = 7
 
 logger = logging.getLogger(__name__)
 
 
-def memcpy_s(state: dict[str, torch.Tensor]) -> float:
-    """Seconds of one ``copy_`` of every tensor of ``state`` into preallocated, faulted-in
-    tensors (median of ``COPY_REPEATS``), torch on one thread and on every core, the faster:
-    the denominator benchmarks/perf.py uses."""
+def copy_timer(state: dict[str, torch.Tensor]) -> Callable[[], float]:
+    """A timer of one ``copy_`` of every tensor of ``state`` into preallocated, faulted-in
+    tensors, torch on one thread or on every core, whichever was faster over ``COPY_REPEATS``
+    (the denominator benchmarks/perf.py uses): each call returns the median of three copies."""
     dst = {k: torch.empty_like(v) for k, v in state.items()}
     for k, v in state.items():
         dst[k].copy_(v)
     threads = torch.get_num_threads()
-    medians = []
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            dst[k].copy_(v)
+        return time.perf_counter() - t0
+
+    best = {}
     for nt in sorted({1, threads}):
         torch.set_num_threads(nt)
-        times = []
-        for _ in range(COPY_REPEATS):
-            t0 = time.perf_counter()
-            for k, v in state.items():
-                dst[k].copy_(v)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
+        best[nt] = statistics.median(once() for _ in range(COPY_REPEATS))
+    fastest = min(best, key=best.__getitem__)
     torch.set_num_threads(threads)
-    return min(medians)
+
+    def timed() -> float:
+        torch.set_num_threads(fastest)
+        try:
+            return statistics.median(once() for _ in range(3))
+        finally:
+            torch.set_num_threads(threads)
+
+    return timed
 
 
-def publish_run(states: list[dict[str, torch.Tensor]], formats: tuple[str, ...], root: Path, *,
-                incremental: bool = True) -> dict[str, Any]:
-    """Publish ``states`` with ``formats`` into a new store under ``root``; per-version seconds
-    and the store's per-version bytes by format. ``incremental``: False derives every version
-    of the streams in full."""
-    url = str(root / ("store-" + "-".join(formats or ("bf16",)) + ("" if incremental else "-full")))
-    shutil.rmtree(url, ignore_errors=True)
-    seconds = []
-    requant.ENABLED = incremental
-    try:
-        with Publisher(url, formats=formats) as pub:
-            for s in states:
-                t0 = time.perf_counter()
-                pub.publish(s)
-                seconds.append(time.perf_counter() - t0)
-    finally:
-        requant.ENABLED = True
+#: The configurations published side by side: (name, formats, incremental derivation).
+CONFIGS = (("bf16", (), True), *((f, ("bf16", f), True) for f in FORMATS),
+           *((f + " full", ("bf16", f), False) for f in FORMATS))
+
+
+def lockstep_round(states: list[dict[str, torch.Tensor]], root: Path,
+                   copy: Callable[[], float]) -> tuple[dict[str, list[float]], list[float], dict[str, str]]:
+    """One round: a publisher per configuration (CONFIGS) into new stores under ``root``, each
+    state published by all of them in turn (the order rotated per state) and a copy timed
+    beside them, so that every configuration's version is timed within a fraction of a second
+    of the others' (the machine's drift cancels out in their differences). Per configuration
+    its seconds per version; the copy's seconds per state; the stores' urls."""
+    urls = {name: str(root / ("store-" + name.replace(" ", "-"))) for name, _, _ in CONFIGS}
+    for url in urls.values():
+        shutil.rmtree(url, ignore_errors=True)
+    seconds: dict[str, list[float]] = {name: [] for name, _, _ in CONFIGS}
+    copies = []
+    with contextlib.ExitStack() as stack:
+        pubs = {name: stack.enter_context(Publisher(urls[name], formats=formats)) for name, formats, _ in CONFIGS}
+        for v, state in enumerate(states):
+            for name, _, incremental in CONFIGS[v % len(CONFIGS):] + CONFIGS[:v % len(CONFIGS)]:
+                requant.ENABLED = incremental
+                try:
+                    t0 = time.perf_counter()
+                    pubs[name].publish(state)
+                    seconds[name].append(time.perf_counter() - t0)
+                finally:
+                    requant.ENABLED = True
+            copies.append(copy())
+    return seconds, copies, urls
+
+
+def stored_bytes(url: str, versions: int) -> dict[str, list[int]]:
+    """The store's per-version bytes, by format."""
     history = History(open_store(url))
     head = history.read_head()
     assert head is not None
     sizes: dict[str, list[int]] = {"bf16": []}
-    for v in range(1, len(states) + 1):
+    for v in range(1, versions + 1):
         _, m = history.resolve(v, head[0])
         sizes["bf16"].append(m.stats.bytes_stored)
         for ref in m.streams:
             sizes.setdefault(ref.format, []).append(ref.bytes)
-    return {"url": url, "seconds": seconds, "bytes": sizes}
+    return sizes
 
 
 def bit_identity(url: str, fmt: str, states: list[dict[str, torch.Tensor]]) -> int:
@@ -132,47 +164,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING)
     states = load_workload(args.workload, args.steps)
     model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
-    copy_s = memcpy_s(states[0])
+    copy = copy_timer(states[0])
     full = {fmt: sum(t.numel() * t.element_size() for t in derive(states[0], serving_format(fmt)).values())
             for fmt in FORMATS}
-    runs: dict[str, list[dict[str, Any]]] = {"bf16": [], **{f: [] for f in FORMATS}, **{f + " full": [] for f in FORMATS}}
+    seconds: dict[str, list[list[float]]] = {name: [] for name, _, _ in CONFIGS}  # per round, per version
+    copies: list[list[float]] = []
     shm = Path("/dev/shm")  # a tmpfs when present, so that no disk is timed (as benchmarks/perf.py)
     with tempfile.TemporaryDirectory(prefix="deltastore-serving-", dir=shm if shm.is_dir() else None) as tmp:
-        for _ in range(args.repeats):  # alternated, so drift of the machine hits every configuration alike
-            runs["bf16"].append(publish_run(states, (), Path(tmp)))
-            for fmt in FORMATS:
-                runs[fmt].append(publish_run(states, ("bf16", fmt), Path(tmp)))
-                runs[fmt + " full"].append(publish_run(states, ("bf16", fmt), Path(tmp), incremental=False))
-        identical = {fmt: bit_identity(runs[fmt][-1]["url"], fmt, states) for fmt in FORMATS}
-        for fmt in FORMATS:  # the two derivations store the same streams
-            assert runs[fmt][-1]["bytes"] == runs[fmt + " full"][-1]["bytes"], fmt
+        for _ in range(args.repeats):
+            got, round_copies, urls = lockstep_round(states, Path(tmp), copy)
+            for name, xs in got.items():
+                seconds[name].append(xs)
+            copies.append(round_copies)
+        sizes = {name: stored_bytes(urls[name], len(states)) for name, _, _ in CONFIGS}
+        identical = {fmt: bit_identity(urls[fmt], fmt, states) for fmt in FORMATS}
+    for fmt in FORMATS:  # the two derivations store the same streams
+        assert sizes[fmt] == sizes[fmt + " full"], fmt
 
-    def per_delta(xs: list[float]) -> float:
-        return statistics.median(xs[1:])
+    def deltas(name: str) -> list[float]:
+        """Seconds of the delta versions (the first, an anchor everywhere, left out), all rounds."""
+        return [x for xs in seconds[name] for x in xs[1:]]
 
-    base_s = statistics.median(per_delta(r["seconds"]) for r in runs["bf16"])
-    bf16_bytes = statistics.mean(runs["bf16"][0]["bytes"]["bf16"][1:])
+    def x_copy(name: str) -> list[float]:
+        """Per delta version of each round: the extra publish time of ``name`` over bf16 alone
+        for the same state, as a multiple of the copy timed beside them."""
+        return [(x - b) / c for xs, bs, cs in zip(seconds[name], seconds["bf16"], copies)
+                for x, b, c in zip(xs[1:], bs[1:], cs[1:])]
+
+    copy_s = statistics.median(c for cs in copies for c in cs)
+    base_s = statistics.median(deltas("bf16"))
+    bf16_bytes = statistics.mean(sizes["bf16"]["bf16"][1:])
     result: dict[str, Any] = {
-        "workload": args.workload, "versions": len(states), "model_bytes": model_bytes,
+        "workload": args.workload, "versions": len(states), "rounds": args.repeats, "model_bytes": model_bytes,
         "memcpy_s": copy_s, "publish_bf16_s": base_s, "bf16_bytes_per_version": bf16_bytes,
         "publish_bf16_x_memcpy": base_s / copy_s, "formats": {},
     }
     for fmt in FORMATS:
-        with_s = statistics.median(per_delta(r["seconds"]) for r in runs[fmt])
-        full_s = statistics.median(per_delta(r["seconds"]) for r in runs[fmt + " full"])
-        stream = runs[fmt][0]["bytes"][fmt]
+        stream = sizes[fmt][fmt]
         per_version = statistics.mean(stream[1:])
+        ratios, full_ratios = x_copy(fmt), x_copy(fmt + " full")
         result["formats"][fmt] = {
             "bytes_per_version": per_version,
             "x_bf16_stream": per_version / bf16_bytes,
             "full_checkpoint_bytes": full[fmt],
             "x_full_checkpoint": per_version / full[fmt],
             "anchor_bytes": stream[0],
-            "publish_with_format_s": with_s,
-            "extra_s": with_s - base_s,
-            "extra_x_memcpy": (with_s - base_s) / copy_s,
-            "extra_full_s": full_s - base_s,
-            "extra_full_x_memcpy": (full_s - base_s) / copy_s,
+            "publish_with_format_s": statistics.median(deltas(fmt)),
+            "extra_s": statistics.median(x - b for x, b in zip(deltas(fmt), deltas("bf16"))),
+            "extra_x_memcpy": statistics.median(ratios),
+            "extra_x_memcpy_quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3,
+            "extra_full_s": statistics.median(x - b for x, b in zip(deltas(fmt + " full"), deltas("bf16"))),
+            "extra_full_x_memcpy": statistics.median(full_ratios),
+            "extra_full_x_memcpy_quartiles": statistics.quantiles(full_ratios, n=4) if len(full_ratios) > 1 else full_ratios * 3,
             "bit_identical_versions": identical[fmt],
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)

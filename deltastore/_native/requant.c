@@ -11,10 +11,12 @@
  * by the same operations as the full quantizers (ds_quant.h), so the result equals a full
  * quantization bit for bit.
  *
- * requant_mark classifies the changes (vectorized, a batch at a time) and rescales the dirty
- * blocks; requant_delta then walks one chunk of the reference codes once: it emits the changed
- * codes and the dirty blocks' elements as encode_add's raw add-sparse/1 planes (encode.c; 1-byte
- * elements), advances the reference, and hashes it: what encode_add returns for the same chunk.
+ * requant_classify classifies one chunk's changes (vectorized, a batch at a time) on the encode
+ * thread that listed them, right after the scan, while the list is in cache; requant_rescale then
+ * rescales the tensor's dirty blocks, and requant_delta walks one chunk of the reference codes
+ * once: it emits the changed codes and the dirty blocks' elements as encode_add's raw
+ * add-sparse/1 planes (encode.c; 1-byte elements), advances the reference, and hashes it: what
+ * encode_add returns for the same chunk.
  * tests/write/test_requant.py proves both equalities. */
 #include "ds_buf.h"
 #include "ds_quant.h"
@@ -115,28 +117,6 @@ static Py_ssize_t n_blocks(int fmt, Py_ssize_t rows, Py_ssize_t cols) {
     return ((rows + QB - 1) / QB) * ((cols + QB - 1) / QB);
 }
 
-/* Append n bytes to a growable buffer (ds_buf.h). -1: out of memory. */
-static int grow_put(dsbuf *g, const void *x, size_t n) {
-    if (reserve(g, n) < 0) return -1;
-    memcpy(g->p + g->len, x, n);
-    g->len += n;
-    return 0;
-}
-
-/* One changed chunk of the store's delta: its first element and encode_add's change list (three
- * buffers, held while the GIL is released). */
-typedef struct {
-    Py_ssize_t start;
-    Py_buffer b[3]; /* positions (u32, in the chunk), old values, new values (bfloat16 bits) */
-    int held;
-} chunk_changes;
-
-static void chunks_release(chunk_changes *c, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++)
-        for (int j = 0; j < c[i].held; j++) PyBuffer_Release(&c[i].b[j]);
-    PyMem_Free(c);
-}
-
 /* Changes classified at a time (a few KiB of scratch per array, in L1). */
 #define BATCH 1024
 
@@ -208,18 +188,12 @@ DS_CLONES static void lookup_mx(batch *t, size_t n, const uint8_t *escales, cons
     }
 }
 
-/* Mark one chunk's changes (see classify): its dirty blocks, and each other change whose code
- * changed appended to pos/oc/nc. -1: a bad change list (*bad) or no memory. */
-static int mark_chunk(int fmt, const chunk_changes *c, size_t n_elems, size_t cols, size_t nbc, const void *scales,
-                      const float *mults, const uint16_t *amax, uint8_t *dirty, size_t *n_dirty, dsbuf *pos, dsbuf *oc,
-                      dsbuf *nc, batch *t, int *bad) {
-    const uint32_t *ps = (const uint32_t *)c->b[0].buf;
-    const uint16_t *ov = (const uint16_t *)c->b[1].buf, *nv = (const uint16_t *)c->b[2].buf;
-    size_t n = (size_t)c->b[0].len / 4, start = (size_t)c->start;
-    if (c->b[0].len % 4 || (size_t)c->b[1].len != 2 * n || (size_t)c->b[2].len != 2 * n) goto bad;
-    uint32_t unordered = 0;
-    for (size_t i = 1; i < n; i++) unordered |= ps[i] <= ps[i - 1]; /* increasing (vectorizes) */
-    if (unordered || (n && start + ps[n - 1] >= n_elems)) goto bad;
+/* Classify one chunk's changes (see classify): set dirty[b] for each dirty block, and append each
+ * other change whose code changed to pos/oc/nc. `ps`, `ov`, `nv`: the change list (positions in
+ * the chunk, old and new bfloat16 bits) of the chunk starting at element `start`. -1: no memory. */
+static int classify_chunk(int fmt, const uint32_t *ps, const uint16_t *ov, const uint16_t *nv, size_t n, size_t start,
+                          size_t cols, size_t nbc, const void *scales, const float *mults, const uint16_t *amax,
+                          uint8_t *dirty, dsbuf *pos, dsbuf *oc, dsbuf *nc, batch *t) {
     for (size_t i0 = 0; i0 < n; i0 += BATCH) {
         size_t m = n - i0 < BATCH ? n - i0 : BATCH;
         blocks_of(t, ps + i0, m, fmt, start, cols, nbc);
@@ -233,131 +207,142 @@ static int mark_chunk(int fmt, const chunk_changes *c, size_t n_elems, size_t co
             t->hit[hits] = (uint16_t)i;
             hits += t->verdict[i] != V_SAME;
         }
+        if (reserve(pos, 8 * hits) < 0 || reserve(oc, hits) < 0 || reserve(nc, hits) < 0) return -1;
         for (size_t h = 0; h < hits; h++) {
             size_t i = t->hit[h];
-            if (dirty[t->blk[i]]) continue;
             if (t->verdict[i] == V_DIRTY) {
                 dirty[t->blk[i]] = 1;
-                (*n_dirty)++;
                 continue;
             }
+            /* a change in a block found dirty (here or by another chunk) is skipped by requant_delta,
+             * which requantizes that block whole */
             int64_t pp = (int64_t)(start + ps[i0 + i]);
-            if (grow_put(pos, &pp, 8) || grow_put(oc, &t->oq[i], 1) || grow_put(nc, &t->nq[i], 1)) return -1;
+            memcpy(pos->p + pos->len, &pp, 8);
+            pos->len += 8;
+            oc->p[oc->len++] = t->oq[i];
+            nc->p[nc->len++] = t->nq[i];
         }
     }
     return 0;
-bad:
-    *bad = 1;
-    return -1;
 }
 
-PyDoc_STRVAR(requant_mark_doc,
-"requant_mark(fmt, src, rows, cols, chunks, scales, amax, dirty) -> (n_dirty, positions,\n"
-"    old_codes, new_codes)\n\n"
-"The first step of requantizing a [rows, cols] bfloat16 tensor `src` incrementally (see\n"
-"requant.c), from its changes: `chunks`, its changed chunks in order, each (start, positions,\n"
-"old_values, new_values): the chunk's first element and the change list encode_add(...,\n"
-"values=True) returned. `scales` (float32 per 128x128 block for fmt 0, fp8-block128; uint8 E8M0\n"
-"per 32 elements for fmt 1, mxfp8) and `amax` (each block's max |x| bits, uint16) are the\n"
-"previous version's, updated in place for every dirty block; dirty[b] (uint8 per block) is set\n"
-"to 1 or 0. Returns the number of dirty blocks and, for each changed element outside them whose\n"
-"code changed, its position (int64), old and new code (bytes). Releases the GIL.");
+PyDoc_STRVAR(requant_classify_doc,
+"requant_classify(fmt, rows, cols, start, positions, old_values, new_values, scales, amax,\n"
+"    dirty) -> (positions, old_codes, new_codes)\n\n"
+"The first step of requantizing a [rows, cols] bfloat16 tensor incrementally (see requant.c), per\n"
+"changed chunk: the change list encode_add(..., values=True) returned for the chunk starting at\n"
+"element `start` (whole rows). `scales` (float32 per 128x128 block for fmt 0, fp8-block128;\n"
+"uint8 E8M0 per 32 elements for fmt 1, mxfp8) and `amax` (each block's max |x| bits, uint16) are\n"
+"the previous version's; dirty[b] (uint8 per block) is set to 1 for each block that turns dirty\n"
+"(never cleared: the chunks of one tensor may be classified on several threads). Returns, for\n"
+"each other changed element whose code changed, its position in the tensor (int64), old and new\n"
+"code (bytes). ValueError for an inconsistent change list. Releases the GIL.");
 
-static PyObject *py_requant_mark(PyObject *self, PyObject *args) {
+static PyObject *py_requant_classify(PyObject *self, PyObject *args) {
     (void)self;
     int fmt;
-    Py_ssize_t rows, cols;
-    PyObject *o_src, *o_chunks, *o_scales, *o_amax, *o_dirty;
-    if (!PyArg_ParseTuple(args, "iOnnO!OOO:requant_mark", &fmt, &o_src, &rows, &cols, &PyList_Type, &o_chunks,
-                          &o_scales, &o_amax, &o_dirty))
+    Py_ssize_t rows, cols, start;
+    PyObject *o[6];
+    if (!PyArg_ParseTuple(args, "innnOOOOOO:requant_classify", &fmt, &rows, &cols, &start, &o[0], &o[1], &o[2], &o[3],
+                          &o[4], &o[5]))
         return NULL;
     Py_ssize_t nb = n_blocks(fmt, rows, cols);
     if (nb < 0) return NULL;
-    Py_buffer src, sc, am, dt;
+    static const char *const names[6] = {"positions", "old_values", "new_values", "scales", "amax", "dirty"};
+    Py_buffer bf[6];
     int held = 0;
     PyObject *result = NULL;
-    Py_ssize_t n_chunks = PyList_GET_SIZE(o_chunks), got = 0;
-    chunk_changes *ch = (chunk_changes *)PyMem_Calloc((size_t)(n_chunks ? n_chunks : 1), sizeof(chunk_changes));
-    if (ch == NULL) return PyErr_NoMemory();
-    if (ds_get_buffer(o_src, &src, 0, "src") < 0) goto out;
-    held++;
-    if (ds_get_buffer(o_scales, &sc, 1, "scales") < 0) goto out;
-    held++;
-    if (ds_get_buffer(o_amax, &am, 1, "amax") < 0) goto out;
-    held++;
-    if (ds_get_buffer(o_dirty, &dt, 1, "dirty") < 0) goto out;
-    held++;
-    Py_ssize_t n = rows * cols, sw = fmt == FMT_MX ? 1 : 4;
-    if (src.len != 2 * n || sc.len != nb * sw || am.len != 2 * nb || dt.len != nb) {
-        PyErr_SetString(PyExc_ValueError, "requant_mark: src, scales, amax or dirty does not fit the tensor");
-        goto out;
-    }
-    Py_ssize_t end = 0;
-    for (; got < n_chunks; got++) {
-        PyObject *t = PyList_GET_ITEM(o_chunks, got);
-        PyObject *bo[3];
-        if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "nOOO", &ch[got].start, &bo[0], &bo[1], &bo[2]))
-            goto bad_chunk;
-        if (ch[got].start < end || ch[got].start >= n || (cols > 0 && ch[got].start % cols)) goto bad_chunk;
-        end = ch[got].start + 1;
-        for (int j = 0; j < 3; j++) {
-            if (ds_get_buffer(bo[j], &ch[got].b[j], 0, "a change list") < 0) {
-                got++;
-                goto out;
-            }
-            ch[got].held++;
-        }
-    }
+    for (; held < 6; held++)
+        if (ds_get_buffer(o[held], &bf[held], held == 5, names[held]) < 0) goto out;
     {
+        Py_ssize_t n_elems = rows * cols, sw = fmt == FMT_MX ? 1 : 4, n = bf[0].len / 4;
+        const uint32_t *ps = (const uint32_t *)bf[0].buf;
+        if (bf[3].len != nb * sw || bf[4].len != 2 * nb || bf[5].len != nb || start < 0 || start > n_elems ||
+            (cols > 0 && start % cols)) {
+            PyErr_SetString(PyExc_ValueError, "requant_classify: scales, amax or dirty does not fit the tensor, or "
+                                              "start is not a row's first element within it");
+            goto out;
+        }
+        uint32_t unordered = 0;
+        for (Py_ssize_t i = 1; i < n; i++) unordered |= ps[i] <= ps[i - 1]; /* increasing (vectorizes) */
+        if (bf[0].len % 4 || bf[1].len != 2 * n || bf[2].len != 2 * n || unordered ||
+            (n && (size_t)start + ps[n - 1] >= (size_t)n_elems)) {
+            PyErr_SetString(PyExc_ValueError, "requant_classify: the chunk's change list is inconsistent");
+            goto out;
+        }
         dsbuf pos = {0}, oc = {0}, nc = {0};
-        size_t n_dirty = 0, nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
-        int rc = 0, bad = 0;
-        uint8_t *dirty = (uint8_t *)dt.buf;
-        /* fp8-block128: each block's element multiplier, 1/s, once (NaN or 0 for a non-finite s) */
+        size_t nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
+        int rc = 0;
+        /* fp8-block128: each block's element multiplier, 1/s (NaN for a non-finite s) */
         float *mults = fmt == FMT_FP8 ? (float *)malloc(sizeof(float) * (size_t)(nb ? nb : 1)) : NULL;
         batch *t = (batch *)malloc(sizeof(batch));
         if ((fmt == FMT_FP8 && mults == NULL) || t == NULL) rc = -1;
         Py_BEGIN_ALLOW_THREADS
-        memset(dirty, 0, (size_t)nb);
         if (mults)
             for (Py_ssize_t b = 0; b < nb; b++) {
-                float s = ((const float *)sc.buf)[b];
+                float s = ((const float *)bf[3].buf)[b];
                 mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
             }
-        for (Py_ssize_t i = 0; i < n_chunks && rc == 0; i++)
-            rc = mark_chunk(fmt, &ch[i], (size_t)n, (size_t)cols, nbc, sc.buf, mults, (const uint16_t *)am.buf, dirty,
-                            &n_dirty, &pos, &oc, &nc, t, &bad);
         if (rc == 0)
-            for (size_t b = 0; b < (size_t)nb; b++)
-                if (dirty[b])
-                    rescale_block(fmt, (const uint16_t *)src.buf, (size_t)rows, (size_t)cols, nbc, b, sc.buf,
-                                  (uint16_t *)am.buf);
+            rc = classify_chunk(fmt, ps, (const uint16_t *)bf[1].buf, (const uint16_t *)bf[2].buf, (size_t)n,
+                                (size_t)start, (size_t)cols, nbc, bf[3].buf, mults, (const uint16_t *)bf[4].buf,
+                                (uint8_t *)bf[5].buf, &pos, &oc, &nc, t);
         Py_END_ALLOW_THREADS
         free(mults);
         free(t);
-        if (rc < 0 && bad)
-            PyErr_SetString(PyExc_ValueError, "requant_mark: a chunk's change list is inconsistent");
-        else if (rc < 0)
+        if (rc < 0)
             PyErr_NoMemory();
         else
-            result = Py_BuildValue("(ny#y#y#)", (Py_ssize_t)n_dirty, pos.p ? (const char *)pos.p : "",
-                                   (Py_ssize_t)pos.len, oc.p ? (const char *)oc.p : "", (Py_ssize_t)oc.len,
-                                   nc.p ? (const char *)nc.p : "", (Py_ssize_t)nc.len);
+            result = Py_BuildValue("(NNN)", buf_bytes(&pos), buf_bytes(&oc), buf_bytes(&nc));
         free(pos.p);
         free(oc.p);
         free(nc.p);
     }
-    goto out;
-bad_chunk:
-    if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_ValueError, "requant_mark: chunks are (start, positions, old values, new values) of "
-                                          "whole rows, in order, within the tensor");
 out:
-    chunks_release(ch, got);
-    if (held > 3) PyBuffer_Release(&dt);
-    if (held > 2) PyBuffer_Release(&am);
-    if (held > 1) PyBuffer_Release(&sc);
-    if (held > 0) PyBuffer_Release(&src);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&bf[i]);
+    return result;
+}
+
+PyDoc_STRVAR(requant_rescale_doc,
+"requant_rescale(fmt, src, rows, cols, scales, amax, dirty) -> n_dirty\n\n"
+"After requant_classify of every changed chunk: each dirty block's scale and max (`scales`,\n"
+"`amax`, updated in place) requantized from `src`, the tensor's new bfloat16 bits. Returns the\n"
+"number of dirty blocks. Releases the GIL.");
+
+static PyObject *py_requant_rescale(PyObject *self, PyObject *args) {
+    (void)self;
+    int fmt;
+    Py_ssize_t rows, cols;
+    PyObject *o[4];
+    if (!PyArg_ParseTuple(args, "iOnnOOO:requant_rescale", &fmt, &o[0], &rows, &cols, &o[1], &o[2], &o[3])) return NULL;
+    Py_ssize_t nb = n_blocks(fmt, rows, cols);
+    if (nb < 0) return NULL;
+    static const char *const names[4] = {"src", "scales", "amax", "dirty"};
+    Py_buffer bf[4];
+    int held = 0;
+    PyObject *result = NULL;
+    for (; held < 4; held++)
+        if (ds_get_buffer(o[held], &bf[held], held == 1 || held == 2, names[held]) < 0) goto out;
+    {
+        Py_ssize_t sw = fmt == FMT_MX ? 1 : 4;
+        if (bf[0].len != 2 * rows * cols || bf[1].len != nb * sw || bf[2].len != 2 * nb || bf[3].len != nb) {
+            PyErr_SetString(PyExc_ValueError, "requant_rescale: src, scales, amax or dirty does not fit the tensor");
+            goto out;
+        }
+        size_t n_dirty = 0, nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
+        const uint8_t *dirty = (const uint8_t *)bf[3].buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (const uint8_t *d = dirty, *end = dirty + nb; (d = (const uint8_t *)memchr(d, 1, (size_t)(end - d)));
+             d++) { /* few blocks are dirty: memchr skips the others a vector at a time */
+            rescale_block(fmt, (const uint16_t *)bf[0].buf, (size_t)rows, (size_t)cols, nbc, (size_t)(d - dirty),
+                          bf[1].buf, (uint16_t *)bf[2].buf);
+            n_dirty++;
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSize_t(n_dirty);
+    }
+out:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&bf[i]);
     return result;
 }
 
@@ -554,7 +539,7 @@ PyDoc_STRVAR(requant_delta_doc,
 "requant_delta(fmt, src, rows, cols, r0, r1, positions, old_codes, new_codes, dirty, scales,\n"
 "    old, digest) -> (n_changed, gap_symbols, gap_rests, max_rest, value_codes,\n"
 "    value_escapes, digest)\n\n"
-"The second step, per chunk of rows [r0, r1) of the quantized tensor: requant_mark's changed\n"
+"The second step, per chunk of rows [r0, r1) of the quantized tensor: requant_classify's changed\n"
 "codes within the chunk (`positions`, `old_codes`, `new_codes`), and every element of its dirty\n"
 "blocks requantized from `src` with the new `scales`, compared with `old` (the chunk's reference\n"
 "codes, advanced in place): what encode_add(old, new, 1, True, digest) returns for the chunk's\n"
@@ -647,7 +632,8 @@ out:
 PyMethodDef ds_requant_methods[] = {
     {"scatter_changes", py_scatter_changes, METH_VARARGS, scatter_changes_doc},
 #if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0
-    {"requant_mark", py_requant_mark, METH_VARARGS, requant_mark_doc},
+    {"requant_classify", py_requant_classify, METH_VARARGS, requant_classify_doc},
+    {"requant_rescale", py_requant_rescale, METH_VARARGS, requant_rescale_doc},
     {"requant_delta", py_requant_delta, METH_VARARGS, requant_delta_doc},
 #endif
     {NULL, NULL, 0, NULL},

@@ -15,6 +15,7 @@ when enough elements changed; the smaller wins. Decoding and applying a delta is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from deltastore.codec.planes import (
     UINT,
     check_values,
     encode_byte_sections,
+    encode_byte_sections_many,
     encode_sections,
     pack_nibbles,
     split,
@@ -270,30 +272,50 @@ def add_segment_from_planes(count: int, width: int, k: int, syms: bytes, rest: b
     """The add segment of a chunk of ``count`` elements of ``width`` bytes from the raw planes of
     its ``k`` changes, as the native ``encode_add`` (encode.c) returns them: exactly what
     :func:`encode_changes` writes for the same change set."""
-    sym = np.frombuffer(syms, dtype=np.uint8)
-    if k > DENSE_TRY_FRACTION * count:
-        # the dense form is tried too: rebuild the change set (rare: > 40 % changed) and let
-        # encode_changes choose, as the numpy path does
-        rest_u32 = np.frombuffer(rest, dtype=UINT[4])
-        esc_w = np.frombuffer(esc, dtype=UINT[width])
-        gaps = sym.astype(np.int64)
-        gaps[sym == ESCAPE] += rest_u32
-        gaps += 1
-        pos = np.cumsum(gaps) - 1
-        zz = unpack_nibbles(np.frombuffer(codes, dtype=np.uint8), k, CODEC_ADD_SPARSE).astype(UINT[width])
-        zz[zz == NIBBLE_ESCAPE] = esc_w
-        return encode_changes(count, width, pos, unzigzag(zz), None, level)
-    # The planes as bytes, no numpy (this runs per changed chunk): byte b of each little-endian
-    # element (the kernels run on little-endian hosts only) is the slice [b::element width].
-    # The same planes as _add_positions / _add_values, so the same sections (tests/codec/test_native.py).
-    planes = [syms]
-    gw = 1
-    if rest:
-        gw = _gap_width(max_rest)
-        planes += [rest[b::4] for b in range(gw)]  # each rest < 2**(8 gw): its low gw bytes
-    planes.append(codes)
-    if esc:
-        planes += [esc[b::width] for b in range(width)]
-    return Segment(CODEC_ADD_SPARSE, pack(CODEC_ADD_SPARSE, width=width, count=count, n_changed=k, param=gw,
-                                    aux=len(rest) // 4, n_escaped=len(esc) // width,
-                                    sections=encode_byte_sections(planes, level)), k)
+    return add_segments_from_planes([(count, width, k, syms, rest, max_rest, codes, esc)], level)[0]
+
+
+#: One chunk's raw planes, as :func:`add_segment_from_planes` takes them.
+RawPlanes = tuple[int, int, int, bytes, bytes, int, bytes, bytes]
+
+
+def add_segments_from_planes(chunks: Sequence[RawPlanes], level: int | None = DEFAULT_LEVEL) -> list[Segment]:
+    """:func:`add_segment_from_planes` of several chunks (each ``(count, width, k, syms, rest,
+    max_rest, codes, esc)``), their planes entropy coded together
+    (:func:`~deltastore.codec.planes.encode_byte_sections_many`): the same segments."""
+    out: list[Segment | None] = [None] * len(chunks)
+    sparse: list[tuple[int, list[bytes], dict[str, int]]] = []
+    for i, (count, width, k, syms, rest, max_rest, codes, esc) in enumerate(chunks):
+        if k > DENSE_TRY_FRACTION * count:
+            # the dense form is tried too: rebuild the change set (rare: > 40 % changed) and let
+            # encode_changes choose, as the numpy path does
+            sym = np.frombuffer(syms, dtype=np.uint8)
+            rest_u32 = np.frombuffer(rest, dtype=UINT[4])
+            esc_w = np.frombuffer(esc, dtype=UINT[width])
+            gaps = sym.astype(np.int64)
+            gaps[sym == ESCAPE] += rest_u32
+            gaps += 1
+            pos = np.cumsum(gaps) - 1
+            zz = unpack_nibbles(np.frombuffer(codes, dtype=np.uint8), k, CODEC_ADD_SPARSE).astype(UINT[width])
+            zz[zz == NIBBLE_ESCAPE] = esc_w
+            out[i] = encode_changes(count, width, pos, unzigzag(zz), None, level)
+            continue
+        # The planes as bytes, no numpy (this runs per changed chunk): byte b of each little-endian
+        # element (the kernels run on little-endian hosts only) is the slice [b::element width].
+        # The same planes as _add_positions / _add_values, so the same sections (tests/codec/test_native.py).
+        planes = [syms]
+        gw = 1
+        if rest:
+            gw = _gap_width(max_rest)
+            planes += [rest[b::4] for b in range(gw)]  # each rest < 2**(8 gw): its low gw bytes
+        planes.append(codes)
+        if esc:
+            planes += [esc[b::width] for b in range(width)]
+        sparse.append((i, planes, dict(width=width, count=count, n_changed=k, param=gw, aux=len(rest) // 4,
+                                       n_escaped=len(esc) // width)))
+    if sparse:
+        sections = encode_byte_sections(sparse[0][1], level) if len(sparse) == 1 else None
+        many = [sections] if sections is not None else encode_byte_sections_many([p for _, p, _ in sparse], level)
+        for (i, _, head), secs in zip(sparse, many):
+            out[i] = Segment(CODEC_ADD_SPARSE, pack(CODEC_ADD_SPARSE, sections=secs, **head), head["n_changed"])
+    return out  # type: ignore[return-value]  # every None was filled

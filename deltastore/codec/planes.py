@@ -231,7 +231,7 @@ def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor, judge: bo
     if n <= SMALL_PLANE and plane.itemsize == 1:
         # a small plane (a delta's planes in a small chunk, per changed chunk of every version)
         # as bytes: one copy of at most SMALL_PLANE bytes instead of numpy reductions, same choice
-        return _bytes_section(plane.tobytes(), cctx)
+        return _byte_section(plane.tobytes(), cctx)
     # All equal? Two differing end elements say no at once: a delta's planes (gap symbols,
     # value codes) are rarely CONST, and the min/max reductions cost ~3 µs per plane, several
     # planes per changed chunk. Otherwise min == max (no n-byte temporary, unlike plane != plane[0]).
@@ -244,17 +244,25 @@ def _encode_section(plane: np.ndarray, cctx: zstandard.ZstdCompressor, judge: bo
     return KIND_RAW, memoryview(np.ascontiguousarray(plane)).cast("B"), n
 
 
-def _bytes_section(raw: bytes, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes, int]:
-    """:func:`_encode_section`'s choice for a plane held as bytes, without numpy: CONST when
-    every byte is equal, else ZSTD when it is smaller, else RAW."""
+def _short_section(raw: bytes) -> tuple[int, bytes, int] | None:
+    """:func:`_encode_section`'s choice for a plane held as bytes, without numpy, when zstd is
+    not tried: CONST when every byte is equal, RAW when it is too short; None: try zstd."""
     n = len(raw)
     if n and raw[0] == raw[n - 1] and raw.count(raw[0]) == n:  # differing ends: not CONST at once
         return KIND_CONST, raw[:1], n
-    if n >= MIN_ZSTD_INPUT:
-        z = cctx.compress(raw)
-        if len(z) < n:
-            return KIND_ZSTD, z, n
-    return KIND_RAW, raw, n
+    return (KIND_RAW, raw, n) if n < MIN_ZSTD_INPUT else None
+
+
+def _zstd_section(raw: bytes, z: bytes) -> tuple[int, bytes, int]:
+    """ZSTD when ``z`` (``raw`` compressed) is smaller, else RAW."""
+    return (KIND_ZSTD, z, len(raw)) if len(z) < len(raw) else (KIND_RAW, raw, len(raw))
+
+
+def _byte_section(raw: bytes, cctx: zstandard.ZstdCompressor) -> tuple[int, bytes, int]:
+    """:func:`_encode_section`'s choice for a plane held as bytes, without numpy: CONST when
+    every byte is equal, else ZSTD when it is smaller, else RAW."""
+    got = _short_section(raw)
+    return got if got is not None else _zstd_section(raw, cctx.compress(raw))
 
 
 def encode_byte_sections(planes: Sequence[bytes], level: int | None) -> list[tuple[int, bytes, int]]:
@@ -262,7 +270,27 @@ def encode_byte_sections(planes: Sequence[bytes], level: int | None) -> list[tup
     sections, at a few microseconds less per plane than numpy arrays cost (a delta publish
     encodes 2-7 planes per changed chunk, and a step changes hundreds of chunks)."""
     cctx = _cctx(level)
-    return [_bytes_section(p, cctx) for p in planes]
+    return [_byte_section(p, cctx) for p in planes]
+
+
+def encode_byte_sections_many(planes: Sequence[Sequence[bytes]], level: int | None) -> list[list[tuple[int, bytes, int]]]:
+    """:func:`encode_byte_sections` of several segments' planes (``planes[i]``: segment i's),
+    the planes zstd is tried on compressed by one call (python-zstandard's
+    ``multi_compress_to_buffer``: the same frames as one ``compress`` each, but the GIL given up
+    once, not once per plane, which on busy encode threads is most of a small plane's cost)."""
+    cctx = _cctx(level)
+    out: list[list[tuple[int, bytes, int] | None]] = [[_short_section(p) for p in ps] for ps in planes]
+    todo = [(i, j) for i, ps in enumerate(out) for j, got in enumerate(ps) if got is None]
+    if todo:
+        raws = [planes[i][j] for i, j in todo]
+        try:
+            got = cctx.multi_compress_to_buffer(raws)
+            zs = [got[k].tobytes() for k in range(len(raws))]
+        except (AttributeError, NotImplementedError):  # a backend without it (cffi)
+            zs = [cctx.compress(r) for r in raws]
+        for (i, j), raw, z in zip(todo, raws, zs):
+            out[i][j] = _zstd_section(raw, z)
+    return out  # type: ignore[return-value]  # every None was filled
 
 
 class SectionEncoder:

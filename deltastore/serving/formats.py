@@ -224,7 +224,7 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
         if reuse is not None and name in reuse and name + SCALE_SUFFIX[fmt.name] in reuse:
             out = (reuse[name], reuse[name + SCALE_SUFFIX[fmt.name]])
         blocks = None
-        if amax is not None and t.dtype == torch.bfloat16 and kernels.requant_mark is not None:
+        if amax is not None and t.dtype == torch.bfloat16 and kernels.requant_classify is not None:
             blocks = amax[name] = np.empty(math.prod(scale_shape(fmt.name, t.shape)), dtype=np.uint16)
         try:
             return quantize(t, out=out, amax=blocks)  # type: ignore[misc]

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -135,6 +135,11 @@ class ChunkChange:
 #: None)`` of chunk ``index`` (elements ``[start, stop)``; ``old`` is the reference chunk, to
 #: advance in place), or None when the chunk did not change.
 ChunkSource = Callable[[int, int, int, np.ndarray], "tuple[codec.Segment, str, str | None] | None"]
+
+#: Takes a changed chunk's change list on the encode thread that listed it, right after the
+#: scan, while the list is in cache: ``(index, start, positions, old_values, new_values)`` as
+#: :class:`ChunkChange` names them (``encode_version(sinks=)``).
+ChangeSink = Callable[[int, int, Buffer, Buffer, Buffer], None]
 
 
 @dataclass
@@ -435,6 +440,7 @@ def encode_version(
     changes: dict[str, list[ChunkChange]] | None = None,
     change_lists: Collection[str] | None = None,
     sources: Mapping[str, ChunkSource] | None = None,
+    sinks: Mapping[str, Sequence[ChangeSink]] | None = None,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -480,6 +486,10 @@ def encode_version(
         sources: of a delta version, tensors (stored as themselves) whose chunks are encoded by
             the given :data:`ChunkSource` instead of from ``state`` (whose tensor then only
             gives the layout's shape and dtype).
+        sinks: with ``changes``, tensors whose change lists are handed to the given
+            :data:`ChangeSink` (each changed chunk's, on its encode thread); their
+            :class:`ChunkChange` carry the lists only when ``change_lists`` names them too.
+            A sink that raises fails the version.
 
     Returns:
         The :class:`EncodedVersion`; every pack it lists is stored (with ``wait_stored``).
@@ -588,12 +598,17 @@ def encode_version(
         # encode_chunk advances ``old`` while the chunk is hot in cache (the caller drops the
         # reference on failure)
         record = changes.get(name) if changes is not None else None
-        listed: list[tuple[Buffer, Buffer, Buffer]] | None = (
-            [] if record is not None and (change_lists is None or name in change_lists) else None)
+        keep = record is not None and (change_lists is None or name in change_lists)
+        to = sinks.get(name) if sinks and record is not None else None
+        listed: list[tuple[Buffer, Buffer, Buffer]] | None = [] if keep or to else None
         enc = encode_chunk(ti, ci, new, old, kind, floating[name], listed)
         if record is not None and enc is not None and enc.delta is not None:
             lists = listed[0] if listed else (None, None, None)
-            record.append(ChunkChange(ci, a, b, enc.delta, enc.delta_sha256 or "", enc.digest, *lists))
+            if to and listed:
+                for sink in to:
+                    sink(ci, a, *lists)
+            record.append(ChunkChange(ci, a, b, enc.delta, enc.delta_sha256 or "", enc.digest,
+                                      *(lists if keep else (None, None, None))))
         return enc
 
     # Delta and full segments go to separate packs, so a subscriber one version behind an

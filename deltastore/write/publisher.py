@@ -42,7 +42,7 @@ from deltastore.storage.probe import require_atomic_writes
 from deltastore.write.chain import VersionChain
 from deltastore.write.commit import attempt_clock
 from deltastore.write import requant
-from deltastore.write.encode import UPLOADS_IN_FLIGHT, ChunkChange, LayoutWorks, encode_version
+from deltastore.write.encode import UPLOADS_IN_FLIGHT, ChangeSink, ChunkChange, LayoutWorks, encode_version
 from deltastore.write.policy import (
     AnchorPolicy,
     AsyncPolicy,
@@ -495,8 +495,13 @@ class Publisher:
         # the format ``state`` itself is (no stream of its own), None: none declared is
         own = next((f.name for f in self.formats if is_identity(f, state)), None)
         change_lists: set[str] = set()
+        sinks: dict[str, list[ChangeSink]] = {}
         if changes is not None:
-            change_lists = set().union(*(w.change_lists(state) for n, w in self._streams.items() if n != own))
+            derived = [w for n, w in self._streams.items() if n != own]
+            change_lists = set().union(*(w.change_lists(state) for w in derived))
+            for w in derived:
+                for name, sink in w.sinks(state, version).items():
+                    sinks.setdefault(name, []).append(sink)
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
             deadline = attempt_clock() + self.writer_policy.max_attempt_s
@@ -505,7 +510,7 @@ class Publisher:
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=draft.attempt, reference_bits=self._reference_bits if has_base else None,
                 gathered=gathered, layouts=self._layout_works, wait_stored=False, changes=changes,
-                change_lists=change_lists,
+                change_lists=change_lists, sinks=sinks,
             )
             # The manifest is built while the last packs are stored (encode_version handed them
             # to the uploader); nothing that names them is written before they are.

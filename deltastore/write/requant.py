@@ -3,19 +3,22 @@
 A publisher serving ``fp8-block128`` or ``mxfp8`` beside its bfloat16 chain used to quantize
 the whole state and then compare every quantized byte with the stream's reference, at every
 version, although an RL step moves a few percent of the bfloat16 elements. The store's own delta
-encoding already finds them: :func:`~deltastore.write.encode.encode_version` hands out each
-changed chunk's change list (positions, old and new bits: :class:`~deltastore.write.encode.ChunkChange`).
-From them, per tensor:
+encoding already finds them: :func:`~deltastore.write.encode.encode_version` lists each changed
+chunk's changed elements (positions, old and new bits). From them, per tensor:
 
 - **a quantized tensor** is requantized where it changed (deltastore/_native/requant.c): a block
   keeps its scale unless its largest ``|x|`` may have moved (a changed element above the block's
   maximum, or one whose old code was the block's top code, or a non-finite scale); such a
   *dirty* block is requantized whole. The stream keeps each block's maximum (bfloat16 bits) and
-  scale to decide this. The chunk's delta, the reference's advance and the state digest come out
-  of one walk over the chunk, exactly as the full path's (the tests compare the two byte for
-  byte); its scale tensor is encoded only when a block turned dirty.
-- **a tensor the format keeps** (bfloat16 in both) has, chunk for chunk, the store's delta: its
-  segment and digest are reused, and the stream's reference is advanced at the changed elements.
+  scale to decide this. The changes are classified on the store's encode threads, chunk by
+  chunk, right after the scan that listed them (:meth:`Requantizer.prepare` gives the
+  ``encode_version(sinks=)``), so the lists are neither kept nor read back from memory. The
+  chunk's delta, the reference's advance and the state digest come out of one walk over the
+  chunk, exactly as the full path's (the tests compare the two byte for byte); its scale tensor
+  is encoded only when a block turned dirty.
+- **a tensor the format keeps** (bfloat16 in both) has, chunk for chunk, the store's delta
+  (``encode_version(changes=)``): its segment and digest are reused, and the stream's reference
+  is advanced at the changed elements.
 
 Both need the native kernels, a bfloat16 tensor on the CPU in the store's state, the tensor
 stored as itself (not in a group row or a column grid) in both layouts with the same chunks,
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 from deltastore._util import kernels
-from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segment_from_planes, encode_delta_advance
+from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segments_from_planes
 from deltastore.codec.container import Segment
 from deltastore.layout.tensors import TensorSpec, bits
 from deltastore.serving.formats import ServingFormat, derive
@@ -58,9 +61,25 @@ def _bf16_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
 
 
-def _chunks(changes: list[ChunkChange]) -> list[tuple]:
-    """A tensor's changed chunks in order, as ``requant_mark`` takes them."""
-    return [(c.start, c.positions, c.old_values, c.new_values) for c in sorted(changes, key=lambda c: c.start)]
+class _Marks:
+    """A quantized tensor's changes classified in the version being encoded
+    (``requant_classify``): the blocks found dirty, and each changed chunk's changed codes."""
+
+    def __init__(self, blocks: int):
+        self.dirty = np.zeros(blocks, dtype=np.uint8)
+        self.chunks: dict[int, tuple[bytes, bytes, bytes]] = {}  # chunk index → positions, old, new codes
+
+
+def _sink(code: int, rows: int, cols: int, scales: np.ndarray, amax: np.ndarray, marks: _Marks) -> ChangeSink:
+    """The change sink of one quantized tensor: classifies each changed chunk into ``marks``
+    against the blocks of the stream's reference (read only; the chunks of a tensor may be
+    classified on several threads at once)."""
+
+    def sink(index: int, start: int, positions: object, old_values: object, new_values: object) -> None:
+        marks.chunks[index] = kernels.requant_classify(code, rows, cols, start, positions, old_values, new_values,
+                                                       scales, amax, marks.dirty)
+
+    return sink
 
 
 class Derived(NamedTuple):
@@ -88,10 +107,35 @@ class Requantizer:
     def __init__(self, fmt: ServingFormat):
         self.format = fmt
         self._blocks: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name → (amax, scales)
+        self._marks: dict[str, _Marks] = {}  # of the version being encoded (prepare)
 
     def clear(self) -> None:
         """Forget every block (the stream dropped its reference)."""
         self._blocks.clear()
+        self._marks.clear()
+
+    def prepare(self, state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
+                specs: Mapping[str, TensorSpec]) -> dict[str, ChangeSink]:
+        """Before the store encodes its delta version of ``state``, when ``reference`` (of layout
+        ``specs``) holds the stream's state of the version that delta starts from: a sink per
+        quantized tensor that can be requantized incrementally, to classify its changes as the
+        store's encoder lists them (``encode_version(sinks=)``). The next :meth:`derive` uses
+        what they classified."""
+        self._marks = {}
+        if not ENABLED or kernels.requant_classify is None or self.format.scale_suffix is None:
+            return {}
+        code = _FORMAT_CODE[self.format.name]
+        sinks: dict[str, ChangeSink] = {}
+        for name, t in state.items():
+            blocks, ref = self._blocks.get(name), reference.get(name)
+            if (blocks is None or ref is None or not _bf16_cpu(t) or not _plain(specs.get(name))
+                    or ref.dtype != torch.float8_e4m3fn or ref.shape != t.shape
+                    or not self.format.selects(name, t.shape)):
+                continue
+            marks = self._marks[name] = _Marks(blocks[0].size)
+            rows, cols = t.shape
+            sinks[name] = _sink(code, rows, cols, blocks[1], blocks[0], marks)
+        return sinks
 
     def derive(self, state: Mapping[str, torch.Tensor], *, pool: Executor | None,
                reuse: Mapping[str, torch.Tensor] | None, reference: Mapping[str, torch.Tensor] | None,
@@ -105,16 +149,19 @@ class Requantizer:
             pool, reuse: as for :func:`~deltastore.serving.formats.derive`; ``threads``: the
                 pool's size.
             reference, specs: the stream's reference and layout (None: the version has no base).
+                An incrementally requantized tensor's chunks of ``reference`` are advanced
+                here (the sources hand out their deltas): after a failure the caller drops it.
             store_specs, changes: the store's layout and the chunks its delta version changed
-                (``encode_version(changes=)``), from the version ``reference`` holds; None:
-                derive in full.
+                (``encode_version(changes=)``, with the sinks of :meth:`prepare`), from the
+                version ``reference`` holds; None: derive in full.
             shared: kept tensors whose reference is the store's own (already advanced by the
                 store's delta: their chunks are reused as they are).
         """
         fmt = self.format
         suffix = fmt.scale_suffix
+        marks, self._marks = self._marks, {}
         ready = (ENABLED and changes is not None and reference is not None and specs is not None
-                 and store_specs is not None and kernels.requant_mark is not None)
+                 and store_specs is not None)
         quantized: list[str] = []
         kept: list[str] = []
         if ready:
@@ -122,30 +169,19 @@ class Requantizer:
             for name, t in state.items():
                 if name not in changes or not _bf16_cpu(t) or not _plain(specs.get(name)) or name not in reference:
                     continue
-                listed = all(c.positions is not None for c in changes[name])
                 if suffix is not None and fmt.selects(name, t.shape):
-                    ref = reference[name]
-                    if listed and name in self._blocks and ref.dtype == torch.float8_e4m3fn and ref.shape == t.shape:
+                    m = marks.get(name)
+                    # every changed chunk classified (a chunk the store did not list is not)
+                    if m is not None and set(m.chunks) == {c.index for c in changes[name]}:
                         quantized.append(name)
-                elif ((listed or name in shared) and _plain(store_specs.get(name))
-                      and specs[name].chunk_rows == store_specs[name].chunk_rows
+                elif ((name in shared or all(c.positions is not None for c in changes[name]))
+                      and _plain(store_specs.get(name)) and specs[name].chunk_rows == store_specs[name].chunk_rows
                       and reference[name].dtype == torch.bfloat16 and reference[name].shape == t.shape):
                     kept.append(name)
-
-        def mark(names: list[str]) -> list[tuple[torch.Tensor, ChunkSource, ChunkSource]]:
-            assert reference is not None and changes is not None
-            return [self._requantize(n, state[n], reference[n], changes[n]) for n in names]
-
-        # one task per thread, tensors dealt largest first to the least loaded (a task per tensor
-        # costs a thread hand-off each)
-        parts: list[list[str]] = [[] for _ in range(max(1, threads if pool is not None else 1))]
-        loads = [0] * len(parts)
-        for name in sorted(quantized, key=lambda n: -state[n].numel()):
-            k = loads.index(min(loads))
-            parts[k].append(name)
-            loads[k] += state[name].numel()
-        done = (pool.map if pool is not None else map)(mark, [p for p in parts if p])
-        marked = dict(zip([n for p in parts if p for n in p], [r for rs in done for r in rs]))
+        plans = [self._requantize(n, state[n], changes[n], marks[n]) for n in quantized]  # type: ignore[index]
+        assert not plans or (reference is not None and specs is not None)
+        encoded = _encode_chunks(plans, reference, specs, suffix or "", pool, threads)  # type: ignore[arg-type]
+        marked = {p.name: (p.scale, _encoded_source(q), _encoded_source(sc)) for p, (q, sc) in zip(plans, encoded)}
         given = {n: (reference[n], scale) for n, (scale, _, _) in marked.items()} if reference is not None else {}
         amax: dict[str, np.ndarray] = {}
         derived = derive(state, fmt, pool=pool, reuse=reuse, amax=amax, given=given)
@@ -158,7 +194,7 @@ class Requantizer:
         sources: dict[str, ChunkSource] = {n: src for n, (_, src, _) in marked.items()}
         for name, (_, _, scale_source) in marked.items():
             assert specs is not None and suffix is not None
-            if _plain(specs.get(name + suffix)):  # unchanged unless a block turned dirty
+            if _plain(specs.get(name + suffix)):  # encoded with the tensor's (changed only if a block turned dirty)
                 sources[name + suffix] = scale_source
         for name in kept:
             assert changes is not None
@@ -167,40 +203,102 @@ class Requantizer:
                      fmt.name, len(marked), len(kept), len(amax))
         return Derived(derived, sources, set(marked), set(kept))
 
-    def _requantize(self, name: str, t: torch.Tensor, ref: torch.Tensor,
-                    changes: list[ChunkChange]) -> tuple[torch.Tensor, ChunkSource, ChunkSource]:
-        """Mark tensor ``name``'s dirty blocks and requantize their scales: its new scale tensor,
-        the source of its chunks and that of its scale tensor's."""
+    def _requantize(self, name: str, t: torch.Tensor, changes: list[ChunkChange], marks: _Marks) -> _Plan:
+        """What tensor ``name``'s incremental requantization needs (its changes classified into
+        ``marks``); its scales are a copy, which :func:`_encode_chunks` requantizes where a
+        block turned dirty, and then the stream's."""
         code = _FORMAT_CODE[self.format.name]
         amax, old_scales = self._blocks[name]
         rows, cols = t.shape
         scales = old_scales.copy()
-        dirty = np.empty(amax.size, dtype=np.uint8)
         src = bits(t)
-        n_dirty, pos_b, oc_b, nc_b = kernels.requant_mark(code, src, rows, cols, _chunks(changes), scales, amax, dirty)
-        pos = np.frombuffer(pos_b, dtype=np.int64)
-        oc, nc = np.frombuffer(oc_b, dtype=np.uint8), np.frombuffer(nc_b, dtype=np.uint8)
+        parts = [marks.chunks[c.index] for c in sorted(changes, key=lambda c: c.start)]
+        pos = np.frombuffer(b"".join(p[0] for p in parts), dtype=np.int64)
+        oc = np.frombuffer(b"".join(p[1] for p in parts), dtype=np.uint8)
+        nc = np.frombuffer(b"".join(p[2] for p in parts), dtype=np.uint8)
         self._blocks[name] = (amax, scales)
         scale = torch.from_numpy(scales).view(scale_shape(self.format.name, t.shape))
+        return _Plan(name, code, src, rows, cols, pos, oc, nc, marks.dirty, amax, scales, scale)
 
-        def source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, None] | None:
-            lo, hi = np.searchsorted(pos, (start, stop))
-            k, syms, rest, max_rest, codes, esc, digest = kernels.requant_delta(
-                code, src, rows, cols, start // cols, stop // cols, pos[lo:hi], oc[lo:hi], nc[lo:hi], dirty, scales,
-                old, DIGEST_IF_CHANGED)
-            if k == 0:
-                return None
-            return add_segment_from_planes(stop - start, 1, k, syms, rest, max_rest, codes, esc), digest, None
 
-        scale_bits = bits(scale)
+class _Plan(NamedTuple):
+    """A quantized tensor requantized incrementally: its scales and what its chunks' deltas are
+    encoded from (``requant_delta``)."""
 
-        def scale_source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, None] | None:
-            if not n_dirty:  # only a dirty block's scale can have changed
-                return None
-            seg, digest = encode_delta_advance(old, scale_bits[start:stop], always_digest=False)
-            return None if seg is None or digest is None else (seg, digest, None)
+    name: str
+    code: int
+    src: np.ndarray
+    rows: int
+    cols: int
+    pos: np.ndarray
+    oc: np.ndarray
+    nc: np.ndarray
+    dirty: np.ndarray
+    amax: np.ndarray
+    scales: np.ndarray
+    scale: torch.Tensor
 
-        return scale, source, scale_source
+
+def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec],
+                   suffix: str, pool: Executor | None, threads: int
+                   ) -> list[tuple[dict[int, tuple[Segment, str]], dict[int, tuple[Segment, str]]]]:
+    """Per plan: its dirty blocks' scales and maxima requantized (``requant_rescale``), then the
+    delta segments and state digests of its changed chunks of the stream's layout ``specs`` and
+    of its scale tensor's (stored as itself; changed only where a block turned dirty), by chunk
+    index, ``reference`` advanced. One task per thread, tensors dealt largest first to the least
+    loaded, each task's segments entropy coded together (``add_segments_from_planes``): a task
+    per chunk costs a thread hand-off each, and its planes' compressor calls each give up and
+    retake the GIL, which the other thread holds."""
+    parts: list[list[int]] = [[] for _ in range(max(1, threads if pool is not None else 1))]
+    loads = [0] * len(parts)
+    for k in sorted(range(len(plans)), key=lambda k: -plans[k].src.size):
+        i = loads.index(min(loads))
+        parts[i].append(k)
+        loads[i] += plans[k].src.size
+
+    def task(part: list[int]) -> list[tuple[int, int, int, Segment, str]]:
+        raw, keys = [], []
+        for k in part:
+            p = plans[k]
+            n_dirty = kernels.requant_rescale(p.code, p.src, p.rows, p.cols, p.scales, p.amax, p.dirty)
+            for what, name in ((0, p.name), (1, p.name + suffix)):
+                spec = specs.get(name)
+                if what and (not n_dirty or not _plain(spec)):  # the scales changed only in a dirty block
+                    continue
+                assert spec is not None
+                ref = bits(reference[name])
+                new = bits(p.scale) if what else None
+                for index in range(spec.n_chunks):
+                    start, stop = spec.chunk_span(index)
+                    if new is not None:
+                        got = kernels.encode_add(ref[start:stop], new[start:stop], new.itemsize, True, DIGEST_IF_CHANGED)
+                    else:
+                        lo, hi = np.searchsorted(p.pos, (start, stop))
+                        got = kernels.requant_delta(p.code, p.src, p.rows, p.cols, start // p.cols, stop // p.cols,
+                                                    p.pos[lo:hi], p.oc[lo:hi], p.nc[lo:hi], p.dirty, p.scales,
+                                                    ref[start:stop], DIGEST_IF_CHANGED)
+                    n, syms, rest, max_rest, codes, esc, digest = got
+                    if n:
+                        raw.append((stop - start, ref.itemsize, n, syms, rest, max_rest, codes, esc))
+                        keys.append((k, what, index, digest))
+        return [(k, what, index, seg, digest) for (k, what, index, digest), seg in zip(keys, add_segments_from_planes(raw))]
+
+    out: list[tuple[dict[int, tuple[Segment, str]], dict[int, tuple[Segment, str]]]] = [({}, {}) for _ in plans]
+    for done in (pool.map if pool is not None else map)(task, [p for p in parts if p]):
+        for k, what, index, seg, digest in done:
+            out[k][what][index] = (seg, digest)
+    return out
+
+
+def _encoded_source(chunks: dict[int, tuple[Segment, str]]) -> ChunkSource:
+    """The source of a quantized tensor whose chunks :func:`_encode_chunks` encoded (and whose
+    reference it advanced): each changed chunk's segment and digest."""
+
+    def source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, None] | None:
+        got = chunks.get(index)
+        return None if got is None else (got[0], got[1], None)
+
+    return source
 
 
 def _reuse_source(changes: list[ChunkChange], *, advance: bool) -> ChunkSource:

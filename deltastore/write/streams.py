@@ -39,7 +39,7 @@ from deltastore.storage.base import Store
 from deltastore.storage.prefixed import PrefixedStore
 from deltastore.write.chain import Draft, Sealed, VersionChain
 from deltastore.write.commit import put_immutable
-from deltastore.write.encode import ChunkChange, LayoutWorks, encode_version
+from deltastore.write.encode import ChangeSink, ChunkChange, LayoutWorks, encode_version
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from deltastore.write.requant import Requantizer
 
@@ -129,9 +129,19 @@ class StreamWriter:
 
     def change_lists(self, state: Mapping[str, torch.Tensor]) -> set[str]:
         """The tensors of ``state`` whose change lists (``encode_version(change_lists=)``) this
-        stream's next version derives from: the bfloat16 ones, but those it already shares with
-        the store (their chunks are the store's as they are)."""
-        return {n for n, t in state.items() if t.dtype == torch.bfloat16 and n not in self._shared}
+        stream's next version derives from: the bfloat16 ones it keeps, but those it already
+        shares with the store (their chunks are the store's as they are). Its quantized
+        tensors take theirs through :meth:`sinks`."""
+        return {n for n, t in state.items() if t.dtype == torch.bfloat16 and n not in self._shared
+                and not self.format.selects(n, t.shape)}
+
+    def sinks(self, state: Mapping[str, torch.Tensor], version: int) -> dict[str, ChangeSink]:
+        """The change sinks (``encode_version(sinks=)``) of the store's delta ``version`` of
+        ``state``, for this stream's quantized tensors, when its reference holds the state of
+        ``version - 1`` (:meth:`Requantizer.prepare`); none otherwise."""
+        if self._reference is None or self._specs is None or self._reference_version != version - 1:
+            return {}
+        return self._requant.prepare(state, self._reference, self._specs)
 
     def drop(self) -> None:
         """Forget the reference (an attempt failed: encoding advanced it past every version)."""

@@ -257,6 +257,51 @@ def test_a_plane_is_stored_as_the_smallest_of_const_zstd_raw(size, shape, seed):
     assert (kind, bytes(stored), raw) == (*want, size)
 
 
+@pytest.mark.parametrize("backend", ["multi_compress_to_buffer", "one compress each"])
+def test_planes_of_several_segments_encoded_together_are_the_same_sections(backend, monkeypatch):
+    """encode_byte_sections_many gives every plane the section encode_byte_sections gives it,
+    with python-zstandard's batch call and without it (its cffi backend has none)."""
+    from deltastore.codec import planes
+
+    rng = np.random.default_rng(7)
+    segs = [[rng.choice(np.array([1, 2, 9], dtype=np.uint8), size=n).tobytes() for n in sizes]
+            for sizes in ([0, 5, 40, 3000], [31, 32, 33], [], [70000, 1])]
+    segs[1].append(bytes(500))  # CONST
+    segs[3].append(rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())  # RAW: zstd cannot gain
+    if backend != "multi_compress_to_buffer":
+        class Single:
+            def __init__(self, cctx):
+                self.compress = cctx.compress
+        cctx = planes._cctx(None)
+        monkeypatch.setattr(planes, "_cctx", lambda level: Single(cctx))
+    got = planes.encode_byte_sections_many(segs, None)
+    monkeypatch.undo()
+    assert got == [planes.encode_byte_sections(ps, None) for ps in segs]
+
+
+def test_segments_of_several_chunks_encoded_together_are_each_chunks_own():
+    """add_segments_from_planes is add_segment_from_planes chunk by chunk: sparse and dense
+    chunks, escaped gaps and values, widths 1 and 2."""
+    from deltastore._util import kernels
+    from deltastore.codec.delta import add_segment_from_planes, add_segments_from_planes
+
+    if kernels.encode_add is None:
+        pytest.skip("needs the native kernels")
+    rng = np.random.default_rng(3)
+    chunks = []
+    for width, n, frac in ((2, 5000, 0.01), (1, 3000, 0.6), (2, 70000, 0.001), (1, 800, 0.05)):
+        dt = np.uint16 if width == 2 else np.uint8
+        old = rng.integers(0, 1 << (8 * width), n, dtype=dt)
+        new = old.copy()
+        at = rng.random(n) < frac
+        new[at] += rng.integers(1, 300, at.sum()).astype(dt)
+        k, syms, rest, max_rest, codes, esc, _ = kernels.encode_add(old.copy(), new, width, False, 0)
+        chunks.append((n, width, k, syms, rest, max_rest, codes, esc))
+    together = add_segments_from_planes(chunks)
+    alone = [add_segment_from_planes(*c) for c in chunks]
+    assert [(s.codec, s.data, s.n_changed) for s in together] == [(s.codec, s.data, s.n_changed) for s in alone]
+
+
 def test_non_native_byte_order_is_accepted():
     x = np.arange(1000, dtype=">u2")
     y = x.copy()

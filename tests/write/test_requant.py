@@ -15,7 +15,7 @@ from deltastore.storage import open_store
 from deltastore.storage.prefixed import PrefixedStore
 from deltastore.write.policy import LayoutPolicy
 
-pytestmark = pytest.mark.skipif(kernels.requant_mark is None, reason="needs the native kernels")
+pytestmark = pytest.mark.skipif(kernels.requant_classify is None, reason="needs the native kernels")
 
 QUANTIZE = {0: quantize_fp8_block128, 1: quantize_mxfp8}
 BF16_NAN, BF16_INF = 0x7FC0, 0x7F80
@@ -52,7 +52,21 @@ def _changed(w: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(w.shape)
 
 
-def _step(code: int, rows: int, cols: int, w0: torch.Tensor, w1: torch.Tensor, chunk_rows: int):
+def _mark(code: int, src: np.ndarray, rows: int, cols: int, chunks: list, scales: np.ndarray, amax: np.ndarray,
+          dirty: np.ndarray, *, order: slice = slice(None)) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """Classify each changed chunk ``(start, positions, old values, new values)`` (in ``order``, as
+    encode threads may), then rescale the dirty blocks: the number of dirty blocks and the changed
+    codes outside them, in position order."""
+    dirty[:] = 0
+    got = {c[0]: kernels.requant_classify(code, rows, cols, *c, scales, amax, dirty) for c in chunks[order]}
+    n_dirty = kernels.requant_rescale(code, src, rows, cols, scales, amax, dirty)
+    parts = [got[start] for start in sorted(got)]
+    return (n_dirty, np.frombuffer(b"".join(p[0] for p in parts), np.int64),
+            np.frombuffer(b"".join(p[1] for p in parts), np.uint8), np.frombuffer(b"".join(p[2] for p in parts), np.uint8))
+
+
+def _step(code: int, rows: int, cols: int, w0: torch.Tensor, w1: torch.Tensor, chunk_rows: int, *,
+          order: slice = slice(None)):
     """Requantize w1 incrementally from w0's quantization; the chunks' results, the codes and the
     scales."""
     q0, s0 = QUANTIZE[code](w0, amax=(amax := np.empty(_n_scales(code, rows, cols), np.uint16)))
@@ -65,8 +79,7 @@ def _step(code: int, rows: int, cols: int, w0: torch.Tensor, w1: torch.Tensor, c
             chunks.append((r0 * cols, *got[7:]))
     scales = s0.numpy().reshape(-1).copy()
     dirty = np.empty(amax.size, np.uint8)
-    _, pos, oc, nc = kernels.requant_mark(code, _bits(w1), rows, cols, chunks, scales, amax, dirty)
-    pos, oc, nc = np.frombuffer(pos, np.int64), np.frombuffer(oc, np.uint8), np.frombuffer(nc, np.uint8)
+    _, pos, oc, nc = _mark(code, _bits(w1), rows, cols, chunks, scales, amax, dirty, order=order)
     codes = q0.view(torch.uint8).numpy().reshape(-1).copy()
     before = codes.copy()
     results = []
@@ -83,12 +96,13 @@ def _n_scales(code: int, rows: int, cols: int) -> int:
 
 
 @pytest.mark.parametrize("code", [0, 1], ids=["fp8-block128", "mxfp8"])
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_incremental_requantization_equals_a_full_one_byte_for_byte(code: int, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "order"), [(1, slice(None)), (2, slice(None)), (3, slice(None)), (1, slice(None, None, -1))],
+                         ids=["seed1", "seed2", "seed3", "seed1-chunks-classified-last-first"])
+def test_incremental_requantization_equals_a_full_one_byte_for_byte(code: int, seed: int, order: slice) -> None:
     rows, cols, chunk_rows = 300, 416, 70  # ragged blocks, chunks across block rows
     w0 = _weights(rows, cols, seed)
     w1 = _changed(w0, seed)
-    before, codes, scales, amax, results = _step(code, rows, cols, w0, w1, chunk_rows)
+    before, codes, scales, amax, results = _step(code, rows, cols, w0, w1, chunk_rows, order=order)
     want_q, want_s = QUANTIZE[code](w1, amax=(want_amax := np.empty(amax.size, np.uint16)))
     want = want_q.view(torch.uint8).numpy().reshape(-1)
     assert np.array_equal(codes, want)
@@ -110,16 +124,14 @@ def test_a_reference_that_is_not_the_changes_start_is_refused() -> None:
     old = _bits(w0).copy()
     listed = kernels.encode_add(old, _bits(w1), 2, True, 1, True)[7:]
     scales, dirty = s0.numpy().reshape(-1).copy(), np.empty(2, np.uint8)
-    _, pos, oc, nc = kernels.requant_mark(0, _bits(w1), rows, cols, [(0, *listed)], scales, amax, dirty)
-    positions = np.frombuffer(pos, np.int64)
+    _, positions, oc, nc = _mark(0, _bits(w1), rows, cols, [(0, *listed)], scales, amax, dirty)
     clean = [p for p in positions if not dirty[(p // cols // 128) * 2 + (p % cols) // 128]]
     assert clean
     stale = q0.view(torch.uint8).numpy().reshape(-1).copy()
     first = clean[0]
     stale[first] ^= 1  # the reference is not the version the changes start from
     with pytest.raises(ValueError, match="old code differs"):
-        kernels.requant_delta(0, _bits(w1), rows, cols, 0, rows, np.frombuffer(pos, np.int64),
-                              np.frombuffer(oc, np.uint8), np.frombuffer(nc, np.uint8), dirty, scales, stale, 1)
+        kernels.requant_delta(0, _bits(w1), rows, cols, 0, rows, positions, oc, nc, dirty, scales, stale, 1)
 
 
 def test_inconsistent_change_lists_are_refused() -> None:
@@ -129,17 +141,17 @@ def test_inconsistent_change_lists_are_refused() -> None:
     def u32(*xs: int) -> bytes:
         return np.array(xs, np.uint32).tobytes()
 
-    def mark(chunks):
-        return kernels.requant_mark(0, src, 128, 128, chunks, scales, amax, dirty)
+    def classify(start, positions, old, new):
+        return kernels.requant_classify(0, 128, 128, start, positions, old, new, scales, amax, dirty)
 
     with pytest.raises(ValueError, match="inconsistent"):  # a position past the tensor
-        mark([(128 * 127, u32(200), b"\0" * 2, b"\1\0")])
+        classify(128 * 127, u32(200), b"\0" * 2, b"\1\0")
     with pytest.raises(ValueError, match="inconsistent"):  # not increasing
-        mark([(0, u32(9, 3), b"\0" * 4, b"\1\0" * 2)])
+        classify(0, u32(9, 3), b"\0" * 4, b"\1\0" * 2)
     with pytest.raises(ValueError, match="inconsistent"):  # values missing
-        mark([(0, u32(3), b"", b"")])
-    with pytest.raises(ValueError, match="whole rows"):
-        mark([(5, u32(1), b"\0" * 2, b"\1\0")])
+        classify(0, u32(3), b"", b"")
+    with pytest.raises(ValueError, match="first element"):  # a chunk that does not start a row
+        classify(5, u32(3), b"\0" * 2, b"\1\0")
 
 
 def test_scatter_changes_refuses_a_position_outside_the_chunk() -> None:
@@ -181,19 +193,19 @@ def test_a_publisher_derives_the_same_streams_incrementally_as_in_full(tmp_path,
         states.append(_changed_state(states[-1], i))
     layout = LayoutPolicy(chunk_bytes=32 * 1024)
     formats = ("bf16", "fp8-block128", "mxfp8")
-    calls = {"mark": 0}
-    mark = kernels.requant_mark
+    calls = {"requant_classify": 0, "requant_rescale": 0}
+    for name in calls:
+        def counted(*a, kernel=getattr(kernels, name), name=name):
+            calls[name] += 1
+            return kernel(*a)
 
-    def counted(*a):
-        calls["mark"] += 1
-        return mark(*a)
-
-    monkeypatch.setattr(kernels, "requant_mark", counted)
+        monkeypatch.setattr(kernels, name, counted)
     with Publisher(str(tmp_path / "incr"), formats=formats, layout_policy=layout) as pub:
         for s in states:
             pub.publish(s)
-    assert calls["mark"] == 2 * 2 * (len(states) - 1)  # two quantized tensors, two formats, every delta
-    monkeypatch.setattr(kernels, "requant_mark", None)  # the full derivation
+    assert calls["requant_rescale"] == 2 * 2 * (len(states) - 1)  # two quantized tensors, two formats, every delta
+    assert calls["requant_classify"] > calls["requant_rescale"]  # the tensors span several chunks
+    monkeypatch.setattr(kernels, "requant_classify", None)  # the full derivation
     with Publisher(str(tmp_path / "full"), formats=formats, layout_policy=layout) as pub:
         for s in states:
             pub.publish(s)
