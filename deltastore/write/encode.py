@@ -691,17 +691,25 @@ def encode_version(
     # its results being full segments: ~0.7x a chunk each).
     running: deque[Future[None]] = deque()  # submitted and maybe not ended (ended ones dropped:
     # a Future is ~11 objects the cyclic collector tracks, design 006 "The cyclic collector")
+    # A delta whose every chunk comes from a source (a serving stream derived from the store's
+    # delta: the sources hand out segments already encoded) is packed on this thread, in order:
+    # a job per chunk would cost a thread hand-off each and nothing would run in parallel.
+    inline = kind == "delta" and sources is not None and all(n in sources for n in names)
     try:
         n = len(work.jobs)
         for i, group in enumerate(work.jobs):
             for j in group:
                 views(j[2])
+            if inline:
+                consume([job(*j) for j in group])
+                continue
             running.append(pool.submit(run_job, i, group))
             if i + 1 - in_order.consumed > window:
                 in_order.wait(i + 1 - (window // WAIT_DIVISOR if kind == "delta" else window))
                 while running and running[0].done():
                     running.popleft()
-        in_order.wait(n)  # every result packed: no encode thread is in the pack writers now
+        if not inline:
+            in_order.wait(n)  # every result packed: no encode thread is in the pack writers now
         delta_packs.flush()
         full_packs.flush()
         if wait_stored:

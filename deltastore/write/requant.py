@@ -39,6 +39,7 @@ import torch
 from deltastore._util import kernels
 from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segments_from_planes
 from deltastore.codec.container import Segment
+from deltastore.format.keys import sha256_hex
 from deltastore.layout.tensors import TensorSpec, bits
 from deltastore.serving.formats import ServingFormat, derive
 from deltastore.serving.quantize import scale_shape
@@ -221,6 +222,10 @@ class Requantizer:
         return _Plan(name, code, src, rows, cols, pos, oc, nc, marks.dirty, amax, scales, scale)
 
 
+#: A chunk encoded by :func:`_encode_chunks`: its delta segment, state digest and the segment's SHA-256.
+_Coded = tuple[Segment, str, str]
+
+
 class _Plan(NamedTuple):
     """A quantized tensor requantized incrementally: its scales and what its chunks' deltas are
     encoded from (``requant_delta``)."""
@@ -240,8 +245,7 @@ class _Plan(NamedTuple):
 
 
 def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec],
-                   suffix: str, pool: Executor | None, threads: int
-                   ) -> list[tuple[dict[int, tuple[Segment, str]], dict[int, tuple[Segment, str]]]]:
+                   suffix: str, pool: Executor | None, threads: int) -> list[tuple[dict[int, _Coded], dict[int, _Coded]]]:
     """Per plan: its dirty blocks' scales and maxima requantized (``requant_rescale``), then the
     delta segments and state digests of its changed chunks of the stream's layout ``specs`` and
     of its scale tensor's (stored as itself; changed only where a block turned dirty), by chunk
@@ -256,7 +260,7 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
         parts[i].append(k)
         loads[i] += plans[k].src.size
 
-    def task(part: list[int]) -> list[tuple[int, int, int, Segment, str]]:
+    def task(part: list[int]) -> list[tuple[int, int, int, Segment, str, str]]:
         raw, keys = [], []
         for k in part:
             p = plans[k]
@@ -281,22 +285,23 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
                     if n:
                         raw.append((stop - start, ref.itemsize, n, syms, rest, max_rest, codes, esc))
                         keys.append((k, what, index, digest))
-        return [(k, what, index, seg, digest) for (k, what, index, digest), seg in zip(keys, add_segments_from_planes(raw))]
+        # each segment's SHA-256 too (hashlib gives up the GIL): the manifest names it
+        return [(k, what, index, seg, digest, sha256_hex(seg.data))
+                for (k, what, index, digest), seg in zip(keys, add_segments_from_planes(raw))]
 
-    out: list[tuple[dict[int, tuple[Segment, str]], dict[int, tuple[Segment, str]]]] = [({}, {}) for _ in plans]
+    out: list[tuple[dict[int, _Coded], dict[int, _Coded]]] = [({}, {}) for _ in plans]
     for done in (pool.map if pool is not None else map)(task, [p for p in parts if p]):
-        for k, what, index, seg, digest in done:
-            out[k][what][index] = (seg, digest)
+        for k, what, index, seg, digest, sha in done:
+            out[k][what][index] = (seg, digest, sha)
     return out
 
 
-def _encoded_source(chunks: dict[int, tuple[Segment, str]]) -> ChunkSource:
+def _encoded_source(chunks: dict[int, _Coded]) -> ChunkSource:
     """The source of a quantized tensor whose chunks :func:`_encode_chunks` encoded (and whose
-    reference it advanced): each changed chunk's segment and digest."""
+    reference it advanced): each changed chunk's segment, digest and the segment's SHA-256."""
 
-    def source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, None] | None:
-        got = chunks.get(index)
-        return None if got is None else (got[0], got[1], None)
+    def source(index: int, start: int, stop: int, old: np.ndarray) -> _Coded | None:
+        return chunks.get(index)
 
     return source
 
