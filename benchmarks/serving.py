@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return [(x - b) / c for xs, bs, cs in zip(seconds[name], seconds["bf16"], copies)
                 for x, b, c in zip(xs[1:], bs[1:], cs[1:])]
 
+    def quartiles(xs: list[float]) -> list[float]:
+        return statistics.quantiles(xs, n=4) if len(xs) > 1 else xs * 3
+
     copy_s = statistics.median(c for cs in copies for c in cs)
     base_s = statistics.median(deltas("bf16"))
     bf16_bytes = statistics.mean(sizes["bf16"]["bf16"][1:])
@@ -212,10 +215,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "publish_with_format_s": statistics.median(deltas(fmt)),
             "extra_s": statistics.median(x - b for x, b in zip(deltas(fmt), deltas("bf16"))),
             "extra_x_memcpy": statistics.median(ratios),
-            "extra_x_memcpy_quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3,
+            "extra_x_memcpy_quartiles": quartiles(ratios),
             "extra_full_s": statistics.median(x - b for x, b in zip(deltas(fmt + " full"), deltas("bf16"))),
             "extra_full_x_memcpy": statistics.median(full_ratios),
-            "extra_full_x_memcpy_quartiles": statistics.quantiles(full_ratios, n=4) if len(full_ratios) > 1 else full_ratios * 3,
+            "extra_full_x_memcpy_quartiles": quartiles(full_ratios),
             "bit_identical_versions": identical[fmt],
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)

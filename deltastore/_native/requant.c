@@ -188,6 +188,14 @@ DS_CLONES static void lookup_mx(batch *t, size_t n, const uint8_t *escales, cons
     }
 }
 
+/* A block's dirty flag, which the chunks of one tensor classified on two threads may both set
+ * (only ever to 1): a relaxed atomic store, so that the race is defined. */
+#if defined(__GNUC__) || defined(__clang__)
+#define SET_DIRTY(p) __atomic_store_n((p), (uint8_t)1, __ATOMIC_RELAXED)
+#else
+#define SET_DIRTY(p) (*(p) = 1)
+#endif
+
 /* Classify one chunk's changes (see classify): set dirty[b] for each dirty block, and append each
  * other change whose code changed to pos/oc/nc. `ps`, `ov`, `nv`: the change list (positions in
  * the chunk, old and new bfloat16 bits) of the chunk starting at element `start`. -1: no memory. */
@@ -211,7 +219,7 @@ static int classify_chunk(int fmt, const uint32_t *ps, const uint16_t *ov, const
         for (size_t h = 0; h < hits; h++) {
             size_t i = t->hit[h];
             if (t->verdict[i] == V_DIRTY) {
-                dirty[t->blk[i]] = 1;
+                SET_DIRTY(&dirty[t->blk[i]]);
                 continue;
             }
             /* a change in a block found dirty (here or by another chunk) is skipped by requant_delta,

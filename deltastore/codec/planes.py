@@ -273,7 +273,8 @@ def encode_byte_sections(planes: Sequence[bytes], level: int | None) -> list[tup
     return [_byte_section(p, cctx) for p in planes]
 
 
-def encode_byte_sections_many(planes: Sequence[Sequence[bytes]], level: int | None) -> list[list[tuple[int, bytes, int]]]:
+def encode_byte_sections_many(planes: Sequence[Sequence[bytes]],
+                              level: int | None) -> list[list[tuple[int, bytes, int]]]:
     """:func:`encode_byte_sections` of several segments' planes (``planes[i]``: segment i's),
     the planes zstd is tried on compressed by one call (python-zstandard's
     ``multi_compress_to_buffer``: the same frames as one ``compress`` each, but the GIL given up

@@ -245,11 +245,12 @@ class _Plan(NamedTuple):
 
 
 def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec],
-                   suffix: str, pool: Executor | None, threads: int) -> list[tuple[dict[int, _Coded], dict[int, _Coded]]]:
+                   suffix: str, pool: Executor | None,
+                   threads: int) -> list[tuple[dict[int, _Coded], dict[int, _Coded]]]:
     """Per plan: its dirty blocks' scales and maxima requantized (``requant_rescale``), then the
-    delta segments and state digests of its changed chunks of the stream's layout ``specs`` and
-    of its scale tensor's (stored as itself; changed only where a block turned dirty), by chunk
-    index, ``reference`` advanced. One task per thread, tensors dealt largest first to the least
+    delta segments, state digests and the segments' SHA-256 of its changed chunks of the
+    stream's layout ``specs`` and of its scale tensor's (stored as itself; changed only where a
+    block turned dirty), by chunk index, ``reference`` advanced. One task per thread, tensors dealt largest first to the least
     loaded, each task's segments entropy coded together (``add_segments_from_planes``): a task
     per chunk costs a thread hand-off each, and its planes' compressor calls each give up and
     retake the GIL, which the other thread holds."""
@@ -275,7 +276,8 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
                 for index in range(spec.n_chunks):
                     start, stop = spec.chunk_span(index)
                     if new is not None:
-                        got = kernels.encode_add(ref[start:stop], new[start:stop], new.itemsize, True, DIGEST_IF_CHANGED)
+                        got = kernels.encode_add(ref[start:stop], new[start:stop], new.itemsize, True,
+                                                 DIGEST_IF_CHANGED)
                     else:
                         lo, hi = np.searchsorted(p.pos, (start, stop))
                         got = kernels.requant_delta(p.code, p.src, p.rows, p.cols, start // p.cols, stop // p.cols,
@@ -297,8 +299,9 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
 
 
 def _encoded_source(chunks: dict[int, _Coded]) -> ChunkSource:
-    """The source of a quantized tensor whose chunks :func:`_encode_chunks` encoded (and whose
-    reference it advanced): each changed chunk's segment, digest and the segment's SHA-256."""
+    """The source of a quantized tensor, or of its scale tensor, whose chunks
+    :func:`_encode_chunks` encoded (and whose reference it advanced): each changed chunk's
+    segment, digest and the segment's SHA-256."""
 
     def source(index: int, start: int, stop: int, old: np.ndarray) -> _Coded | None:
         return chunks.get(index)

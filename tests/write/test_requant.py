@@ -62,7 +62,8 @@ def _mark(code: int, src: np.ndarray, rows: int, cols: int, chunks: list, scales
     n_dirty = kernels.requant_rescale(code, src, rows, cols, scales, amax, dirty)
     parts = [got[start] for start in sorted(got)]
     return (n_dirty, np.frombuffer(b"".join(p[0] for p in parts), np.int64),
-            np.frombuffer(b"".join(p[1] for p in parts), np.uint8), np.frombuffer(b"".join(p[2] for p in parts), np.uint8))
+            np.frombuffer(b"".join(p[1] for p in parts), np.uint8),
+            np.frombuffer(b"".join(p[2] for p in parts), np.uint8))
 
 
 def _step(code: int, rows: int, cols: int, w0: torch.Tensor, w1: torch.Tensor, chunk_rows: int, *,
@@ -96,7 +97,8 @@ def _n_scales(code: int, rows: int, cols: int) -> int:
 
 
 @pytest.mark.parametrize("code", [0, 1], ids=["fp8-block128", "mxfp8"])
-@pytest.mark.parametrize(("seed", "order"), [(1, slice(None)), (2, slice(None)), (3, slice(None)), (1, slice(None, None, -1))],
+@pytest.mark.parametrize(("seed", "order"),
+                         [(1, slice(None)), (2, slice(None)), (3, slice(None)), (1, slice(None, None, -1))],
                          ids=["seed1", "seed2", "seed3", "seed1-chunks-classified-last-first"])
 def test_incremental_requantization_equals_a_full_one_byte_for_byte(code: int, seed: int, order: slice) -> None:
     rows, cols, chunk_rows = 300, 416, 70  # ragged blocks, chunks across block rows
