@@ -54,11 +54,14 @@ static PyObject *py_untrack(PyObject *self, PyObject *objects) {
  * the change lists a third of the scan that writes them). */
 #define POOL_MAX 64
 #define POOL_MIN_CAP (64 * 1024)
+/* What the pool may hold in all: after a version that changed much, it keeps no more than this. */
+#define POOL_MAX_BYTES ((size_t)256 * 1024 * 1024)
 static struct {
     void *p;
     size_t cap;
 } pool[POOL_MAX];
 static int pool_n;
+static size_t pool_bytes;
 
 void *ds_pool_get(size_t *cap) {
     if (pool_n == 0) {
@@ -67,14 +70,16 @@ void *ds_pool_get(size_t *cap) {
     }
     pool_n--;
     *cap = pool[pool_n].cap;
+    pool_bytes -= *cap;
     return pool[pool_n].p;
 }
 
 void ds_pool_put(void *p, size_t cap) {
-    if (p != NULL && cap >= POOL_MIN_CAP && pool_n < POOL_MAX) {
+    if (p != NULL && cap >= POOL_MIN_CAP && pool_n < POOL_MAX && pool_bytes + cap <= POOL_MAX_BYTES) {
         pool[pool_n].p = p;
         pool[pool_n].cap = cap;
         pool_n++;
+        pool_bytes += cap;
     } else {
         free(p);
     }

@@ -314,8 +314,9 @@ def add_segments_from_planes(chunks: Sequence[RawPlanes], level: int | None = DE
         sparse.append((i, planes, dict(width=width, count=count, n_changed=k, param=gw, aux=len(rest) // 4,
                                        n_escaped=len(esc) // width)))
     if sparse:
-        sections = encode_byte_sections(sparse[0][1], level) if len(sparse) == 1 else None
-        many = [sections] if sections is not None else encode_byte_sections_many([p for _, p, _ in sparse], level)
+        # one chunk (the store's own encoder, per chunk): its planes compressed one call each
+        many = ([encode_byte_sections(sparse[0][1], level)] if len(sparse) == 1
+                else encode_byte_sections_many([p for _, p, _ in sparse], level))
         for (i, _, head), secs in zip(sparse, many):
             out[i] = Segment(CODEC_ADD_SPARSE, pack(CODEC_ADD_SPARSE, sections=secs, **head), head["n_changed"])
     return out  # type: ignore[return-value]  # every None was filled

@@ -139,17 +139,18 @@ class Requantizer:
         return sinks
 
     def derive(self, state: Mapping[str, torch.Tensor], *, pool: Executor | None,
-               reuse: Mapping[str, torch.Tensor] | None, reference: Mapping[str, torch.Tensor] | None,
-               specs: Mapping[str, TensorSpec] | None, store_specs: Mapping[str, TensorSpec] | None,
-               changes: Mapping[str, list[ChunkChange]] | None, shared: set[str] | frozenset[str] = frozenset(),
-               threads: int = 1) -> Derived:
+               reuse: Mapping[str, torch.Tensor] | None = None, reference: Mapping[str, torch.Tensor] | None = None,
+               specs: Mapping[str, TensorSpec] | None = None, store_specs: Mapping[str, TensorSpec] | None = None,
+               changes: Mapping[str, list[ChunkChange]] | None = None,
+               shared: set[str] | frozenset[str] = frozenset(), threads: int = 1) -> Derived:
         """The stream's state of ``state``, and the chunk sources of its delta.
 
         Args:
             state: the store's version's state.
             pool, reuse: as for :func:`~deltastore.serving.formats.derive`; ``threads``: the
                 pool's size.
-            reference, specs: the stream's reference and layout (None: the version has no base).
+            reference, specs: the stream's reference and layout (None: the version has no base;
+                with none of these arguments the version is derived in full).
                 An incrementally requantized tensor's chunks of ``reference`` are advanced
                 here (the sources hand out their deltas): after a failure the caller drops it.
             store_specs, changes: the store's layout and the chunks its delta version changed

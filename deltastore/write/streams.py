@@ -202,8 +202,7 @@ class StreamWriter:
             # holds this version's bits, so there is nothing to diff it against; the stream reads
             # its previous version back (resume) or anchors
             self.drop()
-            derived, sources, incremental, reused = self._requant.derive(
-                state, pool=pool, reuse=None, reference=None, specs=None, store_specs=None, changes=None)
+            derived, sources, incremental, reused = self._requant.derive(state, pool=pool)
         del spare
         if self._reference is None and resume and tip is not None:
             self._resume(tip.version, derived)
@@ -216,8 +215,7 @@ class StreamWriter:
                 pass
         has_base = same_layout and self._reference is not None
         if incremental and not has_base:  # not reached (the layouts were compared): stand-ins hold old codes
-            derived, sources, incremental, reused = self._requant.derive(
-                state, pool=pool, reuse=None, reference=None, specs=None, store_specs=None, changes=None)
+            derived, sources, incremental, reused = self._requant.derive(state, pool=pool)
         stream_kind = "anchor" if kind == "anchor" or not has_base else "delta"
         specs = self._specs if same_layout and self._specs is not None else self.layout_policy.units(derived)
         if same_layout and self._layout is not None:

@@ -1,7 +1,8 @@
 """What the native ``gs://`` and ``az://`` backends promise alike, on fake-gcs-server and
-Azurite over HTTP: a missing bucket is one typed line, a precondition failure is never retried, lost responses are settled by
-reading, idle polls move no body, bytes altered in transit never stay stored nor get read,
-racing publishers commit once, and the bounded campaigns find nothing."""
+Azurite over HTTP: a missing bucket is one typed line, a precondition failure is never
+retried, lost responses are settled by reading, idle polls move no body, bytes altered in
+transit never stay stored nor get read, racing publishers commit once, and the bounded
+campaigns find nothing."""
 
 from __future__ import annotations
 
