@@ -14,12 +14,15 @@ them (``copy_`` into preallocated tensors, as benchmarks/perf.py measures it): e
 a difference or ratio of timings taken within a fraction of a second of each other, so that
 the machine's drift cancels out. It reports, per format and as ratios:
 
-- bytes per version (delta versions; the first version is an anchor everywhere and left out):
+- bytes per version (delta versions; the first and last versions are anchors and left out):
   the stream's against the bf16 stream's, and against a full quantized checkpoint per version
   (what a trainer uploading the quantized model at every step would upload);
 - the extra publish time of a delta version with the format over the bf16-only publish of the
   same state (derive, diff, encode, store), as a multiple of the copy timed beside it: the
   median and quartiles over every delta version of every round, in full and incrementally;
+- the extra publish time of an anchor after deltas (the last version: the middle step again,
+  ``anchor=True``), as a multiple of the copy, and spread over the versions between anchors
+  under the default anchor policy (the bf16 anchor's bytes over its delta bytes per version);
 - bit identity: at every version, a worker's applied stream (``Subscriber(format=...)``
   fast-forwarded with ``pull_into``) against the reference quantization of that version's bf16
   state (:func:`deltastore.serving.formats.derive` and the plain reference kernels of
@@ -99,8 +102,9 @@ def lockstep_round(states: list[dict[str, torch.Tensor]], root: Path,
     """One round: a publisher per configuration (CONFIGS) into new stores under ``root``, each
     state published by all of them in turn (the order rotated per state) and a copy timed
     beside them, so that every configuration's version is timed within a fraction of a second
-    of the others' (the machine's drift cancels out in their differences). Per configuration
-    its seconds per version; the copy's seconds per state; the stores' urls."""
+    of the others' (the machine's drift cancels out in their differences); the last state as an
+    anchor (``anchor=True``: after deltas, with a base). Per configuration its seconds per
+    version; the copy's seconds per state; the stores' urls."""
     urls = {name: str(root / ("store-" + name.replace(" ", "-"))) for name, _, _ in CONFIGS}
     for url in urls.values():
         shutil.rmtree(url, ignore_errors=True)
@@ -113,7 +117,7 @@ def lockstep_round(states: list[dict[str, torch.Tensor]], root: Path,
                 requant.ENABLED = incremental
                 try:
                     t0 = time.perf_counter()
-                    pubs[name].publish(state)
+                    pubs[name].publish(state, anchor=v == len(states) - 1 and v > 0)
                     seconds[name].append(time.perf_counter() - t0)
                 finally:
                     requant.ENABLED = True
@@ -162,7 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "serving.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    # the steps, then the middle one again as an anchor (an anchor after deltas: what the anchor
+    # policy writes now and then)
     states = load_workload(args.workload, args.steps)
+    states.append(states[len(states) // 2])
     model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
     copy = copy_timer(states[0])
     full = {fmt: sum(t.numel() * t.element_size() for t in derive(states[0], serving_format(fmt)).values())
@@ -182,30 +189,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         assert sizes[fmt] == sizes[fmt + " full"], fmt
 
     def deltas(name: str) -> list[float]:
-        """Seconds of the delta versions (the first, an anchor everywhere, left out), all rounds."""
-        return [x for xs in seconds[name] for x in xs[1:]]
+        """Seconds of the delta versions (the anchors, first and last, left out), all rounds."""
+        return [x for xs in seconds[name] for x in xs[1:-1]]
 
     def x_copy(name: str) -> list[float]:
         """Per delta version of each round: the extra publish time of ``name`` over bf16 alone
         for the same state, as a multiple of the copy timed beside them."""
         return [(x - b) / c for xs, bs, cs in zip(seconds[name], seconds["bf16"], copies)
-                for x, b, c in zip(xs[1:], bs[1:], cs[1:])]
+                for x, b, c in zip(xs[1:-1], bs[1:-1], cs[1:-1])]
+
+    def anchor_x_copy(name: str) -> list[float]:
+        """Per round: the extra publish time of ``name`` over bf16 alone for the last version,
+        an anchor after deltas, as a multiple of the copy timed beside them."""
+        return [(xs[-1] - bs[-1]) / cs[-1] for xs, bs, cs in zip(seconds[name], seconds["bf16"], copies)]
 
     def quartiles(xs: list[float]) -> list[float]:
         return statistics.quantiles(xs, n=4) if len(xs) > 1 else xs * 3
 
     copy_s = statistics.median(c for cs in copies for c in cs)
     base_s = statistics.median(deltas("bf16"))
-    bf16_bytes = statistics.mean(sizes["bf16"]["bf16"][1:])
+    bf16_bytes = statistics.mean(sizes["bf16"]["bf16"][1:-1])
+    # versions per anchor under the default anchor policy (the cost rule, beta = 1): an anchor
+    # once the delta bytes since the last one reach its full bytes
+    cadence = sizes["bf16"]["bf16"][0] / bf16_bytes
     result: dict[str, Any] = {
         "workload": args.workload, "versions": len(states), "rounds": args.repeats, "model_bytes": model_bytes,
         "memcpy_s": copy_s, "publish_bf16_s": base_s, "bf16_bytes_per_version": bf16_bytes,
-        "publish_bf16_x_memcpy": base_s / copy_s, "formats": {},
+        "publish_bf16_x_memcpy": base_s / copy_s, "anchor_cadence_versions": cadence, "formats": {},
     }
     for fmt in FORMATS:
         stream = sizes[fmt][fmt]
-        per_version = statistics.mean(stream[1:])
-        ratios, full_ratios = x_copy(fmt), x_copy(fmt + " full")
+        per_version = statistics.mean(stream[1:-1])
+        ratios, full_ratios, anchor = x_copy(fmt), x_copy(fmt + " full"), statistics.median(anchor_x_copy(fmt))
         result["formats"][fmt] = {
             "bytes_per_version": per_version,
             "x_bf16_stream": per_version / bf16_bytes,
@@ -219,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "extra_full_s": statistics.median(x - b for x, b in zip(deltas(fmt + " full"), deltas("bf16"))),
             "extra_full_x_memcpy": statistics.median(full_ratios),
             "extra_full_x_memcpy_quartiles": quartiles(full_ratios),
+            "anchor_extra_x_memcpy": anchor,
+            "anchor_extra_amortized_x_memcpy": anchor / cadence,
             "bit_identical_versions": identical[fmt],
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)

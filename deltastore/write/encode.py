@@ -130,11 +130,37 @@ class ChunkChange:
     new_values: Buffer | None
 
 
+@dataclass(frozen=True, slots=True)
+class AnchorChunk:
+    """One chunk of an anchor version, as :func:`encode_version` encoded it (its ``anchors``
+    argument): enough for a serving stream that keeps the tensor as the store stores it to take
+    the chunk's segments instead of encoding them again.
+
+    Attributes:
+        index, start, stop: the chunk's index and its elements ``[start, stop)`` of the tensor.
+        full, full_sha256: its full segment and that segment's SHA-256.
+        delta, delta_sha256: its delta segment against the reference and that segment's
+            SHA-256; None without a reference, or where the chunk did not change.
+        digest: the chunk's state digest.
+    """
+
+    index: int
+    start: int
+    stop: int
+    full: codec.Segment
+    full_sha256: str
+    delta: codec.Segment | None
+    delta_sha256: str | None
+    digest: str
+
+
 #: A chunk encoder for one tensor, in place of comparing its new bits with the reference:
-#: ``(index, start, stop, old)`` → ``(delta segment, state digest, the segment's SHA-256 or
-#: None)`` of chunk ``index`` (elements ``[start, stop)``; ``old`` is the reference chunk, to
-#: advance in place), or None when the chunk did not change.
-ChunkSource = Callable[[int, int, int, np.ndarray], "tuple[codec.Segment, str, str | None] | None"]
+#: ``(index, start, stop, old)`` → of a delta version, ``(delta segment, state digest, the
+#: segment's SHA-256 or None)`` of chunk ``index`` (elements ``[start, stop)``), or None when the
+#: chunk did not change; of an anchor, the chunk's :class:`AnchorChunk`. ``old`` is the
+#: reference chunk, to advance in place (None without a reference).
+ChunkSource = Callable[[int, int, int, "np.ndarray | None"],
+                       "tuple[codec.Segment, str, str | None] | AnchorChunk | None"]
 
 #: Takes a changed chunk's change list on the encode thread that listed it, right after the
 #: scan, while the list is in cache: ``(index, start, positions, old_values, new_values)`` as
@@ -441,6 +467,7 @@ def encode_version(
     change_lists: Collection[str] | None = None,
     sources: Mapping[str, ChunkSource] | None = None,
     sinks: Mapping[str, Sequence[ChangeSink]] | None = None,
+    anchors: dict[str, list[AnchorChunk]] | None = None,
 ) -> EncodedVersion:
     """Encode every chunk of ``state`` (a bounded number in flight) and upload the packs.
 
@@ -483,13 +510,15 @@ def encode_version(
             did not change).
         change_lists: the tensors whose :class:`ChunkChange` carry the change list (listing each
             changed element costs the scan a store per element); None: every one.
-        sources: of a delta version, tensors (stored as themselves) whose chunks are encoded by
-            the given :data:`ChunkSource` instead of from ``state`` (whose tensor then only
-            gives the layout's shape and dtype).
+        sources: tensors (stored as themselves) whose chunks are encoded by the given
+            :data:`ChunkSource` instead of from ``state`` (whose tensor then only gives the
+            layout's shape and dtype).
         sinks: with ``changes``, tensors whose change lists are handed to the given
             :data:`ChangeSink` (each changed chunk's, on its encode thread); their
             :class:`ChunkChange` carry the lists only when ``change_lists`` names them too.
             A sink that raises fails the version.
+        anchors: of an anchor version, the tensors (stored as themselves) named by its keys get
+            the :class:`AnchorChunk` of each of their chunks appended, in no particular order.
 
     Returns:
         The :class:`EncodedVersion`; every pack it lists is stored (with ``wait_stored``).
@@ -501,8 +530,8 @@ def encode_version(
         raise ValueError("a delta version needs a reference copy")
     if kind != "delta" or not kernels.NATIVE:
         changes = None  # gap planes come from the native kernel, of delta chunks
-    if kind != "delta":
-        sources = None
+    if kind != "anchor":
+        anchors = None
     plain = [n for n, sp in specs.items() if not sp.members and not sp.chunk_cols]
     if changes is not None:
         changes.update({n: [] for n in plain})
@@ -578,9 +607,17 @@ def encode_version(
     def job(ti: int, ci: int, name: str, a: int, b: int) -> _Encoded | None:
         spec = specs[name]  # chunk ``ci`` is elements [a, b) of it
         if sources and (source := sources.get(name)) is not None:
-            got = source(ci, a, b, ref_bits[name][a:b])
+            got = source(ci, a, b, ref_bits[name][a:b] if reference is not None else None)
             if got is None:
                 return None
+            if isinstance(got, AnchorChunk):
+                if kind != "anchor" or (got.delta is not None and reference is None):
+                    raise ValueError(f"{name!r} chunk {ci}: an anchor's chunk, in a {kind} version"
+                                     f"{'' if reference is not None else ' without a reference'}")
+                return _Encoded(ti, ci, got.digest, got.full, got.delta, full_sha256=got.full_sha256,
+                                delta_sha256=got.delta_sha256)
+            if kind != "delta":
+                raise ValueError(f"{name!r} chunk {ci}: a delta's chunk, in an anchor")
             seg, digest, sha = got
             return _Encoded(ti, ci, digest, None, seg, delta_sha256=sha if sha is not None else sha256_hex(seg.data))
         # A group row's chunk is gathered from its members into one buffer (design 007 D5), a
@@ -602,6 +639,8 @@ def encode_version(
         to = sinks.get(name) if sinks and record is not None else None
         listed: list[tuple[Buffer, Buffer, Buffer]] | None = [] if keep or to else None
         enc = encode_chunk(ti, ci, new, old, kind, floating[name], listed)
+        if anchors is not None and enc is not None and enc.full is not None and (kept := anchors.get(name)) is not None:
+            kept.append(AnchorChunk(ci, a, b, enc.full, enc.full_sha256 or "", enc.delta, enc.delta_sha256, enc.digest))
         if record is not None and enc is not None and enc.delta is not None:
             lists = listed[0] if listed else (None, None, None)
             if to and listed:

@@ -42,7 +42,8 @@ from deltastore.storage.probe import require_atomic_writes
 from deltastore.write.chain import VersionChain
 from deltastore.write.commit import attempt_clock
 from deltastore.write import requant
-from deltastore.write.encode import UPLOADS_IN_FLIGHT, ChangeSink, ChunkChange, LayoutWorks, encode_version
+from deltastore.write.encode import (UPLOADS_IN_FLIGHT, AnchorChunk, ChangeSink, ChunkChange, LayoutWorks,
+                                     encode_version)
 from deltastore.write.policy import (
     AnchorPolicy,
     AsyncPolicy,
@@ -496,12 +497,15 @@ class Publisher:
         own = next((f.name for f in self.formats if is_identity(f, state)), None)
         change_lists: set[str] = set()
         sinks: dict[str, list[ChangeSink]] = {}
+        derived = [w for n, w in self._streams.items() if n != own]
         if changes is not None:
-            derived = [w for n, w in self._streams.items() if n != own]
             change_lists = set().union(*(w.change_lists(state) for w in derived))
             for w in derived:
                 for name, sink in w.sinks(state, version).items():
                     sinks.setdefault(name, []).append(sink)
+        # an anchor's chunks of the tensors the streams keep as they are: their anchors take them
+        anchors: dict[str, list[AnchorChunk]] | None = (
+            {n: [] for n in set().union(*(w.kept(state) for w in derived))} if kind == "anchor" and derived else None)
         try:
             # The deadline runs from just before the attempt's first write (design 005 D3).
             deadline = attempt_clock() + self.writer_policy.max_attempt_s
@@ -510,7 +514,7 @@ class Publisher:
                 pool=self._pool, uploader=self._uploader, store=self.store, threads=self.threads,
                 attempt=draft.attempt, reference_bits=self._reference_bits if has_base else None,
                 gathered=gathered, layouts=self._layout_works, wait_stored=False, changes=changes,
-                change_lists=change_lists, sinks=sinks,
+                change_lists=change_lists, sinks=sinks, anchors=anchors,
             )
             # The manifest is built while the last packs are stored (encode_version handed them
             # to the uploader); nothing that names them is written before they are.
@@ -523,7 +527,8 @@ class Publisher:
                     encoded.wait_stored()  # no packs: returns at once
                     return self._unchanged()
                 built = self._build_streams(state, own, version=version, kind=kind, draft=draft, head=head, tip=tip,
-                                            step=step, meta=meta, changes=changes, specs=specs)
+                                            step=step, meta=meta, changes=changes, anchors=anchors,
+                                            has_base=has_base, specs=specs)
                 served = {"streams": tuple(b.ref for b in built), "stream": own} if self.formats else {}
                 layout_ref = chain.layout_ref(draft.attempt, layout, tip)
                 header = chain.header(draft, layout, layout_ref, step=step, metadata=meta, stats=encoded.stats,
@@ -573,11 +578,13 @@ class Publisher:
     def _build_streams(self, state: dict[str, torch.Tensor], own: str | None, *, version: int, kind: str,
                        draft: Any, head: Head | None, tip: Any, step: int | None, meta: dict[str, Any],
                        changes: dict[str, list[ChunkChange]] | None,
+                       anchors: dict[str, list[AnchorChunk]] | None, has_base: bool,
                        specs: dict[str, TensorSpec]) -> list[StreamVersion]:
         """Each declared format's version of ``state`` but ``own`` (the format ``state`` itself
         is), stored under the attempt and not yet committed (SPEC §15). ``changes``: what this
         delta version changed from the reference (the state of ``version - 1``), for the streams
-        to derive from; ``specs``: its layout."""
+        to derive from; ``anchors``: this anchor's chunks of the tensors they keep, encoded
+        against the reference where ``has_base``; ``specs``: its layout."""
         if not self.formats:
             return []
         parents = {r.format: r for r in tip.streams} if tip is not None else {}
@@ -591,6 +598,7 @@ class Publisher:
                 step=step, metadata=meta, pool=self._pool, uploader=self._uploader, threads=self.threads,
                 resume=self.writer_policy.resume, changes=changes, store_specs=specs,
                 store_reference=self._reference if changes is not None else None,
+                anchors=anchors, store_has_base=has_base,
             ))
         return sorted(built, key=lambda b: b.ref.format)
 

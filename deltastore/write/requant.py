@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Executor
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -43,7 +44,7 @@ from deltastore.format.keys import sha256_hex
 from deltastore.layout.tensors import TensorSpec, bits
 from deltastore.serving.formats import ServingFormat, derive
 from deltastore.serving.quantize import scale_shape
-from deltastore.write.encode import ChunkChange, ChunkSource
+from deltastore.write.encode import AnchorChunk, ChangeSink, ChunkChange, ChunkSource
 
 logger = logging.getLogger(__name__)
 
@@ -329,4 +330,53 @@ def _reuse_source(changes: list[ChunkChange], *, advance: bool) -> ChunkSource:
     return source
 
 
-__all__ = ["Derived", "Requantizer"]
+def anchor_sources(state: Mapping[str, torch.Tensor], fmt: ServingFormat, specs: Mapping[str, TensorSpec],
+                   store_specs: Mapping[str, TensorSpec], anchors: Mapping[str, list[AnchorChunk]], *,
+                   reference: Mapping[str, torch.Tensor] | None,
+                   shared: set[str] | frozenset[str]) -> dict[str, ChunkSource]:
+    """The chunk sources of a stream's anchor for the bfloat16 tensors it keeps as the store
+    stores them (stored as themselves in both layouts, ``specs`` and ``store_specs``, chunked
+    alike): the store's :class:`~deltastore.write.encode.AnchorChunk` of the same version
+    (``encode_version(anchors=)``), bit for bit what the stream would encode.
+
+    Args:
+        reference: the stream's reference, the state of the version before (its deltas are
+            then the store's, taken against the same bits); None: the anchor has no base (the
+            store's deltas are left out).
+        shared: kept tensors whose reference is the store's own (the store's encode advanced
+            it); the others' are advanced here.
+    """
+    out: dict[str, ChunkSource] = {}
+    for name, chunks in anchors.items():
+        t, spec, store_spec = state.get(name), specs.get(name), store_specs.get(name)
+        if (t is None or not _bf16_cpu(t) or fmt.selects(name, t.shape) or spec is None or store_spec is None
+                or not _plain(spec) or not _plain(store_spec) or spec.chunk_rows != store_spec.chunk_rows
+                or tuple(spec.shape) != tuple(store_spec.shape) or len(chunks) != spec.n_chunks):
+            continue
+        if reference is not None:
+            ref = reference.get(name)
+            if ref is None or ref.dtype != torch.bfloat16 or ref.shape != t.shape:
+                continue
+        out[name] = _anchor_source(chunks, new=bits(t) if reference is not None and name not in shared else None,
+                                   with_delta=reference is not None)
+    return out
+
+
+def _anchor_source(chunks: list[AnchorChunk], *, new: np.ndarray | None, with_delta: bool) -> ChunkSource:
+    """The source of a kept tensor's chunks in a stream's anchor: the store's anchor chunks
+    (without their deltas unless ``with_delta``), and the stream's reference advanced to
+    ``new`` (the tensor's bits; None: nothing to advance)."""
+    by_index = {c.index: c for c in chunks}
+
+    def source(index: int, start: int, stop: int, old: np.ndarray | None) -> AnchorChunk:
+        c = by_index[index]
+        if (c.start, c.stop) != (start, stop):  # not reached: the layouts' chunks were compared
+            raise ValueError(f"chunk {index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
+        if new is not None and old is not None:
+            old[...] = new[start:stop]
+        return c if with_delta or c.delta is None else replace(c, delta=None, delta_sha256=None)
+
+    return source
+
+
+__all__ = ["Derived", "Requantizer", "anchor_sources"]

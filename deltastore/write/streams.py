@@ -39,9 +39,9 @@ from deltastore.storage.base import Store
 from deltastore.storage.prefixed import PrefixedStore
 from deltastore.write.chain import Draft, Sealed, VersionChain
 from deltastore.write.commit import put_immutable
-from deltastore.write.encode import ChangeSink, ChunkChange, LayoutWorks, encode_version
+from deltastore.write.encode import AnchorChunk, ChangeSink, ChunkChange, ChunkSource, LayoutWorks, encode_version
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
-from deltastore.write.requant import Requantizer
+from deltastore.write.requant import Requantizer, anchor_sources
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,11 @@ class StreamWriter:
         return {n for n, t in state.items() if t.dtype == torch.bfloat16 and n not in self._shared
                 and not self.format.selects(n, t.shape)}
 
+    def kept(self, state: Mapping[str, torch.Tensor]) -> set[str]:
+        """The bfloat16 tensors of ``state`` this stream keeps as they are: its anchors take their
+        chunks from the store's anchor (``encode_version(anchors=)``) where the layouts agree."""
+        return {n for n, t in state.items() if t.dtype == torch.bfloat16 and not self.format.selects(n, t.shape)}
+
     def sinks(self, state: Mapping[str, torch.Tensor], version: int) -> dict[str, ChangeSink]:
         """The change sinks (``encode_version(sinks=)``) of the store's delta ``version`` of
         ``state``, for this stream's quantized tensors, when its reference holds the state of
@@ -143,11 +148,14 @@ class StreamWriter:
             return {}
         return self._requant.prepare(state, self._reference, self._specs)
 
-    def drop(self) -> None:
-        """Forget the reference (an attempt failed: encoding advanced it past every version)."""
+    def drop(self, *, blocks: bool = True) -> None:
+        """Forget the reference (an attempt failed: encoding advanced it past every version),
+        and the requantizer's blocks of it unless ``blocks`` is False (they are of the version
+        being derived)."""
         self._reference, self._reference_bits, self._reference_key = None, {}, None
         self._reference_version = None
-        self._requant.clear()
+        if blocks:
+            self._requant.clear()
         self._shared = set()
 
     def _parent_head(self, parent: Head | None, parent_ref: StreamRef | None) -> Head | None:
@@ -162,7 +170,8 @@ class StreamWriter:
               metadata: dict[str, Any], pool: Executor, uploader: Executor, threads: int,
               resume: bool, changes: Mapping[str, list[ChunkChange]] | None = None,
               store_specs: Mapping[str, TensorSpec] | None = None,
-              store_reference: Mapping[str, torch.Tensor] | None = None) -> StreamVersion:
+              store_reference: Mapping[str, torch.Tensor] | None = None,
+              anchors: Mapping[str, list[AnchorChunk]] | None = None, store_has_base: bool = False) -> StreamVersion:
         """Derive, encode and store this stream's ``version`` (see the module docstring).
 
         Args:
@@ -179,6 +188,10 @@ class StreamWriter:
                 (:mod:`deltastore.write.requant`); None derives it in full.
             store_reference: the store's reference, advanced to ``version`` (a kept tensor whose
                 chunks are the store's delta shares it from then on).
+            anchors, store_has_base: of the store's anchor ``version``, its chunks of the tensors
+                the stream keeps (``encode_version(anchors=)``), encoded against its reference
+                where ``store_has_base``: the stream's anchor takes them where the layouts agree
+                instead of encoding them again.
 
         Raises:
             InvalidStateDictError: a tensor the format cannot derive (named).
@@ -197,12 +210,22 @@ class StreamWriter:
             state, pool=pool, reuse=spare, reference=self._reference if based else None,
             specs=self._specs if based else None, store_specs=store_specs, changes=changes if based else None,
             shared=self._shared, threads=threads)
+        taken: dict[str, ChunkSource] = {}  # of an anchor: kept tensors' chunks, the store's
+        if (kind == "anchor" and anchors is not None and store_specs is not None and store_has_base
+                and self._reference is not None and self._specs is not None and self._reference_version == version - 1):
+            # with a base here too (known once the layout is compared below): the store's deltas
+            # are against the same bits, and cover the tensors whose reference is the store's
+            taken = anchor_sources(state, self.format, self._specs, store_specs, anchors,
+                                   reference=self._reference, shared=self._shared)
+            reused = reused | set(taken)
         if self._shared and not self._shared <= reused:
             # a shared tensor the store's delta does not cover this time: its reference already
             # holds this version's bits, so there is nothing to diff it against; the stream reads
-            # its previous version back (resume) or anchors
-            self.drop()
-            derived, sources, incremental, reused = self._requant.derive(state, pool=pool)
+            # its previous version back (resume) or anchors. A state derived in full (the store's
+            # anchor) stands as it is, and so do the blocks its derivation kept.
+            self.drop(blocks=bool(incremental))
+            if incremental:
+                derived, sources, incremental, reused = self._requant.derive(state, pool=pool)
         del spare
         if self._reference is None and resume and tip is not None:
             self._resume(tip.version, derived)
@@ -218,6 +241,11 @@ class StreamWriter:
             derived, sources, incremental, reused = self._requant.derive(state, pool=pool)
         stream_kind = "anchor" if kind == "anchor" or not has_base else "delta"
         specs = self._specs if same_layout and self._specs is not None else self.layout_policy.units(derived)
+        if kind == "anchor" and anchors is not None and store_specs is not None:
+            if not has_base:  # the store's full segments, not its deltas (this anchor has no base)
+                taken = anchor_sources(state, self.format, specs, store_specs, anchors, reference=None,
+                                       shared=frozenset())
+            sources = taken
         if same_layout and self._layout is not None:
             layout = self._layout
         else:

@@ -253,3 +253,72 @@ def test_kept_tensors_share_the_stores_reference_and_a_version_without_it_reads_
         for v in range(2, len(states) + 1):
             assert sub.pull_into(target, version=v)
             assert_bits_equal(target, derive(states[v - 1], fmt), f"v{v}")
+
+
+def _anchors(url: str, fmt: str) -> list[list[tuple]]:
+    """Per anchor of format ``fmt``'s stream: each chunk's (tensor, index, digest, full and delta
+    segments' SHA-256)."""
+    store = open_store(url)
+    history, streams = History(store), History(PrefixedStore(store, f"streams/{fmt}/"))
+    head = history.read_head()
+    assert head is not None
+    out = []
+    for v in range(1, head[0].version + 1):
+        _, m = history.resolve(v, head[0])
+        sm = streams.manifest(m.stream_ref(fmt).key[len(f"streams/{fmt}/"):])
+        if sm.kind == "anchor":
+            out.append([(t.name, c.index, c.digest, c.full.sha256 if c.full else None,
+                         c.delta.sha256 if c.delta else None) for t in sm.tensors for c in t.chunks])
+    return out
+
+
+def test_a_streams_anchor_takes_its_kept_tensors_chunks_from_the_stores_anchor(tmp_path, monkeypatch) -> None:
+    from deltastore import Subscriber
+    from deltastore.serving.formats import derive, serving_format
+    from deltastore.write import streams
+    from testkit.tensors import assert_bits_equal
+
+    states = [_model(0)]
+    for i in range(1, 7):
+        states.append(_changed_state(states[-1], i))
+    layout = LayoutPolicy(chunk_bytes=32 * 1024)
+    anchors = {2, 5}  # after deltas: the stream shares its kept tensors' reference with the store
+    taken: list[set[str]] = []
+    resumed: list[int] = []
+    spy, resume = streams.anchor_sources, streams.StreamWriter._resume
+
+    def anchor_sources(*a, **k):
+        got = spy(*a, **k)
+        taken.append(set(got))
+        return got
+
+    def counted_resume(self, version, derived):
+        resumed.append(version)
+        return resume(self, version, derived)
+
+    monkeypatch.setattr(streams, "anchor_sources", anchor_sources)
+    monkeypatch.setattr(streams.StreamWriter, "_resume", counted_resume)
+    urls = {"taken": str(tmp_path / "taken"), "encoded": str(tmp_path / "encoded")}
+    with Publisher(urls["taken"], formats=("bf16", "fp8-block128"), layout_policy=layout) as pub:
+        for i, s in enumerate(states):
+            pub.publish(s, anchor=i in anchors)
+    kept = {"model.embed_tokens.weight", "model.norm.weight"}
+    # every anchor, the first (no base) included; no stream version read back
+    assert taken == [kept] * (1 + len(anchors)) and resumed == []
+    # the same publisher encoding its anchors' kept tensors itself: the same stream, bit for bit
+    monkeypatch.setattr(streams, "anchor_sources", lambda *a, **k: {})
+    with Publisher(urls["encoded"], formats=("bf16", "fp8-block128"), layout_policy=layout) as pub:
+        for i, s in enumerate(states):
+            pub.publish(s, anchor=i in anchors)
+    assert resumed  # its anchors read the stream's version before back, for a base to diff against
+    got = _anchors(urls["taken"], "fp8-block128")
+    assert got == _anchors(urls["encoded"], "fp8-block128") and len(got) == 1 + len(anchors)
+    assert any(c[4] is not None for c in got[1])  # the anchors after deltas carry deltas too
+    fmt = serving_format("fp8-block128")
+    with Subscriber(urls["taken"], format="fp8-block128") as sub:
+        target = sub.pull(1)
+        for v in range(2, len(states) + 1):
+            assert sub.pull_into(target, version=v)
+            assert_bits_equal(target, derive(states[v - 1], fmt), f"v{v}")
+        for v in (a + 1 for a in anchors):  # each anchor read as a snapshot too
+            assert_bits_equal(sub.pull(v), derive(states[v - 1], fmt), f"anchor v{v}")
