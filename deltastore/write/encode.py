@@ -611,9 +611,10 @@ def encode_version(
             if got is None:
                 return None
             if isinstance(got, AnchorChunk):
-                if kind != "anchor" or (got.delta is not None and reference is None):
-                    raise ValueError(f"{name!r} chunk {ci}: an anchor's chunk, in a {kind} version"
-                                     f"{'' if reference is not None else ' without a reference'}")
+                if kind != "anchor":
+                    raise ValueError(f"{name!r} chunk {ci}: an anchor's chunk, in a delta version")
+                if got.delta is not None and reference is None:
+                    raise ValueError(f"{name!r} chunk {ci}: a delta segment, in an anchor without a reference")
                 return _Encoded(ti, ci, got.digest, got.full, got.delta, full_sha256=got.full_sha256,
                                 delta_sha256=got.delta_sha256)
             if kind != "delta":

@@ -322,3 +322,37 @@ def test_a_streams_anchor_takes_its_kept_tensors_chunks_from_the_stores_anchor(t
             assert_bits_equal(target, derive(states[v - 1], fmt), f"v{v}")
         for v in (a + 1 for a in anchors):  # each anchor read as a snapshot too
             assert_bits_equal(sub.pull(v), derive(states[v - 1], fmt), f"anchor v{v}")
+
+
+def test_an_anchors_chunks_are_handed_over_and_a_source_of_the_other_kind_is_refused(tmp_path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    from deltastore.format.keys import sha256_hex
+    from deltastore.write.encode import encode_version
+
+    state = _model(0)
+    specs = LayoutPolicy(chunk_bytes=32 * 1024).units(state)
+    name = "model.embed_tokens.weight"
+    store = open_store(str(tmp_path / "s"))
+    with ThreadPoolExecutor(2) as pool, ThreadPoolExecutor(4) as uploader:
+        def encode(kind, reference, **kw):
+            return encode_version(state, specs, kind=kind, reference=reference, pool=pool, uploader=uploader,
+                                  store=store, threads=2, attempt="0123456789abcdef", **kw)
+
+        anchors = {name: []}
+        encoded = encode("anchor", None, anchors=anchors)
+        chunks = sorted(anchors[name], key=lambda c: c.index)
+        entry = next(e for e in encoded.entries if e.name == name)
+        assert [c.index for c in chunks] == [c.index for c in entry.chunks] and len(chunks) > 1
+        for c, e in zip(chunks, entry.chunks):
+            assert c.delta is None and c.digest == e.digest and c.full_sha256 == e.full.sha256
+            assert sha256_hex(c.full.data) == c.full_sha256
+        by_index = {c.index: c for c in chunks}
+        reference = {n: t.clone() for n, t in state.items()}
+        with pytest.raises(ValueError, match="an anchor's chunk, in a delta version"):
+            encode("delta", reference, sources={name: lambda i, a, b, old: by_index[i]})
+        with pytest.raises(ValueError, match="a delta's chunk, in an anchor"):
+            encode("anchor", None, sources={name: lambda i, a, b, old: (by_index[i].full, by_index[i].digest, None)})
+        with pytest.raises(ValueError, match="a delta segment, in an anchor without a reference"):
+            encode("anchor", None, sources={name: lambda i, a, b, old: replace(by_index[i], delta=by_index[i].full)})
