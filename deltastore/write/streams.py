@@ -221,11 +221,12 @@ class StreamWriter:
         if self._shared and not self._shared <= reused:
             # a shared tensor the store's delta does not cover this time: its reference already
             # holds this version's bits, so there is nothing to diff it against; the stream reads
-            # its previous version back (resume) or anchors. A state derived in full (the store's
-            # anchor) stands as it is, and so do the blocks its derivation kept.
+            # its previous version back (resume) or anchors. A state derived in full stands as it
+            # is, and so do the blocks its derivation kept; nothing is taken from the store.
             self.drop(blocks=bool(incremental))
             if incremental:
                 derived, sources, incremental, reused = self._requant.derive(state, pool=pool)
+            sources, reused, taken = {}, set(), {}
         del spare
         if self._reference is None and resume and tip is not None:
             self._resume(tip.version, derived)
