@@ -138,7 +138,6 @@ def test_a_reference_that_is_not_the_changes_start_is_refused() -> None:
 
 def test_inconsistent_change_lists_are_refused() -> None:
     scales, amax, dirty = np.ones(1, np.float32), np.zeros(1, np.uint16), np.empty(1, np.uint8)
-    src = np.zeros(128 * 128, np.uint16)
 
     def u32(*xs: int) -> bytes:
         return np.array(xs, np.uint32).tobytes()
@@ -174,8 +173,9 @@ def _model(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _streams(url: str, fmt: str) -> list[list[tuple]]:
-    """Per version of format ``fmt``'s stream: each chunk's (tensor, index, digest, delta's SHA-256)."""
+def _streams(url: str, fmt: str, *, kind: str | None = None) -> list[list[tuple]]:
+    """Per version of format ``fmt``'s stream (of ``kind`` only, when given): each chunk's
+    (tensor, index, digest, full and delta segments' SHA-256)."""
     store = open_store(url)
     history, streams = History(store), History(PrefixedStore(store, f"streams/{fmt}/"))
     head = history.read_head()
@@ -183,9 +183,10 @@ def _streams(url: str, fmt: str) -> list[list[tuple]]:
     out = []
     for v in range(1, head[0].version + 1):
         _, m = history.resolve(v, head[0])
-        ref = m.stream_ref(fmt)
-        sm = streams.manifest(ref.key[len(f"streams/{fmt}/"):])
-        out.append([(t.name, c.index, c.digest, c.delta.sha256 if c.delta else None) for t in sm.tensors for c in t.chunks])
+        sm = streams.manifest(m.stream_ref(fmt).key[len(f"streams/{fmt}/"):])
+        if kind is None or sm.kind == kind:
+            out.append([(t.name, c.index, c.digest, c.full.sha256 if c.full else None,
+                         c.delta.sha256 if c.delta else None) for t in sm.tensors for c in t.chunks])
     return out
 
 
@@ -255,23 +256,6 @@ def test_kept_tensors_share_the_stores_reference_and_a_version_without_it_reads_
             assert_bits_equal(target, derive(states[v - 1], fmt), f"v{v}")
 
 
-def _anchors(url: str, fmt: str) -> list[list[tuple]]:
-    """Per anchor of format ``fmt``'s stream: each chunk's (tensor, index, digest, full and delta
-    segments' SHA-256)."""
-    store = open_store(url)
-    history, streams = History(store), History(PrefixedStore(store, f"streams/{fmt}/"))
-    head = history.read_head()
-    assert head is not None
-    out = []
-    for v in range(1, head[0].version + 1):
-        _, m = history.resolve(v, head[0])
-        sm = streams.manifest(m.stream_ref(fmt).key[len(f"streams/{fmt}/"):])
-        if sm.kind == "anchor":
-            out.append([(t.name, c.index, c.digest, c.full.sha256 if c.full else None,
-                         c.delta.sha256 if c.delta else None) for t in sm.tensors for c in t.chunks])
-    return out
-
-
 def test_a_streams_anchor_takes_its_kept_tensors_chunks_from_the_stores_anchor(tmp_path, monkeypatch) -> None:
     from deltastore import Subscriber
     from deltastore.serving.formats import derive, serving_format
@@ -311,8 +295,9 @@ def test_a_streams_anchor_takes_its_kept_tensors_chunks_from_the_stores_anchor(t
         for i, s in enumerate(states):
             pub.publish(s, anchor=i in anchors)
     assert resumed  # its anchors read the stream's version before back, for a base to diff against
-    got = _anchors(urls["taken"], "fp8-block128")
-    assert got == _anchors(urls["encoded"], "fp8-block128") and len(got) == 1 + len(anchors)
+    got = _streams(urls["taken"], "fp8-block128", kind="anchor")
+    assert got == _streams(urls["encoded"], "fp8-block128", kind="anchor") and len(got) == 1 + len(anchors)
+    assert _streams(urls["taken"], "fp8-block128") == _streams(urls["encoded"], "fp8-block128")
     assert any(c[4] is not None for c in got[1])  # the anchors after deltas carry deltas too
     fmt = serving_format("fp8-block128")
     with Subscriber(urls["taken"], format="fp8-block128") as sub:
