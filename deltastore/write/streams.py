@@ -247,6 +247,8 @@ class StreamWriter:
                 taken = anchor_sources(state, self.format, specs, store_specs, anchors, reference=None,
                                        shared=frozenset())
             sources = taken
+        elif stream_kind == "anchor":  # the stream anchors on its own: every chunk is encoded here
+            sources = {}
         if same_layout and self._layout is not None:
             layout = self._layout
         else:
