@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltastore._util import kernels
 from deltastore.errors import (
     BaseElsewhereError,
     CorruptObjectError,
@@ -39,6 +38,7 @@ from deltastore.format.models import (
     PartRef,
     SquashManifest,
     SquashRef,
+    untrack_entries,
 )
 from deltastore.format.objects import decode_object
 from deltastore.format.parse import MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, parse_head
@@ -115,28 +115,6 @@ PARSED_HEADER_BYTES = 8 * 1024
 
 def _parsed_bytes(m: Manifest) -> int:
     return PARSED_HEADER_BYTES + PARSED_CHUNK_BYTES * sum(len(t.chunks) for t in m.tensors)
-
-
-def _untrack_table(m: Manifest) -> None:
-    """Take a parsed manifest's chunk table out of the cyclic collector's sets
-    (docs/design/006-native-kernels.md). A History caches up to MANIFEST_CACHE_ENTRIES
-    manifests, ~3 objects per tensor and per listed chunk each, which the collector would
-    otherwise promote into its old generation and walk in every full pass. The entries are
-    frozen models whose fields are ints, strings, tuples of ints and other entries: a tree,
-    never part of a cycle, which is what an untracked object must be (CPython untracks tuples
-    and dicts of atomic values itself). Without the native extension they stay tracked."""
-    untrack = kernels.untrack
-    if untrack is None:
-        return
-    objs: list[Any] = []
-    for t in m.tensors:
-        for c in t.chunks:
-            for s in (c.full, c.delta):
-                if s is not None:
-                    objs += (s.__dict__, s.__pydantic_fields_set__, s)
-            objs += (c.__dict__, c.__pydantic_fields_set__, c)
-        objs += (t.chunks, t.__dict__, t.__pydantic_fields_set__, t)
-    untrack(objs)
 
 
 #: Layouts kept per History: a store changes layout rarely, and a reader needs the layouts of
@@ -263,7 +241,7 @@ class History:
                            parts=self._part)
         if self._check is not None:
             self._check(key, m)
-        _untrack_table(m)
+        untrack_entries(m.tensors)  # a cached manifest's chunk table
         with self._lock:
             if key not in self._manifests:
                 self._manifests[key] = m

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -454,6 +454,29 @@ class SquashManifest(_Model):
 
     def references(self) -> list[str]:
         return [b.key for b in self.blobs]
+
+
+def untrack_entries(tensors: Iterable[TensorEntry]) -> None:
+    """Take tensor entries, their chunk entries and segment refs out of the cyclic collector's
+    sets (docs/design/006-native-kernels.md): a manifest's chunk table, ~3 objects per tensor
+    and per listed chunk, that lives as long as its version is cached or is the writer's last,
+    which the collector would otherwise promote into its old generation and walk in every full
+    pass. The entries are frozen models whose fields are ints, strings, tuples of ints and other
+    entries: a tree, never part of a cycle, which is what an untracked object must be (CPython
+    untracks tuples and dicts of atomic values itself). Without the native extension they stay
+    tracked."""
+    untrack = kernels.untrack
+    if untrack is None:
+        return
+    objs: list[Any] = []
+    for t in tensors:
+        for c in t.chunks:
+            for s in (c.full, c.delta):
+                if s is not None:
+                    objs += (s.__dict__, s.__pydantic_fields_set__, s)
+            objs += (c.__dict__, c.__pydantic_fields_set__, c)
+        objs += (t.chunks, t.__dict__, t.__pydantic_fields_set__, t)
+    untrack(objs)
 
 
 def dump(model: BaseModel) -> bytes:

@@ -38,7 +38,7 @@ from deltastore.layout.groups import (
 from deltastore._util import kernels
 from deltastore._util.jobs import grouped
 from deltastore.format.keys import OBJECT_PREFIX, object_key, sha256_hex
-from deltastore.format.models import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry
+from deltastore.format.models import BlobRef, ChunkEntry, SegmentRef, Stats, TensorEntry, untrack_entries
 from deltastore.format.tables import unchecked_entry
 from deltastore.storage.base import Store, StreamedPut
 from deltastore.layout.tensors import TensorSpec, bits, state_digest, torch_dtype
@@ -782,5 +782,7 @@ def encode_version(
         delta_bytes=delta_packs.bytes_written if attempt is not None else None,
         full_bytes=full_packs.bytes_written if attempt is not None else None,
     )
+    # the chunk table lives as long as the writer's last version: out of the collector's sets
+    untrack_entries(entries)
     return EncodedVersion(entries=tuple(entries), stats=stats, blobs=tuple(delta_packs.blobs + full_packs.blobs),
                           pending=None if wait_stored else stored)

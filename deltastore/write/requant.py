@@ -72,16 +72,21 @@ class _Marks:
         self.chunks: dict[int, tuple[bytes, bytes, bytes]] = {}  # chunk index → positions, old, new codes
 
 
-def _sink(code: int, rows: int, cols: int, scales: np.ndarray, amax: np.ndarray, marks: _Marks) -> ChangeSink:
+class _Sink:
     """The change sink of one quantized tensor: classifies each changed chunk into ``marks``
     against the blocks of the stream's reference (read only; the chunks of a tensor may be
-    classified on several threads at once)."""
+    classified on several threads at once). A slotted object, not a closure: one object the
+    cyclic collector tracks per tensor and version instead of a function and its cells."""
 
-    def sink(index: int, start: int, positions: object, old_values: object, new_values: object) -> None:
-        marks.chunks[index] = kernels.requant_classify(code, rows, cols, start, positions, old_values, new_values,
-                                                       scales, amax, marks.dirty)
+    __slots__ = ("code", "rows", "cols", "scales", "amax", "marks")
 
-    return sink
+    def __init__(self, code: int, rows: int, cols: int, scales: np.ndarray, amax: np.ndarray, marks: _Marks):
+        self.code, self.rows, self.cols, self.scales, self.amax, self.marks = code, rows, cols, scales, amax, marks
+
+    def __call__(self, index: int, start: int, positions: object, old_values: object, new_values: object) -> None:
+        marks = self.marks
+        marks.chunks[index] = kernels.requant_classify(self.code, self.rows, self.cols, start, positions, old_values,
+                                                       new_values, self.scales, self.amax, marks.dirty)
 
 
 class Derived(NamedTuple):
@@ -136,7 +141,7 @@ class Requantizer:
                 continue
             marks = self._marks[name] = _Marks(blocks[0].size)
             rows, cols = t.shape
-            sinks[name] = _sink(code, rows, cols, blocks[1], blocks[0], marks)
+            sinks[name] = _Sink(code, rows, cols, blocks[1], blocks[0], marks)
         return sinks
 
     def derive(self, state: Mapping[str, torch.Tensor], *, pool: Executor | None,
@@ -184,7 +189,7 @@ class Requantizer:
         plans = [self._requantize(n, state[n], changes[n], marks[n]) for n in quantized]  # type: ignore[index]
         assert not plans or (reference is not None and specs is not None)
         encoded = _encode_chunks(plans, reference, specs, suffix or "", pool, threads)  # type: ignore[arg-type]
-        marked = {p.name: (p.scale, _encoded_source(q), _encoded_source(sc)) for p, (q, sc) in zip(plans, encoded)}
+        marked = {p.name: (p.scale, _EncodedSource(q), _EncodedSource(sc)) for p, (q, sc) in zip(plans, encoded)}
         given = {n: (reference[n], scale) for n, (scale, _, _) in marked.items()} if reference is not None else {}
         amax: dict[str, np.ndarray] = {}
         derived = derive(state, fmt, pool=pool, reuse=reuse, amax=amax, given=given)
@@ -201,7 +206,7 @@ class Requantizer:
                 sources[name + suffix] = scale_source
         for name in kept:
             assert changes is not None
-            sources[name] = _reuse_source(changes[name], advance=name not in shared)
+            sources[name] = _ReuseSource(changes[name], advance=name not in shared)
         logger.debug("%s: %d tensors requantized incrementally, %d reuse the store's delta, %d derived in full",
                      fmt.name, len(marked), len(kept), len(amax))
         return Derived(derived, sources, set(marked), set(kept))
@@ -300,34 +305,40 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
     return out
 
 
-def _encoded_source(chunks: dict[int, _Coded]) -> ChunkSource:
+class _EncodedSource:
     """The source of a quantized tensor, or of its scale tensor, whose chunks
     :func:`_encode_chunks` encoded (and whose reference it advanced): each changed chunk's
-    segment, digest and the segment's SHA-256."""
+    segment, digest and the segment's SHA-256 (slotted, as :class:`_Sink`)."""
 
-    def source(index: int, start: int, stop: int, old: np.ndarray) -> _Coded | None:
-        return chunks.get(index)
+    __slots__ = ("chunks",)
 
-    return source
+    def __init__(self, chunks: dict[int, _Coded]):
+        self.chunks = chunks
+
+    def __call__(self, index: int, start: int, stop: int, old: np.ndarray | None) -> _Coded | None:
+        return self.chunks.get(index)
 
 
-def _reuse_source(changes: list[ChunkChange], *, advance: bool) -> ChunkSource:
+class _ReuseSource:
     """The source of a tensor a stream keeps as the store stores it: the store's chunk deltas,
     and the stream's own reference advanced where they changed it (``advance``; not when the
-    reference is the store's)."""
-    by_index = {c.index: c for c in changes}
+    reference is the store's). Slotted, as :class:`_Sink`."""
 
-    def source(index: int, start: int, stop: int, old: np.ndarray) -> tuple[Segment, str, str] | None:
-        c = by_index.get(index)
+    __slots__ = ("by_index", "advance")
+
+    def __init__(self, changes: list[ChunkChange], *, advance: bool):
+        self.by_index = {c.index: c for c in changes}
+        self.advance = advance
+
+    def __call__(self, index: int, start: int, stop: int, old: np.ndarray | None) -> tuple[Segment, str, str] | None:
+        c = self.by_index.get(index)
         if c is None:
             return None
         if (c.start, c.stop) != (start, stop):  # not reached: the layouts' chunks were compared
             raise ValueError(f"chunk {index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
-        if advance:
+        if self.advance and old is not None:
             kernels.scatter_changes(old, old.itemsize, c.positions, c.new_values)
         return c.delta, c.digest, c.delta_sha256
-
-    return source
 
 
 def anchor_sources(state: Mapping[str, torch.Tensor], fmt: ServingFormat, specs: Mapping[str, TensorSpec],

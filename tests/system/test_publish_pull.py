@@ -482,7 +482,7 @@ def test_cached_chunk_tables_are_out_of_the_collectors_sight(tmp_path):
 def test_chunk_table_entries_can_hold_nothing_that_could_close_a_cycle():
     """History untracks chunk-table entries on the premise that they form a tree: their fields
     hold ints, strings, tuples of those, None and other entries, never a mutable container. A
-    field of another kind added to these models must revisit history._untrack_table."""
+    field of another kind added to these models must revisit models.untrack_entries."""
     import types
     import typing
 

@@ -18,7 +18,7 @@ from deltastore import Publisher, StorageError, Subscriber
 from deltastore.codec.container import Segment
 from deltastore.storage import open_store
 from deltastore.write import encode
-from deltastore.write.policy import AnchorPolicy, WriterPolicy
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from testkit.manifest_docs import read_manifest_doc
 from testkit.stores import WrappedStore
 from testkit.tensors import assert_bits_equal, small_state, sparse_edit
@@ -528,3 +528,27 @@ def test_reference_views_are_made_once_per_reference_and_write_the_same_packs(mo
         return shas
 
     assert run("cached", cache=True) == run("per-call", cache=False)
+
+
+def test_the_chunk_table_a_writer_builds_is_out_of_the_collectors_sets(tmp_path) -> None:
+    """encode_version untracks the entries it returns (they live as long as the writer's last
+    version; design 006, the cyclic collector), and they are freed by reference counting."""
+    import gc
+    import weakref
+
+    from deltastore._util import kernels
+
+    state = small_state(0, n=3, rows=16)
+    store = open_store(str(tmp_path / "s"))
+    with ThreadPoolExecutor(2) as pool, ThreadPoolExecutor(2) as uploader:
+        encoded = encode.encode_version(state, LayoutPolicy().units(state), kind="anchor", reference=None, pool=pool,
+                                        uploader=uploader, store=store, threads=2, attempt=uuid.uuid4().hex[:16])
+    entries = [*encoded.entries, *(c for t in encoded.entries for c in t.chunks)]
+    refs = [s for t in encoded.entries for c in t.chunks for s in (c.full, c.delta) if s is not None]
+    assert entries and refs
+    tracked = [gc.is_tracked(o) for o in [*entries, *refs, *(t.__dict__ for t in encoded.entries)]]
+    assert not any(tracked) if kernels.untrack is not None else all(tracked[:len(entries) + len(refs)])
+    gone = weakref.ref(encoded.entries[0].chunks[0])
+    del encoded, entries, refs
+    assert gone() is None  # no collection needed
+
