@@ -257,10 +257,10 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
     """Per plan: its dirty blocks' scales and maxima requantized (``requant_rescale``), then the
     delta segments, state digests and the segments' SHA-256 of its changed chunks of the
     stream's layout ``specs`` and of its scale tensor's (stored as itself; changed only where a
-    block turned dirty), by chunk index, ``reference`` advanced. One task per thread, tensors dealt largest first to the least
-    loaded, each task's segments entropy coded together (``add_segments_from_planes``): a task
-    per chunk costs a thread hand-off each, and its planes' compressor calls each give up and
-    retake the GIL, which the other thread holds."""
+    block turned dirty), by chunk index, ``reference`` advanced. One task per thread, tensors
+    dealt largest first to the least loaded, each task's segments entropy coded together
+    (``add_segments_from_planes``): a task per chunk costs a thread hand-off each, and its
+    planes' compressor calls each give up and retake the GIL, which the other thread holds."""
     parts: list[list[int]] = [[] for _ in range(max(1, threads if pool is not None else 1))]
     loads = [0] * len(parts)
     for k in sorted(range(len(plans)), key=lambda k: -plans[k].src.size):
@@ -334,8 +334,7 @@ class _ReuseSource:
         c = self.by_index.get(index)
         if c is None:
             return None
-        if (c.start, c.stop) != (start, stop):  # not reached: the layouts' chunks were compared
-            raise ValueError(f"chunk {index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
+        _check_span(c, start, stop)
         if self.advance and old is not None:
             kernels.scatter_changes(old, old.itemsize, c.positions, c.new_values)
         return c.delta, c.digest, c.delta_sha256
@@ -368,26 +367,35 @@ def anchor_sources(state: Mapping[str, torch.Tensor], fmt: ServingFormat, specs:
             ref = reference.get(name)
             if ref is None or ref.dtype != torch.bfloat16 or ref.shape != t.shape:
                 continue
-        out[name] = _anchor_source(chunks, new=bits(t) if reference is not None and name not in shared else None,
-                                   with_delta=reference is not None)
+        out[name] = _AnchorSource(chunks, new=bits(t) if reference is not None and name not in shared else None,
+                                  with_delta=reference is not None)
     return out
 
 
-def _anchor_source(chunks: list[AnchorChunk], *, new: np.ndarray | None, with_delta: bool) -> ChunkSource:
+class _AnchorSource:
     """The source of a kept tensor's chunks in a stream's anchor: the store's anchor chunks
     (without their deltas unless ``with_delta``), and the stream's reference advanced to
-    ``new`` (the tensor's bits; None: nothing to advance)."""
-    by_index = {c.index: c for c in chunks}
+    ``new`` (the tensor's bits; None: nothing to advance). Slotted, as :class:`_Sink`."""
 
-    def source(index: int, start: int, stop: int, old: np.ndarray | None) -> AnchorChunk:
-        c = by_index[index]
-        if (c.start, c.stop) != (start, stop):  # not reached: the layouts' chunks were compared
-            raise ValueError(f"chunk {index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
-        if new is not None and old is not None:
-            old[...] = new[start:stop]
-        return c if with_delta or c.delta is None else replace(c, delta=None, delta_sha256=None)
+    __slots__ = ("by_index", "new", "with_delta")
 
-    return source
+    def __init__(self, chunks: list[AnchorChunk], *, new: np.ndarray | None, with_delta: bool):
+        self.by_index = {c.index: c for c in chunks}
+        self.new, self.with_delta = new, with_delta
+
+    def __call__(self, index: int, start: int, stop: int, old: np.ndarray | None) -> AnchorChunk:
+        c = self.by_index[index]
+        _check_span(c, start, stop)
+        if self.new is not None and old is not None:
+            old[...] = self.new[start:stop]
+        return c if self.with_delta or c.delta is None else replace(c, delta=None, delta_sha256=None)
+
+
+def _check_span(c: ChunkChange | AnchorChunk, start: int, stop: int) -> None:
+    """The store's chunk ``c`` spans the stream's ``[start, stop)`` (not reached when it does
+    not: the callers compared the layouts' chunks)."""
+    if (c.start, c.stop) != (start, stop):
+        raise ValueError(f"chunk {c.index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
 
 
 __all__ = ["Derived", "Requantizer", "anchor_sources"]

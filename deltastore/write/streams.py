@@ -132,8 +132,7 @@ class StreamWriter:
         stream's next version derives from: the bfloat16 ones it keeps, but those it already
         shares with the store (their chunks are the store's as they are). Its quantized
         tensors take theirs through :meth:`sinks`."""
-        return {n for n, t in state.items() if t.dtype == torch.bfloat16 and n not in self._shared
-                and not self.format.selects(n, t.shape)}
+        return self.kept(state) - self._shared
 
     def kept(self, state: Mapping[str, torch.Tensor]) -> set[str]:
         """The bfloat16 tensors of ``state`` this stream keeps as they are: its anchors take their
