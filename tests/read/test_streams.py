@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore._util import kernels
 from deltastore.errors import IntegrityError, StorageError, UnknownFormatError
 from deltastore.format.keys import HEAD_KEY
 from deltastore.lifecycle.gc import collect
@@ -169,6 +170,106 @@ def test_a_failed_commit_shows_no_stream_and_the_next_publish_continues_every_ch
         with Subscriber(url, format=name) as sub:
             assert sub.latest().version == 2
             assert_bits_equal(sub.pull(2), derive(states[2], serving_format(name)))
+
+
+class _StreamPutFaults(WrappedStore):
+    """Fails the next put under ``prefix`` whose key contains ``part`` once armed: refused, or
+    ``landed`` (written, then the response lost)."""
+
+    def __init__(self, inner, prefix: str, part: str, *, landed: bool):
+        super().__init__(inner)
+        self.prefix, self.part, self.landed, self.armed, self.fired = prefix, part, landed, False, 0
+
+    def put(self, key, data, *, mode="overwrite"):
+        if self.armed and key.startswith(self.prefix) and self.part in key:
+            self.armed = False
+            self.fired += 1
+            if self.landed:
+                super().put(key, data, mode=mode)
+            raise StorageError(f"injected: put of {key} {'lost its response' if self.landed else 'refused'}")
+        return super().put(key, data, mode=mode)
+
+
+@pytest.mark.parametrize(("part", "landed"), [("/objects/", False), ("/objects/", True), ("/manifests/", False),
+                                              ("/manifests/", True)])
+def test_a_stream_write_that_fails_mid_version_commits_nothing_and_every_chain_goes_on_bit_exact(
+        tmp_path, monkeypatch, part: str, landed: bool) -> None:
+    # the failing version is a delta whose quantized tensors are requantized incrementally (the
+    # stream's reference advanced while it was encoded): the next one must not build on it
+    walks = {"n": 0}
+    if kernels.requant_delta is not None:
+        def counted(*a, kernel=kernels.requant_delta):
+            walks["n"] += 1
+            return kernel(*a)
+
+        monkeypatch.setattr(kernels, "requant_delta", counted)
+    url = str(tmp_path / "s")
+    states = [model()]
+    for i in range(1, 5):
+        states.append(step(states[-1], i))
+    store = _StreamPutFaults(open_store(url), "streams/fp8-block128/", part, landed=landed)
+    committed = []
+    with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT,
+                   anchor_policy=AnchorPolicy(every=100)) as pub:
+        for s in states[:2]:
+            committed.append((pub.publish(s).version, s))
+        store.armed, walks["n"] = True, 0
+        with pytest.raises(StorageError, match="injected"):
+            pub.publish(states[2])
+        assert store.fired == 1
+        assert walks["n"] > 0 or kernels.requant_delta is None  # it was derived incrementally
+        assert read_head(store)["version"] == 2  # nothing of the failed version is visible
+        for s in states[2:]:
+            info = pub.publish(s)
+            committed.append((info.version, s))
+    assert [v for v, _ in committed] == [1, 2, 3, 4, 5]
+    for name in ("fp8-block128", "mxfp8"):
+        # one subscriber reads each version whole, the other fast-forwards version by version
+        with Subscriber(url, format=name) as whole, Subscriber(url, format=name) as follower:
+            target = follower.pull(1)
+            for v, s in committed:
+                want = derive(s, serving_format(name))
+                assert_bits_equal(whole.pull(v), want)
+                if v > 1:
+                    follower.pull_into(target, version=v)
+                    assert_bits_equal(target, want)
+            assert whole.log()[-1].kind == "delta"  # the chain went on with deltas after the failure
+
+
+def test_a_head_write_that_landed_without_a_response_commits_every_stream_once(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = [model()]
+    for i in range(1, 5):
+        states.append(step(states[-1], i))
+    lose = {"on": False}
+
+    def hook(key, data, mode, put):
+        meta = put()
+        if lose["on"]:
+            lose["on"] = False
+            raise StorageError("injected: HEAD written, response lost")
+        return meta
+
+    store = HeadPutHook(open_store(url), hook)
+    with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT,
+                   anchor_policy=AnchorPolicy(every=100)) as pub:
+        for s in states[:2]:
+            pub.publish(s)
+        lose["on"] = True
+        assert pub.publish(states[2]).version == 3  # resolved by reading HEAD: it is this commit
+        store.reads.clear()
+        assert [pub.publish(s).version for s in states[3:]] == [4, 5]
+    # every stream built on the version that landed, as it held it: none was read back
+    assert not [k for k, _ in store.reads if k.startswith("streams/")]
+    for name in ("fp8-block128", "mxfp8"):
+        with Subscriber(url, format=name) as whole, Subscriber(url, format=name) as follower:
+            assert [(e.version, e.kind) for e in whole.log()] == [(1, "anchor")] + [(v, "delta") for v in range(2, 6)]
+            target = follower.pull(1)
+            for v, s in enumerate(states[1:], start=2):
+                want = derive(s, serving_format(name))
+                follower.pull_into(target, version=v)
+                assert_bits_equal(target, want)
+                assert_bits_equal(whole.pull(v), want)
 
 
 def test_a_restarted_publisher_continues_each_stream_with_deltas(tmp_path) -> None:
