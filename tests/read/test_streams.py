@@ -172,16 +172,16 @@ def test_a_failed_commit_shows_no_stream_and_the_next_publish_continues_every_ch
             assert_bits_equal(sub.pull(2), derive(states[2], serving_format(name)))
 
 
-class _StreamPutFaults(WrappedStore):
-    """Fails the next put under ``prefix`` whose key contains ``part`` once armed: refused, or
-    ``landed`` (written, then the response lost)."""
+class _PutFault(WrappedStore):
+    """Fails the next put of a key ``which`` accepts once armed: refused, or ``landed``
+    (written, then the response lost)."""
 
-    def __init__(self, inner, prefix: str, part: str, *, landed: bool):
+    def __init__(self, inner, which, *, landed: bool):
         super().__init__(inner)
-        self.prefix, self.part, self.landed, self.armed, self.fired = prefix, part, landed, False, 0
+        self.which, self.landed, self.armed, self.fired = which, landed, False, 0
 
     def put(self, key, data, *, mode="overwrite"):
-        if self.armed and key.startswith(self.prefix) and self.part in key:
+        if self.armed and self.which(key):
             self.armed = False
             self.fired += 1
             if self.landed:
@@ -207,7 +207,7 @@ def test_a_stream_write_that_fails_mid_version_commits_nothing_and_every_chain_g
     states = [model()]
     for i in range(1, 5):
         states.append(step(states[-1], i))
-    store = _StreamPutFaults(open_store(url), "streams/fp8-block128/", part, landed=landed)
+    store = _PutFault(open_store(url), lambda k: k.startswith("streams/fp8-block128/") and part in k, landed=landed)
     committed = []
     with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT,
                    anchor_policy=AnchorPolicy(every=100)) as pub:
@@ -241,22 +241,14 @@ def test_a_head_write_that_landed_without_a_response_commits_every_stream_once(t
     states = [model()]
     for i in range(1, 5):
         states.append(step(states[-1], i))
-    lose = {"on": False}
-
-    def hook(key, data, mode, put):
-        meta = put()
-        if lose["on"]:
-            lose["on"] = False
-            raise StorageError("injected: HEAD written, response lost")
-        return meta
-
-    store = HeadPutHook(open_store(url), hook)
+    store = _PutFault(open_store(url), lambda k: k == HEAD_KEY, landed=True)
     with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT,
                    anchor_policy=AnchorPolicy(every=100)) as pub:
         for s in states[:2]:
             pub.publish(s)
-        lose["on"] = True
+        store.armed = True
         assert pub.publish(states[2]).version == 3  # resolved by reading HEAD: it is this commit
+        assert store.fired == 1
         store.reads.clear()
         assert [pub.publish(s).version for s in states[3:]] == [4, 5]
     # every stream built on the version that landed, as it held it: none was read back
