@@ -261,6 +261,8 @@ def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
     """Rank 0 signs the joined form of each sharded version (SPEC §3.1, §8); a publisher
     without the key is then refused on every rank before anything is written, unless it
     passes allow_unsigned."""
+    import torch.distributed as dist
+
     from deltastore.errors import SigningRequiredError
     from deltastore.write.sharded import ShardedPublisher
 
@@ -272,6 +274,7 @@ def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
     if rank == 0:
         with Subscriber(url, trusted_keys=[key.with_suffix(".pub")]) as sub:
             signed = sub.pull(2)
+    dist.barrier()  # every rank's publisher is closed
     store = open_store(url)
     head = store.get(HEAD_KEY)
     refused = None
@@ -281,6 +284,8 @@ def _scenario_signed(rank: int, world: int, url: str) -> dict[str, Any]:
         refused = str(e)
     unchanged = store.get(HEAD_KEY) == head
     store.close()
+    # every rank has read HEAD back before rank 0 opens the next publisher, whose claim writes it
+    dist.barrier()
     with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1, allow_unsigned=True)) as pub:
         unsigned = pub.publish(rank_state(3, rank, world), step=3).version
     return {"signed": signed, "refused": refused, "unchanged": unchanged, "unsigned": unsigned}
