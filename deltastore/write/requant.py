@@ -59,6 +59,20 @@ def _plain(spec: TensorSpec | None) -> bool:
     return spec is not None and not spec.members and not spec.chunk_cols
 
 
+def _chunked_alike(spec: TensorSpec | None, store_spec: TensorSpec | None) -> bool:
+    """A tensor stored as itself in the stream's layout and in the store's, of one shape and
+    chunked alike: its chunk ``i`` spans the same elements in both (the store's segments of it
+    are the stream's)."""
+    return (_plain(spec) and _plain(store_spec) and spec.chunk_rows == store_spec.chunk_rows  # type: ignore[union-attr]
+            and tuple(spec.shape) == tuple(store_spec.shape))  # type: ignore[union-attr]
+
+
+def _kept_reference(ref: torch.Tensor | None, t: torch.Tensor) -> bool:
+    """The stream's reference of a kept tensor ``t`` is one it can advance with the store's
+    changes: bfloat16, of ``t``'s shape."""
+    return ref is not None and ref.dtype == torch.bfloat16 and ref.shape == t.shape
+
+
 def _bf16_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
 
@@ -183,8 +197,7 @@ class Requantizer:
                     if m is not None and set(m.chunks) == {c.index for c in changes[name]}:
                         quantized.append(name)
                 elif ((name in shared or all(c.positions is not None for c in changes[name]))
-                      and _plain(store_specs.get(name)) and specs[name].chunk_rows == store_specs[name].chunk_rows
-                      and reference[name].dtype == torch.bfloat16 and reference[name].shape == t.shape):
+                      and _chunked_alike(specs[name], store_specs.get(name)) and _kept_reference(reference[name], t)):
                     kept.append(name)
         plans = [self._requantize(n, state[n], changes[n], marks[n]) for n in quantized]  # type: ignore[index]
         assert not plans or (reference is not None and specs is not None)
@@ -359,14 +372,11 @@ def anchor_sources(state: Mapping[str, torch.Tensor], fmt: ServingFormat, specs:
     out: dict[str, ChunkSource] = {}
     for name, chunks in anchors.items():
         t, spec, store_spec = state.get(name), specs.get(name), store_specs.get(name)
-        if (t is None or not _bf16_cpu(t) or fmt.selects(name, t.shape) or spec is None or store_spec is None
-                or not _plain(spec) or not _plain(store_spec) or spec.chunk_rows != store_spec.chunk_rows
-                or tuple(spec.shape) != tuple(store_spec.shape) or len(chunks) != spec.n_chunks):
+        if (t is None or not _bf16_cpu(t) or fmt.selects(name, t.shape) or not _chunked_alike(spec, store_spec)
+                or len(chunks) != spec.n_chunks):  # type: ignore[union-attr]
             continue
-        if reference is not None:
-            ref = reference.get(name)
-            if ref is None or ref.dtype != torch.bfloat16 or ref.shape != t.shape:
-                continue
+        if reference is not None and not _kept_reference(reference.get(name), t):
+            continue
         out[name] = _AnchorSource(chunks, new=bits(t) if reference is not None and name not in shared else None,
                                   with_delta=reference is not None)
     return out
