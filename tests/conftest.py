@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,14 @@ from testkit.servers import TEST_BUCKET, S3Server, ServerStartError, moto, s3rve
 from testkit.targets import StoreTarget, unique_prefix
 
 __all__ = ["PROFILES", "TEST_BUCKET", "S3Server", "StoreTarget"]
+
+# The suite starts hundreds of Python processes (xdist workers, CLI runs, example workers,
+# ranks, racers): each caches the bytecode it compiles (deltastore, the tests and their
+# helpers, pytest's rewritten test modules) for the next, instead of compiling them all again,
+# also where the environment asks for no bytecode files (PYTHONDONTWRITEBYTECODE). Set before
+# the workers start, so that they and every process they start inherit it.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 # --- Hypothesis profiles ------------------------------------------------------------------
