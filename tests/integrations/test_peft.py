@@ -4,6 +4,7 @@ load back with PeftModel.from_pretrained bit for bit, and refuse adapters that d
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-peft = pytest.importorskip("peft", reason="needs peft (pip install 'deltastore-weights[peft]')")
-transformers = pytest.importorskip("transformers", reason="needs transformers")
+# Checked, not imported: importing peft costs seconds in every process that collects the suite;
+# the tests that use it import it.
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (pip install 'deltastore-weights[peft]')"),
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers"),
+]
 
 from safetensors.torch import load_file
 
@@ -48,6 +53,8 @@ def _base(hidden: int = 16, *, device: str = "cpu") -> torch.nn.Module:
 
 
 def _lora(base: torch.nn.Module) -> Any:
+    import peft
+
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                              rank_pattern={"v_proj": 2})
     return peft.get_peft_model(base, config)
@@ -77,6 +84,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_published_versions_load_back_bit_exact(trained: dict[str, Any], tmp_path: Path) -> None:
+    from peft import PeftModel
+
     logits = trained["logits"]
     assert len({bytes(t.numpy()) for t in logits.values()}) == 3  # training moved the adapter each step
     with Subscriber(trained["url"]) as sub:
@@ -85,7 +94,7 @@ def test_published_versions_load_back_bit_exact(trained: dict[str, Any], tmp_pat
             assert adapter.version == version and adapter.step == version and adapter.path == tmp_path / f"v{version}"
             assert sorted(p.name for p in adapter.path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME, "deltastore.json"]
             assert read_marker(adapter.path)["manifest"] == adapter.manifest
-            loaded = peft.PeftModel.from_pretrained(copy.deepcopy(trained["pristine"]), str(adapter.path))
+            loaded = PeftModel.from_pretrained(copy.deepcopy(trained["pristine"]), str(adapter.path))
             loaded.eval()
             with torch.no_grad():
                 got = loaded(input_ids=trained["probe"]).logits

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from deltastore import Subscriber
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'deltastore-weights[transformers]')")
+# Checked, not imported: transformers' Trainer (and what it imports) costs seconds in every
+# process that collects the suite; the tests import it.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="needs transformers (pip install 'deltastore-weights[transformers]')")
 
-from deltastore.integrations.transformers import DeltastoreCallback
+
+def _callback(*args, **kwargs):
+    from deltastore.integrations.transformers import DeltastoreCallback
+
+    return DeltastoreCallback(*args, **kwargs)
 
 
 def _tiny_lm():
@@ -30,18 +39,22 @@ class _Data(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-class _Recorder(transformers.TrainerCallback):
-    """The weights at each on_step_end and how often each hook fired."""
+def _recorder():
+    """A callback that records the weights at each on_step_end and how often each hook fired."""
+    from transformers import TrainerCallback
 
-    def __init__(self):
-        self.weights: dict[int, dict[str, torch.Tensor]] = {}
-        self.optimizer_steps = 0
+    class _Recorder(TrainerCallback):
+        def __init__(self):
+            self.weights: dict[int, dict[str, torch.Tensor]] = {}
+            self.optimizer_steps = 0
 
-    def on_optimizer_step(self, args, state, control, **kw):
-        self.optimizer_steps += 1
+        def on_optimizer_step(self, args, state, control, **kw):
+            self.optimizer_steps += 1
 
-    def on_step_end(self, args, state, control, model=None, **kw):
-        self.weights[state.global_step] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.weights[state.global_step] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+    return _Recorder()
 
 
 def _trainer(tmp_path, callbacks, **kw):
@@ -55,7 +68,7 @@ def _trainer(tmp_path, callbacks, **kw):
 
 def test_callback_publishes_each_optimizer_step_bit_exact(tmp_path) -> None:
     url = str(tmp_path / "store")
-    cb, rec = DeltastoreCallback(url, every_n_steps=1), _Recorder()
+    cb, rec = _callback(url, every_n_steps=1), _recorder()
     trainer = _trainer(tmp_path, [cb, rec], max_steps=4, gradient_accumulation_steps=2)
     trainer.train()
     assert cb.publisher is None  # closed at train end, after every version committed
@@ -83,7 +96,7 @@ def test_callback_publishes_each_optimizer_step_bit_exact(tmp_path) -> None:
 
 def test_every_n_steps_and_final_publish(tmp_path) -> None:
     url = str(tmp_path / "store")
-    cb = DeltastoreCallback(url, every_n_steps=2, dtype=None)
+    cb = _callback(url, every_n_steps=2, dtype=None)
     _trainer(tmp_path, [cb], max_steps=5).train()
     with Subscriber(url, threads=1) as sub:
         log = sub.log()
@@ -95,7 +108,7 @@ def test_only_rank_zero_publishes(tmp_path) -> None:
     from transformers import TrainerControl, TrainerState
 
     url = tmp_path / "store"
-    cb = DeltastoreCallback(str(url))
+    cb = _callback(str(url))
     state = TrainerState()
     state.is_world_process_zero, state.global_step = False, 1
     model = _tiny_lm()
@@ -104,7 +117,7 @@ def test_only_rank_zero_publishes(tmp_path) -> None:
     cb.on_train_end(None, state, TrainerControl(), model=model)
     assert cb.publisher is None and not cb.futures and not url.exists()
     with pytest.raises(ValueError):
-        DeltastoreCallback(str(url), every_n_steps=0)
+        _callback(str(url), every_n_steps=0)
 
 
 def test_import_deltastore_imports_no_framework() -> None:
@@ -128,7 +141,7 @@ def test_background_failure_stops_training_at_the_next_step(tmp_path) -> None:
     from deltastore.errors import FencedError
 
     url = str(tmp_path / "store")
-    cb, model, control = DeltastoreCallback(url), _tiny_lm(), TrainerControl()
+    cb, model, control = _callback(url), _tiny_lm(), TrainerControl()
     state = TrainerState()
     state.is_world_process_zero = True
     cb.on_train_begin(None, state, control)
