@@ -15,7 +15,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 #: The commands a newcomer copies and .ci/run executes (it reads the line after the marker).
 COMMANDS = {
     "demo-command": 'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[demo]" && .venv/bin/python examples/demo.py',
-    "test-command": 'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[test,bench,trl]" && .venv/bin/python -m pytest -n auto --maxprocesses 8',
+    "test-command": 'python3 -m venv .venv && .venv/bin/pip install --no-compile torch==2.13.0 -e ".[test,bench,trl]" && .venv/bin/python -m pytest -n auto --maxprocesses 8',
 }
 
 
