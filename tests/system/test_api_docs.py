@@ -112,7 +112,8 @@ def sections() -> dict[str, str]:
 @pytest.mark.parametrize(("module", "name"), _public())
 def test_every_public_name_has_a_section_naming_each_parameter(sections: dict[str, str], module: str, name: str) -> None:
     obj = getattr(importlib.import_module(module), name)
-    assert not (isinstance(obj, type) and issubclass(obj, BaseException)), f"{module}.{name}: an error outside deltastore.errors"
+    assert not (isinstance(obj, type) and issubclass(obj, BaseException)), (
+        f"{module}.{name} is an error class outside deltastore.errors, where the error table looks")
     assert name in sections, f"docs/api.md has no `### `{name}`` section for {module}.{name}"
     missing = [f"{where}: {p}" if where else p for where, p in _params(obj) if not _named(sections[name], p)]
     assert not missing, f"docs/api.md, section {name} ({module}): undocumented parameters {missing}"
