@@ -42,10 +42,16 @@ def step(state: dict[str, torch.Tensor], seed: int, lr: float = 1e-2) -> dict[st
             for n, t in state.items()}
 
 
-def publish_run(url: str, n: int, **kw) -> list[dict[str, torch.Tensor]]:
+def training(n: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` states: the model, then ``n - 1`` steps of it."""
     states = [model()]
     for i in range(1, n):
         states.append(step(states[-1], i))
+    return states
+
+
+def publish_run(url: str, n: int, **kw) -> list[dict[str, torch.Tensor]]:
+    states = training(n)
     with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, **kw) as pub:
         for s in states:
             pub.publish(s)
@@ -172,6 +178,23 @@ def test_a_failed_commit_shows_no_stream_and_the_next_publish_continues_every_ch
             assert_bits_equal(sub.pull(2), derive(states[2], serving_format(name)))
 
 
+def _every_version_bit_exact(url: str, committed: list[tuple[int, dict[str, torch.Tensor]]]):
+    """Per quantized format, every ``(version, state)`` of ``committed`` read back bit-identical
+    to ``derive`` of its state, by a subscriber reading each version whole and by one
+    fast-forwarding from the first version with ``pull_into``; yields ``(format, its log)``."""
+    for name in ("fp8-block128", "mxfp8"):
+        with Subscriber(url, format=name) as whole, Subscriber(url, format=name) as follower:
+            target = follower.pull(committed[0][0])
+            for v, s in committed:
+                want = derive(s, serving_format(name))
+                assert_bits_equal(whole.pull(v), want)
+                if v > committed[0][0]:
+                    follower.pull_into(target, version=v)
+                    assert_bits_equal(target, want)
+            log = whole.log()
+        yield name, log
+
+
 class _PutFault(WrappedStore):
     """Fails the next put of a key ``which`` accepts once armed: refused, or ``landed``
     (written, then the response lost)."""
@@ -204,9 +227,7 @@ def test_a_stream_write_that_fails_mid_version_commits_nothing_and_every_chain_g
 
         monkeypatch.setattr(kernels, "requant_delta", counted)
     url = str(tmp_path / "s")
-    states = [model()]
-    for i in range(1, 5):
-        states.append(step(states[-1], i))
+    states = training(5)
     store = _PutFault(open_store(url), lambda k: k.startswith("streams/fp8-block128/") and part in k, landed=landed)
     committed = []
     with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT,
@@ -223,24 +244,13 @@ def test_a_stream_write_that_fails_mid_version_commits_nothing_and_every_chain_g
             info = pub.publish(s)
             committed.append((info.version, s))
     assert [v for v, _ in committed] == [1, 2, 3, 4, 5]
-    for name in ("fp8-block128", "mxfp8"):
-        # one subscriber reads each version whole, the other fast-forwards version by version
-        with Subscriber(url, format=name) as whole, Subscriber(url, format=name) as follower:
-            target = follower.pull(1)
-            for v, s in committed:
-                want = derive(s, serving_format(name))
-                assert_bits_equal(whole.pull(v), want)
-                if v > 1:
-                    follower.pull_into(target, version=v)
-                    assert_bits_equal(target, want)
-            assert whole.log()[-1].kind == "delta"  # the chain went on with deltas after the failure
+    for name, log in _every_version_bit_exact(url, committed):
+        assert log[-1].kind == "delta", name  # the chain went on with deltas after the failure
 
 
 def test_a_head_write_that_landed_without_a_response_commits_every_stream_once(tmp_path) -> None:
     url = str(tmp_path / "s")
-    states = [model()]
-    for i in range(1, 5):
-        states.append(step(states[-1], i))
+    states = training(5)
     store = _PutFault(open_store(url), lambda k: k == HEAD_KEY, landed=True)
     with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT,
                    anchor_policy=AnchorPolicy(every=100)) as pub:
@@ -253,15 +263,8 @@ def test_a_head_write_that_landed_without_a_response_commits_every_stream_once(t
         assert [pub.publish(s).version for s in states[3:]] == [4, 5]
     # every stream built on the version that landed, as it held it: none was read back
     assert not [k for k, _ in store.reads if k.startswith("streams/")]
-    for name in ("fp8-block128", "mxfp8"):
-        with Subscriber(url, format=name) as whole, Subscriber(url, format=name) as follower:
-            assert [(e.version, e.kind) for e in whole.log()] == [(1, "anchor")] + [(v, "delta") for v in range(2, 6)]
-            target = follower.pull(1)
-            for v, s in enumerate(states[1:], start=2):
-                want = derive(s, serving_format(name))
-                follower.pull_into(target, version=v)
-                assert_bits_equal(target, want)
-                assert_bits_equal(whole.pull(v), want)
+    for name, log in _every_version_bit_exact(url, list(enumerate(states, start=1))):
+        assert [(e.version, e.kind) for e in log] == [(1, "anchor")] + [(v, "delta") for v in range(2, 6)], name
 
 
 def test_a_restarted_publisher_continues_each_stream_with_deltas(tmp_path) -> None:
@@ -307,9 +310,7 @@ def test_fp32_masters_get_a_bf16_stream_of_their_own(tmp_path) -> None:
 
 def test_a_format_declared_later_starts_its_stream_at_that_version(tmp_path) -> None:
     url = str(tmp_path / "s")
-    states = [model()]
-    for i in range(1, 4):
-        states.append(step(states[-1], i))
+    states = training(4)
     with Publisher(url, layout_policy=LAYOUT) as pub:
         pub.publish(states[0])
         pub.publish(states[1])
