@@ -17,7 +17,7 @@ def expected_rows(state: dict[str, torch.Tensor], sel: Selection) -> dict[str, t
 
     out = {}
     for n, t in state.items():
-        if not any(fnmatch.fnmatchcase(n, p) for p in sel.names):
+        if not any(fnmatch.fnmatchcase(n, p) for p in sel.names) or any(fnmatch.fnmatchcase(n, p) for p in sel.exclude):
             continue
         dim = None
         if sel.shard is not None and t.dim() > 0:

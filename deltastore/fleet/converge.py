@@ -232,13 +232,13 @@ class TargetSteer:
         r.check_target(specs, tensors, against=f"version {held.manifest.version} held by this subscriber")
         plans = plan_changed_from_anchor(ms, specs, held.digests)
         before = r.engine.bytes_fetched
-        patches, fetch_s, decode_s = r.engine.stage(plans, specs, tensors, held.digests, held.manifest.version)
+        patches, fetch_s, decode_s, spare = r.stage_plans(plans, specs, tensors, held.digests, held.manifest.version)
         logger.info("staged the move of %s back from version %d to %d (%d chunk(s) rebuilt)",
                     r.url, held.manifest.version, m.version, len(plans))
         return StagedUpdate(
             info=VersionInfo.from_manifest(m, key), from_version=held.manifest.version, patches=patches,
             bytes_fetched=r.engine.bytes_fetched - before, fetch_s=fetch_s, decode_s=decode_s,
-            base_manifest=held.key, held=Held.of(ms), owner=r,
+            base_manifest=held.key, held=Held.of(ms), owner=r, spare=spare,
         )
 
     # --- reporting ----------------------------------------------------------------------------

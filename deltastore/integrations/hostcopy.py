@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 import torch
 
-from deltastore.errors import EngineUpdateError
+from deltastore.errors import EngineUpdateError, SelectionError
+from deltastore.layout.select import Selection
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +150,12 @@ class HostCopy:
             (:class:`deltastore.CachePolicy` ``path``, :class:`deltastore.HeartbeatPolicy`
             ``worker_id``).
         threads: decode threads (default: all cores).
+        select: hold only these tensors, whole (:class:`deltastore.layout.select.Selection`
+            without ``shard``; e.g. :func:`stage_selection` for a pipeline stage); None: every
+            tensor. Not with ``cache_dir`` (a worker cache holds whole targets).
 
-    Memory: the model once in host memory, in the store's dtypes.
+    Memory: the model once in host memory, in the store's dtypes (the selection's tensors only,
+    with ``select``).
 
     Example::
 
@@ -162,15 +167,22 @@ class HostCopy:
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
                  interval: float = DEFAULT_INTERVAL_S, cache_dir: str | None = None, worker_id: str | None = None,
-                 trusted_keys: Iterable[Any] | None = None, threads: int | None = None, format: str | None = None):
+                 trusted_keys: Iterable[Any] | None = None, threads: int | None = None, format: str | None = None,
+                 select: Selection | None = None):
         from deltastore.read.subscriber import Subscriber
 
+        if select is not None and select.shard is not None:
+            raise SelectionError("an engine's host copy holds whole tensors (its loader cuts each rank's shard): "
+                                 "select tensors by name, without shard")
+        if select is not None and cache_dir is not None:
+            raise SelectionError("a worker cache holds whole targets: a host copy with select= takes no cache_dir")
         self.url = url  # as given (the subscriber's URL may be normalized)
         self.format = format
+        self.select = select
         self._trusted_keys = None if trusted_keys is None else list(trusted_keys)  # reused by rebuild
         self._threads = threads
         self.sub = Subscriber(url, storage_options=storage_options, trusted_keys=self._trusted_keys, threads=threads,
-                              format=format)
+                              format=format, select=select)
         self.weights: dict[str, torch.Tensor] = {}
         #: Held by the follow thread while it writes the host copy, and by a sync while it reads it.
         self.lock = threading.Lock()
@@ -371,14 +383,16 @@ class HostCopy:
                 its number now names another manifest (the store's history was replaced).
         """
         from deltastore.errors import VersionNotFoundError
-        from deltastore.layout.select import Selection
         from deltastore.read.subscriber import Subscriber
 
         if not names:
             return []
-        # Every tensor: one pattern. Otherwise one literal pattern per name (fnmatch-escaped).
-        patterns = ("*",) if set(names) >= set(self.weights) else tuple(_literal(n) for n in names)
-        with Subscriber(self.sub.url, store=self.sub.store, select=Selection(names=patterns),
+        # Every tensor held: the host copy's selection. Otherwise one literal pattern per name.
+        if set(names) >= set(self.weights):
+            select = self.select or Selection()
+        else:
+            select = Selection(names=tuple(_literal(n) for n in names))
+        with Subscriber(self.sub.url, store=self.sub.store, select=select,
                         trusted_keys=self._trusted_keys, threads=self._threads, format=self.format) as sub:
             # Versions are read by number through HEAD's history: after a replaced history the
             # number names other weights, which must not be passed off as the ones served.
@@ -406,3 +420,17 @@ class HostCopy:
 def _literal(name: str) -> str:
     """An fnmatch pattern matching exactly ``name``."""
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def stage_selection(missing: Iterable[str]) -> Selection | None:
+    """The selection of a pipeline-parallel stage whose model lacks the modules ``missing``
+    (their names with a trailing dot, as vLLM's ``get_pp_missing_layer_names`` gives them):
+    every tensor but those whose name starts with one of them; None when none is missing.
+
+    The store's names are the checkpoint's, which the engine's loader skips by the same
+    prefixes; a tensor it would map to another name is held (more memory, never a tensor less).
+    """
+    prefixes = sorted(set(missing))
+    if not prefixes:
+        return None
+    return Selection(exclude=tuple(_literal(p) + "*" for p in prefixes))

@@ -304,14 +304,18 @@ class ServedVersionWorker:
 
 def build_engine(kind: str, engine_url: str, store_url: str, *, storage_options: dict[str, Any] | None = None,
                  interval: float, work_dir: str | None = None, bucket_bytes: int | None = None,
-                 drain: bool = False, api_key: str | None = None, format: str | None = None) -> EngineSync:
+                 drain: bool = False, api_key: str | None = None, format: str | None = None,
+                 pipeline_stage: bool = False) -> EngineSync:
     """The :class:`EngineSync` for a server: ``kind`` is ``"vllm"`` or ``"sglang"``; ``format``
-    the serving format the engine loads (SPEC §15), None for the versions as published."""
+    the serving format the engine loads (SPEC §15), None for the versions as published;
+    ``pipeline_stage`` (vLLM): each rank holds only its pipeline stage's tensors."""
     if kind == "vllm":
         from deltastore.integrations.vllm import VLLMServerSync
 
         return VLLMServerSync(engine_url, store_url, storage_options=storage_options, interval=interval, drain=drain,
-                              api_key=api_key, format=format)
+                              api_key=api_key, format=format, pipeline_stage=pipeline_stage)
+    if pipeline_stage:
+        raise ValueError("pipeline_stage is vLLM's: an SGLang engine's host copy is the sidecar's, one per engine")
     if kind == "sglang":
         from deltastore.integrations.sglang import DEFAULT_BUCKET_BYTES, ServerApplier, SGLangSync
 
@@ -335,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", help="sglang: where update files are written (the server reads them there)")
     p.add_argument("--bucket-mb", type=int, help="sglang: the most MiB of tensors per update call")
     p.add_argument("--drain", action="store_true", help="vllm: finish the requests in flight before each swap")
+    p.add_argument("--pipeline-stage", action="store_true",
+                   help="vllm: each pipeline-parallel rank holds only its stage's tensors in host memory")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=parse_storage_option,
                    help="a storage option (endpoint_url=..., retries=2, ...), as the deltastore command takes it; "
                         "repeatable")
@@ -347,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(a.kind, a.engine, a.store, storage_options=dict(a.storage_option) or None, interval=a.poll,
                           work_dir=a.work_dir, bucket_bytes=None if a.bucket_mb is None else a.bucket_mb << 20,
-                          drain=a.drain, api_key=a.api_key, format=a.format)
+                          drain=a.drain, api_key=a.api_key, format=a.format, pipeline_stage=a.pipeline_stage)
     sidecar = RolloutSidecar([engine], interval=a.interval)
     sidecar.add_listener(lambda s: logger.info("serving version %d (model_version %s)", s.version, s.model_version))
     done = threading.Event()

@@ -40,8 +40,9 @@ The weight version vLLM's engine reports (``AsyncLLM.update_weight_version`` /
 it over HTTP after each swap (``POST /update_weight_version``).
 
 Cost: each worker process holds the model once more in host memory (the followed copy, whole:
-``load_weights`` takes full checkpoint tensors and cuts each rank's shard itself), and reloads
-whole tensors (``load_weights`` takes tensors, not rows).
+``load_weights`` takes full checkpoint tensors and cuts each rank's shard itself; a
+pipeline-parallel rank started with ``pipeline_stage=True`` holds only its stage's tensors), and
+reloads whole tensors (``load_weights`` takes tensors, not rows).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ from typing import Any
 import torch
 
 from deltastore.errors import EngineUpdateError
-from deltastore.integrations.hostcopy import DEFAULT_INTERVAL_S, HostCopy, ServedVersion, agree_over
+from deltastore.layout.select import Selection
+from deltastore.integrations.hostcopy import DEFAULT_INTERVAL_S, HostCopy, ServedVersion, agree_over, stage_selection
 from deltastore.integrations.jsonhttp import DEFAULT_TIMEOUT_S, JSONClient, Reply
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ class DeltastoreWorkerExtension:
                          interval: float = DEFAULT_INTERVAL_S, cache_dir: str | None = None,
                          worker_id: str | None = None, trusted_keys: Iterable[Any] | None = None,
                          threads: int | None = None, wait_s: float | None = None,
-                         format: str | None = None) -> dict[str, Any]:
+                         format: str | None = None, pipeline_stage: bool = False) -> dict[str, Any]:
         """Start following ``url`` in a background thread (idempotent for the same URL).
 
         Args:
@@ -97,6 +99,11 @@ class DeltastoreWorkerExtension:
             format: the serving format to follow, e.g. ``"fp8-block128"`` for an engine started
                 with block-FP8 weights (the store's publisher declared it, SPEC §15); None: the
                 versions as published.
+            pipeline_stage: hold only this rank's pipeline stage: every tensor but those under
+                the layers vLLM left out of this rank's model (its
+                ``get_pp_missing_layer_names``; :func:`~deltastore.integrations.hostcopy.stage_selection`).
+                The host copy then holds and fetches the stage's tensors only. Not with
+                ``cache_dir``. A rank without missing layers holds every tensor.
 
         Returns:
             :meth:`deltastore_status`.
@@ -109,8 +116,9 @@ class DeltastoreWorkerExtension:
             if f.url != url:
                 raise ValueError(f"this worker already follows {f.url}; call deltastore_stop first")
             return self.deltastore_status()
+        select = self._deltastore_stage() if pipeline_stage else None
         f = HostCopy(url, storage_options=storage_options, interval=interval, cache_dir=cache_dir,
-                     worker_id=worker_id, trusted_keys=trusted_keys, threads=threads, format=format)
+                     worker_id=worker_id, trusted_keys=trusted_keys, threads=threads, format=format, select=select)
         self._deltastore = f
         f.start()
         if wait_s is not None:
@@ -174,6 +182,15 @@ class DeltastoreWorkerExtension:
         get = getattr(runner, "get_model", None)
         return get() if callable(get) else runner.model
 
+    def _deltastore_stage(self) -> Selection | None:
+        """This rank's pipeline stage (None: its model lacks no layer)."""
+        try:
+            from vllm.model_executor.models.utils import get_pp_missing_layer_names
+        except ImportError as e:
+            raise RuntimeError("pipeline_stage=True needs vLLM's get_pp_missing_layer_names "
+                               f"(vllm.model_executor.models.utils): {e}") from e
+        return stage_selection(get_pp_missing_layer_names(self._deltastore_model()))
+
     def _deltastore_agreement(self) -> Callable[[Hashable], bool] | None:
         """The vote over this engine's ranks (None for a single rank): all-gathers over vLLM's
         tensor-parallel group, then its pipeline-parallel group, on their CPU (gloo) groups."""
@@ -224,9 +241,10 @@ class VLLMServerSync:
     Args:
         engine_url: the server, ``http://host:8000``.
         store_url: the store every worker follows.
-        storage_options, interval, cache_dir, worker_id, trusted_keys, threads, format: passed
-            to ``deltastore_start`` on every worker (JSON: ``trusted_keys`` as PEM file paths on
-            the engine's host; ``format`` a serving format such as ``"fp8-block128"``).
+        storage_options, interval, cache_dir, worker_id, trusted_keys, threads, format,
+            pipeline_stage: passed to ``deltastore_start`` on every worker (JSON: ``trusted_keys``
+            as PEM file paths on the engine's host; ``format`` a serving format such as
+            ``"fp8-block128"``; ``pipeline_stage`` True: each rank holds its stage only).
         drain: swap at an exact boundary: ``POST /pause?mode=wait`` (vLLM finishes the requests
             it runs and holds new ones), the swap, then ``POST /resume``. Default False: the swap
             runs between two engine steps and sequences in flight continue on the new weights.
@@ -249,12 +267,14 @@ class VLLMServerSync:
                  interval: float = DEFAULT_INTERVAL_S, cache_dir: str | None = None, worker_id: str | None = None,
                  trusted_keys: list[str] | None = None, threads: int | None = None, drain: bool = False,
                  reset_prefix_cache: bool = True, tag_weight_version: bool = True,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, api_key: str | None = None, format: str | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, api_key: str | None = None, format: str | None = None,
+                 pipeline_stage: bool = False):
         self.engine_url = engine_url
         self.store_url = store_url
         self.client = JSONClient(engine_url, timeout_s=timeout_s, api_key=api_key)
         opts = {"storage_options": dict(storage_options or {}) or None, "interval": interval, "cache_dir": cache_dir,
-                "worker_id": worker_id, "trusted_keys": trusted_keys, "threads": threads, "format": format}
+                "worker_id": worker_id, "trusted_keys": trusted_keys, "threads": threads, "format": format,
+                "pipeline_stage": pipeline_stage or None}
         self._start_kwargs = {k: v for k, v in opts.items() if v is not None}
         self.drain = drain
         self._reset, self._tag = reset_prefix_cache, tag_weight_version

@@ -61,6 +61,9 @@ class Selection:
             ``shard``'s (the first matching pattern wins; they are cut whether or not
             ``shard_names`` names them). Tensor-parallel serving cuts column-parallel weights
             along 0 and row-parallel weights (attention output, MLP down) along 1.
+        exclude: fnmatch patterns of tensors left out even where ``names`` matches them (a
+            pipeline-parallel stage leaves out the other stages' layers); unlike ``names``,
+            a pattern may match nothing.
 
     Example::
 
@@ -70,15 +73,20 @@ class Selection:
 
         tp = Selection(shard=(0, rank, world), shard_names=["*_proj.weight"],
                        shard_dims={"*.o_proj.weight": 1, "*.down_proj.weight": 1})
+        stage = Selection(exclude=["model.layers.1[6-9].*", "model.layers.2?.*", "lm_head.*"])
     """
 
     names: tuple[str, ...] = ("*",)
     shard: tuple[int, int, int] | None = None
     shard_names: tuple[str, ...] | None = None
     shard_dims: tuple[tuple[str, int], ...] | None = None
+    exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.names, str) or isinstance(self.exclude, str):
+            raise SelectionError("names and exclude are lists of patterns, e.g. names=['layers.*'], not one string")
         object.__setattr__(self, "names", tuple(self.names))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.shard_names is not None:
             object.__setattr__(self, "shard_names", tuple(self.shard_names))
         if self.shard_dims is not None:
@@ -193,7 +201,7 @@ def resolve(sel: Selection, units: Mapping[str, TensorSpec]) -> Resolved:
     def picked(name: str) -> bool:
         hit = [p for p in sel.names if fnmatch.fnmatchcase(name, p)]
         used.update(hit)
-        return bool(hit)
+        return bool(hit) and not _matches(name, sel.exclude)
 
     for uname, spec in units.items():
         if spec.members:

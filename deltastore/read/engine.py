@@ -396,12 +396,16 @@ class ReadEngine:
 
     def stage(
         self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
-        base: dict[tuple[str, int], str], held_version: int | None,
+        base: dict[tuple[str, int], str], held_version: int | None, make_targets: _MakeTargets | None = None,
     ) -> tuple[list[ChunkPatch], float, float]:
         """Prepare every plan as a patch against ``tensors`` without writing them (SPEC §7.7).
 
         Each chunk is rebuilt in a scratch buffer (from the target's current bits, or from a full
         segment), its digest checked there, and only the difference kept (:func:`make_patch`).
+        The patches are of ``tensors``; with ``make_targets`` (a partial target,
+        deltastore.layout.select) they are of the layout's units, each chunk's patch as it is,
+        for the caller to carry into the user's tensors (:meth:`Partial.user_patches
+        <deltastore.read.partial.Partial.user_patches>`).
 
         Returns:
             ``(patches, fetch_s, decode_s)``: the seconds spent waiting for segments, and
@@ -412,7 +416,7 @@ class ReadEngine:
             IntegrityError, FormatError, NotFoundError: a chunk failed on every path.
         """
         t0 = time.perf_counter()
-        plans, targets, deferred = self.check_base(plans, specs, tensors, base, held_version)
+        plans, targets, deferred = self.check_base(plans, specs, tensors, base, held_version, make_targets)
         check = self.base_checker(targets, deferred)
         decode_s = time.perf_counter() - t0
         fetch_s = 0.0
@@ -454,6 +458,8 @@ class ReadEngine:
                 decode_s += time.perf_counter() - t
         finally:
             batches.close()  # stops the prefetch thread when a chunk failed
+        if make_targets is not None:
+            return patches, fetch_s, decode_s
         if any(specs[p.name].members for p in patches):  # swaps write tensors (design 007 D4)
             patches = [q for p in patches for q in (split_patch(p, specs[p.name]) if specs[p.name].members else [p])]
         for p in patches:  # a grid chunk lands in its block of the tensor (design 011 D4)

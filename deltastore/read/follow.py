@@ -31,6 +31,7 @@ from deltastore.errors import (
     IntegrityError,
     LayoutMismatchError,
     NotFoundError,
+    SelectionError,
     StaleStageError,
     StorageError,
     TargetModifiedError,
@@ -201,7 +202,9 @@ def follow(
     deadlines: Deadlines | None = None,
 ) -> Iterator[FollowRecord]:
     """The loop of :meth:`deltastore.Subscriber.follow` (see there), on ``reader``."""
-    reader.refuse_partial("follow")
+    if cache is not None and reader.partial is not None:
+        raise SelectionError(f"a worker cache holds whole targets: follow the partial subscriber of {reader.url} "
+                             "without one (cache=None); it loads only its selection from the store")
     for name, value, kind in (("poll", poll, PollPolicy), ("cache", cache, CachePolicy),
                               ("heartbeat", heartbeat, HeartbeatPolicy)):
         if not isinstance(value, kind) and (value is not None or kind is PollPolicy):

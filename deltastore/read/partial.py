@@ -20,7 +20,11 @@ from deltastore.layout.select import Resolved, Selection, resolve
 from deltastore.layout.tensors import TensorSpec
 from deltastore.read.changes import merge_spans
 from deltastore.read.plan import ChunkPlan
+from deltastore.read.stage import ChunkPatch
 from deltastore.read.targets import stored_dtype
+
+#: Edge chunk ``(unit, index)`` → its bits (the subscriber's ``spare``).
+Spare = dict[tuple[str, int], np.ndarray]
 
 #: A partial subscriber reads adjacent segments as one GET but never the bytes between: they
 #: are other ranks' segments, and what it reads is what its link carries.
@@ -37,7 +41,7 @@ class Partial:
     def __init__(self, select: Selection):
         self.select = select
         #: the bits of edge chunks outside the slices (deltastore.layout.select.SliceTarget)
-        self.spare: dict[tuple[str, int], np.ndarray] = {}
+        self.spare: Spare = {}
         self._resolved_for: tuple[dict[str, TensorSpec], Resolved] | None = None
 
     def resolved(self, specs: dict[str, TensorSpec]) -> Resolved:
@@ -56,6 +60,57 @@ class Partial:
     def narrow(plans: list[ChunkPlan], res: Resolved) -> list[ChunkPlan]:
         """The plans of the chunks the selection reads."""
         return [p for p in plans if (p.name, p.index) in res.chunks]
+
+    def kept_spare(self, res: Resolved, based: bool) -> Spare:
+        """The spare bits an update of the held version starts from: those of ``res``'s edge
+        chunks when the update is ``based`` on the held version, else none (a full load reads
+        every chunk it needs whole)."""
+        return {k: v for k, v in self.spare.items() if k in res.edges} if based else {}
+
+    @staticmethod
+    def user_patches(patches: Iterable[ChunkPatch], res: Resolved, spare: Spare) -> tuple[list[ChunkPatch], Spare]:
+        """The patches of a partial target's tensors that together make ``patches`` (one per
+        chunk of a unit, from :meth:`ReadEngine.stage <deltastore.read.engine.ReadEngine.stage>`
+        with slice targets), and the spare bits after them.
+
+        A chunk's positions (in its block's C order, :meth:`TensorSpec.chunk_block`) are kept
+        where they fall in a window and carried to the user's tensor of that window as flat
+        positions, relative to the span they cover there; the rest of an edge chunk's changes go
+        to its spare bits, which a swap installs with the tensors' patches (``spare``, the bits
+        before, is not modified)."""
+        after = dict(spare)
+        out: list[ChunkPatch] = []
+        for p in patches:
+            spec = res.specs[p.name]
+            r0, r1, e0, e1 = spec.chunk_block(p.index)
+            width = e1 - e0
+            pos = p.positions if p.positions is not None else np.arange(p.span[1] - p.span[0], dtype=np.int64)
+            rr, cc = r0 + pos // width, e0 + pos % width
+            for w in res.windows.get(p.name, ()):
+                wr0, wr1, we0, we1 = w.rect(spec.row_elems)
+                if max(r0, wr0) >= min(r1, wr1) or max(e0, we0) >= min(e1, we1):
+                    continue
+                inside = (rr >= wr0) & (rr < wr1) & (cc >= we0) & (cc < we1)
+                if not inside.any():
+                    continue
+                # row-major in the chunk and in the window alike: the user's positions ascend
+                user = w.offset + (rr[inside] - wr0) * (we1 - we0) + (cc[inside] - we0)
+                lo = int(user[0])
+                out.append(ChunkPatch(w.name, p.index, (lo, int(user[-1]) + 1), user - lo, p.values[inside],
+                                      p.expected_old[inside]))
+            key = (p.name, p.index)
+            if key in res.edges:
+                if p.positions is None:
+                    after[key] = np.array(p.values, copy=True)
+                else:
+                    bits = spare.get(key)
+                    if bits is None:
+                        raise ValueError(f"chunk {p.index} of {p.name!r} is patched, but its bits outside the "
+                                         "selection are not held")
+                    new = bits.copy()
+                    new[p.positions] = p.values
+                    after[key] = new
+        return out, after
 
     @staticmethod
     def empty(res: Resolved, make: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:

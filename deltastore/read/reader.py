@@ -26,7 +26,6 @@ from deltastore.errors import (
     HeadRolledBackError,
     IntegrityError,
     NotFoundError,
-    SelectionError,
     SignatureError,
     StaleStageError,
     TargetModifiedError,
@@ -42,8 +41,8 @@ from deltastore.read.catchup import CatchUp, Held, Update, history_replaced
 from deltastore.read.changes import merge_spans
 from deltastore.read.engine import ReadEngine
 from deltastore.read.partial import PARTIAL_COALESCE_GAP_BYTES, Partial, changed_spans
-from deltastore.read.plan import layout, plan_from_anchor
-from deltastore.read.stage import StagedUpdate
+from deltastore.read.plan import ChunkPlan, layout, plan_from_anchor
+from deltastore.read.stage import ChunkPatch, StagedUpdate
 from deltastore.read.targets import Target, check_tensors, module_targets, owners, plan_spans, stored_dtype, target_tensors
 from deltastore.storage.base import Store
 
@@ -238,10 +237,6 @@ class Reader:
             return
         check_tensors(specs, tensors, against=against, tied=tied)
 
-    def refuse_partial(self, what: str) -> None:
-        if self.partial is not None:
-            raise SelectionError(f"{what} updates whole targets; a partial subscriber of {self.url} uses pull_into")
-
     def check_same_history(self, key: str, m: Manifest) -> None:
         """SPEC §7 step 3: the version to reach must be in the held version's history (D7)."""
         if self.held is None:
@@ -350,7 +345,7 @@ class Reader:
         def run(u: Update) -> None:
             res = part.resolved(u.specs)
             base = {k: d for k, d in u.base.items() if k in res.chunks}
-            spare = {k: v for k, v in part.spare.items() if k in res.edges} if u.base else {}
+            spare = part.kept_spare(res, bool(u.base))
             self.engine.apply_in_place(part.narrow(u.plans, res), u.specs, tensors, base, version,
                                        lambda sp, t: slice_targets(sp, res, t, spare))
             part.spare = spare
@@ -368,14 +363,32 @@ class Reader:
         tensors = module_targets(target)
         before = self.engine.bytes_fetched
         version = self.version
-        upd, (patches, fetch_s, decode_s) = self.updated(
-            key, m, tensors, lambda u: self.engine.stage(u.plans, u.specs, tensors, u.base, version)
+        upd, (patches, fetch_s, decode_s, spare) = self.updated(
+            key, m, tensors, lambda u: self.stage_plans(u.plans, u.specs, tensors, u.base, version)
         )
         return StagedUpdate(
             info=VersionInfo.from_manifest(m, key), from_version=version, patches=patches,
             bytes_fetched=self.engine.bytes_fetched - before, fetch_s=fetch_s, decode_s=decode_s,
-            base_manifest=None if self.held is None else self.held.key, held=upd.held, owner=self,
+            base_manifest=None if self.held is None else self.held.key, held=upd.held, owner=self, spare=spare,
         )
+
+    def stage_plans(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
+                    base: dict[tuple[str, int], str], held_version: int | None,
+                    ) -> tuple[list[ChunkPatch], float, float, dict[tuple[str, int], np.ndarray] | None]:
+        """``plans`` staged against ``tensors`` (:meth:`ReadEngine.stage`): the patches, the
+        seconds fetching and decoding, and a partial subscriber's spare bits after the swap
+        (None for a whole target). A partial target's update is the whole target's, narrowed to
+        the chunks the selection reads, each chunk's patch carried into the user's tensors."""
+        part = self.partial
+        if part is None:
+            return (*self.engine.stage(plans, specs, tensors, base, held_version), None)
+        res = part.resolved(specs)
+        spare = part.kept_spare(res, bool(base))
+        narrowed = {k: d for k, d in base.items() if k in res.chunks}
+        units, fetch_s, decode_s = self.engine.stage(part.narrow(plans, res), specs, tensors, narrowed, held_version,
+                                                     lambda sp, t: slice_targets(sp, res, t, spare))
+        patches, after = part.user_patches(units, res, spare)
+        return patches, fetch_s, decode_s, after
 
     def swap(self, staged: StagedUpdate, target: Target) -> float:
         """Write ``staged`` into ``target``; the reader then holds its version (Subscriber.swap)."""
@@ -392,6 +405,8 @@ class Reader:
                 dt = staged.swap(target_tensors(target))
         except IntegrityError as e:
             raise TargetModifiedError(str(e)) from None
+        if self.partial is not None and staged.spare is not None:
+            self.partial.spare = staged.spare
         self.set_held(staged.held)
         self.changed = {n: merge_spans(s) for n, s in staged.changed.items()}
         return dt

@@ -145,6 +145,10 @@ class StagedUpdate:
     #: After a rebind, the storages the tensors pointed at before: freed when this update is
     #: dropped (or retired.clear()), so that unmapping them is not part of the pause.
     retired: list[torch.Tensor] = field(default_factory=list, repr=False)
+    #: A partial subscriber's spare bits once swapped (its edge chunks' bits outside the
+    #: selection, deltastore.read.partial): installed by the swap with the patches (None: a
+    #: whole target).
+    spare: dict[tuple[str, int], np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:

@@ -71,7 +71,8 @@ class Subscriber:
             selected tensors, sharded ones as their slice, and fetch only the chunks that
             overlap them (a chunk straddling a slice's edge is read whole and cut; its bits
             outside the slice are kept by the subscriber). :meth:`stage`, :meth:`swap` and
-            :meth:`follow` are for whole targets (SelectionError).
+            :meth:`follow` update the selected tensors alike, and swap those bits with them;
+            :meth:`follow` takes no worker cache then (SelectionError).
         range_part_bytes: read packs as parallel range GETs of at most this many bytes (cut at
             segment boundaries; None: one GET per pack's run of needed segments). For far or
             lossy links, where one TCP connection carries a fraction of the link (at 80 ms and
@@ -402,7 +403,6 @@ class Subscriber:
             The errors of :meth:`pull_into` (TargetModifiedError when ``target`` was modified);
             nothing is written either way.
         """
-        self._reader.refuse_partial("stage")
         return self._reader.stage(*self._reader.resolve(version), target)
 
     def swap(self, staged: StagedUpdate, target: Target) -> float:
@@ -420,7 +420,6 @@ class Subscriber:
             TargetModifiedError: ``target`` was written since it was staged; nothing is left
                 applied.
         """
-        self._reader.refuse_partial("swap")
         return self._reader.swap(staged, target)
 
     def follow(

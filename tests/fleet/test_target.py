@@ -27,11 +27,13 @@ from deltastore.errors import (
 from deltastore.fleet.target import TARGET_KEY, TargetDocument, read_target, sign_document, write_target
 from deltastore.format.keys import digest_from_key
 from deltastore.format.models import dump
+from deltastore.layout.select import Selection
 from deltastore.lifecycle.gc import collect
 from deltastore.lifecycle.ledger import STAGE_SWAPPED, read_ledger
 from deltastore.storage import open_store
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from testkit.lifecycle import DAY, AgedStore
+from testkit.partial import expected_rows
 from testkit.stores import WrappedStore
 from testkit.tensors import assert_bits_equal, small_state, snapshot, sparse_edit
 
@@ -86,10 +88,10 @@ class Follower:
     """A subscriber following into its own tensors, driven a number of versions or polls at a time."""
 
     def __init__(self, url: str, *, keys: list[Any] | None = None, worker: str | None = None,
-                 swap_mode: str = "inplace"):
+                 swap_mode: str = "inplace", select: Selection | None = None):
         self.swap_mode = swap_mode
         self.store = Polls(open_store(url))
-        self.sub = Subscriber(url, store=self.store, threads=2, trusted_keys=keys)
+        self.sub = Subscriber(url, store=self.store, threads=2, trusted_keys=keys, select=select)
         self.target: dict[str, torch.Tensor] | None = None
         self.heartbeat = None if worker is None else HeartbeatPolicy(worker)
 
@@ -144,6 +146,32 @@ def test_followers_go_back_to_the_target_bit_exactly_and_return_to_head_with_lat
         with open_store(url) as store:
             latest = read_target(store)
             assert latest.version is None and latest.generation > t.generation
+    finally:
+        for f in followers:
+            f.close()
+        run.close()
+
+
+def test_partial_followers_go_back_and_return_bit_exactly(url: str) -> None:
+    """A partial subscriber's moves back are its selection's chunks, the spare bits of edge
+    chunks swapped with them: rows (chunks straddle the slice's edges) and names."""
+    run = Run(url)
+    head = run.publish(8)  # anchors 1 and 5: the way back to 3 crosses an anchor
+    selections = [Selection(shard=(0, 1, 3)), Selection(names=("t1", "t3"))]
+    followers = [Follower(url, select=sel) for sel in selections]
+    try:
+        for f in followers:
+            assert f.moves() == [head]
+        with open_store(url) as store:
+            write_target(store, head - 5)
+        for f, sel in zip(followers, selections):
+            assert f.moves() == [head - 5]
+            assert_bits_equal(f.target, expected_rows(run.states[head - 5], sel), "after the move back")
+        assert main(["target", url, "--latest"]) == 0
+        run.publish(1)
+        for f, sel in zip(followers, selections):
+            assert f.moves() == [head + 1]
+            assert_bits_equal(f.target, expected_rows(run.states[head + 1], sel), "back at HEAD")
     finally:
         for f in followers:
             f.close()

@@ -139,6 +139,11 @@ def test_served_version_worker_has_trls_rollout_worker_protocol(monkeypatch) -> 
 def test_command_line_builds_engines_and_refuses_bad_input(tmp_path) -> None:
     engine = build_engine("vllm", "http://127.0.0.1:9", "file:///tmp/x", interval=1.0, drain=True)
     assert isinstance(engine, VLLMServerSync) and engine.drain
+    assert "pipeline_stage" not in engine._start_kwargs  # deltastore_start's default
+    staged = build_engine("vllm", "http://127.0.0.1:9", "file:///tmp/x", interval=1.0, pipeline_stage=True)
+    assert staged._start_kwargs["pipeline_stage"] is True
+    with pytest.raises(ValueError, match="pipeline_stage is vLLM's"):
+        build_engine("sglang", "http://127.0.0.1:9", "x", interval=1.0, work_dir=str(tmp_path), pipeline_stage=True)
     with pytest.raises(ValueError, match="unknown engine kind"):
         build_engine("tgi", "http://127.0.0.1:9", "x", interval=1.0)
     with pytest.raises(SystemExit):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 import urllib.parse
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from deltastore import Publisher
-from deltastore.errors import EngineUpdateError
+from deltastore.errors import EngineUpdateError, SelectionError
 from deltastore.integrations.hostcopy import ServedVersion, agree_over
 from deltastore.integrations.vllm import GROUP_GETTERS, VLLMServerSync
 from deltastore.write.policy import WriterPolicy
@@ -238,6 +239,73 @@ def test_ranks_swap_the_same_version_or_none(tmp_path, vllm_parts) -> None:
         assert [r["version"] for r in sync(ranks, "deltastore_sync")] == [2, 2]
         assert all(m.holds(v2) for m in models)
     sync(ranks, "deltastore_stop")
+
+
+#: vllm/model_executor/models/utils.py (vllm-project/vllm @ d30d0c133c3f47a6436788f82398b21eb23df8c0):
+#: ``get_pp_missing_layer_names(model) -> list[str]``, the names of the model's PPMissingLayer
+#: modules (the layers of the other pipeline stages), each with a trailing dot; the models'
+#: ``load_weights`` skip a checkpoint name that starts with one (``is_pp_missing_parameter``).
+VLLM_PP_MISSING = "vllm.model_executor.models.utils"
+
+
+def _stand_in_pp_missing(monkeypatch) -> None:
+    """vLLM's ``get_pp_missing_layer_names`` on a stand-in model: its ``missing`` prefixes."""
+    import types
+
+    mod = types.ModuleType(VLLM_PP_MISSING)
+    mod.get_pp_missing_layer_names = lambda model: list(model.missing)
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.models"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, VLLM_PP_MISSING, mod)
+
+
+def test_pipeline_stages_hold_and_load_only_their_layers(tmp_path, vllm_parts, monkeypatch) -> None:
+    """Two pipeline-parallel ranks started with pipeline_stage=True: each host copy holds only
+    its stage's tensors (a rank's model would refuse another stage's tensor), and each sync
+    loads the stage's changed tensors only, both ranks at one version."""
+    _stand_in_pp_missing(monkeypatch)
+    url = str(tmp_path / "store")
+    g = torch.Generator().manual_seed(4)
+    v1 = {n: torch.randn(*shape, generator=g) for n, shape in [
+        ("model.embed_tokens.weight", (32, 8)), ("model.layers.0.self_attn.q_proj.weight", (8, 8)),
+        ("model.layers.0.mlp.up_proj.weight", (16, 8)), ("model.layers.1.self_attn.q_proj.weight", (8, 8)),
+        ("model.layers.1.mlp.up_proj.weight", (16, 8)), ("model.layers.10.mlp.up_proj.weight", (16, 8)),
+        ("model.norm.weight", (8,)), ("lm_head.weight", (32, 8))]}
+    # rank 0: embeddings and layer 0; rank 1: layers 1 and 10, the final norm and lm_head
+    missing = [["model.layers.1.", "model.layers.10.", "model.norm.", "lm_head."], ["model.embed_tokens.", "model.layers.0."]]
+    stages = [{n for n in v1 if not any(n.startswith(p) for p in m)} for m in missing]
+    assert stages[0] == {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                         "model.layers.0.mlp.up_proj.weight"}  # "model.layers.1." is not a prefix of layer 10
+    models = []
+    for m, stage in zip(missing, stages):
+        model = vllm_parts.RecordingModel({n: tuple(v1[n].shape) for n in stage})  # KeyError on another stage's tensor
+        model.missing = m
+        models.append(model)
+    group = vllm_parts.ThreadGroup(2)
+    ranks = [vllm_parts.Worker(m, group, r) for r, m in enumerate(models)]
+    sync = vllm_parts.on_all_ranks
+    with _publisher(url) as pub:
+        pub.publish(v1)
+        sync(ranks, "deltastore_start", url, interval=0.02, threads=1, wait_s=DEADLINE_S, pipeline_stage=True)
+        for w, stage in zip(ranks, stages):
+            assert set(w._deltastore.weights) == stage  # the host copy holds the stage only
+        assert [r["version"] for r in sync(ranks, "deltastore_sync")] == [1, 1]
+        for m, stage in zip(models, stages):
+            assert m.holds({n: v1[n] for n in stage}) and sorted(m.calls[0]) == sorted(stage)
+        v2 = _changed(v1, model__layers__0__mlp__up_proj__weight=1.5, model__layers__10__mlp__up_proj__weight=2.5)
+        pub.publish(v2)
+        for w in ranks:
+            _wait_staged(w, 2)
+        assert [r["version"] for r in sync(ranks, "deltastore_sync")] == [2, 2]
+        assert models[0].calls[-1] == ["model.layers.0.mlp.up_proj.weight"]
+        assert models[1].calls[-1] == ["model.layers.10.mlp.up_proj.weight"]
+        for m, stage in zip(models, stages):
+            assert m.holds({n: v2[n] for n in stage})
+    sync(ranks, "deltastore_stop")
+    lone = vllm_parts.Worker(vllm_parts.RecordingModel({}))
+    lone.model_runner.model.missing = ["lm_head."]
+    with pytest.raises(SelectionError, match="worker cache"):
+        lone.deltastore_start(url, cache_dir=str(tmp_path / "cache"), pipeline_stage=True)
 
 
 def test_agree_over_connects_every_rank(vllm_parts) -> None:

@@ -287,6 +287,43 @@ def test_slice_targets_hold_the_users_slice_and_the_edges(case, seed: int) -> No
         tgt.read(a, b + 1)
 
 
+@settings(deadline=None)
+@given(st.one_of(_cases(), _cases(grid=False)), st.integers(0, 2**16), st.floats(0.0, 1.0))
+def test_a_chunks_patch_carried_into_the_slice_and_the_spare_bits(case, seed: int, fraction: float) -> None:
+    """A staged update of a partial target (deltastore.read.partial.Partial.user_patches): each
+    chunk's patch, made against the whole chunk, carried into the user's slice, gives the new
+    version's slice, and the spare bits after it are the new version's edge chunks, the old
+    ones untouched; a dense patch (most of a chunk changed) alike."""
+    from deltastore.layout.grid import patch_put, patch_region, patch_take
+    from deltastore.read.partial import Partial
+    from deltastore.read.stage import make_patch
+
+    spec, sel = case
+    res = resolve(sel or Selection(), {"w": spec})
+    old = _natural(spec, seed)
+    new = old.clone()
+    rng = np.random.default_rng(seed)
+    flat = bits(new)
+    at = rng.random(flat.size) < fraction
+    flat[at] = rng.integers(0, 2**16, int(at.sum()), dtype=np.uint16)
+    mine = {"w": _expected(old, sel).clone()}
+    spare = {("w", i): _block(old, spec, i) for _, i in res.chunks if ("w", i) in res.edges}
+    kept = {k: v.copy() for k, v in spare.items()}
+    patches = [p for _, i in sorted(res.chunks)
+               if (p := make_patch("w", i, spec.chunk_span(i), _block(old, spec, i), _block(new, spec, i))) is not None]
+    user, after = Partial.user_patches(patches, res, spare)
+    for p in user:
+        region = patch_region(mine[p.name], p.span, p.block)
+        np.testing.assert_array_equal(patch_take(region, p.positions), p.expected_old)
+        patch_put(region, p.positions, p.values)
+        assert 0 <= p.span[0] < p.span[1] <= mine[p.name].numel()
+    assert torch.equal(mine["w"].view(torch.int16), _expected(new, sel).view(torch.int16))
+    assert set(after) == res.edges
+    for k in res.edges:
+        np.testing.assert_array_equal(after[k], _block(new, spec, k[1]))
+        np.testing.assert_array_equal(spare[k], kept[k])
+
+
 @pytest.mark.parametrize("world", [1, 2, 4, 8, 3, 16])
 def test_targets_of_a_grid_made_for_8(world: int) -> None:
     for spec in GRIDS:
