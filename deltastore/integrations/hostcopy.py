@@ -152,7 +152,7 @@ class HostCopy:
         threads: decode threads (default: all cores).
         select: hold only these tensors, whole (:class:`deltastore.layout.select.Selection`
             without ``shard``; e.g. :func:`stage_selection` for a pipeline stage); None: every
-            tensor. Not with ``cache_dir`` (a worker cache holds whole targets).
+            tensor.
 
     Memory: the model once in host memory, in the store's dtypes (the selection's tensors only,
     with ``select``).
@@ -174,8 +174,6 @@ class HostCopy:
         if select is not None and select.shard is not None:
             raise SelectionError("an engine's host copy holds whole tensors (its loader cuts each rank's shard): "
                                  "select tensors by name, without shard")
-        if select is not None and cache_dir is not None:
-            raise SelectionError("a worker cache holds whole targets: a host copy with select= takes no cache_dir")
         self.url = url  # as given (the subscriber's URL may be normalized)
         self.format = format
         self.select = select

@@ -102,8 +102,8 @@ class DeltastoreWorkerExtension:
             pipeline_stage: hold only this rank's pipeline stage: every tensor but those under
                 the layers vLLM left out of this rank's model (its
                 ``get_pp_missing_layer_names``; :func:`~deltastore.integrations.hostcopy.stage_selection`).
-                The host copy then holds and fetches the stage's tensors only. Not with
-                ``cache_dir``. A rank without missing layers holds every tensor.
+                The host copy then holds and fetches the stage's tensors only (and its
+                ``cache_dir`` caches them). A rank without missing layers holds every tensor.
 
         Returns:
             :meth:`deltastore_status`.

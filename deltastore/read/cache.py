@@ -3,8 +3,13 @@
 Layout of a cache directory::
 
     held.json                          {"format": "deltastore.worker-cache", "schema": 1, "url",
-                                        "version", "manifest", "lineage", "file", "saved"}
+                                        "version", "manifest", "lineage", "file", "saved",
+                                        "selection", "spare"}
     state-<version>-<random>.safetensors   the tensors of that version
+
+A partial subscriber's cache (``selection``: its selection as a JSON object, else null) also
+holds the bits of its edge chunks outside the selection: ``spare`` lists ``[unit, index, key]``,
+``key`` naming that chunk's bytes (uint8) in the state file beside the tensors.
 
 Writes are atomic: the tensors go to a new file (written, fsynced, renamed), then ``held.json``
 is replaced to point at it, then older state files are removed. A worker killed at any point
@@ -25,10 +30,12 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from deltastore._util.files import fsync_path
@@ -52,6 +59,10 @@ class CachedState:
     manifest: str
     lineage: str | None
     tensors: dict[str, torch.Tensor]
+    #: a partial subscriber's selection (JSON object), None for whole targets
+    selection: dict[str, Any] | None = None
+    #: a partial subscriber's edge chunks' bytes, by ``(unit, index)``
+    spare: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
 
 
 class WorkerCache:
@@ -74,8 +85,10 @@ class WorkerCache:
             raise WorkerCacheError(f"worker cache path {self.path} {what}; pass a directory for the cache") from e
 
     def save(self, tensors: Mapping[str, torch.Tensor], *, url: str, version: int, manifest: str,
-             lineage: str | None) -> Path:
+             lineage: str | None, selection: dict[str, Any] | None = None,
+             spare: Mapping[tuple[str, int], np.ndarray] | None = None) -> Path:
         """Write ``tensors`` as the cached state of ``version`` atomically; return the file.
+        A partial subscriber's also passes its ``selection`` (a JSON object) and ``spare`` bits.
 
         Raises:
             WorkerCacheError: the state could not be written (a full disk, an I/O error); what
@@ -90,6 +103,13 @@ class WorkerCache:
         partial = self.path / f"{name}.partial"
         tmp = self.path / f"{HELD_FILE}.{uuid.uuid4().hex[:8]}.partial"
         cpu = {k: (v.detach().cpu() if v.device.type != "cpu" else v.detach()).contiguous() for k, v in tensors.items()}
+        kept = []
+        for n, (key, bits) in enumerate(sorted((spare or {}).items())):
+            name_ = f"#spare/{n}"
+            while name_ in cpu:  # never a user's tensor
+                name_ = "#" + name_
+            cpu[name_] = torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8).copy())
+            kept.append([key[0], key[1], name_])
         try:
             save_file(cpu, str(partial))
             with open(partial, "rb+") as f:
@@ -99,6 +119,7 @@ class WorkerCache:
                 "format": CACHE_FORMAT, "schema": CACHE_SCHEMA, "url": url, "version": int(version),
                 "manifest": manifest, "lineage": lineage, "file": name,
                 "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "selection": selection, "spare": kept,
             }
             with open(tmp, "w") as f:
                 json.dump(doc, f, sort_keys=True)
@@ -142,8 +163,16 @@ class WorkerCache:
             from safetensors.torch import load_file
 
             tensors = load_file(str(self.path / file))
+            selection = doc.get("selection")
+            if selection is not None and not isinstance(selection, dict):
+                raise ValueError(f"{held} has selection {selection!r}")
+            spare: dict[tuple[str, int], np.ndarray] = {}
+            for unit, index, key in doc.get("spare") or []:
+                if not isinstance(unit, str) or isinstance(index, bool) or not isinstance(index, int):
+                    raise ValueError(f"{held} lists an odd spare chunk {[unit, index]!r}")
+                spare[(unit, index)] = tensors.pop(key).numpy()
             return CachedState(url=str(doc["url"]), version=version, manifest=str(doc["manifest"]),
-                               lineage=doc.get("lineage"), tensors=tensors)
+                               lineage=doc.get("lineage"), tensors=tensors, selection=selection, spare=spare)
         except Exception as e:  # noqa: BLE001 - any damage means "no usable cache"
             logger.warning("ignoring the worker cache in %s: %s", self.path, e)
             return None

@@ -31,7 +31,6 @@ from deltastore.errors import (
     IntegrityError,
     LayoutMismatchError,
     NotFoundError,
-    SelectionError,
     StaleStageError,
     StorageError,
     TargetModifiedError,
@@ -45,7 +44,9 @@ from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S
 from deltastore.read.cache import WorkerCache
 from deltastore.read.catchup import Held
 from deltastore.read.changes import changed_rows, changed_tensors
+from deltastore.layout.select import check_target, slice_targets
 from deltastore.read.engine import digest_mismatches, targets_for
+from deltastore.read.partial import Spare, cached_spare, selection_doc
 from deltastore.read.plan import ChunkPlan, digests, layout, plan_from_anchor
 from deltastore.read.reader import Reader
 from deltastore.read.targets import Target, module_targets, owners, target_tensors, whole
@@ -202,9 +203,6 @@ def follow(
     deadlines: Deadlines | None = None,
 ) -> Iterator[FollowRecord]:
     """The loop of :meth:`deltastore.Subscriber.follow` (see there), on ``reader``."""
-    if cache is not None and reader.partial is not None:
-        raise SelectionError(f"a worker cache holds whole targets: follow the partial subscriber of {reader.url} "
-                             "without one (cache=None); it loads only its selection from the store")
     for name, value, kind in (("poll", poll, PollPolicy), ("cache", cache, CachePolicy),
                               ("heartbeat", heartbeat, HeartbeatPolicy)):
         if not isinstance(value, kind) and (value is not None or kind is PollPolicy):
@@ -233,8 +231,11 @@ def follow(
         if worker_cache is None or held is None or held.key == saved:
             return  # (a key, not a number: a replaced history reuses version numbers)
         key, m = held.key, held.manifest
+        part = reader.partial
         try:
-            worker_cache.save(tensors, url=reader.url, version=m.version, manifest=key, lineage=m.lineage)
+            worker_cache.save(tensors, url=reader.url, version=m.version, manifest=key, lineage=m.lineage,
+                              selection=None if part is None else selection_doc(part.select),
+                              spare=None if part is None else part.spare)
             saved = key
         except Exception as e:  # noqa: BLE001 - the cache is a hint: failing to write it never stops serving
             logger.warning("following %s without updating the worker cache: %s: %s", reader.url, type(e).__name__, e)
@@ -382,10 +383,14 @@ def _adopt_cache(reader: Reader, cache: WorkerCache, tensors: dict[str, torch.Te
     if st is None:
         return None
     url, history = reader.url, reader.history
+    part = reader.partial
     collected: int | None = None  # the floor, when the cached version was collected
+    spare: Spare = {}
     try:
         if st.url != url:
             raise _Unusable(f"it belongs to {st.url}")
+        if st.selection != (None if part is None else selection_doc(part.select)):
+            raise _Unusable("it holds another selection" if st.selection is not None else "it holds whole tensors")
         head = reader.require_head()
         top = history.head_manifest(head)
         assert top is not None
@@ -421,9 +426,22 @@ def _adopt_cache(reader: Reader, cache: WorkerCache, tensors: dict[str, torch.Te
                 raise _Unusable(f"version {st.version} of {url} is now {key!r}, not {st.manifest!r}")
         ms = history.anchor_chain(key, m)
         specs = layout(ms[0][1])
-        check_layout(specs, st.tensors, against=f"version {m.version} of {url}")
-        cached = targets_for(specs, st.tensors)
-        bad = digest_mismatches(reader.engine.pool, specs, digests(ms), lambda name, a, b: cached[name].read(a, b))
+        expected = digests(ms)
+        if part is None:
+            check_layout(specs, st.tensors, against=f"version {m.version} of {url}")
+            cached = targets_for(specs, st.tensors)
+        else:
+            if collected is not None:
+                raise _Unusable(f"its version {st.version} was collected (a partial cache is loaded whole or not at all)")
+            res = part.resolved(specs)
+            check_target(res, st.tensors, against=f"version {m.version} of {url}")
+            got = cached_spare(specs, res, st.spare)
+            if got is None:
+                raise _Unusable("its bits of the chunks straddling the selection are not the layout's")
+            spare = got
+            cached = slice_targets(specs, res, st.tensors, spare)
+            expected = {k: d for k, d in expected.items() if k in res.chunks}
+        bad = digest_mismatches(reader.engine.pool, specs, expected, lambda name, a, b: cached[name].read(a, b))
         if bad and collected is None:
             raise _Unusable(f"tensor {bad[0][0]!r} chunk {bad[0][1]} does not match its digest")
     except NotFoundError:
@@ -451,6 +469,8 @@ def _adopt_cache(reader: Reader, cache: WorkerCache, tensors: dict[str, torch.Te
             kept = {k: d for k, d in digests(ms).items() if k not in stale}
             reader.engine.apply_in_place(plans, specs, tensors, kept, None)
         pause_s = time.perf_counter() - t0
+    if part is not None:
+        part.spare = spare
     reader.set_held(Held.of(ms))
     reader.changed = whole(tensors)
     logger.info("resumed version %d of %s from the worker cache in %s (%d chunk(s) fetched)",

@@ -9,8 +9,11 @@ cut whose other part the user does not hold (a later delta applies to the whole 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +32,27 @@ Spare = dict[tuple[str, int], np.ndarray]
 #: A partial subscriber reads adjacent segments as one GET but never the bytes between: they
 #: are other ranks' segments, and what it reads is what its link carries.
 PARTIAL_COALESCE_GAP_BYTES = 0
+
+
+def selection_doc(select: Selection) -> dict[str, Any]:
+    """``select`` as a JSON object (a worker cache records the selection it holds; two
+    selections are the same when their objects are equal)."""
+    return json.loads(json.dumps(dataclasses.asdict(select)))
+
+
+def cached_spare(specs: dict[str, TensorSpec], res: Resolved, saved: dict[tuple[str, int], np.ndarray]) -> Spare | None:
+    """A worker cache's bytes of edge chunks (:class:`deltastore.read.cache.CachedState`
+    ``spare``) as the spare bits of ``res``: each chunk's bits in its unit's unsigned type.
+    None when they are not exactly ``res``'s edge chunks, whole (another layout, or damage)."""
+    if set(saved) != set(res.edges):
+        return None
+    out: Spare = {}
+    for (unit, index), raw in saved.items():
+        spec = specs[unit]
+        if raw.dtype != np.uint8 or raw.ndim != 1 or raw.size != spec.chunk_bytes(index):
+            return None
+        out[(unit, index)] = raw.view(spec.uint_dtype()).copy()
+    return out
 
 
 class Partial:

@@ -71,8 +71,8 @@ class Subscriber:
             selected tensors, sharded ones as their slice, and fetch only the chunks that
             overlap them (a chunk straddling a slice's edge is read whole and cut; its bits
             outside the slice are kept by the subscriber). :meth:`stage`, :meth:`swap` and
-            :meth:`follow` update the selected tensors alike, and swap those bits with them;
-            :meth:`follow` takes no worker cache then (SelectionError).
+            :meth:`follow` update the selected tensors alike, and swap those bits with them
+            (a worker cache holds them too).
         range_part_bytes: read packs as parallel range GETs of at most this many bytes (cut at
             segment boundaries; None: one GET per pack's run of needed segments). For far or
             lossy links, where one TCP connection carries a fraction of the link (at 80 ms and

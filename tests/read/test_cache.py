@@ -25,6 +25,30 @@ def test_round_trip_and_only_the_newest_state_file_stays(tmp_path):
     assert len(list((tmp_path / "c").glob("state-*"))) == 1
 
 
+def test_a_partial_subscribers_state_round_trips_and_odd_spare_entries_load_as_none(tmp_path):
+    import numpy as np
+
+    cache = WorkerCache(tmp_path / "c")
+    state = small_state(1)
+    state["#spare/0"] = torch.arange(4, dtype=torch.int64)  # a user's tensor may take the spare bits' key
+    spare = {("#group/0", 3): np.arange(10, dtype=np.uint16), ("w", 0): np.arange(6, dtype=np.uint32)}
+    sel = {"names": ["a.*"], "shard": None, "shard_names": None, "shard_dims": None, "exclude": []}
+    cache.save(state, url="u", version=2, manifest="m", lineage=None, selection=sel, spare=spare)
+    got = cache.load()
+    assert got is not None and got.selection == sel
+    assert {k: raw(v) for k, v in got.tensors.items()} == {k: raw(v) for k, v in state.items()}
+    assert set(got.spare) == set(spare)
+    for k, v in spare.items():
+        assert got.spare[k].dtype == np.uint8 and got.spare[k].tobytes() == v.tobytes()
+    held = tmp_path / "c" / HELD_FILE
+    doc = json.loads(held.read_text())
+    for odd in ([["#group/0", "3", doc["spare"][0][2]]], [["u", 0, "no such key"]], [["u", 0]], "x"):
+        held.write_text(json.dumps({**doc, "spare": odd}))
+        assert cache.load() is None, odd
+    held.write_text(json.dumps({**doc, "selection": ["a.*"]}))
+    assert cache.load() is None
+
+
 def test_a_kill_before_the_index_is_replaced_leaves_the_previous_pair(tmp_path, monkeypatch):
     import os
 

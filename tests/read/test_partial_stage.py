@@ -6,8 +6,9 @@
   and reporting changed spans in the user's coordinates;
 - a target written between stage and swap is detected with nothing applied, and a new stage
   then succeeds;
-- ``follow`` takes a partial subscriber (in place and by rebinding), and refuses a worker
-  cache for one;
+- ``follow`` takes a partial subscriber (in place and by rebinding); its worker cache holds the
+  selection and the spare bits, is adopted by the same selection without a fetch (and the next
+  delta applies on top), and is discarded for another selection or damaged spare bits;
 - a selection's ``exclude`` leaves tensors out (a pipeline stage's other layers).
 """
 
@@ -167,8 +168,6 @@ def test_follow_a_partial_subscriber(tmp_path, swap_mode: str, sel: Selection, g
             Subscriber(url, threads=2, select=sel) as sub:
         pub.publish(state)
         mine = sub.allocate()
-        with pytest.raises(SelectionError, match="worker cache"):
-            next(sub.follow(mine, poll=fast, cache=CachePolicy(str(tmp_path / "cache"))))
         records = []
         for v in range(1, 6):
             if v > 1:
@@ -185,6 +184,61 @@ def test_follow_a_partial_subscriber(tmp_path, swap_mode: str, sel: Selection, g
                 assert dict(rec.updates(mine)).keys() == rec.changed.keys()
         assert len(pauses) == 5
         assert any(r.changed for r in records[1:])
+
+
+def test_a_partial_worker_cache_is_adopted_by_the_same_selection_only(tmp_path, caplog) -> None:
+    url, cache = str(tmp_path / "store"), CachePolicy(str(tmp_path / "cache"))
+    states = _publish_chain(url, n=4, grouped=True)
+    sel = Selection(names=("layers.0.mlp.w", "layers.0.norm2", "layers.1.norm5"))
+    fast = PollPolicy(0.001, jitter=0.0)
+    with Subscriber(url, threads=2, select=sel) as sub:
+        mine = sub.pull(3)
+        assert sub._reader.partial.spare  # group rows shared with unselected members
+        list(sub.follow(mine, poll=fast, cache=cache, stop=_stopped()))  # saves version 3 on the way out
+    with Subscriber(url, threads=2, select=sel) as sub:
+        fresh = sub.allocate(3)
+        (rec,) = list(sub.follow(fresh, poll=fast, cache=cache, max_versions=1))
+        assert rec.info.version == 3 and rec.bytes_fetched == 0  # adopted, nothing fetched
+        assert_bits_equal(fresh, expected_rows(states[2], sel), "adopted v3")
+        (rec,) = list(sub.follow(fresh, poll=fast, max_versions=1))  # its spare bits carry the next delta
+        assert rec.info.version == 4 and not rec.full_load
+        assert_bits_equal(fresh, expected_rows(states[3], sel), "v4 on top")
+    other = Selection(names=("layers.0.mlp.w", "layers.0.norm2"))
+    with Subscriber(url, threads=2, select=other) as sub, caplog.at_level("WARNING"):
+        fresh = sub.allocate()
+        (rec,) = list(sub.follow(fresh, poll=fast, cache=cache, max_versions=1))
+        assert rec.bytes_fetched > 0 and "another selection" in caplog.text
+        assert_bits_equal(fresh, expected_rows(states[3], other), "loaded from the store")
+
+
+def _stopped() -> threading.Event:
+    stop = threading.Event()
+    stop.set()
+    return stop
+
+
+def test_damaged_spare_bits_in_a_worker_cache_are_not_adopted(tmp_path, caplog) -> None:
+    from deltastore.read.cache import WorkerCache
+
+    url, path = str(tmp_path / "store"), tmp_path / "cache"
+    states = _publish_chain(url, n=2, grouped=True)
+    sel = Selection(names=("layers.0.norm2",))
+    fast = PollPolicy(0.001, jitter=0.0)
+    with Subscriber(url, threads=2, select=sel) as sub:
+        mine = sub.pull(2)
+        list(sub.follow(mine, poll=fast, cache=CachePolicy(str(path)), stop=_stopped()))
+    st = WorkerCache(path).load()
+    assert st is not None and st.spare and st.selection is not None
+    key = next(iter(st.spare))
+    bad = {k: v.copy() for k, v in st.spare.items()}
+    bad[key][0] ^= 1  # a bit of another member, outside the selection
+    WorkerCache(path).save(st.tensors, url=st.url, version=st.version, manifest=st.manifest, lineage=st.lineage,
+                           selection=st.selection, spare=bad)
+    with Subscriber(url, threads=2, select=sel) as sub, caplog.at_level("WARNING"):
+        fresh = sub.allocate()
+        (rec,) = list(sub.follow(fresh, poll=fast, cache=CachePolicy(str(path)), max_versions=1))
+        assert rec.bytes_fetched > 0 and "does not match its digest" in caplog.text
+        assert_bits_equal(fresh, expected_rows(states[1], sel))
 
 
 def test_exclude_leaves_tensors_out(tmp_path) -> None:
