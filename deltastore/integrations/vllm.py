@@ -55,9 +55,9 @@ from typing import Any
 import torch
 
 from deltastore.errors import EngineUpdateError
-from deltastore.layout.select import Selection
 from deltastore.integrations.hostcopy import DEFAULT_INTERVAL_S, HostCopy, ServedVersion, agree_over, stage_selection
 from deltastore.integrations.jsonhttp import DEFAULT_TIMEOUT_S, JSONClient, Reply
+from deltastore.layout.select import Selection
 
 logger = logging.getLogger(__name__)
 

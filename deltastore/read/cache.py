@@ -105,11 +105,11 @@ class WorkerCache:
         cpu = {k: (v.detach().cpu() if v.device.type != "cpu" else v.detach()).contiguous() for k, v in tensors.items()}
         kept = []
         for n, (key, bits) in enumerate(sorted((spare or {}).items())):
-            name_ = f"#spare/{n}"
-            while name_ in cpu:  # never a user's tensor
-                name_ = "#" + name_
-            cpu[name_] = torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8).copy())
-            kept.append([key[0], key[1], name_])
+            slot = f"#spare/{n}"
+            while slot in cpu:  # never a user's tensor
+                slot = "#" + slot
+            cpu[slot] = torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8).copy())
+            kept.append([key[0], key[1], slot])
         try:
             save_file(cpu, str(partial))
             with open(partial, "rb+") as f:

@@ -38,13 +38,13 @@ from deltastore.errors import (
 )
 from deltastore.fleet.watch import IDLE, FollowWatch
 from deltastore.format.history import VersionInfo
+from deltastore.layout.select import check_target, slice_targets
 from deltastore.layout.tensors import check_layout
 from deltastore.layout.tied import recorded_aliases
 from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S
 from deltastore.read.cache import WorkerCache
 from deltastore.read.catchup import Held
 from deltastore.read.changes import changed_rows, changed_tensors
-from deltastore.layout.select import check_target, slice_targets
 from deltastore.read.engine import digest_mismatches, targets_for
 from deltastore.read.partial import Spare, cached_spare, selection_doc
 from deltastore.read.plan import ChunkPlan, digests, layout, plan_from_anchor

@@ -127,11 +127,10 @@ class Partial:
                 if p.positions is None:
                     after[key] = np.array(p.values, copy=True)
                 else:
+                    # the patch was made against the chunk as the slice target read it: the
+                    # spare bits outside the windows, zeros where none are held (a full load)
                     bits = spare.get(key)
-                    if bits is None:
-                        raise ValueError(f"chunk {p.index} of {p.name!r} is patched, but its bits outside the "
-                                         "selection are not held")
-                    new = bits.copy()
+                    new = bits.copy() if bits is not None else np.zeros(p.span[1] - p.span[0], dtype=p.values.dtype)
                     new[p.positions] = p.values
                     after[key] = new
         return out, after

@@ -251,3 +251,27 @@ def test_exclude_leaves_tensors_out(tmp_path) -> None:
     assert_bits_equal(mine, expected_rows(states[1], sel))
     with pytest.raises(SelectionError, match="lists of patterns"):
         Selection(exclude="layers.1.*")
+
+
+def test_a_full_staged_load_of_members_among_zeros(tmp_path) -> None:
+    """Staged from nothing, an edge chunk whose new bits are mostly zeros (a freshly initialised
+    LoRA B beside the selected member) is patched sparsely: its spare bits start from zeros."""
+    url = str(tmp_path / "store")
+    g = torch.Generator().manual_seed(5)
+    state = {"a.lora_A": torch.randn(40, generator=g).bfloat16(),
+             **{f"a.lora_B{i}": torch.zeros(40, dtype=torch.bfloat16) for i in range(6)}}
+    with Publisher(url, writer_policy=WriterPolicy(threads=2),
+                   layout_policy=LayoutPolicy(group_small_tensors=True)) as pub:
+        pub.publish(state)
+        state2 = snapshot(state)
+        state2["a.lora_B3"][7] = 1.0
+        pub.publish(state2)
+    sel = Selection(names=("a.lora_A",))
+    with Subscriber(url, threads=2, select=sel) as sub:
+        fresh = sub.allocate(1)
+        staged = sub.stage(fresh, 1)
+        assert staged.patches and all(p.positions is not None for p in staged.patches)
+        sub.swap(staged, fresh)
+        assert_bits_equal(fresh, expected_rows(state, sel))
+        sub.pull_into(fresh, 2)  # the spare bits are version 1's: the delta applies and verifies
+        assert_bits_equal(fresh, expected_rows(state2, sel))
