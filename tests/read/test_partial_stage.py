@@ -138,7 +138,7 @@ def test_a_selection_written_between_stage_and_swap_is_detected(tmp_path) -> Non
         assert_bits_equal(mine, before, "nothing applied")
         assert sub.version == v - 1
         assert sub._reader.partial.spare.keys() == spare.keys()
-        assert all(np.array_equal(sub._reader.partial.spare[k], v) for k, v in spare.items()), "spare bits kept"
+        assert all(np.array_equal(sub._reader.partial.spare[k], old) for k, old in spare.items()), "spare bits kept"
         b[at] ^= 1
         sub.swap(sub.stage(mine, v + 1), mine)
         assert_bits_equal(mine, expected_rows(states[v], sel))
