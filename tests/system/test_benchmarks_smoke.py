@@ -371,3 +371,17 @@ def test_sharded_benchmark_runs_the_independent_ceiling(tmp_path) -> None:
     assert entry["pipelined_two_over_one"] > 0 and all(x > 0 for x in entry["pipelined_over_preloaded"])
     md = (out / "sharded.md").read_text()
     assert "independent processes / 1 rank" in md and "back to back on preloaded steps" in md
+
+
+def test_pipeline_stages_split_layers_as_vllm_does() -> None:
+    from benchmarks.pipeline_stages import stage_missing
+
+    names = ["model.embed_tokens.weight", *[f"model.layers.{i}.mlp.w" for i in range(5)], "model.norm.weight",
+             "lm_head.weight"]
+    assert stage_missing(names, 0, 1) == []
+    # vLLM's shares of 5 layers over 2 stages: [3, 2] (the remainder before the last stage)
+    assert stage_missing(names, 0, 2) == ["lm_head.", "model.layers.3.", "model.layers.4.", "model.norm."]
+    assert stage_missing(names, 1, 2) == ["model.embed_tokens.", "model.layers.0.", "model.layers.1.",
+                                          "model.layers.2."]
+    held = [{i for i in range(5) if f"model.layers.{i}." not in stage_missing(names, r, 4)} for r in range(4)]
+    assert held == [{0}, {1}, {2, 3}, {4}]  # [1, 1, 2, 1]
