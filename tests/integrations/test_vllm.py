@@ -14,6 +14,7 @@ import urllib.parse
 import pytest
 import torch
 
+import deltastore.read.subscriber as subscriber_module
 from deltastore import Publisher
 from deltastore.errors import EngineUpdateError, SelectionError
 from deltastore.integrations.hostcopy import HostCopy, ServedVersion, agree_over
@@ -302,6 +303,30 @@ def test_pipeline_stages_hold_and_load_only_their_layers(tmp_path, vllm_parts, m
         assert models[1].calls[-1] == ["model.layers.10.mlp.up_proj.weight"]
         for m, stage in zip(models, stages):
             assert m.holds({n: v2[n] for n in stage})
+        # every tensor of rank 1's stage changes and its load fails partway: both ranks put
+        # version 2 back, rank 1 rebuilding its whole stage from the store (its selection)
+        v3 = _changed(v2, model__layers__0__mlp__up_proj__weight=3.5, model__layers__1__self_attn__q_proj__weight=3.5,
+                      model__layers__1__mlp__up_proj__weight=3.5, model__layers__10__mlp__up_proj__weight=3.5,
+                      model__norm__weight=3.5, lm_head__weight=3.5)
+        pub.publish(v3)
+        for w in ranks:
+            _wait_staged(w, 3)
+        opened = []
+        real = subscriber_module.Subscriber
+        monkeypatch.setattr(subscriber_module, "Subscriber",
+                            lambda *a, **k: opened.append(k.get("select")) or real(*a, **k))
+        models[1].fail_after = 2
+        with pytest.raises(EngineUpdateError):
+            sync(ranks, "deltastore_sync")
+        monkeypatch.setattr(subscriber_module, "Subscriber", real)
+        assert ranks[1]._deltastore.select in opened  # the rebuild pulled the stage, not the model
+        assert [w.deltastore_version()["version"] for w in ranks] == [2, 2]
+        assert sorted(models[1].calls[-1]) == sorted(stages[1])  # restored whole, from the stage's pull
+        for m, stage in zip(models, stages):
+            assert m.holds({n: v2[n] for n in stage})
+        assert [r["version"] for r in sync(ranks, "deltastore_sync")] == [3, 3]
+        for m, stage in zip(models, stages):
+            assert m.holds({n: v3[n] for n in stage})
     sync(ranks, "deltastore_stop")
     with pytest.raises(SelectionError, match="whole tensors"):  # the engines' loaders cut shards themselves
         HostCopy(url, select=Selection(shard=(0, 0, 2)))
