@@ -176,7 +176,6 @@ class HostCopy:
                                  "select tensors by name, without shard")
         self.url = url  # as given (the subscriber's URL may be normalized)
         self.format = format
-        self.select = select
         self._trusted_keys = None if trusted_keys is None else list(trusted_keys)  # reused by rebuild
         self._threads = threads
         self.sub = Subscriber(url, storage_options=storage_options, trusted_keys=self._trusted_keys, threads=threads,
@@ -387,7 +386,7 @@ class HostCopy:
             return []
         # Every tensor held: the host copy's selection. Otherwise one literal pattern per name.
         if set(names) >= set(self.weights):
-            select = self.select or Selection()
+            select = self.sub.select or Selection()
         else:
             select = Selection(names=tuple(_literal(n) for n in names))
         with Subscriber(self.sub.url, store=self.sub.store, select=select,

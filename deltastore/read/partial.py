@@ -109,19 +109,28 @@ class Partial:
             r0, r1, e0, e1 = spec.chunk_block(p.index)
             width = e1 - e0
             pos = p.positions if p.positions is not None else np.arange(p.span[1] - p.span[0], dtype=np.int64)
-            rr, cc = r0 + pos // width, e0 + pos % width
+            rc: tuple[np.ndarray, np.ndarray] | None = None  # each position's row and column, when a window needs them
             for w in res.windows.get(p.name, ()):
                 wr0, wr1, we0, we1 = w.rect(spec.row_elems)
-                if max(r0, wr0) >= min(r1, wr1) or max(e0, we0) >= min(e1, we1):
+                x0, x1 = max(r0, wr0), min(r1, wr1)
+                if x0 >= x1 or max(e0, we0) >= min(e1, we1):
                     continue
-                inside = (rr >= wr0) & (rr < wr1) & (cc >= we0) & (cc < we1)
-                if not inside.any():
+                at: slice | np.ndarray
+                if we0 <= e0 and e1 <= we1:  # the window spans the chunk's columns: its rows are one run
+                    at = slice(*np.searchsorted(pos, ((x0 - r0) * width, (x1 - r0) * width)))
+                else:
+                    if rc is None:
+                        rc = (r0 + pos // width, e0 + pos % width)
+                    rr, cc = rc
+                    at = np.flatnonzero((rr >= wr0) & (rr < wr1) & (cc >= we0) & (cc < we1))
+                q = pos[at]
+                if not q.size:
                     continue
                 # row-major in the chunk and in the window alike: the user's positions ascend
-                user = w.offset + (rr[inside] - wr0) * (we1 - we0) + (cc[inside] - we0)
+                user = w.offset + (r0 + q // width - wr0) * (we1 - we0) + (e0 + q % width - we0)
                 lo = int(user[0])
-                out.append(ChunkPatch(w.name, p.index, (lo, int(user[-1]) + 1), user - lo, p.values[inside],
-                                      p.expected_old[inside]))
+                out.append(ChunkPatch(w.name, p.index, (lo, int(user[-1]) + 1), user - lo, p.values[at],
+                                      p.expected_old[at]))
             key = (p.name, p.index)
             if key in res.edges:
                 if p.positions is None:

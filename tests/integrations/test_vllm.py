@@ -319,7 +319,7 @@ def test_pipeline_stages_hold_and_load_only_their_layers(tmp_path, vllm_parts, m
         with pytest.raises(EngineUpdateError):
             sync(ranks, "deltastore_sync")
         monkeypatch.setattr(subscriber_module, "Subscriber", real)
-        assert ranks[1]._deltastore.select in opened  # the rebuild pulled the stage, not the model
+        assert ranks[1]._deltastore.sub.select in opened  # the rebuild pulled the stage, not the model
         assert [w.deltastore_version()["version"] for w in ranks] == [2, 2]
         assert sorted(models[1].calls[-1]) == sorted(stages[1])  # restored whole, from the stage's pull
         for m, stage in zip(models, stages):
