@@ -51,7 +51,8 @@ inherit the closest builtin so that ``except KeyError`` and friends keep working
     ├── GCRefusedError (ValueError)               GC will not run: unsafe grace, store without clock
     ├── StaleStageError (ValueError)              a staged update prepared for another held version
     ├── WorkerCacheError (OSError)                a worker cache directory unusable, or a save failed
-    │   └── NodeCacheError                        a node cache directory (fleet.nodecache) unusable
+    │   ├── NodeCacheError                        a node cache directory (fleet.nodecache) unusable
+    │   └── SharedCopyError                       a shared host copy's directory unusable, or no room
     ├── VersionSkippedError                       an async publish replaced by a newer one
     ├── DevServerError (RuntimeError)             a local S3 server (deltastore.devserver) did not start
     ├── EngineUpdateError                         an inference engine refused a weight or adapter update
@@ -420,6 +421,12 @@ class NodeCacheError(WorkerCacheError):
     opened; a cache that fails later is logged and the store is read directly."""
 
 
+class SharedCopyError(WorkerCacheError):
+    """A shared host copy's directory (:mod:`deltastore.integrations.sharedcopy`) cannot be used:
+    not creatable, a platform without ``flock``, another store's copy in it, or no room for the
+    weights on its filesystem (raised before anything is mapped)."""
+
+
 class DevServerError(DeltastoreError, RuntimeError):
     """A local S3 server of :mod:`deltastore.devserver` did not start; the message names the
     command and carries the tail of its log."""
@@ -471,6 +478,7 @@ __all__ = [
     "MetricsUnavailableError",
     "MirrorLineageError",
     "NodeCacheError",
+    "SharedCopyError",
     "NotFoundError",
     "PreconditionFailedError",
     "SignatureError",

@@ -24,12 +24,16 @@ API). This module is the part they share:
   same version, and keep it only when every rank applied it. (A rank whose restore failed, its
   state unknown, is brought back by the next version every rank stages: until then it votes to
   apply a version its peers already serve, and nobody moves.)
+- one copy per node (``shared=``): the processes that follow the same store, format and
+  selection on a node map one copy in shared memory, which one of them follows
+  (:mod:`deltastore.integrations.sharedcopy`); each still swaps into its own engine as above.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -39,6 +43,7 @@ from typing import Any, Protocol
 import torch
 
 from deltastore.errors import EngineUpdateError, SelectionError
+from deltastore.integrations.sharedcopy import SharedCopy, changed_since, default_shared_dir
 from deltastore.layout.select import Selection
 
 logger = logging.getLogger(__name__)
@@ -153,9 +158,14 @@ class HostCopy:
         select: hold only these tensors, whole (:class:`deltastore.layout.select.Selection`
             without ``shard``; e.g. :func:`stage_selection` for a pipeline stage); None: every
             tensor.
+        shared: one copy for every process of the node that follows the same store, format and
+            selection (:mod:`deltastore.integrations.sharedcopy`): a directory on the node's
+            tmpfs, or True for the default one (:func:`~deltastore.integrations.sharedcopy.default_shared_dir`,
+            under ``/dev/shm``). One of the processes follows the store into it, the others
+            read it; ``cache_dir`` and ``worker_id`` are the follower's. None: this process's own.
 
     Memory: the model once in host memory, in the store's dtypes (the selection's tensors only,
-    with ``select``).
+    with ``select``); with ``shared``, once per node.
 
     Example::
 
@@ -168,7 +178,8 @@ class HostCopy:
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
                  interval: float = DEFAULT_INTERVAL_S, cache_dir: str | None = None, worker_id: str | None = None,
                  trusted_keys: Iterable[Any] | None = None, threads: int | None = None, format: str | None = None,
-                 select: Selection | None = None):
+                 select: Selection | None = None, shared: str | os.PathLike[str] | bool | None = None):
+        from deltastore.read.partial import selection_doc
         from deltastore.read.subscriber import Subscriber
 
         if select is not None and select.shard is not None:
@@ -184,8 +195,18 @@ class HostCopy:
         #: Held by the follow thread while it writes the host copy, and by a sync while it reads it.
         self.lock = threading.Lock()
         self.pending: dict[str, None] = {}  # tensor names changed since the last sync (ordered)
-        self._staged: Any = None  # VersionInfo of the version in the host copy
-        self._served: Any = None  # VersionInfo of the version the engine serves
+        self._staged: ServedVersion | None = None  # the version in the host copy
+        self._served: ServedVersion | None = None  # the version the engine serves
+        self.shared: SharedCopy | None = None
+        if shared is not None and shared is not False:
+            identity = {"url": self.sub.url, "format": format,
+                        "select": None if select is None else selection_doc(select)}
+            path = default_shared_dir(identity) if shared is True else shared
+            try:
+                self.shared = SharedCopy(path, identity)
+            except BaseException:
+                self.sub.close()
+                raise
         self._state_unknown = False  # a failed swap could not be undone
         # The host copy was written but its record is not in yet: a sync now would read bits of
         # a version whose changed names it does not know.
@@ -223,32 +244,78 @@ class HostCopy:
                 raise
 
     def _run(self) -> None:
-        from deltastore.errors import StorageError, VersionNotFoundError
-        from deltastore.read.follow import CachePolicy, HeartbeatPolicy, PollPolicy
-
         try:
-            while not self._stop.is_set():  # an empty store (the trainer not started yet): wait
-                try:
-                    self.weights = self.sub.allocate()
-                    break
-                except (VersionNotFoundError, StorageError) as e:
-                    logger.info("waiting for a first version of %s (%s)", self.sub.url, e)
-                    self._stop.wait(self._interval)
-            if self._stop.is_set():
+            if self.shared is None:
+                self._follow()
                 return
-            cache = CachePolicy(self._cache_dir) if self._cache_dir is not None else None
-            for rec in self.sub.follow(self.weights, poll=PollPolicy(self._interval), pause=self._swap,
-                                       stop=self._stop, cache=cache, heartbeat=HeartbeatPolicy(self._worker_id)):
-                with self.lock:
-                    self.pending.update(dict.fromkeys(rec.changed))
-                    self._staged = rec.info
-                    self._ahead = False
-                self.ready.set()
-                logger.info("staged version %d of %s (%d tensors changed, host copy paused %.3f s)",
-                            rec.info.version, self.sub.url, len(rec.changed), rec.pause_s)
+            while not self._stop.is_set():  # read the shared copy until this process leads it
+                if self.shared.try_lead():
+                    logger.info("following %s into the shared host copy %s", self.sub.url, self.shared.path)
+                    self._follow()
+                    return
+                self._read_shared()
+                self._stop.wait(self._interval)
         except BaseException as e:  # noqa: BLE001 - reported by the next sync or status
             logger.exception("following %s stopped", self.sub.url)
             self.error = e
+            if self.shared is not None and self.shared.leads:
+                self.shared.failed(f"{type(e).__name__}: {e}")
+            self.ready.set()
+
+    def _allocate(self) -> dict[str, torch.Tensor]:
+        if self.shared is None:
+            return self.sub.allocate()
+        # the layout's names, dtypes, shapes and offsets without memory; then the shared tensors
+        return self.shared.create(self.sub.allocate(into=lambda n: torch.empty(n, dtype=torch.uint8, device="meta")))
+
+    def _follow(self) -> None:
+        from deltastore.errors import StorageError, VersionNotFoundError
+        from deltastore.read.follow import CachePolicy, HeartbeatPolicy, PollPolicy
+
+        while not self._stop.is_set():  # an empty store (the trainer not started yet): wait
+            try:
+                self.weights = self._allocate()
+                break
+            except (VersionNotFoundError, StorageError) as e:
+                logger.info("waiting for a first version of %s (%s)", self.sub.url, e)
+                self._stop.wait(self._interval)
+        if self._stop.is_set():
+            return
+        cache = CachePolicy(self._cache_dir) if self._cache_dir is not None else None
+        pause = self._swap if self.shared is None else self._shared_swap
+        order = {n: i for i, n in enumerate(self.weights)}
+        for rec in self.sub.follow(self.weights, poll=PollPolicy(self._interval), pause=pause,
+                                   stop=self._stop, cache=cache, heartbeat=HeartbeatPolicy(self._worker_id)):
+            staged = ServedVersion.of(rec.info)
+            with self.lock:
+                self.pending.update(dict.fromkeys(rec.changed))
+                self._staged = staged
+                self._ahead = False
+                if self.shared is not None:
+                    self.shared.landed(staged.to_dict(), list(rec.changed), order)
+            self.ready.set()
+            logger.info("staged version %d of %s (%d tensors changed, host copy paused %.3f s)",
+                        rec.info.version, self.sub.url, len(rec.changed), rec.pause_s)
+
+    @contextlib.contextmanager
+    def _shared_swap(self) -> Iterator[None]:
+        """:meth:`_swap` over the shared copy: its write lock is taken too, and stays held until
+        the loop body has recorded the version and what it changed for the readers."""
+        assert self.shared is not None
+        with self._swap(), self.shared.begin_write():
+            yield
+
+    def _read_shared(self) -> None:
+        """A reader's poll: map the leader's tensors once they exist; ready once they hold a
+        version; the leader's error is this reader's."""
+        assert self.shared is not None
+        state = self.shared.state() or {}
+        if self.shared.generation != state.get("generation"):
+            weights = self.shared.attach()
+            if weights is not None:
+                with self.lock:
+                    self.weights = weights
+        if state.get("version") is not None and not state.get("writing") and self.weights:
             self.ready.set()
 
     # --- state ----------------------------------------------------------------------------
@@ -256,29 +323,39 @@ class HostCopy:
     @property
     def served(self) -> ServedVersion | None:
         """The version the engine serves (None before the first sync, or when unknown)."""
-        info = self._served
-        return None if info is None else ServedVersion.of(info)
+        return self._served
 
     @property
     def staged(self) -> ServedVersion | None:
         """The version in the host copy (None before the first is loaded)."""
-        info = self._staged
-        return None if info is None else ServedVersion.of(info)
+        if self.shared is None:
+            return self._staged
+        version = (self.shared.state() or {}).get("version")
+        return None if version is None else ServedVersion.from_dict(version)
 
     def check(self) -> None:
-        """Raise RuntimeError (the follow thread's error chained) if following failed."""
+        """Raise RuntimeError (the follow thread's error chained) if following failed: this
+        process's, or with ``shared`` the leader's."""
         if self.error is not None:
             raise RuntimeError(f"following {self.sub.url} failed: {type(self.error).__name__}: {self.error}") from self.error
+        error = self._leader_error()
+        if error is not None and self.shared is not None:
+            raise RuntimeError(f"following {self.sub.url} into the shared host copy {self.shared.path} failed "
+                               f"(in the process that follows it): {error}")
+
+    def _leader_error(self) -> str | None:
+        return None if self.shared is None else (self.shared.state() or {}).get("error")
 
     def status(self) -> dict[str, Any]:
         """Served and staged versions, tensors waiting for a sync, whether the engine's state is
         unknown, and the follow error if any. Read without the lock (which the follow thread
         holds through a whole first load): each field is read once."""
         served, staged, error = self.served, self.staged, self.error
+        text = f"{type(error).__name__}: {error}" if error is not None else self._leader_error()
+        shared = None if self.shared is None else {"path": str(self.shared.path), "leader": self.shared.leads}
         return {"url": self.sub.url, "served": None if served is None else served.to_dict(),
                 "staged": None if staged is None else staged.to_dict(), "pending_tensors": len(self.pending),
-                "engine_state_unknown": self._state_unknown,
-                "error": None if error is None else f"{type(error).__name__}: {error}"}
+                "engine_state_unknown": self._state_unknown, "error": text, "shared": shared}
 
     # --- the swap into the engine ---------------------------------------------------------
 
@@ -302,16 +379,15 @@ class HostCopy:
                 served before was restored or the engine's state is unknown.
             RuntimeError: following failed (the follow thread's error chained).
         """
-        acquired = self.lock.acquire(blocking=block)
+        acquired = self.lock.acquire(blocking=block) if self.shared is None else self.shared.read_lock(block)
         try:
-            vote, staged = self._vote(acquired)
+            vote, staged, names = self._vote(acquired)
             agreed = agree(vote) if agree is not None else True
             if vote[0] == "error":
                 self.check()
-            if vote[0] != "apply" or not agreed:
+            if vote[0] != "apply" or not agreed or staged is None:
                 return self.served
-            names = list(self.pending)
-            target = ServedVersion.of(staged)
+            target = staged
             t0 = time.perf_counter()
             failure: BaseException | None = None
             try:
@@ -327,20 +403,38 @@ class HostCopy:
             dt = time.perf_counter() - t0
         finally:
             if acquired:
-                self.lock.release()
+                self.lock.release() if self.shared is None else self.shared.read_unlock()
         logger.info("serving version %d of %s (model_version %s): %d tensors swapped in %.3f s",
                     target.version, self.sub.url, target.model_version, len(names), dt)
         return target
 
-    def _vote(self, acquired: bool) -> tuple[tuple[Any, ...], Any]:
+    def _vote(self, acquired: bool) -> tuple[tuple[Any, ...], ServedVersion | None, list[str]]:
+        """This rank's vote, the version it would apply and the tensors that changed since the
+        version served (the held lock makes them one version's)."""
         if self.error is not None:
-            return ("error",), None
-        if not acquired or self._ahead:
-            return ("busy",), None
-        staged = self._staged
-        if staged is None or staged is self._served:
-            return ("current", None if staged is None else staged.manifest), None
-        return ("apply", staged.manifest), staged
+            return ("error",), None, []
+        if self.shared is None:
+            if not acquired or self._ahead:
+                return ("busy",), None, []
+            staged, names = self._staged, list(self.pending)
+        else:
+            state = self.shared.state() or {}
+            if state.get("error") is not None:
+                return ("error",), None, []
+            if not acquired or state.get("writing"):
+                return ("busy",), None, []
+            version = state.get("version")
+            if version is not None and self.shared.generation != state.get("generation"):
+                weights = self.shared.attach()  # a new leader's layout: map it (no writer now)
+                if weights is None:
+                    return ("busy",), None, []
+                self.weights = weights
+            staged = None if version is None else ServedVersion.from_dict(version)
+            since = changed_since(state, None if self._served is None else self._served.manifest, list(self.weights))
+            names = list(self.weights) if since is None else since
+        if staged is None or staged == self._served:
+            return ("current", None if staged is None else staged.manifest), None, []
+        return ("apply", staged.manifest), staged, names
 
     def _tensors(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
         from deltastore.read.changes import changed_tensors
@@ -353,7 +447,7 @@ class HostCopy:
         what = f"version {target.version} of {self.sub.url} ({len(names)} tensors)"
         if prev is not None:
             try:
-                applier.apply(self.rebuild(names, ServedVersion.of(prev)), ServedVersion.of(prev))
+                applier.apply(self.rebuild(names, prev), prev)
             except Exception as e:  # noqa: BLE001 - reported in the error below
                 logger.exception("restoring version %d after a failed swap", prev.version)
                 why = f"restoring version {prev.version} failed too ({type(e).__name__}: {e})"
@@ -407,11 +501,14 @@ class HostCopy:
         return [(n, got[n]) for n in names]
 
     def close(self) -> None:
-        """Stop following and release the store (the engine keeps what it serves). Idempotent."""
+        """Stop following and release the store (the engine keeps what it serves) and the shared
+        copy (the last process out removes it). Idempotent."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(STOP_JOIN_S)
         self.sub.close()
+        if self.shared is not None:
+            self.shared.close()
 
 
 def _literal(name: str) -> str:

@@ -305,15 +305,17 @@ class ServedVersionWorker:
 def build_engine(kind: str, engine_url: str, store_url: str, *, storage_options: dict[str, Any] | None = None,
                  interval: float, work_dir: str | None = None, bucket_bytes: int | None = None,
                  drain: bool = False, api_key: str | None = None, format: str | None = None,
-                 pipeline_stage: bool = False) -> EngineSync:
+                 pipeline_stage: bool = False, shared_host_copy: bool | str = False) -> EngineSync:
     """The :class:`EngineSync` for a server: ``kind`` is ``"vllm"`` or ``"sglang"``; ``format``
     the serving format the engine loads (SPEC §15), None for the versions as published;
-    ``pipeline_stage`` (vLLM): each rank holds only its pipeline stage's tensors."""
+    ``pipeline_stage`` (vLLM): each rank holds only its pipeline stage's tensors;
+    ``shared_host_copy`` (True, or a directory): one host copy per node (HostCopy ``shared``)."""
     if kind == "vllm":
         from deltastore.integrations.vllm import VLLMServerSync
 
         return VLLMServerSync(engine_url, store_url, storage_options=storage_options, interval=interval, drain=drain,
-                              api_key=api_key, format=format, pipeline_stage=pipeline_stage)
+                              api_key=api_key, format=format, pipeline_stage=pipeline_stage,
+                              shared_host_copy=shared_host_copy)
     if pipeline_stage:
         raise ValueError("pipeline_stage is vLLM's: an SGLang engine's host copy is the sidecar's, one per engine")
     if kind == "sglang":
@@ -321,7 +323,8 @@ def build_engine(kind: str, engine_url: str, store_url: str, *, storage_options:
 
         applier = ServerApplier(engine_url, work_dir, api_key=api_key,
                                 bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
-        return SGLangSync(applier, store_url, storage_options=storage_options, interval=interval, format=format)
+        return SGLangSync(applier, store_url, storage_options=storage_options, interval=interval, format=format,
+                          shared_host_copy=shared_host_copy)
     raise ValueError(f"unknown engine kind {kind!r}: vllm or sglang")
 
 
@@ -341,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain", action="store_true", help="vllm: finish the requests in flight before each swap")
     p.add_argument("--pipeline-stage", action="store_true",
                    help="vllm: each pipeline-parallel rank holds only its stage's tensors in host memory")
+    p.add_argument("--shared-host-copy", nargs="?", const=True, default=False, metavar="DIR",
+                   help="one host copy per node for every rank and engine that follows the same store and format "
+                        "(default directory under /dev/shm, or DIR on the node's tmpfs)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=parse_storage_option,
                    help="a storage option (endpoint_url=..., retries=2, ...), as the deltastore command takes it; "
                         "repeatable")
@@ -353,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(a.kind, a.engine, a.store, storage_options=dict(a.storage_option) or None, interval=a.poll,
                           work_dir=a.work_dir, bucket_bytes=None if a.bucket_mb is None else a.bucket_mb << 20,
-                          drain=a.drain, api_key=a.api_key, format=a.format, pipeline_stage=a.pipeline_stage)
+                          drain=a.drain, api_key=a.api_key, format=a.format, pipeline_stage=a.pipeline_stage,
+                          shared_host_copy=a.shared_host_copy)
     sidecar = RolloutSidecar([engine], interval=a.interval)
     sidecar.add_listener(lambda s: logger.info("serving version %d (model_version %s)", s.version, s.model_version))
     done = threading.Event()

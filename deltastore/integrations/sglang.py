@@ -237,10 +237,13 @@ class SGLangSync:
         store_url, storage_options, interval, cache_dir, worker_id, trusted_keys, threads, format:
             as for :class:`~deltastore.integrations.hostcopy.HostCopy` (``format="fp8-block128"``
             for an engine serving block-scaled FP8 with ``weight_scale_inv``, SPEC §15).
+        shared_host_copy: one host copy for every engine of the node that follows the same store
+            and format (True: the default directory under ``/dev/shm``; or a directory):
+            :class:`~deltastore.integrations.hostcopy.HostCopy` ``shared``.
 
     Memory: one host copy of the model per engine (SGLang's update API takes full checkpoint
-    tensors and every tensor-parallel scheduler cuts its own shard), plus one bucket of copies
-    while a sync runs.
+    tensors and every tensor-parallel scheduler cuts its own shard), or per node with
+    ``shared_host_copy``, plus one bucket of copies while a sync runs.
 
     Example::
 
@@ -251,10 +254,12 @@ class SGLangSync:
 
     def __init__(self, applier: Applier, store_url: str, *, storage_options: Mapping[str, Any] | None = None,
                  interval: float = DEFAULT_INTERVAL_S, cache_dir: str | None = None, worker_id: str | None = None,
-                 trusted_keys: Iterable[Any] | None = None, threads: int | None = None, format: str | None = None):
+                 trusted_keys: Iterable[Any] | None = None, threads: int | None = None, format: str | None = None,
+                 shared_host_copy: bool | str = False):
         self.applier = applier
         self.host = HostCopy(store_url, storage_options=storage_options, interval=interval, cache_dir=cache_dir,
-                             worker_id=worker_id, trusted_keys=trusted_keys, threads=threads, format=format)
+                             worker_id=worker_id, trusted_keys=trusted_keys, threads=threads, format=format,
+                             shared=shared_host_copy or None)
 
     @property
     def name(self) -> str:

@@ -41,8 +41,9 @@ it over HTTP after each swap (``POST /update_weight_version``).
 
 Cost: each worker process holds the model once more in host memory (the followed copy, whole:
 ``load_weights`` takes full checkpoint tensors and cuts each rank's shard itself; a
-pipeline-parallel rank started with ``pipeline_stage=True`` holds only its stage's tensors), and
-reloads whole tensors (``load_weights`` takes tensors, not rows).
+pipeline-parallel rank started with ``pipeline_stage=True`` holds only its stage's tensors;
+with ``shared_host_copy=True`` the ranks of a node hold one copy between them), and reloads
+whole tensors (``load_weights`` takes tensors, not rows).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class DeltastoreWorkerExtension:
                          interval: float = DEFAULT_INTERVAL_S, cache_dir: str | None = None,
                          worker_id: str | None = None, trusted_keys: Iterable[Any] | None = None,
                          threads: int | None = None, wait_s: float | None = None,
-                         format: str | None = None, pipeline_stage: bool = False) -> dict[str, Any]:
+                         format: str | None = None, pipeline_stage: bool = False,
+                         shared_host_copy: bool | str = False) -> dict[str, Any]:
         """Start following ``url`` in a background thread (idempotent for the same URL).
 
         Args:
@@ -104,6 +106,11 @@ class DeltastoreWorkerExtension:
                 ``get_pp_missing_layer_names``; :func:`~deltastore.integrations.hostcopy.stage_selection`).
                 The host copy then holds and fetches the stage's tensors only (and its
                 ``cache_dir`` caches them). A rank without missing layers holds every tensor.
+            shared_host_copy: one host copy per node instead of one per rank: True for the
+                default directory under ``/dev/shm``, or a directory (on the node's tmpfs). The
+                ranks (and other engines on the node) that follow the same store, format and
+                selection map one copy, which one of them follows
+                (:mod:`deltastore.integrations.sharedcopy`).
 
         Returns:
             :meth:`deltastore_status`.
@@ -118,7 +125,8 @@ class DeltastoreWorkerExtension:
             return self.deltastore_status()
         select = self._deltastore_stage() if pipeline_stage else None
         f = HostCopy(url, storage_options=storage_options, interval=interval, cache_dir=cache_dir,
-                     worker_id=worker_id, trusted_keys=trusted_keys, threads=threads, format=format, select=select)
+                     worker_id=worker_id, trusted_keys=trusted_keys, threads=threads, format=format, select=select,
+                     shared=shared_host_copy or None)
         self._deltastore = f
         f.start()
         if wait_s is not None:
@@ -242,9 +250,10 @@ class VLLMServerSync:
         engine_url: the server, ``http://host:8000``.
         store_url: the store every worker follows.
         storage_options, interval, cache_dir, worker_id, trusted_keys, threads, format,
-            pipeline_stage: passed to ``deltastore_start`` on every worker (JSON: ``trusted_keys``
-            as PEM file paths on the engine's host; ``format`` a serving format such as
-            ``"fp8-block128"``; ``pipeline_stage`` True: each rank holds its stage only).
+            pipeline_stage, shared_host_copy: passed to ``deltastore_start`` on every worker
+            (JSON: ``trusted_keys`` as PEM file paths on the engine's host; ``format`` a serving
+            format such as ``"fp8-block128"``; ``pipeline_stage`` True: each rank holds its stage
+            only; ``shared_host_copy`` True or a directory: one host copy per node).
         drain: swap at an exact boundary: ``POST /pause?mode=wait`` (vLLM finishes the requests
             it runs and holds new ones), the swap, then ``POST /resume``. Default False: the swap
             runs between two engine steps and sequences in flight continue on the new weights.
@@ -268,13 +277,13 @@ class VLLMServerSync:
                  trusted_keys: list[str] | None = None, threads: int | None = None, drain: bool = False,
                  reset_prefix_cache: bool = True, tag_weight_version: bool = True,
                  timeout_s: float = DEFAULT_TIMEOUT_S, api_key: str | None = None, format: str | None = None,
-                 pipeline_stage: bool = False):
+                 pipeline_stage: bool = False, shared_host_copy: bool | str = False):
         self.engine_url = engine_url
         self.store_url = store_url
         self.client = JSONClient(engine_url, timeout_s=timeout_s, api_key=api_key)
         opts = {"storage_options": dict(storage_options or {}) or None, "interval": interval, "cache_dir": cache_dir,
                 "worker_id": worker_id, "trusted_keys": trusted_keys, "threads": threads, "format": format,
-                "pipeline_stage": pipeline_stage or None}
+                "pipeline_stage": pipeline_stage or None, "shared_host_copy": shared_host_copy or None}
         self._start_kwargs = {k: v for k, v in opts.items() if v is not None}
         self.drain = drain
         self._reset, self._tag = reset_prefix_cache, tag_weight_version

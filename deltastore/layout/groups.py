@@ -383,20 +383,51 @@ class _HostGroup:
         copy_members(np.ascontiguousarray(raw, dtype=self.dtype), self.ptrs, self.starts, a, to_row=False)
 
 
+#: Byte alignment of each tensor carved from a caller's buffer (:func:`carve`): a cache line,
+#: and a multiple of every element size.
+CARVE_ALIGN = 64
+
+
+def carve(units: list[tuple[torch.dtype, int]], into: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+    """1-D tensors of ``units`` (dtype, element count), back to back in one buffer: ``into(n)``
+    is called once with the bytes they need (each unit at a multiple of :data:`CARVE_ALIGN`)
+    and returns a contiguous 1-D ``uint8`` tensor of at least ``n`` elements (shared memory,
+    pinned memory, a ``meta`` tensor to learn the offsets). Its bytes are left as they are.
+
+    Raises:
+        ValueError: ``into`` returned something else.
+    """
+    offsets, end = [], 0
+    for dt, n in units:
+        offsets.append(end)
+        end += -(-n * dt.itemsize // CARVE_ALIGN) * CARVE_ALIGN
+    buf = into(end)
+    if (not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous()
+            or buf.numel() < end):
+        got = f"{buf.dtype} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
+        raise ValueError(f"a buffer to carve {end} bytes from must be a contiguous 1-D uint8 tensor of at least "
+                         f"{end} elements, not {got}")
+    return [buf[o:o + n * dt.itemsize].view(dt) for (dt, n), o in zip(units, offsets)]
+
+
 def allocate_members(specs: Mapping[str, TensorSpec], dtype_of: Callable[[str], torch.dtype], *,
-                     zeros: bool = False) -> dict[str, torch.Tensor]:
+                     zeros: bool = False, into: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """New CPU tensors for every tensor of ``specs`` (units); a group's members are views of
     one buffer per group, back to back (so the read engine writes the group in place, see
     :class:`_HostView`): like a flattened parameter, each member is a tensor of its own shape
-    sharing one storage with its group's other members."""
-    new = torch.zeros if zeros else torch.empty
+    sharing one storage with its group's other members. ``into``: carve every unit from the
+    one buffer it returns instead (:func:`carve`; ``zeros`` then does not apply)."""
+    units = list(specs.values())
+    if into is not None:
+        flat = carve([(dtype_of(s.dtype), s.numel) for s in units], into)
+    else:
+        new = torch.zeros if zeros else torch.empty
+        flat = [new(s.numel, dtype=dtype_of(s.dtype)) for s in units]
     out: dict[str, torch.Tensor] = {}
-    for name, s in specs.items():
-        dt = dtype_of(s.dtype)
+    for (name, s), buf in zip(specs.items(), flat):
         if not s.members:
-            out[name] = new(s.shape, dtype=dt)
+            out[name] = buf.view(s.shape)
             continue
-        buf = new(s.numel, dtype=dt)
         for m in s.members:
             out[m.name] = buf[m.offset:m.offset + m.numel].view(m.shape)
     return out

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from deltastore.format.models import DTYPE_WIDTHS
+from deltastore.layout.groups import carve
 from deltastore.layout.select import Resolved, Selection, resolve
 from deltastore.layout.tensors import TensorSpec
 from deltastore.read.changes import merge_spans
@@ -145,9 +146,15 @@ class Partial:
         return out, after
 
     @staticmethod
-    def empty(res: Resolved, make: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
-        """New tensors of the selection's shapes (``make``: ``torch.empty`` or ``torch.zeros``)."""
-        return {n: make(shape, dtype=stored_dtype(dt)) for n, (dt, shape) in res.shapes.items()}
+    def empty(res: Resolved, make: Callable[..., torch.Tensor],
+              into: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """New tensors of the selection's shapes (``make``: ``torch.empty`` or ``torch.zeros``),
+        or carved from the buffer ``into`` returns (:func:`~deltastore.layout.groups.carve`)."""
+        if into is None:
+            return {n: make(shape, dtype=stored_dtype(dt)) for n, (dt, shape) in res.shapes.items()}
+        shapes = list(res.shapes.items())
+        flat = carve([(stored_dtype(dt), math.prod(shape)) for _, (dt, shape) in shapes], into)
+        return {n: t.view(shape) for (n, (_, shape)), t in zip(shapes, flat)}
 
 
 def changed_spans(plans: Iterable[ChunkPlan], res: Resolved) -> dict[str, list[tuple[int, int]]]:

@@ -286,15 +286,17 @@ class Reader:
         release_free_heap()  # the read threads' chunk-sized buffers of a whole version (deltastore._util.heap)
         return out
 
-    def allocate(self, key: str, m: Manifest) -> dict[str, torch.Tensor]:
-        """Zeroed CPU tensors in the layout of version ``m`` (Subscriber.allocate)."""
+    def allocate(self, key: str, m: Manifest,
+                 into: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Zeroed CPU tensors in the layout of version ``m``, or views of ``into``'s buffer
+        (Subscriber.allocate)."""
         specs = layout(self.history.anchor_chain(key, m)[0][1])
         if self.partial is not None:  # the selection's tensors, sharded ones as their slice
             res = self.partial.resolved(specs)
             self.check_model_size(specs, m.version, res)
-            return self.partial.empty(res, torch.zeros)
+            return self.partial.empty(res, torch.zeros, into)
         self.check_model_size(specs, m.version)
-        return allocate_members(specs, stored_dtype, zeros=True)
+        return allocate_members(specs, stored_dtype, zeros=True, into=into)
 
     def updated(self, key: str, m: Manifest, tensors: dict[str, torch.Tensor],
                 run: Callable[[Update], Any]) -> tuple[Update, Any]:

@@ -13,7 +13,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -352,13 +352,22 @@ class Subscriber:
         """
         return self._reader.materialize(*self._reader.resolve(version))
 
-    def allocate(self, version: int | None = None) -> dict[str, torch.Tensor]:
+    def allocate(self, version: int | None = None, *,
+                 into: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Zeroed CPU tensors in the layout of ``version`` (default: the latest), to follow into.
 
         Fetches manifests only; the model size is checked against ``max_model_bytes`` first.
         Raises VersionNotFoundError on an empty store: :meth:`wait_for_version` waits for one.
+
+        Args:
+            version: the version whose layout to allocate (default: the latest).
+            into: carve every tensor from one buffer of the caller's instead: called once
+                with the bytes needed, it returns a contiguous 1-D ``uint8`` tensor at least
+                that long (shared or pinned memory; a ``meta`` tensor gives each tensor's offset
+                without memory). The tensors are views of it, each at a multiple of 64 bytes,
+                in layout order; its bytes are left as they are (not zeroed).
         """
-        return self._reader.allocate(*self._reader.resolve(version))
+        return self._reader.allocate(*self._reader.resolve(version), into=into)
 
     def pull_into(self, target: Target, version: int | None = None) -> VersionInfo | None:
         """Fast-forward ``target`` in place to ``version`` (default: the latest).

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import deltastore.integrations.rollout as rollout_module
 from deltastore.errors import EngineUpdateError, WaitTimeoutError
 from deltastore.integrations.hostcopy import ServedVersion
 from deltastore.integrations.rollout import RolloutSidecar, ServedVersionWorker, build_engine, main
@@ -252,3 +253,29 @@ def test_trl_trainer_rollouts_carry_the_version_the_engine_serves(tmp_path, monk
     for n, p in trainer.model.named_parameters():
         assert torch.equal(engine_worker.model_runner.model.params[n], p.detach().to(torch.bfloat16)), n
     assert server.weight_version == final.weight_version == str(final.version)
+
+
+def test_command_line_passes_the_shared_host_copy(monkeypatch, tmp_path) -> None:
+    seen = []
+
+    def engine(*args, **kwargs):
+        seen.append(kwargs["shared_host_copy"])
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(rollout_module, "build_engine", engine)
+    base = ["--engine", "http://127.0.0.1:9", "--store", str(tmp_path)]
+    for extra in ([], ["--shared-host-copy"], ["--shared-host-copy", str(tmp_path / "copy")]):
+        with pytest.raises(RuntimeError, match="built"):
+            main(base + extra)
+    assert seen == [False, True, str(tmp_path / "copy")]
+    monkeypatch.undo()
+    vllm = build_engine("vllm", "http://127.0.0.1:9", "file:///tmp/x", interval=1.0, shared_host_copy=True)
+    assert vllm._start_kwargs["shared_host_copy"] is True
+    assert "shared_host_copy" not in build_engine("vllm", "http://127.0.0.1:9", "x", interval=1.0)._start_kwargs
+    sglang = build_engine("sglang", "http://127.0.0.1:9", str(tmp_path / "store"), interval=1.0,
+                          work_dir=str(tmp_path / "work"), shared_host_copy=str(tmp_path / "copy"))
+    try:
+        assert str(sglang.host.shared.path) == str(tmp_path / "copy")
+    finally:
+        sglang.close()
+    assert not (tmp_path / "copy").exists()

@@ -243,6 +243,38 @@ def test_ranks_swap_the_same_version_or_none(tmp_path, vllm_parts) -> None:
     sync(ranks, "deltastore_stop")
 
 
+def test_tensor_parallel_ranks_share_one_host_copy(tmp_path, vllm_parts) -> None:
+    """Two tensor-parallel ranks started with shared_host_copy: one follows the store, the other
+    fetches nothing; both load every version, and a failed load on one puts both back."""
+    url = str(tmp_path / "store")
+    copy = tmp_path / "node-copy"
+    v1 = _state(8)
+    group = vllm_parts.ThreadGroup(2)
+    models = [vllm_parts.RecordingModel(_shapes(v1)) for _ in range(2)]
+    ranks = [vllm_parts.Worker(m, group, r) for r, m in enumerate(models)]
+    sync = vllm_parts.on_all_ranks
+    with _publisher(url) as pub:
+        pub.publish(v1, metadata={"model_version": 1})
+        sync(ranks, "deltastore_start", url, interval=0.02, threads=1, wait_s=DEADLINE_S, shared_host_copy=str(copy))
+        assert sorted(w.deltastore_status()["shared"]["leader"] for w in ranks) == [False, True]
+        assert [r["version"] for r in sync(ranks, "deltastore_sync", block=True)] == [1, 1]
+        v2 = _changed(v1, model__norm__weight=2.5)
+        pub.publish(v2, metadata={"model_version": 2})
+        for w in ranks:
+            _wait_staged(w, 2)
+        models[1].fail_after = 0
+        with pytest.raises(EngineUpdateError):
+            sync(ranks, "deltastore_sync", block=True)
+        assert all(m.holds(v1) for m in models)
+        assert [r["version"] for r in sync(ranks, "deltastore_sync", block=True)] == [2, 2]
+        assert all(m.holds(v2) and m.calls[-1] == ["model.norm.weight"] for m in models)
+        fetched = sorted(w._deltastore.sub.bytes_fetched for w in ranks)
+        assert fetched[0] == 0 < fetched[1]  # only the leader follows the store (restores read apart)
+        assert len(list(copy.glob("weights.*.bin"))) == 1
+    sync(ranks, "deltastore_stop")
+    assert not copy.exists()
+
+
 #: vllm/model_executor/models/utils.py (vllm-project/vllm @ d30d0c133c3f47a6436788f82398b21eb23df8c0):
 #: ``get_pp_missing_layer_names(model) -> list[str]``, the names of the model's PPMissingLayer
 #: modules (the layers of the other pipeline stages), each with a trailing dot; the models'

@@ -1,0 +1,168 @@
+"""Host memory of the engine processes of one node, each with its own host copy and with one
+shared copy (docs/integrations.md, "Host memory per rank").
+
+    python -m benchmarks.shared_copy [--workload tf125m-rl-1e-6] [--steps 4] [--processes 4]
+        [--out benchmarks/results/shared-copy]
+
+The trainer publishes the workload's first state (real fine-tuning states) to a tmpfs store;
+``--processes`` engine processes start a :class:`~deltastore.integrations.hostcopy.HostCopy`
+each (``shared=None``, then ``shared=`` one directory on the tmpfs) and sync it into a stand-in
+engine that keeps nothing; the trainer then publishes the other states, one at a time, each
+served by every process before the next. With every process alive at the last version, each
+reports its proportional set size (``Pss`` of ``/proc/self/smaps_rollup``: a page shared by n
+processes counts 1/n in each, so the sum is what the node holds) and what it fetched. Reported:
+the processes' summed PSS, the same for processes that only started a Python with deltastore and
+torch imported (the floor every engine process pays anyway), and the difference as a multiple of
+the model's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+DEADLINE_S = 600.0
+
+
+def pss_bytes() -> int:
+    """This process's proportional set size."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss in /proc/self/smaps_rollup")
+
+
+def child(url: str, shared: str, last: int) -> int:
+    """One engine process: follow ``url`` (``shared`` "-": a copy of its own) and sync until it
+    serves ``last`` (0: follow nothing), then report and wait for stdin to close."""
+    from deltastore.integrations.hostcopy import HostCopy
+
+    class Engine:
+        def apply(self, tensors: Any, version: Any) -> None:
+            pass
+
+    host = None
+    if last:
+        host = HostCopy(url, interval=0.05, shared=None if shared == "-" else shared)
+        host.start()
+        engine = Engine()
+        served = None
+        deadline = time.monotonic() + DEADLINE_S
+        while served is None or served.version < last:
+            assert time.monotonic() < deadline, "the store's last version was not served in time"
+            host.check()
+            served = host.sync(engine)
+            if served is None or served.version < last:
+                print(json.dumps({"served": None if served is None else served.version}), flush=True)
+                time.sleep(0.05)
+    print(json.dumps({"done": last, "pss": pss_bytes(),
+                      "fetched": 0 if host is None else host.sub.bytes_fetched}), flush=True)
+    sys.stdin.read()
+    if host is not None:
+        host.close()
+    return 0
+
+
+def run(url: str, shared: str, processes: int, publish: Any, versions: int) -> list[dict[str, Any]]:
+    """Start the processes, publish the versions one by one as they serve them, and return each
+    process's report."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.shared_copy", "--child", url, shared, str(versions)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(processes)]
+    try:
+        served = [0] * processes
+        reports: list[dict[str, Any] | None] = [None] * processes
+
+        def wait_all(version: int) -> None:
+            for i, p in enumerate(procs):
+                while served[i] < version and reports[i] is None:
+                    line = p.stdout.readline()  # type: ignore[union-attr]
+                    if not line:
+                        raise RuntimeError("an engine process ended early")
+                    d = json.loads(line)
+                    if "done" in d:
+                        reports[i], served[i] = d, d["done"]
+                    elif d["served"] is not None:
+                        served[i] = d["served"]
+
+        for v in range(1, versions + 1):
+            publish(v)
+            wait_all(v)
+        for i, p in enumerate(procs):
+            while reports[i] is None:
+                line = p.stdout.readline()  # type: ignore[union-attr]
+                if not line:
+                    raise RuntimeError("an engine process ended early")
+                d = json.loads(line)
+                if "done" in d:
+                    reports[i] = d
+        return [r for r in reports if r is not None]
+    finally:
+        for p in procs:
+            if p.stdin:
+                p.stdin.close()
+        for p in procs:
+            p.wait(60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.shared_copy")
+    p.add_argument("--workload", default="tf125m-rl-1e-6")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--processes", type=int, default=4)
+    p.add_argument("--out", default=str(RESULTS / "shared-copy"))
+    p.add_argument("--child", nargs=3, metavar=("URL", "SHARED", "LAST"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return child(a.child[0], a.child[1], int(a.child[2]))
+
+    from benchmarks.workload import load_workload
+    from deltastore import Publisher
+
+    states = load_workload(a.workload, a.steps)
+    model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
+    tmp = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    rows: dict[str, Any] = {}
+    for mode in ("floor", "own", "shared"):
+        with tempfile.TemporaryDirectory(dir=tmp) as d:
+            url = str(Path(d) / "store")
+            with Publisher(url) as pub:
+                shared = str(Path(d) / "copy") if mode == "shared" else "-"
+                reports = run(url, shared, a.processes, lambda v: pub.publish(states[v - 1]),
+                              0 if mode == "floor" else len(states))
+            rows[mode] = {"pss_bytes": [r["pss"] for r in reports], "fetched_bytes": [r["fetched"] for r in reports]}
+    floor = sum(rows["floor"]["pss_bytes"])
+    for mode in ("own", "shared"):
+        rows[mode]["above_floor_x_model"] = (sum(rows[mode]["pss_bytes"]) - floor) / model_bytes
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"workload": a.workload, "versions": len(states), "processes": a.processes, "model_bytes": model_bytes,
+           "machine": platform.machine(), "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = ["| host copies | summed PSS (MB) | above the floor, × the model | fetched per process (MB) |",
+             "|---|---:|---:|---|"]
+    for mode, label in (("floor", "none (Python, torch, deltastore imported)"), ("own", "one per process"),
+                        ("shared", "one per node (`shared=`)")):
+        r = rows[mode]
+        above = f"{r['above_floor_x_model']:.2f}×" if "above_floor_x_model" in r else "–"
+        fetched = ", ".join(f"{b / 1e6:.0f}" for b in r["fetched_bytes"])
+        lines.append(f"| {label} | {sum(r['pss_bytes']) / 1e6:.0f} | {above} | {fetched} |")
+    table = "\n".join(lines)
+    out.with_suffix(".md").write_text(f"{a.workload}, {len(states)} versions, {a.processes} processes, "
+                                      f"model {model_bytes / 1e6:.0f} MB\n\n{table}\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
