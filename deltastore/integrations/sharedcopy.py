@@ -54,6 +54,7 @@ import json
 import logging
 import mmap
 import os
+import secrets
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -157,6 +158,8 @@ class SharedCopy:
                         f"{state.get('format')!r}), not {self.identity!r}: give each store, format and "
                         "selection a directory of its own")
                 return
+            except SharedCopyError:
+                raise
             except OSError as e:
                 raise SharedCopyError(f"shared host copy {self.path} cannot be used: {e}") from e
             finally:
@@ -242,7 +245,7 @@ class SharedCopy:
             raise SharedCopyError(f"shared host copy {self.path}: state.json is unreadable ({e})") from e
 
     def _write_state(self, state: Mapping[str, Any]) -> None:
-        tmp = self.path / f"state.json.{os.getpid()}.tmp"
+        tmp = self.path / f"state.json.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.path / "state.json")
 
