@@ -83,29 +83,25 @@ def run(url: str, shared: str, processes: int, publish: Any, versions: int) -> l
         served = [0] * processes
         reports: list[dict[str, Any] | None] = [None] * processes
 
-        def wait_all(version: int) -> None:
-            for i, p in enumerate(procs):
-                while served[i] < version and reports[i] is None:
-                    line = p.stdout.readline()  # type: ignore[union-attr]
-                    if not line:
-                        raise RuntimeError("an engine process ended early")
-                    d = json.loads(line)
-                    if "done" in d:
-                        reports[i], served[i] = d, d["done"]
-                    elif d["served"] is not None:
-                        served[i] = d["served"]
+        def read(i: int) -> None:
+            """One line of process ``i``: the version it serves, or its report."""
+            line = procs[i].stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError("an engine process ended early")
+            d = json.loads(line)
+            if "done" in d:
+                reports[i], served[i] = d, d["done"]
+            elif d["served"] is not None:
+                served[i] = d["served"]
 
         for v in range(1, versions + 1):
             publish(v)
-            wait_all(v)
-        for i, p in enumerate(procs):
+            for i in range(processes):
+                while served[i] < v and reports[i] is None:
+                    read(i)
+        for i in range(processes):
             while reports[i] is None:
-                line = p.stdout.readline()  # type: ignore[union-attr]
-                if not line:
-                    raise RuntimeError("an engine process ended early")
-                d = json.loads(line)
-                if "done" in d:
-                    reports[i] = d
+                read(i)
         return [r for r in reports if r is not None]
     finally:
         for p in procs:

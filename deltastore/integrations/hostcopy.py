@@ -288,10 +288,11 @@ class HostCopy:
                                    stop=self._stop, cache=cache, heartbeat=HeartbeatPolicy(self._worker_id)):
             staged = ServedVersion.of(rec.info)
             with self.lock:
-                self.pending.update(dict.fromkeys(rec.changed))
                 self._staged = staged
                 self._ahead = False
-                if self.shared is not None:
+                if self.shared is None:
+                    self.pending.update(dict.fromkeys(rec.changed))
+                else:  # what changed is the shared state's, for every process
                     self.shared.landed(staged.to_dict(), list(rec.changed), order)
             self.ready.set()
             logger.info("staged version %d of %s (%d tensors changed, host copy paused %.3f s)",
@@ -353,8 +354,9 @@ class HostCopy:
         served, staged, error = self.served, self.staged, self.error
         text = f"{type(error).__name__}: {error}" if error is not None else self._leader_error()
         shared = None if self.shared is None else {"path": str(self.shared.path), "leader": self.shared.leads}
+        pending = len(self.pending) if self.shared is None else len(self._changed_since_served(self.shared.state() or {}))
         return {"url": self.sub.url, "served": None if served is None else served.to_dict(),
-                "staged": None if staged is None else staged.to_dict(), "pending_tensors": len(self.pending),
+                "staged": None if staged is None else staged.to_dict(), "pending_tensors": pending,
                 "engine_state_unknown": self._state_unknown, "error": text, "shared": shared}
 
     # --- the swap into the engine ---------------------------------------------------------
@@ -430,11 +432,17 @@ class HostCopy:
                     return ("busy",), None, []
                 self.weights = weights
             staged = None if version is None else ServedVersion.from_dict(version)
-            since = changed_since(state, None if self._served is None else self._served.manifest, list(self.weights))
-            names = list(self.weights) if since is None else since
+            names = self._changed_since_served(state)
         if staged is None or staged == self._served:
             return ("current", None if staged is None else staged.manifest), None, []
         return ("apply", staged.manifest), staged, names
+
+    def _changed_since_served(self, state: Mapping[str, Any]) -> list[str]:
+        """The tensors of the shared copy changed since the version the engine serves (every
+        tensor when the state does not list that version)."""
+        names = list(self.weights)
+        since = changed_since(state, None if self._served is None else self._served.manifest, names)
+        return names if since is None else since
 
     def _tensors(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
         from deltastore.read.changes import changed_tensors

@@ -114,7 +114,6 @@ class SharedCopy:
         self.path = Path(path)
         self.identity = dict(identity)
         self.generation: int | None = None  # of the weights this process maps
-        self._map: mmap.mmap | None = None
         self._lead_fd: int | None = None
         self._write_fd: int | None = None
         self._read_fd: int | None = None
@@ -219,13 +218,12 @@ class SharedCopy:
             os.close(users)
 
     def close(self) -> None:
-        """Stop leading, unmap (once no tensor of the mapping is left) and leave. Idempotent."""
+        """Stop leading and leave (the mapping goes with the last tensor of it). Idempotent."""
         for attr in ("_write_fd", "_read_fd", "_lead_fd"):
             fd = getattr(self, attr)
             if fd is not None:
                 setattr(self, attr, None)
                 os.close(fd)
-        self._map = None  # the tensors keep the mapping alive for as long as they exist
         self._leave()
 
     # --- state -----------------------------------------------------------------------------
@@ -249,11 +247,10 @@ class SharedCopy:
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.path / "state.json")
 
-    def _update(self, **fields: Any) -> dict[str, Any]:
-        state = self.state() or {}
-        state.update(fields)
-        self._write_state(state)
-        return state
+    def _update(self, state: Mapping[str, Any] | None = None, **fields: Any) -> None:
+        """Write the state with ``fields`` changed: of ``state`` when the caller has just read
+        it, else of the file's."""
+        self._write_state({**(self.state() or {} if state is None else state), **fields})
 
     # --- leading ---------------------------------------------------------------------------
 
@@ -310,7 +307,7 @@ class SharedCopy:
                     if e.errno == errno.ENOSPC else "")
             raise SharedCopyError(
                 f"shared host copy {self.path}: cannot allocate {size} bytes of weights{room}: {e}") from e
-        self._update(generation=gen, version=None, writing=True, log=[])
+        self._update(state, generation=gen, version=None, writing=True, log=[])
         # readers that still map an older generation keep its pages until they map this one
         for old in self.path.glob("weights.*.bin"):
             if old.name != weights.name:
@@ -349,7 +346,7 @@ class SharedCopy:
         out = {}
         for name, dtype, shape, off, nbytes in index:
             out[name] = buf[off:off + nbytes].view(_dtype(dtype)).view(shape)
-        self._map, self.generation = mm, gen
+        self.generation = gen  # (each tensor keeps the mapping alive, torch.frombuffer)
         return out
 
     @contextlib.contextmanager
@@ -370,8 +367,9 @@ class SharedCopy:
         fcntl.flock(fd, fcntl.LOCK_EX)
         self._write_fd = fd
         try:
-            writing_before = bool((self.state() or {}).get("writing"))
-            self._update(writing=True)
+            state = self.state() or {}
+            writing_before = bool(state.get("writing"))
+            self._update(state, writing=True)
             yield
         except BaseException:
             with contextlib.suppress(OSError, SharedCopyError):
@@ -385,7 +383,7 @@ class SharedCopy:
         state = self.state() or {}
         log = list(state.get("log") or [])
         log.append([version["manifest"], sorted(names[n] for n in changed if n in names)])
-        self._update(version=dict(version), writing=False, error=None, log=log[-LOG_VERSIONS:])
+        self._update(state, version=dict(version), writing=False, error=None, log=log[-LOG_VERSIONS:])
         self._end_write()
 
     def failed(self, error: str) -> None:

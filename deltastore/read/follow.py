@@ -440,7 +440,7 @@ def _adopt_cache(reader: Reader, cache: WorkerCache, tensors: dict[str, torch.Te
                 raise _Unusable("its bits of the chunks straddling the selection are not the layout's")
             spare = got
             cached = slice_targets(specs, res, st.tensors, spare)
-            expected = {k: d for k, d in expected.items() if k in res.chunks}
+            expected = part.narrow_digests(expected, res)
         bad = digest_mismatches(reader.engine.pool, specs, expected, lambda name, a, b: cached[name].read(a, b))
         if bad and collected is None:
             raise _Unusable(f"tensor {bad[0][0]!r} chunk {bad[0][1]} does not match its digest")

@@ -86,6 +86,11 @@ class Partial:
         """The plans of the chunks the selection reads."""
         return [p for p in plans if (p.name, p.index) in res.chunks]
 
+    @staticmethod
+    def narrow_digests(digests: dict[tuple[str, int], str], res: Resolved) -> dict[tuple[str, int], str]:
+        """The chunk digests (``(unit, index)`` → hex) of the chunks the selection reads."""
+        return {k: d for k, d in digests.items() if k in res.chunks}
+
     def kept_spare(self, res: Resolved, based: bool) -> Spare:
         """The spare bits an update of the held version starts from: those of ``res``'s edge
         chunks when the update is ``based`` on the held version, else none (a full load reads

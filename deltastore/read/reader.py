@@ -40,7 +40,7 @@ from deltastore.lifecycle.ledger import HeartbeatWriter
 from deltastore.read.catchup import CatchUp, Held, Update, history_replaced
 from deltastore.read.changes import merge_spans
 from deltastore.read.engine import ReadEngine
-from deltastore.read.partial import PARTIAL_COALESCE_GAP_BYTES, Partial, changed_spans
+from deltastore.read.partial import PARTIAL_COALESCE_GAP_BYTES, Partial, Spare, changed_spans
 from deltastore.read.plan import ChunkPlan, layout, plan_from_anchor
 from deltastore.read.stage import ChunkPatch, StagedUpdate
 from deltastore.read.targets import Target, check_tensors, module_targets, owners, plan_spans, stored_dtype, target_tensors
@@ -346,7 +346,7 @@ class Reader:
 
         def run(u: Update) -> None:
             res = part.resolved(u.specs)
-            base = {k: d for k, d in u.base.items() if k in res.chunks}
+            base = part.narrow_digests(u.base, res)
             spare = part.kept_spare(res, bool(u.base))
             self.engine.apply_in_place(part.narrow(u.plans, res), u.specs, tensors, base, version,
                                        lambda sp, t: slice_targets(sp, res, t, spare))
@@ -376,7 +376,7 @@ class Reader:
 
     def stage_plans(self, plans: list[ChunkPlan], specs: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
                     base: dict[tuple[str, int], str], held_version: int | None,
-                    ) -> tuple[list[ChunkPatch], float, float, dict[tuple[str, int], np.ndarray] | None]:
+                    ) -> tuple[list[ChunkPatch], float, float, Spare | None]:
         """``plans`` staged against ``tensors`` (:meth:`ReadEngine.stage`): the patches, the
         seconds fetching and decoding, and a partial subscriber's spare bits after the swap
         (None for a whole target). A partial target's update is the whole target's, narrowed to
@@ -386,8 +386,8 @@ class Reader:
             return (*self.engine.stage(plans, specs, tensors, base, held_version), None)
         res = part.resolved(specs)
         spare = part.kept_spare(res, bool(base))
-        narrowed = {k: d for k, d in base.items() if k in res.chunks}
-        units, fetch_s, decode_s = self.engine.stage(part.narrow(plans, res), specs, tensors, narrowed, held_version,
+        units, fetch_s, decode_s = self.engine.stage(part.narrow(plans, res), specs, tensors,
+                                                     part.narrow_digests(base, res), held_version,
                                                      lambda sp, t: slice_targets(sp, res, t, spare))
         patches, after = part.user_patches(units, res, spare)
         return patches, fetch_s, decode_s, after

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,21 @@ def shared_dir(tmp_path):
     assert not path.exists(), "the last process out did not remove the shared copy"
 
 
+@contextlib.contextmanager
+def _node(tmp_path: Path, path: str, v1: dict[str, torch.Tensor], n: int) -> Iterator[tuple[Publisher, list[HostCopy]]]:
+    """A store with ``v1`` published and ``n`` copies sharing ``path`` (the first leads), all
+    ready; every copy is closed after the block."""
+    url = str(tmp_path / "store")
+    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
+        pub.publish(v1)
+        hs = _copies(url, path, n)
+        try:
+            yield pub, hs
+        finally:
+            for h in hs:
+                h.close()
+
+
 def _copies(url: str, path: str, n: int) -> list[HostCopy]:
     hs = [HostCopy(url, interval=0.02, threads=1, shared=path) for _ in range(n)]
     hs[0].start()
@@ -104,112 +121,84 @@ def _copies(url: str, path: str, n: int) -> list[HostCopy]:
 
 
 def test_copies_share_one_follower_and_swap_what_changed(tmp_path, shared_dir) -> None:
-    url = str(tmp_path / "store")
-    v1 = _state()
-    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
-        pub.publish(v1)
-        hs = _copies(url, shared_dir, 3)
+    v1 = _state(0)
+    with _node(tmp_path, shared_dir, v1, 3) as (pub, hs):
         engines = [Engine() for _ in hs]
-        try:
-            assert [h.status()["shared"]["leader"] for h in hs] == [True, False, False]
-            assert [h.sync(e, block=True).version for h, e in zip(hs, engines)] == [1, 1, 1]
-            assert all(_holds(e, v1) and sorted(e.calls[0]) == sorted(v1) for e in engines)
-            model_bytes = sum(t.numel() * 2 for t in v1.values())
-            files = sorted(p.name for p in Path(shared_dir).glob("weights.*.bin"))
-            assert files == ["weights.0.bin"] and model_bytes <= os.path.getsize(Path(shared_dir) / files[0]) < 2 * model_bytes
-            v2 = _edit(v1, "norm", 3.0)
-            pub.publish(v2)
-            v3 = _edit(v2, "layers.1.w", -2.0)
-            pub.publish(v3)
-            _wait(lambda: _staged(hs[2], 3), "version 3 was not staged")
-            # one reader syncs at each version, the other only at the last: the union since its own
-            assert hs[1].sync(engines[1], block=True).version == 3
-            assert engines[1].calls[-1] == ["layers.1.w", "norm"]
-            v4 = _edit(v3, "embed", 5.0)
-            pub.publish(v4)
-            _wait(lambda: _staged(hs[1], 4), "version 4 was not staged")
-            assert [h.sync(e, block=True).version for h, e in zip(hs, engines)] == [4, 4, 4]
-            assert engines[1].calls[-1] == ["embed"]
-            assert engines[0].calls[-1] == engines[2].calls[-1] == ["embed", "layers.1.w", "norm"]
-            assert all(_holds(e, v4) for e in engines)
-            assert hs[0].sub.bytes_fetched > 0 and [h.sub.bytes_fetched for h in hs[1:]] == [0, 0]
-            assert [h.sync(e).version for h, e in zip(hs, engines)] == [4, 4, 4] and len(engines[0].calls) == 2
-        finally:
-            for h in hs:
-                h.close()
+        assert [h.status()["shared"]["leader"] for h in hs] == [True, False, False]
+        assert [h.sync(e, block=True).version for h, e in zip(hs, engines)] == [1, 1, 1]
+        assert all(_holds(e, v1) and sorted(e.calls[0]) == sorted(v1) for e in engines)
+        model_bytes = sum(t.numel() * 2 for t in v1.values())
+        files = sorted(p.name for p in Path(shared_dir).glob("weights.*.bin"))
+        assert files == ["weights.0.bin"] and model_bytes <= os.path.getsize(Path(shared_dir) / files[0]) < 2 * model_bytes
+        v2 = _edit(v1, "norm", 3.0)
+        pub.publish(v2)
+        v3 = _edit(v2, "layers.1.w", -2.0)
+        pub.publish(v3)
+        _wait(lambda: _staged(hs[2], 3), "version 3 was not staged")
+        # one reader syncs at each version, the other only at the last: the union since its own
+        assert hs[1].sync(engines[1], block=True).version == 3
+        assert engines[1].calls[-1] == ["layers.1.w", "norm"]
+        v4 = _edit(v3, "embed", 5.0)
+        pub.publish(v4)
+        _wait(lambda: _staged(hs[1], 4), "version 4 was not staged")
+        assert [h.sync(e, block=True).version for h, e in zip(hs, engines)] == [4, 4, 4]
+        assert engines[1].calls[-1] == ["embed"]
+        assert engines[0].calls[-1] == engines[2].calls[-1] == ["embed", "layers.1.w", "norm"]
+        assert all(_holds(e, v4) for e in engines)
+        assert hs[0].sub.bytes_fetched > 0 and [h.sub.bytes_fetched for h in hs[1:]] == [0, 0]
+        assert [h.sync(e).version for h, e in zip(hs, engines)] == [4, 4, 4] and len(engines[0].calls) == 2
 
 
 def test_a_reader_never_takes_a_version_being_written(tmp_path, shared_dir) -> None:
-    url = str(tmp_path / "store")
     v1 = _state(1)
-    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
-        pub.publish(v1)
-        leader, reader = _copies(url, shared_dir, 2)
+    with _node(tmp_path, shared_dir, v1, 2) as (pub, (leader, reader)):
         engine = Engine()
-        try:
-            assert reader.sync(engine).version == 1
-            pub.publish(_edit(v1, "norm", 7.0))
-            _wait(lambda: _staged(reader, 2), "version 2 was not staged")
-            with leader.shared.begin_write():  # the leader is writing its next version
-                assert reader.sync(engine).version == 1 and len(engine.calls) == 1
-                leader.shared.landed(leader.staged.to_dict(), [], {})
-            # a leader that died in its swap: the mark stays, the lock is free; nobody takes it
-            leader.shared._update(writing=True)
-            assert reader.sync(engine, block=True).version == 1 and len(engine.calls) == 1
-            assert reader.status()["staged"]["version"] == 2
-            leader.shared._update(writing=False)
-            assert reader.sync(engine).version == 2 and _holds(engine, _edit(v1, "norm", 7.0))
-        finally:
-            leader.close()
-            reader.close()
+        assert reader.sync(engine).version == 1
+        pub.publish(_edit(v1, "norm", 7.0))
+        _wait(lambda: _staged(reader, 2), "version 2 was not staged")
+        with leader.shared.begin_write():  # the leader is writing its next version
+            assert reader.sync(engine).version == 1 and len(engine.calls) == 1
+            leader.shared.landed(leader.staged.to_dict(), [], {})
+        # a leader that died in its swap: the mark stays, the lock is free; nobody takes it
+        leader.shared._update(writing=True)
+        assert reader.sync(engine, block=True).version == 1 and len(engine.calls) == 1
+        assert reader.status()["staged"]["version"] == 2
+        leader.shared._update(writing=False)
+        assert reader.sync(engine).version == 2 and _holds(engine, _edit(v1, "norm", 7.0))
 
 
 def test_another_copy_leads_when_the_leader_goes(tmp_path, shared_dir) -> None:
-    url = str(tmp_path / "store")
     v1 = _state(2)
-    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
-        pub.publish(v1)
-        hs = _copies(url, shared_dir, 3)
+    with _node(tmp_path, shared_dir, v1, 3) as (pub, hs):
         engines = [Engine() for _ in hs]
-        try:
-            assert [h.sync(e).version for h, e in zip(hs, engines)] == [1, 1, 1]
-            hs[0].close()
-            v2 = _edit(v1, "layers.0.w", 4.0)
-            pub.publish(v2)
-            _wait(lambda: any(h.shared.leads for h in hs[1:]), "nobody took over")
-            _wait(lambda: all(_staged(h, 2) for h in hs[1:]), "version 2 was not staged")
-            assert [h.sync(e).version for h, e in zip(hs[1:], engines[1:])] == [2, 2]
-            assert all(_holds(e, v2) for e in engines[1:])
-            # the new leader loaded its first version whole: the readers cannot know what it kept
-            assert all(sorted(e.calls[-1]) == sorted(v1) for e in engines[1:])
-            v3 = _edit(v2, "norm", -1.0)
-            pub.publish(v3)
-            _wait(lambda: all(_staged(h, 3) for h in hs[1:]), "version 3 was not staged")
-            assert [h.sync(e).version for h, e in zip(hs[1:], engines[1:])] == [3, 3]
-            assert all(e.calls[-1] == ["norm"] and _holds(e, v3) for e in engines[1:])
-        finally:
-            for h in hs:
-                h.close()
+        assert [h.sync(e).version for h, e in zip(hs, engines)] == [1, 1, 1]
+        hs[0].close()
+        v2 = _edit(v1, "layers.0.w", 4.0)
+        pub.publish(v2)
+        _wait(lambda: any(h.shared.leads for h in hs[1:]), "nobody took over")
+        _wait(lambda: all(_staged(h, 2) for h in hs[1:]), "version 2 was not staged")
+        assert [h.sync(e).version for h, e in zip(hs[1:], engines[1:])] == [2, 2]
+        assert all(_holds(e, v2) for e in engines[1:])
+        # the new leader loaded its first version whole: the readers cannot know what it kept
+        assert all(sorted(e.calls[-1]) == sorted(v1) for e in engines[1:])
+        v3 = _edit(v2, "norm", -1.0)
+        pub.publish(v3)
+        _wait(lambda: all(_staged(h, 3) for h in hs[1:]), "version 3 was not staged")
+        assert [h.sync(e).version for h, e in zip(hs[1:], engines[1:])] == [3, 3]
+        assert all(e.calls[-1] == ["norm"] and _holds(e, v3) for e in engines[1:])
 
 
 def test_the_leaders_error_is_every_readers(tmp_path, shared_dir) -> None:
-    url = str(tmp_path / "store")
     v1 = _state(3)
-    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
-        pub.publish(v1)
-        leader, reader = _copies(url, shared_dir, 2)
+    with _node(tmp_path, shared_dir, v1, 2) as (pub, (leader, reader)):
         engine = Engine()
-        try:
-            assert reader.sync(engine).version == 1
-            pub.publish({**v1, "norm": torch.zeros(9)}, anchor=True)  # a layout the followed copy cannot take
-            _wait(lambda: reader.status()["error"] is not None, "the reader did not see the leader's error")
-            assert "LayoutMismatchError" in reader.status()["error"]
-            with pytest.raises(RuntimeError, match="shared host copy"):
-                reader.sync(engine)
-            assert _holds(engine, v1)  # the engine keeps what it served
-        finally:
-            leader.close()
-            reader.close()
+        assert reader.sync(engine).version == 1
+        pub.publish({**v1, "norm": torch.zeros(9)}, anchor=True)  # a layout the followed copy cannot take
+        _wait(lambda: reader.status()["error"] is not None, "the reader did not see the leader's error")
+        assert "LayoutMismatchError" in reader.status()["error"]
+        with pytest.raises(RuntimeError, match="shared host copy"):
+            reader.sync(engine)
+        assert _holds(engine, v1)  # the engine keeps what it served
 
 
 def test_the_directory_is_the_copys_alone_and_goes_with_the_last(tmp_path, shared_dir, monkeypatch) -> None:

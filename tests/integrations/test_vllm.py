@@ -211,14 +211,20 @@ def test_a_failed_load_puts_the_served_version_back(tmp_path, vllm_parts) -> Non
     w2.deltastore_stop()
 
 
+def _tp_ranks(vllm_parts, v1: dict[str, torch.Tensor], world: int = 2) -> tuple[list, list]:
+    """``world`` tensor-parallel ranks voting through threads, each with a model of ``v1``'s
+    shapes that records its loads."""
+    group = vllm_parts.ThreadGroup(world)
+    models = [vllm_parts.RecordingModel(_shapes(v1)) for _ in range(world)]
+    return models, [vllm_parts.Worker(m, group, r) for r, m in enumerate(models)]
+
+
 def test_ranks_swap_the_same_version_or_none(tmp_path, vllm_parts) -> None:
     """Two tensor-parallel ranks, each following the store: a rank busy with its host copy, or
     a rank whose load fails, keeps both ranks at the version they served."""
     url = str(tmp_path / "store")
     v1 = _state(6)
-    group = vllm_parts.ThreadGroup(2)
-    models = [vllm_parts.RecordingModel(_shapes(v1)) for _ in range(2)]
-    ranks = [vllm_parts.Worker(m, group, r) for r, m in enumerate(models)]
+    models, ranks = _tp_ranks(vllm_parts, v1)
     sync = vllm_parts.on_all_ranks
     with _publisher(url) as pub:
         pub.publish(v1, metadata={"model_version": 1})
@@ -249,9 +255,7 @@ def test_tensor_parallel_ranks_share_one_host_copy(tmp_path, vllm_parts) -> None
     url = str(tmp_path / "store")
     copy = tmp_path / "node-copy"
     v1 = _state(8)
-    group = vllm_parts.ThreadGroup(2)
-    models = [vllm_parts.RecordingModel(_shapes(v1)) for _ in range(2)]
-    ranks = [vllm_parts.Worker(m, group, r) for r, m in enumerate(models)]
+    models, ranks = _tp_ranks(vllm_parts, v1)
     sync = vllm_parts.on_all_ranks
     with _publisher(url) as pub:
         pub.publish(v1, metadata={"model_version": 1})
