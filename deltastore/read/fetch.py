@@ -153,21 +153,28 @@ class Fetcher:
         submit = _run_here if len(runs) == 1 else self.pool.submit
         jobs = [(blob, run, submit(self._get_run, blob, run, errors is not None, check_on_read)) for blob, run in runs]
         out: Segments = CheckedOnRead() if check_on_read else {}
-        for blob, run, j in jobs:
-            try:
-                got, bad = j.result()
-            except (IntegrityError, NotFoundError) as e:
-                if errors is None:
-                    raise
-                errors.update(((blob.key, r.offset), e) for r in run)
-                continue
-            if isinstance(got, CheckedOnRead):
-                assert isinstance(out, CheckedOnRead)
-                out.absorb(got)
-            else:
-                out.update(got)
-            if errors is not None:
-                errors.update(bad)
+        try:
+            for blob, run, j in jobs:
+                try:
+                    got, bad = j.result()
+                except (IntegrityError, NotFoundError) as e:
+                    if errors is None:
+                        raise
+                    errors.update(((blob.key, r.offset), e) for r in run)
+                    continue
+                if isinstance(got, CheckedOnRead):
+                    assert isinstance(out, CheckedOnRead)
+                    out.absorb(got)
+                else:
+                    out.update(got)
+                if errors is not None:
+                    errors.update(bad)
+        except BaseException:
+            # The other reads end before the error goes up: none goes on past the call, against
+            # the caller's retry (a node cache then sees every file this fetch read as read
+            # once, and hashes it before serving it again) or a store the caller closes.
+            wait([j for *_, j in jobs])
+            raise
         return out
 
     def _get_run(

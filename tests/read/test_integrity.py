@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from deltastore.storage import open_store
 from deltastore.write.policy import LayoutPolicy, WriterPolicy
 from testkit.manifest_docs import read_manifest_doc
 from testkit.stores import (
+    WrappedStore,
     anchor_with_deltas,
     corrupt_anchor_delta,
     head_manifest,
@@ -83,6 +85,46 @@ def test_damaged_pack_is_an_integrity_error_naming_it(url: str, damage: str) -> 
             sub.pull()
         assert key in str(exc.value)
         assert sub.version is None
+
+
+class _SlowDamagedReads(WrappedStore):
+    """Pack reads: the first pack's bytes come back damaged at once, every other pack's slowly;
+    ``in_flight`` counts the reads not yet returned."""
+
+    def __init__(self, inner, damaged: str) -> None:
+        super().__init__(inner)
+        self.damaged, self.in_flight = damaged, 0
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        if not key.endswith(".pack"):
+            return super().get(key, byte_range=byte_range)
+        with self._lock:
+            self.in_flight += 1
+        try:
+            data = super().get(key, byte_range=byte_range)
+            if key == self.damaged:
+                return _flip(data, len(data) // 2)
+            time.sleep(0.2)
+            return data
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+def test_a_failed_pull_leaves_no_read_running(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    states = publish_history(url, n=4)
+    with open_store(url) as store:
+        packs = sorted(m.key for m in store.list() if m.key.endswith(".pack"))
+    assert len(packs) > 1
+    slow = _SlowDamagedReads(open_store(url), packs[0])
+    with Subscriber(url, store=slow) as sub:
+        with pytest.raises(IntegrityError, match=packs[0]):
+            sub.pull()
+        # the other packs' reads ended before the error reached the caller: none races its retry
+        assert slow.in_flight == 0 and {k for k, _ in slow.reads} > {packs[0]}
+        slow.damaged = ""
+        assert_bits_equal(sub.pull(), states[-1])
 
 
 def test_missing_pack_is_not_found_naming_it(url: str) -> None:
