@@ -281,6 +281,8 @@ class HostCopy:
                 self._stop.wait(self._interval)
         if self._stop.is_set():
             return
+        if self.shared is not None:
+            self._adopt_shared()
         cache = CachePolicy(self._cache_dir) if self._cache_dir is not None else None
         pause = self._swap if self.shared is None else self._shared_swap
         order = {n: i for i, n in enumerate(self.weights)}
@@ -297,6 +299,31 @@ class HostCopy:
             self.ready.set()
             logger.info("staged version %d of %s (%d tensors changed, host copy paused %.3f s)",
                         rec.info.version, self.sub.url, len(rec.changed), rec.pause_s)
+
+    def _adopt_shared(self) -> None:
+        """A new leader goes on from the version the shared copy holds when every chunk of it
+        matches its digest (hashed here, nothing fetched; the engines serving that version swap
+        nothing again). A copy a leader left in the middle of a write, in another layout, of a
+        selection (its straddling chunks cannot be checked) or that fails a digest is loaded
+        whole by the follow loop, as a first version is."""
+        from deltastore.errors import DeltastoreError
+
+        assert self.shared is not None
+        state = self.shared.state() or {}
+        version = state.get("version")
+        if (version is None or state.get("writing") or state.get("generation") != self.shared.generation
+                or self.sub.select is not None):
+            return
+        kept = ServedVersion.from_dict(version)
+        try:
+            info = self.sub.adopt(self.weights, kept.version)
+        except DeltastoreError as e:
+            logger.warning("the shared host copy %s is not version %d of %s (%s): loading it whole",
+                           self.shared.path, kept.version, self.sub.url, e)
+            return
+        self.ready.set()
+        logger.info("went on from version %d of %s in the shared host copy %s", info.version, self.sub.url,
+                    self.shared.path)
 
     @contextlib.contextmanager
     def _shared_swap(self) -> Iterator[None]:

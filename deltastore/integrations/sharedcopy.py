@@ -29,8 +29,10 @@ Guarantees:
   first byte; a reader reads under the lock held shared, and a state marked ``writing`` (a
   leader that died in its swap) is a version nobody serves until a leader has written one whole.
 - *A leader that dies is replaced.* ``flock`` is released by the kernel when its holder dies;
-  every reader tries to lead at each poll, and the one that wins follows the store from
-  nothing: its first version is loaded whole (fetched and verified) into the same mapping.
+  every reader tries to lead at each poll, and the one that wins goes on from the version the
+  copy holds once every chunk matches its digest (hashed, nothing fetched); a copy left
+  ``writing``, or one that fails a digest, is loaded whole (fetched and verified) into the same
+  mapping.
 - *What changed is known across processes.* The state lists, for the last
   :data:`LOG_VERSIONS` versions, the tensors each changed; a reader swaps in the union since the
   version its engine serves, or every tensor when that version is not in the list.

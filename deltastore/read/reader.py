@@ -36,10 +36,11 @@ from deltastore.format.models import Head, Index, Manifest
 from deltastore.layout.groups import allocate_members
 from deltastore.layout.select import Resolved, Selection, check_target, slice_targets
 from deltastore.layout.tensors import TensorSpec
+from deltastore.layout.tied import recorded_aliases
 from deltastore.lifecycle.ledger import HeartbeatWriter
 from deltastore.read.catchup import CatchUp, Held, Update, history_replaced
 from deltastore.read.changes import merge_spans
-from deltastore.read.engine import ReadEngine
+from deltastore.read.engine import ReadEngine, digest_mismatches, targets_for
 from deltastore.read.partial import PARTIAL_COALESCE_GAP_BYTES, Partial, Spare, changed_spans
 from deltastore.read.plan import ChunkPlan, layout, plan_from_anchor
 from deltastore.read.stage import ChunkPatch, StagedUpdate
@@ -337,6 +338,30 @@ class Reader:
         )
         self.set_held(upd.held)
         self.changed = functools.partial(plan_spans, upd.plans, upd.specs)  # computed when asked
+        return VersionInfo.from_manifest(m, key)
+
+    def adopt(self, key: str, m: Manifest, target: Target) -> VersionInfo:
+        """Hold version ``m`` with ``target``'s bits, every chunk checked against its digest
+        (Subscriber.adopt)."""
+        if self.partial is not None:
+            raise ValueError(
+                "adopt takes whole tensors: a partial subscriber cannot check the chunks that straddle its "
+                "selection (pull_into loads the selection instead)")
+        if self.held is not None:
+            raise ValueError(f"adopt starts a subscriber that holds nothing; this one holds version {self.version}")
+        tensors = module_targets(target)
+        held = Held.of(self.history.anchor_chain(key, m))
+        specs = held.specs
+        self.check_target(specs, tensors, against=f"version {m.version} of {self.url}", tied=recorded_aliases(m.metadata))
+        targets = targets_for(specs, tensors)
+        bad = digest_mismatches(self.engine.pool, specs, held.digests, lambda n, a, b: targets[n].read(a, b))
+        if bad:
+            (name, index), more = bad[0], len(bad) - 1
+            raise TargetModifiedError(
+                f"the target does not hold version {m.version} of {self.url}: tensor {name!r} chunk {index} does "
+                f"not match its digest{f' ({more} more chunks do not)' if more else ''}; nothing was adopted")
+        self.set_held(held)
+        self.changed = {}
         return VersionInfo.from_manifest(m, key)
 
     def _fast_forward_partial(self, part: Partial, key: str, m: Manifest, tensors: dict[str, torch.Tensor]) -> VersionInfo:

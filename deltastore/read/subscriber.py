@@ -395,6 +395,31 @@ class Subscriber:
         """
         return self._reader.fast_forward(*self._reader.resolve(version), target)
 
+    def adopt(self, target: Target, version: int | None = None) -> VersionInfo:
+        """Hold ``version`` (default: the latest) with the bits ``target`` already has, fetching
+        no pack: every chunk of ``target`` is hashed and checked against the version's digest,
+        and afterwards :meth:`pull_into`, :meth:`stage` and :meth:`follow` fast-forward it from
+        there. For weights that are already this version: a copy a process on the same host
+        kept (a shared host copy whose leader went away), a checkpoint saved at it.
+
+        Args:
+            target: a dict of the version's tensors or an ``nn.Module``, as :meth:`pull_into`
+                takes; it is read, never written.
+            version: the version it holds (default: the latest).
+
+        Returns:
+            The adopted version's info.
+
+        Raises:
+            TargetModifiedError: a chunk of ``target`` does not match its digest (named, with
+                how many more do not); nothing is held.
+            LayoutMismatchError: ``target``'s names, dtypes or shapes are not the version's.
+            ValueError: this subscriber already holds a version, or selects part of the
+                model (a straddling chunk cannot be checked without the bits it leaves out).
+            VersionNotFoundError: no such version (or an empty store).
+        """
+        return self._reader.adopt(*self._reader.resolve(version), target)
+
     def stage(self, target: Target, version: int | None = None) -> StagedUpdate | None:
         """Prepare the fast-forward of ``target`` to ``version`` (default: the latest) without
         writing it: the phase an inference engine keeps serving through (SPEC §7.7).
