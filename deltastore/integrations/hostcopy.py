@@ -304,20 +304,20 @@ class HostCopy:
         """A new leader goes on from the version the shared copy holds when every chunk of it
         matches its digest (hashed here, nothing fetched; the engines serving that version swap
         nothing again). A copy a leader left in the middle of a write, in another layout, of a
-        selection (its straddling chunks cannot be checked) or that fails a digest is loaded
-        whole by the follow loop, as a first version is."""
+        selection that takes part of a chunk (small tensors grouped with ones it leaves out:
+        their bits are in no copy) or that fails a digest is loaded whole by the follow loop,
+        as a first version is."""
         from deltastore.errors import DeltastoreError
 
         assert self.shared is not None
         state = self.shared.state() or {}
         version = state.get("version")
-        if (version is None or state.get("writing") or state.get("generation") != self.shared.generation
-                or self.sub.select is not None):
+        if version is None or state.get("writing") or state.get("generation") != self.shared.generation:
             return
         kept = ServedVersion.from_dict(version)
         try:
             info = self.sub.adopt(self.weights, kept.version)
-        except DeltastoreError as e:
+        except (DeltastoreError, ValueError) as e:
             logger.warning("the shared host copy %s is not version %d of %s (%s): loading it whole",
                            self.shared.path, kept.version, self.sub.url, e)
             return

@@ -343,23 +343,33 @@ class Reader:
     def adopt(self, key: str, m: Manifest, target: Target) -> VersionInfo:
         """Hold version ``m`` with ``target``'s bits, every chunk checked against its digest
         (Subscriber.adopt)."""
-        if self.partial is not None:
-            raise ValueError(
-                "adopt takes whole tensors: a partial subscriber cannot check the chunks that straddle its "
-                "selection (pull_into loads the selection instead)")
         if self.held is not None:
             raise ValueError(f"adopt starts a subscriber that holds nothing; this one holds version {self.version}")
         tensors = module_targets(target)
         held = Held.of(self.history.anchor_chain(key, m))
-        specs = held.specs
-        self.check_target(specs, tensors, against=f"version {m.version} of {self.url}", tied=recorded_aliases(m.metadata))
-        targets = targets_for(specs, tensors)
-        bad = digest_mismatches(self.engine.pool, specs, held.digests, lambda n, a, b: targets[n].read(a, b))
+        specs, expected = held.specs, held.digests
+        against = f"version {m.version} of {self.url}"
+        part = self.partial
+        if part is None:
+            check_tensors(specs, tensors, against=against, tied=recorded_aliases(m.metadata))
+            targets: Mapping[str, Any] = targets_for(specs, tensors)
+        else:
+            res = part.resolved(specs)
+            if res.edges:
+                (name, index) = min(res.edges)
+                raise ValueError(
+                    f"adopt cannot check this selection of {against}: chunk {index} of {name!r} straddles it, and "
+                    "the target lacks the bits of that chunk outside it (pull_into loads the selection instead)")
+            check_target(res, tensors, against=against)
+            targets, expected = slice_targets(specs, res, tensors, {}), part.narrow_digests(expected, res)
+        bad = digest_mismatches(self.engine.pool, specs, expected, lambda n, a, b: targets[n].read(a, b))
         if bad:
             (name, index), more = bad[0], len(bad) - 1
             raise TargetModifiedError(
-                f"the target does not hold version {m.version} of {self.url}: tensor {name!r} chunk {index} does "
-                f"not match its digest{f' ({more} more chunks do not)' if more else ''}; nothing was adopted")
+                f"the target does not hold {against}: tensor {name!r} chunk {index} does not match its digest"
+                f"{f' ({more} more chunks do not)' if more else ''}; nothing was adopted")
+        if part is not None:
+            part.spare = {}
         self.set_held(held)
         self.changed = {}
         return VersionInfo.from_manifest(m, key)

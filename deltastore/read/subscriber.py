@@ -404,7 +404,8 @@ class Subscriber:
 
         Args:
             target: a dict of the version's tensors or an ``nn.Module``, as :meth:`pull_into`
-                takes; it is read, never written.
+                takes (a partial subscriber's: its selection's tensors and slices); it is read,
+                never written.
             version: the version it holds (default: the latest).
 
         Returns:
@@ -414,8 +415,9 @@ class Subscriber:
             TargetModifiedError: a chunk of ``target`` does not match its digest (named, with
                 how many more do not); nothing is held.
             LayoutMismatchError: ``target``'s names, dtypes or shapes are not the version's.
-            ValueError: this subscriber already holds a version, or selects part of the
-                model (a straddling chunk cannot be checked without the bits it leaves out).
+            ValueError: this subscriber already holds a version, or its selection straddles
+                a chunk (one cut inside a chunk: the chunk cannot be checked without the bits
+                the target leaves out).
             VersionNotFoundError: no such version (or an empty store).
         """
         return self._reader.adopt(*self._reader.resolve(version), target)

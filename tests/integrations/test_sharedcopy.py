@@ -35,6 +35,7 @@ from deltastore import Publisher
 from deltastore.errors import SharedCopyError
 from deltastore.integrations.hostcopy import HostCopy
 from deltastore.integrations.sharedcopy import SharedCopy, default_shared_dir
+from deltastore.layout.select import Selection
 from deltastore.write.policy import WriterPolicy
 
 DEADLINE_S = 60.0
@@ -111,8 +112,8 @@ def _node(tmp_path: Path, path: str, v1: dict[str, torch.Tensor], n: int) -> Ite
                 h.close()
 
 
-def _copies(url: str, path: str, n: int) -> list[HostCopy]:
-    hs = [HostCopy(url, interval=0.02, threads=1, shared=path) for _ in range(n)]
+def _copies(url: str, path: str, n: int, select: Selection | None = None) -> list[HostCopy]:
+    hs = [HostCopy(url, interval=0.02, threads=1, shared=path, select=select) for _ in range(n)]
     hs[0].start()
     _wait(lambda: hs[0].shared.leads, "the first copy did not lead")
     for h in hs[1:]:
@@ -212,6 +213,29 @@ def test_another_copy_leads_when_the_leader_goes(tmp_path, shared_dir) -> None:
         pub.publish(v4)
         _wait(lambda: _staged(last, 4), "version 4 was not staged")
         assert last.sync(engine, block=True).version == 4 and engine.calls[-1] == ["embed"] and _holds(engine, v4)
+
+
+def test_the_copy_of_a_selection_is_taken_over_without_a_fetch(tmp_path, shared_dir) -> None:
+    v1 = _state(4)
+    layers = Selection(names=["layers.*"])
+    with Publisher(str(tmp_path / "store"), dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
+        pub.publish(v1)
+        hs = _copies(str(tmp_path / "store"), shared_dir, 2, select=layers)
+        try:
+            engine = Engine()
+            assert hs[1].sync(engine, block=True).version == 1
+            hs[0].close()
+            _wait(lambda: _leads_at(hs[1:], 1), "the other copy did not take over")
+            assert hs[1].sub.bytes_fetched == 0
+            v2 = _edit(v1, "layers.1.w", 3.0)
+            pub.publish(v2)
+            _wait(lambda: _staged(hs[1], 2), "version 2 was not staged")
+            assert hs[1].sync(engine, block=True).version == 2 and engine.calls[-1] == ["layers.1.w"]
+            assert all(torch.equal(engine.held[n], v2[n].bfloat16()) for n in ("layers.0.w", "layers.1.w"))
+            assert sorted(engine.held) == ["layers.0.w", "layers.1.w"]
+        finally:
+            for h in hs:
+                h.close()
 
 
 def test_the_leaders_error_is_every_readers(tmp_path, shared_dir) -> None:

@@ -101,7 +101,7 @@ def test_a_wrong_layout_is_refused(store) -> None:
         assert sub.version is None
 
 
-def test_a_subscriber_that_holds_a_version_or_a_part_does_not_adopt(store) -> None:
+def test_a_subscriber_that_holds_a_version_does_not_adopt(store) -> None:
     url, _ = store
     target = _pulled(url, 2)
     with Subscriber(url) as sub:
@@ -109,6 +109,29 @@ def test_a_subscriber_that_holds_a_version_or_a_part_does_not_adopt(store) -> No
         with pytest.raises(ValueError, match="holds version 3"):
             sub.adopt(target, 2)
         assert sub.version == 3
-    with Subscriber(url, select=Selection(names=[sorted(target)[0]])) as part:
-        with pytest.raises(ValueError, match="partial subscriber"):
+
+
+def test_a_partial_subscriber_adopts_its_selection_unless_a_chunk_straddles_it(store) -> None:
+    url, states = store
+    name = sorted(states[-1])[0]
+    with Subscriber(url, select=Selection(names=[name])) as part:
+        target = part.pull(2)
+    counting = WrappedStore(open_store(url))
+    with Subscriber(url, store=counting, select=Selection(names=[name])) as part:
+        assert part.adopt(target, 2).version == 2 and _packs_read(counting) == []
+        assert part.pull_into(target).version == 4
+    assert_bits_equal(target, {name: states[-1][name]})
+    # a shard whose rows end inside a chunk: that chunk's other rows are not in the target
+    shard = Selection(names=[name], shard=(0, 0, 3))
+    with Subscriber(url, select=shard) as part:
+        target = part.pull(2)
+    with Subscriber(url, select=shard) as part:
+        with pytest.raises(ValueError, match="straddles"):
             part.adopt(target, 2)
+        assert part.version is None
+    whole = {name: _pulled(url, 2)[name]}
+    whole[name].view(-1)[-1] += 1
+    with Subscriber(url, select=Selection(names=[name])) as part:
+        with pytest.raises(TargetModifiedError, match=repr(name)):
+            part.adopt(whole, 2)
+        assert part.version is None
