@@ -13,7 +13,8 @@ reports its proportional set size (``Pss`` of ``/proc/self/smaps_rollup``: a pag
 processes counts 1/n in each, so the sum is what the node holds) and what it fetched. Reported:
 the processes' summed PSS, the same for processes that only started a Python with deltastore and
 torch imported (the floor every engine process pays anyway), and the difference as a multiple of
-the model's bytes.
+the model's bytes. Then the shared copy's leader is killed (SIGKILL): the seconds until another
+process leads holding the last version, and the bytes it fetched to get there.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import argparse
 import json
 import os
 import platform
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,15 +69,25 @@ def child(url: str, shared: str, last: int) -> int:
                 time.sleep(0.05)
     print(json.dumps({"done": last, "pss": pss_bytes(),
                       "fetched": 0 if host is None else host.sub.bytes_fetched}), flush=True)
-    sys.stdin.read()
+    closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+    if host is not None and host.shared is not None and not host.shared.leads:
+        # a reader: say when it leads, holding the last version (the leader was killed)
+        before = host.sub.bytes_fetched
+        while not closed.wait(0.005):
+            if host.shared.leads and host.sub.version == last and not (host.shared.state() or {}).get("writing"):
+                print(json.dumps({"leads": time.monotonic(), "fetched": host.sub.bytes_fetched - before}), flush=True)
+                break
+    closed.wait()
     if host is not None:
         host.close()
     return 0
 
 
-def run(url: str, shared: str, processes: int, publish: Any, versions: int) -> list[dict[str, Any]]:
+def run(url: str, shared: str, processes: int, publish: Any,
+        versions: int) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
     """Start the processes, publish the versions one by one as they serve them, and return each
-    process's report."""
+    process's report; with a shared copy, then kill its leader and return the takeover too."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.shared_copy", "--child", url, shared, str(versions)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -102,13 +115,33 @@ def run(url: str, shared: str, processes: int, publish: Any, versions: int) -> l
         for i in range(processes):
             while reports[i] is None:
                 read(i)
-        return [r for r in reports if r is not None]
+        out = [r for r in reports if r is not None]
+        leaders = [i for i, r in enumerate(out) if r["fetched"]]
+        if shared != "-" and len(leaders) == 1 and processes > 1:
+            return out, takeover(procs, leaders[0])
+        return out, None
     finally:
         for p in procs:
             if p.stdin:
                 p.stdin.close()
         for p in procs:
             p.wait(60)
+
+
+def takeover(procs: list[subprocess.Popen[str]], leader: int) -> dict[str, float]:
+    """Kill the leader (SIGKILL) and wait for another process to lead at the same version:
+    the seconds from the kill, and the bytes the new leader fetched to get there."""
+    lines: queue.Queue[str] = queue.Queue()
+    for i, p in enumerate(procs):
+        if i != leader:
+            threading.Thread(target=lambda p=p: lines.put(p.stdout.readline()), daemon=True).start()  # type: ignore[union-attr]
+    t0 = time.monotonic()
+    procs[leader].kill()
+    while True:
+        line = lines.get(timeout=DEADLINE_S)
+        if line:
+            d = json.loads(line)
+            return {"takeover_s": d["leads"] - t0, "takeover_fetched_bytes": d["fetched"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             url = str(Path(d) / "store")
             with Publisher(url) as pub:
                 shared = str(Path(d) / "copy") if mode == "shared" else "-"
-                reports = run(url, shared, a.processes, lambda v: pub.publish(states[v - 1]),
-                              0 if mode == "floor" else len(states))
-            rows[mode] = {"pss_bytes": [r["pss"] for r in reports], "fetched_bytes": [r["fetched"] for r in reports]}
+                reports, took = run(url, shared, a.processes, lambda v: pub.publish(states[v - 1]),
+                                    0 if mode == "floor" else len(states))
+            rows[mode] = {"pss_bytes": [r["pss"] for r in reports], "fetched_bytes": [r["fetched"] for r in reports],
+                          **(took or {})}
     floor = sum(rows["floor"]["pss_bytes"])
     for mode in ("own", "shared"):
         rows[mode]["above_floor_x_model"] = (sum(rows[mode]["pss_bytes"]) - floor) / model_bytes
@@ -154,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         fetched = ", ".join(f"{b / 1e6:.0f}" for b in r["fetched_bytes"])
         lines.append(f"| {label} | {sum(r['pss_bytes']) / 1e6:.0f} | {above} | {fetched} |")
     table = "\n".join(lines)
+    took = rows["shared"]
+    if "takeover_s" in took:
+        table += (f"\n\nThe shared copy's leader killed (SIGKILL) at the last version: another process led, "
+                  f"holding that version, {took['takeover_s']:.2f} s later, having fetched "
+                  f"{took['takeover_fetched_bytes'] / 1e6:.0f} MB.")
     out.with_suffix(".md").write_text(f"{a.workload}, {len(states)} versions, {a.processes} processes, "
                                       f"model {model_bytes / 1e6:.0f} MB\n\n{table}\n")
     print(table)
