@@ -356,7 +356,7 @@ class Reader:
         else:
             res = part.resolved(specs)
             if res.edges:
-                (name, index) = min(res.edges)
+                name, index = min(res.edges)
                 raise ValueError(
                     f"adopt cannot check this selection of {against}: chunk {index} of {name!r} straddles it, and "
                     "the target lacks the bits of that chunk outside it (pull_into loads the selection instead)")
