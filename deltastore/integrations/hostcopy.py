@@ -301,26 +301,29 @@ class HostCopy:
                         rec.info.version, self.sub.url, len(rec.changed), rec.pause_s)
 
     def _adopt_shared(self) -> None:
-        """A new leader goes on from the version the shared copy holds when every chunk of it
-        matches its digest (hashed here, nothing fetched; the engines serving that version swap
-        nothing again). A copy a leader left in the middle of a write, in another layout, of a
-        selection that takes part of a chunk (small tensors grouped with ones it leaves out:
-        their bits are in no copy) or that fails a digest is loaded whole by the follow loop,
-        as a first version is."""
+        """A new leader goes on from the version the shared copy holds, or was kept from
+        processes that were killed, when every chunk of it matches its digest (hashed here,
+        nothing fetched; the engines serving that version swap nothing again). A copy a leader
+        left in the middle of a write, in another layout, of a selection that takes part of a
+        chunk (small tensors grouped with ones it leaves out: their bits are in no copy) or that
+        fails a digest is loaded whole by the follow loop, as a first version is."""
         from deltastore.errors import DeltastoreError
 
         assert self.shared is not None
         state = self.shared.state() or {}
-        version = state.get("version")
+        version = state.get("version") or state.get("kept")
         if version is None or state.get("writing") or state.get("generation") != self.shared.generation:
             return
-        kept = ServedVersion.from_dict(version)
         try:
+            kept = ServedVersion.from_dict(version)
             info = self.sub.adopt(self.weights, kept.version)
         except (DeltastoreError, ValueError) as e:
-            logger.warning("the shared host copy %s is not version %d of %s (%s): loading it whole",
-                           self.shared.path, kept.version, self.sub.url, e)
+            number = version.get("version") if isinstance(version, dict) else version
+            logger.warning("the shared host copy %s does not hold version %s of %s (%s): loading it whole",
+                           self.shared.path, number, self.sub.url, e)
             return
+        if state.get("version") is None:
+            self.shared.checked(version)
         self.ready.set()
         logger.info("went on from version %d of %s in the shared host copy %s", info.version, self.sub.url,
                     self.shared.path)

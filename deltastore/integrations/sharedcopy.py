@@ -14,8 +14,9 @@ Layout of a shared directory::
     weights.<g>.bin   the tensors of layout generation g, back to back (Subscriber.allocate(into=))
     index.<g>.json    their names, dtypes, shapes and byte offsets
     state.json        the identity (store, format, selection), the generation, the version in
-                      the weights, whether the leader is writing them, its error, and the
-                      tensors each recent version changed
+                      the weights (or ``kept``: left by killed processes, not yet checked),
+                      whether the leader is writing them, its error, and the tensors each recent
+                      version changed
     leader.lock       held (flock, exclusive) by the leader for as long as it leads
     weights.lock      held exclusive by the leader while it writes the weights and the state,
                       shared by a reader while it reads them into its engine
@@ -36,8 +37,11 @@ Guarantees:
 - *What changed is known across processes.* The state lists, for the last
   :data:`LOG_VERSIONS` versions, the tensors each changed; a reader swaps in the union since the
   version its engine serves, or every tensor when that version is not in the list.
-- *The memory goes with the last process.* The last process to close removes the directory;
-  one left by processes that were killed is removed by the next process to open it alone.
+- *The memory goes with the last process.* The last process to close removes the directory.
+  What processes that were killed left is cleared by the next process to open it alone, but for
+  a whole version of the same store, format and selection: that is kept, served by nobody until
+  the next leader has checked every chunk against the version's digests and goes on from it (an
+  engine that crashed with all its ranks restarts without fetching the model again).
 - *No room is an error, not a crash.* The weights file is allocated whole
   (``posix_fallocate``) before it is mapped: a tmpfs too small raises SharedCopyError instead
   of a SIGBUS in the middle of a write.
@@ -143,7 +147,7 @@ class SharedCopy:
                 users = self._lock_fd("users.lock")
                 try:
                     fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    self._clear()  # nobody else has it open: whatever is here was left by the dead
+                    self._clear_left_overs()  # nobody else has it open: what is here was left by the dead
                     fcntl.flock(users, fcntl.LOCK_SH)
                 except BlockingIOError:
                     fcntl.flock(users, fcntl.LOCK_SH)
@@ -175,10 +179,32 @@ class SharedCopy:
         own = os.fstat(fd)
         return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
-    def _clear(self) -> None:
+    def _clear(self, keep: frozenset[str] = frozenset()) -> None:
         for p in self.path.iterdir():
-            if p.name not in _LOCKS:
+            if p.name not in _LOCKS and p.name not in keep:
                 p.unlink(missing_ok=True)
+
+    def _clear_left_overs(self) -> None:
+        """What processes killed without closing left: a whole version of this copy's identity
+        (not marked ``writing``) is kept, its weights, index and state, as ``kept`` until a
+        leader has checked it against the version's digests (:meth:`checked`); the rest goes."""
+        try:
+            state = self.state()
+        except SharedCopyError:
+            state = None
+        if state is None:
+            self._clear()
+            return
+        gen, version = state.get("generation"), state.get("version") or state.get("kept")
+        whole = (state.get("format") == SHARED_FORMAT and state.get("identity") == self.identity
+                 and isinstance(gen, int) and isinstance(version, dict) and not state.get("writing"))
+        if not whole:
+            self._clear()
+            return
+        self._clear(frozenset({f"weights.{gen}.bin", f"index.{gen}.json", "state.json"}))
+        self._write_state({**state, "version": None, "kept": version, "error": None, "log": []})
+        logger.info("shared host copy %s: keeping version %s, left by processes that were killed, until a leader "
+                    "has checked it", self.path, version.get("version"))
 
     def _leave(self) -> None:
         """Release this process's hold; the last one out removes the directory."""
@@ -309,7 +335,7 @@ class SharedCopy:
                     if e.errno == errno.ENOSPC else "")
             raise SharedCopyError(
                 f"shared host copy {self.path}: cannot allocate {size} bytes of weights{room}: {e}") from e
-        self._update(state, generation=gen, version=None, writing=True, log=[])
+        self._update(state, generation=gen, version=None, kept=None, writing=True, log=[])
         # readers that still map an older generation keep its pages until they map this one
         for old in self.path.glob("weights.*.bin"):
             if old.name != weights.name:
@@ -385,8 +411,16 @@ class SharedCopy:
         state = self.state() or {}
         log = list(state.get("log") or [])
         log.append([version["manifest"], sorted(names[n] for n in changed if n in names)])
-        self._update(state, version=dict(version), writing=False, error=None, log=log[-LOG_VERSIONS:])
+        self._update(state, version=dict(version), kept=None, writing=False, error=None, log=log[-LOG_VERSIONS:])
         self._end_write()
+
+    def checked(self, version: Mapping[str, Any]) -> None:
+        """The leader found the weights to be ``version`` (every chunk against its digest): the
+        readers may serve it (a version kept from processes that were killed), and an engine
+        that serves it swaps only what later versions change."""
+        state = self.state() or {}
+        log = [*(state.get("log") or []), [version["manifest"], []]][-LOG_VERSIONS:]
+        self._update(state, version=dict(version), kept=None, log=log)
 
     def failed(self, error: str) -> None:
         """Record the leader's follow error (readers report it), releasing a write it held."""

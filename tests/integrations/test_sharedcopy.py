@@ -10,6 +10,9 @@
 - the leader's error is every reader's;
 - the directory: refused for another store, no room is SharedCopyError before anything is
   mapped, left-overs of killed processes are cleared, the last process out removes it;
+- a whole version left by killed processes is served by nobody until the next leader has
+  checked it against its digests, then gone on from without a fetch; a damaged one is loaded
+  whole;
 - real processes: three follow one store, the leader is killed with SIGKILL, the two others
   serve every later version bit-exact.
 """
@@ -255,7 +258,8 @@ def test_the_directory_is_the_copys_alone_and_goes_with_the_last(tmp_path, share
     url = str(tmp_path / "store")
     with Publisher(url, dtype=torch.bfloat16) as pub:
         pub.publish(_state(4))
-    # left-overs of processes killed without closing: cleared by the first to open it alone
+    # left-overs of processes killed without closing (mid-write, another store's): cleared by the
+    # first to open it alone
     os.makedirs(shared_dir)
     Path(shared_dir, "weights.3.bin").write_bytes(b"stale")
     Path(shared_dir, "state.json").write_text(json.dumps({"format": 1, "identity": {"url": "elsewhere"},
@@ -314,6 +318,49 @@ _PROCESS = textwrap.dedent("""
     print(json.dumps({"done": served.version, "sha256": digest.hexdigest(), "fetched": h.sub.bytes_fetched}), flush=True)
     h.close()
 """)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_copy_left_by_killed_processes_is_checked_and_gone_on_from(tmp_path, shared_dir, damaged) -> None:
+    url = str(tmp_path / "store")
+    script = tmp_path / "engine.py"
+    script.write_text(_PROCESS)
+    v1 = _state(6)
+    v2 = _edit(v1, "embed", 9.0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with Publisher(url, dtype=torch.bfloat16, writer_policy=WriterPolicy(threads=1)) as pub:
+        pub.publish(v1)
+        pub.publish(v2)
+        # the node's only engine process, killed while it serves version 2 (it waits for a 99th)
+        proc = subprocess.Popen([sys.executable, str(script), url, shared_dir, "99"], stdout=subprocess.PIPE,
+                                text=True, env=env)
+        try:
+            deadline = time.monotonic() + DEADLINE_S
+            while json.loads(proc.stdout.readline() or '{"served": -1}').get("served") != 2:
+                assert time.monotonic() < deadline and proc.poll() is None, "the engine process did not serve version 2"
+        finally:
+            proc.kill()
+            proc.wait()
+        weights = next(Path(shared_dir).glob("weights.*.bin"))
+        if damaged:  # a bit flipped in the kept copy: its digest check fails, so it is loaded whole
+            data = bytearray(weights.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            weights.write_bytes(bytes(data))
+        h = HostCopy(url, interval=0.02, threads=1, shared=shared_dir)
+        try:
+            assert h.shared.state()["version"] is None  # kept, unchecked: nobody serves it yet
+            h.start()
+            assert h.wait_ready(DEADLINE_S)
+            engine = Engine()
+            assert h.sync(engine, block=True).version == 2 and _holds(engine, v2)
+            assert sorted(engine.calls[-1]) == sorted(v2)  # a new engine takes every tensor
+            assert (h.sub.bytes_fetched > 0) == damaged
+            v3 = _edit(v2, "norm", 1.5)
+            pub.publish(v3)
+            _wait(lambda: _staged(h, 3), "version 3 was not staged")
+            assert h.sync(engine, block=True).version == 3 and engine.calls[-1] == ["norm"] and _holds(engine, v3)
+        finally:
+            h.close()
 
 
 def test_processes_share_one_copy_and_survive_their_leaders_death(tmp_path, shared_dir) -> None:
