@@ -14,7 +14,9 @@ processes counts 1/n in each, so the sum is what the node holds) and what it fet
 the processes' summed PSS, the same for processes that only started a Python with deltastore and
 torch imported (the floor every engine process pays anyway), and the difference as a multiple of
 the model's bytes. Then the shared copy's leader is killed (SIGKILL): the seconds until another
-process leads holding the last version, and the bytes it fetched to get there.
+process leads holding the last version, and the bytes it fetched to get there; then every process
+is killed and one started again on the copy they left: the seconds from its start until it
+serves the last version, and the bytes it fetched.
 """
 
 from __future__ import annotations
@@ -118,7 +120,11 @@ def run(url: str, shared: str, processes: int, publish: Any,
         out = [r for r in reports if r is not None]
         leaders = [i for i, r in enumerate(out) if r["fetched"]]
         if shared != "-" and len(leaders) == 1 and processes > 1:
-            return out, takeover(procs, leaders[0])
+            took = takeover(procs, leaders[0])
+            for p in procs:  # then every process is killed, and one started again
+                p.kill()
+                p.wait(60)
+            return out, {**took, **restart(url, shared, versions, env)}
         return out, None
     finally:
         for p in procs:
@@ -142,6 +148,26 @@ def takeover(procs: list[subprocess.Popen[str]], leader: int) -> dict[str, float
         if line:
             d = json.loads(line)
             return {"takeover_s": d["leads"] - t0, "takeover_fetched_bytes": d["fetched"]}
+
+
+def restart(url: str, shared: str, versions: int, env: dict[str, str]) -> dict[str, float]:
+    """One engine process started on the copy killed processes left: the seconds until it
+    serves the last version (its start, imports included), and the bytes it fetched."""
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks.shared_copy", "--child", url, shared, str(versions)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        while True:
+            line = p.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError("the restarted engine process ended early")
+            d = json.loads(line)
+            if "done" in d:
+                return {"restart_s": time.monotonic() - t0, "restart_fetched_bytes": d["fetched"]}
+    finally:
+        if p.stdin:
+            p.stdin.close()
+        p.wait(60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if "takeover_s" in took:
         table += (f"\n\nThe shared copy's leader killed (SIGKILL) at the last version: another process led, "
                   f"holding that version, {took['takeover_s']:.2f} s later, having fetched "
-                  f"{took['takeover_fetched_bytes'] / 1e6:.0f} MB.")
+                  f"{took['takeover_fetched_bytes'] / 1e6:.0f} MB. Then every process killed, and one started "
+                  f"again: it served the last version {took['restart_s']:.2f} s after its start, having fetched "
+                  f"{took['restart_fetched_bytes'] / 1e6:.0f} MB.")
     out.with_suffix(".md").write_text(f"{a.workload}, {len(states)} versions, {a.processes} processes, "
                                       f"model {model_bytes / 1e6:.0f} MB\n\n{table}\n")
     print(table)
