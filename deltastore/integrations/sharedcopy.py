@@ -198,6 +198,12 @@ class SharedCopy:
         gen, version = state.get("generation"), state.get("version") or state.get("kept")
         whole = (state.get("format") == SHARED_FORMAT and state.get("identity") == self.identity
                  and isinstance(gen, int) and isinstance(version, dict) and not state.get("writing"))
+        index = self._index(gen) if whole else None
+        try:
+            size = os.stat(self.path / f"weights.{gen}.bin").st_size
+            whole = index is not None and size >= max((off + nbytes for *_, off, nbytes in index), default=0)
+        except (OSError, TypeError, ValueError):  # no weights file, or an index not of this format
+            whole = False
         if not whole:
             self._clear()
             return
@@ -368,6 +374,8 @@ class SharedCopy:
                 mm = mmap.mmap(f.fileno(), size) if size else None
         except FileNotFoundError:
             return None  # replaced by a newer generation meanwhile
+        except SharedCopyError:
+            raise
         except OSError as e:
             raise SharedCopyError(f"shared host copy {self.path}: cannot map weights.{gen}.bin: {e}") from e
         buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)

@@ -320,8 +320,8 @@ _PROCESS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("damaged", [False, True])
-def test_a_copy_left_by_killed_processes_is_checked_and_gone_on_from(tmp_path, shared_dir, damaged) -> None:
+@pytest.mark.parametrize("damage", [None, "flip", "truncate"])
+def test_a_copy_left_by_killed_processes_is_checked_and_gone_on_from(tmp_path, shared_dir, damage) -> None:
     url = str(tmp_path / "store")
     script = tmp_path / "engine.py"
     script.write_text(_PROCESS)
@@ -342,10 +342,12 @@ def test_a_copy_left_by_killed_processes_is_checked_and_gone_on_from(tmp_path, s
             proc.kill()
             proc.wait()
         weights = next(Path(shared_dir).glob("weights.*.bin"))
-        if damaged:  # a bit flipped in the kept copy: its digest check fails, so it is loaded whole
-            data = bytearray(weights.read_bytes())
+        data = bytearray(weights.read_bytes())
+        if damage == "flip":  # a bit flipped in the kept copy: its digest check fails, so it is loaded whole
             data[len(data) // 2] ^= 0x10
-            weights.write_bytes(bytes(data))
+        elif damage == "truncate":  # shorter than its index: not kept at all
+            del data[len(data) // 2:]
+        weights.write_bytes(bytes(data))
         h = HostCopy(url, interval=0.02, threads=1, shared=shared_dir)
         try:
             assert h.shared.state()["version"] is None  # kept, unchecked: nobody serves it yet
@@ -354,7 +356,7 @@ def test_a_copy_left_by_killed_processes_is_checked_and_gone_on_from(tmp_path, s
             engine = Engine()
             assert h.sync(engine, block=True).version == 2 and _holds(engine, v2)
             assert sorted(engine.calls[-1]) == sorted(v2)  # a new engine takes every tensor
-            assert (h.sub.bytes_fetched > 0) == damaged
+            assert (h.sub.bytes_fetched > 0) == (damage is not None)
             v3 = _edit(v2, "norm", 1.5)
             pub.publish(v3)
             _wait(lambda: _staged(h, 3), "version 3 was not staged")
