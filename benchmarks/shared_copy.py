@@ -89,7 +89,8 @@ def child(url: str, shared: str, last: int) -> int:
 def run(url: str, shared: str, processes: int, publish: Any,
         versions: int) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
     """Start the processes, publish the versions one by one as they serve them, and return each
-    process's report; with a shared copy, then kill its leader and return the takeover too."""
+    process's report; with a shared copy, then kill its leader, then every process, start one
+    again, and return the takeover's and the restart's figures too."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.shared_copy", "--child", url, shared, str(versions)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
