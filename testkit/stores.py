@@ -223,6 +223,22 @@ def corrupt_anchor_delta(url: str, how: str) -> tuple[str, int]:
     return t["name"], c["index"]
 
 
+def publish_edits(url: str, state: dict[str, torch.Tensor], n: int, *, seed: int, fraction: float,
+                  **kw: Any) -> list[dict[str, torch.Tensor]]:
+    """Publish ``state``, then ``n - 1`` sparse edits of it (``fraction`` of the elements each,
+    one generator seeded with ``seed``), with two writer threads and the publisher options
+    ``kw``; the versions as published."""
+    rng = np.random.default_rng(seed)
+    out = []
+    kw.setdefault("writer_policy", WriterPolicy(threads=2))
+    with Publisher(url, **kw) as pub:
+        for _ in range(n):
+            pub.publish(state)
+            out.append(snapshot(state))
+            state = sparse_edit(state, rng, fraction)
+    return out
+
+
 def publish_history(url: str, n: int = 4, **kw) -> list[dict[str, torch.Tensor]]:
     """Publish ``n`` versions of a multi-chunk state (anchor, then sparse deltas)."""
     states = [small_state(0, n=4, rows=64)]

@@ -315,12 +315,10 @@ class HostCopy:
         if version is None or state.get("writing") or state.get("generation") != self.shared.generation:
             return
         try:
-            kept = ServedVersion.from_dict(version)
-            info = self.sub.adopt(self.weights, kept.version)
+            info = self.sub.adopt(self.weights, ServedVersion.from_dict(version).version)
         except (DeltastoreError, ValueError) as e:
-            number = version.get("version") if isinstance(version, dict) else version
-            logger.warning("the shared host copy %s does not hold version %s of %s (%s): loading it whole",
-                           self.shared.path, number, self.sub.url, e)
+            logger.warning("the shared host copy %s does not hold the version it names (%s): loading %s whole",
+                           self.shared.path, e, self.sub.url)
             return
         if state.get("version") is None:
             self.shared.checked(version)
@@ -359,10 +357,7 @@ class HostCopy:
     @property
     def staged(self) -> ServedVersion | None:
         """The version in the host copy (None before the first is loaded)."""
-        if self.shared is None:
-            return self._staged
-        version = (self.shared.state() or {}).get("version")
-        return None if version is None else ServedVersion.from_dict(version)
+        return self._staged if self.shared is None else _shared_version(self.shared.state() or {})
 
     def check(self) -> None:
         """Raise RuntimeError (the follow thread's error chained) if following failed: this
@@ -381,10 +376,15 @@ class HostCopy:
         """Served and staged versions, tensors waiting for a sync, whether the engine's state is
         unknown, and the follow error if any. Read without the lock (which the follow thread
         holds through a whole first load): each field is read once."""
-        served, staged, error = self.served, self.staged, self.error
-        text = f"{type(error).__name__}: {error}" if error is not None else self._leader_error()
-        shared = None if self.shared is None else {"path": str(self.shared.path), "leader": self.shared.leads}
-        pending = len(self.pending) if self.shared is None else len(self._changed_since_served(self.shared.state() or {}))
+        served, error = self.served, self.error
+        if self.shared is None:
+            staged, leader_error, pending, shared = self._staged, None, len(self.pending), None
+        else:  # the shared state, read once
+            state = self.shared.state() or {}
+            staged, leader_error = _shared_version(state), state.get("error")
+            pending = len(self._changed_since_served(state))
+            shared = {"path": str(self.shared.path), "leader": self.shared.leads}
+        text = f"{type(error).__name__}: {error}" if error is not None else leader_error
         return {"url": self.sub.url, "served": None if served is None else served.to_dict(),
                 "staged": None if staged is None else staged.to_dict(), "pending_tensors": pending,
                 "engine_state_unknown": self._state_unknown, "error": text, "shared": shared}
@@ -461,7 +461,7 @@ class HostCopy:
                 if weights is None:
                     return ("busy",), None, []
                 self.weights = weights
-            staged = None if version is None else ServedVersion.from_dict(version)
+            staged = _shared_version(state)
             names = self._changed_since_served(state)
         if staged is None or staged == self._served:
             return ("current", None if staged is None else staged.manifest), None, []
@@ -547,6 +547,12 @@ class HostCopy:
         self.sub.close()
         if self.shared is not None:
             self.shared.close()
+
+
+def _shared_version(state: Mapping[str, Any]) -> ServedVersion | None:
+    """The version a shared copy's state says its weights hold (None: none yet, or unchecked)."""
+    version = state.get("version")
+    return None if version is None else ServedVersion.from_dict(version)
 
 
 def _literal(name: str) -> str:

@@ -96,6 +96,17 @@ def default_shared_dir(identity: Mapping[str, Any]) -> str:
     return os.path.join(parent, f"deltastore-copy-{os.getuid()}-{digest}")
 
 
+def _index_bytes(index: list[list[Any]]) -> int:
+    """The bytes a weights file of ``index`` (name, dtype, shape, offset, bytes per tensor) holds."""
+    return max((off + nbytes for *_, off, nbytes in index), default=0)
+
+
+def _logged(state: Mapping[str, Any], manifest: str, changed: list[int]) -> list[Any]:
+    """The state's log with ``manifest`` appended, changing the tensors ``changed`` (indices in
+    the index), cut to the last :data:`LOG_VERSIONS`."""
+    return [*(state.get("log") or []), [manifest, changed]][-LOG_VERSIONS:]
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
@@ -200,8 +211,7 @@ class SharedCopy:
                  and isinstance(gen, int) and isinstance(version, dict) and not state.get("writing"))
         index = self._index(gen) if whole else None
         try:
-            size = os.stat(self.path / f"weights.{gen}.bin").st_size
-            whole = index is not None and size >= max((off + nbytes for *_, off, nbytes in index), default=0)
+            whole = index is not None and os.stat(self.path / f"weights.{gen}.bin").st_size >= _index_bytes(index)
         except (OSError, TypeError, ValueError):  # no weights file, or an index not of this format
             whole = False
         if not whole:
@@ -320,7 +330,7 @@ class SharedCopy:
             return self._create(index)
 
     def _create(self, index: list[list[Any]]) -> dict[str, torch.Tensor]:
-        size = max((off + nbytes for *_, off, nbytes in index), default=0)
+        size = _index_bytes(index)
         state = self.state() or {}
         gen = state.get("generation")
         if gen is not None and self._index(gen) == index:
@@ -366,7 +376,7 @@ class SharedCopy:
         index = self._index(gen)
         if index is None:
             return None
-        size = max((off + nbytes for *_, off, nbytes in index), default=0)
+        size = _index_bytes(index)
         try:
             with open(self.path / f"weights.{gen}.bin", "r+b") as f:
                 if os.fstat(f.fileno()).st_size < size:
@@ -417,9 +427,8 @@ class SharedCopy:
         """Record the version the weights now hold and the tensors it changed, then release the
         write lock (after a :meth:`begin_write` block that ended normally)."""
         state = self.state() or {}
-        log = list(state.get("log") or [])
-        log.append([version["manifest"], sorted(names[n] for n in changed if n in names)])
-        self._update(state, version=dict(version), kept=None, writing=False, error=None, log=log[-LOG_VERSIONS:])
+        log = _logged(state, version["manifest"], sorted(names[n] for n in changed if n in names))
+        self._update(state, version=dict(version), kept=None, writing=False, error=None, log=log)
         self._end_write()
 
     def checked(self, version: Mapping[str, Any]) -> None:
@@ -427,8 +436,7 @@ class SharedCopy:
         readers may serve it (a version kept from processes that were killed), and an engine
         that serves it swaps only what later versions change."""
         state = self.state() or {}
-        log = [*(state.get("log") or []), [version["manifest"], []]][-LOG_VERSIONS:]
-        self._update(state, version=dict(version), kept=None, log=log)
+        self._update(state, version=dict(version), kept=None, log=_logged(state, version["manifest"], []))
 
     def failed(self, error: str) -> None:
         """Record the leader's follow error (readers report it), releasing a write it held."""

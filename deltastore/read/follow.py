@@ -38,14 +38,11 @@ from deltastore.errors import (
 )
 from deltastore.fleet.watch import IDLE, FollowWatch
 from deltastore.format.history import VersionInfo
-from deltastore.layout.select import check_target, slice_targets
-from deltastore.layout.tensors import check_layout
 from deltastore.layout.tied import recorded_aliases
 from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S
 from deltastore.read.cache import WorkerCache
 from deltastore.read.catchup import Held
 from deltastore.read.changes import changed_rows, changed_tensors
-from deltastore.read.engine import digest_mismatches, targets_for
 from deltastore.read.partial import Spare, cached_spare, selection_doc
 from deltastore.read.plan import ChunkPlan, digests, layout, plan_from_anchor
 from deltastore.read.reader import Reader
@@ -426,22 +423,15 @@ def _adopt_cache(reader: Reader, cache: WorkerCache, tensors: dict[str, torch.Te
                 raise _Unusable(f"version {st.version} of {url} is now {key!r}, not {st.manifest!r}")
         ms = history.anchor_chain(key, m)
         specs = layout(ms[0][1])
-        expected = digests(ms)
-        if part is None:
-            check_layout(specs, st.tensors, against=f"version {m.version} of {url}")
-            cached = targets_for(specs, st.tensors)
-        else:
+        if part is not None:
             if collected is not None:
                 raise _Unusable(f"its version {st.version} was collected (a partial cache is loaded whole or not at all)")
-            res = part.resolved(specs)
-            check_target(res, st.tensors, against=f"version {m.version} of {url}")
-            got = cached_spare(specs, res, st.spare)
+            got = cached_spare(specs, part.resolved(specs), st.spare)
             if got is None:
                 raise _Unusable("its bits of the chunks straddling the selection are not the layout's")
             spare = got
-            cached = slice_targets(specs, res, st.tensors, spare)
-            expected = part.narrow_digests(expected, res)
-        bad = digest_mismatches(reader.engine.pool, specs, expected, lambda name, a, b: cached[name].read(a, b))
+        bad = reader.chunk_mismatches(specs, digests(ms), st.tensors, against=f"version {m.version} of {url}",
+                                      spare=spare)
         if bad and collected is None:
             raise _Unusable(f"tensor {bad[0][0]!r} chunk {bad[0][1]} does not match its digest")
     except NotFoundError:

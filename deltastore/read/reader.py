@@ -340,36 +340,49 @@ class Reader:
         self.changed = functools.partial(plan_spans, upd.plans, upd.specs)  # computed when asked
         return VersionInfo.from_manifest(m, key)
 
+    def chunk_mismatches(self, specs: dict[str, TensorSpec], expected: dict[tuple[str, int], str],
+                         tensors: dict[str, torch.Tensor], *, against: str, tied: Mapping[str, str] | None = None,
+                         spare: Spare | None = None) -> list[tuple[str, int]]:
+        """The chunks of ``tensors`` (a target, or a saved copy of one) whose bits do not hash to
+        their ``expected`` digest, once ``tensors`` were checked against the layout ``specs``
+        (:meth:`check_target`): for a partial subscriber the chunks its selection reads, with
+        ``spare`` the bits of its edge chunks outside the selection.
+
+        Raises:
+            LayoutMismatchError: ``tensors`` do not fit the layout (or the selection).
+        """
+        self.check_target(specs, tensors, against=against, tied=tied)
+        part = self.partial
+        targets: Mapping[str, Any]
+        if part is None:
+            targets = targets_for(specs, tensors)
+        else:
+            res = part.resolved(specs)
+            targets, expected = slice_targets(specs, res, tensors, spare or {}), part.narrow_digests(expected, res)
+        return digest_mismatches(self.engine.pool, specs, expected, lambda n, a, b: targets[n].read(a, b))
+
     def adopt(self, key: str, m: Manifest, target: Target) -> VersionInfo:
         """Hold version ``m`` with ``target``'s bits, every chunk checked against its digest
         (Subscriber.adopt)."""
         if self.held is not None:
             raise ValueError(f"adopt starts a subscriber that holds nothing; this one holds version {self.version}")
-        tensors = module_targets(target)
         held = Held.of(self.history.anchor_chain(key, m))
-        specs, expected = held.specs, held.digests
         against = f"version {m.version} of {self.url}"
-        part = self.partial
-        if part is None:
-            check_tensors(specs, tensors, against=against, tied=recorded_aliases(m.metadata))
-            targets: Mapping[str, Any] = targets_for(specs, tensors)
-        else:
-            res = part.resolved(specs)
-            if res.edges:
-                name, index = min(res.edges)
-                raise ValueError(
-                    f"adopt cannot check this selection of {against}: chunk {index} of {name!r} straddles it, and "
-                    "the target lacks the bits of that chunk outside it (pull_into loads the selection instead)")
-            check_target(res, tensors, against=against)
-            targets, expected = slice_targets(specs, res, tensors, {}), part.narrow_digests(expected, res)
-        bad = digest_mismatches(self.engine.pool, specs, expected, lambda n, a, b: targets[n].read(a, b))
+        edges = frozenset() if self.partial is None else self.partial.resolved(held.specs).edges
+        if edges:
+            name, index = min(edges)
+            raise ValueError(
+                f"adopt cannot check this selection of {against}: chunk {index} of {name!r} straddles it, and "
+                "the target lacks the bits of that chunk outside it (pull_into loads the selection instead)")
+        bad = self.chunk_mismatches(held.specs, held.digests, module_targets(target), against=against,
+                                    tied=recorded_aliases(m.metadata))
         if bad:
             (name, index), more = bad[0], len(bad) - 1
             raise TargetModifiedError(
                 f"the target does not hold {against}: tensor {name!r} chunk {index} does not match its digest"
                 f"{f' ({more} more chunks do not)' if more else ''}; nothing was adopted")
-        if part is not None:
-            part.spare = {}
+        if self.partial is not None:
+            self.partial.spare = {}
         self.set_held(held)
         self.changed = {}
         return VersionInfo.from_manifest(m, key)

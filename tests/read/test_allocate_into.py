@@ -8,16 +8,16 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from deltastore import Publisher, Subscriber
+from deltastore import Subscriber
 from deltastore.layout.groups import CARVE_ALIGN
 from deltastore.layout.select import Selection
-from deltastore.write.policy import LayoutPolicy, WriterPolicy
+from deltastore.write.policy import LayoutPolicy
 from testkit.partial import expected_rows
-from testkit.tensors import assert_bits_equal, snapshot, sparse_edit
+from testkit.stores import publish_edits
+from testkit.tensors import assert_bits_equal
 
 
 def _chain(url: str) -> list[dict[str, torch.Tensor]]:
@@ -25,15 +25,8 @@ def _chain(url: str) -> list[dict[str, torch.Tensor]]:
     state = {f"blk.{i}.norm": torch.randn(40, generator=g).bfloat16() for i in range(6)}
     state["big"] = torch.randn(1000, 160, generator=g).bfloat16()  # > 256 KiB: not grouped
     state["f32"] = torch.randn(33, generator=g)
-    rng = np.random.default_rng(4)
-    out = []
-    with Publisher(url, writer_policy=WriterPolicy(threads=2),
-                   layout_policy=LayoutPolicy(chunk_bytes=4096, group_small_tensors=True)) as pub:
-        for _ in range(3):
-            pub.publish(state)
-            out.append(snapshot(state))
-            state = sparse_edit(state, rng, 0.05)
-    return out
+    return publish_edits(url, state, 3, seed=4, fraction=0.05,
+                         layout_policy=LayoutPolicy(chunk_bytes=4096, group_small_tensors=True))
 
 
 @pytest.mark.parametrize("sel", [None, Selection(names=("blk.[24].norm", "big"), shard=(0, 1, 3), shard_names=("big",))],

@@ -12,11 +12,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from deltastore import Publisher, Subscriber
+from deltastore import Subscriber
 from deltastore.errors import (
     CorruptObjectError,
     LayoutMismatchError,
@@ -26,10 +25,10 @@ from deltastore.errors import (
 from deltastore.layout.select import Selection
 from deltastore.layout.tensors import bits
 from deltastore.storage import open_store
-from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
+from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from testkit.partial import expected_rows, needed_bytes
-from testkit.stores import head_manifest, resign_manifest
-from testkit.tensors import assert_bits_equal, snapshot, sparse_edit
+from testkit.stores import head_manifest, publish_edits, resign_manifest
+from testkit.tensors import assert_bits_equal, snapshot
 
 #: Chunks of 480 bytes: 10 rows of 24 bf16, so 16-row slices straddle chunk edges.
 CHUNK = 480
@@ -49,16 +48,8 @@ def _model(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _publish_chain(url: str, n: int = 6, **kw) -> list[dict[str, torch.Tensor]]:
     """Versions 1..n (an anchor every 3), returned as published."""
-    rng = np.random.default_rng(1)
-    state = _model()
-    out = []
-    with Publisher(url, writer_policy=WriterPolicy(threads=2), anchor_policy=AnchorPolicy(every=3),
-                   layout_policy=LayoutPolicy(chunk_bytes=CHUNK), **kw) as pub:
-        for _ in range(n):
-            pub.publish(state)
-            out.append(snapshot(state))
-            state = sparse_edit(state, rng, 0.02)
-    return out
+    return publish_edits(url, _model(), n, seed=1, fraction=0.02, anchor_policy=AnchorPolicy(every=3),
+                         layout_policy=LayoutPolicy(chunk_bytes=CHUNK), **kw)
 
 
 @pytest.mark.parametrize("sel", [
@@ -112,14 +103,8 @@ def test_groups_are_selected_by_member_name(tmp_path) -> None:
     g = torch.Generator().manual_seed(3)
     state = {f"blk.{i}.norm": torch.randn(40, generator=g).bfloat16() for i in range(12)}
     state["big"] = torch.randn(2048, 160, generator=g).bfloat16()  # > 256 KiB: not grouped
-    rng = np.random.default_rng(2)
-    states = []
-    with Publisher(url, writer_policy=WriterPolicy(threads=2),
-                   layout_policy=LayoutPolicy(chunk_bytes=64, group_small_tensors=True)) as pub:
-        for _ in range(3):
-            pub.publish(state)
-            states.append(snapshot(state))
-            state = sparse_edit(state, rng, 0.05)
+    states = publish_edits(url, state, 3, seed=2, fraction=0.05,
+                           layout_policy=LayoutPolicy(chunk_bytes=64, group_small_tensors=True))
     sel = Selection(names=("blk.3.norm", "blk.[79].norm"))
     with Subscriber(url, threads=2, select=sel) as sub:
         mine = sub.pull(1)
