@@ -554,12 +554,12 @@ class Publisher:
                 self._reference = None
             self._drop_streams()
             raise
-        for b in built:
-            self._streams[b.ref.format].landed(b, superseded=superseded)
         if not has_base:  # deltas advanced the reference while encoding
             # A new dict (the queue clears the snapshot's dict once this returns), per unit: a
             # group row is one buffer of its members' bits (design 007 D5).
             self._reference = unit_reference(state, specs, owned=owned, gathered=gathered)
+        for b in built:
+            self._streams[b.ref.format].landed(b, superseded=superseded, store_reference=self._reference)
         self._specs, self._layout = specs, layout
         if kind == "anchor":
             release_free_heap()  # the encode threads' chunk-sized buffers (deltastore._util.heap)

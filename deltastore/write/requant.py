@@ -67,6 +67,15 @@ def _chunked_alike(spec: TensorSpec | None, store_spec: TensorSpec | None) -> bo
             and tuple(spec.shape) == tuple(store_spec.shape))  # type: ignore[union-attr]
 
 
+def takes_store_chunks(t: torch.Tensor, spec: TensorSpec | None, store_spec: TensorSpec | None) -> bool:
+    """A tensor ``t`` the stream keeps as it is whose reference can be the store's own once
+    committed: bfloat16 on the CPU, stored as itself in both layouts and chunked alike, so that
+    the store's deltas carry its chunks (:meth:`Requantizer.derive` reuses them; the native
+    kernels list the store's changes). Otherwise the stream's next delta diffs it against a
+    reference of its own."""
+    return ENABLED and kernels.NATIVE and _bf16_cpu(t) and _chunked_alike(spec, store_spec)
+
+
 def _kept_reference(ref: torch.Tensor | None, t: torch.Tensor) -> bool:
     """The stream's reference of a kept tensor ``t`` is one it can advance with the store's
     changes: bfloat16, of ``t``'s shape."""
@@ -408,4 +417,4 @@ def _check_span(c: ChunkChange | AnchorChunk, start: int, stop: int) -> None:
         raise ValueError(f"chunk {c.index} spans [{start}, {stop}) in the stream, [{c.start}, {c.stop}) in the store")
 
 
-__all__ = ["Derived", "Requantizer", "anchor_sources"]
+__all__ = ["Derived", "Requantizer", "anchor_sources", "takes_store_chunks"]

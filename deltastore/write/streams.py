@@ -41,7 +41,7 @@ from deltastore.write.chain import Draft, Sealed, VersionChain
 from deltastore.write.commit import put_immutable
 from deltastore.write.encode import AnchorChunk, ChangeSink, ChunkChange, ChunkSource, LayoutWorks, encode_version
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
-from deltastore.write.requant import Requantizer, anchor_sources
+from deltastore.write.requant import Requantizer, anchor_sources, takes_store_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,10 @@ class StreamVersion:
     #: kept tensors whose reference becomes the store's own once committed (same bits: the
     #: version's chunks of them are the store's)
     share: dict[str, torch.Tensor]
+    #: of ``state``: kept tensors that are the caller's, whose reference becomes the store's own
+    #: once committed (the store's reference holds the same bits, and its deltas carry their
+    #: chunks from then on)
+    passed: frozenset[str] = frozenset()
 
 
 class StreamWriter:
@@ -280,26 +284,41 @@ class StreamWriter:
             held = incremental | {n + self.format.scale_suffix for n in incremental}
             self._spare = {n: t for n, t in derived.items()
                            if n not in held and (n not in state or self.format.selects(n, state[n].shape))}
+        passed: frozenset[str] = frozenset()
         if not has_base:
-            # Its tensors become the stream's reference, advanced in place by later deltas: a
-            # tensor derive passed through (a kept bf16 tensor) is the caller's, or the store's
-            # own reference, and is copied.
-            derived = {n: t.clone() if n in state and _shares(t, state[n]) else t for n, t in derived.items()}
+            # Its tensors become the stream's reference, advanced in place by later deltas. A
+            # tensor derive passed through (a kept bf16 tensor) is the caller's: once committed,
+            # the store's reference stands for it where the store's deltas carry its chunks
+            # (landed), and a copy elsewhere. The publisher holds one copy of it, not two.
+            through = {n for n, t in derived.items() if n in state and _shares(t, state[n])}
+            passed = frozenset(n for n in through if store_specs is not None
+                               and takes_store_chunks(derived[n], specs.get(n), store_specs.get(n)))
+            derived = {n: t.clone() if n in through and n not in passed else t for n, t in derived.items()}
         share = {} if store_reference is None or not has_base else {
             n: store_reference[n] for n in reused
             if n in store_reference and store_reference[n].dtype == torch.bfloat16
             and tuple(store_reference[n].shape) == tuple(specs[n].shape)}
         return StreamVersion(ref=ref, draft=sdraft, sealed=sealed, layout=layout, specs=specs,
-                             state=None if has_base else derived, gathered=gathered, share=share)
+                             state=None if has_base else derived, gathered=gathered, share=share, passed=passed)
 
-    def landed(self, built: StreamVersion, *, superseded: bool) -> None:
+    def landed(self, built: StreamVersion, *, superseded: bool,
+               store_reference: Mapping[str, torch.Tensor] | None = None) -> None:
         """``built`` was committed by its store's HEAD write: the next version builds on it
-        (unless ``superseded``: another writer is on top, so the next one reads it back)."""
+        (unless ``superseded``: another writer is on top, so the next one reads it back).
+        ``store_reference``: the store's reference, holding this version (the tensors a version
+        without base passed through share it; without it, they are copied)."""
         self.chain.land(built.draft, built.sealed, built.layout)
         if built.state is not None:  # a delta advanced the reference while encoding
             self._reference = unit_reference(built.state, built.specs, owned=True, gathered=built.gathered)
             self._reference_bits = {}
             self._shared = set()
+            for n in built.passed:  # the caller's tensors: the store's copy of them, or one of our own
+                own = store_reference.get(n) if store_reference is not None and not superseded else None
+                if own is not None and own.dtype == torch.bfloat16 and own.shape == self._reference[n].shape:
+                    self._reference[n] = own
+                    self._shared.add(n)
+                else:
+                    self._reference[n] = self._reference[n].clone()
         elif self._reference is not None:
             for n, t in built.share.items():  # equal bits: this version's chunks of it are the store's
                 self._reference[n] = t

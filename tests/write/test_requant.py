@@ -256,6 +256,87 @@ def test_kept_tensors_share_the_stores_reference_and_a_version_without_it_reads_
             assert_bits_equal(target, derive(states[v - 1], fmt), f"v{v}")
 
 
+@pytest.mark.parametrize("how", ["publish", "publish_async"])
+def test_a_streams_first_version_keeps_no_copy_of_its_own_of_the_tensors_it_keeps(tmp_path, how) -> None:
+    """A stream's first version (no base): once committed, the tensors it keeps as they are
+    are the store's reference, one copy for the publisher, never the caller's tensors, which
+    a trainer updates in place; every version reads back bit-identical."""
+    from deltastore import Subscriber
+    from deltastore.serving.formats import derive, serving_format
+    from testkit.tensors import assert_bits_equal
+
+    states = [_model(0)]
+    for i in range(1, 5):
+        states.append(_changed_state(states[-1], i))
+    formats = ("fp8-block128", "mxfp8")
+    live = {n: t.clone() for n, t in states[0].items()}  # the trainer's tensors, updated in place
+    url = str(tmp_path / "s")
+    with Publisher(url, formats=("bf16", *formats), layout_policy=LayoutPolicy(chunk_bytes=32 * 1024)) as pub:
+        for i, s in enumerate(states):
+            for n, t in live.items():
+                t.copy_(s[n])
+            if how == "publish":
+                pub.publish(live)
+            else:
+                pub.publish_async(live)
+                pub.flush()
+            if i == 0:
+                for fmt in formats:
+                    reference = pub._streams[fmt]._reference
+                    for n in ("model.embed_tokens.weight", "model.norm.weight"):
+                        shared = reference[n] is pub._reference[n]
+                        callers = reference[n].untyped_storage().data_ptr() == live[n].untyped_storage().data_ptr()
+                        assert shared and not callers, (fmt, n)
+    for fmt in formats:
+        with Subscriber(url, format=fmt) as sub:
+            target = sub.pull(1)
+            assert_bits_equal(target, derive(states[0], serving_format(fmt)), f"{fmt} v1")
+            for v in range(2, len(states) + 1):
+                assert sub.pull_into(target, version=v)
+                assert_bits_equal(target, derive(states[v - 1], serving_format(fmt)), f"{fmt} v{v}")
+
+
+@pytest.mark.parametrize("off", ["ENABLED", "NATIVE"])
+def test_a_stream_derived_in_full_keeps_its_own_copy_and_reads_nothing_back(tmp_path, monkeypatch, off) -> None:
+    """Without change lists (incremental derivation off, or no native kernels) the store's
+    deltas cannot stand for a stream's kept tensors: the stream's first version copies them,
+    and no later version reads the stream back to find a base."""
+    from deltastore import Subscriber
+    from deltastore.serving.formats import derive, serving_format
+    from deltastore.write import requant, streams
+    from testkit.tensors import assert_bits_equal
+
+    monkeypatch.setattr(requant if off == "ENABLED" else kernels, off, False)
+    resumed: list[int] = []
+    resume = streams.StreamWriter._resume
+
+    def counted_resume(self, version, derived):
+        resumed.append(version)
+        return resume(self, version, derived)
+
+    monkeypatch.setattr(streams.StreamWriter, "_resume", counted_resume)
+    states = [_model(0)]
+    for i in range(1, 4):
+        states.append(_changed_state(states[-1], i))
+    url = str(tmp_path / "s")
+    embed = "model.embed_tokens.weight"
+    with Publisher(url, formats=("bf16", "fp8-block128"), layout_policy=LayoutPolicy(chunk_bytes=32 * 1024)) as pub:
+        for i, s in enumerate(states):
+            assert pub.publish(s).kind == ("anchor" if i == 0 else "delta")
+            reference = pub._streams["fp8-block128"]._reference
+            shared = reference[embed] is pub._reference[embed]
+            callers = reference[embed].untyped_storage().data_ptr() == s[embed].untyped_storage().data_ptr()
+            assert not shared and not callers, f"version {i + 1}"
+    assert resumed == []
+    fmt = serving_format("fp8-block128")
+    with Subscriber(url, format="fp8-block128") as sub:
+        assert [v.kind for v in sub.log()] == ["anchor"] + ["delta"] * (len(states) - 1)
+        target = sub.pull(1)
+        for v in range(2, len(states) + 1):
+            assert sub.pull_into(target, version=v)
+            assert_bits_equal(target, derive(states[v - 1], fmt), f"v{v}")
+
+
 def test_a_streams_anchor_takes_its_kept_tensors_chunks_from_the_stores_anchor(tmp_path, monkeypatch) -> None:
     from deltastore import Subscriber
     from deltastore.serving.formats import derive, serving_format
