@@ -8,8 +8,6 @@ rank writes its outcome (or its error) to a file that the caller reads back.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import pickle
 import signal
@@ -27,14 +25,11 @@ from deltastore import Subscriber
 from deltastore.errors import InvalidStateDictError, PartFailedError, ShardMismatchError
 from deltastore.format.keys import HEAD_KEY
 from deltastore.storage import open_store
-from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
+from deltastore.write.policy import AnchorPolicy, WriterPolicy
+from testkit.grid_ranks import scenario_grid, scenario_grid_golden
+from testkit.rank_env import head_version, record_pack_reads, set_storage_options, storage_options
 from testkit.tensors import mp_context
 
-#: The gridded tensor ``w`` (120 × 1000 bf16, split 60 | 60 by rows over two ranks): with
-#: ``slice_align=4`` and 16 KiB chunks a grid of 250 columns × 30 rows (30 divides the piece
-#: boundary), 4 row blocks × 4 column blocks; ``o`` matches ``column_slices`` but is too small
-#: for a grid; ``b`` is whole on the last rank.
-GRID_ROWS, GRID_COLS, GRID_CHUNK_ROWS, GRID_CHUNK_COLS = 120, 1000, 30, 250
 
 #: Seconds a test waits for its ranks: spawning imports torch in each (a few seconds on 2 cores).
 RANKS_TIMEOUT_S = 180
@@ -80,16 +75,11 @@ def rank_state(version: int, rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-#: The store's storage options in a rank process (set by _rank_main: an S3 endpoint, keys).
-_OPTIONS: dict[str, Any] | None = None
-
-
 def _rank_main(rank: int, world: int, port: int, url: str, scenario: str, out: str,
                options: dict[str, Any] | None = None) -> None:
     import torch.distributed as dist
 
-    global _OPTIONS
-    _OPTIONS = options
+    set_storage_options(options)
     result: dict[str, Any] = {"rank": rank}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -107,7 +97,7 @@ def _publish_versions(rank: int, world: int, url: str, versions: range) -> dict[
     from deltastore.write.sharded import ShardedPublisher
 
     infos = []
-    with ShardedPublisher(url, storage_options=_OPTIONS, writer_policy=WriterPolicy(threads=1),
+    with ShardedPublisher(url, storage_options=storage_options(), writer_policy=WriterPolicy(threads=1),
                           anchor_policy=AnchorPolicy(every=3)) as pub:
         for v in versions:
             info = pub.publish(rank_state(v, rank, world), step=v, metadata={"v": v})
@@ -510,7 +500,7 @@ def _scenario_async_versions(rank: int, world: int, url: str) -> dict[str, Any]:
     from deltastore.write.sharded import ShardedPublisher
 
     out: dict[str, Any] = {}
-    with ShardedPublisher(url, storage_options=_OPTIONS, writer_policy=WriterPolicy(threads=1),
+    with ShardedPublisher(url, storage_options=storage_options(), writer_policy=WriterPolicy(threads=1),
                           anchor_policy=AnchorPolicy(every=4)) as pub:
         counts = _slow_commits(pub) if rank == 0 else None
         futures = []
@@ -621,21 +611,6 @@ def _scenario_async_close(rank: int, world: int, url: str) -> dict[str, Any]:
     return out
 
 
-def _record_pack_reads(pub: Any) -> list[tuple[str, int]]:
-    """Every pack read through this rank's store from now on: (key, bytes)."""
-    reads: list[tuple[str, int]] = []
-    real = pub.store.get
-
-    def get(key: str, **kw: Any) -> bytes:
-        data = real(key, **kw)
-        if key.endswith(".pack"):
-            reads.append((key, len(data)))
-        return data
-
-    pub.store.get = get
-    return reads
-
-
 def _scenario_resume(rank: int, world: int, url: str) -> dict[str, Any]:
     """Design 010 D11: a new publisher (a restart) resumes from the store by reading back only
     this rank's rows; resume=False anchors; another row split anchors."""
@@ -647,7 +622,7 @@ def _scenario_resume(rank: int, world: int, url: str) -> dict[str, Any]:
             info = pub.publish(rank_state(v, rank, world), step=v)
             out["infos"].append((info.version, info.kind, info.bytes_stored))
     with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:  # restarted: no reference copy
-        reads = _record_pack_reads(pub)
+        reads = record_pack_reads(pub)
         info = pub.publish(rank_state(3, rank, world), step=3)
         out["infos"].append((info.version, info.kind, info.bytes_stored))
         out["reads"] = list(reads)
@@ -656,7 +631,7 @@ def _scenario_resume(rank: int, world: int, url: str) -> dict[str, Any]:
         out["reads_after"] = len(reads) - len(out["reads"])
     with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1, resume=False),
                           anchor_policy=AnchorPolicy(every=100)) as pub:
-        reads = _record_pack_reads(pub)
+        reads = record_pack_reads(pub)
         info = pub.publish(rank_state(5, rank, world), step=5)
         out["infos"].append((info.version, info.kind, info.bytes_stored))
         out["reads_no_resume"] = len(reads)
@@ -703,117 +678,6 @@ def _scenario_resume_bad_rows(rank: int, world: int, url: str) -> dict[str, Any]
     return out
 
 
-GRID_LAYOUT = LayoutPolicy(chunk_bytes=16 * 1024, slice_align=4, column_slices=("w", "o"))
-
-
-GRID_OPTIONS: dict[str, Any] = {"writer_policy": WriterPolicy(threads=1), "anchor_policy": AnchorPolicy(every=3),
-                                "layout_policy": GRID_LAYOUT}
-
-
-def grid_model(version: int) -> dict[str, torch.Tensor]:
-    """The whole gridded model at ``version``: a few elements of each tensor change per version
-    (scattered over ``w``'s row and column blocks)."""
-    g = torch.Generator().manual_seed(99)
-    state = {"w": torch.randn(GRID_ROWS, GRID_COLS, generator=g).to(torch.bfloat16),
-             "o": torch.randn(8, 16, generator=g), "b": torch.randn(5, generator=g)}
-    for v in range(2, version + 1):
-        g2 = torch.Generator().manual_seed(1000 + v)
-        for name in state:
-            flat = state[name].view(-1)
-            idx = torch.randint(0, flat.numel(), (6,), generator=g2)
-            flat[idx] = flat[idx] + 0.5
-    return state
-
-
-def grid_rank_state(version: int, rank: int, world: int) -> dict[str, Any]:
-    from deltastore.write.sharded import Rows
-
-    full = grid_model(version)
-    per = -(-GRID_ROWS // world)
-    start, stop = min(rank * per, GRID_ROWS), min((rank + 1) * per, GRID_ROWS)
-    out: dict[str, Any] = {"w": Rows(full["w"][start:stop].clone(), start, GRID_ROWS), "o": full["o"]}
-    if rank == world - 1:
-        out["b"] = full["b"]
-    return out
-
-
-def _scenario_grid(rank: int, world: int, url: str) -> dict[str, Any]:
-    """Versions 1-4 of a gridded model (anchor_every=3, publish_async); a restarted publisher resumes from the
-    store (its own grid rows, read back) for version 5; then publishers whose ranks disagree on
-    ``column_slices`` are refused, committing nothing."""
-    from deltastore.write.sharded import ShardedPublisher
-
-    out: dict[str, Any] = {"infos": []}
-    with ShardedPublisher(url, **GRID_OPTIONS) as pub:
-        # publish_async: the first anchor's reference copy (grid units in unit order) is adopted
-        # on its path too, and the deltas after it are planned ahead of their base's commit
-        futures = [pub.publish_async(grid_rank_state(v, rank, world), step=v) for v in range(1, 5)]
-        pub.flush()
-        for f in futures:
-            info = f.result(timeout=0)
-            out["infos"].append((info.version, info.kind, info.bytes_stored))
-        out["first_chunk"] = pub._share.first_chunk["w"] if "w" in pub._share.first_chunk else None
-    with ShardedPublisher(url, **GRID_OPTIONS) as pub:  # restarted: no reference copy
-        reads = _record_pack_reads(pub)
-        info = pub.publish(grid_rank_state(5, rank, world), step=5)
-        out["infos"].append((info.version, info.kind, info.bytes_stored))
-        out["reads"] = list(reads)
-        info = pub.publish(grid_rank_state(6, rank, world), step=6)  # steady: a delta on the resumed rows
-        out["infos"].append((info.version, info.kind, info.bytes_stored))
-    try:
-        cols = ("w",) if rank == 0 else ("w", "o")
-        ShardedPublisher(url, **{**GRID_OPTIONS, "layout_policy": dataclasses.replace(GRID_LAYOUT, column_slices=cols)})
-        out["disagree"] = None
-    except ShardMismatchError as e:
-        out["disagree"] = str(e)
-    out["head"] = head_version(url)
-    return out
-
-
-#: The golden sharded grid store (tests/golden/make_golden.py sharded-grid): three ranks, 4 row
-#: pieces each; ``g`` (12, 8) f32 and ``d`` (9, 8, 3) bf16 gridded for TP=4 (chunk_cols 2).
-GOLDEN_GRID_OPTIONS: dict[str, Any] = {
-    "writer_policy": WriterPolicy(threads=1), "anchor_policy": AnchorPolicy(every=3),
-    "layout_policy": LayoutPolicy(chunk_bytes=16, slice_align=4, column_slices=("g", "d")),
-}
-
-
-def golden_grid_model(version: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    state = {"g": torch.randn(12, 8, generator=g), "d": torch.randn(9, 8, 3, generator=g).to(torch.bfloat16),
-             "b": torch.randn(5, generator=g)}
-    for v in range(2, version + 1):
-        g2 = torch.Generator().manual_seed(70 + v)
-        for name in state:
-            flat = state[name].view(-1)
-            idx = torch.randint(0, flat.numel(), (3,), generator=g2)
-            flat[idx] = flat[idx] + 0.25
-    return state
-
-
-def _scenario_grid_golden(rank: int, world: int, url: str) -> dict[str, Any]:
-    """Versions 1-4 of :func:`golden_grid_model` by ``world`` ranks, each holding an equal row
-    range of ``g`` and ``d``. The policy's small-tensor floor is lifted in these processes
-    (tensors this small get no grid otherwise)."""
-    from deltastore.layout import tensors
-    from deltastore.write.sharded import Rows, ShardedPublisher
-
-    tensors.SLICE_CHUNK_MIN_BYTES = 0
-    infos = []
-    with ShardedPublisher(url, **GOLDEN_GRID_OPTIONS) as pub:
-        for v in range(1, 5):
-            full = golden_grid_model(v)
-            state: dict[str, Any] = {}
-            for name in ("g", "d"):
-                per = full[name].shape[0] // world
-                state[name] = Rows(full[name][rank * per:(rank + 1) * per].clone(), rank * per, full[name].shape[0])
-            if rank == world - 1:
-                state["b"] = full["b"]
-            info = pub.publish(state, step=v)
-            infos.append((info.version, info.kind))
-    return {"infos": infos}
-
-
 SCENARIOS = {
     "async_versions": _scenario_async_versions,
     "async_failures": _scenario_async_failures,
@@ -831,17 +695,9 @@ SCENARIOS = {
     "collectives": _scenario_collectives,
     "resume": _scenario_resume,
     "resume_bad_rows": _scenario_resume_bad_rows,
-    "grid": _scenario_grid,
-    "grid_golden": _scenario_grid_golden,
+    "grid": scenario_grid,
+    "grid_golden": scenario_grid_golden,
 }
-
-
-def head_version(url: str) -> int:
-    store = open_store(url, storage_options=dict(_OPTIONS or {}))  # in a rank: the server's keys
-    try:
-        return json.loads(store.get(HEAD_KEY))["version"]
-    finally:
-        store.close()
 
 
 def run_ranks(world: int, url: str, scenario: str, tmp: Path, options: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -724,7 +724,8 @@ def write_sharded(store: Path, expected: Path, scenario: str = "versions") -> No
     """Three ranks (gloo) publishing versions 1-4 of tests/write/test_sharded.py's ``scenario``."""
     from safetensors.torch import save_file
 
-    from testkit.ranks import full_model, golden_grid_model, run_ranks
+    from testkit.grid_ranks import golden_grid_model
+    from testkit.ranks import full_model, run_ranks
 
     model = {"versions": full_model, "grid_golden": golden_grid_model}[scenario]
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,16 +16,8 @@ import torch
 
 from deltastore import Subscriber
 from deltastore.storage import open_store
-from testkit.ranks import (
-    GRID_CHUNK_COLS,
-    GRID_CHUNK_ROWS,
-    GRID_COLS,
-    GRID_ROWS,
-    full_model,
-    grid_model,
-    head_version,
-    run_ranks,
-)
+from testkit.grid_ranks import GRID_CHUNK_COLS, GRID_CHUNK_ROWS, GRID_COLS, GRID_ROWS, grid_model
+from testkit.ranks import full_model, head_version, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
