@@ -32,12 +32,19 @@ def grid_model(version: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(99)
     state = {"w": torch.randn(GRID_ROWS, GRID_COLS, generator=g).to(torch.bfloat16),
              "o": torch.randn(8, 16, generator=g), "b": torch.randn(5, generator=g)}
+    return _stepped(state, version, seed=1000, count=6, by=0.5)
+
+
+def _stepped(state: dict[str, torch.Tensor], version: int, *, seed: int, count: int,
+             by: float) -> dict[str, torch.Tensor]:
+    """``state`` moved to ``version``: at each version after the first, ``count`` random elements
+    of every tensor (drawn with seed ``seed + version``) grow by ``by``."""
     for v in range(2, version + 1):
-        g2 = torch.Generator().manual_seed(1000 + v)
+        g = torch.Generator().manual_seed(seed + v)
         for name in state:
             flat = state[name].view(-1)
-            idx = torch.randint(0, flat.numel(), (6,), generator=g2)
-            flat[idx] = flat[idx] + 0.5
+            idx = torch.randint(0, flat.numel(), (count,), generator=g)
+            flat[idx] = flat[idx] + by
     return state
 
 
@@ -98,13 +105,7 @@ def golden_grid_model(version: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     state = {"g": torch.randn(12, 8, generator=g), "d": torch.randn(9, 8, 3, generator=g).to(torch.bfloat16),
              "b": torch.randn(5, generator=g)}
-    for v in range(2, version + 1):
-        g2 = torch.Generator().manual_seed(70 + v)
-        for name in state:
-            flat = state[name].view(-1)
-            idx = torch.randint(0, flat.numel(), (3,), generator=g2)
-            flat[idx] = flat[idx] + 0.25
-    return state
+    return _stepped(state, version, seed=70, count=3, by=0.25)
 
 
 def scenario_grid_golden(rank: int, world: int, url: str) -> dict[str, Any]:
