@@ -312,8 +312,9 @@ class StreamWriter:
             self._reference = unit_reference(built.state, built.specs, owned=True, gathered=built.gathered)
             self._reference_bits = {}
             self._shared = set()
-            for n in built.passed:  # the caller's tensors: the store's copy of them, or one of our own
-                own = store_reference.get(n) if store_reference is not None and not superseded else None
+            # the caller's tensors: the store's copy of them, or our own (superseded: dropped below)
+            for n in () if superseded else built.passed:
+                own = store_reference.get(n) if store_reference is not None else None
                 if own is not None and own.dtype == torch.bfloat16 and own.shape == self._reference[n].shape:
                     self._reference[n] = own
                     self._shared.add(n)
