@@ -9,7 +9,7 @@ follow the same versions, each into its own target, one ``pull_into`` each per v
 rotating order (so that no arm always runs first, on a warm page cache, or last):
 
 * ``bare``: ``Subscriber(deadlines=None)``, no metrics;
-* ``deadlines``: the default :class:`~deltastore._util.deadline.Deadlines` (every request on a
+* ``deadlines``: the default :class:`~deltastore.fleet.deadlines.Deadlines` (every request on a
   deadline thread);
 * ``deadlines+metrics``: the same, plus what a follow loop with ``metrics_port`` does per
   version (:class:`~deltastore.fleet.watch.FollowWatch`: a span and a watchdog per phase, the
@@ -122,7 +122,7 @@ class _Counting:
 
 def _handoff_s() -> float:
     """Seconds one request spends getting to a deadline thread and back (a no-op request)."""
-    from deltastore._util.deadline import within
+    from deltastore.fleet.deadlines import within
 
     n = DIRECT_REPEATS
     t0 = time.perf_counter()
@@ -135,7 +135,7 @@ def _direct_cost_s(port: int) -> tuple[float, float]:
     """Seconds per version of the metrics calls alone, and of one scrape of /metrics."""
     import torch
 
-    from deltastore._util.deadline import Deadlines
+    from deltastore.fleet.deadlines import Deadlines
     from deltastore.fleet.watch import FollowWatch
 
     watch = FollowWatch.start("file:///bench", {"w": torch.zeros(1)}, metrics_port=port, deadlines=Deadlines())
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.workload import load_workload
     from deltastore import Publisher, Subscriber
-    from deltastore._util.deadline import Deadlines
+    from deltastore.fleet.deadlines import Deadlines
     from deltastore.devserver import free_ports
     from deltastore.fleet.watch import FollowWatch
     from deltastore.storage import open_store

@@ -616,7 +616,7 @@ def retention(states: Iterable[StateDict], versions: int, *, gc_every: int = GC_
               csv_path: Path | None = None) -> dict[str, Any]:
     """Publish ``versions`` states with GC every ``gc_every``; track store size and two workers."""
     from deltastore import Publisher, Subscriber
-    from deltastore.lifecycle.ledger import HeartbeatWriter
+    from deltastore.fleet.ledger import HeartbeatWriter
     from deltastore.storage import open_store
 
     store = open_store(f"memory://history-bench-{uuid.uuid4().hex[:8]}")

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from deltastore.write.policy import AnchorPolicy, AsyncPolicy, LayoutPolicy, WriterPolicy
     from deltastore.write.publisher import Publisher
     from deltastore.read.follow import CachePolicy, FollowRecord, HeartbeatPolicy, PollPolicy
-    from deltastore._util.deadline import Deadlines
+    from deltastore.fleet.deadlines import Deadlines
     from deltastore.read.subscriber import Subscriber
     from deltastore.write.sharded import Rows, ShardedPublisher
     from deltastore.read.stage import StagedUpdate
@@ -81,7 +81,7 @@ _LAZY = {
     "PollPolicy": "deltastore.read.follow",
     "CachePolicy": "deltastore.read.follow",
     "HeartbeatPolicy": "deltastore.read.follow",
-    "Deadlines": "deltastore._util.deadline",
+    "Deadlines": "deltastore.fleet.deadlines",
     "Subscriber": "deltastore.read.subscriber",
     "StagedUpdate": "deltastore.read.stage",
     "ShardedPublisher": "deltastore.write.sharded",

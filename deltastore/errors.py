@@ -159,7 +159,7 @@ class CommitUnknownError(StorageError):
 
 class DeadlineExceededError(StorageError, TimeoutError):
     """A phase of moving a version (a HEAD poll, a fetch, a commit) ran past its deadline
-    (:class:`deltastore._util.deadline.Deadlines`); the request was abandoned, and a follower
+    (:class:`deltastore.fleet.deadlines.Deadlines`); the request was abandoned, and a follower
     keeps its version and retries with backoff.
 
     Attributes:

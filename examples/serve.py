@@ -53,7 +53,7 @@ from worker import human_bytes, is_final, setup_logging, tensor_digests
 from deltastore import DeltastoreError, Publisher, Subscriber, VersionNotFoundError
 from deltastore.devserver import start
 from deltastore.errors import DevServerError, StorageError
-from deltastore.lifecycle.ledger import check_worker_id, read_ledger
+from deltastore.fleet.ledger import check_worker_id, read_ledger
 
 logger = logging.getLogger("deltastore.examples.serve")
 

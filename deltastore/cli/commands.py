@@ -128,7 +128,7 @@ def _live_writer(store: Any) -> tuple[Any, float] | None:
     from datetime import datetime, timezone
 
     from deltastore.format.history import History
-    from deltastore.lifecycle.ledger import parse_time
+    from deltastore.fleet.ledger import parse_time
 
     got = History(store).read_head()
     if got is None:
@@ -200,7 +200,7 @@ def _pull_usage(args: argparse.Namespace) -> str | None:
         if args.version is not None:
             return "--version pulls one version and --follow keeps OUT at the latest one: pass one of them"
         if args.worker_id is not None:
-            from deltastore.lifecycle.ledger import check_worker_id
+            from deltastore.fleet.ledger import check_worker_id
 
             try:
                 check_worker_id(args.worker_id)
@@ -415,7 +415,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     if args.worker is not None:  # a readiness probe (deltastore.fleet.status)
         return cmd_ready(args)
-    from deltastore.lifecycle.ledger import (
+    from deltastore.fleet.ledger import (
         LIVE_TTL_S,
         fleet_status,
         oldest_live_version,

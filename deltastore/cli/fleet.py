@@ -135,7 +135,7 @@ def target_line(store: Any, head: Any, keys: Any) -> tuple[dict[str, Any], str]:
 def cmd_ready(args: argparse.Namespace) -> int:
     """``status URL --worker ID [--ready-within N]``: exit 0 when ready, else 1 (one line why)."""
     from deltastore.fleet.status import readiness, target_state
-    from deltastore.lifecycle.ledger import LIVE_TTL_S, check_worker_id, read_heartbeat
+    from deltastore.fleet.ledger import LIVE_TTL_S, check_worker_id, read_heartbeat
 
     check_worker_id(args.worker)
     keys = trusted_keys(args)

@@ -304,7 +304,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from deltastore._util.deadline import Deadlines
+    from deltastore.fleet.deadlines import Deadlines
     from deltastore.cli.commands import load_state
     from deltastore.errors import WaitTimeoutError
 

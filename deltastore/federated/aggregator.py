@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from deltastore._util.deadline import Deadlines
-from deltastore.read.engine import ReadEngine
+from deltastore._util.jobs import default_threads
 from deltastore.errors import (
     DeltastoreError,
     FormatError,
@@ -30,20 +29,21 @@ from deltastore.errors import (
     StorageError,
     VersionNotFoundError,
 )
+from deltastore.federated.accept import ResultPolicy
 from deltastore.federated.based import BasedResult, RoundBase, read_based, same_layout, specs_of
 from deltastore.federated.late import LatePolicy, carried_tensor
-from deltastore.federated.accept import ResultPolicy
 from deltastore.federated.merge import MergeFn, StateMerge, weighted_average
+from deltastore.fleet.deadlines import Deadlines
+from deltastore.format.history import History, VersionInfo
 from deltastore.format.models import Head, Manifest
 from deltastore.format.signing import TrustedKeys
-from deltastore.format.history import History, VersionInfo
+from deltastore.layout.tensors import TensorSpec, bits
 from deltastore.lifecycle.index import pin, unpin
-from deltastore._util.jobs import default_threads
-from deltastore.write.policy import LayoutPolicy, WriterPolicy, check_policy
-from deltastore.write.publisher import Publisher
+from deltastore.read.engine import ReadEngine
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.layout.tensors import TensorSpec, bits
+from deltastore.write.policy import LayoutPolicy, WriterPolicy, check_policy
+from deltastore.write.publisher import Publisher
 
 logger = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""Running a fleet of workers: mirrors, one fetch per node, metrics, deadlines, a fleet target."""
+"""Running a fleet of workers: mirrors, one fetch per node, metrics, deadlines, a fleet target,
+the fleet ledger of heartbeats."""

@@ -61,7 +61,6 @@ import glob
 import hashlib
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -71,6 +70,7 @@ from pathlib import Path
 
 from deltastore._util.files import fsync_path
 from deltastore.errors import DeltastoreError, IntegrityError, NodeCacheError
+from deltastore.format.keys import CONTENT_KEY
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut, check_range
 
 try:
@@ -110,16 +110,6 @@ SERVED_RANGES_PER_OBJECT = 4096
 #: the fill and the read) before it reads the store directly.
 FILL_ATTEMPTS = 3
 
-#: Keys of immutable, content-addressed objects (docs/SPEC.md §1), also inside a serving
-#: stream's tree (``streams/<format>/``, §15): the SHA-256 of the bytes, then the suffix.
-IMMUTABLE_KEY = re.compile(
-    r"(?:streams/[a-z0-9][a-z0-9.-]{0,63}/)?"
-    r"(?:manifests/[0-9]{12,19}-(?P<manifest>[0-9a-f]{64})(?P<msuffix>\.json\.zst)"
-    r"|objects/[0-9a-f]{32}/(?:[0-9]{5,19}-)?(?P<object>[0-9a-f]{64})"
-    r"(?P<osuffix>\.pack|\.layout\.json\.zst|\.part\.json\.zst|\.squash\.json\.zst|\.index\.json\.zst))"
-)
-
-
 def cache_name(key: str) -> tuple[str, str] | None:
     """``(file name, SHA-256)`` under which ``key``'s object is cached, or None for a key that is
     not an immutable object's (HEAD, heartbeats, GC records, anything unknown).
@@ -132,7 +122,7 @@ def cache_name(key: str) -> tuple[str, str] | None:
         cache_name("objects/" + "0" * 32 + "/" + "ab" * 32 + ".pack")   # ("abab….pack", "abab…")
         cache_name("HEAD")                                             # None
     """
-    m = IMMUTABLE_KEY.fullmatch(key)
+    m = CONTENT_KEY.fullmatch(key)
     if m is None:
         return None
     digest = m.group("manifest") or m.group("object")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -40,22 +39,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deltastore._util.deadline import Deadlines, DeadlineStore
 from deltastore.errors import DeltastoreError, NotFoundError, StorageError
+from deltastore.fleet.deadlines import Deadlines, DeadlineStore
 from deltastore.format.history import History
-from deltastore.format.keys import HEAD_KEY, digest_from_key, sha256_hex
+from deltastore.format.keys import HEAD_KEY, digest_from_key, is_content_key, sha256_hex
 from deltastore.format.models import Head, dump
 from deltastore.format.parse import parse_head
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
 
 logger = logging.getLogger(__name__)
 
-#: Keys whose last path part names the SHA-256 of the object's bytes (SPEC §1, §15): the only
-#: keys a mirror may serve.
-CONTENT_KEY = re.compile(
-    r"(?:streams/[a-z0-9][a-z0-9.-]{0,63}/)?"
-    r"(?:manifests/[0-9]{12,19}-[0-9a-f]{64}\.json\.zst|objects/[0-9a-f]{32}/(?:[0-9]{5,19}-)?[0-9a-f]{64}\.[a-z.]+)"
-)
 #: (source, key) verdicts remembered: a worker reads a few objects per version, so this covers
 #: weeks of versions' packs while bounding a Subscriber that follows for months.
 VERDICTS_MAX = 4096
@@ -196,7 +189,7 @@ class Sources(Store):
         """A :class:`Sources` over ``origin`` and ``mirrors`` (stores, or URLs opened read-only
         with ``storage_options``); ``owns_origin``: :meth:`close` closes ``origin`` too.
         ``deadlines``: every request to each source is bounded by them
-        (:class:`~deltastore._util.deadline.DeadlineStore`), so that a stalled mirror is a failed
+        (:class:`~deltastore.fleet.deadlines.DeadlineStore`), so that a stalled mirror is a failed
         one and the next source serves.
 
         Raises:
@@ -374,7 +367,7 @@ class Sources(Store):
         if key == HEAD_KEY:
             raw = self._resolve_head()[0]
             return raw if byte_range is None else raw[byte_range[0]:byte_range[1]]
-        if CONTENT_KEY.fullmatch(key):
+        if is_content_key(key):
             for i in range(len(self.mirrors)):
                 data = self._from_mirror(i, key, byte_range)
                 if data is not None:
@@ -389,13 +382,13 @@ class Sources(Store):
         if key == HEAD_KEY:
             raw, etag = self._resolve_head()
             return GetResult(raw, ObjectMeta(HEAD_KEY, len(raw), etag))
-        if CONTENT_KEY.fullmatch(key):
+        if is_content_key(key):
             data = self.get(key)
             return GetResult(data, ObjectMeta(key, len(data), f'"{digest_from_key(key)[:32]}"'))
         return self.origin.get_with_meta(key)
 
     def get_if_changed(self, key: str, etag: str | None) -> GetResult | None:
-        if key == HEAD_KEY or CONTENT_KEY.fullmatch(key):
+        if key == HEAD_KEY or is_content_key(key):
             got = self.get_with_meta(key)
             return None if etag is not None and got.meta.etag == etag else got
         return self.origin.get_if_changed(key, etag)
@@ -404,7 +397,7 @@ class Sources(Store):
         if key == HEAD_KEY:
             raw, etag = self._resolve_head()
             return ObjectMeta(HEAD_KEY, len(raw), etag)
-        if CONTENT_KEY.fullmatch(key):
+        if is_content_key(key):
             for i, m in enumerate(self.mirrors):
                 if (i, key) in self._refused:
                     continue
@@ -439,4 +432,4 @@ class Sources(Store):
         self._owned = []
 
 
-__all__ = ["CONTENT_KEY", "MAX_MIRROR_LAG_S", "SourceStats", "Sources"]
+__all__ = ["MAX_MIRROR_LAG_S", "SourceStats", "Sources"]

@@ -21,9 +21,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from deltastore.errors import CorruptObjectError, FormatError, SignatureError
+from deltastore.fleet.ledger import LIVE_TTL_S, Heartbeat
 from deltastore.fleet.target import FleetTarget, goal_version, read_target, verify_target
 from deltastore.format.models import Head
-from deltastore.lifecycle.ledger import LIVE_TTL_S, Heartbeat
 from deltastore.storage.base import Store
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def readiness(beats: Iterable[Heartbeat], worker: str, head: Head | None, goal: 
     """Whether ``worker`` is live and holds ``goal`` give or take ``within`` versions.
 
     Args:
-        beats: the ledger (:func:`deltastore.lifecycle.ledger.read_ledger`).
+        beats: the ledger (:func:`deltastore.fleet.ledger.read_ledger`).
         worker: the worker's id.
         head: the store's HEAD (None: an empty store, where nobody is ready).
         goal: the version to hold (:attr:`TargetState.goal`).

@@ -3,7 +3,7 @@
 One small mutable object, ``_deltastore/target.json``, next to HEAD. ``deltastore target URL
 VERSION`` writes it; every follower reads it at each poll (a conditional GET, no body while it
 is unchanged) and converges to the version it names, backwards too, as long as that version
-has not been collected (:mod:`deltastore.fleet.converge` moves the followers). It is written
+has not been collected (:mod:`deltastore.read.converge` moves the followers). It is written
 only by compare-and-swap, each write one ``generation`` above the one it replaces, and on a
 signed store it is signed like a manifest, so that a party who can write the bucket but holds
 no signing key cannot move a fleet backwards with it.

@@ -3,9 +3,9 @@
 :func:`deltastore.read.follow.follow` holds one :class:`FollowWatch` and calls it a few times
 per poll: :meth:`FollowWatch.phase` around a phase (an OpenTelemetry span where
 ``opentelemetry-api`` is installed; for ``stage`` and ``apply``, a
-:class:`~deltastore._util.deadline.Watchdog` that reports an overrun), :meth:`FollowWatch.seen`
+:class:`~deltastore.fleet.deadlines.Watchdog` that reports an overrun), :meth:`FollowWatch.seen`
 after each poll, :meth:`FollowWatch.failed` for each error it retries. The network phases'
-deadlines are the store's (:class:`~deltastore._util.deadline.DeadlineStore`); their errors
+deadlines are the store's (:class:`~deltastore.fleet.deadlines.DeadlineStore`); their errors
 reach :meth:`FollowWatch.failed` like any storage error.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from deltastore._util.deadline import Deadlines, Watchdog
 from deltastore.errors import DeadlineExceededError
 from deltastore.fleet import tracing
+from deltastore.fleet.deadlines import Deadlines, Watchdog
 
 
 class FollowWatch:

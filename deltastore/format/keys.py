@@ -46,6 +46,25 @@ def stream_prefix(fmt: str) -> str:
     return f"{STREAMS_PREFIX}{fmt}/"
 
 
+#: The key of an immutable, content-addressed object (SPEC §1): a manifest, or an object under an
+#: attempt (a pack, a layout, a part manifest, a squash manifest, a history index), at the root
+#: or inside a serving stream's tree (``streams/<format>/``, §15). Its groups: ``manifest`` or
+#: ``object``, the SHA-256 the key promises; ``msuffix`` or ``osuffix``, the suffix after it.
+CONTENT_KEY = re.compile(
+    rf"(?:{STREAMS_PREFIX}[a-z0-9][a-z0-9.-]{{0,63}}/)?"
+    r"(?:manifests/[0-9]{12,19}-(?P<manifest>[0-9a-f]{64})(?P<msuffix>\.json\.zst)"
+    r"|objects/[0-9a-f]{32}/(?:[0-9]{5,19}-)?(?P<object>[0-9a-f]{64})"
+    r"(?P<osuffix>\.pack|\.layout\.json\.zst|\.part\.json\.zst|\.squash\.json\.zst|\.index\.json\.zst))"
+)
+
+
+def is_content_key(key: str) -> bool:
+    """True when ``key`` names an immutable, content-addressed object (:data:`CONTENT_KEY`): its
+    bytes never change, and a read of it is a fetch; HEAD, heartbeats, a fleet target and GC
+    records are mutable."""
+    return CONTENT_KEY.fullmatch(key) is not None
+
+
 def sha256_hex(data: bytes) -> str:
     """Lowercase hex SHA-256 of ``data`` (the content address of every immutable object)."""
     return hashlib.sha256(data).hexdigest()

@@ -1,1 +1,1 @@
-"""Lifecycle: the history index, garbage collection, compaction, the fleet ledger (docs/SPEC.md §10-12)."""
+"""Lifecycle: the history index, garbage collection, compaction (docs/SPEC.md §11-12)."""

@@ -34,15 +34,11 @@ from typing import Any
 import numpy as np
 
 from deltastore import codec
-from deltastore.read.engine import ReadEngine
-from deltastore.read.fetch import batched
-from deltastore.codec.compose import compose_deltas
-from deltastore.write.commit import attempt_clock, put_immutable
-from deltastore.write.encode import PACK_TARGET_BYTES
-from deltastore.errors import CorruptObjectError, IntegrityError, VersionNotFoundError
-from deltastore.format.history import History
 from deltastore._util.jobs import default_threads, grouped
-from deltastore.lifecycle.ledger import read_ledger
+from deltastore.codec.compose import compose_deltas
+from deltastore.errors import CorruptObjectError, IntegrityError, VersionNotFoundError
+from deltastore.fleet.ledger import read_ledger
+from deltastore.format.history import History
 from deltastore.format.keys import new_attempt_id, object_key, sha256_hex
 from deltastore.format.models import (
     DEFAULT_MAX_ATTEMPT_S,
@@ -57,10 +53,14 @@ from deltastore.format.models import (
     TensorEntry,
 )
 from deltastore.format.objects import encode_object
+from deltastore.layout.tensors import TensorSpec, state_digest
+from deltastore.read.engine import ReadEngine
+from deltastore.read.fetch import batched
 from deltastore.read.plan import Step, check_entries, digests, layout, plan_from_anchor
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
-from deltastore.layout.tensors import TensorSpec, state_digest
+from deltastore.write.commit import attempt_clock, put_immutable
+from deltastore.write.encode import PACK_TARGET_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,11 @@ from deltastore.errors import (
     UnsupportedSchemaError,
     VersionCollectedError,
 )
+from deltastore.fleet.ledger import LIVE_TTL_S, read_ledger
 from deltastore.fleet.target import read_target
 from deltastore.format.history import History
+from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, OBJECT_PREFIX, STREAMS_PREFIX, stream_prefix
+from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Head, Index, Manifest, SquashManifest, SquashRef
 from deltastore.lifecycle.index import (
     INDEX_SUFFIX,
     add_pins,
@@ -58,9 +61,6 @@ from deltastore.lifecycle.index import (
     read_index,
     update_index,
 )
-from deltastore.lifecycle.ledger import LIVE_TTL_S, read_ledger
-from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, OBJECT_PREFIX, STREAMS_PREFIX, stream_prefix
-from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Head, Index, Manifest, SquashManifest, SquashRef
 from deltastore.storage.base import ObjectMeta, Store
 from deltastore.storage.prefixed import PrefixedStore
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from deltastore.write.commit import attempt_clock, cas_head, now, put_immutable
 from deltastore.errors import (
     ConflictError,
     HistoryReplacedError,
@@ -28,10 +27,11 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.history import History
+from deltastore.format.keys import new_attempt_id, new_lineage, object_key, sha256_hex
 from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S, Head, Index, ObjectRef, Pin, SquashRef
 from deltastore.format.objects import encode_object
-from deltastore.format.keys import new_attempt_id, new_lineage, object_key, sha256_hex
 from deltastore.storage.base import Store
+from deltastore.write.commit import attempt_clock, cas_head, now, put_immutable
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def unpin(store: Store | str, version: int, *, writer: str | None = None,
 
 
 def default_writer() -> str:
-    from deltastore.lifecycle.ledger import default_worker_id
+    from deltastore.fleet.ledger import default_worker_id
 
     return default_worker_id()
 

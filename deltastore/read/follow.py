@@ -18,11 +18,10 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from deltastore._util.deadline import Deadlines
 from deltastore.errors import (
     DeltastoreError,
     FormatError,
@@ -36,20 +35,19 @@ from deltastore.errors import (
     TargetModifiedError,
     VersionNotFoundError,
 )
+from deltastore.fleet.deadlines import Deadlines
+from deltastore.fleet.ledger import HEARTBEAT_INTERVAL_S
 from deltastore.fleet.watch import IDLE, FollowWatch
 from deltastore.format.history import VersionInfo
 from deltastore.layout.tied import recorded_aliases
-from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S
 from deltastore.read.cache import WorkerCache
 from deltastore.read.catchup import Held
 from deltastore.read.changes import changed_rows, changed_tensors
+from deltastore.read.converge import TargetSteer
 from deltastore.read.partial import Spare, cached_spare, selection_doc
 from deltastore.read.plan import ChunkPlan, digests, layout, plan_from_anchor
 from deltastore.read.reader import Reader
 from deltastore.read.targets import Target, module_targets, owners, target_tensors, whole
-
-if TYPE_CHECKING:
-    from deltastore.fleet.converge import TargetSteer
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +207,6 @@ def follow(
     if on_history_replaced not in (None, "raise", "reload"):
         raise ValueError(f"on_history_replaced must be 'raise' or 'reload' (or None), got {on_history_replaced!r}")
     replaced = on_history_replaced or ("raise" if reader.keys is not None else "reload")
-    from deltastore.fleet.converge import TargetSteer  # the fleet target (SPEC §1.2); fleet/ builds on read/
-
     steer = TargetSteer(reader) if fleet_target else None
     rolled_back: str | None = None  # the older HEAD manifest last warned about (once per HEAD)
     tensors = module_targets(target)

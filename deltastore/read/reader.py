@@ -31,13 +31,13 @@ from deltastore.errors import (
     TargetModifiedError,
     VersionNotFoundError,
 )
+from deltastore.fleet.ledger import HeartbeatWriter
 from deltastore.format.history import History, VersionInfo
 from deltastore.format.models import Head, Index, Manifest
 from deltastore.layout.groups import allocate_members
 from deltastore.layout.select import Resolved, Selection, check_target, slice_targets
 from deltastore.layout.tensors import TensorSpec
 from deltastore.layout.tied import recorded_aliases
-from deltastore.lifecycle.ledger import HeartbeatWriter
 from deltastore.read.catchup import CatchUp, Held, Update, history_replaced
 from deltastore.read.changes import merge_spans
 from deltastore.read.engine import ReadEngine, digest_mismatches, targets_for

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from deltastore._util.deadline import DeadlineStore, Deadlines
 from deltastore.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -28,13 +27,14 @@ from deltastore.errors import (
     VersionNotFoundError,
     WaitTimeoutError,
 )
+from deltastore.fleet.deadlines import DeadlineStore, Deadlines
+from deltastore.fleet.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter
 from deltastore.fleet.nodecache import NodeCache, with_node_cache
 from deltastore.format.history import VersionInfo
 from deltastore.format.models import FORMAT_NAME_PATTERN
 from deltastore.format.parse import MAX_MANIFEST_BYTES
 from deltastore.layout.select import Selection
 from deltastore.layout.tensors import TensorSpec, member_specs
-from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S, HeartbeatWriter
 from deltastore.read.follow import CachePolicy, FollowRecord, HeartbeatPolicy, PollPolicy, follow
 from deltastore.read.reader import Reader
 from deltastore.read.stage import StagedUpdate
@@ -95,7 +95,7 @@ class Subscriber:
             origin ``url`` last; HEAD is the origin's, or a mirror's older head that the
             origin's chain vouches for (SPEC §16.1, :mod:`deltastore.fleet.sources`). A mirror
             serving a corrupt or foreign object is skipped with a warning naming it.
-        deadlines: how long each request may take (:class:`~deltastore._util.deadline.Deadlines`:
+        deadlines: how long each request may take (:class:`~deltastore.fleet.deadlines.Deadlines`:
             a HEAD poll, a read growing with its bytes, a heartbeat write); a stalled request is
             abandoned and raises :class:`~deltastore.errors.DeadlineExceededError`, which
             :meth:`follow` logs, counts and retries. None: no deadlines but the client's own
@@ -162,7 +162,7 @@ class Subscriber:
         # the format): every read path and check applies to it unchanged
         read_from = self.store if format is None else StreamView(self.store, format)
         self._deadlines = deadlines
-        if deadlines is not None and not mirrors:  # under the node cache: every request is bounded (_util.deadline)
+        if deadlines is not None and not mirrors:  # under the node cache: every request is bounded (fleet.deadlines)
             read_from = DeadlineStore(read_from, deadlines)
         try:
             read_from = with_node_cache(read_from, node_cache)  # one fetch per node (fleet.nodecache)
@@ -309,7 +309,7 @@ class Subscriber:
             interval_s: the longest time between two heartbeats of an unchanged version.
 
         Returns:
-            The running :class:`~deltastore.lifecycle.ledger.HeartbeatWriter` (a context manager); the
+            The running :class:`~deltastore.fleet.ledger.HeartbeatWriter` (a context manager); the
             same one while it runs.
 
         Raises:

@@ -26,6 +26,7 @@ import torch
 from deltastore._util.heap import release_free_heap
 from deltastore._util.jobs import default_threads
 from deltastore.errors import ConflictError, InvalidStateDictError, LayoutMismatchError, StorageError
+from deltastore.fleet.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
 from deltastore.fleet.tracing import span
 from deltastore.format.history import VersionInfo
 from deltastore.format.models import Head, Layout, layout_of
@@ -34,7 +35,6 @@ from deltastore.layout import grid
 from deltastore.layout.groups import unit_order, unit_reference
 from deltastore.layout.tensors import TensorSpec, bits, check_layout, dtype_name, validate_state_dict
 from deltastore.layout.tied import TIED_WEIGHTS_KEY, module_state
-from deltastore.lifecycle.ledger import LIVE_TTL_S, oldest_live_version, read_ledger
 from deltastore.serving.formats import ServingFormat
 from deltastore.storage import open_store
 from deltastore.storage.base import Store

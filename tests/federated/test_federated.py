@@ -232,7 +232,7 @@ def test_corrupt_site_pack_refused_named(memory_target) -> None:
 def test_a_round_without_a_deadline_ends_at_the_default_one(memory_target, monkeypatch) -> None:
     """No deadline given: the round waits for its quorum, but never past ``Deadlines().round``."""
     import deltastore.federated.aggregator as aggregator_module
-    from deltastore._util.deadline import Deadlines
+    from deltastore.fleet.deadlines import Deadlines
 
     monkeypatch.setattr(aggregator_module, "Deadlines", lambda: Deadlines(round=0.3))
     global_url, site_urls = urls(memory_target)

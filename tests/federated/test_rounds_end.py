@@ -67,7 +67,7 @@ def test_a_stalled_site_never_holds_a_round_past_its_deadline(monkeypatch, deadl
     others at the deadline; without one it ends at ``Deadlines().round``; either way within
     the deadline plus one poll interval."""
     import deltastore.federated.aggregator as aggregator_module
-    from deltastore._util.deadline import Deadlines
+    from deltastore.fleet.deadlines import Deadlines
 
     monkeypatch.setattr(aggregator_module, "Deadlines", lambda: Deadlines(round=0.3))
     global_url, site_urls = _urls()

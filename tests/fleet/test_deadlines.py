@@ -1,4 +1,4 @@
-"""Deadlines (deltastore._util.deadline): a stalled phase raises a typed error within its deadline,
+"""Deadlines (deltastore.fleet.deadlines): a stalled phase raises a typed error within its deadline,
 and a follower reports it and carries on once the stall clears.
 
 The stall is the fault proxy's: a response held back far longer than any test runs ("forever").
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from deltastore import Publisher, Subscriber
-from deltastore._util.deadline import Deadlines, DeadlineStore, Watchdog, within
 from deltastore.errors import DeadlineExceededError, StorageError
+from deltastore.fleet.deadlines import Deadlines, DeadlineStore, Watchdog, within
 from deltastore.read.follow import PollPolicy
 from deltastore.storage import open_store
 from testkit.proxy import OFF, FaultPlan, FaultProxy
@@ -111,6 +111,33 @@ def test_a_write_past_its_deadline_raises_commit():
         store.put("workers/w.json", b"{}")
     release.set()
     assert got.value.phase == "commit" and got.value.object.endswith("workers/w.json")
+
+
+def test_every_immutable_object_is_read_as_a_fetch_and_every_other_key_as_a_poll():
+    """A read's deadline follows what it reads: a manifest or an object under an attempt is a
+    fetch (its deadline grows with its bytes), at the root and inside a serving stream's tree;
+    HEAD and the other small mutable objects are polls."""
+    inner = open_store("memory://deadline-kinds")
+    with Publisher(inner.url, store=inner, formats=["bf16", "fp8-block128"]) as pub:
+        for i in range(2):
+            pub.publish(small_state(i))
+    inner.put("workers/w1.json", b"{}")
+    keys = [m.key for m in inner.list()]
+    assert any(k.startswith("streams/fp8-block128/objects/") for k in keys)
+    assert any(k.startswith("streams/fp8-block128/manifests/") for k in keys)
+    release = threading.Event()
+    real_get = inner.get
+    inner.get = lambda key, byte_range=None: (release.wait(10), real_get(key, byte_range=byte_range))[1]  # type: ignore[method-assign]
+    store = DeadlineStore(inner, Deadlines(poll=0.02, fetch=0.02, min_bytes_per_s=INSTANT))
+    try:
+        for key in keys:
+            rel = key.split("/", 2)[2] if key.startswith("streams/") else key
+            want = "fetch" if rel.startswith(("objects/", "manifests/")) else "poll"
+            with pytest.raises(DeadlineExceededError) as got:
+                store.get(key)
+            assert got.value.phase == want, key
+    finally:
+        release.set()
 
 
 class _Seen(logging.Handler):

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from deltastore import Publisher
 from deltastore.cli import EXIT_FAILED, EXIT_OK, build_parser, main
-from deltastore.lifecycle.ledger import HeartbeatWriter
+from deltastore.fleet.ledger import HeartbeatWriter
 from deltastore.storage import open_store
 from testkit.tensors import small_state
 

@@ -100,7 +100,7 @@ def test_lag_errors_and_deadlines_are_counted():
 
 
 def test_a_followers_stalled_polls_are_counted_and_it_keeps_its_version():
-    from deltastore._util.deadline import Deadlines
+    from deltastore.fleet.deadlines import Deadlines
     from deltastore.storage._memory import MemoryStore
 
     class StallsWhenTold(MemoryStore):

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from deltastore import Subscriber
-from deltastore._util.deadline import Deadlines
 from deltastore.cli import main
 from deltastore.errors import IntegrityError, MirrorLineageError, SignatureError, StorageError
+from deltastore.fleet.deadlines import Deadlines
 from deltastore.fleet.mirror import Mirror, mirror
 from deltastore.fleet.sources import Sources
-from deltastore.format.keys import HEAD_KEY
+from deltastore.format.keys import HEAD_KEY, stream_prefix
 from deltastore.lifecycle.gc import collect
+from deltastore.serving.formats import derive
 from deltastore.storage import open_store
 from deltastore.storage.base import GetResult, PutMode
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
@@ -199,28 +200,35 @@ def test_a_worker_skips_a_mirror_serving_a_corrupt_object(stores: tuple[str, str
     assert named and Path(dst).as_uri() in named[0]
 
 
-def test_a_stalled_mirror_is_passed_over_within_its_deadline(stores: tuple[str, str], caplog) -> None:
+@pytest.mark.parametrize("fmt", [None, "fp8-block128"])
+def test_a_stalled_mirror_is_passed_over_within_its_deadline(stores: tuple[str, str], fmt: str | None, caplog) -> None:
     """A mirror that never answers a pack GET is a failed source once the fetch deadline
-    passes: the origin serves, the pull is bit-exact."""
+    passes (a serving stream's packs too, read under ``streams/<format>/``, not given the far
+    longer deadline of a poll): the origin serves, the pull is bit-exact."""
     src, dst = stores
-    states = publish_history(src, n=2)
+    states = publish_history(src, n=2, **({} if fmt is None else {"formats": ["bf16", fmt]}))
+    want = states[-1] if fmt is None else derive(states[-1], fmt)
     mirror(src, dst)
     release = threading.Event()
+    stalled_packs: list[str] = []
 
     class Stalled(WrappedStore):
         def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
             if key.endswith(".pack"):
+                stalled_packs.append(key)
                 release.wait(30)
             return super().get(key, byte_range=byte_range)
 
     stalled = Stalled(open_store(dst))
     try:
         with caplog.at_level(logging.WARNING, logger="deltastore.fleet.sources"):
-            with Subscriber(src, threads=2, mirrors=[stalled], deadlines=Deadlines(fetch=0.3, min_bytes_per_s=1e12)) as sub:
+            with Subscriber(src, threads=2, mirrors=[stalled], format=fmt,
+                            deadlines=Deadlines(fetch=0.3, min_bytes_per_s=1e12)) as sub:
                 t0 = time.monotonic()
                 got = sub.pull()
                 took = time.monotonic() - t0
-        assert_bits_equal(got, states[-1])
+        assert_bits_equal(got, want)
+        assert stalled_packs and all(k.startswith(stream_prefix(fmt) if fmt else "objects/") for k in stalled_packs)
         assert took < 5, took  # one deadline per stalled pack, not the stall
         assert any("DeadlineExceededError" in r.getMessage() or "deadline" in r.getMessage() for r in caplog.records)
     finally:

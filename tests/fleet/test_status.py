@@ -13,8 +13,7 @@ import pytest
 
 from deltastore import Publisher
 from deltastore.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from deltastore.fleet.target import write_target
-from deltastore.lifecycle.ledger import (
+from deltastore.fleet.ledger import (
     LEDGER_PREFIX,
     HeartbeatWriter,
     Progress,
@@ -22,6 +21,7 @@ from deltastore.lifecycle.ledger import (
     parse_heartbeat,
     read_ledger,
 )
+from deltastore.fleet.target import write_target
 from deltastore.storage import open_store
 from testkit.tensors import small_state
 

@@ -24,12 +24,12 @@ from deltastore.errors import (
     VersionCollectedError,
     VersionNotFoundError,
 )
+from deltastore.fleet.ledger import STAGE_SWAPPED, read_ledger
 from deltastore.fleet.target import TARGET_KEY, TargetDocument, read_target, sign_document, write_target
 from deltastore.format.keys import digest_from_key
 from deltastore.format.models import dump
 from deltastore.layout.select import Selection
 from deltastore.lifecycle.gc import collect
-from deltastore.lifecycle.ledger import STAGE_SWAPPED, read_ledger
 from deltastore.storage import open_store
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 from testkit.lifecycle import DAY, AgedStore

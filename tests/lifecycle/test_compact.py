@@ -111,7 +111,7 @@ def test_a_squash_never_spans_a_chain_break(tmp_path: Path) -> None:
 
 def test_bases_below_two_versions_are_skipped_and_default_bases_come_from_the_ledger(run22: Any) -> None:
     url, _ = run22
-    from deltastore.lifecycle.ledger import HeartbeatWriter
+    from deltastore.fleet.ledger import HeartbeatWriter
 
     store = open_store(url)
     lineage = History(store).read_head()[0].lineage

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
+from deltastore.fleet.ledger import HeartbeatWriter
 from deltastore.format.history import History
 from deltastore.format.models import SquashRef
 from deltastore.lifecycle.compact import BackgroundCompactor, CompactPolicy, CompactReport
-from deltastore.lifecycle.ledger import HeartbeatWriter
 from deltastore.storage import open_store
 from deltastore.storage.base import Store
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy

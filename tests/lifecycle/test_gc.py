@@ -24,12 +24,12 @@ from deltastore.errors import (
     UnsupportedSchemaError,
     VersionCollectedError,
 )
+from deltastore.fleet.ledger import encode_heartbeat
 from deltastore.format.history import History
 from deltastore.format.keys import HEAD_KEY
 from deltastore.format.models import DEFAULT_MAX_ATTEMPT_S
 from deltastore.lifecycle.gc import CLOCK_MARGIN_S, collect
 from deltastore.lifecycle.index import pin, pinned, read_index
-from deltastore.lifecycle.ledger import encode_heartbeat
 from deltastore.storage import open_store
 from deltastore.storage.base import ObjectMeta, Store
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy

@@ -565,7 +565,7 @@ class ReadOnlyLedger(WrappedStore):
 
 
 def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from deltastore.lifecycle.ledger import read_ledger
+    from deltastore.fleet.ledger import read_ledger
 
     t = StoreTarget("file", str(tmp_path / "store"))
     _publish_all(t, _states(2))
@@ -577,7 +577,7 @@ def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: 
 
     store = ReadOnlyLedger(open_store(t.url))
     target = {k: torch.zeros_like(v) for k, v in small_state(0, n=4, rows=32).items()}
-    with caplog.at_level(logging.INFO, logger="deltastore.lifecycle.ledger"):
+    with caplog.at_level(logging.INFO, logger="deltastore.fleet.ledger"):
         with Subscriber(t.url, store=store, threads=2) as sub:
             recs = list(sub.follow(target, poll=PollPolicy(0.01), heartbeat=HeartbeatPolicy("w-2"), max_versions=1))
     assert recs[0].info.version == 2
@@ -585,7 +585,7 @@ def test_follow_writes_heartbeats_and_tolerates_read_only_credentials(tmp_path: 
 
 
 def test_a_follower_that_ends_is_marked_stopped_with_its_last_version(tmp_path: Path) -> None:
-    from deltastore.lifecycle.ledger import read_ledger
+    from deltastore.fleet.ledger import read_ledger
 
     t = StoreTarget("file", str(tmp_path / "store"))
     _publish_all(t, _states(2))
@@ -602,7 +602,7 @@ def test_a_follower_that_ends_is_marked_stopped_with_its_last_version(tmp_path: 
 
 def test_a_stage_and_swap_worker_appears_in_the_ledger_and_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from deltastore.cli import main
-    from deltastore.lifecycle.ledger import read_ledger
+    from deltastore.fleet.ledger import read_ledger
 
     t = StoreTarget("file", str(tmp_path / "store"))
     states = _states(3)
@@ -783,7 +783,7 @@ def test_follow_settings_refuse_a_value_out_of_range_when_made(make: Any) -> Non
 
 
 def test_follow_settings_default_to_the_documented_cadence() -> None:
-    from deltastore.lifecycle.ledger import HEARTBEAT_INTERVAL_S
+    from deltastore.fleet.ledger import HEARTBEAT_INTERVAL_S
 
     assert (PollPolicy().interval, PollPolicy().jitter, PollPolicy().max_interval) == (2.0, 0.1, 60.0)
     assert CachePolicy("/tmp/cache").every_s == 300.0

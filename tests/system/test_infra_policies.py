@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from deltastore.fleet.ledger import LEDGER_PREFIX
 from deltastore.format.keys import HEAD_KEY, OBJECT_PREFIX
 from deltastore.lifecycle.gc import DELETABLE_PREFIXES, GC_PREFIX
 from deltastore.lifecycle.index import INDEX_SUFFIX
-from deltastore.lifecycle.ledger import LEDGER_PREFIX
 from deltastore.storage.probe import PROBE_PREFIX
 
 POLICIES = Path(__file__).resolve().parents[2] / "infra" / "policies"

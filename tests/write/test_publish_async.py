@@ -26,8 +26,8 @@ from deltastore.errors import (
     StorageError,
     VersionSkippedError,
 )
+from deltastore.fleet.ledger import HeartbeatWriter
 from deltastore.format.keys import HEAD_KEY
-from deltastore.lifecycle.ledger import HeartbeatWriter
 from deltastore.storage import open_store
 from deltastore.storage.base import ObjectMeta, PutMode
 from deltastore.write import commit as commit_module

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from deltastore.errors import DeadlineExceededError
-from deltastore.format.keys import MANIFEST_PREFIX, OBJECT_PREFIX
+from deltastore.format.keys import is_content_key
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,6 @@ MIB = 1024 * 1024
 #: An unranged GET's size is unknown to the store wrapper: it is given the time of an object
 #: this large (packs are cut at about 64 MiB; a manifest is far smaller).
 UNKNOWN_SIZE_BYTES = 256 * MIB
-#: Keys whose reads are fetches (immutable, up to a pack's size); any other read is a poll.
-_FETCHED = (OBJECT_PREFIX, MANIFEST_PREFIX)
 #: Seconds a deadline thread waits for its next call before it ends.
 IDLE_S = 30.0
 #: The phases a deadline can be given for (the ``phase`` of DeadlineExceededError).
@@ -191,8 +189,9 @@ def within(seconds: float, phase: str, obj: str, fn: Callable[..., _R], *args: A
 class DeadlineStore(Store):
     """``inner`` with a deadline on every request (see the module docstring).
 
-    A read of a manifest or an object under ``objects/`` is a ``fetch`` (its deadline grows
-    with the range's bytes); any other read (HEAD, a fleet target, a heartbeat: small mutable
+    A read of an immutable object (a manifest, a pack, a layout: at the root or inside a serving
+    stream's tree, :func:`~deltastore.format.keys.is_content_key`) is a ``fetch`` (its deadline
+    grows with the range's bytes); any other read (HEAD, a fleet target, a heartbeat: small mutable
     objects) a ``poll``; a write or delete a ``commit``. Listings and streamed writes pass through
     unbounded (a follower does neither). A write abandoned at its deadline may still land
     later: like a lost response, its caller reads back what it needs (the commit protocol
@@ -214,7 +213,7 @@ class DeadlineStore(Store):
         self.conditional_writes_need_probe = inner.conditional_writes_need_probe
 
     def _read(self, key: str, nbytes: int | None, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
-        if not key.startswith(_FETCHED):  # HEAD and the other small mutable objects (a fleet target, heartbeats)
+        if not is_content_key(key):  # HEAD and the other small mutable objects (a fleet target, heartbeats)
             return within(self.deadlines.poll, "poll", f"{self.url}/{key}", fn, *args, **kwargs)
         return within(self.deadlines.fetch_s(nbytes), "fetch", f"{self.url}/{key}", fn, *args, **kwargs)
 

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from deltastore.errors import AccessDeniedError, StorageError
-from deltastore.lifecycle.ledger import (
+from deltastore.fleet.ledger import (
     LEDGER_PREFIX,
     LIVE_TTL_S,
     Heartbeat,
@@ -49,7 +49,7 @@ def test_read_only_credentials_switch_the_writer_off_quietly(store, caplog):
             raise AccessDeniedError(f"access denied for {key}")
 
     w = HeartbeatWriter(ReadOnly(store), "w-ro")
-    with caplog.at_level("INFO", logger="deltastore.lifecycle.ledger"):
+    with caplog.at_level("INFO", logger="deltastore.fleet.ledger"):
         assert w.beat(1) is False
         assert w.beat(2) is False
     assert not w.enabled
@@ -81,7 +81,7 @@ def test_malformed_and_foreign_objects_are_skipped(store, caplog):
                                                        "version": -1, "host": "h", "time": "2026-01-01T00:00:00Z"}).encode())
     store.put(f"{LEDGER_PREFIX}huge.json", b" " * 10_000, mode="overwrite")
     store.put(f"{LEDGER_PREFIX}sub/x.json", encode_heartbeat("x", 1), mode="overwrite")
-    with caplog.at_level("WARNING", logger="deltastore.lifecycle.ledger"):
+    with caplog.at_level("WARNING", logger="deltastore.fleet.ledger"):
         beats = read_ledger(store)
     assert [b.worker for b in beats] == ["good"]
     assert len([r for r in caplog.records if "skipping" in r.message]) == 4

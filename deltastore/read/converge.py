@@ -35,10 +35,10 @@ from deltastore.errors import (
     StorageError,
     VersionNotFoundError,
 )
+from deltastore.fleet.ledger import STAGE_FETCHING, STAGE_STAGED, STAGE_SWAPPED, Progress
 from deltastore.fleet.target import MAX_TARGET_BYTES, TARGET_KEY, FleetTarget, parse_target, verify_target
 from deltastore.format.history import VersionInfo
 from deltastore.format.models import Head, Manifest
-from deltastore.lifecycle.ledger import STAGE_FETCHING, STAGE_STAGED, STAGE_SWAPPED, Progress
 from deltastore.read.catchup import Held
 from deltastore.read.plan import layout, plan_changed_from_anchor
 from deltastore.read.stage import StagedUpdate
