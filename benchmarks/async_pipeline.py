@@ -138,9 +138,9 @@ def _read_step_into(state: dict[str, Any], workload: str, step: int) -> None:
     """Copy checkpoint ``step`` into ``state`` in place, as an optimizer step would."""
     from safetensors import safe_open
 
-    from benchmarks.workload import _step_path, ensure_workload
+    from benchmarks.workload import step_path, ensure_workload
 
-    path = _step_path(workload, step)
+    path = step_path(workload, step)
     if not path.exists():
         ensure_workload(workload)
     with safe_open(str(path), framework="pt") as f:

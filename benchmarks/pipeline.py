@@ -34,7 +34,7 @@ def _role(role: str, workload: str, url: str, threads: int) -> dict:
     from safetensors import safe_open
 
     from benchmarks.workload import WORKLOADS, load_step
-    from benchmarks.workload import _step_path as step_path
+    from benchmarks.workload import step_path
     from deltastore import Publisher, Subscriber
 
     torch.set_num_threads(1)  # deltastore's own threads do the work

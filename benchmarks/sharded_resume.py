@@ -33,15 +33,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sharded import (
-    RESULTS,
-    RL_WORKLOAD,
-    _free_port,
-    _rl_path,
-    _rss_bytes,
-    _Source,
-    rank_context,
-)
+from benchmarks.sharded import RESULTS, RL_WORKLOAD
+from benchmarks.sharded_rank import Source, free_port, rank_context, rl_path, rss_bytes
 
 #: Versions published before the restart: an anchor and two deltas, so that the resume reads a
 #: chain (the anchor's rows plus every delta after it), as a restarted job does.
@@ -56,7 +49,7 @@ def _rank(rank: int, world: int, port: int, url: str, mode: str, rl_workload: st
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    src = _Source({"workload": "rl", "rl_workload": rl_workload}, rank, world)
+    src = Source({"workload": "rl", "rl_workload": rl_workload}, rank, world)
     shard = src.build()
     res: dict[str, Any] = {"rank": rank, "shard_bytes": sum(t.numel() * t.element_size() for t in shard.values())}
 
@@ -74,7 +67,7 @@ def _rank(rank: int, world: int, port: int, url: str, mode: str, rl_workload: st
     with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1), anchor_policy=AnchorPolicy(every=100)) as pub:
         for v in range(1, VERSIONS_BEFORE + 1):
             publish(pub, v)
-    rss0 = _rss_bytes()
+    rss0 = rss_bytes()
     with ShardedPublisher(url, writer_policy=WriterPolicy(threads=1, resume=mode == "resume"),
                           anchor_policy=AnchorPolicy(every=100)) as pub:
         reads: list[int] = []
@@ -88,7 +81,7 @@ def _rank(rank: int, world: int, port: int, url: str, mode: str, rl_workload: st
 
         pub.store.get = get  # type: ignore[method-assign]
         res["first"] = publish(pub, VERSIONS_BEFORE + 1)
-        res["first"].update(pack_bytes_read=sum(reads), pack_gets=len(reads), rss_growth=_rss_bytes() - rss0)
+        res["first"].update(pack_bytes_read=sum(reads), pack_gets=len(reads), rss_growth=rss_bytes() - rss0)
         res["steady"] = publish(pub, VERSIONS_BEFORE + 2)
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(res))
     dist.destroy_process_group()
@@ -104,7 +97,7 @@ def run(world: int, mode: str, rl_workload: str, tmp: Path) -> dict[str, Any]:
     store = Path(tempfile.mkdtemp(dir=tmp))
     url = f"file://{store}/store"
     ctx = rank_context()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, url, mode, rl_workload, str(store))) for r in range(world)]
     t0 = time.perf_counter()
     for p in procs:
@@ -116,7 +109,7 @@ def run(world: int, mode: str, rl_workload: str, tmp: Path) -> dict[str, Any]:
     ranks = [pickle.loads((store / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     with Subscriber(url) as sub:
         got = sub.pull(VERSIONS_BEFORE + 1)
-    want = load_file(str(_rl_path(rl_workload, VERSIONS_BEFORE)))  # step k's file is version k + 1's model
+    want = load_file(str(rl_path(rl_workload, VERSIONS_BEFORE)))  # step k's file is version k + 1's model
     if set(got) != set(want) or not all(
             torch.equal(got[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)) for k, t in want.items()):
         raise AssertionError(f"{mode}, {world} ranks: version {VERSIONS_BEFORE + 1} is not the model published")

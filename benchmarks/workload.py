@@ -343,7 +343,8 @@ def _iter_decoder(spec: WorkloadSpec, shape: DecoderShape) -> Iterator[dict[str,
         yield _export_bf16(model, {})
 
 
-def _step_path(name: str, step: int) -> Path:
+def step_path(name: str, step: int) -> Path:
+    """The cached safetensors file of ``step`` of workload ``name`` (step 0: the model before training)."""
     return CACHE_DIR / name / f"step_{step:04d}.safetensors"
 
 
@@ -366,15 +367,15 @@ def ensure_workload(name: str, steps: int | None = None) -> Path:
     from safetensors.torch import save_file
 
     spec = _spec(name, steps)
-    if all(_step_path(name, s).exists() for s in range(spec.steps + 1)):
+    if all(step_path(name, s).exists() for s in range(spec.steps + 1)):
         return CACHE_DIR / name
     t0 = time.perf_counter()
     (CACHE_DIR / name).mkdir(parents=True, exist_ok=True)
     # Saved as produced: a large workload's exports never need to be in memory together.
     for step, sd in enumerate(iter_states(spec)):
-        tmp = _step_path(name, step).with_suffix(".tmp")
+        tmp = step_path(name, step).with_suffix(".tmp")
         save_file(sd, str(tmp))
-        tmp.replace(_step_path(name, step))  # a half-written file never looks cached
+        tmp.replace(step_path(name, step))  # a half-written file never looks cached
     logger.info("generated %s (%d steps) in %.1f s", name, spec.steps, time.perf_counter() - t0)
     return CACHE_DIR / name
 
@@ -383,9 +384,9 @@ def load_step(name: str, step: int) -> dict[str, torch.Tensor]:
     """One cached bf16 state dict (generating the workload first if needed)."""
     from safetensors.torch import load_file
 
-    if not all(_step_path(name, s).exists() for s in range(step + 1)):
+    if not all(step_path(name, s).exists() for s in range(step + 1)):
         ensure_workload(name, max(step, _spec(name).steps))
-    return load_file(str(_step_path(name, step)))
+    return load_file(str(step_path(name, step)))
 
 
 def load_workload(name: str, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
