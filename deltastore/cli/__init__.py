@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from deltastore.cli import commands, fleet
+from deltastore.cli import commands, fleet, verify
 from deltastore.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -167,12 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also draw bytes per version by kind, changed fraction and anchors (needs deltastore-weights[plot])")
     p.add_argument(*trusted[0], **trusted[1])
 
-    p = add("verify", "re-read a version's chain and check every digest (exit 1 when any is bad)", commands.cmd_verify)
-    p.add_argument("url")
-    p.add_argument("--version", type=version_number, help="default: the latest")
-    p.add_argument("--all", action="store_true", help="verify every version")
-    json_flag(p)
-    p.add_argument(*trusted[0], **trusted[1])
+    verify.add_parser(add, json_flag, trusted)  # the store's chain and its serving streams', its own module
 
     p = add("status", "head version, the fleet target and each following worker's version, stage, lag and last error",
             commands.cmd_status)

@@ -17,7 +17,6 @@ import uuid
 from typing import Any
 
 from deltastore.cli.common import (
-    EXIT_FAILED,
     EXIT_NOTHING_TO_DO,
     EXIT_OK,
     EXIT_USAGE,
@@ -365,48 +364,6 @@ def cmd_log(args: argparse.Namespace) -> int:
         print(f"{args.url}: no versions")
     if args.plot and not args.json:
         print(f"wrote {args.plot}")
-    return EXIT_OK
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from deltastore.read.subscriber import Subscriber
-
-    store = open_store(args)
-    try:
-        with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
-            if sub.latest() is None:
-                if args.json:
-                    emit_json({"url": args.url, "ok": False, "versions": [], "tensors": {}, "segments": 0,
-                               "problems": [], "error": "no versions"})
-                else:
-                    print(f"{args.url}: no versions to verify")
-                return EXIT_FAILED
-            # Every segment (full and delta) of every manifest checked, every chunk's digest.
-            report = sub.verify(args.version, all_versions=args.all)
-    finally:
-        store.close()
-    bad = {p.version for p in report.problems}
-    if args.json:
-        emit_json({
-            "url": args.url, "ok": not report.problems, "versions": report.versions,
-            "tensors": {str(v): n for v, n in report.tensors.items()}, "segments": report.segments,
-            "problems": [{"version": p.version, "manifest": p.manifest, "message": p.message} for p in report.problems],
-        })
-        return EXIT_FAILED if report.problems else EXIT_OK
-    for p in report.problems:
-        print(f"BAD version {p.version}: {p.message}")
-    shown = report.versions if args.all else report.versions[-1:]
-    for v in shown:
-        if v not in bad:
-            print(f"OK version {v}: {report.tensors[v]} tensors verified")
-    if report.problems:
-        from deltastore.errors import IntegrityError
-
-        first = report.problems[0]
-        raise IntegrityError(
-            f"{len(report.problems)} bad segment(s) or chunk(s) in {len(bad)} version(s) of {args.url}; "
-            f"first, in version {first.version}: {first.message}"
-        )
     return EXIT_OK
 
 

@@ -65,6 +65,7 @@ class VersionInfo:
         manifest: the manifest's key in the store.
         formats: the serving formats the version can be read in (SPEC §15): its own, then its
             streams' (empty when the publisher declared none).
+        streams: the formats of its serving streams (``formats`` less the version's own).
     """
 
     version: int
@@ -80,6 +81,7 @@ class VersionInfo:
     manifest: str
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
     formats: tuple[str, ...] = ()
+    streams: tuple[str, ...] = ()
 
     @classmethod
     def from_manifest(cls, m: Manifest, key: str) -> VersionInfo:
@@ -97,6 +99,7 @@ class VersionInfo:
             manifest=key,
             metadata=dict(m.metadata),
             formats=m.formats(),
+            streams=tuple(s.format for s in m.streams),
         )
 
 

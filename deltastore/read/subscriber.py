@@ -558,7 +558,8 @@ class Subscriber:
         Args:
             version: the version whose chain (from its anchor) to check; default the latest.
             all_versions: check every version from 1 (the index's floor once versions were
-                collected) to the latest instead.
+                collected) to the latest instead; a serving stream's from its first version
+                when it starts later (a format declared after the store's first version).
 
         Raises:
             VersionNotFoundError: no such version (or an empty store).
@@ -571,7 +572,8 @@ class Subscriber:
             top = r.history.head_manifest(head)
             assert top is not None
             index = r.index(head)
-            ms = r.history.chain(*top, down_to=1 if index is None else index.floor)
+            ms = r.history.chain(*top, down_to=1 if index is None else index.floor,
+                                 to_start=self.format is not None)
             for k, m in ms:
                 if m.base is not None:  # a site store's based version (design 009): BaseElsewhereError
                     r.history.anchor_chain(k, m)

@@ -94,6 +94,51 @@ def test_verify_fails_on_a_corrupted_pack(tmp_path: Path, checkpoints: list[Path
     assert err.count("\n") == 1 and "IntegrityError" in err and pack.name in err
 
 
+def test_verify_checks_every_serving_stream(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``verify`` checks the store's chain and each serving stream of the version it checks (a
+    stream declared at version 3 from there on); a damaged stream pack fails it, naming the
+    stream; ``--format`` picks chains, the store's own format naming the store's."""
+    from deltastore import Publisher
+
+    g = torch.Generator().manual_seed(0)
+    states = [{"model.layers.0.mlp.down_proj.weight": torch.randn(256, 256, generator=g).bfloat16(),
+               "model.norm.weight": torch.randn(256, generator=g).bfloat16()} for _ in range(4)]
+    store = str(tmp_path / "store")
+    with Publisher(store) as pub:
+        for s in states[:2]:
+            pub.publish(s)
+    with Publisher(store, formats=["bf16", "fp8-block128"]) as pub:
+        for s in states[2:]:
+            pub.publish(s)
+    capsys.readouterr()
+    assert main(["verify", store, "--all"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("OK version") == 6 and "OK version 3 (fp8-block128)" in out and "OK version 4 (fp8-block128)" in out
+    assert main(["verify", store, "--all", "--json", "--format", "fp8-block128"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["streams"]["fp8-block128"]["versions"] == [3, 4] and "versions" not in doc
+
+    packs = sorted((tmp_path / "store" / "streams" / "fp8-block128" / "objects").rglob("*.pack"))
+    pack = max(packs, key=lambda p: p.stat().st_size)
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    assert main(["verify", store, "--all"]) == 1
+    captured = capsys.readouterr()
+    bad = [line for line in captured.out.splitlines() if line.startswith("BAD")]
+    assert bad and all(" (fp8-block128): " in line for line in bad) and captured.out.count("OK version") == 5
+    assert "IntegrityError" in captured.err and "fp8-block128 stream" in captured.err and pack.name in captured.err
+    assert main(["verify", store, "--json"]) == 1  # the latest version's chain: both stream versions are on it
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and not doc["problems"] and doc["streams"]["fp8-block128"]["problems"]
+    assert main(["verify", store, "--all", "--format", "bf16"]) == 0  # the store's own chain only
+    out = capsys.readouterr().out
+    assert out.count("OK version") == 4 and "(bf16)" not in out
+    assert main(["verify", store, "--format", "mxfp8"]) == 1
+    err = capsys.readouterr().err
+    assert "UnknownFormatError" in err and "fp8-block128" in err
+
+
 def test_errors_are_one_line_and_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["pull", "nosuchscheme://bucket/x", str(tmp_path / "o.safetensors")]) == 2  # usage
     err = capsys.readouterr().err

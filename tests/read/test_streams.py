@@ -320,8 +320,11 @@ def test_a_format_declared_later_starts_its_stream_at_that_version(tmp_path) -> 
     fmt = serving_format("fp8-block128")
     with Subscriber(url, format="fp8-block128") as sub:
         assert [(i.version, i.kind) for i in sub.log()] == [(3, "anchor"), (4, "delta")]
+        report = sub.verify(all_versions=True)  # the stream's chain, from its first version
+        assert report.ok and report.versions == [3, 4]
         target = sub.pull(3)
         assert sub.pull_into(target, version=4)
         assert_bits_equal(target, derive(states[3], fmt))
     with Subscriber(url) as sub:
         assert [i.formats for i in sub.log()] == [(), (), ("fp8-block128",), ("fp8-block128",)]
+        assert [i.streams for i in sub.log()] == [(), (), ("fp8-block128",), ("fp8-block128",)]
