@@ -73,6 +73,10 @@ PROBE_CLOCK_SKEW_S = 300
 #: Threads released together in each race: enough to collide on any server that serialises
 #: nothing, few enough that the whole probe stays at about 20 small requests.
 PROBE_RACERS = 4
+#: Runs of a race (each on a fresh key) before the probe gives up on it. A race with no winner
+#: (the winner's response was lost and its SDK retry refused) or with a racer that failed
+#: otherwise (it may have won unseen) says nothing about the endpoint, and is run again.
+PROBE_RACE_ATTEMPTS = 3
 #: How a refusal names the conditions a backend's endpoint ignored, and which endpoints honour them.
 _S3_CONDITIONS = (
     "S3 conditional writes",
@@ -211,15 +215,45 @@ def _race_verdict(what: str, outcomes: list[object], refusal: type[Exception]) -
     return len(winners) == 1, text
 
 
+def _settled_race(store: Store, what: str, race: Callable[[int], list[object]],
+                  refusal: type[Exception]) -> tuple[bool, str]:
+    """``race(attempt)`` run until its outcome is an answer of the endpoint's: one winner and the
+    others refused, or two winners or more (the endpoint let both write); at most
+    :data:`PROBE_RACE_ATTEMPTS` runs, each on a fresh key.
+
+    Raises:
+        StorageError: no run gave an answer (a lost response or a failed request in each); the
+            endpoint was not shown to be unsafe, so this is not an UnsafeStoreError.
+    """
+    seen = []
+    for attempt in range(PROBE_RACE_ATTEMPTS):
+        outcomes = race(attempt)
+        ok, text = _race_verdict(what, outcomes, refusal)
+        winners = sum(1 for o in outcomes if not isinstance(o, Exception))
+        failed = any(isinstance(o, Exception) and not isinstance(o, refusal) for o in outcomes)
+        if winners >= 2 or (winners == 1 and not failed):
+            return ok, text
+        logger.info("probe of %s: %s; running the race again", store.url, text)
+        seen.append(text)
+    raise StorageError(
+        f"{store.url}: the conditional-write probe could not tell whether the endpoint lets only one writer win: "
+        f"{'; '.join(seen)} (each run lost a response or met a failed request); try again"
+    )
+
+
 def probe_conditional_writes(store: Store) -> ProbeResult:
     """Run the conditional-write checks against ``store`` and return what its endpoint did.
 
     Writes a handful of tiny objects under ``_deltastore/probe/<uuid>/`` and deletes them
     afterwards. Does not read or write the cached verdict (see :func:`require_atomic_writes`).
 
+    A lost response is resolved by reading the store: a create-only PUT of the first key whose
+    retry was refused stands when the key holds its bytes, and a race with no clear answer is run
+    again (:func:`_settled_race`).
+
     Raises:
         StorageError: the store failed in a way that is not a conditional-write answer
-            (unreachable, access denied); nothing can be concluded.
+            (unreachable, access denied, a race never answered); nothing can be concluded.
     """
     from deltastore import __version__
 
@@ -234,7 +268,11 @@ def probe_conditional_writes(store: Store) -> ProbeResult:
     try:
         # 1. create-only twice: the second must be refused and change nothing.
         key = base + "create"
-        put(key, b"first", "create")
+        try:
+            put(key, b"first", "create")
+        except AlreadyExistsError:
+            if store.get(key) != b"first":  # a fresh key: only our own write, its response lost, holds these bytes
+                raise
         try:
             put(key, b"second", "create")
             create_only_ok = False
@@ -271,17 +309,21 @@ def probe_conditional_writes(store: Store) -> ProbeResult:
             )
 
         # 4. create-only race: exactly one winner.
-        race_key = base + "create-race"
-        written.append(race_key)
-        outcomes = _race(PROBE_RACERS, lambda i: store.put(race_key, b"racer-%d" % i, mode="create"))
-        create_race_ok, text = _race_verdict("create-only PUTs of one key", outcomes, AlreadyExistsError)
+        def create_race(attempt: int) -> list[object]:
+            race_key = base + f"create-race-{attempt}"
+            written.append(race_key)
+            return _race(PROBE_RACERS, lambda i: store.put(race_key, b"racer-%d" % i, mode="create"))
+
+        create_race_ok, text = _settled_race(store, "create-only PUTs of one key", create_race, AlreadyExistsError)
         clauses.append(text)
 
         # 5. If-Match race from one ETag: exactly one winner.
-        cas_key = base + "cas-race"
-        etag = put(cas_key, b"base", "overwrite").etag
-        outcomes = _race(PROBE_RACERS, lambda i: store.put(cas_key, b"racer-%d" % i, mode=IfMatch(etag)))
-        if_match_race_ok, text = _race_verdict("If-Match PUTs from one ETag", outcomes, PreconditionFailedError)
+        def cas_race(attempt: int) -> list[object]:
+            cas_key = base + f"cas-race-{attempt}"
+            etag = put(cas_key, b"base", "overwrite").etag
+            return _race(PROBE_RACERS, lambda i: store.put(cas_key, b"racer-%d" % i, mode=IfMatch(etag)))
+
+        if_match_race_ok, text = _settled_race(store, "If-Match PUTs from one ETag", cas_race, PreconditionFailedError)
         clauses.append(text)
     finally:
         for key in dict.fromkeys(written):

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from deltastore.errors import AlreadyExistsError, PreconditionFailedError, UnsafeStoreError
+from deltastore.errors import AlreadyExistsError, PreconditionFailedError, StorageError, UnsafeStoreError
 from deltastore.storage import FsspecStore, IfMatch, MemoryStore, ObjectMeta, open_store
 from deltastore.storage import probe as probe_module
 from deltastore.storage.base import EndpointIdentity, PutMode, Store
@@ -160,6 +160,49 @@ def test_probe_names_what_the_endpoint_did(store_cls, failed, said) -> None:
         require_atomic_writes(store)
     assert said in str(info.value)
     assert [m.key for m in store.list(PROBE_PREFIX)] == []
+
+
+class LosesResponses(MemoryStore):
+    """A conforming endpoint whose answer to a winning conditional PUT of a key matching
+    ``lost`` is lost after the write landed: the SDK's retry of it is then refused, as a retry
+    on a real server is (the write stands, the caller sees AlreadyExistsError or
+    PreconditionFailedError)."""
+
+    conditional_writes_need_probe = True
+    lost: tuple[str, ...] = ()
+
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> ObjectMeta:
+        meta = super().put(key, data, mode=mode)
+        if mode != "overwrite" and key.endswith(self.lost):
+            self.lost = tuple(s for s in self.lost if not key.endswith(s))  # once per key
+            raise AlreadyExistsError(f"{key} exists") if mode == "create" else PreconditionFailedError(f"{key} changed")
+        return meta
+
+
+@pytest.mark.parametrize("lost", [("/create",), ("/create-race-0", "/cas-race-0"), ("/create-race-0", "/create-race-1")])
+def test_a_lost_response_during_the_probe_is_resolved_by_reading_the_store(lost) -> None:
+    """A lost answer to the first create-only PUT (the key holds our bytes), or a race whose
+    winner's answer was lost (no winner seen: run again on a fresh key), is no verdict on the
+    endpoint: the probe passes."""
+    store = LosesResponses(f"memory://{uuid.uuid4().hex}")
+    store.lost = lost
+    result = require_atomic_writes(store)
+    assert result is not None and result.ok, result
+    assert store.lost == ()  # each lost response did happen
+    assert [m.key for m in store.list(PROBE_PREFIX)] == []
+
+
+def test_a_race_never_answered_is_a_storage_error_not_an_unsafe_endpoint() -> None:
+    """Every run of the create-only race loses its winner's answer: nothing is concluded about
+    the endpoint, so the error is a StorageError to retry, not UnsafeStoreError (whose advice,
+    allow_unsafe_store=True, would drop the protection on an endpoint that has it)."""
+    store = LosesResponses(f"memory://{uuid.uuid4().hex}")
+    store.lost = tuple(f"/create-race-{i}" for i in range(probe_module.PROBE_RACE_ATTEMPTS))
+    with pytest.raises(StorageError, match="could not tell") as info:
+        require_atomic_writes(store)
+    assert not isinstance(info.value, UnsafeStoreError)
+    assert "0 won, 4 refused" in str(info.value)
+    assert not store.exists(PROBE_RESULT_KEY)  # no verdict cached
 
 
 def test_local_and_memory_are_not_probed(tmp_path, monkeypatch) -> None:
