@@ -5,6 +5,9 @@ import torch  # noqa: F401
 
 import deltastore  # noqa: F401
 import deltastore.cli  # noqa: F401
+import deltastore.read.subscriber  # noqa: F401
+import deltastore.serving.formats  # noqa: F401
+import deltastore.write.publisher  # noqa: F401
 from deltastore.storage import _botocore
 
 # Parse the S3 service model once (~0.5 s a client otherwise); forked children share it.

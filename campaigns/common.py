@@ -188,12 +188,9 @@ class ChainChecker:
                 self._violation("I1 manifest hash", f"{key} hashes to {digest}")
                 return self.chain
             m = manifest_json(key, data)
-            for b in m.get("blobs", m.get("packs", [])):
-                pack = self._get(b["key"])
-                if pack is None:
-                    self._violation("I1 pack missing", f"{b['key']} of version {m['version']} ({key})")
-                elif hashlib.sha256(pack).hexdigest() != b["sha256"] or len(pack) != b["size"]:
-                    self._violation("I1 pack hash", f"{b['key']} of version {m['version']}")
+            self._check_packs(m, key, "")
+            for ref in m.get("streams") or ():
+                self._check_stream(m, ref)
             link = Link(m["version"], key, m.get("step"), m.get("writer", ""), m.get("epoch", 0),
                         m.get("commit_id", ""), m.get("parent"), m.get("kind", ""))  # fmt: skip
             walked.append((key, link, m.get("parent_manifest")))
@@ -212,6 +209,32 @@ class ChainChecker:
             self._violation("I3 history rewritten", f"chain up to v{len(old)} changed")
         self.chain = links
         return links
+
+    def _check_packs(self, m: dict[str, Any], key: str, prefix: str) -> None:
+        """Every pack manifest ``m`` (at ``key``) names is there with its size and SHA-256; a
+        stream's pack keys are under its ``prefix``."""
+        for b in m.get("blobs", m.get("packs", [])):
+            pack = self._get(prefix + b["key"])
+            if pack is None:
+                self._violation("I1 pack missing", f"{prefix}{b['key']} of version {m['version']} ({key})")
+            elif hashlib.sha256(pack).hexdigest() != b["sha256"] or len(pack) != b["size"]:
+                self._violation("I1 pack hash", f"{prefix}{b['key']} of version {m['version']}")
+
+    def _check_stream(self, m: dict[str, Any], ref: dict[str, Any]) -> None:
+        """A serving stream the version ``m`` names (SPEC §15): its manifest is there, hashes to
+        the SHA-256 named, is of the same version, and every pack of it is there intact."""
+        key = ref["key"]
+        data = self._get(key)
+        if data is None:
+            self._violation("I1 stream manifest missing", f"{key} (the {ref['format']} stream of version {m['version']})")
+            return
+        if hashlib.sha256(data).hexdigest() != ref["sha256"]:
+            self._violation("I1 stream manifest hash", f"{key} of version {m['version']}")
+            return
+        sm = manifest_json(key, data)
+        if sm.get("version") != m["version"]:
+            self._violation("I1 stream version", f"{key} is version {sm.get('version')}, named by version {m['version']}")
+        self._check_packs(sm, key, key[: key.index("manifests/")])
 
     def _cached_chain(self, key: str | None) -> list[Link]:
         out = []
@@ -242,27 +265,55 @@ def grid_tensors(store: Any, link: Link) -> dict[str, int]:
     return {n: c for n, c in zip(layout["name"], layout["chunk_cols"]) if c}
 
 
-def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, threads: int = 1) -> set[int]:
-    """Pull each version directly and compare with the oracle; returns the versions that failed.
+def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, threads: int = 1,
+                    formats: tuple[Any, ...] = ()) -> set[int]:
+    """Pull each version directly and compare with the oracle, then each version in each of
+    ``formats`` (``ServingFormat``s: its stream against the reference derivation of its step);
+    returns the versions that failed.
 
-    A committed version that cannot be read, or reads other bits than its step's, is lost.
+    A committed version that cannot be read, or reads other bits than its step's, in its own
+    format or any other, is lost. ``tally.extra["versions_checked"]`` counts the versions read
+    back, per format (``"own"``: as published).
     """
     from deltastore import Subscriber
 
     failed: set[int] = set()
-    with Subscriber(store.url, store=store, threads=threads) as sub:
-        for link in links:
-            try:
-                state = sub.pull(link.version)
-            except Exception as e:  # noqa: BLE001 - counted, with its type
-                failed.add(link.version)
-                tally.lost(f"committed version {link.version} (step {link.step}) unreadable: {type(e).__name__}: {e}")
-                continue
-            why = oracle.differs(state, link.step)
-            if why is not None:
-                failed.add(link.version)
-                tally.lost(f"committed version {link.version} reads wrong bits: {why}")
+    checked = tally.extra.setdefault("versions_checked", {})
+    for fmt in (None, *formats):
+        name = "" if fmt is None else f" in {fmt.name}"
+        checked.setdefault("own" if fmt is None else fmt.name, 0)
+        with Subscriber(store.url, store=store, threads=threads, format=None if fmt is None else fmt.name) as sub:
+            for link in links:
+                try:
+                    state = sub.pull(link.version)
+                except Exception as e:  # noqa: BLE001 - counted, with its type
+                    if link.version not in failed:
+                        tally.lost(f"committed version {link.version} (step {link.step}){name} unreadable: "
+                                   f"{type(e).__name__}: {e}")
+                    failed.add(link.version)
+                    continue
+                checked["own" if fmt is None else fmt.name] += 1
+                why = oracle.differs(state, link.step) if fmt is None else oracle.differs_in(fmt, state, link.step)
+                if why is not None:
+                    if link.version not in failed:
+                        tally.lost(f"committed version {link.version}{name} reads wrong bits: {why}")
+                    failed.add(link.version)
     return failed
+
+
+def committed_as_asked(oracle: Any, tally: Tally, step: int, version: int, returned_step: int | None) -> bool:
+    """Whether a publish of ``step`` that returned ``version`` (whose step is ``returned_step``)
+    committed that step. A publisher given a state bit-identical to its head's commits nothing
+    and returns the head's version (``WriterPolicy.skip_unchanged``, the default): counted in
+    ``tally.extra["unchanged_skipped"]``, and a wrong answer unless the bits really are the same."""
+    if returned_step == step:
+        return True
+    if returned_step is not None and oracle.same_bits(step, returned_step):
+        tally.extra["unchanged_skipped"] = tally.extra.get("unchanged_skipped", 0) + 1
+    else:
+        tally.wrong("publish returned another step's version",
+                    f"step {step}: returned version {version} of step {returned_step}, whose bits differ")
+    return False
 
 
 # --- command line ------------------------------------------------------------------------
@@ -276,6 +327,15 @@ def parser(name: str, default_trials: int, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", help="write the tally as JSON here")
     p.add_argument("--grid", action="store_true", help="publishers write column grids (campaigns.model.GRID_SPECS)")
     p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def formats_option(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--formats`` to the parser of a campaign whose publishers take it."""
+    p.add_argument("--formats", metavar="NAMES",
+                   help="publishers also publish these serving formats (comma-separated, e.g. fp8-block128,mxfp8; "
+                        "campaigns.model.serving_formats), workers follow the first, and every committed version is "
+                        "checked in each")
     return p
 
 
@@ -324,10 +384,12 @@ def mp_context() -> multiprocessing.context.BaseContext:
 # --- a worker following the store ---------------------------------------------------------
 
 
-def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_path: str, interval: float = 0.05) -> None:
+def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_path: str, interval: float = 0.05,
+           fmt: Any = None) -> None:
     """Follow ``url`` with ``pull_into`` until ``stop_path`` exists; write a report to ``out_path``.
 
-    After every successful update the weights must be the exact bits of the version reported;
+    After every successful update the weights must be the exact bits of the version reported
+    (with ``fmt``, a ``ServingFormat``: of its stream, the reference derivation of the step);
     after every failed ``pull_into`` they must still be the last good version's. Every error must
     be a DeltastoreError. The report: updates, corrupt, errors by type, wrong errors, examples.
     """
@@ -338,6 +400,9 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
     logging.getLogger("urllib3").setLevel(logging.CRITICAL)
     oracle = Oracle(seed)
     report: dict[str, Any] = {"updates": 0, "corrupt": 0, "errors": Counter(), "wrong": Counter(), "examples": {}}
+
+    def differs(state: Any, step: int | None) -> str | None:
+        return oracle.differs(state, step) if fmt is None else oracle.differs_in(fmt, state, step)
 
     def note(cat: str, text: str) -> None:
         ex = report["examples"].setdefault(cat, [])
@@ -351,7 +416,7 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
         while not os.path.exists(stop_path):
             try:
                 if sub is None:
-                    sub = Subscriber(url, storage_options=options, threads=1)
+                    sub = Subscriber(url, storage_options=options, threads=1, format=None if fmt is None else fmt.name)
                 if target is None:
                     target = sub.pull()
                     info = sub.info(sub.version)
@@ -361,7 +426,7 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
                         time.sleep(interval)
                         continue
                 report["updates"] += 1
-                why = oracle.differs(target, info.step)
+                why = differs(target, info.step)
                 if why is not None:
                     report["corrupt"] += 1
                     note("corrupt", f"worker holds wrong bits after updating to version {info.version}: {why}")
@@ -374,7 +439,7 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
                 report["errors"][type(e).__name__] += 1
                 if target is not None and good_step is not None:
                     # SPEC §7.6: a failed pull_into leaves the target as it was.
-                    why = oracle.differs(target, good_step)
+                    why = differs(target, good_step)
                     if why is not None:
                         report["corrupt"] += 1
                         note("corrupt", f"failed pull_into ({type(e).__name__}) changed the weights: {why}")
@@ -400,11 +465,12 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
 class Followers:
     """Worker processes following a store; :meth:`stop` returns their merged reports."""
 
-    def __init__(self, ctx: Any, url: str, options: dict[str, Any], seed: int, n: int, workdir: Path):
+    def __init__(self, ctx: Any, url: str, options: dict[str, Any], seed: int, n: int, workdir: Path, fmt: Any = None):
         self.workdir = workdir
         self.stop_path = str(workdir / f"stop-{uuid.uuid4().hex[:6]}")
         self.outs = [str(workdir / f"worker-{uuid.uuid4().hex[:6]}.json") for _ in range(n)]
-        self.procs = [ctx.Process(target=follow, args=(url, options, seed, self.stop_path, out), daemon=True) for out in self.outs]
+        self.procs = [ctx.Process(target=follow, args=(url, options, seed, self.stop_path, out),
+                                  kwargs={"fmt": fmt}, daemon=True) for out in self.outs]
         for p in self.procs:
             p.start()
 

@@ -14,6 +14,10 @@ operator's restore, a lifecycle rule). Then:
   reachable object is damaged (a flipped byte in HEAD may land in a field nothing can check, so
   there verify may pass); passing is a wrong answer, a traceback is a wrong error.
 
+With ``--formats`` the history is published in those serving formats too, the damage may hit the
+first format's stream (its manifests and packs), and both workers read that format, checked
+against the reference derivation of each step.
+
 Trials = damaged stores.  ``python -m campaigns.corruption --backend seaweedfs --trials 100``
 """
 
@@ -26,7 +30,16 @@ import time
 import traceback
 from typing import Any
 
-from campaigns.common import ChainChecker, Tally, campaign_options, fresh_url, main, manifest_json, parser
+from campaigns.common import (
+    ChainChecker,
+    Tally,
+    campaign_options,
+    formats_option,
+    fresh_url,
+    main,
+    manifest_json,
+    parser,
+)
 
 #: Versions published before the damage; anchors at 1 and 4, so damage meets anchors (full and
 #: delta packs) and deltas alike.
@@ -40,6 +53,8 @@ NEW_RUN = 7
 DAMAGES = ("flip", "truncate", "garbage", "empty", "delete")
 #: What is damaged, and how often (HEAD is one object, packs and manifests are many).
 TARGETS = {"manifest": 3, "delta pack": 3, "full pack": 3, "HEAD": 2, "new run": 1}
+#: With ``--formats``, also the objects of the first format's stream.
+STREAM_TARGETS = {"stream manifest": 3, "stream pack": 3}
 
 
 def _damage(data: bytes, how: str, rng: random.Random) -> bytes | None:
@@ -91,8 +106,9 @@ def judge_cli(tally: Tally, what: str, code: int | None, stderr: str, exc: BaseE
         tally.wrong("CLI error not one line / exit 1", f"{what}: exit {code}, stderr {stderr[:300]!r}")
 
 
-def read_checked(tally: Tally, oracle: Any, what: str, fn: Any, step_of: Any) -> Any:
-    """Run a read; exact bits (per the oracle) or a DeltastoreError, else count it."""
+def read_checked(tally: Tally, differs: Any, what: str, fn: Any, step_of: Any) -> Any:
+    """Run a read; exact bits (``differs(state, step)`` is None: the oracle's) or a
+    DeltastoreError, else count it."""
     from deltastore import DeltastoreError
 
     try:
@@ -103,14 +119,14 @@ def read_checked(tally: Tally, oracle: Any, what: str, fn: Any, step_of: Any) ->
     except Exception as e:  # noqa: BLE001
         tally.wrong(f"untyped {type(e).__name__}", f"{what}: {''.join(traceback.format_exception_only(type(e), e)).strip()}")
         return None
-    why = oracle.differs(state, step_of(version))
+    why = differs(state, step_of(version))
     if why is not None:
         tally.corrupt(f"{what} returned version {version} with wrong bits: {why}")
     return state
 
 
 def run(server: Any, args: Any) -> Tally:
-    from campaigns.model import CHUNK_BYTES, Oracle, with_layout
+    from campaigns.model import CHUNK_BYTES, Oracle, serving_formats, with_layout
     from deltastore import DeltastoreError, Publisher, Subscriber
     from deltastore.storage import open_store
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
@@ -120,28 +136,37 @@ def run(server: Any, args: Any) -> Tally:
     # Sparse steps (a few elements of one tensor): most chunks of two runs stay equal, as between
     # two fine-tuning runs from one checkpoint.
     options = campaign_options(server)
-    targets = args.targets.split(",") if args.targets else list(TARGETS)
+    formats = serving_formats(args.formats)
+    fmt = formats[0] if formats else None
+    weights = {**TARGETS, **(STREAM_TARGETS if fmt is not None else {})}
+    targets = args.targets.split(",") if args.targets else list(weights)
     t0 = time.monotonic()
     for trial in range(args.trials):
         url = fresh_url(server, "corrupt")
         # Sparse steps (a few elements of one tensor): most chunks of two runs stay equal, as
         # between two fine-tuning runs from one checkpoint. Other bits every trial.
         oracle = Oracle(args.seed * 100_003 + trial, forks={NEW_RUN: (0, 0)}, sparse=True)
+
+        def differs(state: Any, step: int | None, oracle: Any = oracle) -> str | None:
+            return oracle.differs(state, step) if fmt is None else oracle.differs_in(fmt, state, step)
+
         with open_store(url, storage_options=options) as store:
             model = oracle.model(0)
             with with_layout(Publisher(url, store=store, writer_policy=WriterPolicy(threads=1),
                                        anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
-                                       layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), args.grid) as pub:
+                                       layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES), formats=formats),
+                             args.grid) as pub:
                 for k in range(VERSIONS):
                     pub.publish(model.state(k), step=model.step_id(k))
             links = ChainChecker(store, tally).check()
             step_of = {l.version: l.step for l in links}
-            worker = Subscriber(url, store=store, threads=1)
+            read_as = None if fmt is None else fmt.name
+            worker = Subscriber(url, store=store, threads=1, format=read_as)
             target = worker.pull(HELD)
             held_step = step_of[HELD]
 
             # Every target once first (so that a short run covers them all), then at random.
-            what = targets[trial] if trial < len(targets) else rng.choices(targets, weights=[TARGETS[t] for t in targets])[0]
+            what = targets[trial] if trial < len(targets) else rng.choices(targets, weights=[weights[t] for t in targets])[0]
             how = rng.choice(DAMAGES)
             if what == "new run":
                 how = "HEAD deleted,"
@@ -149,7 +174,8 @@ def run(server: Any, args: Any) -> Tally:
                 other = oracle.model(NEW_RUN)
                 with with_layout(Publisher(url, store=store, writer_policy=WriterPolicy(threads=1),
                                            anchor_policy=AnchorPolicy(every=50),
-                                           layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), args.grid) as pub:
+                                           layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES), formats=formats),
+                                 args.grid) as pub:
                     for k in range(VERSIONS):
                         pub.publish(other.state(k), step=other.step_id(k))
                 new_links = ChainChecker(store, Tally("x", "x")).check()
@@ -157,11 +183,13 @@ def run(server: Any, args: Any) -> Tally:
                 key = "HEAD"
             else:
                 victims = {
-                    "HEAD": ["HEAD"],
-                    "manifest": [l.key for l in links],
-                    "delta pack": _packs(store, links, "delta"),
-                    "full pack": _packs(store, links, "full"),
-                }[what]
+                    "HEAD": lambda: ["HEAD"],
+                    "manifest": lambda: [l.key for l in links],
+                    "delta pack": lambda: _packs(store, links, "delta"),
+                    "full pack": lambda: _packs(store, links, "full"),
+                    "stream manifest": lambda: _stream_objects(store, links, read_as)[0],
+                    "stream pack": lambda: _stream_objects(store, links, read_as)[1],
+                }[what]()
                 if not victims:
                     what, victims = "manifest", [l.key for l in links]
                 key = rng.choice(victims)
@@ -179,9 +207,9 @@ def run(server: Any, args: Any) -> Tally:
                 return target, (info.version if info else worker.version)
 
             before = tally.errors.total() + sum(tally.wrong_errors.values())
-            read_checked(tally, oracle, f"{label}: pull_into from v{HELD}", forward, lambda v: step_of.get(v))
+            read_checked(tally, differs, f"{label}: pull_into from v{HELD}", forward, lambda v: step_of.get(v))
             if tally.errors.total() + sum(tally.wrong_errors.values()) > before:
-                why = oracle.differs(target, held_step)
+                why = differs(target, held_step)
                 if why is not None:
                     tally.corrupt(f"{label}: failed pull_into changed the weights: {why}")
             worker.close()
@@ -190,12 +218,12 @@ def run(server: Any, args: Any) -> Tally:
             older = rng.randrange(1, VERSIONS)
 
             def fresh(version: int | None):
-                with Subscriber(url, store=store, threads=1) as sub:
+                with Subscriber(url, store=store, threads=1, format=read_as) as sub:
                     state = sub.pull(version)
                     return state, sub.version
 
-            read_checked(tally, oracle, f"{label}: pull()", lambda: fresh(None), lambda v: step_of.get(v))
-            read_checked(tally, oracle, f"{label}: pull({older})", lambda: fresh(older), lambda v: step_of.get(v))
+            read_checked(tally, differs, f"{label}: pull()", lambda: fresh(None), lambda v: step_of.get(v))
+            read_checked(tally, differs, f"{label}: pull({older})", lambda: fresh(older), lambda v: step_of.get(v))
 
             code, stderr, exc = cli(["verify", url, "--all", *cli_args(server)])
             judge_cli(tally, f"{label}: verify --all", code, stderr, exc, must_fail=what != "new run" and not (what == "HEAD" and how == "flip"))
@@ -223,9 +251,22 @@ def _packs(store: Any, links: list, which: str) -> list[str]:
     return sorted(out)
 
 
+def _stream_objects(store: Any, links: list, fmt: str) -> tuple[list[str], list[str]]:
+    """The manifests and the pack keys of serving format ``fmt``'s stream, on the chain."""
+    manifests, packs = [], set()
+    for l in links:
+        ref = next((r for r in manifest_json(l.key, store.get(l.key)).get("streams") or () if r["format"] == fmt), None)
+        if ref is not None:
+            manifests.append(ref["key"])
+            prefix = ref["key"][: ref["key"].index("manifests/")]
+            packs.update(prefix + p["key"] for p in manifest_json(ref["key"], store.get(ref["key"]))["packs"])
+    return manifests, sorted(packs)
+
+
 def build_parser():
-    p = parser("corruption", 100, __doc__ or "")
-    p.add_argument("--targets", help=f"comma-separated subset of: {', '.join(TARGETS)} (default: all)")
+    p = formats_option(parser("corruption", 100, __doc__ or ""))
+    p.add_argument("--targets", help=f"comma-separated subset of: {', '.join([*TARGETS, *STREAM_TARGETS])} "
+                                     "(default: all; the stream's with --formats)")
     return p
 
 

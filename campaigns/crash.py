@@ -23,6 +23,8 @@ from campaigns.common import (
     Followers,
     Tally,
     campaign_options,
+    committed_as_asked,
+    formats_option,
     fresh_url,
     grid_tensors,
     main,
@@ -35,6 +37,10 @@ from campaigns.common import (
 #: A kill lands this long (uniformly random) after the publisher said it is ready: a few
 #: small publishes' worth, so most kills interrupt one.
 MAX_KILL_DELAY_S = 0.25
+#: The same with ``--formats``: a restarted publisher reads each serving stream's head back before
+#: its first publish, which then takes a few times longer, so kills wait longer to fall in
+#: publishes rather than before every first commit.
+MAX_KILL_DELAY_FORMATS_S = 0.6
 #: Share of kills aimed at start-up (open, claim, resume) instead of the publish loop.
 STARTUP_KILL_P = 0.15
 #: A publisher that has not opened the store by then is killed anyway (and reported).
@@ -47,11 +53,13 @@ def _log(fd: int, text: str) -> None:
     os.write(fd, f"{time.monotonic():.4f} {text}\n".encode())
 
 
-def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: str, grid: bool = False) -> None:
-    """Publish successive steps forever (until killed), logging each to ``log_path``."""
+def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: str, grid: bool = False,
+                      formats: str | None = None) -> None:
+    """Publish successive steps forever (until killed), logging each to ``log_path``; with
+    ``formats`` (``--formats``), in those serving formats too."""
     import logging
 
-    from campaigns.model import CHUNK_BYTES, Model, with_layout
+    from campaigns.model import CHUNK_BYTES, Model, serving_formats, with_layout
     from deltastore import DeltastoreError, Publisher, Subscriber
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 
@@ -62,7 +70,8 @@ def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: st
         _log(fd, "open")
         pub = with_layout(Publisher(url, storage_options=options, writer_policy=WriterPolicy(threads=1, takeover=True),
                                     anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
-                                    layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), grid)  # fmt: skip
+                                    layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES),
+                                    formats=serving_formats(formats)), grid)  # fmt: skip
         with Subscriber(url, store=pub.store, threads=1) as sub:
             step = (sub.info(pub.version).step + 1) if pub.version else 0
         _log(fd, f"ready {pub.version} {pub.writer_id}")
@@ -74,15 +83,16 @@ def publisher_process(url: str, options: dict[str, Any], seed: int, log_path: st
                 _log(fd, f"err {step} {type(e).__name__}")
                 pub.close()
                 break  # reopen: a restarted trainer continues from HEAD
-            _log(fd, f"ok {step} {info.version}")
+            _log(fd, f"ok {step} {info.version} {info.step}")
             step += 1
 
 
 def run(server: Any, args: Any) -> Tally:
-    from campaigns.model import Oracle
+    from campaigns.model import Oracle, serving_formats
     from deltastore.storage import open_store
 
     tally = Tally("crash", server.kind)
+    formats = serving_formats(args.formats)
     rng = random.Random(args.seed)
     oracle = Oracle(args.seed)
     url = fresh_url(server, "crash")
@@ -97,7 +107,8 @@ def run(server: Any, args: Any) -> Tally:
         checked = 0
         for trial in range(args.trials):
             log_path = str(work / f"pub-{trial}.log")
-            p = ctx.Process(target=publisher_process, args=(url, options, args.seed, log_path, args.grid), daemon=True)
+            p = ctx.Process(target=publisher_process, args=(url, options, args.seed, log_path, args.grid, args.formats),
+                            daemon=True)
             p.start()
             if rng.random() < STARTUP_KILL_P and trial > 0:
                 time.sleep(rng.uniform(0.0, 0.3))
@@ -110,7 +121,7 @@ def run(server: Any, args: Any) -> Tally:
                     if not p.is_alive():
                         break
                     time.sleep(0.005)
-                time.sleep(rng.uniform(0.0, MAX_KILL_DELAY_S))
+                time.sleep(rng.uniform(0.0, MAX_KILL_DELAY_FORMATS_S if formats else MAX_KILL_DELAY_S))
             p.kill()
             p.join()
             lines = [l.split()[1:] for l in _read(log_path).splitlines() if l.strip()]
@@ -119,7 +130,7 @@ def run(server: Any, args: Any) -> Tally:
                      "err": "after an error", "nothing": "before start"}[last]  # fmt: skip
             phases[phase] = phases.get(phase, 0) + 1
             for l in lines:
-                if l[0] == "ok":
+                if l[0] == "ok" and committed_as_asked(oracle, tally, int(l[1]), int(l[2]), int(l[3])):
                     acked[int(l[1])] = int(l[2])
                 elif l[0] == "err":
                     tally.error(l[2])
@@ -127,10 +138,10 @@ def run(server: Any, args: Any) -> Tally:
             links = checker.check()
             # Start the worker once there is something to follow.
             if followers is None and links:
-                followers = Followers(ctx, url, options, args.seed, 1, work)
+                followers = Followers(ctx, url, options, args.seed, 1, work, fmt=(formats or (None,))[0])
             tally.trials += 1
             new = [l for l in links if l.version > checked]
-            verify_versions(store, new, oracle, tally)
+            verify_versions(store, new, oracle, tally, formats=formats)
             checked = max(checked, links[-1].version if links else 0)
         if followers is not None:
             time.sleep(0.3)
@@ -159,7 +170,7 @@ def _read(path: str) -> str:
 
 
 def build_parser():
-    return parser("crash", 200, __doc__ or "")
+    return formats_option(parser("crash", 200, __doc__ or ""))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from campaigns.common import (
     Followers,
     Tally,
     campaign_options,
+    committed_as_asked,
+    formats_option,
     fresh_url,
     grid_tensors,
     main,
@@ -58,7 +60,7 @@ def _head(store: Any) -> dict[str, Any] | None:
 
 
 def run(server: Any, args: Any) -> Tally:
-    from campaigns.model import CHUNK_BYTES, Model, Oracle, with_layout
+    from campaigns.model import CHUNK_BYTES, Model, Oracle, serving_formats, with_layout
     from deltastore import ConflictError, DeltastoreError, FencedError, PreconditionFailedError, Publisher
     from deltastore.storage import open_store
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
@@ -71,6 +73,7 @@ def run(server: Any, args: Any) -> Tally:
     plan = FaultPlan(rate=args.rate, mix=mix, methods=methods, key_pattern=args.key_pattern,
                      slow_s=args.slow, seed=args.seed)  # fmt: skip
     oracle = Oracle(args.seed)
+    formats = serving_formats(args.formats)
     model = Model(args.seed)
     url = fresh_url(server, "faults")
     direct = campaign_options(server)
@@ -89,7 +92,8 @@ def run(server: Any, args: Any) -> Tally:
                     pub = with_layout(Publisher(url, storage_options=faulty,
                                                 writer_policy=WriterPolicy(threads=1, takeover=True),
                                                 anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
-                                                layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), args.grid)  # fmt: skip
+                                                layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES),
+                                                formats=formats), args.grid)  # fmt: skip
                 except DeltastoreError as e:
                     tally.error(f"open {type(e).__name__}")
                     pub = None
@@ -109,8 +113,9 @@ def run(server: Any, args: Any) -> Tally:
             ours = next((l for l in reversed(links) if l.step == step), None)
             if info is not None:
                 failures = 0
-                acked[step] = info.version
-                if ours is None or ours.version != info.version:  # counted once, at the end
+                if committed_as_asked(oracle, tally, step, info.version, info.step):
+                    acked[step] = info.version
+                if step in acked and (ours is None or ours.version != info.version):  # counted once, at the end
                     tally.note("acknowledged publish not on the chain at once", f"step {step}: returned version {info.version}; the chain has {ours}")
             elif error is not None:
                 failures += 1
@@ -134,7 +139,7 @@ def run(server: Any, args: Any) -> Tally:
                     pub.close()
                     pub = None
             if followers is None and links:
-                followers = Followers(mp_context(), url, faulty, args.seed, args.workers, work)
+                followers = Followers(mp_context(), url, faulty, args.seed, args.workers, work, fmt=(formats or (None,))[0])
         if pub is not None:
             pub.close()
         proxy.set_plan(OFF)
@@ -146,7 +151,7 @@ def run(server: Any, args: Any) -> Tally:
         tally.extra["requests"] = proxy.requests
         final = checker.check(full=True)
         tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
-        unreadable = verify_versions(store, final, oracle, tally)
+        unreadable = verify_versions(store, final, oracle, tally, formats=formats)
     on_chain = {l.step: l.version for l in final}
     for step, version in acked.items():
         if on_chain.get(step) != version and version not in unreadable:  # each loss counted once
@@ -161,7 +166,7 @@ def run(server: Any, args: Any) -> Tally:
 
 
 def build_parser():
-    p = parser("faults", 200, __doc__ or "")
+    p = formats_option(parser("faults", 200, __doc__ or ""))
     p.add_argument("--rate", type=float, default=0.10, help="fault probability per request (default 0.10)")
     p.add_argument("--kinds", help=f"comma-separated subset of {','.join(FAULT_KINDS)} (default: all)")
     p.add_argument("--methods", help="fault only these HTTP methods, e.g. PUT")

@@ -44,6 +44,9 @@ EDIT_FRACTION = 0.02
 UNCHANGED_P = 0.3
 #: Steps of different trainers never collide: step = trainer * STEP_BASE + k.
 STEP_BASE = 1_000_000
+#: What ``--formats`` quantizes: the 2-D weights (``w.bf16``, and ``w.f32`` for FP8: MXFP8 needs a
+#: last dimension of 32), since no LAYOUT name matches the engines' ``*.weight``.
+FORMAT_INCLUDE = ("w.*",)
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
@@ -56,6 +59,15 @@ def with_layout(pub: Any, grid: bool) -> Any:
     if grid:
         pub._explicit_specs = GRID_SPECS
     return pub
+
+
+def serving_formats(names: str | None) -> tuple[Any, ...]:
+    """The serving formats of ``--formats`` (comma-separated names; empty: none), quantizing
+    :data:`FORMAT_INCLUDE` where they quantize."""
+    from deltastore.serving.formats import SCALE_SUFFIX, ServingFormat
+
+    return tuple(ServingFormat(n, include=FORMAT_INCLUDE if n in SCALE_SUFFIX else None)
+                 for n in (names.split(",") if names else ()))
 
 
 def _width(dtype: str) -> int:
@@ -144,6 +156,31 @@ class Oracle:
 
     def expected(self, step: int) -> dict[str, np.ndarray]:
         return self.model(step // STEP_BASE).raw(step % STEP_BASE)
+
+    def same_bits(self, a: int, b: int) -> bool:
+        """Whether steps ``a`` and ``b`` have bit-identical states (a step may change nothing:
+        each tensor is left unchanged with probability :data:`UNCHANGED_P`)."""
+        x, y = self.expected(a), self.expected(b)
+        return all(np.array_equal(x[n], y[n]) for n in x)
+
+    def differs_in(self, fmt: Any, state: Mapping[str, torch.Tensor], step: int | None) -> str | None:
+        """None when ``state`` holds exactly the bits of serving format ``fmt`` (a
+        ``ServingFormat``) of ``step``: the reference derivation of the step's state; else why
+        not."""
+        from deltastore.serving.formats import derive
+
+        if step is None or step < 0:
+            return f"version has no usable step ({step!r})"
+        want = derive(self.model(step // STEP_BASE).state(step % STEP_BASE), fmt)
+        if set(state) != set(want):
+            return f"{fmt.name}: tensor names differ: {sorted(set(state) ^ set(want))}"
+        for name, w in want.items():
+            t = state[name]
+            if t.dtype != w.dtype or t.shape != w.shape:
+                return f"{fmt.name} {name}: {t.dtype}{list(t.shape)}, expected {w.dtype}{list(w.shape)}"
+            if bits(t.detach().cpu().contiguous()).tobytes() != bits(w.contiguous()).tobytes():
+                return f"{fmt.name} {name}: bits differ from the reference derivation of step {step}"
+        return None
 
     def differs(self, state: Mapping[str, torch.Tensor], step: int | None) -> str | None:
         """None when ``state`` holds exactly the bits of ``step``; else why not."""

@@ -35,6 +35,8 @@ from campaigns.common import (
     Followers,
     Tally,
     campaign_options,
+    committed_as_asked,
+    formats_option,
     fresh_url,
     grid_tensors,
     main,
@@ -55,11 +57,12 @@ ROUND_TIMEOUT_S = 120.0
 
 
 def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: bool, attempts: int,
-          start_k: int, writer_id: str, log_path: str, go_path: str, grid: bool = False) -> None:  # fmt: skip
+          start_k: int, writer_id: str, log_path: str, go_path: str, grid: bool = False,
+          formats: str | None = None) -> None:  # fmt: skip
     """Publish ``attempts`` times (steps ``start_k``…) as trainer ``trainer``; log each outcome."""
     import logging
 
-    from campaigns.model import CHUNK_BYTES, Model, with_layout
+    from campaigns.model import CHUNK_BYTES, Model, serving_formats, with_layout
     from deltastore import DeltastoreError, FencedError, Publisher
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 
@@ -77,7 +80,8 @@ def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: 
         pub = with_layout(Publisher(url, storage_options=options,
                                     writer_policy=WriterPolicy(threads=1, takeover=takeover, writer_id=writer_id),
                                     anchor_policy=AnchorPolicy(every=4),
-                                    layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), grid)  # fmt: skip
+                                    layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES),
+                                    formats=serving_formats(formats)), grid)  # fmt: skip
     except DeltastoreError as e:
         log(f"openerr {type(e).__name__}")
         return
@@ -100,18 +104,20 @@ def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: 
             except Exception as e:  # noqa: BLE001
                 log(f"untyped {step} {type(e).__name__}")
                 continue
-            log(f"ok {step} {info.version}")
+            log(f"ok {step} {info.version} {info.step}")
 
 
 def _round(ctx: Any, url: str, options: dict[str, Any], seed: int, n: int, takeover: bool, attempts: int,
-           round_no: int, work: Path, tally: Tally, grid: bool = False) -> list[tuple[str, list[list[str]]]]:  # fmt: skip
+           round_no: int, work: Path, tally: Tally, grid: bool = False,
+           formats: str | None = None) -> list[tuple[str, list[list[str]]]]:  # fmt: skip
     go = work / f"go-{takeover}-{round_no}"
     procs = []
     for i in range(n):
         trainer = round_no * n + i + 1
         writer = f"racer-{'t' if takeover else 'n'}{round_no}-{i}"
         log_path = work / f"{writer}.log"
-        p = ctx.Process(target=racer, args=(url, options, seed, trainer, takeover, attempts, 0, writer, str(log_path), str(go), grid), daemon=True)
+        p = ctx.Process(target=racer, args=(url, options, seed, trainer, takeover, attempts, 0, writer, str(log_path), str(go),
+                                            grid, formats), daemon=True)
         p.start()
         procs.append((p, writer, log_path))
     time.sleep(0.2)  # let every process reach the start line
@@ -130,10 +136,11 @@ def _round(ctx: Any, url: str, options: dict[str, Any], seed: int, n: int, takeo
 
 
 def run(server: Any, args: Any) -> Tally:
-    from campaigns.model import Oracle
+    from campaigns.model import Oracle, serving_formats
     from deltastore.storage import open_store
 
     tally = Tally("races", server.kind)
+    formats = serving_formats(args.formats)
     oracle = Oracle(args.seed)
     ctx = mp_context()
     n = args.publishers
@@ -150,13 +157,13 @@ def run(server: Any, args: Any) -> Tally:
             options = campaign_options(server, proxy.endpoint_url)
             with open_store(url, storage_options=campaign_options(server)) as store:
                 checker = ChainChecker(store, tally)
-                followers = Followers(ctx, url, options, args.seed, args.workers, work)
+                followers = Followers(ctx, url, options, args.seed, args.workers, work, fmt=(formats or (None,))[0])
                 results: list[tuple[str, list[list[str]]]] = []
                 attempts = ATTEMPTS_PER_ROUND if takeover else max(1, per_mode // n)
                 done, r = 0, 0
                 # Rounds until the mode's share of attempts is made (fenced publishers stop early).
                 while done < per_mode and r < MAX_ROUNDS:
-                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally, args.grid)
+                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally, args.grid, args.formats)
                     done += sum(1 for _, lines in out for l in lines if l[0] in ("ok", "err", "untyped"))
                     results += out
                     checker.check()
@@ -165,8 +172,8 @@ def run(server: Any, args: Any) -> Tally:
                 followers.stop(tally)
                 final = checker.check(full=True)
                 tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
-                verify_versions(store, final, oracle, tally)
-                _judge(final, results, takeover, tally)
+                verify_versions(store, final, oracle, tally, formats=formats)
+                _judge(final, results, takeover, tally, oracle)
                 versions_total += len(final)
         tally.faults.update(proxy.snapshot())
     tally.seconds = time.monotonic() - t0
@@ -175,7 +182,7 @@ def run(server: Any, args: Any) -> Tally:
     return tally
 
 
-def _judge(final: list, results: list[tuple[str, list[list[str]]]], takeover: bool, tally: Tally) -> None:
+def _judge(final: list, results: list[tuple[str, list[list[str]]]], takeover: bool, tally: Tally, oracle: Any) -> None:
     mode = "takeover" if takeover else "no takeover"
     by_step = {}
     for l in final:
@@ -187,6 +194,8 @@ def _judge(final: list, results: list[tuple[str, list[list[str]]]], takeover: bo
             if l[0] == "ok":
                 tally.trials += 1
                 step, version = int(l[1]), int(l[2])
+                if not committed_as_asked(oracle, tally, step, version, int(l[3])):
+                    continue
                 link = by_step.get(step)
                 if link is None or link.version != version or link.writer != writer:
                     tally.lost(f"{mode}: {writer}'s publish of step {step} returned version {version}; chain has {link}")
@@ -221,7 +230,7 @@ def _judge(final: list, results: list[tuple[str, list[list[str]]]], takeover: bo
 
 
 def build_parser():
-    p = parser("races", 120, __doc__ or "")
+    p = formats_option(parser("races", 120, __doc__ or ""))
     p.add_argument("--publishers", type=int, default=3, help="publisher processes (default 3)")
     p.add_argument("--takeover", choices=["on", "off", "both"], default="both")
     p.add_argument("--workers", type=int, default=1, help="worker processes following the store")

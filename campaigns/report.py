@@ -19,6 +19,9 @@ from typing import Any
 from campaigns.common import Tally
 
 CAMPAIGNS = ("crash", "faults", "races", "corruption", "hostile")
+#: The campaigns whose publishers take ``--formats`` (serving streams under crashes, faults, races
+#: and damage in the bucket).
+TAKE_FORMATS = ("crash", "faults", "races", "corruption")
 #: Default trial counts: the sizes docs/reliability.md reports (≥ 200 kills and ≥ 200
 #: faulted publishes on SeaweedFS).
 DEFAULT_TRIALS = {"crash": 200, "faults": 200, "races": 120, "corruption": 100, "hostile": 200}
@@ -51,11 +54,14 @@ def markdown(tallies: list[Tally]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_one(name: str, server: Any, trials: int, seed: int, extra: list[str] | None = None, *, grid: bool = False) -> Tally:
-    """Run campaign ``name`` on an already started server, with its own defaults."""
+def run_one(name: str, server: Any, trials: int, seed: int, extra: list[str] | None = None, *, grid: bool = False,
+            formats: str | None = None) -> Tally:
+    """Run campaign ``name`` on an already started server, with its own defaults; ``formats``
+    goes to the campaigns that publish serving formats (:data:`TAKE_FORMATS`)."""
     module = importlib.import_module(f"campaigns.{name}")
     p = module.build_parser() if hasattr(module, "build_parser") else module.parser(name, trials, "")
-    argv = ["--backend", server.kind, "--trials", str(trials), "--seed", str(seed), *(["--grid"] if grid else []), *(extra or [])]
+    argv = ["--backend", server.kind, "--trials", str(trials), "--seed", str(seed), *(["--grid"] if grid else []),
+            *(["--formats", formats] if formats and name in TAKE_FORMATS else []), *(extra or [])]
     tally = module.run(server, p.parse_args(argv))
     tally.command = f"python -m campaigns.{name} " + " ".join(argv)
     return tally
@@ -70,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", default="", help="NAME=N,... (defaults: " + ",".join(f"{k}={v}" for k, v in DEFAULT_TRIALS.items()) + ")")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grid", action="store_true", help="publishers write column grids (campaigns.model.GRID_SPECS)")
+    p.add_argument("--formats", metavar="NAMES",
+                   help=f"publishers of {', '.join(TAKE_FORMATS)} also publish these serving formats (comma-separated)")
     p.add_argument("--markdown", metavar="OUT", help="write the Markdown table here")
     p.add_argument("--json", metavar="OUT", help="write every tally as JSON here")
     args = p.parse_args(argv)
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.backend.split(","):
         with backend(kind) as server:
             for name in args.campaigns.split(","):
-                tally = run_one(name, server, trials[name], args.seed, grid=args.grid)
+                tally = run_one(name, server, trials[name], args.seed, grid=args.grid, formats=args.formats)
                 print(tally.summary(), flush=True)
                 tallies.append(tally)
     table = markdown(tallies)

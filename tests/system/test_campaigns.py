@@ -212,3 +212,30 @@ def test_grid_campaign_finds_nothing(name: str, seaweedfs_server: Any) -> None:
     assert t.trials >= GRID_BOUNDED[name] and sum(t.faults.values()) > 0, t.summary()
     assert t.extra["grid_tensors"] == {n: sp.chunk_cols for n, sp in GRID_SPECS.items()}, t.summary()
     _clean(t)
+
+
+# --- over serving streams (design 012) ------------------------------------------------------
+
+#: ``--formats``: every publish also writes an FP8 and an MXFP8 stream (campaigns.model.FORMAT_INCLUDE
+#: quantized), committed by the version's one HEAD write. faults: faults hit the streams' writes
+#: too, and every committed version is read back in each format against the reference derivation
+#: of its step while a worker follows the FP8 stream. corruption: every target once, the FP8
+#: stream's manifests and packs among them, read by FP8 workers and `deltastore verify`. The full
+#: runs are in docs/reliability.md.
+FORMATS = "fp8-block128,mxfp8"
+STREAM_BOUNDED = {"faults": 12, "corruption": 7}
+
+
+@pytest.mark.parametrize("name", list(STREAM_BOUNDED))
+def test_serving_stream_campaign_finds_nothing(name: str, seaweedfs_server: Any) -> None:
+    t = run_one(name, seaweedfs_server, STREAM_BOUNDED[name], seed=1, extra=_EXTRA.get(name), formats=FORMATS)
+    assert t.trials >= STREAM_BOUNDED[name] and sum(t.faults.values()) > 0, t.summary()
+    if name == "faults":
+        committed = t.extra["versions_committed"]
+        assert committed > 0 and t.extra["worker_updates"] > 0, t.summary()
+        assert t.extra["versions_checked"] == {"own": committed, "fp8-block128": committed, "mxfp8": committed}, t.summary()
+    else:
+        assert {k.split(" ", 1)[1] for k in t.faults} >= {"stream manifest", "stream pack"}, t.summary()
+        assert t.errors, t.summary()  # the damage was refused
+    _clean(t)
+
