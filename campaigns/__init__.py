@@ -11,7 +11,7 @@ corrupt applies, errors surfaced, wrong errors, invariant violations)::
     python -m campaigns.hostile    --backend seaweedfs --trials 200   # crafted HEADs/manifests/segments
     python -m campaigns all --backend seaweedfs --markdown table.md   # several, one Markdown table
     python -m campaigns all --backend seaweedfs --grid ...             # publishers write column grids
-    python -m campaigns all --campaigns crash,faults,races --formats fp8-block128,mxfp8   # serving streams
+    python -m campaigns all --backend seaweedfs --formats fp8-block128,mxfp8   # serving streams too
 
 The oracle reads the store directly (never through the proxy) and recomputes the exact bits of
 every version from its step (campaigns.model). docs/reliability.md has the figures.

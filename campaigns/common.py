@@ -326,16 +326,10 @@ def parser(name: str, default_trials: int, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the tally as JSON here")
     p.add_argument("--grid", action="store_true", help="publishers write column grids (campaigns.model.GRID_SPECS)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    return p
-
-
-def formats_option(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--formats`` to the parser of a campaign whose publishers take it."""
     p.add_argument("--formats", metavar="NAMES",
                    help="publishers also publish these serving formats (comma-separated, e.g. fp8-block128,mxfp8; "
-                        "campaigns.model.serving_formats), workers follow the first, and every committed version is "
-                        "checked in each")
+                        "campaigns.model.serving_formats), workers read the first, and every version is checked in it")
+    p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 

@@ -30,16 +30,7 @@ import time
 import traceback
 from typing import Any
 
-from campaigns.common import (
-    ChainChecker,
-    Tally,
-    campaign_options,
-    formats_option,
-    fresh_url,
-    main,
-    manifest_json,
-    parser,
-)
+from campaigns.common import ChainChecker, Tally, campaign_options, fresh_url, main, manifest_json, parser
 
 #: Versions published before the damage; anchors at 1 and 4, so damage meets anchors (full and
 #: delta packs) and deltas alike.
@@ -264,7 +255,7 @@ def _stream_objects(store: Any, links: list, fmt: str) -> tuple[list[str], list[
 
 
 def build_parser():
-    p = formats_option(parser("corruption", 100, __doc__ or ""))
+    p = parser("corruption", 100, __doc__ or "")
     p.add_argument("--targets", help=f"comma-separated subset of: {', '.join([*TARGETS, *STREAM_TARGETS])} "
                                      "(default: all; the stream's with --formats)")
     return p

@@ -24,7 +24,6 @@ from campaigns.common import (
     Tally,
     campaign_options,
     committed_as_asked,
-    formats_option,
     fresh_url,
     grid_tensors,
     main,
@@ -170,7 +169,7 @@ def _read(path: str) -> str:
 
 
 def build_parser():
-    return formats_option(parser("crash", 200, __doc__ or ""))
+    return parser("crash", 200, __doc__ or "")
 
 
 if __name__ == "__main__":

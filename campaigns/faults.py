@@ -33,7 +33,6 @@ from campaigns.common import (
     Tally,
     campaign_options,
     committed_as_asked,
-    formats_option,
     fresh_url,
     grid_tensors,
     main,
@@ -166,7 +165,7 @@ def run(server: Any, args: Any) -> Tally:
 
 
 def build_parser():
-    p = formats_option(parser("faults", 200, __doc__ or ""))
+    p = parser("faults", 200, __doc__ or "")
     p.add_argument("--rate", type=float, default=0.10, help="fault probability per request (default 0.10)")
     p.add_argument("--kinds", help=f"comma-separated subset of {','.join(FAULT_KINDS)} (default: all)")
     p.add_argument("--methods", help="fault only these HTTP methods, e.g. PUT")

@@ -10,7 +10,9 @@ ids, segments past the end of their pack, garbage segment bytes, ...), then hypo
 mutations of HEAD and the top manifest (a value anywhere in the document replaced or removed).
 
 Readers: ``pull()``, the worker's ``pull_into``, ``log()``, and the CLI's ``verify --all`` and
-``log`` (in process). Counted as wrong errors: any exception that is not a DeltastoreError, a
+``log`` (in process). With ``--formats`` the template is published in those serving formats too,
+the fuzzed documents include the top version's manifest of the first format's stream (named
+anew, with its SHA-256, by a rewritten top manifest), and a ``pull()`` of that format reads too. Counted as wrong errors: any exception that is not a DeltastoreError, a
 CLI traceback or multi-line error, and ``log``/``verify`` accepting a chain that is not
 consecutive. Counted as corrupt applies: a read that succeeds with the original layout but other
 bits than the version it reports, or a failed ``pull_into`` that changed the worker's weights.
@@ -82,6 +84,27 @@ class Hostile:
             h = dict(self.head, manifest=key, manifest_sha256=_sha(raw))
             self.store.put("HEAD", json.dumps(h).encode(), mode="overwrite")
         return key
+
+    def put_stream_manifest_raw(self, fmt: str, raw: bytes) -> None:
+        """Store ``raw`` (JSON text, not checked) as the top version's manifest of format
+        ``fmt``'s stream, and a top manifest naming it (key and SHA-256), HEAD pointing there."""
+        import zstandard
+
+        raw = zstandard.ZstdCompressor(level=3).compress(raw)
+        key = f"streams/{fmt}/manifests/{VERSIONS:012d}-{_sha(raw)}.json.zst"
+        self.store.put(key, raw, mode="overwrite")
+        top = self.top_stored()
+        for ref in top.get("streams") or ():
+            if ref.get("format") == fmt:
+                ref.update(key=key, sha256=_sha(raw))
+        self.put_manifest_raw(VERSIONS, json.dumps(top, sort_keys=True).encode())
+
+    def stream_stored(self, fmt: str) -> dict[str, Any]:
+        """The top version's stored manifest document of format ``fmt``'s stream, as JSON."""
+        import zstandard
+
+        ref = next(r for r in self.top_stored()["streams"] if r["format"] == fmt)
+        return json.loads(zstandard.ZstdDecompressor().decompress(self.store.get(ref["key"])))
 
     def put_head(self, doc: dict[str, Any]) -> None:
         self.store.put("HEAD", json.dumps(doc).encode(), mode="overwrite")
@@ -333,8 +356,9 @@ def _set(doc: Any, path: tuple, value: Any, delete: bool) -> Any:
     return doc
 
 
-def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]:
-    """``n`` hostile stores from hypothesis: one value of HEAD or the top manifest replaced."""
+def fuzz_cases(seed: int, n: int, stream: str | None = None) -> list[tuple[str, Callable[[Hostile], None]]]:
+    """``n`` hostile stores from hypothesis: one value of HEAD or the top manifest replaced (or
+    of the top version's manifest of format ``stream``'s stream)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
@@ -350,20 +374,24 @@ def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]
     )  # fmt: skip
     values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=5), c, max_size=3)), max_leaves=6)
     cases: list[tuple[str, Callable[[Hostile], None]]] = []
+    kinds = ["HEAD", "manifest", "manifest", *(["stream manifest"] if stream else [])]
 
     @hseed(seed)
     @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
-    @given(which=st.sampled_from(["HEAD", "manifest", "manifest"]), pick=st.integers(0, 10**9), value=values, delete=st.booleans())
+    @given(which=st.sampled_from(kinds), pick=st.integers(0, 10**9), value=values, delete=st.booleans())
     def collect(which: str, pick: int, value: Any, delete: bool) -> None:
         def write(h: Hostile, which=which, pick=pick, value=value, delete=delete) -> None:
-            doc = json.loads(json.dumps(h.head)) if which == "HEAD" else h.top_stored()
+            doc = {"HEAD": lambda: json.loads(json.dumps(h.head)), "manifest": h.top_stored,
+                   "stream manifest": lambda: h.stream_stored(stream)}[which]()
             paths = [p for p in json_paths(doc) if p]
             path = paths[pick % len(paths)]
             doc = _set(doc, path, value, delete and isinstance(path[-1], str))
             if which == "HEAD":
                 h.store.put("HEAD", json.dumps(doc).encode(), mode="overwrite")
-            else:
+            elif which == "manifest":
                 h.put_manifest_raw(VERSIONS, json.dumps(doc, sort_keys=True).encode())
+            else:
+                h.put_stream_manifest_raw(stream, json.dumps(doc, sort_keys=True).encode())
         cases.append((f"fuzz {which}", write))
 
     collect()
@@ -374,7 +402,8 @@ def fuzz_cases(seed: int, n: int) -> list[tuple[str, Callable[[Hostile], None]]]
 
 
 def run(server: Any, args: Any) -> Tally:
-    from campaigns.model import CHUNK_BYTES, Oracle, with_layout
+    from campaigns.model import CHUNK_BYTES, Oracle, serving_formats, with_layout
+    from deltastore.serving.formats import derive
     from deltastore import DeltastoreError, Publisher, Subscriber
     from deltastore.storage import open_store
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
@@ -384,12 +413,15 @@ def run(server: Any, args: Any) -> Tally:
     options = campaign_options(server)
     oracle = Oracle(args.seed)
     model = oracle.model(0)
+    formats = serving_formats(args.formats)
+    fmt = formats[0] if formats else None
     t0 = time.monotonic()
     template = fresh_url(server, "hostile-template")
     with open_store(template, storage_options=options) as tstore:
         with with_layout(Publisher(template, store=tstore, writer_policy=WriterPolicy(threads=1),
                                    anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
-                                   layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES)), args.grid) as pub:
+                                   layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES), formats=formats),
+                         args.grid) as pub:
             for k in range(VERSIONS):
                 pub.publish(model.state(k), step=k)
         objects = {m.key: tstore.get(m.key) for m in tstore.list()}
@@ -400,12 +432,14 @@ def run(server: Any, args: Any) -> Tally:
                 manifests[doc["version"]] = (key, doc)
     head = json.loads(objects["HEAD"])
     layout = {t["name"]: (t["dtype"], list(t["shape"])) for t in manifests[1][1]["tensors"]}
+    served_layout = None if fmt is None else {n: (str(t.dtype).removeprefix("torch."), list(t.shape))
+                                       for n, t in derive(model.state(0), fmt).items()}
 
     handmade = crafted()
     n_fuzz = args.fuzz if args.fuzz is not None else max(0, args.trials - len(handmade))
     cases = handmade[: max(0, args.trials - n_fuzz)]
     if n_fuzz:
-        cases += fuzz_cases(args.seed, n_fuzz)
+        cases += fuzz_cases(args.seed, n_fuzz, None if fmt is None else fmt.name)
     for i, (name, write) in enumerate(cases):
         url = fresh_url(server, "hostile")
         with open_store(url, storage_options=options) as store:
@@ -422,7 +456,7 @@ def run(server: Any, args: Any) -> Tally:
             tally.faults["crafted" if not name.startswith("fuzz") else name] += 1
             label = f"case {i} ({name})"
 
-            def judge(what: str, fn: Callable[[], tuple[Any, int | None]]) -> bool:
+            def judge(what: str, fn: Callable[[], tuple[Any, int | None]], served: bool = False) -> bool:
                 try:
                     state, version = fn()
                 except DeltastoreError as e:
@@ -433,11 +467,12 @@ def run(server: Any, args: Any) -> Tally:
                     tally.wrong(f"untyped {type(e).__name__}", f"{label}: {what}: {''.join(traceback.format_exception_only(type(e), e)).strip()[:300]}")
                     return False
                 if state is not None:
-                    same_layout = {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in state.items()} == layout
+                    got = {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in state.items()}
+                    same_layout = got == (served_layout if served else layout)
                     if same_layout and (version is None or not 1 <= version <= VERSIONS):
                         tally.corrupt(f"{label}: {what} returned version {version}, which does not exist")
-                    elif same_layout:
-                        why = oracle.differs(state, version - 1)  # version v holds step v-1
+                    elif same_layout:  # version v holds step v-1
+                        why = oracle.differs_in(fmt, state, version - 1) if served else oracle.differs(state, version - 1)
                         if why is not None:
                             tally.corrupt(f"{label}: {what} returned version {version} with wrong bits: {why}")
                 return True
@@ -451,6 +486,13 @@ def run(server: Any, args: Any) -> Tally:
                 return target, info.version if info else worker.version
 
             judge("pull()", pull_latest)
+            if fmt is not None:
+
+                def pull_format():
+                    with Subscriber(url, store=store, threads=1, format=fmt.name) as sub:
+                        return sub.pull(), sub.version
+
+                judge(f"pull() of {fmt.name}", pull_format, served=True)
             if not judge("pull_into", forward):
                 why = oracle.differs(target, HELD - 1)
                 if why is not None:

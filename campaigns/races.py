@@ -36,7 +36,6 @@ from campaigns.common import (
     Tally,
     campaign_options,
     committed_as_asked,
-    formats_option,
     fresh_url,
     grid_tensors,
     main,
@@ -230,7 +229,7 @@ def _judge(final: list, results: list[tuple[str, list[list[str]]]], takeover: bo
 
 
 def build_parser():
-    p = formats_option(parser("races", 120, __doc__ or ""))
+    p = parser("races", 120, __doc__ or "")
     p.add_argument("--publishers", type=int, default=3, help="publisher processes (default 3)")
     p.add_argument("--takeover", choices=["on", "off", "both"], default="both")
     p.add_argument("--workers", type=int, default=1, help="worker processes following the store")

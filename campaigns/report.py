@@ -19,9 +19,6 @@ from typing import Any
 from campaigns.common import Tally
 
 CAMPAIGNS = ("crash", "faults", "races", "corruption", "hostile")
-#: The campaigns whose publishers take ``--formats`` (serving streams under crashes, faults, races
-#: and damage in the bucket).
-TAKE_FORMATS = ("crash", "faults", "races", "corruption")
 #: Default trial counts: the sizes docs/reliability.md reports (≥ 200 kills and ≥ 200
 #: faulted publishes on SeaweedFS).
 DEFAULT_TRIALS = {"crash": 200, "faults": 200, "races": 120, "corruption": 100, "hostile": 200}
@@ -56,12 +53,12 @@ def markdown(tallies: list[Tally]) -> str:
 
 def run_one(name: str, server: Any, trials: int, seed: int, extra: list[str] | None = None, *, grid: bool = False,
             formats: str | None = None) -> Tally:
-    """Run campaign ``name`` on an already started server, with its own defaults; ``formats``
-    goes to the campaigns that publish serving formats (:data:`TAKE_FORMATS`)."""
+    """Run campaign ``name`` on an already started server, with its own defaults (``grid`` and
+    ``formats``: ``--grid`` and ``--formats``)."""
     module = importlib.import_module(f"campaigns.{name}")
     p = module.build_parser() if hasattr(module, "build_parser") else module.parser(name, trials, "")
     argv = ["--backend", server.kind, "--trials", str(trials), "--seed", str(seed), *(["--grid"] if grid else []),
-            *(["--formats", formats] if formats and name in TAKE_FORMATS else []), *(extra or [])]
+            *(["--formats", formats] if formats else []), *(extra or [])]
     tally = module.run(server, p.parse_args(argv))
     tally.command = f"python -m campaigns.{name} " + " ".join(argv)
     return tally
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grid", action="store_true", help="publishers write column grids (campaigns.model.GRID_SPECS)")
     p.add_argument("--formats", metavar="NAMES",
-                   help=f"publishers of {', '.join(TAKE_FORMATS)} also publish these serving formats (comma-separated)")
+                   help="publishers also publish these serving formats (comma-separated; campaigns.model.serving_formats)")
     p.add_argument("--markdown", metavar="OUT", help="write the Markdown table here")
     p.add_argument("--json", metavar="OUT", help="write every tally as JSON here")
     args = p.parse_args(argv)
