@@ -228,8 +228,9 @@ STREAM_BOUNDED = {"faults": 12, "corruption": 7, "hostile": 8}
 
 
 @pytest.mark.parametrize("name", list(STREAM_BOUNDED))
-def test_serving_stream_campaign_finds_nothing(name: str, seaweedfs_server: Any) -> None:
-    t = run_one(name, seaweedfs_server, STREAM_BOUNDED[name], seed=1, extra=_EXTRA.get(name), formats=FORMATS)
+def test_serving_stream_campaign_finds_nothing(name: str, request: pytest.FixtureRequest) -> None:
+    server = request.getfixturevalue(f"{BACKEND[name]}_server")
+    t = run_one(name, server, STREAM_BOUNDED[name], seed=1, extra=_EXTRA.get(name), formats=FORMATS)
     assert t.trials >= STREAM_BOUNDED[name] and sum(t.faults.values()) > 0, t.summary()
     if name == "faults":
         committed = t.extra["versions_committed"]
