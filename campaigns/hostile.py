@@ -10,12 +10,14 @@ ids, segments past the end of their pack, garbage segment bytes, ...), then hypo
 mutations of HEAD and the top manifest (a value anywhere in the document replaced or removed).
 
 Readers: ``pull()``, the worker's ``pull_into``, ``log()``, and the CLI's ``verify --all`` and
-``log`` (in process). With ``--formats`` the template is published in those serving formats too,
-the fuzzed documents include the top version's manifest of the first format's stream (named
-anew, with its SHA-256, by a rewritten top manifest), and a ``pull()`` of that format reads too. Counted as wrong errors: any exception that is not a DeltastoreError, a
+``log`` (in process). Counted as wrong errors: any exception that is not a DeltastoreError, a
 CLI traceback or multi-line error, and ``log``/``verify`` accepting a chain that is not
 consecutive. Counted as corrupt applies: a read that succeeds with the original layout but other
 bits than the version it reports, or a failed ``pull_into`` that changed the worker's weights.
+
+With ``--formats`` the template is published in those serving formats too, the fuzzed documents
+include the top version's manifest of the first format's stream (named anew, with its SHA-256,
+by a rewritten top manifest), and a ``pull()`` of that format reads too.
 
 Trials = hostile stores.  ``python -m campaigns.hostile --backend seaweedfs --trials 200``
 """
@@ -403,8 +405,8 @@ def fuzz_cases(seed: int, n: int, stream: str | None = None) -> list[tuple[str, 
 
 def run(server: Any, args: Any) -> Tally:
     from campaigns.model import CHUNK_BYTES, Oracle, serving_formats, with_layout
-    from deltastore.serving.formats import derive
     from deltastore import DeltastoreError, Publisher, Subscriber
+    from deltastore.serving.formats import derive
     from deltastore.storage import open_store
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
     from testkit.manifest_docs import read_manifest_doc
@@ -432,8 +434,8 @@ def run(server: Any, args: Any) -> Tally:
                 manifests[doc["version"]] = (key, doc)
     head = json.loads(objects["HEAD"])
     layout = {t["name"]: (t["dtype"], list(t["shape"])) for t in manifests[1][1]["tensors"]}
-    served_layout = None if fmt is None else {n: (str(t.dtype).removeprefix("torch."), list(t.shape))
-                                       for n, t in derive(model.state(0), fmt).items()}
+    served_layout = None if fmt is None else {
+        n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in derive(model.state(0), fmt).items()}
 
     handmade = crafted()
     n_fuzz = args.fuzz if args.fuzz is not None else max(0, args.trials - len(handmade))
