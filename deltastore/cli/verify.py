@@ -30,9 +30,10 @@ def add_parser(add: Any, json_flag: Any, trusted: tuple[Any, Any]) -> None:
     p.add_argument(*trusted[0], **trusted[1])
 
 
-def _formats(sub: Any, args: argparse.Namespace) -> list[str | None]:
-    """The chains to check: None for the store's own, then the streams' format names."""
-    info = sub.info(args.version) if args.version is not None else sub.latest()
+def _formats(sub: Any, latest: Any, args: argparse.Namespace) -> list[str | None]:
+    """The chains to check: None for the store's own, then the streams' format names (of
+    ``--version``, else of ``latest``, the newest version's info)."""
+    info = sub.info(args.version) if args.version is not None else latest
     if not args.formats:
         return [None, *info.streams]
     own = set(info.formats) - set(info.streams)  # the version's own format, where it declares one
@@ -46,14 +47,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reports: dict[str | None, Any] = {}
     try:
         with Subscriber(args.url, store=store, trusted_keys=args.trusted_key) as sub:
-            if sub.latest() is None:
+            latest = sub.latest()
+            if latest is None:
                 if args.json:
                     emit_json({"url": args.url, "ok": False, "versions": [], "tensors": {}, "segments": 0,
                                "problems": [], "streams": {}, "error": "no versions"})
                 else:
                     print(f"{args.url}: no versions to verify")
                 return EXIT_FAILED
-            chains = _formats(sub, args)
+            chains = _formats(sub, latest, args)
             # Every segment (full and delta) of every manifest checked, every chunk's digest.
             if None in chains:
                 reports[None] = sub.verify(args.version, all_versions=args.all)
