@@ -3,6 +3,7 @@ store's own chain and of every serving stream (SPEC §15) the checked version ca
 
 A stream is a chain of its own (its anchors, deltas and digests), read only by the workers that
 chose its format: checking the store alone would leave a damaged FP8 pack for a worker to find.
+``--all`` checks every stream a retained version carries, one no longer published included.
 ``--format NAME`` (repeatable) checks only the named formats; the store's own format (its
 versions as published, e.g. ``bf16``) names the store's chain.
 """
@@ -25,16 +26,19 @@ def add_parser(add: Any, json_flag: Any, trusted: tuple[Any, Any]) -> None:
     p.add_argument("--all", action="store_true", help="verify every version")
     p.add_argument("--format", action="append", dest="formats", metavar="NAME",
                    help="verify only this format's chain (repeatable; default: the store's and every serving stream "
-                        "of the version checked, the latest with --all)")
+                        "of the version checked; with --all, every stream of a retained version)")
     json_flag(p)
     p.add_argument(*trusted[0], **trusted[1])
 
 
 def _formats(sub: Any, latest: Any, args: argparse.Namespace) -> list[str | None]:
     """The chains to check: None for the store's own, then the streams' format names (of
-    ``--version``, else of ``latest``, the newest version's info)."""
+    ``--version``, else of ``latest``, the newest version's info; with ``--all``, of every
+    version retained, so that a format no longer published is checked too)."""
     info = sub.info(args.version) if args.version is not None else latest
     if not args.formats:
+        if args.all and args.version is None:
+            return [None, *sorted({f for i in sub.log() for f in i.streams})]
         return [None, *info.streams]
     own = set(info.formats) - set(info.streams)  # the version's own format, where it declares one
     return [None if f in own else f for f in dict.fromkeys(args.formats)]

@@ -96,6 +96,12 @@ class ServingHeader:
     version: int
     stream: str | None
     streams: tuple[StreamRef, ...]
+    #: the parent's manifest key (None: the first version, or an anchor without a parent)
+    parent_manifest: str | None = None
+
+    def carries(self, fmt: str) -> bool:
+        """The version can be read in format ``fmt`` (its own state's, or a stream's)."""
+        return self.stream == fmt or self.stream_ref(fmt) is not None
 
     def formats(self) -> tuple[str, ...]:
         """The formats the version can be read in: its own, then its streams'."""
@@ -128,7 +134,11 @@ def parse_serving_header(data: bytes, key: str, expected_sha256: str | None = No
         check_streams(doc["schema"], stream, refs)
     except ValueError as e:
         raise CorruptObjectError(f"manifest {key!r}: {e}") from None
-    return ServingHeader(version=key_version, stream=stream, streams=refs)
+    parent = doc.get("parent_manifest")
+    if parent is not None and (not isinstance(parent, str) or manifest_key_version(parent) != key_version - 1):
+        raise CorruptObjectError(f"manifest {key!r}: its parent_manifest {parent!r} is not a manifest key of version "
+                                 f"{key_version - 1}")
+    return ServingHeader(version=key_version, stream=stream, streams=refs, parent_manifest=parent)
 
 
 def _manifest_doc(m: Manifest, layout: Layout) -> dict[str, Any]:

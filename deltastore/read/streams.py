@@ -14,18 +14,23 @@ Heartbeats (``workers/``) go to the store itself, so the fleet ledger sees every
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
-from deltastore.errors import CorruptObjectError, StorageError, UnknownFormatError
+from deltastore.errors import CorruptObjectError, NotFoundError, StorageError, UnknownFormatError
 from deltastore.format.manifest import ServingHeader, parse_serving_header
-from deltastore.format.keys import HEAD_KEY, manifest_key_version, stream_prefix
-from deltastore.format.models import dump
+from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, digest_from_key, manifest_key_version, stream_prefix
+from deltastore.format.models import Head, Index, dump
+from deltastore.format.objects import decode_object
 from deltastore.format.parse import parse_head
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
 
+logger = logging.getLogger(__name__)
+
 #: Keys that belong to the store, not to the stream: the fleet ledger and the store's own records.
 _PASS_THROUGH = ("workers/", "_deltastore/")
+_UNWALKED = object()  # a manifest the walk has not passed yet
 
 
 class StreamView(Store):
@@ -56,6 +61,11 @@ class StreamView(Store):
         # True: the store's versions are themselves of this format (their ``stream``), read as
         # they are; False: a stream under ``streams/<format>/``; None: no version read yet.
         self._own: bool | None = None
+        # store manifests walked past (HEAD's version lacking the format): each one's carrier, the
+        # newest version at or below it with the format (None: none retained)
+        self._carriers: dict[str, str | None] = {}
+        self._carrier_header: tuple[str, ServingHeader] | None = None  # the last carrier's
+        self._announced: str | None = None  # the carrier last reported in a warning
 
     # --- HEAD ----------------------------------------------------------------------------------
 
@@ -68,25 +78,31 @@ class StreamView(Store):
         if head.manifest is None:  # a claimed, empty store: the stream is empty too
             derived = head.model_copy(update={"index": None})
         else:
-            m = self._header(head.manifest, head.manifest_sha256)
+            key, sha = head.manifest, head.manifest_sha256
+            m = self._header(key, sha)
+            if not m.carries(self.format):
+                key, sha, m = self._carrier(head, m)
             if self._own is None:  # decided by the first version read, then fixed
                 self._own = m.stream == self.format
             if self._own:
                 if m.stream != self.format:
                     raise unknown_format(self.format, self.inner.url, m)
-                return res
-            ref = m.stream_ref(self.format)
-            if ref is None:
-                raise unknown_format(self.format, self.inner.url, m)
-            if not ref.key.startswith(self.prefix) or manifest_key_version(ref.key[len(self.prefix):]) != m.version:
-                raise CorruptObjectError(
-                    f"manifest {head.manifest!r} of {self.inner.url} names {ref.key!r} as its {self.format} stream: "
-                    f"not a manifest of version {m.version} under {self.prefix}"
-                )
-            # The index (floor, pins, squashes) is the store's: its squashes are the store's own
-            # state's, never a stream's, so the stream's HEAD names none.
-            derived = head.model_copy(update={"manifest": ref.key[len(self.prefix):], "manifest_sha256": ref.sha256,
-                                              "index": None})
+                if key == head.manifest:
+                    return res
+                derived = head.model_copy(update={"version": m.version, "manifest": key, "manifest_sha256": sha})
+            else:
+                ref = m.stream_ref(self.format)
+                if ref is None:
+                    raise unknown_format(self.format, self.inner.url, m)
+                if not ref.key.startswith(self.prefix) or manifest_key_version(ref.key[len(self.prefix):]) != m.version:
+                    raise CorruptObjectError(
+                        f"manifest {key!r} of {self.inner.url} names {ref.key!r} as its {self.format} stream: "
+                        f"not a manifest of version {m.version} under {self.prefix}"
+                    )
+                # The index (floor, pins, squashes) is the store's: its squashes are the store's own
+                # state's, never a stream's, so the stream's HEAD names none.
+                derived = head.model_copy(update={"version": m.version, "manifest": ref.key[len(self.prefix):],
+                                                  "manifest_sha256": ref.sha256, "index": None})
         data = dump(derived)
         with self._lock:
             self._derived = (res.meta.etag, data)
@@ -100,6 +116,59 @@ class StreamView(Store):
             got = parse_serving_header(self.inner.get(key), key, sha256)
             self._headers = {key: got}  # one: HEAD's
         return got
+
+    def _carrier(self, head: Head, top: ServingHeader) -> tuple[str, str, ServingHeader]:
+        """The newest version at or below ``head``'s (whose manifest's header is ``top``) with
+        a stream of the format: its manifest key, SHA-256 and serving header. A publisher that
+        stopped publishing the format left its versions readable; its readers read the last of
+        them.
+
+        Walks the store's parent links (each manifest's digest checked against its key) down to
+        the retention floor (the history index's), a version read once per view. Raises
+        UnknownFormatError (listing HEAD's formats) when no retained version has the stream
+        (none ever had, the walk reached the chain's start, or the floor), and when the format
+        was the store's own (its versions are read without a format).
+        """
+        if self._own or next(iter(self.inner.list(self.prefix + MANIFEST_PREFIX)), None) is None:
+            # the store's own format, no longer declared (its state is read without a format), or
+            # a stream never published (one LIST, no walk)
+            raise unknown_format(self.format, self.inner.url, top)
+        assert head.manifest is not None
+        floor = 1
+        if head.index is not None:
+            floor = decode_object(Index, self.inner.get(head.index.key), head.index.key, head.index.sha256).floor
+        walked: list[str] = []
+        m, at = top, head.manifest
+        found = self._carriers.get(at, _UNWALKED)
+        while found is _UNWALKED:
+            if m.stream_ref(self.format) is not None:
+                found = at
+                break
+            walked.append(at)
+            parent = m.parent_manifest
+            if parent is None or m.version - 1 < floor:
+                found = None
+            elif (found := self._carriers.get(parent, _UNWALKED)) is _UNWALKED:
+                try:
+                    m, at = parse_serving_header(self.inner.get(parent), parent), parent
+                except NotFoundError:  # collected (below the retention floor)
+                    found = None
+        for k in walked:
+            self._carriers[k] = found  # type: ignore[assignment]
+        if found is None or (manifest_key_version(found) or 0) < floor:  # (a carrier found before the floor rose)
+            raise unknown_format(self.format, self.inner.url, top, walked=True)
+        assert isinstance(found, str)
+        if at == found:
+            self._carrier_header = (found, m)
+        elif self._carrier_header is None or self._carrier_header[0] != found:
+            self._carrier_header = (found, parse_serving_header(self.inner.get(found), found))
+        m = self._carrier_header[1]
+        if found != self._announced:
+            self._announced = found
+            logger.warning("version %d of %s has no serving format %r (its formats: %s): reading %r at version %d, "
+                           "the newest that has it", top.version, self.inner.url, self.format,
+                           ", ".join(top.formats()) or "none", self.format, m.version)
+        return found, digest_from_key(found), m
 
     def _key(self, key: str) -> str:
         return key if self._own or key.startswith(_PASS_THROUGH) else self.prefix + key
@@ -154,12 +223,14 @@ class StreamView(Store):
         """Nothing to release: ``inner`` belongs to whoever opened it."""
 
 
-def unknown_format(fmt: str, url: str, m: ServingHeader) -> UnknownFormatError:
-    """The refusal of format ``fmt``, which version ``m`` of ``url`` does not carry."""
+def unknown_format(fmt: str, url: str, m: ServingHeader, *, walked: bool = False) -> UnknownFormatError:
+    """The refusal of format ``fmt``, which version ``m`` of ``url`` does not carry (``walked``:
+    nor does any retained version below it)."""
     have = m.formats()
     listed = ", ".join(repr(f) for f in have) if have else "none (only its own state: read it without a format)"
+    below = ", nor does any earlier version it retains" if walked else ""
     return UnknownFormatError(
-        f"version {m.version} of {url} has no serving format {fmt!r}; its formats: {listed}", available=have,
+        f"version {m.version} of {url} has no serving format {fmt!r}{below}; its formats: {listed}", available=have,
     )
 
 

@@ -139,6 +139,35 @@ def test_verify_checks_every_serving_stream(tmp_path: Path, capsys: pytest.Captu
     assert "UnknownFormatError" in err and "fp8-block128" in err
 
 
+def test_verify_all_checks_a_stream_no_longer_published(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``verify --all`` checks every stream a retained version carries: a format the trainer
+    stopped publishing is still read by its workers, so its damage must still be found."""
+    from deltastore import Publisher
+
+    g = torch.Generator().manual_seed(1)
+    states = [{"model.layers.0.mlp.down_proj.weight": torch.randn(256, 256, generator=g).bfloat16()} for _ in range(4)]
+    store = str(tmp_path / "store")
+    with Publisher(store, formats=["bf16", "fp8-block128"]) as pub:
+        for s in states[:2]:
+            pub.publish(s)
+    with Publisher(store) as pub:
+        for s in states[2:]:
+            pub.publish(s)
+    capsys.readouterr()
+    assert main(["verify", store, "--all"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("OK version") == 6 and "OK version 2 (fp8-block128)" in out
+    assert main(["verify", store, "--version", "2", "--format", "fp8-block128"]) == 0
+    assert "OK version 2 (fp8-block128)" in capsys.readouterr().out
+    pack = max((tmp_path / "store" / "streams" / "fp8-block128" / "objects").rglob("*.pack"),
+               key=lambda p: p.stat().st_size)
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    assert main(["verify", store, "--all"]) == 1
+    assert "fp8-block128 stream" in capsys.readouterr().err
+
+
 def test_errors_are_one_line_and_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["pull", "nosuchscheme://bucket/x", str(tmp_path / "o.safetensors")]) == 2  # usage
     err = capsys.readouterr().err

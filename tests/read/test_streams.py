@@ -9,15 +9,17 @@ import torch
 
 from deltastore import Publisher, Subscriber
 from deltastore._util import kernels
-from deltastore.errors import IntegrityError, StorageError, UnknownFormatError
+from deltastore.errors import CorruptObjectError, IntegrityError, StorageError, UnknownFormatError, VersionNotFoundError
+from deltastore.format.history import History
 from deltastore.format.keys import HEAD_KEY
 from deltastore.lifecycle.gc import collect
+from deltastore.lifecycle.index import index_content, update_index
 from deltastore.serving.formats import derive, serving_format
 from deltastore.storage import open_store
 from deltastore.storage.prefixed import PrefixedStore
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from testkit.manifest_docs import read_manifest_doc
-from testkit.stores import HeadPutHook, WrappedStore, keys, read_head
+from testkit.stores import HeadPutHook, WrappedStore, keys, read_head, resign_manifest
 from testkit.tensors import assert_bits_equal
 
 FORMATS = ["bf16", "fp8-block128", "mxfp8"]
@@ -328,3 +330,110 @@ def test_a_format_declared_later_starts_its_stream_at_that_version(tmp_path) -> 
     with Subscriber(url) as sub:
         assert [i.formats for i in sub.log()] == [(), (), ("fp8-block128",), ("fp8-block128",)]
         assert [i.streams for i in sub.log()] == [(), (), ("fp8-block128",), ("fp8-block128",)]
+
+
+def test_a_format_no_longer_published_stays_readable_up_to_its_last_version(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = training(6)
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+        for s in states[:3]:
+            pub.publish(s)
+    with Publisher(url, formats=["bf16"], layout_policy=LAYOUT) as pub:  # the trainer drops two formats
+        pub.publish(states[3])
+    with Publisher(url, layout_policy=LAYOUT) as pub:  # and then every format
+        pub.publish(states[4])
+    store = WrappedStore(open_store(url))
+    for name in ("fp8-block128", "mxfp8"):
+        fmt = serving_format(name)
+        with Subscriber(url, store=store, format=name) as sub:
+            assert sub.latest().version == 3
+            assert [i.version for i in sub.log()] == [1, 2, 3]
+            report = sub.verify(all_versions=True)
+            assert report.ok and report.versions == [1, 2, 3]
+            for v in (1, 2, 3):
+                assert_bits_equal(sub.pull(v), derive(states[v - 1], fmt))
+            with pytest.raises(VersionNotFoundError):
+                sub.pull(4)
+    with Subscriber(url, store=store, format="bf16") as sub, pytest.raises(UnknownFormatError) as e:
+        sub.latest()  # the store's own format up to version 4: its state is read without a format
+    assert "read it without a format" in str(e.value)
+    # Each view walks a version's parent link once: a new store version costs one more manifest read.
+    with Subscriber(url, store=store, format="fp8-block128") as sub:
+        sub.latest()
+        with Publisher(url, layout_policy=LAYOUT) as pub:
+            pub.publish(states[5])
+        store.reads.clear()
+        assert sub.latest().version == 3
+        assert [k for k, _ in store.reads if k.startswith("manifests/")] == [read_head(store)["manifest"]]
+    store.reads.clear()
+    with Subscriber(url, store=store, format="nvfp4") as sub, pytest.raises(UnknownFormatError) as e:
+        sub.latest()  # never published: refused after one listing, without walking the chain
+    assert e.value.available == ()
+    assert [k for k, _ in store.reads if k.startswith("manifests/")] == [read_head(store)["manifest"]]
+
+
+def test_a_worker_of_a_format_the_trainer_drops_keeps_its_last_version_and_warns(tmp_path, caplog) -> None:
+    url = str(tmp_path / "s")
+    states = training(4)
+    fmt = serving_format("mxfp8")
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+        pub.publish(states[0])
+    with Subscriber(url, format="mxfp8") as sub:
+        target = sub.pull()
+        with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+            pub.publish(states[1])
+        assert sub.pull_into(target).version == 2
+        with Publisher(url, formats=["bf16", "fp8-block128"], layout_policy=LAYOUT) as pub:
+            for s in states[2:]:
+                pub.publish(s)
+                assert sub.pull_into(target) is None  # nothing newer in its format: it keeps serving version 2
+        assert sub.version == 2
+    assert_bits_equal(target, derive(states[1], fmt))
+    warned = [r.getMessage() for r in caplog.records if "no serving format 'mxfp8'" in r.getMessage()]
+    assert len(warned) == 1 and "at version 2" in warned[0]  # once, not at every poll
+
+
+def test_a_dropped_format_is_read_down_to_the_retention_floor_and_refused_below_it(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = training(5)
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+        for s in states[:2]:
+            pub.publish(s)
+    with Publisher(url, formats=["bf16", "mxfp8"], layout_policy=LAYOUT) as pub:
+        for s in states[2:]:
+            pub.publish(s)
+    with Subscriber(url, format="fp8-block128") as sub:
+        assert sub.latest().version == 2
+        # the floor rises above the format's last version (a collector's first step; its objects
+        # are deleted only once their grace period is over)
+        store = open_store(url)
+        update_index(store, History(store), lambda head, index: index_content(index, head, floor=4), writer="gc")
+        assert keys(store, "streams/fp8-block128/manifests/")
+        with pytest.raises(UnknownFormatError) as e:
+            sub.latest()
+    assert e.value.available == ("bf16", "mxfp8")
+    assert "nor does any earlier version it retains" in str(e.value)
+    collect(open_store(url), keep_last=2, grace_s=0, unsafe_grace_ok=True)
+    with Subscriber(url, format="fp8-block128") as sub, pytest.raises(UnknownFormatError) as e:
+        sub.latest()  # its objects collected: refused at once
+    assert e.value.available == ("bf16", "mxfp8")
+
+
+def test_a_parent_link_skipping_a_version_stops_the_walk_to_a_dropped_format(tmp_path) -> None:
+    """Hostile bytes: a version without the format names an older version than its parent's
+    as its parent; the walk refuses it instead of reading a stream the chain does not reach."""
+    url = str(tmp_path / "s")
+    states = training(4)
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+        for s in states[:2]:
+            pub.publish(s)
+    with Publisher(url, layout_policy=LAYOUT) as pub:
+        for s in states[2:]:
+            pub.publish(s)
+    store = open_store(url)
+    key2 = next(k for k in keys(store, "manifests/") if k.startswith(f"manifests/{2:012d}-"))
+    doc = read_manifest_doc(store, read_head(store)["manifest"])
+    doc["parent_manifest"] = key2
+    bad = resign_manifest(store, doc)
+    with Subscriber(url, format="fp8-block128") as sub, pytest.raises(CorruptObjectError, match=bad):
+        sub.latest()
