@@ -148,7 +148,13 @@ class CatchUp:
 
         cands: list[tuple[int, int, str, SquashRef | None]] = []  # (bytes, rank, path, squash)
         if not below:
-            cands.append((chain_price(held.manifest, m, lambda: between(h)), 0, "chain", None))
+            try:
+                cands.append((chain_price(held.manifest, m, lambda: between(h)), 0, "chain", None))
+            except VersionNotFoundError:
+                # the chain starts after h: a serving stream published again after a pause
+                # starts a new chain at an anchor (SPEC §15), which the anchor path reaches
+                if m.anchor <= h:
+                    raise
         pinned = index is not None and any(p.version == h for p in index.pins)
         for ref in self._squash_refs(index, m, h):
             if below and not (pinned and ref.to >= floor):

@@ -3,11 +3,12 @@
 A stream of format F is a store-shaped tree under ``streams/F/`` without a HEAD of its own: the
 store's HEAD names a manifest whose ``streams`` entry for F names F's manifest of the same
 version. :class:`StreamView` presents that tree as a store whose HEAD is derived from the real
-one at every read (same version, lineage, writer, epoch and ETag; ``manifest`` and
-``manifest_sha256`` from the entry), so every reader path (pull, follow, stage, partial pulls,
-verify, log) reads a stream with the code and the checks it reads a store with: the stream's
-manifests are verified against their digests and signatures, and its chain is walked by its
-own ``parent_manifest`` links.
+one at every read (same lineage, writer, epoch and ETag; ``version``, ``manifest`` and
+``manifest_sha256`` from the entry: HEAD's version's, or the newest retained version's that has
+one when a publisher stopped publishing F), so every reader path (pull, follow, stage, partial
+pulls, verify, log) reads a stream with the code and the checks it reads a store with: the
+stream's manifests are verified against their digests and signatures, and its chain is walked
+by its own ``parent_manifest`` links.
 
 Heartbeats (``workers/``) go to the store itself, so the fleet ledger sees every worker.
 """
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 
 from deltastore.errors import CorruptObjectError, NotFoundError, StorageError, UnknownFormatError
 from deltastore.format.manifest import ServingHeader, parse_serving_header
-from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, digest_from_key, manifest_key_version, stream_prefix
+from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, manifest_key_version, stream_prefix
 from deltastore.format.models import Head, Index, dump
 from deltastore.format.objects import decode_object
 from deltastore.format.parse import parse_head
@@ -39,9 +40,11 @@ class StreamView(Store):
     When the store's versions are themselves of format ``fmt`` (their ``stream``, e.g. a bf16
     state published with ``formats=["bf16", ...]``), the view reads them as they are.
 
-    Reading HEAD raises :class:`~deltastore.errors.UnknownFormatError` (listing the formats the
-    version has) when HEAD's version carries no stream of ``fmt``, and CorruptObjectError when
-    its entry names a manifest of another version.
+    When HEAD's version carries no stream of ``fmt`` (its publisher stopped publishing it), the
+    view's HEAD is the newest retained version that does (SPEC §15, read path). Reading HEAD
+    raises :class:`~deltastore.errors.UnknownFormatError` (listing the formats HEAD's version
+    has) when none does, and CorruptObjectError when an entry names a manifest of another
+    version.
 
     Args:
         inner: the store (not owned: :meth:`close` leaves it open).
@@ -78,18 +81,16 @@ class StreamView(Store):
         if head.manifest is None:  # a claimed, empty store: the stream is empty too
             derived = head.model_copy(update={"index": None})
         else:
-            key, sha = head.manifest, head.manifest_sha256
-            m = self._header(key, sha)
+            key = head.manifest
+            m = self._header(key, head.manifest_sha256)
             if not m.carries(self.format):
-                key, sha, m = self._carrier(head, m)
+                key, m = self._carrier(head, m)
             if self._own is None:  # decided by the first version read, then fixed
                 self._own = m.stream == self.format
             if self._own:
                 if m.stream != self.format:
                     raise unknown_format(self.format, self.inner.url, m)
-                if key == head.manifest:
-                    return res
-                derived = head.model_copy(update={"version": m.version, "manifest": key, "manifest_sha256": sha})
+                return res  # (HEAD's own version: a carrier below HEAD is never of the store's own format)
             else:
                 ref = m.stream_ref(self.format)
                 if ref is None:
@@ -117,9 +118,9 @@ class StreamView(Store):
             self._headers = {key: got}  # one: HEAD's
         return got
 
-    def _carrier(self, head: Head, top: ServingHeader) -> tuple[str, str, ServingHeader]:
+    def _carrier(self, head: Head, top: ServingHeader) -> tuple[str, ServingHeader]:
         """The newest version at or below ``head``'s (whose manifest's header is ``top``) with
-        a stream of the format: its manifest key, SHA-256 and serving header. A publisher that
+        a stream of the format: its manifest key and serving header. A publisher that
         stopped publishing the format left its versions readable; its readers read the last of
         them.
 
@@ -168,7 +169,7 @@ class StreamView(Store):
             logger.warning("version %d of %s has no serving format %r (its formats: %s): reading %r at version %d, "
                            "the newest that has it", top.version, self.inner.url, self.format,
                            ", ".join(top.formats()) or "none", self.format, m.version)
-        return found, digest_from_key(found), m
+        return found, m
 
     def _key(self, key: str) -> str:
         return key if self._own or key.startswith(_PASS_THROUGH) else self.prefix + key

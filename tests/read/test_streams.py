@@ -393,6 +393,29 @@ def test_a_worker_of_a_format_the_trainer_drops_keeps_its_last_version_and_warns
     assert len(warned) == 1 and "at version 2" in warned[0]  # once, not at every poll
 
 
+def test_a_worker_crosses_a_pause_in_its_format_to_the_stream_published_again(tmp_path) -> None:
+    """A format dropped and declared again starts a new chain (an anchor): a worker holding its
+    last version before the pause reaches the new one through that anchor."""
+    url = str(tmp_path / "s")
+    states = training(5)
+    fmt = serving_format("fp8-block128")
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+        pub.publish(states[0])
+    with Subscriber(url, format="fp8-block128") as sub:
+        target = sub.pull()
+        with Publisher(url, layout_policy=LAYOUT) as pub:
+            pub.publish(states[1])
+            pub.publish(states[2])
+        assert sub.pull_into(target) is None
+        with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+            assert pub.publish(states[3]).kind == "delta"  # the store's own chain goes on
+            pub.publish(states[4])
+        assert sub.pull_into(target, version=4).version == 4
+        assert_bits_equal(target, derive(states[3], fmt))
+        assert sub.pull_into(target).version == 5
+        assert_bits_equal(target, derive(states[4], fmt))
+
+
 def test_a_dropped_format_is_read_down_to_the_retention_floor_and_refused_below_it(tmp_path) -> None:
     url = str(tmp_path / "s")
     states = training(5)
