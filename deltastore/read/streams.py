@@ -19,10 +19,11 @@ import logging
 import threading
 from collections.abc import Iterator
 
-from deltastore.errors import CorruptObjectError, NotFoundError, StorageError, UnknownFormatError
+from deltastore.errors import CorruptObjectError, StorageError, UnknownFormatError
 from deltastore.format.manifest import ServingHeader, parse_serving_header
 from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, manifest_key_version, stream_prefix
-from deltastore.format.models import Head, Index, dump
+from deltastore.format.history import History
+from deltastore.format.models import Head, Index, dump, find_stream
 from deltastore.format.objects import decode_object
 from deltastore.format.parse import parse_head
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 #: Keys that belong to the store, not to the stream: the fleet ledger and the store's own records.
 _PASS_THROUGH = ("workers/", "_deltastore/")
-_UNWALKED = object()  # a manifest the walk has not passed yet
+_UNSEARCHED = object()
 
 
 class StreamView(Store):
@@ -64,9 +65,10 @@ class StreamView(Store):
         # True: the store's versions are themselves of this format (their ``stream``), read as
         # they are; False: a stream under ``streams/<format>/``; None: no version read yet.
         self._own: bool | None = None
-        # store manifests walked past (HEAD's version lacking the format): each one's carrier, the
-        # newest version at or below it with the format (None: none retained)
+        # HEAD's manifest key when its version lacked the format: the newest version below it
+        # with the format (its manifest key; None: none retained)
         self._carriers: dict[str, str | None] = {}
+        self._history: History | None = None  # the store's manifests, to search for that version
         self._carrier_header: tuple[str, ServingHeader] | None = None  # the last carrier's
         self._announced: str | None = None  # the carrier last reported in a warning
 
@@ -120,48 +122,31 @@ class StreamView(Store):
 
     def _carrier(self, head: Head, top: ServingHeader) -> tuple[str, ServingHeader]:
         """The newest version at or below ``head``'s (whose manifest's header is ``top``) with
-        a stream of the format: its manifest key and serving header. A publisher that
-        stopped publishing the format left its versions readable; its readers read the last of
-        them.
+        a stream of the format: its manifest key and serving header. A publisher that stopped
+        publishing the format left its versions readable; its readers read the last of them.
 
-        Walks the store's parent links (each manifest's digest checked against its key) down to
-        the retention floor (the history index's), a version read once per view. Raises
-        UnknownFormatError (listing HEAD's formats) when no retained version has the stream
-        (none ever had, the walk reached the chain's start, or the floor), and when the format
-        was the store's own (its versions are read without a format).
+        A follower's next HEAD costs nothing more: the carrier of HEAD's parent is kept.
+        Otherwise the stream's manifests are listed (one LIST per thousand keys), and the
+        newest listed version down to the retention floor whose manifest on HEAD's chain has
+        the stream is found through skip pointers (a few manifest reads each). Raises
+        UnknownFormatError (listing HEAD's formats) when no retained version has the stream,
+        and when the format was the store's own (its versions are read without a format).
         """
-        if self._own or next(iter(self.inner.list(self.prefix + MANIFEST_PREFIX)), None) is None:
-            # the store's own format, no longer declared (its state is read without a format), or
-            # a stream never published (one LIST, no walk)
+        if self._own:  # the store's own format, no longer declared: its state is read without a format
             raise unknown_format(self.format, self.inner.url, top)
         assert head.manifest is not None
         floor = 1
         if head.index is not None:
             floor = decode_object(Index, self.inner.get(head.index.key), head.index.key, head.index.sha256).floor
-        walked: list[str] = []
-        m, at = top, head.manifest
-        found = self._carriers.get(at, _UNWALKED)
-        while found is _UNWALKED:
-            if m.stream_ref(self.format) is not None:
-                found = at
-                break
-            walked.append(at)
-            parent = m.parent_manifest
-            if parent is None or m.version - 1 < floor:
-                found = None
-            elif (found := self._carriers.get(parent, _UNWALKED)) is _UNWALKED:
-                try:
-                    m, at = parse_serving_header(self.inner.get(parent), parent), parent
-                except NotFoundError:  # collected (below the retention floor)
-                    found = None
-        for k in walked:
-            self._carriers[k] = found  # type: ignore[assignment]
-        if found is None or (manifest_key_version(found) or 0) < floor:  # (a carrier found before the floor rose)
-            raise unknown_format(self.format, self.inner.url, top, walked=True)
+        parent = top.parent_manifest
+        found = self._carriers.get(parent, _UNSEARCHED) if parent is not None else _UNSEARCHED
+        if found is _UNSEARCHED:
+            found = self._search(head, top.version, floor)
+        self._carriers = {head.manifest: found}  # type: ignore[dict-item]  # HEAD's: the next one's parent
+        if found is None or (manifest_key_version(found) or 0) < floor:  # (found before the floor rose)
+            raise unknown_format(self.format, self.inner.url, top, searched=True)
         assert isinstance(found, str)
-        if at == found:
-            self._carrier_header = (found, m)
-        elif self._carrier_header is None or self._carrier_header[0] != found:
+        if self._carrier_header is None or self._carrier_header[0] != found:
             self._carrier_header = (found, parse_serving_header(self.inner.get(found), found))
         m = self._carrier_header[1]
         if found != self._announced:
@@ -170,6 +155,23 @@ class StreamView(Store):
                            "the newest that has it", top.version, self.inner.url, self.format,
                            ", ".join(top.formats()) or "none", self.format, m.version)
         return found, m
+
+    def _search(self, head: Head, below: int, floor: int) -> str | None:
+        """The manifest key of the newest version in ``[floor, below)`` on ``head``'s chain with
+        a stream of the format (None: none): the stream's listed manifests name the candidate
+        versions (an uncommitted attempt's too: each is checked on the chain)."""
+        n = len(self.prefix)
+        versions = sorted({v for meta in self.inner.list(self.prefix + MANIFEST_PREFIX)
+                           if (v := manifest_key_version(meta.key[n:])) is not None and floor <= v < below},
+                          reverse=True)
+        if versions and self._history is None:
+            self._history = History(self.inner)
+        for v in versions:
+            assert self._history is not None
+            key, m = self._history.find(v, head)
+            if find_stream(m.streams, self.format) is not None:
+                return key
+        return None
 
     def _key(self, key: str) -> str:
         return key if self._own or key.startswith(_PASS_THROUGH) else self.prefix + key
@@ -224,12 +226,12 @@ class StreamView(Store):
         """Nothing to release: ``inner`` belongs to whoever opened it."""
 
 
-def unknown_format(fmt: str, url: str, m: ServingHeader, *, walked: bool = False) -> UnknownFormatError:
-    """The refusal of format ``fmt``, which version ``m`` of ``url`` does not carry (``walked``:
+def unknown_format(fmt: str, url: str, m: ServingHeader, *, searched: bool = False) -> UnknownFormatError:
+    """The refusal of format ``fmt``, which version ``m`` of ``url`` does not carry (``searched``:
     nor does any retained version below it)."""
     have = m.formats()
     listed = ", ".join(repr(f) for f in have) if have else "none (only its own state: read it without a format)"
-    below = ", nor does any earlier version it retains" if walked else ""
+    below = ", nor does any earlier version it retains" if searched else ""
     return UnknownFormatError(
         f"version {m.version} of {url} has no serving format {fmt!r}{below}; its formats: {listed}", available=have,
     )
