@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 #: Keys that belong to the store, not to the stream: the fleet ledger and the store's own records.
 _PASS_THROUGH = ("workers/", "_deltastore/")
-_UNSEARCHED = object()
 
 
 class StreamView(Store):
@@ -65,11 +64,12 @@ class StreamView(Store):
         # True: the store's versions are themselves of this format (their ``stream``), read as
         # they are; False: a stream under ``streams/<format>/``; None: no version read yet.
         self._own: bool | None = None
-        # HEAD's manifest key when its version lacked the format: the newest version below it
-        # with the format (its manifest key; None: none retained)
-        self._carriers: dict[str, str | None] = {}
+        # When HEAD's version lacked the format: HEAD's manifest key and the newest version's
+        # below it with the format (None: none retained)
+        self._carrier_of: tuple[str, str | None] | None = None
+        self._carrier_header: tuple[str, ServingHeader] | None = None  # that version's
+        self._floor: tuple[str, int] | None = None  # HEAD's index's key and retention floor
         self._history: History | None = None  # the store's manifests, to search for that version
-        self._carrier_header: tuple[str, ServingHeader] | None = None  # the last carrier's
         self._announced: str | None = None  # the carrier last reported in a warning
 
     # --- HEAD ----------------------------------------------------------------------------------
@@ -89,23 +89,22 @@ class StreamView(Store):
                 key, m = self._carrier(head, m)
             if self._own is None:  # decided by the first version read, then fixed
                 self._own = m.stream == self.format
-            if self._own:
+            if self._own:  # (a version below HEAD is never taken for the store's own format)
                 if m.stream != self.format:
                     raise unknown_format(self.format, self.inner.url, m)
-                return res  # (HEAD's own version: a carrier below HEAD is never of the store's own format)
-            else:
-                ref = m.stream_ref(self.format)
-                if ref is None:
-                    raise unknown_format(self.format, self.inner.url, m)
-                if not ref.key.startswith(self.prefix) or manifest_key_version(ref.key[len(self.prefix):]) != m.version:
-                    raise CorruptObjectError(
-                        f"manifest {key!r} of {self.inner.url} names {ref.key!r} as its {self.format} stream: "
-                        f"not a manifest of version {m.version} under {self.prefix}"
-                    )
-                # The index (floor, pins, squashes) is the store's: its squashes are the store's own
-                # state's, never a stream's, so the stream's HEAD names none.
-                derived = head.model_copy(update={"version": m.version, "manifest": ref.key[len(self.prefix):],
-                                                  "manifest_sha256": ref.sha256, "index": None})
+                return res
+            ref = m.stream_ref(self.format)
+            if ref is None:
+                raise unknown_format(self.format, self.inner.url, m)
+            if not ref.key.startswith(self.prefix) or manifest_key_version(ref.key[len(self.prefix):]) != m.version:
+                raise CorruptObjectError(
+                    f"manifest {key!r} of {self.inner.url} names {ref.key!r} as its {self.format} stream: "
+                    f"not a manifest of version {m.version} under {self.prefix}"
+                )
+            # The index (floor, pins, squashes) is the store's: its squashes are the store's own
+            # state's, never a stream's, so the stream's HEAD names none.
+            derived = head.model_copy(update={"version": m.version, "manifest": ref.key[len(self.prefix):],
+                                              "manifest_sha256": ref.sha256, "index": None})
         data = dump(derived)
         with self._lock:
             self._derived = (res.meta.etag, data)
@@ -137,15 +136,18 @@ class StreamView(Store):
         assert head.manifest is not None
         floor = 1
         if head.index is not None:
-            floor = decode_object(Index, self.inner.get(head.index.key), head.index.key, head.index.sha256).floor
-        parent = top.parent_manifest
-        found = self._carriers.get(parent, _UNSEARCHED) if parent is not None else _UNSEARCHED
-        if found is _UNSEARCHED:
+            if self._floor is None or self._floor[0] != head.index.key:
+                index = decode_object(Index, self.inner.get(head.index.key), head.index.key, head.index.sha256)
+                self._floor = (head.index.key, index.floor)
+            floor = self._floor[1]
+        last = self._carrier_of
+        if last is not None and last[0] in (head.manifest, top.parent_manifest):
+            found = last[1]  # HEAD's, or its parent's (a follower's next version)
+        else:
             found = self._search(head, top.version, floor)
-        self._carriers = {head.manifest: found}  # type: ignore[dict-item]  # HEAD's: the next one's parent
+        self._carrier_of = (head.manifest, found)
         if found is None or (manifest_key_version(found) or 0) < floor:  # (found before the floor rose)
             raise unknown_format(self.format, self.inner.url, top, searched=True)
-        assert isinstance(found, str)
         if self._carrier_header is None or self._carrier_header[0] != found:
             self._carrier_header = (found, parse_serving_header(self.inner.get(found), found))
         m = self._carrier_header[1]
