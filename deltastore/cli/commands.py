@@ -409,7 +409,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "workers": [{"worker": w.worker, "host": w.host, "version": w.version, "lag_versions": w.lag_versions,
                          "lag_s": w.lag_s, "last_seen_s": w.last_seen_s, "live": w.live, "state": w.state,
                          "stage": w.progress.stage, "goal": w.progress.goal, "goal_lag": w.progress.lag,
-                         "last_error": w.progress.error}
+                         "last_error": w.progress.error, "serving_format": w.serving_format}
                         for w in workers],
         })
         return EXIT_OK
@@ -430,8 +430,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         stage = "" if w.progress.stage is None else f"  {w.progress.stage}" + (
             "" if w.progress.goal is None else f" (goal v{w.progress.goal})")
         error = "" if w.progress.error is None else f"  last error: {w.progress.error}"
+        fmt = "" if w.serving_format is None else f"  reads {w.serving_format}"
         print(f"  {w.worker:<32} v{w.version:<6} {lag:<24} seen {duration(w.last_seen_s)} ago  {w.state:<7}  {w.host}"
-              f"{stage}{error}")
+              f"{fmt}{stage}{error}")
     return EXIT_OK
 
 

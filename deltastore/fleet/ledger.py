@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from deltastore.errors import AccessDeniedError, DeltastoreError, NotFoundError, StorageError
+from deltastore.format.models import FORMAT_NAME_PATTERN
 from deltastore.storage.base import Store
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class Heartbeat:
     lineage: str | None = None
     state: str = STATE_FOLLOWING
     progress: Progress = Progress()
+    #: the serving format it reads (SPEC §15; None: the versions as published)
+    serving_format: str | None = None
 
     @property
     def stopped(self) -> bool:
@@ -147,9 +150,11 @@ class Heartbeat:
 
 def encode_heartbeat(worker: str, version: int, *, host: str | None = None, lineage: str | None = None,
                      when: datetime | None = None, state: str = STATE_FOLLOWING,
-                     progress: Progress | None = None) -> bytes:
+                     progress: Progress | None = None, serving_format: str | None = None) -> bytes:
     if state not in (STATE_FOLLOWING, STATE_STOPPED):
         raise ValueError(f"heartbeat state must be {STATE_FOLLOWING!r} or {STATE_STOPPED!r}, not {state!r}")
+    if serving_format is not None and not re.fullmatch(FORMAT_NAME_PATTERN, serving_format):
+        raise ValueError(f"serving_format must be a serving format's name, not {serving_format!r}")
     doc = {
         "format": HEARTBEAT_FORMAT,
         "schema": HEARTBEAT_SCHEMA,
@@ -160,6 +165,7 @@ def encode_heartbeat(worker: str, version: int, *, host: str | None = None, line
         "lineage": lineage,
         "state": state,
         **(progress.fields() if progress is not None else {}),
+        **({"serving_format": serving_format} if serving_format is not None else {}),
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -190,8 +196,10 @@ def parse_heartbeat(data: bytes, key: str, last_modified: datetime | None = None
         when = datetime.fromisoformat(str(doc.get("time")).replace("Z", "+00:00"))
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
+    fmt = doc.get("serving_format")  # a wrong type, or no format's name, reads as absent (advisory)
+    fmt = fmt if isinstance(fmt, str) and re.fullmatch(FORMAT_NAME_PATTERN, fmt) else None
     return Heartbeat(worker=worker, version=version, host=str(host), time=when, lineage=lineage, state=state,
-                     progress=_progress(doc))
+                     progress=_progress(doc), serving_format=fmt)
 
 
 def _progress(doc: dict) -> Progress:
@@ -264,6 +272,7 @@ class WorkerStatus:
         state: ``"live"``, ``"stopped"`` (it said so when it exited) or ``"gone"`` (not heard
             from within the TTL).
         progress: its stage, goal, lag and last error, as its heartbeat reports them.
+        serving_format: the serving format it reads (None: the versions as published).
     """
 
     worker: str
@@ -275,6 +284,7 @@ class WorkerStatus:
     live: bool
     state: str = "live"
     progress: Progress = Progress()
+    serving_format: str | None = None
 
 
 def fleet_status(beats: Iterable[Heartbeat], head_version: int, created: Callable[[int], datetime | None], *,
@@ -290,7 +300,8 @@ def fleet_status(beats: Iterable[Heartbeat], head_version: int, created: Callabl
             lag_s = None if first_missing is None else max(0.0, (now - first_missing).total_seconds())
         live = b.live(now, ttl_s)
         state = "live" if live else STATE_STOPPED if b.stopped else "gone"
-        out.append(WorkerStatus(b.worker, b.host, b.version, lag, lag_s, b.age_s(now), live, state, b.progress))
+        out.append(WorkerStatus(b.worker, b.host, b.version, lag, lag_s, b.age_s(now), live, state, b.progress,
+                                b.serving_format))
     return out
 
 
@@ -316,8 +327,10 @@ class HeartbeatWriter:
     for a storage failure: the ledger must not stop a worker from serving.
     """
 
-    def __init__(self, store: Store, worker_id: str | None = None, *, interval_s: float = HEARTBEAT_INTERVAL_S):
+    def __init__(self, store: Store, worker_id: str | None = None, *, interval_s: float = HEARTBEAT_INTERVAL_S,
+                 serving_format: str | None = None):
         self.store = store
+        self.serving_format = serving_format
         self.worker_id = default_worker_id() if worker_id is None else check_worker_id(worker_id)
         self.interval_s = interval_s
         self.enabled = True
@@ -419,7 +432,8 @@ class HeartbeatWriter:
         progress = self._progress
         try:
             self.store.put(self.key, encode_heartbeat(self.worker_id, version, lineage=lineage, state=state,
-                                                      progress=progress), mode="overwrite")
+                                                      progress=progress, serving_format=self.serving_format),
+                           mode="overwrite")
         except AccessDeniedError:
             self.enabled = False
             logger.info("not writing heartbeats to %s: the credentials are read-only (that is fine)", self.store.url)

@@ -80,11 +80,14 @@ class Reader:
         max_model_bytes: refuse to materialize more bytes of tensors than this (None: this
             machine's physical memory).
         select: a partial subscriber's selection (None: whole targets).
+        serving_format: the serving format ``store`` presents (its heartbeats say so; None: the
+            versions as published).
     """
 
     def __init__(self, store: Store, *, threads: int | None, trusted_keys: TrustedKeys | None, max_manifest_bytes: int,
-                 max_model_bytes: int | None, select: Selection | None):
+                 max_model_bytes: int | None, select: Selection | None, serving_format: str | None = None):
         self.store = store
+        self.serving_format = serving_format
         self.url = store.url
         self.keys = trusted_keys
         self.max_model_bytes = max_model_bytes if max_model_bytes is not None else physical_memory()
@@ -142,7 +145,8 @@ class Reader:
                 raise ValueError(f"this subscriber already writes heartbeats as {running.worker_id!r}; "
                                  "close that writer first")
             return running
-        beats = HeartbeatWriter(self.store, worker_id if worker_id is not None else self.worker_id, interval_s=interval_s)
+        beats = HeartbeatWriter(self.store, worker_id if worker_id is not None else self.worker_id, interval_s=interval_s,
+                                serving_format=self.serving_format)
         self.beats, self.worker_id = beats, beats.worker_id
         return beats.start(self._held_for_ledger)
 

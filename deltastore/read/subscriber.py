@@ -172,7 +172,7 @@ class Subscriber:
             raise
         self.url = read_from.url
         self._reader = Reader(read_from, threads=threads, trusted_keys=keys, max_manifest_bytes=max_manifest_bytes,
-                              max_model_bytes=max_model_bytes, select=select)
+                              max_model_bytes=max_model_bytes, select=select, serving_format=format)
         if range_part_bytes is not None:
             self._reader.engine.fetcher.max_run = range_part_bytes
         self._closed = False

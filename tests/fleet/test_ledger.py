@@ -235,3 +235,41 @@ def test_status_shows_live_stopped_and_silent_workers_and_its_liveness_window(tm
     assert "3 worker(s): 1 live, 1 stopped, 1 gone" in text
     assert f"(live = following, heartbeat within {LIVE_TTL_S / 60:.0f}m)" in text
     assert re.search(r"c-silent +v1 +current +seen 4m ago +gone ", text), text
+
+
+def test_a_format_workers_heartbeat_says_which_format_it_reads_and_status_shows_it(tmp_path, capsys):
+    import torch
+
+    from deltastore import Publisher, Subscriber
+    from deltastore.cli import main
+
+    url = str(tmp_path / "run")
+    g = torch.Generator().manual_seed(0)
+    state = {"model.layers.0.mlp.down_proj.weight": torch.randn(128, 128, generator=g).bfloat16()}
+    with Publisher(url, formats=["bf16", "fp8-block128"]) as pub:
+        pub.publish(state)
+    with Subscriber(url, format="fp8-block128") as sub, Subscriber(url) as plain:
+        sub.pull()
+        plain.pull()
+        with sub.heartbeat("fp8-worker"), plain.heartbeat("bf16-worker"):
+            deadline = time.monotonic() + 10
+            while len(beats := {b.worker: b for b in read_ledger(sub.store)}) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)  # each writer's thread beats at once
+            assert beats["fp8-worker"].serving_format == "fp8-block128" and beats["fp8-worker"].version == 1
+            assert beats["bf16-worker"].serving_format is None
+            assert main(["status", url, "--json"]) == 0
+            by = {w["worker"]: w for w in json.loads(capsys.readouterr().out)["workers"]}
+            assert by["fp8-worker"]["serving_format"] == "fp8-block128" and by["bf16-worker"]["serving_format"] is None
+            assert main(["status", url]) == 0
+            lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+            assert "reads fp8-block128" in lines["fp8-worker"] and "reads" not in lines["bf16-worker"]
+
+
+@pytest.mark.parametrize("value", [7, "FP8 Block", "", ["fp8-block128"]])
+def test_a_serving_format_that_is_not_a_formats_name_reads_as_absent(value):
+    doc = json.loads(encode_heartbeat("w", 3))
+    doc["serving_format"] = value
+    beat = parse_heartbeat(json.dumps(doc).encode(), f"{LEDGER_PREFIX}w.json")
+    assert beat.version == 3 and beat.serving_format is None
+    with pytest.raises(ValueError):
+        encode_heartbeat("w", 3, serving_format="FP8 Block")
