@@ -132,7 +132,9 @@ def readiness(beats: Iterable[Heartbeat], worker: str, head: Head | None, goal: 
     distance = abs(goal - beat.version)
     ok = distance <= within
     error = "" if beat.progress.error is None else f"; last error: {beat.progress.error}"
-    reason = (f"worker {worker!r} holds version {beat.version}, {distance} from version {goal} "
+    # a worker of a serving format the trainer no longer publishes stays at its last version
+    fmt = "" if beat.serving_format is None else f" of format {beat.serving_format}"
+    reason = (f"worker {worker!r} holds version {beat.version}{fmt}, {distance} from version {goal} "
               f"({'within' if ok else 'more than'} {within}){error}")
     return Readiness(worker, ok, beat.version, goal, distance, reason)
 

@@ -122,3 +122,18 @@ def test_a_changed_report_is_written_at_once_and_an_unchanged_one_is_not(url: st
         assert w.beat(5)
         (beat,) = read_ledger(store)
         assert beat.progress.stage == "fetching" and beat.progress.goal == 6
+
+
+def test_the_probe_names_the_format_a_worker_behind_reads(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker of a serving format the trainer stopped publishing stays at that format's last
+    version: the probe's reason says which format it reads."""
+    with open_store(url) as store:
+        HeartbeatWriter(store, "fp8", serving_format="fp8-block128").beat(2)
+        HeartbeatWriter(store, "plain").beat(2)
+    capsys.readouterr()
+    assert _ready(url, "fp8") == EXIT_FAILED
+    out = capsys.readouterr()
+    assert "holds version 2 of format fp8-block128, 3 from version 5" in out.out + out.err
+    assert _ready(url, "plain") == EXIT_FAILED
+    out = capsys.readouterr()
+    assert "holds version 2, 3 from version 5" in out.out + out.err
