@@ -2,8 +2,8 @@
 
 Each round waits for the sites' based versions (all of them, or ``--quorum K`` by
 ``--deadline``), verifies and merges them (weighted average in fp32 of the changes; for LoRA
-rounds ``--merge lora-fedavg|lora-stack``), publishes
-the next global version and prints one line per round (``--json``: one JSON object a line).
+rounds ``--merge lora-fedavg|lora-stack``), publishes the next global version (and its serving
+formats, ``--format NAME``) and prints one line per round (``--json``: one JSON object a line).
 
 Everything that can be refused is refused before the global store is opened for writing: the
 flags when they are parsed, the ``--init`` file, and an empty global store without ``--init``
@@ -51,6 +51,15 @@ def served_dtype(text: str) -> str:
     floats = [n for n in DTYPE_WIDTHS if n.startswith(("float", "bfloat"))]
     if text != "keep" and text not in floats:
         raise argparse.ArgumentTypeError(f"{text!r} is not a floating dtype deltastore stores: keep, {', '.join(floats)}")
+    return text
+
+
+def format_name(text: str) -> str:
+    """``--format NAME``: a serving format deltastore defines (refused before any store is opened)."""
+    from deltastore.serving.formats import KNOWN_FORMATS
+
+    if text not in KNOWN_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a serving format: {', '.join(KNOWN_FORMATS)}")
     return text
 
 
@@ -137,6 +146,9 @@ def add_parser(add: Any, json_flag: Any) -> None:
                         "lora-stack (the exact product folded into the base weights; needs --lora-config)")
     p.add_argument("--lora-config", metavar="adapter_config.json",
                    help="the adapter's PEFT config (lora_alpha, r, use_rslora, fan_in_fan_out), for --merge lora-*")
+    p.add_argument("--format", type=format_name, action="append", dest="formats", metavar="NAME",
+                   help="also publish each global version in this serving format (repeatable): bf16, fp8-block128, "
+                        "mxfp8; the sites read the global store as published")
     p.add_argument("--accept-compressed", action="store_true",
                    help="merge compressed site results (the lossy opt-in tier of `site run --compressed`); "
                         "without it they are refused and named in the round's report")
@@ -194,7 +206,8 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
                                              site_stores=site_stores, poll_interval_s=args.interval,
                                              results=ResultPolicy(site_keys=site_keys or None,
                                                                   accept_compressed=args.accept_compressed),
-                                             late=LatePolicy(args.late, args.late_weight)))
+                                             late=LatePolicy(args.late, args.late_weight),
+                                             formats=args.formats or ()))
         agg.start(initial)
         n = 0
         while args.rounds == 0 or n < args.rounds:

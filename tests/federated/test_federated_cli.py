@@ -76,6 +76,35 @@ def test_aggregate_cli_json_rounds(tmp_path, capsys) -> None:
             s.close()
 
 
+def test_aggregate_cli_publishes_serving_formats_of_each_global_version(tmp_path, capsys) -> None:
+    from deltastore.serving.formats import derive, serving_format
+
+    g, sites = str(tmp_path / "global"), {f"s{i}": str(tmp_path / "sites" / f"s{i}") for i in range(2)}
+    state = {**initial_state(), "mlp.weight": (torch.randn(128, 128, generator=torch.Generator().manual_seed(5))
+                                               * 0.02).to(torch.bfloat16)}
+    init = tmp_path / "init.safetensors"
+    save_file(state, str(init))
+    site_args = [a for name, u in sites.items() for a in ("--site", f"{name}={u}")]
+    formats = ["--format", "bf16", "--format", "fp8-block128"]
+    # version 1; no site answers by the deadline: exit 1
+    assert main(["aggregate", g, *site_args, "--init", str(init), "--deadline", "0.2s", "--interval", "0.05",
+                 *formats]) == 1
+    ss = [Site(g, u, dtype=torch.bfloat16) for u in sites.values()]
+    try:
+        for i, s in enumerate(ss):
+            s.run_round(lambda w, i=i: {**trained(w, i, 0), "mlp.weight": w["mlp.weight"].float() * (1.01 + i / 100)})
+        capsys.readouterr()
+        assert main(["aggregate", g, *site_args, "--interval", "0.1", "--json", *formats]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["version"] == 2
+        with Subscriber(g) as sub, Subscriber(g, format="fp8-block128") as fp8:
+            assert [i.formats for i in sub.log()] == [("bf16", "fp8-block128")] * 2
+            for v in (1, 2):
+                assert_bits_equal(fp8.pull(v), derive(sub.pull(v), serving_format("fp8-block128")))
+    finally:
+        for s in ss:
+            s.close()
+
+
 @pytest.mark.parametrize("flags, code, words", [
     ([], EXIT_FAILED, "has no version yet"),
     (["--site", "bad"], EXIT_USAGE, "NAME=URL"),
@@ -91,8 +120,9 @@ def test_aggregate_cli_json_rounds(tmp_path, capsys) -> None:
     (["--site-key", "s0"], EXIT_USAGE, "NAME=PUBLIC.pem"),
     (["--late", "keep"], EXIT_USAGE, "--late"),
     (["--late-weight", "0"], EXIT_USAGE, "--late-weight"),
+    (["--format", "fp7"], EXIT_USAGE, "'fp7' is not a serving format"),
 ], ids=["no-init", "site-without-name", "site-url", "site-twice", "rounds", "quorum-above-sites", "quorum-0",
-        "interval", "dtype", "init-missing", "site-key-site", "site-key-form", "late", "late-weight"])
+        "interval", "dtype", "init-missing", "site-key-site", "site-key-form", "late", "late-weight", "format"])
 @pytest.mark.parametrize("global_exists", [False, True], ids=["no-dir", "empty-dir"])
 def test_a_refused_aggregate_leaves_nothing_behind(flags, code, words, global_exists, tmp_path, capsys) -> None:
     g, sites = tmp_path / "global", [tmp_path / "sites" / f"s{i}" for i in range(2)]
