@@ -56,6 +56,7 @@ def _info_json(info: Any) -> dict[str, Any]:
         "anchor": info.anchor, "bytes_stored": info.bytes_stored, "tensors_changed": info.tensors_changed,
         "elements_changed": info.elements_changed, "created": info.created, "writer": info.writer,
         "metadata": info.metadata, "manifest": info.manifest, "formats": list(info.formats),
+        "stream_bytes": dict(info.stream_bytes),
     }
 
 
@@ -358,8 +359,10 @@ def cmd_log(args: argparse.Namespace) -> int:
             emit_json(_info_json(info))
         else:
             step = "-" if info.step is None else str(info.step)
+            streams = "".join(f"  + {f} {size(b)}" for f, b in info.stream_bytes.items())
             print(f"v{info.version:<6} {info.kind:<6} step {step:<8} {size(info.bytes_stored):>10}  "
-                  f"{info.tensors_changed:>6} tensors {info.elements_changed:>12} elements changed  {info.created}")
+                  f"{info.tensors_changed:>6} tensors {info.elements_changed:>12} elements changed  {info.created}"
+                  f"{streams}")
     if not infos and not args.json:
         print(f"{args.url}: no versions")
     if args.plot and not args.json:

@@ -66,6 +66,8 @@ class VersionInfo:
         formats: the serving formats the version can be read in (SPEC §15): its own, then its
             streams' (empty when the publisher declared none).
         streams: the formats of its serving streams (``formats`` less the version's own).
+        stream_bytes: each stream's pack bytes for this version, by format (``bytes_stored``
+            counts the version's own packs only).
     """
 
     version: int
@@ -82,6 +84,7 @@ class VersionInfo:
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
     formats: tuple[str, ...] = ()
     streams: tuple[str, ...] = ()
+    stream_bytes: dict[str, int] = field(default_factory=dict, compare=False)  # compared through ``manifest``
 
     @classmethod
     def from_manifest(cls, m: Manifest, key: str) -> VersionInfo:
@@ -100,6 +103,7 @@ class VersionInfo:
             metadata=dict(m.metadata),
             formats=m.formats(),
             streams=tuple(s.format for s in m.streams),
+            stream_bytes={s.format: s.bytes for s in m.streams},
         )
 
 

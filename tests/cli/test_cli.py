@@ -139,6 +139,27 @@ def test_verify_checks_every_serving_stream(tmp_path: Path, capsys: pytest.Captu
     assert "UnknownFormatError" in err and "fp8-block128" in err
 
 
+def test_log_lists_each_serving_streams_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deltastore import Publisher, Subscriber
+
+    g = torch.Generator().manual_seed(2)
+    states = [{"model.layers.0.mlp.down_proj.weight": torch.randn(256, 256, generator=g).bfloat16()} for _ in range(2)]
+    store = str(tmp_path / "store")
+    with Publisher(store, formats=["bf16", "fp8-block128", "mxfp8"]) as pub:
+        for s in states:
+            pub.publish(s)
+    with Subscriber(store) as sub:
+        infos = sub.log()
+    assert all(set(i.stream_bytes) == {"fp8-block128", "mxfp8"} and min(i.stream_bytes.values()) > 0 for i in infos)
+    capsys.readouterr()
+    assert main(["log", store, "--json"]) == 0
+    docs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [d["stream_bytes"] for d in docs] == [i.stream_bytes for i in infos]
+    assert main(["log", store]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all("+ fp8-block128 " in line and "+ mxfp8 " in line for line in lines)
+
+
 def test_verify_all_checks_a_stream_no_longer_published(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``verify --all`` checks every stream a retained version carries: a format the trainer
     stopped publishing is still read by its workers, so its damage must still be found."""
