@@ -69,7 +69,6 @@ class StreamView(Store):
         self._carrier_of: tuple[str, str | None] | None = None
         self._carrier_header: tuple[str, ServingHeader] | None = None  # that version's
         self._floor: tuple[str, int] | None = None  # HEAD's index's key and retention floor
-        self._history: History | None = None  # the store's manifests, to search for that version
         self._announced: str | None = None  # the carrier last reported in a warning
 
     # --- HEAD ----------------------------------------------------------------------------------
@@ -161,16 +160,15 @@ class StreamView(Store):
     def _search(self, head: Head, below: int, floor: int) -> str | None:
         """The manifest key of the newest version in ``[floor, below)`` on ``head``'s chain with
         a stream of the format (None: none): the stream's listed manifests name the candidate
-        versions (an uncommitted attempt's too: each is checked on the chain)."""
+        versions (an uncommitted attempt's too: each is checked on the chain). The manifests
+        read are not kept: a follower searches once."""
         n = len(self.prefix)
         versions = sorted({v for meta in self.inner.list(self.prefix + MANIFEST_PREFIX)
                            if (v := manifest_key_version(meta.key[n:])) is not None and floor <= v < below},
                           reverse=True)
-        if versions and self._history is None:
-            self._history = History(self.inner)
+        history = History(self.inner)
         for v in versions:
-            assert self._history is not None
-            key, m = self._history.find(v, head)
+            key, m = history.find(v, head)
             if find_stream(m.streams, self.format) is not None:
                 return key
         return None
