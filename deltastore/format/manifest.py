@@ -96,7 +96,7 @@ class ServingHeader:
     version: int
     stream: str | None
     streams: tuple[StreamRef, ...]
-    #: the parent's manifest key (None: the first version, or an anchor without a parent)
+    #: the parent's manifest key (None: the first version of its chain)
     parent_manifest: str | None = None
 
     def carries(self, fmt: str) -> bool:
