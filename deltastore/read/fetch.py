@@ -62,8 +62,9 @@ def _run_here(fn: Callable[..., _R], *args: Any) -> Future[_R]:
     return done
 
 
-def _bad_segment(blob_key: str, offset: int) -> IntegrityError:
-    return IntegrityError(f"segment at {offset} of pack {blob_key!r} does not match its SHA-256: the object is corrupt")
+def _bad_segment(blob_key: str, offset: int, url: str) -> IntegrityError:
+    return IntegrityError(f"segment at {offset} of pack {blob_key!r} of {url} does not match its SHA-256: the object "
+                          "is corrupt")
 
 
 class CheckedOnRead(dict):
@@ -77,8 +78,9 @@ class CheckedOnRead(dict):
     matched; a mismatch raises the IntegrityError the eager check raises.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, url: str) -> None:
         super().__init__()
+        self.url = url  # of the store the packs are in (for the error)
         self._pending: dict[tuple[str, int], str] = {}  # where → expected SHA-256, not yet checked
 
     def defer(self, where: tuple[str, int], view: memoryview, sha256: str) -> None:
@@ -95,7 +97,7 @@ class CheckedOnRead(dict):
         want = self._pending.get(where)
         if want is not None:  # two threads may both hash one segment: harmless, never skipped
             if sha256_hex(view) != want:
-                raise _bad_segment(*where)
+                raise _bad_segment(*where, self.url)
             self._pending.pop(where, None)
         return view
 
@@ -152,7 +154,7 @@ class Fetcher:
         # and back costs two wake-ups, milliseconds on a busy machine, before anything applies.
         submit = _run_here if len(runs) == 1 else self.pool.submit
         jobs = [(blob, run, submit(self._get_run, blob, run, errors is not None, check_on_read)) for blob, run in runs]
-        out: Segments = CheckedOnRead() if check_on_read else {}
+        out: Segments = CheckedOnRead(self.store.url) if check_on_read else {}
         try:
             for blob, run, j in jobs:
                 try:
@@ -189,17 +191,18 @@ class Fetcher:
         with self._lock:
             self.bytes_fetched += len(data)
         if len(data) != stop - start:
-            raise IntegrityError(f"pack {blob.key!r}: read {len(data)} bytes of [{start}, {stop}); the object is truncated")
+            raise IntegrityError(f"pack {blob.key!r} of {self.store.url}: read {len(data)} bytes of [{start}, {stop}); the "
+                                 "object is truncated")
         # A whole pack's own SHA-256 adds nothing when the run's segments tile it (every
         # schema-3 pack read whole: segments fill packs back to back, SPEC §3): each byte is
         # then checked by its segment's SHA-256 below, so it is hashed once, not twice.
         pack_bad = whole and not _tiles(run, blob.size) and sha256_hex(data) != blob.sha256
         if pack_bad and not tolerant:
-            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256: the object is corrupt")
+            raise IntegrityError(f"pack {blob.key!r} of {self.store.url} does not match its SHA-256: the object is corrupt")
         view = memoryview(data)
         bad: SegmentErrors = {}
         if check_on_read and not (whole and not _tiles(run, blob.size)):
-            lazy = CheckedOnRead()
+            lazy = CheckedOnRead(self.store.url)
             for r in run:  # no copy: codec reads views
                 lazy.defer((blob.key, r.offset), view[r.offset - start : r.offset - start + r.length], r.sha256)
             return lazy, bad
@@ -207,14 +210,15 @@ class Fetcher:
         for r in run:
             seg = view[r.offset - start : r.offset - start + r.length]  # no copy: codec reads views
             if sha256_hex(seg) != r.sha256:  # also for whole packs: SPEC §7.6, every segment
-                e = _bad_segment(blob.key, r.offset)
+                e = _bad_segment(blob.key, r.offset, self.store.url)
                 if not tolerant:
                     raise e
                 bad[(blob.key, r.offset)] = e
                 continue
             out[(blob.key, r.offset)] = seg
         if pack_bad and not bad:  # every segment hashes right, so the damage is between them: say so
-            raise IntegrityError(f"pack {blob.key!r} does not match its SHA-256 (its segments do): the object is corrupt")
+            raise IntegrityError(f"pack {blob.key!r} of {self.store.url} does not match its SHA-256 (its segments do): the "
+                                 "object is corrupt")
         return out, bad
 
     def batches(self, plans: list[ChunkPlan], *, tolerant: bool = False, check_on_read: bool = False) -> Iterator[Batch]:

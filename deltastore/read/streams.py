@@ -55,7 +55,8 @@ class StreamView(Store):
         self.inner = inner
         self.format = fmt
         self.prefix = stream_prefix(fmt)
-        self.url = f"{inner.url}#{fmt}"
+        # as a PrefixedStore's: the keys its readers name (in errors too) are under this prefix
+        self.url = f"{inner.url}#{self.prefix}"
         self.atomic_conditional_writes = inner.atomic_conditional_writes
         self.conditional_writes_need_probe = inner.conditional_writes_need_probe
         self._headers: dict[str, ServingHeader] = {}  # the last manifest's, by key

@@ -24,7 +24,7 @@ from testkit.tensors import TinyTrainer, assert_bits_equal, snapshot
 
 def test_checked_on_read_hashes_each_segment_before_handing_it_out() -> None:
     good, bad = b"segment one", b"segment two"
-    segs = CheckedOnRead()
+    segs = CheckedOnRead("memory://run")
     segs.defer(("objects/p.pack", 0), memoryview(good), sha256_hex(good))
     segs.defer(("objects/p.pack", 11), memoryview(bad), sha256_hex(b"something else"))
     assert ("objects/p.pack", 11) in segs  # present, but not handed out unchecked
@@ -32,7 +32,8 @@ def test_checked_on_read_hashes_each_segment_before_handing_it_out() -> None:
     assert bytes(segs.get(("objects/p.pack", 0))) == good
     assert segs.get(("objects/p.pack", 99)) is None
     for _ in range(2):  # a failed check is not remembered as passed
-        with pytest.raises(IntegrityError, match=r"segment at 11 of pack 'objects/p.pack' does not match its SHA-256"):
+        with pytest.raises(IntegrityError, match=r"segment at 11 of pack 'objects/p.pack' of memory://run does not "
+                                                 r"match its SHA-256"):
             segs[("objects/p.pack", 11)]
     with pytest.raises(TypeError):
         segs.values()  # only keyed (checked) reads
