@@ -485,3 +485,22 @@ def test_a_parent_link_skipping_a_version_is_refused_when_looking_for_a_dropped_
     bad = resign_manifest(store, doc)
     with Subscriber(url, format="fp8-block128") as sub, pytest.raises(CorruptObjectError, match=bad):
         sub.latest()
+
+
+@pytest.mark.integration
+def test_a_dropped_format_is_found_over_real_s3(moto_s3_url) -> None:
+    """The search lists the stream's manifests and reads the store's through an S3 endpoint."""
+    url, opts = moto_s3_url.url, moto_s3_url.storage_options
+    states = training(5)
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, storage_options=opts) as pub:
+        for s in states[:2]:
+            pub.publish(s)
+    with Publisher(url, formats=["bf16", "mxfp8"], layout_policy=LAYOUT, storage_options=opts) as pub:
+        for s in states[2:]:
+            pub.publish(s)
+    with Subscriber(url, format="fp8-block128", storage_options=opts) as sub:
+        assert sub.latest().version == 2
+        assert_bits_equal(sub.pull(), derive(states[1], serving_format("fp8-block128")))
+        assert sub.verify(all_versions=True).versions == [1, 2]
+    with Subscriber(url, format="mxfp8", storage_options=opts) as sub:
+        assert sub.latest().version == 5
