@@ -168,17 +168,21 @@ class History:
         check: ``check(key, manifest)`` runs on every manifest before it is used or cached
             (a subscriber's signature check, SPEC §3.1) and raises to refuse it.
         max_manifest_bytes: refuse a manifest larger than this before parsing it.
+        index_source: ``index_source(head)`` gives the history index that applies under
+            ``head`` instead of the one ``head`` names (a serving stream's reader: the store's
+            floor and pins, read by :class:`~deltastore.read.streams.StreamView`).
         cache_entries: parsed manifests kept (least recently used evicted first).
         cache_bytes: and at most about this many bytes of them (the newest is always kept).
     """
 
     def __init__(self, store: Store, check: Callable[[str, Manifest], None] | None = None, *,
                  max_manifest_bytes: int = MAX_MANIFEST_BYTES, cache_entries: int = MANIFEST_CACHE_ENTRIES,
-                 cache_bytes: int = MANIFEST_CACHE_BYTES):
+                 cache_bytes: int = MANIFEST_CACHE_BYTES, index_source: Callable[[Head], Index | None] | None = None):
         if cache_entries < 1:
             raise ValueError(f"cache_entries must be ≥ 1, got {cache_entries}")
         self.store = store
         self._check = check
+        self._index_source = index_source
         self.max_manifest_bytes = max_manifest_bytes
         self.cache_entries = cache_entries
         self.cache_bytes = cache_bytes
@@ -298,7 +302,10 @@ class History:
         return layout
 
     def index(self, head: Head) -> Index | None:
-        """The history index HEAD names (SPEC §11), or None when it names none (floor 1)."""
+        """The history index HEAD names (SPEC §11), or None when it names none (floor 1); with
+        an ``index_source``, the one it gives."""
+        if self._index_source is not None:
+            return self._index_source(head)
         ref = head.index
         if ref is None:
             return None

@@ -23,7 +23,7 @@ from deltastore.errors import CorruptObjectError, StorageError, UnknownFormatErr
 from deltastore.format.manifest import ServingHeader, parse_serving_header
 from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, manifest_key_version, stream_prefix
 from deltastore.format.history import History
-from deltastore.format.models import Head, Index, dump, find_stream
+from deltastore.format.models import Head, Index, ObjectRef, dump, find_stream
 from deltastore.format.objects import decode_object
 from deltastore.format.parse import parse_head
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
@@ -69,7 +69,11 @@ class StreamView(Store):
         # below it with the format (None: none retained)
         self._carrier_of: tuple[str, str | None] | None = None
         self._carrier_header: tuple[str, ServingHeader] | None = None  # that version's
-        self._floor: tuple[str, int] | None = None  # HEAD's index's key and retention floor
+        # The store's history index: of the HEAD last derived (None: it names none), its decoded
+        # object by key, and the stream's reading of it (stream_index)
+        self._index_ref: ObjectRef | None = None
+        self._index: tuple[str, Index] | None = None
+        self._stream_index: tuple[str, Index] | None = None
         self._announced: str | None = None  # the carrier last reported in a warning
 
     # --- HEAD ----------------------------------------------------------------------------------
@@ -80,6 +84,7 @@ class StreamView(Store):
             if self._derived is not None and self._derived[0] == res.meta.etag:
                 return GetResult(data=self._derived[1], meta=res.meta)
         head = parse_head(res.data)
+        self._index_ref = head.index
         if head.manifest is None:  # a claimed, empty store: the stream is empty too
             derived = head.model_copy(update={"index": None})
         else:
@@ -134,12 +139,8 @@ class StreamView(Store):
         if self._own:  # the store's own format, no longer declared: its state is read without a format
             raise unknown_format(self.format, self.inner.url, top)
         assert head.manifest is not None
-        floor = 1
-        if head.index is not None:
-            if self._floor is None or self._floor[0] != head.index.key:
-                index = decode_object(Index, self.inner.get(head.index.key), head.index.key, head.index.sha256)
-                self._floor = (head.index.key, index.floor)
-            floor = self._floor[1]
+        index = self._store_index(head)
+        floor = 1 if index is None else index.floor
         last = self._carrier_of
         if last is not None and last[0] in (head.manifest, top.parent_manifest):
             found = last[1]  # HEAD's, or its parent's (a follower's next version)
@@ -157,6 +158,50 @@ class StreamView(Store):
                            "the newest that has it", top.version, self.inner.url, self.format,
                            ", ".join(top.formats()) or "none", self.format, m.version)
         return found, m
+
+    def _store_index(self, head: Head) -> Index | None:
+        """The history index the store's ``head`` names (None: none), its lineage checked."""
+        ref = head.index
+        if ref is None:
+            return None
+        cached = self._index
+        if cached is not None and cached[0] == ref.key:
+            return cached[1]
+        index: Index = decode_object(Index, self.inner.get(ref.key), ref.key, ref.sha256)
+        if head.lineage is not None and index.lineage != head.lineage:
+            raise CorruptObjectError(f"history index {ref.key!r} of {self.inner.url} has lineage {index.lineage}, "
+                                     f"not HEAD's {head.lineage}")
+        self._index = (ref.key, index)
+        return index
+
+    def stream_index(self, head: Head) -> Index | None:
+        """The history index a reader of the stream applies under ``head`` (a HEAD this view
+        derived; :class:`~deltastore.format.history.History`'s ``index_source``): the store's
+        index of the store HEAD last derived (SPEC §15 *Retention*). Its floor applies to the
+        stream as it is; each pin that has the stream names the stream's manifest of its
+        version (the others are dropped); its squashes are the store's own state's, so none.
+        The store's own format (``stream``) reads the index as it is.
+
+        Raises:
+            IntegrityError, CorruptObjectError: the index, or a pinned manifest, is damaged.
+        """
+        ref = self._index_ref
+        if ref is None:
+            return None
+        index = self._store_index(head.model_copy(update={"index": ref}))
+        if index is None or self._own:
+            return index
+        cached = self._stream_index
+        if cached is not None and cached[0] == ref.key:
+            return cached[1]
+        pins = []
+        for pin in index.pins:
+            entry = parse_serving_header(self.inner.get(pin.manifest), pin.manifest).stream_ref(self.format)
+            if entry is not None and entry.key.startswith(self.prefix):
+                pins.append(pin.model_copy(update={"manifest": entry.key[len(self.prefix):]}))
+        stream = index.model_copy(update={"pins": tuple(pins), "squashes": ()})
+        self._stream_index = (ref.key, stream)
+        return stream
 
     def _search(self, head: Head, below: int, floor: int) -> str | None:
         """The manifest key of the newest version in ``[floor, below)`` on ``head``'s chain with

@@ -160,7 +160,8 @@ class Subscriber:
                 raise ValueError(f"format must be a serving format's name such as 'fp8-block128', got {format!r}")
         # a format's stream is read as a store of its own (deltastore.read.streams; its URL names
         # the format): every read path and check applies to it unchanged
-        read_from = self.store if format is None else StreamView(self.store, format)
+        view = None if format is None else StreamView(self.store, format)
+        read_from = self.store if view is None else view
         self._deadlines = deadlines
         if deadlines is not None and not mirrors:  # under the node cache: every request is bounded (fleet.deadlines)
             read_from = DeadlineStore(read_from, deadlines)
@@ -172,7 +173,8 @@ class Subscriber:
             raise
         self.url = read_from.url
         self._reader = Reader(read_from, threads=threads, trusted_keys=keys, max_manifest_bytes=max_manifest_bytes,
-                              max_model_bytes=max_model_bytes, select=select, serving_format=format)
+                              max_model_bytes=max_model_bytes, select=select, serving_format=format,
+                              index_source=None if view is None else view.stream_index)
         if range_part_bytes is not None:
             self._reader.engine.fetcher.max_run = range_part_bytes
         self._closed = False

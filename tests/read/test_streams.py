@@ -9,11 +9,18 @@ import torch
 
 from deltastore import Publisher, Subscriber
 from deltastore._util import kernels
-from deltastore.errors import CorruptObjectError, IntegrityError, StorageError, UnknownFormatError, VersionNotFoundError
+from deltastore.errors import (
+    CorruptObjectError,
+    IntegrityError,
+    StorageError,
+    UnknownFormatError,
+    VersionCollectedError,
+    VersionNotFoundError,
+)
 from deltastore.format.history import History
 from deltastore.format.keys import HEAD_KEY
 from deltastore.lifecycle.gc import collect
-from deltastore.lifecycle.index import index_content, update_index
+from deltastore.lifecycle.index import index_content, pin, update_index
 from deltastore.serving.formats import derive, serving_format
 from deltastore.storage import open_store
 from deltastore.storage.prefixed import PrefixedStore
@@ -294,6 +301,64 @@ def test_gc_collects_old_stream_objects_and_keeps_retained_versions_materializab
         with Subscriber(url, format=name) as sub:
             for v in (4, 5, 6):
                 assert_bits_equal(sub.pull(v), derive(states[v - 1], serving_format(name)))
+            # the store's floor applies to its streams: nothing below it is taken for damage
+            assert [i.version for i in sub.log()] == [4, 5, 6]
+            report = sub.verify(all_versions=True)
+            assert report.ok and report.versions == [4, 5, 6]
+            with pytest.raises(VersionCollectedError):
+                sub.pull(2)
+
+
+def test_a_format_worker_behind_the_retention_floor_catches_up_from_the_anchor(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = training(8)
+    fmt = serving_format("fp8-block128")
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, anchor_policy=AnchorPolicy(every=3)) as pub:
+        pub.publish(states[0])
+        pub.publish(states[1])
+        with Subscriber(url, format="fp8-block128") as sub:
+            target = sub.pull()
+            for s in states[2:]:
+                pub.publish(s)
+            assert collect(open_store(url), keep_last=2, grace_s=0, unsafe_grace_ok=True).floor_after == 7
+            assert sub.pull_into(target).version == 8  # version 2's chain is gone: from anchor 7
+            assert_bits_equal(target, derive(states[7], fmt))
+
+
+def test_a_format_worker_far_behind_catches_up_through_its_stream_not_the_stores_squashes(tmp_path) -> None:
+    """Squashes are of the store's own state (SPEC §12): a format subscriber's index has none."""
+    from deltastore.lifecycle.compact import compact
+
+    url = str(tmp_path / "s")
+    states = training(12)
+    fmt = serving_format("mxfp8")
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, anchor_policy=AnchorPolicy(every=100)) as pub:
+        pub.publish(states[0])
+        with Subscriber(url, format="mxfp8") as sub, Subscriber(url) as plain:
+            target, own = sub.pull(), plain.pull()
+            for s in states[1:]:
+                pub.publish(s)
+            assert compact(url, bases=[1], threads=1).squashes  # a squash 1 → 12 of the bf16 state
+            store = WrappedStore(open_store(url))
+            with Subscriber(url, store=store, format="mxfp8") as far:
+                far.pull_into(far.pull(1))
+            assert not [k for k, _ in store.reads if "squash" in k]
+            assert sub.pull_into(target).version == 12
+            assert_bits_equal(target, derive(states[11], fmt))
+            assert plain.pull_into(own).version == 12
+            assert_bits_equal(own, states[11])
+
+
+def test_a_pinned_version_below_the_floor_stays_readable_in_each_format(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    states = publish_run(url, 6, anchor_policy=AnchorPolicy(every=3))
+    pin(url, 2, note="eval")
+    assert collect(open_store(url), keep_last=1, grace_s=0, unsafe_grace_ok=True).floor_after == 4
+    for name in ("fp8-block128", "mxfp8"):
+        with Subscriber(url, format=name) as sub:
+            assert_bits_equal(sub.pull(2), derive(states[1], serving_format(name)))
+            with pytest.raises(VersionCollectedError):
+                sub.pull(3)
 
 
 def test_fp32_masters_get_a_bf16_stream_of_their_own(tmp_path) -> None:
