@@ -56,11 +56,13 @@ def served_dtype(text: str) -> str:
 
 def format_name(text: str) -> str:
     """``--format NAME``: a serving format deltastore defines (refused before any store is opened)."""
-    from deltastore.serving.formats import KNOWN_FORMATS
+    from deltastore.errors import UnknownFormatError
+    from deltastore.serving.formats import serving_format
 
-    if text not in KNOWN_FORMATS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a serving format: {', '.join(KNOWN_FORMATS)}")
-    return text
+    try:
+        return serving_format(text).name
+    except UnknownFormatError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a serving format: {', '.join(e.available)}") from None
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -23,8 +23,7 @@ from deltastore.errors import CorruptObjectError, StorageError, UnknownFormatErr
 from deltastore.format.manifest import ServingHeader, parse_serving_header
 from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, manifest_key_version, stream_prefix
 from deltastore.format.history import History
-from deltastore.format.models import Head, Index, ObjectRef, dump, find_stream
-from deltastore.format.objects import decode_object
+from deltastore.format.models import Head, Index, dump, find_stream
 from deltastore.format.parse import parse_head
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
 
@@ -69,12 +68,11 @@ class StreamView(Store):
         # below it with the format (None: none retained)
         self._carrier_of: tuple[str, str | None] | None = None
         self._carrier_header: tuple[str, ServingHeader] | None = None  # that version's
-        # The store's history index: of the HEAD last derived (None: it names none), its decoded
-        # object by key, and the stream's reading of it (stream_index)
-        self._index_ref: ObjectRef | None = None
-        self._index: tuple[str, Index] | None = None
+        # The store's HEAD last derived, its history index (read and cached by the store's
+        # History), and the stream's reading of that index (stream_index) by the index's key
+        self._store_head: Head | None = None
+        self._store_history = History(self.inner)
         self._stream_index: tuple[str, Index] | None = None
-        self._announced: str | None = None  # the carrier last reported in a warning
 
     # --- HEAD ----------------------------------------------------------------------------------
 
@@ -84,7 +82,7 @@ class StreamView(Store):
             if self._derived is not None and self._derived[0] == res.meta.etag:
                 return GetResult(data=self._derived[1], meta=res.meta)
         head = parse_head(res.data)
-        self._index_ref = head.index
+        self._store_head = head
         if head.manifest is None:  # a claimed, empty store: the stream is empty too
             derived = head.model_copy(update={"index": None})
         else:
@@ -139,7 +137,7 @@ class StreamView(Store):
         if self._own:  # the store's own format, no longer declared: its state is read without a format
             raise unknown_format(self.format, self.inner.url, top)
         assert head.manifest is not None
-        index = self._store_index(head)
+        index = self._store_history.index(head)
         floor = 1 if index is None else index.floor
         last = self._carrier_of
         if last is not None and last[0] in (head.manifest, top.parent_manifest):
@@ -149,30 +147,12 @@ class StreamView(Store):
         self._carrier_of = (head.manifest, found)
         if found is None or (manifest_key_version(found) or 0) < floor:  # (found before the floor rose)
             raise unknown_format(self.format, self.inner.url, top, searched=True)
-        if self._carrier_header is None or self._carrier_header[0] != found:
+        if self._carrier_header is None or self._carrier_header[0] != found:  # a new one: said once
             self._carrier_header = (found, parse_serving_header(self.inner.get(found), found))
-        m = self._carrier_header[1]
-        if found != self._announced:
-            self._announced = found
             logger.warning("version %d of %s has no serving format %r (its formats: %s): reading %r at version %d, "
                            "the newest that has it", top.version, self.inner.url, self.format,
-                           ", ".join(top.formats()) or "none", self.format, m.version)
-        return found, m
-
-    def _store_index(self, head: Head) -> Index | None:
-        """The history index the store's ``head`` names (None: none), its lineage checked."""
-        ref = head.index
-        if ref is None:
-            return None
-        cached = self._index
-        if cached is not None and cached[0] == ref.key:
-            return cached[1]
-        index: Index = decode_object(Index, self.inner.get(ref.key), ref.key, ref.sha256)
-        if head.lineage is not None and index.lineage != head.lineage:
-            raise CorruptObjectError(f"history index {ref.key!r} of {self.inner.url} has lineage {index.lineage}, "
-                                     f"not HEAD's {head.lineage}")
-        self._index = (ref.key, index)
-        return index
+                           ", ".join(top.formats()) or "none", self.format, self._carrier_header[1].version)
+        return found, self._carrier_header[1]
 
     def stream_index(self, head: Head) -> Index | None:
         """The history index a reader of the stream applies under ``head`` (a HEAD this view
@@ -185,14 +165,14 @@ class StreamView(Store):
         Raises:
             IntegrityError, CorruptObjectError: the index, or a pinned manifest, is damaged.
         """
-        ref = self._index_ref
-        if ref is None:
-            return None
-        index = self._store_index(head.model_copy(update={"index": ref}))
+        store_head = self._store_head
+        index = None if store_head is None else self._store_history.index(store_head)
         if index is None or self._own:
             return index
+        assert store_head is not None and store_head.index is not None
+        key = store_head.index.key
         cached = self._stream_index
-        if cached is not None and cached[0] == ref.key:
+        if cached is not None and cached[0] == key:
             return cached[1]
         pins = []
         for pin in index.pins:
@@ -200,7 +180,7 @@ class StreamView(Store):
             if entry is not None and entry.key.startswith(self.prefix):
                 pins.append(pin.model_copy(update={"manifest": entry.key[len(self.prefix):]}))
         stream = index.model_copy(update={"pins": tuple(pins), "squashes": ()})
-        self._stream_index = (ref.key, stream)
+        self._stream_index = (key, stream)
         return stream
 
     def _search(self, head: Head, below: int, floor: int) -> str | None:
