@@ -171,18 +171,25 @@ class History:
         index_source: ``index_source(head)`` gives the history index that applies under
             ``head`` instead of the one ``head`` names (a serving stream's reader: the store's
             floor and pins, read by :class:`~deltastore.read.streams.StreamView`).
+        earlier: ``earlier(version)`` gives the manifest key and SHA-256 of the newest retained
+            version below ``version`` when a chain starts there without a parent link although
+            the history goes on below it (a serving format published again after a pause,
+            SPEC §15: its new chain starts with an anchor), or None: the history starts there.
+            :meth:`find`, :meth:`chains` and :meth:`log` go on through it.
         cache_entries: parsed manifests kept (least recently used evicted first).
         cache_bytes: and at most about this many bytes of them (the newest is always kept).
     """
 
     def __init__(self, store: Store, check: Callable[[str, Manifest], None] | None = None, *,
                  max_manifest_bytes: int = MAX_MANIFEST_BYTES, cache_entries: int = MANIFEST_CACHE_ENTRIES,
-                 cache_bytes: int = MANIFEST_CACHE_BYTES, index_source: Callable[[Head], Index | None] | None = None):
+                 cache_bytes: int = MANIFEST_CACHE_BYTES, index_source: Callable[[Head], Index | None] | None = None,
+                 earlier: Callable[[int], tuple[str, str | None] | None] | None = None):
         if cache_entries < 1:
             raise ValueError(f"cache_entries must be ≥ 1, got {cache_entries}")
         self.store = store
         self._check = check
         self._index_source = index_source
+        self._earlier = earlier
         self.max_manifest_bytes = max_manifest_bytes
         self.cache_entries = cache_entries
         self.cache_bytes = cache_bytes
@@ -357,6 +364,24 @@ class History:
         self._check_link(key, m, pkey, p)
         return pkey, p
 
+    def _before(self, key: str, m: Manifest) -> tuple[str, Manifest]:
+        """The newest version before the chain that starts at ``m`` (read from ``key``; it names
+        no parent), through ``earlier``.
+
+        Raises:
+            VersionNotFoundError: none (the history starts at ``m``).
+            CorruptObjectError: ``earlier`` named a manifest that is not a version below ``m``'s.
+        """
+        got = None if self._earlier is None else self._earlier(m.version)
+        if got is None:
+            raise VersionNotFoundError(f"version {m.version} ({key!r}) is the first of its chain")
+        pkey, sha = got
+        p = self.manifest(pkey, sha)
+        if p.version >= m.version or manifest_key_version(pkey) != p.version:
+            raise CorruptObjectError(f"manifest {pkey!r} (version {p.version}) was named as the version before the "
+                                     f"chain that starts at {key!r} (version {m.version})")
+        return pkey, p
+
     @staticmethod
     def _check_link(key: str, m: Manifest, pkey: str, p: Manifest) -> None:
         """I2 on one parent link."""
@@ -435,13 +460,25 @@ class History:
 
     def find(self, version: int, head: Head) -> tuple[str, Manifest]:
         """The manifest of ``version`` on the chain ending at ``head``: through skip pointers
-        where manifests have them (O(log distance) reads), else parent links (each checked)."""
+        where manifests have them (O(log distance) reads), else parent links (each checked),
+        and on to the chain before through ``earlier`` where a chain starts above ``version``."""
         top = self.head_manifest(head)
         if top is None or not 1 <= version <= top[1].version:
             latest = 0 if top is None else top[1].version
             raise VersionNotFoundError(f"version {version} is not in {self.store.url} (latest is {latest})")
         key, m = top
         while m.version > version:
+            if m.parent_manifest is None and self._earlier is not None:
+                start = m.version
+                try:
+                    key, m = self._before(key, m)
+                except VersionNotFoundError:
+                    raise VersionNotFoundError(f"version {version} is not in {self.store.url}: its first version is "
+                                               f"{start}") from None
+                if m.version < version:
+                    raise VersionNotFoundError(f"version {version} is not in {self.store.url}: version {m.version} is "
+                                               f"followed by a chain that starts at version {start}")
+                continue
             distance = m.version - version
             j = min(distance.bit_length() - 1, len(m.back))  # the longest jump that does not overshoot
             hop = self.skip(key, m, j) if j >= 1 else None
@@ -474,6 +511,22 @@ class History:
                 key, m = pkey, p
             out.append((key, m))
         out.reverse()
+        return out
+
+    def chains(self, key: str, m: Manifest, *, down_to: int) -> list[tuple[str, Manifest]]:
+        """Manifests from version ``down_to`` up to ``m``, oldest first: :meth:`chain` with
+        ``to_start``, and, where a chain starts above ``down_to`` and ``earlier`` names the
+        version before it, the versions before it down to ``down_to`` (a serving format
+        published again after a pause: the versions between its chains are not there)."""
+        out = self.chain(key, m, down_to=down_to, to_start=True)
+        while out[0][1].version > down_to and out[0][1].parent_manifest is None and self._earlier is not None:
+            try:
+                pkey, p = self._before(*out[0])
+            except VersionNotFoundError:
+                break
+            if p.version < down_to:
+                break
+            out = self.chain(pkey, p, down_to=down_to, to_start=True) + out
         return out
 
     def _prefetch(self, key: str, m: Manifest, down_to: int) -> dict[str, Manifest]:
@@ -548,4 +601,4 @@ class History:
         top = self.head_manifest(head)
         if top is None or top[1].version < since:
             return []
-        return [VersionInfo.from_manifest(m, k) for k, m in self.chain(*top, down_to=max(1, since), to_start=True)]
+        return [VersionInfo.from_manifest(m, k) for k, m in self.chains(*top, down_to=max(1, since))]

@@ -84,18 +84,22 @@ class Reader:
             versions as published).
         index_source: the history index that applies under a HEAD (a serving format's reader:
             :meth:`~deltastore.read.streams.StreamView.stream_index`); None: the one HEAD names.
+        earlier: the version before a chain that starts without a parent link (History's
+            ``earlier``; a serving format's reader: :meth:`~deltastore.read.streams.StreamView.earlier`).
     """
 
     def __init__(self, store: Store, *, threads: int | None, trusted_keys: TrustedKeys | None, max_manifest_bytes: int,
                  max_model_bytes: int | None, select: Selection | None, serving_format: str | None = None,
-                 index_source: Callable[[Head], Index | None] | None = None):
+                 index_source: Callable[[Head], Index | None] | None = None,
+                 earlier: Callable[[int], tuple[str, str | None] | None] | None = None):
         self.store = store
         self.serving_format = serving_format
         self.url = store.url
         self.keys = trusted_keys
         self.max_model_bytes = max_model_bytes if max_model_bytes is not None else physical_memory()
         self.history = History(store, None if trusted_keys is None else self._check_signature,
-                               max_manifest_bytes=max_manifest_bytes, index_source=index_source)
+                               max_manifest_bytes=max_manifest_bytes, index_source=index_source,
+                               earlier=earlier)
         self.engine = ReadEngine(store, threads or default_threads())
         # Squashes are unsigned hints (the compactor signs none): a subscriber that requires
         # signatures does not use them (SPEC §12), since a forged squash could match an XXH3 digest.

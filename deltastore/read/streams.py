@@ -8,7 +8,8 @@ one at every read (same lineage, writer, epoch and ETag; ``version``, ``manifest
 one when a publisher stopped publishing F), so every reader path (pull, follow, stage, partial
 pulls, verify, log) reads a stream with the code and the checks it reads a store with: the
 stream's manifests are verified against their digests and signatures, and its chain is walked
-by its own ``parent_manifest`` links.
+by its own ``parent_manifest`` links (and, below a chain that starts after a pause in the
+format, on from the version before it: :meth:`StreamView.earlier`).
 
 Heartbeats (``workers/``) go to the store itself, so the fleet ledger sees every worker.
 """
@@ -23,7 +24,7 @@ from deltastore.errors import CorruptObjectError, StorageError, UnknownFormatErr
 from deltastore.format.manifest import ServingHeader, parse_serving_header
 from deltastore.format.keys import HEAD_KEY, MANIFEST_PREFIX, manifest_key_version, stream_prefix
 from deltastore.format.history import History
-from deltastore.format.models import Head, Index, dump, find_stream
+from deltastore.format.models import Head, Index, StreamRef, dump, find_stream
 from deltastore.format.parse import parse_head
 from deltastore.storage.base import GetResult, ObjectMeta, PutMode, Store, StreamedPut
 
@@ -99,14 +100,9 @@ class StreamView(Store):
             ref = m.stream_ref(self.format)
             if ref is None:
                 raise unknown_format(self.format, self.inner.url, m)
-            if not ref.key.startswith(self.prefix) or manifest_key_version(ref.key[len(self.prefix):]) != m.version:
-                raise CorruptObjectError(
-                    f"manifest {key!r} of {self.inner.url} names {ref.key!r} as its {self.format} stream: "
-                    f"not a manifest of version {m.version} under {self.prefix}"
-                )
             # The index (floor, pins, squashes) is the store's: its squashes are the store's own
             # state's, never a stream's, so the stream's HEAD names none.
-            derived = head.model_copy(update={"version": m.version, "manifest": ref.key[len(self.prefix):],
+            derived = head.model_copy(update={"version": m.version, "manifest": self._stream_key(key, m.version, ref),
                                               "manifest_sha256": ref.sha256, "index": None})
         data = dump(derived)
         with self._lock:
@@ -143,7 +139,8 @@ class StreamView(Store):
         if last is not None and last[0] in (head.manifest, top.parent_manifest):
             found = last[1]  # HEAD's, or its parent's (a follower's next version)
         else:
-            found = self._search(head, top.version, floor)
+            got = self._search(head, top.version, floor)
+            found = None if got is None else got[0]
         self._carrier_of = (head.manifest, found)
         if found is None or (manifest_key_version(found) or 0) < floor:  # (found before the floor rose)
             raise unknown_format(self.format, self.inner.url, top, searched=True)
@@ -183,11 +180,41 @@ class StreamView(Store):
         self._stream_index = (key, stream)
         return stream
 
-    def _search(self, head: Head, below: int, floor: int) -> str | None:
-        """The manifest key of the newest version in ``[floor, below)`` on ``head``'s chain with
-        a stream of the format (None: none): the stream's listed manifests name the candidate
-        versions (an uncommitted attempt's too: each is checked on the chain). The manifests
-        read are not kept: a follower searches once."""
+    def earlier(self, version: int) -> tuple[str, str] | None:
+        """The stream's manifest key and SHA-256 of its newest version below ``version``, at or
+        above the retention floor, on the chain of the store's HEAD last derived (None: none).
+        History's ``earlier``: a stream published again after a pause starts a new chain at an
+        anchor (SPEC §15, read path), and its versions from before the pause are read through
+        the store's manifests, which name them.
+
+        Raises:
+            CorruptObjectError: a store manifest names a stream manifest of another version.
+        """
+        head = self._store_head
+        if head is None or head.manifest is None or self._own:
+            return None
+        index = self._store_history.index(head)
+        got = self._search(head, version, 1 if index is None else index.floor)
+        if got is None:
+            return None
+        key, v, ref = got
+        return self._stream_key(key, v, ref), ref.sha256
+
+    def _stream_key(self, key: str, version: int, ref: StreamRef) -> str:
+        """The stream's manifest key (under the view) that the store's manifest ``key`` of
+        ``version`` names in its entry ``ref`` for the format, checked to be of that version."""
+        if not ref.key.startswith(self.prefix) or manifest_key_version(ref.key[len(self.prefix):]) != version:
+            raise CorruptObjectError(
+                f"manifest {key!r} of {self.inner.url} names {ref.key!r} as its {self.format} stream: "
+                f"not a manifest of version {version} under {self.prefix}"
+            )
+        return ref.key[len(self.prefix):]
+
+    def _search(self, head: Head, below: int, floor: int) -> tuple[str, int, StreamRef] | None:
+        """The newest version in ``[floor, below)`` on ``head``'s chain with a stream of the
+        format: the store's manifest key, the version and its entry for the format (None: none).
+        The stream's listed manifests name the candidate versions (an uncommitted attempt's too:
+        each is checked on the chain). The manifests read are not kept: a follower searches once."""
         n = len(self.prefix)
         versions = sorted({v for meta in self.inner.list(self.prefix + MANIFEST_PREFIX)
                            if (v := manifest_key_version(meta.key[n:])) is not None and floor <= v < below},
@@ -195,8 +222,8 @@ class StreamView(Store):
         history = History(self.inner)
         for v in versions:
             key, m = history.find(v, head)
-            if find_stream(m.streams, self.format) is not None:
-                return key
+            if (ref := find_stream(m.streams, self.format)) is not None:
+                return key, v, ref
         return None
 
     def _key(self, key: str) -> str:

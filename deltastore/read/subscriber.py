@@ -174,7 +174,8 @@ class Subscriber:
         self.url = read_from.url
         self._reader = Reader(read_from, threads=threads, trusted_keys=keys, max_manifest_bytes=max_manifest_bytes,
                               max_model_bytes=max_model_bytes, select=select, serving_format=format,
-                              index_source=None if view is None else view.stream_index)
+                              index_source=None if view is None else view.stream_index,
+                              earlier=None if view is None else view.earlier)
         if range_part_bytes is not None:
             self._reader.engine.fetcher.max_run = range_part_bytes
         self._closed = False
@@ -561,7 +562,8 @@ class Subscriber:
             version: the version whose chain (from its anchor) to check; default the latest.
             all_versions: check every version from 1 (the index's floor once versions were
                 collected) to the latest instead; a serving stream's from its first version
-                when it starts later (a format declared after the store's first version).
+                when it starts later (a format declared after the store's first version), and
+                its versions from before a pause in it too.
 
         Raises:
             VersionNotFoundError: no such version (or an empty store).
@@ -574,8 +576,8 @@ class Subscriber:
             top = r.history.head_manifest(head)
             assert top is not None
             index = r.index(head)
-            ms = r.history.chain(*top, down_to=1 if index is None else index.floor,
-                                 to_start=self.format is not None)
+            floor = 1 if index is None else index.floor
+            ms = r.history.chains(*top, down_to=floor) if self.format is not None else r.history.chain(*top, down_to=floor)
             for k, m in ms:
                 if m.base is not None:  # a site store's based version (design 009): BaseElsewhereError
                     r.history.anchor_chain(k, m)

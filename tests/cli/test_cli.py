@@ -189,6 +189,37 @@ def test_verify_all_checks_a_stream_no_longer_published(tmp_path: Path, capsys: 
     assert "fp8-block128 stream" in capsys.readouterr().err
 
 
+def test_verify_all_checks_a_streams_versions_from_before_a_pause(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A format published again after a pause starts a new chain; ``verify --all`` still checks
+    its retained versions from before the pause, and finds their damage."""
+    from deltastore import Publisher
+
+    g = torch.Generator().manual_seed(2)
+    states = [{"model.layers.0.mlp.down_proj.weight": torch.randn(256, 256, generator=g).bfloat16()} for _ in range(4)]
+    store = str(tmp_path / "store")
+    with Publisher(store, formats=["bf16", "fp8-block128"]) as pub:
+        pub.publish(states[0])
+    with Publisher(store) as pub:
+        pub.publish(states[1])
+    first = {p: p.stat().st_size for p in (tmp_path / "store" / "streams").rglob("*.pack")}
+    with Publisher(store, formats=["bf16", "fp8-block128"]) as pub:
+        for s in states[2:]:
+            pub.publish(s)
+    capsys.readouterr()
+    assert main(["verify", store, "--all"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "(fp8-block128)" in line] == [
+        f"OK version {v} (fp8-block128): 2 tensors verified" for v in (1, 3, 4)]  # weight and scale
+    pack = max(first, key=first.__getitem__)  # version 1's, from before the pause
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    assert main(["verify", store, "--all"]) == 1
+    err = capsys.readouterr().err
+    assert "fp8-block128 stream" in err and "version 1" in err
+
+
 def test_errors_are_one_line_and_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["pull", "nosuchscheme://bucket/x", str(tmp_path / "o.safetensors")]) == 2  # usage
     err = capsys.readouterr().err

@@ -500,6 +500,75 @@ def test_a_worker_crosses_a_pause_in_its_format_to_the_stream_published_again(tm
         assert_bits_equal(target, derive(states[4], fmt))
 
 
+def test_versions_of_a_format_from_before_a_pause_stay_readable(tmp_path) -> None:
+    """A format published again after a pause starts a new chain that names no parent; its
+    retained versions from before the pause are still listed, pulled and verified, through the
+    store's manifests, which name them. The versions in the pause are refused by name."""
+    url = str(tmp_path / "s")
+    states = training(6)
+    fmt = serving_format("fp8-block128")
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+        pub.publish(states[0])
+        pub.publish(states[1])
+    with Publisher(url, layout_policy=LAYOUT) as pub:
+        pub.publish(states[2])
+        pub.publish(states[3])
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
+        pub.publish(states[4])
+        pub.publish(states[5])
+    with Subscriber(url, format="fp8-block128") as sub:
+        assert [v.version for v in sub.log()] == [1, 2, 5, 6]
+        assert [v.version for v in sub.log(since=3)] == [5, 6]
+        assert [v.kind for v in sub.log()] == ["anchor", "delta", "anchor", "delta"]
+        for v, state in ((1, states[0]), (2, states[1]), (5, states[4]), (6, states[5])):
+            assert_bits_equal(sub.pull(v), derive(state, fmt))
+            assert sub.info(v).version == v
+        for v in (3, 4):
+            with pytest.raises(VersionNotFoundError, match="version 2 is followed by a chain that starts at version 5"):
+                sub.pull(v)
+        report = sub.verify(all_versions=True)
+        assert report.ok and report.versions == [1, 2, 5, 6]
+    collect(open_store(url), keep_last=6, grace_s=0, unsafe_grace_ok=True)  # every version retained
+    with Subscriber(url, format="fp8-block128") as sub:
+        assert sub.verify(all_versions=True).ok
+        assert_bits_equal(sub.pull(1), derive(states[0], fmt))
+    # the retention floor bounds it: a collected version is refused as collected, not searched for
+    store = open_store(url)
+    update_index(store, History(store), lambda head, index: index_content(index, head, floor=2), writer="gc")
+    with Subscriber(url, format="fp8-block128") as sub:
+        assert [v.version for v in sub.log()] == [2, 5, 6]
+        assert_bits_equal(sub.pull(2), derive(states[1], fmt))
+        with pytest.raises(VersionCollectedError):
+            sub.pull(1)
+    update_index(store, History(store), lambda head, index: index_content(index, head, floor=3), writer="gc")
+    with Subscriber(url, format="fp8-block128") as sub:
+        assert [v.version for v in sub.log()] == [5, 6]
+        assert sub.verify(all_versions=True).versions == [5, 6]
+        with pytest.raises(VersionCollectedError):
+            sub.pull(2)
+
+
+def test_a_version_named_before_a_chain_must_be_older_than_its_start(tmp_path) -> None:
+    """Hostile input: the manifest named as the version before a chain's first version is that
+    chain's own newest; the reader refuses it instead of walking in a loop."""
+    url = str(tmp_path / "s")
+    states = training(3)
+    with Publisher(url, layout_policy=LAYOUT) as pub:
+        pub.publish(states[0])
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:  # the stream starts at version 2
+        pub.publish(states[1])
+        pub.publish(states[2])
+    stream = PrefixedStore(open_store(url), "streams/fp8-block128/")
+    with Subscriber(url, format="fp8-block128") as sub:
+        top = sub.latest()
+        with pytest.raises(VersionNotFoundError, match="its first version is 2"):
+            sub.pull(1)
+    assert top is not None and top.version == 3
+    history = History(stream, earlier=lambda version: (top.manifest, None))
+    with pytest.raises(CorruptObjectError, match="was named as the version before the chain"):
+        history.chains(top.manifest, history.manifest(top.manifest), down_to=1)
+
+
 def test_a_dropped_format_is_read_down_to_the_retention_floor_and_refused_below_it(tmp_path) -> None:
     url = str(tmp_path / "s")
     states = training(5)
