@@ -22,6 +22,7 @@ from typing import Any
 from deltastore.errors import (
     BaseElsewhereError,
     CorruptObjectError,
+    IntegrityError,
     NotFoundError,
     VersionCollectedError,
     VersionNotFoundError,
@@ -255,10 +256,13 @@ class History:
             raise NotFoundError(
                 f"manifest {key!r} is missing from {self.store.url}: the store was damaged (a reachable object was deleted)"
             ) from None
-        m = parse_manifest(data, key, expected_sha256, layout=self.layout, max_bytes=self.max_manifest_bytes,
-                           parts=self._part)
-        if self._check is not None:
-            self._check(key, m)
+        try:
+            m = parse_manifest(data, key, expected_sha256, layout=self.layout, max_bytes=self.max_manifest_bytes,
+                               parts=self._part)
+            if self._check is not None:
+                self._check(key, m)
+        except IntegrityError as e:
+            raise self._named(e)
         untrack_entries(m.tensors)  # a cached manifest's chunk table
         with self._lock:
             if key not in self._manifests:
@@ -269,6 +273,13 @@ class History:
             ):
                 self._manifest_bytes -= _parsed_bytes(self._manifests.popitem(last=False)[1])
         return m
+
+    def _named(self, e: IntegrityError) -> IntegrityError:
+        """``e`` (about an object of this store), its message naming the store: a serving
+        stream's keys are relative to its tree (``URL#streams/<format>/``)."""
+        if e.args and isinstance(e.args[0], str) and self.store.url not in e.args[0]:
+            e.args = (f"{e.args[0]} (in {self.store.url})", *e.args[1:])
+        return e
 
     def unchecked(self, key: str) -> Manifest:
         """Fetch and parse manifest ``key`` without ``check`` and without caching it: to explain
@@ -304,7 +315,10 @@ class History:
         cached = self._layouts.get(ref.key)
         if cached is not None and cached[0] == ref.sha256:
             return cached[1]
-        layout = decode_object(Layout, self._object(ref.key, "layout"), ref.key, ref.sha256)
+        try:
+            layout = decode_object(Layout, self._object(ref.key, "layout"), ref.key, ref.sha256)
+        except IntegrityError as e:
+            raise self._named(e)
         self._layouts.put(ref.key, (ref.sha256, layout))
         return layout
 

@@ -156,6 +156,24 @@ def test_a_corrupt_stream_pack_is_an_integrity_error_and_nothing_is_applied(tmp_
     del states
 
 
+def test_a_corrupt_stream_manifest_or_layout_is_named_with_the_stream_it_is_in(tmp_path) -> None:
+    """A stream's keys are relative to its tree (``manifests/...`` is the store's too): the
+    error names the tree, ``URL#streams/<format>/``."""
+    url = str(tmp_path / "s")
+    publish_run(url, 2, anchor_policy=AnchorPolicy(every=100))
+    store = open_store(url)
+    stream = PrefixedStore(store, "streams/fp8-block128/")
+    key = read_stream_key(store, "fp8-block128")
+    layout = read_manifest_doc(stream, key)["layout"]["key"]
+    for victim in (layout, key):
+        data = bytearray(stream.get(victim))
+        data[len(data) // 2] ^= 0x40
+        stream.put(victim, bytes(data))
+        with Subscriber(url, format="fp8-block128") as sub, pytest.raises(IntegrityError) as e:
+            sub.pull()
+        assert repr(victim) in str(e.value) and str(e.value).endswith(f"(in {store.url}#streams/fp8-block128/)")
+
+
 def read_stream_key(store, fmt: str) -> str:
     h = read_head(store)
     doc = read_manifest_doc(store, h["manifest"])
