@@ -12,6 +12,7 @@ corrupt applies, errors surfaced, wrong errors, invariant violations)::
     python -m campaigns all --backend seaweedfs --markdown table.md   # several, one Markdown table
     python -m campaigns all --backend seaweedfs --grid ...             # publishers write column grids
     python -m campaigns all --backend seaweedfs --formats fp8-block128,mxfp8   # serving streams too
+    python -m campaigns.faults --formats fp8-block128,mxfp8 --format-churn 7   # a format dropped, published again
 
 The oracle reads the store directly (never through the proxy) and recomputes the exact bits of
 every version from its step (campaigns.model). docs/reliability.md has the figures.

@@ -272,18 +272,31 @@ def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, th
     returns the versions that failed.
 
     A committed version that cannot be read, or reads other bits than its step's, in its own
-    format or any other, is lost. ``tally.extra["versions_checked"]`` counts the versions read
-    back, per format (``"own"``: as published).
+    format or any other it was published in, is lost. A version published without a format
+    (``--format-churn``) must be refused in it (VersionNotFoundError). ``tally.extra["versions_checked"]``
+    counts the versions read back, per format (``"own"``: as published).
     """
-    from deltastore import Subscriber
+    from deltastore import Subscriber, VersionNotFoundError
 
     failed: set[int] = set()
     checked = tally.extra.setdefault("versions_checked", {})
+    with Subscriber(store.url, store=store, threads=threads) as sub:
+        carried = {i.version: set(i.formats) for i in sub.log()}
     for fmt in (None, *formats):
         name = "" if fmt is None else f" in {fmt.name}"
         checked.setdefault("own" if fmt is None else fmt.name, 0)
         with Subscriber(store.url, store=store, threads=threads, format=None if fmt is None else fmt.name) as sub:
             for link in links:
+                if fmt is not None and fmt.name not in carried.get(link.version, {fmt.name}):
+                    try:
+                        sub.pull(link.version)
+                        tally.wrong(f"version without {fmt.name} read in it", f"version {link.version} (step {link.step})")
+                    except VersionNotFoundError:
+                        pass
+                    except Exception as e:  # noqa: BLE001 - counted, with its type
+                        tally.wrong(f"version without {fmt.name} refused with {type(e).__name__}",
+                                    f"version {link.version} (step {link.step}): {e}")
+                    continue
                 try:
                     state = sub.pull(link.version)
                 except Exception as e:  # noqa: BLE001 - counted, with its type

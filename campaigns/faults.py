@@ -13,7 +13,10 @@ each publish the oracle reads HEAD directly:
   content-addressed write: both can only come from its own earlier attempt.
 
 After a failed publish the trainer goes on with its next step; after two failures in a row, or a
-FencedError, it reopens its Publisher (as a restarted trainer would). At the end every committed
+FencedError, it reopens its Publisher (as a restarted trainer would). With ``--format-churn N``
+(and ``--formats``) the trainer also reopens it every N steps declaring, in turn, every format
+and every format but the first, which the workers read: they keep serving that format's last
+version through each pause and move to its new chain after it. At the end every committed
 version must read back bit-exact and every acknowledged publish must be on the chain.
 
 Trials = publishes.  ``python -m campaigns.faults --backend seaweedfs --trials 200 --rate 0.1``
@@ -84,15 +87,22 @@ def run(server: Any, args: Any) -> Tally:
         pub = None
         followers = None
         failures = 0
+        declared = formats
         proxy.set_plan(plan)
         for step in range(args.trials):
+            if args.format_churn and formats and step and step % args.format_churn == 0:
+                declared = formats[1:] if declared == formats else formats
+                tally.extra["format_churns"] = tally.extra.get("format_churns", 0) + 1
+                if pub is not None:
+                    pub.close()
+                    pub = None
             if pub is None:
                 try:
                     pub = with_layout(Publisher(url, storage_options=faulty,
                                                 writer_policy=WriterPolicy(threads=1, takeover=True),
                                                 anchor_policy=AnchorPolicy(every=ANCHOR_EVERY),
                                                 layout_policy=LayoutPolicy(chunk_bytes=CHUNK_BYTES),
-                                                formats=formats), args.grid)  # fmt: skip
+                                                formats=declared), args.grid)  # fmt: skip
                 except DeltastoreError as e:
                     tally.error(f"open {type(e).__name__}")
                     pub = None
@@ -172,6 +182,9 @@ def build_parser():
     p.add_argument("--key-pattern", help="fault only paths matching this regex, e.g. /HEAD$")
     p.add_argument("--slow", type=float, default=0.3, help="delay of a slow response, s")
     p.add_argument("--workers", type=int, default=1, help="worker processes pulling through the proxy")
+    p.add_argument("--format-churn", type=int, default=0, metavar="N",
+                   help="with --formats: reopen the publisher every N steps declaring, in turn, every format and "
+                        "every format but the first (the workers'); 0: never (default)")
     p.add_argument("--sdk-checksums", choices=["when_supported", "when_required"],
                    help="botocore's request checksums (AWS_REQUEST_CHECKSUM_CALCULATION); when_required turns "
                         "them off for PutObject, so only deltastore's own checks can catch a flipped body")  # fmt: skip

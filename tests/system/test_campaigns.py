@@ -241,3 +241,16 @@ def test_serving_stream_campaign_finds_nothing(name: str, request: pytest.Fixtur
         assert t.errors, t.summary()  # the damage was refused
     _clean(t)
 
+
+
+def test_format_churn_campaign_finds_nothing(moto_server: Any) -> None:
+    """faults with ``--format-churn``: the trainer stops publishing the workers' format and
+    publishes it again, under faults; the worker keeps its last version through each pause and
+    moves on after it, and every committed version reads back in each format it was published
+    in, those from before a pause too, while the others are refused in it."""
+    t = run_one("faults", moto_server, 9, seed=2, extra=[*_EXTRA["faults"], "--format-churn", "3"], formats=FORMATS)
+    committed = t.extra["versions_committed"]
+    assert t.extra["format_churns"] == 2 and committed > 6 and t.extra["worker_updates"] > 0, t.summary()
+    checked = t.extra["versions_checked"]
+    assert 0 < checked["fp8-block128"] < committed and checked["mxfp8"] == checked["own"] == committed, t.summary()
+    _clean(t)
