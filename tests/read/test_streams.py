@@ -3,9 +3,13 @@ write; a subscriber of one format reads that stream alone, verified like any ver
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deltastore import Publisher, Subscriber
 from deltastore._util import kernels
@@ -25,6 +29,7 @@ from deltastore.serving.formats import derive, serving_format
 from deltastore.storage import open_store
 from deltastore.storage.prefixed import PrefixedStore
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
+from testkit.hypo import examples
 from testkit.manifest_docs import read_manifest_doc
 from testkit.stores import HeadPutHook, WrappedStore, keys, read_head, resign_manifest
 from testkit.tensors import assert_bits_equal
@@ -564,6 +569,47 @@ def test_versions_of_a_format_from_before_a_pause_stay_readable(tmp_path) -> Non
         assert sub.verify(all_versions=True).versions == [5, 6]
         with pytest.raises(VersionCollectedError):
             sub.pull(2)
+
+
+_CHURN_STATES = training(7)
+
+
+@settings(max_examples=examples(0.2), deadline=None)
+@given(declared=st.lists(st.booleans(), min_size=2, max_size=7), floor=st.integers(1, 7))
+def test_a_format_declared_and_dropped_at_will_reads_exactly_the_versions_published_in_it(
+        declared: list[bool], floor: int) -> None:
+    """Whatever versions a format was published in (dropped, declared again, any number of
+    times) and wherever the retention floor is (an anchor of the store, as GC leaves it): its
+    readers list exactly those versions at or above the floor, read each bit-identical to
+    ``derive``, verify them all, and refuse every other version by the right error; the latest
+    is the newest of them. A format no retained version has is refused by name."""
+    fmt = serving_format("fp8-block128")
+    floor = min(floor, len(declared))
+    with tempfile.TemporaryDirectory() as d:
+        url = f"{d}/s"
+        for v, on in enumerate(declared, 1):
+            with Publisher(url, formats=FORMATS if on else ["bf16", "mxfp8"], layout_policy=LAYOUT) as pub:
+                assert pub.publish(_CHURN_STATES[v - 1], anchor=v == floor).version == v
+        if floor > 1:
+            store = open_store(url)
+            update_index(store, History(store), lambda head, index: index_content(index, head, floor=floor), writer="gc")
+        readable = [v for v, on in enumerate(declared, 1) if on and v >= floor]
+        with Subscriber(url, format="fp8-block128") as sub:
+            if not readable:
+                for read in (sub.latest, sub.log, lambda: sub.pull(len(declared))):
+                    with pytest.raises(UnknownFormatError):
+                        read()
+                return
+            assert [i.version for i in sub.log()] == readable
+            assert sub.latest().version == readable[-1]
+            report = sub.verify(all_versions=True)
+            assert report.ok and report.versions == readable
+            for v in range(1, len(declared) + 1):
+                if v in readable:
+                    assert_bits_equal(sub.pull(v), derive(_CHURN_STATES[v - 1], fmt))
+                else:
+                    with pytest.raises(VersionCollectedError if v < floor else VersionNotFoundError):
+                        sub.pull(v)
 
 
 def test_a_version_named_before_a_chain_must_be_older_than_its_start(tmp_path) -> None:
