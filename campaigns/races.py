@@ -18,7 +18,9 @@ store); a fenced publisher stops, as a superseded trainer would.
 
 With ``--rate`` the publishers reach the server through the fault-injecting proxy (e.g. lost
 HEAD responses while another publisher claims the store: ``--rate 0.2 --methods PUT
---key-pattern 'HEAD$'``).
+--key-pattern 'HEAD$'``). With ``--formats`` and ``--format-churn`` every other publisher leaves
+the workers' format (the first) out, so it is dropped and published again as the racers'
+commits interleave.
 
 Trials = publish attempts.  ``python -m campaigns.races --backend seaweedfs --trials 120``
 """
@@ -108,15 +110,16 @@ def racer(url: str, options: dict[str, Any], seed: int, trainer: int, takeover: 
 
 def _round(ctx: Any, url: str, options: dict[str, Any], seed: int, n: int, takeover: bool, attempts: int,
            round_no: int, work: Path, tally: Tally, grid: bool = False,
-           formats: str | None = None) -> list[tuple[str, list[list[str]]]]:  # fmt: skip
+           formats: str | None = None, churn: bool = False) -> list[tuple[str, list[list[str]]]]:  # fmt: skip
     go = work / f"go-{takeover}-{round_no}"
     procs = []
     for i in range(n):
+        declared = ",".join(formats.split(",")[1:]) if churn and formats and i % 2 else formats
         trainer = round_no * n + i + 1
         writer = f"racer-{'t' if takeover else 'n'}{round_no}-{i}"
         log_path = work / f"{writer}.log"
         p = ctx.Process(target=racer, args=(url, options, seed, trainer, takeover, attempts, 0, writer, str(log_path), str(go),
-                                            grid, formats), daemon=True)
+                                            grid, declared), daemon=True)
         p.start()
         procs.append((p, writer, log_path))
     time.sleep(0.2)  # let every process reach the start line
@@ -162,7 +165,8 @@ def run(server: Any, args: Any) -> Tally:
                 done, r = 0, 0
                 # Rounds until the mode's share of attempts is made (fenced publishers stop early).
                 while done < per_mode and r < MAX_ROUNDS:
-                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally, args.grid, args.formats)
+                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally, args.grid, args.formats,
+                                 churn=args.format_churn)
                     done += sum(1 for _, lines in out for l in lines if l[0] in ("ok", "err", "untyped"))
                     results += out
                     checker.check()
@@ -236,6 +240,8 @@ def build_parser():
     p.add_argument("--rate", type=float, default=0.0, help="fault probability per request (default 0: pure races)")
     p.add_argument("--methods", help="fault only these HTTP methods, e.g. PUT")
     p.add_argument("--key-pattern", help="fault only paths matching this regex, e.g. /HEAD$")
+    p.add_argument("--format-churn", action="store_true",
+                   help="with --formats: every other publisher leaves the workers' format (the first) out")
     return p
 
 

@@ -172,11 +172,11 @@ class History:
         index_source: ``index_source(head)`` gives the history index that applies under
             ``head`` instead of the one ``head`` names (a serving stream's reader: the store's
             floor and pins, read by :class:`~deltastore.read.streams.StreamView`).
-        earlier: ``earlier(version)`` gives the manifest key and SHA-256 of the newest retained
-            version below ``version`` when a chain starts there without a parent link although
-            the history goes on below it (a serving format published again after a pause,
-            SPEC §15: its new chain starts with an anchor), or None: the history starts there.
-            :meth:`find`, :meth:`chains` and :meth:`log` go on through it.
+        earlier: ``earlier(version)`` gives the manifest key and SHA-256 (None: not known) of
+            the newest retained version below ``version`` when a chain starts there without a
+            parent link although the history goes on below it (a serving format published again
+            after a pause, SPEC §15: its new chain starts with an anchor), or None: the history
+            starts there. :meth:`find`, :meth:`chains` and :meth:`log` go on through it.
         cache_entries: parsed manifests kept (least recently used evicted first).
         cache_bytes: and at most about this many bytes of them (the newest is always kept).
     """
