@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,18 +99,11 @@ def test_verify_checks_every_serving_stream(tmp_path: Path, capsys: pytest.Captu
     """``verify`` checks the store's chain and each serving stream of the version it checks (a
     stream declared at version 3 from there on); a damaged stream pack fails it, naming the
     stream; ``--format`` picks chains, the store's own format naming the store's."""
-    from deltastore import Publisher
-
     g = torch.Generator().manual_seed(0)
     states = [{"model.layers.0.mlp.down_proj.weight": torch.randn(256, 256, generator=g).bfloat16(),
                "model.norm.weight": torch.randn(256, generator=g).bfloat16()} for _ in range(4)]
     store = str(tmp_path / "store")
-    with Publisher(store) as pub:
-        for s in states[:2]:
-            pub.publish(s)
-    with Publisher(store, formats=["bf16", "fp8-block128"]) as pub:
-        for s in states[2:]:
-            pub.publish(s)
+    publish_in_turn(store, ((), states[:2]), (["bf16", "fp8-block128"], states[2:]))
     capsys.readouterr()
     assert main(["verify", store, "--all"]) == 0
     out = capsys.readouterr().out
@@ -163,17 +157,10 @@ def test_log_lists_each_serving_streams_bytes(tmp_path: Path, capsys: pytest.Cap
 def test_verify_all_checks_a_stream_no_longer_published(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``verify --all`` checks every stream a retained version carries: a format the trainer
     stopped publishing is still read by its workers, so its damage must still be found."""
-    from deltastore import Publisher
-
     g = torch.Generator().manual_seed(1)
     states = [{"model.layers.0.mlp.down_proj.weight": torch.randn(256, 256, generator=g).bfloat16()} for _ in range(4)]
     store = str(tmp_path / "store")
-    with Publisher(store, formats=["bf16", "fp8-block128"]) as pub:
-        for s in states[:2]:
-            pub.publish(s)
-    with Publisher(store) as pub:
-        for s in states[2:]:
-            pub.publish(s)
+    publish_in_turn(store, (["bf16", "fp8-block128"], states[:2]), ((), states[2:]))
     capsys.readouterr()
     assert main(["verify", store, "--all"]) == 0
     out = capsys.readouterr().out
@@ -193,19 +180,12 @@ def test_verify_all_checks_a_streams_versions_from_before_a_pause(tmp_path: Path
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """A format published again after a pause starts a new chain; ``verify --all`` still checks
     its retained versions from before the pause, and finds their damage."""
-    from deltastore import Publisher
-
     g = torch.Generator().manual_seed(2)
     states = [{"model.layers.0.mlp.down_proj.weight": torch.randn(256, 256, generator=g).bfloat16()} for _ in range(4)]
     store = str(tmp_path / "store")
-    with Publisher(store, formats=["bf16", "fp8-block128"]) as pub:
-        pub.publish(states[0])
-    with Publisher(store) as pub:
-        pub.publish(states[1])
+    publish_in_turn(store, (["bf16", "fp8-block128"], states[:1]), ((), states[1:2]))
     first = {p: p.stat().st_size for p in (tmp_path / "store" / "streams").rglob("*.pack")}
-    with Publisher(store, formats=["bf16", "fp8-block128"]) as pub:
-        for s in states[2:]:
-            pub.publish(s)
+    publish_in_turn(store, (["bf16", "fp8-block128"], states[2:]))
     capsys.readouterr()
     assert main(["verify", store, "--all"]) == 0
     out = capsys.readouterr().out
@@ -218,6 +198,16 @@ def test_verify_all_checks_a_streams_versions_from_before_a_pause(tmp_path: Path
     assert main(["verify", store, "--all"]) == 1
     err = capsys.readouterr().err
     assert "fp8-block128 stream" in err and "version 1" in err
+
+
+def publish_in_turn(store: str, *runs: tuple[Any, list[dict[str, torch.Tensor]]]) -> None:
+    """Publish each run's states to ``store`` with a Publisher declaring that run's formats."""
+    from deltastore import Publisher
+
+    for formats, states in runs:
+        with Publisher(store, formats=formats) as pub:
+            for s in states:
+                pub.publish(s)
 
 
 def test_errors_are_one_line_and_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
