@@ -358,3 +358,40 @@ def test_gc_keeps_the_version_of_a_target_in_force(tmp_path: Path) -> None:
     finally:
         run.close()
         aged.close()
+
+
+def test_a_format_follower_goes_back_to_a_target_from_before_a_pause_in_its_format(url: str) -> None:
+    """A fleet target names a version of the store; a follower of a serving format serves that
+    version in its format, one from before a pause in the format too (its stream's earlier
+    chain), and keeps its own where the target's version has no stream of its format."""
+    from deltastore.serving.formats import derive, serving_format
+
+    fmt = serving_format("fp8-block128")
+    formats = ["bf16", "fp8-block128"]
+    rng = np.random.default_rng(1)
+    state = {n: t.bfloat16() for n, t in small_state(0, n=2, rows=256).items()}
+    states = {}
+    layout = LayoutPolicy(chunk_bytes=16 * 1024)
+    for v, declared in enumerate((formats, formats, ["bf16"], formats, formats), 1):
+        with Publisher(url, formats=declared, layout_policy=layout) as pub:
+            assert pub.publish(state).version == v
+        states[v] = snapshot(state)
+        state = sparse_edit(state, rng, fraction=0.05)
+    polls = Polls(open_store(url))
+    with Subscriber(url, store=polls, format="fp8-block128", threads=2) as sub:
+        target = sub.allocate()
+
+        def moves(polls_at_most: int = 50) -> list[int]:
+            return [r.info.version for r in sub.follow(target, poll=FAST, stop=polls.stop_after(polls_at_most),
+                                                         max_versions=1)]
+
+        assert moves() == [5]
+        with open_store(url) as store:
+            write_target(store, 2, note="back before the pause")
+        assert moves() == [2]
+        assert_bits_equal(target, derive(states[2], fmt), "the target's version, in FP8")
+        with open_store(url) as store:
+            write_target(store, 3, note="a version without FP8")
+        assert moves(6) == [] and sub.version == 2
+        assert_bits_equal(target, derive(states[2], fmt), "kept while the target has no FP8")
+    polls.close()
