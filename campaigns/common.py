@@ -273,8 +273,9 @@ def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, th
 
     A committed version that cannot be read, or reads other bits than its step's, in its own
     format or any other it was published in, is lost. A version published without a format
-    (``--format-churn``) must be refused in it (VersionNotFoundError). ``tally.extra["versions_checked"]``
-    counts the versions read back, per format (``"own"``: as published).
+    (``--format-churn``) must be refused in it (VersionNotFoundError).
+    ``tally.extra["versions_checked"]`` counts the versions read back, per format (``"own"``: as
+    published).
     """
     from deltastore import Subscriber, VersionNotFoundError
 
@@ -290,7 +291,8 @@ def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, th
                 if fmt is not None and fmt.name not in carried.get(link.version, {fmt.name}):
                     try:
                         sub.pull(link.version)
-                        tally.wrong(f"version without {fmt.name} read in it", f"version {link.version} (step {link.step})")
+                        tally.wrong(f"version without {fmt.name} read in it",
+                                    f"version {link.version} (step {link.step})")
                     except VersionNotFoundError:
                         pass
                     except Exception as e:  # noqa: BLE001 - counted, with its type

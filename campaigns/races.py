@@ -165,8 +165,8 @@ def run(server: Any, args: Any) -> Tally:
                 done, r = 0, 0
                 # Rounds until the mode's share of attempts is made (fenced publishers stop early).
                 while done < per_mode and r < MAX_ROUNDS:
-                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally, args.grid, args.formats,
-                                 churn=args.format_churn)
+                    out = _round(ctx, url, options, args.seed, n, takeover, attempts, r, work, tally, args.grid,
+                                 args.formats, churn=args.format_churn)
                     done += sum(1 for _, lines in out for l in lines if l[0] in ("ok", "err", "untyped"))
                     results += out
                     checker.check()

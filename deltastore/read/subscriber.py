@@ -577,7 +577,10 @@ class Subscriber:
             assert top is not None
             index = r.index(head)
             floor = 1 if index is None else index.floor
-            ms = r.history.chains(*top, down_to=floor) if self.format is not None else r.history.chain(*top, down_to=floor)
+            if self.format is not None:  # every chain of the stream (a pause in a format starts a new one)
+                ms = r.history.chains(*top, down_to=floor)
+            else:
+                ms = r.history.chain(*top, down_to=floor)
             for k, m in ms:
                 if m.base is not None:  # a site store's based version (design 009): BaseElsewhereError
                     r.history.anchor_chain(k, m)
