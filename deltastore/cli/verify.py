@@ -32,14 +32,9 @@ def add_parser(add: Any, json_flag: Any, trusted: tuple[Any, Any]) -> None:
 
 
 def _formats(sub: Any, latest: Any, args: argparse.Namespace) -> list[str | None]:
-    """The chains to check: None for the store's own, then the streams' format names (of
-    ``--version``, else of ``latest``, the newest version's info; with ``--all``, of every
-    version retained, so that a format no longer published is checked too)."""
+    """The chains ``--format`` picks: None for the store's own (a name of the version's own
+    format, of ``--version``, else of ``latest``), else the format's name."""
     info = sub.info(args.version) if args.version is not None else latest
-    if not args.formats:
-        if args.all and args.version is None:
-            return [None, *sorted({f for i in sub.log() for f in i.streams})]
-        return [None, *info.streams]
     own = set(info.formats) - set(info.streams)  # the version's own format, where it declares one
     return [None if f in own else f for f in dict.fromkeys(args.formats)]
 
@@ -59,10 +54,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 else:
                     print(f"{args.url}: no versions to verify")
                 return EXIT_FAILED
-            chains = _formats(sub, latest, args)
-            # Every segment (full and delta) of every manifest checked, every chunk's digest.
-            if None in chains:
-                reports[None] = sub.verify(args.version, all_versions=args.all)
+            # Every segment (full and delta) of every manifest checked, every chunk's digest: of the
+            # store's chain and of every stream of the versions checked (with --all, of every
+            # retained version, so that a format no longer published is checked too) ...
+            chains: list[str | None] = []
+            if not args.formats:
+                report = sub.verify(args.version, all_versions=args.all, streams=True)
+                reports = {None: report, **report.streams}
+            else:  # ... or of the chains --format picks
+                chains = _formats(sub, latest, args)
+                if None in chains:
+                    reports[None] = sub.verify(args.version, all_versions=args.all)
         for fmt in chains:
             if fmt is not None:  # UnknownFormatError (the formats the version has) for a format it lacks
                 with Subscriber(args.url, store=store, trusted_keys=args.trusted_key, format=fmt) as sub:

@@ -14,6 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -133,6 +134,8 @@ class Subscriber:
         if range_part_bytes is not None and range_part_bytes < 1:
             raise ValueError(f"range_part_bytes must be positive, got {range_part_bytes}")
         keys = None
+        # read here, and again by the stream subscribers of verify(streams=True)
+        trusted_keys = None if trusted_keys is None else list(trusted_keys)
         if trusted_keys is not None:
             from deltastore.format.signing import TrustedKeys
 
@@ -153,6 +156,10 @@ class Subscriber:
             self._owns_store = True
         self.url = self.store.url
         self.format = format
+        # what a subscriber of one of the store's serving streams is opened with (verify(streams=True))
+        self._stream_options: dict[str, Any] = dict(
+            threads=threads, trusted_keys=trusted_keys, max_model_bytes=max_model_bytes,
+            max_manifest_bytes=max_manifest_bytes, range_part_bytes=range_part_bytes, deadlines=deadlines)
         if format is not None:
             if not isinstance(format, str) or not re.fullmatch(FORMAT_NAME_PATTERN, format):
                 if self._owns_store:
@@ -549,7 +556,7 @@ class Subscriber:
                       max_versions=max_versions, swap_mode=swap_mode, on_history_replaced=on_history_replaced,
                       fleet_target=fleet_target, metrics_port=metrics_port, deadlines=self._deadlines)
 
-    def verify(self, version: int | None = None, *, all_versions: bool = False) -> VerifyReport:
+    def verify(self, version: int | None = None, *, all_versions: bool = False, streams: bool = False) -> VerifyReport:
         """Check every segment of a version's chain, or of every version, and report each bad one.
 
         Unlike :meth:`pull`, which reads only the segments one path needs, this fetches every
@@ -564,12 +571,21 @@ class Subscriber:
                 collected) to the latest instead; a serving stream's from its first version
                 when it starts later (a format declared after the store's first version), and
                 its versions from before a pause in it too.
+            streams: check each serving stream too (SPEC §15) of the version checked (with
+                ``all_versions``, every stream a retained version carries, a format no longer
+                published included), each from its subscriber; their reports are the report's
+                ``streams``, by format, and count in its ``ok``. Only for a subscriber of the
+                store's versions as published (no ``format``).
 
         Raises:
+            ValueError: ``streams`` on a subscriber of one format.
             VersionNotFoundError: no such version (or an empty store).
             CorruptObjectError, IntegrityError, NotFoundError: a manifest of the chain itself is
                 unreadable or the chain is broken (nothing further can be checked).
         """
+        if streams and self.format is not None:
+            raise ValueError(f"streams=True checks the serving streams of a store's versions: pass it to a subscriber "
+                             f"of the store (format=None), not of the {self.format} stream")
         r = self._reader
         if all_versions:
             head = r.require_head()
@@ -586,7 +602,17 @@ class Subscriber:
                     r.history.anchor_chain(k, m)
         else:
             ms = r.history.anchor_chain(*r.resolve(version))
-        return verify_chain(ms, url=self.url, fetcher=r.engine.fetcher, pool=r.engine.pool, check_size=r.check_model_size)
+        report = verify_chain(ms, url=self.url, fetcher=r.engine.fetcher, pool=r.engine.pool,
+                              check_size=r.check_model_size)
+        if not streams:
+            return report
+        top = ms[-1][1].version  # the version checked (a newer HEAD meanwhile is not)
+        formats = sorted({f for i in self.log() for f in i.streams}) if all_versions else self.info(top).streams
+        checked = {}
+        for fmt in formats:
+            with Subscriber(self.url, store=self.store, format=fmt, **self._stream_options) as sub:
+                checked[fmt] = sub.verify(None if all_versions else top, all_versions=all_versions)
+        return replace(report, streams=checked)
 
     def close(self) -> None:
         """Stop worker threads and release the store. Idempotent."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,9 @@ class VerifyReport:
         tensors: per version, the number of tensors in its layout.
         segments: segments fetched, SHA-256-checked and decoded.
         problems: every bad segment or chunk (empty when the store is sound).
+        streams: with ``verify(streams=True)``, the report of each serving stream checked, by
+            format (SPEC §15).
+        ok: no problems, here or in a stream's report.
     """
 
     url: str
@@ -62,10 +65,11 @@ class VerifyReport:
     tensors: dict[int, int]
     segments: int
     problems: list[Problem]
+    streams: dict[str, VerifyReport] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and all(r.ok for r in self.streams.values())
 
 
 def verify_chain(ms: Manifests, *, url: str, fetcher: Fetcher, pool: ThreadPoolExecutor,

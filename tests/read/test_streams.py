@@ -179,6 +179,45 @@ def test_a_corrupt_stream_manifest_or_layout_is_named_with_the_stream_it_is_in(t
         assert repr(victim) in str(e.value) and str(e.value).endswith(f"(in {store.url}#streams/fp8-block128/)")
 
 
+def test_verify_with_streams_checks_every_stream_of_the_versions_it_checks(tmp_path) -> None:
+    """``Subscriber.verify(streams=True)``: the store's chain and each serving stream of the
+    version checked (with ``all_versions``, of every retained version, a format dropped since
+    included), each from its own subscriber with the same trusted keys; a damaged stream fails
+    the report while the store's chain is sound."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    url = str(tmp_path / "s")
+    states = training(4)
+    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, signing_key=key) as pub:
+        for s in states[:2]:
+            pub.publish(s)
+    with Publisher(url, formats=["bf16", "mxfp8"], layout_policy=LAYOUT, signing_key=key) as pub:
+        for s in states[2:]:
+            pub.publish(s)
+    # the keys as a one-shot iterable: the stream subscribers get them too
+    with Subscriber(url, trusted_keys=iter([key.public_key()])) as sub:
+        everything = sub.verify(all_versions=True, streams=True)
+        assert everything.ok and everything.versions == [1, 2, 3, 4]
+        assert {f: r.versions for f, r in everything.streams.items()} == {"fp8-block128": [1, 2],
+                                                                          "mxfp8": [1, 2, 3, 4]}
+        assert set(sub.verify(streams=True).streams) == {"mxfp8"}  # the latest version's streams
+        assert sub.verify(2, streams=True).streams["fp8-block128"].versions == [1, 2]
+        assert sub.verify(all_versions=True).streams == {}  # only when asked
+    with Subscriber(url, format="fp8-block128") as sub, pytest.raises(ValueError, match="format=None"):
+        sub.verify(streams=True)
+    store = open_store(url)
+    pack = max((k for k in keys(store, "streams/fp8-block128/objects/") if k.endswith(".pack")),
+               key=lambda k: store.head(k).size)
+    data = bytearray(store.get(pack))
+    data[len(data) // 2] ^= 0x40
+    store.put(pack, bytes(data))
+    with Subscriber(url, trusted_keys=[key.public_key()]) as sub:
+        report = sub.verify(all_versions=True, streams=True)
+    assert not report.ok and not report.problems and report.streams["mxfp8"].ok
+    assert report.streams["fp8-block128"].problems
+
+
 def read_stream_key(store, fmt: str) -> str:
     h = read_head(store)
     doc = read_manifest_doc(store, h["manifest"])
