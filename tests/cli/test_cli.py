@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from deltastore.cli import main
 from deltastore.layout.tensors import bits
+from testkit.publishing import publish_in_turn
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -198,16 +198,6 @@ def test_verify_all_checks_a_streams_versions_from_before_a_pause(tmp_path: Path
     assert main(["verify", store, "--all"]) == 1
     err = capsys.readouterr().err
     assert "fp8-block128 stream" in err and "version 1" in err
-
-
-def publish_in_turn(store: str, *runs: tuple[Any, list[dict[str, torch.Tensor]]]) -> None:
-    """Publish each run's states to ``store`` with a Publisher declaring that run's formats."""
-    from deltastore import Publisher
-
-    for formats, states in runs:
-        with Publisher(store, formats=formats) as pub:
-            for s in states:
-                pub.publish(s)
 
 
 def test_errors_are_one_line_and_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,6 +31,7 @@ from deltastore.storage.prefixed import PrefixedStore
 from deltastore.write.policy import AnchorPolicy, LayoutPolicy
 from testkit.hypo import examples
 from testkit.manifest_docs import read_manifest_doc
+from testkit.publishing import publish_in_turn
 from testkit.stores import HeadPutHook, WrappedStore, keys, read_head, resign_manifest
 from testkit.tensors import assert_bits_equal
 
@@ -66,9 +67,7 @@ def training(n: int) -> list[dict[str, torch.Tensor]]:
 
 def publish_run(url: str, n: int, **kw) -> list[dict[str, torch.Tensor]]:
     states = training(n)
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, **kw) as pub:
-        for s in states:
-            pub.publish(s)
+    publish_in_turn(url, (FORMATS, states), layout_policy=LAYOUT, **kw)
     return states
 
 
@@ -189,12 +188,8 @@ def test_verify_with_streams_checks_every_stream_of_the_versions_it_checks(tmp_p
     key = Ed25519PrivateKey.generate()
     url = str(tmp_path / "s")
     states = training(4)
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, signing_key=key) as pub:
-        for s in states[:2]:
-            pub.publish(s)
-    with Publisher(url, formats=["bf16", "mxfp8"], layout_policy=LAYOUT, signing_key=key) as pub:
-        for s in states[2:]:
-            pub.publish(s)
+    publish_in_turn(url, (FORMATS, states[:2]), (["bf16", "mxfp8"], states[2:]), layout_policy=LAYOUT,
+                    signing_key=key)
     # the keys as a one-shot iterable: the stream subscribers get them too
     with Subscriber(url, trusted_keys=iter([key.public_key()])) as sub:
         everything = sub.verify(all_versions=True, streams=True)
@@ -462,13 +457,8 @@ def test_a_format_declared_later_starts_its_stream_at_that_version(tmp_path) -> 
 def test_a_format_no_longer_published_stays_readable_up_to_its_last_version(tmp_path) -> None:
     url = str(tmp_path / "s")
     states = training(6)
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
-        for s in states[:3]:
-            pub.publish(s)
-    with Publisher(url, formats=["bf16"], layout_policy=LAYOUT) as pub:  # the trainer drops two formats
-        pub.publish(states[3])
-    with Publisher(url, layout_policy=LAYOUT) as pub:  # and then every format
-        pub.publish(states[4])
+    # the trainer drops two formats, and then every format
+    publish_in_turn(url, (FORMATS, states[:3]), (["bf16"], states[3:4]), ((), states[4:5]), layout_policy=LAYOUT)
     store = WrappedStore(open_store(url))
     # an attempt that wrote its streams and lost the HEAD race leaves manifests nothing names
     store.put(f"streams/fp8-block128/manifests/{4:012d}-{'ab' * 32}.json.zst", b"uncommitted", mode="create")
@@ -545,13 +535,10 @@ def test_a_worker_crosses_a_pause_in_its_format_to_the_stream_published_again(tm
     url = str(tmp_path / "s")
     states = training(5)
     fmt = serving_format("fp8-block128")
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
-        pub.publish(states[0])
+    publish_in_turn(url, (FORMATS, states[:1]), layout_policy=LAYOUT)
     with Subscriber(url, format="fp8-block128") as sub:
         target = sub.pull()
-        with Publisher(url, layout_policy=LAYOUT) as pub:
-            pub.publish(states[1])
-            pub.publish(states[2])
+        publish_in_turn(url, ((), states[1:3]), layout_policy=LAYOUT)  # the pause
         assert sub.pull_into(target) is None
         with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
             assert pub.publish(states[3]).kind == "delta"  # the store's own chain goes on
@@ -569,15 +556,7 @@ def test_versions_of_a_format_from_before_a_pause_stay_readable(tmp_path) -> Non
     url = str(tmp_path / "s")
     states = training(6)
     fmt = serving_format("fp8-block128")
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
-        pub.publish(states[0])
-        pub.publish(states[1])
-    with Publisher(url, layout_policy=LAYOUT) as pub:
-        pub.publish(states[2])
-        pub.publish(states[3])
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
-        pub.publish(states[4])
-        pub.publish(states[5])
+    publish_in_turn(url, (FORMATS, states[:2]), ((), states[2:4]), (FORMATS, states[4:]), layout_policy=LAYOUT)
     with Subscriber(url, format="fp8-block128") as sub:
         assert [v.version for v in sub.log()] == [1, 2, 5, 6]
         assert [v.version for v in sub.log(since=3)] == [5, 6]
@@ -702,12 +681,7 @@ def test_a_version_named_before_a_chain_must_be_older_than_its_start(tmp_path) -
 def test_a_dropped_format_is_read_down_to_the_retention_floor_and_refused_below_it(tmp_path) -> None:
     url = str(tmp_path / "s")
     states = training(5)
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
-        for s in states[:2]:
-            pub.publish(s)
-    with Publisher(url, formats=["bf16", "mxfp8"], layout_policy=LAYOUT) as pub:
-        for s in states[2:]:
-            pub.publish(s)
+    publish_in_turn(url, (FORMATS, states[:2]), (["bf16", "mxfp8"], states[2:]), layout_policy=LAYOUT)
     with Subscriber(url, format="fp8-block128") as sub:
         assert sub.latest().version == 2
         # the floor rises above the format's last version (a collector's first step; its objects
@@ -736,12 +710,7 @@ def test_a_parent_link_skipping_a_version_is_refused_when_looking_for_a_dropped_
     as its parent; the reader refuses it instead of reading a stream the chain does not reach."""
     url = str(tmp_path / "s")
     states = training(4)
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT) as pub:
-        for s in states[:2]:
-            pub.publish(s)
-    with Publisher(url, layout_policy=LAYOUT) as pub:
-        for s in states[2:]:
-            pub.publish(s)
+    publish_in_turn(url, (FORMATS, states[:2]), ((), states[2:]), layout_policy=LAYOUT)
     store = open_store(url)
     key2 = next(k for k in keys(store, "manifests/") if k.startswith(f"manifests/{2:012d}-"))
     doc = read_manifest_doc(store, read_head(store)["manifest"])
@@ -756,12 +725,8 @@ def test_a_dropped_format_is_found_over_real_s3(moto_s3_url) -> None:
     """The search lists the stream's manifests and reads the store's through an S3 endpoint."""
     url, opts = moto_s3_url.url, moto_s3_url.storage_options
     states = training(5)
-    with Publisher(url, formats=FORMATS, layout_policy=LAYOUT, storage_options=opts) as pub:
-        for s in states[:2]:
-            pub.publish(s)
-    with Publisher(url, formats=["bf16", "mxfp8"], layout_policy=LAYOUT, storage_options=opts) as pub:
-        for s in states[2:]:
-            pub.publish(s)
+    publish_in_turn(url, (FORMATS, states[:2]), (["bf16", "mxfp8"], states[2:]), layout_policy=LAYOUT,
+                    storage_options=opts)
     with Subscriber(url, format="fp8-block128", storage_options=opts) as sub:
         assert sub.latest().version == 2
         assert_bits_equal(sub.pull(), derive(states[1], serving_format("fp8-block128")))
