@@ -283,21 +283,25 @@ def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, th
     checked = tally.extra.setdefault("versions_checked", {})
     with Subscriber(store.url, store=store, threads=threads) as sub:
         carried = {i.version: set(i.formats) for i in sub.log()}
+
+    def refused(sub: Any, fmt: Any, link: Link) -> None:
+        """A version published without ``fmt``: its reader must refuse it as not there."""
+        try:
+            sub.pull(link.version)
+            tally.wrong(f"version without {fmt.name} read in it", f"version {link.version} (step {link.step})")
+        except VersionNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - counted, with its type
+            tally.wrong(f"version without {fmt.name} refused with {type(e).__name__}",
+                        f"version {link.version} (step {link.step}): {e}")
+
     for fmt in (None, *formats):
         name = "" if fmt is None else f" in {fmt.name}"
         checked.setdefault("own" if fmt is None else fmt.name, 0)
         with Subscriber(store.url, store=store, threads=threads, format=None if fmt is None else fmt.name) as sub:
             for link in links:
                 if fmt is not None and fmt.name not in carried.get(link.version, {fmt.name}):
-                    try:
-                        sub.pull(link.version)
-                        tally.wrong(f"version without {fmt.name} read in it",
-                                    f"version {link.version} (step {link.step})")
-                    except VersionNotFoundError:
-                        pass
-                    except Exception as e:  # noqa: BLE001 - counted, with its type
-                        tally.wrong(f"version without {fmt.name} refused with {type(e).__name__}",
-                                    f"version {link.version} (step {link.step}): {e}")
+                    refused(sub, fmt, link)
                     continue
                 try:
                     state = sub.pull(link.version)
@@ -308,7 +312,7 @@ def verify_versions(store: Any, links: list[Link], oracle: Any, tally: Tally, th
                     failed.add(link.version)
                     continue
                 checked["own" if fmt is None else fmt.name] += 1
-                why = oracle.differs(state, link.step) if fmt is None else oracle.differs_in(fmt, state, link.step)
+                why = oracle.differs_in(fmt, state, link.step)
                 if why is not None:
                     if link.version not in failed:
                         tally.lost(f"committed version {link.version}{name} reads wrong bits: {why}")
@@ -410,9 +414,6 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
     oracle = Oracle(seed)
     report: dict[str, Any] = {"updates": 0, "corrupt": 0, "errors": Counter(), "wrong": Counter(), "examples": {}}
 
-    def differs(state: Any, step: int | None) -> str | None:
-        return oracle.differs(state, step) if fmt is None else oracle.differs_in(fmt, state, step)
-
     def note(cat: str, text: str) -> None:
         ex = report["examples"].setdefault(cat, [])
         if len(ex) < EXAMPLES_PER_KIND:
@@ -435,7 +436,7 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
                         time.sleep(interval)
                         continue
                 report["updates"] += 1
-                why = differs(target, info.step)
+                why = oracle.differs_in(fmt, target, info.step)
                 if why is not None:
                     report["corrupt"] += 1
                     note("corrupt", f"worker holds wrong bits after updating to version {info.version}: {why}")
@@ -448,7 +449,7 @@ def follow(url: str, options: dict[str, Any], seed: int, stop_path: str, out_pat
                 report["errors"][type(e).__name__] += 1
                 if target is not None and good_step is not None:
                     # SPEC §7.6: a failed pull_into leaves the target as it was.
-                    why = differs(target, good_step)
+                    why = oracle.differs_in(fmt, target, good_step)
                     if why is not None:
                         report["corrupt"] += 1
                         note("corrupt", f"failed pull_into ({type(e).__name__}) changed the weights: {why}")

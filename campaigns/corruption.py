@@ -97,8 +97,8 @@ def judge_cli(tally: Tally, what: str, code: int | None, stderr: str, exc: BaseE
         tally.wrong("CLI error not one line / exit 1", f"{what}: exit {code}, stderr {stderr[:300]!r}")
 
 
-def read_checked(tally: Tally, differs: Any, what: str, fn: Any, step_of: Any) -> Any:
-    """Run a read; exact bits (``differs(state, step)`` is None: the oracle's) or a
+def read_checked(tally: Tally, oracle: Any, fmt: Any, what: str, fn: Any, step_of: Any) -> Any:
+    """Run a read; exact bits (the oracle's, in serving format ``fmt`` unless None) or a
     DeltastoreError, else count it."""
     from deltastore import DeltastoreError
 
@@ -110,7 +110,7 @@ def read_checked(tally: Tally, differs: Any, what: str, fn: Any, step_of: Any) -
     except Exception as e:  # noqa: BLE001
         tally.wrong(f"untyped {type(e).__name__}", f"{what}: {''.join(traceback.format_exception_only(type(e), e)).strip()}")
         return None
-    why = differs(state, step_of(version))
+    why = oracle.differs_in(fmt, state, step_of(version))
     if why is not None:
         tally.corrupt(f"{what} returned version {version} with wrong bits: {why}")
     return state
@@ -137,9 +137,6 @@ def run(server: Any, args: Any) -> Tally:
         # Sparse steps (a few elements of one tensor): most chunks of two runs stay equal, as
         # between two fine-tuning runs from one checkpoint. Other bits every trial.
         oracle = Oracle(args.seed * 100_003 + trial, forks={NEW_RUN: (0, 0)}, sparse=True)
-
-        def differs(state: Any, step: int | None, oracle: Any = oracle) -> str | None:
-            return oracle.differs(state, step) if fmt is None else oracle.differs_in(fmt, state, step)
 
         with open_store(url, storage_options=options) as store:
             model = oracle.model(0)
@@ -198,9 +195,9 @@ def run(server: Any, args: Any) -> Tally:
                 return target, (info.version if info else worker.version)
 
             before = tally.errors.total() + sum(tally.wrong_errors.values())
-            read_checked(tally, differs, f"{label}: pull_into from v{HELD}", forward, lambda v: step_of.get(v))
+            read_checked(tally, oracle, fmt, f"{label}: pull_into from v{HELD}", forward, lambda v: step_of.get(v))
             if tally.errors.total() + sum(tally.wrong_errors.values()) > before:
-                why = differs(target, held_step)
+                why = oracle.differs_in(fmt, target, held_step)
                 if why is not None:
                     tally.corrupt(f"{label}: failed pull_into changed the weights: {why}")
             worker.close()
@@ -213,8 +210,8 @@ def run(server: Any, args: Any) -> Tally:
                     state = sub.pull(version)
                     return state, sub.version
 
-            read_checked(tally, differs, f"{label}: pull()", lambda: fresh(None), lambda v: step_of.get(v))
-            read_checked(tally, differs, f"{label}: pull({older})", lambda: fresh(older), lambda v: step_of.get(v))
+            read_checked(tally, oracle, fmt, f"{label}: pull()", lambda: fresh(None), lambda v: step_of.get(v))
+            read_checked(tally, oracle, fmt, f"{label}: pull({older})", lambda: fresh(older), lambda v: step_of.get(v))
 
             code, stderr, exc = cli(["verify", url, "--all", *cli_args(server)])
             judge_cli(tally, f"{label}: verify --all", code, stderr, exc, must_fail=what != "new run" and not (what == "HEAD" and how == "flip"))

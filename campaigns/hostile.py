@@ -474,7 +474,7 @@ def run(server: Any, args: Any) -> Tally:
                     if same_layout and (version is None or not 1 <= version <= VERSIONS):
                         tally.corrupt(f"{label}: {what} returned version {version}, which does not exist")
                     elif same_layout:  # version v holds step v-1
-                        why = oracle.differs_in(fmt, state, version - 1) if served else oracle.differs(state, version - 1)
+                        why = oracle.differs_in(fmt if served else None, state, version - 1)
                         if why is not None:
                             tally.corrupt(f"{label}: {what} returned version {version} with wrong bits: {why}")
                 return True

@@ -166,9 +166,11 @@ class Oracle:
     def differs_in(self, fmt: Any, state: Mapping[str, torch.Tensor], step: int | None) -> str | None:
         """None when ``state`` holds exactly the bits of serving format ``fmt`` (a
         ``ServingFormat``) of ``step``: the reference derivation of the step's state; else why
-        not."""
+        not. ``fmt`` None: the bits as published (:meth:`differs`)."""
         from deltastore.serving.formats import derive
 
+        if fmt is None:
+            return self.differs(state, step)
         if step is None or step < 0:
             return f"version has no usable step ({step!r})"
         want = derive(self.model(step // STEP_BASE).state(step % STEP_BASE), fmt)

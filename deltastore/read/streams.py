@@ -136,6 +136,7 @@ class StreamView(Store):
         index = self._store_history.index(head)
         floor = 1 if index is None else index.floor
         last = self._carrier_of
+        got = None
         if last is not None and last[0] in (head.manifest, top.parent_manifest):
             found = last[1]  # HEAD's, or its parent's (a follower's next version)
         else:
@@ -145,7 +146,7 @@ class StreamView(Store):
         if found is None or (manifest_key_version(found) or 0) < floor:  # (found before the floor rose)
             raise unknown_format(self.format, self.inner.url, top, searched=True)
         if self._carrier_header is None or self._carrier_header[0] != found:  # a new one: said once
-            self._carrier_header = (found, parse_serving_header(self.inner.get(found), found))
+            self._carrier_header = got or (found, parse_serving_header(self.inner.get(found), found))
             logger.warning("version %d of %s has no serving format %r (its formats: %s): reading %r at version %d, "
                            "the newest that has it", top.version, self.inner.url, self.format,
                            ", ".join(top.formats()) or "none", self.format, self._carrier_header[1].version)
@@ -197,8 +198,10 @@ class StreamView(Store):
         got = self._search(head, version, 1 if index is None else index.floor)
         if got is None:
             return None
-        key, v, ref = got
-        return self._stream_key(key, v, ref), ref.sha256
+        key, header = got
+        ref = header.stream_ref(self.format)
+        assert ref is not None  # (a version with the stream is what _search finds)
+        return self._stream_key(key, header.version, ref), ref.sha256
 
     def _stream_key(self, key: str, version: int, ref: StreamRef) -> str:
         """The stream's manifest key (under the view) that the store's manifest ``key`` of
@@ -210,9 +213,9 @@ class StreamView(Store):
             )
         return ref.key[len(self.prefix):]
 
-    def _search(self, head: Head, below: int, floor: int) -> tuple[str, int, StreamRef] | None:
+    def _search(self, head: Head, below: int, floor: int) -> tuple[str, ServingHeader] | None:
         """The newest version in ``[floor, below)`` on ``head``'s chain with a stream of the
-        format: the store's manifest key, the version and its entry for the format (None: none).
+        format: the store's manifest key and the serving header of that manifest (None: none).
         The stream's listed manifests name the candidate versions (an uncommitted attempt's too:
         each is checked on the chain). The manifests read are not kept: a follower searches once."""
         n = len(self.prefix)
@@ -222,8 +225,9 @@ class StreamView(Store):
         history = History(self.inner)
         for v in versions:
             key, m = history.find(v, head)
-            if (ref := find_stream(m.streams, self.format)) is not None:
-                return key, v, ref
+            if find_stream(m.streams, self.format) is not None:
+                return key, ServingHeader(version=m.version, stream=m.stream, streams=tuple(m.streams),
+                                          parent_manifest=m.parent_manifest)
         return None
 
     def _key(self, key: str) -> str:

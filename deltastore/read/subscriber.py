@@ -606,8 +606,9 @@ class Subscriber:
                               check_size=r.check_model_size)
         if not streams:
             return report
+        # the streams of the manifests just checked (with all_versions, every retained version's)
         top = ms[-1][1].version  # the version checked (a newer HEAD meanwhile is not)
-        formats = sorted({f for i in self.log() for f in i.streams}) if all_versions else self.info(top).streams
+        formats = sorted({r.format for _, m in (ms if all_versions else ms[-1:]) for r in m.streams})
         checked = {}
         for fmt in formats:
             with Subscriber(self.url, store=self.store, format=fmt, **self._stream_options) as sub:
