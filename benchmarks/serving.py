@@ -4,11 +4,13 @@
                                  [--out benchmarks/results/serving.json]
 
 Publishes the same real fine-tuning steps (benchmarks.workload: a Llama-shaped decoder trained
-with full-parameter AdamW at lr 1e-6, fp32 masters, bf16 exports) five ways side by side, each
+with full-parameter AdamW at lr 1e-6, fp32 masters, bf16 exports) seven ways side by side, each
 into a local store on tmpfs: bf16 alone (today's publish), bf16 + ``fp8-block128``, bf16 +
-``mxfp8``, and each format again with every version derived in full
+``mxfp8``, each format again with every chunk in two steps (``deltastore.write.requant.ONE_STEP``
+off: classified on the encode threads, walked after the store's encode; the paired before/after
+of the one-step path), and each with every version derived in full
 (``deltastore.write.requant.ENABLED`` off: quantize the whole state, diff every byte; the
-paired before/after of the incremental derivation). Each state is published by all five in
+paired before/after of the incremental derivation). Each state is published by all seven in
 turn (lockstep; the order rotated per state), with a memory copy of the bf16 model timed beside
 them (``copy_`` into preallocated tensors, as benchmarks/perf.py measures it): every figure is
 a difference or ratio of timings taken within a fraction of a second of each other, so that
@@ -19,7 +21,8 @@ the machine's drift cancels out. It reports, per format and as ratios:
   (what a trainer uploading the quantized model at every step would upload);
 - the extra publish time of a delta version with the format over the bf16-only publish of the
   same state (derive, diff, encode, store), as a multiple of the copy timed beside it: the
-  median and quartiles over every delta version of every round, in full and incrementally;
+  median and quartiles over every delta version of every round, incrementally, in two steps
+  and in full;
 - the extra publish time of an anchor after deltas (the last version: the middle step again,
   ``anchor=True``), as a multiple of the copy, and spread over the versions between anchors
   under the default anchor policy (the bf16 anchor's bytes over its delta bytes per version);
@@ -92,9 +95,12 @@ def copy_timer(state: dict[str, torch.Tensor]) -> Callable[[], float]:
     return timed
 
 
-#: The configurations published side by side: (name, formats, incremental derivation).
-CONFIGS = (("bf16", (), True), *((f, ("bf16", f), True) for f in FORMATS),
-           *((f + " full", ("bf16", f), False) for f in FORMATS))
+#: The configurations published side by side: (name, formats, derivation: "incremental" (today's),
+#: "two-step" (every chunk classified on the encode threads, then rescaled and walked after the
+#: store's encode: ``requant.ONE_STEP`` off) or "full" (``requant.ENABLED`` off)).
+CONFIGS = (("bf16", (), "incremental"), *((f, ("bf16", f), "incremental") for f in FORMATS),
+           *((f + " two-step", ("bf16", f), "two-step") for f in FORMATS),
+           *((f + " full", ("bf16", f), "full") for f in FORMATS))
 
 
 def lockstep_round(states: list[dict[str, torch.Tensor]], root: Path,
@@ -113,14 +119,15 @@ def lockstep_round(states: list[dict[str, torch.Tensor]], root: Path,
     with contextlib.ExitStack() as stack:
         pubs = {name: stack.enter_context(Publisher(urls[name], formats=formats)) for name, formats, _ in CONFIGS}
         for v, state in enumerate(states):
-            for name, _, incremental in CONFIGS[v % len(CONFIGS):] + CONFIGS[:v % len(CONFIGS)]:
-                requant.ENABLED = incremental
+            for name, _, derivation in CONFIGS[v % len(CONFIGS):] + CONFIGS[:v % len(CONFIGS)]:
+                requant.ENABLED = derivation != "full"
+                requant.ONE_STEP = derivation == "incremental"
                 try:
                     t0 = time.perf_counter()
                     pubs[name].publish(state, anchor=v == len(states) - 1 and v > 0)
                     seconds[name].append(time.perf_counter() - t0)
                 finally:
-                    requant.ENABLED = True
+                    requant.ENABLED = requant.ONE_STEP = True
             copies.append(copy())
     return seconds, copies, urls
 
@@ -185,8 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             copies.append(round_copies)
         sizes = {name: stored_bytes(urls[name], len(states)) for name, _, _ in CONFIGS}
         identical = {fmt: bit_identity(urls[fmt], fmt, states) for fmt in FORMATS}
-    for fmt in FORMATS:  # the two derivations store the same streams
-        assert sizes[fmt] == sizes[fmt + " full"], fmt
+    for fmt in FORMATS:  # the derivations store the same streams
+        assert sizes[fmt] == sizes[fmt + " two-step"] == sizes[fmt + " full"], fmt
 
     def deltas(name: str) -> list[float]:
         """Seconds of the delta versions (the anchors, first and last, left out), all rounds."""
@@ -231,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "extra_s": statistics.median(x - b for x, b in zip(deltas(fmt), deltas("bf16"))),
             "extra_x_memcpy": statistics.median(ratios),
             "extra_x_memcpy_quartiles": quartiles(ratios),
+            "extra_two_step_x_memcpy": statistics.median(x_copy(fmt + " two-step")),
+            "extra_two_step_x_memcpy_quartiles": quartiles(x_copy(fmt + " two-step")),
             "extra_full_s": statistics.median(x - b for x, b in zip(deltas(fmt + " full"), deltas("bf16"))),
             "extra_full_x_memcpy": statistics.median(full_ratios),
             "extra_full_x_memcpy_quartiles": quartiles(full_ratios),

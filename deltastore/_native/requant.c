@@ -543,6 +543,83 @@ static int walk_chunk(walk *w, int fmt, int digest, XXH3_state_t *st, int *hashe
     return 0;
 }
 
+/* The walk of chunk [w->e0, w->e1) and its digest (`digest` as encode_add's), into *h when
+ * *hashed; `st` a state to hash with. Runs without the GIL. 0, or -1: no memory, or an entry out
+ * of step (w->out_of_step). */
+static int walk_digest(walk *w, int fmt, int digest, XXH3_state_t *st, XXH128_hash_t *h, int *hashed) {
+    *hashed = 0;
+    if (w->e1 == w->e0) {
+        if (digest == DIGEST_ALWAYS) {
+            *h = DS_XXH3_128(w->old, 0);
+            *hashed = 1;
+        }
+        return 0;
+    }
+    int rc = walk_chunk(w, fmt, digest, st, hashed);
+    if (rc == 0 && *hashed) *h = XXH3_128bits_digest(st);
+    return rc;
+}
+
+/* requant_delta's result for a walk that returned `rc` (NULL with the error set when it failed),
+ * led by `lead` when `led` (requant_chunk's). Frees the walk's emitter. */
+static PyObject *walk_result(walk *w, int rc, int hashed, XXH128_hash_t h, int led, size_t lead) {
+    PyObject *result = NULL;
+    if (rc < 0 && w->out_of_step) {
+        PyErr_SetString(PyExc_ValueError, "requant: an old code differs from the reference's: the reference is not "
+                                          "the state the changes start from");
+    } else if (rc < 0) {
+        PyErr_NoMemory();
+    } else {
+        emitter *e = &w->em;
+        PyObject *hex = hashed ? ds_hex128(h.high64, h.low64) : Py_NewRef(Py_None);
+#define BYTES(p) ((p) != NULL ? (const char *)(p) : "") /* y# of NULL would be None */
+        if (hex != NULL) {
+            PyObject *planes = Py_BuildValue("(ny#y#ky#y#N)", (Py_ssize_t)e->k, BYTES(e->syms), (Py_ssize_t)e->k,
+                                             BYTES(e->rest), (Py_ssize_t)(4 * e->n_rest), (unsigned long)e->max_rest,
+                                             BYTES(e->codes), (Py_ssize_t)((e->k + 1) / 2), BYTES(e->esc),
+                                             (Py_ssize_t)e->n_esc, hex);
+            if (!led || planes == NULL) {
+                result = planes;
+            } else { /* (lead, *planes) */
+                Py_ssize_t k = PyTuple_GET_SIZE(planes);
+                result = PyTuple_New(k + 1);
+                PyObject *n = result != NULL ? PyLong_FromSize_t(lead) : NULL;
+                if (n == NULL) {
+                    Py_CLEAR(result);
+                } else {
+                    PyTuple_SET_ITEM(result, 0, n);
+                    for (Py_ssize_t i = 0; i < k; i++) PyTuple_SET_ITEM(result, i + 1, Py_NewRef(PyTuple_GET_ITEM(planes, i)));
+                }
+                Py_DECREF(planes);
+            }
+        }
+#undef BYTES
+    }
+    em_free(&w->em);
+    return result;
+}
+
+/* The walk of chunk [e0, e1) of a [., cols] tensor whose new bfloat16 bits are `src`: the changed
+ * codes outside dirty blocks (pos/oc/nc, np entries), the dirty blocks and the new scales, and
+ * the chunk's reference codes `old`, advanced in place. */
+static walk walk_of(const uint16_t *src, size_t cols, size_t e0, size_t e1, const int64_t *pos, size_t np,
+                    const uint8_t *oc, const uint8_t *nc, const uint8_t *dirty, const void *scales, uint8_t *old) {
+    walk w;
+    memset(&w, 0, sizeof w);
+    w.src = src;
+    w.cols = cols;
+    w.e0 = e0;
+    w.e1 = e1;
+    w.pos = pos;
+    w.np = np;
+    w.oc = oc;
+    w.nc = nc;
+    w.dirty = dirty;
+    w.scales = scales;
+    w.old = old;
+    return w;
+}
+
 PyDoc_STRVAR(requant_delta_doc,
 "requant_delta(fmt, src, rows, cols, r0, r1, positions, old_codes, new_codes, dirty, scales,\n"
 "    old, digest) -> (n_changed, gap_symbols, gap_rests, max_rest, value_codes,\n"
@@ -585,52 +662,125 @@ static PyObject *py_requant_delta(PyObject *self, PyObject *args) {
                                               "are not increasing within the chunk");
             goto out;
         }
-        walk w;
-        memset(&w, 0, sizeof w);
-        w.src = (const uint16_t *)bf[0].buf;
-        w.cols = (size_t)cols;
-        w.e0 = (size_t)e0;
-        w.e1 = (size_t)e1;
-        w.pos = pos;
-        w.np = (size_t)np;
-        w.oc = (const uint8_t *)bf[2].buf;
-        w.nc = (const uint8_t *)bf[3].buf;
-        w.dirty = (const uint8_t *)bf[4].buf;
-        w.scales = bf[5].buf;
-        w.old = (uint8_t *)bf[6].buf;
+        walk w = walk_of((const uint16_t *)bf[0].buf, (size_t)cols, (size_t)e0, (size_t)e1, pos, (size_t)np,
+                         (const uint8_t *)bf[2].buf, (const uint8_t *)bf[3].buf, (const uint8_t *)bf[4].buf, bf[5].buf,
+                         (uint8_t *)bf[6].buf);
         int rc = -1, hashed = 0;
         XXH128_hash_t h = {0, 0};
         XXH3_state_t *st = XXH3_createState();
         Py_BEGIN_ALLOW_THREADS
-        if (st != NULL && e1 > e0) {
-            rc = walk_chunk(&w, fmt, digest, st, &hashed);
-        } else if (st != NULL) {
-            rc = 0;
-            if (digest == DIGEST_ALWAYS) {
-                h = DS_XXH3_128(w.old, 0);
-                hashed = 1;
-            }
-        }
-        if (rc == 0 && hashed && e1 > e0) h = XXH3_128bits_digest(st);
+        if (st != NULL) rc = walk_digest(&w, fmt, digest, st, &h, &hashed);
         Py_END_ALLOW_THREADS
         XXH3_freeState(st);
-        if (rc < 0 && w.out_of_step) {
-            PyErr_SetString(PyExc_ValueError, "requant_delta: an old code differs from the reference's: the reference "
-                                              "is not the state the changes start from");
-        } else if (rc < 0) {
-            PyErr_NoMemory();
-        } else {
-            emitter *e = &w.em;
-            PyObject *hex = hashed ? ds_hex128(h.high64, h.low64) : Py_NewRef(Py_None);
-#define BYTES(p) ((p) != NULL ? (const char *)(p) : "") /* y# of NULL would be None */
-            if (hex != NULL)
-                result = Py_BuildValue("(ny#y#ky#y#N)", (Py_ssize_t)e->k, BYTES(e->syms), (Py_ssize_t)e->k,
-                                       BYTES(e->rest), (Py_ssize_t)(4 * e->n_rest), (unsigned long)e->max_rest,
-                                       BYTES(e->codes), (Py_ssize_t)((e->k + 1) / 2), BYTES(e->esc),
-                                       (Py_ssize_t)e->n_esc, hex);
-#undef BYTES
+        result = walk_result(&w, rc, hashed, h, 0, 0);
+    }
+out:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&bf[i]);
+    return result;
+}
+
+PyDoc_STRVAR(requant_chunk_doc,
+"requant_chunk(fmt, rows, cols, start, positions, old_values, new_values, src, scales, amax,\n"
+"    dirty, old, digest) -> (n_dirty, n_changed, gap_symbols, gap_rests, max_rest, value_codes,\n"
+"    value_escapes, digest)\n\n"
+"The three steps in one, for a chunk that holds whole blocks: elements [start, start + len(old))\n"
+"of the [rows, cols] tensor, whole rows, and for fmt 0 (fp8-block128) whole block rows (start\n"
+"and the end on multiples of 128 rows, or the end at the tensor's end). Its change list\n"
+"(positions in the chunk, old and new bfloat16 bits, as for requant_classify) classified,\n"
+"the chunk's dirty blocks rescaled from `src` (the tensor's new bits) into `scales` and `amax`\n"
+"(in place; dirty[b] of the chunk's blocks set to 1 for a dirty block, 0 otherwise), and the\n"
+"chunk walked: requant_delta's result for it, led by the number of dirty blocks. No other\n"
+"chunk's blocks are read or written, so the chunks of a tensor may run on several threads at\n"
+"once. ValueError for buffers that do not fit, a chunk that does not hold whole blocks, an\n"
+"inconsistent change list, or an old code that is not the reference's. Releases the GIL. On an\n"
+"error `old`, `scales`, `amax` and `dirty` may be partly updated.");
+
+static PyObject *py_requant_chunk(PyObject *self, PyObject *args) {
+    (void)self;
+    int fmt, digest;
+    Py_ssize_t rows, cols, start;
+    PyObject *o[8];
+    if (!PyArg_ParseTuple(args, "innnOOOOOOOOi:requant_chunk", &fmt, &rows, &cols, &start, &o[0], &o[1], &o[2],
+                          &o[3], &o[4], &o[5], &o[6], &o[7], &digest))
+        return NULL;
+    Py_ssize_t nb = n_blocks(fmt, rows, cols);
+    if (nb < 0) return NULL;
+    if (digest < DIGEST_NONE || digest > DIGEST_ALWAYS) {
+        PyErr_SetString(PyExc_ValueError, "requant_chunk: digest must be 0, 1 or 2");
+        return NULL;
+    }
+    static const char *const names[8] = {"positions", "old_values", "new_values", "src",
+                                         "scales",    "amax",       "dirty",      "old"};
+    Py_buffer bf[8];
+    int held = 0;
+    PyObject *result = NULL;
+    for (; held < 8; held++)
+        if (ds_get_buffer(o[held], &bf[held], held >= 4, names[held]) < 0) goto out;
+    {
+        Py_ssize_t n_elems = rows * cols, sw = fmt == FMT_MX ? 1 : 4, n = bf[0].len / 4, len = bf[7].len;
+        Py_ssize_t e1 = start + len, r0 = cols ? start / cols : 0, r1 = cols ? e1 / cols : 0;
+        int whole = start >= 0 && e1 <= n_elems && cols > 0 && start % cols == 0 && e1 % cols == 0 &&
+                    (uint64_t)len <= 0xFFFFFFFFull &&
+                    (fmt == FMT_MX || (r0 % QB == 0 && (r1 % QB == 0 || r1 == rows)));
+        if (bf[3].len != 2 * n_elems || bf[4].len != nb * sw || bf[5].len != 2 * nb || bf[6].len != nb || !whole) {
+            PyErr_SetString(PyExc_ValueError, "requant_chunk: src, scales, amax, dirty or old does not fit the "
+                                              "tensor, or the chunk does not hold whole blocks");
+            goto out;
         }
-        em_free(&w.em);
+        const uint32_t *ps = (const uint32_t *)bf[0].buf;
+        uint32_t unordered = 0;
+        for (Py_ssize_t i = 1; i < n; i++) unordered |= ps[i] <= ps[i - 1]; /* increasing (vectorizes) */
+        if (bf[0].len % 4 || bf[1].len != 2 * n || bf[2].len != 2 * n || unordered || (n && ps[n - 1] >= len)) {
+            PyErr_SetString(PyExc_ValueError, "requant_chunk: the chunk's change list is inconsistent");
+            goto out;
+        }
+        size_t nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
+        /* the chunk's blocks: [b0, b1) */
+        size_t b0 = fmt == FMT_MX ? (size_t)start / MXB : (size_t)(r0 / QB) * nbc;
+        size_t b1 = fmt == FMT_MX ? (size_t)e1 / MXB : (size_t)((r1 + QB - 1) / QB) * nbc;
+        float *mults = fmt == FMT_FP8 ? (float *)malloc(sizeof(float) * (size_t)(nb ? nb : 1)) : NULL;
+        batch *t = (batch *)malloc(sizeof(batch));
+        XXH3_state_t *st = XXH3_createState();
+        dsbuf pos = {0}, oc = {0}, nc = {0};
+        uint8_t *dirty = (uint8_t *)bf[6].buf;
+        int rc = (fmt == FMT_FP8 && mults == NULL) || t == NULL || st == NULL ? -1 : 0, hashed = 0;
+        size_t n_dirty = 0;
+        XXH128_hash_t h = {0, 0};
+        walk w = walk_of((const uint16_t *)bf[3].buf, (size_t)cols, (size_t)start, (size_t)e1, NULL, 0, NULL, NULL,
+                         dirty, bf[4].buf, (uint8_t *)bf[7].buf);
+        Py_BEGIN_ALLOW_THREADS
+        if (rc == 0) {
+            if (mults)
+                for (size_t b = b0; b < b1; b++) {
+                    float s = ((const float *)bf[4].buf)[b];
+                    mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
+                }
+            memset(dirty + b0, 0, b1 - b0);
+            rc = classify_chunk(fmt, ps, (const uint16_t *)bf[1].buf, (const uint16_t *)bf[2].buf, (size_t)n,
+                                (size_t)start, (size_t)cols, nbc, bf[4].buf, mults, (const uint16_t *)bf[5].buf, dirty,
+                                &pos, &oc, &nc, t);
+        }
+        if (rc == 0) {
+            for (const uint8_t *d = dirty + b0, *end = dirty + b1; (d = (const uint8_t *)memchr(d, 1, (size_t)(end - d)));
+                 d++) {
+                rescale_block(fmt, w.src, (size_t)rows, (size_t)cols, nbc, (size_t)(d - dirty), bf[4].buf,
+                              (uint16_t *)bf[5].buf);
+                n_dirty++;
+            }
+            w.pos = (const int64_t *)pos.p;
+            w.np = pos.len / 8;
+            w.oc = oc.p;
+            w.nc = nc.p;
+            rc = walk_digest(&w, fmt, digest, st, &h, &hashed);
+        }
+        Py_END_ALLOW_THREADS
+        free(mults);
+        free(t);
+        XXH3_freeState(st);
+        result = walk_result(&w, rc, hashed, h, 1, n_dirty);
+        free(pos.p);
+        free(oc.p);
+        free(nc.p);
     }
 out:
     for (int i = 0; i < held; i++) PyBuffer_Release(&bf[i]);
@@ -643,6 +793,7 @@ PyMethodDef ds_requant_methods[] = {
     {"requant_classify", py_requant_classify, METH_VARARGS, requant_classify_doc},
     {"requant_rescale", py_requant_rescale, METH_VARARGS, requant_rescale_doc},
     {"requant_delta", py_requant_delta, METH_VARARGS, requant_delta_doc},
+    {"requant_chunk", py_requant_chunk, METH_VARARGS, requant_chunk_doc},
 #endif
     {NULL, NULL, 0, NULL},
 };

@@ -79,6 +79,7 @@ scatter_changes = getattr(_native, "scatter_changes", None)
 requant_classify = getattr(_native, "requant_classify", None)
 requant_rescale = getattr(_native, "requant_rescale", None)
 requant_delta = getattr(_native, "requant_delta", None)
+requant_chunk = getattr(_native, "requant_chunk", None)
 #: See deltastore/_native/module.c (models.untrack_entries: manifests' chunk tables).
 untrack = getattr(_native, "untrack", None)
 #: See deltastore/_native/zstd.c: a segment's zstd frames in one call without the GIL, through

@@ -501,7 +501,7 @@ class Publisher:
         if changes is not None:
             change_lists = set().union(*(w.change_lists(state) for w in derived))
             for w in derived:
-                for name, sink in w.sinks(state, version).items():
+                for name, sink in w.sinks(state, version, specs).items():
                     sinks.setdefault(name, []).append(sink)
         # an anchor's chunks of the tensors the streams keep as they are: their anchors take them
         anchors: dict[str, list[AnchorChunk]] | None = (

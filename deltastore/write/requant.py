@@ -16,6 +16,15 @@ chunk's changed elements (positions, old and new bits). From them, per tensor:
   chunk's delta, the reference's advance and the state digest come out of one walk over the
   chunk, exactly as the full path's (the tests compare the two byte for byte); its scale tensor
   is encoded only when a block turned dirty.
+
+  A chunk that holds whole blocks (every ``mxfp8`` chunk; an ``fp8-block128`` chunk of whole
+  128-row block rows, or the tensor's only chunk), chunked alike in the stream and the store,
+  is done in one step on the store's encode thread that listed its changes
+  (``requant_chunk``): classified, its dirty blocks rescaled, walked, hashed and its segment
+  entropy coded there, while the chunk is in cache, on the threads the store's scan keeps
+  busy. Its blocks are its own, so no other chunk waits for it. Other chunks take two steps:
+  classified there, then rescaled and walked in :meth:`Requantizer.derive`, once every chunk
+  of the tensor has been classified (a dirty block may span two chunks).
 - **a tensor the format keeps** (bfloat16 in both) has, chunk for chunk, the store's delta
   (``encode_version(changes=)``): its segment and digest are reused, and the stream's reference
   is advanced at the changed elements.
@@ -38,7 +47,7 @@ import numpy as np
 import torch
 
 from deltastore._util import kernels
-from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segments_from_planes
+from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segment_from_planes, add_segments_from_planes
 from deltastore.codec.container import Segment
 from deltastore.format.keys import sha256_hex
 from deltastore.layout.tensors import TensorSpec, bits
@@ -50,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 #: False derives every version in full (benchmarks/serving.py times both ways in one run).
 ENABLED = True
+
+#: False takes two steps for every chunk (benchmarks time the one-step path against it).
+ONE_STEP = True
 
 #: requant.c's format codes.
 _FORMAT_CODE = {"fp8-block128": 0, "mxfp8": 1}
@@ -86,13 +98,29 @@ def _bf16_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
 
 
+#: A chunk encoded here: its delta segment, state digest and the segment's SHA-256.
+_Coded = tuple[Segment, str, str]
+
+
 class _Marks:
     """A quantized tensor's changes classified in the version being encoded
-    (``requant_classify``): the blocks found dirty, and each changed chunk's changed codes."""
+    (``requant_classify``): the blocks found dirty, and each changed chunk's changed codes; or,
+    done in one step (``requant_chunk``), each changed chunk's segment, digest and SHA-256
+    (None: no code changed) and the tensor's new scales."""
 
-    def __init__(self, blocks: int):
+    def __init__(self, blocks: int, scales: np.ndarray | None = None):
         self.dirty = np.zeros(blocks, dtype=np.uint8)
         self.chunks: dict[int, tuple[bytes, bytes, bytes]] = {}  # chunk index → positions, old, new codes
+        #: one step: the new scales (a copy of the reference's, rescaled in place chunk by chunk)
+        self.scales = scales
+        self.coded: dict[int, _Coded | None] = {}  # one step: chunk index → its encoding
+        self.n_dirty: dict[int, int] = {}  # one step: chunk index → its dirty blocks
+
+    def covers(self, changes: list[ChunkChange]) -> bool:
+        """Every chunk the store listed as changed was classified (or done in one step), and
+        none else."""
+        done = self.coded if self.scales is not None else self.chunks
+        return len(done) == len(changes) and all(c.index in done for c in changes)
 
 
 class _Sink:
@@ -112,6 +140,43 @@ class _Sink:
                                                        new_values, self.scales, self.amax, marks.dirty)
 
 
+class _OneStep:
+    """The change sink of one quantized tensor whose chunks hold whole blocks, chunked alike in
+    the stream and the store: each changed chunk done in one step (``requant_chunk``) into
+    ``marks``, the stream's reference of it (``ref``, codes) advanced in place. Slotted, as
+    :class:`_Sink`."""
+
+    __slots__ = ("code", "rows", "cols", "src", "amax", "ref", "spec", "marks")
+
+    def __init__(self, code: int, t: torch.Tensor, amax: np.ndarray, ref: np.ndarray, spec: TensorSpec,
+                 marks: _Marks):
+        self.code, self.rows, self.cols = code, int(t.shape[0]), int(t.shape[1])
+        self.src, self.amax, self.ref, self.spec, self.marks = bits(t), amax, ref, spec, marks
+
+    def __call__(self, index: int, start: int, positions: object, old_values: object, new_values: object) -> None:
+        marks = self.marks
+        stop = self.spec.chunk_span(index)[1]
+        got = kernels.requant_chunk(self.code, self.rows, self.cols, start, positions, old_values, new_values,
+                                    self.src, marks.scales, self.amax, marks.dirty, self.ref[start:stop],
+                                    DIGEST_IF_CHANGED)
+        n_dirty, n, syms, rest, max_rest, codes, esc, digest = got
+        coded = None
+        if n:
+            seg = add_segment_from_planes(stop - start, 1, n, syms, rest, max_rest, codes, esc)
+            coded = (seg, digest, sha256_hex(seg.data))
+        marks.n_dirty[index] = n_dirty
+        marks.coded[index] = coded
+
+
+def _whole_blocks(fmt: ServingFormat, spec: TensorSpec | None, store_spec: TensorSpec | None) -> bool:
+    """Each chunk of a tensor holds whole blocks of ``fmt`` and spans the same elements in the
+    stream's layout (``spec``) and the store's: it can be done in one step."""
+    if not ONE_STEP or not _chunked_alike(spec, store_spec) or kernels.requant_chunk is None:
+        return False
+    assert spec is not None
+    return fmt.name == "mxfp8" or spec.n_chunks == 1 or spec.chunk_rows % 128 == 0
+
+
 class Derived(NamedTuple):
     """A stream's derived state and how its delta is encoded (:meth:`Requantizer.derive`)."""
 
@@ -124,6 +189,8 @@ class Derived(NamedTuple):
     incremental: set[str]
     #: the kept tensors whose chunks are the store's delta
     reused: set[str]
+    #: nothing derived: the reference was advanced in part (see :meth:`Requantizer.derive`)
+    stale: bool = False
 
 
 class Requantizer:
@@ -145,12 +212,15 @@ class Requantizer:
         self._marks.clear()
 
     def prepare(self, state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
-                specs: Mapping[str, TensorSpec]) -> dict[str, ChangeSink]:
-        """Before the store encodes its delta version of ``state``, when ``reference`` (of layout
-        ``specs``) holds the stream's state of the version that delta starts from: a sink per
-        quantized tensor that can be requantized incrementally, to classify its changes as the
-        store's encoder lists them (``encode_version(sinks=)``). The next :meth:`derive` uses
-        what they classified."""
+                specs: Mapping[str, TensorSpec],
+                store_specs: Mapping[str, TensorSpec] | None = None) -> dict[str, ChangeSink]:
+        """Before the store encodes its delta version of ``state`` (in layout ``store_specs``),
+        when ``reference`` (of layout ``specs``) holds the stream's state of the version that
+        delta starts from: a sink per quantized tensor that can be requantized incrementally, to
+        classify its changes as the store's encoder lists them (``encode_version(sinks=)``), or
+        to do its chunks in one step where they hold whole blocks (see the module docstring;
+        such a sink advances the reference: should the version fail, the caller drops it). The
+        next :meth:`derive` uses what they did."""
         self._marks = {}
         if not ENABLED or kernels.requant_classify is None or self.format.scale_suffix is None:
             return {}
@@ -161,6 +231,11 @@ class Requantizer:
             if (blocks is None or ref is None or not _bf16_cpu(t) or not _plain(specs.get(name))
                     or ref.dtype != torch.float8_e4m3fn or ref.shape != t.shape
                     or not self.format.selects(name, t.shape)):
+                continue
+            spec = specs[name]
+            if store_specs is not None and _whole_blocks(self.format, spec, store_specs.get(name)):
+                marks = self._marks[name] = _Marks(blocks[0].size, scales=blocks[1].copy())
+                sinks[name] = _OneStep(code, t, blocks[0], bits(ref), spec, marks)
                 continue
             marks = self._marks[name] = _Marks(blocks[0].size)
             rows, cols = t.shape
@@ -195,6 +270,7 @@ class Requantizer:
                  and store_specs is not None)
         quantized: list[str] = []
         kept: list[str] = []
+        stale = False  # a tensor done in one step in part only: its reference is of no version
         if ready:
             assert reference is not None and specs is not None and store_specs is not None and changes is not None
             for name, t in state.items():
@@ -203,11 +279,17 @@ class Requantizer:
                 if suffix is not None and fmt.selects(name, t.shape):
                     m = marks.get(name)
                     # every changed chunk classified (a chunk the store did not list is not)
-                    if m is not None and set(m.chunks) == {c.index for c in changes[name]}:
+                    if m is not None and m.covers(changes[name]):
                         quantized.append(name)
+                    elif m is not None and m.scales is not None and m.coded:
+                        stale = True  # not reached: the store lists every chunk its sinks saw
                 elif ((name in shared or all(c.positions is not None for c in changes[name]))
                       and _chunked_alike(specs[name], store_specs.get(name)) and _kept_reference(reference[name], t)):
                     kept.append(name)
+        if stale:
+            # what the one-step sinks advanced is of no version: the caller drops the reference
+            # and derives the version in full, without a base
+            return Derived({}, {}, set(), set(), stale=True)
         plans = [self._requantize(n, state[n], changes[n], marks[n]) for n in quantized]  # type: ignore[index]
         assert not plans or (reference is not None and specs is not None)
         encoded = _encode_chunks(plans, reference, specs, suffix or "", pool, threads)  # type: ignore[arg-type]
@@ -240,8 +322,14 @@ class Requantizer:
         code = _FORMAT_CODE[self.format.name]
         amax, old_scales = self._blocks[name]
         rows, cols = t.shape
-        scales = old_scales.copy()
         src = bits(t)
+        if marks.scales is not None:  # done in one step: its chunks are coded, its scales rescaled
+            self._blocks[name] = (amax, marks.scales)
+            scale = torch.from_numpy(marks.scales).view(scale_shape(self.format.name, t.shape))
+            return _Plan(name, code, src, rows, cols, None, None, None, marks.dirty, amax, marks.scales, scale,
+                         coded={i: c for i, c in marks.coded.items() if c is not None},
+                         n_dirty=sum(marks.n_dirty.values()))
+        scales = old_scales.copy()
         parts = [marks.chunks[c.index] for c in sorted(changes, key=lambda c: c.start)]
         pos = np.frombuffer(b"".join(p[0] for p in parts), dtype=np.int64)
         oc = np.frombuffer(b"".join(p[1] for p in parts), dtype=np.uint8)
@@ -251,26 +339,32 @@ class Requantizer:
         return _Plan(name, code, src, rows, cols, pos, oc, nc, marks.dirty, amax, scales, scale)
 
 
-#: A chunk encoded by :func:`_encode_chunks`: its delta segment, state digest and the segment's SHA-256.
-_Coded = tuple[Segment, str, str]
-
-
 class _Plan(NamedTuple):
     """A quantized tensor requantized incrementally: its scales and what its chunks' deltas are
-    encoded from (``requant_delta``)."""
+    encoded from (``requant_delta``), or its chunks already coded in one step."""
 
     name: str
     code: int
     src: np.ndarray
     rows: int
     cols: int
-    pos: np.ndarray
-    oc: np.ndarray
-    nc: np.ndarray
+    pos: np.ndarray | None
+    oc: np.ndarray | None
+    nc: np.ndarray | None
     dirty: np.ndarray
     amax: np.ndarray
     scales: np.ndarray
     scale: torch.Tensor
+    #: done in one step (``requant_chunk``): its changed chunks' encodings, and its dirty blocks
+    coded: dict[int, _Coded] | None = None
+    n_dirty: int = 0
+
+    def work(self, plain_scale: bool) -> int:
+        """Elements :func:`_encode_chunks` walks for it: none when it was done in one step and
+        its scales did not change (or are not stored as themselves)."""
+        if self.coded is None:
+            return self.src.size
+        return self.scales.size if self.n_dirty and plain_scale else 0
 
 
 def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec],
@@ -285,19 +379,24 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
     planes' compressor calls each give up and retake the GIL, which the other thread holds."""
     parts: list[list[int]] = [[] for _ in range(max(1, threads if pool is not None else 1))]
     loads = [0] * len(parts)
-    for k in sorted(range(len(plans)), key=lambda k: -plans[k].src.size):
+    work = [p.work(_plain(specs.get(p.name + suffix))) for p in plans]
+    for k in sorted((k for k in range(len(plans)) if work[k]), key=lambda k: -work[k]):
         i = loads.index(min(loads))
         parts[i].append(k)
-        loads[i] += plans[k].src.size
+        loads[i] += work[k]
 
     def task(part: list[int]) -> list[tuple[int, int, int, Segment, str, str]]:
         raw, keys = [], []
         for k in part:
             p = plans[k]
-            n_dirty = kernels.requant_rescale(p.code, p.src, p.rows, p.cols, p.scales, p.amax, p.dirty)
+            one_step = p.coded is not None
+            n_dirty = p.n_dirty if one_step else kernels.requant_rescale(p.code, p.src, p.rows, p.cols, p.scales,
+                                                                         p.amax, p.dirty)
             for what, name in ((0, p.name), (1, p.name + suffix)):
                 spec = specs.get(name)
                 if what and (not n_dirty or not _plain(spec)):  # the scales changed only in a dirty block
+                    continue
+                if not what and one_step:  # coded on the store's encode threads
                     continue
                 assert spec is not None
                 ref = bits(reference[name])
@@ -308,6 +407,7 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
                         got = kernels.encode_add(ref[start:stop], new[start:stop], new.itemsize, True,
                                                  DIGEST_IF_CHANGED)
                     else:
+                        assert p.pos is not None and p.oc is not None and p.nc is not None
                         lo, hi = np.searchsorted(p.pos, (start, stop))
                         got = kernels.requant_delta(p.code, p.src, p.rows, p.cols, start // p.cols, stop // p.cols,
                                                     p.pos[lo:hi], p.oc[lo:hi], p.nc[lo:hi], p.dirty, p.scales,
@@ -320,7 +420,7 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
         return [(k, what, index, seg, digest, sha256_hex(seg.data))
                 for (k, what, index, digest), seg in zip(keys, add_segments_from_planes(raw))]
 
-    out: list[tuple[dict[int, _Coded], dict[int, _Coded]]] = [({}, {}) for _ in plans]
+    out: list[tuple[dict[int, _Coded], dict[int, _Coded]]] = [(p.coded or {}, {}) for p in plans]
     for done in (pool.map if pool is not None else map)(task, [p for p in parts if p]):
         for k, what, index, seg, digest, sha in done:
             out[k][what][index] = (seg, digest, sha)

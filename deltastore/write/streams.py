@@ -143,13 +143,16 @@ class StreamWriter:
         chunks from the store's anchor (``encode_version(anchors=)``) where the layouts agree."""
         return {n for n, t in state.items() if t.dtype == torch.bfloat16 and not self.format.selects(n, t.shape)}
 
-    def sinks(self, state: Mapping[str, torch.Tensor], version: int) -> dict[str, ChangeSink]:
+    def sinks(self, state: Mapping[str, torch.Tensor], version: int,
+              store_specs: Mapping[str, TensorSpec] | None = None) -> dict[str, ChangeSink]:
         """The change sinks (``encode_version(sinks=)``) of the store's delta ``version`` of
-        ``state``, for this stream's quantized tensors, when its reference holds the state of
-        ``version - 1`` (:meth:`Requantizer.prepare`); none otherwise."""
+        ``state`` (in the store's layout ``store_specs``), for this stream's quantized tensors,
+        when its reference holds the state of ``version - 1`` (:meth:`Requantizer.prepare`);
+        none otherwise. They may advance the reference: should the version fail, the caller
+        calls :meth:`drop`."""
         if self._reference is None or self._specs is None or self._reference_version != version - 1:
             return {}
-        return self._requant.prepare(state, self._reference, self._specs)
+        return self._requant.prepare(state, self._reference, self._specs, store_specs)
 
     def drop(self, *, blocks: bool = True) -> None:
         """Forget the reference (an attempt failed: encoding advanced it past every version),
@@ -209,10 +212,14 @@ class StreamWriter:
         # the stream's reference is the state of the store's version the store's delta starts from
         based = (kind == "delta" and changes is not None and self._reference is not None
                  and self._reference_version == version - 1)
-        derived, sources, incremental, reused = self._requant.derive(
+        got = self._requant.derive(
             state, pool=pool, reuse=spare, reference=self._reference if based else None,
             specs=self._specs if based else None, store_specs=store_specs, changes=changes if based else None,
             shared=self._shared, threads=threads)
+        if got.stale:  # the sinks advanced the reference in part: it holds no version
+            self.drop()
+            got = self._requant.derive(state, pool=pool, reuse=spare)
+        derived, sources, incremental, reused = got.state, got.sources, got.incremental, got.reused
         taken: dict[str, ChunkSource] = {}  # of an anchor: kept tensors' chunks, the store's
         if (kind == "anchor" and anchors is not None and store_specs is not None and store_has_base
                 and self._reference is not None and self._specs is not None and self._reference_version == version - 1):
@@ -228,7 +235,7 @@ class StreamWriter:
             # is, and so do the blocks its derivation kept; nothing is taken from the store.
             self.drop(blocks=bool(incremental))
             if incremental:
-                derived, sources, incremental, reused = self._requant.derive(state, pool=pool)
+                derived, sources, incremental, reused, _ = self._requant.derive(state, pool=pool)
             sources, reused, taken = {}, set(), {}
         del spare
         if self._reference is None and resume and tip is not None:
@@ -242,7 +249,7 @@ class StreamWriter:
                 pass
         has_base = same_layout and self._reference is not None
         if incremental and not has_base:  # not reached (the layouts were compared): stand-ins hold old codes
-            derived, sources, incremental, reused = self._requant.derive(state, pool=pool)
+            derived, sources, incremental, reused, _ = self._requant.derive(state, pool=pool)
         stream_kind = "anchor" if kind == "anchor" or not has_base else "delta"
         specs = self._specs if same_layout and self._specs is not None else self.layout_policy.units(derived)
         if kind == "anchor" and anchors is not None and store_specs is not None:

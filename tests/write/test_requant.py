@@ -116,6 +116,62 @@ def test_incremental_requantization_equals_a_full_one_byte_for_byte(code: int, s
         assert results[i] == ref, f"chunk rows [{r0}, {r1})"
 
 
+@pytest.mark.parametrize("code", [0, 1], ids=["fp8-block128", "mxfp8"])
+@pytest.mark.parametrize("chunk_rows", [300, 128], ids=["one-chunk", "chunks-of-block-rows"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_chunk_of_whole_blocks_requantized_in_one_step_equals_the_three(code: int, chunk_rows: int,
+                                                                          seed: int) -> None:
+    rows, cols = 300, 416
+    w0 = _weights(rows, cols, seed)
+    w1 = _changed(w0, seed)
+    before, codes, scales, amax, results = _step(code, rows, cols, w0, w1, chunk_rows)
+    q0, s0 = QUANTIZE[code](w0, amax=(amax1 := np.empty(amax.size, np.uint16)))
+    codes1, scales1 = before.copy(), s0.numpy().reshape(-1).copy()
+    dirty = np.full(amax.size, 7, np.uint8)  # each chunk sets its own blocks' flags
+    old = _bits(w0).copy()
+    spans = [(r0, min(rows, r0 + chunk_rows)) for r0 in range(0, rows, chunk_rows)]
+    dirty_blocks = 0
+    for i, (r0, r1) in reversed(list(enumerate(spans))):  # any order: no chunk reads another's blocks
+        listed = kernels.encode_add(old[r0 * cols:r1 * cols], _bits(w1)[r0 * cols:r1 * cols], 2, True, 1, True)[7:]
+        got = kernels.requant_chunk(code, rows, cols, r0 * cols, *listed, _bits(w1), scales1, amax1, dirty,
+                                    codes1[r0 * cols:r1 * cols], 1)
+        assert got[1:] == results[i], f"chunk rows [{r0}, {r1})"
+        dirty_blocks += got[0]
+    assert np.array_equal(codes1, codes)
+    assert np.array_equal(scales1.view(np.uint8), scales.view(np.uint8))
+    assert np.array_equal(amax1, amax)
+    assert set(np.unique(dirty)) <= {0, 1} and dirty_blocks == int(dirty.sum()) > 0
+
+
+def test_a_chunk_in_one_step_must_hold_whole_blocks_and_start_where_the_reference_is() -> None:
+    rows, cols = 256, 256
+    w0 = _weights(rows, cols, 5)
+    b = _bits(w0).astype(np.int32)
+    b[::7] += 3  # small steps only: some blocks stay clean
+    w1 = torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(rows, cols)
+    q0, s0 = quantize_fp8_block128(w0, amax=(amax := np.empty(4, np.uint16)))
+    codes, scales, dirty = q0.view(torch.uint8).numpy().reshape(-1).copy(), s0.numpy().reshape(-1).copy(), \
+        np.empty(4, np.uint8)
+
+    def one_step(r1: int, old_codes: np.ndarray, positions: bytes | None = None):
+        listed = kernels.encode_add(_bits(w0)[:r1 * cols].copy(), _bits(w1)[:r1 * cols], 2, True, 1, True)[7:]
+        if positions is not None:
+            listed = (positions, b"\0\0", b"\1\0")
+        return kernels.requant_chunk(0, rows, cols, 0, *listed, _bits(w1), scales.copy(), amax.copy(), dirty,
+                                     old_codes, 1)
+
+    with pytest.raises(ValueError, match="whole blocks"):  # 70 rows: half a block row
+        one_step(70, codes[:70 * cols].copy())
+    with pytest.raises(ValueError, match="inconsistent"):  # a position past the chunk
+        one_step(128, codes[:128 * cols].copy(), np.array([128 * cols], np.uint32).tobytes())
+    assert one_step(128, codes[:128 * cols].copy())[1] > 0
+    assert not dirty.all()
+    stale = codes[:128 * cols].copy()
+    stale ^= 1  # the reference is not the version the changes start from
+    with pytest.raises(ValueError, match="old code differs"):
+        one_step(128, stale)
+
+
 def test_a_reference_that_is_not_the_changes_start_is_refused() -> None:
     rows, cols = 128, 256
     w0 = _weights(rows, cols, 5)
@@ -190,13 +246,16 @@ def _streams(url: str, fmt: str, *, kind: str | None = None) -> list[list[tuple]
     return out
 
 
-def test_a_publisher_derives_the_same_streams_incrementally_as_in_full(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(("chunk_bytes", "one_step"), [(32 * 1024, False), (None, True)],
+                         ids=["chunks-across-blocks", "whole-blocks-one-step"])
+def test_a_publisher_derives_the_same_streams_incrementally_as_in_full(tmp_path, monkeypatch, chunk_bytes,
+                                                                      one_step) -> None:
     states = [_model(0)]
     for i in range(1, 4):
         states.append(_changed_state(states[-1], i))
-    layout = LayoutPolicy(chunk_bytes=32 * 1024)
+    layout = LayoutPolicy(chunk_bytes=chunk_bytes) if chunk_bytes else LayoutPolicy()
     formats = ("bf16", "fp8-block128", "mxfp8")
-    calls = {"requant_classify": 0, "requant_rescale": 0}
+    calls = {"requant_classify": 0, "requant_rescale": 0, "requant_chunk": 0}
     for name in calls:
         def counted(*a, kernel=getattr(kernels, name), name=name):
             calls[name] += 1
@@ -206,14 +265,62 @@ def test_a_publisher_derives_the_same_streams_incrementally_as_in_full(tmp_path,
     with Publisher(str(tmp_path / "incr"), formats=formats, layout_policy=layout) as pub:
         for s in states:
             pub.publish(s)
-    assert calls["requant_rescale"] == 2 * 2 * (len(states) - 1)  # two quantized tensors, two formats, every delta
-    assert calls["requant_classify"] > calls["requant_rescale"]  # the tensors span several chunks
+    if one_step:  # every tensor one chunk, in the stream as in the store
+        assert calls["requant_chunk"] == 2 * 2 * (len(states) - 1)  # two quantized tensors, two formats, every delta
+        assert calls["requant_classify"] == calls["requant_rescale"] == 0
+    else:
+        assert calls["requant_rescale"] == 2 * 2 * (len(states) - 1)
+        assert calls["requant_classify"] > calls["requant_rescale"]  # the tensors span several chunks
+        assert calls["requant_chunk"] == 0
     monkeypatch.setattr(kernels, "requant_classify", None)  # the full derivation
     with Publisher(str(tmp_path / "full"), formats=formats, layout_policy=layout) as pub:
         for s in states:
             pub.publish(s)
     for fmt in formats[1:]:
         assert _streams(str(tmp_path / "incr"), fmt) == _streams(str(tmp_path / "full"), fmt), fmt
+
+
+def test_a_tensor_done_in_one_step_in_part_only_is_derived_in_full(tmp_path) -> None:
+    """Defensive: should the store list a changed chunk its sink did not see, the chunks the sink
+    did advance leave the stream's reference at no version; the derivation says so (the stream
+    then drops it and derives the version in full, without a base) rather than diff against it."""
+    from deltastore.layout.tensors import TensorSpec
+    from deltastore.serving.formats import serving_format
+    from deltastore.write.encode import ChunkChange
+    from deltastore.write.requant import Requantizer
+
+    rows, cols = 256, 256
+    W = "model.layers.0.mlp.down_proj.weight"  # a name the format quantizes
+    w0 = _weights(rows, cols, 6)
+    w1 = _changed(w0, 6)
+    state0, state1 = {W: w0}, {W: w1}
+    specs = {W: TensorSpec(W, "float8_e4m3fn", (rows, cols), 128)}
+    store_specs = {W: TensorSpec(W, "bfloat16", (rows, cols), 128)}
+    r = Requantizer(serving_format("fp8-block128"))
+    reference = dict(r.derive(state0, pool=None).state)
+    before = reference[W].clone()
+    sinks = r.prepare(state1, reference, specs, store_specs)
+    old = _bits(w0).copy()
+    changes = []
+    for index in (0, 1):
+        a, b = index * 128 * cols, (index + 1) * 128 * cols
+        listed = kernels.encode_add(old[a:b], _bits(w1)[a:b], 2, True, 1, True)[7:]
+        assert len(listed[0])
+        if index == 0:  # the sink sees the first chunk only
+            sinks[W](index, a, *listed)
+        changes.append(ChunkChange(index, a, b, None, "", "", *listed))  # type: ignore[arg-type]
+    assert not torch.equal(reference[W].view(torch.uint8), before.view(torch.uint8))  # advanced in part
+    got = r.derive(state1, pool=None, reference=reference, specs=specs, store_specs=store_specs,
+                   changes={W: changes})
+    assert got.stale and not got.state
+    changes[1] = changes[0]  # every chunk it saw, listed: not stale (the lists are what it compares)
+    r2 = Requantizer(serving_format("fp8-block128"))
+    reference2 = dict(r2.derive(state0, pool=None).state)
+    sinks2 = r2.prepare(state1, reference2, specs, store_specs)
+    sinks2[W](0, 0, *kernels.encode_add(_bits(w0)[:128 * cols].copy(), _bits(w1)[:128 * cols], 2, True, 1,
+                                           True)[7:])
+    assert not r2.derive(state1, pool=None, reference=reference2, specs=specs, store_specs=store_specs,
+                         changes={W: changes[:1]}).stale
 
 
 def _changed_state(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
