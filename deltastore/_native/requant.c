@@ -234,6 +234,26 @@ static int classify_chunk(int fmt, const uint32_t *ps, const uint16_t *ov, const
     return 0;
 }
 
+/* A chunk's change list as encode_add(..., values=True) hands it over: positions (u32, increasing,
+ * each below `limit`), old and new values (u16) as many. */
+static int change_list_ok(const Py_buffer *positions, const Py_buffer *old_values, const Py_buffer *new_values,
+                          size_t limit) {
+    Py_ssize_t n = positions->len / 4;
+    const uint32_t *ps = (const uint32_t *)positions->buf;
+    uint32_t unordered = 0;
+    for (Py_ssize_t i = 1; i < n; i++) unordered |= ps[i] <= ps[i - 1]; /* increasing (vectorizes) */
+    return positions->len % 4 == 0 && old_values->len == 2 * n && new_values->len == 2 * n && !unordered &&
+           (n == 0 || ps[n - 1] < limit);
+}
+
+/* fp8-block128: blocks [b0, b1)'s element multipliers, 1/s (NaN for a non-finite s). */
+static void block_mults(const float *scales, float *mults, size_t b0, size_t b1) {
+    for (size_t b = b0; b < b1; b++) {
+        float s = scales[b];
+        mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
+    }
+}
+
 PyDoc_STRVAR(requant_classify_doc,
 "requant_classify(fmt, rows, cols, start, positions, old_values, new_values, scales, amax,\n"
 "    dirty) -> (positions, old_codes, new_codes)\n\n"
@@ -271,10 +291,7 @@ static PyObject *py_requant_classify(PyObject *self, PyObject *args) {
                                               "start is not a row's first element within it");
             goto out;
         }
-        uint32_t unordered = 0;
-        for (Py_ssize_t i = 1; i < n; i++) unordered |= ps[i] <= ps[i - 1]; /* increasing (vectorizes) */
-        if (bf[0].len % 4 || bf[1].len != 2 * n || bf[2].len != 2 * n || unordered ||
-            (n && (size_t)start + ps[n - 1] >= (size_t)n_elems)) {
+        if (!change_list_ok(&bf[0], &bf[1], &bf[2], (size_t)(n_elems - start))) {
             PyErr_SetString(PyExc_ValueError, "requant_classify: the chunk's change list is inconsistent");
             goto out;
         }
@@ -286,11 +303,7 @@ static PyObject *py_requant_classify(PyObject *self, PyObject *args) {
         batch *t = (batch *)malloc(sizeof(batch));
         if ((fmt == FMT_FP8 && mults == NULL) || t == NULL) rc = -1;
         Py_BEGIN_ALLOW_THREADS
-        if (mults)
-            for (Py_ssize_t b = 0; b < nb; b++) {
-                float s = ((const float *)bf[3].buf)[b];
-                mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
-            }
+        if (mults) block_mults((const float *)bf[3].buf, mults, 0, (size_t)nb);
         if (rc == 0)
             rc = classify_chunk(fmt, ps, (const uint16_t *)bf[1].buf, (const uint16_t *)bf[2].buf, (size_t)n,
                                 (size_t)start, (size_t)cols, nbc, bf[3].buf, mults, (const uint16_t *)bf[4].buf,
@@ -728,9 +741,7 @@ static PyObject *py_requant_chunk(PyObject *self, PyObject *args) {
             goto out;
         }
         const uint32_t *ps = (const uint32_t *)bf[0].buf;
-        uint32_t unordered = 0;
-        for (Py_ssize_t i = 1; i < n; i++) unordered |= ps[i] <= ps[i - 1]; /* increasing (vectorizes) */
-        if (bf[0].len % 4 || bf[1].len != 2 * n || bf[2].len != 2 * n || unordered || (n && ps[n - 1] >= len)) {
+        if (!change_list_ok(&bf[0], &bf[1], &bf[2], (size_t)len)) {
             PyErr_SetString(PyExc_ValueError, "requant_chunk: the chunk's change list is inconsistent");
             goto out;
         }
@@ -750,11 +761,7 @@ static PyObject *py_requant_chunk(PyObject *self, PyObject *args) {
                          dirty, bf[4].buf, (uint8_t *)bf[7].buf);
         Py_BEGIN_ALLOW_THREADS
         if (rc == 0) {
-            if (mults)
-                for (size_t b = b0; b < b1; b++) {
-                    float s = ((const float *)bf[4].buf)[b];
-                    mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
-                }
+            if (mults) block_mults((const float *)bf[4].buf, mults, b0, b1);
             memset(dirty + b0, 0, b1 - b0);
             rc = classify_chunk(fmt, ps, (const uint16_t *)bf[1].buf, (const uint16_t *)bf[2].buf, (size_t)n,
                                 (size_t)start, (size_t)cols, nbc, bf[4].buf, mults, (const uint16_t *)bf[5].buf, dirty,

@@ -52,6 +52,14 @@ def _changed(w: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(w.shape)
 
 
+def _small_steps(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights, and the same with small steps only (every seventh element three ulps up)."""
+    w0 = _weights(rows, cols, 5)
+    b = _bits(w0).astype(np.int32)
+    b[::7] += 3
+    return w0, torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(rows, cols)
+
+
 def _mark(code: int, src: np.ndarray, rows: int, cols: int, chunks: list, scales: np.ndarray, amax: np.ndarray,
           dirty: np.ndarray, *, order: slice = slice(None)) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """Classify each changed chunk ``(start, positions, old values, new values)`` (in ``order``, as
@@ -145,10 +153,7 @@ def test_a_chunk_of_whole_blocks_requantized_in_one_step_equals_the_three(code: 
 
 def test_a_chunk_in_one_step_must_hold_whole_blocks_and_start_where_the_reference_is() -> None:
     rows, cols = 256, 256
-    w0 = _weights(rows, cols, 5)
-    b = _bits(w0).astype(np.int32)
-    b[::7] += 3  # small steps only: some blocks stay clean
-    w1 = torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(rows, cols)
+    w0, w1 = _small_steps(rows, cols)  # some blocks stay clean
     q0, s0 = quantize_fp8_block128(w0, amax=(amax := np.empty(4, np.uint16)))
     codes, scales, dirty = q0.view(torch.uint8).numpy().reshape(-1).copy(), s0.numpy().reshape(-1).copy(), \
         np.empty(4, np.uint8)
@@ -174,10 +179,7 @@ def test_a_chunk_in_one_step_must_hold_whole_blocks_and_start_where_the_referenc
 
 def test_a_reference_that_is_not_the_changes_start_is_refused() -> None:
     rows, cols = 128, 256
-    w0 = _weights(rows, cols, 5)
-    b = _bits(w0).astype(np.int32)
-    b[::7] += 3  # small steps only: no block turns dirty
-    w1 = torch.from_numpy((b & 0xFFFF).astype(np.uint16)).view(torch.bfloat16).reshape(rows, cols)
+    w0, w1 = _small_steps(rows, cols)  # no block turns dirty
     q0, s0 = quantize_fp8_block128(w0, amax=(amax := np.empty(2, np.uint16)))
     old = _bits(w0).copy()
     listed = kernels.encode_add(old, _bits(w1), 2, True, 1, True)[7:]
