@@ -64,6 +64,7 @@ def _head(store: Any) -> dict[str, Any] | None:
 def run(server: Any, args: Any) -> Tally:
     from campaigns.model import CHUNK_BYTES, Model, Oracle, serving_formats, with_layout
     from deltastore import ConflictError, DeltastoreError, FencedError, PreconditionFailedError, Publisher
+    from deltastore.errors import IntegrityError
     from deltastore.storage import open_store
     from deltastore.write.policy import AnchorPolicy, LayoutPolicy, WriterPolicy
 
@@ -117,7 +118,12 @@ def run(server: Any, args: Any) -> Tally:
                 except Exception as e:  # noqa: BLE001 - classified below
                     error = e
             tally.trials += 1
-            after = _head(store)
+            try:
+                after = _head(store)
+            except IntegrityError as e:  # the store is stuck: nothing after this trial would be judged fairly
+                tally.violation("HEAD unreadable", f"step {step}: after a publish that "
+                                f"{'raised ' + type(error).__name__ if error else 'returned'}: {' '.join(str(e).split())[:300]}")
+                break
             links = checker.check()
             ours = next((l for l in reversed(links) if l.step == step), None)
             if info is not None:

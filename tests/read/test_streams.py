@@ -37,6 +37,11 @@ from testkit.tensors import assert_bits_equal
 
 FORMATS = ["bf16", "fp8-block128", "mxfp8"]
 LAYOUT = LayoutPolicy(chunk_bytes=16 * 1024)
+#: The layouts the incremental derivation takes its two paths in: chunks across blocks, chunked
+#: unlike in the stream and the store (two steps: ``requant_delta`` walks after the store's
+#: encode), and every tensor one chunk (one step: ``requant_chunk`` on the store's encode threads).
+WALKS = pytest.mark.parametrize(("layout", "walk"), [(LAYOUT, "requant_delta"), (LayoutPolicy(), "requant_chunk")],
+                                ids=["two-steps", "one-step"])
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -220,7 +225,8 @@ def read_stream_key(store, fmt: str) -> str:
     return ref["key"][len(f"streams/{fmt}/"):]
 
 
-def test_a_failed_commit_shows_no_stream_and_the_next_publish_continues_every_chain(tmp_path) -> None:
+@WALKS
+def test_a_failed_commit_shows_no_stream_and_the_next_publish_continues_every_chain(tmp_path, layout, walk) -> None:
     url = str(tmp_path / "s")
     states = [model(), step(model(), 1), step(step(model(), 1), 2)]
     fail = {"on": False}
@@ -231,7 +237,7 @@ def test_a_failed_commit_shows_no_stream_and_the_next_publish_continues_every_ch
         return put()
 
     store = HeadPutHook(open_store(url), hook)
-    with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT) as pub:
+    with Publisher(url, store=store, formats=FORMATS, layout_policy=layout) as pub:
         pub.publish(states[0])
         fail["on"] = True
         with pytest.raises(StorageError):
@@ -279,24 +285,25 @@ class _PutFault(WrappedStore):
         return super().put(key, data, mode=mode)
 
 
+@WALKS
 @pytest.mark.parametrize(("part", "landed"), [("/objects/", False), ("/objects/", True), ("/manifests/", False),
                                               ("/manifests/", True)])
 def test_a_stream_write_that_fails_mid_version_commits_nothing_and_every_chain_goes_on_bit_exact(
-        tmp_path, monkeypatch, part: str, landed: bool) -> None:
+        tmp_path, monkeypatch, part: str, landed: bool, layout: LayoutPolicy, walk: str) -> None:
     # the failing version is a delta whose quantized tensors are requantized incrementally (the
     # stream's reference advanced while it was encoded): the next one must not build on it
     walks = {"n": 0}
-    if kernels.requant_delta is not None:
-        def counted(*a, kernel=kernels.requant_delta):
+    if getattr(kernels, walk) is not None:
+        def counted(*a, kernel=getattr(kernels, walk)):
             walks["n"] += 1
             return kernel(*a)
 
-        monkeypatch.setattr(kernels, "requant_delta", counted)
+        monkeypatch.setattr(kernels, walk, counted)
     url = str(tmp_path / "s")
     states = training(5)
     store = _PutFault(open_store(url), lambda k: k.startswith("streams/fp8-block128/") and part in k, landed=landed)
     committed = []
-    with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT,
+    with Publisher(url, store=store, formats=FORMATS, layout_policy=layout,
                    anchor_policy=AnchorPolicy(every=100)) as pub:
         for s in states[:2]:
             committed.append((pub.publish(s).version, s))
@@ -304,7 +311,7 @@ def test_a_stream_write_that_fails_mid_version_commits_nothing_and_every_chain_g
         with pytest.raises(StorageError, match="injected"):
             pub.publish(states[2])
         assert store.fired == 1
-        assert walks["n"] > 0 or kernels.requant_delta is None  # it was derived incrementally
+        assert walks["n"] > 0 or getattr(kernels, walk) is None  # it was derived incrementally, on this path
         assert read_head(store)["version"] == 2  # nothing of the failed version is visible
         for s in states[2:]:
             info = pub.publish(s)
@@ -314,11 +321,12 @@ def test_a_stream_write_that_fails_mid_version_commits_nothing_and_every_chain_g
         assert log[-1].kind == "delta", name  # the chain went on with deltas after the failure
 
 
-def test_a_head_write_that_landed_without_a_response_commits_every_stream_once(tmp_path) -> None:
+@WALKS
+def test_a_head_write_that_landed_without_a_response_commits_every_stream_once(tmp_path, layout, walk) -> None:
     url = str(tmp_path / "s")
     states = training(5)
     store = _PutFault(open_store(url), lambda k: k == HEAD_KEY, landed=True)
-    with Publisher(url, store=store, formats=FORMATS, layout_policy=LAYOUT,
+    with Publisher(url, store=store, formats=FORMATS, layout_policy=layout,
                    anchor_policy=AnchorPolicy(every=100)) as pub:
         for s in states[:2]:
             pub.publish(s)
