@@ -549,7 +549,12 @@ class S3Store(Store):
                         logger.warning("PutObject %s: server saw altered bytes (%s), retrying", self._name(key), code)
                         continue
                 elif current is not mode:
-                    # Replacing our own damaged upload failed (someone changed it meanwhile).
+                    # Replacing our own damaged upload was refused: its answer may have been lost
+                    # after it landed (the SDK's retry then names an ETag that is gone), or someone
+                    # changed the object meanwhile. The store says which.
+                    held = self._holding(key, data)
+                    if held is not None:
+                        return held
                     raise UploadCorruptedError.unreplaceable(self._name(key), f"{code or status}") from e
                 raise self._translate(e, "PutObject", key, current) from e
             except botocore.exceptions.BotoCoreError as e:
@@ -564,6 +569,15 @@ class S3Store(Store):
                     self._name(key), corrupt, f"ETag {etag!r}, MD5 of the data {md5.hex()!r}", removed)
             logger.warning("PutObject %s: stored bytes differ from the data sent, rewriting", self._name(key))
             current = IfMatch(etag)  # replace exactly the damaged object we wrote, nothing newer
+
+    def _holding(self, key: str, data: bytes | bytearray) -> ObjectMeta | None:
+        """The object under ``key`` when it holds exactly ``data`` (read back); None when it
+        holds other bytes, is gone, or cannot be read."""
+        try:
+            got = self.get_with_meta(key)
+        except (StorageError, IntegrityError):  # damaged again, gone, or unreadable: not resolved
+            return None
+        return got.meta if got.data == data else None
 
     def _delete_if_etag(self, key: str, etag: str) -> bool:
         """Delete ``key`` if it still has ETag ``etag`` (our damaged create-only upload): left in

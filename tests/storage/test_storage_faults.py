@@ -163,6 +163,52 @@ def test_upload_flipped_in_transit_never_lands(no_sdk_checksums, store: S3Store,
     assert store.head("k").etag == meta.etag == hashlib.md5(DATA).hexdigest()
 
 
+@pytest.mark.parametrize("mode", ["create", "overwrite", "if-match"])
+def test_a_replacement_that_landed_without_its_response_is_success(no_sdk_checksums, store: S3Store,
+                                                                   server: S3Server, mode: str) -> None:
+    """The damaged upload is replaced, the replacement lands but its answer is lost, and the
+    SDK's retry of it is refused (412: the ETag it names is gone). The outcome is read from the
+    store: it holds exactly DATA, so the put succeeds."""
+    if server.kind != "moto":
+        pytest.skip("SeaweedFS refuses a flipped body (BadDigest): nothing damaged is stored to replace")
+    put_mode = IfMatch(store.put("k", b"old").etag) if mode == "if-match" else mode
+    client = server.boto3_client()
+
+    def flip_then_lost_replacement(request, n: int):
+        if n == 1:
+            _flip_body(request)
+        elif n == 2:  # the replacement lands, and the client sees the retry's 412
+            client.put_object(Bucket=server.bucket, Key=store.prefix + "k", Body=DATA)
+            return _error_response(request, 412, "PreconditionFailed")
+        return None
+
+    seen = _hook_puts(store, flip_then_lost_replacement)
+    meta = store.put("k", DATA, mode=put_mode)
+    assert len(seen) == 2
+    assert store.get("k") == DATA
+    assert meta.etag == store.head("k").etag == hashlib.md5(DATA).hexdigest()
+
+
+def test_a_replacement_refused_because_another_writer_replaced_it_is_unreplaceable(
+        no_sdk_checksums, store: S3Store, server: S3Server) -> None:
+    if server.kind != "moto":
+        pytest.skip("SeaweedFS refuses a flipped body (BadDigest): nothing damaged is stored to replace")
+    client = server.boto3_client()
+
+    def flip_then_other_writer(request, n: int):
+        if n == 1:
+            _flip_body(request)
+        elif n == 2:
+            client.put_object(Bucket=server.bucket, Key=store.prefix + "k", Body=b"someone else's bytes")
+            return _error_response(request, 412, "PreconditionFailed")
+        return None
+
+    _hook_puts(store, flip_then_other_writer)
+    with pytest.raises(UploadCorruptedError, match="could not be replaced"):
+        store.put("k", DATA, mode="overwrite")
+    assert store.get("k") == b"someone else's bytes"  # not ours to overwrite
+
+
 def test_md5_only_mode_still_keeps_flipped_uploads_out(no_sdk_checksums, server: S3Server) -> None:
     """upload_checksum="md5" (servers that reject flexible-checksum headers): Content-MD5 plus
     the ETag check still catch a flipped body."""
