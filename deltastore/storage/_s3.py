@@ -552,9 +552,15 @@ class S3Store(Store):
                     # Replacing our own damaged upload was refused: its answer may have been lost
                     # after it landed (the SDK's retry then names an ETag that is gone), or someone
                     # changed the object meanwhile. The store says which.
-                    held = self._holding(key, data)
+                    held, damaged = self._replaced(key, data)
                     if held is not None:
                         return held
+                    corrupt += 1
+                    if damaged is not None and corrupt < CORRUPT_UPLOAD_MAX_ATTEMPTS:
+                        # the replacement landed altered too (it fails its own checksum): replace that
+                        logger.warning("PutObject %s: the replacement was stored altered, rewriting", self._name(key))
+                        current = IfMatch(damaged)
+                        continue
                     raise UploadCorruptedError.unreplaceable(self._name(key), f"{code or status}") from e
                 raise self._translate(e, "PutObject", key, current) from e
             except botocore.exceptions.BotoCoreError as e:
@@ -570,14 +576,21 @@ class S3Store(Store):
             logger.warning("PutObject %s: stored bytes differ from the data sent, rewriting", self._name(key))
             current = IfMatch(etag)  # replace exactly the damaged object we wrote, nothing newer
 
-    def _holding(self, key: str, data: bytes | bytearray) -> ObjectMeta | None:
-        """The object under ``key`` when it holds exactly ``data`` (read back); None when it
-        holds other bytes, is gone, or cannot be read."""
+    def _replaced(self, key: str, data: bytes | bytearray) -> tuple[ObjectMeta | None, str | None]:
+        """After a refused replacement of our damaged upload of ``key``, read back: the object's
+        metadata when it holds exactly ``data``; else the ETag of the object when it fails its own
+        stored checksum (damaged, as no writer meant it); else (other bytes, gone, unreadable)
+        neither."""
         try:
             got = self.get_with_meta(key)
-        except (StorageError, IntegrityError):  # damaged again, gone, or unreadable: not resolved
-            return None
-        return got.meta if got.data == data else None
+        except IntegrityError:
+            try:
+                return None, self.head(key).etag
+            except StorageError:
+                return None, None
+        except StorageError:
+            return None, None
+        return (got.meta if got.data == data else None), None
 
     def _delete_if_etag(self, key: str, etag: str) -> bool:
         """Delete ``key`` if it still has ETag ``etag`` (our damaged create-only upload): left in

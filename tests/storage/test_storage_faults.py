@@ -189,6 +189,33 @@ def test_a_replacement_that_landed_without_its_response_is_success(no_sdk_checks
     assert meta.etag == store.head("k").etag == hashlib.md5(DATA).hexdigest()
 
 
+def test_a_replacement_stored_altered_without_its_response_is_replaced_in_turn(store: S3Store,
+                                                                                server: S3Server) -> None:
+    """The replacement lands altered too (it fails the checksum stored with it: botocore's
+    response checksums on) and its answer is lost: the damaged object is replaced again, and the
+    store ends up holding exactly DATA."""
+    if server.kind != "moto":
+        pytest.skip("SeaweedFS refuses a flipped body (BadDigest): nothing damaged is stored to replace")
+    client = server.boto3_client()
+    altered = bytearray(DATA)
+    altered[7] ^= 0x01
+
+    def flip_then_altered_replacement(request, n: int):
+        if n == 1:
+            _flip_body(request)
+        elif n == 2:  # lands altered, under DATA's checksum, and the client sees the retry's 412
+            client.put_object(Bucket=server.bucket, Key=store.prefix + "k", Body=bytes(altered),
+                              ChecksumAlgorithm="SHA256",
+                              ChecksumSHA256=base64.b64encode(hashlib.sha256(DATA).digest()).decode("ascii"))
+            return _error_response(request, 412, "PreconditionFailed")
+        return None
+
+    seen = _hook_puts(store, flip_then_altered_replacement)
+    meta = store.put("k", DATA, mode="overwrite")
+    assert len(seen) == 3
+    assert store.get("k") == DATA and meta.etag == hashlib.md5(DATA).hexdigest()
+
+
 def test_a_replacement_refused_because_another_writer_replaced_it_is_unreplaceable(
         no_sdk_checksums, store: S3Store, server: S3Server) -> None:
     if server.kind != "moto":
