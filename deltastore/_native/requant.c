@@ -617,19 +617,8 @@ static PyObject *walk_result(walk *w, int rc, int hashed, XXH128_hash_t h, int l
  * the chunk's reference codes `old`, advanced in place. */
 static walk walk_of(const uint16_t *src, size_t cols, size_t e0, size_t e1, const int64_t *pos, size_t np,
                     const uint8_t *oc, const uint8_t *nc, const uint8_t *dirty, const void *scales, uint8_t *old) {
-    walk w;
-    memset(&w, 0, sizeof w);
-    w.src = src;
-    w.cols = cols;
-    w.e0 = e0;
-    w.e1 = e1;
-    w.pos = pos;
-    w.np = np;
-    w.oc = oc;
-    w.nc = nc;
-    w.dirty = dirty;
-    w.scales = scales;
-    w.old = old;
+    walk w = {.src = src, .cols = cols, .e0 = e0, .e1 = e1, .pos = pos, .oc = oc, .nc = nc, .dirty = dirty,
+              .np = np, .scales = scales, .old = old}; /* the emitter, pi and out_of_step zeroed */
     return w;
 }
 
