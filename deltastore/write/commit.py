@@ -49,7 +49,7 @@ from deltastore.errors import (
 from deltastore.format.history import History
 from deltastore.format.keys import HEAD_KEY, new_lineage
 from deltastore.format.models import SCHEMA_VERSION, Head, dump
-from deltastore.storage.base import IfMatch, Store, StreamedPut
+from deltastore.storage.base import IfMatch, ObjectMeta, Store, StreamedPut
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +106,12 @@ def now() -> str:
 def put_immutable(store: Store, key: str, data: bytes | bytearray, what: str) -> None:
     """Create-only upload of a content-addressed object (a pack or a manifest).
 
-    The key names the SHA-256 of ``data``, so an object already there under it holds our bytes:
-    a precondition failure (another publisher uploaded the same content, or the SDK's retry of
-    a request whose response was lost saw our own upload) is success once a HEAD request shows
-    an object of our size. An object of another size there is corrupt (IntegrityError); none
+    The key names the SHA-256 of ``data``, so an object already there under it should hold our
+    bytes: a precondition failure (another publisher uploaded the same content, or the SDK's
+    retry of a request whose response was lost saw our own upload) is success once the object
+    is read back as ``data``. Read back altered (our own first attempt may have landed damaged
+    before its answer was lost: a server that stores a body whose checksum does not match), it is
+    replaced under its ETag. An object of another size there is corrupt (IntegrityError); none
     there means the store answered a conflict for nothing (StorageError, nothing committed).
     """
     try:
@@ -117,7 +119,14 @@ def put_immutable(store: Store, key: str, data: bytes | bytearray, what: str) ->
         return
     except PreconditionFailedError as e:
         error = e
-    _settle_existing(store, key, len(data), what, error)
+    meta = _settle_existing(store, key, len(data), what, error)
+    try:
+        if store.get(key) == data:
+            return
+    except IntegrityError:  # it fails the checksum stored with it
+        pass
+    logger.warning("%s %s in %s holds other bytes than its content address names: replacing it", what, key, store.url)
+    store.put(key, data, mode=IfMatch(meta.etag))
 
 
 def commit_immutable(store: Store, stream: StreamedPut, directory: str, name: str, size: int, what: str) -> None:
@@ -131,9 +140,9 @@ def commit_immutable(store: Store, stream: StreamedPut, directory: str, name: st
     _settle_existing(store, directory + name, size, what, error)
 
 
-def _settle_existing(store: Store, key: str, size: int, what: str, error: PreconditionFailedError) -> None:
+def _settle_existing(store: Store, key: str, size: int, what: str, error: PreconditionFailedError) -> ObjectMeta:
     """A create-only write of ``size`` bytes under a content-addressed ``key`` met an object
-    there: success when it has our size (it holds our bytes), else a typed error."""
+    there: its metadata when it has our size (it should hold our bytes), else a typed error."""
     try:
         meta = store.head(key)
     except NotFoundError:
@@ -146,7 +155,8 @@ def _settle_existing(store: Store, key: str, size: int, what: str, error: Precon
             f"{what} {key!r} in {store.url} has {meta.size} bytes, not the {size} its SHA-256 names: "
             "the stored object is corrupt; delete it and publish again"
         )
-    logger.debug("%s %s already present (same content): %s", what, key, error)
+    logger.debug("%s %s already present (same size): %s", what, key, error)
+    return meta
 
 
 def new_commit_id() -> str:

@@ -152,6 +152,37 @@ def test_manifest_upload_whose_retry_sees_itself_is_success(local_url: str, erro
     pub.close()
 
 
+def test_manifest_upload_whose_first_attempt_landed_altered_is_replaced(local_url: str) -> None:
+    """The first attempt lands altered and its answer is lost; the retry is refused as "already
+    exists". Read back, the object is not the manifest its key names: it is replaced under its
+    ETag, and the version reads back bit-exact."""
+    states = _states(2)
+    inner = open_store(local_url)
+    armed = [0]
+    puts: list[object] = []
+
+    def manifest_hook(key, data, mode, real_put):
+        puts.append(mode)
+        if armed[0]:
+            armed[0] -= 1
+            altered = bytearray(data)
+            altered[len(altered) // 2] ^= 0x01
+            inner.put(key, bytes(altered), mode=mode)
+            raise AlreadyExistsError(f"{key} already exists (injected: the retry of an attempt that landed altered)")
+        return real_put()
+
+    pub = Publisher(local_url, store=FaultyStore(inner, manifest_hook=manifest_hook),
+                    writer_policy=WriterPolicy(takeover=False, threads=2))
+    pub.publish(states[0])
+    armed[0], puts[:] = 1, []
+    assert pub.publish(states[1]).version == 2
+    assert puts[0] == "create" and isinstance(puts[1], IfMatch)  # replaced under the altered object's ETag
+    assert check_invariants(inner) == [1, 2]
+    with Subscriber(local_url, threads=2) as sub:
+        assert_bits_equal(sub.pull(2), states[1])
+    pub.close()
+
+
 def test_manifest_conflict_without_the_object_fails_cleanly(local_url: str) -> None:
     """A precondition failure on a manifest key that is not there (a 409): not committed, no
     bare PreconditionFailedError, HEAD untouched."""
