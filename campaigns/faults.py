@@ -164,7 +164,12 @@ def run(server: Any, args: Any) -> Tally:
         tally.faults.update(proxy.snapshot())
         tally.extra["faults_by_method"] = dict(proxy.by_method)
         tally.extra["requests"] = proxy.requests
-        final = checker.check(full=True)
+        try:
+            final = checker.check(full=True)
+        except IntegrityError as e:  # HEAD left damaged: reported, nothing more to judge on this store
+            tally.violation("HEAD unreadable", f"at the end: {' '.join(str(e).split())[:300]}")
+            tally.seconds = time.monotonic() - t0
+            return tally
         tally.extra["grid_tensors"] = grid_tensors(store, final[-1]) if final else {}
         unreadable = verify_versions(store, final, oracle, tally, formats=formats)
     on_chain = {l.step: l.version for l in final}
