@@ -119,12 +119,13 @@ def put_immutable(store: Store, key: str, data: bytes | bytearray, what: str) ->
         return
     except PreconditionFailedError as e:
         error = e
-    meta = _settle_existing(store, key, len(data), what, error)
-    try:
+    try:  # one read settles the usual case: our bytes
         if store.get(key) == data:
+            logger.debug("%s %s already present (same content): %s", what, key, error)
             return
-    except IntegrityError:  # it fails the checksum stored with it
+    except (NotFoundError, IntegrityError):  # gone, or failing the checksum stored with it
         pass
+    meta = _settle_existing(store, key, len(data), what, error)  # gone or another size: a typed error
     logger.warning("%s %s in %s holds other bytes than its content address names: replacing it", what, key, store.url)
     store.put(key, data, mode=IfMatch(meta.etag))
 

@@ -322,11 +322,10 @@ class Requantizer:
         code = _FORMAT_CODE[self.format.name]
         amax, old_scales = self._blocks[name]
         rows, cols = t.shape
-        src = bits(t)
         if marks.scales is not None:  # done in one step: its chunks are coded, its scales rescaled
             self._blocks[name] = (amax, marks.scales)
             scale = torch.from_numpy(marks.scales).view(scale_shape(self.format.name, t.shape))
-            return _Plan(name, code, src, rows, cols, None, None, None, marks.dirty, amax, marks.scales, scale,
+            return _Plan(name, code, None, rows, cols, None, None, None, marks.dirty, amax, marks.scales, scale,
                          coded={i: c for i, c in marks.coded.items() if c is not None},
                          n_dirty=sum(marks.n_dirty.values()))
         scales = old_scales.copy()
@@ -336,7 +335,7 @@ class Requantizer:
         nc = np.frombuffer(b"".join(p[2] for p in parts), dtype=np.uint8)
         self._blocks[name] = (amax, scales)
         scale = torch.from_numpy(scales).view(scale_shape(self.format.name, t.shape))
-        return _Plan(name, code, src, rows, cols, pos, oc, nc, marks.dirty, amax, scales, scale)
+        return _Plan(name, code, bits(t), rows, cols, pos, oc, nc, marks.dirty, amax, scales, scale)
 
 
 class _Plan(NamedTuple):
@@ -345,7 +344,7 @@ class _Plan(NamedTuple):
 
     name: str
     code: int
-    src: np.ndarray
+    src: np.ndarray | None  # the tensor's new bits (None: done in one step, not walked here)
     rows: int
     cols: int
     pos: np.ndarray | None
@@ -363,6 +362,7 @@ class _Plan(NamedTuple):
         """Elements :func:`_encode_chunks` walks for it: none when it was done in one step and
         its scales did not change (or are not stored as themselves)."""
         if self.coded is None:
+            assert self.src is not None
             return self.src.size
         return self.scales.size if self.n_dirty and plain_scale else 0
 
@@ -390,6 +390,8 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
         for k in part:
             p = plans[k]
             one_step = p.coded is not None
+            if not one_step:
+                assert p.src is not None
             n_dirty = p.n_dirty if one_step else kernels.requant_rescale(p.code, p.src, p.rows, p.cols, p.scales,
                                                                          p.amax, p.dirty)
             for what, name in ((0, p.name), (1, p.name + suffix)):
