@@ -232,7 +232,7 @@ def derive(state: Mapping[str, torch.Tensor], fmt: str | ServingFormat, *,
             raise InvalidStateDictError(f"{name!r}: {e}") from e
 
     # in order either way; a pool's map raises the first failure when its result is reached
-    for (name, _), (q, scale) in zip(selected, (pool.map if pool is not None else map)(run, selected)):
+    for (name, _), (q, scale) in zip(selected, (pool.map if pool is not None and selected else map)(run, selected)):
         out[name], out[name + SCALE_SUFFIX[fmt.name]] = q, scale
     logger.debug("%s: %d of %d tensors quantized", fmt.name, len(selected), len(state))
     return out
@@ -252,6 +252,8 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 def _keep(t: torch.Tensor) -> torch.Tensor:
     """A tensor a format does not quantize: floating ones as bfloat16 (float64 through float32),
     every NaN a cast makes written as 0x7FC0; the rest as it is. CPU and contiguous."""
+    if t.dtype == torch.bfloat16 and t.is_cpu and not t.requires_grad and t.is_contiguous():
+        return t  # as it is (a publisher's state: every version, per tensor)
     t = (t.detach() if t.requires_grad else t).to("cpu")  # .to and .contiguous: no copy when not needed
     if t.is_floating_point() and t.dtype != torch.bfloat16:
         if t.dtype == torch.float64:

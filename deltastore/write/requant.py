@@ -63,6 +63,10 @@ ENABLED = True
 #: False takes two steps for every chunk (benchmarks time the one-step path against it).
 ONE_STEP = True
 
+#: Elements :func:`_encode_chunks` encodes on the calling thread rather than on the pool (the
+#: scale tensors of a version done in one step: a few thousand elements).
+INLINE_WORK = 1 << 16
+
 #: requant.c's format codes.
 _FORMAT_CODE = {"fp8-block128": 0, "mxfp8": 1}
 
@@ -115,6 +119,9 @@ class _Marks:
         self.scales = scales
         self.coded: dict[int, _Coded | None] = {}  # one step: chunk index → its encoding
         self.n_dirty: dict[int, int] = {}  # one step: chunk index → its dirty blocks
+        #: one step, a tensor of one chunk: its scale tensor's changed chunks, encoded with it
+        #: (None: not encoded there)
+        self.scale_coded: dict[int, _Coded] | None = None
 
     def covers(self, changes: list[ChunkChange]) -> bool:
         """Every chunk the store listed as changed was classified (or done in one step), and
@@ -143,15 +150,21 @@ class _Sink:
 class _OneStep:
     """The change sink of one quantized tensor whose chunks hold whole blocks, chunked alike in
     the stream and the store: each changed chunk done in one step (``requant_chunk``) into
-    ``marks``, the stream's reference of it (``ref``, codes) advanced in place. Slotted, as
-    :class:`_Sink`."""
+    ``marks``, the stream's reference of it (``ref``, codes) advanced in place. A tensor of one
+    chunk has its scales final once that chunk is done: where a block turned dirty, its scale
+    tensor's delta is encoded there too (``scale_ref``, ``scale_spec``: the stream's reference
+    of it, advanced in place, and its layout; None: encoded in :meth:`Requantizer.derive`).
+    Slotted, as :class:`_Sink`."""
 
-    __slots__ = ("code", "rows", "cols", "src", "amax", "ref", "spec", "marks")
+    __slots__ = ("code", "rows", "cols", "src", "amax", "ref", "spec", "marks", "scale_ref", "scale_spec")
 
     def __init__(self, code: int, t: torch.Tensor, amax: np.ndarray, ref: np.ndarray, spec: TensorSpec,
-                 marks: _Marks):
+                 marks: _Marks, scale_ref: np.ndarray | None = None, scale_spec: TensorSpec | None = None):
         self.code, self.rows, self.cols = code, int(t.shape[0]), int(t.shape[1])
         self.src, self.amax, self.ref, self.spec, self.marks = bits(t), amax, ref, spec, marks
+        self.scale_ref, self.scale_spec = scale_ref, scale_spec
+        if scale_ref is not None:
+            marks.scale_coded = {}
 
     def __call__(self, index: int, start: int, positions: object, old_values: object, new_values: object) -> None:
         marks = self.marks
@@ -166,6 +179,24 @@ class _OneStep:
             coded = (seg, digest, sha256_hex(seg.data))
         marks.n_dirty[index] = n_dirty
         marks.coded[index] = coded
+        if n_dirty and self.scale_ref is not None:
+            marks.scale_coded = _encoded_scales(self.scale_ref, marks.scales, self.scale_spec)  # type: ignore[arg-type]
+
+
+def _encoded_scales(ref: np.ndarray, scales: np.ndarray, spec: TensorSpec) -> dict[int, _Coded]:
+    """The changed chunks of a scale tensor of layout ``spec``: ``scales`` (new) against ``ref``
+    (its bits, advanced in place), each chunk's segment, digest and the segment's SHA-256."""
+    new = scales.view(ref.dtype)
+    raw, at = [], []
+    for index in range(spec.n_chunks):
+        start, stop = spec.chunk_span(index)
+        n, syms, rest, max_rest, codes, esc, digest = kernels.encode_add(ref[start:stop], new[start:stop],
+                                                                          new.itemsize, True, DIGEST_IF_CHANGED)
+        if n:
+            raw.append((stop - start, new.itemsize, n, syms, rest, max_rest, codes, esc))
+            at.append((index, digest))
+    return {index: (seg, digest, sha256_hex(seg.data))
+            for (index, digest), seg in zip(at, add_segments_from_planes(raw))}
 
 
 def _whole_blocks(fmt: ServingFormat, spec: TensorSpec | None, store_spec: TensorSpec | None) -> bool:
@@ -175,6 +206,30 @@ def _whole_blocks(fmt: ServingFormat, spec: TensorSpec | None, store_spec: Tenso
         return False
     assert spec is not None
     return fmt.name == "mxfp8" or spec.n_chunks == 1 or spec.chunk_rows % 128 == 0
+
+
+class _Prepared(NamedTuple):
+    """What :meth:`Requantizer.prepare` decides of a tensor from the layouts alone."""
+
+    #: the stream's spec of it, the store's, and the stream's of its scales: the objects it was
+    #: decided for
+    spec: TensorSpec | None
+    store_spec: TensorSpec | None
+    scale_spec: TensorSpec | None
+    #: its shape; None: not requantized incrementally
+    shape: tuple[int, ...] | None
+    #: its chunks are done in one step
+    one_step: bool
+    #: its scale tensor is encoded with it (a tensor of one chunk, its scales stored as themselves)
+    with_scales: bool
+
+
+def _view(views: dict[str, np.ndarray], name: str, t: torch.Tensor) -> np.ndarray:
+    """The bit view of ``t`` (tensor ``name`` of a reference) in ``views``, made there if not yet."""
+    v = views.get(name)
+    if v is None:
+        v = views[name] = bits(t)
+    return v
 
 
 class Derived(NamedTuple):
@@ -205,42 +260,73 @@ class Requantizer:
         self.format = fmt
         self._blocks: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name → (amax, scales)
         self._marks: dict[str, _Marks] = {}  # of the version being encoded (prepare)
+        self._plans: dict[str, _Prepared] = {}  # name → what prepare decided of it (layouts alone)
 
     def clear(self) -> None:
         """Forget every block (the stream dropped its reference)."""
         self._blocks.clear()
         self._marks.clear()
+        self._plans.clear()
 
     def prepare(self, state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
-                specs: Mapping[str, TensorSpec],
-                store_specs: Mapping[str, TensorSpec] | None = None) -> dict[str, ChangeSink]:
+                specs: Mapping[str, TensorSpec], store_specs: Mapping[str, TensorSpec] | None = None,
+                reference_bits: dict[str, np.ndarray] | None = None) -> dict[str, ChangeSink]:
         """Before the store encodes its delta version of ``state`` (in layout ``store_specs``),
         when ``reference`` (of layout ``specs``) holds the stream's state of the version that
         delta starts from: a sink per quantized tensor that can be requantized incrementally, to
         classify its changes as the store's encoder lists them (``encode_version(sinks=)``), or
         to do its chunks in one step where they hold whole blocks (see the module docstring;
         such a sink advances the reference: should the version fail, the caller drops it). The
-        next :meth:`derive` uses what they did."""
+        next :meth:`derive` uses what they did. ``reference_bits``: the caller's cache of bit
+        views of ``reference``'s tensors (as ``encode_version`` takes it), filled here.
+
+        What it decides of a tensor from the layouts alone is kept while they are the same
+        objects (a publisher's are, version after version)."""
         self._marks = {}
-        if not ENABLED or kernels.requant_classify is None or self.format.scale_suffix is None:
+        suffix = self.format.scale_suffix
+        if not ENABLED or kernels.requant_classify is None or suffix is None:
             return {}
         code = _FORMAT_CODE[self.format.name]
+        views = reference_bits if reference_bits is not None else {}
         sinks: dict[str, ChangeSink] = {}
-        for name, t in state.items():
-            blocks, ref = self._blocks.get(name), reference.get(name)
-            if (blocks is None or ref is None or not _bf16_cpu(t) or not _plain(specs.get(name))
-                    or ref.dtype != torch.float8_e4m3fn or ref.shape != t.shape
-                    or not self.format.selects(name, t.shape)):
+        for name, blocks in self._blocks.items():
+            t, ref = state.get(name), reference.get(name)
+            if t is None or ref is None or not _bf16_cpu(t):
                 continue
-            spec = specs[name]
-            if store_specs is not None and _whole_blocks(self.format, spec, store_specs.get(name)):
-                marks = self._marks[name] = _Marks(blocks[0].size, scales=blocks[1].copy())
-                sinks[name] = _OneStep(code, t, blocks[0], bits(ref), spec, marks)
+            spec = specs.get(name)
+            store_spec = store_specs.get(name) if store_specs is not None else None
+            scale_spec = specs.get(name + suffix)
+            plan = self._plans.get(name)
+            if (plan is None or plan.spec is not spec or plan.store_spec is not store_spec
+                    or plan.scale_spec is not scale_spec):
+                plan = self._plans[name] = self._plan(name, spec, store_spec, scale_spec)
+            shape = plan.shape
+            if shape is None or ref.dtype != torch.float8_e4m3fn or ref.shape != t.shape or t.shape != shape:
                 continue
-            marks = self._marks[name] = _Marks(blocks[0].size)
-            rows, cols = t.shape
-            sinks[name] = _Sink(code, rows, cols, blocks[1], blocks[0], marks)
+            if not plan.one_step:  # two steps
+                marks = self._marks[name] = _Marks(blocks[0].size)
+                sinks[name] = _Sink(code, shape[0], shape[1], blocks[1], blocks[0], marks)
+                continue
+            marks = self._marks[name] = _Marks(blocks[0].size, scales=blocks[1].copy())
+            scale_ref = reference.get(name + suffix) if plan.with_scales else None
+            if (scale_ref is not None and scale_ref.numel() == blocks[1].size
+                    and scale_ref.element_size() == blocks[1].itemsize):
+                sinks[name] = _OneStep(code, t, blocks[0], _view(views, name, ref), spec, marks,  # type: ignore[arg-type]
+                                       _view(views, name + suffix, scale_ref), scale_spec)
+            else:
+                sinks[name] = _OneStep(code, t, blocks[0], _view(views, name, ref), spec, marks)  # type: ignore[arg-type]
         return sinks
+
+    def _plan(self, name: str, spec: TensorSpec | None, store_spec: TensorSpec | None,
+              scale_spec: TensorSpec | None) -> _Prepared:
+        """What :meth:`prepare` decides of tensor ``name`` from the layouts alone."""
+        shape = tuple(spec.shape) if spec is not None else ()
+        if not _plain(spec) or len(shape) != 2 or not self.format.selects(name, shape):
+            return _Prepared(spec, store_spec, scale_spec, None, False, False)
+        assert spec is not None
+        one_step = store_spec is not None and _whole_blocks(self.format, spec, store_spec)
+        return _Prepared(spec, store_spec, scale_spec, shape, one_step,
+                         one_step and spec.n_chunks == 1 and _plain(scale_spec))
 
     def derive(self, state: Mapping[str, torch.Tensor], *, pool: Executor | None,
                reuse: Mapping[str, torch.Tensor] | None = None, reference: Mapping[str, torch.Tensor] | None = None,
@@ -324,17 +410,17 @@ class Requantizer:
         rows, cols = t.shape
         if marks.scales is not None:  # done in one step: its chunks are coded, its scales rescaled
             self._blocks[name] = (amax, marks.scales)
-            scale = torch.from_numpy(marks.scales).view(scale_shape(self.format.name, t.shape))
+            scale = torch.from_numpy(marks.scales.reshape(scale_shape(self.format.name, t.shape)))
             return _Plan(name, code, None, rows, cols, None, None, None, marks.dirty, amax, marks.scales, scale,
                          coded={i: c for i, c in marks.coded.items() if c is not None},
-                         n_dirty=sum(marks.n_dirty.values()))
+                         n_dirty=sum(marks.n_dirty.values()), scale_coded=marks.scale_coded)
         scales = old_scales.copy()
         parts = [marks.chunks[c.index] for c in sorted(changes, key=lambda c: c.start)]
         pos = np.frombuffer(b"".join(p[0] for p in parts), dtype=np.int64)
         oc = np.frombuffer(b"".join(p[1] for p in parts), dtype=np.uint8)
         nc = np.frombuffer(b"".join(p[2] for p in parts), dtype=np.uint8)
         self._blocks[name] = (amax, scales)
-        scale = torch.from_numpy(scales).view(scale_shape(self.format.name, t.shape))
+        scale = torch.from_numpy(scales.reshape(scale_shape(self.format.name, t.shape)))
         return _Plan(name, code, bits(t), rows, cols, pos, oc, nc, marks.dirty, amax, scales, scale)
 
 
@@ -357,14 +443,16 @@ class _Plan(NamedTuple):
     #: done in one step (``requant_chunk``): its changed chunks' encodings, and its dirty blocks
     coded: dict[int, _Coded] | None = None
     n_dirty: int = 0
+    #: done in one step with its scale tensor's changed chunks (a tensor of one chunk)
+    scale_coded: dict[int, _Coded] | None = None
 
     def work(self, plain_scale: bool) -> int:
         """Elements :func:`_encode_chunks` walks for it: none when it was done in one step and
-        its scales did not change (or are not stored as themselves)."""
+        its scales did not change, are encoded already, or are not stored as themselves."""
         if self.coded is None:
             assert self.src is not None
             return self.src.size
-        return self.scales.size if self.n_dirty and plain_scale else 0
+        return self.scales.size if self.n_dirty and plain_scale and self.scale_coded is None else 0
 
 
 def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec],
@@ -396,8 +484,8 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
                                                                          p.amax, p.dirty)
             for what, name in ((0, p.name), (1, p.name + suffix)):
                 spec = specs.get(name)
-                if what and (not n_dirty or not _plain(spec)):  # the scales changed only in a dirty block
-                    continue
+                if what and (not n_dirty or not _plain(spec) or p.scale_coded is not None):
+                    continue  # the scales changed only in a dirty block (or were encoded with it)
                 if not what and one_step:  # coded on the store's encode threads
                     continue
                 assert spec is not None
@@ -422,8 +510,13 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
         return [(k, what, index, seg, digest, sha256_hex(seg.data))
                 for (k, what, index, digest), seg in zip(keys, add_segments_from_planes(raw))]
 
-    out: list[tuple[dict[int, _Coded], dict[int, _Coded]]] = [(p.coded or {}, {}) for p in plans]
-    for done in (pool.map if pool is not None else map)(task, [p for p in parts if p]):
+    out: list[tuple[dict[int, _Coded], dict[int, _Coded]]] = [(p.coded or {}, dict(p.scale_coded or {}))
+                                                                for p in plans]
+    # little to do (the scales of tensors done in one step whose blocks turned dirty): on this
+    # thread, in one task; a hand-off to the pool and back costs more than the work
+    run = pool.map if pool is not None and sum(loads) > INLINE_WORK else map
+    tasks = [p for p in parts if p] if run is not map else [[k for p in parts for k in p]]
+    for done in run(task, [t for t in tasks if t]):
         for k, what, index, seg, digest, sha in done:
             out[k][what][index] = (seg, digest, sha)
     return out

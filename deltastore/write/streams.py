@@ -152,7 +152,7 @@ class StreamWriter:
         calls :meth:`drop`."""
         if self._reference is None or self._specs is None or self._reference_version != version - 1:
             return {}
-        return self._requant.prepare(state, self._reference, self._specs, store_specs)
+        return self._requant.prepare(state, self._reference, self._specs, store_specs, self._reference_bits)
 
     def drop(self, *, blocks: bool = True) -> None:
         """Forget the reference (an attempt failed: encoding advanced it past every version),

@@ -13,6 +13,7 @@ from deltastore.format.history import History
 from deltastore.serving.quantize import quantize_fp8_block128, quantize_mxfp8
 from deltastore.storage import open_store
 from deltastore.storage.prefixed import PrefixedStore
+from deltastore.write import requant
 from deltastore.write.policy import LayoutPolicy
 
 pytestmark = pytest.mark.skipif(kernels.requant_classify is None, reason="needs the native kernels")
@@ -264,16 +265,29 @@ def test_a_publisher_derives_the_same_streams_incrementally_as_in_full(tmp_path,
             return kernel(*a)
 
         monkeypatch.setattr(kernels, name, counted)
+    scales_with_chunk = []  # each scale tensor encoded by the one-step sink, with its chunks
+    encoded_scales = requant._encoded_scales
+
+    def counted_scales(ref, scales, spec):
+        got = encoded_scales(ref, scales, spec)
+        scales_with_chunk.append(len(got))
+        return got
+
+    monkeypatch.setattr(requant, "_encoded_scales", counted_scales)
     with Publisher(str(tmp_path / "incr"), formats=formats, layout_policy=layout) as pub:
         for s in states:
             pub.publish(s)
     if one_step:  # every tensor one chunk, in the stream as in the store
         assert calls["requant_chunk"] == 2 * 2 * (len(states) - 1)  # two quantized tensors, two formats, every delta
         assert calls["requant_classify"] == calls["requant_rescale"] == 0
+        # a block turned dirty changes the scale tensor: encoded with its one chunk, on the
+        # store's encode thread (the streams below prove the bytes are the full derivation's)
+        assert scales_with_chunk and all(n > 0 for n in scales_with_chunk)
     else:
         assert calls["requant_rescale"] == 2 * 2 * (len(states) - 1)
         assert calls["requant_classify"] > calls["requant_rescale"]  # the tensors span several chunks
         assert calls["requant_chunk"] == 0
+        assert not scales_with_chunk
     monkeypatch.setattr(kernels, "requant_classify", None)  # the full derivation
     with Publisher(str(tmp_path / "full"), formats=formats, layout_policy=layout) as pub:
         for s in states:
@@ -323,6 +337,36 @@ def test_a_tensor_done_in_one_step_in_part_only_is_derived_in_full(tmp_path) -> 
                                            True)[7:])
     assert not r2.derive(state1, pool=None, reference=reference2, specs=specs, store_specs=store_specs,
                          changes={W: changes[:1]}).stale
+
+
+def test_what_prepare_decides_of_a_tensor_follows_the_layouts() -> None:
+    """A tensor's chunks are done in one step while the store chunks it as the stream does, in
+    two once the store's layout differs; its scale tensor is encoded with it only while it is one
+    chunk. What prepare decided for the last layouts does not stand for new ones."""
+    from deltastore.layout.tensors import TensorSpec
+    from deltastore.serving.formats import serving_format
+    from deltastore.write.requant import Requantizer
+
+    rows, cols = 256, 256
+    W, S = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv"
+    w0, w1 = _small_steps(rows, cols)
+    r = Requantizer(serving_format("fp8-block128"))
+    reference = dict(r.derive({W: w0}, pool=None).state)
+
+    def sink(specs, store_specs, views=None):
+        return r.prepare({W: w1}, reference, specs, store_specs, views)[W]
+
+    one = {W: TensorSpec(W, "float8_e4m3fn", (rows, cols), rows), S: TensorSpec(S, "float32", (2, 2), 2)}
+    views: dict[str, np.ndarray] = {}
+    got = sink(one, {W: TensorSpec(W, "bfloat16", (rows, cols), rows)}, views)
+    assert type(got).__name__ == "_OneStep" and got.scale_spec is one[S]
+    assert set(views) == {W, S} and got.ref is views[W] and got.scale_ref is views[S]  # the caller's views
+    two_chunks = {W: TensorSpec(W, "float8_e4m3fn", (rows, cols), 128), S: one[S]}
+    got = sink(two_chunks, {W: TensorSpec(W, "bfloat16", (rows, cols), 128)})
+    assert type(got).__name__ == "_OneStep" and got.scale_ref is None  # scales encoded in derive
+    got = sink(two_chunks, {W: TensorSpec(W, "bfloat16", (rows, cols), 64)})  # chunked unlike the stream
+    assert type(got).__name__ == "_Sink"
+    assert type(sink(one, {W: TensorSpec(W, "bfloat16", (rows, cols), rows)})).__name__ == "_OneStep"
 
 
 def _changed_state(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
