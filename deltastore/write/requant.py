@@ -201,11 +201,18 @@ def _encoded_scales(ref: np.ndarray, scales: np.ndarray, spec: TensorSpec) -> di
 
 def _whole_blocks(fmt: ServingFormat, spec: TensorSpec | None, store_spec: TensorSpec | None) -> bool:
     """Each chunk of a tensor holds whole blocks of ``fmt`` and spans the same elements in the
-    stream's layout (``spec``) and the store's: it can be done in one step."""
-    if not ONE_STEP or not _chunked_alike(spec, store_spec) or kernels.requant_chunk is None:
+    stream's layout (``spec``) and the store's: what the layouts need for its chunks to be done in
+    one step (:func:`_one_step`: what the run needs)."""
+    if not _chunked_alike(spec, store_spec):
         return False
     assert spec is not None
     return fmt.name == "mxfp8" or spec.n_chunks == 1 or spec.chunk_rows % 128 == 0
+
+
+def _one_step() -> bool:
+    """Chunks of whole blocks are done in one step: the kernel is there and the benchmarks did not
+    switch it off (read at every version, not kept with a tensor's layout)."""
+    return ONE_STEP and kernels.requant_chunk is not None
 
 
 class _Prepared(NamedTuple):
@@ -218,9 +225,10 @@ class _Prepared(NamedTuple):
     scale_spec: TensorSpec | None
     #: its shape; None: not requantized incrementally
     shape: tuple[int, ...] | None
-    #: its chunks are done in one step
-    one_step: bool
-    #: its scale tensor is encoded with it (a tensor of one chunk, its scales stored as themselves)
+    #: its chunks hold whole blocks, chunked alike in both layouts (:func:`_whole_blocks`)
+    whole_blocks: bool
+    #: done in one step, its scale tensor is encoded with it (a tensor of one chunk, its scales
+    #: stored as themselves)
     with_scales: bool
 
 
@@ -288,6 +296,7 @@ class Requantizer:
             return {}
         code = _FORMAT_CODE[self.format.name]
         views = reference_bits if reference_bits is not None else {}
+        one_step = _one_step()
         sinks: dict[str, ChangeSink] = {}
         for name, blocks in self._blocks.items():
             t, ref = state.get(name), reference.get(name)
@@ -303,7 +312,7 @@ class Requantizer:
             shape = plan.shape
             if shape is None or ref.dtype != torch.float8_e4m3fn or ref.shape != t.shape or t.shape != shape:
                 continue
-            if not plan.one_step:  # two steps
+            if not (one_step and plan.whole_blocks):  # two steps
                 marks = self._marks[name] = _Marks(blocks[0].size)
                 sinks[name] = _Sink(code, shape[0], shape[1], blocks[1], blocks[0], marks)
                 continue
@@ -324,9 +333,8 @@ class Requantizer:
         if not _plain(spec) or len(shape) != 2 or not self.format.selects(name, shape):
             return _Prepared(spec, store_spec, scale_spec, None, False, False)
         assert spec is not None
-        one_step = store_spec is not None and _whole_blocks(self.format, spec, store_spec)
-        return _Prepared(spec, store_spec, scale_spec, shape, one_step,
-                         one_step and spec.n_chunks == 1 and _plain(scale_spec))
+        whole = store_spec is not None and _whole_blocks(self.format, spec, store_spec)
+        return _Prepared(spec, store_spec, scale_spec, shape, whole, whole and spec.n_chunks == 1 and _plain(scale_spec))
 
     def derive(self, state: Mapping[str, torch.Tensor], *, pool: Executor | None,
                reuse: Mapping[str, torch.Tensor] | None = None, reference: Mapping[str, torch.Tensor] | None = None,

@@ -339,7 +339,7 @@ def test_a_tensor_done_in_one_step_in_part_only_is_derived_in_full(tmp_path) -> 
                          changes={W: changes[:1]}).stale
 
 
-def test_what_prepare_decides_of_a_tensor_follows_the_layouts() -> None:
+def test_what_prepare_decides_of_a_tensor_follows_the_layouts(monkeypatch) -> None:
     """A tensor's chunks are done in one step while the store chunks it as the stream does, in
     two once the store's layout differs; its scale tensor is encoded with it only while it is one
     chunk. What prepare decided for the last layouts does not stand for new ones."""
@@ -366,7 +366,10 @@ def test_what_prepare_decides_of_a_tensor_follows_the_layouts() -> None:
     assert type(got).__name__ == "_OneStep" and got.scale_ref is None  # scales encoded in derive
     got = sink(two_chunks, {W: TensorSpec(W, "bfloat16", (rows, cols), 64)})  # chunked unlike the stream
     assert type(got).__name__ == "_Sink"
-    assert type(sink(one, {W: TensorSpec(W, "bfloat16", (rows, cols), rows)})).__name__ == "_OneStep"
+    alike = {W: TensorSpec(W, "bfloat16", (rows, cols), rows)}
+    assert type(sink(one, alike)).__name__ == "_OneStep"
+    monkeypatch.setattr(requant, "ONE_STEP", False)  # a switch read at every version, not kept
+    assert type(sink(one, alike)).__name__ == "_Sink"
 
 
 def _changed_state(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
