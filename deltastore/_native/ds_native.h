@@ -58,6 +58,13 @@ int ds_check_width(long width);
  * 0, or the failure kind with *value / *message as zstd_decompress reports them. */
 enum { DS_ZE_NOT_FRAME = 1, DS_ZE_CLAIMS = 2, DS_ZE_BAD_FRAME = 3, DS_ZE_SIZE = 4 };
 int ds_zstd_ready(void);
+
+/* zstd.c: whether libzstd can compress (call with the GIL held: loads it), its bound for n
+ * bytes, and n bytes at src compressed into dst (cap bytes) as one frame with the byte planes'
+ * parameters (this thread's context; without the GIL): 0 and the size in *out, or -1. */
+int ds_zstd_compresses(void);
+size_t ds_zstd_bound(size_t n);
+int ds_zstd_compress(const void *src, size_t n, void *dst, size_t cap, size_t *out);
 int ds_zstd_decode(const void *src, size_t len, void *dst, size_t cap, unsigned long long *value,
                    const char **message);
 

@@ -187,7 +187,179 @@ static PyObject *py_byte_histogram(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* --- an add-sparse/1 segment from the encoder's raw planes ------------------------------- */
+
+/* deltastore/codec/container.py: section kinds, the header ("<4sBBBBIIIIB") and a section's
+ * table entry ("<BI"); planes.MIN_ZSTD_INPUT. */
+enum { KIND_RAW = 0, KIND_ZSTD = 1, KIND_CONST = 2 };
+#define SEG_HEADER 25
+#define SEG_ENTRY 5
+#define MIN_ZSTD_INPUT 32
+
+typedef struct {
+    const uint8_t *p; /* the plane */
+    size_t n;
+    int kind;
+    const uint8_t *stored;
+    size_t stored_n;
+} section;
+
+/* Bytes b, b + stride, ... of src (n of them) into dst. */
+static void gather_plane(uint8_t *dst, const uint8_t *src, size_t n, size_t b, size_t stride) {
+    for (size_t i = 0; i < n; i++) dst[i] = src[i * stride + b];
+}
+
+/* planes.encode_byte_sections' choice for one plane: CONST when every byte is equal, RAW when
+ * shorter than MIN_ZSTD_INPUT, else ZSTD when the frame is smaller, else RAW. The frame is
+ * written at *out (advanced past it when used). -1: compression failed. */
+static int choose_section(section *s, uint8_t **out, uint8_t *end) {
+    size_t n = s->n;
+    const uint8_t *p = s->p;
+    if (n && p[0] == p[n - 1]) { /* differing ends: not CONST at once */
+        size_t i = 1;
+        while (i < n && p[i] == p[0]) i++;
+        if (i == n) {
+            s->kind = KIND_CONST;
+            s->stored = p;
+            s->stored_n = 1;
+            return 0;
+        }
+    }
+    s->kind = KIND_RAW;
+    s->stored = p;
+    s->stored_n = n;
+    if (n < MIN_ZSTD_INPUT) return 0;
+    size_t z;
+    if (ds_zstd_compress(p, n, *out, (size_t)(end - *out), &z) < 0) return -1;
+    if (z < n) {
+        s->kind = KIND_ZSTD;
+        s->stored = *out;
+        s->stored_n = z;
+        *out += z;
+    }
+    return 0;
+}
+
+static void put_u32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+PyDoc_STRVAR(add_sparse_segment_doc,
+"add_sparse_segment(count, width, k, syms, rest, max_rest, codes, esc) -> bytes | None\n\n"
+"The bytes of deltastore.codec.delta.add_segment_from_planes(count, width, k, syms, rest,\n"
+"max_rest, codes, esc) for a sparse segment (the caller keeps the dense case), its planes\n"
+"compressed by the system's libzstd with the byte planes' parameters (zstd_plane_params), without\n"
+"the GIL. None when libzstd cannot compress. The same bytes only where libzstd writes the frames\n"
+"python-zstandard writes: deltastore.codec.delta checks that before it calls this.");
+
+static PyObject *py_add_sparse_segment(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t count, width, k;
+    unsigned long max_rest;
+    Py_buffer syms, rest, codes, esc;
+    if (!PyArg_ParseTuple(args, "nnny*y*ky*y*:add_sparse_segment", &count, &width, &k, &syms, &rest, &max_rest, &codes,
+                          &esc))
+        return NULL;
+    PyObject *result = NULL;
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "add_sparse_segment: width must be 1, 2, 4 or 8");
+        goto out;
+    }
+    if (count < 0 || count > 0xFFFFFFFFLL || k < 0 || k > count || rest.len % 4 || esc.len % width ||
+        syms.len != k || codes.len != (k + 1) / 2) {
+        PyErr_SetString(PyExc_ValueError, "add_sparse_segment: planes that do not fit the counts");
+        goto out;
+    }
+    if (!ds_zstd_compresses()) {
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    {
+        size_t n_rest = (size_t)rest.len / 4, n_esc = (size_t)esc.len / (size_t)width;
+        int gw = !n_rest ? 1 : max_rest < 0x100ul ? 1 : max_rest < 0x10000ul ? 2 : 4; /* container.GAP_WIDTHS */
+        section sec[1 + 4 + 1 + 8]; /* symbols, gap rests (gw <= 4), codes, escapes (width <= 8) */
+        int ns = 0;
+        /* the strided planes gathered, and room for every frame (a bound per plane) */
+        uint8_t *gathered = (uint8_t *)malloc((size_t)gw * n_rest + (size_t)esc.len + 1);
+        size_t cap = ds_zstd_bound((size_t)syms.len) + ds_zstd_bound((size_t)codes.len), stored_cap = 0;
+        if (n_rest) cap += (size_t)gw * ds_zstd_bound(n_rest);
+        if (n_esc) cap += (size_t)width * ds_zstd_bound(n_esc);
+        uint8_t *frames = (uint8_t *)malloc(cap);
+        if (gathered == NULL || frames == NULL) {
+            free(gathered);
+            free(frames);
+            PyErr_NoMemory();
+            goto out;
+        }
+        int rc = 0;
+        uint8_t *seg = NULL;
+        size_t seg_n = 0;
+        Py_BEGIN_ALLOW_THREADS
+        uint8_t *g = gathered, *f = frames, *fend = frames + cap;
+        sec[ns++] = (section){(const uint8_t *)syms.buf, (size_t)syms.len, 0, NULL, 0};
+        if (n_rest)
+            for (int b = 0; b < gw; b++) { /* each rest < 2**(8 gw): its low gw bytes */
+                gather_plane(g, (const uint8_t *)rest.buf, n_rest, (size_t)b, 4);
+                sec[ns++] = (section){g, n_rest, 0, NULL, 0};
+                g += n_rest;
+            }
+        sec[ns++] = (section){(const uint8_t *)codes.buf, (size_t)codes.len, 0, NULL, 0};
+        if (n_esc)
+            for (Py_ssize_t b = 0; b < width; b++) {
+                gather_plane(g, (const uint8_t *)esc.buf, n_esc, (size_t)b, (size_t)width);
+                sec[ns++] = (section){g, n_esc, 0, NULL, 0};
+                g += n_esc;
+            }
+        for (int i = 0; i < ns && rc == 0; i++) {
+            rc = choose_section(&sec[i], &f, fend);
+            stored_cap += sec[i].stored_n;
+        }
+        seg_n = SEG_HEADER + (size_t)ns * SEG_ENTRY + stored_cap;
+        if (rc == 0 && (seg = (uint8_t *)malloc(seg_n)) == NULL) rc = -2;
+        if (rc == 0) {
+            uint8_t *o = seg;
+            memcpy(o, "DSG2", 4);
+            o[4] = 4; /* container.CODEC_IDS[add-sparse/1] */
+            o[5] = 1;
+            o[6] = (uint8_t)width;
+            o[7] = (uint8_t)gw;
+            put_u32(o + 8, (uint32_t)count);
+            put_u32(o + 12, (uint32_t)k);
+            put_u32(o + 16, (uint32_t)n_rest);
+            put_u32(o + 20, (uint32_t)n_esc);
+            o[24] = (uint8_t)ns;
+            o += SEG_HEADER;
+            for (int i = 0; i < ns; i++, o += SEG_ENTRY) {
+                o[0] = (uint8_t)sec[i].kind;
+                put_u32(o + 1, (uint32_t)sec[i].stored_n);
+            }
+            for (int i = 0; i < ns; i++) {
+                memcpy(o, sec[i].stored, sec[i].stored_n);
+                o += sec[i].stored_n;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (rc == 0) {
+            result = PyBytes_FromStringAndSize((const char *)seg, (Py_ssize_t)seg_n);
+        } else if (rc == -2) {
+            PyErr_NoMemory();
+        } else {
+            PyErr_SetString(PyExc_RuntimeError, "add_sparse_segment: libzstd failed to compress a plane");
+        }
+        free(seg);
+        free(gathered);
+        free(frames);
+    }
+out:
+    PyBuffer_Release(&syms);
+    PyBuffer_Release(&rest);
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&esc);
+    return result;
+}
+
 PyMethodDef ds_planes_methods[] = {
+    {"add_sparse_segment", py_add_sparse_segment, METH_VARARGS, add_sparse_segment_doc},
     {"byte_histogram", py_byte_histogram, METH_VARARGS, byte_histogram_doc},
     {"split_planes", py_split_planes, METH_VARARGS, split_planes_doc},
     {"pair_codes", py_pair_codes, METH_VARARGS, pair_codes_doc},

@@ -34,6 +34,10 @@ typedef struct { const void *src; size_t size; size_t pos; } ds_in_t;  /* ZSTD_i
 typedef struct { void *dst; size_t size; size_t pos; } ds_out_t;       /* ZSTD_outBuffer */
 typedef size_t (*decompress_stream_fn)(void *, ds_out_t *, ds_in_t *);
 typedef size_t (*set_parameter_fn)(void *, int, int);
+typedef void *(*create_cctx_fn)(void);
+typedef size_t (*free_cctx_fn)(void *);
+typedef size_t (*compress2_fn)(void *, void *, size_t, const void *, size_t);
+typedef size_t (*compress_bound_fn)(size_t);
 
 static struct {
     int tried;
@@ -47,16 +51,33 @@ static struct {
     error_name_fn error_name;
     decompress_stream_fn decompress_stream;
     set_parameter_fn set_parameter;
+    /* compression (planes.c's add_sparse_segment), when the library has it */
+    int compresses;
+    create_cctx_fn create_cctx;
+    free_cctx_fn free_cctx;
+    set_parameter_fn cctx_set_parameter;
+    compress2_fn compress2;
+    compress_bound_fn compress_bound;
 } Z;
+
+/* The byte planes' compression parameters, deltastore.codec.planes.ZSTD_PLANE_PARAMS (ZSTD_c_*
+ * ids, stable since zstd 1.4.0): windowLog, hashLog, chainLog, searchLog, minMatch,
+ * targetLength, strategy. zstd_plane_params() returns them; the Python side compares them and
+ * the frames written here with python-zstandard's before it uses them. */
+static const int plane_params[7][2] = {{101, 17}, {102, 6}, {103, 0}, {104, 1}, {105, 7}, {106, 0}, {107, 1}};
 
 /* ZSTD_d_windowLogMax (stable since zstd 1.4.0). */
 #define DS_ZSTD_D_WINDOWLOGMAX 100
 
 #ifdef DS_HAVE_DLOPEN
-static pthread_key_t dctx_key;
+static pthread_key_t dctx_key, cctx_key;
 
 static void free_dctx(void *d) {
     if (d) Z.free_dctx(d);
+}
+
+static void free_cctx(void *c) {
+    if (c) Z.free_cctx(c);
 }
 
 /* Called with the GIL held (module functions only), so once. */
@@ -85,6 +106,31 @@ static void zstd_load(void) {
         return;
     }
     Z.version = version(); /* the handle stays open for the process's life */
+    Z.create_cctx = (create_cctx_fn)dlsym(h, "ZSTD_createCCtx");
+    Z.free_cctx = (free_cctx_fn)dlsym(h, "ZSTD_freeCCtx");
+    Z.cctx_set_parameter = (set_parameter_fn)dlsym(h, "ZSTD_CCtx_setParameter");
+    Z.compress2 = (compress2_fn)dlsym(h, "ZSTD_compress2");
+    Z.compress_bound = (compress_bound_fn)dlsym(h, "ZSTD_compressBound");
+    Z.compresses = Z.create_cctx && Z.free_cctx && Z.cctx_set_parameter && Z.compress2 && Z.compress_bound &&
+                   pthread_key_create(&cctx_key, free_cctx) == 0;
+}
+
+/* This thread's compression context with the planes' parameters (freed when the thread ends),
+ * or NULL. */
+static void *thread_cctx(void) {
+    void *c = pthread_getspecific(cctx_key);
+    if (c) return c;
+    if ((c = Z.create_cctx()) == NULL) return NULL;
+    for (int i = 0; i < 7; i++)
+        if (Z.is_error(Z.cctx_set_parameter(c, plane_params[i][0], plane_params[i][1]))) {
+            Z.free_cctx(c);
+            return NULL;
+        }
+    if (pthread_setspecific(cctx_key, c) != 0) {
+        Z.free_cctx(c);
+        return NULL;
+    }
+    return c;
 }
 
 /* This thread's decompression context (freed when the thread ends), or NULL. */
@@ -99,6 +145,7 @@ static void *thread_dctx(void) {
 #else
 static void zstd_load(void) { Z.tried = 1; }
 static void *thread_dctx(void) { return NULL; }
+static void *thread_cctx(void) { return NULL; }
 #endif
 
 PyDoc_STRVAR(zstd_version_doc,
@@ -117,6 +164,36 @@ static PyObject *py_zstd_version(PyObject *self, PyObject *unused) {
 int ds_zstd_ready(void) {
     zstd_load();
     return Z.version != 0;
+}
+
+int ds_zstd_compresses(void) {
+    zstd_load();
+    return Z.version != 0 && Z.compresses;
+}
+
+size_t ds_zstd_bound(size_t n) { return Z.compress_bound(n); }
+
+int ds_zstd_compress(const void *src, size_t n, void *dst, size_t cap, size_t *out) {
+    void *c = thread_cctx();
+    if (!c) return -1;
+    size_t r = Z.compress2(c, dst, cap, src, n);
+    if (Z.is_error(r)) return -1;
+    *out = r;
+    return 0;
+}
+
+PyDoc_STRVAR(zstd_plane_params_doc,
+"zstd_plane_params() -> tuple | None\n\n"
+"The compression parameters add_sparse_segment gives libzstd (window_log, hash_log, chain_log,\n"
+"search_log, min_match, target_length, strategy), or None when it cannot compress (no libzstd,\n"
+"or one without the compression API).");
+
+static PyObject *py_zstd_plane_params(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    if (!ds_zstd_compresses()) Py_RETURN_NONE;
+    return Py_BuildValue("(iiiiiii)", plane_params[0][1], plane_params[1][1], plane_params[2][1], plane_params[3][1],
+                         plane_params[4][1], plane_params[5][1], plane_params[6][1]);
 }
 
 /* A frame's checks before any byte is decoded, shared by the one-call and the streamed decoder:
@@ -319,6 +396,7 @@ done:
 
 PyMethodDef ds_zstd_methods[] = {
     {"zstd_version", py_zstd_version, METH_NOARGS, zstd_version_doc},
+    {"zstd_plane_params", py_zstd_plane_params, METH_NOARGS, zstd_plane_params_doc},
     {"zstd_decompress", py_zstd_decompress, METH_VARARGS, zstd_decompress_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -59,6 +59,8 @@ NATIVE = _native is not None
 encode_add = getattr(_native, "encode_add", None)
 xxh3_128_hex = getattr(_native, "xxh3_128_hex", None)
 split_planes = getattr(_native, "split_planes", None)
+add_sparse_segment = getattr(_native, "add_sparse_segment", None)
+zstd_plane_params = getattr(_native, "zstd_plane_params", None)
 pair_codes = getattr(_native, "pair_codes", None)
 #: See the docstring in deltastore/_native/planes.c.
 byte_histogram = getattr(_native, "byte_histogram", None)

@@ -26,6 +26,7 @@ from deltastore.codec.container import CODEC_ADD_DENSE, CODEC_ADD_SPARSE, GAP_WI
 from deltastore.codec.planes import (
     DEFAULT_LEVEL,
     UINT,
+    ZSTD_PLANE_PARAMS,
     check_values,
     encode_byte_sections,
     encode_byte_sections_many,
@@ -281,8 +282,59 @@ RawPlanes = tuple[int, int, int, bytes, bytes, int, bytes, bytes]
 
 def add_segments_from_planes(chunks: Sequence[RawPlanes], level: int | None = DEFAULT_LEVEL) -> list[Segment]:
     """:func:`add_segment_from_planes` of several chunks (each ``(count, width, k, syms, rest,
-    max_rest, codes, esc)``), their planes entropy coded together
-    (:func:`~deltastore.codec.planes.encode_byte_sections_many`): the same segments."""
+    max_rest, codes, esc)``): the same segments.
+
+    With the default level, a sparse segment is built by the native ``add_sparse_segment``
+    (planes.c: its planes compressed by the system's libzstd, without the GIL) where that writes
+    exactly what this module writes (:func:`native_segments`); otherwise the planes are entropy
+    coded here, several chunks' together
+    (:func:`~deltastore.codec.planes.encode_byte_sections_many`)."""
+    if level is None and native_segments():
+        build = kernels.add_sparse_segment
+        return [Segment(CODEC_ADD_SPARSE, build(*c), c[2]) if c[2] <= DENSE_TRY_FRACTION * c[0]
+                else _segments_from_planes([c], level)[0] for c in chunks]
+    return _segments_from_planes(chunks, level)
+
+
+#: Whether the native segments are this module's (None: not checked yet; see native_segments).
+_NATIVE_SEGMENTS: bool | None = None
+
+
+def native_segments() -> bool:
+    """Whether the native ``add_sparse_segment`` builds sparse segments here, checked once per
+    process: it is loaded, libzstd can compress, its parameters are
+    :data:`~deltastore.codec.planes.ZSTD_PLANE_PARAMS`, and the segments it builds of a set of
+    probe planes are byte for byte the ones python-zstandard's frames give (another libzstd
+    version may write other frames: then every segment is built here, and the bytes in the bucket
+    do not depend on the machine's libzstd)."""
+    global _NATIVE_SEGMENTS
+    if _NATIVE_SEGMENTS is None:
+        _NATIVE_SEGMENTS = _native_segments_agree()
+    return _NATIVE_SEGMENTS
+
+
+def _native_segments_agree() -> bool:
+    params = kernels.zstd_plane_params() if kernels.zstd_plane_params is not None else None
+    p = ZSTD_PLANE_PARAMS
+    if kernels.add_sparse_segment is None or params != (p.window_log, p.hash_log, p.chain_log, p.search_log,
+                                                         p.min_match, p.target_length, p.strategy):
+        return False
+    rng = np.random.default_rng(20250)
+    for count, width, density in ((1 << 16, 2, 0.02), (1 << 14, 1, 0.1), (1 << 12, 4, 0.3), (300, 2, 0.01)):
+        old = rng.integers(0, 1 << (8 * width), count, dtype=np.uint64).astype(UINT[width])
+        new = old.copy()
+        at = rng.random(count) < density
+        new[at] += rng.geometric(0.3, int(at.sum())).astype(UINT[width])
+        new[: count // 8] += 1  # a long run of equal codes: a CONST-prone plane
+        k, syms, rest, max_rest, codes, esc = kernels.encode_add(old, new, width, True, DIGEST_NONE)[:6]
+        chunk = (count, width, k, syms, rest, max_rest, codes, esc)
+        if kernels.add_sparse_segment(*chunk) != _segments_from_planes([chunk], None)[0].data:
+            return False
+    return True
+
+
+def _segments_from_planes(chunks: Sequence[RawPlanes], level: int | None) -> list[Segment]:
+    """:func:`add_segments_from_planes` with the planes entropy coded here."""
     out: list[Segment | None] = [None] * len(chunks)
     sparse: list[tuple[int, list[bytes], dict[str, int]]] = []
     for i, (count, width, k, syms, rest, max_rest, codes, esc) in enumerate(chunks):
