@@ -1,6 +1,8 @@
-/* deltastore._native: the anchor (full/2) encoder's byte planes (deltastore/codec/full.py), and
- * the helper that judges a plane from a sample before it is entropy coded
- * (deltastore/codec/planes.py, byte_counts). */
+/* deltastore._native: the anchor (full/2) encoder's byte planes (deltastore/codec/full.py), the
+ * helper that judges a plane from a sample before it is entropy coded
+ * (deltastore/codec/planes.py, byte_counts), and a delta's add-sparse/1 segment built from the
+ * encoder's raw planes through the system's libzstd (deltastore/codec/delta.py,
+ * add_segments_from_planes). */
 #include "ds_buf.h"
 
 #include <string.h>
