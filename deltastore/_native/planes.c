@@ -23,6 +23,18 @@ DEFINE_SPLIT(uint16_t, 2)
 DEFINE_SPLIT(uint32_t, 4)
 DEFINE_SPLIT(uint64_t, 8)
 
+/* The byte planes of n `w`-byte elements (w 1, 2, 4 or 8) into dst: plane k at dst + k * n. */
+static void split_any(const uint8_t *src, uint8_t *dst, size_t n, int w, int rot) {
+    switch (w) {
+    case 1:
+        for (size_t i = 0; i < n; i++) dst[i] = rot ? (uint8_t)((src[i] << 1) | (src[i] >> 7)) : src[i];
+        break;
+    case 2: split_2(src, dst, n, rot); break;
+    case 4: split_4(src, dst, n, rot); break;
+    default: split_8(src, dst, n, rot); break;
+    }
+}
+
 PyDoc_STRVAR(split_planes_doc,
 "split_planes(values, out, width, rotate)\n\n"
 "Byte planes of `width`-byte little-endian elements in one pass: plane k (byte k of every\n"
@@ -57,14 +69,7 @@ static PyObject *py_split_planes(PyObject *self, PyObject *args) {
         const uint8_t *src = (const uint8_t *)sb.buf;
         uint8_t *dst = (uint8_t *)db.buf;
         Py_BEGIN_ALLOW_THREADS
-        switch (w) {
-        case 1:
-            for (size_t i = 0; i < n; i++) dst[i] = rot ? (uint8_t)((src[i] << 1) | (src[i] >> 7)) : src[i];
-            break;
-        case 2: split_2(src, dst, n, rot); break;
-        case 4: split_4(src, dst, n, rot); break;
-        default: split_8(src, dst, n, rot); break;
-        }
+        split_any(src, dst, n, w, rot);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&sb);
@@ -206,11 +211,6 @@ typedef struct {
     size_t stored_n;
 } section;
 
-/* Bytes b, b + stride, ... of src (n of them) into dst. */
-static void gather_plane(uint8_t *dst, const uint8_t *src, size_t n, size_t b, size_t stride) {
-    for (size_t i = 0; i < n; i++) dst[i] = src[i * stride + b];
-}
-
 /* planes.encode_byte_sections' choice for one plane: CONST when every byte is equal, RAW when
  * shorter than MIN_ZSTD_INPUT, else ZSTD when the frame is smaller, else RAW. The frame is
  * written at *out (advanced past it when used). -1: compression failed. */
@@ -281,45 +281,47 @@ static PyObject *py_add_sparse_segment(PyObject *self, PyObject *args) {
         int gw = !n_rest ? 1 : max_rest < 0x100ul ? 1 : max_rest < 0x10000ul ? 2 : 4; /* container.GAP_WIDTHS */
         section sec[1 + 4 + 1 + 8]; /* symbols, gap rests (gw <= 4), codes, escapes (width <= 8) */
         int ns = 0;
-        /* the strided planes gathered, and room for every frame (a bound per plane) */
-        uint8_t *gathered = (uint8_t *)malloc((size_t)gw * n_rest + (size_t)esc.len + 1);
-        size_t cap = ds_zstd_bound((size_t)syms.len) + ds_zstd_bound((size_t)codes.len), stored_cap = 0;
+        /* the byte planes of the rests and escapes (split_any), and room for every frame (a bound
+         * per plane) */
+        uint8_t *split = (uint8_t *)malloc(4 * n_rest + (size_t)esc.len + 1);
+        size_t cap = ds_zstd_bound((size_t)syms.len) + ds_zstd_bound((size_t)codes.len), seg_n = 0;
         if (n_rest) cap += (size_t)gw * ds_zstd_bound(n_rest);
         if (n_esc) cap += (size_t)width * ds_zstd_bound(n_esc);
         uint8_t *frames = (uint8_t *)malloc(cap);
-        if (gathered == NULL || frames == NULL) {
-            free(gathered);
+        if (split == NULL || frames == NULL) {
+            free(split);
             free(frames);
             PyErr_NoMemory();
             goto out;
         }
         int rc = 0;
-        uint8_t *seg = NULL;
-        size_t seg_n = 0;
         Py_BEGIN_ALLOW_THREADS
-        uint8_t *g = gathered, *f = frames, *fend = frames + cap;
+        uint8_t *f = frames;
         sec[ns++] = (section){(const uint8_t *)syms.buf, (size_t)syms.len, 0, NULL, 0};
-        if (n_rest)
-            for (int b = 0; b < gw; b++) { /* each rest < 2**(8 gw): its low gw bytes */
-                gather_plane(g, (const uint8_t *)rest.buf, n_rest, (size_t)b, 4);
-                sec[ns++] = (section){g, n_rest, 0, NULL, 0};
-                g += n_rest;
-            }
-        sec[ns++] = (section){(const uint8_t *)codes.buf, (size_t)codes.len, 0, NULL, 0};
-        if (n_esc)
-            for (Py_ssize_t b = 0; b < width; b++) {
-                gather_plane(g, (const uint8_t *)esc.buf, n_esc, (size_t)b, (size_t)width);
-                sec[ns++] = (section){g, n_esc, 0, NULL, 0};
-                g += n_esc;
-            }
-        for (int i = 0; i < ns && rc == 0; i++) {
-            rc = choose_section(&sec[i], &f, fend);
-            stored_cap += sec[i].stored_n;
+        if (n_rest) { /* each rest < 2**(8 gw): its low gw bytes */
+            split_any((const uint8_t *)rest.buf, split, n_rest, 4, 0);
+            for (int b = 0; b < gw; b++) sec[ns++] = (section){split + (size_t)b * n_rest, n_rest, 0, NULL, 0};
         }
-        seg_n = SEG_HEADER + (size_t)ns * SEG_ENTRY + stored_cap;
-        if (rc == 0 && (seg = (uint8_t *)malloc(seg_n)) == NULL) rc = -2;
-        if (rc == 0) {
-            uint8_t *o = seg;
+        sec[ns++] = (section){(const uint8_t *)codes.buf, (size_t)codes.len, 0, NULL, 0};
+        if (n_esc) {
+            const uint8_t *planes = (const uint8_t *)esc.buf;
+            if (width > 1) {
+                split_any(planes, split + 4 * n_rest, n_esc, (int)width, 0);
+                planes = split + 4 * n_rest;
+            }
+            for (Py_ssize_t b = 0; b < width; b++) sec[ns++] = (section){planes + (size_t)b * n_esc, n_esc, 0, NULL, 0};
+        }
+        for (int i = 0; i < ns && rc == 0; i++) {
+            rc = choose_section(&sec[i], &f, frames + cap);
+            seg_n += sec[i].stored_n;
+        }
+        Py_END_ALLOW_THREADS
+        seg_n += SEG_HEADER + (size_t)ns * SEG_ENTRY;
+        /* packed straight into the result (the frames are its only copy besides) */
+        if (rc < 0)
+            PyErr_SetString(PyExc_RuntimeError, "add_sparse_segment: libzstd failed to compress a plane");
+        else if ((result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)seg_n)) != NULL) {
+            uint8_t *o = (uint8_t *)PyBytes_AS_STRING(result);
             memcpy(o, "DSG2", 4);
             o[4] = 4; /* container.CODEC_IDS[add-sparse/1] */
             o[5] = 1;
@@ -340,16 +342,7 @@ static PyObject *py_add_sparse_segment(PyObject *self, PyObject *args) {
                 o += sec[i].stored_n;
             }
         }
-        Py_END_ALLOW_THREADS
-        if (rc == 0) {
-            result = PyBytes_FromStringAndSize((const char *)seg, (Py_ssize_t)seg_n);
-        } else if (rc == -2) {
-            PyErr_NoMemory();
-        } else {
-            PyErr_SetString(PyExc_RuntimeError, "add_sparse_segment: libzstd failed to compress a plane");
-        }
-        free(seg);
-        free(gathered);
+        free(split);
         free(frames);
     }
 out:

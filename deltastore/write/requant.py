@@ -38,7 +38,7 @@ that); everything else is derived in full, as before. Nothing here changes what 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import replace
 from typing import NamedTuple
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from deltastore._util import kernels
-from deltastore.codec.delta import DIGEST_IF_CHANGED, add_segment_from_planes, add_segments_from_planes
+from deltastore.codec.delta import DIGEST_IF_CHANGED, RawPlanes, add_segment_from_planes, add_segments_from_planes
 from deltastore.codec.container import Segment
 from deltastore.format.keys import sha256_hex
 from deltastore.layout.tensors import TensorSpec, bits
@@ -183,20 +183,34 @@ class _OneStep:
             marks.scale_coded = _encoded_scales(self.scale_ref, marks.scales, self.scale_spec)  # type: ignore[arg-type]
 
 
+def _changed_chunks(spec: TensorSpec, width: int,
+                    delta: Callable[[int, int], tuple]) -> list[tuple[int, RawPlanes, str]]:
+    """The chunks of layout ``spec`` (elements of ``width`` bytes) whose delta changed elements:
+    each one's index, raw planes and digest. ``delta(start, stop)``: the chunk's encode_add
+    results (changes, five planes, digest), its reference advanced."""
+    out = []
+    for index in range(spec.n_chunks):
+        start, stop = spec.chunk_span(index)
+        n, syms, rest, max_rest, codes, esc, digest = delta(start, stop)
+        if n:
+            out.append((index, (stop - start, width, n, syms, rest, max_rest, codes, esc), digest))
+    return out
+
+
+def _scale_delta(ref: np.ndarray, new: np.ndarray) -> Callable[[int, int], tuple]:
+    """A scale tensor's chunk delta for :func:`_changed_chunks`: ``new`` against ``ref`` (its
+    bits, advanced in place)."""
+    return lambda start, stop: kernels.encode_add(ref[start:stop], new[start:stop], new.itemsize, True,
+                                                  DIGEST_IF_CHANGED)
+
+
 def _encoded_scales(ref: np.ndarray, scales: np.ndarray, spec: TensorSpec) -> dict[int, _Coded]:
     """The changed chunks of a scale tensor of layout ``spec``: ``scales`` (new) against ``ref``
     (its bits, advanced in place), each chunk's segment, digest and the segment's SHA-256."""
     new = scales.view(ref.dtype)
-    raw, at = [], []
-    for index in range(spec.n_chunks):
-        start, stop = spec.chunk_span(index)
-        n, syms, rest, max_rest, codes, esc, digest = kernels.encode_add(ref[start:stop], new[start:stop],
-                                                                          new.itemsize, True, DIGEST_IF_CHANGED)
-        if n:
-            raw.append((stop - start, new.itemsize, n, syms, rest, max_rest, codes, esc))
-            at.append((index, digest))
+    found = _changed_chunks(spec, new.itemsize, _scale_delta(ref, new))
     return {index: (seg, digest, sha256_hex(seg.data))
-            for (index, digest), seg in zip(at, add_segments_from_planes(raw))}
+            for (index, _, digest), seg in zip(found, add_segments_from_planes([raw for _, raw, _ in found]))}
 
 
 def _whole_blocks(fmt: ServingFormat, spec: TensorSpec | None, store_spec: TensorSpec | None) -> bool:
@@ -498,22 +512,10 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
                     continue
                 assert spec is not None
                 ref = bits(reference[name])
-                new = bits(p.scale) if what else None
-                for index in range(spec.n_chunks):
-                    start, stop = spec.chunk_span(index)
-                    if new is not None:
-                        got = kernels.encode_add(ref[start:stop], new[start:stop], new.itemsize, True,
-                                                 DIGEST_IF_CHANGED)
-                    else:
-                        assert p.pos is not None and p.oc is not None and p.nc is not None
-                        lo, hi = np.searchsorted(p.pos, (start, stop))
-                        got = kernels.requant_delta(p.code, p.src, p.rows, p.cols, start // p.cols, stop // p.cols,
-                                                    p.pos[lo:hi], p.oc[lo:hi], p.nc[lo:hi], p.dirty, p.scales,
-                                                    ref[start:stop], DIGEST_IF_CHANGED)
-                    n, syms, rest, max_rest, codes, esc, digest = got
-                    if n:
-                        raw.append((stop - start, ref.itemsize, n, syms, rest, max_rest, codes, esc))
-                        keys.append((k, what, index, digest))
+                delta = _scale_delta(ref, bits(p.scale)) if what else _codes_delta(p, ref)
+                for index, planes, digest in _changed_chunks(spec, ref.itemsize, delta):
+                    raw.append(planes)
+                    keys.append((k, what, index, digest))
         # each segment's SHA-256 too (hashlib gives up the GIL): the manifest names it
         return [(k, what, index, seg, digest, sha256_hex(seg.data))
                 for (k, what, index, digest), seg in zip(keys, add_segments_from_planes(raw))]
@@ -528,6 +530,20 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
         for k, what, index, seg, digest, sha in done:
             out[k][what][index] = (seg, digest, sha)
     return out
+
+
+def _codes_delta(p: _Plan, ref: np.ndarray) -> Callable[[int, int], tuple]:
+    """A quantized tensor's chunk delta in two steps for :func:`_changed_chunks`
+    (``requant_delta``: its classified changes in the chunk, its dirty blocks), ``ref`` (its
+    codes) advanced in place."""
+    assert p.src is not None and p.pos is not None and p.oc is not None and p.nc is not None
+
+    def delta(start: int, stop: int) -> tuple:
+        lo, hi = np.searchsorted(p.pos, (start, stop))
+        return kernels.requant_delta(p.code, p.src, p.rows, p.cols, start // p.cols, stop // p.cols, p.pos[lo:hi],
+                                     p.oc[lo:hi], p.nc[lo:hi], p.dirty, p.scales, ref[start:stop], DIGEST_IF_CHANGED)
+
+    return delta
 
 
 class _EncodedSource:
