@@ -158,7 +158,10 @@ DS_CLONES static void classify(batch *t, const uint16_t *ov, const uint16_t *nv,
         uint32_t oq = e4m3_finite(u32(BF16_F32(ov[i]) * mult));
         uint32_t nq = e4m3_finite(u32(BF16_F32(nv[i]) * mult));
         uint32_t top_code = e4m3_finite(u32(BF16_F32(top) * mult)) & 0x7Fu;
-        uint32_t cmax = t->floor_ok[i] ? 0x7Eu : top_code;
+        /* a select by mask, not `?:`: gcc turns that into a branch around top_code's product
+         * (which could trap), and a loop with a branch does not vectorize for AVX2 */
+        uint32_t floor_ok = 0u - (uint32_t)t->floor_ok[i];
+        uint32_t cmax = (0x7Eu & floor_ok) | (top_code & ~floor_ok);
         uint32_t dirty = (uint32_t)(mult - mult != 0.0f) | (uint32_t)((nv[i] & 0x7FFFu) > top) |
                          (uint32_t)((oq & 0x7Fu) >= cmax);
         t->oq[i] = (uint8_t)oq;
