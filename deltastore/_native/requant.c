@@ -130,20 +130,20 @@ typedef struct {
 enum { V_SAME = 0, V_CODE = 1, V_DIRTY = 2 };
 
 /* The block of each of n changes at pos[i] of a chunk starting at row `row0` (branch-free, so that
- * it vectorizes: the row by a float division, corrected by one, exact for positions below 2**32). */
+ * it vectorizes). The row is p / cols by a multiply-high with m = floor(2**32 / cols): for p below
+ * 2**32, p·m / 2**32 lies in (p/cols - 1, p/cols], so its floor is the row or one less, fixed by one
+ * compare (cheaper than a float division where the CPU has no unsigned-to-double conversion). */
 DS_CLONES static void blocks_of(batch *t, const uint32_t *pos, size_t n, int fmt, size_t start, size_t cols,
                                 size_t nbc) {
     if (fmt == FMT_MX) {
         for (size_t i = 0; i < n; i++) t->blk[i] = (uint32_t)((start + pos[i]) / MXB);
         return;
     }
-    const double inv = 1.0 / (double)cols;
+    const uint64_t m = ((uint64_t)1 << 32) / cols; /* cols >= 1: m <= 2**32, p·m < 2**64 */
     const uint32_t row0 = (uint32_t)(start / cols), c = (uint32_t)cols, nb = (uint32_t)nbc;
     for (size_t i = 0; i < n; i++) {
-        uint32_t p = pos[i], r = (uint32_t)((double)p * inv);
-        int64_t rem = (int64_t)p - (int64_t)r * c; /* the quotient rounded either way: fix it by one */
-        r -= rem < 0;
-        r += rem >= (int64_t)c;
+        uint32_t p = pos[i], r = (uint32_t)(((uint64_t)p * m) >> 32);
+        r += p - r * c >= c; /* r·c <= p: no wrap */
         t->blk[i] = ((row0 + r) / QB) * nb + (p - r * c) / QB;
     }
 }
