@@ -410,26 +410,28 @@ static int em_reserve(emitter *e, size_t more) {
     return 0;
 }
 
-/* One change at chunk element j (after every earlier one): encode.c's EMIT for 1-byte elements. */
+/* One change at chunk element j (after every earlier one): encode.c's EMIT for 1-byte elements,
+ * branch-free as it is (the escapes are data-dependent; a branch on them mispredicts). Needs room
+ * for it (em_reserve): the escape slots are written whether or not they are kept. Called on a
+ * local copy of the emitter (emit_entries), so that its fields stay in registers across the
+ * byte stores. */
 static inline void em_put(emitter *e, size_t j, uint8_t ov, uint8_t nv) {
     size_t gap = j - e->next;
     e->next = j + 1;
-    if (gap >= DS_GAP_ESCAPE) {
-        uint32_t rr = (uint32_t)(gap - DS_GAP_ESCAPE);
-        memcpy(e->rest + 4 * e->n_rest++, &rr, 4);
-        e->max_rest = rr > e->max_rest ? rr : e->max_rest;
-        e->syms[e->k] = DS_GAP_ESCAPE;
-    } else {
-        e->syms[e->k] = (uint8_t)gap;
-    }
+    int eg = gap >= DS_GAP_ESCAPE;
+    uint32_t rr = (uint32_t)(gap - DS_GAP_ESCAPE); /* kept only when eg */
+    memcpy(e->rest + 4 * e->n_rest, &rr, 4);
+    e->n_rest += (size_t)eg;
+    e->max_rest = eg && rr > e->max_rest ? rr : e->max_rest;
+    e->syms[e->k] = eg ? (uint8_t)DS_GAP_ESCAPE : (uint8_t)gap;
     uint8_t d = (uint8_t)(nv - ov);
     uint8_t zz = (uint8_t)((uint8_t)(d << 1) ^ (uint8_t)(0 - (d >> 7)));
-    uint8_t code = zz >= DS_NIBBLE_ESCAPE ? (uint8_t)DS_NIBBLE_ESCAPE : zz;
-    if (zz >= DS_NIBBLE_ESCAPE) e->esc[e->n_esc++] = zz;
-    if (e->k & 1)
-        e->codes[e->k >> 1] |= (uint8_t)(code << 4);
-    else
-        e->codes[e->k >> 1] = code;
+    int ev = zz >= DS_NIBBLE_ESCAPE;
+    e->esc[e->n_esc] = zz; /* kept only when ev */
+    e->n_esc += (size_t)ev;
+    uint8_t code = ev ? (uint8_t)DS_NIBBLE_ESCAPE : zz;
+    uint8_t *c = e->codes + (e->k >> 1);
+    *c = (e->k & 1) ? (uint8_t)(*c | (code << 4)) : code;
     e->k++;
 }
 
@@ -447,21 +449,33 @@ typedef struct {
     int out_of_step; /* an entry's old code is not the reference's */
 } walk;
 
-/* Emit entries (changed codes) before element `until`. -1: no memory or out of step. */
+/* Emit entries (changed codes) before element `until`. -1: no memory or out of step. The walk's
+ * fields are read into locals first: byte stores may alias any field the compiler would otherwise
+ * reload after each one. */
 static int emit_entries(walk *w, size_t until) {
-    size_t end = w->pi;
-    while (end < w->np && (size_t)w->pos[end] < until) end++;
-    if (end > w->pi && em_reserve(&w->em, end - w->pi) < 0) return -1;
-    for (; w->pi < end; w->pi++) {
-        size_t j = (size_t)w->pos[w->pi] - w->e0;
-        if (w->old[j] != w->oc[w->pi]) {
+    const int64_t *pos = w->pos;
+    size_t pi = w->pi, end = pi, np = w->np, e0 = w->e0;
+    while (end < np && (size_t)pos[end] < until) end++;
+    if (end == pi) return 0;
+    if (em_reserve(&w->em, end - pi) < 0) return -1;
+    emitter em = w->em;
+    uint8_t *old = w->old;
+    const uint8_t *oc = w->oc, *nc = w->nc;
+    int rc = 0;
+    for (; pi < end; pi++) {
+        size_t j = (size_t)pos[pi] - e0;
+        uint8_t ov = old[j], nv = nc[pi];
+        if (ov != oc[pi]) {
             w->out_of_step = 1;
-            return -1;
+            rc = -1;
+            break;
         }
-        em_put(&w->em, j, w->old[j], w->nc[w->pi]);
-        w->old[j] = w->nc[w->pi];
+        em_put(&em, j, ov, nv);
+        old[j] = nv;
     }
-    return 0;
+    w->em = em;
+    w->pi = pi;
+    return rc;
 }
 
 /* Requantize elements [p0, p1) of dirty block b with its new scale; entries there are skipped. */
