@@ -512,7 +512,7 @@ def _encode_chunks(plans: list[_Plan], reference: Mapping[str, torch.Tensor], sp
                     continue
                 assert spec is not None
                 ref = bits(reference[name])
-                delta = _scale_delta(ref, bits(p.scale)) if what else _codes_delta(p, ref)
+                delta = _scale_delta(ref, p.scales.view(ref.dtype)) if what else _codes_delta(p, ref)
                 for index, planes, digest in _changed_chunks(spec, ref.itemsize, delta):
                     raw.append(planes)
                     keys.append((k, what, index, digest))
