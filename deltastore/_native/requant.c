@@ -30,49 +30,6 @@ enum { FMT_FP8 = 0, FMT_MX = 1 };
 /* 1e-4 (AMAX_FLOOR_BITS) rounded up to bfloat16: a block max at or above it is its own floor. */
 #define FLOOR_BF16 ((AMAX_FLOOR_BITS + 0xFFFFu) >> 16)
 
-/* --- a kept tensor's reference ---------------------------------------------------------- */
-
-PyDoc_STRVAR(scatter_changes_doc,
-"scatter_changes(dst, width, positions, values) -> None\n\n"
-"dst[positions[i]] = values[i] for the change list encode_add(..., values=True) returned\n"
-"(positions u32, values of `width` bytes): a copy of a chunk's reference advanced the way\n"
-"encode_add advanced its own. ValueError when a position is outside `dst`.");
-
-static PyObject *py_scatter_changes(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer db, pb, vb;
-    long width;
-    if (!PyArg_ParseTuple(args, "w*ly*y*:scatter_changes", &db, &width, &pb, &vb)) return NULL;
-    PyObject *result = NULL;
-    int w = ds_check_width(width);
-    if (w < 0) goto done;
-    if (db.len % w || pb.len % 4 || vb.len != pb.len / 4 * w) {
-        PyErr_SetString(PyExc_ValueError, "scatter_changes: values do not match the positions, or bad sizes");
-        goto done;
-    }
-    {
-        uint8_t *dst = (uint8_t *)db.buf;
-        const uint8_t *vals = (const uint8_t *)vb.buf;
-        const uint32_t *pos = (const uint32_t *)pb.buf;
-        size_t n = (size_t)pb.len / 4, count = (size_t)(db.len / w), ok = 1;
-        Py_BEGIN_ALLOW_THREADS
-        for (size_t i = 0; i < n; i++) ok &= pos[i] < count;
-        if (ok)
-            for (size_t i = 0; i < n; i++) memcpy(dst + (size_t)pos[i] * (size_t)w, vals + (size_t)w * i, (size_t)w);
-        Py_END_ALLOW_THREADS
-        if (!ok) {
-            PyErr_SetString(PyExc_ValueError, "scatter_changes: a position is outside the chunk");
-            goto done;
-        }
-        result = Py_NewRef(Py_None);
-    }
-done:
-    PyBuffer_Release(&db);
-    PyBuffer_Release(&pb);
-    PyBuffer_Release(&vb);
-    return result;
-}
-
 /* --- marking dirty blocks ------------------------------------------------------------- */
 
 /* Block b's element multiplier and whether its scale is finite. */
@@ -801,7 +758,6 @@ out:
 }
 
 PyMethodDef ds_requant_methods[] = {
-    {"scatter_changes", py_scatter_changes, METH_VARARGS, scatter_changes_doc},
 #if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0
     {"requant_classify", py_requant_classify, METH_VARARGS, requant_classify_doc},
     {"requant_rescale", py_requant_rescale, METH_VARARGS, requant_rescale_doc},
