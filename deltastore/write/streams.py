@@ -329,8 +329,9 @@ class StreamWriter:
                     self._reference[n] = self._reference[n].clone()
         elif self._reference is not None:
             for n, t in built.share.items():  # equal bits: this version's chunks of it are the store's
-                self._reference[n] = t
-                self._reference_bits.pop(n, None)
+                if self._reference.get(n) is not t:  # a bit view of the tensor it holds stays valid
+                    self._reference[n] = t
+                    self._reference_bits.pop(n, None)
                 self._shared.add(n)
         self._specs, self._layout = built.specs, built.layout
         self._reference_key = None if superseded else built.sealed.key
