@@ -80,7 +80,7 @@ static Py_ssize_t n_blocks(int fmt, Py_ssize_t rows, Py_ssize_t cols) {
 typedef struct {
     uint32_t blk[BATCH], top[BATCH];
     float mult[BATCH];
-    uint8_t floor_ok[BATCH], oq[BATCH], nq[BATCH], verdict[BATCH];
+    uint8_t cmax[BATCH], oq[BATCH], nq[BATCH], verdict[BATCH];
     uint16_t hit[BATCH];
 } batch;
 
@@ -106,36 +106,34 @@ DS_CLONES static void blocks_of(batch *t, const uint32_t *pos, size_t n, int fmt
 }
 
 /* Per change: V_DIRTY when its block's scale is not finite (a NaN multiplier), its new |x| exceeds
- * the block's max, or its old code is the block's top code (`cmax`); else V_CODE when its code
- * changed. Element-wise over the batch's arrays, branch-free: it vectorizes. */
-DS_CLONES static void classify(batch *t, const uint16_t *ov, const uint16_t *nv, size_t n) {
+ * the block's max, or its old code reaches the block's top code (`cmax`); else V_CODE when its
+ * code changed. Element-wise over the batch's arrays, branch-free: it vectorizes. `top_codes`:
+ * compute each block's top code here (mxfp8: the code of its max under its scale); otherwise the
+ * batch's cmax holds it (fp8-block128: one per block, block_tables). */
+DS_CLONES static void classify(batch *t, const uint16_t *ov, const uint16_t *nv, size_t n, int top_codes) {
+    if (top_codes)
+        for (size_t i = 0; i < n; i++) t->cmax[i] = e4m3_finite(u32(BF16_F32(t->top[i]) * t->mult[i])) & 0x7Fu;
     for (size_t i = 0; i < n; i++) {
         float mult = t->mult[i];
         uint32_t top = t->top[i];
         uint32_t oq = e4m3_finite(u32(BF16_F32(ov[i]) * mult));
         uint32_t nq = e4m3_finite(u32(BF16_F32(nv[i]) * mult));
-        uint32_t top_code = e4m3_finite(u32(BF16_F32(top) * mult)) & 0x7Fu;
-        /* a select by mask, not `?:`: gcc turns that into a branch around top_code's product
-         * (which could trap), and a loop with a branch does not vectorize for AVX2 */
-        uint32_t floor_ok = 0u - (uint32_t)t->floor_ok[i];
-        uint32_t cmax = (0x7Eu & floor_ok) | (top_code & ~floor_ok);
         uint32_t dirty = (uint32_t)(mult - mult != 0.0f) | (uint32_t)((nv[i] & 0x7FFFu) > top) |
-                         (uint32_t)((oq & 0x7Fu) >= cmax);
+                         (uint32_t)((oq & 0x7Fu) >= t->cmax[i]);
         t->oq[i] = (uint8_t)oq;
         t->nq[i] = (uint8_t)nq;
         t->verdict[i] = (uint8_t)(dirty * V_DIRTY | (1u - dirty) * (uint32_t)(nq != oq));
     }
 }
 
-/* The batch's block tables: each change's block max, multiplier and (fp8-block128) whether the
- * max reaches the floor, so that its top code is 0x7E (its scale maps it to 448). One loop per
- * format, branch-free (gathers). */
-DS_CLONES static void lookup_fp8(batch *t, size_t n, const float *mults, const uint16_t *amax) {
+/* The batch's block tables: each change's block max, multiplier and (fp8-block128) top code.
+ * One loop per format, branch-free (gathers). */
+DS_CLONES static void lookup_fp8(batch *t, size_t n, const float *mults, const uint8_t *cmax, const uint16_t *amax) {
     for (size_t i = 0; i < n; i++) {
-        uint32_t b = t->blk[i], top = amax[b];
-        t->top[i] = top;
+        uint32_t b = t->blk[i];
+        t->top[i] = amax[b];
         t->mult[i] = mults[b];
-        t->floor_ok[i] = (uint8_t)(top >= FLOOR_BF16);
+        t->cmax[i] = cmax[b];
     }
 }
 
@@ -144,7 +142,6 @@ DS_CLONES static void lookup_mx(batch *t, size_t n, const uint8_t *escales, cons
         uint32_t b = t->blk[i], e = escales[b];
         t->top[i] = amax[b];
         t->mult[i] = f32(e == E8M0_NAN ? F32_NAN_BITS : (254u - e) << 23);
-        t->floor_ok[i] = 0;
     }
 }
 
@@ -160,16 +157,16 @@ DS_CLONES static void lookup_mx(batch *t, size_t n, const uint8_t *escales, cons
  * other change whose code changed to pos/oc/nc. `ps`, `ov`, `nv`: the change list (positions in
  * the chunk, old and new bfloat16 bits) of the chunk starting at element `start`. -1: no memory. */
 static int classify_chunk(int fmt, const uint32_t *ps, const uint16_t *ov, const uint16_t *nv, size_t n, size_t start,
-                          size_t cols, size_t nbc, const void *scales, const float *mults, const uint16_t *amax,
-                          uint8_t *dirty, dsbuf *pos, dsbuf *oc, dsbuf *nc, batch *t) {
+                          size_t cols, size_t nbc, const void *scales, const float *mults, const uint8_t *cmax,
+                          const uint16_t *amax, uint8_t *dirty, dsbuf *pos, dsbuf *oc, dsbuf *nc, batch *t) {
     for (size_t i0 = 0; i0 < n; i0 += BATCH) {
         size_t m = n - i0 < BATCH ? n - i0 : BATCH;
         blocks_of(t, ps + i0, m, fmt, start, cols, nbc);
         if (fmt == FMT_FP8)
-            lookup_fp8(t, m, mults, amax);
+            lookup_fp8(t, m, mults, cmax, amax);
         else
             lookup_mx(t, m, (const uint8_t *)scales, amax);
-        classify(t, ov + i0, nv + i0, m);
+        classify(t, ov + i0, nv + i0, m, fmt != FMT_FP8);
         size_t hits = 0; /* the changes with a verdict, gathered without a branch per change */
         for (size_t i = 0; i < m; i++) {
             t->hit[hits] = (uint16_t)i;
@@ -206,11 +203,14 @@ static int change_list_ok(const Py_buffer *positions, const Py_buffer *old_value
            (n == 0 || ps[n - 1] < limit);
 }
 
-/* fp8-block128: blocks [b0, b1)'s element multipliers, 1/s (NaN for a non-finite s). */
-static void block_mults(const float *scales, float *mults, size_t b0, size_t b1) {
+/* fp8-block128: blocks [b0, b1)'s element multipliers, 1/s (NaN for a non-finite s), and top
+ * codes: 0x7E where the block's max reaches the floor (its scale maps the max to 448), else the
+ * code of its max (any value where the multiplier is NaN: such a block is dirty). */
+static void block_tables(const float *scales, const uint16_t *amax, float *mults, uint8_t *cmax, size_t b0, size_t b1) {
     for (size_t b = b0; b < b1; b++) {
         float s = scales[b];
-        mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
+        float m = mults[b] = s - s == 0.0f ? 1.0f / s : f32(F32_NAN_BITS);
+        cmax[b] = amax[b] >= FLOOR_BF16 ? 0x7Eu : e4m3_finite(u32(BF16_F32(amax[b]) * m)) & 0x7Fu;
     }
 }
 
@@ -258,15 +258,16 @@ static PyObject *py_requant_classify(PyObject *self, PyObject *args) {
         dsbuf pos = {0}, oc = {0}, nc = {0};
         size_t nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
         int rc = 0;
-        /* fp8-block128: each block's element multiplier, 1/s (NaN for a non-finite s) */
-        float *mults = fmt == FMT_FP8 ? (float *)malloc(sizeof(float) * (size_t)(nb ? nb : 1)) : NULL;
+        /* fp8-block128: each block's element multiplier and top code (block_tables) */
+        float *mults = fmt == FMT_FP8 ? (float *)malloc(5 * (size_t)(nb ? nb : 1)) : NULL;
+        uint8_t *cmax = mults ? (uint8_t *)(mults + nb) : NULL;
         batch *t = (batch *)malloc(sizeof(batch));
         if ((fmt == FMT_FP8 && mults == NULL) || t == NULL) rc = -1;
         Py_BEGIN_ALLOW_THREADS
-        if (mults) block_mults((const float *)bf[3].buf, mults, 0, (size_t)nb);
+        if (mults) block_tables((const float *)bf[3].buf, (const uint16_t *)bf[4].buf, mults, cmax, 0, (size_t)nb);
         if (rc == 0)
             rc = classify_chunk(fmt, ps, (const uint16_t *)bf[1].buf, (const uint16_t *)bf[2].buf, (size_t)n,
-                                (size_t)start, (size_t)cols, nbc, bf[3].buf, mults, (const uint16_t *)bf[4].buf,
+                                (size_t)start, (size_t)cols, nbc, bf[3].buf, mults, cmax, (const uint16_t *)bf[4].buf,
                                 (uint8_t *)bf[5].buf, &pos, &oc, &nc, t);
         Py_END_ALLOW_THREADS
         free(mults);
@@ -712,7 +713,8 @@ static PyObject *py_requant_chunk(PyObject *self, PyObject *args) {
         /* the chunk's blocks: [b0, b1) */
         size_t b0 = fmt == FMT_MX ? (size_t)start / MXB : (size_t)(r0 / QB) * nbc;
         size_t b1 = fmt == FMT_MX ? (size_t)e1 / MXB : (size_t)((r1 + QB - 1) / QB) * nbc;
-        float *mults = fmt == FMT_FP8 ? (float *)malloc(sizeof(float) * (size_t)(nb ? nb : 1)) : NULL;
+        float *mults = fmt == FMT_FP8 ? (float *)malloc(5 * (size_t)(nb ? nb : 1)) : NULL;
+        uint8_t *cmax = mults ? (uint8_t *)(mults + nb) : NULL;
         batch *t = (batch *)malloc(sizeof(batch));
         XXH3_state_t *st = XXH3_createState();
         dsbuf pos = {0}, oc = {0}, nc = {0};
@@ -724,11 +726,11 @@ static PyObject *py_requant_chunk(PyObject *self, PyObject *args) {
                          dirty, bf[4].buf, (uint8_t *)bf[7].buf);
         Py_BEGIN_ALLOW_THREADS
         if (rc == 0) {
-            if (mults) block_mults((const float *)bf[4].buf, mults, b0, b1);
+            if (mults) block_tables((const float *)bf[4].buf, (const uint16_t *)bf[5].buf, mults, cmax, b0, b1);
             memset(dirty + b0, 0, b1 - b0);
             rc = classify_chunk(fmt, ps, (const uint16_t *)bf[1].buf, (const uint16_t *)bf[2].buf, (size_t)n,
-                                (size_t)start, (size_t)cols, nbc, bf[4].buf, mults, (const uint16_t *)bf[5].buf, dirty,
-                                &pos, &oc, &nc, t);
+                                (size_t)start, (size_t)cols, nbc, bf[4].buf, mults, cmax, (const uint16_t *)bf[5].buf,
+                                dirty, &pos, &oc, &nc, t);
         }
         if (rc == 0) {
             for (const uint8_t *d = dirty + b0, *end = dirty + b1; (d = (const uint8_t *)memchr(d, 1, (size_t)(end - d)));
