@@ -1,5 +1,6 @@
 /* Encode kernels: the add-sparse/1 delta in one pass (and the change list the serving streams
- * derive from), and XXH3-128 state digests. Output bytes equal the numpy path's exactly
+ * derive from, which scatter_changes applies to a copy of the reference), and XXH3-128 state
+ * digests. Output bytes equal the numpy path's exactly
  * (deltastore/codec/delta.py, full.py); tests/codec/test_native.py proves it. */
 #include "ds_native.h"
 

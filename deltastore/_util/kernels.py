@@ -57,6 +57,8 @@ NATIVE = _native is not None
 
 #: See the docstrings in deltastore/_native/encode.c.
 encode_add = getattr(_native, "encode_add", None)
+#: a change list of encode_add(values=True) applied to a copy of the reference
+scatter_changes = getattr(_native, "scatter_changes", None)
 xxh3_128_hex = getattr(_native, "xxh3_128_hex", None)
 split_planes = getattr(_native, "split_planes", None)
 add_sparse_segment = getattr(_native, "add_sparse_segment", None)
@@ -77,7 +79,6 @@ scan_tensors = getattr(_native, "scan_tensors", None)
 quantize_fp8_block128 = getattr(_native, "quantize_fp8_block128", None)
 quantize_mxfp8 = getattr(_native, "quantize_mxfp8", None)
 #: incremental requantization of serving streams (deltastore/write/requant.py; requant.c)
-scatter_changes = getattr(_native, "scatter_changes", None)
 requant_classify = getattr(_native, "requant_classify", None)
 requant_rescale = getattr(_native, "requant_rescale", None)
 requant_delta = getattr(_native, "requant_delta", None)
