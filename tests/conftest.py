@@ -57,9 +57,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,11 +118,51 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or config.getini("hypothesis_profile"))
 
 
+#: The npm-installed servers (testkit.servers.npm_install), by the fixture that starts each, and
+#: its installer.
+NPM_SERVERS = {"azurite_server": "testkit.cloud_servers:install_azurite", "s3rver_server": "testkit.servers:install_s3rver"}
+#: Background installs started at collection (joined when the session ends).
+_installs: list[threading.Thread] = []
+
+
+def _prefetch_npm_servers(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Install the npm servers the collected tests use in the background, from collection on.
+
+    A fresh machine installs each on first use (Azurite: about a minute of npm, mostly waiting on
+    the registry), which would hold that test's worker idle; started here, by one process (the
+    first xdist worker, or pytest itself), the install overlaps the tests before it. The
+    fixture that needs it waits on the install's file lock (npm_install) and reports its error,
+    if any, itself: an error here is left to it."""
+    if getattr(config, "workerinput", {}).get("workerid", "gw0") != "gw0" or shutil.which("npm") is None:
+        return
+    wanted = {name for it in items for name in NPM_SERVERS if name in getattr(it, "fixturenames", ())}
+    # cas_store_target reaches Azurite through request.getfixturevalue, which fixturenames omits
+    if any("cas_store_target" in getattr(it, "fixturenames", ()) and "azure" in it.nodeid for it in items):
+        wanted.add("azurite_server")
+    for name in sorted(wanted):
+        module, _, function = NPM_SERVERS[name].partition(":")
+
+        def install(module: str = module, function: str = function) -> None:
+            with contextlib.suppress(Exception):  # the fixture reports it
+                getattr(importlib.import_module(module), function)()
+
+        t = threading.Thread(target=install, name=f"install {name}", daemon=True)
+        t.start()
+        _installs.append(t)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for t in _installs:  # an npm install left running would leave its staging directory behind
+        t.join()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist, each worker's first share of the collection starts with its part of the
     ``slow`` tests. The work-stealing scheduler hands every worker a contiguous share at first
     and steals from the end of a queue: long tests at the front of every share start at once,
-    side by side, instead of meeting at the end of the run."""
+    side by side, instead of meeting at the end of the run. The npm servers the tests use are
+    installed in the background meanwhile (:func:`_prefetch_npm_servers`)."""
+    _prefetch_npm_servers(config, items)
     workers = getattr(config, "workerinput", {}).get("workercount")
     if not workers or workers < 2 or not items:
         return

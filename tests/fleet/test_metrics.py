@@ -117,7 +117,9 @@ def test_a_followers_stalled_polls_are_counted_and_it_keeps_its_version():
     url = f"memory://{unique_prefix()}"
     port = free_ports(1)[0]
     store = StallsWhenTold(url)
-    with Publisher(url) as pub, Subscriber(url, store=store, deadlines=Deadlines(poll=0.05)) as sub:
+    # a poll deadline that only the stalled polls pass, also on a loaded test machine (allocate's
+    # read of HEAD, before the stall, must not)
+    with Publisher(url) as pub, Subscriber(url, store=store, deadlines=Deadlines(poll=0.5)) as sub:
         pub.publish(small_state(10))
         records = sub.follow(sub.allocate(), poll=FAST, heartbeat=None, metrics_port=port)
         next(records)
