@@ -58,18 +58,18 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import shutil
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from testkit.servers import TEST_BUCKET, S3Server, ServerStartError, moto, s3rver, s3rver_cache_dir, seaweedfs
+from testkit.servers import (TEST_BUCKET, S3Server, ServerStartError, install_s3rver, moto, s3rver, s3rver_cache_dir,
+                             seaweedfs)
 from testkit.targets import StoreTarget, unique_prefix
 
 __all__ = ["PROFILES", "TEST_BUCKET", "S3Server", "StoreTarget"]
@@ -118,9 +118,6 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or config.getini("hypothesis_profile"))
 
 
-#: The npm-installed servers (testkit.servers.npm_install), by the fixture that starts each, and
-#: its installer.
-NPM_SERVERS = {"azurite_server": "testkit.cloud_servers:install_azurite", "s3rver_server": "testkit.servers:install_s3rver"}
 #: Background installs started at collection (joined when the session ends).
 _installs: list[threading.Thread] = []
 
@@ -135,16 +132,16 @@ def _prefetch_npm_servers(config: pytest.Config, items: list[pytest.Item]) -> No
     if any, itself: an error here is left to it."""
     if getattr(config, "workerinput", {}).get("workerid", "gw0") != "gw0" or shutil.which("npm") is None:
         return
-    wanted = {name for it in items for name in NPM_SERVERS if name in getattr(it, "fixturenames", ())}
+    installers = {"azurite_server": _need_azurite, "s3rver_server": install_s3rver}  # by the fixture that needs it
+    wanted = {name for it in items for name in installers if name in getattr(it, "fixturenames", ())}
     # cas_store_target reaches Azurite through request.getfixturevalue, which fixturenames omits
     if any("cas_store_target" in getattr(it, "fixturenames", ()) and "azure" in it.nodeid for it in items):
         wanted.add("azurite_server")
     for name in sorted(wanted):
-        module, _, function = NPM_SERVERS[name].partition(":")
 
-        def install(module: str = module, function: str = function) -> None:
+        def install(installer: Callable[[], object] = installers[name]) -> None:
             with contextlib.suppress(Exception):  # the fixture reports it
-                getattr(importlib.import_module(module), function)()
+                installer()
 
         t = threading.Thread(target=install, name=f"install {name}", daemon=True)
         t.start()

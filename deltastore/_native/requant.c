@@ -214,6 +214,15 @@ static void block_tables(const float *scales, const uint16_t *amax, float *mults
     }
 }
 
+/* Room for block_tables' two tables of nb blocks, in one allocation: the multipliers, then the
+ * top codes at *cmax. NULL when out of memory; free() the multipliers. */
+static float *block_tables_alloc(Py_ssize_t nb, uint8_t **cmax) {
+    size_t n = (size_t)(nb ? nb : 1);
+    float *mults = (float *)malloc(n * (sizeof(float) + sizeof(uint8_t)));
+    *cmax = mults ? (uint8_t *)(mults + n) : NULL;
+    return mults;
+}
+
 PyDoc_STRVAR(requant_classify_doc,
 "requant_classify(fmt, rows, cols, start, positions, old_values, new_values, scales, amax,\n"
 "    dirty) -> (positions, old_codes, new_codes)\n\n"
@@ -259,8 +268,8 @@ static PyObject *py_requant_classify(PyObject *self, PyObject *args) {
         size_t nbc = fmt == FMT_MX ? 0 : (size_t)((cols + QB - 1) / QB);
         int rc = 0;
         /* fp8-block128: each block's element multiplier and top code (block_tables) */
-        float *mults = fmt == FMT_FP8 ? (float *)malloc(5 * (size_t)(nb ? nb : 1)) : NULL;
-        uint8_t *cmax = mults ? (uint8_t *)(mults + nb) : NULL;
+        uint8_t *cmax = NULL;
+        float *mults = fmt == FMT_FP8 ? block_tables_alloc(nb, &cmax) : NULL;
         batch *t = (batch *)malloc(sizeof(batch));
         if ((fmt == FMT_FP8 && mults == NULL) || t == NULL) rc = -1;
         Py_BEGIN_ALLOW_THREADS
@@ -713,8 +722,8 @@ static PyObject *py_requant_chunk(PyObject *self, PyObject *args) {
         /* the chunk's blocks: [b0, b1) */
         size_t b0 = fmt == FMT_MX ? (size_t)start / MXB : (size_t)(r0 / QB) * nbc;
         size_t b1 = fmt == FMT_MX ? (size_t)e1 / MXB : (size_t)((r1 + QB - 1) / QB) * nbc;
-        float *mults = fmt == FMT_FP8 ? (float *)malloc(5 * (size_t)(nb ? nb : 1)) : NULL;
-        uint8_t *cmax = mults ? (uint8_t *)(mults + nb) : NULL;
+        uint8_t *cmax = NULL;
+        float *mults = fmt == FMT_FP8 ? block_tables_alloc(nb, &cmax) : NULL;
         batch *t = (batch *)malloc(sizeof(batch));
         XXH3_state_t *st = XXH3_createState();
         dsbuf pos = {0}, oc = {0}, nc = {0};
